@@ -1,0 +1,175 @@
+"""Atomic, durable writes of files and directories.
+
+A reader must never see a half-written file under its final name, and a crash
+must never destroy the previous good copy. Every save in fastckpt therefore:
+
+1. writes to a temporary name in the *same* directory
+   (``.<name>.<pid>.<random>.partial``), so that the rename below stays on one
+   filesystem;
+2. flushes and ``fsync``\\ s the temporary file (or every file of a temporary
+   directory);
+3. ``os.replace``\\ s it onto the final name (atomic on POSIX);
+4. ``fsync``\\ s the parent directory, so that the rename itself is durable.
+
+On any exception the temporary is removed and the final name is untouched.
+A temporary left behind by a process that died (``kill -9``, power loss) is
+removed by the next save of the same target, but only when the process that
+made it is gone, so two live writers never delete each other's work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import IO, Iterator
+
+__all__ = ["atomic_write", "atomic_directory", "fsync_directory", "remove_stale_partials"]
+
+_SUFFIX = ".partial"
+
+
+def _partial_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_SUFFIX}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_partials(final: str | os.PathLike) -> list[Path]:
+    """Remove temporaries of ``final`` left by writers that no longer run.
+
+    Returns the paths removed. Temporaries of this process, or of any live
+    process, are kept.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> (d / ".w.bin.999999999.ab12cd34.partial").write_bytes(b"half")
+    4
+    >>> [p.name for p in remove_stale_partials(d / "w.bin")]
+    ['.w.bin.999999999.ab12cd34.partial']
+    """
+    final = Path(final)
+    removed = []
+    parent = final.parent if str(final.parent) else Path(".")
+    if not parent.is_dir():
+        return removed
+    prefix = f".{final.name}."
+    for entry in parent.iterdir():
+        name = entry.name
+        if not (name.startswith(prefix) and name.endswith(_SUFFIX)):
+            continue
+        middle = name[len(prefix) : -len(_SUFFIX)].split(".")
+        if len(middle) != 2 or not middle[0].isdigit():
+            continue
+        if _pid_alive(int(middle[0])):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+        removed.append(entry)
+    return removed
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """``fsync`` a directory so that renames and creations inside it are durable."""
+    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[bytes]]:
+    """Open a temporary file that replaces ``path`` atomically when the block succeeds.
+
+    ``fsync=False`` skips both fsyncs (faster, still atomic against readers, not
+    durable against power loss). Parent directories are created.
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "out.bin"
+    >>> with atomic_write(target) as f:
+    ...     _ = f.write(b"payload")
+    >>> target.read_bytes()
+    b'payload'
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(final)
+    tmp = _partial_name(final)
+    f = open(tmp, "xb")
+    try:
+        yield f
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, final)
+    except BaseException:
+        f.close()
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    if fsync:
+        fsync_directory(final.parent)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that becomes ``path`` when the block succeeds.
+
+    Everything written inside is fsynced before the rename. An existing ``path``
+    is an error unless ``overwrite=True`` (then the old directory is replaced
+    after the new one is complete).
+
+    >>> import tempfile, pathlib
+    >>> target = pathlib.Path(tempfile.mkdtemp()) / "step-1"
+    >>> with atomic_directory(target) as tmp:
+    ...     _ = (tmp / "a.txt").write_text("x")
+    >>> sorted(p.name for p in target.iterdir())
+    ['a.txt']
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(final)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final}: already exists; pass overwrite=True to replace it")
+    tmp = _partial_name(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if fsync:
+            for root, _dirs, files in os.walk(tmp):
+                for name in files:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                fsync_directory(root)
+        old = None
+        if final.exists():
+            old = _partial_name(final)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if fsync:
+        fsync_directory(final.parent)

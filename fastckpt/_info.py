@@ -1,0 +1,55 @@
+"""What a reader knows about one stored tensor, whatever the file format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["TensorInfo"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor in a file: its name, type, shape and where its bytes are.
+
+    ``offset`` is the absolute byte offset of the payload in the file and
+    ``nbytes`` its stored length (the compressed length for a DEFLATE member).
+
+    >>> import numpy as np
+    >>> info = TensorInfo("w", np.dtype("<f4"), (2, 3), offset=4096, nbytes=24)
+    >>> info.alignment, info.zero_copy
+    (4096, True)
+    """
+
+    name: str
+    dtype: np.dtype
+    shape: tuple
+    offset: int
+    nbytes: int
+    fortran_order: bool = False
+    compression: str | None = None  # None (stored as is) or "deflate"
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when the payload can be viewed in place (not compressed)."""
+        return self.compression is None
+
+    @property
+    def alignment(self) -> int:
+        """Largest power of two (up to 4096) that divides the payload offset."""
+        if self.offset == 0:
+            return 4096
+        return min(self.offset & -self.offset, 4096)
+
+    def aligned(self, boundary: int) -> bool:
+        """True when the payload offset is a multiple of ``boundary``."""
+        return self.offset % boundary == 0

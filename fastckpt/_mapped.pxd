@@ -1,0 +1,25 @@
+# Declarations shared by the Cython parsers: they read a file through
+# MappedFile.span(), which bounds-checks every request.
+from libc.stdint cimport uint8_t
+
+
+cdef class _Block:
+    cdef uint8_t* ptr
+    cdef Py_ssize_t size
+    cdef bint is_mmap
+    cdef bint writable
+
+
+cdef class MappedFile:
+    cdef readonly object path
+    cdef readonly str backend
+    cdef readonly bint copy_on_write
+    cdef readonly Py_ssize_t size
+    cdef _Block _block
+    cdef int _fd
+    cdef uint8_t* _scratch
+    cdef Py_ssize_t _scratch_cap
+    cdef bint _closed
+    cdef int _check(self, Py_ssize_t offset, Py_ssize_t length, object what) except -1
+    cdef int _pread_into(self, uint8_t* dst, Py_ssize_t offset, Py_ssize_t length, object what) except -1
+    cdef const uint8_t* span(self, Py_ssize_t offset, Py_ssize_t length, object what) except NULL

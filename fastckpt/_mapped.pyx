@@ -1,0 +1,358 @@
+"""A file mapped into memory, handing out zero-copy views of its bytes.
+
+``MappedFile(path)`` maps the whole file read-only (``copy_on_write=True``:
+private and writable, the file itself never changes) and advises the kernel
+that it will be read sequentially and soon. ``view(offset, length)`` returns a
+``memoryview`` and ``array(offset, dtype, shape)`` a numpy array over the
+mapped bytes; neither copies, and each keeps the mapping alive by itself.
+
+Lifetime rules (the same discipline as h5py's handles):
+
+- ``close()`` is idempotent. Views made before it stay valid: the mapping is
+  unmapped only when the last view is gone (each view holds a reference to the
+  block that owns the mapping, and the block unmaps in ``__dealloc__``, which
+  needs no Python and so is safe at interpreter shutdown).
+- The mapping pins the file's inode. A file *replaced* on disk (written to a
+  temporary and renamed, as every fastckpt writer does) leaves existing views
+  untouched. Truncating a mapped file in place is undefined (the kernel sends
+  SIGBUS on access past the new end); fastckpt never does it.
+
+``backend="pread"`` serves filesystems that cannot map (some network and FUSE
+filesystems): the same API, but each ``view()`` reads its bytes into a fresh
+page-aligned buffer, so views are copies.
+
+Every read goes through ``span()``, which checks ``0 <= offset`` and
+``offset + length <= size`` with overflow-safe arithmetic and raises
+:class:`fastckpt.errors.FormatError` naming the file, what was being read,
+the byte range and the file size.
+"""
+
+from cpython.buffer cimport PyBUF_WRITABLE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.errno cimport EINTR, errno
+from libc.stdint cimport uint8_t, uintptr_t
+from libc.stdlib cimport free
+from libc.string cimport strerror
+
+import os
+
+import numpy as np
+
+from fastckpt.errors import FormatError
+
+
+cdef extern from "<sys/mman.h>" nogil:
+    void* mmap(void* addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void* addr, size_t length)
+    int madvise(void* addr, size_t length, int advice)
+    void* MAP_FAILED
+    int PROT_READ
+    int PROT_WRITE
+    int MAP_SHARED
+    int MAP_PRIVATE
+    int MAP_POPULATE
+    int MADV_NORMAL
+    int MADV_SEQUENTIAL
+    int MADV_RANDOM
+    int MADV_WILLNEED
+    int MADV_DONTNEED
+
+cdef extern from "<stdlib.h>" nogil:
+    int posix_memalign(void** memptr, size_t alignment, size_t size)
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t pread(int fd, void* buf, size_t count, long offset)
+    int close(int fd)
+    long sysconf(int name)
+    int _SC_PAGESIZE
+
+cdef extern from "<fcntl.h>" nogil:
+    int O_RDONLY
+    int O_CLOEXEC
+
+
+cdef uint8_t _EMPTY[1]
+
+_ADVICE = {
+    "normal": MADV_NORMAL,
+    "sequential": MADV_SEQUENTIAL,
+    "random": MADV_RANDOM,
+    "willneed": MADV_WILLNEED,
+    "dontneed": MADV_DONTNEED,
+}
+
+PAGE_SIZE = int(sysconf(_SC_PAGESIZE))
+
+
+cdef class _Block:
+    """Owns one region of memory (a mapping or an aligned allocation) and exports it as a buffer."""
+
+    def __cinit__(self):
+        self.ptr = NULL
+        self.size = 0
+        self.is_mmap = False
+        self.writable = False
+
+    def __dealloc__(self):
+        # No Python here: this may run at interpreter shutdown.
+        if self.ptr != NULL:
+            if self.is_mmap:
+                munmap(self.ptr, <size_t>self.size)
+            else:
+                free(self.ptr)
+            self.ptr = NULL
+
+    def __getbuffer__(self, Py_buffer* buf, int flags):
+        if (flags & PyBUF_WRITABLE) and not self.writable:
+            raise BufferError("the mapping is read-only; open the file with copy_on_write=True for a writable private view")
+        buf.buf = <void*>(self.ptr if self.ptr != NULL else _EMPTY)
+        buf.obj = self
+        buf.len = self.size
+        buf.readonly = 0 if self.writable else 1
+        buf.itemsize = 1
+        buf.format = "B"
+        buf.ndim = 1
+        buf.shape = &self.size
+        buf.strides = NULL
+        buf.suboffsets = NULL
+        buf.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* buf):
+        pass
+
+
+cdef _Block _aligned_block(Py_ssize_t size):
+    cdef _Block block = _Block()
+    cdef void* p = NULL
+    if size > 0:
+        if posix_memalign(&p, 4096, <size_t>size) != 0:
+            raise MemoryError(f"could not allocate {size} bytes")
+        block.ptr = <uint8_t*>p
+        block.size = size
+    block.writable = True
+    return block
+
+
+cdef class MappedFile:
+    """A read-only (or copy-on-write) memory map of a whole file.
+
+    >>> import tempfile, os
+    >>> fd, p = tempfile.mkstemp(); os.write(fd, b"hello world"); os.close(fd)
+    11
+    >>> with MappedFile(p) as m:
+    ...     bytes(m.view(6, 5))
+    b'world'
+    """
+
+    def __cinit__(self):
+        self._fd = -1
+        self._scratch = NULL
+        self._scratch_cap = 0
+        self._closed = True
+
+    def __init__(self, path, *, backend="mmap", copy_on_write=False, advise=True, populate=False):
+        cdef int fd
+        cdef int prot
+        cdef int mflags
+        cdef void* p
+        if backend not in ("mmap", "pread"):
+            raise ValueError(f"backend must be 'mmap' or 'pread', got {backend!r}")
+        self.path = os.fspath(path)
+        self.backend = backend
+        self.copy_on_write = bool(copy_on_write)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)  # OSError keeps its errno
+        try:
+            st = os.fstat(fd)
+            self.size = st.st_size
+            if backend == "pread":
+                self._fd = fd
+                fd = -1
+            else:
+                self._block = _Block()
+                self._block.writable = self.copy_on_write
+                self._block.is_mmap = True
+                if self.size > 0:
+                    prot = PROT_READ | (PROT_WRITE if self.copy_on_write else 0)
+                    mflags = MAP_PRIVATE | (MAP_POPULATE if populate else 0)
+                    with nogil:
+                        p = mmap(NULL, <size_t>self.size, prot, mflags, fd, 0)
+                    if p == MAP_FAILED:
+                        e = errno
+                        raise OSError(e, f"cannot map {self.path!r} ({strerror(e).decode()}); "
+                                         "open it with backend='pread' on filesystems that cannot mmap", self.path)
+                    self._block.ptr = <uint8_t*>p
+                    self._block.size = self.size
+                    if advise:
+                        madvise(p, <size_t>self.size, MADV_SEQUENTIAL)
+                        madvise(p, <size_t>self.size, MADV_WILLNEED)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        self._closed = False
+
+    def __dealloc__(self):
+        if self._fd >= 0:
+            close(self._fd)
+            self._fd = -1
+        if self._scratch != NULL:
+            PyMem_Free(self._scratch)
+            self._scratch = NULL
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def close(self):
+        """Release this handle. Idempotent; views already handed out stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        self._block = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._scratch != NULL:
+            PyMem_Free(self._scratch)
+            self._scratch = NULL
+            self._scratch_cap = 0
+
+    @property
+    def closed(self):
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    @property
+    def valid(self):
+        """True while the handle is open."""
+        return not self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        if self._closed:
+            return "<Closed MappedFile>"
+        return f"<MappedFile {self.path!r} size={self.size} backend={self.backend!r}{' copy_on_write' if self.copy_on_write else ''}>"
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    cdef int _check(self, Py_ssize_t offset, Py_ssize_t length, object what) except -1:
+        if self._closed:
+            raise ValueError(f"{self.path!r}: the mapped file is closed")
+        if offset < 0 or length < 0 or offset > self.size or length > self.size - offset:
+            end = offset + length
+            raise FormatError(
+                f"{self.path}: {what} needs bytes [{offset}, {end}) but the file has {self.size} bytes "
+                f"(expected {length} bytes at offset {offset}, got {max(0, min(self.size - offset, length))}; "
+                "file seems truncated?)")
+        return 0
+
+    cdef const uint8_t* span(self, Py_ssize_t offset, Py_ssize_t length, object what) except NULL:
+        """Pointer to ``length`` checked bytes at ``offset``; valid until the next span() call (pread)."""
+        cdef void* grown
+        self._check(offset, length, what)
+        if length == 0:
+            return _EMPTY
+        if self._block is not None:
+            return self._block.ptr + offset
+        if length > self._scratch_cap:
+            grown = PyMem_Malloc(<size_t>length)
+            if grown == NULL:
+                raise MemoryError(f"could not allocate {length} bytes")
+            if self._scratch != NULL:
+                PyMem_Free(self._scratch)
+            self._scratch = <uint8_t*>grown
+            self._scratch_cap = length
+        self._pread_into(self._scratch, offset, length, what)
+        return self._scratch
+
+    cdef int _pread_into(self, uint8_t* dst, Py_ssize_t offset, Py_ssize_t length, object what) except -1:
+        cdef ssize_t got
+        cdef Py_ssize_t done = 0
+        cdef int fd = self._fd
+        while done < length:
+            with nogil:
+                got = pread(fd, dst + done, <size_t>(length - done), offset + done)
+            if got < 0:
+                if errno == EINTR:
+                    continue
+                e = errno
+                raise OSError(e, f"{self.path}: reading {what} at offset {offset + done}: {strerror(e).decode()}", self.path)
+            if got == 0:
+                raise FormatError(f"{self.path}: {what}: expected {length} bytes at offset {offset}, got {done} "
+                                  "(the file shrank while open?)")
+            done += got
+        return 0
+
+    def read(self, Py_ssize_t offset, Py_ssize_t length, what="bytes"):
+        """Copy ``length`` bytes at ``offset`` into a new ``bytes`` object."""
+        cdef const uint8_t* p = self.span(offset, length, what)
+        return (<const char*>p)[:length]
+
+    def view(self, Py_ssize_t offset=0, length=None, what="bytes"):
+        """A ``memoryview`` of ``length`` bytes at ``offset`` (to the end when ``length`` is None).
+
+        Zero-copy for ``backend="mmap"``; read-only unless the file was opened with
+        ``copy_on_write=True``. The view keeps the mapping alive after :meth:`close`.
+        """
+        cdef Py_ssize_t n
+        cdef _Block block
+        if length is None:
+            if self._closed:
+                raise ValueError(f"{self.path!r}: the mapped file is closed")
+            n = self.size - offset
+        else:
+            n = length
+        self._check(offset, n, what)
+        if self._block is not None:
+            return memoryview(self._block)[offset:offset + n]
+        block = _aligned_block(n)
+        block.writable = self.copy_on_write
+        if n:
+            self._pread_into(block.ptr, offset, n, what)
+        return memoryview(block)
+
+    def array(self, Py_ssize_t offset, dtype, shape, order="C", what="tensor"):
+        """A numpy array of ``dtype`` and ``shape`` over the bytes at ``offset`` (zero-copy for mmap).
+
+        ``order="F"`` interprets the bytes in Fortran (column-major) order. The array
+        is read-only unless the file was opened copy-on-write, and may be unaligned
+        (numpy handles that; ``arr.flags.aligned`` says so).
+        """
+        dt = np.dtype(dtype)
+        shp = tuple(int(s) for s in shape)
+        count = 1
+        for s in shp:
+            if s < 0:
+                raise FormatError(f"{self.path}: {what}: negative dimension in shape {shp}")
+            count *= s
+        nbytes = count * dt.itemsize
+        buf = self.view(offset, nbytes, what)
+        arr = np.frombuffer(buf, dtype=dt, count=count)
+        if order == "F":
+            return arr.reshape(shp, order="F")
+        return arr.reshape(shp)
+
+    def advise(self, kind, Py_ssize_t offset=0, length=None):
+        """Pass ``madvise`` advice (``"sequential"``, ``"willneed"``, ``"random"``, ``"dontneed"``, ``"normal"``)
+        for a byte range. A no-op for the pread backend."""
+        cdef Py_ssize_t start
+        cdef Py_ssize_t n
+        if kind not in _ADVICE:
+            raise ValueError(f"advice must be one of {sorted(_ADVICE)}, got {kind!r}")
+        n = self.size - offset if length is None else length
+        self._check(offset, n, "advice range")
+        if self._block is None or n == 0:
+            return
+        start = offset - (offset % PAGE_SIZE)
+        if madvise(self._block.ptr + start, <size_t>(n + offset - start), _ADVICE[kind]) != 0:
+            e = errno
+            raise OSError(e, f"madvise({kind}) failed: {strerror(e).decode()}")
+
+    @property
+    def address(self):
+        """Base address of the mapping (for alignment checks), or None for the pread backend or an empty file."""
+        if self._closed or self._block is None or self._block.ptr == NULL:
+            return None
+        return <uintptr_t>self._block.ptr

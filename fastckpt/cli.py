@@ -1,0 +1,47 @@
+"""The ``fastckpt`` command: one sub-command per module, imported only when run.
+
+Each module named in ``COMMANDS`` provides ``configure(parser)`` (add its
+arguments) and ``run(args) -> int`` (the exit status).
+
+>>> main(["--version"])  # doctest: +SKIP
+fastckpt 0.1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command -> (module, one-line help)
+COMMANDS = {
+    "demo": ("fastckpt.demo", "save and load a small model on the default device, with timings"),
+    "inspect": ("fastckpt.inspect", "list a file's tensors, dtypes, shapes, offsets, alignment and metadata"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastckpt import __version__
+
+    parser = argparse.ArgumentParser(prog="fastckpt", description="Fast, exact checkpoints.")
+    parser.add_argument("--version", action="version", version=f"fastckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).configure(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``fastckpt`` command line with ``argv`` (default: ``sys.argv[1:]``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The exceptions and warnings fastckpt raises.
+
+Every error derives from :class:`FastCkptError`, and each also derives from the
+built-in exception it means, so callers can catch ``ValueError``,
+``KeyError`` or ``FileNotFoundError`` as they would anywhere else:
+
+>>> from fastckpt.errors import FormatError
+>>> issubclass(FormatError, ValueError)
+True
+
+Operating-system failures are not wrapped: an ``OSError`` keeps its ``errno``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FastCkptError",
+    "FormatError",
+    "TensorNotFoundError",
+    "CheckpointNotFoundError",
+    "IntegrityError",
+    "FastCkptWarning",
+    "NotZeroCopyWarning",
+]
+
+
+class FastCkptError(Exception):
+    """Base class of every error fastckpt raises on purpose."""
+
+
+class FormatError(FastCkptError, ValueError):
+    """A file's bytes do not follow its format.
+
+    The message names the file, the member or tensor, the byte offset where it
+    matters, and what was expected against what was found.
+    """
+
+
+class TensorNotFoundError(FastCkptError, KeyError):
+    """A tensor name that the file does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
+    """No file or checkpoint exists at the path given (or at any fallback path)."""
+
+
+class IntegrityError(FastCkptError, ValueError):
+    """Stored bytes fail their checksum or hash: the file was changed or damaged."""
+
+
+class FastCkptWarning(UserWarning):
+    """Base class of fastckpt's warnings."""
+
+
+class NotZeroCopyWarning(FastCkptWarning):
+    """A tensor could not take the zero-copy path (compressed, misaligned, ...) and was copied."""

@@ -1,0 +1,65 @@
+"""Atomic writes: nothing half-written under the final name, leftovers of dead writers removed."""
+
+import os
+
+import pytest
+
+from fastckpt._atomic import atomic_directory, atomic_write, remove_stale_partials
+
+
+def test_atomic_write_replaces_only_on_success(tmp_path):
+    target = tmp_path / "sub" / "f.bin"
+    with atomic_write(target) as f:
+        f.write(b"one")
+    assert target.read_bytes() == b"one"
+    with pytest.raises(RuntimeError):
+        with atomic_write(target) as f:
+            f.write(b"two, half written")
+            raise RuntimeError("boom")
+    assert target.read_bytes() == b"one"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["f.bin"]
+
+
+def test_failed_rename_leaves_previous_file_and_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+
+    def broken_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        with atomic_write(target) as f:
+            f.write(b"new")
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_stale_partials_of_dead_writers_are_removed_live_ones_kept(tmp_path):
+    target = tmp_path / "f.bin"
+    dead = tmp_path / ".f.bin.999999999.00000000.partial"
+    live = tmp_path / f".f.bin.{os.getpid()}.11111111.partial"
+    other = tmp_path / ".g.bin.999999999.00000000.partial"
+    for p in (dead, live, other):
+        p.write_bytes(b"x")
+    assert remove_stale_partials(target) == [dead]
+    assert live.exists() and other.exists() and not dead.exists()
+
+
+def test_atomic_directory_appears_whole(tmp_path):
+    target = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target) as d:
+            (d / "a").write_bytes(b"1")
+            raise RuntimeError("interrupted")
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+    with atomic_directory(target) as d:
+        (d / "a").write_bytes(b"1")
+    assert (target / "a").read_bytes() == b"1"
+    with pytest.raises(FileExistsError):
+        with atomic_directory(target):
+            pass
+    with atomic_directory(target, overwrite=True) as d:
+        (d / "b").write_bytes(b"2")
+    assert sorted(p.name for p in target.iterdir()) == ["b"]

@@ -1,0 +1,121 @@
+"""MappedFile: zero-copy views, lifetime rules, bounds checks, both backends."""
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from fastckpt import FormatError
+from fastckpt._mapped import MappedFile
+
+BACKENDS = ["mmap", "pread"]
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.arange(256, dtype=np.uint8).tobytes())
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_view_and_read_return_exact_bytes(data_file, backend):
+    with MappedFile(data_file, backend=backend) as m:
+        assert m.size == 256
+        assert bytes(m.view(10, 5)) == bytes(range(10, 15))
+        assert m.read(250, 6) == bytes(range(250, 256))
+        assert bytes(m.view(200)) == bytes(range(200, 256))
+        assert bytes(m.view(256, 0)) == b""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset,length", [(-1, 1), (0, 257), (256, 1), (255, 2), (2**62, 2**62)])
+def test_out_of_range_raises_format_error_naming_file_and_range(data_file, backend, offset, length):
+    with MappedFile(data_file, backend=backend) as m:
+        with pytest.raises(FormatError, match=r"data\.bin.*file has 256 bytes"):
+            m.view(offset, length)
+
+
+def test_mmap_views_are_zero_copy_and_read_only(data_file):
+    m = MappedFile(data_file)
+    a = m.array(0, np.uint8, (256,))
+    b = m.array(0, np.uint8, (256,))
+    assert np.shares_memory(a, b)
+    assert not a.flags.writeable
+    with pytest.raises(ValueError):
+        a[0] = 1
+    assert m.address is not None and m.address % 4096 == 0
+
+
+def test_views_outlive_close_and_handle(data_file):
+    m = MappedFile(data_file)
+    arr = m.array(4, "<u4", (2, 2))
+    view = m.view(0, 4)
+    m.close()
+    m.close()  # idempotent
+    assert m.closed and not m.valid
+    assert repr(m) == "<Closed MappedFile>"
+    del m
+    gc.collect()
+    expected = np.frombuffer(bytes(range(4, 20)), "<u4").reshape(2, 2)
+    assert np.array_equal(arr, expected)
+    assert bytes(view) == b"\x00\x01\x02\x03"
+
+
+def test_closed_handle_refuses_new_views(data_file):
+    m = MappedFile(data_file)
+    m.close()
+    with pytest.raises(ValueError, match="closed"):
+        m.view(0, 1)
+
+
+def test_copy_on_write_never_touches_the_file(data_file):
+    m = MappedFile(data_file, copy_on_write=True)
+    a = m.array(0, np.uint8, (256,))
+    a[:] = 7
+    assert np.all(m.array(0, np.uint8, (256,)) == 7)
+    assert data_file.read_bytes() == bytes(range(256))
+
+
+def test_fortran_order_and_zero_d(data_file):
+    m = MappedFile(data_file)
+    f = m.array(0, np.uint8, (2, 3), order="F")
+    assert np.array_equal(f, np.arange(6, dtype=np.uint8).reshape((2, 3), order="F"))
+    assert m.array(7, np.uint8, ()).item() == 7
+
+
+def test_replaced_file_keeps_old_bytes_in_existing_views(data_file, tmp_path):
+    m = MappedFile(data_file)
+    arr = m.array(0, np.uint8, (256,))
+    replacement = tmp_path / "new.bin"
+    replacement.write_bytes(b"\xff" * 256)
+    os.replace(replacement, data_file)
+    assert np.array_equal(arr, np.arange(256, dtype=np.uint8))
+    assert MappedFile(data_file).read(0, 1) == b"\xff"
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "empty"
+    p.write_bytes(b"")
+    for backend in BACKENDS:
+        with MappedFile(p, backend=backend) as m:
+            assert m.size == 0 and bytes(m.view()) == b""
+
+
+def test_missing_file_keeps_errno(tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        MappedFile(tmp_path / "nope")
+    assert info.value.errno == 2
+
+
+def test_bad_backend_is_rejected(data_file):
+    with pytest.raises(ValueError, match="backend"):
+        MappedFile(data_file, backend="magic")
+
+
+def test_advice_accepts_known_kinds(data_file):
+    with MappedFile(data_file) as m:
+        m.advise("willneed", 10, 20)
+        with pytest.raises(ValueError, match="advice"):
+            m.advise("fast")
