@@ -1,0 +1,97 @@
+"""``fastckpt inspect FILE``: what a tensor file holds, for people (a table) or machines (``--json``).
+
+Shows the format, each tensor's dtype, shape, byte offset, size and alignment,
+and the file's metadata. TensorFlow checkpoints (a prefix or a directory) are
+described by :mod:`fastckpt.tf` when that module is available.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+__all__ = ["describe", "configure", "run"]
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """A JSON-safe description of a tensor file.
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+    >>> fastckpt.save_safetensors(p, {"w": np.zeros(3, np.float32)})
+    >>> d = describe(p)
+    >>> d["format"], d["tensors"][0]["name"], d["tensors"][0]["offset"] % 4096
+    ('safetensors', 'w', 0)
+    """
+    path = os.fspath(path)
+    tf_describe = _tf_describer(path)
+    if tf_describe is not None:
+        return tf_describe(path)
+    import fastckpt
+
+    with fastckpt.open(path) as f:
+        start, end = f.data_region
+        return {
+            "path": path,
+            "format": f.format,
+            "file_bytes": f.mapped.size,
+            "data_region": [start, end],
+            "metadata": f.metadata,
+            "tensors": [
+                {
+                    "name": i.name,
+                    "dtype": str(i.dtype),
+                    "shape": list(i.shape),
+                    "offset": i.offset,
+                    "nbytes": i.nbytes,
+                    "alignment": i.alignment,
+                    "fortran_order": i.fortran_order,
+                    "compression": i.compression,
+                }
+                for i in f.infos.values()
+            ],
+        }
+
+
+def _tf_describer(path: str):
+    """``fastckpt.tf.describe`` when ``path`` is a TensorFlow checkpoint, else None."""
+    try:
+        from fastckpt import tf
+    except ImportError:
+        return None
+    is_tf = getattr(tf, "is_tf_checkpoint", None)
+    if is_tf is not None and is_tf(path):
+        return tf.describe
+    return None
+
+
+def _format_table(d: dict) -> str:
+    lines = [f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors"]
+    if d.get("metadata"):
+        lines.append("metadata: " + json.dumps(d["metadata"], ensure_ascii=False))
+    rows = [("name", "dtype", "shape", "offset", "nbytes", "align")]
+    for t in d["tensors"]:
+        rows.append((t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", str(t.get("offset", "")),
+                     str(t.get("nbytes", "")), str(t.get("alignment", ""))))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def configure(parser) -> None:
+    parser.add_argument("file", help="an NPZ/.netcl or safetensors file, or a TensorFlow checkpoint prefix/directory")
+    parser.add_argument("--json", action="store_true", help="print JSON for machines")
+
+
+def run(args) -> int:
+    from fastckpt.errors import FastCkptError
+
+    try:
+        d = describe(args.file)
+    except (FastCkptError, OSError) as exc:
+        print(f"fastckpt inspect: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(d, indent=2, ensure_ascii=False) if args.json else _format_table(d))
+    return 0
