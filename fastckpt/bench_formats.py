@@ -1,0 +1,155 @@
+"""Host-side format benchmark: open + views, and saves, against the usual baselines, in one process.
+
+``python -m fastckpt.bench_formats`` (or ``fastckpt bench --suite formats``)
+builds its fixtures in a temporary directory (page cache warm, as in serving)
+and prints median times and ratios as markdown tables for
+
+* (a) 512 MiB in 64 float32 tensors and (b) 1000 float32 tensors of 4 KiB;
+* opening a file and producing a host array of every tensor: fastckpt (NPZ and
+  safetensors files), ``np.load`` of the NPZ, ``safetensors.safe_open(framework="numpy")``;
+* saving: fastckpt (NPZ, safetensors; with and without fsync) against a raw
+  sequential write of the same bytes (with and without fsync) and
+  ``safetensors.numpy.save_file``.
+
+Numbers vary from machine to machine; the ratios are what the targets speak of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["main", "median_time", "markdown_table"]
+
+CASES = {"a": ("512 MiB in 64 tensors", 64, 2**21), "b": ("1000 tensors of 4 KiB", 1000, 1024)}
+QUICK = {"a": ("8 MiB in 64 tensors", 64, 2**15), "b": ("100 tensors of 4 KiB", 100, 1024)}
+
+
+def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def markdown_table(title: str, rows: list[tuple[str, float]], base: str) -> str:
+    """Rows of (label, seconds) as a markdown table with a ratio column against row ``base``."""
+    ref = dict(rows)[base]
+    out = [f"### {title}", "", "| path | median | vs. " + base + " |", "|---|---:|---:|"]
+    for label, t in rows:
+        out.append(f"| {label} | {_fmt(t)} | {t / ref:.2f}x |")
+    return "\n".join(out)
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def _tensors(n: int, elems: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {f"t{i:04d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
+
+
+def _raw_write(path: str, tensors: dict[str, np.ndarray], fsync: bool) -> None:
+    with open(path, "wb") as f:
+        for a in tensors.values():
+            f.write(memoryview(a).cast("B"))
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def bench_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> str:
+    import fastckpt
+
+    tensors = _tensors(n, elems)
+    st_path = os.path.join(tmp, "m.safetensors")
+    npz_path = os.path.join(tmp, "m.npz")
+    fastckpt.save_safetensors(st_path, tensors)
+    fastckpt.save_npz(npz_path, tensors)
+
+    def open_fastckpt(path):
+        def run():
+            with fastckpt.open(path) as f:
+                return [f.host(k) for k in f]
+        return run
+
+    def open_npload():
+        with np.load(npz_path, allow_pickle=False) as z:
+            return [z[k] for k in z.files]
+
+    rows = [
+        ("fastckpt.open (safetensors) + host views", median_time(open_fastckpt(st_path), repeat)),
+        ("fastckpt.open (npz) + host views", median_time(open_fastckpt(npz_path), repeat)),
+        ("np.load(npz) + every member", median_time(open_npload, repeat)),
+    ]
+    try:
+        from safetensors import safe_open
+        from safetensors.numpy import save_file
+    except ImportError:  # optional baseline
+        safe_open = save_file = None
+    if safe_open is not None:
+        def open_safetensors():
+            with safe_open(st_path, framework="numpy") as f:
+                return [f.get_tensor(k) for k in f.keys()]
+        rows.append(("safetensors.safe_open(numpy) + get_tensor", median_time(open_safetensors, repeat)))
+    out = [markdown_table(f"open + host arrays: {label}", rows, "np.load(npz) + every member")]
+
+    raw_path = os.path.join(tmp, "raw.bin")
+    save_rows = [
+        ("raw sequential write", median_time(lambda: _raw_write(raw_path, tensors, False), repeat)),
+        ("raw sequential write + fsync", median_time(lambda: _raw_write(raw_path, tensors, True), repeat)),
+        ("fastckpt.save_safetensors, no fsync", median_time(lambda: fastckpt.save_safetensors(st_path, tensors, fsync=False), repeat)),
+        ("fastckpt.save_safetensors (atomic, fsync)", median_time(lambda: fastckpt.save_safetensors(st_path, tensors), repeat)),
+        ("fastckpt.save_npz, no fsync", median_time(lambda: fastckpt.save_npz(npz_path, tensors, fsync=False), repeat)),
+        ("fastckpt.save_npz (atomic, fsync)", median_time(lambda: fastckpt.save_npz(npz_path, tensors), repeat)),
+    ]
+    if save_file is not None:
+        save_rows.append(("safetensors.numpy.save_file", median_time(lambda: save_file(tensors, st_path + ".ref"), repeat)))
+    out.append(markdown_table(f"save: {label}", save_rows, "raw sequential write"))
+    return "\n\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the format benchmark and print markdown tables.
+
+    >>> main(["--quick", "--repeat", "1"])  # doctest: +SKIP
+    """
+    parser = argparse.ArgumentParser(prog="python -m fastckpt.bench_formats", description=__doc__.splitlines()[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+def configure(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke tests)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed runs per path (median is reported)")
+    parser.add_argument("--case", choices=sorted(CASES), action="append", help="run only this case (repeatable)")
+    parser.add_argument("--dir", default=None, help="where to write fixtures (default: a temporary directory)")
+
+
+def run(args) -> int:
+    cases = QUICK if args.quick else CASES
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for key in args.case or sorted(cases):
+            label, n, elems = cases[key]
+            print(bench_case(f"({key}) {label}", n, elems, tmp, args.repeat), end="\n\n")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
