@@ -13,7 +13,7 @@ COMPILER_DIRECTIVES = {
 }
 
 
-EXTENSIONS = ["_mapped"]  # grows as parsers land
+EXTENSIONS = ["_mapped", "_safetensors"]  # grows as parsers land
 
 
 def ext(name: str) -> Extension:

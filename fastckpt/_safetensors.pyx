@@ -1,0 +1,283 @@
+"""Validating parser of safetensors headers (the spec is in ``fastckpt/safetensors.py``).
+
+``read_safetensors_index(m)`` reads the 8-byte length, checks the JSON
+header byte by byte (bounds, leading ``{``, space-only padding, UTF-8) and
+parses it with the standard library's C JSON decoder; then it checks every
+entry and the offsets with 64-bit arithmetic that refuses to overflow. Every
+byte comes through ``MappedFile.span()``, which is bounds-checked, so a
+damaged file raises :class:`fastckpt.errors.FormatError` and is never read
+past its end.
+
+The dtype table lives here because the parser is what decides which files
+fastckpt can read; ``fastckpt.safetensors`` re-exports it as
+``dtype_from_safetensors`` / ``dtype_to_safetensors``.
+"""
+
+from libc.stdint cimport int64_t, uint8_t, uint64_t
+
+import json
+
+import ml_dtypes
+import numpy as np
+
+from fastckpt._info import TensorInfo
+from fastckpt._mapped cimport MappedFile
+from fastckpt.errors import FormatError
+
+# The safetensors spec caps the JSON header at 100 MB (MAX_HEADER_SIZE in safetensors/src/tensor.rs).
+MAX_HEADER_SIZE = 100_000_000
+cdef int64_t _MAX_HEADER_SIZE = MAX_HEADER_SIZE
+cdef int64_t _INT64_MAX = 0x7FFFFFFFFFFFFFFF
+
+# Every dtype of the reference implementation, in its declaration order. The
+# reference writer orders tensors by this rank, descending, then by name;
+# fastckpt's writer does the same (see WRITE_ORDER in fastckpt/safetensors.py).
+DTYPE_NAMES = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+    "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+    "C64", "F64", "I64", "U64",
+)
+DTYPE_RANK = {name: rank for rank, name in enumerate(DTYPE_NAMES)}
+
+# safetensors dtype -> numpy dtype (little-endian). Every entry has one element per byte or more.
+NUMPY_DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype("<u1"),
+    "I8": np.dtype("<i1"),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "I16": np.dtype("<i2"),
+    "U16": np.dtype("<u2"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I32": np.dtype("<i4"),
+    "U32": np.dtype("<u4"),
+    "F32": np.dtype("<f4"),
+    "C64": np.dtype("<c8"),
+    "F64": np.dtype("<f8"),
+    "I64": np.dtype("<i8"),
+    "U64": np.dtype("<u8"),
+}
+
+# Packed types: several elements share a byte, which no numpy dtype can view in place.
+SUB_BYTE_DTYPES = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def unsupported_dtype_message(name):
+    """Why a safetensors dtype string cannot be read, for error messages."""
+    if name in SUB_BYTE_DTYPES:
+        bits = SUB_BYTE_DTYPES[name]
+        return (f"dtype {name!r} packs {bits}-bit elements several to a byte; numpy cannot view it in place "
+                "(ml_dtypes' 4- and 6-bit floats store one element per byte), so fastckpt does not read it")
+    return (f"unknown dtype {name!r}; known: {', '.join(n for n in DTYPE_NAMES if n in NUMPY_DTYPES)}")
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _pairs_without_duplicates(pairs):
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return result
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_without_duplicates, parse_constant=_refuse_constant)
+
+
+cdef inline bint _is_int(object v):
+    return type(v) is int  # bool is a subclass of int; JSON true/false are not sizes
+
+
+cdef int64_t _checked_int(object v, int64_t limit, str path, str what) except -1:
+    """A JSON number that must be an int in [0, limit]."""
+    if not _is_int(v):
+        raise FormatError(f"{path}: {what}: expected a non-negative integer, got {v!r} ({type(v).__name__})")
+    if v < 0:
+        raise FormatError(f"{path}: {what}: expected a non-negative integer, got {v!r}")
+    if v > limit:
+        raise FormatError(f"{path}: {what}: {v!r} is larger than {limit} (the file has no room for it)")
+    return <int64_t>v
+
+
+cdef object _utf8_error_offset(bytes raw, Py_ssize_t char_pos):
+    return 8 + len(raw.decode("utf-8")[:char_pos].encode("utf-8"))
+
+
+def read_safetensors_index(MappedFile m):
+    """Parse and check the header of the safetensors file mapped by ``m``.
+
+    Returns ``(tensors, metadata, data_start)``: a list of
+    :class:`~fastckpt._info.TensorInfo` in data-offset order (``offset`` is
+    absolute), the ``__metadata__`` dict or None, and the absolute offset of
+    the data section. Any deviation from the spec raises
+    :class:`~fastckpt.errors.FormatError` naming the file, the tensor, the byte
+    offset and what was expected.
+
+    >>> import os, tempfile, numpy as np
+    >>> from fastckpt._mapped import MappedFile
+    >>> from fastckpt.safetensors import save_safetensors
+    >>> p = os.path.join(tempfile.mkdtemp(), "t.safetensors")
+    >>> save_safetensors(p, {"w": np.zeros((2, 3), np.float32)}, alignment=64)
+    >>> with MappedFile(p) as m:
+    ...     infos, meta, start = read_safetensors_index(m)
+    >>> infos[0].name, infos[0].shape, infos[0].offset, infos[0].nbytes, meta, start
+    ('w', (2, 3), 64, 24, None, 64)
+    """
+    cdef str path = str(m.path)
+    cdef int64_t size = m.size
+    cdef const uint8_t* p
+    cdef uint64_t n = 0
+    cdef int64_t header_len, data_start, data_len, j, i, ndim
+    cdef int64_t begin, end, expected_begin, count, dim, itemsize, nbytes
+    cdef int k
+
+    # -- fixed part: 8-byte little-endian length, then the header --------------------------------
+    if size < 8:
+        raise FormatError(f"{path}: not a safetensors file: it has {size} bytes, expected at least 8 "
+                          "(the little-endian u64 header length) (file seems truncated?)")
+    p = m.span(0, 8, "safetensors header length")
+    for k in range(7, -1, -1):
+        n = (n << 8) | p[k]
+    if n > <uint64_t>_MAX_HEADER_SIZE:
+        raise FormatError(f"{path}: header length at byte 0 is {n}, larger than the safetensors limit of "
+                          f"{MAX_HEADER_SIZE} bytes (not a safetensors file, or damaged)")
+    header_len = <int64_t>n
+    if header_len > size - 8:
+        raise FormatError(f"{path}: header length at byte 0 says {header_len} bytes of JSON, but only "
+                          f"{size - 8} bytes follow it (file size {size}; file seems truncated?)")
+    if header_len < 2:
+        raise FormatError(f"{path}: header length at byte 0 is {header_len}; the JSON header needs at least "
+                          "2 bytes ('{}')")
+    data_start = 8 + header_len
+    data_len = size - data_start
+
+    p = m.span(8, header_len, "safetensors JSON header")
+    if p[0] != ord("{"):
+        raise FormatError(f"{path}: JSON header at byte 8 must start with '{{' (0x7b), got byte 0x{p[0]:02x}")
+    # Padding: only spaces may follow the closing brace of the JSON object.
+    j = header_len
+    while j > 0 and p[j - 1] == 0x20:
+        j -= 1
+    if p[j - 1] != ord("}"):
+        raise FormatError(
+            f"{path}: JSON header must end with '}}' followed only by spaces (0x20) as padding; byte at "
+            f"offset {8 + j - 1} is 0x{p[j - 1]:02x} (header bytes [8, {data_start}))")
+    raw = (<const char*>p)[:j]  # a copy: span() memory is only valid until the next span() call
+
+    # -- JSON ----------------------------------------------------------------------------------
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: JSON header is not valid UTF-8: byte at offset {8 + e.start} "
+                          f"(0x{raw[e.start]:02x}): {e.reason}") from None
+    try:
+        header, end_pos = _DECODER.raw_decode(text, 0)
+    except _DuplicateKey as e:
+        raise FormatError(f"{path}: JSON header has the key {e.args[0]!r} more than once; "
+                          "safetensors headers must not repeat keys") from None
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{path}: JSON header is not valid JSON at byte offset "
+                          f"{_utf8_error_offset(raw, e.pos)}: {e.msg}") from None
+    except (ValueError, RecursionError) as e:  # NaN/Infinity, ints past str->int limits, deep nesting
+        raise FormatError(f"{path}: JSON header (bytes [8, {data_start})) cannot be parsed: {e}") from None
+    if end_pos != len(text):
+        raise FormatError(f"{path}: JSON header has extra data after the top-level object at byte offset "
+                          f"{_utf8_error_offset(raw, end_pos)}; only spaces (0x20) may pad it")
+
+    # -- __metadata__ --------------------------------------------------------------------------
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None:
+        if type(metadata) is not dict:
+            raise FormatError(f"{path}: __metadata__ must be a JSON object of strings, got "
+                              f"{type(metadata).__name__} {metadata!r:.80}")
+        for key, value in metadata.items():
+            if type(value) is not str:
+                raise FormatError(f"{path}: __metadata__[{key!r}] must be a string, got "
+                                  f"{type(value).__name__} {value!r:.80}")
+
+    # -- tensor entries ------------------------------------------------------------------------
+    entries = []
+    for name, entry in header.items():
+        where = f"tensor {name!r}"
+        if type(entry) is not dict:
+            raise FormatError(f"{path}: {where}: expected an object with dtype, shape and data_offsets, got "
+                              f"{type(entry).__name__} {entry!r:.80}")
+        if len(entry) != 3 or "dtype" not in entry or "shape" not in entry or "data_offsets" not in entry:
+            raise FormatError(f"{path}: {where}: expected exactly the keys ['data_offsets', 'dtype', 'shape'], "
+                              f"got {sorted(entry)!r}")
+        dtype_name = entry["dtype"]
+        if type(dtype_name) is not str:
+            raise FormatError(f"{path}: {where}: dtype must be a string, got {dtype_name!r:.80}")
+        dtype = NUMPY_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise FormatError(f"{path}: {where}: {unsupported_dtype_message(dtype_name)}")
+        shape_json = entry["shape"]
+        if type(shape_json) is not list:
+            raise FormatError(f"{path}: {where}: shape must be a list of non-negative integers, got "
+                              f"{shape_json!r:.80}")
+        offsets = entry["data_offsets"]
+        if type(offsets) is not list or len(offsets) != 2:
+            raise FormatError(f"{path}: {where}: data_offsets must be a list [begin, end], got {offsets!r:.80}")
+        begin = _checked_int(offsets[0], _INT64_MAX, path, f"{where}: data_offsets[0]")
+        end = _checked_int(offsets[1], _INT64_MAX, path, f"{where}: data_offsets[1]")
+        if end < begin:
+            raise FormatError(f"{path}: {where}: data_offsets [{begin}, {end}] end before they begin")
+        entries.append((begin, end, name, dtype_name, dtype, shape_json))
+
+    # -- offsets, sizes ------------------------------------------------------------------------
+    # Sorting by (begin, end) as the reference reader does; names break ties so the order is total.
+    entries.sort(key=lambda e: (e[0], e[1], e[2]))
+    tensors = []
+    expected_begin = 0
+    for begin, end, name, dtype_name, dtype, shape_json in entries:
+        where = f"tensor {name!r}"
+        if begin != expected_begin:
+            kind = "a hole" if begin > expected_begin else "an overlap"
+            raise FormatError(
+                f"{path}: {where}: data_offsets [{begin}, {end}] leave {kind} in the data section: expected "
+                f"begin {expected_begin} (absolute byte {data_start + expected_begin}), got {begin} (absolute "
+                f"byte {data_start + begin}); tensors must be contiguous from 0 without holes or overlaps")
+        if end > data_len:
+            raise FormatError(
+                f"{path}: {where}: data_offsets [{begin}, {end}] reach absolute byte {data_start + end}, past "
+                f"the end of the file ({size} bytes; the data section has {data_len}) (file seems truncated?)")
+        # Element count with overflow checks in 64-bit, as the reference does with usize.
+        ndim = len(shape_json)
+        count = 1
+        for i in range(ndim):
+            dim = _checked_int(shape_json[i], _INT64_MAX, path, f"{where}: shape[{i}]")
+            if dim != 0 and count > _INT64_MAX // dim:
+                raise FormatError(f"{path}: {where}: shape {shape_json!r:.200} overflows a 64-bit element count "
+                                  f"at shape[{i}]")
+            count *= dim
+        itemsize = dtype.itemsize
+        if count > _INT64_MAX // itemsize:
+            raise FormatError(f"{path}: {where}: shape {shape_json!r:.200} of {dtype_name} overflows a 64-bit "
+                              "byte count")
+        nbytes = count * itemsize
+        if end - begin != nbytes:
+            raise FormatError(
+                f"{path}: {where}: shape {shape_json!r:.200} of {dtype_name} needs {nbytes} bytes, but "
+                f"data_offsets [{begin}, {end}] hold {end - begin} (absolute bytes [{data_start + begin}, "
+                f"{data_start + end}))")
+        tensors.append(TensorInfo(name, dtype, tuple(shape_json), data_start + begin, nbytes))
+        expected_begin = end
+    if expected_begin != data_len:
+        raise FormatError(
+            f"{path}: the tensors end at absolute byte {data_start + expected_begin} but the file has {size} "
+            f"bytes: {data_len - expected_begin} unexpected trailing bytes after the data section (the last "
+            "data_offsets end must be the end of the file)")
+    return tensors, metadata, data_start
