@@ -1,0 +1,822 @@
+"""Checkpoint: collect, save, load and restore the state of readers, RNGs and other stateful objects.
+
+A :class:`Checkpoint` holds a set of registered objects ("ops"), each under a
+key, and a dictionary of their states. It works with any object that has
+``get_state()`` / ``set_state(value)`` (the readers and :class:`RNG` of this
+package) or ``state_dict()`` / ``load_state_dict(value)``.
+
+>>> import numpy as np, tempfile, os
+>>> from fastckpt.stateful import ArrayReader, Checkpoint, RNG
+>>> pattern = os.path.join(tempfile.mkdtemp(), "ckpt_{seq:04d}.json")
+>>> reader, rng = ArrayReader(np.arange(10), enable_checkpointing=True), RNG(seed=42)
+>>> ckpt = Checkpoint()
+>>> ckpt.register(reader, "reader"), ckpt.register(rng, "rng")
+('reader', 'rng')
+>>> it = reader.next_epoch(batch_size=4); _ = next(it); _ = rng.random()
+>>> ckpt.collect()
+>>> os.path.basename(ckpt.save(pattern))
+'ckpt_0000.json'
+>>> expected = (next(it).tolist(), rng.random())
+>>> reader, rng, ckpt = ArrayReader(np.arange(10)), RNG(), Checkpoint()
+>>> os.path.basename(ckpt.load(pattern))
+'ckpt_0000.json'
+>>> ckpt.register(reader, "reader"), ckpt.register(rng, "rng")   # states applied here
+('reader', 'rng')
+>>> (next(reader.next_epoch(batch_size=4)).tolist(), rng.random()) == expected
+True
+
+File format (version 1)
+=======================
+
+A checkpoint file (and the string :meth:`Checkpoint.serialize` returns) is one
+JSON text (RFC 8259).
+
+Encoding
+    The file MUST be UTF-8 without a byte order mark. Writers emit ASCII only
+    (every other character escaped as ``\\uXXXX``), object keys sorted by code
+    point, no insignificant whitespace, and a file ends with one line feed
+    (0x0A); ``serialize()`` returns the same text without it. Readers MUST
+    accept any valid JSON whitespace and key order. The literals ``NaN``,
+    ``Infinity`` and ``-Infinity`` MUST NOT appear.
+
+Top level
+    An object with exactly these keys:
+
+    ``"format"``
+        MUST be the string ``"fastckpt.stateful"``.
+    ``"version"``
+        An integer, the format version; this text describes version ``1``.
+    ``"entries"``
+        An object mapping each key to an entry. Keys beginning with
+        ``"__op_"`` are the generated keys of anonymous registrations
+        (``"__op_0"``, ``"__op_1"``, ... in registration order); other keys
+        are the names the user gave.
+
+    Readers MUST refuse a file with another ``format``, a missing key, or a
+    ``version`` they cannot read (below).
+
+Entry
+    An object with exactly two keys:
+
+    ``"type"``
+        The qualified type name (``module.QualName``) of the op whose state
+        this is, e.g. ``"fastckpt.stateful.rng.RNG"``, or ``null`` when the
+        state was set without a type. Before a state is applied, a non-null
+        type MUST equal the qualified type name of the op it is applied to.
+    ``"state"``
+        The state, a JSON value in the value encoding below.
+
+Value encoding
+    Dicts (string keys only), lists, strings, booleans and ``null`` are
+    written as JSON. Integers are written exactly, of any size (PCG64 states
+    hold 128-bit integers): readers MUST NOT round them through a double.
+    Finite floats are written in the shortest form that reads back to the
+    same IEEE 754 double. Tuples are written as lists and read back as lists;
+    numpy integer, float and bool scalars are written as the Python scalar of
+    the same value. Three values are written as tagged objects, recognised by
+    their key; a user dict MUST NOT use any of these keys:
+
+    ``{"__ndarray__": B, "dtype": D, "shape": S}`` (exactly these keys)
+        A numpy array. ``D`` is a numpy dtype string with its byte order
+        (``"<f4"``, ``">i8"``, ``"|b1"``, ``"<U3"``, ...; kinds ``b i u f c S
+        U`` only) or the name of an ``ml_dtypes`` type (``"bfloat16"``,
+        ``"float8_e4m3fn"``, ...; little-endian). ``S`` is the list of
+        dimensions (``[]`` for 0-d). ``B`` is the standard base64 (RFC 4648,
+        with padding) of the array's elements in C order, exactly
+        ``prod(S) * itemsize`` bytes. Object, structured and other dtypes are
+        refused: nothing is ever pickled. Arrays read back C-contiguous and
+        writable.
+    ``{"__bytes__": B}``
+        A ``bytes`` value; ``B`` is its base64.
+    ``{"__float__": "nan" | "inf" | "-inf"}``
+        A non-finite float (the sign and payload of a NaN are not kept).
+
+Versioning
+    A file whose ``version`` is older than the current one is upgraded, one
+    version at a time, by the migration functions registered with
+    :func:`register_migration`; a file is refused (``FormatError`` naming
+    both versions) when a step has no migration or when its version is newer
+    than this fastckpt reads. The states inside carry their own layout
+    versions (e.g. ``"version"`` in a reader state), checked by the op that
+    applies them.
+
+Files
+    :meth:`Checkpoint.save` writes through :func:`fastckpt._atomic.atomic_write`
+    (a temporary in the same directory, fsync, rename, directory fsync), so a
+    reader of the file name sees either the previous file or the complete new
+    one.
+
+Not thread-safe: one Checkpoint (including the one :func:`current` returns)
+must not be used from several threads at once, and an op must not be
+iterated while its state is collected or applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import re
+import string
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from fastckpt._atomic import atomic_write
+from fastckpt.errors import CheckpointNotFoundError, FastCkptError, FormatError
+from fastckpt.stateful._codec import StateObject, decode, dumps, encode
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointKeyError",
+    "current",
+    "checkpoint_scope",
+    "register_migration",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ANONYMOUS_PREFIX",
+]
+
+#: Value of the top-level ``"format"`` key.
+FORMAT = "fastckpt.stateful"
+#: The format version this module writes.
+FORMAT_VERSION = 1
+#: Prefix of the keys generated for anonymous registrations; refused in user names.
+ANONYMOUS_PREFIX = "__op_"
+
+# from_version -> function(payload dict at from_version) -> payload dict at from_version + 1
+_MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
+
+
+class CheckpointKeyError(FastCkptError, KeyError):
+    """A key that the checkpoint does not hold (no registered op, or no state)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
+        return str(self.args[0]) if self.args else ""
+
+
+def register_migration(from_version: int, fn: Callable[[dict], dict], *, replace: bool = False) -> None:
+    """Register ``fn`` to upgrade a payload from ``from_version`` to ``from_version + 1``.
+
+    ``fn`` receives the parsed top-level JSON object (a dict with ``format``,
+    ``version`` and ``entries``) and returns the upgraded object; its
+    ``"version"`` is then set to ``from_version + 1``. Older payloads go
+    through every step up to :data:`FORMAT_VERSION`.
+
+    >>> def v1_to_v2(payload):
+    ...     for entry in payload["entries"].values():
+    ...         entry["type"] = entry["type"].replace("oldpkg.", "newpkg.")
+    ...     return payload
+    >>> register_migration(1, v1_to_v2)     # doctest: +SKIP
+    """
+    if type(from_version) is not int or from_version < 1:
+        raise ValueError(f"from_version must be an int >= 1, got {from_version!r}")
+    if not callable(fn):
+        raise TypeError(f"a migration must be callable, got {type(fn).__name__}")
+    if from_version in _MIGRATIONS and not replace:
+        raise ValueError(
+            f"a migration from format version {from_version} is already registered; pass replace=True to replace it"
+        )
+    _MIGRATIONS[from_version] = fn
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass
+class _Entry:
+    encoded: Any  # JSON-safe tree: what serialize() writes
+    value: Any  # what get_state() returns and set_state()/load_state_dict() receives; _UNSET: decode(encoded)
+    type_name: str | None
+    dirty: bool
+
+
+_UNSET = object()
+
+
+def _accessors(op) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    if callable(getattr(op, "get_state", None)) and callable(getattr(op, "set_state", None)):
+        return op.get_state, op.set_state
+    if callable(getattr(op, "state_dict", None)) and callable(getattr(op, "load_state_dict", None)):
+        return op.state_dict, op.load_state_dict
+    raise TypeError(
+        f"a {_qualname(type(op))} cannot be checkpointed: it needs get_state()/set_state(value) "
+        "or state_dict()/load_state_dict(value)"
+    )
+
+
+def _rewrap(exc: Exception, message: str) -> Exception:
+    """``exc``'s type with ``message`` in front, or ``exc`` itself when the type cannot be rebuilt."""
+    try:
+        new = type(exc)(f"{message}: {exc}")
+    except Exception:
+        return exc
+    return new
+
+
+class _Pattern:
+    """A ``save``/``load`` file name with at most one ``{seq}`` field in its last component."""
+
+    def __init__(self, pattern: str | os.PathLike):
+        text = os.fspath(pattern)
+        if not isinstance(text, str):
+            raise TypeError(f"the file pattern must be a str, got {type(text).__name__}")
+        self.text = text
+        directory, name = os.path.split(text)
+        try:
+            directory = directory.format()
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"{text!r}: {{seq}} may only appear in the file name, not in the directory") from None
+        self.directory = Path(directory or ".")
+        pieces, seq_fields = [], 0
+        self.spec = ""
+        try:
+            parsed = list(string.Formatter().parse(name))
+        except ValueError as exc:
+            raise ValueError(f"{text!r} is not a valid format string ({exc}); write literal braces as {{{{ and }}}}") from None
+        for literal, field, spec, conversion in parsed:
+            pieces.append(re.escape(literal))
+            if field is None:
+                continue
+            if field != "seq" or conversion:
+                raise ValueError(f"{text!r}: the only placeholder allowed is {{seq}} (with an optional format spec such as {{seq:04d}}), found {{{field}}}")
+            seq_fields += 1
+            self.spec = spec
+            pieces.append("([0-9]+)")
+        if seq_fields > 1:
+            raise ValueError(f"{text!r}: {{seq}} may appear only once")
+        self.has_seq = seq_fields == 1
+        self.name_template = name
+        if self.has_seq:
+            for probe in (0, 7, 12345):
+                shown = format(probe, self.spec)
+                if not (shown.isascii() and shown.isdigit() and int(shown) == probe):
+                    raise ValueError(
+                        f"{text!r}: the format spec {self.spec!r} does not write {probe} as plain decimal digits "
+                        f"(it writes {shown!r}); use a spec such as '04d'"
+                    )
+        self._regex = re.compile("".join(pieces) + r"\Z")
+
+    def path(self, seq: int | None = None) -> Path:
+        name = self.name_template.format(seq=seq) if self.has_seq else self.name_template.format()
+        return self.directory / name
+
+    def existing(self) -> dict[int, Path]:
+        """Sequence number -> path of the files on disk that this pattern writes."""
+        if not self.has_seq:
+            path = self.path()
+            return {0: path} if path.is_file() else {}
+        found = {}
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            match = self._regex.match(entry.name)
+            if match is None:
+                continue
+            seq = int(match.group(1))
+            # Only the canonical spelling counts: "ckpt_7.json" is not seq 7 of "ckpt_{seq:04d}.json".
+            if self.name_template.format(seq=seq) == entry.name and entry.is_file():
+                found[seq] = self.directory / entry.name
+        return found
+
+
+class Checkpoint:
+    """Aggregates the state of stateful objects (readers, RNGs, ...) for resume.
+
+    Register ops with :meth:`register`; :meth:`collect` captures their states;
+    :meth:`save` / :meth:`serialize` write them; :meth:`load` /
+    :meth:`deserialize` read them back, and each state is applied when its op
+    is registered (or by :meth:`restore`).
+
+    >>> from fastckpt.stateful import RNG
+    >>> ckpt = Checkpoint()
+    >>> rng = RNG(seed=1)
+    >>> ckpt.register(rng)
+    '__op_0'
+    >>> ckpt.collect()
+    >>> text = ckpt.serialize()
+    >>> other = Checkpoint(); other.deserialize(text)
+    >>> rng2 = RNG(); _ = other.register(rng2)
+    >>> rng2.random() == rng.random()
+    True
+    """
+
+    def __init__(self):
+        self._ops: dict[str, Any] = {}
+        self._by_id: dict[int, str] = {}
+        self._states: dict[str, _Entry] = {}
+        self._counter = 0
+        self._complete = False
+        self._loaded = False
+        self._source: str | None = None
+        # pattern text -> [(path, (st_dev, st_ino))] of the files this checkpoint wrote, oldest first
+        self._written: dict[str, list[tuple[Path, tuple[int, int]]]] = {}
+
+    # ------------------------------------------------------------ properties
+    @property
+    def names(self) -> list[str]:
+        """Keys of all registered ops, in registration order.
+
+        >>> from fastckpt.stateful import RNG
+        >>> c = Checkpoint(); _ = c.register(RNG(), "a"); _ = c.register(RNG())
+        >>> c.names
+        ['a', '__op_0']
+        """
+        return list(self._ops)
+
+    @property
+    def is_complete(self) -> bool:
+        """True if :meth:`collect` was the last operation to populate the states."""
+        return self._complete
+
+    @property
+    def is_loaded(self) -> bool:
+        """True if :meth:`load` or :meth:`deserialize` populated the states."""
+        return self._loaded
+
+    def _where(self) -> str:
+        return f"checkpoint {self._source}" if self._source else "checkpoint"
+
+    # ---------------------------------------------------------- registration
+    def register(self, op, name: str | None = None) -> str:
+        """Add a stateful op; returns its key.
+
+        With ``name``, the op is stored under that key, replacing any op
+        registered there (names must not start with ``"__op_"``). Without it,
+        an op already registered keeps its key; otherwise it gets the next
+        generated key ``"__op_<n>"``. A state waiting under the key (from
+        :meth:`load`, :meth:`deserialize` or :meth:`set_state`) is applied to
+        the op at once, after its type is checked. Refused after
+        :meth:`collect` until :meth:`clear`; after a load, the key must exist
+        in the loaded states.
+
+        Readers built without ``enable_checkpointing=True`` get it enabled
+        here if they have not started iterating (``RuntimeError`` if they have).
+
+        >>> from fastckpt.stateful import RNG
+        >>> c, rng = Checkpoint(), RNG()
+        >>> c.register(rng, "rng"), c.register(rng, "rng"), c.register(rng)
+        ('rng', 'rng', 'rng')
+        """
+        _accessors(op)
+        existing = self._by_id.get(id(op))
+        if name is None:
+            if existing is not None:
+                return existing
+        else:
+            if not isinstance(name, str):
+                raise TypeError(f"the name must be a str, got {type(name).__name__}")
+            if not name:
+                raise ValueError("the name must not be empty")
+            if name.startswith(ANONYMOUS_PREFIX):
+                raise ValueError(
+                    f"the name {name!r} starts with {ANONYMOUS_PREFIX!r}, which is reserved for generated keys; "
+                    "choose another name or omit it"
+                )
+            if existing == name:
+                return name
+            if existing is not None:
+                raise ValueError(
+                    f"this {_qualname(type(op))} is already registered under {existing!r}; "
+                    f"an op can be registered under one key only"
+                )
+        if self._complete:
+            raise RuntimeError(
+                "the checkpoint is complete (collect() was called): new ops cannot be registered; "
+                "call clear() to start over"
+            )
+        key = name if name is not None else f"{ANONYMOUS_PREFIX}{self._counter}"
+        if self._loaded and key not in self._states:
+            if name is None:
+                saved = sum(1 for k in self._states if k.startswith(ANONYMOUS_PREFIX))
+                raise CheckpointKeyError(
+                    f"{self._where()} holds {saved} anonymous state(s) but this is anonymous registration "
+                    f"number {self._counter + 1}: register the same ops, in the same order, as when it was saved "
+                    "(or register them by name)"
+                )
+            raise CheckpointKeyError(
+                f"{self._where()} has no state named {key!r}; it holds {sorted(self._states)}"
+            )
+        prepare = getattr(op, "_prepare_for_checkpoint", None)
+        if prepare is not None:
+            prepare()
+        entry = self._states.get(key)
+        if entry is not None and entry.dirty:
+            self._check_type(key, entry, op)
+            self._apply(key, entry, op)
+        replaced = self._ops.get(key)
+        if replaced is not None:
+            del self._by_id[id(replaced)]
+        self._ops[key] = op
+        self._by_id[id(op)] = key
+        if name is None:
+            self._counter += 1
+        return key
+
+    # ------------------------------------------------------------ collection
+    def collect(self) -> None:
+        """Capture the state of every registered op (sets :attr:`is_complete`).
+
+        Every state is encoded (checked JSON-safe) and snapshotted at once, so
+        later changes to the op do not leak into it. All or nothing: if one op
+        fails, the states are left as they were. Raises ``RuntimeError`` when
+        the states hold keys with no registered op (a load whose ops were not
+        all registered): register them or :meth:`clear`.
+
+        >>> from fastckpt.stateful import RNG
+        >>> c = Checkpoint(); _ = c.register(RNG(seed=0), "rng"); c.collect()
+        >>> c.is_complete, c.is_loaded
+        (True, False)
+        """
+        orphans = [key for key in self._states if key not in self._ops]
+        if orphans:
+            raise RuntimeError(
+                f"{self._where()} holds states for {sorted(orphans)} but no op is registered under them; "
+                "register those ops, or call clear() to drop the loaded states"
+            )
+        states = {}
+        for key, op in self._ops.items():
+            getter, _ = _accessors(op)
+            try:
+                value = getter()
+            except Exception as exc:
+                raise _rewrap(exc, f"collecting the state of {key!r} ({_qualname(type(op))})") from exc
+            encoded = self._encode(key, value, op)
+            kept = value if isinstance(value, StateObject) else _UNSET
+            states[key] = _Entry(encoded, kept, _qualname(type(op)), dirty=False)
+        self._states = states
+        self._complete = True
+        self._loaded = False
+        self._source = None
+
+    @staticmethod
+    def _encode(key: str, value: Any, op=None) -> Any:
+        owner = f" ({_qualname(type(op))})" if op is not None else ""
+        try:
+            return encode(value, where=f"state of {key!r}{owner}")
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc}. States must be JSON-safe; see fastckpt.stateful.checkpoint") from None
+
+    def get_state(self, name: str):
+        """The stored state for the op registered under ``name``.
+
+        After :meth:`collect` it is the op's state as captured (the op's own
+        state object for readers and RNGs, a decoded copy otherwise); after a
+        load, the decoded JSON value; after :meth:`set_state`, the value given.
+        Raises :class:`CheckpointKeyError` (a ``KeyError``) if no op is
+        registered under ``name`` or it has no state yet.
+
+        >>> from fastckpt.stateful import RNG
+        >>> c = Checkpoint(); _ = c.register(RNG(seed=0), "rng"); c.collect()
+        >>> c.get_state("rng").bit_generator
+        'PCG64'
+        """
+        if name not in self._ops:
+            raise CheckpointKeyError(f"no op is registered under {name!r}; registered: {self.names}")
+        entry = self._states.get(name)
+        if entry is None:
+            raise CheckpointKeyError(f"the op registered under {name!r} has no state yet; call collect() first")
+        return decode(entry.encoded) if entry.value is _UNSET else entry.value
+
+    def set_state(self, name: str, value: Any, op_type: type | str | None = None) -> None:
+        """Set the state for the op under ``name`` (registered now or later); it is marked dirty.
+
+        It is applied when an op is next registered under ``name``, or by
+        :meth:`restore`. ``op_type`` (a class or its qualified name) is stored
+        and checked against the op before applying. The value must be
+        JSON-safe (see the module docs). Raises :class:`CheckpointKeyError` if
+        the checkpoint is complete and no op is registered under ``name``, and
+        ``TypeError`` if ``op_type`` is neither a type nor a string.
+
+        >>> from fastckpt.stateful import RNG
+        >>> c, rng = Checkpoint(), RNG()
+        >>> c.set_state("rng", RNG(seed=9).get_state(), op_type=RNG)
+        >>> _ = c.register(rng, "rng")
+        >>> rng.random() == RNG(seed=9).random()
+        True
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"the name must be a non-empty str, got {name!r}")
+        if op_type is None:
+            type_name = None
+        elif isinstance(op_type, type):
+            type_name = _qualname(op_type)
+        elif isinstance(op_type, str):
+            type_name = op_type
+        else:
+            raise TypeError(f"op_type must be a class or a qualified class name (str), got {type(op_type).__name__}")
+        if self._complete and name not in self._ops:
+            raise CheckpointKeyError(
+                f"the checkpoint is complete (collect() was called) and no op is registered under {name!r}; "
+                f"registered: {self.names}"
+            )
+        encoded = self._encode(name, value)
+        self._states[name] = _Entry(encoded, value, type_name, dirty=True)
+
+    def restore(self) -> None:
+        """Apply every dirty state to its registered op.
+
+        All keys are checked first (and every stored type against its op), so
+        nothing is applied when the states and ops do not match: a state with
+        no op, or an op with no state, raises ``RuntimeError``; a type
+        mismatch raises ``TypeError``. With no states at all it does nothing.
+
+        >>> from fastckpt.stateful import RNG
+        >>> c, rng = Checkpoint(), RNG()
+        >>> _ = c.register(rng, "rng")
+        >>> c.set_state("rng", str(RNG(seed=4).get_state()))
+        >>> c.restore(); rng.random() == RNG(seed=4).random()
+        True
+        """
+        if not self._states:
+            return
+        orphans = sorted(k for k in self._states if k not in self._ops)
+        missing = sorted(k for k in self._ops if k not in self._states)
+        if orphans or missing:
+            parts = []
+            if orphans:
+                parts.append(f"states with no registered op: {orphans}")
+            if missing:
+                parts.append(f"registered ops with no state: {missing}")
+            raise RuntimeError(
+                f"{self._where()} does not match the registered ops ({'; '.join(parts)}); "
+                "register the same ops under the same keys as when it was saved"
+            )
+        dirty = [(key, entry) for key, entry in self._states.items() if entry.dirty]
+        for key, entry in dirty:
+            self._check_type(key, entry, self._ops[key])
+        for key, entry in dirty:
+            self._apply(key, entry, self._ops[key])
+
+    def _check_type(self, key: str, entry: _Entry, op) -> None:
+        found = _qualname(type(op))
+        if entry.type_name is not None and entry.type_name != found:
+            raise TypeError(
+                f"{self._where()}: the state under {key!r} belongs to a {entry.type_name} but the op "
+                f"registered under {key!r} is a {found}; register the matching op under this key "
+                "(anonymous keys follow registration order: prefer named registration)"
+            )
+
+    def _apply(self, key: str, entry: _Entry, op) -> None:
+        _, setter = _accessors(op)
+        value = decode(entry.encoded, where=f"state of {key!r}") if entry.value is _UNSET else entry.value
+        try:
+            setter(value)
+        except Exception as exc:
+            raise _rewrap(exc, f"{self._where()}: applying the state under {key!r} to a {_qualname(type(op))}") from exc
+        entry.dirty = False
+
+    def clear(self) -> None:
+        """Forget all ops and states and reset the flags and the generated-key counter.
+
+        The record of files this checkpoint saved (for ``keep=``) is kept.
+
+        >>> from fastckpt.stateful import RNG
+        >>> c = Checkpoint(); _ = c.register(RNG()); c.collect(); c.clear()
+        >>> c.names, c.is_complete
+        ([], False)
+        """
+        self._ops.clear()
+        self._by_id.clear()
+        self._states = {}
+        self._counter = 0
+        self._complete = False
+        self._loaded = False
+        self._source = None
+
+    # --------------------------------------------------------- serialization
+    def _payload(self) -> dict:
+        if not self._states:
+            raise RuntimeError("the checkpoint holds no states: register ops and call collect() first")
+        entries = {}
+        for key, entry in self._states.items():
+            type_name = entry.type_name
+            if type_name is None and key in self._ops:
+                type_name = _qualname(type(self._ops[key]))
+            entries[key] = {"type": type_name, "state": entry.encoded}
+        return {"format": FORMAT, "version": FORMAT_VERSION, "entries": entries}
+
+    def serialize(self) -> str:
+        """The states as one JSON string (the file format in the module docs, without the final newline).
+
+        Raises ``RuntimeError`` if there are no states.
+
+        >>> from fastckpt.stateful import RNG
+        >>> c = Checkpoint(); c.set_state("n", {"step": 3}); c.serialize()
+        '{"entries":{"n":{"state":{"step":3},"type":null}},"format":"fastckpt.stateful","version":1}'
+        """
+        return dumps(self._payload())
+
+    def deserialize(self, data: str | bytes, *, source: str | None = None) -> None:
+        """Replace the states with those in ``data`` (a string from :meth:`serialize`).
+
+        Sets :attr:`is_loaded`, clears :attr:`is_complete`, and marks every
+        state dirty, so that :meth:`register` (or :meth:`restore`) applies it.
+        Older format versions are upgraded by the registered migrations.
+        Malformed data raises :class:`~fastckpt.errors.FormatError` (a
+        ``ValueError``) naming ``source`` and what is wrong; nothing changes.
+
+        >>> c = Checkpoint()
+        >>> c.deserialize('{"format":"fastckpt.stateful","version":1,"entries":{"n":{"type":null,"state":5}}}')
+        >>> c.is_loaded
+        True
+        """
+        where = source or "checkpoint string"
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            try:
+                data = bytes(data).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise FormatError(f"{where}: not UTF-8 ({exc})") from None
+        if not isinstance(data, str):
+            raise TypeError(f"deserialize needs a str, got {type(data).__name__}")
+
+        def refuse_constant(token):
+            raise FormatError(f"{where}: {token} is not allowed; non-finite floats are written as tagged objects")
+
+        try:
+            payload = json.loads(data, parse_constant=refuse_constant)
+        except json.JSONDecodeError as exc:
+            raise FormatError(f"{where}: not valid JSON ({exc})") from None
+        states = self._parse_payload(payload, where)
+        self._states = states
+        self._loaded = True
+        self._complete = False
+        self._source = source
+
+    @staticmethod
+    def _parse_payload(payload: Any, where: str) -> dict[str, _Entry]:
+        if not isinstance(payload, dict):
+            raise FormatError(f"{where}: expected a JSON object at the top level, got {type(payload).__name__}")
+        if payload.get("format") != FORMAT:
+            raise FormatError(
+                f"{where}: not a fastckpt stateful checkpoint ('format' is {payload.get('format')!r}, "
+                f"expected {FORMAT!r})"
+            )
+        version = payload.get("version")
+        if type(version) is not int:
+            raise FormatError(f"{where}: 'version' must be an integer, got {version!r}")
+        current_version = FORMAT_VERSION
+        if version > current_version:
+            raise FormatError(
+                f"{where}: format version {version} is newer than this fastckpt reads (version {current_version}); "
+                "upgrade fastckpt to load it"
+            )
+        while version < current_version:
+            migrate = _MIGRATIONS.get(version)
+            if migrate is None:
+                raise FormatError(
+                    f"{where}: format version {version} cannot be upgraded to version {current_version}: "
+                    f"no migration from version {version} is registered (see register_migration)"
+                )
+            try:
+                payload = migrate(payload)
+            except Exception as exc:
+                raise FormatError(f"{where}: migration from format version {version} failed: {exc!r}") from exc
+            if not isinstance(payload, dict):
+                raise FormatError(f"{where}: migration from format version {version} returned {type(payload).__name__}, not a dict")
+            version += 1
+            payload["version"] = version
+        expected_keys = {"format", "version", "entries"}
+        if set(payload) != expected_keys:
+            raise FormatError(f"{where}: top-level keys are {sorted(payload)}, expected {sorted(expected_keys)}")
+        entries = payload["entries"]
+        if not isinstance(entries, dict):
+            raise FormatError(f"{where}: 'entries' must be an object, got {type(entries).__name__}")
+        states = {}
+        for key, item in entries.items():
+            if not isinstance(item, dict) or set(item) != {"type", "state"}:
+                shown = sorted(item) if isinstance(item, dict) else type(item).__name__
+                raise FormatError(f"{where}: entry {key!r} must be an object with keys 'type' and 'state', got {shown}")
+            type_name = item["type"]
+            if type_name is not None and not isinstance(type_name, str):
+                raise FormatError(f"{where}: entry {key!r}: 'type' must be a string or null, got {type_name!r}")
+            decode(item["state"], where=f"{where}: state of {key!r}")  # validate tags now, not at apply time
+            states[key] = _Entry(item["state"], _UNSET, type_name, dirty=True)
+        return states
+
+    # ----------------------------------------------------------------- files
+    def save(self, pattern: str | os.PathLike, *, keep: int | None = None, fsync: bool = True) -> str:
+        """Write :meth:`serialize`'s text to a new file; returns its path.
+
+        ``pattern`` is a file name with an optional ``{seq}`` placeholder
+        (format specs such as ``{seq:04d}`` are honoured); ``{seq}`` becomes
+        one more than the highest number on disk (0 for the first), so
+        existing files are never overwritten. Without ``{seq}`` the one file
+        is replaced. The write is atomic. ``keep=N`` then deletes the oldest
+        files of this pattern that this Checkpoint wrote, so that N of them
+        remain; files it did not write are never touched. Raises
+        ``RuntimeError`` if there are no states.
+
+        >>> import tempfile, os
+        >>> c = Checkpoint(); c.set_state("n", 1)
+        >>> p = os.path.join(tempfile.mkdtemp(), "s{seq:02d}.json")
+        >>> [os.path.basename(c.save(p, keep=2)) for _ in range(3)]
+        ['s00.json', 's01.json', 's02.json']
+        >>> sorted(os.listdir(os.path.dirname(p)))
+        ['s01.json', 's02.json']
+        """
+        if keep is not None and (type(keep) is not int or keep < 1):
+            raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+        parsed = _Pattern(pattern)
+        text = self.serialize() + "\n"
+        if parsed.has_seq:
+            existing = parsed.existing()
+            path = parsed.path(max(existing) + 1 if existing else 0)
+        else:
+            path = parsed.path()
+        with atomic_write(path, fsync=fsync) as f:
+            f.write(text.encode("ascii"))
+        st = os.stat(path)
+        written = self._written.setdefault(parsed.text, [])
+        written[:] = [(p, ident) for p, ident in written if p != path]
+        written.append((path, (st.st_dev, st.st_ino)))
+        if keep is not None:
+            while len(written) > keep:
+                old, ident = written.pop(0)
+                try:
+                    st_old = os.stat(old)
+                except FileNotFoundError:
+                    continue
+                if (st_old.st_dev, st_old.st_ino) == ident:  # still the file we wrote
+                    os.unlink(old)
+        return str(path)
+
+    def load(self, pattern: str | os.PathLike) -> str:
+        """Read the file with the highest ``{seq}`` matching ``pattern`` (see :meth:`save`); returns its path.
+
+        The states are marked dirty (see :meth:`deserialize`). Raises
+        :class:`~fastckpt.errors.CheckpointNotFoundError` (a
+        ``FileNotFoundError``) if no file matches.
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); c = Checkpoint(); c.set_state("n", 1)
+        >>> _ = c.save(os.path.join(d, "s{seq}.json")); _ = c.save(os.path.join(d, "s{seq}.json"))
+        >>> os.path.basename(Checkpoint().load(os.path.join(d, "s{seq}.json")))
+        's1.json'
+        """
+        parsed = _Pattern(pattern)
+        existing = parsed.existing()
+        if not existing:
+            raise CheckpointNotFoundError(
+                f"no checkpoint file matches {parsed.text!r} (looked in {str(parsed.directory)!r})"
+            )
+        path = existing[max(existing)]
+        with open(path, "rb") as f:
+            data = f.read()
+        self.deserialize(data, source=str(path))
+        return str(path)
+
+    def __repr__(self) -> str:
+        flags = "complete" if self._complete else ("loaded" if self._loaded else "open")
+        return f"<Checkpoint {flags}: {len(self._ops)} op(s), {len(self._states)} state(s)>"
+
+
+# ---------------------------------------------------------------- current()
+_scoped: contextvars.ContextVar[Checkpoint | None] = contextvars.ContextVar("fastckpt_checkpoint", default=None)
+_thread_default = threading.local()
+
+
+def current() -> Checkpoint:
+    """The Checkpoint bound to the current context.
+
+    Inside ``with checkpoint_scope(...)`` it is that scope's checkpoint;
+    otherwise it is this thread's default one, created on first use and kept
+    for the life of the thread: registrations accumulate across unrelated runs
+    unless you call ``clear()``.
+
+    >>> current() is current()
+    True
+    """
+    scoped = _scoped.get()
+    if scoped is not None:
+        return scoped
+    default = getattr(_thread_default, "checkpoint", None)
+    if default is None:
+        default = _thread_default.checkpoint = Checkpoint()
+    return default
+
+
+@contextlib.contextmanager
+def checkpoint_scope(checkpoint: Checkpoint | None = None) -> Iterator[Checkpoint]:
+    """Bind ``checkpoint`` (a new one if omitted) as :func:`current` within the block.
+
+    >>> with checkpoint_scope() as ckpt:
+    ...     current() is ckpt
+    True
+    >>> current() is ckpt
+    False
+    """
+    if checkpoint is None:
+        checkpoint = Checkpoint()
+    elif not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"checkpoint_scope needs a Checkpoint, got {type(checkpoint).__name__}")
+    token = _scoped.set(checkpoint)
+    try:
+        yield checkpoint
+    finally:
+        _scoped.reset(token)
