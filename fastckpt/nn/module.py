@@ -1,0 +1,334 @@
+"""The module protocol: device tensors by name, ``state_dict`` / ``load_state_dict``, ``Sequential``.
+
+A module's *state* is its array-valued tensors (parameters and buffers such as
+BatchNorm's running statistics), keyed by attribute name, in a fixed order.
+Hyperparameters (``in_features``, ``eps``, ...) are not state: they travel in
+the layer's config entry (see :mod:`fastckpt.nn.factory`).
+
+``load_state_dict`` validates the whole state first and writes nothing when
+anything is wrong. Values may be host arrays (copied into the existing device
+buffers when the dtype matches, else into new buffers of the stored dtype) or
+device :class:`~fastckpt.tensor.Tensor` objects, which are adopted as they are
+(no device copy), so a file loaded into a pooled arena becomes the model's
+parameters directly.
+
+>>> import numpy as np                                                # doctest: +SKIP
+>>> from fastckpt.nn import Linear, ReLU, Sequential                  # doctest: +SKIP
+>>> model = Sequential(Linear(None, 4, 3), ReLU())                    # doctest: +SKIP
+>>> sorted(model.state_dict())                                         # doctest: +SKIP
+['0:bias', '0:weight']
+>>> model.load_state_dict({"0:weight": np.ones((4, 3), np.float32)}, strict=False)  # doctest: +SKIP
+IncompatibleKeys(missing_keys=['0:bias'], unexpected_keys=[])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
+
+import numpy as np
+
+from fastckpt.tensor import Tensor
+
+__all__ = [
+    "IncompatibleKeys",
+    "Module",
+    "Sequential",
+    "manual_seed",
+    "seeded",
+    "init_rng",
+    "shapes_compatible",
+]
+
+
+class IncompatibleKeys(NamedTuple):
+    """Keys a load left alone (``missing_keys``) or could not place (``unexpected_keys``)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+# -- deterministic initialisation ---------------------------------------------------------------
+_global_rng = np.random.default_rng(0)
+_local = threading.local()
+
+
+def manual_seed(seed: int) -> None:
+    """Reset the generator that layers built outside :func:`seeded` draw their initial values from.
+
+    >>> manual_seed(0)
+    """
+    global _global_rng
+    _global_rng = np.random.default_rng(seed)
+
+
+def init_rng() -> np.random.Generator:
+    """The generator a layer being built now must draw its initial values from.
+
+    Inside :func:`seeded` it is that block's generator; otherwise the process-wide one
+    (seeded with 0 at import, reset by :func:`manual_seed`). Custom layers should use it
+    so that ``build_sequential`` rebuilds them reproducibly.
+
+    >>> init_rng().uniform() < 1.0
+    True
+    """
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else _global_rng
+
+
+@contextlib.contextmanager
+def seeded(seed) -> Iterator[np.random.Generator]:
+    """Build layers inside this block from ``np.random.default_rng(seed)`` (thread-local).
+
+    >>> with seeded([0, 1]) as rng:
+    ...     init_rng() is rng
+    True
+    """
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    rng = np.random.default_rng(seed)
+    stack.append(rng)
+    try:
+        yield rng
+    finally:
+        stack.pop()
+
+
+# -- shape tolerance --------------------------------------------------------------------------
+def shapes_compatible(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """True when ``stored`` is ``expected`` up to size-1 dimensions ((1, C) for (C,)), as netcl accepts.
+
+    >>> shapes_compatible((1, 3), (3,)), shapes_compatible((3, 1), (1, 3)), shapes_compatible((2, 3), (3, 2))
+    (True, True, False)
+    """
+    stored, expected = tuple(stored), tuple(expected)
+    if stored == expected:
+        return True
+    return tuple(d for d in stored if d != 1) == tuple(d for d in expected if d != 1)
+
+
+def _check_value(key: str, value) -> tuple[tuple[int, ...], np.dtype]:
+    if isinstance(value, Tensor):
+        return value.shape, value.dtype
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"state entry {key!r}: expected a numpy array or fastckpt Tensor, got {type(value).__name__}")
+    if value.dtype.hasobject or value.dtype.kind in "USMm":
+        raise TypeError(f"state entry {key!r}: dtype {value.dtype} cannot be a tensor (numeric dtypes only)")
+    return value.shape, value.dtype
+
+
+class _Plan(NamedTuple):
+    missing: list[str]
+    unexpected: list[str]
+    errors: list[str]
+    writes: list[tuple["Module", str, Any]]
+
+
+class Module:
+    """Base class of fastckpt layers.
+
+    Subclasses list their array state in ``_state_names`` (attribute names holding a
+    :class:`Tensor`, or ``None`` for an absent optional tensor such as a disabled bias)
+    and implement :meth:`forward`. Only eval-mode forward passes exist.
+
+    >>> class Scale(Module):                       # doctest: +SKIP
+    ...     _state_names = ("factor",)
+    """
+
+    _state_names: tuple[str, ...] = ()
+    queue = None
+
+    # -- state ---------------------------------------------------------------------------------
+    def named_tensors(self) -> dict[str, Tensor]:
+        """The device tensors that make up the state, by key, in state order."""
+        out = {}
+        for name in self._state_names:
+            tensor = getattr(self, name, None)
+            if tensor is not None:
+                out[name] = tensor
+        return out
+
+    def parameters(self) -> list[Tensor]:
+        """The state tensors as a list (what ``save_params`` / ``save_checkpoint`` take)."""
+        return list(self.named_tensors().values())
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Host copies of the state tensors, keyed as in the model file.
+
+        >>> Linear(None, 2, 1).state_dict()["weight"].shape   # doctest: +SKIP
+        (2, 1)
+        """
+        return {key: tensor.to_host() for key, tensor in self.named_tensors().items()}
+
+    def _plan_load(self, state: Mapping[str, Any], prefix: str = "") -> _Plan:
+        current = self.named_tensors()
+        missing = [prefix + k for k in current if k not in state]
+        unexpected = [prefix + k for k in state if k not in current]
+        errors, writes = [], []
+        for key, tensor in current.items():
+            if key not in state:
+                continue
+            value = state[key]
+            shape, _dtype = _check_value(prefix + key, value)
+            if not shapes_compatible(shape, tensor.shape):
+                errors.append(f"{prefix + key!r}: stored shape {tuple(shape)}, model expects {tensor.shape}")
+                continue
+            writes.append((self, key, value))
+        return _Plan(missing, unexpected, errors, writes)
+
+    def _apply(self, key: str, value) -> None:
+        current: Tensor = getattr(self, key)
+        if isinstance(value, Tensor):
+            value.wait()
+            if value.shape != current.shape:
+                # SAFETY: the view shares value's buffer; owner keeps value (and its arena lease) alive.
+                value = Tensor(value.buffer, current.shape, value.dtype, offset=value.offset, queue=value.queue, owner=value)
+            setattr(self, key, value)
+            return
+        host = np.ascontiguousarray(value).reshape(current.shape)
+        if host.dtype == current.dtype:
+            current.write(host)
+        else:  # the stored dtype is kept: a new buffer of that dtype replaces the old one
+            setattr(self, key, Tensor.from_host(current.queue, host))
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
+        """Load ``state`` (key -> ndarray or Tensor); validate all first, write nothing on error.
+
+        A shape mismatch always raises ``ValueError`` naming the key and both shapes
+        (size-1 dimensions are tolerated: (1, C) loads into (C,)). With ``strict``, missing
+        or unexpected keys raise ``KeyError`` naming them; otherwise they are returned.
+        The stored dtype is kept.
+
+        >>> layer.load_state_dict({"weight": w, "bias": b})   # doctest: +SKIP
+        IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+        """
+        return _execute(self._plan_load(state), strict)
+
+    # -- conversion ----------------------------------------------------------------------------
+    def astype(self, dtype) -> "Module":
+        """Convert every state tensor to ``dtype`` in place (new buffers); returns ``self``.
+
+        The forward kernels are float32: ``model.astype(np.float32)`` makes a model loaded
+        from a float16 or float64 file runnable.
+        """
+        dtype = np.dtype(dtype)
+        for key, tensor in self.named_tensors().items():
+            if tensor.dtype != dtype:
+                setattr(self, key, Tensor.from_host(tensor.queue, tensor.to_host().astype(dtype)))
+        return self
+
+    # -- running -------------------------------------------------------------------------------
+    def forward(self, x) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no forward pass")
+
+    def __call__(self, x) -> Tensor:
+        return self.forward(x)
+
+    def config_args(self) -> dict:
+        """The constructor arguments that rebuild this layer (its config entry's ``args``)."""
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config_args().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _execute(plan: _Plan, strict: bool) -> IncompatibleKeys:
+    if plan.errors:
+        raise ValueError(
+            "state_dict shape mismatch (nothing was loaded): " + "; ".join(plan.errors)
+        )
+    if strict and (plan.missing or plan.unexpected):
+        parts = []
+        if plan.missing:
+            parts.append(f"missing keys {plan.missing}")
+        if plan.unexpected:
+            parts.append(f"unexpected keys {plan.unexpected}")
+        raise KeyError(
+            "state_dict does not match the model (nothing was loaded): " + ", ".join(parts)
+            + "; pass strict=False to load the keys that match"
+        )
+    for module, key, value in plan.writes:
+        module._apply(key, value)
+    return IncompatibleKeys(plan.missing, plan.unexpected)
+
+
+class Sequential(Module):
+    """Layers applied in order; state keys are ``"{layer_index}:{state_key}"`` as in ``.netcl`` files.
+
+    Parameter-free layers (ReLU, Flatten, ...) count in the index, as netcl counts them.
+
+    >>> model = Sequential(Linear(None, 8, 4), ReLU(), Linear(None, 4, 2))   # doctest: +SKIP
+    >>> list(model.state_dict())                                              # doctest: +SKIP
+    ['0:weight', '0:bias', '2:weight', '2:bias']
+    >>> model(np.ones((5, 8), np.float32)).shape                              # doctest: +SKIP
+    (5, 2)
+    """
+
+    def __init__(self, *layers: Module):
+        if len(layers) == 1 and not isinstance(layers[0], Module) and isinstance(layers[0], Iterable):
+            layers = tuple(layers[0])
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Module):
+                raise TypeError(f"Sequential layer {i} is a {type(layer).__name__}, not a fastckpt.nn.Module")
+        self.layers: list[Module] = list(layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, index):
+        return self.layers[index]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def append(self, layer: Module) -> "Sequential":
+        if not isinstance(layer, Module):
+            raise TypeError(f"cannot append a {type(layer).__name__}: not a fastckpt.nn.Module")
+        self.layers.append(layer)
+        return self
+
+    def named_tensors(self) -> dict[str, Tensor]:
+        out = {}
+        for i, layer in enumerate(self.layers):
+            for key, tensor in layer.named_tensors().items():
+                out[f"{i}:{key}"] = tensor
+        return out
+
+    def _plan_load(self, state: Mapping[str, Any], prefix: str = "") -> _Plan:
+        per_layer: list[dict[str, Any]] = [{} for _ in self.layers]
+        unexpected = []
+        for full_key, value in state.items():
+            index, sep, key = str(full_key).partition(":")
+            if sep and index.isdigit() and int(index) < len(self.layers):
+                per_layer[int(index)][key] = value
+            else:
+                unexpected.append(prefix + str(full_key))
+        missing, errors, writes = [], [], []
+        for i, layer in enumerate(self.layers):
+            sub = layer._plan_load(per_layer[i], f"{prefix}{i}:")
+            missing += sub.missing
+            unexpected += sub.unexpected
+            errors += sub.errors
+            writes += sub.writes
+        return _Plan(missing, unexpected, errors, writes)
+
+    def astype(self, dtype) -> "Sequential":
+        for layer in self.layers:
+            layer.astype(dtype)
+        return self
+
+    def forward(self, x) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        if not isinstance(x, Tensor):  # an empty Sequential still returns a device tensor
+            from fastckpt.nn.layers import as_tensor
+
+            x = as_tensor(x, None, None)
+        return x
+
+    def __repr__(self) -> str:
+        inner = "".join(f"\n  ({i}): {layer!r}" for i, layer in enumerate(self.layers))
+        return f"Sequential({inner}\n)" if inner else "Sequential()"
