@@ -134,7 +134,7 @@ def read_safetensors_index(MappedFile m):
     >>> with MappedFile(p) as m:
     ...     infos, meta, start = read_safetensors_index(m)
     >>> infos[0].name, infos[0].shape, infos[0].offset, infos[0].nbytes, meta, start
-    ('w', (2, 3), 64, 24, None, 64)
+    ('w', (2, 3), 128, 24, None, 128)
     """
     cdef str path = str(m.path)
     cdef int64_t size = m.size

@@ -1,0 +1,384 @@
+"""safetensors files: the byte-level format as fastckpt reads and writes it, the writer, and helpers.
+
+Layout
+======
+
+A safetensors file is three consecutive parts::
+
+    offset 0        8 bytes    N, the header length, unsigned 64-bit little-endian
+    offset 8        N bytes    the header: a UTF-8 JSON object, right-padded with spaces
+    offset 8 + N    D bytes    the data section: the bytes of every tensor, back to back
+
+where ``D = file size - 8 - N``.
+
+Header length
+-------------
+A reader MUST refuse a file shorter than 8 bytes, a length ``N`` larger than
+100_000_000 (the cap of the reference implementation), and a length with
+``8 + N`` larger than the file.
+
+Header
+------
+The ``N`` header bytes MUST be valid UTF-8 and MUST begin with ``{`` (0x7b).
+The JSON object MAY be followed by padding, which MUST consist of spaces
+(0x20) only; the last byte before the padding is therefore the object's
+closing ``}``. Inside the object any JSON whitespace is allowed. No object in
+the header may repeat a key, and the non-standard constants ``NaN``,
+``Infinity`` and ``-Infinity`` MUST NOT appear.
+
+The top-level object maps keys to entries:
+
+``"__metadata__"`` (optional)
+    An object whose values MUST all be strings. A reader MAY also accept
+    ``null`` here and treat it as absent (the reference reader does;
+    fastckpt does). Writers MUST NOT write ``null``.
+
+any other key
+    The name of a tensor. Its value MUST be an object with exactly the keys
+
+    - ``"dtype"``: one of the dtype strings in the table below;
+    - ``"shape"``: a list of non-negative integers, ``[]`` for a 0-d tensor;
+    - ``"data_offsets"``: ``[begin, end]``, integers with ``0 <= begin <= end``,
+      counted from the start of the data section.
+
+Integers MUST be JSON integers (``2``, not ``2.0`` or ``true``).
+
+Data section
+------------
+Sorted by ``(begin, end)``, the tensors MUST tile the data section exactly:
+the first begins at 0, each begins where the previous one ends (no holes, no
+overlaps) and the last ends at ``D``, so the data ends exactly at the end of
+the file. With no tensors, ``D`` MUST be 0. An empty tensor (a zero in its
+shape) has ``begin == end``.
+
+For every tensor ``end - begin`` MUST equal ``product(shape) * itemsize``.
+A reader MUST compute the product with 64-bit overflow checks, dimension by
+dimension from the left, and refuse the file when it overflows (as the
+reference does, even when a later dimension is 0).
+
+A tensor's bytes are its elements in C (row-major) order, each
+little-endian.
+
+Dtypes
+------
+===============  =============================  ========
+safetensors      numpy (ml_dtypes)              itemsize
+===============  =============================  ========
+``BOOL``         ``bool``                       1
+``U8``           ``uint8``                      1
+``I8``           ``int8``                       1
+``F8_E5M2``      ``ml_dtypes.float8_e5m2``      1
+``F8_E4M3``      ``ml_dtypes.float8_e4m3fn``    1
+``F8_E8M0``      ``ml_dtypes.float8_e8m0fnu``   1
+``F8_E4M3FNUZ``  ``ml_dtypes.float8_e4m3fnuz``  1
+``F8_E5M2FNUZ``  ``ml_dtypes.float8_e5m2fnuz``  1
+``I16``          ``int16``                      2
+``U16``          ``uint16``                     2
+``F16``          ``float16``                    2
+``BF16``         ``ml_dtypes.bfloat16``         2
+``I32``          ``int32``                      4
+``U32``          ``uint32``                     4
+``F32``          ``float32``                    4
+``C64``          ``complex64``                  8
+``F64``          ``float64``                    8
+``I64``          ``int64``                      8
+``U64``          ``uint64``                     8
+===============  =============================  ========
+
+The format also defines ``F4``, ``F6_E2M3`` and ``F6_E3M2``, which pack
+several elements into a byte. No numpy dtype can view them in place
+(``ml_dtypes.float4_e2m1fn`` stores one element per byte), so fastckpt
+refuses them with a :class:`~fastckpt.errors.FormatError` that names the
+dtype. Any other dtype string is refused the same way.
+
+What fastckpt's writer adds
+===========================
+The format leaves these choices open; :func:`save_safetensors` fixes them so
+that its output is aligned and byte-for-byte deterministic:
+
+Alignment
+    The header is padded with spaces so that the data section starts at a
+    multiple of ``alignment`` bytes (default 4096, a power of two >= 8) from
+    the start of the file. A reader that maps the file at a page boundary
+    therefore sees the whole data section aligned to ``alignment``, ready
+    for one device copy.
+
+Tensor order
+    Tensors are stored by descending dtype rank, then by name (code point
+    order, which equals UTF-8 byte order), the order of the reference
+    writer. The rank is the dtype's position in ``U64, I64, F64, C64, F32,
+    U32, I32, BF16, F16, U16, I16, F8_E5M2FNUZ, F8_E4M3FNUZ, F8_E8M0,
+    F8_E4M3, F8_E5M2, I8, U8, BOOL``; itemsizes never increase along it, so
+    every tensor's offset in the data section is a multiple of its itemsize,
+    and with an aligned data section every tensor is naturally aligned in
+    memory.
+
+JSON
+    No whitespace (separators ``,`` and ``:``); non-ASCII characters are
+    written as UTF-8, not ``\\u`` escapes; ``"__metadata__"`` comes first
+    when metadata is given (also when it is empty), its keys sorted; the
+    tensors follow in data order, each as ``{"dtype":..,"shape":..,
+    "data_offsets":..}`` in that key order. Apart from padding and the order
+    of metadata keys, the header is the text the reference writer produces,
+    and the data section is byte-identical to the reference writer's.
+
+Byte order
+    Big-endian input arrays are converted to little-endian; values are
+    unchanged.
+
+Atomicity
+    The file is written to a temporary name in the same directory and
+    renamed over ``path`` (after ``fsync`` unless ``fsync=False``). Readers
+    never see a partial file, a failed save leaves the previous file intact,
+    and mappings of the previous file keep seeing its old bytes.
+
+Example: ``save_safetensors(p, {"a": np.array([1, 2], np.uint8)}, alignment=64)``
+writes exactly these 66 bytes::
+
+    38 00 00 00 00 00 00 00                                   N = 56
+    {"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}     53 bytes of JSON
+    20 20 20                                                  3 spaces: 8 + 56 = 64
+    01 02                                                     the data section
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fastckpt._atomic import atomic_write
+from fastckpt._info import TensorInfo
+from fastckpt._safetensors import (
+    DTYPE_RANK,
+    MAX_HEADER_SIZE,
+    NUMPY_DTYPES,
+    read_safetensors_index,
+    unsupported_dtype_message,
+)
+
+__all__ = [
+    "save_safetensors",
+    "read_safetensors_index",
+    "read_tensor",
+    "dtype_from_safetensors",
+    "dtype_to_safetensors",
+    "DEFAULT_ALIGNMENT",
+]
+
+DEFAULT_ALIGNMENT = 4096
+
+# Builtin numpy kinds by (kind, itemsize); ml_dtypes types (kind "V") by scalar type.
+_NAME_BY_KIND_SIZE = {
+    (dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items() if dt.kind != "V"
+}
+_NAME_BY_ML_TYPE = {dt.type: name for name, dt in NUMPY_DTYPES.items() if dt.kind == "V"}
+
+# Largest single write: well below Linux's 2 GiB per write(2) call.
+_WRITE_CHUNK = 256 << 20
+
+
+def dtype_from_safetensors(name: str) -> np.dtype:
+    """The numpy dtype (little-endian) that a safetensors dtype string names.
+
+    Raises ``ValueError`` for an unknown string or a packed sub-byte type
+    (``F4``, ``F6_E2M3``, ``F6_E3M2``), saying which.
+
+    >>> dtype_from_safetensors("F32")
+    dtype('float32')
+    >>> dtype_from_safetensors("BF16")
+    dtype(bfloat16)
+    """
+    try:
+        return NUMPY_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(unsupported_dtype_message(name)) from None
+
+
+def dtype_to_safetensors(dtype: Any) -> str:
+    """The safetensors dtype string for a numpy dtype (either byte order).
+
+    Raises ``TypeError`` for dtypes safetensors cannot express (object,
+    strings, structured, complex128, float128, and the ml_dtypes types
+    without a safetensors name), saying what to convert to.
+
+    >>> import numpy as np, ml_dtypes
+    >>> dtype_to_safetensors(np.dtype(">i4")), dtype_to_safetensors(ml_dtypes.float8_e4m3fn)
+    ('I32', 'F8_E4M3')
+    """
+    dt = np.dtype(dtype)
+    if dt.kind == "V":
+        name = _NAME_BY_ML_TYPE.get(dt.type) if dt.fields is None and dt.subdtype is None else None
+    else:
+        name = _NAME_BY_KIND_SIZE.get((dt.kind, dt.itemsize))
+    if name is not None:
+        return name
+    if dt.kind == "c":
+        hint = "safetensors has only C64: convert with .astype(np.complex64), or save real and imaginary parts"
+    elif dt.kind == "f":
+        hint = "convert with .astype(np.float64)"
+    elif dt.kind in "OUSTMm" or dt.fields is not None:
+        hint = "safetensors holds numeric tensors only; put strings in metadata, split structured arrays into fields"
+    else:
+        hint = f"supported: {', '.join(sorted(NUMPY_DTYPES))}"
+    raise TypeError(f"dtype {dt} has no safetensors equivalent ({hint})")
+
+
+def read_tensor(m, info: TensorInfo) -> np.ndarray:
+    """A zero-copy, read-only numpy view of one tensor of a mapped safetensors file.
+
+    The view keeps the mapping alive after ``m.close()``.
+
+    >>> import os, tempfile, numpy as np
+    >>> from fastckpt._mapped import MappedFile
+    >>> p = os.path.join(tempfile.mkdtemp(), "t.safetensors")
+    >>> save_safetensors(p, {"w": np.arange(6, dtype=np.int16).reshape(2, 3)})
+    >>> with MappedFile(p) as m:
+    ...     infos, _, _ = read_safetensors_index(m)
+    ...     read_tensor(m, infos[0]).tolist()
+    [[0, 1, 2], [3, 4, 5]]
+    """
+    return m.array(info.offset, info.dtype, info.shape, what=f"tensor {info.name!r}")
+
+
+class _Planned:
+    """One tensor on its way to disk: what the header says, and where its bytes come from."""
+
+    __slots__ = ("name", "dtype_name", "dtype", "shape", "nbytes", "array", "source")
+
+    def __init__(self, name, dtype_name, dtype, shape, nbytes, array, source):
+        self.name = name
+        self.dtype_name = dtype_name
+        self.dtype = dtype
+        self.shape = shape
+        self.nbytes = nbytes
+        self.array = array
+        self.source = source
+
+
+def _check_utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} {text!r} cannot be encoded as UTF-8 ({e.reason})") from None
+
+
+def _checked_metadata(metadata) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of str to str, got {type(metadata).__name__}")
+    checked = {}
+    for key, value in metadata.items():
+        if type(key) is not str or type(value) is not str:
+            raise TypeError(
+                f"metadata must map str to str, got {key!r}: {value!r:.80} ({type(key).__name__}: "
+                f"{type(value).__name__}); convert values with str() or json.dumps()")
+        _check_utf8(key, "metadata key")
+        _check_utf8(value, f"metadata[{key!r}]")
+        checked[key] = value
+    return dict(sorted(checked.items()))
+
+
+def _as_array(name: str, value) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except Exception as e:
+        raise TypeError(f"tensor {name!r}: cannot convert {type(value).__name__} to a numpy array: {e}") from e
+    return arr
+
+
+def _plan(name, value) -> _Planned:
+    if type(name) is not str:
+        raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
+    if name == "__metadata__":
+        raise ValueError("'__metadata__' is reserved by the safetensors format; pass metadata= instead")
+    _check_utf8(name, "tensor name")
+    arr = _as_array(name, value)
+    try:
+        dtype_name = dtype_to_safetensors(arr.dtype)
+    except TypeError as e:
+        raise TypeError(f"tensor {name!r}: {e}") from None
+    # Keep arrays that share memory with the input; drop ones that np.asarray had to build
+    # (lists, lazily materialized array-likes) and rebuild them at write time, so that at most
+    # one such copy exists at once.
+    owned_copy = arr is not value and arr.flags.owndata
+    return _Planned(name, dtype_name, NUMPY_DTYPES[dtype_name], arr.shape, arr.nbytes,
+                    None if owned_copy else arr, value)
+
+
+def _header_bytes(plan: list[_Planned], metadata: dict[str, str] | None, alignment: int) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    offset = 0
+    for t in plan:
+        header[t.name] = {"dtype": t.dtype_name, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    padded = len(text) + (-(8 + len(text)) % alignment)
+    if padded > MAX_HEADER_SIZE:
+        raise ValueError(f"the JSON header would be {padded} bytes, over the safetensors limit of "
+                         f"{MAX_HEADER_SIZE}; split the tensors over several files or shorten metadata")
+    return padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
+
+
+def _write_tensor(f, t: _Planned) -> None:
+    arr = t.array
+    if arr is None:
+        arr = _as_array(t.name, t.source)
+        if arr.shape != t.shape or dtype_to_safetensors(arr.dtype) != t.dtype_name:
+            raise ValueError(f"tensor {t.name!r}: converting it again gave {arr.dtype}{list(arr.shape)} instead "
+                             f"of {t.dtype_name}{list(t.shape)}; pass a numpy array")
+    t.array = None  # release our reference as soon as its bytes are out
+    if t.nbytes == 0:
+        return
+    # No copy for a C-contiguous little-endian array; else one copy of this tensor only.
+    arr = np.ascontiguousarray(arr, dtype=t.dtype)
+    raw = memoryview(arr.reshape(-1).view(np.uint8))
+    for start in range(0, t.nbytes, _WRITE_CHUNK):
+        f.write(raw[start:start + _WRITE_CHUNK])
+
+
+def save_safetensors(
+    path: str | os.PathLike,
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    fsync: bool = True,
+) -> None:
+    """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
+
+    The file follows the module's spec: data section aligned to ``alignment``
+    bytes (a power of two >= 8), tensors in the reference writer's order,
+    compact deterministic JSON, little-endian data (big-endian input is
+    converted). ``metadata`` must map str to str. Each tensor's bytes go
+    straight from its buffer to the file; a non-contiguous or big-endian
+    tensor is copied, one at a time. ``fsync=False`` skips the fsyncs (still
+    atomic for readers, not durable across power loss).
+
+    Raises ``TypeError`` for a dtype safetensors cannot store (object,
+    strings, complex128, ...) or non-string metadata, naming the tensor or key.
+
+    >>> import os, tempfile, numpy as np
+    >>> p = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> save_safetensors(p, {"w": np.ones((2, 2), np.float32)}, {"step": "10"})
+    >>> os.path.getsize(p)
+    4112
+    """
+    if type(alignment) is not int or alignment < 8 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two >= 8, got {alignment!r}")
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of name to array, got {type(tensors).__name__}")
+    checked_metadata = _checked_metadata(metadata)
+    plan = [_plan(name, value) for name, value in tensors.items()]
+    plan.sort(key=lambda t: (-DTYPE_RANK[t.dtype_name], t.name))
+    prefix = _header_bytes(plan, checked_metadata, alignment)
+    with atomic_write(path, fsync=fsync) as f:
+        f.write(prefix)
+        for t in plan:
+            _write_tensor(f, t)
