@@ -54,6 +54,20 @@ class Tensor:
         self._keepalive = keepalive  # source memory of an in-flight copy (see SAFETY above)
         self._owner = owner  # what must outlive this view: an arena lease, a pool handle
 
+    @classmethod
+    def _make(cls, buffer, shape: tuple, dtype: np.dtype, offset: int, queue, owner) -> "Tensor":
+        """A view from already-validated parts (a parsed TensorInfo): the loader's fast constructor."""
+        t = cls.__new__(cls)
+        t.buffer = buffer
+        t.offset = offset
+        t.shape = shape
+        t.dtype = dtype
+        t.queue = queue
+        t._event = None
+        t._keepalive = None
+        t._owner = owner
+        return t
+
     # -- description -------------------------------------------------------------------------
     @property
     def size(self) -> int:

@@ -1,0 +1,477 @@
+"""Loading a tensor file into OpenCL device memory with one copy per file region, or none.
+
+``load_file(path_or_tensorfile, queue, pool=pool)`` copies the file's tensor
+data region straight from the memory mapping into one pooled device buffer
+(an *arena*) with a single ``enqueue_copy``; each tensor is then a view
+``(arena, payload offset - region start, shape, dtype)``. No host copy is made
+and, when the pool already holds a fitting arena (the same or a same-shaped
+model loaded before), no device memory is allocated either. The command
+count, not the byte count, is what costs on small tensors (tens of
+microseconds per command on pocl), which is why the region is copied whole.
+
+Paths a tensor can take (``LoadedTensors.report.paths``):
+
+- ``"arena"``: a view into a pooled arena filled by one copy per region.
+  Regions are split where a gap between tensors exceeds ``MERGE_GAP`` bytes
+  (copying the gap would cost more than another command) or where one device
+  allocation (``max_mem_alloc_size``) cannot hold more.
+- ``"zero-copy"`` (``zero_copy=True``, devices sharing host memory, such as
+  pocl and integrated GPUs): a ``USE_HOST_PTR`` buffer over a copy-on-write
+  mapping of the file. Nothing is copied or allocated; kernel writes stay in
+  the private mapping and the file never changes. The buffer starts at the
+  region start rounded down to the device's ``mem_base_addr_align`` (so the
+  runtime need not copy), which any mapping allows when that alignment
+  divides the page size.
+- ``"buffer"``: without a pool, a buffer of exactly the tensor's size per
+  tensor, one copy each.
+- ``"decoded"``: compressed (DEFLATE) members and Fortran-ordered arrays are
+  decoded on the host and copied one by one; a :class:`NotZeroCopyWarning`
+  says which.
+- ``"empty"``: a tensor with no bytes (a view of length 0).
+
+SAFETY (keep-alive): a non-blocking copy reads the mapping after
+``enqueue_copy`` returns, so the memoryview it reads is kept by pyopencl's
+``NannyEvent`` and by every tensor filled by that copy until it is waited on;
+the mapping cannot be unmapped earlier. With ``blocking=True`` every copy has
+finished when ``load_file`` returns.
+
+>>> import fastckpt, numpy as np                            # doctest: +SKIP
+>>> from fastckpt.pool import PersistentBufferPool          # doctest: +SKIP
+>>> dev = fastckpt.device.default()                         # doctest: +SKIP
+>>> pool = PersistentBufferPool(dev.context, dev.queue)     # doctest: +SKIP
+>>> model = load_file("model.safetensors", dev.queue, pool=pool)  # doctest: +SKIP
+>>> model["w"].to_host()                                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.tensor import Tensor, contiguous
+
+__all__ = ["load_file", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP"]
+
+# Largest gap between two payloads copied along with them rather than split into a second command:
+# about what the device copies in the time one extra command costs (~45 us at ~12 GB/s on pocl).
+MERGE_GAP = 512 * 1024
+
+
+@dataclass
+class LoadReport:
+    """What one :func:`load_file` call did.
+
+    ``mode`` is ``"pool"``, ``"per-tensor"`` or ``"zero-copy"``; ``paths`` maps
+    each tensor to its path (see the module docstring); ``timings`` holds
+    seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
+    """
+
+    path: str
+    format: str
+    mode: str
+    tensors: int = 0
+    regions: int = 0
+    bytes_copied: int = 0
+    copies: int = 0
+    pool_hits: int = 0
+    pool_misses: int = 0
+    bytes_allocated: int = 0
+    paths: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+class LoadedTensors(Mapping):
+    """The tensors of one :func:`load_file` call: a read-only mapping name -> :class:`~fastckpt.tensor.Tensor`.
+
+    The device memory stays valid while any of its tensors (or this object)
+    is alive; pooled arenas then return to the pool by themselves.
+    :meth:`release` returns them at once.
+
+    >>> loaded = load_file("model.safetensors", pool=pool)   # doctest: +SKIP
+    >>> loaded.report.copies, loaded.report.pool_misses       # doctest: +SKIP
+    (1, 0)
+    """
+
+    def __init__(self, tensors: dict, report: LoadReport, leases: list, events: list):
+        self._tensors = tensors
+        self.report = report
+        self._leases = leases
+        self._events = events
+
+    @property
+    def path(self) -> str:
+        return self.report.path
+
+    def __getitem__(self, name: str) -> Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise TensorNotFoundError(f"{self.report.path}: no tensor named {name!r} was loaded "
+                                      f"({len(self._tensors)} loaded)") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data loaded."""
+        return sum(t.nbytes for t in self._tensors.values())
+
+    def wait(self) -> None:
+        """Block until every copy of this load has finished (a no-op after a blocking load)."""
+        events, self._events = self._events, []
+        if events:
+            _wait_all(events)
+        for t in self._tensors.values():
+            t.wait()
+
+    def release(self) -> None:
+        """Wait for pending copies, then return pooled memory to the pool now.
+
+        Tensors of this load (including ones held elsewhere) must not be used afterwards:
+        the next load may overwrite their memory.
+        """
+        self.wait()
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.release()
+        self._tensors = {}
+
+    def __enter__(self) -> "LoadedTensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        r = self.report
+        return f"<LoadedTensors {r.path!r} tensors={len(self)} mode={r.mode} copies={r.copies}>"
+
+
+def plan_regions(infos: Iterable, limit: int | None, merge_gap: int = MERGE_GAP) -> list[tuple[int, int, list]]:
+    """Group payloads (sorted by offset, none empty) into ``(start, end, infos)`` regions for one copy each.
+
+    A region ends where the next payload starts more than ``merge_gap`` bytes
+    after it, or where including it would make the region longer than
+    ``limit`` bytes (one device allocation). Splits fall on tensor boundaries.
+
+    >>> from fastckpt._info import TensorInfo
+    >>> ts = [TensorInfo(n, np.dtype("u1"), (4,), o, 4) for n, o in (("a", 100), ("b", 104), ("c", 120))]
+    >>> [(s, e, [i.name for i in g]) for s, e, g in plan_regions(ts, limit=16)]
+    [(100, 108, ['a', 'b']), (120, 124, ['c'])]
+    """
+    if not isinstance(infos, list):
+        infos = list(infos)
+    if not infos:
+        return []
+    # Fast path (the usual file): payloads back to back, the whole span fits in one allocation.
+    start = infos[0].offset
+    end = start
+    for info in infos:
+        if info.offset - end > merge_gap:
+            break
+        hi = info.offset + info.nbytes
+        if hi > end:
+            end = hi
+    else:
+        if limit is None or end - start <= limit:
+            return [(start, end, infos)]
+    regions: list[tuple[int, int, list]] = []
+    start = end = -1
+    group: list = []
+    for info in infos:
+        lo, hi = info.offset, info.offset + info.nbytes
+        if limit is not None and hi - lo > limit:
+            raise ValueError(
+                f"tensor {info.name!r} has {info.nbytes} bytes, more than one device allocation may hold "
+                f"(max_mem_alloc_size = {limit}); it cannot be loaded on this device"
+            )
+        if group and lo - end <= merge_gap and (limit is None or max(end, hi) - start <= limit):
+            group.append(info)
+            end = max(end, hi)
+            continue
+        if group:
+            regions.append((start, end, group))
+        start, end, group = lo, hi, [info]
+    if group:
+        regions.append((start, end, group))
+    return regions
+
+
+def _wait_all(events) -> None:
+    import pyopencl as cl
+
+    cl.wait_for_events(events)
+
+
+def _open(source, copy_on_write: bool):
+    from fastckpt import reader
+
+    if isinstance(source, (str, os.PathLike)):
+        return reader.open(source, copy_on_write=copy_on_write), True
+    if not hasattr(source, "infos") or not hasattr(source, "mapped"):
+        raise TypeError(f"load_file needs a path or an open fastckpt.TensorFile, got {type(source).__name__}")
+    if copy_on_write and not source.mapped.copy_on_write:
+        # USE_HOST_PTR lets kernels write into the mapping: it must be private, never the read-only one.
+        return reader.open(source.path, backend=source.mapped.backend, copy_on_write=True), True
+    return source, False
+
+
+def _select(tf, names) -> list:
+    if names is None:
+        return list(tf.infos.values())
+    if isinstance(names, str):
+        raise TypeError("names must be a list of tensor names, not a single string")
+    seen = set()
+    chosen = []
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        info = tf.infos.get(name)
+        if info is None:
+            shown = ", ".join(repr(n) for n in list(tf.infos)[:8])
+            raise TensorNotFoundError(f"{tf.path}: no tensor named {name!r} ({len(tf.infos)} tensors: {shown}"
+                                      f"{', ...' if len(tf.infos) > 8 else ''})")
+        chosen.append(info)
+    chosen.sort(key=lambda i: i.offset)
+    return chosen
+
+
+def _view(buffer, info, offset, queue, owner) -> Tensor:
+    return Tensor._make(buffer, info.shape, info.dtype, offset, queue, owner)
+
+
+def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=None,
+              blocking: bool = True) -> LoadedTensors:
+    """Load the tensors of an NPZ or safetensors file into device memory.
+
+    ``source`` is a path or an open :class:`fastckpt.TensorFile` (reusing one
+    skips parsing the index again). ``queue`` defaults to the pool's queue, else
+    :func:`fastckpt.device.default`'s. With ``pool`` (a
+    :class:`~fastckpt.pool.PersistentBufferPool`) the file's data region is
+    copied with one command into an arena; without, each tensor gets its own
+    exact-size buffer. ``zero_copy=True`` maps the file copy-on-write and uses
+    it as device memory where the device shares host memory (else a
+    :class:`~fastckpt.errors.NotZeroCopyWarning` and a normal copy).
+    ``names`` loads only those tensors. ``blocking=False`` returns while copies
+    may still run: each tensor waits for its copy before it is read
+    (:meth:`LoadedTensors.wait` waits for all).
+
+    >>> import fastckpt, numpy as np, tempfile, os                     # doctest: +SKIP
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")          # doctest: +SKIP
+    >>> fastckpt.save_safetensors(p, {"w": np.arange(6, dtype=np.float32)})  # doctest: +SKIP
+    >>> load_file(p)["w"].to_host()                                    # doctest: +SKIP
+    array([0., 1., 2., 3., 4., 5.], dtype=float32)
+    """
+    import pyopencl as cl
+
+    t_start = time.perf_counter()
+    if queue is None:
+        queue = pool.queue if pool is not None and pool.queue is not None else None
+    if queue is None:
+        from fastckpt.device import default
+
+        queue = default().queue
+    tf, opened = _open(source, zero_copy)
+    try:
+        t_open = time.perf_counter()
+        selected = _select(tf, names)
+        mode = "pool" if pool is not None else "per-tensor"
+        report = LoadReport(path=tf.path, format=tf.format, mode=mode, tensors=len(selected))
+        paths = report.paths
+        direct, decoded, empty = [], [], []
+        for info in selected:
+            if info.compression is not None or info.fortran_order:
+                decoded.append(info)
+            elif info.nbytes == 0:
+                empty.append(info)
+            else:
+                direct.append(info)
+
+        device = queue.device
+        limit = pool.max_alloc_size if pool is not None else int(device.max_mem_alloc_size)
+        mapped = tf.mapped
+        tensors: dict = {}
+        leases: list = []
+        events: list = []
+        first_buffer = None
+        t_plan = t_alloc = time.perf_counter()
+
+        def note(message: str) -> None:
+            report.warnings.append(message)
+            warnings.warn(NotZeroCopyWarning(message), stacklevel=3)
+
+        try:
+            if zero_copy and direct:
+                reason = _zero_copy_obstacle(device, mapped)
+                if reason is None:
+                    base_align = max(1, int(device.mem_base_addr_align) // 8)
+                    regions = plan_regions(direct, limit - base_align + 1 if limit else None)
+                    address = mapped.address
+                    starts = [s - ((address + s) % base_align) for s, _, _ in regions]
+                    if min(starts) < 0:
+                        reason = (f"the device needs buffers aligned to {base_align} bytes "
+                                  "(mem_base_addr_align) and the mapping cannot provide that")
+                if reason is None:
+                    report.mode = "zero-copy"
+                    flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
+                    for (start, end, group), astart in zip(regions, starts):
+                        # SAFETY: the buffer keeps the memoryview (and so the private mapping) alive.
+                        buffer = cl.Buffer(queue.context, flags, hostbuf=mapped.view(astart, end - astart))
+                        first_buffer = first_buffer or buffer
+                        for info in group:
+                            tensors[info.name] = _view(buffer, info, info.offset - astart, queue, None)
+                            paths[info.name] = "zero-copy"
+                    report.regions = len(regions)
+                    direct = []
+                else:
+                    note(f"{tf.path}: zero_copy=True but {reason}; the tensors are copied instead")
+                    report.mode = mode
+
+            if direct and pool is not None:
+                regions = plan_regions(direct, limit)
+                report.regions = len(regions)
+                for start, end, group in regions:
+                    lease = pool.arena(end - start)
+                    leases.append(lease)
+                    if lease.hit:
+                        report.pool_hits += 1
+                    else:
+                        report.pool_misses += 1
+                        report.bytes_allocated += lease.size
+                t_alloc = time.perf_counter()
+                for (start, end, group), lease in zip(regions, leases):
+                    source_view = mapped.view(start, end - start, "tensor data region")
+                    event = cl.enqueue_copy(queue, lease.buffer, source_view, is_blocking=False)
+                    events.append(event)
+                    report.copies += 1
+                    report.bytes_copied += end - start
+                    buffer = lease.buffer
+                    first_buffer = first_buffer or buffer
+                    pending = None if blocking else event
+                    keep = None if blocking else source_view
+                    new = Tensor.__new__
+                    for info in group:  # hot loop (1000s of tensors): Tensor._make inlined
+                        t = new(Tensor)
+                        t.buffer = buffer
+                        t.offset = info.offset - start
+                        t.shape = info.shape
+                        t.dtype = info.dtype
+                        t.queue = queue
+                        t._event = pending
+                        t._keepalive = keep
+                        t._owner = lease
+                        name = info.name
+                        tensors[name] = t
+                        paths[name] = "arena"
+            elif direct:
+                ctx = queue.context
+                rw = cl.mem_flags.READ_WRITE
+                for info in direct:
+                    buffer = cl.Buffer(ctx, rw, info.nbytes)
+                    report.bytes_allocated += info.nbytes
+                    source_view = mapped.view(info.offset, info.nbytes, f"tensor {info.name!r}")
+                    event = cl.enqueue_copy(queue, buffer, source_view, is_blocking=False)
+                    events.append(event)
+                    report.copies += 1
+                    report.bytes_copied += info.nbytes
+                    first_buffer = first_buffer or buffer
+                    t = _view(buffer, info, 0, queue, None)
+                    if not blocking:
+                        t._event, t._keepalive = event, source_view
+                    tensors[info.name] = t
+                    paths[info.name] = "buffer"
+                t_alloc = time.perf_counter()
+
+            if decoded:
+                kinds = sorted({"compressed (" + i.compression + ")" if i.compression else "Fortran-ordered"
+                                for i in decoded})
+                shown = ", ".join(repr(i.name) for i in decoded[:5]) + (", ..." if len(decoded) > 5 else "")
+                note(f"{tf.path}: {len(decoded)} tensor(s) are {' and '.join(kinds)} and were decoded on the host "
+                     f"and copied one by one ({shown}); save with fastckpt.save_npz or save_safetensors "
+                     "(stored, C order) for the one-copy path")
+                for info in decoded:
+                    host = contiguous(tf.host(info.name))
+                    nbytes = host.nbytes
+                    if pool is not None:
+                        lease = pool.allocate(nbytes)
+                        leases.append(lease)
+                        report.pool_hits += lease.hit
+                        report.pool_misses += not lease.hit
+                        report.bytes_allocated += 0 if lease.hit else lease.size
+                        buffer, owner = lease.buffer, lease
+                    else:
+                        buffer, owner = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, max(nbytes, 1)), None
+                        report.bytes_allocated += max(nbytes, 1)
+                    t = Tensor(buffer, host.shape, host.dtype, queue=queue, owner=owner)
+                    if nbytes:
+                        event = cl.enqueue_copy(queue, buffer, host.reshape(-1).view(np.uint8), is_blocking=False)
+                        events.append(event)
+                        report.copies += 1
+                        report.bytes_copied += nbytes
+                        if not blocking:
+                            t._event, t._keepalive = event, host
+                    first_buffer = first_buffer or buffer
+                    tensors[info.name] = t
+                    paths[info.name] = "decoded"
+
+            if empty:
+                if first_buffer is None:
+                    first_buffer = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, 1)
+                owner = leases[0] if leases else None
+                for info in empty:
+                    tensors[info.name] = _view(first_buffer, info, 0, queue, owner)
+                    paths[info.name] = "empty"
+
+            if blocking and events:
+                _wait_all(events)
+                events = []
+        except BaseException:
+            # Never leave a copy reading memory we are about to drop, nor a lease marked in use.
+            if events:
+                try:
+                    _wait_all(events)
+                except Exception:  # the original error is the one to report
+                    pass
+            for lease in leases:
+                lease.release()
+            raise
+        t_end = time.perf_counter()
+    finally:
+        if opened:
+            tf.close()  # views already taken keep the mapping alive
+
+    if decoded or empty or zero_copy:  # several paths: restore file order
+        tensors = {i.name: tensors[i.name] for i in selected}
+    report.timings = {
+        "open": t_open - t_start,
+        "plan": t_plan - t_open,
+        "allocate": t_alloc - t_plan,
+        "copy": t_end - t_alloc,
+        "total": t_end - t_start,
+    }
+    return LoadedTensors(tensors, report, leases, events)
+
+
+def _zero_copy_obstacle(device, mapped) -> str | None:
+    """Why a zero-copy load is impossible here, or None."""
+    if not device.host_unified_memory:
+        return f"the device {device.name.strip()!r} does not share host memory (host_unified_memory is false)"
+    if mapped.address is None:
+        return f"the file is not memory-mapped (backend={mapped.backend!r})"
+    return None

@@ -1,0 +1,518 @@
+"""Device memory that outlives a load, so loading the same model again allocates nothing.
+
+A :class:`PersistentBufferPool` keeps device buffers after the tensors using
+them are gone and hands them to the next request that fits. Two kinds of
+request share one store of buffers:
+
+- **arenas** (:meth:`PersistentBufferPool.arena`): one allocation for a file's
+  whole tensor-data region; the tensors are ``(buffer, offset)`` views into it.
+  A later load takes the *best fitting* idle buffer (the smallest one at least
+  as large as its region, wasting at most half of it), so reloading the same
+  or a same-shaped model is a hit and costs no allocation.
+- **single buffers** (:meth:`PersistentBufferPool.allocate`, and calling the
+  pool, which is pyopencl's allocator protocol): sizes are rounded up to
+  geometric size classes (eight per power of two: at most 12.5 % padding;
+  256 bytes at least) so that buffers of nearly equal sizes are shared.
+
+Buffers go back to the pool when the lease holding them is released or
+garbage-collected (a ``weakref.finalize`` on the lease; a tensor that is a view
+into an arena holds the lease as its owner). Buffers handed out through the
+allocator protocol are plain ``pyopencl.Buffer`` objects, which cannot carry
+weak references; the pool notices that they were dropped by their reference
+count, at its next miss, :meth:`~PersistentBufferPool.collect` or ``stats``.
+
+Memory bounds: with ``max_bytes`` the pool evicts idle buffers, least recently
+used first, to keep what it holds under the bound; a request that cannot fit
+even then is still served (memory in use cannot be freed) and its buffer is
+freed, not kept, when returned. An allocation that fails for lack of device
+memory frees every idle buffer and is retried once; a second failure raises
+``MemoryError`` saying how much was asked for and how much is held.
+
+Thread safety: every public method may be called from any thread. Leases are
+returned by finalizers, which can run inside any allocation, including one
+the pool itself makes while it holds its lock; a finalizer therefore only
+queues the return, and whoever holds (or next takes) the lock applies it. A
+re-entrant lock would let the finalizer change the pool's lists in the middle
+of an update, so the lock is deliberately not re-entrant.
+
+>>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+>>> with pool.allocate(1000) as lease:
+...     lease.size
+1024
+>>> pool.allocate(1000).hit       # the same size class again: no allocation
+True
+>>> pool.stats.allocations
+1
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import threading
+import weakref
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "size_class"]
+
+MIN_CLASS = 256
+# An idle buffer serves a single-buffer request up to this factor above its size class (borrowing from
+# the next two classes), and an arena request up to twice the region.
+_CLASS_SLACK = 1.25
+_ARENA_SLACK = 2.0
+
+# OpenCL status codes meaning "no memory for this allocation" (possibly only for now).
+_OOM_CODES = {-4, -5, -6}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY
+
+
+def size_class(nbytes: int) -> int:
+    """The size a single-buffer request of ``nbytes`` is rounded up to.
+
+    Eight classes per power of two, so the padding is at most 12.5 % (and
+    requests up to 256 bytes share one class).
+
+    >>> [size_class(n) for n in (1, 256, 257, 1000, 4096, 4097, 10**6)]
+    [256, 256, 288, 1024, 4096, 4608, 1048576]
+    """
+    if nbytes <= MIN_CLASS:
+        return MIN_CLASS
+    step = 1 << max(0, (nbytes - 1).bit_length() - 4)
+    return (nbytes + step - 1) & -step
+
+
+def _refs(obj) -> int:
+    return sys.getrefcount(obj)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    code = getattr(exc, "code", None)
+    if code is None and exc.args:
+        code = getattr(exc.args[0], "code", None)
+    try:
+        return int(code) in _OOM_CODES
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's counters.
+
+    ``hits``/``misses`` count requests served from held memory / by a new
+    allocation; ``allocations`` and ``bytes_allocated`` count device
+    allocations ever made; ``evictions`` counts idle buffers freed to respect
+    ``max_bytes`` or after a failed allocation; ``bytes_held`` is what the pool
+    owns now (``bytes_in_use`` + ``bytes_idle``).
+    """
+
+    hits: int
+    misses: int
+    allocations: int
+    bytes_allocated: int
+    evictions: int
+    bytes_held: int
+    bytes_in_use: int
+    bytes_idle: int
+    buffers_held: int
+    buffers_in_use: int
+    max_bytes: int | None
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class _Block:
+    """One device allocation owned by the pool."""
+
+    __slots__ = ("raw", "size", "serial", "in_use")
+
+    def __init__(self, raw, size: int, serial: int):
+        self.raw = raw
+        self.size = size
+        self.serial = serial
+        self.in_use = False
+
+
+class PoolBuffer:
+    """A lease on a pooled buffer: ``buffer`` is yours until :meth:`release` (or garbage collection).
+
+    ``nbytes`` is what was asked for, ``size`` the buffer's real size (never
+    less), ``hit`` whether it came from held memory.
+
+    >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+    >>> lease = pool.allocate(10)
+    >>> lease.nbytes, lease.size, lease.released
+    (10, 256, False)
+    >>> lease.release(); lease.released
+    True
+    """
+
+    __slots__ = ("buffer", "nbytes", "size", "hit", "_block", "_finalizer", "_base_refs", "__weakref__")
+
+    def __init__(self, pool: "PersistentBufferPool", block: _Block, nbytes: int, hit: bool):
+        self.buffer = block.raw
+        self.nbytes = nbytes
+        self.size = block.size
+        self.hit = hit
+        self._base_refs = 0
+        self._block = block
+        self._finalizer = weakref.finalize(self, pool._give_back, block)
+        self._finalizer.atexit = False  # nothing to return to at interpreter exit
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def release(self) -> None:
+        """Return the buffer to the pool now. Idempotent. Do not use ``buffer`` afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "PoolBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else ("hit" if self.hit else "miss")
+        return f"<PoolBuffer nbytes={self.nbytes} size={self.size} {state}>"
+
+
+class PersistentBufferPool:
+    """Device buffers kept across loads: arenas for whole files, size classes for single tensors.
+
+    ``context`` is the pyopencl context to allocate in (read-write buffers);
+    ``allocator`` replaces that with any callable ``nbytes -> buffer`` (used to
+    test the bookkeeping without a device; the buffer needs only a ``size``
+    attribute or a ``len``). ``max_bytes`` bounds the memory held (None: no
+    bound but the device's). ``max_alloc_size`` is the largest single
+    allocation (default: the device's ``max_mem_alloc_size``; None without a
+    context); loads split regions larger than it.
+
+    >>> import numpy as np, pyopencl as cl, pyopencl.array as cla       # doctest: +SKIP
+    >>> from fastckpt.device import default                             # doctest: +SKIP
+    >>> dev = default()                                                 # doctest: +SKIP
+    >>> pool = PersistentBufferPool(dev.context, dev.queue)             # doctest: +SKIP
+    >>> a = cla.to_device(dev.queue, np.ones(1000, np.float32), allocator=pool)  # doctest: +SKIP
+    >>> del a; pool.stats.bytes_idle                                    # doctest: +SKIP
+    4096
+    """
+
+    def __init__(self, context, queue=None, *, max_bytes: int | None = None,
+                 allocator: Callable[[int], Any] | None = None, max_alloc_size: int | None = None):
+        if context is None and allocator is None:
+            raise ValueError("PersistentBufferPool needs a pyopencl context, or an allocator=callable(nbytes)")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
+        self.context = context
+        self.queue = queue
+        self.max_bytes = max_bytes
+        devices = list(context.devices) if context is not None else []
+        if max_alloc_size is None and devices:
+            max_alloc_size = min(int(d.max_mem_alloc_size) for d in devices)
+        self.max_alloc_size = max_alloc_size
+        # Offsets of sub-buffers must be multiples of this (bytes); arenas are sized in multiples of it.
+        self.base_align = max((int(d.mem_base_addr_align) // 8 for d in devices), default=1) or 1
+        if allocator is None:
+            import pyopencl as cl
+
+            flags = cl.mem_flags.READ_WRITE
+
+            def allocator(nbytes, _ctx=context, _flags=flags, _Buffer=cl.Buffer):
+                return _Buffer(_ctx, _flags, nbytes)
+
+        self._allocator = allocator
+        self._lock = threading.Lock()  # not re-entrant on purpose: see the module docstring
+        self._returned: deque[_Block] = deque()
+        self._idle: OrderedDict[int, _Block] = OrderedDict()  # serial -> block, least recently used first
+        self._idle_sizes: list[tuple[int, int]] = []  # sorted (size, serial) of idle blocks, for best fit
+        self._handed: dict[int, PoolBuffer] = {}  # id(buffer) -> lease, for the allocator protocol
+        self._serial = 0
+        self._hits = self._misses = self._allocations = self._evictions = 0
+        self._bytes_allocated = 0
+        self._bytes_held = 0
+        self._bytes_in_use = 0
+        self._buffers_in_use = 0
+
+    # -- locking and deferred returns ------------------------------------------------------------
+    def _acquire(self) -> None:
+        self._lock.acquire()
+        self._drain()
+
+    def _release_lock(self) -> None:
+        # A finalizer may have queued a return after our last drain; apply it unless someone else
+        # now holds the lock (they will).
+        self._drain()
+        self._lock.release()
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _give_back(self, block: _Block) -> None:
+        """Finalizer of a lease: queue the block and apply the return if the lock is free."""
+        self._returned.append(block)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        returned = self._returned
+        while returned:
+            try:
+                block = returned.popleft()
+            except IndexError:  # pragma: no cover - another thread emptied it
+                break
+            self._make_idle(block)
+
+    def _make_idle(self, block: _Block) -> None:
+        if not block.in_use:
+            return
+        block.in_use = False
+        self._bytes_in_use -= block.size
+        self._buffers_in_use -= 1
+        if block.raw is None:
+            return
+        if self.max_bytes is not None and self._bytes_held > self.max_bytes:
+            self._free(block)
+            self._evictions += 1
+            return
+        self._idle[block.serial] = block
+        bisect.insort(self._idle_sizes, (block.size, block.serial))
+
+    def _free(self, block: _Block) -> None:
+        # Dropping the pool's reference frees the device memory (nothing else holds an idle block).
+        block.raw = None
+        self._bytes_held -= block.size
+
+    def _take_idle(self, serial: int) -> _Block:
+        block = self._idle.pop(serial)
+        i = bisect.bisect_left(self._idle_sizes, (block.size, serial))
+        del self._idle_sizes[i]
+        return block
+
+    def _evict_lru(self, count_as_eviction: bool = True) -> int:
+        serial, block = next(iter(self._idle.items()))
+        self._take_idle(serial)
+        self._free(block)
+        if count_as_eviction:
+            self._evictions += 1
+        return block.size
+
+    # -- requests ------------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> PoolBuffer:
+        """A lease on a buffer of at least ``nbytes`` (rounded to its size class).
+
+        >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+        >>> pool.allocate(5000).size
+        5120
+        """
+        need = size_class(_check_size(nbytes))
+        return self._request(nbytes, need, int(need * _CLASS_SLACK), need)
+
+    def arena(self, nbytes: int) -> PoolBuffer:
+        """A lease on one buffer for a whole region of ``nbytes``: the best-fitting idle buffer, else a new one.
+
+        >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+        >>> pool.arena(3_000_000).release()
+        >>> pool.arena(2_000_000).hit      # the 3 MB arena is idle and at most 2x too large
+        True
+        """
+        nbytes = _check_size(nbytes)
+        need = max(nbytes, 1)
+        alloc = size_class(need)
+        if self.max_alloc_size is not None and alloc > self.max_alloc_size:
+            alloc = max(need, self.max_alloc_size - self.max_alloc_size % self.base_align)
+        return self._request(nbytes, need, max(int(need * _ARENA_SLACK), alloc), alloc)
+
+    def __call__(self, nbytes: int):
+        """pyopencl's allocator protocol: a buffer of at least ``nbytes``, returned when dropped.
+
+        Usable as ``pyopencl.array.Array(..., allocator=pool)`` and in ``enqueue_copy``.
+        """
+        lease = self.allocate(nbytes)
+        self._acquire()
+        try:
+            self._handed[id(lease.buffer)] = lease
+            # The count when only the pool holds it (the block and the lease), taken with exactly the
+            # expression _sweep uses, so temporaries count the same on every Python version.
+            lease._base_refs = _refs(lease.buffer)
+        finally:
+            self._release_lock()
+        return lease.buffer
+
+    def _request(self, nbytes: int, need: int, limit: int, alloc: int) -> PoolBuffer:
+        if self.max_alloc_size is not None and need > self.max_alloc_size:
+            raise ValueError(
+                f"cannot allocate {need} bytes in one device buffer: the device's max_mem_alloc_size is "
+                f"{self.max_alloc_size} bytes (split the data, as load_file does for large files)"
+            )
+        self._acquire()
+        try:
+            block = self._best_fit(need, limit)
+            if block is None and self._handed:
+                self._sweep()  # buffers dropped by pyopencl arrays may be what we need
+                block = self._best_fit(need, limit)
+            hit = block is not None
+            if hit:
+                self._hits += 1
+            else:
+                block = self._new_block(alloc)
+                self._misses += 1
+            block.in_use = True
+            self._bytes_in_use += block.size
+            self._buffers_in_use += 1
+            try:
+                return PoolBuffer(self, block, nbytes, hit)
+            except BaseException:
+                self._returned.append(block)
+                raise
+        finally:
+            self._release_lock()
+
+    def _best_fit(self, need: int, limit: int) -> _Block | None:
+        sizes = self._idle_sizes
+        i = bisect.bisect_left(sizes, (need, -1))
+        if i < len(sizes) and sizes[i][0] <= limit:
+            return self._take_idle(sizes[i][1])
+        return None
+
+    def _new_block(self, size: int) -> _Block:
+        if self.max_bytes is not None:
+            while self._idle and self._bytes_held + size > self.max_bytes:
+                self._evict_lru()
+        try:
+            raw = self._allocator(size)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            freed = 0
+            while self._idle:
+                freed += self._evict_lru()
+            try:
+                raw = self._allocator(size)
+            except Exception as exc2:
+                if not _is_oom(exc2):
+                    raise
+                raise MemoryError(
+                    f"device allocation of {size} bytes failed ({exc2}); the buffer pool holds "
+                    f"{self._bytes_held} bytes in use by live tensors or leases (it freed {freed} idle bytes "
+                    "and retried). Release tensors no longer needed, load fewer (names=...), or pass "
+                    "max_bytes= to bound what the pool keeps."
+                ) from exc2
+        self._serial += 1
+        block = _Block(raw, size, self._serial)
+        self._allocations += 1
+        self._bytes_allocated += size
+        self._bytes_held += size
+        return block
+
+    # -- returns, trimming, statistics -----------------------------------------------------------
+    def _sweep(self) -> int:
+        """Return buffers handed out by ``pool(nbytes)`` that no one references any more."""
+        dropped = []
+        for key, lease in self._handed.items():
+            if _refs(lease.buffer) <= lease._base_refs:
+                dropped.append(key)
+        for key in dropped:
+            lease = self._handed.pop(key)
+            if lease._finalizer.detach() is not None:
+                self._make_idle(lease._block)
+        return len(dropped)
+
+    def release(self, obj) -> None:
+        """Return a lease, or a buffer handed out by ``pool(nbytes)``, to the pool now.
+
+        Any tensor still viewing that memory must not be used afterwards.
+        """
+        if isinstance(obj, PoolBuffer):
+            obj.release()
+            return
+        self._acquire()
+        try:
+            lease = self._handed.pop(id(obj), None)
+            if lease is None or lease.buffer is not obj:
+                if lease is not None:
+                    self._handed[id(obj)] = lease
+                raise ValueError(f"{obj!r} was not handed out by this pool (or was already released)")
+            if lease._finalizer.detach() is not None:
+                self._make_idle(lease._block)
+        finally:
+            self._release_lock()
+
+    def collect(self) -> int:
+        """Take back allocator-protocol buffers that are no longer referenced; returns how many."""
+        self._acquire()
+        try:
+            return self._sweep()
+        finally:
+            self._release_lock()
+
+    def free_idle(self) -> int:
+        """Free every idle buffer (memory in use stays); returns the bytes freed. Counts no evictions."""
+        self._acquire()
+        try:
+            freed = 0
+            while self._idle:
+                freed += self._evict_lru(count_as_eviction=False)
+            return freed
+        finally:
+            self._release_lock()
+
+    def clear(self) -> int:
+        """Free all idle memory and forget buffers handed out through ``pool(nbytes)``; returns bytes freed.
+
+        Leases still alive keep their buffers; they are cached again when returned.
+        """
+        self._acquire()
+        try:
+            self._sweep()
+            freed = 0
+            while self._idle:
+                freed += self._evict_lru(count_as_eviction=False)
+            return freed
+        finally:
+            self._release_lock()
+
+    @property
+    def stats(self) -> PoolStats:
+        """Current counters (after taking back dropped allocator-protocol buffers)."""
+        self._acquire()
+        try:
+            if self._handed:
+                self._sweep()
+            return PoolStats(
+                hits=self._hits,
+                misses=self._misses,
+                allocations=self._allocations,
+                bytes_allocated=self._bytes_allocated,
+                evictions=self._evictions,
+                bytes_held=self._bytes_held,
+                bytes_in_use=self._bytes_in_use,
+                bytes_idle=self._bytes_held - self._bytes_in_use,
+                buffers_held=len(self._idle) + self._buffers_in_use,
+                buffers_in_use=self._buffers_in_use,
+                max_bytes=self.max_bytes,
+            )
+        finally:
+            self._release_lock()
+
+    def __repr__(self) -> str:
+        return (f"<PersistentBufferPool held={self._bytes_held} in_use={self._bytes_in_use} "
+                f"hits={self._hits} misses={self._misses}>")
+
+
+def _check_size(nbytes) -> int:
+    n = int(nbytes)
+    if n < 0:
+        raise ValueError(f"cannot allocate a negative number of bytes ({nbytes!r})")
+    return n
