@@ -13,13 +13,13 @@ COMPILER_DIRECTIVES = {
 }
 
 
-EXTENSIONS = ["_mapped", "_safetensors"]  # grows as parsers land
+EXTENSIONS = ["_mapped", "_safetensors", "tf._table", "_npz"]  # grows as parsers land
 
 
 def ext(name: str) -> Extension:
     return Extension(
         f"fastckpt.{name}",
-        [f"fastckpt/{name}.pyx"],
+        [f"fastckpt/{name.replace('.', '/')}.pyx"],  # dotted names live in sub-packages
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O2"],

@@ -1,0 +1,747 @@
+"""Validating parser of NPZ archives (the spec is in ``fastckpt/npz.py``).
+
+``read_npz_index(m)`` finds the ZIP end-of-central-directory record (zip64
+aware), walks the central directory, checks every member's local header and
+``.npy`` header, and returns one :class:`NpzTensorInfo` per member with the
+absolute offset of its payload. ``parse_npy_header(data)`` reads one ``.npy``
+header with a small literal parser of its own: nothing is ever evaluated or
+unpickled.
+
+Every byte comes through ``MappedFile.span()``/``read()``, which are
+bounds-checked; every field read below is preceded by a length check of the
+span it comes from, so a damaged file raises
+:class:`fastckpt.errors.FormatError` and is never read past its end. Sizes and
+offsets are compared as Python integers, which cannot overflow.
+"""
+
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+
+import dataclasses
+import sys
+import warnings
+import zlib
+
+import numpy as np
+
+from fastckpt._info import TensorInfo
+from fastckpt._mapped cimport MappedFile
+from fastckpt.errors import FormatError, NotZeroCopyWarning
+
+__all__ = ["read_npz_index", "parse_npy_header", "npy_header_length", "NpzTensorInfo", "MAX_HEADER_SIZE",
+           "NPY_MAGIC"]
+
+# numpy's cap (numpy.lib.format._MAX_HEADER_SIZE): longer headers are refused unless the caller
+# raises it with ``max_header_size=``; the literal parser below is linear, the cap bounds its work.
+MAX_HEADER_SIZE = 10000
+NPY_MAGIC = b"\x93NUMPY"
+# numpy's NPY_MAXDIMS (numpy >= 2.0).
+MAX_NDIM = 64
+# Nesting of tuples/lists/dicts in a header: a structured descr nests a few levels at most.
+MAX_LITERAL_DEPTH = 16
+# An int literal longer than this cannot be a dimension of an array that fits in a file.
+MAX_INT_DIGITS = 20
+
+cdef uint32_t SIG_LOCAL = 0x04034B50
+cdef uint32_t SIG_CENTRAL = 0x02014B50
+cdef uint32_t SIG_EOCD = 0x06054B50
+cdef uint32_t SIG_ZIP64_EOCD = 0x06064B50
+cdef uint32_t SIG_ZIP64_LOCATOR = 0x07064B50
+cdef Py_ssize_t EOCD_SIZE = 22
+cdef Py_ssize_t ZIP64_LOCATOR_SIZE = 20
+cdef Py_ssize_t ZIP64_EOCD_SIZE = 56
+cdef Py_ssize_t CENTRAL_SIZE = 46
+cdef Py_ssize_t LOCAL_SIZE = 30
+cdef Py_ssize_t MAX_COMMENT = 65535
+# general-purpose flag bits
+cdef uint16_t FLAG_ENCRYPTED = 0x0001
+cdef uint16_t FLAG_STRONG_ENCRYPTION = 0x0040
+cdef uint16_t FLAG_UTF8 = 0x0800
+cdef uint16_t FLAG_MASKED_HEADERS = 0x2000
+cdef uint16_t ZIP64_EXTRA_ID = 0x0001
+METHOD_STORED = 0
+METHOD_DEFLATED = 8
+
+
+NpzTensorInfo = dataclasses.make_dataclass(
+    "NpzTensorInfo",
+    [("crc32", int, 0), ("member_nbytes", int, 0), ("header_nbytes", int, 0)],
+    bases=(TensorInfo,),
+    frozen=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": """A :class:`~fastckpt.TensorInfo` of an NPZ member, with what the reader needs to check it.
+
+    ``crc32`` is the member's CRC-32 from the central directory (over the whole
+    ``.npy`` member: header and payload), ``member_nbytes`` the member's
+    uncompressed size and ``header_nbytes`` the length of its ``.npy`` header.
+    For a DEFLATE member ``offset``/``nbytes`` are those of the compressed
+    stream.
+    """,
+    },
+)
+
+
+cdef inline uint16_t _u16(const uint8_t* p) noexcept nogil:
+    return <uint16_t>p[0] | (<uint16_t>p[1] << 8)
+
+
+cdef inline uint32_t _u32(const uint8_t* p) noexcept nogil:
+    return <uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
+
+
+cdef inline uint64_t _u64(const uint8_t* p) noexcept nogil:
+    return <uint64_t>_u32(p) | (<uint64_t>_u32(p + 4) << 32)
+
+
+def _sig(uint32_t value):
+    return "PK" + "".join(f"\\x{b:02x}" for b in value.to_bytes(4, "little")[2:])
+
+
+# -- .npy header ---------------------------------------------------------------------------------
+
+
+def _prefix(where):
+    return f"{where}: " if where else ""
+
+
+def npy_header_length(prefix, where="", max_header_size=MAX_HEADER_SIZE):
+    """Total length in bytes (magic included) of the ``.npy`` header that ``prefix`` starts.
+
+    ``prefix`` needs the first 10 bytes (format 1.0) or 12 (2.0, 3.0). Checks the
+    magic, the version and the size cap.
+
+    >>> npy_header_length(b"\\x93NUMPY\\x01\\x00\\x76\\x00")
+    128
+    """
+    data = bytes(prefix)
+    if len(data) < 8:
+        raise FormatError(f"{_prefix(where)}expected an 8-byte npy magic and version at the start of the member, "
+                          f"got {len(data)} bytes {data!r}")
+    if data[:6] != NPY_MAGIC:
+        raise FormatError(f"{_prefix(where)}bad npy magic: expected {NPY_MAGIC!r}, got {data[:6]!r}")
+    version = (data[6], data[7])
+    if version == (1, 0):
+        fixed = 10
+    elif version in ((2, 0), (3, 0)):
+        fixed = 12
+    else:
+        raise FormatError(f"{_prefix(where)}unsupported npy format version {version[0]}.{version[1]} "
+                          "(expected 1.0, 2.0 or 3.0)")
+    if len(data) < fixed:
+        raise FormatError(f"{_prefix(where)}npy {version[0]}.{version[1]} header needs {fixed} bytes before its text, "
+                          f"got {len(data)}")
+    hlen = int.from_bytes(data[8:fixed], "little")
+    # A UTF-8 header (3.0) may take up to 4 bytes per character; the character cap is checked after decoding.
+    limit = max_header_size * (4 if version == (3, 0) else 1)
+    if hlen > limit:
+        raise _header_too_long(where, hlen, max_header_size)
+    return fixed + hlen
+
+
+def _header_too_long(where, hlen, max_header_size):
+    return FormatError(
+        f"{_prefix(where)}npy header is {hlen} bytes, over the {max_header_size}-byte cap (numpy's "
+        "_MAX_HEADER_SIZE): refused as unsafe to parse; if you trust this file pass a larger "
+        "max_header_size= to read_npz_index / parse_npy_header")
+
+
+def parse_npy_header(data, where="", max_header_size=MAX_HEADER_SIZE):
+    """Parse the ``.npy`` header at the start of ``data``; return ``(dtype, shape, fortran_order, header_nbytes)``.
+
+    Formats 1.0, 2.0 and 3.0 (UTF-8). The header text must be exactly the dict
+    numpy writes (keys ``descr``, ``fortran_order``, ``shape``), read by a small
+    literal parser: nothing is evaluated. Dtypes holding Python objects are
+    refused (they would need pickle). ``where`` prefixes error messages.
+
+    >>> import io, numpy as np
+    >>> buf = io.BytesIO(); np.save(buf, np.zeros((2, 3), ">f4"))
+    >>> parse_npy_header(buf.getvalue())
+    (dtype('>f4'), (2, 3), False, 128)
+    """
+    data = bytes(data)
+    total = npy_header_length(data[:12], where, max_header_size)
+    if len(data) < total:
+        raise FormatError(f"{_prefix(where)}expected a {total}-byte npy header, got {len(data)} bytes "
+                          "(member seems truncated?)")
+    fixed = 10 if data[6] == 1 else 12
+    encoding = "utf-8" if data[6] == 3 else "latin-1"
+    try:
+        text = data[fixed:total].decode(encoding)
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{_prefix(where)}npy {data[6]}.0 header is not valid {encoding} at byte "
+                          f"{fixed + e.start}") from None
+    if len(text) > max_header_size:
+        raise _header_too_long(where, len(text), max_header_size)
+    header = _LiteralParser(text, where).parse_header()
+    if set(header) != {"descr", "fortran_order", "shape"}:
+        raise FormatError(f"{_prefix(where)}npy header keys must be exactly 'descr', 'fortran_order' and 'shape', "
+                          f"got {sorted(header)!r}")
+    shape = header["shape"]
+    if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
+        raise FormatError(f"{_prefix(where)}npy header 'shape' must be a tuple of non-negative ints, got {shape!r}")
+    if len(shape) > MAX_NDIM:
+        raise FormatError(f"{_prefix(where)}npy header 'shape' has {len(shape)} dimensions, more than numpy's "
+                          f"{MAX_NDIM}")
+    fortran_order = header["fortran_order"]
+    if type(fortran_order) is not bool:
+        raise FormatError(f"{_prefix(where)}npy header 'fortran_order' must be True or False, got {fortran_order!r}")
+    dtype = _descr_to_dtype(header["descr"], where)
+    return dtype, shape, fortran_order, total
+
+
+def _descr_to_dtype(descr, where, int depth=0):
+    """numpy.lib.format.descr_to_dtype over a validated literal, with every failure a FormatError."""
+    if depth > MAX_LITERAL_DEPTH:
+        raise FormatError(f"{_prefix(where)}npy 'descr' nests deeper than {MAX_LITERAL_DEPTH} levels")
+    if type(descr) is str:
+        try:
+            dtype = np.dtype(descr)
+        except Exception as e:  # numpy raises TypeError, ValueError or others for junk strings
+            raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} is not a numpy dtype ({e})") from None
+    elif type(descr) is list:
+        names, formats, titles, offsets = [], [], [], []
+        offset = 0
+        for field in descr:
+            if type(field) is not tuple or len(field) not in (2, 3):
+                raise FormatError(f"{_prefix(where)}npy 'descr' field must be (name, format) or "
+                                  f"(name, format, shape), got {field!r}")
+            name, fmt = field[0], field[1]
+            title = None
+            if type(name) is tuple and len(name) == 2 and all(type(x) is str for x in name):
+                title, name = name
+            elif type(name) is not str:
+                raise FormatError(f"{_prefix(where)}npy 'descr' field name must be a str or a (title, name) "
+                                  f"pair, got {name!r}")
+            dt = _descr_to_dtype(fmt, where, depth + 1)
+            if len(field) == 3:
+                sub = field[2]
+                if type(sub) is int:
+                    sub = (sub,)
+                if type(sub) is not tuple or not all(type(d) is int and d >= 0 for d in sub) or len(sub) > MAX_NDIM:
+                    raise FormatError(f"{_prefix(where)}npy 'descr' field {name!r} has a bad subarray shape {field[2]!r}")
+                try:
+                    dt = np.dtype((dt, sub))
+                except Exception as e:
+                    raise FormatError(f"{_prefix(where)}npy 'descr' field {name!r}: {e}") from None
+            if name == "" and dt.type is np.void and dt.names is None:
+                pass  # padding bytes, as numpy writes them for offset/aligned fields
+            else:
+                names.append(name)
+                formats.append(dt)
+                titles.append(title)
+                offsets.append(offset)
+            offset += dt.itemsize
+        try:
+            dtype = np.dtype({"names": names, "formats": formats, "titles": titles, "offsets": offsets,
+                              "itemsize": offset})
+        except Exception as e:
+            raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} is not a valid structured dtype ({e})") from None
+    else:
+        raise FormatError(f"{_prefix(where)}npy 'descr' must be a dtype string or a list of fields, got {descr!r}")
+    if dtype.hasobject:
+        raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} holds Python objects; reading it would need pickle, "
+                          "which fastckpt never does (re-save the array with a numeric or string dtype)")
+    return dtype
+
+
+_WHITESPACE = " \t\r\n\f\v"
+_SIMPLE_ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "r": "\r", "t": "\t", "0": "\0",
+                   "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+
+
+class _LiteralParser:
+    """Reads the Python literal numpy writes as a ``.npy`` header: a dict of str keys whose values are
+    strings, ints, True/False, tuples and lists (nested to ``MAX_LITERAL_DEPTH``). Linear time."""
+
+    def __init__(self, str text, where):
+        self.text = text
+        self.pos = 0
+        self.where = where
+
+    def fail(self, what):
+        near = self.text[max(0, self.pos - 20): self.pos + 20]
+        return FormatError(f"{_prefix(self.where)}cannot parse npy header at character {self.pos}: {what} "
+                           f"(near {near!r})")
+
+    def skip_ws(self):
+        cdef str text = self.text
+        cdef Py_ssize_t n = len(text)
+        cdef Py_ssize_t i = self.pos
+        while i < n and text[i] in _WHITESPACE:
+            i += 1
+        self.pos = i
+
+    def peek(self):
+        self.skip_ws()
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def expect(self, ch):
+        if self.peek() != ch:
+            raise self.fail(f"expected {ch!r}")
+        self.pos += 1
+
+    def parse_header(self):
+        value = self.value(0)
+        if type(value) is not dict:
+            raise FormatError(f"{_prefix(self.where)}npy header is not a dict: {self.text[:80]!r}")
+        if self.peek() != "":
+            raise self.fail("unexpected text after the header dict")
+        return value
+
+    def value(self, int depth):
+        if depth > MAX_LITERAL_DEPTH:
+            raise self.fail(f"nested deeper than {MAX_LITERAL_DEPTH} levels")
+        ch = self.peek()
+        if ch == "{":
+            return self.mapping(depth)
+        if ch in "([":
+            return self.sequence(depth, ch)
+        if ch in "'\"":
+            return self.string()
+        if ch.isdigit() or ch == "-":
+            return self.integer()
+        for word, val in (("True", True), ("False", False), ("None", None)):
+            if self.text.startswith(word, self.pos):
+                end = self.pos + len(word)
+                if end < len(self.text) and (self.text[end].isalnum() or self.text[end] == "_"):
+                    break
+                self.pos = end
+                return val
+        raise self.fail("expected a string, int, True/False, tuple, list or dict")
+
+    def mapping(self, int depth):
+        self.expect("{")
+        out = {}
+        while self.peek() != "}":
+            key = self.value(depth + 1)
+            if type(key) is not str:
+                raise self.fail(f"dict key must be a string, got {key!r}")
+            if key in out:
+                raise self.fail(f"duplicate key {key!r}")
+            self.expect(":")
+            out[key] = self.value(depth + 1)
+            if self.peek() == ",":
+                self.pos += 1
+            elif self.peek() != "}":
+                raise self.fail("expected ',' or '}'")
+        self.pos += 1
+        return out
+
+    def sequence(self, int depth, str opener):
+        closer = ")" if opener == "(" else "]"
+        self.expect(opener)
+        items = []
+        trailing_comma = False
+        while self.peek() != closer:
+            items.append(self.value(depth + 1))
+            trailing_comma = False
+            if self.peek() == ",":
+                self.pos += 1
+                trailing_comma = True
+            elif self.peek() != closer:
+                raise self.fail(f"expected ',' or {closer!r}")
+        self.pos += 1
+        if opener == "[":
+            return items
+        if len(items) == 1 and not trailing_comma:
+            return items[0]  # "(x)" is x, as in Python
+        return tuple(items)
+
+    def integer(self):
+        cdef str text = self.text
+        cdef Py_ssize_t start = self.pos
+        cdef Py_ssize_t i = start
+        cdef Py_ssize_t n = len(text)
+        if i < n and text[i] == "-":
+            i += 1
+        while i < n and "0" <= text[i] <= "9":
+            i += 1
+        digits = text[start:i]
+        if digits in ("", "-"):
+            raise self.fail("expected digits")
+        if len(digits) > MAX_INT_DIGITS:
+            raise self.fail(f"integer literal longer than {MAX_INT_DIGITS} digits")
+        if i < n and text[i] in "lL":
+            i += 1  # Python 2's long suffix, still found in old .npy headers
+        self.pos = i
+        return int(digits)
+
+    def string(self):
+        cdef str text = self.text
+        cdef Py_ssize_t n = len(text)
+        cdef Py_ssize_t i = self.pos
+        quote = text[i]
+        i += 1
+        parts = []
+        while True:
+            if i >= n:
+                self.pos = i
+                raise self.fail("unterminated string")
+            ch = text[i]
+            if ch == quote:
+                i += 1
+                break
+            if ch == "\n":
+                self.pos = i
+                raise self.fail("newline inside a string")
+            if ch == "\\":
+                if i + 1 >= n:
+                    self.pos = i
+                    raise self.fail("unterminated escape")
+                esc = text[i + 1:i + 2]
+                if esc in _SIMPLE_ESCAPES:
+                    parts.append(_SIMPLE_ESCAPES[esc])
+                    i += 2
+                elif esc in _HEX_ESCAPES:
+                    width = _HEX_ESCAPES[esc]
+                    digits = text[i + 2: i + 2 + width]
+                    if len(digits) != width or any(c not in "0123456789abcdefABCDEF" for c in digits):
+                        self.pos = i
+                        raise self.fail(f"bad \\{esc} escape")
+                    code = int(digits, 16)
+                    if code > 0x10FFFF:
+                        self.pos = i
+                        raise self.fail(f"\\{esc} escape out of range")
+                    parts.append(chr(code))
+                    i += 2 + width
+                else:
+                    self.pos = i
+                    raise self.fail(f"unsupported escape \\{esc}")
+            else:
+                parts.append(ch)
+                i += 1
+        self.pos = i
+        return "".join(parts)
+
+
+# -- ZIP -----------------------------------------------------------------------------------------
+
+
+cdef tuple _find_end_records(MappedFile m):
+    """Locate the end records; return (cd_offset, cd_size, count, cd_end) with zip64 values applied."""
+    cdef Py_ssize_t size = m.size
+    cdef Py_ssize_t tail
+    cdef Py_ssize_t base
+    cdef Py_ssize_t i
+    cdef Py_ssize_t eocd = -1
+    cdef const uint8_t* p
+    path = m.path
+    if size < EOCD_SIZE:
+        raise FormatError(f"{path}: file is {size} bytes; a ZIP (NPZ) archive has at least {EOCD_SIZE} "
+                          "(its end-of-central-directory record)")
+    tail = min(size, EOCD_SIZE + MAX_COMMENT)
+    base = size - tail
+    p = m.span(base, tail, "ZIP end-of-central-directory search")
+    i = tail - EOCD_SIZE
+    while i >= 0:
+        # The record's comment must run exactly to the end of the file.
+        if _u32(p + i) == SIG_EOCD and i + EOCD_SIZE + _u16(p + i + 20) == tail:
+            eocd = base + i
+            break
+        i -= 1
+    if eocd < 0:
+        raise FormatError(f"{path}: no ZIP end-of-central-directory record ({_sig(SIG_EOCD)}) in the last {tail} "
+                          "bytes: not an NPZ/ZIP file, or truncated")
+    p = m.span(eocd, EOCD_SIZE, "ZIP end-of-central-directory record")
+    disk, cd_disk = _u16(p + 4), _u16(p + 6)
+    count_disk, count = _u16(p + 8), _u16(p + 10)
+    cd_size, cd_offset = _u32(p + 12), _u32(p + 16)
+    cd_end = eocd
+
+    if eocd >= ZIP64_LOCATOR_SIZE and _u32(m.span(eocd - ZIP64_LOCATOR_SIZE, 4, "zip64 locator")) == SIG_ZIP64_LOCATOR:
+        loc = eocd - ZIP64_LOCATOR_SIZE
+        p = m.span(loc, ZIP64_LOCATOR_SIZE, "zip64 end-of-central-directory locator")
+        rec_disk, rec_offset, disks = _u32(p + 4), _u64(p + 8), _u32(p + 16)
+        if rec_disk != 0 or disks > 1:
+            raise FormatError(f"{path}: zip64 locator at offset {loc} describes a multi-disk archive "
+                              f"(record on disk {rec_disk}, {disks} disks); expected one disk")
+        if rec_offset + ZIP64_EOCD_SIZE > loc:
+            raise FormatError(f"{path}: zip64 locator at offset {loc} points at a zip64 end record at offset "
+                              f"{rec_offset}, expected at most {loc - ZIP64_EOCD_SIZE} (the record is "
+                              f"{ZIP64_EOCD_SIZE} bytes and precedes the locator)")
+        p = m.span(rec_offset, ZIP64_EOCD_SIZE, "zip64 end-of-central-directory record")
+        if _u32(p) != SIG_ZIP64_EOCD:
+            raise FormatError(f"{path}: bad zip64 end-of-central-directory signature at offset {rec_offset}: "
+                              f"expected {_sig(SIG_ZIP64_EOCD)}, got {m.read(rec_offset, 4)!r}")
+        rec_size = _u64(p + 4)
+        if rec_offset + 12 + rec_size != loc:
+            raise FormatError(f"{path}: zip64 end record at offset {rec_offset} declares {rec_size} bytes after its "
+                              f"first 12, so it ends at {rec_offset + 12 + rec_size}; expected it to end at the "
+                              f"locator at offset {loc}")
+        disk, cd_disk = _u32(p + 16), _u32(p + 20)
+        count_disk, count = _u64(p + 24), _u64(p + 32)
+        cd_size, cd_offset = _u64(p + 40), _u64(p + 48)
+        cd_end = rec_offset
+
+    if disk != 0 or cd_disk != 0:
+        raise FormatError(f"{path}: multi-disk ZIP archive (this disk {disk}, central directory on disk {cd_disk}); "
+                          "expected a single-file archive")
+    if count_disk != count:
+        raise FormatError(f"{path}: end record counts {count_disk} entries on this disk but {count} in total; "
+                          "expected equal counts (single-disk archive)")
+    if cd_offset + cd_size != cd_end:
+        raise FormatError(f"{path}: central directory at offset {cd_offset} with {cd_size} bytes ends at "
+                          f"{cd_offset + cd_size}; expected it to end where the end record begins, at offset {cd_end}")
+    if count * CENTRAL_SIZE > cd_size:
+        raise FormatError(f"{path}: end record counts {count} entries, which need at least {count * CENTRAL_SIZE} "
+                          f"bytes of central directory; got {cd_size}")
+    return cd_offset, cd_size, count, cd_end
+
+
+def _check_member_name(path, str name, Py_ssize_t where):
+    what = f"{path}: member {name!r} (central directory entry at offset {where})"
+    if "\x00" in name:
+        raise FormatError(f"{what}: name contains a NUL byte")
+    if "\\" in name:
+        raise FormatError(f"{what}: name contains a backslash; ZIP names use '/' only")
+    if name.startswith("/") or (len(name) >= 2 and name[1] == ":" and name[0].isalpha()):
+        raise FormatError(f"{what}: absolute name; expected a relative '<key>.npy'")
+    if ".." in name.split("/"):
+        raise FormatError(f"{what}: name has a '..' path component")
+    if not name.endswith(".npy"):
+        raise FormatError(f"{what}: name does not end in '.npy'; every NPZ member is '<key>.npy'")
+
+
+cdef list _read_central_directory(MappedFile m, uint64_t cd_offset, uint64_t cd_size, uint64_t count):
+    """One tuple per entry: (name, name_bytes, flags, method, crc, csize, usize, local_offset, entry_offset)."""
+    cdef const uint8_t* p
+    cdef const uint8_t* e
+    cdef const uint8_t* q
+    cdef Py_ssize_t pos = 0
+    cdef Py_ssize_t n = <Py_ssize_t>cd_size
+    cdef Py_ssize_t nlen, elen, clen, epos, fsize, need
+    cdef uint64_t k
+    path = m.path
+    p = m.span(<Py_ssize_t>cd_offset, n, "ZIP central directory")
+    entries = []
+    seen = set()
+    for k in range(count):
+        at = cd_offset + pos
+        if pos + CENTRAL_SIZE > n:
+            raise FormatError(f"{path}: central directory entry {k} at offset {at} needs {CENTRAL_SIZE} bytes, "
+                              f"only {n - pos} remain in the central directory")
+        if _u32(p + pos) != SIG_CENTRAL:
+            raise FormatError(f"{path}: bad central directory signature at offset {at} (entry {k}): expected "
+                              f"{_sig(SIG_CENTRAL)}, got {(<const char*>p)[pos:pos + 4]!r}")
+        flags = _u16(p + pos + 8)
+        method = _u16(p + pos + 10)
+        crc = _u32(p + pos + 16)
+        csize = _u32(p + pos + 20)
+        usize = _u32(p + pos + 24)
+        nlen = _u16(p + pos + 28)
+        elen = _u16(p + pos + 30)
+        clen = _u16(p + pos + 32)
+        disk = _u16(p + pos + 34)
+        local = _u32(p + pos + 42)
+        if pos + CENTRAL_SIZE + nlen + elen + clen > n:
+            raise FormatError(f"{path}: central directory entry {k} at offset {at} declares a {nlen}-byte name, "
+                              f"{elen}-byte extra field and {clen}-byte comment that run past the central "
+                              f"directory's end at offset {cd_offset + n}")
+        raw_name = (<const char*>p)[pos + CENTRAL_SIZE:pos + CENTRAL_SIZE + nlen]
+        if flags & FLAG_UTF8:
+            try:
+                name = raw_name.decode("utf-8")
+            except UnicodeDecodeError:
+                raise FormatError(f"{path}: central directory entry {k} at offset {at}: name {raw_name!r} is "
+                                  "flagged UTF-8 but is not valid UTF-8") from None
+        else:
+            name = raw_name.decode("cp437")
+        _check_member_name(path, name, at)
+        if name in seen:
+            raise FormatError(f"{path}: member {name!r} appears twice in the central directory (again at offset "
+                              f"{at}); expected unique names")
+        seen.add(name)
+        what = f"{path}: member {name!r} (central directory entry at offset {at})"
+        if flags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION | FLAG_MASKED_HEADERS):
+            raise FormatError(f"{what}: encrypted (flags 0x{flags:04x}); fastckpt reads unencrypted archives only")
+        if method != METHOD_STORED and method != METHOD_DEFLATED:
+            raise FormatError(f"{what}: compression method {method}; expected 0 (stored) or 8 (deflate)")
+
+        # zip64 extra field: the 64-bit values of exactly those fields that hold the 0xFFFFFFFF sentinel.
+        wanted = [f for f, v in (("uncompressed size", usize), ("compressed size", csize),
+                                 ("local header offset", local)) if v == 0xFFFFFFFF]
+        if disk == 0xFFFF:
+            wanted.append("disk number")
+        if wanted:
+            e = p + pos + CENTRAL_SIZE + nlen
+            epos = 0
+            found = False
+            while epos + 4 <= elen:
+                fsize = _u16(e + epos + 2)
+                if epos + 4 + fsize > elen:
+                    raise FormatError(f"{what}: extra field 0x{_u16(e + epos):04x} declares {fsize} bytes, "
+                                      f"only {elen - epos - 4} remain in the {elen}-byte extra area")
+                if _u16(e + epos) == ZIP64_EXTRA_ID:
+                    need = 8 * len(wanted) - (4 if "disk number" in wanted else 0)
+                    if fsize < need:
+                        raise FormatError(f"{what}: zip64 extra field has {fsize} bytes; expected {need} for "
+                                          f"{', '.join(wanted)}")
+                    q = e + epos + 4
+                    if usize == 0xFFFFFFFF:
+                        usize = _u64(q)
+                        q += 8
+                    if csize == 0xFFFFFFFF:
+                        csize = _u64(q)
+                        q += 8
+                    if local == 0xFFFFFFFF:
+                        local = _u64(q)
+                        q += 8
+                    if disk == 0xFFFF:
+                        disk = _u32(q)
+                    found = True
+                    break
+                epos += 4 + fsize
+            if not found:
+                raise FormatError(f"{what}: {', '.join(wanted)} hold the zip64 sentinel 0xFFFFFFFF but the entry "
+                                  "has no zip64 extra field (0x0001)")
+        if disk != 0:
+            raise FormatError(f"{what}: member starts on disk {disk}; expected 0 (single-disk archive)")
+        if method == METHOD_STORED and csize != usize:
+            raise FormatError(f"{what}: stored member has compressed size {csize} but uncompressed size {usize}; "
+                              "expected equal sizes")
+        entries.append((name, raw_name, flags, method, crc, csize, usize, local, at))
+        pos += CENTRAL_SIZE + nlen + elen + clen
+    if pos != n:
+        raise FormatError(f"{path}: central directory has {n - pos} bytes after its {count} entries (at offset "
+                          f"{cd_offset + pos}); expected none")
+    return entries
+
+
+class _Inflater:
+    """Inflates a DEFLATE member's prefix on demand, reading the compressed bytes in pieces."""
+
+    PIECE = 1 << 16
+
+    def __init__(self, MappedFile m, start, length, what):
+        self.m = m
+        self.pos = start
+        self.end = start + length
+        self.what = what
+        self.z = zlib.decompressobj(-15)
+        self.out = b""
+
+    def prefix(self, want):
+        """The first ``want`` bytes of the inflated member (fewer if the stream ends first)."""
+        z = self.z
+        while len(self.out) < want:
+            if z.unconsumed_tail:
+                piece = z.unconsumed_tail
+            elif self.pos < self.end and not z.eof:
+                n = min(self.PIECE, self.end - self.pos)
+                piece = self.m.read(self.pos, n, self.what)
+                self.pos += n
+            else:
+                break
+            try:
+                self.out += z.decompress(piece, want - len(self.out))
+            except zlib.error as e:
+                raise FormatError(f"{self.what}: corrupt DEFLATE stream ({e})") from None
+        return self.out[:want]
+
+
+def _member_header(MappedFile m, name, method, Py_ssize_t data_start, csize, usize, max_header_size, what):
+    """(dtype, shape, fortran_order, header_nbytes) of one member's .npy header."""
+    if method == METHOD_STORED:
+        head = m.read(data_start, min(csize, 12), what)
+        total = npy_header_length(head, what, max_header_size)
+        if total > csize:
+            raise FormatError(f"{what}: npy header needs {total} bytes but the member holds {csize}")
+        return parse_npy_header(m.read(data_start, total, what), what, max_header_size)
+    inflater = _Inflater(m, data_start, csize, what)
+    total = npy_header_length(inflater.prefix(12), what, max_header_size)
+    if total > usize:
+        raise FormatError(f"{what}: npy header needs {total} bytes but the member inflates to {usize}")
+    return parse_npy_header(inflater.prefix(total), what, max_header_size)
+
+
+def _user_stacklevel():
+    """stacklevel for warnings.warn that points at the first frame outside fastckpt."""
+    level = 1
+    frame = sys._getframe(0)  # the innermost Python frame: this module's code runs without frames of its own
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("fastckpt."):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
+    """Parse and check an NPZ archive's index; return one :class:`NpzTensorInfo` per member.
+
+    Names are member names without ``.npy``; for stored members ``offset`` and
+    ``nbytes`` locate the array payload in the file (view it in place with
+    ``m.array``). DEFLATE members (``np.savez_compressed``) are described by their
+    compressed stream, and a :class:`~fastckpt.errors.NotZeroCopyWarning` is
+    issued once for the archive. Anything that does not follow the format raises
+    :class:`~fastckpt.errors.FormatError` naming the file, member and offset.
+    ``max_header_size`` is the cap on each ``.npy`` header (numpy's is 10000).
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt._mapped import MappedFile
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.npz"); np.savez(p, w=np.arange(3.0))
+    >>> [(i.name, i.shape, str(i.dtype)) for i in read_npz_index(MappedFile(p))]
+    [('w', (3,), 'float64')]
+    """
+    cdef const uint8_t* p
+    cdef Py_ssize_t local
+    cdef Py_ssize_t nlen, elen
+    path = m.path
+    cd_offset, cd_size, count, cd_end = _find_end_records(m)
+    entries = _read_central_directory(m, cd_offset, cd_size, count)
+    infos = []
+    ranges = []
+    compressed = 0
+    for name, raw_name, flags, method, crc, csize, usize, local_offset, at in entries:
+        what = f"{path}: member {name!r} (local header at offset {local_offset})"
+        if local_offset + LOCAL_SIZE > cd_offset:
+            raise FormatError(f"{what}: local header would end at {local_offset + LOCAL_SIZE}, inside or past the "
+                              f"central directory at offset {cd_offset}")
+        local = local_offset
+        p = m.span(local, LOCAL_SIZE, what)
+        if _u32(p) != SIG_LOCAL:
+            raise FormatError(f"{what}: bad local header signature: expected {_sig(SIG_LOCAL)}, got "
+                              f"{(<const char*>p)[0:4]!r}")
+        lflags, lmethod = _u16(p + 6), _u16(p + 8)
+        nlen, elen = _u16(p + 26), _u16(p + 28)
+        if lflags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION):
+            raise FormatError(f"{what}: local header flags 0x{lflags:04x} mark the member encrypted")
+        if lmethod != method:
+            raise FormatError(f"{what}: local header says compression method {lmethod}, central directory says "
+                              f"{method}")
+        if m.read(local + LOCAL_SIZE, nlen, what) != raw_name:
+            raise FormatError(f"{what}: local header names {m.read(local + LOCAL_SIZE, nlen, what)!r}, central "
+                              f"directory names {raw_name!r}")
+        data_start = local + LOCAL_SIZE + nlen + elen
+        data_end = data_start + csize
+        if data_end > cd_offset:
+            raise FormatError(f"{what}: data [{data_start}, {data_end}) runs past the start of the central "
+                              f"directory at offset {cd_offset}")
+        ranges.append((local_offset, data_end, name))
+        dtype, shape, fortran_order, header_nbytes = _member_header(
+            m, name, method, data_start, csize, usize, max_header_size, what)
+        count_items = 1
+        for d in shape:
+            count_items *= d  # Python ints: no overflow
+        expected = count_items * dtype.itemsize
+        payload = usize - header_nbytes
+        if payload != expected:
+            raise FormatError(f"{what}: shape {shape} of {dtype} needs {expected} payload bytes, the member holds "
+                              f"{payload} after its {header_nbytes}-byte npy header")
+        key = name[:len(name) - 4]  # wraparound is off: no negative indices
+        if method == METHOD_STORED:
+            infos.append(NpzTensorInfo(key, dtype, shape, data_start + header_nbytes, expected, fortran_order, None,
+                                       crc, usize, header_nbytes))
+        else:
+            compressed += 1
+            infos.append(NpzTensorInfo(key, dtype, shape, data_start, csize, fortran_order, "deflate",
+                                       crc, usize, header_nbytes))
+    ranges.sort()
+    for (s0, e0, n0), (s1, e1, n1) in zip(ranges, ranges[1:]):
+        if s1 < e0:
+            raise FormatError(f"{path}: members {n0!r} [{s0}, {e0}) and {n1!r} [{s1}, {e1}) overlap; expected "
+                              "disjoint byte ranges")
+    if compressed:
+        warnings.warn(f"{path}: {compressed} of {len(infos)} members are compressed; they will be inflated on read, "
+                      "not viewed in place (re-save with fastckpt.save_npz for zero-copy reads)",
+                      NotZeroCopyWarning, stacklevel=_user_stacklevel())
+    return infos

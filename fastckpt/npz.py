@@ -1,0 +1,610 @@
+"""NPZ archives: the byte layout fastckpt writes and reads, the aligned streaming writer, member reads.
+
+Specification
+=============
+
+An NPZ file is a ZIP archive (PKWARE APPNOTE 6.3) whose members are ``.npy``
+files, one per array, as written by ``numpy.savez``. All integers are
+little-endian. Offsets are absolute byte offsets from the start of the file.
+
+What fastckpt writes
+--------------------
+The file is a sequence of members, then the central directory, then (only when
+needed) the zip64 end records, then the end-of-central-directory record::
+
+    [local header 1][.npy member 1] ... [local header N][.npy member N]
+    [central directory entry 1] ... [central directory entry N]
+    [zip64 end of central directory record][zip64 locator]    (only when needed)
+    [end of central directory record]
+
+"Needs zip64" below means a value above 2**31 - 1 (the threshold Python's
+``zipfile`` uses, so that readers with signed 32-bit fields stay correct), or,
+for the entry count, 65535 or more.
+
+Local header (30 bytes, then the name, then the extra field):
+
+=======  =====  =============================================================
+offset   size   field
+=======  =====  =============================================================
+0        4      signature ``PK\\x03\\x04`` (0x04034B50)
+4        2      version needed: 45 when the member or its offset needs zip64, else 20
+6        2      flags: 0, or 0x0800 when the name is not ASCII (then it is UTF-8)
+8        2      compression method: 0 (stored). fastckpt never compresses.
+10       2      time: 0 (00:00:00)
+12       2      date: 0x0021 (1980-01-01). No timestamps: equal input, equal bytes.
+14       4      CRC-32 (ZIP polynomial, ``zlib.crc32``) of the whole ``.npy`` member
+18       4      compressed size, or 0xFFFFFFFF when it needs zip64
+22       4      uncompressed size (equal), or 0xFFFFFFFF
+26       2      name length ``n``
+28       2      extra field length ``e``
+30       n      name: ``<key>.npy``
+30+n     e      extra field: [zip64 field] then [alignment field]
+=======  =====  =============================================================
+
+The local header carries the real sizes and CRC: bit 3 of the flags is never
+set and no data descriptor follows the data.
+
+zip64 extra field (only when the member's size needs zip64): id 0x0001 (2
+bytes), length 16 (2), uncompressed size (8), compressed size (8).
+
+Alignment extra field (zipalign style, always last, absent when
+``alignment=1``): id 0xD935 (2 bytes), length ``2 + k`` (2), the alignment as
+a uint16 (2), then ``k`` zero bytes. ``k`` is the smallest count that puts the
+first byte of the array payload (not of the ``.npy`` member) at a multiple of
+the alignment. ZIP readers skip the local extra field, so the padding is
+invisible to them; ``np.load`` and netcl 0.4.4 read such files.
+
+The member data is a ``.npy`` file, format 1.0 exactly as
+``numpy.lib.format.write_array_header_1_0`` writes it:
+
+- the magic ``\\x93NUMPY``, the version bytes ``\\x01\\x00``, the header
+  length ``H`` as a uint16;
+- ``H`` bytes of latin-1 text: the repr of the dict
+  ``{'descr': <dtype descr>, 'fortran_order': <bool>, 'shape': <tuple>, }``
+  (keys sorted, each entry followed by ``", "``), then spaces so that the
+  shape's first dimension (last, for Fortran order) could grow to 21 digits,
+  then more spaces and a final ``\\n`` so that 10 + ``H`` is a multiple of 64;
+- the array's bytes in C order, or in Fortran order when ``fortran_order`` is
+  True. ``descr`` is the dtype's string (``'<f4'``, ``'>i8'``, ``'<U7'``,
+  ``'|S3'``, ``'<M8[ns]'`` ...) or, for a structured dtype, its ``descr``
+  list.
+
+Format 2.0 (a uint32 header length; version bytes ``\\x02\\x00``) is used only
+when the header does not fit in 65535 bytes, and 3.0 (uint32 length, UTF-8
+text) only when the text is not latin-1, both as numpy chooses them.
+
+Central directory entry (46 bytes, then the name, then the extra field), one
+per member in the order written:
+
+=======  =====  =============================================================
+offset   size   field
+=======  =====  =============================================================
+0        4      signature ``PK\\x01\\x02`` (0x02014B50)
+4        2      version made by: 0x0300 | version needed (Unix)
+6        2      version needed (as in the local header)
+8        2      flags (as in the local header)
+10       2      compression method: 0
+12       4      time, date (as in the local header)
+16       4      CRC-32 (as in the local header)
+20       4      compressed size, or 0xFFFFFFFF when it needs zip64
+24       4      uncompressed size, or 0xFFFFFFFF
+28       6      name length, extra length, comment length (0)
+34       2      disk number start: 0
+36       2      internal attributes: 0
+38       4      external attributes: 0o100644 << 16 (a regular rw-r--r-- file)
+42       4      local header offset, or 0xFFFFFFFF when it needs zip64
+46       ...    name, then the extra field: only a zip64 field, holding the
+                64-bit values of exactly the fields set to 0xFFFFFFFF, in the
+                order uncompressed size, compressed size, local header offset
+=======  =====  =============================================================
+
+When the entry count, the directory's size or its offset needs zip64, the
+zip64 end of central directory record (56 bytes: signature ``PK\\x06\\x06``,
+record size 44 (8), version made by 45, version needed 45, disk 0 (4), disk of
+the directory 0 (4), entries on this disk (8), entries (8), directory size
+(8), directory offset (8)) and the zip64 locator (20 bytes: signature
+``PK\\x06\\x07``, disk 0 (4), offset of the zip64 record (8), 1 disk (4))
+precede the end record, and the end record's fields that do not fit hold
+0xFFFF / 0xFFFFFFFF.
+
+End of central directory record (22 bytes): signature ``PK\\x05\\x06``, disk 0
+(2), disk of the directory 0 (2), entries on this disk (2), entries (2),
+directory size (4), directory offset (4), comment length 0 (2).
+
+Writers
+-------
+- A writer MUST write the file through a temporary and rename it into place
+  (``fastckpt._atomic``), so that a reader never sees a partial file.
+- A writer MUST NOT store object arrays (they need pickle) and MUST NOT store a
+  dtype that ``.npy`` cannot express: numpy writes ml_dtypes' ``bfloat16`` as
+  ``'<V2'``, which reads back as raw void bytes, so fastckpt refuses it (save
+  ``a.view(np.uint16)``, or use safetensors, which has ``BF16``).
+- Member names MUST be unique, relative, ``/``-separated, without ``..``
+  components, backslashes or NUL.
+
+Readers
+-------
+fastckpt reads any archive ``numpy.savez`` / ``numpy.savez_compressed`` write,
+and netcl's ``.netcl`` files. A reader MUST reject, with an error naming the
+file, the member and the byte offset:
+
+- a missing end record (searched for in the last 65535 + 22 bytes; its
+  comment must end at the end of the file), a bad signature of any record,
+  multi-disk archives, entry counts that disagree, a central directory that
+  does not end where the (zip64) end records begin, a zip64 locator or record
+  that points outside the file or disagrees with its position;
+- central directory entries that overrun the directory, extra fields that
+  overrun their area, a 0xFFFFFFFF sentinel without the zip64 value it stands
+  for, encrypted members, compression methods other than 0 and 8, stored
+  members whose two sizes differ;
+- member names that are absolute, contain ``..`` components, backslashes or
+  NUL, are not valid UTF-8 when flagged so, do not end in ``.npy``, or occur
+  twice;
+- a local header whose signature, method or name disagree with the central
+  directory, member data that runs into the central directory, members whose
+  byte ranges (local header through data) overlap;
+- ``.npy`` headers with a bad magic, a version other than 1.0, 2.0 and 3.0,
+  a header longer than 10000 characters (numpy's cap; ``max_header_size=``
+  raises it), text that is not exactly the dict above (read by a literal
+  parser: never ``eval``), a shape that is not a tuple of at most 64
+  non-negative ints, a dtype holding Python objects, or a payload whose size is
+  not the shape's element count times the item size.
+
+Local header sizes are ignored (numpy writes 0xFFFFFFFF there); sizes come
+from the central directory and the data starts after the local header's own
+name and extra field. DEFLATE members are inflated on read (a
+``NotZeroCopyWarning`` says so once per file); their CRC-32 and size are
+checked then. Stored members are viewed in place and their CRC is not checked
+on read (that would read every byte); ``verify_member`` checks it.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import Iterable, Union
+
+import numpy as np
+
+from fastckpt._atomic import atomic_write
+from fastckpt._info import TensorInfo
+from fastckpt._mapped import MappedFile
+from fastckpt._npz import (
+    MAX_HEADER_SIZE,
+    NpzTensorInfo,
+    _descr_to_dtype,
+    _Inflater,
+    npy_header_length,
+    parse_npy_header,
+    read_npz_index,
+)
+from fastckpt.errors import FormatError, IntegrityError
+
+__all__ = [
+    "save_npz",
+    "NpzWriter",
+    "read_member",
+    "verify_member",
+    "npy_header",
+    "read_npz_index",
+    "parse_npy_header",
+    "NpzTensorInfo",
+]
+
+# Values above this go to zip64 fields, as Python's zipfile decides (its ZIP64_LIMIT).
+_ZIP64_LIMIT = (1 << 31) - 1
+_ZIP_FILECOUNT_LIMIT = 0xFFFF
+_MAX_ALIGNMENT = 1 << 15  # the zipalign field stores it as a uint16
+# Bytes per write: small enough that the CRC pass leaves the chunk in cache for the write.
+_CHUNK = 1 << 20
+
+_SIG_LOCAL = 0x04034B50
+_SIG_CENTRAL = 0x02014B50
+_SIG_EOCD = 0x06054B50
+_SIG_ZIP64_EOCD = 0x06064B50
+_SIG_ZIP64_LOCATOR = 0x07064B50
+_ALIGN_EXTRA_ID = 0xD935
+_ZIP64_EXTRA_ID = 0x0001
+_DOS_TIME = 0
+_DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01
+_VERSION = 20
+_VERSION_ZIP64 = 45
+_MADE_BY_UNIX = 3 << 8
+_EXTERNAL_ATTR = 0o100644 << 16
+_FLAG_UTF8 = 0x0800
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_EOCD = struct.Struct("<IHHHHIIH")
+_ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+
+_GROWTH_AXIS_MAX_DIGITS = 21  # numpy.lib.format.GROWTH_AXIS_MAX_DIGITS
+_ARRAY_ALIGN = 64  # numpy.lib.format.ARRAY_ALIGN
+
+TensorsArg = Union[Mapping, Iterable]
+
+
+def npy_header(dtype: np.dtype, shape: tuple, fortran_order: bool) -> bytes:
+    """The ``.npy`` header numpy writes for an array of ``dtype`` and ``shape`` (format 1.0 when it fits).
+
+    Byte for byte what ``np.save`` writes before the data. Raises ``ValueError``
+    for dtypes that ``.npy`` cannot store faithfully (objects, ml_dtypes types).
+
+    >>> npy_header(np.dtype("<f4"), (2, 3), False)[:60]
+    b"\\x93NUMPY\\x01\\x00v\\x00{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }"
+    """
+    descr = _descr_of(np.dtype(dtype))
+    shape = tuple(int(d) for d in shape)
+    fields = {"descr": descr, "fortran_order": bool(fortran_order), "shape": shape}
+    text = "{" + "".join(f"{key!r}: {value!r}, " for key, value in sorted(fields.items())) + "}"
+    if shape:
+        text += " " * (_GROWTH_AXIS_MAX_DIGITS - len(repr(shape[-1 if fortran_order else 0])))
+    try:
+        return _wrap_header(text.encode("latin-1"), 1)
+    except UnicodeEncodeError:
+        return _wrap_header(text.encode("utf-8"), 3)
+
+
+def _wrap_header(text: bytes, major: int) -> bytes:
+    if major == 1:
+        hlen = len(text) + 1
+        pad = _ARRAY_ALIGN - ((10 + hlen) % _ARRAY_ALIGN)
+        if hlen + pad <= 0xFFFF:
+            return b"\x93NUMPY\x01\x00" + struct.pack("<H", hlen + pad) + text + b" " * pad + b"\n"
+        major = 2
+    hlen = len(text) + 1
+    pad = _ARRAY_ALIGN - ((12 + hlen) % _ARRAY_ALIGN)
+    return b"\x93NUMPY" + bytes((major, 0)) + struct.pack("<I", hlen + pad) + text + b" " * pad + b"\n"
+
+
+def _descr_of(dtype: np.dtype):
+    """The ``descr`` numpy writes for ``dtype``, after checking that it reads back as the same dtype."""
+    if dtype.hasobject:
+        raise ValueError(f"dtype {dtype} holds Python objects; .npy would need pickle to store it, and fastckpt never "
+                         "pickles: convert the array to a numeric or fixed-width string dtype first")
+    if not getattr(type(dtype), "_legacy", True):
+        raise ValueError(f"dtype {dtype} has no .npy descr (numpy would pickle it)")
+    descr = dtype.descr if dtype.names is not None else dtype.str
+    try:
+        back = _descr_to_dtype(descr, "")
+    except FormatError:
+        back = None
+    if back != dtype:
+        raise ValueError(
+            f"dtype {dtype} cannot be stored in .npy: its descr {descr!r} reads back as {back}. "
+            "ml_dtypes types (bfloat16, float8, int4, ...) have no .npy name; save a.view(np.uint16) "
+            "(or the matching unsigned type) and record the dtype yourself, or use fastckpt.save_safetensors")
+    return descr
+
+
+def _member_name(name) -> tuple[bytes, int]:
+    if not isinstance(name, str):
+        raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
+    member = name + ".npy"
+    problem = None
+    if "\x00" in member:
+        problem = "contains a NUL character"
+    elif "\\" in member:
+        problem = "contains a backslash (ZIP names use '/')"
+    elif member.startswith("/") or (len(member) >= 2 and member[1] == ":" and member[0].isalpha()):
+        problem = "is absolute"
+    elif ".." in member.split("/"):
+        problem = "has a '..' path component"
+    if problem:
+        raise ValueError(f"tensor name {name!r} {problem}; readers refuse such ZIP member names")
+    try:
+        raw, flags = member.encode("ascii"), 0
+    except UnicodeEncodeError:
+        raw, flags = member.encode("utf-8"), _FLAG_UTF8
+    if len(raw) > 0xFFFF:
+        raise ValueError(f"tensor name of {len(raw)} bytes is too long for a ZIP member name (65531 at most)")
+    return raw, flags
+
+
+def _contiguous(arr: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(C-contiguous array whose bytes are the payload, fortran_order), as numpy decides it."""
+    if arr.flags.c_contiguous:
+        return arr, False
+    if arr.flags.f_contiguous:
+        return arr.T, True  # the transpose of a Fortran array is C-contiguous over the same bytes
+    return np.ascontiguousarray(arr), False
+
+
+def _byte_view(arr: np.ndarray) -> memoryview:
+    if arr.nbytes == 0:
+        return memoryview(b"")
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+class NpzWriter:
+    """Stream arrays into an aligned NPZ file, one member at a time, replaced atomically on success.
+
+    Each array's bytes go straight from its buffer to the file (a non-contiguous
+    array is copied once, alone), with its CRC-32 computed on the way. On an
+    exception inside the ``with`` block nothing is left behind and an existing
+    file at ``path`` is untouched. ``alignment`` (a power of two up to 32768)
+    is the boundary of every array payload; ``fsync=False`` skips the fsyncs
+    (still atomic, not durable).
+
+    >>> import tempfile, os, numpy as np
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.npz")
+    >>> with NpzWriter(path, alignment=64) as w:
+    ...     info = w.add("w", np.arange(4, dtype=np.float32))
+    >>> info.offset % 64, np.load(path)["w"].tolist()
+    (0, [0.0, 1.0, 2.0, 3.0])
+    """
+
+    def __init__(self, path: str | os.PathLike, *, alignment: int = 4096, fsync: bool = True):
+        if not isinstance(alignment, int) or alignment < 1 or alignment > _MAX_ALIGNMENT or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two from 1 to {_MAX_ALIGNMENT}, got {alignment!r}")
+        self.path = os.fspath(path)
+        self.alignment = alignment
+        self.fsync = fsync
+        self._context = None
+        self._file = None
+        self._pos = 0
+        self._names: set[str] = set()
+        self._central: list[bytes] = []
+        self._crc_patches: list[tuple[int, int]] = []
+        self._done = False
+
+    def __enter__(self) -> "NpzWriter":
+        if self._context is not None or self._done:
+            raise RuntimeError("an NpzWriter is entered once")
+        self._context = atomic_write(self.path, fsync=self.fsync)
+        self._file = self._context.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        context, self._context = self._context, None
+        self._done = True
+        if exc_type is None:
+            try:
+                if self._file is None:
+                    raise RuntimeError(f"{self.path}: an add() failed inside this writer; the file is not written")
+                self._finish()
+            except BaseException as error:
+                if not context.__exit__(type(error), error, error.__traceback__):
+                    raise
+                return False
+        self._file = None
+        return bool(context.__exit__(exc_type, exc, tb))
+
+    def add(self, name: str, array) -> NpzTensorInfo:
+        """Write ``array`` as member ``<name>.npy``; return where its payload landed.
+
+        ``array`` is anything ``np.asarray`` accepts. Fortran-ordered arrays are
+        stored in Fortran order (``fortran_order`` True), as numpy does.
+        """
+        if self._file is None:
+            raise RuntimeError("NpzWriter.add() needs an open writer: use it inside 'with NpzWriter(path) as w:'")
+        raw_name, flags = _member_name(name)
+        if name in self._names:
+            raise ValueError(f"tensor name {name!r} given twice; NPZ member names must be unique")
+        arr = np.asarray(array)
+        try:
+            header = npy_header(arr.dtype, arr.shape, _contiguous_order(arr))
+        except ValueError as e:
+            raise ValueError(f"tensor {name!r}: {e}") from None
+        data, fortran_order = _contiguous(arr)
+        payload = _byte_view(data)
+        size = len(header) + payload.nbytes
+        local_offset = self._pos
+        zip64_size = size > _ZIP64_LIMIT
+        zip64_any = zip64_size or local_offset > _ZIP64_LIMIT
+        version = _VERSION_ZIP64 if zip64_any else _VERSION
+        extra = struct.pack("<HHQQ", _ZIP64_EXTRA_ID, 16, size, size) if zip64_size else b""
+        header_start = local_offset + _LOCAL.size + len(raw_name) + len(extra)
+        if self.alignment > 1:
+            fixed = header_start + 6 + len(header)  # the alignment field's own 6 bytes, then the .npy header
+            pad = -fixed % self.alignment
+            extra += struct.pack("<HHH", _ALIGN_EXTRA_ID, 2 + pad, self.alignment) + bytes(pad)
+            header_start += 6 + pad
+        size32 = 0xFFFFFFFF if zip64_size else size
+        f = self._file
+        self._file = None  # until this member is complete: a failed add() leaves the writer unusable
+        f.write(_LOCAL.pack(_SIG_LOCAL, version, flags, 0, _DOS_TIME, _DOS_DATE, 0, size32, size32,
+                            len(raw_name), len(extra)))
+        f.write(raw_name)
+        f.write(extra)
+        f.write(header)
+        crc = zlib.crc32(header)
+        for start in range(0, payload.nbytes, _CHUNK):
+            chunk = payload[start:start + _CHUNK]
+            crc = zlib.crc32(chunk, crc)
+            f.write(chunk)
+        self._file = f
+        self._pos = header_start + size
+        self._crc_patches.append((local_offset + 14, crc))
+        self._names.add(name)
+
+        cd_extra = b""
+        if zip64_size:
+            cd_extra += struct.pack("<QQ", size, size)
+        if local_offset > _ZIP64_LIMIT:
+            cd_extra += struct.pack("<Q", local_offset)
+        if cd_extra:
+            cd_extra = struct.pack("<HH", _ZIP64_EXTRA_ID, len(cd_extra)) + cd_extra
+        self._central.append(
+            _CENTRAL.pack(_SIG_CENTRAL, _MADE_BY_UNIX | version, version, flags, 0, _DOS_TIME, _DOS_DATE, crc,
+                          size32, size32, len(raw_name), len(cd_extra), 0, 0, 0, _EXTERNAL_ATTR,
+                          0xFFFFFFFF if local_offset > _ZIP64_LIMIT else local_offset)
+            + raw_name + cd_extra)
+        return NpzTensorInfo(name, arr.dtype, arr.shape, header_start + len(header), payload.nbytes, fortran_order,
+                             None, crc, size, len(header))
+
+    def _finish(self) -> None:
+        f = self._file
+        cd_offset = self._pos
+        for entry in self._central:
+            f.write(entry)
+        cd_size = sum(len(e) for e in self._central)
+        count = len(self._central)
+        if count >= _ZIP_FILECOUNT_LIMIT or cd_offset > _ZIP64_LIMIT or cd_size > _ZIP64_LIMIT:
+            zip64_offset = cd_offset + cd_size
+            f.write(_ZIP64_EOCD.pack(_SIG_ZIP64_EOCD, _ZIP64_EOCD.size - 12, _VERSION_ZIP64, _VERSION_ZIP64, 0, 0,
+                                     count, count, cd_size, cd_offset))
+            f.write(_ZIP64_LOCATOR.pack(_SIG_ZIP64_LOCATOR, 0, zip64_offset, 1))
+            count16 = min(count, 0xFFFF)
+            f.write(_EOCD.pack(_SIG_EOCD, 0, 0, count16, count16, min(cd_size, 0xFFFFFFFF),
+                               min(cd_offset, 0xFFFFFFFF), 0))
+        else:
+            f.write(_EOCD.pack(_SIG_EOCD, 0, 0, count, count, cd_size, cd_offset, 0))
+        # The CRCs are known only after each member's bytes went out: patch the local headers in place.
+        f.flush()
+        fd = f.fileno()
+        for position, crc in self._crc_patches:
+            _pwrite_all(fd, struct.pack("<I", crc), position)
+
+
+def _contiguous_order(arr: np.ndarray) -> bool:
+    return not arr.flags.c_contiguous and arr.flags.f_contiguous
+
+
+def _pwrite_all(fd: int, data: bytes, position: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, position)
+        view, position = view[written:], position + written
+
+
+def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int = 4096, fsync: bool = True) -> None:
+    """Save arrays as an aligned, uncompressed NPZ that ``np.load`` and netcl read; atomically.
+
+    ``tensors`` is a mapping name -> array-like, or an iterable of ``(name,
+    array)`` pairs (consumed once, so a generator can produce each array just
+    before it is written). Every payload starts at a multiple of
+    ``alignment`` bytes, so readers can view it in place. Equal input gives an
+    identical file. The byte layout is this module's docstring.
+
+    >>> import tempfile, os, numpy as np
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.npz")
+    >>> save_npz(path, {"w": np.eye(2, dtype=np.float32), "step": np.int64(7)})
+    >>> with np.load(path) as z:
+    ...     z["w"].tolist(), int(z["step"])
+    ([[1.0, 0.0], [0.0, 1.0]], 7)
+    """
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    with NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
+        for item in items:
+            try:
+                name, array = item
+            except (TypeError, ValueError):
+                raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
+            writer.add(name, array)
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+_INFLATE_PIECE = 1 << 20
+# DEFLATE cannot expand more than about 1032:1; a larger declared size is refused before allocating it.
+_DEFLATE_MAX_RATIO = 1040
+
+
+def read_member(m: MappedFile, info: TensorInfo) -> np.ndarray:
+    """The array of one NPZ member: a zero-copy view for stored members, a new array for DEFLATE ones.
+
+    A stored member's view is read-only (unless ``m`` was opened copy-on-write)
+    and stays valid after ``m.close()``. A DEFLATE member is inflated straight
+    into a new, writable array; its size and CRC-32 are checked
+    (:class:`~fastckpt.errors.IntegrityError` on a CRC mismatch).
+
+    >>> import tempfile, os, numpy as np
+    >>> from fastckpt._mapped import MappedFile
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.npz"); save_npz(p, {"x": np.arange(3)})
+    >>> m = MappedFile(p); [info] = read_npz_index(m)
+    >>> read_member(m, info).tolist()
+    [0, 1, 2]
+    """
+    order = "F" if info.fortran_order else "C"
+    if info.compression is None:
+        return m.array(info.offset, info.dtype, info.shape, order=order, what=f"tensor {info.name!r}")
+    if info.compression != "deflate":
+        raise FormatError(f"{m.path}: tensor {info.name!r}: unknown compression {info.compression!r}")
+    return _inflate_member(m, info, order)
+
+
+def _inflate_member(m: MappedFile, info: TensorInfo, order: str) -> np.ndarray:
+    what = f"{m.path}: member {info.name + '.npy'!r} (DEFLATE data at offset {info.offset})"
+    if info.size * info.dtype.itemsize > info.nbytes * _DEFLATE_MAX_RATIO + 2**16:
+        raise FormatError(f"{what}: {info.nbytes} compressed bytes cannot inflate to the {info.size * info.dtype.itemsize} "
+                          f"bytes of shape {tuple(info.shape)} of {info.dtype} (DEFLATE expands at most ~1032:1)")
+    header_nbytes = getattr(info, "header_nbytes", 0)
+    if not header_nbytes:  # a plain TensorInfo: learn the header's length from the stream
+        head = _Inflater(m, info.offset, info.nbytes, what)
+        header_nbytes = npy_header_length(head.prefix(12), what, MAX_HEADER_SIZE)
+    expected_crc = info.crc32 if isinstance(info, NpzTensorInfo) else None
+    payload_nbytes = info.size * info.dtype.itemsize
+    total = header_nbytes + payload_nbytes
+
+    out = np.empty(info.shape, info.dtype, order=order)
+    dest = _byte_view(out.T if order == "F" else out)
+    header = bytearray()
+    z = zlib.decompressobj(-15)
+    crc = 0
+    produced = 0
+    pos, end = info.offset, info.offset + info.nbytes
+    while not z.eof:
+        if z.unconsumed_tail:
+            data = z.unconsumed_tail
+        elif pos < end:
+            n = min(_INFLATE_PIECE, end - pos)
+            data = m.view(pos, n, what)
+            pos += n
+        else:
+            raise FormatError(f"{what}: DEFLATE stream ends after {info.nbytes} compressed bytes without its final "
+                              f"block; inflated {produced} of {total} bytes (truncated?)")
+        try:
+            chunk = z.decompress(data, total - produced + 1)  # one byte more than expected reveals a longer stream
+        except zlib.error as e:
+            raise FormatError(f"{what}: corrupt DEFLATE stream ({e})") from None
+        if produced + len(chunk) > total:
+            raise FormatError(f"{what}: inflates to more than the {total} bytes its header and shape declare")
+        crc = zlib.crc32(chunk, crc)
+        into_header = max(0, min(len(chunk), header_nbytes - produced))
+        if into_header:
+            header += chunk[:into_header]
+        rest = len(chunk) - into_header
+        if rest:
+            at = produced + into_header - header_nbytes
+            dest[at:at + rest] = chunk[into_header:]
+        produced += len(chunk)
+    if produced != total:
+        raise FormatError(f"{what}: inflates to {produced} bytes; its header and shape declare {total}")
+    if z.unused_data or pos < end:
+        raise FormatError(f"{what}: {len(z.unused_data) + end - pos} bytes follow the end of the DEFLATE stream "
+                          "inside the member's compressed size")
+    dtype, shape, fortran_order, _ = parse_npy_header(bytes(header), what, max(MAX_HEADER_SIZE, header_nbytes))
+    if (dtype, shape, fortran_order) != (info.dtype, tuple(info.shape), info.fortran_order):
+        raise FormatError(f"{what}: npy header says {dtype} {shape} fortran_order={fortran_order}, the index says "
+                          f"{info.dtype} {tuple(info.shape)} fortran_order={info.fortran_order} (file changed?)")
+    if expected_crc is not None and crc != expected_crc:
+        raise IntegrityError(f"{what}: CRC-32 of the inflated member is 0x{crc:08x}, the central directory says "
+                             f"0x{expected_crc:08x}: the file is damaged")
+    return out
+
+
+def verify_member(m: MappedFile, info: NpzTensorInfo) -> None:
+    """Check one member's CRC-32 against the central directory (reads every byte of a stored member).
+
+    Raises :class:`~fastckpt.errors.IntegrityError` on a mismatch.
+
+    >>> import tempfile, os, numpy as np
+    >>> from fastckpt._mapped import MappedFile
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.npz"); save_npz(p, {"x": np.arange(3)})
+    >>> m = MappedFile(p); verify_member(m, read_npz_index(m)[0])
+    """
+    if info.compression is not None:
+        read_member(m, info)  # inflation checks the CRC
+        return
+    start = info.offset - info.header_nbytes
+    crc = 0
+    for at in range(start, start + info.member_nbytes, _INFLATE_PIECE):
+        n = min(_INFLATE_PIECE, start + info.member_nbytes - at)
+        crc = zlib.crc32(m.view(at, n, f"member {info.name + '.npy'!r}"), crc)
+    if crc != info.crc32:
+        raise IntegrityError(f"{m.path}: member {info.name + '.npy'!r} (data at offset {start}): CRC-32 is "
+                             f"0x{crc:08x}, the central directory says 0x{info.crc32:08x}: the file is damaged")
