@@ -112,6 +112,38 @@ cdef int64_t _checked_int(object v, int64_t limit, str path, str what) except -1
     return <int64_t>v
 
 
+cdef int _refuse_negative_zero(bytes raw, str path) except -1:
+    """Refuse ``-0`` outside strings: Python's JSON reads it as the int 0, but it is not a
+    non-negative integer (the reference reader sees a float and refuses it too)."""
+    cdef const unsigned char* q = raw
+    cdef Py_ssize_t n = len(raw)
+    cdef Py_ssize_t i = 0
+    cdef bint in_string = False
+    while i < n:
+        if in_string:
+            if q[i] == 0x5c:  # backslash: the next byte is escaped
+                i += 1
+            elif q[i] == 0x22:
+                in_string = False
+        elif q[i] == 0x22:
+            in_string = True
+        elif q[i] == 0x2d and i + 1 < n and q[i + 1] == 0x30:
+            raise FormatError(f"{path}: JSON header has the number -0 at byte offset {8 + i}; sizes and offsets "
+                              "must be non-negative integers")
+        i += 1
+    return 0
+
+
+cdef int _check_utf8(str text, str path, str what) except -1:
+    # Python's JSON decoder lets \ud800-style escapes through as lone surrogates, which are not
+    # Unicode text (the reference reader refuses them).
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FormatError(f"{path}: {what} {text!r} is not valid Unicode (a lone surrogate escape)") from None
+    return 0
+
+
 cdef object _utf8_error_offset(bytes raw, Py_ssize_t char_pos):
     return 8 + len(raw.decode("utf-8")[:char_pos].encode("utf-8"))
 
@@ -196,6 +228,7 @@ def read_safetensors_index(MappedFile m):
     if end_pos != len(text):
         raise FormatError(f"{path}: JSON header has extra data after the top-level object at byte offset "
                           f"{_utf8_error_offset(raw, end_pos)}; only spaces (0x20) may pad it")
+    _refuse_negative_zero(raw, path)
 
     # -- __metadata__ --------------------------------------------------------------------------
     metadata = header.pop("__metadata__", None)
@@ -207,11 +240,14 @@ def read_safetensors_index(MappedFile m):
             if type(value) is not str:
                 raise FormatError(f"{path}: __metadata__[{key!r}] must be a string, got "
                                   f"{type(value).__name__} {value!r:.80}")
+            _check_utf8(key, path, "__metadata__ key")
+            _check_utf8(value, path, f"__metadata__[{key!r}]")
 
     # -- tensor entries ------------------------------------------------------------------------
     entries = []
     for name, entry in header.items():
         where = f"tensor {name!r}"
+        _check_utf8(name, path, "tensor name")
         if type(entry) is not dict:
             raise FormatError(f"{path}: {where}: expected an object with dtype, shape and data_offsets, got "
                               f"{type(entry).__name__} {entry!r:.80}")
