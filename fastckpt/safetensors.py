@@ -59,6 +59,16 @@ reference does, even when a later dimension is 0).
 A tensor's bytes are its elements in C (row-major) order, each
 little-endian.
 
+Strictness
+----------
+These rules are stricter than the reference reader in a few places, each
+a file no known writer produces and whose meaning is ambiguous or cannot be
+held by numpy: the reference ignores unknown keys in a tensor entry, keeps
+the last of repeated keys, accepts any JSON whitespace as padding, and
+accepts dimensions up to ``2**64 - 1`` (numpy's limit is ``2**63 - 1``). fastckpt
+refuses all of these with a :class:`~fastckpt.errors.FormatError`. Every
+file fastckpt accepts, the reference reader accepts with the same tensors.
+
 Dtypes
 ------
 ===============  =============================  ========
@@ -99,9 +109,10 @@ that its output is aligned and byte-for-byte deterministic:
 Alignment
     The header is padded with spaces so that the data section starts at a
     multiple of ``alignment`` bytes (default 4096, a power of two >= 8) from
-    the start of the file. A reader that maps the file at a page boundary
-    therefore sees the whole data section aligned to ``alignment``, ready
-    for one device copy.
+    the start of the file. A mapping of the file starts at a page
+    boundary, so the data section lies at an address aligned to
+    ``alignment`` (or to the page size, if that is smaller), ready for one
+    device copy.
 
 Tensor order
     Tensors are stored by descending dtype rank, then by name (code point

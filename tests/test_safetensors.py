@@ -595,3 +595,15 @@ def test_hand_made_variants_that_are_valid(tmp_path):
         assert metadata is None and data_start == 8 + len(header)
         assert read_tensor(m, infos[0]).tolist() == [1, 2]
         assert read_tensor(m, infos[1]).shape == () and int(read_tensor(m, infos[1])) == 0x0403
+
+
+def test_docs_page_has_the_same_text_as_the_module_docstring():
+    import re
+
+    import fastckpt.safetensors as module
+
+    page = (Path(__file__).parent.parent / "docs" / "formats" / "safetensors.md").read_text(encoding="utf-8")
+    page = re.sub(r"<!--.*?-->", "", page, flags=re.S)
+    docstring = re.sub(r":(?:class|func):`~?[\w.]*?(\w+)`", r"\1", module.__doc__)
+    words = lambda text: re.findall(r"\w+", text)  # noqa: E731
+    assert words(page) == words(docstring)
