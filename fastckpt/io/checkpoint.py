@@ -1,0 +1,317 @@
+"""Parameter-list checkpoints in netcl's file shapes: a raw NPZ of parameters plus a JSON sidecar.
+
+Files
+-----
+- ``save_params(params, path)`` writes one NPZ at ``path`` (``.npz`` appended
+  unless ``path`` already ends with it). Entries are named ``p0 .. pN`` in
+  ``params`` order, or by ``names``. Payloads are 4096-byte aligned, dtypes are
+  kept as held.
+- ``save_checkpoint(params, path, optim_state, config)`` writes ``<path>.npz``
+  (the parameters, plus any arrays found inside ``optim_state``/``config``) and
+  ``<path>.json``: ``{"optim_state": {...}, "config": {...}}``. The suffix is
+  *appended*, never substituted: ``run.v1`` gives ``run.v1.npz`` and
+  ``run.v1.json`` (netcl 0.4.4 wrote ``run.json`` next to ``run.v1.npz``). A
+  ``path`` ending in ``.npz`` names the same pair.
+
+Arrays inside the JSON state (array references)
+-----------------------------------------------
+JSON cannot hold arrays, and netcl 0.4.4 failed with a half-written file when
+``optim_state`` held optimizer moments. fastckpt stores every numpy array or
+device Tensor found anywhere in ``optim_state`` or ``config`` (inside dicts,
+lists and tuples, at any depth) as an NPZ entry named ``optim_state.<n>`` or
+``config.<n>`` (``n`` counts from 0 in depth-first order) and puts a
+reference in its place in the JSON::
+
+    {"__fastckpt_array__": "optim_state.0"}
+
+An object with exactly this one key is a reference; a state dict that itself
+uses the key ``"__fastckpt_array__"`` is refused when saving. On load every
+reference becomes a numpy array again (a copy, with its stored dtype and
+shape). Tuples come back as lists (JSON has no tuples), numpy scalars are stored
+as their exact Python value, dict keys must be strings. A state with no arrays
+gives exactly the JSON netcl writes, and netcl's ``load_checkpoint`` reads
+fastckpt's files (it ignores the extra NPZ entries and returns references as
+plain dicts).
+
+Nothing is half-written: names, shapes and JSON-serialisability are checked
+before any file is touched; the NPZ and the JSON are each replaced atomically,
+NPZ first.
+
+>>> from fastckpt.io.checkpoint import save_checkpoint, load_checkpoint    # doctest: +SKIP
+>>> save_checkpoint(model.parameters(), "ckpt/iter_1000",
+...                 optim_state={"t": 10, "moments": [(m0, v0), (m1, v1)]},
+...                 config={"lr": 1e-3, "step": 1000})                     # doctest: +SKIP
+>>> state = load_checkpoint(queue, model.parameters(), "ckpt/iter_1000")   # doctest: +SKIP
+>>> state["optim_state"]["moments"][0][0].dtype                            # doctest: +SKIP
+dtype('float32')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable
+
+import numpy as np
+
+from fastckpt.errors import FormatError
+
+__all__ = ["save_params", "load_params", "save_checkpoint", "load_checkpoint", "ARRAY_REF_KEY"]
+
+ARRAY_REF_KEY = "__fastckpt_array__"
+
+
+def _npz_path(path) -> str:
+    p = os.fspath(path)
+    return p if p.endswith(".npz") else p + ".npz"
+
+
+def _base_path(path) -> str:
+    p = os.fspath(path)
+    return p[:-4] if p.endswith(".npz") else p
+
+
+def _param_list(params) -> list:
+    if params is None:
+        raise TypeError("params must be an iterable of tensors, got None")
+    return list(params)  # a generator is consumed exactly once, here
+
+
+def _names(params: list, names) -> list[str]:
+    if names is None:
+        return [f"p{i}" for i in range(len(params))]
+    names = list(names)
+    if len(names) != len(params):
+        raise ValueError(f"{len(names)} names for {len(params)} params; give one name per parameter")
+    seen = set()
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"names[{i}] must be a non-empty str, got {name!r}")
+        if name in seen:
+            raise ValueError(f"names[{i}] {name!r} is used twice")
+        seen.add(name)
+    return names
+
+
+def _to_host(value, where: str) -> np.ndarray:
+    from fastckpt.tensor import Tensor
+
+    if isinstance(value, Tensor):
+        return value.to_host()
+    if isinstance(value, np.ndarray):
+        host = value
+    elif hasattr(value, "to_host"):  # netcl and other device tensors
+        host = np.asarray(value.to_host())
+    else:
+        raise TypeError(f"{where}: expected a fastckpt Tensor or numpy array, got {type(value).__name__}")
+    if host.dtype.hasobject:
+        raise TypeError(f"{where}: object arrays cannot be stored (nothing is ever pickled)")
+    return host
+
+
+def _shape_of(param) -> tuple[int, ...]:
+    return tuple(int(s) for s in param.shape)
+
+
+def _dtype_of(param):
+    dtype = getattr(param, "dtype", None)
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
+
+
+def save_params(params: Iterable, path, names=None, *, fsync: bool = True) -> str:
+    """Write ``params`` (Tensors or arrays) to a raw NPZ; returns the path written.
+
+    >>> save_params(model.parameters(), "raw/iter_1000.npz", names=["fc1.weight", "fc1.bias"])  # doctest: +SKIP
+    'raw/iter_1000.npz'
+    """
+    from fastckpt.npz import save_npz
+
+    params = _param_list(params)
+    names = _names(params, names)
+    target = _npz_path(path)
+
+    def entries():
+        for i, (name, param) in enumerate(zip(names, params)):
+            yield name, _to_host(param, f"params[{i}] ({name!r})")
+
+    save_npz(target, entries(), alignment=4096, fsync=fsync)
+    return target
+
+
+def _check_params(path: str, tf, params: list, names: list[str]) -> None:
+    for i, (name, param) in enumerate(zip(names, params)):
+        if name not in tf.infos:
+            shown = ", ".join(repr(n) for n in list(tf.infos)[:8]) + (", ..." if len(tf.infos) > 8 else "")
+            raise KeyError(f"{path}: params[{i}] ({name!r}) is not in the file ({len(tf.infos)} entries: {shown}); "
+                           "pass names= matching the saved names")
+        info = tf.infos[name]
+        shape = _shape_of(param)
+        if tuple(info.shape) != shape:
+            raise ValueError(f"{path}: params[{i}] ({name!r}): stored shape {tuple(info.shape)}, parameter shape {shape}")
+        dtype = _dtype_of(param)
+        if dtype is not None and info.dtype != dtype:
+            raise ValueError(
+                f"{path}: params[{i}] ({name!r}): stored dtype {info.dtype}, parameter dtype {dtype}; "
+                "dtypes are kept as stored, so convert the parameter (or the saved model) first"
+            )
+
+
+def _write_param(param, host: np.ndarray) -> None:
+    from fastckpt.tensor import Tensor
+
+    if isinstance(param, Tensor):
+        param.write(host)
+    elif isinstance(param, np.ndarray):
+        np.copyto(param, host)
+    else:
+        param.write(np.ascontiguousarray(host))
+
+
+def load_params(queue, params: Iterable, path, names=None) -> list[str]:
+    """Fill existing ``params`` from a raw NPZ; returns the names read.
+
+    ``path`` is used as given if it exists, else ``path + ".npz"``. Every name and shape is
+    checked before anything is written: a missing name raises ``KeyError``, a shape or dtype
+    mismatch ``ValueError``, each naming the parameter index and key. ``queue`` is accepted
+    for netcl compatibility; fastckpt Tensors write through their own queue.
+
+    >>> load_params(queue, model.parameters(), "raw/iter_1000.npz")   # doctest: +SKIP
+    ['p0', 'p1']
+    """
+    import fastckpt
+
+    params = _param_list(params)
+    names = _names(params, names)
+    p = os.fspath(path)
+    target = p if os.path.isfile(p) else _npz_path(p)
+    if not os.path.isfile(target):
+        from fastckpt.errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(f"no parameter file at {p!r} (tried {p!r} and {target!r})")
+    with fastckpt.open(target) as tf:
+        _check_params(target, tf, params, names)
+        for name, param in zip(names, params):
+            _write_param(param, tf.host(name))
+    return names
+
+
+# -- JSON state with array references ---------------------------------------------------------------
+def _extract(value, where: str, prefix: str, arrays: list) -> Any:
+    """``value`` with every array replaced by a reference; the arrays are appended to ``arrays``."""
+    from fastckpt.tensor import Tensor
+
+    if isinstance(value, dict):
+        if ARRAY_REF_KEY in value:
+            raise ValueError(f"{where}: the key {ARRAY_REF_KEY!r} is reserved for array references")
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: dict key {key!r} is a {type(key).__name__}; JSON keys must be str")
+            out[key] = _extract(item, f"{where}[{key!r}]", prefix, arrays)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_extract(item, f"{where}[{i}]", prefix, arrays) for i, item in enumerate(value)]
+    if isinstance(value, (np.ndarray, Tensor)) or (hasattr(value, "to_host") and hasattr(value, "shape")):
+        host = _to_host(value, where)
+        key = f"{prefix}.{len(arrays)}"
+        arrays.append((key, host))
+        return {ARRAY_REF_KEY: key}
+    if isinstance(value, np.generic):
+        if value.dtype.hasobject or value.dtype.kind in "SUVMm":
+            raise TypeError(f"{where}: numpy scalar of dtype {value.dtype} cannot be stored")
+        return value.item()
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise TypeError(
+        f"{where}: a {type(value).__name__} cannot be stored in a checkpoint; use JSON values "
+        "(dict with str keys, list, str, int, float, bool, None), numpy arrays or Tensors"
+    )
+
+
+def _restore(value, where: str, tf) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {ARRAY_REF_KEY}:
+            key = value[ARRAY_REF_KEY]
+            if not isinstance(key, str) or key not in tf.infos:
+                raise FormatError(f"{tf.path}: {where} refers to array {key!r}, which the NPZ does not hold")
+            return np.array(tf.host(key))  # a copy: the mapping is closed after loading
+        return {k: _restore(v, f"{where}[{k!r}]", tf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_restore(v, f"{where}[{i}]", tf) for i, v in enumerate(value)]
+    return value
+
+
+def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names=None, *,
+                    fsync: bool = True) -> tuple[str, str]:
+    """Write ``<path>.npz`` (parameters and state arrays) and ``<path>.json``; returns both paths.
+
+    >>> save_checkpoint(params, "ckpt/run.v1", optim_state={"velocity": [v0]}, config={"step": 3})  # doctest: +SKIP
+    ('ckpt/run.v1.npz', 'ckpt/run.v1.json')
+    """
+    from fastckpt._atomic import atomic_write
+    from fastckpt.npz import save_npz
+
+    params = _param_list(params)
+    names = _names(params, names)
+    base = _base_path(path)
+    arrays: list = []
+    doc = {
+        "optim_state": _extract(optim_state if optim_state is not None else {}, "optim_state", "optim_state", arrays),
+        "config": _extract(config if config is not None else {}, "config", "config", arrays),
+    }
+    clash = sorted(set(names) & {k for k, _ in arrays})
+    if clash:
+        raise ValueError(f"parameter names {clash} collide with the state array entries; rename them")
+    try:
+        text = json.dumps(doc)
+    except (TypeError, ValueError) as exc:  # e.g. a circular reference
+        raise TypeError(f"checkpoint state is not JSON-serialisable: {exc}") from None
+
+    def entries():
+        for i, (name, param) in enumerate(zip(names, params)):
+            yield name, _to_host(param, f"params[{i}] ({name!r})")
+        yield from arrays
+
+    npz_path, json_path = base + ".npz", base + ".json"
+    save_npz(npz_path, entries(), alignment=4096, fsync=fsync)
+    with atomic_write(json_path, fsync=fsync) as f:
+        f.write(text.encode("utf-8"))
+    return npz_path, json_path
+
+
+def load_checkpoint(queue, params: Iterable, path, names=None) -> dict:
+    """Fill ``params`` from ``<path>.npz`` and return the sidecar ``{"optim_state", "config"}`` (``{}`` without one).
+
+    Array references in the JSON come back as numpy arrays. The JSON and every reference
+    are checked before any parameter is written.
+
+    >>> state = load_checkpoint(queue, model.parameters(), "ckpt/iter_1000")   # doctest: +SKIP
+    >>> state["config"]["step"]                                                 # doctest: +SKIP
+    1000
+    """
+    import fastckpt
+
+    params = _param_list(params)
+    names = _names(params, names)
+    base = _base_path(path)
+    npz_path, json_path = base + ".npz", base + ".json"
+    if not os.path.isfile(npz_path):
+        from fastckpt.errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(f"no checkpoint at {os.fspath(path)!r}: {npz_path!r} does not exist")
+    with fastckpt.open(npz_path) as tf:
+        state: dict = {}
+        if os.path.isfile(json_path):
+            try:
+                with open(json_path, "rb") as f:
+                    doc = json.loads(f.read().decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise FormatError(f"{json_path}: checkpoint sidecar is not valid JSON ({exc})") from None
+            state = _restore(doc, "state", tf)
+        _check_params(npz_path, tf, params, names)
+        for name, param in zip(names, params):
+            _write_param(param, tf.host(name))
+    return state

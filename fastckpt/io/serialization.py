@@ -1,0 +1,430 @@
+"""Model files: ``save_model`` / ``load_model`` for netcl's ``.netcl`` format (version 2) and its legacy pair.
+
+The ``.netcl`` model file format, version 2
+===========================================
+
+The key words MUST, MUST NOT, SHOULD and MAY are to be read as in RFC 2119.
+A "reader" is any program loading a model file (fastckpt, netcl 0.4.4); a
+"writer" is any program producing one.
+
+Container
+---------
+- A model file MUST be a ZIP archive readable by ``numpy.load`` as an NPZ: one
+  member per entry, named ``<key>.npy``, each holding a complete ``.npy`` file
+  (format 1.0, 2.0 or 3.0) of a C- or Fortran-ordered array.
+- Readers MUST accept STORED members and SHOULD accept DEFLATE members
+  (``np.savez_compressed``). Readers MUST accept zip64 local headers (numpy writes
+  every local header with 32-bit sizes 0xFFFFFFFF and a zip64 extra field, id
+  0x0001) and MUST NOT rely on the member order.
+- Readers MUST NOT assume any payload alignment: files written by ``np.savez``
+  (netcl) put payloads at arbitrary offsets (2 or 3 mod 4 are common). A reader
+  that maps the file MUST copy such payloads (or read them with unaligned-safe
+  copies) before treating them as typed memory.
+- fastckpt writes every member STORED, with its ``.npy`` payload starting at a
+  multiple of 4096 bytes from the start of the file (the padding lives in the
+  ZIP local-header extra field, see ``docs/formats/npz.md``), so readers that map
+  the file can view every payload in place. netcl 0.4.4 reads such files.
+- The file name is exactly the path given: no suffix is appended. ``.netcl`` is
+  the conventional suffix.
+- Writers SHOULD replace the file atomically (fastckpt writes a temporary file in
+  the same directory, fsyncs it and renames it over the target).
+
+Entries
+-------
+- ``__netcl_meta__`` (REQUIRED): a 0-d array of dtype ``<U{n}`` (UTF-32LE code
+  units, as numpy stores ``np.str_``) holding one JSON document. Readers MUST
+  also accept a 0-d (or size-1) ``|S{n}`` array holding UTF-8 JSON, and MUST
+  accept trailing NUL characters having been stripped (numpy strips them).
+  Writers SHOULD write ``np.array(json.dumps(meta))``: ``json.dumps`` with
+  default settings (ASCII only, ``", "`` and ``": "`` separators), so that the
+  same model always gives the same bytes.
+- Weight entries: one per array-valued state key of each layer, named
+  ``"{layer_index}:{state_key}"`` (a colon, not a dot). ``layer_index`` is the
+  position in the Sequential and counts parameter-free layers (ReLU, Flatten,
+  ...). Non-array state (ints, floats, ``None``) is never stored: it lives in the
+  config. Writers SHOULD write weight entries in layer order, then state-key
+  order, and ``__netcl_meta__`` last.
+- Any other entry MAY be present. netcl ignores unknown entries; fastckpt's
+  ``load_model`` rejects them (``KeyError``) unless ``strict=False``.
+- Weight dtypes: netcl writes float32 (``<f4``) only and casts whatever it reads
+  to float32. fastckpt writes each tensor's dtype as held and keeps the stored
+  dtype when loading.
+
+Metadata document
+-----------------
+``{"type": "Sequential", "config": [<entry>, ...], "version": 2, "format": "netcl.single-file"}``
+
+- ``type`` MUST be ``"Sequential"``.
+- ``version`` SHOULD be present; it is 2 for this layout (1 for the legacy pair
+  below). A reader MUST refuse a version newer than it knows (fastckpt: 2) and
+  say which version the file needs. A missing version is read as 2.
+- ``format`` SHOULD be ``"netcl.single-file"``; a reader MAY refuse other
+  values (fastckpt does).
+- ``config`` is a list with one entry per layer: ``{"type": name, "args": {...}}``.
+  Readers MUST also accept entries without ``args`` (``{"type": "ReLU"}``) and,
+  when ``config`` is absent, the oldest form: a ``layers`` list of flat entries
+  whose arguments sit next to ``type``.
+- Extra metadata keys MAY be present and MUST be ignored by readers.
+
+Layer types and their ``args`` (the keys netcl 0.4.4 writes, in this order) and
+weight entries (shapes; C is the channel count):
+
+==============  ==============================================================  ==========================================
+type            args                                                            weight entries
+==============  ==============================================================  ==========================================
+Conv2d          in_channels, out_channels, kernel_size (one int), stride, pad,  weight (out, in/groups, k, k), bias (out)
+                bias (bool), dilation, groups
+Linear          in_features, out_features, bias (bool)                          weight (in, out) -- transposed vs PyTorch,
+                                                                                bias (out)
+BatchNorm2d     num_features, momentum, eps                                     gamma, beta, running_mean, running_var (C)
+ReLU, Sigmoid,  (none: ``"args": {}``)                                          --
+Tanh, Flatten
+LeakyReLU       negative_slope                                                  --
+Dropout         p, seed (may be null)                                           --
+MaxPool2d       kernel_size, stride                                             --
+Embedding       num_embeddings, embedding_dim (fastckpt only)                   weight (num_embeddings, embedding_dim)
+==============  ==============================================================  ==========================================
+
+Types registered by the user (:func:`fastckpt.nn.register_layer`) are written
+with the args their ``to_config`` returns. netcl 0.4.4 knows only the first
+ten types: it refuses a file with any other type while validating the config
+(``ValueError: Unknown layer type ...``), before building anything.
+
+Loading weights
+---------------
+- A reader rebuilds the Sequential from ``config`` (fresh initial values), then
+  fills each state key ``k`` of layer ``i`` from entry ``"{i}:{k}"``.
+- A weight missing from the file keeps its freshly built value. netcl does this
+  silently; fastckpt warns (:class:`MissingWeightsWarning`) and lists the keys
+  in ``model.load_report``.
+- Shapes MUST match up to size-1 dimensions: (1, C) is accepted for (C,)
+  (netcl's tolerance). Any other mismatch MUST be an error naming the key and
+  both shapes, and nothing is loaded.
+
+Legacy layout, version 1 (read only)
+------------------------------------
+Two files: ``<path>.json`` holding ``{"type": "Sequential", "config": [...],
+"version": 1}`` and ``<path>.npz`` holding the same ``"{i}:{k}"`` entries and no
+``__netcl_meta__``. Version-1 configs lack Conv2d ``bias``/``dilation``/``groups``
+and BatchNorm2d ``momentum``/``eps``; the constructors' defaults apply.
+
+Path resolution
+---------------
+``load_model(path)`` tries, in order: ``path`` itself; the pair
+``path + ".json"`` and ``path + ".npz"``; ``path + ".netcl"``. When none exists
+it raises :class:`~fastckpt.errors.CheckpointNotFoundError` listing every path
+tried.
+
+>>> import numpy as np, tempfile, os                                     # doctest: +SKIP
+>>> from fastckpt.nn import Sequential, Linear, ReLU                     # doctest: +SKIP
+>>> model = Sequential(Linear(None, 784, 256), ReLU(), Linear(None, 256, 10))  # doctest: +SKIP
+>>> save_model(model, "mnist_mlp.netcl")                                 # doctest: +SKIP
+>>> again = load_model("mnist_mlp.netcl", pool=pool)                     # doctest: +SKIP
+>>> again.load_report.missing_keys                                       # doctest: +SKIP
+[]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
+
+__all__ = [
+    "save_model",
+    "load_model",
+    "model_metadata",
+    "resolve_model_path",
+    "ModelLoadReport",
+    "MissingWeightsWarning",
+    "META_KEY",
+    "FORMAT_VERSION",
+    "FORMAT_NAME",
+]
+
+META_KEY = "__netcl_meta__"
+FORMAT_VERSION = 2
+FORMAT_NAME = "netcl.single-file"
+_KNOWN_FORMATS = (FORMAT_NAME,)
+
+
+class MissingWeightsWarning(FastCkptWarning):
+    """A model file lacks weights the model has: those layers keep their freshly built values."""
+
+
+@dataclass
+class ModelLoadReport:
+    """What :func:`load_model` did: where it read from, and which keys did not match.
+
+    ``missing_keys`` kept their freshly built (seeded) values; ``unexpected_keys`` were
+    in the file but not in the model (only possible with ``strict=False``);
+    ``file_report`` is the device loader's report on the pool path (one copy, pool
+    hits and misses), ``None`` otherwise.
+    """
+
+    path: str
+    layout: str  # "single-file" or "legacy"
+    version: int
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    pooled: bool = False
+    realigned_keys: list[str] = field(default_factory=list)
+    file_report: Any = None
+    seconds: float = 0.0
+
+
+# -- saving ---------------------------------------------------------------------------------------
+def model_metadata(model) -> dict:
+    """The ``__netcl_meta__`` document of ``model`` (a :class:`fastckpt.nn.Sequential`).
+
+    >>> model_metadata(Sequential(ReLU()))                                 # doctest: +SKIP
+    {'type': 'Sequential', 'config': [{'type': 'ReLU', 'args': {}}], 'version': 2, 'format': 'netcl.single-file'}
+    """
+    from fastckpt.nn import Sequential, layer_to_config
+
+    if not isinstance(model, Sequential):
+        raise TypeError(
+            f"save_model stores a fastckpt.nn.Sequential, got {type(model).__name__}; "
+            "wrap a single layer as Sequential(layer)"
+        )
+    config = []
+    for i, layer in enumerate(model.layers):
+        try:
+            config.append(layer_to_config(layer))
+        except ValueError as exc:
+            raise ValueError(f"layer {i}: {exc}") from None
+    return {"type": "Sequential", "config": config, "version": FORMAT_VERSION, "format": FORMAT_NAME}
+
+
+def save_model(model, path: str | os.PathLike, *, fsync: bool = True) -> None:
+    """Write ``model`` to one ``.netcl`` file at exactly ``path`` (atomic; parents created).
+
+    Payloads are 4096-byte aligned; the same model always gives the same bytes.
+    Layer types netcl cannot build (Embedding, user types) are saved with their own
+    config entries; netcl then refuses the file cleanly.
+
+    >>> save_model(Sequential(Linear(None, 4, 2), ReLU()), "out/tiny.netcl")   # doctest: +SKIP
+    """
+    from fastckpt.npz import save_npz
+
+    meta = model_metadata(model)
+    try:  # before anything is written: a config that JSON cannot hold leaves no file
+        text = json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"model config is not JSON-serialisable ({exc}); config args must be plain "
+                        "str/int/float/bool/None/list/dict values") from None
+    named = model.named_tensors()
+    if META_KEY in named:  # cannot happen with "{i}:{k}" keys; guards user-built state names
+        raise ValueError(f"a state key collides with {META_KEY!r}")
+
+    def entries():
+        for key, tensor in named.items():
+            yield key, tensor.to_host()  # one tensor on the host at a time
+        yield META_KEY, np.array(text)
+
+    save_npz(os.fspath(path), entries(), alignment=4096, fsync=fsync)
+
+
+# -- loading --------------------------------------------------------------------------------------
+def resolve_model_path(path: str | os.PathLike) -> tuple[str, str, str | None]:
+    """``(layout, weights_path, json_path)`` for ``path``, resolved as netcl does.
+
+    ``layout`` is ``"single-file"`` or ``"legacy"``; ``json_path`` is set for legacy pairs.
+    Raises :class:`~fastckpt.errors.CheckpointNotFoundError` listing the paths tried.
+
+    >>> resolve_model_path("mnist_mlp")          # doctest: +SKIP
+    ('single-file', 'mnist_mlp.netcl', None)
+    """
+    p = os.fspath(path)
+    if os.path.isfile(p):
+        return "single-file", p, None
+    if os.path.isfile(p + ".json") and os.path.isfile(p + ".npz"):
+        return "legacy", p + ".npz", p + ".json"
+    if os.path.isfile(p + ".netcl"):
+        return "single-file", p + ".netcl", None
+    tried = [p, f"{p}.json + {p}.npz", f"{p}.netcl"]
+    hint = " (it is a directory)" if os.path.isdir(p) else ""
+    raise CheckpointNotFoundError(
+        f"no model file at {p!r}{hint}; tried: " + "; ".join(tried)
+        + ". save_model writes a single file at exactly the path given"
+    )
+
+
+def _decode_meta(path: str, array: np.ndarray) -> dict:
+    if array.size != 1 or array.dtype.kind not in "US":
+        raise FormatError(
+            f"{path}: {META_KEY!r} must be a 0-d string array holding JSON, got {array.dtype}{array.shape}"
+        )
+    value = array.reshape(()).item()
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{path}: {META_KEY!r} is not UTF-8 ({exc})") from None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"{path}: {META_KEY!r} is not valid JSON ({exc}); first bytes: {value[:60]!r}") from None
+
+
+def _check_meta(path: str, meta, layout: str) -> tuple[int, list]:
+    if not isinstance(meta, dict):
+        raise FormatError(f"{path}: model metadata must be a JSON object, got {type(meta).__name__}")
+    kind = meta.get("type")
+    if kind != "Sequential":
+        raise FormatError(f"{path}: model type {kind!r} is not supported; only 'Sequential' models can be loaded")
+    default_version = 1 if layout == "legacy" else FORMAT_VERSION
+    version = meta.get("version", default_version)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise FormatError(f"{path}: metadata 'version' must be a positive int, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise FormatError(
+            f"{path}: model file version {version} is newer than this fastckpt supports "
+            f"(versions 1 to {FORMAT_VERSION}); reading it needs a fastckpt that supports version {version}: "
+            "upgrade fastckpt"
+        )
+    fmt = meta.get("format")
+    if fmt is not None and fmt not in _KNOWN_FORMATS:
+        raise FormatError(f"{path}: metadata 'format' is {fmt!r}; expected {FORMAT_NAME!r}")
+    if "config" in meta and meta["config"] is not None:
+        config = meta["config"]
+    elif "layers" in meta:
+        config = meta["layers"]
+    else:
+        raise FormatError(f"{path}: model metadata has neither a 'config' nor a 'layers' list")
+    if not isinstance(config, list):
+        raise FormatError(f"{path}: metadata 'config' must be a list, got {type(config).__name__}")
+    return version, config
+
+
+def _read_metadata(layout: str, weights, json_path: str | None) -> tuple[str, dict]:
+    if layout == "legacy":
+        try:
+            with open(json_path, "rb") as f:
+                return json_path, json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{json_path}: legacy model metadata is not valid JSON ({exc})") from None
+    if META_KEY not in weights:
+        raise FormatError(
+            f"{weights.path}: model file is missing NetCL metadata (no {META_KEY!r} entry; "
+            f"{len(weights)} entries). A raw parameter NPZ is read with fastckpt.io.checkpoint.load_params; "
+            "a legacy export is the pair X.json + X.npz, loaded by passing X"
+        )
+    return weights.path, _decode_meta(weights.path, weights.host(META_KEY))
+
+
+def _realign(queue, pool, state: dict, report: ModelLoadReport) -> None:
+    """Move tensors whose arena offset is not a multiple of their itemsize (np.savez files) to an aligned arena.
+
+    Kernels index elements, so a float32 at byte offset 190 cannot be used in place. One
+    device-side copy per such tensor into one more pooled arena; fastckpt's own files never need it.
+    """
+    import pyopencl as cl
+
+    from fastckpt.tensor import Tensor
+
+    odd = [k for k, t in state.items() if t.nbytes and t.offset % t.dtype.itemsize]
+    if not odd:
+        return
+    offsets, total = {}, 0
+    for k in odd:
+        offsets[k] = total
+        total += -(-state[k].nbytes // 256) * 256
+    lease = pool.arena(total)
+    file_report = report.file_report
+    if file_report is not None:
+        if lease.hit:
+            file_report.pool_hits += 1
+        else:
+            file_report.pool_misses += 1
+            file_report.bytes_allocated += lease.size
+    for k in odd:
+        t = state[k]
+        cl.enqueue_copy(queue, lease.buffer, t.buffer, byte_count=t.nbytes, src_offset=t.offset,
+                        dst_offset=offsets[k])
+        state[k] = Tensor(lease.buffer, t.shape, t.dtype, offset=offsets[k], queue=queue, owner=lease)
+    queue.finish()
+    report.realigned_keys = odd
+
+
+def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool = True):
+    """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair).
+
+    ``queue`` defaults to ``pool.queue``, else :func:`fastckpt.device.default`'s. With
+    ``pool`` (a :class:`fastckpt.pool.PersistentBufferPool`) all weights land in one
+    pooled arena with one copy and become the parameters directly; loading again through
+    the same pool allocates nothing. Without a pool, each freshly built parameter buffer
+    is filled from the mapped file.
+
+    Missing weights keep their freshly built values and are reported (a
+    :class:`MissingWeightsWarning` and ``model.load_report.missing_keys``). Entries the
+    model does not have raise ``KeyError`` unless ``strict=False``. A shape mismatch
+    raises ``ValueError`` naming the key and both shapes. The stored dtype is kept.
+
+    >>> model = load_model("mnist_mlp.netcl", pool=pool)       # doctest: +SKIP
+    >>> model.load_report.file_report.copies                   # doctest: +SKIP
+    1
+    """
+    import fastckpt
+    from fastckpt.nn import build_sequential
+
+    t0 = time.perf_counter()
+    layout, weights_path, json_path = resolve_model_path(path)
+    if queue is None and pool is not None:
+        queue = getattr(pool, "queue", None)
+    if queue is None:
+        from fastckpt.device import default
+
+        queue = default().queue
+
+    with fastckpt.open(weights_path) as tf:
+        meta_path, meta = _read_metadata(layout, tf, json_path)
+        version, config = _check_meta(meta_path, meta, layout)
+        try:
+            model = build_sequential(queue, config)
+        except ValueError as exc:
+            raise FormatError(f"{meta_path}: cannot rebuild the model: {exc}") from None
+        report = ModelLoadReport(path=weights_path, layout=layout, version=version, pooled=pool is not None)
+
+        # Validate against the index only (shapes from the file's headers): nothing is read or copied yet.
+        infos = {name: info for name, info in tf.infos.items() if name != META_KEY}
+        specs = {name: np.broadcast_to(np.zeros((), info.dtype), info.shape) for name, info in infos.items()}
+        plan = model._plan_load(specs)
+        if plan.errors:
+            raise ValueError(f"{weights_path}: state_dict shape mismatch (nothing was loaded): " + "; ".join(plan.errors))
+        if plan.unexpected and strict:
+            shown = plan.unexpected[:10] + (["..."] if len(plan.unexpected) > 10 else [])
+            raise KeyError(
+                f"{weights_path}: {len(plan.unexpected)} entries match no model weight: {shown}; "
+                "pass strict=False to ignore them"
+            )
+        report.missing_keys = list(plan.missing)
+        report.unexpected_keys = list(plan.unexpected)
+        wanted = [name for name in infos if name not in set(plan.unexpected)]
+
+        if pool is not None:
+            from fastckpt.load import load_file
+
+            loaded = load_file(tf, queue, pool=pool, names=wanted)
+            report.file_report = loaded.report
+            state = dict(loaded)
+            _realign(queue, pool, state, report)
+        else:
+            state = {name: tf.host(name) for name in wanted}
+        model.load_state_dict(state, strict=False)
+
+    if report.missing_keys:
+        shown = report.missing_keys[:10] + (["..."] if len(report.missing_keys) > 10 else [])
+        warnings.warn(MissingWeightsWarning(
+            f"{weights_path}: {len(report.missing_keys)} weights are not in the file and keep their freshly "
+            f"built (seeded) values: {shown}; see model.load_report"), stacklevel=2)
+    report.seconds = time.perf_counter() - t0
+    model.load_report = report
+    return model

@@ -1,0 +1,445 @@
+"""save_model / load_model: the .netcl single file, the legacy pair, metadata checks, pools and errors."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import secrets
+import warnings
+import zipfile
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyopencl")
+
+import fastckpt
+import fastckpt.nn as nn
+from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
+from fastckpt.io import load_model, save_model
+from fastckpt.io.serialization import META_KEY, MissingWeightsWarning
+
+pytestmark = pytest.mark.device
+
+CONV = {"type": "Conv2d", "args": {"in_channels": 3, "out_channels": 4, "kernel_size": 3, "stride": 1, "pad": 1,
+                                   "bias": True, "dilation": 1, "groups": 1}}
+BN = {"type": "BatchNorm2d", "args": {"num_features": 4, "momentum": 0.1, "eps": 1e-05}}
+POOL = {"type": "MaxPool2d", "args": {"kernel_size": 2, "stride": 2}}
+FLAT = {"type": "Flatten", "args": {}}
+
+
+def linear(i, o, bias=True):
+    return {"type": "Linear", "args": {"in_features": i, "out_features": o, "bias": bias}}
+
+
+# One config per layer type (each wrapped so that it runs forward on a (2, 3, 6, 6) or (2, 5) input).
+LAYER_CONFIGS = {
+    "Conv2d": ([CONV], (2, 3, 6, 6)),
+    "Conv2d-nobias-grouped": ([{"type": "Conv2d", "args": {"in_channels": 4, "out_channels": 6, "kernel_size": 2,
+                                                            "stride": 2, "pad": 1, "bias": False, "dilation": 1,
+                                                            "groups": 2}}], (2, 4, 6, 6)),
+    "BatchNorm2d": ([CONV, BN], (2, 3, 6, 6)),
+    "Linear": ([linear(5, 3)], (2, 5)),
+    "Linear-nobias": ([linear(5, 3, bias=False)], (2, 5)),
+    "ReLU": ([linear(5, 3), {"type": "ReLU", "args": {}}], (2, 5)),
+    "LeakyReLU": ([linear(5, 3), {"type": "LeakyReLU", "args": {"negative_slope": 0.2}}], (2, 5)),
+    "Sigmoid": ([linear(5, 3), {"type": "Sigmoid", "args": {}}], (2, 5)),
+    "Tanh": ([linear(5, 3), {"type": "Tanh", "args": {}}], (2, 5)),
+    "Dropout": ([{"type": "Dropout", "args": {"p": 0.25, "seed": None}}, linear(5, 3)], (2, 5)),
+    "MaxPool2d+Flatten": ([CONV, POOL, FLAT, linear(36, 2)], (2, 3, 6, 6)),
+    "Embedding": ([{"type": "Embedding", "args": {"num_embeddings": 7, "embedding_dim": 3}}, linear(3, 2)], None),
+}
+
+
+@pytest.fixture(scope="module")
+def device():
+    from fastckpt.device import default
+
+    return default()
+
+
+@pytest.fixture
+def queue(device):
+    return device.queue
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(secrets.randbits(32))
+
+
+def randomize(model, rng):
+    """Random, nonzero values for every weight (fresh per test), so that nothing passes by coincidence."""
+    state = {k: (rng.uniform(0.1, 1.0, v.shape) * rng.choice([-1, 1], v.shape)).astype(v.dtype)
+             for k, v in model.state_dict().items()}
+    for k in state:
+        if k.endswith("running_var"):
+            state[k] = np.abs(state[k])
+    model.load_state_dict(state)
+    return state
+
+
+def model_input(rng, config_name):
+    shape = LAYER_CONFIGS[config_name][1]
+    if shape is None:
+        return rng.integers(0, 7, size=(2, 4))
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def assert_same_state(model, expected: dict):
+    got = model.state_dict()
+    assert list(got) == list(expected)
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype, k
+        assert got[k].shape == v.shape, k
+        assert got[k].tobytes() == v.tobytes(), k
+
+
+def payload_offsets(path):
+    with fastckpt.open(path) as tf:
+        return {name: info.offset for name, info in tf.infos.items()}
+
+
+# -- round trips ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
+@pytest.mark.parametrize("name", list(LAYER_CONFIGS))
+def test_round_trip_exact_weights_and_forward(tmp_path, device, rng, name, use_pool):
+    from fastckpt.pool import PersistentBufferPool
+
+    model = nn.build_sequential(device.queue, LAYER_CONFIGS[name][0], seed=secrets.randbits(31))
+    state = randomize(model, rng)
+    x = model_input(rng, name)
+    before = model(x).to_host()
+    path = tmp_path / "model.netcl"
+    save_model(model, path)
+    pool = PersistentBufferPool(device.context, device.queue) if use_pool else None
+    loaded = load_model(path, pool=pool)
+    assert [nn.layer_to_config(layer) for layer in loaded] == [nn.layer_to_config(layer) for layer in model]
+    assert_same_state(loaded, state)
+    assert loaded(x).to_host().tobytes() == before.tobytes()
+    assert loaded.load_report.missing_keys == [] and loaded.load_report.unexpected_keys == []
+    if use_pool:
+        assert loaded.load_report.file_report.copies == 1  # all weights: one copy into one arena
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32])
+@pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
+def test_stored_dtype_is_kept(tmp_path, device, rng, dtype, use_pool):
+    from fastckpt.pool import PersistentBufferPool
+
+    model = nn.build_sequential(device.queue, [CONV, BN, FLAT, linear(144, 3)])
+    randomize(model, rng)
+    model.astype(dtype)
+    state = model.state_dict()
+    assert all(v.dtype == dtype for v in state.values())
+    save_model(model, tmp_path / "m.netcl")
+    pool = PersistentBufferPool(device.context, device.queue) if use_pool else None
+    loaded = load_model(tmp_path / "m.netcl", pool=pool)
+    assert_same_state(loaded, state)
+    with pytest.raises(TypeError, match=r"model.astype\(np.float32\)"):
+        loaded(rng.standard_normal((1, 3, 6, 6)))
+
+
+# -- the file itself -------------------------------------------------------------------------------
+def test_file_layout_matches_netcl(tmp_path, queue, rng):
+    config = [CONV, BN, {"type": "ReLU", "args": {}}, POOL, FLAT, linear(36, 8)]
+    model = nn.build_sequential(queue, config)
+    randomize(model, rng)
+    path = tmp_path / "sub" / "dir" / "mnist_mlp.netcl"  # parents are created; the name is kept as given
+    save_model(model, path)
+    assert sorted(os.listdir(tmp_path / "sub" / "dir")) == ["mnist_mlp.netcl"]
+    with zipfile.ZipFile(path) as zf:
+        infos = zf.infolist()
+        assert [i.filename for i in infos] == [
+            "0:weight.npy", "0:bias.npy", "1:gamma.npy", "1:beta.npy", "1:running_mean.npy", "1:running_var.npy",
+            "5:weight.npy", "5:bias.npy", f"{META_KEY}.npy"]
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in infos)
+    expected_meta = json.dumps({"type": "Sequential", "config": config, "version": 2, "format": "netcl.single-file"})
+    with np.load(path, allow_pickle=False) as z:
+        meta = z[META_KEY]
+        assert meta.shape == () and meta.dtype == np.dtype(f"<U{len(expected_meta)}")
+        assert meta.tobytes() == np.array(expected_meta).tobytes()
+        for k, v in model.state_dict().items():
+            assert z[k].tobytes() == v.tobytes()
+    assert all(off % 4096 == 0 for off in payload_offsets(path).values())
+
+
+def test_same_model_gives_identical_bytes(tmp_path, queue, rng):
+    model = nn.build_sequential(queue, [linear(6, 4), {"type": "Tanh"}, linear(4, 2)])
+    randomize(model, rng)
+    save_model(model, tmp_path / "a.netcl")
+    save_model(model, tmp_path / "b.netcl")
+    save_model(load_model(tmp_path / "a.netcl"), tmp_path / "c.netcl")
+    a = (tmp_path / "a.netcl").read_bytes()
+    assert a == (tmp_path / "b.netcl").read_bytes() == (tmp_path / "c.netcl").read_bytes()
+
+
+def test_failed_save_leaves_the_old_file_untouched(tmp_path, queue):
+    class Odd(nn.Module):
+        pass
+
+    path = tmp_path / "m.netcl"
+    save_model(nn.Sequential(nn.ReLU()), path)
+    old = path.read_bytes()
+    with pytest.raises(ValueError, match="layer 1: unsupported layer type Odd"):
+        save_model(nn.Sequential(nn.ReLU(), Odd()), path)
+    assert path.read_bytes() == old
+    assert sorted(os.listdir(tmp_path)) == ["m.netcl"]
+
+
+def test_error_while_streaming_leaves_the_old_file_untouched(tmp_path, queue):
+    class Broken:
+        shape, dtype = (2,), np.dtype(np.float32)
+
+        def to_host(self):
+            raise RuntimeError("device lost")
+
+    class Half(nn.Module):
+        _state_names = ("a", "b")
+
+        def __init__(self):
+            from fastckpt.tensor import Tensor
+
+            self.a = Tensor.from_host(queue, np.ones(4096, np.float32))
+            self.b = Broken()
+
+    nn.register_layer("Half", Half)
+    try:
+        path = tmp_path / "m.netcl"
+        save_model(nn.Sequential(nn.ReLU()), path)
+        old = path.read_bytes()
+        with pytest.raises(RuntimeError, match="device lost"):
+            save_model(nn.Sequential(Half()), path)
+        assert path.read_bytes() == old
+        assert sorted(os.listdir(tmp_path)) == ["m.netcl"]
+    finally:
+        nn.unregister_layer("Half")
+
+
+def test_non_sequential_is_refused(tmp_path, queue):
+    with pytest.raises(TypeError, match=r"wrap a single layer as Sequential\(layer\)"):
+        save_model(nn.Linear(queue, 2, 2), tmp_path / "m.netcl")
+
+
+# -- reading other writers' files ------------------------------------------------------------------
+def netcl_style_file(path, arrays: dict, meta, *, compressed=False, meta_bytes=False):
+    """Write a file the way netcl 0.4.4 does: one np.savez call on an open file (unaligned payloads)."""
+    entries = dict(arrays)
+    text = json.dumps(meta)
+    entries[META_KEY] = np.array(text.encode("utf-8")) if meta_bytes else np.array(text, dtype=np.str_)
+    with open(path, "wb") as f:
+        (np.savez_compressed if compressed else np.savez)(f, **entries)
+
+
+@pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
+def test_hand_written_np_savez_file_with_unaligned_payloads_loads(tmp_path, device, rng, use_pool):
+    from fastckpt.pool import PersistentBufferPool
+
+    config = [CONV, BN, {"type": "ReLU", "args": {}}, POOL, FLAT, linear(36, 8)]
+    source = nn.build_sequential(device.queue, config)
+    state = randomize(source, rng)
+    path = tmp_path / "netcl_written.netcl"
+    netcl_style_file(path, state, {"type": "Sequential", "config": config, "version": 2,
+                                   "format": "netcl.single-file"})
+    assert any(off % 4 for off in payload_offsets(path).values())  # the case under test: misaligned float32
+    pool = PersistentBufferPool(device.context, device.queue) if use_pool else None
+    model = load_model(path, pool=pool)
+    assert_same_state(model, state)
+    if use_pool:  # kernels index elements: misaligned arena views were moved to an aligned arena
+        assert model.load_report.realigned_keys
+        assert all(t.offset % 4 == 0 for t in model.named_tensors().values())
+    x = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    assert model(x).to_host().tobytes() == source(x).to_host().tobytes()
+
+
+def test_compressed_file_and_bytes_metadata_load(tmp_path, queue, rng):
+    config = [linear(4, 3), {"type": "Sigmoid"}]
+    state = randomize(nn.build_sequential(queue, config), rng)
+    path = tmp_path / "c.netcl"
+    netcl_style_file(path, state, {"type": "Sequential", "config": config}, compressed=True, meta_bytes=True)
+    with pytest.warns(fastckpt.NotZeroCopyWarning):
+        model = load_model(path)
+    assert_same_state(model, state)
+
+
+def test_legacy_two_file_layout(tmp_path, queue, rng):
+    # version-1 configs lack Conv2d bias/dilation/groups and BatchNorm momentum/eps
+    config = [{"type": "Conv2d", "args": {"in_channels": 3, "out_channels": 4, "kernel_size": 3, "stride": 1, "pad": 1}},
+              {"type": "BatchNorm2d", "args": {"num_features": 4}}, FLAT, linear(144, 2)]
+    state = randomize(nn.build_sequential(queue, config), rng)
+    base = tmp_path / "old_export"
+    (tmp_path / "old_export.json").write_text(json.dumps({"type": "Sequential", "config": config, "version": 1}))
+    np.savez(str(base) + ".npz", **state)
+    model = load_model(base)
+    assert_same_state(model, state)
+    assert model.load_report.layout == "legacy" and model.load_report.version == 1
+    assert nn.layer_to_config(model[1]) == BN
+
+
+def test_oldest_flat_layers_config(tmp_path, queue, rng):
+    flat = [{"type": "Linear", "in_features": 4, "out_features": 3}, {"type": "ReLU"},
+            {"type": "Dropout", "p": 0.1}, {"type": "Linear", "in_features": 3, "out_features": 1, "bias": False}]
+    config = [linear(4, 3), {"type": "ReLU"}, {"type": "Dropout", "args": {"p": 0.1}}, linear(3, 1, bias=False)]
+    state = randomize(nn.build_sequential(queue, config), rng)
+    netcl_style_file(tmp_path / "flat.netcl", state, {"type": "Sequential", "layers": flat})
+    model = load_model(tmp_path / "flat.netcl")
+    assert_same_state(model, state)
+    assert nn.layer_to_config(model[2]) == {"type": "Dropout", "args": {"p": 0.1, "seed": None}}
+
+
+def test_dot_netcl_suffix_fallback(tmp_path, queue):
+    save_model(nn.Sequential(nn.Linear(queue, 2, 2)), tmp_path / "m.netcl")
+    assert load_model(tmp_path / "m").load_report.path == str(tmp_path / "m.netcl")
+
+
+def test_missing_file_lists_every_path_tried(tmp_path):
+    p = str(tmp_path / "nope")
+    with pytest.raises(CheckpointNotFoundError, match="tried: ") as info:
+        load_model(p)
+    msg = str(info.value)
+    assert all(s in msg for s in (repr(p), f"{p}.json + {p}.npz", f"{p}.netcl"))
+    assert isinstance(info.value, FileNotFoundError)
+
+
+# -- metadata errors ------------------------------------------------------------------------------
+def write_meta(path, meta_text, arrays=None):
+    entries = dict(arrays or {"0:weight": np.ones((2, 2), np.float32)})
+    if meta_text is not None:
+        entries[META_KEY] = np.array(meta_text)
+    with open(path, "wb") as f:
+        np.savez(f, **entries)
+
+
+GOOD_CONFIG = [linear(2, 2)]
+
+
+@pytest.mark.parametrize(
+    "meta_text,match",
+    [(None, "missing NetCL metadata.*load_params"),
+     ("{not json", "'__netcl_meta__' is not valid JSON"),
+     ("[1, 2]", "must be a JSON object, got list"),
+     (json.dumps({"type": "ResNet", "config": GOOD_CONFIG}), "model type 'ResNet' is not supported"),
+     (json.dumps({"type": "Sequential", "config": GOOD_CONFIG, "version": 3}),
+      "version 3 is newer than this fastckpt supports.*needs a fastckpt that supports version 3"),
+     (json.dumps({"type": "Sequential", "config": GOOD_CONFIG, "version": "2"}), "'version' must be a positive int"),
+     (json.dumps({"type": "Sequential", "config": GOOD_CONFIG, "format": "netcl.sharded"}), "'format' is 'netcl.sharded'"),
+     (json.dumps({"type": "Sequential"}), "neither a 'config' nor a 'layers' list"),
+     (json.dumps({"type": "Sequential", "config": {"a": 1}}), "'config' must be a list, got dict"),
+     (json.dumps({"type": "Sequential", "config": [{"type": "GELU"}]}),
+      r"cannot rebuild the model: config\[0\]: unknown layer type 'GELU'"),
+     (json.dumps({"type": "Sequential", "config": [{"type": "Linear", "args": {"in_features": 2}}]}),
+      r"missing required args \['out_features'\]")],
+)
+def test_bad_metadata_is_a_clear_format_error(tmp_path, queue, meta_text, match):
+    path = tmp_path / "bad.netcl"
+    write_meta(path, meta_text)
+    with pytest.raises(FormatError, match=match) as info:
+        load_model(path, queue)
+    assert str(path) in str(info.value)
+
+
+def test_non_string_metadata_array_is_refused(tmp_path, queue):
+    path = tmp_path / "bad.netcl"
+    with open(path, "wb") as f:
+        np.savez(f, **{META_KEY: np.arange(3)})
+    with pytest.raises(FormatError, match="must be a 0-d string array holding JSON, got int64"):
+        load_model(path, queue)
+
+
+# -- weights that do not match ----------------------------------------------------------------------
+def test_missing_weights_keep_seeded_values_and_are_reported(tmp_path, queue, rng):
+    config = [linear(3, 4), {"type": "ReLU"}, linear(4, 2)]
+    state = randomize(nn.build_sequential(queue, config), rng)
+    partial = {k: v for k, v in state.items() if k != "2:bias"}
+    netcl_style_file(tmp_path / "p.netcl", partial, {"type": "Sequential", "config": config})
+    with pytest.warns(MissingWeightsWarning, match=r"1 weights are not in the file.*\['2:bias'\]") as rec:
+        model = load_model(tmp_path / "p.netcl")
+    assert issubclass(rec[0].category, FastCkptWarning)
+    assert model.load_report.missing_keys == ["2:bias"]
+    fresh = nn.build_sequential(queue, config).state_dict()["2:bias"]  # what load_model built: seed 0
+    assert model.state_dict()["2:bias"].tobytes() == fresh.tobytes()
+    assert model.state_dict()["2:weight"].tobytes() == state["2:weight"].tobytes()
+
+
+def test_unexpected_entries_raise_unless_not_strict(tmp_path, device, rng):
+    from fastckpt.pool import PersistentBufferPool
+
+    config = [linear(3, 2)]
+    state = randomize(nn.build_sequential(device.queue, config), rng)
+    extra = {**state, "9:junk": np.ones(3, np.float32), "adam.m": np.zeros(2, np.float32)}
+    netcl_style_file(tmp_path / "x.netcl", extra, {"type": "Sequential", "config": config})
+    with pytest.raises(KeyError, match=r"2 entries match no model weight: \['9:junk', 'adam.m'\].*strict=False"):
+        load_model(tmp_path / "x.netcl")
+    for pool in (None, PersistentBufferPool(device.context, device.queue)):
+        model = load_model(tmp_path / "x.netcl", pool=pool, strict=False)
+        assert sorted(model.load_report.unexpected_keys) == ["9:junk", "adam.m"]
+        assert_same_state(model, state)
+
+
+def test_shape_mismatch_names_key_and_both_shapes(tmp_path, queue, rng):
+    config = [linear(3, 2)]
+    netcl_style_file(tmp_path / "s.netcl", {"0:weight": np.ones((2, 3), np.float32), "0:bias": np.ones(2, np.float32)},
+                     {"type": "Sequential", "config": config})
+    with pytest.raises(ValueError, match=r"'0:weight': stored shape \(2, 3\), model expects \(3, 2\)"):
+        load_model(tmp_path / "s.netcl")
+
+
+@pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
+def test_squeeze_tolerance_1_by_c_bias(tmp_path, device, rng, use_pool):
+    from fastckpt.pool import PersistentBufferPool
+
+    config = [linear(3, 4)]
+    w = rng.standard_normal((3, 4)).astype(np.float32)
+    b = rng.standard_normal((1, 4)).astype(np.float32)
+    netcl_style_file(tmp_path / "q.netcl", {"0:weight": w, "0:bias": b}, {"type": "Sequential", "config": config})
+    pool = PersistentBufferPool(device.context, device.queue) if use_pool else None
+    model = load_model(tmp_path / "q.netcl", pool=pool)
+    assert model[0].bias.shape == (4,) and model.state_dict()["0:bias"].tobytes() == b.tobytes()
+
+
+# -- pools ----------------------------------------------------------------------------------------
+def test_loading_twice_through_one_pool_allocates_nothing(tmp_path, device, rng):
+    from fastckpt.pool import PersistentBufferPool
+
+    model = nn.build_sequential(device.queue, [CONV, BN, FLAT, linear(144, 16), {"type": "ReLU"}, linear(16, 3)])
+    state = randomize(model, rng)
+    save_model(model, tmp_path / "m.netcl")
+    pool = PersistentBufferPool(device.context, device.queue)
+    first = load_model(tmp_path / "m.netcl", pool=pool)
+    assert_same_state(first, state)
+    misses, allocated = pool.stats.misses, pool.stats.bytes_allocated
+    assert misses == 1
+    del first
+    gc.collect()
+    second = load_model(tmp_path / "m.netcl", pool=pool)
+    assert pool.stats.misses == misses and pool.stats.bytes_allocated == allocated
+    assert second.load_report.file_report.pool_hits == 1 and second.load_report.file_report.copies == 1
+    assert_same_state(second, state)
+
+
+def test_user_layer_type_saves_and_loads(tmp_path, queue, rng):
+    from fastckpt.tensor import Tensor
+
+    class Scale(nn.Module):
+        _state_names = ("factor",)
+
+        def __init__(self, queue=None, features=1):
+            self.features, self.queue = features, queue
+            self.factor = Tensor.from_host(queue, nn.init_rng().uniform(1, 2, features).astype(np.float32))
+
+        def config_args(self):
+            return {"features": self.features}
+
+    nn.register_layer("Scale", Scale, queue_required=True)
+    try:
+        model = nn.Sequential(nn.Linear(queue, 2, 3), Scale(queue, 3))
+        state = randomize(model, rng)
+        save_model(model, tmp_path / "u.netcl")
+        loaded = load_model(tmp_path / "u.netcl")
+        assert isinstance(loaded[1], Scale)
+        assert_same_state(loaded, state)
+    finally:
+        nn.unregister_layer("Scale")
+    with pytest.raises(FormatError, match="unknown layer type 'Scale'"):
+        load_model(tmp_path / "u.netcl")
