@@ -127,15 +127,21 @@ class StateObject:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
 
-def _dtype_token(dtype: np.dtype, where: str) -> str:
-    if dtype.kind in _PLAIN_KINDS:
-        return dtype.str
-    if dtype.kind == "V" and dtype.fields is None:
-        import ml_dtypes
+def _ml_dtype(name: str) -> np.dtype | None:
+    import ml_dtypes
 
-        ext = getattr(ml_dtypes, dtype.name, None)
-        if ext is not None and np.dtype(ext) == dtype:
-            return dtype.name
+    ext = getattr(ml_dtypes, name, None)
+    if ext is None or not isinstance(ext, type) or not issubclass(ext, np.generic):
+        return None
+    return np.dtype(ext)
+
+
+def _dtype_token(dtype: np.dtype, where: str) -> str:
+    # ml_dtypes types first: their dtype.str ('<V2', '<f1') does not name them.
+    if dtype.fields is None and _ml_dtype(dtype.name) == dtype and dtype.type.__module__.startswith("ml_dtypes"):
+        return dtype.name
+    if dtype.kind in _PLAIN_KINDS and np.dtype(dtype.str) == dtype:
+        return dtype.str
     raise TypeError(
         f"{where}: numpy array of dtype {dtype!r} cannot be stored in a JSON state "
         "(only bool, integer, float, complex, bytes/str and ml_dtypes arrays; nothing is pickled)"
@@ -145,19 +151,16 @@ def _dtype_token(dtype: np.dtype, where: str) -> str:
 def _parse_dtype(token: Any, where: str) -> np.dtype:
     if not isinstance(token, str):
         raise FormatError(f"{where}: array dtype must be a string, got {token!r}")
+    if token.isidentifier():
+        dtype = _ml_dtype(token)
+        if dtype is None:
+            raise FormatError(f"{where}: unknown array dtype {token!r} (not an ml_dtypes type)")
+        return dtype
     try:
         dtype = np.dtype(token)
     except TypeError:
-        import ml_dtypes
-
-        ext = getattr(ml_dtypes, token, None)
-        if ext is None:
-            raise FormatError(f"{where}: unknown array dtype {token!r}") from None
-        dtype = np.dtype(ext)
-        if dtype.kind != "V" or dtype.fields is not None:
-            raise FormatError(f"{where}: unknown array dtype {token!r}") from None
-        return dtype
-    if dtype.kind not in _PLAIN_KINDS:
+        raise FormatError(f"{where}: unknown array dtype {token!r}") from None
+    if dtype.kind not in _PLAIN_KINDS or dtype.fields is not None:
         raise FormatError(f"{where}: array dtype {token!r} is not allowed (object and structured arrays are refused)")
     return dtype
 

@@ -474,6 +474,18 @@ class Reader:
         self._epoch, self._position = epoch, position
         self._checkpointing = True
 
+    def _prepare_for_checkpoint(self) -> None:
+        # Called by Checkpoint.register: opting in late is fine until iteration began.
+        if self._checkpointing:
+            return
+        if self._started:
+            raise RuntimeError(
+                f"{type(self).__name__} was built without enable_checkpointing=True and has already started "
+                "iterating, so it cannot be checkpointed now; construct it with enable_checkpointing=True "
+                "(or register it before its first next_epoch())"
+            )
+        self._checkpointing = True
+
     def _check_state(self, data: dict) -> tuple[int, int]:
         name = type(self).__name__
         if data.get("reader") != name:
