@@ -1,0 +1,453 @@
+"""Read TensorFlow v2 checkpoints (tensor bundles) without TensorFlow, zero-copy.
+
+``CheckpointReader(prefix)`` opens ``<prefix>.index`` (format in
+:mod:`fastckpt.tf.format`), maps every ``<prefix>.data-?????-of-?????`` shard
+and serves each tensor as a read-only numpy view of the mapped bytes, after
+checking its masked CRC32C (``verify=False`` skips the check).
+
+>>> import numpy as np, tempfile, os
+>>> from fastckpt.tf import write_checkpoint
+>>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt-1")
+>>> write_checkpoint(prefix, {"dense/kernel": np.eye(2, dtype=np.float32)})
+>>> with CheckpointReader(prefix) as r:
+...     r.tensor_names(), r["dense/kernel"].tolist()
+(['dense/kernel'], [[1.0, 0.0], [0.0, 1.0]])
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c as _crc32c
+import numpy as np
+
+from fastckpt._info import TensorInfo
+from fastckpt._mapped import MappedFile
+from fastckpt.errors import CheckpointNotFoundError, FormatError, NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.tf import dtypes as _dt
+from fastckpt.tf._table import decode_entry, decode_string_tensor, mask_crc
+from fastckpt.tf.errors import ChecksumMismatchError
+from fastckpt.tf.proto import decode_checkpoint_state, decode_header
+from fastckpt.tf.table import IndexTable
+
+__all__ = ["CheckpointReader", "TFTensorInfo", "resolve_prefix", "latest_checkpoint", "data_filename",
+           "encode_tensor_name_slice"]
+
+BUNDLE_VERSION = 1  # kTensorBundleVersion
+BUNDLE_MIN_PRODUCER = 0  # kTensorBundleMinProducer
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+def data_filename(prefix, shard: int, num_shards: int) -> str:
+    """``<prefix>.data-%05d-of-%05d``, the name of one data shard."""
+    return f"{os.fspath(prefix)}.data-{shard:05d}-of-{num_shards:05d}"
+
+
+@dataclass(frozen=True)
+class TFTensorInfo(TensorInfo):
+    """A :class:`~fastckpt._info.TensorInfo` plus what the bundle entry says.
+
+    ``offset`` / ``nbytes`` locate the payload in data shard ``shard``; ``dtype``
+    is ``object`` for DT_STRING; ``slices`` is non-empty for a partitioned
+    variable (then ``offset`` and ``nbytes`` are 0 and the values live in
+    hidden slice entries).
+    """
+
+    shard: int = 0
+    tf_dtype: int = 0
+    crc32c: int | None = None
+    slices: tuple = ()
+
+    @property
+    def tf_dtype_name(self) -> str:
+        """TensorFlow's name of the stored type (``"float32"``, ``"string"``, ``"qint8"`` ...)."""
+        return _dt.tf_name(self.tf_dtype)
+
+
+def latest_checkpoint(directory) -> str | None:
+    """The prefix named by ``directory/checkpoint`` (TensorFlow's ``tf.train.latest_checkpoint``), or None.
+
+    Like TensorFlow, it returns None when the state file is missing or names a
+    prefix whose ``.index`` does not exist.
+    """
+    directory = Path(directory)
+    state = directory / "checkpoint"
+    if not state.is_file():
+        return None
+    latest, _ = decode_checkpoint_state(state.read_text(encoding="utf-8"), str(state))
+    if not latest:
+        return None
+    prefix = latest if os.path.isabs(latest) else str(directory / latest)
+    return prefix if os.path.isfile(prefix + ".index") else None
+
+
+def resolve_prefix(path) -> str:
+    """Turn a prefix, an ``.index`` / data file name or a directory into a checkpoint prefix.
+
+    A directory resolves through its ``checkpoint`` state file, as in TensorFlow.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        prefix = latest_checkpoint(path)
+        if prefix is None:
+            found = sorted(p.name[: -len(".index")] for p in Path(path).glob("*.index"))
+            hint = (f"; it holds {', '.join(found[:5])}: pass {os.path.join(path, found[-1])!r} as the prefix"
+                    if found else "")
+            raise CheckpointNotFoundError(
+                f"{path}: a directory without a usable 'checkpoint' state file (or its index is missing){hint}")
+        return prefix
+    if path.endswith(".index") and os.path.isfile(path):
+        return path[: -len(".index")]
+    base, dot, tail = path.rpartition(".data-")
+    if dot and tail[:5].isdigit() and os.path.isfile(path):
+        return base
+    if os.path.isfile(path + ".index"):
+        return path
+    raise CheckpointNotFoundError(f"{path}: no TensorFlow checkpoint here (expected {path}.index, "
+                                  "a directory with a 'checkpoint' file, or the .index file itself)")
+
+
+# -- partitioned variables: TensorFlow's OrderedCode slice keys (saved_tensor_slice_util.cc) --------
+
+
+def _ordered_num(value: int) -> bytes:
+    body = value.to_bytes((value.bit_length() + 7) // 8, "big") if value else b""
+    return bytes([len(body)]) + body
+
+
+def _ordered_signed(value: int) -> bytes:
+    x = ~value if value < 0 else value
+    if x < 64:
+        return bytes([(0x80 ^ value) & 0xFF])
+    length = x.bit_length() // 7 + 1
+    header = [(0, 0), (0x80, 0), (0xC0, 0), (0xE0, 0), (0xF0, 0), (0xF8, 0), (0xFC, 0), (0xFE, 0), (0xFF, 0),
+              (0xFF, 0x80), (0xFF, 0xC0)][length]
+    buf = bytearray((value & ((1 << 80) - 1)).to_bytes(10, "big")[10 - length:])
+    buf[0] ^= header[0]
+    buf[1] ^= header[1]
+    return bytes(buf)
+
+
+def _ordered_string(data: bytes) -> bytes:
+    out = bytearray()
+    for byte in data:  # 0x00 -> 00 ff, 0xff -> ff 00, then the 00 01 terminator
+        out += b"\x00\xff" if byte == 0 else b"\xff\x00" if byte == 0xFF else bytes([byte])
+    return bytes(out) + b"\x00\x01"
+
+
+def encode_tensor_name_slice(name: bytes, extents) -> bytes:
+    """TensorFlow's ``EncodeTensorNameSlice``: the hidden key of one slice of a partitioned variable.
+
+    ``extents`` is ``[(start, length)]`` with ``length = -1`` for a full dimension.
+
+    >>> encode_tensor_name_slice(b"emb", [(0, 2), (0, 3)])
+    b'\\x00emb\\x00\\x01\\x01\\x02\\x80\\x82\\x80\\x83'
+    """
+    out = _ordered_num(0) + _ordered_string(name) + _ordered_num(len(extents))
+    for start, length in extents:
+        out += _ordered_signed(start) + _ordered_signed(length)
+    return out
+
+
+# -- the reader ------------------------------------------------------------------------------------
+
+
+def _decode_name(key: bytes) -> str:
+    return key.decode("utf-8", "surrogateescape")
+
+
+def _encode_name(name: str) -> bytes:
+    return name.encode("utf-8", "surrogateescape")
+
+
+class CheckpointReader:
+    """A TensorFlow v2 checkpoint opened for reading.
+
+    ``path`` is a prefix (``dir/ckpt-1``), its ``.index`` file, or a directory
+    (resolved through its ``checkpoint`` file). ``verify=False`` skips the
+    per-tensor CRC32C (block checksums of the index are always checked).
+    ``backend="pread"`` reads shards without mmap (network filesystems).
+
+    The reader is a read-only mapping from tensor name to array. Slice entries
+    of partitioned variables are hidden; the variable itself is listed and
+    :meth:`read_tensor` assembles it.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.tf import write_checkpoint
+    >>> prefix = os.path.join(tempfile.mkdtemp(), "m")
+    >>> write_checkpoint(prefix, {"b": np.zeros(3, np.int64), "a": np.float32(2.5)})
+    >>> r = CheckpointReader(prefix)
+    >>> list(r), r.tensor_shape("b"), r.tensor_dtype("a")
+    (['a', 'b'], (3,), dtype('float32'))
+    >>> r.close()
+    """
+
+    def __init__(self, path, *, verify: bool = True, backend: str = "mmap"):
+        self.prefix = resolve_prefix(path)
+        self.verify = verify
+        self.index_path = self.prefix + ".index"
+        self._shards: list = []
+        self._closed = False
+        self._backend = backend
+        with MappedFile(self.index_path, advise=False) as mapped:
+            table = IndexTable(mapped)
+            items = table.items()
+            self.num_data_blocks = len(table.block_handles)
+        if not items or items[0][0] != b"":
+            first = items[0][0] if items else None
+            raise FormatError(f"{self.index_path}: the first key must be the empty header key, got {first!r} "
+                              "(not a tensor bundle?)")
+        self.header = decode_header(items[0][1], f"{self.index_path}: header entry")
+        self._check_version()
+        self._entries: dict = {}
+        names = []
+        for key, value in items[1:]:
+            name = _decode_name(key)
+            info = self._make_info(name, value)
+            self._entries[key] = info
+            if not key.startswith(b"\x00"):
+                names.append(name)
+        self._names = names
+        num_shards = self.header.num_shards
+        if num_shards < 0 or (num_shards == 0 and names):
+            raise FormatError(f"{self.index_path}: header says num_shards={num_shards}")
+        self._shards = [None] * max(num_shards, 0)  # mapped on first read, as TensorFlow opens them
+
+    def _check_version(self) -> None:
+        h = self.header
+        if h.producer < BUNDLE_MIN_PRODUCER:
+            raise FormatError(f"{self.index_path}: bundle producer version {h.producer} is older than the oldest "
+                              f"supported ({BUNDLE_MIN_PRODUCER})")
+        if h.min_consumer > BUNDLE_VERSION:
+            raise FormatError(f"{self.index_path}: written by a newer TensorFlow: it needs bundle reader version "
+                              f"{h.min_consumer}, this reader is version {BUNDLE_VERSION}")
+        if BUNDLE_VERSION in h.bad_consumers:
+            raise FormatError(f"{self.index_path}: the bundle disallows reader version {BUNDLE_VERSION} "
+                              f"(bad_consumers={list(h.bad_consumers)})")
+
+    def _make_info(self, name: str, value: bytes) -> TFTensorInfo:
+        what = f"{self.index_path}: entry {name!r}"
+        dtype, shape, shard, offset, size, crc, slices = decode_entry(value, what)
+        if shape is None:
+            raise FormatError(f"{what}: shape has unknown rank (a stored tensor needs a full shape)")
+        if any(d < 0 for d in shape):
+            raise FormatError(f"{what}: invalid shape {list(shape)} (negative dimension)")
+        if dtype == _dt.DT_STRING:
+            np_dtype = np.dtype(object)
+        else:
+            np_dtype = _dt.numpy_dtype(dtype, what=what)
+        count = 1
+        for d in shape:
+            count *= d
+        if not slices:
+            if not 0 <= shard < max(self.header.num_shards, 1):
+                raise FormatError(f"{what}: shard_id {shard} but the header says num_shards="
+                                  f"{self.header.num_shards}")
+            if offset < 0 or size < 0:
+                raise FormatError(f"{what}: negative offset {offset} or size {size}")
+            if dtype != _dt.DT_STRING and size != count * np_dtype.itemsize:
+                raise FormatError(f"{what}: invalid size in bundle entry: {size} bytes for shape {list(shape)} of "
+                                  f"{_dt.tf_name(dtype)} (expected {count * np_dtype.itemsize})")
+        return TFTensorInfo(name, np_dtype, tuple(shape), offset if not slices else 0, size if not slices else 0,
+                            shard=shard, tf_dtype=dtype, crc32c=crc,
+                            slices=tuple(tuple(e) for e in slices))
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap the shards. Idempotent; arrays already returned stay valid."""
+        for shard in self._shards:
+            if shard is not None:
+                shard.close()
+        self._shards = []
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        if self._closed:
+            return "<Closed TensorFlow CheckpointReader>"
+        return (f"<TensorFlow CheckpointReader {self.prefix!r} tensors={len(self._names)} "
+                f"shards={self.header.num_shards}>")
+
+    # -- listing -------------------------------------------------------------------------------
+
+    def tensor_names(self) -> list:
+        """Every tensor name in byte order, without hidden partition slices (object graph included)."""
+        return list(self._names)
+
+    def info(self, name: str) -> TFTensorInfo:
+        """Where and how tensor ``name`` is stored."""
+        info = self._entries.get(_encode_name(name)) if isinstance(name, str) else None
+        if info is None or _encode_name(name).startswith(b"\x00"):
+            close = difflib.get_close_matches(str(name), self._names, n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise TensorNotFoundError(f"{self.prefix}: no tensor named {name!r} among {len(self._names)} "
+                                      f"tensors{hint}")
+        return info
+
+    def infos(self) -> list:
+        """:class:`TFTensorInfo` of every listed tensor, in name order."""
+        return [self._entries[_encode_name(n)] for n in self._names]
+
+    def has_tensor(self, name: str) -> bool:
+        """True if ``name`` is a (listed) tensor of this checkpoint."""
+        key = _encode_name(name) if isinstance(name, str) else None
+        return key is not None and key in self._entries and not key.startswith(b"\x00")
+
+    def tensor_shape(self, name: str) -> tuple:
+        """The shape of ``name`` as a tuple (``()`` for a scalar)."""
+        return self.info(name).shape
+
+    def tensor_dtype(self, name: str) -> np.dtype:
+        """The numpy dtype of ``name`` (``object`` for strings; native byte order)."""
+        return self.info(name).dtype
+
+    def variable_to_shape_map(self) -> dict:
+        """``{name: list(shape)}``, like TensorFlow's ``get_variable_to_shape_map``."""
+        return {n: list(self._entries[_encode_name(n)].shape) for n in self._names}
+
+    def keys(self):
+        return self.tensor_names()
+
+    def __iter__(self):
+        return iter(self.tensor_names())
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name) -> bool:
+        return self.has_tensor(name)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.read_tensor(name)
+
+    def items(self):
+        """``(name, array)`` pairs (zero-copy views), in name order."""
+        return [(n, self.read_tensor(n)) for n in self._names]
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _shard(self, index: int) -> MappedFile:
+        if self._closed:
+            raise ValueError(f"{self.prefix}: the checkpoint reader is closed")
+        mapped = self._shards[index]
+        if mapped is None:
+            num_shards = len(self._shards)
+            path = data_filename(self.prefix, index, num_shards)
+            if not os.path.exists(path):
+                raise CheckpointNotFoundError(
+                    f"{path}: data shard {index} of {num_shards} is missing (the index {self.index_path} lists "
+                    "tensors in it; was the checkpoint copied without its data files?)")
+            mapped = self._shards[index] = MappedFile(path, backend=self._backend)
+        return mapped
+
+    def read_tensor(self, name: str, *, copy: bool = False) -> np.ndarray:
+        """The value of tensor ``name``.
+
+        A zero-copy, read-only view of the mapped data unless ``copy=True``.
+        String tensors come back as ``object`` arrays of ``bytes`` (always new
+        objects). Big-endian files and partitioned variables need a copy; without
+        ``copy=True`` that copy is announced with a
+        :class:`~fastckpt.errors.NotZeroCopyWarning`.
+
+        Raises :class:`~fastckpt.errors.TensorNotFoundError` (a KeyError) for an
+        unknown name and :class:`~fastckpt.tf.errors.ChecksumMismatchError` when
+        the stored CRC32C does not match (``verify=False`` skips the check).
+        """
+        info = self.info(name)
+        if info.slices:
+            if not copy:
+                warnings.warn(f"{self.prefix}: {name!r} is a partitioned variable; its slices are copied into one "
+                              "array (pass copy=True to silence this)", NotZeroCopyWarning, stacklevel=2)
+            return self._assemble(info)
+        return self._read_entry(info, copy=copy, stacklevel=3)
+
+    def _read_entry(self, info: TFTensorInfo, *, copy: bool, stacklevel: int) -> np.ndarray:
+        mapped = self._shard(info.shard)
+        what = f"tensor {info.name!r}"
+        if info.tf_dtype == _dt.DT_STRING:
+            payload = mapped.view(info.offset, info.nbytes, what)
+            values, crc = decode_string_tensor(payload, info.size, f"{mapped.path}: {what}", self.verify)
+            if self.verify:
+                self._check_crc(info, crc, mapped.path)
+            out = np.empty(len(values), dtype=object)
+            out[:] = values
+            return out.reshape(info.shape)
+        stored_dtype = info.dtype.newbyteorder(">") if self.header.big_endian else info.dtype
+        arr = mapped.array(info.offset, stored_dtype, info.shape, what=what)
+        if self.verify:
+            self._check_crc(info, mask_crc(_crc32c.crc32c(mapped.view(info.offset, info.nbytes, what))), mapped.path)
+        if self.header.big_endian and stored_dtype.itemsize > 1:
+            if not copy:
+                warnings.warn(f"{self.prefix}: {info.name!r} is stored big-endian and is byte-swapped into a copy "
+                              "(pass copy=True to silence this)", NotZeroCopyWarning, stacklevel=stacklevel)
+            return arr.astype(info.dtype)
+        if self.header.big_endian:
+            arr = arr.view(info.dtype)
+        return arr.copy() if copy else arr
+
+    def _check_crc(self, info: TFTensorInfo, actual: int, path: str) -> None:
+        if info.crc32c is None:
+            raise ChecksumMismatchError(f"{path}: tensor {info.name!r} has no stored crc32c to verify; "
+                                        "open with verify=False to read it anyway")
+        if actual != info.crc32c:
+            raise ChecksumMismatchError(
+                f"{path}: tensor {info.name!r} at offset {info.offset} ({info.nbytes} bytes): checksum mismatch "
+                f"(stored {info.crc32c:#010x}, computed {actual:#010x}); the data file is damaged or does not "
+                "belong to this index (open with verify=False to read it anyway)")
+
+    def _assemble(self, info: TFTensorInfo) -> np.ndarray:
+        """Copy every slice of a partitioned variable into one array, checking that they cover it."""
+        if info.tf_dtype == _dt.DT_STRING:
+            raise FormatError(f"{self.prefix}: partitioned string tensor {info.name!r} is not supported")
+        out = np.zeros(info.shape, dtype=info.dtype)
+        covered = np.zeros(info.shape, dtype=bool)
+        for extents in info.slices:
+            what = f"{self.index_path}: slice {list(extents)} of {info.name!r}"
+            if len(extents) != len(info.shape):
+                raise FormatError(f"{what}: rank {len(extents)} differs from the variable's rank {len(info.shape)}")
+            index = []
+            for (start, length), dim in zip(extents, info.shape):
+                stop = dim if length < 0 else start + length
+                if not 0 <= start <= stop <= dim:
+                    raise FormatError(f"{what}: extent ({start}, {length}) lies outside dimension {dim}")
+                index.append(slice(start, stop))
+            key = encode_tensor_name_slice(_encode_name(info.name), extents)
+            part = self._entries.get(key)
+            if part is None:
+                raise FormatError(f"{what}: the slice entry {key!r} is missing from the index")
+            index = tuple(index)
+            expected = out[index].shape
+            if part.shape != expected or part.dtype != info.dtype:
+                raise FormatError(f"{what}: slice entry holds {part.dtype}{list(part.shape)}, expected "
+                                  f"{info.dtype}{list(expected)}")
+            out[index] = self._read_entry(part, copy=False, stacklevel=4)
+            covered[index] = True
+        if not covered.all():
+            raise FormatError(f"{self.prefix}: the slices of partitioned variable {info.name!r} do not cover its "
+                              f"shape {list(info.shape)}")
+        return out
+
+    def object_graph(self):
+        """The decoded ``_CHECKPOINTABLE_OBJECT_GRAPH`` (:class:`fastckpt.tf.proto.ObjectGraph`), or None."""
+        from fastckpt.tf.proto import decode_object_graph
+
+        if not self.has_tensor(OBJECT_GRAPH_KEY):
+            return None
+        value = self.read_tensor(OBJECT_GRAPH_KEY)
+        if value.shape != () or not isinstance(value[()], bytes):
+            raise FormatError(f"{self.prefix}: {OBJECT_GRAPH_KEY} is not a scalar string")
+        return decode_object_graph(value[()], f"{self.prefix}: {OBJECT_GRAPH_KEY}")
