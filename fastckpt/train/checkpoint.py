@@ -565,8 +565,6 @@ def _existing_is_replaceable(out: Path) -> bool:
 
 def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: bool, fsync: bool = True) -> str:
     """Write ``snap`` as a checkpoint directory at ``out_dir`` (atomically); returns the weights sha256."""
-    from fastckpt.safetensors import save_safetensors
-
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: a checkpoint already exists here; pass overwrite=True to replace it")
@@ -575,6 +573,39 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
             f"{out}: exists and is not a fastckpt checkpoint (no {MANIFEST_FILE}); refusing to replace it — "
             "choose an empty or new directory"
         )
+    previous = _manifest_digest(out)
+    try:
+        digest = _write_directory(snap, out, fsync)
+    except BaseException:
+        if previous is not None and not out.exists():
+            _put_back_previous(out, previous)
+        raise
+    if fsync:
+        fsync_directory(out.parent)
+    return digest
+
+
+def _manifest_digest(out: Path) -> str | None:
+    try:
+        return json.loads((out / MANIFEST_FILE).read_bytes())["weights_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _put_back_previous(out: Path, digest: str) -> None:
+    # A replacement moves the old checkpoint aside (to a temporary of this process) before
+    # renaming the new one in; if that last rename failed, the old one must come back, or the
+    # next save would delete it as a leftover once this process is gone.
+    prefix = f".{out.name}.{os.getpid()}."
+    for entry in out.parent.iterdir():
+        if entry.name.startswith(prefix) and entry.name.endswith(".partial") and _manifest_digest(entry) == digest:
+            os.replace(entry, out)
+            return
+
+
+def _write_directory(snap: Snapshot, out: Path, fsync: bool) -> str:
+    from fastckpt.safetensors import save_safetensors
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fastckpt-save") as pool, \
             atomic_directory(out, fsync=False, overwrite=True) as tmp:
         hashes: dict[str, concurrent.futures.Future] = {}
@@ -609,8 +640,6 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
         # it and the temporary directory when fsync is on).
         with atomic_write(tmp / MANIFEST_FILE, fsync=fsync) as f:
             f.write(json.dumps(manifest, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8"))
-    if fsync:
-        fsync_directory(out.parent)
     return files[WEIGHTS_FILE]["sha256"]
 
 

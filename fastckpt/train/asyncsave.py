@@ -1,0 +1,205 @@
+"""Asynchronous checkpoint saves: snapshot now, write in the background, at most one in flight.
+
+``AsyncCheckpointer.save`` blocks the trainer only while it takes a
+consistent snapshot of every piece of state — each array copied into a staging
+buffer, every Python state serialized to JSON — and then returns a
+:class:`SaveHandle`; a background thread writes the checkpoint directory
+(atomically, as :func:`fastckpt.train.checkpoint.save_checkpoint` does). The
+trainer may change weights, optimizer moments, scheduler, data iterator and RNG
+the moment ``save`` returns: the checkpoint holds the state of that instant,
+never a torn or mixed-step one.
+
+At most one save is in flight: the next ``save`` first waits for the previous
+one. A failure in the background is raised by ``handle.wait()`` or, if nobody
+waited, by the next ``save`` or ``wait`` (once).
+
+Staging buffers are kept and reused by the next snapshot of the same shapes:
+copying into memory already touched is several times faster than into fresh
+pages, so only the first asynchronous save pays for page faults. This holds
+one extra copy of the training state in host memory; ``release_buffers()``
+frees it.
+
+>>> import numpy as np, tempfile, os
+>>> from fastckpt.train import TinyLM, SGD
+>>> model = TinyLM(vocab=8, dim=4, hidden=8); opt = SGD(model.parameters(), lr=0.1)
+>>> saver = AsyncCheckpointer()
+>>> handle = saver.save(os.path.join(tempfile.mkdtemp(), "c"), model, opt, step=5)
+>>> model.embed.weight.data[:] = 0          # safe: the snapshot was taken already
+>>> len(handle.wait())
+64
+>>> saver.close()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from fastckpt.train.checkpoint import take_snapshot, write_snapshot
+
+__all__ = ["SaveHandle", "AsyncCheckpointer", "StagingPool"]
+
+
+class StagingPool:
+    """Host buffers for snapshots, reused across saves with the same shapes and dtypes.
+
+    >>> pool = StagingPool(); a = np.arange(3.0)
+    >>> b = pool.stage(a); b is a, np.array_equal(a, b)
+    (False, True)
+    >>> pool.release([b]); pool.stage(a) is b
+    True
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def stage(self, arr: np.ndarray) -> np.ndarray:
+        """A C-contiguous private copy of ``arr`` in a reused buffer when one fits."""
+        key = (arr.dtype.str, arr.shape)
+        with self._lock:
+            free = self._free.get(key)
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = np.empty(arr.shape, dtype=arr.dtype)
+        np.copyto(buf, arr)
+        return buf
+
+    def release(self, arrays) -> None:
+        """Give buffers back for the next snapshot."""
+        with self._lock:
+            for a in arrays:
+                self._free.setdefault((a.dtype.str, a.shape), []).append(a)
+
+    def clear(self) -> None:
+        """Drop every kept buffer."""
+        with self._lock:
+            self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for bufs in self._free.values() for a in bufs)
+
+
+class SaveHandle:
+    """A background save: ``wait()`` returns the weights sha256 or raises the save's error.
+
+    >>> SaveHandle.__name__
+    'SaveHandle'
+    """
+
+    def __init__(self, future: concurrent.futures.Future, path: Path, step: int) -> None:
+        self._future = future
+        self.path = path
+        self.step = step
+        self._reported = False
+
+    def done(self) -> bool:
+        """True once the save finished (successfully or not)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the checkpoint is on disk; returns its weights sha256, or raises the save's error."""
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise
+        except BaseException:
+            self._reported = True
+            raise
+
+    def _unreported_error(self) -> BaseException | None:
+        if self._reported or not self._future.done():
+            return None
+        exc = self._future.exception()
+        if exc is not None:
+            self._reported = True
+        return exc
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._future.exception() else "done")
+        return f"<SaveHandle step={self.step} {state} {str(self.path)!r}>"
+
+
+class AsyncCheckpointer:
+    """Writes checkpoints in one background thread, at most one at a time.
+
+    ``before_write`` and ``after_write`` callables run in the background
+    thread around the write (the manager records and prunes there).
+    """
+
+    def __init__(self, *, fsync: bool = True) -> None:
+        self.fsync = fsync
+        self.pool = StagingPool()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-async-save")
+        self._last: SaveHandle | None = None
+        self._lock = threading.Lock()
+
+    def _settle_previous(self) -> None:
+        last = self._last
+        if last is None:
+            return
+        concurrent.futures.wait([last._future])
+        exc = last._unreported_error()
+        if exc is not None:
+            raise exc
+
+    def wait(self) -> str | None:
+        """Wait for the save in flight; raise its error unless already raised. Returns its sha256 (or None)."""
+        with self._lock:
+            self._settle_previous()
+            last = self._last
+            return None if last is None or last._future.exception() else last._future.result()
+
+    def save(self, out_dir: str | os.PathLike, model: Any, optimizer: Any = None, scheduler: Any = None,
+             data_iter: Any = None, train_rng: Any = None, *, step: int, epoch: int = 0,
+             metrics: dict | None = None, scaler: Any = None, seed: int | None = None, config: Any = None,
+             data_manifest: Any = None, overwrite: bool = True,
+             before_write: Callable[[], None] | None = None,
+             after_write: Callable[[], None] | None = None) -> SaveHandle:
+        """Snapshot every state now and write it to ``out_dir`` in the background; see the module docstring."""
+        with self._lock:
+            self._settle_previous()
+            snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
+                                 metrics=metrics, scaler=scaler, seed=seed, config=config,
+                                 data_manifest=data_manifest, stage=self.pool.stage)
+            staged = list(snap.weights.tensors.values()) + (list(snap.optim.tensors.values()) if snap.optim else [])
+            path = Path(out_dir)
+
+            def job() -> str:
+                try:
+                    if before_write is not None:
+                        before_write()
+                    digest = write_snapshot(snap, path, overwrite=overwrite, fsync=self.fsync)
+                    if after_write is not None:
+                        after_write()
+                    return digest
+                finally:
+                    self.pool.release(staged)
+
+            self._last = SaveHandle(self._executor.submit(job), path, int(step))
+            return self._last
+
+    def release_buffers(self) -> None:
+        """Free the staging buffers kept for the next snapshot."""
+        self.pool.clear()
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error) and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self.pool.clear()
+
+    def __enter__(self) -> "AsyncCheckpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

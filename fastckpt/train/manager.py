@@ -1,0 +1,323 @@
+"""A directory of step-numbered training checkpoints: save, find the latest, restore, prune.
+
+``CheckpointManager(directory)`` keeps checkpoints as ``directory/step-<N>``
+(``N`` zero-padded to 8 digits, longer when needed), each in the format of
+:mod:`fastckpt.train.checkpoint`.
+
+What counts as a checkpoint
+    A ``step-<N>`` directory whose ``manifest.json`` parses and whose listed
+    files all exist with their recorded sizes. Directories appear only by an
+    atomic rename once complete, so a save cut short (even by ``kill -9``)
+    leaves nothing that :meth:`latest` returns; its temporary
+    (``.step-<N>.<pid>.<hex>.partial``) is removed by the next manager or
+    save once that process is gone. ``latest()`` does not hash files;
+    ``restore_latest`` does (``verify=True``).
+
+What it deletes
+    Only checkpoints it wrote. Before writing ``step-<N>`` it records the name
+    in ``directory/.fastckpt-manager.json`` (written atomically); retention
+    considers only recorded checkpoints, so checkpoints copied in by hand or
+    written by other tools are never deleted. A checkpoint is deleted by
+    renaming it to a temporary name first and then removing it, so an
+    interrupted deletion never leaves a half-deleted ``step-<N>``.
+
+Retention (policies compose: a checkpoint survives if *any* policy keeps it)
+    * the newest checkpoint is always kept;
+    * ``max_to_keep=K``: the K newest are kept;
+    * ``keep_best=(metric, mode)`` or ``(metric, mode, K)``: the K (default 1)
+      best by ``metrics[metric]`` (``mode`` ``"min"`` or ``"max"``; ties go to
+      the newer step) are kept; checkpoints without a finite numeric value of
+      the metric are not kept by this policy;
+    * ``keep_every_n_steps=N``: every checkpoint whose step is a multiple of N
+      is kept;
+    * with no policy at all, every checkpoint is kept.
+
+One manager writes to a directory at a time; any number may read it.
+
+>>> import numpy as np, tempfile
+>>> from fastckpt.train import TinyLM, SGD
+>>> model = TinyLM(vocab=8, dim=4, hidden=8); opt = SGD(model.parameters(), lr=0.1)
+>>> mgr = CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
+>>> for step in (10, 20, 30):
+...     _ = mgr.save(step, model, opt, metrics={"loss": 1.0 / step})
+>>> mgr.all_steps(), mgr.latest().name
+([20, 30], 'step-00000030')
+>>> mgr.restore_latest(TinyLM(vocab=8, dim=4, hidden=8)).step
+30
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+from fastckpt._atomic import _partial_name, atomic_write, remove_stale_partials
+from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
+from fastckpt.train.checkpoint import (
+    CheckpointState,
+    apply_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    take_snapshot,
+    write_snapshot,
+)
+
+__all__ = ["CheckpointManager"]
+
+RECORD_FILE = ".fastckpt-manager.json"
+RECORD_FORMAT = "fastckpt.train.manager"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_PARTIAL = re.compile(r"^\.(.+)\.(\d+)\.([0-9a-f]+)\.partial$")
+
+
+class CheckpointManager:
+    """Step-numbered checkpoints in one directory with composable retention; see the module docstring."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
+                 keep_best: tuple | None = None, keep_every_n_steps: int | None = None, fsync: bool = True) -> None:
+        if max_to_keep is not None and (type(max_to_keep) is not int or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+        if keep_every_n_steps is not None and (type(keep_every_n_steps) is not int or keep_every_n_steps < 1):
+            raise ValueError(f"keep_every_n_steps must be a positive int or None, got {keep_every_n_steps!r}")
+        if keep_best is not None:
+            if not isinstance(keep_best, tuple) or len(keep_best) not in (2, 3):
+                raise ValueError(f"keep_best must be (metric, mode) or (metric, mode, count), got {keep_best!r}")
+            metric, mode, *count = keep_best
+            count = count[0] if count else 1
+            if not isinstance(metric, str) or mode not in ("min", "max") or type(count) is not int or count < 1:
+                raise ValueError(f"keep_best: need (str metric, 'min'|'max', positive count), got {keep_best!r}")
+            keep_best = (metric, mode, count)
+        self.directory = Path(directory)
+        self.max_to_keep = max_to_keep
+        self.keep_best = keep_best
+        self.keep_every_n_steps = keep_every_n_steps
+        self.fsync = fsync
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._saver: AsyncCheckpointer | None = None
+        self._lock = threading.RLock()  # the record and deletions; the background thread takes it too
+        self._manifests: dict[str, dict] = {}
+        self._sweep_partials()
+
+    # -- naming and discovery ----------------------------------------------------------------------
+    def path_for(self, step: int) -> Path:
+        """The directory of ``step``'s checkpoint (whether or not it exists)."""
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        return self.directory / f"step-{step:08d}"
+
+    def _sweep_partials(self) -> None:
+        finals = set()
+        for entry in self.directory.iterdir():
+            m = _PARTIAL.match(entry.name)
+            if m:
+                finals.add(m.group(1))
+        for name in finals:
+            remove_stale_partials(self.directory / name)
+
+    def _manifest(self, path: Path) -> dict | None:
+        cached = self._manifests.get(path.name)
+        if cached is not None and (path / "manifest.json").exists():
+            return cached
+        try:
+            manifest = read_manifest(path)
+        except (CheckpointNotFoundError, FormatError, OSError):
+            return None
+        for name, entry in manifest["files"].items():
+            try:
+                if (path / name).stat().st_size != entry["bytes"]:
+                    return None
+            except OSError:
+                return None
+        self._manifests[path.name] = manifest
+        return manifest
+
+    def _complete(self) -> dict[int, Path]:
+        found: dict[int, Path] = {}
+        for entry in self.directory.iterdir():
+            m = _STEP_DIR.match(entry.name)
+            if m and entry.is_dir() and self._manifest(entry) is not None:
+                step = int(m.group(1))
+                # step-10 and step-00000010 are one step; the canonical name wins.
+                if step not in found or entry.name == self.path_for(step).name:
+                    found[step] = entry
+        return found
+
+    def all_steps(self) -> list[int]:
+        """Steps of every complete checkpoint in the directory, ascending."""
+        return sorted(self._complete())
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint's directory, or None."""
+        complete = self._complete()
+        return complete[max(complete)] if complete else None
+
+    # -- the record of what this manager wrote -----------------------------------------------------
+    def _read_record(self) -> list[str]:
+        path = self.directory / RECORD_FILE
+        if not path.exists():
+            return []
+        try:
+            record = json.loads(path.read_bytes().decode("utf-8"))
+            names = record["written"]
+            if record.get("format") != RECORD_FORMAT or not all(isinstance(n, str) for n in names):
+                raise ValueError("unexpected content")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise FormatError(
+                f"{path}: unreadable record of the checkpoints this manager wrote ({e}); delete the file to "
+                "start a new record (the manager then deletes none of the existing checkpoints)"
+            ) from None
+        return list(names)
+
+    def _write_record(self, names: list[str]) -> None:
+        body = json.dumps({"format": RECORD_FORMAT, "version": 1, "written": names}, indent=1).encode("utf-8")
+        with atomic_write(self.directory / RECORD_FILE, fsync=self.fsync) as f:
+            f.write(body)
+
+    def _record_intent(self, name: str) -> None:
+        with self._lock:
+            names = self._read_record()
+            if name not in names:
+                # Recorded before the write, so a checkpoint can never exist unrecorded and leak.
+                self._write_record(names + [name])
+
+    # -- retention -----------------------------------------------------------------------------------
+    def _metric(self, manifest: dict) -> float | None:
+        value = manifest.get("metrics", {}).get(self.keep_best[0])
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return float(value)
+
+    def _to_delete(self, managed: dict[int, Path]) -> list[int]:
+        steps = sorted(managed)
+        if not steps or (self.max_to_keep is None and self.keep_best is None and self.keep_every_n_steps is None):
+            return []
+        keep = {steps[-1]}
+        if self.max_to_keep is not None:
+            keep.update(steps[-self.max_to_keep:])
+        if self.keep_best is not None:
+            _, mode, count = self.keep_best
+            scored = []
+            for s in steps:
+                value = self._metric(self._manifest(managed[s]) or {})
+                if value is not None:
+                    scored.append((value if mode == "min" else -value, -s, s))
+            keep.update(s for *_, s in sorted(scored)[:count])
+        if self.keep_every_n_steps is not None:
+            keep.update(s for s in steps if s % self.keep_every_n_steps == 0)
+        return [s for s in steps if s not in keep]
+
+    def _apply_retention(self) -> list[int]:
+        with self._lock:
+            names = self._read_record()
+            recorded = set(names)
+            complete = self._complete()
+            managed = {s: p for s, p in complete.items() if p.name in recorded}
+            doomed = self._to_delete(managed)
+            for step in doomed:
+                path = managed[step]
+                # Rename first: an interrupted removal leaves a temporary the next sweep deletes,
+                # never a half-deleted step directory.
+                trash = _partial_name(path)
+                os.replace(path, trash)
+                self._manifests.pop(path.name, None)
+                shutil.rmtree(trash, ignore_errors=True)
+            gone = {managed[s].name for s in doomed}
+            kept = [n for n in names if n not in gone and (self.directory / n).exists()]
+            if kept != names:
+                self._write_record(kept)
+            return doomed
+
+    # -- saving --------------------------------------------------------------------------------------
+    def save(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
+             train_rng: Any = None, *, epoch: int = 0, metrics: dict | None = None, scaler: Any = None,
+             blocking: bool = True, overwrite: bool = False, seed: int | None = None, config: Any = None,
+             data_manifest: Any = None) -> str | SaveHandle:
+        """Save ``step``; returns the weights sha256, or with ``blocking=False`` a :class:`SaveHandle`.
+
+        Waits for a save still in flight first (raising its error if it
+        failed and nobody has seen the error yet). Non-blocking saves return
+        once every state is copied; the trainer may then change everything.
+        Retention runs after each successful save. An existing ``step`` is an
+        error unless ``overwrite=True``.
+        """
+        path = self.path_for(step)
+        if self._saver is not None:
+            self._saver.wait()
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path}: step {step} is already saved; pass overwrite=True to replace it")
+        self._sweep_partials()
+        kwargs = dict(step=step, epoch=epoch, metrics=metrics, scaler=scaler, seed=seed, config=config,
+                      data_manifest=data_manifest)
+        if blocking:
+            snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, **kwargs)
+            self._record_intent(path.name)
+            digest = write_snapshot(snap, path, overwrite=overwrite, fsync=self.fsync)
+            self._manifests.pop(path.name, None)
+            self._apply_retention()
+            return digest
+        if self._saver is None:
+            self._saver = AsyncCheckpointer(fsync=self.fsync)
+
+        def before() -> None:
+            self._record_intent(path.name)
+            self._manifests.pop(path.name, None)
+
+        return self._saver.save(path, model, optimizer, scheduler, data_iter, train_rng, overwrite=overwrite,
+                                before_write=before, after_write=self._apply_retention, **kwargs)
+
+    def wait(self) -> None:
+        """Wait for a save in flight; raises its error if it failed (once)."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    # -- restoring -----------------------------------------------------------------------------------
+    def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
+                train_rng: Any = None, *, scaler: Any = None, verify: bool = True) -> CheckpointState:
+        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects."""
+        self.wait()
+        complete = self._complete()
+        if step not in complete:
+            raise CheckpointNotFoundError(
+                f"{self.directory}: no complete checkpoint for step {step} (complete steps: {sorted(complete)})"
+            )
+        state = load_checkpoint(complete[step], verify=verify)
+        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
+        return state
+
+    def restore_latest(self, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
+                       train_rng: Any = None, *, scaler: Any = None, verify: bool = True) -> CheckpointState | None:
+        """Restore the newest complete checkpoint into the objects; None (nothing changed) when there is none."""
+        self.wait()
+        step = self.latest_step()
+        if step is None:
+            return None
+        return self.restore(step, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, verify=verify)
+
+    # -- lifetime ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for a save in flight (raising its error) and free the async staging buffers."""
+        if self._saver is not None:
+            saver, self._saver = self._saver, None
+            saver.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<CheckpointManager {str(self.directory)!r} steps={self.all_steps()}>"
+
