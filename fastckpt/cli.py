@@ -17,6 +17,7 @@ import sys
 COMMANDS = {
     "demo": ("fastckpt.demo", "save and load a small model on the default device, with timings"),
     "inspect": ("fastckpt.inspect", "list a file's tensors, dtypes, shapes, offsets, alignment and metadata"),
+    "verify": ("fastckpt.train.verify", "check a training checkpoint's manifest, file sizes and sha256 hashes"),
 }
 
 
