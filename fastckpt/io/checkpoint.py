@@ -257,11 +257,14 @@ def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names
     params = _param_list(params)
     names = _names(params, names)
     base = _base_path(path)
-    arrays: list = []
+    optim_arrays: list = []
+    config_arrays: list = []
     doc = {
-        "optim_state": _extract(optim_state if optim_state is not None else {}, "optim_state", "optim_state", arrays),
-        "config": _extract(config if config is not None else {}, "config", "config", arrays),
+        "optim_state": _extract(optim_state if optim_state is not None else {}, "optim_state", "optim_state",
+                                optim_arrays),
+        "config": _extract(config if config is not None else {}, "config", "config", config_arrays),
     }
+    arrays = optim_arrays + config_arrays
     clash = sorted(set(names) & {k for k, _ in arrays})
     if clash:
         raise ValueError(f"parameter names {clash} collide with the state array entries; rename them")
