@@ -4,6 +4,7 @@ import doctest
 import json
 import os
 import threading
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -271,6 +272,39 @@ def test_failed_apply_leaves_the_op_unregistered_and_names_the_key():
     with pytest.raises(ValueError, match=r"applying the state under 'p' to a .*Picky: unexpected layout"):
         ckpt.register(Picky(), "p")
     assert ckpt.names == []
+
+
+def test_set_state_applies_what_would_be_saved():
+    ckpt = Checkpoint()
+    value = {"value": (1, np.int64(2))}
+    ckpt.set_state("c", value)
+    value["value"] = "changed later"
+    ckpt.register(op := Counter(), "c")
+    assert op.value == [1, 2]
+    assert json.loads(ckpt.serialize())["entries"]["c"]["state"] == {"value": [1, 2]}
+
+
+def test_registering_an_op_again_applies_a_state_that_arrived_since():
+    ckpt = Checkpoint()
+    op = Counter()
+    ckpt.register(op, "c")
+    ckpt.register(anon := Counter())
+    ckpt.deserialize(valid_payload(entries={"c": {"type": None, "state": {"value": 5}},
+                                            "__op_0": {"type": None, "state": {"value": 6}}}))
+    assert ckpt.register(op, "c") == "c" and op.value == 5
+    assert ckpt.register(anon) == "__op_0" and anon.value == 6
+
+
+def test_errors_whose_type_cannot_be_rebuilt_keep_their_type_and_get_a_note():
+    class Odd(Counter):
+        def set_state(self, state):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    ckpt = Checkpoint()
+    ckpt.set_state("o", {"value": 1})
+    with pytest.raises(UnicodeDecodeError) as info:
+        ckpt.register(Odd(), "o")
+    assert any("applying the state under 'o'" in note for note in info.value.__notes__)
 
 
 def test_restore_applies_pending_states_and_checks_keys_first():
@@ -783,3 +817,10 @@ def test_reference_cycles_are_refused():
 def test_docstring_examples():
     result = doctest.testmod(ckmod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_docs_carry_the_same_format_spec_as_the_module():
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "stateful.md").read_text(encoding="utf-8")
+    spec = ckmod.__doc__[ckmod.__doc__.index("File format (version 1)"):].rstrip("\n")
+    block = docs[docs.index("```text\n", docs.index("## File format")) + len("```text\n"):].rsplit("\n```", 1)[0]
+    assert block == spec

@@ -208,13 +208,15 @@ def _accessors(op) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     )
 
 
-def _rewrap(exc: Exception, message: str) -> Exception:
-    """``exc``'s type with ``message`` in front, or ``exc`` itself when the type cannot be rebuilt."""
+def _raise_with_context(exc: Exception, message: str):
+    """Re-raise ``exc`` as its own type with ``message`` in front, so callers can still catch it by type."""
     try:
         new = type(exc)(f"{message}: {exc}")
-    except Exception:
-        return exc
-    return new
+    except Exception:  # a type whose constructor wants other arguments: keep it, add a note
+        if hasattr(exc, "add_note"):
+            exc.add_note(message)
+        raise exc
+    raise new from exc
 
 
 class _Pattern:
@@ -365,10 +367,14 @@ class Checkpoint:
         """
         _accessors(op)
         existing = self._by_id.get(id(op))
-        if name is None:
-            if existing is not None:
-                return existing
-        else:
+        if existing is not None and name in (None, existing):
+            # Already registered here: nothing changes, but a state that arrived since is applied.
+            entry = self._states.get(existing)
+            if entry is not None and entry.dirty:
+                self._check_type(existing, entry, op)
+                self._apply(existing, entry, op)
+            return existing
+        if name is not None:
             if not isinstance(name, str):
                 raise TypeError(f"the name must be a str, got {type(name).__name__}")
             if not name:
@@ -378,8 +384,6 @@ class Checkpoint:
                     f"the name {name!r} starts with {ANONYMOUS_PREFIX!r}, which is reserved for generated keys; "
                     "choose another name or omit it"
                 )
-            if existing == name:
-                return name
             if existing is not None:
                 raise ValueError(
                     f"this {_qualname(type(op))} is already registered under {existing!r}; "
@@ -445,7 +449,7 @@ class Checkpoint:
             try:
                 value = getter()
             except Exception as exc:
-                raise _rewrap(exc, f"collecting the state of {key!r} ({_qualname(type(op))})") from exc
+                _raise_with_context(exc, f"collecting the state of {key!r} ({_qualname(type(op))})")
             encoded = self._encode(key, value, op)
             kept = value if isinstance(value, StateObject) else _UNSET
             states[key] = _Entry(encoded, kept, _qualname(type(op)), dirty=False)
@@ -465,9 +469,9 @@ class Checkpoint:
     def get_state(self, name: str):
         """The stored state for the op registered under ``name``.
 
-        After :meth:`collect` it is the op's state as captured (the op's own
-        state object for readers and RNGs, a decoded copy otherwise); after a
-        load, the decoded JSON value; after :meth:`set_state`, the value given.
+        A state object (the states of readers and RNGs) is returned as it was
+        captured or given; any other state as a decoded copy of what
+        :meth:`serialize` writes (after a load: the decoded JSON value).
         Raises :class:`CheckpointKeyError` (a ``KeyError``) if no op is
         registered under ``name`` or it has no state yet.
 
@@ -516,7 +520,9 @@ class Checkpoint:
                 f"registered: {self.names}"
             )
         encoded = self._encode(name, value)
-        self._states[name] = _Entry(encoded, value, type_name, dirty=True)
+        # Apply what will be saved (a decoded copy), so a later change to ``value`` cannot split the two.
+        kept = value if isinstance(value, StateObject) else _UNSET
+        self._states[name] = _Entry(encoded, kept, type_name, dirty=True)
 
     def restore(self) -> None:
         """Apply every dirty state to its registered op.
@@ -568,7 +574,7 @@ class Checkpoint:
         try:
             setter(value)
         except Exception as exc:
-            raise _rewrap(exc, f"{self._where()}: applying the state under {key!r} to a {_qualname(type(op))}") from exc
+            _raise_with_context(exc, f"{self._where()}: applying the state under {key!r} to a {_qualname(type(op))}")
         entry.dirty = False
 
     def clear(self) -> None:
