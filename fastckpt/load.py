@@ -320,10 +320,13 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             if zero_copy and direct:
                 reason = _zero_copy_obstacle(device, mapped)
                 if reason is None:
-                    base_align = max(1, int(device.mem_base_addr_align) // 8)
-                    regions = plan_regions(direct, limit - base_align + 1 if limit else None)
+                    base_align = _base_align(device)
                     address = mapped.address
-                    starts = [s - ((address + s) % base_align) for s, _, _ in regions]
+                    starts = [-1]
+                    if limit is None or base_align < limit:
+                        # Room for rounding each buffer start down to the alignment.
+                        regions = plan_regions(direct, limit - base_align + 1 if limit else None)
+                        starts = [s - ((address + s) % base_align) for s, _, _ in regions]
                     if min(starts) < 0:
                         reason = (f"the device needs buffers aligned to {base_align} bytes "
                                   "(mem_base_addr_align) and the mapping cannot provide that")
@@ -466,6 +469,11 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         "total": t_end - t_start,
     }
     return LoadedTensors(tensors, report, leases, events)
+
+
+def _base_align(device) -> int:
+    """The alignment (bytes) the device wants for buffer base addresses (``mem_base_addr_align`` is in bits)."""
+    return max(1, int(device.mem_base_addr_align) // 8)
 
 
 def _zero_copy_obstacle(device, mapped) -> str | None:

@@ -1,0 +1,480 @@
+"""load_file: every dtype, every offset the formats produce, pooled arenas, zero-copy, fallbacks, threads."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import threading
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fastckpt
+from fastckpt._info import TensorInfo
+from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.load import MERGE_GAP, LoadedTensors, load_file, plan_regions
+from fastckpt.pool import PersistentBufferPool
+
+DTYPES = [
+    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+    np.float16, np.float32, np.float64, ml_dtypes.bfloat16, np.complex64, np.complex128,
+]
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 1, 3)]
+
+
+def sample(dtype, shape, seed=0) -> np.ndarray:
+    """Random bit patterns of ``dtype`` (NaN payloads included), valid booleans."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    rng = np.random.default_rng(seed)
+    if dt == np.bool_:
+        return rng.integers(0, 2, n).astype(np.bool_).reshape(shape)
+    return rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8).view(dt).reshape(shape)
+
+
+_ST_DTYPE = {"bool": "BOOL", "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32",
+             "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "float32": "F32",
+             "float64": "F64", "bfloat16": "BF16", "complex64": "C64"}
+
+
+def write_raw_safetensors(path, tensors: dict) -> None:
+    """A safetensors file in the given tensor order, header unpadded: payloads at odd offsets."""
+    header, pos, blobs = {}, 0, []
+    for name, arr in tensors.items():
+        blob = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": _ST_DTYPE[arr.dtype.name], "shape": list(arr.shape), "data_offsets": [pos, pos + len(blob)]}
+        pos += len(blob)
+        blobs.append(blob)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+def write(kind: str, path, tensors: dict) -> None:
+    if kind == "safetensors-raw":
+        write_raw_safetensors(path, tensors)
+    elif kind == "safetensors-ref":
+        import safetensors.numpy
+
+        safetensors.numpy.save_file(tensors, str(path))
+    elif kind == "safetensors":
+        fastckpt.save_safetensors(path, tensors, fsync=False)
+    elif kind == "npz":
+        fastckpt.save_npz(path, tensors, fsync=False)
+    elif kind == "np.savez":
+        np.savez(path, **tensors)
+    else:  # pragma: no cover
+        raise AssertionError(kind)
+
+
+WRITERS = ["safetensors-raw", "safetensors-ref", "safetensors", "npz", "np.savez"]
+UNSUPPORTED = {  # (writer, dtype name): the format or the writer cannot store it
+    **{(w, "complex128"): "safetensors has no complex128" for w in ("safetensors-raw", "safetensors-ref", "safetensors")},
+    **{(w, "bfloat16"): ".npy cannot name bfloat16" for w in ("npz", "np.savez")},
+}
+
+
+@pytest.fixture(scope="module")
+def dev():
+    from fastckpt.device import default
+
+    return default("cpu")
+
+
+@pytest.fixture
+def pool(dev):
+    return PersistentBufferPool(dev.context, dev.queue)
+
+
+def file_bytes(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def corpus(dtype) -> dict:
+    """A uint8 tensor of 3 bytes first, so that later payloads land at odd offsets in unpadded files."""
+    tensors = {"lead": np.arange(3, dtype=np.uint8)}
+    for i, shape in enumerate(SHAPES):
+        tensors[f"t{i}"] = sample(dtype, shape, seed=i)
+    return tensors
+
+
+def check_exact(loaded: LoadedTensors, path, originals: dict) -> None:
+    raw = file_bytes(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotZeroCopyWarning)  # the reader's own note on compressed members
+        tf = fastckpt.open(path)
+    with tf:
+        assert set(loaded) == set(originals)
+        for name, want in originals.items():
+            got = loaded[name].to_host()
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert got.tobytes() == want.tobytes(), name
+            info = tf.info(name)
+            if info.compression is None and not info.fortran_order:
+                assert got.tobytes() == raw[info.offset:info.offset + info.nbytes], name
+            if not np.issubdtype(want.dtype, np.inexact) and want.dtype != ml_dtypes.bfloat16:
+                assert np.array_equal(got, want), name
+
+
+# -- every dtype x writer x path ---------------------------------------------------------------
+@pytest.mark.device
+@pytest.mark.parametrize("mode", ["pool", "per-tensor", "zero-copy"])
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_values_equal_file_bytes(tmp_path, dev, pool, dtype, writer, mode):
+    reason = UNSUPPORTED.get((writer, np.dtype(dtype).name))
+    if reason:
+        pytest.skip(reason)
+    path = tmp_path / ("m.npz" if writer in ("npz", "np.savez") else "m.safetensors")
+    tensors = corpus(dtype)
+    write(writer, path, tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotZeroCopyWarning)
+        loaded = load_file(path, dev.queue, pool=pool if mode == "pool" else None, zero_copy=mode == "zero-copy")
+    check_exact(loaded, path, tensors)
+    paths = set(loaded.report.paths.values()) - {"empty"}
+    assert paths == {{"pool": "arena", "per-tensor": "buffer", "zero-copy": "zero-copy"}[mode]}
+    if mode == "pool":
+        assert loaded.report.copies == 1
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("writer", ["safetensors-raw", "np.savez"])
+def test_formats_really_produce_unaligned_payloads(tmp_path, writer):
+    path = tmp_path / ("m.npz" if writer in ("npz", "np.savez") else "m.safetensors")
+    write(writer, path, corpus(np.float32))
+    with fastckpt.open(path) as tf:
+        start, _ = tf.data_region
+        # inside the arena (offsets relative to the region) and in the file
+        assert any((i.offset - start) % 4 for i in tf.infos.values() if i.dtype == np.float32)
+        if writer == "np.savez":
+            assert any(i.offset % 4 for i in tf.infos.values() if i.dtype == np.float32)
+
+
+@pytest.mark.device
+def test_three_byte_tensor_then_float32_in_one_arena(tmp_path, dev, pool):
+    path = tmp_path / "odd.safetensors"
+    tensors = {"a": np.array([1, 2, 3], np.uint8), "b": np.array([1.5, -0.0, np.inf, 7e-45], np.float32)}
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool)
+    assert loaded["b"].offset == 3 and loaded["a"].offset == 0
+    assert loaded["a"].buffer is loaded["b"].buffer
+    check_exact(loaded, path, tensors)
+
+
+# -- the pooled path -------------------------------------------------------------------------
+def model(seed: int, n: int = 12) -> dict:
+    rng = np.random.default_rng(seed)
+    return {f"layer{i}.w": rng.standard_normal((i + 1, 17)).astype(np.float32) for i in range(n)}
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("writer", ["safetensors", "npz", "np.savez"])
+def test_repeated_pooled_load_allocates_nothing(tmp_path, dev, pool, writer):
+    path = tmp_path / ("m.npz" if writer in ("npz", "np.savez") else "m.safetensors")
+    write(writer, path, model(0))
+    first = load_file(path, dev.queue, pool=pool)
+    assert (first.report.pool_misses, first.report.copies, first.report.regions) == (1, 1, 1)
+    start, end = fastckpt.open(path).data_region
+    assert first.report.bytes_copied == end - start
+    del first
+    for _ in range(3):
+        again = load_file(path, dev.queue, pool=pool)
+        assert (again.report.pool_misses, again.report.pool_hits, again.report.bytes_allocated) == (0, 1, 0)
+        check_exact(again, path, model(0))
+        del again
+    assert pool.stats.allocations == 1
+
+
+@pytest.mark.device
+def test_same_shaped_model_reuses_the_arena_with_its_own_values(tmp_path, dev, pool):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    fastckpt.save_safetensors(a, model(1), fsync=False)
+    fastckpt.save_safetensors(b, model(2), fsync=False)
+    load_file(a, dev.queue, pool=pool).release()
+    loaded_b = load_file(b, dev.queue, pool=pool)
+    assert loaded_b.report.pool_misses == 0
+    check_exact(loaded_b, b, model(2))
+
+
+@pytest.mark.device
+def test_a_tensor_kept_alive_keeps_its_arena_in_use(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(3), fsync=False)
+    kept = load_file(path, dev.queue, pool=pool)["layer5.w"]
+    gc.collect()
+    assert pool.stats.buffers_in_use == 1, "the tensor owns the arena lease"
+    second = load_file(path, dev.queue, pool=pool)
+    assert second.report.pool_misses == 1, "the arena in use is not handed out again"
+    assert np.array_equal(kept.to_host(), model(3)["layer5.w"])
+    del kept, second
+    gc.collect()
+    assert pool.stats.buffers_in_use == 0
+
+
+@pytest.mark.device
+def test_release_returns_arenas_at_once(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(4), fsync=False)
+    with load_file(path, dev.queue, pool=pool) as loaded:
+        assert pool.stats.buffers_in_use == 1
+    assert pool.stats.buffers_in_use == 0 and len(loaded) == 0
+
+
+@pytest.mark.device
+def test_region_split_at_tensor_boundaries_when_allocations_are_small(tmp_path, dev):
+    path = tmp_path / "m.safetensors"
+    tensors = {f"t{i}": sample(np.float32, (100 + i,), seed=i) for i in range(10)}  # ~400 bytes each
+    write_raw_safetensors(path, tensors)
+    small = PersistentBufferPool(dev.context, dev.queue, max_alloc_size=1024)
+    loaded = load_file(path, dev.queue, pool=small)
+    assert loaded.report.regions == loaded.report.copies >= 4
+    assert all(lease.size <= 1024 for lease in loaded._leases)
+    check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
+def test_tensor_larger_than_one_allocation_is_a_clear_error(tmp_path, dev):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {"big": np.zeros(1000, np.float32)}, fsync=False)
+    small = PersistentBufferPool(dev.context, dev.queue, max_alloc_size=1024)
+    with pytest.raises(ValueError, match="'big' has 4000 bytes.*max_mem_alloc_size = 1024"):
+        load_file(path, dev.queue, pool=small)
+    assert small.stats.buffers_in_use == 0
+
+
+@pytest.mark.device
+def test_names_loads_a_subset_and_unknown_names_fail(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(5), fsync=False)
+    loaded = load_file(path, dev.queue, pool=pool, names=["layer7.w", "layer2.w", "layer7.w"])
+    assert list(loaded) == ["layer2.w", "layer7.w"]
+    assert np.array_equal(loaded["layer7.w"].to_host(), model(5)["layer7.w"])
+    with pytest.raises(TensorNotFoundError, match=r"m.safetensors: no tensor named 'nope'"):
+        load_file(path, dev.queue, pool=pool, names=["nope"])
+    with pytest.raises(TypeError, match="list of tensor names"):
+        load_file(path, dev.queue, names="layer2.w")
+    with pytest.raises(TensorNotFoundError, match="no tensor named 'layer1.w' was loaded"):
+        loaded["layer1.w"]
+
+
+@pytest.mark.device
+def test_an_open_tensorfile_is_reused_and_left_open(tmp_path, dev, pool):
+    path = tmp_path / "m.npz"
+    fastckpt.save_npz(path, model(6), fsync=False)
+    with fastckpt.open(path) as tf:
+        for _ in range(2):
+            loaded = load_file(tf, dev.queue, pool=pool)
+            check_exact(loaded, path, model(6))
+        assert not tf.closed
+
+
+@pytest.mark.device
+def test_non_blocking_load_waits_before_reading(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    big = {f"t{i}": sample(np.float64, (1 << 15,), seed=i) for i in range(4)}
+    fastckpt.save_safetensors(path, big, fsync=False)
+    loaded = load_file(path, dev.queue, pool=pool, blocking=False)
+    assert all(t.pending for t in loaded.values())
+    assert all(t._keepalive is not None for t in loaded.values()), "the source view is kept"
+    check_exact(loaded, path, big)
+    loaded.wait()
+    assert not any(t.pending for t in loaded.values())
+
+
+@pytest.mark.device
+def test_empty_file_and_empty_tensors(tmp_path, dev, pool):
+    path = tmp_path / "e.safetensors"
+    fastckpt.save_safetensors(path, {"z": np.zeros((0, 4), np.float32)}, fsync=False)
+    for p in (pool, None):
+        loaded = load_file(path, dev.queue, pool=p)
+        assert loaded["z"].to_host().shape == (0, 4) and loaded.report.copies == 0
+
+
+@pytest.mark.device
+def test_source_must_be_a_path_or_tensorfile(dev):
+    with pytest.raises(TypeError, match="path or an open fastckpt.TensorFile"):
+        load_file(b"\x00" * 10, dev.queue)
+
+
+def test_queue_defaults_to_the_default_device(tmp_path):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {"x": np.arange(3, dtype=np.int32)}, fsync=False)
+    assert load_file(path)["x"].to_host().tolist() == [0, 1, 2]
+
+
+# -- fallbacks that warn -------------------------------------------------------------------------
+@pytest.mark.device
+@pytest.mark.parametrize("use_pool", [True, False])
+def test_deflate_npz_warns_and_is_exact(tmp_path, dev, pool, use_pool):
+    path = tmp_path / "c.npz"
+    tensors = {"a": sample(np.float32, (50,)), "b": np.arange(7, dtype=np.int16)}
+    np.savez_compressed(path, **tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotZeroCopyWarning)  # the reader's own warning at open
+        tf = fastckpt.open(path)
+    with pytest.warns(NotZeroCopyWarning, match=r"2 tensor\(s\) are compressed \(deflate\)"):
+        loaded = load_file(tf, dev.queue, pool=pool if use_pool else None)
+    assert set(loaded.report.paths.values()) == {"decoded"}
+    assert loaded.report.warnings and "save_npz" in loaded.report.warnings[0]
+    check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
+def test_fortran_order_member_is_decoded_to_c_order(tmp_path, dev, pool):
+    path = tmp_path / "f.npz"
+    f_arr = np.asfortranarray(sample(np.int32, (3, 4)))
+    np.savez(path, f=f_arr, c=np.arange(5, dtype=np.uint8))
+    with pytest.warns(NotZeroCopyWarning, match="Fortran-ordered"):
+        loaded = load_file(path, dev.queue, pool=pool)
+    assert loaded.report.paths == {"f": "decoded", "c": "arena"}
+    assert np.array_equal(loaded["f"].to_host(), f_arr)
+    assert loaded["c"].to_host().tolist() == [0, 1, 2, 3, 4]
+
+
+# -- zero-copy ---------------------------------------------------------------------------------------
+ADD_ONE = """
+__kernel void add_one(__global uchar *base, ulong offset, uint n) {
+    __global float *x = (__global float *)(base + offset);
+    uint i = get_global_id(0);
+    if (i < n) x[i] += 1.0f;
+}
+"""
+
+
+@pytest.mark.device
+def test_zero_copy_kernel_writes_stay_private(tmp_path, dev):
+    import pyopencl as cl
+
+    path = tmp_path / "z.safetensors"
+    tensors = {"w": np.arange(64, dtype=np.float32), "v": np.full(8, 5, np.float32)}
+    fastckpt.save_safetensors(path, tensors, fsync=False)
+    before = hashlib.sha256(file_bytes(path)).hexdigest()
+    loaded = load_file(path, dev.queue, zero_copy=True)
+    assert loaded.report.mode == "zero-copy" and loaded.report.copies == 0 and loaded.report.bytes_allocated == 0
+    w = loaded["w"]
+    program = cl.Program(dev.context, ADD_ONE).build()
+    program.add_one(dev.queue, (64,), None, w.buffer, np.uint64(w.offset), np.uint32(w.size))
+    dev.queue.finish()
+    assert np.array_equal(w.to_host(), tensors["w"] + 1)
+    assert np.array_equal(loaded["v"].to_host(), tensors["v"])
+    assert hashlib.sha256(file_bytes(path)).hexdigest() == before, "the file must not change"
+    with fastckpt.open(path) as fresh:
+        assert np.array_equal(fresh.host("w"), tensors["w"])
+
+
+@pytest.mark.device
+def test_zero_copy_of_an_unaligned_region_rounds_the_buffer_start_down(tmp_path, dev):
+    path = tmp_path / "u.safetensors"
+    tensors = {"a": np.array([9, 8, 7], np.uint8), "b": sample(np.float32, (33,))}
+    write_raw_safetensors(path, tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotZeroCopyWarning)
+        loaded = load_file(path, dev.queue, zero_copy=True)
+    buffer = loaded["a"].buffer
+    align = dev.device.mem_base_addr_align // 8
+    assert np.frombuffer(buffer.hostbuf, np.uint8).ctypes.data % align == 0
+    assert loaded["b"].offset - loaded["a"].offset == 3
+    check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
+def test_zero_copy_impossible_alignment_warns_and_copies(tmp_path, dev, pool, monkeypatch):
+    import fastckpt.load as load_mod
+
+    monkeypatch.setattr(load_mod, "_base_align", lambda device: 1 << 40)
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(7), fsync=False)
+    with pytest.warns(NotZeroCopyWarning, match=r"aligned to 1099511627776 bytes"):
+        loaded = load_file(path, dev.queue, pool=pool, zero_copy=True)
+    assert loaded.report.mode == "pool" and set(loaded.report.paths.values()) == {"arena"}
+    check_exact(loaded, path, model(7))
+
+
+@pytest.mark.device
+def test_zero_copy_without_a_mapping_warns_and_copies(tmp_path, dev):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(8), fsync=False)
+    tf = fastckpt.open(path, backend="pread")
+    with pytest.warns(NotZeroCopyWarning, match="not memory-mapped"):
+        loaded = load_file(tf, dev.queue, zero_copy=True)
+    assert set(loaded.report.paths.values()) == {"buffer"}
+    check_exact(loaded, path, model(8))
+
+
+# -- concurrency ---------------------------------------------------------------------------------
+@pytest.mark.device
+def test_threads_loading_through_one_pool(tmp_path, dev, pool):
+    import pyopencl as cl
+
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"m{i}.safetensors"
+        fastckpt.save_safetensors(p, model(10 + i), fsync=False)
+        paths.append(p)
+    errors = []
+
+    def worker(k):
+        queue = cl.CommandQueue(dev.context)  # a queue per thread, as real loaders use
+        try:
+            for r in range(6):
+                i = (k + r) % 3
+                loaded = load_file(paths[i], queue, pool=pool)
+                for name, want in model(10 + i).items():
+                    if loaded[name].to_host().tobytes() != want.tobytes():
+                        errors.append((k, r, name))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    assert not errors
+    s = pool.stats
+    assert s.buffers_in_use == 0 and s.allocations <= 4 * 3, s
+
+
+# -- planning (no device) ------------------------------------------------------------------------
+def info(name, offset, nbytes):
+    return TensorInfo(name, np.dtype("u1"), (nbytes,), offset, nbytes)
+
+
+def test_plan_merges_small_gaps_and_splits_large_ones():
+    infos = [info("a", 100, 10), info("b", 200, 10), info("c", 210 + MERGE_GAP + 1, 5)]
+    regions = plan_regions(infos, limit=None)
+    assert [(s, e, [i.name for i in g]) for s, e, g in regions] == [
+        (100, 210, ["a", "b"]), (210 + MERGE_GAP + 1, 210 + MERGE_GAP + 6, ["c"])]
+
+
+def test_plan_respects_the_allocation_limit_at_tensor_boundaries():
+    infos = [info(f"t{i}", 1000 + 300 * i, 300) for i in range(10)]
+    regions = plan_regions(infos, limit=1000)
+    assert [len(g) for _, _, g in regions] == [3, 3, 3, 1]
+    assert all(e - s <= 1000 for s, e, _ in regions)
+    assert [i.name for _, _, g in regions for i in g] == [f"t{i}" for i in range(10)]
+
+
+def test_plan_handles_overlapping_payloads():
+    regions = plan_regions([info("a", 0, 100), info("b", 50, 10), info("c", 100, 1)], limit=None)
+    assert [(s, e) for s, e, _ in regions] == [(0, 101)]
+
+
+def test_plan_refuses_a_tensor_beyond_the_limit():
+    with pytest.raises(ValueError, match="'t' has 2000 bytes"):
+        plan_regions([info("t", 0, 2000)], limit=1000)
+
+
+def test_importing_load_and_pool_keeps_pyopencl_out():
+    import subprocess
+    import sys
+
+    code = "import sys, fastckpt.load, fastckpt.pool\nassert 'pyopencl' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
