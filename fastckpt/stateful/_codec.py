@@ -77,7 +77,13 @@ class StateObject:
 
     @classmethod
     def from_string(cls, text: str):
-        """Parse the ``str()`` form back into a state object."""
+        """Parse the ``str()`` form back into a state object.
+
+        >>> from fastckpt.stateful import RNG, RNGState
+        >>> s = RNG(seed=2).get_state()
+        >>> RNGState.from_string(str(s)) == s
+        True
+        """
         if not isinstance(text, str):
             raise TypeError(f"{cls.__name__}.from_string needs a str, got {type(text).__name__}")
         try:
@@ -90,7 +96,13 @@ class StateObject:
 
     @classmethod
     def coerce(cls, value):
-        """Accept a state object, its ``str()`` form, or its ``to_dict()`` form."""
+        """Accept a state object, its ``str()`` form, or its ``to_dict()`` form.
+
+        >>> from fastckpt.stateful import RNG, RNGState
+        >>> s = RNG(seed=2).get_state()
+        >>> RNGState.coerce(str(s)) == RNGState.coerce(s.to_dict()) == s
+        True
+        """
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
@@ -102,7 +114,12 @@ class StateObject:
         )
 
     def to_dict(self) -> dict:
-        """A fresh copy of the state (arrays decoded back to numpy)."""
+        """A fresh copy of the state (arrays decoded back to numpy).
+
+        >>> from fastckpt.stateful import RNG
+        >>> RNG(seed=2, bit_generator="Philox").get_state().to_dict()["state"]["key"].dtype
+        dtype('uint64')
+        """
         return decode(json.loads(self._text))
 
     def _json_tree(self):

@@ -151,7 +151,14 @@ _MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
 
 
 class CheckpointKeyError(FastCkptError, KeyError):
-    """A key that the checkpoint does not hold (no registered op, or no state)."""
+    """A key that the checkpoint does not hold (no registered op, or no state).
+
+    >>> try:
+    ...     Checkpoint().get_state("x")
+    ... except KeyError as e:
+    ...     print(e)
+    no op is registered under 'x'; registered: []
+    """
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
         return str(self.args[0]) if self.args else ""
@@ -333,12 +340,12 @@ class Checkpoint:
 
     @property
     def is_complete(self) -> bool:
-        """True if :meth:`collect` was the last operation to populate the states."""
+        """True if :meth:`collect` was the last operation to populate the states (see :meth:`collect`)."""
         return self._complete
 
     @property
     def is_loaded(self) -> bool:
-        """True if :meth:`load` or :meth:`deserialize` populated the states."""
+        """True if :meth:`load` or :meth:`deserialize` populated the states (see :meth:`deserialize`)."""
         return self._loaded
 
     def _where(self) -> str:

@@ -93,12 +93,12 @@ class ReaderState(StateObject):
 
     @property
     def epoch(self) -> int:
-        """Epoch of the next batch."""
+        """Epoch of the next batch (see the class example)."""
         return self._json_tree()["epoch"]
 
     @property
     def position(self) -> int:
-        """Samples of this shard already handed out in :attr:`epoch`."""
+        """Samples of this shard already handed out in :attr:`epoch` (see the class example)."""
         return self._json_tree()["position"]
 
 
@@ -286,6 +286,19 @@ class Reader:
     * ``prefetch_queue_depth`` (default ``0``: no thread): prepare this many
       batches ahead on a background thread;
     * ``enable_checkpointing`` (default ``False``): allow :meth:`get_state`.
+
+    A minimal reader over ``range(n)``:
+
+    >>> class RangeReader(Reader):
+    ...     def __init__(self, n, **options):
+    ...         super().__init__(n, f"range-{n}", **options)
+    ...     def _load(self, indices):
+    ...         return indices.tolist()
+    >>> r = RangeReader(5, num_shards=2, shard_id=1)
+    >>> (r.num_samples, r.shard_bounds, r.shard_size)
+    (5, (2, 5), 3)
+    >>> list(r.next_epoch(batch_size=2)), (r.epoch, r.position)
+    ([[2, 3], [4]], (1, 0))
     """
 
     def __init__(
@@ -347,7 +360,12 @@ class Reader:
 
     @property
     def checkpointing_enabled(self) -> bool:
-        """Whether :meth:`get_state` is allowed."""
+        """Whether :meth:`get_state` is allowed.
+
+        >>> import numpy as np
+        >>> ArrayReader(np.arange(2)).checkpointing_enabled
+        False
+        """
         return self._checkpointing
 
     def shard_indices(self, epoch: int) -> np.ndarray:
@@ -585,7 +603,10 @@ class FileReader(Reader):
     >>> root = pathlib.Path(tempfile.mkdtemp())
     >>> for i in range(3):
     ...     _ = (root / f"{i}.txt").write_bytes(b"%d" % i)
-    >>> next(FileReader(root).next_epoch(batch_size=2))
+    >>> reader = FileReader(root)
+    >>> reader.files, reader.file_root == root
+    (['0.txt', '1.txt', '2.txt'], True)
+    >>> next(reader.next_epoch(batch_size=2))
     [('0.txt', b'0'), ('1.txt', b'1')]
     """
 
@@ -602,12 +623,12 @@ class FileReader(Reader):
 
     @property
     def files(self) -> list[str]:
-        """Relative names of all files (all shards), in sample-index order."""
+        """Relative names of all files (all shards), in sample-index order (see the class example)."""
         return list(self._files)
 
     @property
     def file_root(self) -> Path:
-        """The directory the files are read from."""
+        """The directory the files are read from (see the class example)."""
         return self._root
 
     def _load(self, indices: np.ndarray):

@@ -59,7 +59,11 @@ class RNGState(StateObject):
 
     @property
     def bit_generator(self) -> str:
-        """Name of the bit generator the state belongs to, e.g. ``'PCG64'``."""
+        """Name of the bit generator the state belongs to.
+
+        >>> RNG(seed=0, bit_generator="SFC64").get_state().bit_generator
+        'SFC64'
+        """
         return self._json_tree()["bit_generator"]
 
 
@@ -124,7 +128,11 @@ class RNG:
 
     @property
     def bit_generator(self) -> str:
-        """Name of the bit generator, e.g. ``'PCG64'``."""
+        """Name of the bit generator.
+
+        >>> RNG().bit_generator
+        'PCG64'
+        """
         return self._name
 
     def get_state(self) -> RNGState:
@@ -161,7 +169,12 @@ class RNG:
 
     @property
     def state(self) -> RNGState:
-        """Same as :meth:`get_state`; assigning to it is :meth:`set_state`."""
+        """Same as :meth:`get_state`; assigning to it is :meth:`set_state`.
+
+        >>> rng = RNG(seed=1); s = rng.state; x = rng.random()
+        >>> rng.state = s; rng.random() == x
+        True
+        """
         return self.get_state()
 
     @state.setter
