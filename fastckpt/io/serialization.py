@@ -354,6 +354,18 @@ def _realign(queue, pool, state: dict, report: ModelLoadReport) -> None:
     report.realigned_keys = odd
 
 
+def _materialize_missing(queue, model, entries) -> None:
+    """Give weights the file lacked their seeded initial values: rebuild those layers normally."""
+    from fastckpt.nn import build_layer
+
+    for i, layer in enumerate(model.layers):
+        placeholders = [k for k, t in layer.named_tensors().items() if t.buffer is None]
+        if placeholders:
+            fresh = build_layer(queue, entries[i], index=i)
+            for key in placeholders:
+                setattr(layer, key, getattr(fresh, key))
+
+
 def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool = True):
     """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair).
 
@@ -373,7 +385,8 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
     1
     """
     import fastckpt
-    from fastckpt.nn import build_sequential
+    from fastckpt.nn import Sequential, build_layer, deferred_init, normalize_config
+    from fastckpt.nn.module import TensorSpec
 
     t0 = time.perf_counter()
     layout, weights_path, json_path = resolve_model_path(path)
@@ -388,14 +401,16 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
         meta_path, meta = _read_metadata(layout, tf, json_path)
         version, config = _check_meta(meta_path, meta, layout)
         try:
-            model = build_sequential(queue, config)
+            entries = normalize_config(config)
+            with deferred_init():  # built-in layers get placeholders: no random init, no allocation
+                model = Sequential(*(build_layer(queue, e, index=i) for i, e in enumerate(entries)))
         except ValueError as exc:
             raise FormatError(f"{meta_path}: cannot rebuild the model: {exc}") from None
         report = ModelLoadReport(path=weights_path, layout=layout, version=version, pooled=pool is not None)
 
         # Validate against the index only (shapes from the file's headers): nothing is read or copied yet.
         infos = {name: info for name, info in tf.infos.items() if name != META_KEY}
-        specs = {name: np.broadcast_to(np.zeros((), info.dtype), info.shape) for name, info in infos.items()}
+        specs = {name: TensorSpec(tuple(info.shape), info.dtype) for name, info in infos.items()}
         plan = model._plan_load(specs)
         if plan.errors:
             raise ValueError(f"{weights_path}: state_dict shape mismatch (nothing was loaded): " + "; ".join(plan.errors))
@@ -418,7 +433,10 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
             _realign(queue, pool, state, report)
         else:
             state = {name: tf.host(name) for name in wanted}
-        model.load_state_dict(state, strict=False)
+        # The plan was validated against the index; the loaded tensors have exactly those shapes.
+        for module, key, _spec, full_key in plan.writes:
+            module._apply(key, state[full_key])
+        _materialize_missing(queue, model, entries)
 
     if report.missing_keys:
         shown = report.missing_keys[:10] + (["..."] if len(report.missing_keys) > 10 else [])

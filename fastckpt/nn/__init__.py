@@ -10,6 +10,7 @@
 from fastckpt.nn.factory import (
     NETCL_TYPES,
     LayerSpec,
+    build_layer,
     build_sequential,
     get_layer_spec,
     layer_to_config,
@@ -31,7 +32,16 @@ from fastckpt.nn.layers import (
     Sigmoid,
     Tanh,
 )
-from fastckpt.nn.module import IncompatibleKeys, Module, Sequential, init_rng, manual_seed, seeded, shapes_compatible
+from fastckpt.nn.module import (
+    IncompatibleKeys,
+    Module,
+    Sequential,
+    deferred_init,
+    init_rng,
+    manual_seed,
+    seeded,
+    shapes_compatible,
+)
 
 __all__ = [
     "Module",
@@ -56,6 +66,8 @@ __all__ = [
     "layer_to_config",
     "normalize_config",
     "build_sequential",
+    "build_layer",
+    "deferred_init",
     "NETCL_TYPES",
     "manual_seed",
     "init_rng",

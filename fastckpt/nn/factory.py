@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Callable
 
 from fastckpt.nn import layers as L
 from fastckpt.nn.module import Module, Sequential, seeded
@@ -39,6 +40,7 @@ __all__ = [
     "layer_to_config",
     "normalize_config",
     "build_sequential",
+    "build_layer",
     "NETCL_TYPES",
 ]
 
@@ -186,6 +188,26 @@ def normalize_config(config) -> list[dict]:
     return out
 
 
+def build_layer(queue, entry: Mapping, *, seed: int = 0, index: int = 0) -> Module:
+    """Build one layer from a normalized config entry, drawing from ``default_rng([seed, index])``.
+
+    >>> build_layer(None, {"type": "Linear", "args": {"in_features": 2, "out_features": 1}})  # doctest: +SKIP
+    Linear(in_features=2, out_features=1, bias=True)
+    """
+    spec = get_layer_spec(entry["type"])
+    args = entry["args"]
+    with seeded([int(seed), int(index)]):
+        try:
+            layer = spec.ctor(queue=queue, **args) if spec.queue_required else spec.ctor(**args)
+        except TypeError as exc:
+            raise ValueError(f"config[{index}] ({entry['type']}): bad args {args!r}: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(f"config[{index}] ({entry['type']}): {exc}") from exc
+    if not isinstance(layer, Module):
+        raise TypeError(f"config[{index}]: ctor of {entry['type']!r} returned a {type(layer).__name__}, not a Module")
+    return layer
+
+
 def build_sequential(queue, config, *, seed: int = 0) -> Sequential:
     """Build a :class:`Sequential` from ``config`` (validated whole before any layer is built).
 
@@ -195,21 +217,7 @@ def build_sequential(queue, config, *, seed: int = 0) -> Sequential:
     >>> m = build_sequential(None, {"layers": [{"type": "Linear", "in_features": 3, "out_features": 1}]})  # doctest: +SKIP
     """
     entries = normalize_config(config)
-    layers = []
-    for i, entry in enumerate(entries):
-        spec = get_layer_spec(entry["type"])
-        args = entry["args"]
-        with seeded([int(seed), i]):
-            try:
-                layer = spec.ctor(queue=queue, **args) if spec.queue_required else spec.ctor(**args)
-            except TypeError as exc:
-                raise ValueError(f"config[{i}] ({entry['type']}): bad args {args!r}: {exc}") from exc
-            except ValueError as exc:
-                raise ValueError(f"config[{i}] ({entry['type']}): {exc}") from exc
-        if not isinstance(layer, Module):
-            raise TypeError(f"config[{i}]: ctor of {entry['type']!r} returned a {type(layer).__name__}, not a Module")
-        layers.append(layer)
-    return Sequential(*layers)
+    return Sequential(*(build_layer(queue, entry, seed=seed, index=i) for i, entry in enumerate(entries)))
 
 
 def _ignoring_extras(cls, *names):

@@ -27,7 +27,7 @@ import numpy as np
 
 from fastckpt.nn import kernels
 from fastckpt.nn.kernels import element_offset
-from fastckpt.nn.module import Module, init_rng
+from fastckpt.nn.module import Module, init_rng, new_parameter
 from fastckpt.tensor import Tensor
 
 __all__ = [
@@ -129,10 +129,12 @@ class Linear(Module):
         self.out_features = _positive_int("Linear", "out_features", out_features)
         self.queue = _default_queue(queue)
         limit = math.sqrt(6.0 / (self.in_features + self.out_features))
-        self.weight = Tensor.from_host(self.queue, _uniform((self.in_features, self.out_features), limit))
+        self.weight = new_parameter(self.queue, (self.in_features, self.out_features),
+                                    lambda: _uniform((self.in_features, self.out_features), limit))
         self.bias = None
         if bias:
-            self.bias = Tensor.from_host(self.queue, _uniform((self.out_features,), 1.0 / math.sqrt(self.in_features)))
+            self.bias = new_parameter(self.queue, (self.out_features,),
+                                      lambda: _uniform((self.out_features,), 1.0 / math.sqrt(self.in_features)))
 
     def config_args(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features, "bias": self.bias is not None}
@@ -182,8 +184,12 @@ class Conv2d(Module):
         k = self.kernel_size
         fan_in = (self.in_channels // self.groups) * k * k
         bound = math.sqrt(6.0 / fan_in)
-        self.weight = Tensor.from_host(self.queue, _uniform((self.out_channels, self.in_channels // self.groups, k, k), bound))
-        self.bias = Tensor.from_host(self.queue, _uniform((self.out_channels,), 1.0 / math.sqrt(fan_in))) if bias else None
+        wshape = (self.out_channels, self.in_channels // self.groups, k, k)
+        self.weight = new_parameter(self.queue, wshape, lambda: _uniform(wshape, bound))
+        self.bias = None
+        if bias:
+            self.bias = new_parameter(self.queue, (self.out_channels,),
+                                      lambda: _uniform((self.out_channels,), 1.0 / math.sqrt(fan_in)))
 
     def config_args(self) -> dict:
         return {
@@ -233,11 +239,11 @@ class BatchNorm2d(Module):
         if not self.eps > 0:
             raise ValueError(f"BatchNorm2d: eps must be > 0, got {eps!r}")
         self.queue = _default_queue(queue)
-        ones, zeros = np.ones(c, np.float32), np.zeros(c, np.float32)
-        self.gamma = Tensor.from_host(self.queue, ones)
-        self.beta = Tensor.from_host(self.queue, zeros)
-        self.running_mean = Tensor.from_host(self.queue, zeros)
-        self.running_var = Tensor.from_host(self.queue, ones)
+        ones, zeros = (lambda: np.ones(c, np.float32)), (lambda: np.zeros(c, np.float32))
+        self.gamma = new_parameter(self.queue, (c,), ones)
+        self.beta = new_parameter(self.queue, (c,), zeros)
+        self.running_mean = new_parameter(self.queue, (c,), zeros)
+        self.running_var = new_parameter(self.queue, (c,), ones)
 
     @property
     def num_features(self) -> int:
@@ -381,8 +387,8 @@ class Embedding(Module):
         self.num_embeddings = _positive_int("Embedding", "num_embeddings", num_embeddings)
         self.embedding_dim = _positive_int("Embedding", "embedding_dim", embedding_dim)
         self.queue = _default_queue(queue)
-        host = init_rng().standard_normal((self.num_embeddings, self.embedding_dim)).astype(np.float32)
-        self.weight = Tensor.from_host(self.queue, host)
+        shape = (self.num_embeddings, self.embedding_dim)
+        self.weight = new_parameter(self.queue, shape, lambda: init_rng().standard_normal(shape).astype(np.float32))
 
     def config_args(self) -> dict:
         return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim}

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -39,6 +40,9 @@ __all__ = [
     "seeded",
     "init_rng",
     "shapes_compatible",
+    "deferred_init",
+    "new_parameter",
+    "TensorSpec",
 ]
 
 
@@ -74,26 +78,70 @@ def init_rng() -> np.random.Generator:
     True
     """
     stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else _global_rng
+    if not stack:
+        return _global_rng
+    frame = stack[-1]
+    if frame[1] is None:  # made on first use: a deferred build never pays for a generator
+        frame[1] = np.random.default_rng(frame[0])
+    return frame[1]
 
 
 @contextlib.contextmanager
-def seeded(seed) -> Iterator[np.random.Generator]:
+def seeded(seed) -> Iterator[None]:
     """Build layers inside this block from ``np.random.default_rng(seed)`` (thread-local).
 
-    >>> with seeded([0, 1]) as rng:
-    ...     init_rng() is rng
+    >>> with seeded([0, 1]):
+    ...     a = init_rng().uniform()
+    >>> with seeded([0, 1]):
+    ...     a == init_rng().uniform()
     True
     """
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
-    rng = np.random.default_rng(seed)
-    stack.append(rng)
+    stack.append([seed, None])
     try:
-        yield rng
+        yield
     finally:
         stack.pop()
+
+
+@contextlib.contextmanager
+def deferred_init() -> Iterator[None]:
+    """Build layers inside this block without computing or allocating their initial values.
+
+    Built-in layers then hold placeholder tensors (``buffer is None``: shape and dtype only)
+    that a load replaces. A loader uses it so that a 64 MiB model is not first filled with
+    random numbers it is about to overwrite; a layer whose values the file lacks is built
+    again normally (same seed, same values). Placeholders are never visible outside a load.
+
+    >>> with deferred_init():
+    ...     deferred_init_active()
+    True
+    """
+    previous = getattr(_local, "deferred", False)
+    _local.deferred = True
+    try:
+        yield
+    finally:
+        _local.deferred = previous
+
+
+def deferred_init_active() -> bool:
+    """True inside :func:`deferred_init` (on this thread)."""
+    return getattr(_local, "deferred", False)
+
+
+def new_parameter(queue, shape, make) -> Tensor:
+    """A device tensor holding ``make()`` (a host array), or a placeholder inside :func:`deferred_init`.
+
+    ``make`` must draw from :func:`init_rng` in the same order whether or not it is called
+    later, which holds because a deferred layer is rebuilt whole.
+    """
+    if deferred_init_active():
+        return Tensor(None, tuple(shape), np.float32, queue=queue)
+    host = make()
+    return Tensor.from_host(queue, host)
 
 
 # -- shape tolerance --------------------------------------------------------------------------
@@ -109,8 +157,15 @@ def shapes_compatible(stored: tuple[int, ...], expected: tuple[int, ...]) -> boo
     return tuple(d for d in stored if d != 1) == tuple(d for d in expected if d != 1)
 
 
+class TensorSpec(NamedTuple):
+    """Shape and dtype of a stored tensor, for validating a load before reading any bytes."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
 def _check_value(key: str, value) -> tuple[tuple[int, ...], np.dtype]:
-    if isinstance(value, Tensor):
+    if isinstance(value, (Tensor, TensorSpec)):
         return value.shape, value.dtype
     if not isinstance(value, np.ndarray):
         raise TypeError(f"state entry {key!r}: expected a numpy array or fastckpt Tensor, got {type(value).__name__}")
@@ -120,10 +175,12 @@ def _check_value(key: str, value) -> tuple[tuple[int, ...], np.dtype]:
 
 
 class _Plan(NamedTuple):
+    """A validated load: what is missing, unexpected, wrong, and what to write where."""
+
     missing: list[str]
     unexpected: list[str]
     errors: list[str]
-    writes: list[tuple["Module", str, Any]]
+    writes: list[tuple["Module", str, Any, str]]  # (module, state key, value, full key)
 
 
 class Module:
@@ -175,7 +232,7 @@ class Module:
             if not shapes_compatible(shape, tensor.shape):
                 errors.append(f"{prefix + key!r}: stored shape {tuple(shape)}, model expects {tensor.shape}")
                 continue
-            writes.append((self, key, value))
+            writes.append((self, key, value, prefix + key))
         return _Plan(missing, unexpected, errors, writes)
 
     def _apply(self, key: str, value) -> None:
@@ -188,7 +245,7 @@ class Module:
             setattr(self, key, value)
             return
         host = np.ascontiguousarray(value).reshape(current.shape)
-        if host.dtype == current.dtype:
+        if host.dtype == current.dtype and current.buffer is not None:
             current.write(host)
         else:  # the stored dtype is kept: a new buffer of that dtype replaces the old one
             setattr(self, key, Tensor.from_host(current.queue, host))
@@ -250,7 +307,7 @@ def _execute(plan: _Plan, strict: bool) -> IncompatibleKeys:
             "state_dict does not match the model (nothing was loaded): " + ", ".join(parts)
             + "; pass strict=False to load the keys that match"
         )
-    for module, key, value in plan.writes:
+    for module, key, value, _full in plan.writes:
         module._apply(key, value)
     return IncompatibleKeys(plan.missing, plan.unexpected)
 
