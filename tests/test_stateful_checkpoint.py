@@ -824,3 +824,10 @@ def test_docs_carry_the_same_format_spec_as_the_module():
     spec = ckmod.__doc__[ckmod.__doc__.index("File format (version 1)"):].rstrip("\n")
     block = docs[docs.index("```text\n", docs.index("## File format")) + len("```text\n"):].rsplit("\n```", 1)[0]
     assert block == spec
+
+
+def test_benchmark_runs_every_case():
+    import fastckpt.stateful.bench as bench
+
+    result = doctest.testmod(bench, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

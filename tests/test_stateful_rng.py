@@ -164,3 +164,12 @@ def test_generator_draws_advance_the_checkpointed_state():
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_state_objects_survive_copy_and_deepcopy():
+    import copy
+
+    state = RNG(seed=1).get_state()
+    assert copy.copy(state) is state
+    nested = copy.deepcopy({"rng": state, "step": 3})
+    assert nested["rng"] == state

@@ -143,6 +143,16 @@ class StateObject:
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is immutable")
 
+    # Immutable: copies may share; pickling (e.g. to another process) carries only the JSON text.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (type(self).from_string, (self._text,))
+
 
 def _ml_dtype(name: str) -> np.dtype | None:
     import ml_dtypes

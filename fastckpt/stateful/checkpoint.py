@@ -199,6 +199,8 @@ class _Entry:
     value: Any  # what get_state() returns and set_state()/load_state_dict() receives; _UNSET: decode(encoded)
     type_name: str | None
     dirty: bool
+    # Decoded while validating a loaded payload; handed to the first apply so big arrays decode once.
+    decoded: Any = None
 
 
 _UNSET = object()
@@ -577,7 +579,12 @@ class Checkpoint:
 
     def _apply(self, key: str, entry: _Entry, op) -> None:
         _, setter = _accessors(op)
-        value = decode(entry.encoded, where=f"state of {key!r}") if entry.value is _UNSET else entry.value
+        if entry.value is not _UNSET:
+            value = entry.value
+        elif entry.decoded is not None:
+            value, entry.decoded = entry.decoded, None
+        else:
+            value = decode(entry.encoded, where=f"state of {key!r}")
         try:
             setter(value)
         except Exception as exc:
@@ -708,8 +715,8 @@ class Checkpoint:
             type_name = item["type"]
             if type_name is not None and not isinstance(type_name, str):
                 raise FormatError(f"{where}: entry {key!r}: 'type' must be a string or null, got {type_name!r}")
-            decode(item["state"], where=f"{where}: state of {key!r}")  # validate tags now, not at apply time
-            states[key] = _Entry(item["state"], _UNSET, type_name, dirty=True)
+            decoded = decode(item["state"], where=f"{where}: state of {key!r}")  # validate now, not at apply time
+            states[key] = _Entry(item["state"], _UNSET, type_name, dirty=True, decoded=decoded)
         return states
 
     # ----------------------------------------------------------------- files
