@@ -119,8 +119,11 @@ def test_round_trip_exact_weights_and_forward(tmp_path, device, rng, name, use_p
     assert_same_state(loaded, state)
     assert loaded(x).to_host().tobytes() == before.tobytes()
     assert loaded.load_report.missing_keys == [] and loaded.load_report.unexpected_keys == []
-    if use_pool:
-        assert loaded.load_report.file_report.copies == 1  # all weights: one copy into one arena
+    if use_pool:  # all weights: one copy into one arena, and the parameters are views of it
+        assert loaded.load_report.file_report.copies == 1
+        assert len({t.buffer.int_ptr for t in loaded.named_tensors().values()}) == 1
+    else:  # plain buffers, one per weight
+        assert len({t.buffer.int_ptr for t in loaded.named_tensors().values()}) == len(state)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32])
@@ -443,3 +446,13 @@ def test_user_layer_type_saves_and_loads(tmp_path, queue, rng):
         nn.unregister_layer("Scale")
     with pytest.raises(FormatError, match="unknown layer type 'Scale'"):
         load_model(tmp_path / "u.netcl")
+
+
+def test_format_page_has_the_same_text_as_the_module_docstring():
+    import pathlib
+
+    import fastckpt.io.serialization as module
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "formats" / "netcl.md").read_text()
+    spec = module.__doc__[: module.__doc__.index(">>>")].strip()
+    assert spec in page

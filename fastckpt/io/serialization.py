@@ -69,21 +69,16 @@ Metadata document
 Layer types and their ``args`` (the keys netcl 0.4.4 writes, in this order) and
 weight entries (shapes; C is the channel count):
 
-==============  ==============================================================  ==========================================
-type            args                                                            weight entries
-==============  ==============================================================  ==========================================
-Conv2d          in_channels, out_channels, kernel_size (one int), stride, pad,  weight (out, in/groups, k, k), bias (out)
-                bias (bool), dilation, groups
-Linear          in_features, out_features, bias (bool)                          weight (in, out) -- transposed vs PyTorch,
-                                                                                bias (out)
-BatchNorm2d     num_features, momentum, eps                                     gamma, beta, running_mean, running_var (C)
-ReLU, Sigmoid,  (none: ``"args": {}``)                                          --
-Tanh, Flatten
-LeakyReLU       negative_slope                                                  --
-Dropout         p, seed (may be null)                                           --
-MaxPool2d       kernel_size, stride                                             --
-Embedding       num_embeddings, embedding_dim (fastckpt only)                   weight (num_embeddings, embedding_dim)
-==============  ==============================================================  ==========================================
+| type | args (in this order) | weight entries |
+|---|---|---|
+| Conv2d | in_channels, out_channels, kernel_size (one int), stride, pad, bias (bool), dilation, groups | weight (out, in/groups, k, k), bias (out) |
+| Linear | in_features, out_features, bias (bool) | weight (in, out): transposed against PyTorch; bias (out) |
+| BatchNorm2d | num_features, momentum, eps | gamma, beta, running_mean, running_var, each (C) |
+| ReLU, Sigmoid, Tanh, Flatten | none: ``"args": {}`` | none |
+| LeakyReLU | negative_slope | none |
+| Dropout | p, seed (may be null) | none |
+| MaxPool2d | kernel_size, stride | none |
+| Embedding (fastckpt only) | num_embeddings, embedding_dim | weight (num_embeddings, embedding_dim) |
 
 Types registered by the user (:func:`fastckpt.nn.register_layer`) are written
 with the args their ``to_config`` returns. netcl 0.4.4 knows only the first

@@ -39,6 +39,7 @@ from fastckpt.nn.module import (
     deferred_init,
     init_rng,
     manual_seed,
+    new_parameter,
     seeded,
     shapes_compatible,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "build_sequential",
     "build_layer",
     "deferred_init",
+    "new_parameter",
     "NETCL_TYPES",
     "manual_seed",
     "init_rng",
