@@ -265,7 +265,7 @@ class CheckpointWriter:
             data = payload
         else:
             little = arr.dtype.newbyteorder("<")
-            arr = np.ascontiguousarray(arr, dtype=little)
+            arr = np.asarray(arr, dtype=little, order="C")  # ascontiguousarray would make 0-d arrays 1-d
             data = arr.reshape(-1).view(np.uint8)
             crc = mask_crc(_crc32c.crc32c(data))
         f = self._files[shard]
