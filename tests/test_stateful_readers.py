@@ -99,6 +99,22 @@ def test_resume_from_saved_file_matches_the_uninterrupted_run(tmp_path, file_roo
     assert no_prefetch_threads()
 
 
+@pytest.mark.parametrize("saved_prefetch, resumed_prefetch", [(3, 0), (0, 1)])
+def test_state_does_not_depend_on_the_prefetch_setting(saved_prefetch, resumed_prefetch):
+    data = np.arange(NUM_SAMPLES)
+    reference = [b.tolist() for b in ArrayReader(data, shuffle=True).next_epoch(batch_size=BATCH)]
+    reader = ArrayReader(data, shuffle=True, prefetch_queue_depth=saved_prefetch, enable_checkpointing=True)
+    it = reader.next_epoch(batch_size=BATCH)
+    got = [next(it).tolist(), next(it).tolist()]
+    state = str(reader.get_state())
+    reader.close()
+    resumed = ArrayReader(data, shuffle=True, prefetch_queue_depth=resumed_prefetch)
+    resumed.set_state(state)
+    got.extend(b.tolist() for b in resumed.next_epoch(batch_size=BATCH))
+    assert got == reference
+    assert no_prefetch_threads()
+
+
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 5, 23, 30])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_shards_are_disjoint_and_cover_the_data(num_shards, shuffle):

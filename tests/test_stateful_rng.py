@@ -35,7 +35,7 @@ def assert_same_draws(a: list[np.ndarray], b: list[np.ndarray]) -> None:
 
 
 @pytest.mark.parametrize("bit_generator", ALL_BIT_GENERATORS)
-@pytest.mark.parametrize("form", ["object", "str", "dict"])
+@pytest.mark.parametrize("form", ["object", "str", "dict", "json"])
 def test_set_state_continues_the_stream_bit_exactly(bit_generator, form):
     rng = RNG(seed=1234, bit_generator=bit_generator)
     draw(rng)
@@ -43,7 +43,7 @@ def test_set_state_continues_the_stream_bit_exactly(bit_generator, form):
     rng.integers(0, 2**32, dtype=np.uint32)
     state = rng.get_state()
     expected = draw(rng)
-    value = {"object": state, "str": str(state), "dict": state.to_dict()}[form]
+    value = {"object": state, "str": str(state), "dict": state.to_dict(), "json": json.loads(json.dumps(state.to_json()))}[form]
     fresh = RNG(seed=99, bit_generator=bit_generator)
     fresh.set_state(value)
     assert_same_draws(draw(fresh), expected)

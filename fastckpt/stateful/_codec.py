@@ -73,7 +73,8 @@ class StateObject:
     def __init__(self, data: dict):
         if not isinstance(data, dict):
             raise TypeError(f"{type(self).__name__} needs a dict, got {type(data).__name__}")
-        object.__setattr__(self, "_text", dumps(encode(data)))
+        # decode() first so that both forms are accepted: to_dict() (numpy arrays) and to_json() (tagged).
+        object.__setattr__(self, "_text", dumps(encode(decode(data, where=type(self).__name__))))
 
     @classmethod
     def from_string(cls, text: str):
@@ -96,7 +97,7 @@ class StateObject:
 
     @classmethod
     def coerce(cls, value):
-        """Accept a state object, its ``str()`` form, or its ``to_dict()`` form.
+        """Accept a state object, its ``str()`` form, or its ``to_dict()`` / ``to_json()`` form.
 
         >>> from fastckpt.stateful import RNG, RNGState
         >>> s = RNG(seed=2).get_state()
@@ -121,6 +122,17 @@ class StateObject:
         dtype('uint64')
         """
         return decode(json.loads(self._text))
+
+    def to_json(self) -> dict:
+        """A fresh JSON-safe copy of the state (arrays as tagged base64 objects), to embed in other JSON.
+
+        >>> import json
+        >>> from fastckpt.stateful import RNG
+        >>> s = RNG(seed=2, bit_generator="Philox").get_state()
+        >>> type(s)(json.loads(json.dumps(s.to_json()))) == s
+        True
+        """
+        return json.loads(self._text)
 
     def _json_tree(self):
         return json.loads(self._text)
