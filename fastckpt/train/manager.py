@@ -102,7 +102,7 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._saver: AsyncCheckpointer | None = None
         self._lock = threading.RLock()  # the record and deletions; the background thread takes it too
-        self._manifests: dict[str, dict] = {}
+        self._manifests: dict[str, tuple] = {}  # name -> (manifest stat key, manifest)
         self._sweep_partials()
 
     # -- naming and discovery ----------------------------------------------------------------------
@@ -122,20 +122,27 @@ class CheckpointManager:
             remove_stale_partials(self.directory / name)
 
     def _manifest(self, path: Path) -> dict | None:
-        cached = self._manifests.get(path.name)
-        if cached is not None and (path / "manifest.json").exists():
-            return cached
+        """The manifest of a complete checkpoint at ``path``, else None (sizes checked on every call)."""
         try:
-            manifest = read_manifest(path)
-        except (CheckpointNotFoundError, FormatError, OSError):
+            st = (path / "manifest.json").stat()
+        except OSError:
             return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._manifests.get(path.name)
+        if cached is not None and cached[0] == key:
+            manifest = cached[1]
+        else:
+            try:
+                manifest = read_manifest(path)
+            except (CheckpointNotFoundError, FormatError, OSError):
+                return None
+            self._manifests[path.name] = (key, manifest)
         for name, entry in manifest["files"].items():
             try:
                 if (path / name).stat().st_size != entry["bytes"]:
                     return None
             except OSError:
                 return None
-        self._manifests[path.name] = manifest
         return manifest
 
     def _complete(self) -> dict[int, Path]:

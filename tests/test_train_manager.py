@@ -1,0 +1,350 @@
+"""CheckpointManager: retention, async saves, crash safety (kill -9), and the verify command."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
+from fastckpt.train import asyncsave
+from fastckpt.train.asyncsave import AsyncCheckpointer, StagingPool
+from fastckpt.train.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
+from fastckpt.train.manager import RECORD_FILE, CheckpointManager
+from fastckpt.train.selfcheck import build_fresh, byte_equal, capture_full_state, first_difference, train_n_steps
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def save_steps(mgr, steps, losses=None, **kw):
+    objs = build_fresh(1)
+    for i, step in enumerate(steps):
+        metrics = {"loss": losses[i]} if losses is not None else {}
+        mgr.save(step, *objs.save_args(), scaler=objs.scaler, metrics=metrics, **kw)
+    mgr.wait()
+    return objs
+
+
+# -- retention ------------------------------------------------------------------------------------
+LOSSES = [5.0, 3.0, 4.0, 1.0, 2.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+
+
+@pytest.mark.parametrize("policy, survivors", [
+    ({}, list(range(1, 11))),
+    ({"max_to_keep": 3}, [8, 9, 10]),
+    ({"max_to_keep": 1}, [10]),
+    ({"keep_every_n_steps": 4}, [4, 8, 10]),
+    ({"keep_every_n_steps": 4, "max_to_keep": 2}, [4, 8, 9, 10]),
+    ({"keep_best": ("loss", "min")}, [4, 10]),
+    ({"keep_best": ("loss", "min", 2)}, [4, 5, 10]),
+    ({"keep_best": ("loss", "max")}, [10]),
+    ({"keep_best": ("loss", "min"), "max_to_keep": 2, "keep_every_n_steps": 3}, [3, 4, 6, 9, 10]),
+], ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
+def test_retention_keeps_exactly_what_the_policy_says(tmp_path, policy, survivors):
+    mgr = CheckpointManager(tmp_path, **policy)
+    save_steps(mgr, range(1, 11), LOSSES)
+    assert mgr.all_steps() == survivors
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([RECORD_FILE] + [f"step-{s:08d}" for s in survivors])
+    record = json.loads((tmp_path / RECORD_FILE).read_text())["written"]
+    assert record == [f"step-{s:08d}" for s in survivors]
+
+
+def test_keep_best_ignores_checkpoints_without_the_metric(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_best=("acc", "max"), max_to_keep=1)
+    objs = build_fresh(1)
+    mgr.save(1, *objs.save_args(), metrics={"acc": 0.5})
+    mgr.save(2, *objs.save_args(), metrics={})
+    mgr.save(3, *objs.save_args(), metrics={"acc": float("nan")})
+    mgr.save(4, *objs.save_args(), metrics={"acc": 0.1})
+    assert mgr.all_steps() == [1, 4]
+
+
+def test_only_checkpoints_it_wrote_are_deleted(tmp_path):
+    objs = build_fresh(1)
+    save_checkpoint(*objs.save_args(), tmp_path / "step-00000003", step=3)  # copied in by hand
+    mgr = CheckpointManager(tmp_path, max_to_keep=1)
+    for step in (5, 6, 7):
+        mgr.save(step, *objs.save_args())
+    assert mgr.all_steps() == [3, 7]
+    # A new manager over the same directory continues the record.
+    mgr2 = CheckpointManager(tmp_path, max_to_keep=1)
+    mgr2.save(8, *objs.save_args())
+    assert mgr2.all_steps() == [3, 8]
+
+
+def test_incomplete_directories_do_not_count(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    save_steps(mgr, [1, 2])
+    (tmp_path / "step-00000002" / "manifest.json").unlink()
+    weights = tmp_path / "step-00000001" / WEIGHTS_FILE
+    assert mgr.all_steps() == [1] and mgr.latest().name == "step-00000001"
+    weights.write_bytes(weights.read_bytes()[:-4])  # wrong size: not complete either
+    assert mgr.all_steps() == [] and mgr.latest() is None and mgr.restore_latest(build_fresh(1).model) is None
+
+
+def test_latest_and_restore_latest(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_to_keep=2)
+    objs = build_fresh(2)
+    for step in (10, 20, 30):
+        train_n_steps(objs, 2)
+        mgr.save(step, *objs.save_args(), scaler=objs.scaler, epoch=objs.data_iter.epoch)
+    expected = capture_full_state(objs)
+    fresh = build_fresh(2)
+    state = mgr.restore_latest(*fresh.save_args(), scaler=fresh.scaler)
+    assert state.step == 30 and mgr.latest_step() == 30
+    assert byte_equal(expected, capture_full_state(fresh))
+    with pytest.raises(CheckpointNotFoundError, match="complete steps: \\[20, 30\\]"):
+        mgr.restore(10, fresh.model)
+
+
+def test_restore_latest_verifies_hashes(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    save_steps(mgr, [1])
+    path = tmp_path / "step-00000001" / WEIGHTS_FILE
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=WEIGHTS_FILE):
+        mgr.restore_latest(build_fresh(1).model)
+
+
+def test_existing_step_needs_overwrite(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    objs = save_steps(mgr, [1])
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        mgr.save(1, *objs.save_args())
+    train_n_steps(objs, 1)
+    mgr.save(1, *objs.save_args(), overwrite=True)
+    assert byte_equal(load_checkpoint(tmp_path / "step-00000001").model_weights, objs.model.state_dict())
+
+
+def test_corrupt_record_is_reported(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_to_keep=1)
+    objs = save_steps(mgr, [1])
+    (tmp_path / RECORD_FILE).write_text("{not json")
+    with pytest.raises(FormatError, match="delete the file"):
+        mgr.save(2, *objs.save_args())
+
+
+@pytest.mark.parametrize("kwargs", [{"max_to_keep": 0}, {"keep_every_n_steps": 0}, {"keep_best": ("loss", "up")},
+                                    {"keep_best": "loss"}, {"keep_best": ("loss", "min", 0)}])
+def test_bad_policy_arguments(tmp_path, kwargs):
+    with pytest.raises(ValueError):
+        CheckpointManager(tmp_path, **kwargs)
+
+
+def test_stale_partials_swept_by_a_new_manager(tmp_path):
+    (tmp_path / ".step-00000005.999999999.0badc0de.partial").mkdir()
+    (tmp_path / ".step-00000006.999999999.0badc0de.partial").mkdir()
+    live = tmp_path / f".step-00000007.{os.getpid()}.0badc0de.partial"  # a live writer's: kept
+    live.mkdir()
+    CheckpointManager(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+# -- asynchronous saves ---------------------------------------------------------------------------
+def test_async_snapshot_is_taken_at_save_time(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    objs = build_fresh(4)
+    train_n_steps(objs, 5)
+    expected = capture_full_state(objs)
+    handle = mgr.save(5, *objs.save_args(), scaler=objs.scaler, blocking=False)
+    train_n_steps(objs, 5)  # mutate every state machine while the save may still run
+    objs.model.embed.weight.data[...] = 0
+    handle.wait()
+    fresh = build_fresh(4)
+    mgr.restore(5, *fresh.save_args(), scaler=fresh.scaler)
+    assert first_difference(expected, capture_full_state(fresh)) is None
+
+
+@pytest.mark.parametrize("split", [7, 10, 14])
+def test_resume_matches_continuous_with_async_saves(tmp_path, split):
+    # The trainer saves every step without blocking and goes straight on; the checkpoint of step
+    # `split` must resume into exactly the rest of the uninterrupted run (across epoch boundaries:
+    # 7 batches per epoch).
+    mgr = CheckpointManager(tmp_path, max_to_keep=None)
+    ref = build_fresh(42, num_tokens=1000)
+    losses = []
+    for step in range(1, 21):
+        losses += train_n_steps(ref, 1)
+        mgr.save(step, *ref.save_args(), scaler=ref.scaler, epoch=ref.data_iter.epoch, blocking=False)
+    mgr.close()
+    assert CheckpointManager(tmp_path).all_steps() == list(range(1, 21))
+    resumed = build_fresh(42, num_tokens=1000)
+    state = CheckpointManager(tmp_path).restore(split, *resumed.save_args(), scaler=resumed.scaler)
+    assert state.step == split and state.epoch == (split - 1) // 7
+    assert np.array(losses[split:]).tobytes() == np.array(train_n_steps(resumed, 20 - split)).tobytes()
+
+
+def test_background_error_surfaces_on_wait(tmp_path):
+    saver = AsyncCheckpointer()
+    objs = build_fresh(1)
+    with mock.patch.object(asyncsave, "write_snapshot", side_effect=OSError(28, "No space left on device")):
+        handle = saver.save(tmp_path / "c", *objs.save_args(), step=1)
+        with pytest.raises(OSError, match="No space left"):
+            handle.wait()
+    saver.save(tmp_path / "c", *objs.save_args(), step=2).wait()  # reported once, not again
+    assert load_checkpoint(tmp_path / "c").step == 2
+    saver.close()
+
+
+def test_background_error_surfaces_on_next_save(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    objs = build_fresh(1)
+    with mock.patch.object(asyncsave, "write_snapshot", side_effect=OSError(5, "I/O error")):
+        mgr.save(1, *objs.save_args(), blocking=False)
+        with pytest.raises(OSError, match="I/O error"):
+            mgr.save(2, *objs.save_args(), blocking=False)
+    mgr.save(2, *objs.save_args(), blocking=False).wait()
+    assert mgr.all_steps() == [2]
+    mgr.close()
+
+
+def test_at_most_one_save_in_flight(tmp_path):
+    saver = AsyncCheckpointer()
+    objs = build_fresh(1)
+    release = threading.Event()
+    started = []
+    real = asyncsave.write_snapshot
+
+    def slow(snap, path, **kw):
+        started.append(path.name)
+        release.wait(30)
+        return real(snap, path, **kw)
+
+    with mock.patch.object(asyncsave, "write_snapshot", side_effect=slow):
+        first = saver.save(tmp_path / "a", *objs.save_args(), step=1)
+        second_done = threading.Event()
+        t = threading.Thread(target=lambda: (saver.save(tmp_path / "b", *objs.save_args(), step=2), second_done.set()))
+        t.start()
+        assert not second_done.wait(0.3)  # blocked behind the first save
+        assert started == ["a"] and not first.done()
+        release.set()
+        t.join(30)
+        assert second_done.is_set()
+        saver.wait()
+    assert started == ["a", "b"]
+    saver.close()
+
+
+def test_staging_buffers_are_reused():
+    pool = StagingPool()
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    staged = pool.stage(a)
+    assert staged is not a and not np.shares_memory(staged, a) and np.array_equal(staged, a)
+    pool.release([staged])
+    again = pool.stage(a[::-1])
+    assert again is staged and np.array_equal(again, a[::-1])
+    assert pool.stage(np.zeros(3)) is not staged
+
+
+def test_async_save_of_tied_weights(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    objs = build_fresh(1)
+    mgr.save(1, *objs.save_args(), blocking=False).wait()
+    state = load_checkpoint(mgr.latest())
+    assert state.model_weights["lm_head.weight"] is state.model_weights["embed.weight"]
+
+
+# -- crash safety -------------------------------------------------------------------------------
+CHILD = r"""
+import sys
+from fastckpt.train import CheckpointManager
+from fastckpt.train.selfcheck import build_fresh, train_n_steps
+objs = build_fresh(1, vocab=512, dim=128, hidden=512)
+mgr = CheckpointManager(sys.argv[1], max_to_keep=2, keep_every_n_steps=7)
+state = mgr.restore_latest(*objs.save_args(), scaler=objs.scaler)
+step = state.step if state else 0
+print("ready", flush=True)
+while True:
+    step += 1
+    train_n_steps(objs, 1)
+    mgr.save(step, *objs.save_args(), scaler=objs.scaler, metrics={"loss": 1.0}, blocking=step % 2 == 0)
+"""
+
+
+def _kill_during_saves(directory: Path, rounds: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    latest = []
+    # One BLAS thread: on a loaded machine OpenBLAS's spinning threads make each step 30x slower.
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    for _ in range(rounds):
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(directory)], stdout=subprocess.PIPE, env=env)
+        try:
+            assert child.stdout.readline().strip() == b"ready"
+            time.sleep(rnd.uniform(0.1, 0.6))
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        mgr = CheckpointManager(directory)
+        path = mgr.latest()
+        if path is not None:
+            load_checkpoint(path)  # verified: complete and uncorrupted
+            latest.append(mgr.latest_step())
+        for step in mgr.all_steps():
+            load_checkpoint(mgr.path_for(step))
+    return latest
+
+
+def test_kill_9_during_saves_never_leaves_a_broken_latest(tmp_path):
+    latest = _kill_during_saves(tmp_path, rounds=4, seed=1)
+    assert latest and latest == sorted(latest)  # each round resumed from the previous one
+    CheckpointManager(tmp_path)  # a new manager sweeps leftovers of the dead writers
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+
+
+@pytest.mark.slow
+def test_kill_9_during_saves_many_rounds(tmp_path):
+    latest = _kill_during_saves(tmp_path, rounds=30, seed=2)
+    assert latest == sorted(latest)
+
+
+# -- the verify command -------------------------------------------------------------------------
+def _verify(args):
+    from fastckpt.cli import main
+
+    return main(["verify", *args])
+
+
+def test_verify_command_ok_and_fail(tmp_path, capsys):
+    mgr = CheckpointManager(tmp_path)
+    save_steps(mgr, [1, 2])
+    assert _verify([str(tmp_path / "step-00000001")]) == 0
+    assert "OK" in capsys.readouterr().out
+    path = tmp_path / "step-00000002" / "optim.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1  # in the data section: only the hash can notice
+    path.write_bytes(bytes(data))
+    assert _verify([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "OK" in out and "FAIL" in out and "optim.safetensors: sha256 mismatch" in out
+    assert _verify(["--no-hash", str(tmp_path)]) == 0
+
+
+def test_verify_command_reports_missing_manifest_and_files(tmp_path, capsys):
+    save_checkpoint(build_fresh(1).model, None, None, None, None, tmp_path / "c", step=0)
+    (tmp_path / "c" / "extra.json").unlink()
+    assert _verify([str(tmp_path / "c")]) == 1
+    assert "extra.json: missing" in capsys.readouterr().out
+    (tmp_path / "c" / "manifest.json").unlink()
+    assert _verify([str(tmp_path / "c")]) == 1
+    assert _verify([str(tmp_path / "nowhere")]) == 1
+
+
+def test_verify_command_through_the_console_script(tmp_path):
+    save_checkpoint(build_fresh(1).model, None, None, None, None, tmp_path / "c", step=0)
+    proc = subprocess.run([sys.executable, "-m", "fastckpt", "verify", str(tmp_path / "c")], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step=0" in proc.stdout
