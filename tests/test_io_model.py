@@ -456,3 +456,12 @@ def test_format_page_has_the_same_text_as_the_module_docstring():
     page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "formats" / "netcl.md").read_text()
     spec = module.__doc__[: module.__doc__.index(">>>")].strip()
     assert spec in page
+
+
+def test_demo_model_section_round_trips_through_a_pool(tmp_path, capsys):
+    from fastckpt.demo import _model_demo
+
+    _model_demo(str(tmp_path), 32)
+    out = capsys.readouterr().out
+    assert "(1 copy)" in out and "allocations since the first load: 0)" in out
+    assert out.rstrip().endswith("forward output bytes identical after the round trip: True")
