@@ -9,6 +9,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastckpt.stateful.checkpoint as ckmod
 from fastckpt.errors import CheckpointNotFoundError, FormatError
@@ -831,3 +833,50 @@ def test_benchmark_runs_every_case():
 
     result = doctest.testmod(bench, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ------------------------------------------------------------------ fuzzing
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+tag_like = st.fixed_dictionaries(
+    {"__ndarray__": st.text(max_size=8), "dtype": st.sampled_from(["<f4", "|O", "bfloat16", "<V2", "x", 3]),
+     "shape": st.lists(st.integers(-2, 3), max_size=3)}
+) | st.fixed_dictionaries({"__bytes__": st.text(max_size=8)}) | st.fixed_dictionaries({"__float__": st.text(max_size=4)})
+
+
+@settings(max_examples=150, deadline=None)
+@given(json_values.filter(lambda v: "__" not in json.dumps(v)))
+def test_plain_json_states_round_trip_unchanged(value):
+    ckpt = Checkpoint()
+    ckpt.set_state("k", value)
+    other = Checkpoint()
+    other.deserialize(ckpt.serialize())
+    assert json.loads(other.serialize())["entries"]["k"]["state"] == value
+    assert decode(encode(value)) == value
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.recursive(json_scalars | tag_like, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=10))
+def test_arbitrary_payload_states_load_or_fail_with_format_error(state):
+    data = json.dumps({"format": "fastckpt.stateful", "version": 1, "entries": {"k": {"type": None, "state": state}}})
+    try:
+        Checkpoint().deserialize(data)
+    except FormatError:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_fail_with_format_error(data):
+    with pytest.raises(FormatError):
+        Checkpoint().deserialize(data)
+
+
+def test_deeply_nested_json_is_a_format_error():
+    with pytest.raises(FormatError, match="nested too deeply"):
+        Checkpoint().deserialize("[" * 100_000 + "]" * 100_000)

@@ -660,9 +660,11 @@ class Checkpoint:
 
         try:
             payload = json.loads(data, parse_constant=refuse_constant)
+            states = self._parse_payload(payload, where)
         except json.JSONDecodeError as exc:
             raise FormatError(f"{where}: not valid JSON ({exc})") from None
-        states = self._parse_payload(payload, where)
+        except RecursionError:
+            raise FormatError(f"{where}: JSON nested too deeply to read") from None
         self._states = states
         self._loaded = True
         self._complete = False
