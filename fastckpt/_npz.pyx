@@ -40,6 +40,7 @@ MAX_NDIM = 64
 MAX_LITERAL_DEPTH = 16
 # An int literal longer than this cannot be a dimension of an array that fits in a file.
 MAX_INT_DIGITS = 20
+MAX_INTP = 2**63 - 1
 
 cdef uint32_t SIG_LOCAL = 0x04034B50
 cdef uint32_t SIG_CENTRAL = 0x02014B50
@@ -186,6 +187,14 @@ def parse_npy_header(data, where="", max_header_size=MAX_HEADER_SIZE):
     if type(fortran_order) is not bool:
         raise FormatError(f"{_prefix(where)}npy header 'fortran_order' must be True or False, got {fortran_order!r}")
     dtype = _descr_to_dtype(header["descr"], where)
+    # numpy's own limit (PyArray_NewFromDescr): nonzero dimensions times the item size must fit in intp,
+    # even for an empty array.
+    nbytes = max(dtype.itemsize, 1)
+    for d in shape:
+        nbytes *= d or 1
+    if nbytes > MAX_INTP:
+        raise FormatError(f"{_prefix(where)}npy shape {shape} of {dtype} spans {nbytes} bytes, more than numpy's "
+                          f"limit of {MAX_INTP}")
     return dtype, shape, fortran_order, total
 
 
@@ -293,6 +302,8 @@ class _LiteralParser:
         if depth > MAX_LITERAL_DEPTH:
             raise self.fail(f"nested deeper than {MAX_LITERAL_DEPTH} levels")
         ch = self.peek()
+        if ch == "":
+            raise self.fail("unexpected end of the header")
         if ch == "{":
             return self.mapping(depth)
         if ch in "([":
@@ -689,7 +700,8 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
     cd_offset, cd_size, count, cd_end = _find_end_records(m)
     entries = _read_central_directory(m, cd_offset, cd_size, count)
     infos = []
-    ranges = []
+    ranges = []  # (local header offset, data end, name): the byte range each member owns
+    members = []
     compressed = 0
     for name, raw_name, flags, method, crc, csize, usize, local_offset, at in entries:
         what = f"{path}: member {name!r} (local header at offset {local_offset})"
@@ -717,6 +729,14 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
             raise FormatError(f"{what}: data [{data_start}, {data_end}) runs past the start of the central "
                               f"directory at offset {cd_offset}")
         ranges.append((local_offset, data_end, name))
+        members.append((name, method, crc, csize, usize, data_start, what))
+    ranges.sort()
+    for (s0, e0, n0), (s1, e1, n1) in zip(ranges, ranges[1:]):
+        if s1 < e0:
+            raise FormatError(f"{path}: members {n0!r} [{s0}, {e0}) and {n1!r} [{s1}, {e1}) overlap; expected "
+                              "disjoint byte ranges")
+
+    for name, method, crc, csize, usize, data_start, what in members:
         dtype, shape, fortran_order, header_nbytes = _member_header(
             m, name, method, data_start, csize, usize, max_header_size, what)
         count_items = 1
@@ -735,11 +755,6 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
             compressed += 1
             infos.append(NpzTensorInfo(key, dtype, shape, data_start, csize, fortran_order, "deflate",
                                        crc, usize, header_nbytes))
-    ranges.sort()
-    for (s0, e0, n0), (s1, e1, n1) in zip(ranges, ranges[1:]):
-        if s1 < e0:
-            raise FormatError(f"{path}: members {n0!r} [{s0}, {e0}) and {n1!r} [{s1}, {e1}) overlap; expected "
-                              "disjoint byte ranges")
     if compressed:
         warnings.warn(f"{path}: {compressed} of {len(infos)} members are compressed; they will be inflated on read, "
                       "not viewed in place (re-save with fastckpt.save_npz for zero-copy reads)",

@@ -10,7 +10,7 @@ little-endian. Offsets are absolute byte offsets from the start of the file.
 What fastckpt writes
 --------------------
 The file is a sequence of members, then the central directory, then (only when
-needed) the zip64 end records, then the end-of-central-directory record::
+needed) the zip64 end records, then the end-of-central-directory record:
 
     [local header 1][.npy member 1] ... [local header N][.npy member N]
     [central directory entry 1] ... [central directory entry N]
@@ -23,23 +23,21 @@ for the entry count, 65535 or more.
 
 Local header (30 bytes, then the name, then the extra field):
 
-=======  =====  =============================================================
-offset   size   field
-=======  =====  =============================================================
-0        4      signature ``PK\\x03\\x04`` (0x04034B50)
-4        2      version needed: 45 when the member or its offset needs zip64, else 20
-6        2      flags: 0, or 0x0800 when the name is not ASCII (then it is UTF-8)
-8        2      compression method: 0 (stored). fastckpt never compresses.
-10       2      time: 0 (00:00:00)
-12       2      date: 0x0021 (1980-01-01). No timestamps: equal input, equal bytes.
-14       4      CRC-32 (ZIP polynomial, ``zlib.crc32``) of the whole ``.npy`` member
-18       4      compressed size, or 0xFFFFFFFF when it needs zip64
-22       4      uncompressed size (equal), or 0xFFFFFFFF
-26       2      name length ``n``
-28       2      extra field length ``e``
-30       n      name: ``<key>.npy``
-30+n     e      extra field: [zip64 field] then [alignment field]
-=======  =====  =============================================================
+| offset | size | field |
+|---|---|---|
+| 0 | 4 | signature ``PK\\x03\\x04`` (0x04034B50) |
+| 4 | 2 | version needed: 45 when the member or its offset needs zip64, else 20 |
+| 6 | 2 | flags: 0, or 0x0800 when the name is not ASCII (then it is UTF-8) |
+| 8 | 2 | compression method: 0 (stored). fastckpt never compresses. |
+| 10 | 2 | time: 0 (00:00:00) |
+| 12 | 2 | date: 0x0021 (1980-01-01). No timestamps: equal input, equal bytes. |
+| 14 | 4 | CRC-32 (ZIP polynomial, ``zlib.crc32``) of the whole ``.npy`` member |
+| 18 | 4 | compressed size, or 0xFFFFFFFF when it needs zip64 |
+| 22 | 4 | uncompressed size (equal), or 0xFFFFFFFF |
+| 26 | 2 | name length ``n`` |
+| 28 | 2 | extra field length ``e`` |
+| 30 | n | name: ``<key>.npy`` |
+| 30+n | e | extra field: [zip64 field] then [alignment field] |
 
 The local header carries the real sizes and CRC: bit 3 of the flags is never
 set and no data descriptor follows the data.
@@ -76,27 +74,23 @@ text) only when the text is not latin-1, both as numpy chooses them.
 Central directory entry (46 bytes, then the name, then the extra field), one
 per member in the order written:
 
-=======  =====  =============================================================
-offset   size   field
-=======  =====  =============================================================
-0        4      signature ``PK\\x01\\x02`` (0x02014B50)
-4        2      version made by: 0x0300 | version needed (Unix)
-6        2      version needed (as in the local header)
-8        2      flags (as in the local header)
-10       2      compression method: 0
-12       4      time, date (as in the local header)
-16       4      CRC-32 (as in the local header)
-20       4      compressed size, or 0xFFFFFFFF when it needs zip64
-24       4      uncompressed size, or 0xFFFFFFFF
-28       6      name length, extra length, comment length (0)
-34       2      disk number start: 0
-36       2      internal attributes: 0
-38       4      external attributes: 0o100644 << 16 (a regular rw-r--r-- file)
-42       4      local header offset, or 0xFFFFFFFF when it needs zip64
-46       ...    name, then the extra field: only a zip64 field, holding the
-                64-bit values of exactly the fields set to 0xFFFFFFFF, in the
-                order uncompressed size, compressed size, local header offset
-=======  =====  =============================================================
+| offset | size | field |
+|---|---|---|
+| 0 | 4 | signature ``PK\\x01\\x02`` (0x02014B50) |
+| 4 | 2 | version made by: 0x0300 (Unix) + version needed |
+| 6 | 2 | version needed (as in the local header) |
+| 8 | 2 | flags (as in the local header) |
+| 10 | 2 | compression method: 0 |
+| 12 | 4 | time, date (as in the local header) |
+| 16 | 4 | CRC-32 (as in the local header) |
+| 20 | 4 | compressed size, or 0xFFFFFFFF when it needs zip64 |
+| 24 | 4 | uncompressed size, or 0xFFFFFFFF |
+| 28 | 6 | name length, extra length, comment length (0) |
+| 34 | 2 | disk number start: 0 |
+| 36 | 2 | internal attributes: 0 |
+| 38 | 4 | external attributes: 0o100644 << 16 (a regular rw-r--r-- file) |
+| 42 | 4 | local header offset, or 0xFFFFFFFF when it needs zip64 |
+| 46 | ... | name, then the extra field: only a zip64 field, holding the 64-bit values of exactly the fields set to 0xFFFFFFFF, in the order uncompressed size, compressed size, local header offset |
 
 When the entry count, the directory's size or its offset needs zip64, the
 zip64 end of central directory record (56 bytes: signature ``PK\\x06\\x06``,
@@ -149,6 +143,10 @@ file, the member and the byte offset:
   parser: never ``eval``), a shape that is not a tuple of at most 64
   non-negative ints, a dtype holding Python objects, or a payload whose size is
   not the shape's element count times the item size.
+
+Payloads of files that other writers made are often unaligned (numpy's land at
+arbitrary offsets); a reader MUST accept them (numpy views unaligned data
+correctly) and SHOULD say when it has to copy instead of viewing in place.
 
 Local header sizes are ignored (numpy writes 0xFFFFFFFF there); sizes come
 from the central directory and the data starts after the local header's own
