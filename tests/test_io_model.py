@@ -465,3 +465,28 @@ def test_demo_model_section_round_trips_through_a_pool(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(1 copy)" in out and "allocations since the first load: 0)" in out
     assert out.rstrip().endswith("forward output bytes identical after the round trip: True")
+
+
+# -- fuzzing the metadata: any JSON document either loads or fails with a FormatError ----------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 70) | st.floats(allow_nan=False) | st.sampled_from(
+        ["Sequential", "Linear", "ReLU", "netcl.single-file", "in_features", "out_features", "args", "type"]),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(
+        st.sampled_from(["type", "args", "config", "layers", "version", "format", "in_features", "out_features",
+                         "bias", "p"]), children, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(meta=_json_values)
+def test_arbitrary_metadata_never_escapes_as_an_unexpected_error(tmp_path, queue, meta):
+    path = tmp_path / "fuzz.netcl"
+    write_meta(path, json.dumps(meta), arrays={})
+    try:
+        load_model(path, queue, strict=False)
+    except FormatError:
+        pass
