@@ -146,16 +146,16 @@ class TinyLM:
         logits -= logits.max(axis=1, keepdims=True)
         ex = np.exp(logits)
         denom = ex.sum(axis=1, keepdims=True)
-        loss = np.float32(np.mean(np.log(denom[:, 0]) - logits[np.arange(n), tgt]))
+        loss = np.mean(np.log(denom[:, 0]) - logits[np.arange(n), tgt])  # float32 for a float32 model
         dlogits = ex / denom
-        dlogits[np.arange(n), tgt] -= np.float32(1.0)
-        dlogits *= np.float32(loss_scale / n)
+        dlogits[np.arange(n), tgt] -= 1.0
+        dlogits *= E.dtype.type(loss_scale / n)
         dWo = dlogits.T @ o
         do = dlogits @ Wo
         db2 = do.sum(axis=0)
         dW2 = hd.T @ do
         dh = (do @ W2.T) * keep
-        da = dh * (np.float32(1.0) - h * h)
+        da = dh * (1.0 - h * h)
         db1 = da.sum(axis=0)
         dW1 = e.T @ da
         de = da @ W1.T + do
