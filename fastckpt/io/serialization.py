@@ -160,8 +160,8 @@ class ModelLoadReport:
 
     ``missing_keys`` kept their freshly built (seeded) values; ``unexpected_keys`` were
     in the file but not in the model (only possible with ``strict=False``);
-    ``file_report`` is the device loader's report on the pool path (one copy, pool
-    hits and misses), ``None`` otherwise.
+    ``file_report`` is the device loader's :class:`~fastckpt.load.LoadReport` (copies,
+    pool hits and misses, bytes allocated).
     """
 
     path: str
@@ -367,8 +367,8 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
     ``queue`` defaults to ``pool.queue``, else :func:`fastckpt.device.default`'s. With
     ``pool`` (a :class:`fastckpt.pool.PersistentBufferPool`) all weights land in one
     pooled arena with one copy and become the parameters directly; loading again through
-    the same pool allocates nothing. Without a pool, each freshly built parameter buffer
-    is filled from the mapped file.
+    the same pool allocates nothing. Without a pool, each weight gets its own exact-size
+    buffer, copied from the mapped file.
 
     Missing weights keep their freshly built values and are reported (a
     :class:`MissingWeightsWarning` and ``model.load_report.missing_keys``). Entries the
@@ -419,15 +419,15 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
         report.unexpected_keys = list(plan.unexpected)
         wanted = [name for name in infos if name not in set(plan.unexpected)]
 
-        if pool is not None:
-            from fastckpt.load import load_file
+        from fastckpt.load import load_file
 
-            loaded = load_file(tf, queue, pool=pool, names=wanted)
-            report.file_report = loaded.report
-            state = dict(loaded)
+        # With a pool: one copy into one arena. Without: one exact-size buffer per weight, the copies
+        # queued back to back and waited for once.
+        loaded = load_file(tf, queue, pool=pool, names=wanted)
+        report.file_report = loaded.report
+        state = dict(loaded)
+        if pool is not None:
             _realign(queue, pool, state, report)
-        else:
-            state = {name: tf.host(name) for name in wanted}
         # The plan was validated against the index; the loaded tensors have exactly those shapes.
         for module, key, _spec, full_key in plan.writes:
             module._apply(key, state[full_key])
