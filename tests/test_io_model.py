@@ -6,7 +6,6 @@ import gc
 import json
 import os
 import secrets
-import warnings
 import zipfile
 
 import numpy as np
