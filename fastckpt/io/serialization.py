@@ -151,7 +151,12 @@ _KNOWN_FORMATS = (FORMAT_NAME,)
 
 
 class MissingWeightsWarning(FastCkptWarning):
-    """A model file lacks weights the model has: those layers keep their freshly built values."""
+    """A model file lacks weights the model has: those layers keep their freshly built values.
+
+    >>> import warnings
+    >>> warnings.simplefilter("error", MissingWeightsWarning)   # make a partial file an error
+    >>> warnings.resetwarnings()
+    """
 
 
 @dataclass
@@ -162,6 +167,9 @@ class ModelLoadReport:
     in the file but not in the model (only possible with ``strict=False``);
     ``file_report`` is the device loader's :class:`~fastckpt.load.LoadReport` (copies,
     pool hits and misses, bytes allocated).
+
+    >>> load_model("m.netcl", pool=pool).load_report.missing_keys   # doctest: +SKIP
+    []
     """
 
     path: str

@@ -51,7 +51,11 @@ NETCL_TYPES = frozenset({"Conv2d", "Linear", "BatchNorm2d", "ReLU", "LeakyReLU",
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """How to build (``ctor``) and describe (``to_config``) one layer type."""
+    """How to build (``ctor``) and describe (``to_config``) one layer type.
+
+    >>> get_layer_spec("Linear").required_args
+    ('in_features', 'out_features')
+    """
 
     name: str
     ctor: Callable[..., Module]

@@ -285,13 +285,21 @@ class _Elementwise(Module):
 
 
 class ReLU(_Elementwise):
-    """``max(x, 0)`` (NaN stays NaN)."""
+    """``max(x, 0)`` (NaN stays NaN).
+
+    >>> ReLU()(np.array([-1.0, 2.0])).to_host()          # doctest: +SKIP
+    array([0., 2.], dtype=float32)
+    """
 
     _kernel = "relu"
 
 
 class LeakyReLU(_Elementwise):
-    """``x`` where ``x > 0``, else ``negative_slope * x``."""
+    """``x`` where ``x > 0``, else ``negative_slope * x``.
+
+    >>> LeakyReLU(0.5)(np.array([-2.0, 3.0])).to_host()  # doctest: +SKIP
+    array([-1.,  3.], dtype=float32)
+    """
 
     _kernel = "leaky_relu"
 
@@ -306,19 +314,31 @@ class LeakyReLU(_Elementwise):
 
 
 class Sigmoid(_Elementwise):
-    """``1 / (1 + exp(-x))``."""
+    """``1 / (1 + exp(-x))``.
+
+    >>> Sigmoid()(np.zeros(1)).to_host()                  # doctest: +SKIP
+    array([0.5], dtype=float32)
+    """
 
     _kernel = "sigmoid"
 
 
 class Tanh(_Elementwise):
-    """``tanh(x)``."""
+    """``tanh(x)``.
+
+    >>> Tanh()(np.zeros(1)).to_host()                     # doctest: +SKIP
+    array([0.], dtype=float32)
+    """
 
     _kernel = "tanh_"
 
 
 class Dropout(Module):
-    """Identity in eval mode (the only mode); ``p`` and ``seed`` are kept for the config."""
+    """Identity in eval mode (the only mode); ``p`` and ``seed`` are kept for the config.
+
+    >>> Dropout(0.5)(np.ones(2)).to_host()                # doctest: +SKIP
+    array([1., 1.])
+    """
 
     def __init__(self, p: float = 0.5, seed: int | None = None):
         p = float(p)
@@ -335,7 +355,12 @@ class Dropout(Module):
 
 
 class MaxPool2d(Module):
-    """Max over ``kernel_size`` squares every ``stride`` pixels of NCHW input, no padding (netcl's defaults: 2, 2)."""
+    """Max over ``kernel_size`` squares every ``stride`` pixels of NCHW input, no padding (netcl's defaults: 2, 2).
+
+    >>> MaxPool2d()(np.arange(16.0).reshape(1, 1, 4, 4)).to_host()   # doctest: +SKIP
+    array([[[[ 5.,  7.],
+             [13., 15.]]]], dtype=float32)
+    """
 
     def __init__(self, kernel_size: int = 2, stride: int = 2):
         self.kernel_size = _positive_int("MaxPool2d", "kernel_size", kernel_size)
@@ -359,7 +384,11 @@ class MaxPool2d(Module):
 
 
 class Flatten(Module):
-    """(N, ...) -> (N, prod(...)): a view sharing the input's buffer, any dtype."""
+    """(N, ...) -> (N, prod(...)): a view sharing the input's buffer, any dtype.
+
+    >>> Flatten()(np.ones((2, 3, 4), np.float32)).shape   # doctest: +SKIP
+    (2, 12)
+    """
 
     def forward(self, x) -> Tensor:
         t = as_tensor(x, None, None)

@@ -47,7 +47,11 @@ __all__ = [
 
 
 class IncompatibleKeys(NamedTuple):
-    """Keys a load left alone (``missing_keys``) or could not place (``unexpected_keys``)."""
+    """Keys a load left alone (``missing_keys``) or could not place (``unexpected_keys``).
+
+    >>> IncompatibleKeys(["0:bias"], [])
+    IncompatibleKeys(missing_keys=['0:bias'], unexpected_keys=[])
+    """
 
     missing_keys: list[str]
     unexpected_keys: list[str]
