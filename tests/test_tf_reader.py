@@ -228,7 +228,7 @@ def test_describe_lists_locations():
     assert d["format"] == "tensorflow"
     assert d["header"] == {"num_shards": 2, "endianness": "little",
                            "version": {"producer": 1, "min_consumer": 0, "bad_consumers": []}}
-    assert [(t["name"], t["dtype"], t["shape"], t["shard"], t["offset"], t["size"]) for t in d["tensors"]] == [
+    assert [(t["name"], t["dtype"], t["shape"], t["shard"], t["offset"], t["nbytes"]) for t in d["tensors"]] == [
         ("a", "int32", [4], 0, 0, 16), ("b", "float64", [5], 1, 0, 40)]
     assert d["files"][1].endswith("model.data-00001-of-00002")
     tensors = {t["name"]: t for t in describe(prefix_of("name_based"), verify=True)["tensors"]}

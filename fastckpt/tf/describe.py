@@ -7,7 +7,7 @@
 >>> is_tf_checkpoint(prefix), is_tf_checkpoint(prefix + ".data-00000-of-00001")
 (True, True)
 >>> d = describe(prefix)
->>> d["format"], d["tensors"][0]["name"], d["tensors"][0]["shape"], d["tensors"][0]["size"]
+>>> d["format"], d["tensors"][0]["name"], d["tensors"][0]["shape"], d["tensors"][0]["nbytes"]
 ('tensorflow', 'w', [2, 3], 24)
 """
 
@@ -42,13 +42,14 @@ def is_tf_checkpoint(path) -> bool:
 def describe(path, *, verify: bool = False) -> dict:
     """Everything the index says about a checkpoint, as plain Python values.
 
-    Keys: ``format`` (``"tensorflow"``), ``prefix``, ``index`` (path),
+    Keys: ``path`` (as given), ``format`` (``"tensorflow"``), ``prefix``, ``index`` (path),
     ``files`` (data shard paths), ``header`` (``num_shards``, ``endianness``,
     ``version``), ``data_blocks`` (index table blocks), ``object_graph``
     (whether ``_CHECKPOINTABLE_OBJECT_GRAPH`` is present), ``tensors`` (a list
     of dicts with ``name``, ``dtype`` (numpy), ``tf_dtype``, ``shape``,
-    ``shard``, ``file``, ``offset``, ``size`` (bytes), ``crc32c`` (masked, as
-    stored) and, for partitioned variables, ``slices``), and ``total_bytes``.
+    ``shard``, ``file``, ``offset``, ``nbytes``, ``alignment`` (largest power
+    of two up to 4096 dividing the offset), ``crc32c`` (masked, as stored) and,
+    for partitioned variables, ``slices``), and ``total_bytes``.
     ``verify=True`` also reads every tensor and checks its checksum.
     """
     with CheckpointReader(resolve_prefix(path), verify=verify) as reader:
@@ -65,7 +66,8 @@ def describe(path, *, verify: bool = False) -> dict:
                 "shard": info.shard,
                 "file": files[info.shard] if info.shard < len(files) else None,
                 "offset": info.offset,
-                "size": info.nbytes,
+                "nbytes": info.nbytes,
+                "alignment": info.alignment,
                 "crc32c": info.crc32c,
             }
             if info.slices:
@@ -76,6 +78,7 @@ def describe(path, *, verify: bool = False) -> dict:
             if verify:
                 reader.read_tensor(info.name, copy=bool(info.slices))
         return {
+            "path": os.fspath(path),
             "format": "tensorflow",
             "prefix": reader.prefix,
             "index": reader.index_path,
