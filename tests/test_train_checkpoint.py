@@ -398,13 +398,14 @@ def test_empty_existing_directory_is_used(tmp_path):
 
 
 # -- integrity ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", [-2, 12], ids=["payload", "header"])
 @pytest.mark.parametrize("name", [WEIGHTS_FILE, OPTIM_FILE, EXTRA_FILE])
-def test_hash_mismatch_detected(tmp_path, name):
+def test_hash_mismatch_detected(tmp_path, name, where):
     live = build_fresh(1)
     save(live, tmp_path / "c", 0)
     path = tmp_path / "c" / name
     data = bytearray(path.read_bytes())
-    data[-2] ^= 0x01  # one bit, in the payload (or inside the JSON text)
+    data[where] ^= 0x01  # one bit: in the data section or the JSON header / text
     path.write_bytes(bytes(data))
     expected = read_manifest(tmp_path / "c")["files"][name]["sha256"]
     with pytest.raises(IntegrityError) as err:

@@ -765,6 +765,17 @@ def _check_file(d: Path, name: str, entry: dict[str, Any], hashes: bool) -> str 
     return None
 
 
+def _check_mapped(src: "_TensorSource", entry: dict[str, Any], hashes: bool) -> str | None:
+    size = src.file.mapped.size
+    if size != entry["bytes"]:
+        return f"{src.path}: {size} bytes, the manifest says {entry['bytes']} (file truncated or replaced?)"
+    if hashes and size:
+        digest = hashlib.sha256(src.file.mapped.view(0, size)).hexdigest()
+        if digest != entry["sha256"]:
+            return f"{src.path}: sha256 mismatch: the manifest expects {entry['sha256']}, the file has {digest}"
+    return None
+
+
 def _integrity_error(problem: str) -> IntegrityError:
     return IntegrityError(
         f"{problem}; the checkpoint was changed or damaged after it was saved — restore it from a copy, "
@@ -842,21 +853,43 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
     d = Path(in_dir)
     manifest = read_manifest(d)
     files = manifest["files"]
+    tables = {WEIGHTS_FILE: "fastckpt.train.weights", OPTIM_FILE: "fastckpt.train.optim"}
+    decoded: dict[str, Any] = {}
+    extra: Any = None
+    read_error: BaseException | None = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix="fastckpt-verify") as pool:
-        # Hash in the background while the arrays are copied out; report before returning anything.
-        checks = [pool.submit(_check_file, d, name, entry, verify) for name, entry in files.items()]
+        # Each safetensors file is mapped once: a background thread hashes the mapping while this
+        # thread copies the tensors out of it, so verification costs one extra pass over memory
+        # that is already resident, not a second read of the file.
+        checks = []
+        sources = {}
+        for name, entry in files.items():
+            if name in tables and read_error is None:
+                try:
+                    sources[name] = _TensorSource(d / name, tables[name])
+                except (FormatError, OSError) as e:
+                    read_error = e
+                else:
+                    checks.append(pool.submit(_check_mapped, sources[name], entry, verify))
+                    continue
+            checks.append(pool.submit(_check_file, d, name, entry, verify))
         try:
-            weights = _read_table_file(d / WEIGHTS_FILE, "fastckpt.train.weights")
-            optim = _read_table_file(d / OPTIM_FILE, "fastckpt.train.optim") if OPTIM_FILE in files else None
-            extra_path = d / EXTRA_FILE
-            try:
-                extra = json.loads(extra_path.read_bytes().decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as e:
-                raise FormatError(f"{extra_path}: not valid UTF-8 JSON ({e})") from None
-            read_error = None
+            if read_error is None:
+                for name, src in sources.items():
+                    decoded[name] = decode_tree(src.tree(), src, str(src.path))
+                extra_path = d / EXTRA_FILE
+                try:
+                    extra = json.loads(extra_path.read_bytes().decode("utf-8"))
+                except (UnicodeDecodeError, ValueError) as e:
+                    raise FormatError(f"{extra_path}: not valid UTF-8 JSON ({e})") from None
         except (FormatError, OSError) as e:
             read_error = e
+        finally:
+            for src in sources.values():
+                src.close()  # mapped views stay valid until the hashes are done
         problems = [p for p in (f.result() for f in checks) if p]
+    weights = decoded.get(WEIGHTS_FILE)
+    optim = decoded.get(OPTIM_FILE)
     if problems:
         raise _integrity_error(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     if read_error is not None:
