@@ -148,7 +148,7 @@ cdef object _utf8_error_offset(bytes raw, Py_ssize_t char_pos):
     return 8 + len(raw.decode("utf-8")[:char_pos].encode("utf-8"))
 
 
-def read_safetensors_index(MappedFile m):
+def read_safetensors_index(MappedFile m not None):
     """Parse and check the header of the safetensors file mapped by ``m``.
 
     Returns ``(tensors, metadata, data_start)``: a list of

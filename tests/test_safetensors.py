@@ -439,6 +439,22 @@ def test_saving_over_a_mapped_file_leaves_old_views_intact(tmp_path):
     assert_exact(got["w"], new)
 
 
+def test_saving_the_views_of_a_file_back_over_it_reproduces_it(tmp_path):
+    path = tmp_path / "same.safetensors"
+    tensors = {f"w{i}": sample(dt, (64, 3), seed=i) for i, dt in enumerate(DTYPES.values())}
+    save_safetensors(path, tensors, {"k": "v"})
+    before = path.read_bytes()
+    with MappedFile(path) as m:
+        infos, metadata, _ = read_safetensors_index(m)
+        save_safetensors(path, {i.name: read_tensor(m, i) for i in infos}, metadata)
+    assert path.read_bytes() == before
+
+
+def test_parser_refuses_none():
+    with pytest.raises(TypeError):
+        read_safetensors_index(None)
+
+
 def test_a_changed_array_like_is_refused(tmp_path):
     class Shifty:
         calls = 0
