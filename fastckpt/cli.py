@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": ("fastckpt.demo", "save and load a small model on the default device, with timings"),
     "inspect": ("fastckpt.inspect", "list a file's tensors, dtypes, shapes, offsets, alignment and metadata"),
     "convert": ("fastckpt.convert", "copy every tensor between TensorFlow checkpoints, safetensors and NPZ"),
+    "bench": ("fastckpt.bench", "time file-to-device loads (pooled, zero-copy) against the usual ways; markdown tables"),
     "verify": ("fastckpt.train.verify", "check a training checkpoint's manifest, file sizes and sha256 hashes"),
 }
 

@@ -239,6 +239,22 @@ def test_region_split_at_tensor_boundaries_when_allocations_are_small(tmp_path, 
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("blocking", [True, False])
+def test_large_region_is_copied_in_chunks_into_one_arena(tmp_path, dev, pool, monkeypatch, blocking):
+    import fastckpt.load as load_mod
+
+    monkeypatch.setattr(load_mod, "COPY_CHUNK", 1000)
+    path = tmp_path / "m.safetensors"
+    tensors = {f"t{i}": sample(np.float64, (77 + i,), seed=i) for i in range(6)}
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool, blocking=blocking)
+    region = sum(a.nbytes for a in tensors.values())
+    assert loaded.report.regions == 1 and loaded.report.copies == -(-region // 1000)
+    assert len({id(t.buffer) for t in loaded.values()}) == 1
+    check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
 def test_tensor_larger_than_one_allocation_is_a_clear_error(tmp_path, dev):
     path = tmp_path / "m.safetensors"
     fastckpt.save_safetensors(path, {"big": np.zeros(1000, np.float32)}, fsync=False)

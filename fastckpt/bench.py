@@ -1,0 +1,268 @@
+"""The ``fastckpt bench`` command: file-to-device load times against the usual ways, in one process.
+
+It builds its fixtures in a temporary directory, then loads the same files
+(page cache warm) by every path and prints median times and ratios as
+markdown tables, for
+
+* (a) 512 MiB in 64 float32 tensors, and (b) 1000 float32 tensors of 4 KiB
+  (``--quick``: 16 MiB in 64 tensors and 200 tensors of 4 KiB);
+* paths: fastckpt through a warm :class:`~fastckpt.pool.PersistentBufferPool`
+  (open + load; and load alone from an open file), fastckpt zero-copy
+  (where the device shares host memory), fastckpt without a pool; the bound
+  (``enqueue_copy`` from in-RAM numpy arrays into buffers already allocated);
+  ``safetensors.safe_open(framework="numpy")`` + ``enqueue_copy`` per tensor
+  into buffers already allocated; ``np.load`` + a new ``cl.Buffer`` per tensor.
+
+Per-tensor baselines enqueue non-blocking copies and wait once at the end
+(the fastest way to issue them); the row marked "blocking" is the common
+``is_blocking=True`` loop. After the tables it reports the pool's misses over
+the repeated loads (0 means nothing was allocated), the device bytes the pool
+allocated, and whether each target was met. ``--suite formats`` runs the
+host-side format benchmark (:mod:`fastckpt.bench_formats`) instead.
+
+>>> main(["--quick", "--repeat", "1"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["main", "configure", "run", "bench_case"]
+
+CASES = {"a": ("512 MiB in 64 float32 tensors", 64, 2**21), "b": ("1000 float32 tensors of 4 KiB", 1000, 1024)}
+QUICK = {"a": ("16 MiB in 64 float32 tensors", 64, 2**16), "b": ("200 float32 tensors of 4 KiB", 200, 1024)}
+
+POOLED = "fastckpt: open + load, warm pool"
+POOLED_OPEN = "fastckpt: load from an open file, warm pool"
+ZERO_COPY = "fastckpt: open + load, zero-copy"
+UNPOOLED = "fastckpt: open + load, no pool (a buffer per tensor)"
+BOUND = "bound: enqueue_copy per tensor from RAM into allocated buffers"
+BOUND_ONE = "one enqueue_copy of all bytes from RAM into one buffer"
+SAFETENSORS = "safetensors safe_open + enqueue_copy per tensor"
+SAFETENSORS_BLOCKING = "safetensors safe_open + blocking enqueue_copy per tensor"
+NPLOAD = "np.load + a new cl.Buffer per tensor"
+OPEN_ONLY = "fastckpt.open alone (parse the index)"
+
+
+def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fmt(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def _table(title: str, rows: list[tuple[str, float]], nbytes: int, base: str) -> str:
+    ref = dict(rows)[base]
+    out = [f"### {title}", "", f"| path | median | GB/s | vs. bound |", "|---|---:|---:|---:|"]
+    for label, t in rows:
+        rate = f"{nbytes / t / 1e9:.1f}" if t > 0 else "-"
+        out.append(f"| {label} | {_fmt(t)} | {rate} | {t / ref:.2f}x |")
+    return "\n".join(out)
+
+
+def _fixtures(tmp: str, key: str, n: int, elems: int, fmt: str) -> tuple[dict, str, str, str]:
+    import fastckpt
+
+    rng = np.random.default_rng(0)
+    tensors = {f"t{i:04d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
+    main_path = os.path.join(tmp, f"{key}.{fmt}")
+    (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(main_path, tensors, fsync=False)
+    st_path = main_path if fmt == "safetensors" else os.path.join(tmp, f"{key}.safetensors")
+    if st_path != main_path:
+        fastckpt.save_safetensors(st_path, tensors, fsync=False)
+    np_path = os.path.join(tmp, f"{key}.np.npz")
+    np.savez(np_path, **tensors)
+    return tensors, main_path, st_path, np_path
+
+
+def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, repeat: int, dev) -> tuple[str, dict]:
+    """Time every path on one fixture; returns the markdown and the facts the targets are checked on."""
+    import pyopencl as cl
+
+    import fastckpt
+    from fastckpt.load import load_file
+    from fastckpt.pool import PersistentBufferPool
+
+    queue, ctx = dev.queue, dev.context
+    tensors, path, st_path, np_path = _fixtures(tmp, key, n, elems, fmt)
+    nbytes = sum(a.nbytes for a in tensors.values())
+    rw = cl.mem_flags.READ_WRITE
+    buffers = {name: cl.Buffer(ctx, rw, a.nbytes) for name, a in tensors.items()}
+    rows: list[tuple[str, float]] = []
+
+    def bound():
+        for name, a in tensors.items():
+            cl.enqueue_copy(queue, buffers[name], a, is_blocking=False)
+        queue.finish()
+
+    rows.append((BOUND, median_time(bound, repeat)))
+
+    flat = np.concatenate([a.reshape(-1) for a in tensors.values()])
+    one = cl.Buffer(ctx, rw, flat.nbytes)
+    rows.append((BOUND_ONE, median_time(lambda: cl.enqueue_copy(queue, one, flat, is_blocking=True), repeat)))
+    del one, flat
+
+    pool = PersistentBufferPool(ctx, queue)
+    load_file(path, queue, pool=pool)  # the first load fills the pool
+    misses_before = pool.stats.misses
+
+    def pooled():
+        load_file(path, queue, pool=pool)
+
+    rows.append((POOLED, median_time(pooled, repeat)))
+    with fastckpt.open(path) as tf:
+        rows.append((POOLED_OPEN, median_time(lambda: load_file(tf, queue, pool=pool), repeat)))
+    stats = pool.stats
+    facts = {"repeat_misses": stats.misses - misses_before, "pool_bytes_allocated": stats.bytes_allocated,
+             "pool_allocations": stats.allocations, "nbytes": nbytes}
+    check = load_file(path, queue, pool=pool)
+    facts["copies"] = check.report.copies
+    facts["exact"] = all(check[k].to_host().tobytes() == tensors[k].tobytes() for k in (next(iter(tensors)), f"t{n - 1:04d}"))
+    del check
+
+    if dev.host_unified_memory:
+        def zero_copy():
+            load_file(path, queue, zero_copy=True)
+
+        rows.append((ZERO_COPY, median_time(zero_copy, repeat)))
+    rows.append((UNPOOLED, median_time(lambda: load_file(path, queue), repeat)))
+    rows.append((OPEN_ONLY, median_time(lambda: fastckpt.open(path).close(), repeat)))
+
+    try:
+        from safetensors import safe_open
+    except ImportError:  # pragma: no cover - safetensors is a test dependency
+        safe_open = None
+    if safe_open is not None:
+        def safetensors_load(blocking: bool):
+            def run_once():
+                with safe_open(st_path, framework="numpy") as f:
+                    for name in f.keys():
+                        cl.enqueue_copy(queue, buffers[name], f.get_tensor(name), is_blocking=blocking)
+                queue.finish()
+            return run_once
+
+        rows.append((SAFETENSORS, median_time(safetensors_load(False), repeat)))
+        rows.append((SAFETENSORS_BLOCKING, median_time(safetensors_load(True), repeat)))
+
+    def npload():
+        flags = rw | cl.mem_flags.COPY_HOST_PTR
+        with np.load(np_path) as z:
+            out = [cl.Buffer(ctx, flags, hostbuf=z[name]) for name in z.files]
+        queue.finish()
+        return out
+
+    rows.append((NPLOAD, median_time(npload, max(1, min(repeat, 3)))))
+    times = dict(rows)
+    facts["times"] = times
+    title = f"({key}) {label}, {fmt}, {_fmt_bytes(nbytes)}, device {dev.name}"
+    return _table(title, rows, nbytes, BOUND), facts
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def _targets(results: dict, quick: bool) -> list[str]:
+    out = []
+
+    def line(ok: bool, text: str) -> None:
+        out.append(f"- {'met' if ok else 'MISSED'}: {text}")
+
+    if "a" in results:
+        t = results["a"]["times"]
+        r = t[POOLED] / t[BOUND]
+        line(r <= 1.10, f"(a) pooled load within 1.10x of the bound: {r:.2f}x")
+        if SAFETENSORS in t:
+            s = t[SAFETENSORS] / t[POOLED]
+            line(s >= 1.4, f"(a) pooled load >= 1.4x faster than safetensors + enqueue_copy: {s:.2f}x")
+        if ZERO_COPY in t:
+            line(t[ZERO_COPY] <= 2e-3, f"(a) zero-copy load <= 2 ms: {_fmt(t[ZERO_COPY])}")
+    if "b" in results:
+        t = results["b"]["times"]
+        line(t[POOLED] <= 1e-3, f"(b) pooled open + load <= 1 ms: {_fmt(t[POOLED])} "
+                                f"(load alone from an open file: {_fmt(t[POOLED_OPEN])}, open alone: {_fmt(t[OPEN_ONLY])})")
+        if SAFETENSORS in t:
+            s = t[SAFETENSORS] / t[POOLED]
+            sb = t[SAFETENSORS_BLOCKING] / t[POOLED]
+            line(s >= 40, f"(b) pooled load >= 40x faster than safetensors + per-tensor enqueue_copy: {s:.1f}x "
+                          f"(against blocking copies: {sb:.1f}x)")
+    for key, facts in sorted(results.items()):
+        line(facts["repeat_misses"] == 0,
+             f"({key}) repeated pooled loads: {facts['repeat_misses']} pool misses; the pool allocated "
+             f"{_fmt_bytes(facts['pool_bytes_allocated'])} in {facts['pool_allocations']} buffer(s) for "
+             f"{_fmt_bytes(facts['nbytes'])} of tensors, {facts['copies']} copy per load; values exact: {facts['exact']}")
+    if quick:
+        out.append("- (--quick sizes: the targets are stated for the full sizes)")
+    return out
+
+
+def configure(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes (seconds; for smoke tests)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed runs per path; the median is reported")
+    parser.add_argument("--format", choices=("safetensors", "npz"), default="safetensors",
+                        help="file format fastckpt loads (baselines use their own formats)")
+    parser.add_argument("--case", choices=sorted(CASES), action="append", help="run only this case (repeatable)")
+    parser.add_argument("--dir", default=None, help="where to write fixtures (default: a temporary directory)")
+    parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto", help="which OpenCL device")
+    parser.add_argument("--suite", choices=("device", "formats"), default="device",
+                        help="device: file -> device loads (this command); formats: host-side open and save")
+
+
+def run(args) -> int:
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
+    if getattr(args, "suite", "device") == "formats":
+        from fastckpt import bench_formats
+
+        return bench_formats.run(args)
+    from fastckpt.device import default
+
+    dev = default(args.device)
+    cases = QUICK if args.quick else CASES
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="fastckpt-bench-", dir=args.dir) as tmp:
+        for key in args.case or sorted(cases):
+            label, n, elems = cases[key]
+            text, facts = bench_case(key, label, n, elems, args.format, tmp, args.repeat, dev)
+            results[key] = facts
+            print(text, end="\n\n")
+            sys.stdout.flush()
+            gc.collect()
+    print("### targets\n")
+    print("\n".join(_targets(results, args.quick)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the device load benchmark and print markdown tables.
+
+    >>> main(["--quick", "--repeat", "1", "--case", "b"])  # doctest: +SKIP
+    """
+    parser = argparse.ArgumentParser(prog="fastckpt bench", description=__doc__.splitlines()[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
