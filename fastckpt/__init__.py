@@ -37,6 +37,10 @@ _LAZY = {
     "MappedFile": "fastckpt._mapped",
     "save_npz": "fastckpt.npz",
     "save_safetensors": "fastckpt.safetensors",
+    "load_file": "fastckpt.load",
+    "LoadedTensors": "fastckpt.load",
+    "PersistentBufferPool": "fastckpt.pool",
+    "Tensor": "fastckpt.tensor",
 }
 
 __all__ = [
