@@ -178,7 +178,6 @@ ALIGNMENT = 64
 
 _ALIAS = re.compile(r"^ALIAS\((.*)\)$", re.DOTALL)
 _MAX_SAFE_INT = 2**53
-_HASH_CHUNK = 8 << 20
 _MAX_MANIFEST_BYTES = 64 << 20
 
 
@@ -524,19 +523,19 @@ def take_snapshot(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, tr
 # Writing
 # ---------------------------------------------------------------------------------------------
 def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
-    """``(hex sha256, size)`` of a file, read in chunks (hashlib releases the GIL on each)."""
-    h = hashlib.sha256()
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
-    return h.hexdigest(), size
+    """``(hex sha256, size)`` of a file.
+
+    Hashes a read-only mapping in one call (hashlib releases the GIL), which
+    saves the copy a ``read()`` into a buffer would make; right after a save
+    the pages are in the page cache.
+    """
+    from fastckpt._mapped import MappedFile
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return hashlib.sha256(b"").hexdigest(), 0
+    with MappedFile(path) as m:
+        return hashlib.sha256(m.view(0, m.size)).hexdigest(), m.size
 
 
 def _fsync_file(path: Path) -> None:
