@@ -76,7 +76,8 @@ contain no others that matter (readers MUST ignore unknown files):
                          says which (``"given"`` or ``"derived"``)
     data_manifest_hash   ``"sha256:<hex>"`` of the canonical JSON of the data
                          manifest (given, or ``data_iter.data_manifest()``), or null
-    git_commit           ``git rev-parse HEAD`` of the working directory, or null
+    git_commit           ``git rev-parse HEAD`` of the working directory (or
+                         ``$FASTCKPT_GIT_COMMIT``), or null
     hardware             object: ``machine``, ``system``, ``processor``, ``cpu_count``
     weights_sha256       lowercase hex sha256 of ``weights.safetensors``: the
                          checkpoint's identity (returned by the save)
@@ -116,7 +117,9 @@ temporary name and renamed). Readers therefore see either no checkpoint or a
 complete one, never a torn one. Leftovers of a process that died while saving
 are removed by the next save into the same parent (only once that process is
 gone). Replacing an existing checkpoint directory swaps it out after the new
-one is complete.
+one is complete; if that final swap fails, the old checkpoint is put back. A
+directory that exists and is not a checkpoint (non-empty, no
+``manifest.json``) is never replaced.
 
 Example
 =======
