@@ -41,6 +41,7 @@ _LAZY = {
     "LoadedTensors": "fastckpt.load",
     "PersistentBufferPool": "fastckpt.pool",
     "Tensor": "fastckpt.tensor",
+    "CheckpointManager": "fastckpt.train.manager",
 }
 
 __all__ = [

@@ -16,10 +16,10 @@ Call order per iteration (as in PyTorch): ``loss * scaler.scale`` â†’ backward â
 >>> p = Parameter(np.zeros(1, np.float32)); opt = SGD([p], lr=1.0)
 >>> s = GradScaler(init_scale=4.0, growth_interval=1)
 >>> p.grad = np.array([8.0], np.float32)   # = 2.0 * scale
->>> s.step(opt); s.update(); p.data.tolist(), s.scale
+>>> _ = s.step(opt); s.update(); p.data.tolist(), s.scale
 ([-2.0], 8.0)
 >>> p.grad = np.array([np.inf], np.float32)
->>> s.step(opt); s.update(); p.data.tolist(), s.scale
+>>> _ = s.step(opt); s.update(); p.data.tolist(), s.scale
 ([-2.0], 4.0)
 """
 
