@@ -378,3 +378,10 @@ def test_fuzz_parsers_never_crash_long(data):
 @given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=20))
 def test_fuzz_mutated_index_never_crashes_long(tmp_path_factory, edits):
     _open_unverified(tmp_path_factory, _mutate_table(INDEX_FILES[0].read_bytes(), edits))
+
+
+def test_docs_page_is_the_format_docstring():
+    import fastckpt.tf.format as spec
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "formats" / "tf-checkpoint.md").read_text()
+    assert spec.__doc__.strip() in page
