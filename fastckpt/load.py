@@ -77,7 +77,8 @@ class LoadReport:
     """What one :func:`load_file` call did.
 
     ``mode`` is ``"pool"``, ``"per-tensor"`` or ``"zero-copy"``; ``paths`` maps
-    each tensor to its path (see the module docstring); ``timings`` holds
+    each tensor to its path (see the module docstring); ``file_reused`` says
+    the pool still had the file open (mapped, index parsed); ``timings`` holds
     seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
     """
 
@@ -91,6 +92,7 @@ class LoadReport:
     pool_hits: int = 0
     pool_misses: int = 0
     bytes_allocated: int = 0
+    file_reused: bool = False
     paths: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
@@ -226,17 +228,24 @@ def _wait_all(events) -> None:
     cl.wait_for_events(events)
 
 
-def _open(source, copy_on_write: bool):
+def _open(source, copy_on_write: bool, pool=None):
+    """``(tensor_file, close_after, kept_by_pool)`` for a path or an open file."""
     from fastckpt import reader
 
     if isinstance(source, (str, os.PathLike)):
-        return reader.open(source, copy_on_write=copy_on_write), True
+        if pool is not None and not copy_on_write:
+            tf = pool.files.get(source)
+            if tf is not None:
+                return tf, False, True
+            tf = reader.open(source)
+            return tf, not pool.files.put(source, tf), False
+        return reader.open(source, copy_on_write=copy_on_write), True, False
     if not hasattr(source, "infos") or not hasattr(source, "mapped"):
         raise TypeError(f"load_file needs a path or an open fastckpt.TensorFile, got {type(source).__name__}")
     if copy_on_write and not source.mapped.copy_on_write:
         # USE_HOST_PTR lets kernels write into the mapping: it must be private, never the read-only one.
-        return reader.open(source.path, backend=source.mapped.backend, copy_on_write=True), True
-    return source, False
+        return reader.open(source.path, backend=source.mapped.backend, copy_on_write=True), True, False
+    return source, False, False
 
 
 def _select(tf, names) -> list:
@@ -269,7 +278,9 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     """Load the tensors of an NPZ or safetensors file into device memory.
 
     ``source`` is a path or an open :class:`fastckpt.TensorFile` (reusing one
-    skips parsing the index again). ``queue`` defaults to the pool's queue, else
+    skips parsing the index again; a pool also keeps the last few files loaded
+    through it open, revalidated with ``os.stat`` on each load, see
+    :class:`~fastckpt.pool.OpenFiles`). ``queue`` defaults to the pool's queue, else
     :func:`fastckpt.device.default`'s. With ``pool`` (a
     :class:`~fastckpt.pool.PersistentBufferPool`) the file's data region is
     copied with one command into an arena; without, each tensor gets its own
@@ -295,12 +306,13 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         from fastckpt.device import default
 
         queue = default().queue
-    tf, opened = _open(source, zero_copy)
+    tf, opened, file_reused = _open(source, zero_copy, pool)
     try:
         t_open = time.perf_counter()
         selected = _select(tf, names)
         mode = "pool" if pool is not None else "per-tensor"
-        report = LoadReport(path=tf.path, format=tf.format, mode=mode, tensors=len(selected))
+        report = LoadReport(path=tf.path, format=tf.format, mode=mode, tensors=len(selected),
+                            file_reused=file_reused)
         paths = report.paths
         direct, decoded, empty = [], [], []
         for info in selected:

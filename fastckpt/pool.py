@@ -48,6 +48,7 @@ True
 from __future__ import annotations
 
 import bisect
+import os
 import sys
 import threading
 import weakref
@@ -55,7 +56,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "size_class"]
+__all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "OpenFiles", "size_class"]
 
 MIN_CLASS = 256
 # An idle buffer serves a single-buffer request up to this factor above its size class (borrowing from
@@ -193,7 +194,9 @@ class PersistentBufferPool:
     attribute or a ``len``). ``max_bytes`` bounds the memory held (None: no
     bound but the device's). ``max_alloc_size`` is the largest single
     allocation (default: the device's ``max_mem_alloc_size``; None without a
-    context); loads split regions larger than it.
+    context); loads split regions larger than it. ``keep_files`` is how many
+    files loaded through the pool stay open (mapped, index parsed) for the next
+    load of the same unchanged file (see :class:`OpenFiles`; 0 keeps none).
 
     >>> import numpy as np, pyopencl as cl, pyopencl.array as cla       # doctest: +SKIP
     >>> from fastckpt.device import default                             # doctest: +SKIP
@@ -205,7 +208,8 @@ class PersistentBufferPool:
     """
 
     def __init__(self, context, queue=None, *, max_bytes: int | None = None,
-                 allocator: Callable[[int], Any] | None = None, max_alloc_size: int | None = None):
+                 allocator: Callable[[int], Any] | None = None, max_alloc_size: int | None = None,
+                 keep_files: int = 4):
         if context is None and allocator is None:
             raise ValueError("PersistentBufferPool needs a pyopencl context, or an allocator=callable(nbytes)")
         if max_bytes is not None and max_bytes < 0:
@@ -228,6 +232,7 @@ class PersistentBufferPool:
                 return _Buffer(_ctx, _flags, nbytes)
 
         self._allocator = allocator
+        self.files = OpenFiles(keep_files)
         self._lock = threading.Lock()  # not re-entrant on purpose: see the module docstring
         self._returned: deque[_Block] = deque()
         self._idle: OrderedDict[int, _Block] = OrderedDict()  # serial -> block, least recently used first
@@ -471,8 +476,10 @@ class PersistentBufferPool:
     def clear(self) -> int:
         """Free all idle memory and forget buffers handed out through ``pool(nbytes)``; returns bytes freed.
 
-        Leases still alive keep their buffers; they are cached again when returned.
+        Leases still alive keep their buffers; they are cached again when returned. The files kept
+        open for reloads are forgotten too.
         """
+        self.files.clear()
         self._acquire()
         try:
             self._sweep()
@@ -516,3 +523,78 @@ def _check_size(nbytes) -> int:
     if n < 0:
         raise ValueError(f"cannot allocate a negative number of bytes ({nbytes!r})")
     return n
+
+
+class OpenFiles:
+    """The last few tensor files loaded through a pool, kept open for the next load of the same file.
+
+    Reloading a file then skips mapping it again (and faulting its pages into
+    a fresh mapping, which on 512 MiB can cost as much as the copy itself) and
+    parsing its index. A kept file is used only while ``os.stat`` of its path
+    still shows the same file: same device and inode (fastckpt's writers
+    replace files, so a new save is a new inode), size, modification and
+    change times; anything else drops it and opens the path anew. Only
+    read-only mappings are kept (a copy-on-write mapping may hold a previous
+    load's kernel writes). A kept file pins its inode: ``clear()`` (or the
+    pool's) lets a replaced file's old data go.
+
+    >>> files = OpenFiles(2)
+    >>> files.get("/nonexistent") is None
+    True
+    """
+
+    def __init__(self, capacity: int = 4):
+        self.capacity = max(0, int(capacity))
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[tuple, Any]] = OrderedDict()
+
+    @staticmethod
+    def _signature(path: str) -> tuple | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def get(self, path) -> Any:
+        """The kept file for ``path`` if it is still the same file on disk, else None."""
+        if not self.capacity:
+            return None
+        key = os.path.abspath(os.fspath(path))
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return None
+        sig = self._signature(key)
+        with self._lock:
+            if sig is not None and sig == entry[0] and self._entries.get(key) is entry:
+                self._entries.move_to_end(key)
+                return entry[1]
+            if self._entries.get(key) is entry:
+                # Dropped, not closed: another thread may be loading from it right now; the mapping
+                # goes when the last reference and view do.
+                del self._entries[key]
+        return None
+
+    def put(self, path, tensor_file) -> bool:
+        """Keep ``tensor_file`` (opened from ``path`` just now); returns False when it is not kept."""
+        if not self.capacity or getattr(tensor_file.mapped, "copy_on_write", False):
+            return False
+        key = os.path.abspath(os.fspath(path))
+        sig = self._signature(key)
+        if sig is None or sig[2] != tensor_file.mapped.size:
+            return False
+        with self._lock:  # files pushed out are dropped, not closed (see get)
+            self._entries.pop(key, None)
+            self._entries[key] = (sig, tensor_file)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return True
+
+    def clear(self) -> None:
+        """Forget every kept file (each is unmapped once no tensor view or load uses it)."""
+        with self._lock:
+            self._entries = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -291,6 +291,82 @@ def test_an_open_tensorfile_is_reused_and_left_open(tmp_path, dev, pool):
 
 
 @pytest.mark.device
+def test_pool_keeps_a_loaded_file_open_for_the_next_load(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(20), fsync=False)
+    first = load_file(path, dev.queue, pool=pool)
+    second = load_file(str(path), dev.queue, pool=pool)
+    assert (first.report.file_reused, second.report.file_reused) == (False, True)
+    assert len(pool.files) == 1
+    check_exact(second, path, model(20))
+    pool.clear()
+    assert len(pool.files) == 0 and not load_file(path, dev.queue, pool=pool).report.file_reused
+
+
+@pytest.mark.device
+def test_a_replaced_file_is_opened_anew(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(21), fsync=False)
+    old = load_file(path, dev.queue, pool=pool)["layer3.w"]
+    fastckpt.save_safetensors(path, model(22), fsync=False)  # same shapes, new inode
+    loaded = load_file(path, dev.queue, pool=pool)
+    assert not loaded.report.file_reused
+    check_exact(loaded, path, model(22))
+    assert np.array_equal(old.to_host(), model(21)["layer3.w"]), "earlier tensors keep their values"
+
+
+@pytest.mark.device
+def test_a_file_changed_in_place_is_opened_anew(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {"x": np.zeros(16, np.int32)}, fsync=False)
+    load_file(path, dev.queue, pool=pool)
+    with fastckpt.open(path) as tf:
+        offset = tf.info("x").offset
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.arange(16, dtype=np.int32).tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # even on a coarse clock
+    loaded = load_file(path, dev.queue, pool=pool)
+    assert not loaded.report.file_reused
+    assert loaded["x"].to_host().tolist() == list(range(16))
+
+
+@pytest.mark.device
+def test_kept_files_are_bounded_and_optional(tmp_path, dev):
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"m{i}.safetensors"
+        fastckpt.save_safetensors(p, model(30 + i, n=2), fsync=False)
+        paths.append(p)
+    two = PersistentBufferPool(dev.context, dev.queue, keep_files=2)
+    for p in paths:
+        load_file(p, dev.queue, pool=two)
+    assert len(two.files) == 2
+    assert not load_file(paths[0], dev.queue, pool=two).report.file_reused, "the oldest was dropped"
+    assert load_file(paths[2], dev.queue, pool=two).report.file_reused
+    none = PersistentBufferPool(dev.context, dev.queue, keep_files=0)
+    load_file(paths[0], dev.queue, pool=none)
+    assert len(none.files) == 0 and not load_file(paths[0], dev.queue, pool=none).report.file_reused
+
+
+@pytest.mark.device
+def test_zero_copy_never_reuses_a_mapping(tmp_path, dev, pool):
+    import pyopencl as cl
+
+    path = tmp_path / "z.safetensors"
+    fastckpt.save_safetensors(path, {"w": np.zeros(8, np.float32)}, fsync=False)
+    add_one = cl.Kernel(cl.Program(dev.context, ADD_ONE).build(), "add_one")
+    for _ in range(2):
+        loaded = load_file(path, dev.queue, pool=pool, zero_copy=True)
+        w = loaded["w"]
+        assert np.array_equal(w.to_host(), np.zeros(8, np.float32)), "a fresh private mapping each time"
+        add_one(dev.queue, (8,), None, w.buffer, np.uint64(w.offset), np.uint32(8))
+        dev.queue.finish()
+    assert len(pool.files) == 0
+
+
+@pytest.mark.device
 def test_non_blocking_load_waits_before_reading(tmp_path, dev, pool):
     path = tmp_path / "m.safetensors"
     big = {f"t{i}": sample(np.float64, (1 << 15,), seed=i) for i in range(4)}
