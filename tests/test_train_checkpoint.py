@@ -503,3 +503,16 @@ def test_restore_onto_other_data_is_refused(tmp_path):
     other = build_fresh(1, num_tokens=2000)
     with pytest.raises(ValueError, match="same data"):
         apply_checkpoint(load_checkpoint(tmp_path / "c"), *other.save_args())
+
+
+@pytest.mark.device
+def test_fastckpt_device_tensors_are_saved(tmp_path):
+    from fastckpt.device import default
+    from fastckpt.tensor import Tensor
+
+    dev = default()
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = Tensor.from_host(dev.queue, host)
+    back = _roundtrip_model_state(tmp_path, {"w": t, "tied": t, "b": Tensor.from_host(dev.queue, host[0])})
+    assert np.array_equal(back["w"], host) and back["tied"] is back["w"]
+    assert np.array_equal(back["b"], host[0]) and back["b"] is not back["w"]

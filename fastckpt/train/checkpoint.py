@@ -236,15 +236,29 @@ class ArrayTable:
         self.tensors: dict[str, np.ndarray] = {}
         self.aliases: dict[str, str] = {}
         self._by_view: dict[tuple, str] = {}
+        self._by_source: dict[int, str] = {}
+        self._sources: list[Any] = []
         self._take = take
 
-    def add(self, name: str, arr: np.ndarray) -> None:
+    def add(self, name: str, arr: np.ndarray, source: Any = None) -> None:
+        """Store ``arr`` under ``name``, or record an alias when it is an array already stored.
+
+        ``source`` is the object ``arr`` was converted from: a device tensor gives a new host
+        array on every ``to_host()``, so the same tensor object is recognised by identity.
+        """
         if name in self.tensors or name in self.aliases:
             raise ValueError(f"two entries of the state are both named {name!r} once their keys are joined with '.'")
         if name.startswith("fastckpt."):
             raise ValueError(f"state key {name!r}: names starting with 'fastckpt.' are reserved for checkpoint metadata")
         if arr.dtype.hasobject:
             raise TypeError(f"state entry {name!r} is an object array; only numeric arrays can be stored (nothing is pickled)")
+        if source is not None and source is not arr:
+            target = self._by_source.get(id(source))
+            if target is not None:
+                self.aliases[name] = target
+                return
+            self._by_source[id(source)] = name
+            self._sources.append(source)  # kept alive so that its id is not reused meanwhile
         key = _view_key(arr)
         if key is not None and key in self._by_view:
             self.aliases[name] = self._by_view[key]
@@ -252,6 +266,11 @@ class ArrayTable:
         if key is not None:
             self._by_view[key] = name
         self.tensors[name] = self._take(arr) if self._take is not None else arr
+
+    def seal(self) -> None:
+        """No more arrays will come: drop the references to their source objects."""
+        self._sources.clear()
+        self._by_source.clear()
 
     @property
     def nbytes(self) -> int:
@@ -294,7 +313,7 @@ def encode_tree(obj: Any, table: ArrayTable | None, path: str = "") -> Any:
         data = np.ascontiguousarray(arr)
         return {"__ndarray__": {"dtype": arr.dtype.str, "shape": list(arr.shape),
                                 "data": base64.b64encode(data.tobytes()).decode("ascii")}}
-    table.add(path, arr)
+    table.add(path, arr, source=obj)
     return {"__tensor__": path}
 
 
@@ -476,10 +495,12 @@ def take_snapshot(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, tr
         raise TypeError(f"save_checkpoint: step must be an int, got {step!r}")
     weights = ArrayTable(stage)
     weights_tree = _dumps(encode_tree(state_of(model, "model"), weights))
+    weights.seal()
     optim = optim_tree = None
     if optimizer is not None:
         optim = ArrayTable(stage)
         optim_tree = _dumps(encode_tree(state_of(optimizer, "optimizer"), optim))
+        optim.seal()
     # Python state is serialized now: later mutation by the trainer cannot reach the checkpoint.
     extra = {
         "format": "fastckpt.train.extra",

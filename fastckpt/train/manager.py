@@ -57,6 +57,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fastckpt._atomic import _partial_name, atomic_write, remove_stale_partials
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
@@ -108,9 +110,9 @@ class CheckpointManager:
     # -- naming and discovery ----------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint (whether or not it exists)."""
-        if type(step) is not int or step < 0:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return self.directory / f"step-{step:08d}"
+        return self.directory / f"step-{int(step):08d}"
 
     def _sweep_partials(self) -> None:
         finals = set()
