@@ -328,3 +328,32 @@ def test_tuple_leaf_that_cannot_be_updated_in_place(tmp_path):
     dst.pair[0].flags.writeable = False
     with pytest.raises(TypeError, match="tuple"):
         restore_object(dst, tmp_path, "t")
+
+
+def test_callable_layers_are_walked():
+    class Layer:
+        def __init__(self):
+            self.w = np.zeros(2)
+
+        def __call__(self, x):
+            return x @ self.w
+
+    class Net:
+        def __init__(self):
+            self.layers = [Layer(), Layer()]
+            self.activation = np.tanh  # a ufunc: callable, not walked, not a leaf
+
+    assert list(checkpoint_tensors(Net())) == ["layers/[0]/w", "layers/[1]/w"]
+
+
+def test_shared_submodule_is_named_once_under_its_first_path():
+    class Embedding:
+        def __init__(self):
+            self.table = np.zeros((4, 2))
+
+    class Tied:
+        def __init__(self):
+            self.embed = Embedding()
+            self.head = self.embed  # weight tying
+
+    assert list(checkpoint_tensors(Tied())) == ["embed/table"]

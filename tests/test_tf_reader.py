@@ -353,3 +353,28 @@ def test_reader_repr_and_close():
     with pytest.raises(ValueError, match="closed"):
         reader.read_tensor("a")
     assert os.path.exists(reader.index_path)
+
+
+def test_big_endian_bfloat16_and_zero_size(tmp_path):
+    import crc32c
+    import ml_dtypes
+
+    from fastckpt.tf._table import mask_crc
+
+    value = np.array([1.0, -2.5, 3e38], ml_dtypes.bfloat16)
+    stored = value.view(np.uint16).astype(">u2").tobytes()
+    entries = {b"b": encode_entry(14, (3,), size=6, crc32c=mask_crc(crc32c.crc32c(stored))),
+               b"z": encode_entry(1, (0, 2), offset=6, crc32c=mask_crc(0))}
+    prefix = _bundle(tmp_path, BundleHeader(big_endian=True), entries, stored)
+    with CheckpointReader(prefix) as reader:
+        got = reader.read_tensor("b", copy=True)
+        assert got.dtype == value.dtype and got.tobytes() == value.tobytes()
+        assert reader.read_tensor("z", copy=True).shape == (0, 2)
+
+
+@pytest.mark.parametrize("name", [None, 3, b"a"])
+def test_non_string_names_are_not_found(name):
+    with CheckpointReader(prefix_of("sharded")) as reader:
+        assert name not in reader
+        with pytest.raises(TensorNotFoundError):
+            reader.read_tensor(name)

@@ -8,7 +8,8 @@ of the attribute names on the way to it:
 - dataclass fields in declaration order, other objects' instance attributes
   (``vars()``, then ``__slots__``), dict keys (``str(key)``), and list/tuple
   elements as ``[k]`` (the same labels the Swift for TensorFlow module used,
-  so its checkpoints keep their names);
+  so its checkpoints keep their names); an object reached twice is walked
+  once, under its first path;
 - joined by a separator: ``"/"`` unless a class sets ``checkpoint_separator``;
   a class's separator applies below it until another class sets its own;
 - ``ignored_tensor_paths`` (a set of ``"Type.attribute"`` strings, with the
@@ -163,7 +164,7 @@ def _children(obj):
         return [(str(k), v, k, "item") for k, v in obj.items()]
     if isinstance(obj, (list, tuple)):
         return [(f"[{i}]", v, i, "item") for i, v in enumerate(obj)]
-    if isinstance(obj, _OPAQUE) or callable(obj):
+    if isinstance(obj, _OPAQUE):  # callable objects (layers with __call__) are walked like any other
         return []
     out = []
     seen = set()
@@ -194,7 +195,7 @@ def _type_names(obj) -> set:
     return {cls.__name__, cls.__qualname__}
 
 
-def _walk(obj, scope, separator, ignored, out, ancestors, fixed_separator):
+def _walk(obj, scope, separator, ignored, out, visited, fixed_separator):
     own_sep = None if fixed_separator else _own(type(obj), "checkpoint_separator")
     if own_sep is not None:
         separator = own_sep
@@ -208,10 +209,11 @@ def _walk(obj, scope, separator, ignored, out, ancestors, fixed_separator):
         path = label if scope is None else scope + separator + label
         if _is_leaf(value):
             out.append(_Leaf(path, path, obj, slot, kind, value))
-        elif id(value) not in ancestors and not isinstance(value, _OPAQUE):
-            ancestors.add(id(value))
-            _walk(value, path, separator, ignored, out, ancestors, fixed_separator)
-            ancestors.discard(id(value))
+        elif id(value) not in visited and not isinstance(value, _OPAQUE):
+            # An object reached twice (a shared submodule, a back reference) is walked once, under its
+            # first path; this also ends cycles and keeps object webs from exploding.
+            visited.add(id(value))
+            _walk(value, path, separator, ignored, out, visited, fixed_separator)
 
 
 def _resolve_map(obj, name_map, name_table) -> Callable:

@@ -290,8 +290,9 @@ class CheckpointReader:
 
     def info(self, name: str) -> TFTensorInfo:
         """Where and how tensor ``name`` is stored."""
-        info = self._entries.get(_encode_name(name)) if isinstance(name, str) else None
-        if info is None or _encode_name(name).startswith(b"\x00"):
+        key = _encode_name(name) if isinstance(name, str) else None
+        info = self._entries.get(key) if key is not None else None
+        if info is None or key.startswith(b"\x00"):
             close = difflib.get_close_matches(str(name), self._names, n=3)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise TensorNotFoundError(f"{self.prefix}: no tensor named {name!r} among {len(self._names)} "
@@ -386,17 +387,20 @@ class CheckpointReader:
             out = np.empty(len(values), dtype=object)
             out[:] = values
             return out.reshape(info.shape)
-        stored_dtype = info.dtype.newbyteorder(">") if self.header.big_endian else info.dtype
-        arr = mapped.array(info.offset, stored_dtype, info.shape, what=what)
-        if self.verify:
-            self._check_crc(info, mask_crc(_crc32c.crc32c(mapped.view(info.offset, info.nbytes, what))), mapped.path)
-        if self.header.big_endian and stored_dtype.itemsize > 1:
+        if self.header.big_endian and info.dtype.itemsize > 1:
+            raw = mapped.array(info.offset, np.uint8, (info.nbytes,), what=what)
+            if self.verify:
+                self._check_crc(info, mask_crc(_crc32c.crc32c(raw)), mapped.path)
             if not copy:
                 warnings.warn(f"{self.prefix}: {info.name!r} is stored big-endian and is byte-swapped into a copy "
                               "(pass copy=True to silence this)", NotZeroCopyWarning, stacklevel=stacklevel)
-            return arr.astype(info.dtype)
-        if self.header.big_endian:
-            arr = arr.view(info.dtype)
+            # reverse the bytes of each scalar unit (each half of a complex number); works for ml_dtypes too
+            unit = info.dtype.itemsize // 2 if info.dtype.kind == "c" else info.dtype.itemsize
+            swapped = np.ascontiguousarray(raw.reshape(-1, unit)[:, ::-1])
+            return swapped.reshape(-1).view(info.dtype).reshape(info.shape)
+        arr = mapped.array(info.offset, info.dtype, info.shape, what=what)
+        if self.verify:
+            self._check_crc(info, mask_crc(_crc32c.crc32c(mapped.view(info.offset, info.nbytes, what))), mapped.path)
         return arr.copy() if copy else arr
 
     def _check_crc(self, info: TFTensorInfo, actual: int, path: str) -> None:
