@@ -378,3 +378,57 @@ def test_non_string_names_are_not_found(name):
         assert name not in reader
         with pytest.raises(TensorNotFoundError):
             reader.read_tensor(name)
+
+
+def _partitioned(tmp_path, slices, full_shape=(4, 2), make_entries_for=None):
+    """A hand-made partitioned variable 'p' whose slices hold rows of arange(8)."""
+    import crc32c
+
+    from fastckpt.tf._table import mask_crc
+
+    full = np.arange(np.prod(full_shape), dtype=np.float32).reshape(full_shape)
+    entries = {b"p": encode_entry(1, full_shape, slices=slices)}
+    data = b""
+    for extents in (make_entries_for if make_entries_for is not None else slices):
+        index = tuple(slice(s, None if n < 0 else s + n) for s, n in extents)
+        payload = np.ascontiguousarray(full[index]).tobytes()
+        entries[encode_tensor_name_slice(b"p", extents)] = encode_entry(
+            1, full[index].shape, offset=len(data), size=len(payload), crc32c=mask_crc(crc32c.crc32c(payload)))
+        data += payload
+    return _bundle(tmp_path, BundleHeader(), entries, data), full
+
+
+def test_hand_made_partitioned_variable(tmp_path):
+    prefix, full = _partitioned(tmp_path, [[(0, 2), (0, -1)], [(2, 2), (0, -1)]])
+    with CheckpointReader(prefix) as reader:
+        assert reader.tensor_names() == ["p"]
+        assert reader.read_tensor("p", copy=True).tobytes() == full.tobytes()
+
+
+@pytest.mark.parametrize("slices,made,match", [
+    ([[(0, 2), (0, -1)], [(2, 2), (0, -1)]], [[(0, 2), (0, -1)]], "missing from the index"),
+    ([[(0, 2), (0, -1)]], None, "do not cover"),
+    ([[(0, 2), (0, -1)], [(0, 2), (0, -1)]], [[(0, 2), (0, -1)]], "do not cover"),
+    ([[(3, 2), (0, -1)]], [[(0, 2), (0, -1)]], "outside dimension"),
+    ([[(0, 4)]], [], "rank 1 differs"),
+])
+def test_bad_partitions(tmp_path, slices, made, match):
+    prefix, _ = _partitioned(tmp_path, slices, make_entries_for=made)
+    with CheckpointReader(prefix) as reader:
+        with pytest.raises(FormatError, match=match):
+            reader.read_tensor("p", copy=True)
+
+
+def test_partition_claiming_a_huge_shape_is_refused_before_allocating(tmp_path):
+    import crc32c
+
+    from fastckpt.tf._table import mask_crc
+
+    payload = np.arange(4, dtype=np.float32).tobytes()
+    entries = {b"p": encode_entry(1, (2**40, 2), slices=[[(0, 2), (0, -1)]]),
+               encode_tensor_name_slice(b"p", [(0, 2), (0, -1)]): encode_entry(
+                   1, (2, 2), size=16, crc32c=mask_crc(crc32c.crc32c(payload)))}
+    prefix = _bundle(tmp_path, BundleHeader(), entries, payload)
+    with CheckpointReader(prefix) as reader:
+        with pytest.raises(FormatError, match="do not cover"):  # 8 TiB would be needed; nothing is allocated
+            reader.read_tensor("p", copy=True)

@@ -417,8 +417,7 @@ class CheckpointReader:
         """Copy every slice of a partitioned variable into one array, checking that they cover it."""
         if info.tf_dtype == _dt.DT_STRING:
             raise FormatError(f"{self.prefix}: partitioned string tensor {info.name!r} is not supported")
-        out = np.zeros(info.shape, dtype=info.dtype)
-        covered = np.zeros(info.shape, dtype=bool)
+        parts = []
         for extents in info.slices:
             what = f"{self.index_path}: slice {list(extents)} of {info.name!r}"
             if len(extents) != len(info.shape):
@@ -433,11 +432,23 @@ class CheckpointReader:
             part = self._entries.get(key)
             if part is None:
                 raise FormatError(f"{what}: the slice entry {key!r} is missing from the index")
-            index = tuple(index)
-            expected = out[index].shape
-            if part.shape != expected or part.dtype != info.dtype:
+            expected = tuple(s.stop - s.start for s in index)
+            if part.shape != expected or part.dtype != info.dtype or part.slices:
                 raise FormatError(f"{what}: slice entry holds {part.dtype}{list(part.shape)}, expected "
                                   f"{info.dtype}{list(expected)}")
+            shard = self._shard(part.shard)
+            if part.offset + part.nbytes > shard.size:
+                raise FormatError(f"{shard.path}: slice {list(extents)} of {info.name!r} needs bytes "
+                                  f"[{part.offset}, {part.offset + part.nbytes}) but the file has {shard.size}")
+            parts.append((tuple(index), part))
+        # The slices' bytes are in the files; only now is the full array allocated, so an index that
+        # claims a huge shape cannot make the reader allocate more than the files could fill.
+        if sum(p.nbytes for _, p in parts) < info.size * info.dtype.itemsize:
+            raise FormatError(f"{self.prefix}: the slices of partitioned variable {info.name!r} do not cover its "
+                              f"shape {list(info.shape)}")
+        out = np.zeros(info.shape, dtype=info.dtype)
+        covered = np.zeros(info.shape, dtype=bool)
+        for index, part in parts:
             out[index] = self._read_entry(part, copy=False, stacklevel=4)
             covered[index] = True
         if not covered.all():
