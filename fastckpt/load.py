@@ -50,9 +50,12 @@ from __future__ import annotations
 
 import os
 import time
+import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -93,7 +96,7 @@ class LoadReport:
     pool_misses: int = 0
     bytes_allocated: int = 0
     file_reused: bool = False
-    paths: dict = field(default_factory=dict)
+    paths: Mapping = field(default_factory=dict)
     warnings: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
 
@@ -101,52 +104,69 @@ class LoadReport:
 class LoadedTensors(Mapping):
     """The tensors of one :func:`load_file` call: a read-only mapping name -> :class:`~fastckpt.tensor.Tensor`.
 
-    The device memory stays valid while any of its tensors (or this object)
-    is alive; pooled arenas then return to the pool by themselves.
-    :meth:`release` returns them at once.
+    Iteration follows the file's order. Views into a pooled arena are made on
+    first access (about a microsecond each), so the load itself costs the same
+    for 10 tensors or 10,000. The device memory stays valid while any of its
+    tensors (or this object) is alive; pooled arenas then return to the pool by
+    themselves. :meth:`release` returns them at once.
 
     >>> loaded = load_file("model.safetensors", pool=pool)   # doctest: +SKIP
     >>> loaded.report.copies, loaded.report.pool_misses       # doctest: +SKIP
     (1, 0)
     """
 
-    def __init__(self, tensors: dict, report: LoadReport, leases: list, events: list):
-        self._tensors = tensors
+    def __init__(self, tensors: dict, report: LoadReport, leases: list, events: list,
+                 names: tuple, index: dict | None = None, regions: list | None = None, queue=None):
+        self._tensors = tensors  # materialised views
         self.report = report
         self._leases = leases
         self._events = events
+        self._names = names
+        self._index = index or {}  # name -> (region number, TensorInfo), for views made on access
+        self._regions = regions or []  # [buffer, region start, lease, pending event, source view]
+        self._queue = queue
 
     @property
     def path(self) -> str:
         return self.report.path
 
     def __getitem__(self, name: str) -> Tensor:
+        t = self._tensors.get(name)
+        if t is not None:
+            return t
         try:
-            return self._tensors[name]
-        except KeyError:
+            number, info = self._index[name]
+        except (KeyError, TypeError):
             raise TensorNotFoundError(f"{self.report.path}: no tensor named {name!r} was loaded "
-                                      f"({len(self._tensors)} loaded)") from None
+                                      f"({len(self._names)} loaded)") from None
+        buffer, start, lease, event, keep = self._regions[number]
+        t = Tensor._make(buffer, info.shape, info.dtype, info.offset - start, self._queue, lease)
+        if event is not None:
+            t._event, t._keepalive = event, keep
+        return self._tensors.setdefault(name, t)  # another thread may have made it first
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._tensors
+        return name in self._tensors or name in self._index
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data loaded."""
-        return sum(t.nbytes for t in self._tensors.values())
+        return sum(self[name].nbytes for name in self._names)
 
     def wait(self) -> None:
         """Block until every copy of this load has finished (a no-op after a blocking load)."""
         events, self._events = self._events, []
         if events:
             _wait_all(events)
-        for t in self._tensors.values():
+        for region in self._regions:
+            region[3] = region[4] = None
+        for t in list(self._tensors.values()):
             t.wait()
 
     def release(self) -> None:
@@ -159,7 +179,7 @@ class LoadedTensors(Mapping):
         leases, self._leases = self._leases, []
         for lease in leases:
             lease.release()
-        self._tensors = {}
+        self._tensors, self._index, self._regions, self._names = {}, {}, [], ()
 
     def __enter__(self) -> "LoadedTensors":
         return self
@@ -248,6 +268,55 @@ def _open(source, copy_on_write: bool, pool=None):
     return source, False, False
 
 
+class _Plan:
+    """What to load from one open file for one ``names`` selection: computed once per file and reused."""
+
+    __slots__ = ("selected", "names", "direct", "decoded", "empty", "limit", "regions", "index", "paths")
+
+    def __init__(self, tf, names):
+        self.selected = _select(tf, names)
+        self.names = tuple(i.name for i in self.selected)
+        self.direct, self.decoded, self.empty = [], [], []
+        for info in self.selected:
+            if info.compression is not None or info.fortran_order:
+                self.decoded.append(info)
+            elif info.nbytes == 0:
+                self.empty.append(info)
+            else:
+                self.direct.append(info)
+        self.limit = -1
+        self.regions = self.index = self.paths = None
+
+    def arena_regions(self, limit):
+        """Regions for pooled arenas, with the name index and the report's paths (cached per limit)."""
+        if self.limit != limit:
+            regions = plan_regions(self.direct, limit)
+            self.index = {info.name: (number, info) for number, (_, _, group) in enumerate(regions) for info in group}
+            self.paths = MappingProxyType(dict.fromkeys(self.index, "arena")) if not (self.decoded or self.empty) else None
+            self.regions, self.limit = regions, limit
+        return self.regions
+
+
+# Plans of open files, keyed by id(file) and the selection; dropped when the file object goes.
+_plans: dict[tuple, tuple] = {}
+_plans_lock = threading.Lock()
+
+
+def _plan_for(tf, names: tuple | None) -> _Plan:
+    key = (id(tf), names)
+    entry = _plans.get(key)
+    if entry is not None and entry[0]() is tf:
+        return entry[1]
+    plan = _Plan(tf, names)
+    try:
+        ref = weakref.ref(tf, lambda _r, key=key: _plans.pop(key, None))
+    except TypeError:  # a file object that takes no weak references: plan every time
+        return plan
+    with _plans_lock:
+        _plans[key] = (ref, plan)
+    return plan
+
+
 def _select(tf, names) -> list:
     if names is None:
         return list(tf.infos.values())
@@ -267,10 +336,6 @@ def _select(tf, names) -> list:
         chosen.append(info)
     chosen.sort(key=lambda i: i.offset)
     return chosen
-
-
-def _view(buffer, info, offset, queue, owner) -> Tensor:
-    return Tensor._make(buffer, info.shape, info.dtype, offset, queue, owner)
 
 
 def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=None,
@@ -306,29 +371,26 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         from fastckpt.device import default
 
         queue = default().queue
+    if isinstance(names, str):
+        raise TypeError("names must be a list of tensor names, not a single string")
+    if names is not None:
+        names = tuple(names)
     tf, opened, file_reused = _open(source, zero_copy, pool)
     try:
         t_open = time.perf_counter()
-        selected = _select(tf, names)
-        mode = "pool" if pool is not None else "per-tensor"
-        report = LoadReport(path=tf.path, format=tf.format, mode=mode, tensors=len(selected),
-                            file_reused=file_reused)
-        paths = report.paths
-        direct, decoded, empty = [], [], []
-        for info in selected:
-            if info.compression is not None or info.fortran_order:
-                decoded.append(info)
-            elif info.nbytes == 0:
-                empty.append(info)
-            else:
-                direct.append(info)
-
+        plan = _plan_for(tf, names)
+        report = LoadReport(path=tf.path, format=tf.format, mode="pool" if pool is not None else "per-tensor",
+                            tensors=len(plan.selected), file_reused=file_reused)
         device = queue.device
         limit = pool.max_alloc_size if pool is not None else int(device.max_mem_alloc_size)
         mapped = tf.mapped
+        direct, decoded, empty = plan.direct, plan.decoded, plan.empty
         tensors: dict = {}
+        paths: dict = {}
         leases: list = []
         events: list = []
+        lazy_regions: list = []
+        index = None
         first_buffer = None
         t_plan = t_alloc = time.perf_counter()
 
@@ -358,16 +420,17 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                         buffer = cl.Buffer(queue.context, flags, hostbuf=mapped.view(astart, end - astart))
                         first_buffer = first_buffer or buffer
                         for info in group:
-                            tensors[info.name] = _view(buffer, info, info.offset - astart, queue, None)
+                            tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, info.offset - astart,
+                                                              queue, None)
                             paths[info.name] = "zero-copy"
                     report.regions = len(regions)
                     direct = []
                 else:
                     note(f"{tf.path}: zero_copy=True but {reason}; the tensors are copied instead")
-                    report.mode = mode
 
             if direct and pool is not None:
-                regions = plan_regions(direct, limit)
+                regions = plan.arena_regions(limit) if direct is plan.direct else plan_regions(direct, limit)
+                index = plan.index
                 report.regions = len(regions)
                 for start, end, group in regions:
                     lease = pool.arena(end - start)
@@ -392,24 +455,14 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                     if len(chunk_events) > 1 and not blocking:
                         # One event for the whole region, also on out-of-order queues.
                         event = cl.enqueue_marker(queue, wait_for=chunk_events)
-                    buffer = lease.buffer
-                    first_buffer = first_buffer or buffer
-                    pending = None if blocking else event
-                    keep = None if blocking else source_view
-                    new = Tensor.__new__
-                    for info in group:  # hot loop (1000s of tensors): Tensor._make inlined
-                        t = new(Tensor)
-                        t.buffer = buffer
-                        t.offset = info.offset - start
-                        t.shape = info.shape
-                        t.dtype = info.dtype
-                        t.queue = queue
-                        t._event = pending
-                        t._keepalive = keep
-                        t._owner = lease
-                        name = info.name
-                        tensors[name] = t
-                        paths[name] = "arena"
+                    first_buffer = first_buffer or lease.buffer
+                    # Views are made on access (LoadedTensors.__getitem__); a pending copy travels with them.
+                    lazy_regions.append([lease.buffer, start, lease, None if blocking else event,
+                                         None if blocking else source_view])
+                if plan.paths is not None and direct is plan.direct:
+                    paths = plan.paths
+                else:
+                    paths.update(dict.fromkeys((i.name for i in direct), "arena"))
             elif direct:
                 ctx = queue.context
                 rw = cl.mem_flags.READ_WRITE
@@ -422,7 +475,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                     report.copies += 1
                     report.bytes_copied += info.nbytes
                     first_buffer = first_buffer or buffer
-                    t = _view(buffer, info, 0, queue, None)
+                    t = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
                     if not blocking:
                         t._event, t._keepalive = event, source_view
                     tensors[info.name] = t
@@ -466,7 +519,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                     first_buffer = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, 1)
                 owner = leases[0] if leases else None
                 for info in empty:
-                    tensors[info.name] = _view(first_buffer, info, 0, queue, owner)
+                    tensors[info.name] = Tensor._make(first_buffer, info.shape, info.dtype, 0, queue, owner)
                     paths[info.name] = "empty"
 
             if blocking and events:
@@ -487,8 +540,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         if opened:
             tf.close()  # views already taken keep the mapping alive
 
-    if decoded or empty or zero_copy:  # several paths: restore file order
-        tensors = {i.name: tensors[i.name] for i in selected}
+    report.paths = paths
     report.timings = {
         "open": t_open - t_start,
         "plan": t_plan - t_open,
@@ -496,7 +548,8 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         "copy": t_end - t_alloc,
         "total": t_end - t_start,
     }
-    return LoadedTensors(tensors, report, leases, events)
+    return LoadedTensors(tensors, report, leases, events, plan.names, index if lazy_regions else None,
+                         lazy_regions, queue)
 
 
 def _base_align(device) -> int:

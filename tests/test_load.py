@@ -280,6 +280,19 @@ def test_names_loads_a_subset_and_unknown_names_fail(tmp_path, dev, pool):
 
 
 @pytest.mark.device
+def test_arena_views_are_made_once_on_access(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(9), fsync=False)
+    loaded = load_file(path, dev.queue, pool=pool, names=(n for n in ["layer1.w", "layer4.w"]))
+    assert list(loaded) == ["layer1.w", "layer4.w"] and len(loaded) == 2 and "layer4.w" in loaded
+    assert "layer2.w" not in loaded
+    first = loaded["layer4.w"]
+    assert loaded["layer4.w"] is first
+    assert first.shape == (5, 17) and first.dtype == np.float32 and first._owner is loaded._leases[0]
+    assert loaded.nbytes == (2 + 5) * 17 * 4
+
+
+@pytest.mark.device
 def test_an_open_tensorfile_is_reused_and_left_open(tmp_path, dev, pool):
     path = tmp_path / "m.npz"
     fastckpt.save_npz(path, model(6), fsync=False)
