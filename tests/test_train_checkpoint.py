@@ -516,3 +516,19 @@ def test_fastckpt_device_tensors_are_saved(tmp_path):
     back = _roundtrip_model_state(tmp_path, {"w": t, "tied": t, "b": Tensor.from_host(dev.queue, host[0])})
     assert np.array_equal(back["w"], host) and back["tied"] is back["w"]
     assert np.array_equal(back["b"], host[0]) and back["b"] is not back["w"]
+
+
+def test_hostile_deep_tree_is_a_format_error(tmp_path):
+    import fastckpt as fc
+
+    save_checkpoint(_StateHolder({"w": np.zeros(1, np.float32)}), None, None, None, None, tmp_path / "c", step=0)
+    path = tmp_path / "c" / WEIGHTS_FILE
+    deep = "[" * 100000 + "]" * 100000
+    fc.save_safetensors(path, {"w": np.zeros(1, np.float32)},
+                        {"fastckpt.format": "fastckpt.train.weights", "fastckpt.tree": deep}, alignment=64)
+    manifest_path = tmp_path / "c" / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][WEIGHTS_FILE]["bytes"] = path.stat().st_size
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="nested too deeply"):
+        load_checkpoint(tmp_path / "c", verify=False)

@@ -824,8 +824,8 @@ class _TensorSource:
     def tree(self) -> Any:
         try:
             return json.loads(self.meta["fastckpt.tree"])
-        except (KeyError, ValueError) as e:
-            raise FormatError(f"{self.path}: metadata 'fastckpt.tree' missing or not JSON ({e})") from None
+        except (KeyError, ValueError, RecursionError) as e:
+            raise FormatError(f"{self.path}: metadata 'fastckpt.tree' missing, not JSON or nested too deeply ({e!r})") from None
 
     def resolve(self, name: str) -> str:
         if name in self.file:
@@ -899,7 +899,10 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
         try:
             if read_error is None:
                 for name, src in sources.items():
-                    decoded[name] = decode_tree(src.tree(), src, str(src.path))
+                    try:
+                        decoded[name] = decode_tree(src.tree(), src, str(src.path))
+                    except RecursionError:
+                        raise FormatError(f"{src.path}: the state tree is nested too deeply") from None
                 extra_path = d / EXTRA_FILE
                 try:
                     extra = json.loads(extra_path.read_bytes().decode("utf-8"))
