@@ -230,6 +230,11 @@ class ArrayTable:
 
     ``take(arr)`` (optional) gives the array to store for a new unique array:
     a staged copy for an asynchronous save, the array itself otherwise.
+
+    >>> t = ArrayTable(); a = np.arange(4.0)
+    >>> t.add("a", a); t.add("view", a[:]); t.add("half", a[:2])
+    >>> sorted(t.tensors), t.aliases
+    (['a', 'half'], {'view': 'a'})
     """
 
     def __init__(self, take: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
@@ -282,7 +287,16 @@ def _join(path: str, key: Any) -> str:
 
 
 def encode_tree(obj: Any, table: ArrayTable | None, path: str = "") -> Any:
-    """Encode ``obj`` into the JSON-safe tree encoding; arrays go to ``table`` (or inline when None)."""
+    """Encode ``obj`` into the JSON-safe tree encoding; arrays go to ``table`` (or inline when None).
+
+    >>> t = ArrayTable(); w = np.zeros(2, np.float32)
+    >>> encode_tree({"w": w, "tied": w, "t": 2**70, "b": (1.5,)}, t)
+    {'w': {'__tensor__': 'w'}, 'tied': {'__tensor__': 'tied'}, 't': {'__int__': '1180591620717411303424'}, 'b': {'__tuple__': [1.5]}}
+    >>> list(t.tensors), t.aliases
+    (['w'], {'tied': 'w'})
+    >>> decode_tree({"__tuple__": [{"__float__": "inf"}]}, None, "example")
+    (inf,)
+    """
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -318,7 +332,7 @@ def encode_tree(obj: Any, table: ArrayTable | None, path: str = "") -> Any:
 
 
 def decode_tree(tree: Any, tensor: Callable[[str], np.ndarray] | None, where: str) -> Any:
-    """Invert :func:`encode_tree`; ``tensor(name)`` supplies the stored arrays."""
+    """Invert :func:`encode_tree`; ``tensor(name)`` supplies the stored arrays (see its example)."""
     if isinstance(tree, list):
         return [decode_tree(v, tensor, where) for v in tree]
     if not isinstance(tree, dict):
@@ -547,7 +561,7 @@ def take_snapshot(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, tr
 # Writing
 # ---------------------------------------------------------------------------------------------
 def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
-    """``(hex sha256, size)`` of a file.
+    """``(hex sha256, size)`` of a file (e.g. ``sha256_file("ckpt/weights.safetensors")``).
 
     Hashes a read-only mapping in one call (hashlib releases the GIL), which
     saves the copy a ``read()`` into a buffer would make; right after a save
