@@ -270,6 +270,24 @@ def test_writer_leaves_input_arrays_unchanged(tmp_path):
     assert arr.tobytes() == before and arr.dtype == np.dtype(">i4")
 
 
+@pytest.mark.parametrize("make,limit_mib", [
+    (lambda i: np.full((1024, 1024), i, np.float32), 0.5),  # written straight from the arrays' buffers
+    (lambda i: np.full((1024, 1024), i, ">f4"), 4.5),  # byte-swapped copies, one at a time
+    (lambda i: np.full((2048, 1024), i, np.float32)[::2], 4.5),  # strided: contiguous copies, one at a time
+], ids=["native", "big-endian", "strided"])
+def test_writer_peak_memory_is_at_most_one_tensor(tmp_path, make, limit_mib):
+    import tracemalloc
+
+    tensors = {f"t{i}": make(i) for i in range(6)}  # 6 tensors of 4 MiB
+    tracemalloc.start()
+    try:
+        save_safetensors(tmp_path / "p.safetensors", tensors, fsync=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < limit_mib * 2**20
+
+
 @pytest.mark.parametrize("tensors,metadata,error,match", [
     ({"o": np.array([1, None], dtype=object)}, None, TypeError, "tensor 'o'.*numeric"),
     ({"s": np.array(["ab", "c"])}, None, TypeError, "tensor 's'.*numeric"),
