@@ -341,8 +341,13 @@ def _mutate_table(seed_file: bytes, edits) -> bytes:
     return bytes(raw)
 
 
+_FUZZ_DIRS: dict = {}
+
+
 def _open_unverified(tmp_path_factory, raw: bytes):
-    path = tmp_path_factory.mktemp("fuzz") / "f.index"
+    if "dir" not in _FUZZ_DIRS:  # one directory for all examples, not one per example
+        _FUZZ_DIRS["dir"] = tmp_path_factory.mktemp("fuzz")
+    path = _FUZZ_DIRS["dir"] / "f.index"
     path.write_bytes(raw)
     with MappedFile(path) as mapped:
         try:
