@@ -295,11 +295,14 @@ def _checked_metadata(metadata) -> dict[str, str] | None:
 
 
 def _as_array(name: str, value) -> np.ndarray:
+    if isinstance(value, np.ma.MaskedArray):
+        raise TypeError(f"tensor {name!r}: safetensors cannot store a mask; pass .filled(value) or .data")
     try:
-        arr = np.asarray(value)
+        return np.asarray(value)
     except Exception as e:
-        raise TypeError(f"tensor {name!r}: cannot convert {type(value).__name__} to a numpy array: {e}") from e
-    return arr
+        if hasattr(e, "add_note"):  # Python >= 3.11
+            e.add_note(f"while converting tensor {name!r} ({type(value).__name__}) to a numpy array")
+        raise
 
 
 def _plan(name, value) -> _Planned:
