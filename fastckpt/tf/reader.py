@@ -73,6 +73,15 @@ def latest_checkpoint(directory) -> str | None:
 
     Like TensorFlow, it returns None when the state file is missing or names a
     prefix whose ``.index`` does not exist.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.tf import save
+    >>> d = tempfile.mkdtemp()
+    >>> latest_checkpoint(d) is None
+    True
+    >>> prefix = save(d, {"w": np.zeros(1)})
+    >>> latest_checkpoint(d) == prefix == os.path.join(d, "ckpt-1")
+    True
     """
     directory = Path(directory)
     state = directory / "checkpoint"
@@ -89,6 +98,13 @@ def resolve_prefix(path) -> str:
     """Turn a prefix, an ``.index`` / data file name or a directory into a checkpoint prefix.
 
     A directory resolves through its ``checkpoint`` state file, as in TensorFlow.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.tf import write_checkpoint
+    >>> prefix = os.path.join(tempfile.mkdtemp(), "model")
+    >>> write_checkpoint(prefix, {"w": np.zeros(1)})
+    >>> resolve_prefix(prefix + ".index") == resolve_prefix(prefix + ".data-00000-of-00001") == prefix
+    True
     """
     path = os.fspath(path)
     if os.path.isdir(path):
