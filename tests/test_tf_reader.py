@@ -34,7 +34,8 @@ def prefix_of(fixture: str) -> str:
 def test_lists_exactly_what_tensorflow_lists(fixture):
     with CheckpointReader(prefix_of(fixture)) as reader:
         assert reader.tensor_names() == sorted(EXPECTED[fixture]["tensors"])
-        assert list(reader) == reader.keys() == reader.tensor_names()
+        assert list(reader) == list(reader.keys()) == reader.tensor_names()
+        assert reader.get("no such tensor") is None
         assert len(reader) == len(EXPECTED[fixture]["tensors"])
         for name, entry in EXPECTED[fixture]["tensors"].items():
             assert reader.tensor_shape(name) == tuple(entry["shape"])

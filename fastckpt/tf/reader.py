@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,7 +181,7 @@ def _encode_name(name: str) -> bytes:
     return name.encode("utf-8", "surrogateescape")
 
 
-class CheckpointReader:
+class CheckpointReader(Mapping):
     """A TensorFlow v2 checkpoint opened for reading.
 
     ``path`` is a prefix (``dir/ckpt-1``), its ``.index`` file, or a directory
@@ -188,7 +189,8 @@ class CheckpointReader:
     per-tensor CRC32C (block checksums of the index are always checked).
     ``backend="pread"`` reads shards without mmap (network filesystems).
 
-    The reader is a read-only mapping from tensor name to array. Slice entries
+    The reader is a read-only :class:`~collections.abc.Mapping` from tensor
+    name to array (``keys()``, ``items()``, ``get()`` ...). Slice entries
     of partitioned variables are hidden; the variable itself is listed and
     :meth:`read_tensor` assembles it.
 
@@ -201,6 +203,10 @@ class CheckpointReader:
     (['a', 'b'], (3,), dtype('float32'))
     >>> r.close()
     """
+
+    # A file handle: equal only to itself (Mapping's value comparison would compare arrays).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def __init__(self, path, *, verify: bool = True, backend: str = "mmap"):
         self.prefix = resolve_prefix(path)
@@ -336,9 +342,6 @@ class CheckpointReader:
         """``{name: list(shape)}``, like TensorFlow's ``get_variable_to_shape_map``."""
         return {n: list(self._entries[_encode_name(n)].shape) for n in self._names}
 
-    def keys(self):
-        return self.tensor_names()
-
     def __iter__(self):
         return iter(self.tensor_names())
 
@@ -350,10 +353,6 @@ class CheckpointReader:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.read_tensor(name)
-
-    def items(self):
-        """``(name, array)`` pairs (zero-copy views), in name order."""
-        return [(n, self.read_tensor(n)) for n in self._names]
 
     # -- reading -------------------------------------------------------------------------------
 
