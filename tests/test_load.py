@@ -393,6 +393,34 @@ def test_non_blocking_load_waits_before_reading(tmp_path, dev, pool):
 
 
 @pytest.mark.device
+def test_a_failing_copy_raises_and_returns_the_arenas(tmp_path, dev, pool, monkeypatch):
+    import pyopencl as cl
+
+    import fastckpt.load as load_mod
+
+    monkeypatch.setattr(load_mod, "COPY_CHUNK", 256)
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(40), fsync=False)
+    real = cl.enqueue_copy
+    calls = []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise cl.RuntimeError("clEnqueueWriteBuffer failed: OUT_OF_RESOURCES")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cl, "enqueue_copy", failing)
+    with pytest.raises(cl.RuntimeError, match="OUT_OF_RESOURCES"):
+        load_file(path, dev.queue, pool=pool)
+    gc.collect()
+    s = pool.stats
+    assert s.buffers_in_use == 0 and s.bytes_idle == s.bytes_held > 0
+    monkeypatch.setattr(cl, "enqueue_copy", real)
+    check_exact(load_file(path, dev.queue, pool=pool), path, model(40))
+
+
+@pytest.mark.device
 def test_empty_file_and_empty_tensors(tmp_path, dev, pool):
     path = tmp_path / "e.safetensors"
     fastckpt.save_safetensors(path, {"z": np.zeros((0, 4), np.float32)}, fsync=False)
@@ -583,3 +611,14 @@ def test_importing_load_and_pool_keeps_pyopencl_out():
 
     code = "import sys, fastckpt.load, fastckpt.pool\nassert 'pyopencl' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
+
+
+@pytest.mark.device
+def test_bench_command_runs_and_reports_zero_repeat_misses(tmp_path, capsys):
+    from fastckpt.cli import main
+
+    assert main(["bench", "--quick", "--repeat", "1", "--case", "b", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| bound: enqueue_copy per tensor" in out and "safetensors safe_open" in out
+    assert "(b) repeated pooled loads: 0 pool misses" in out and "values exact: True" in out
+    assert os.listdir(tmp_path) == [], "fixtures are removed"
