@@ -128,6 +128,26 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[
         fsync_directory(final.parent)
 
 
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` onto ``final``, moving an existing ``final`` aside first.
+
+    Directories cannot be replaced in one rename, so there is a moment with the
+    old one moved aside; if the second rename fails, the old one is put back,
+    or a later save would remove it as a dead writer's leftover.
+    """
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    old = _partial_name(final)
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes ``path`` when the block succeeds.
@@ -161,13 +181,7 @@ def atomic_directory(path: str | os.PathLike, *, fsync: bool = True, overwrite: 
                     finally:
                         os.close(fd)
                 fsync_directory(root)
-        old = None
-        if final.exists():
-            old = _partial_name(final)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _swap_in(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -63,3 +63,25 @@ def test_atomic_directory_appears_whole(tmp_path):
     with atomic_directory(target, overwrite=True) as d:
         (d / "b").write_bytes(b"2")
     assert sorted(p.name for p in target.iterdir()) == ["b"]
+
+
+def test_failed_directory_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
+    target = tmp_path / "ckpt"
+    with atomic_directory(target) as d:
+        (d / "a").write_bytes(b"old")
+    real_replace = os.replace
+    calls = []
+
+    def replace_failing_second(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # old moved aside; the new one fails to move in
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_failing_second)
+    with pytest.raises(OSError):
+        with atomic_directory(target, overwrite=True) as d:
+            (d / "b").write_bytes(b"new")
+    monkeypatch.undo()
+    assert (target / "a").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

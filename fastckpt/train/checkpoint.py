@@ -610,34 +610,10 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
             f"{out}: exists and is not a fastckpt checkpoint (no {MANIFEST_FILE}); refusing to replace it — "
             "choose an empty or new directory"
         )
-    previous = _manifest_digest(out)
-    try:
-        digest = _write_directory(snap, out, fsync)
-    except BaseException:
-        if previous is not None and not out.exists():
-            _put_back_previous(out, previous)
-        raise
+    digest = _write_directory(snap, out, fsync)
     if fsync:
         fsync_directory(out.parent)
     return digest
-
-
-def _manifest_digest(out: Path) -> str | None:
-    try:
-        return json.loads((out / MANIFEST_FILE).read_bytes())["weights_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _put_back_previous(out: Path, digest: str) -> None:
-    # A replacement moves the old checkpoint aside (to a temporary of this process) before
-    # renaming the new one in; if that last rename failed, the old one must come back, or the
-    # next save would delete it as a leftover once this process is gone.
-    prefix = f".{out.name}.{os.getpid()}."
-    for entry in out.parent.iterdir():
-        if entry.name.startswith(prefix) and entry.name.endswith(".partial") and _manifest_digest(entry) == digest:
-            os.replace(entry, out)
-            return
 
 
 def _write_directory(snap: Snapshot, out: Path, fsync: bool) -> str:
