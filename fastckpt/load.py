@@ -49,8 +49,8 @@ finished when ``load_file`` returns.
 from __future__ import annotations
 
 import os
-import time
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -271,7 +271,7 @@ def _open(source, copy_on_write: bool, pool=None):
 class _Plan:
     """What to load from one open file for one ``names`` selection: computed once per file and reused."""
 
-    __slots__ = ("selected", "names", "direct", "decoded", "empty", "limit", "regions", "index", "paths")
+    __slots__ = ("selected", "names", "direct", "decoded", "empty", "_arena")
 
     def __init__(self, tf, names):
         self.selected = _select(tf, names)
@@ -284,17 +284,20 @@ class _Plan:
                 self.empty.append(info)
             else:
                 self.direct.append(info)
-        self.limit = -1
-        self.regions = self.index = self.paths = None
+        self._arena = None
 
-    def arena_regions(self, limit):
-        """Regions for pooled arenas, with the name index and the report's paths (cached per limit)."""
-        if self.limit != limit:
+    def arena(self, limit) -> tuple:
+        """``(regions, name index, report paths or None)`` for pooled arenas, cached per allocation limit.
+
+        Replaced as one tuple, so threads loading through pools with different limits never mix parts.
+        """
+        arena = self._arena
+        if arena is None or arena[0] != limit:
             regions = plan_regions(self.direct, limit)
-            self.index = {info.name: (number, info) for number, (_, _, group) in enumerate(regions) for info in group}
-            self.paths = MappingProxyType(dict.fromkeys(self.index, "arena")) if not (self.decoded or self.empty) else None
-            self.regions, self.limit = regions, limit
-        return self.regions
+            index = {info.name: (number, info) for number, (_, _, group) in enumerate(regions) for info in group}
+            paths = None if self.decoded or self.empty else MappingProxyType(dict.fromkeys(index, "arena"))
+            arena = self._arena = (limit, regions, index, paths)
+        return arena[1:]
 
 
 # Plans of open files, keyed by id(file) and the selection; dropped when the file object goes.
@@ -319,7 +322,7 @@ def _plan_for(tf, names: tuple | None) -> _Plan:
 
 def _select(tf, names) -> list:
     if names is None:
-        return list(tf.infos.values())
+        return sorted(tf.infos.values(), key=lambda i: i.offset)  # regions need file order
     if isinstance(names, str):
         raise TypeError("names must be a list of tensor names, not a single string")
     seen = set()
@@ -429,8 +432,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                     note(f"{tf.path}: zero_copy=True but {reason}; the tensors are copied instead")
 
             if direct and pool is not None:
-                regions = plan.arena_regions(limit) if direct is plan.direct else plan_regions(direct, limit)
-                index = plan.index
+                regions, index, arena_paths = plan.arena(limit)
                 report.regions = len(regions)
                 for start, end, group in regions:
                     lease = pool.arena(end - start)
@@ -459,8 +461,8 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                     # Views are made on access (LoadedTensors.__getitem__); a pending copy travels with them.
                     lazy_regions.append([lease.buffer, start, lease, None if blocking else event,
                                          None if blocking else source_view])
-                if plan.paths is not None and direct is plan.direct:
-                    paths = plan.paths
+                if arena_paths is not None:
+                    paths = arena_paths
                 else:
                     paths.update(dict.fromkeys((i.name for i in direct), "arena"))
             elif direct:
