@@ -23,7 +23,8 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; only ``command``'s module is imported to add its arguments."""
     from fastckpt import __version__
 
     parser = argparse.ArgumentParser(prog="fastckpt", description="Fast, exact checkpoints.")
@@ -31,14 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).configure(p)
+        if name == command:
+            importlib.import_module(module).configure(p)
         p.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``fastckpt`` command line with ``argv`` (default: ``sys.argv[1:]``)."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()

@@ -1,0 +1,53 @@
+"""The fastckpt command line: every sub-command configures, inspect prints exact facts."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fastckpt
+from fastckpt.cli import COMMANDS, main
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_sub_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert COMMANDS[command][1].split()[0] in capsys.readouterr().out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out
+
+
+def test_inspect_json_reports_offsets_and_alignment(tmp_path, capsys):
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {"b": np.zeros(3, np.int8), "a": np.ones((2, 2), np.float32)}, metadata={"k": "v"})
+    assert main(["inspect", "--json", str(path)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["format"] == "safetensors" and d["metadata"] == {"k": "v"}
+    with fastckpt.open(path) as f:
+        expected = {i.name: (i.offset, i.nbytes) for i in f.infos.values()}
+    assert {t["name"]: (t["offset"], t["nbytes"]) for t in d["tensors"]} == expected
+    assert d["data_region"][0] % 4096 == 0
+
+
+def test_inspect_table_and_error_exit(tmp_path, capsys):
+    path = tmp_path / "m.npz"
+    fastckpt.save_npz(path, {"w": np.zeros((2, 3), np.float16)})
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "npz, 1 tensors" in out and "float16" in out and "2x3" in out
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"nope")
+    assert main(["inspect", str(bad)]) == 1
+    assert "bad.bin" in capsys.readouterr().err
+
+
+def test_python_m_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "fastckpt", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"fastckpt {fastckpt.__version__}"
