@@ -94,44 +94,74 @@ def _refuse_constant(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_without_duplicates, parse_constant=_refuse_constant)
+# The fast decoder builds plain dicts, which silently keep the last of repeated keys; the byte
+# scan below counts the pairs in the text so that a repeat is still caught. Only then does the
+# slow decoder (a Python hook per object) run again, to name the key.
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_DECODER_NAMING_DUPLICATES = json.JSONDecoder(object_pairs_hook=_pairs_without_duplicates,
+                                              parse_constant=_refuse_constant)
 
 
-cdef inline bint _is_int(object v):
-    return type(v) is int  # bool is a subclass of int; JSON true/false are not sizes
+cdef struct _Scan:
+    Py_ssize_t pairs           # ':' outside strings: one per key/value pair in the whole document
+    Py_ssize_t negative_zero   # offset in the header of the first -0 outside strings, or -1
+    bint surrogate_escape      # a \uD800-\uDFFF escape appears (maybe a lone surrogate)
 
 
-cdef int64_t _checked_int(object v, int64_t limit, str path, str what) except -1:
-    """A JSON number that must be an int in [0, limit]."""
-    if not _is_int(v):
-        raise FormatError(f"{path}: {what}: expected a non-negative integer, got {v!r} ({type(v).__name__})")
-    if v < 0:
-        raise FormatError(f"{path}: {what}: expected a non-negative integer, got {v!r}")
-    if v > limit:
-        raise FormatError(f"{path}: {what}: {v!r} is larger than {limit} (the file has no room for it)")
-    return <int64_t>v
-
-
-cdef int _refuse_negative_zero(bytes raw, str path) except -1:
-    """Refuse ``-0`` outside strings: Python's JSON reads it as the int 0, but it is not a
-    non-negative integer (the reference reader sees a float and refuses it too)."""
+cdef _Scan _scan(bytes raw):
+    """One pass over valid JSON text, outside and inside strings."""
     cdef const unsigned char* q = raw
     cdef Py_ssize_t n = len(raw)
     cdef Py_ssize_t i = 0
     cdef bint in_string = False
+    cdef unsigned char c
+    cdef _Scan result
+    result.pairs = 0
+    result.negative_zero = -1
+    result.surrogate_escape = False
     while i < n:
+        c = q[i]
         if in_string:
-            if q[i] == 0x5c:  # backslash: the next byte is escaped
+            if c == 0x5c:  # backslash: the next byte is escaped
+                if i + 5 < n and q[i + 1] == 0x75 and (q[i + 2] | 0x20) == 0x64 and (
+                        0x38 <= q[i + 3] <= 0x39 or 0x61 <= (q[i + 3] | 0x20) <= 0x66):
+                    result.surrogate_escape = True  # \uD8xx-\uDFxx
                 i += 1
-            elif q[i] == 0x22:
+            elif c == 0x22:
                 in_string = False
-        elif q[i] == 0x22:
+        elif c == 0x22:
             in_string = True
-        elif q[i] == 0x2d and i + 1 < n and q[i + 1] == 0x30:
-            raise FormatError(f"{path}: JSON header has the number -0 at byte offset {8 + i}; sizes and offsets "
-                              "must be non-negative integers")
+        elif c == 0x3a:
+            result.pairs += 1
+        elif c == 0x2d and i + 1 < n and q[i + 1] == 0x30 and result.negative_zero < 0:
+            result.negative_zero = i
         i += 1
-    return 0
+    return result
+
+
+cdef Py_ssize_t _count_pairs(object value) except -1:
+    cdef Py_ssize_t total = 0
+    if type(value) is dict:
+        total = len(<dict>value)
+        for item in (<dict>value).values():
+            if type(item) is dict or type(item) is list:
+                total += _count_pairs(item)
+    elif type(value) is list:
+        for item in <list>value:
+            if type(item) is dict or type(item) is list:
+                total += _count_pairs(item)
+    return total
+
+
+cdef str _int_problem(object v, int64_t limit):
+    """None when ``v`` is a JSON integer in [0, limit], else what is wrong with it."""
+    if type(v) is not int:  # bool is a subclass of int; JSON true/false are not sizes
+        return f"expected a non-negative integer, got {v!r:.80} ({type(v).__name__})"
+    if v < 0:
+        return f"expected a non-negative integer, got {v!r}"
+    if v > limit:
+        return f"{v!r} is larger than {limit} (the file has no room for it)"
+    return None
 
 
 cdef int _check_utf8(str text, str path, str what) except -1:
@@ -175,6 +205,7 @@ def read_safetensors_index(MappedFile m not None):
     cdef int64_t header_len, data_start, data_len, j, i, ndim
     cdef int64_t begin, end, expected_begin, count, dim, itemsize, nbytes
     cdef int k
+    cdef _Scan scan
 
     # -- fixed part: 8-byte little-endian length, then the header --------------------------------
     if size < 8:
@@ -217,9 +248,6 @@ def read_safetensors_index(MappedFile m not None):
                           f"(0x{raw[e.start]:02x}): {e.reason}") from None
     try:
         header, end_pos = _DECODER.raw_decode(text, 0)
-    except _DuplicateKey as e:
-        raise FormatError(f"{path}: JSON header has the key {e.args[0]!r} more than once; "
-                          "safetensors headers must not repeat keys") from None
     except json.JSONDecodeError as e:
         raise FormatError(f"{path}: JSON header is not valid JSON at byte offset "
                           f"{_utf8_error_offset(raw, e.pos)}: {e.msg}") from None
@@ -228,7 +256,18 @@ def read_safetensors_index(MappedFile m not None):
     if end_pos != len(text):
         raise FormatError(f"{path}: JSON header has extra data after the top-level object at byte offset "
                           f"{_utf8_error_offset(raw, end_pos)}; only spaces (0x20) may pad it")
-    _refuse_negative_zero(raw, path)
+    scan = _scan(raw)
+    if scan.pairs != _count_pairs(header):
+        try:
+            _DECODER_NAMING_DUPLICATES.raw_decode(text, 0)
+        except _DuplicateKey as e:
+            raise FormatError(f"{path}: JSON header has the key {e.args[0]!r} more than once; "
+                              "safetensors headers must not repeat keys") from None
+        raise AssertionError("pair count and parse disagree without a repeated key")  # unreachable
+    if scan.negative_zero >= 0:
+        # Python reads -0 as the int 0; the reference sees a float and refuses it.
+        raise FormatError(f"{path}: JSON header has the number -0 at byte offset {8 + scan.negative_zero}; "
+                          "sizes and offsets must be non-negative integers")
 
     # -- __metadata__ --------------------------------------------------------------------------
     metadata = header.pop("__metadata__", None)
@@ -240,73 +279,83 @@ def read_safetensors_index(MappedFile m not None):
             if type(value) is not str:
                 raise FormatError(f"{path}: __metadata__[{key!r}] must be a string, got "
                                   f"{type(value).__name__} {value!r:.80}")
-            _check_utf8(key, path, "__metadata__ key")
-            _check_utf8(value, path, f"__metadata__[{key!r}]")
+            if scan.surrogate_escape:
+                _check_utf8(key, path, "__metadata__ key")
+                _check_utf8(value, path, f"__metadata__[{key!r}]")
 
     # -- tensor entries ------------------------------------------------------------------------
+    # Messages are built only on failure: headers can hold 100k+ tensors.
     entries = []
     for name, entry in header.items():
-        where = f"tensor {name!r}"
-        _check_utf8(name, path, "tensor name")
+        if scan.surrogate_escape:
+            _check_utf8(name, path, "tensor name")
         if type(entry) is not dict:
-            raise FormatError(f"{path}: {where}: expected an object with dtype, shape and data_offsets, got "
-                              f"{type(entry).__name__} {entry!r:.80}")
-        if len(entry) != 3 or "dtype" not in entry or "shape" not in entry or "data_offsets" not in entry:
-            raise FormatError(f"{path}: {where}: expected exactly the keys ['data_offsets', 'dtype', 'shape'], "
-                              f"got {sorted(entry)!r}")
+            raise FormatError(f"{path}: tensor {name!r}: expected an object with dtype, shape and data_offsets, "
+                              f"got {type(entry).__name__} {entry!r:.80}")
+        if len(<dict>entry) != 3 or "dtype" not in entry or "shape" not in entry or "data_offsets" not in entry:
+            raise FormatError(f"{path}: tensor {name!r}: expected exactly the keys ['data_offsets', 'dtype', "
+                              f"'shape'], got {sorted(entry)!r}")
         dtype_name = entry["dtype"]
-        if type(dtype_name) is not str:
-            raise FormatError(f"{path}: {where}: dtype must be a string, got {dtype_name!r:.80}")
-        dtype = NUMPY_DTYPES.get(dtype_name)
+        dtype = NUMPY_DTYPES.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
-            raise FormatError(f"{path}: {where}: {unsupported_dtype_message(dtype_name)}")
+            if type(dtype_name) is not str:
+                raise FormatError(f"{path}: tensor {name!r}: dtype must be a string, got {dtype_name!r:.80}")
+            raise FormatError(f"{path}: tensor {name!r}: {unsupported_dtype_message(dtype_name)}")
         shape_json = entry["shape"]
         if type(shape_json) is not list:
-            raise FormatError(f"{path}: {where}: shape must be a list of non-negative integers, got "
+            raise FormatError(f"{path}: tensor {name!r}: shape must be a list of non-negative integers, got "
                               f"{shape_json!r:.80}")
         offsets = entry["data_offsets"]
-        if type(offsets) is not list or len(offsets) != 2:
-            raise FormatError(f"{path}: {where}: data_offsets must be a list [begin, end], got {offsets!r:.80}")
-        begin = _checked_int(offsets[0], _INT64_MAX, path, f"{where}: data_offsets[0]")
-        end = _checked_int(offsets[1], _INT64_MAX, path, f"{where}: data_offsets[1]")
+        if type(offsets) is not list or len(<list>offsets) != 2:
+            raise FormatError(f"{path}: tensor {name!r}: data_offsets must be a list [begin, end], got "
+                              f"{offsets!r:.80}")
+        for k in range(2):
+            problem = _int_problem(offsets[k], _INT64_MAX)
+            if problem is not None:
+                raise FormatError(f"{path}: tensor {name!r}: data_offsets[{k}]: {problem}")
+        begin = offsets[0]
+        end = offsets[1]
         if end < begin:
-            raise FormatError(f"{path}: {where}: data_offsets [{begin}, {end}] end before they begin")
+            raise FormatError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] end before they begin")
         entries.append((begin, end, name, dtype_name, dtype, shape_json))
 
     # -- offsets, sizes ------------------------------------------------------------------------
-    # Sorting by (begin, end) as the reference reader does; names break ties so the order is total.
-    entries.sort(key=lambda e: (e[0], e[1], e[2]))
+    # Sorted by (begin, end) as the reference reader does; names are unique, so ties end there.
+    entries.sort()
     tensors = []
     expected_begin = 0
     for begin, end, name, dtype_name, dtype, shape_json in entries:
-        where = f"tensor {name!r}"
         if begin != expected_begin:
             kind = "a hole" if begin > expected_begin else "an overlap"
             raise FormatError(
-                f"{path}: {where}: data_offsets [{begin}, {end}] leave {kind} in the data section: expected "
-                f"begin {expected_begin} (absolute byte {data_start + expected_begin}), got {begin} (absolute "
-                f"byte {data_start + begin}); tensors must be contiguous from 0 without holes or overlaps")
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] leave {kind} in the data section: "
+                f"expected begin {expected_begin} (absolute byte {data_start + expected_begin}), got {begin} "
+                f"(absolute byte {data_start + begin}); tensors must be contiguous from 0 without holes or overlaps")
         if end > data_len:
             raise FormatError(
-                f"{path}: {where}: data_offsets [{begin}, {end}] reach absolute byte {data_start + end}, past "
-                f"the end of the file ({size} bytes; the data section has {data_len}) (file seems truncated?)")
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] reach absolute byte {data_start + end}, "
+                f"past the end of the file ({size} bytes; the data section has {data_len}) (file seems truncated?)")
         # Element count with overflow checks in 64-bit, as the reference does with usize.
-        ndim = len(shape_json)
+        ndim = len(<list>shape_json)
         count = 1
         for i in range(ndim):
-            dim = _checked_int(shape_json[i], _INT64_MAX, path, f"{where}: shape[{i}]")
+            value = (<list>shape_json)[i]
+            problem = _int_problem(value, _INT64_MAX)
+            if problem is not None:
+                raise FormatError(f"{path}: tensor {name!r}: shape[{i}]: {problem}")
+            dim = value
             if dim != 0 and count > _INT64_MAX // dim:
-                raise FormatError(f"{path}: {where}: shape {shape_json!r:.200} overflows a 64-bit element count "
-                                  f"at shape[{i}]")
+                raise FormatError(f"{path}: tensor {name!r}: shape {shape_json!r:.200} overflows a 64-bit element "
+                                  f"count at shape[{i}]")
             count *= dim
         itemsize = dtype.itemsize
         if count > _INT64_MAX // itemsize:
-            raise FormatError(f"{path}: {where}: shape {shape_json!r:.200} of {dtype_name} overflows a 64-bit "
-                              "byte count")
+            raise FormatError(f"{path}: tensor {name!r}: shape {shape_json!r:.200} of {dtype_name} overflows a "
+                              "64-bit byte count")
         nbytes = count * itemsize
         if end - begin != nbytes:
             raise FormatError(
-                f"{path}: {where}: shape {shape_json!r:.200} of {dtype_name} needs {nbytes} bytes, but "
+                f"{path}: tensor {name!r}: shape {shape_json!r:.200} of {dtype_name} needs {nbytes} bytes, but "
                 f"data_offsets [{begin}, {end}] hold {end - begin} (absolute bytes [{data_start + begin}, "
                 f"{data_start + end}))")
         tensors.append(TensorInfo(name, dtype, tuple(shape_json), data_start + begin, nbytes))
