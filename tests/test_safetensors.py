@@ -553,6 +553,8 @@ CORRUPTIONS = {
     "duplicate-entry-key": (b'{"a":{"dtype":"U8","dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b"\x00\x00", b"", None,
                             "the key 'dtype' more than once"),
     "duplicate-metadata-key": (b'{"__metadata__":{"k":"1","k":"2"}}', b"", b"", None, "the key 'k' more than once"),
+    "duplicate-in-nested-list": (b'{"a":{"dtype":"U8","shape":[{"x":1,"x":2}],"data_offsets":[0,2]}}', b"\x00\x00", b"",
+                                 None, "the key 'x' more than once"),
     "metadata-int-value": ({"__metadata__": {"k": 1}}, b"", b"", None, r"__metadata__\['k'\] must be a string, got int 1"),
     "metadata-null-value": ({"__metadata__": {"k": None}}, b"", b"", None, r"__metadata__\['k'\] must be a string"),
     "metadata-nested": ({"__metadata__": {"k": {"x": "y"}}}, b"", b"", None, r"__metadata__\['k'\] must be a string, got dict"),
@@ -642,3 +644,19 @@ def test_docs_page_has_the_same_text_as_the_module_docstring():
     docstring = re.sub(r":(?:class|func):`~?[\w.]*?(\w+)`", r"\1", module.__doc__)
     words = lambda text: re.findall(r"\w+", text)  # noqa: E731
     assert words(page) == words(docstring)
+
+
+@pytest.mark.parametrize("name", ['a":b', "x\\\":-0", "-0", "k:\\u0041", "😀:", "\ud7ff\ue000"])
+def test_names_and_metadata_may_hold_json_punctuation(tmp_path, name):
+    path = tmp_path / "p.safetensors"
+    save_safetensors(path, {name: np.arange(3, dtype=np.int8), "b": np.zeros(1, np.int8)}, {name: name + ":-0"})
+    got, metadata, _ = load(path)
+    assert metadata == {name: name + ":-0"}
+    assert_exact(got[name], np.arange(3, dtype=np.int8))
+
+
+def test_escaped_surrogate_pairs_are_valid_names(tmp_path):
+    header = b'{"\\ud83d\\ude00":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    path = raw_file(tmp_path, header, b"\x07", _pad8(header))
+    got, _, _ = load(path)
+    assert list(got) == ["\U0001f600"]
