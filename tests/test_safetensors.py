@@ -416,20 +416,23 @@ def test_empty_file_of_tensors(tmp_path):
 class _FailsOnSecondConversion:
     """Converts once (the header pass) and fails when its bytes are due, after others were written."""
 
-    def __init__(self):
+    def __init__(self, error=None):
         self.calls = 0
+        self.error = error or RuntimeError("source went away")
 
     def __array__(self, dtype=None, copy=None):
         self.calls += 1
         if self.calls > 1:
-            raise RuntimeError("source went away")
+            raise self.error
         return np.zeros(4, np.uint8)
 
 
-def test_failure_mid_save_leaves_no_file_and_no_temporary(tmp_path):
+@pytest.mark.parametrize("error", [RuntimeError("source went away"), KeyboardInterrupt(),
+                                   OSError(28, "No space left on device")], ids=["error", "interrupt", "disk-full"])
+def test_failure_mid_save_leaves_no_file_and_no_temporary(tmp_path, error):
     path = tmp_path / "f.safetensors"
-    with pytest.raises(RuntimeError, match="source went away"):
-        save_safetensors(path, {"a": np.ones(1 << 16, np.float64), "z": _FailsOnSecondConversion()})
+    with pytest.raises(type(error)):
+        save_safetensors(path, {"a": np.ones(1 << 16, np.float64), "z": _FailsOnSecondConversion(error)})
     assert list(tmp_path.iterdir()) == []
 
 
