@@ -14,7 +14,9 @@ markdown tables, for
   ``safetensors.safe_open(framework="numpy")`` + ``enqueue_copy`` per tensor
   into buffers already allocated; ``np.load`` + a new ``cl.Buffer`` per tensor.
 
-Per-tensor baselines enqueue non-blocking copies and wait once at the end
+Paths are timed round-robin (one run of each per round, ``--repeat``
+rounds) so that changes in machine load hit them alike. Per-tensor baselines
+enqueue non-blocking copies and wait once at the end
 (the fastest way to issue them); the row marked "blocking" is the common
 ``is_blocking=True`` loop. After the tables it reports the pool's misses over
 the repeated loads (0 means nothing was allocated), the device bytes the pool
@@ -37,10 +39,12 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["main", "configure", "run", "bench_case"]
+__all__ = ["main", "configure", "run", "bench_case", "interleaved_medians"]
 
 CASES = {"a": ("512 MiB in 64 float32 tensors", 64, 2**21), "b": ("1000 float32 tensors of 4 KiB", 1000, 1024)}
 QUICK = {"a": ("16 MiB in 64 float32 tensors", 64, 2**16), "b": ("200 float32 tensors of 4 KiB", 200, 1024)}
+
+SETTLE = 0.005  # seconds of idle before each timed run (see interleaved_medians)
 
 POOLED = "fastckpt: load_file(path), warm pool (file kept open by the pool)"
 POOLED_TOUCH = "fastckpt: load_file(path), warm pool, then every Tensor view made"
@@ -53,19 +57,6 @@ SAFETENSORS = "safetensors safe_open + enqueue_copy per tensor"
 SAFETENSORS_BLOCKING = "safetensors safe_open + blocking enqueue_copy per tensor"
 NPLOAD = "np.load + a new cl.Buffer per tensor"
 OPEN_ONLY = "fastckpt.open alone (parse the index)"
-
-
-def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _fmt(seconds: float) -> str:
@@ -98,6 +89,32 @@ def _fixtures(tmp: str, key: str, n: int, elems: int, fmt: str) -> tuple[dict, s
     return tensors, main_path, st_path, np_path
 
 
+def interleaved_medians(paths: list[tuple[str, Callable[[], object], int]], repeat: int) -> list[tuple[str, float]]:
+    """Median seconds per path, timing the paths round-robin (one run of each per round).
+
+    On a shared machine the load changes over seconds; interleaving spreads its
+    phases over every path alike, so the ratios stay meaningful. Each path is run
+    once untimed first; a path with a cap of ``k`` runs takes part in ``k`` rounds.
+    Every timed run follows ``gc.collect()`` and ``SETTLE`` seconds of idle: on
+    pocl a copy issued straight after a collection was measured several
+    milliseconds slower (4.7 ms instead of 0.3 ms for 4 MiB from a mapped file),
+    an effect of the collection, not of the path being timed.
+    """
+    for _, fn, _cap in paths:
+        fn()
+    times: dict[str, list[float]] = {label: [] for label, _, _ in paths}
+    for round_number in range(repeat):
+        for label, fn, cap in paths:
+            if round_number >= cap:
+                continue
+            gc.collect()
+            time.sleep(SETTLE)
+            t0 = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - t0)
+    return [(label, statistics.median(times[label])) for label, _, _ in paths]
+
+
 def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, repeat: int, dev) -> tuple[str, dict]:
     """Time every path on one fixture; returns the markdown and the facts the targets are checked on."""
     import pyopencl as cl
@@ -111,19 +128,18 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
     nbytes = sum(a.nbytes for a in tensors.values())
     rw = cl.mem_flags.READ_WRITE
     buffers = {name: cl.Buffer(ctx, rw, a.nbytes) for name, a in tensors.items()}
-    rows: list[tuple[str, float]] = []
+    flat = np.concatenate([a.reshape(-1) for a in tensors.values()])
+    one = cl.Buffer(ctx, rw, flat.nbytes)
+    paths: list[tuple[str, Callable[[], object], int]] = []
+    every = repeat
 
     def bound():
         for name, a in tensors.items():
             cl.enqueue_copy(queue, buffers[name], a, is_blocking=False)
         queue.finish()
 
-    rows.append((BOUND, median_time(bound, repeat)))
-
-    flat = np.concatenate([a.reshape(-1) for a in tensors.values()])
-    one = cl.Buffer(ctx, rw, flat.nbytes)
-    rows.append((BOUND_ONE, median_time(lambda: cl.enqueue_copy(queue, one, flat, is_blocking=True), repeat)))
-    del one, flat
+    paths.append((BOUND, bound, every))
+    paths.append((BOUND_ONE, lambda: cl.enqueue_copy(queue, one, flat, is_blocking=True), every))
 
     pool = PersistentBufferPool(ctx, queue)
     load_file(path, queue, pool=pool)  # the first load fills the pool
@@ -132,33 +148,20 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
     def pooled():
         load_file(path, queue, pool=pool)
 
-    def pooled_fresh():
-        with fastckpt.open(path) as tf:
-            load_file(tf, queue, pool=pool)
-
     def pooled_touch():
         loaded = load_file(path, queue, pool=pool)
         for name in loaded:
             loaded[name]
 
-    rows.append((POOLED, median_time(pooled, repeat)))
-    rows.append((POOLED_TOUCH, median_time(pooled_touch, repeat)))
-    rows.append((POOLED_FRESH, median_time(pooled_fresh, repeat)))
-    stats = pool.stats
-    facts = {"repeat_misses": stats.misses - misses_before, "pool_bytes_allocated": stats.bytes_allocated,
-             "pool_allocations": stats.allocations, "nbytes": nbytes}
-    check = load_file(path, queue, pool=pool)
-    facts["copies"] = check.report.copies
-    facts["exact"] = all(check[k].to_host().tobytes() == tensors[k].tobytes() for k in (next(iter(tensors)), f"t{n - 1:04d}"))
-    del check
+    def pooled_fresh():
+        with fastckpt.open(path) as tf:
+            load_file(tf, queue, pool=pool)
 
+    paths += [(POOLED, pooled, every), (POOLED_TOUCH, pooled_touch, every), (POOLED_FRESH, pooled_fresh, every)]
     if dev.host_unified_memory:
-        def zero_copy():
-            load_file(path, queue, zero_copy=True)
-
-        rows.append((ZERO_COPY, median_time(zero_copy, repeat)))
-    rows.append((UNPOOLED, median_time(lambda: load_file(path, queue), repeat)))
-    rows.append((OPEN_ONLY, median_time(lambda: fastckpt.open(path).close(), repeat)))
+        paths.append((ZERO_COPY, lambda: load_file(path, queue, zero_copy=True), every))
+    paths.append((UNPOOLED, lambda: load_file(path, queue), every))
+    paths.append((OPEN_ONLY, lambda: fastckpt.open(path).close(), every))
 
     try:
         from safetensors import safe_open
@@ -173,8 +176,8 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
                 queue.finish()
             return run_once
 
-        rows.append((SAFETENSORS, median_time(safetensors_load(False), repeat)))
-        rows.append((SAFETENSORS_BLOCKING, median_time(safetensors_load(True), repeat)))
+        paths.append((SAFETENSORS, safetensors_load(False), every))
+        paths.append((SAFETENSORS_BLOCKING, safetensors_load(True), every))
 
     def npload():
         flags = rw | cl.mem_flags.COPY_HOST_PTR
@@ -183,9 +186,18 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
         queue.finish()
         return out
 
-    rows.append((NPLOAD, median_time(npload, max(1, min(repeat, 3)))))
-    times = dict(rows)
-    facts["times"] = times
+    paths.append((NPLOAD, npload, max(1, min(repeat, 3))))  # slow: three runs are enough
+    rows = interleaved_medians(paths, repeat)
+    del one, flat
+
+    stats = pool.stats
+    facts = {"repeat_misses": stats.misses - misses_before, "pool_bytes_allocated": stats.bytes_allocated,
+             "pool_allocations": stats.allocations, "nbytes": nbytes}
+    check = load_file(path, queue, pool=pool)
+    facts["copies"] = check.report.copies
+    facts["exact"] = all(check[k].to_host().tobytes() == tensors[k].tobytes() for k in tensors)
+    del check
+    facts["times"] = dict(rows)
     title = f"({key}) {label}, {fmt}, {_fmt_bytes(nbytes)}, device {dev.name}"
     return _table(title, rows, nbytes, BOUND), facts
 
