@@ -21,6 +21,10 @@ allocator protocol are plain ``pyopencl.Buffer`` objects, which cannot carry
 weak references; the pool notices that they were dropped by their reference
 count, at its next miss, :meth:`~PersistentBufferPool.collect` or ``stats``.
 
+Files: a pool also keeps the last few files loaded through it open
+(:class:`OpenFiles`, revalidated with ``os.stat`` on every load), so a reload
+neither parses the index nor maps the file again.
+
 Memory bounds: with ``max_bytes`` the pool evicts idle buffers, least recently
 used first, to keep what it holds under the bound; a request that cannot fit
 even then is still served (memory in use cannot be freed) and its buffer is
