@@ -5,7 +5,8 @@ them are gone and hands them to the next request that fits. Two kinds of
 request share one store of buffers:
 
 - **arenas** (:meth:`PersistentBufferPool.arena`): one allocation for a file's
-  whole tensor-data region; the tensors are ``(buffer, offset)`` views into it.
+  whole tensor-data region (rounded up by at most 1.6 %, :func:`arena_size`);
+  the tensors are ``(buffer, offset)`` views into it.
   A later load takes the *best fitting* idle buffer (the smallest one at least
   as large as its region, wasting at most half of it), so reloading the same
   or a same-shaped model is a hit and costs no allocation.
@@ -60,7 +61,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "OpenFiles", "size_class"]
+__all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "OpenFiles", "size_class", "arena_size"]
 
 MIN_CLASS = 256
 # An idle buffer serves a single-buffer request up to this factor above its size class (borrowing from
@@ -85,6 +86,18 @@ def size_class(nbytes: int) -> int:
         return MIN_CLASS
     step = 1 << max(0, (nbytes - 1).bit_length() - 4)
     return (nbytes + step - 1) & -step
+
+
+def arena_size(nbytes: int) -> int:
+    """The size an arena for ``nbytes`` is allocated with: at most 1/64 (1.6 %) more, in 4 KiB steps.
+
+    Finer than :func:`size_class`: arenas are large, and 12.5 % of a model is too much to waste.
+
+    >>> [arena_size(n) for n in (1, 4096, 4097, 10**6, 512 * 2**20 + 1)]
+    [4096, 4096, 8192, 1007616, 545259520]
+    """
+    step = max(4096, 1 << max(0, (nbytes - 1).bit_length() - 7))
+    return (max(nbytes, 1) + step - 1) // step * step
 
 
 def _refs(obj) -> int:
@@ -338,7 +351,7 @@ class PersistentBufferPool:
         """
         nbytes = _check_size(nbytes)
         need = max(nbytes, 1)
-        alloc = size_class(need)
+        alloc = arena_size(need)
         if self.max_alloc_size is not None and alloc > self.max_alloc_size:
             alloc = max(need, self.max_alloc_size - self.max_alloc_size % self.base_align)
         return self._request(nbytes, need, max(int(need * _ARENA_SLACK), alloc), alloc)

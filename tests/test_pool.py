@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from fastckpt.pool import MIN_CLASS, PersistentBufferPool, PoolBuffer, size_class
+from fastckpt.pool import MIN_CLASS, PersistentBufferPool, PoolBuffer, arena_size, size_class
 
 
 class FakeBuffer:
@@ -70,6 +70,13 @@ def test_size_classes_are_monotone_and_geometric():
     classes = sorted({size_class(n) for n in range(1, 1 << 16, 7)})
     per_octave = [sum(1 for c in classes if 2**k < c <= 2**(k + 1)) for k in range(9, 15)]
     assert per_octave == [8] * 6
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 10**6, 3 * 2**20 + 1, 2**29 + 1, 2**31 - 1, 10**10])
+def test_arena_size_pads_at_most_one_sixty_fourth(n):
+    a = arena_size(n)
+    assert a >= n and a % 4096 == 0
+    assert a - n < max(4096, n // 64 + 1)
 
 
 # -- hits, misses, returns ---------------------------------------------------------------------
