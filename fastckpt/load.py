@@ -374,6 +374,9 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         from fastckpt.device import default
 
         queue = default().queue
+    if pool is not None and pool.context is not None and queue.context != pool.context:
+        raise ValueError("the queue and the pool belong to different OpenCL contexts; make the pool with "
+                         "PersistentBufferPool(queue.context, queue)")
     if isinstance(names, str):
         raise TypeError("names must be a list of tensor names, not a single string")
     if names is not None:

@@ -430,6 +430,17 @@ def test_empty_file_and_empty_tensors(tmp_path, dev, pool):
 
 
 @pytest.mark.device
+def test_queue_and_pool_must_share_a_context(tmp_path, dev, pool):
+    import pyopencl as cl
+
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(41), fsync=False)
+    other = cl.CommandQueue(cl.Context([dev.device]))
+    with pytest.raises(ValueError, match="different OpenCL contexts"):
+        load_file(path, other, pool=pool)
+
+
+@pytest.mark.device
 def test_source_must_be_a_path_or_tensorfile(dev):
     with pytest.raises(TypeError, match="path or an open fastckpt.TensorFile"):
         load_file(b"\x00" * 10, dev.queue)
