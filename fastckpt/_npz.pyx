@@ -635,10 +635,12 @@ class _Inflater:
     def prefix(self, want):
         """The first ``want`` bytes of the inflated member (fewer if the stream ends first)."""
         z = self.z
-        while len(self.out) < want:
+        # Stop at the stream's end: zlib keeps a stale unconsumed_tail after it, and feeding that again
+        # would loop for ever.
+        while len(self.out) < want and not z.eof:
             if z.unconsumed_tail:
                 piece = z.unconsumed_tail
-            elif self.pos < self.end and not z.eof:
+            elif self.pos < self.end:
                 n = min(self.PIECE, self.end - self.pos)
                 piece = self.m.read(self.pos, n, self.what)
                 self.pos += n

@@ -6,6 +6,7 @@ import os
 import struct
 import tracemalloc
 import warnings
+import zlib
 import zipfile
 from pathlib import Path
 
@@ -995,3 +996,35 @@ def test_docs_page_is_the_module_docstring():
     doc = Path(__file__).parent.parent / "docs" / "formats" / "npz.md"
     text = doc.read_text()
     assert npz.__doc__.strip() in text
+
+
+def raw_zip(members) -> bytes:
+    """A minimal ZIP of (name, method, data, uncompressed size, crc) members, exactly as given."""
+    out, central = b"", b""
+    for name, method, data, usize, crc in members:
+        raw = name.encode()
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0x21, crc, len(data), usize,
+                               len(raw), 0, 0, 0, 0, 0, len(out)) + raw
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(data), usize, len(raw), 0)
+        out += raw + data
+    return out + central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(members), len(members), len(central),
+                                       len(out), 0)
+
+
+def test_deflate_stream_that_ends_inside_the_npy_header_with_bytes_after_it(tmp_path):
+    # Found by the fuzzer: a stream that ends early, followed by more bytes, once made the header read loop.
+    member = npy_bytes(np.arange(30))
+    c = zlib.compressobj(wbits=-15)
+    stream = c.compress(member[:49]) + c.flush() + b"\x00" * 70000
+    data = raw_zip([("a.npy", 8, stream, len(member), zlib.crc32(member))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotZeroCopyWarning)
+        expect_format_error(tmp_path, data, r"member 'a\.npy'.*expected a 128-byte npy header, got 49 bytes")
+
+
+def test_raw_zip_helper_builds_readable_archives(tmp_path):
+    member = npy_bytes(np.arange(30))
+    stored = raw_zip([("a.npy", 0, member, len(member), zlib.crc32(member))])
+    (tmp_path / "ok.npz").write_bytes(stored)
+    got, _ = read_all(tmp_path / "ok.npz")
+    assert same(got["a"], np.arange(30))
