@@ -388,7 +388,9 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         report = LoadReport(path=tf.path, format=tf.format, mode="pool" if pool is not None else "per-tensor",
                             tensors=len(plan.selected), file_reused=file_reused)
         device = queue.device
-        limit = pool.max_alloc_size if pool is not None else int(device.max_mem_alloc_size)
+        limit = int(device.max_mem_alloc_size)
+        if pool is not None and pool.max_alloc_size is not None:
+            limit = min(limit, pool.max_alloc_size)
         mapped = tf.mapped
         direct, decoded, empty = plan.direct, plan.decoded, plan.empty
         tensors: dict = {}
