@@ -31,7 +31,7 @@ cdef int64_t _INT64_MAX = 0x7FFFFFFFFFFFFFFF
 
 # Every dtype of the reference implementation, in its declaration order. The
 # reference writer orders tensors by this rank, descending, then by name;
-# fastckpt's writer does the same (see WRITE_ORDER in fastckpt/safetensors.py).
+# fastckpt's writer does the same (see save_safetensors in fastckpt/safetensors.py).
 DTYPE_NAMES = (
     "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
     "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
@@ -39,7 +39,8 @@ DTYPE_NAMES = (
 )
 DTYPE_RANK = {name: rank for rank, name in enumerate(DTYPE_NAMES)}
 
-# safetensors dtype -> numpy dtype (little-endian). Every entry has one element per byte or more.
+# safetensors dtype -> numpy dtype: little-endian (ml_dtypes types are native-order, which is
+# little-endian on x86-64 and AArch64 hosts). Each has one element per byte or more.
 NUMPY_DTYPES = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype("<u1"),
@@ -68,7 +69,7 @@ SUB_BYTE_DTYPES = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 def unsupported_dtype_message(name):
     """Why a safetensors dtype string cannot be read, for error messages."""
-    if name in SUB_BYTE_DTYPES:
+    if isinstance(name, str) and name in SUB_BYTE_DTYPES:
         bits = SUB_BYTE_DTYPES[name]
         return (f"dtype {name!r} packs {bits}-bit elements several to a byte; numpy cannot view it in place "
                 "(ml_dtypes' 4- and 6-bit floats store one element per byte), so fastckpt does not read it")

@@ -117,7 +117,7 @@ def test_dtype_to_safetensors_ignores_byte_order_and_aliases(dtype, name):
 
 @pytest.mark.parametrize("name,match", [("F4", "packs 4-bit"), ("F6_E2M3", "packs 6-bit"), ("F6_E3M2", "packs 6-bit"),
                                         ("F32 ", "unknown dtype 'F32 '"), ("f32", "unknown dtype 'f32'"),
-                                        ("C128", "unknown dtype")])
+                                        ("C128", "unknown dtype"), (["F32"], "unknown dtype"), (None, "unknown dtype")])
 def test_dtype_from_safetensors_refuses_unreadable_names(name, match):
     with pytest.raises(ValueError, match=match):
         dtype_from_safetensors(name)

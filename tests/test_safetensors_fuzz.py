@@ -121,7 +121,7 @@ def _mutate(blob: bytes, mutations) -> bytes:
             data[:8] = struct.pack("<Q", a)
         elif kind == "length_delta":
             (n,) = struct.unpack("<Q", bytes(data[:8]).ljust(8, b"\0"))
-            data[:8] = struct.pack("<Q", max(0, n + a))
+            data[:8] = struct.pack("<Q", min(max(0, n + a), 2**64 - 1))
         elif not data:
             continue
         elif kind == "set":
