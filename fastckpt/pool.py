@@ -207,8 +207,8 @@ class PersistentBufferPool:
 
     ``context`` is the pyopencl context to allocate in (read-write buffers);
     ``allocator`` replaces that with any callable ``nbytes -> buffer`` (used to
-    test the bookkeeping without a device; the buffer needs only a ``size``
-    attribute or a ``len``). ``max_bytes`` bounds the memory held (None: no
+    test the bookkeeping without a device; the pool keeps sizes itself, so the
+    buffer can be any object). ``max_bytes`` bounds the memory held (None: no
     bound but the device's). ``max_alloc_size`` is the largest single
     allocation (default: the device's ``max_mem_alloc_size``; None without a
     context); loads split regions larger than it. ``keep_files`` is how many
