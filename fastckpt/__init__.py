@@ -36,6 +36,7 @@ _LAZY = {
     "TensorInfo": "fastckpt._info",
     "MappedFile": "fastckpt._mapped",
     "save_npz": "fastckpt.npz",
+    "NpzWriter": "fastckpt.npz",
     "save_safetensors": "fastckpt.safetensors",
     "load_file": "fastckpt.load",
     "LoadedTensors": "fastckpt.load",

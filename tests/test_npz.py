@@ -1027,3 +1027,51 @@ def test_raw_zip_helper_builds_readable_archives(tmp_path):
     (tmp_path / "ok.npz").write_bytes(stored)
     got, _ = read_all(tmp_path / "ok.npz")
     assert same(got["a"], np.arange(30))
+
+
+def test_saving_over_a_mapped_file_leaves_its_views_intact(tmp_path):
+    path = tmp_path / "m.npz"
+    save_npz(path, {"w": np.arange(1000, dtype=np.int64)})
+    with MappedFile(path) as m:
+        [info] = read_npz_index(m)
+        view = read_member(m, info)
+        save_npz(path, {"w": np.zeros(1000, dtype=np.int64)})  # a new inode replaces the old name
+        assert same(view, np.arange(1000, dtype=np.int64))
+    got, _ = read_all(path)
+    assert same(got["w"], np.zeros(1000, dtype=np.int64))
+
+
+@pytest.mark.slow
+def test_real_zip64_member_over_2_gib(tmp_path):
+    size = (1 << 31) + 4096 * 3 + 5  # past zipfile's ZIP64_LIMIT, not a multiple of anything convenient
+    src = tmp_path / "src.bin"
+    with open(src, "wb") as f:  # sparse: the source costs no memory or disk
+        f.truncate(size)
+    big = np.memmap(src, dtype=np.uint8, mode="r", shape=(size,))
+    path = tmp_path / "big.npz"
+    save_npz(path, {"small": np.arange(3), "big": big, "after": np.arange(4)}, fsync=False)
+    with zipfile.ZipFile(path) as zf:
+        assert [(i.filename, i.file_size) for i in zf.infolist()] == [
+            ("small.npy", 128 + 24), ("big.npy", 128 + size), ("after.npy", 128 + 32)]
+        assert np.array_equal(np.load(io.BytesIO(zf.read("after.npy"))), np.arange(4))
+    with MappedFile(path) as m:
+        infos = read_npz_index(m)
+        assert [(i.name, i.nbytes) for i in infos] == [("small", 24), ("big", size), ("after", 32)]
+        assert all(i.offset % 4096 == 0 for i in infos)
+        for info in infos:
+            verify_member(m, info)
+        assert same(read_member(m, infos[2]), np.arange(4))
+
+
+@pytest.mark.slow
+def test_real_zip64_entry_count(tmp_path):
+    n = 0xFFFF + 2
+    path = tmp_path / "many.npz"
+    save_npz(path, ((f"t{i}", np.int32(i)) for i in range(n)), alignment=1, fsync=False)
+    data = path.read_bytes()
+    assert data[-42:-38] == b"PK\x06\x07" and struct.unpack_from("<HH", data, len(data) - 22 + 8) == (0xFFFF, 0xFFFF)
+    with zipfile.ZipFile(path) as zf:
+        assert len(zf.infolist()) == n
+    with MappedFile(path) as m:
+        infos = read_npz_index(m)
+        assert len(infos) == n and same(read_member(m, infos[-1]), np.int32(n - 1))
