@@ -102,7 +102,9 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
     written: the prefix for TensorFlow), ``tensors`` (how many), ``skipped``
     (string tensors left out with ``skip_unsupported``) and ``dropped``
     (bookkeeping left out: the object graph, or metadata a TensorFlow
-    checkpoint cannot hold). ``object_graph``, ``num_shards`` and
+    checkpoint cannot hold) and ``needs_object_graph`` (object-based keys were
+    written without a graph, which ``tf.train.Checkpoint.restore`` needs).
+    ``object_graph``, ``num_shards`` and
     ``data_alignment`` apply to TensorFlow destinations.
     """
     fmt = destination_format(dst, to)
@@ -150,8 +152,11 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
                 if source.metadata:
                     dropped.append("metadata")
                 fastckpt.save_npz(dst, tensors, fsync=fsync)
+        # Object-style keys without a graph restore nothing in tf.train.Checkpoint.restore, silently.
+        needs_graph = (fmt == "tf" and not object_graph and OBJECT_GRAPH_KEY not in names
+                       and any("/.ATTRIBUTES/" in n for n in names))
         return {"source": source.format, "destination": fmt, "path": dst, "tensors": len(names),
-                "skipped": skipped, "dropped": dropped}
+                "skipped": skipped, "dropped": dropped, "needs_object_graph": needs_graph}
     finally:
         source.close()
 
@@ -189,4 +194,7 @@ def run(args) -> int:
         print(f"  left out: {what}", file=sys.stderr)
     for name in summary["skipped"]:
         print(f"  skipped string tensor: {name}", file=sys.stderr)
+    if summary["needs_object_graph"]:
+        print("  note: the keys are object-based (.../.ATTRIBUTES/...) but no object graph was written; "
+              "tf.train.Checkpoint.restore needs one: convert again with --object-graph", file=sys.stderr)
     return 0

@@ -83,7 +83,9 @@ def test_tensorflow_fixture_to_safetensors_drops_only_the_object_graph(tmp_path)
 def test_back_to_tensorflow_rebuilds_the_object_graph(tmp_path):
     src = DATA / EXPECTED["object_based"]["prefix"]
     convert(src, tmp_path / "a.safetensors", skip_unsupported=True)
-    convert(tmp_path / "a.safetensors", tmp_path / "back", object_graph=True)
+    assert convert(tmp_path / "a.safetensors", tmp_path / "plain")["needs_object_graph"]
+    summary = convert(tmp_path / "a.safetensors", tmp_path / "back", object_graph=True)
+    assert not summary["needs_object_graph"]
     with CheckpointReader(tmp_path / "back") as reader:
         graph = reader.object_graph()
         keys = {key for node in graph.nodes for _, _, key in node.attributes}

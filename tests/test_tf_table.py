@@ -315,6 +315,7 @@ def test_header_defaults_match_tensorflow():
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ_SLOW = settings(max_examples=30000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ_SLOW_FILES = settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _parse_everything(data: bytes):
@@ -379,7 +380,7 @@ def test_fuzz_parsers_never_crash_long(data):
 
 
 @pytest.mark.slow
-@FUZZ_SLOW
+@FUZZ_SLOW_FILES
 @given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=20))
 def test_fuzz_mutated_index_never_crashes_long(tmp_path_factory, edits):
     _open_unverified(tmp_path_factory, _mutate_table(INDEX_FILES[0].read_bytes(), edits))
