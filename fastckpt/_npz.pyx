@@ -17,6 +17,7 @@ offsets are compared as Python integers, which cannot overflow.
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 import dataclasses
+import re
 import sys
 import warnings
 import zlib
@@ -41,6 +42,7 @@ MAX_LITERAL_DEPTH = 16
 # An int literal longer than this cannot be a dimension of an array that fits in a file.
 MAX_INT_DIGITS = 20
 MAX_INTP = 2**63 - 1
+USUAL_HEADER_NBYTES = 256
 
 cdef uint32_t SIG_LOCAL = 0x04034B50
 cdef uint32_t SIG_CENTRAL = 0x02014B50
@@ -160,7 +162,11 @@ def parse_npy_header(data, where="", max_header_size=MAX_HEADER_SIZE):
     (dtype('>f4'), (2, 3), False, 128)
     """
     data = bytes(data)
-    total = npy_header_length(data[:12], where, max_header_size)
+    return _parse_npy(data, npy_header_length(data[:12], where, max_header_size), where, max_header_size)
+
+
+def _parse_npy(bytes data, total, where, max_header_size):
+    """parse_npy_header once the header's total length is known (and checked against the cap)."""
     if len(data) < total:
         raise FormatError(f"{_prefix(where)}expected a {total}-byte npy header, got {len(data)} bytes "
                           "(member seems truncated?)")
@@ -173,7 +179,28 @@ def parse_npy_header(data, where="", max_header_size=MAX_HEADER_SIZE):
                           f"{fixed + e.start}") from None
     if len(text) > max_header_size:
         raise _header_too_long(where, len(text), max_header_size)
-    header = _LiteralParser(text, where).parse_header()
+    canonical = _CANONICAL_HEADER.fullmatch(text)
+    if canonical is not None:
+        # The exact text numpy writes for a plain dtype; the pattern itself guarantees the value types.
+        dims = canonical.group(3).rstrip(",")
+        descr = canonical.group(1)
+        fortran_order = canonical.group(2) == "True"
+        shape = tuple([int(d) for d in dims.split(", ")]) if dims else ()
+    else:
+        descr, fortran_order, shape = _checked_header_values(_LiteralParser(text, where).parse_header(), where)
+    dtype = _descr_to_dtype(descr, where)
+    # numpy's own limit (PyArray_NewFromDescr): nonzero dimensions times the item size must fit in intp,
+    # even for an empty array.
+    nbytes = max(dtype.itemsize, 1)
+    for d in shape:
+        nbytes *= d or 1
+    if nbytes > MAX_INTP:
+        raise FormatError(f"{_prefix(where)}npy shape {shape} of {dtype} spans {nbytes} bytes, more than numpy's "
+                          f"limit of {MAX_INTP}")
+    return dtype, shape, fortran_order, total
+
+
+def _checked_header_values(dict header, where):
     if set(header) != {"descr", "fortran_order", "shape"}:
         raise FormatError(f"{_prefix(where)}npy header keys must be exactly 'descr', 'fortran_order' and 'shape', "
                           f"got {sorted(header)!r}")
@@ -186,16 +213,7 @@ def parse_npy_header(data, where="", max_header_size=MAX_HEADER_SIZE):
     fortran_order = header["fortran_order"]
     if type(fortran_order) is not bool:
         raise FormatError(f"{_prefix(where)}npy header 'fortran_order' must be True or False, got {fortran_order!r}")
-    dtype = _descr_to_dtype(header["descr"], where)
-    # numpy's own limit (PyArray_NewFromDescr): nonzero dimensions times the item size must fit in intp,
-    # even for an empty array.
-    nbytes = max(dtype.itemsize, 1)
-    for d in shape:
-        nbytes *= d or 1
-    if nbytes > MAX_INTP:
-        raise FormatError(f"{_prefix(where)}npy shape {shape} of {dtype} spans {nbytes} bytes, more than numpy's "
-                          f"limit of {MAX_INTP}")
-    return dtype, shape, fortran_order, total
+    return header["descr"], fortran_order, shape
 
 
 def _descr_to_dtype(descr, where, int depth=0):
@@ -253,6 +271,11 @@ def _descr_to_dtype(descr, where, int depth=0):
     return dtype
 
 
+# What numpy writes for every non-structured dtype, e.g.
+# "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }" + spaces + "\n". Linear to match.
+_CANONICAL_HEADER = re.compile(
+    r"\{'descr': '([<>|=]?[A-Za-z][A-Za-z0-9\[\]]{0,24})', 'fortran_order': (False|True), "
+    r"'shape': \((|[0-9]{1,20},|[0-9]{1,20}(?:, [0-9]{1,20}){1,63})\), \} *\n?")
 _WHITESPACE = " \t\r\n\f\v"
 _SIMPLE_ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "r": "\r", "t": "\t", "0": "\0",
                    "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
@@ -501,17 +524,19 @@ cdef tuple _find_end_records(MappedFile m):
 
 
 def _check_member_name(path, str name, Py_ssize_t where):
-    what = f"{path}: member {name!r} (central directory entry at offset {where})"
+    problem = None
     if "\x00" in name:
-        raise FormatError(f"{what}: name contains a NUL byte")
-    if "\\" in name:
-        raise FormatError(f"{what}: name contains a backslash; ZIP names use '/' only")
-    if name.startswith("/") or (len(name) >= 2 and name[1] == ":" and name[0].isalpha()):
-        raise FormatError(f"{what}: absolute name; expected a relative '<key>.npy'")
-    if ".." in name.split("/"):
-        raise FormatError(f"{what}: name has a '..' path component")
-    if not name.endswith(".npy"):
-        raise FormatError(f"{what}: name does not end in '.npy'; every NPZ member is '<key>.npy'")
+        problem = "name contains a NUL byte"
+    elif "\\" in name:
+        problem = "name contains a backslash; ZIP names use '/' only"
+    elif name.startswith("/") or (len(name) >= 2 and name[1] == ":" and name[0].isalpha()):
+        problem = "absolute name; expected a relative '<key>.npy'"
+    elif ".." in name.split("/"):
+        problem = "name has a '..' path component"
+    elif not name.endswith(".npy"):
+        problem = "name does not end in '.npy'; every NPZ member is '<key>.npy'"
+    if problem is not None:
+        raise FormatError(f"{path}: member {name!r} (central directory entry at offset {where}): {problem}")
 
 
 cdef list _read_central_directory(MappedFile m, uint64_t cd_offset, uint64_t cd_size, uint64_t count):
@@ -656,16 +681,17 @@ class _Inflater:
 def _member_header(MappedFile m, name, method, Py_ssize_t data_start, csize, usize, max_header_size, what):
     """(dtype, shape, fortran_order, header_nbytes) of one member's .npy header."""
     if method == METHOD_STORED:
-        head = m.read(data_start, min(csize, 12), what)
-        total = npy_header_length(head, what, max_header_size)
+        head = m.read(data_start, min(csize, USUAL_HEADER_NBYTES), what)  # one read covers numpy's usual header
+        total = npy_header_length(head[:12], what, max_header_size)
         if total > csize:
             raise FormatError(f"{what}: npy header needs {total} bytes but the member holds {csize}")
-        return parse_npy_header(m.read(data_start, total, what), what, max_header_size)
+        return _parse_npy(head if total <= len(head) else m.read(data_start, total, what), total, what,
+                          max_header_size)
     inflater = _Inflater(m, data_start, csize, what)
     total = npy_header_length(inflater.prefix(12), what, max_header_size)
     if total > usize:
         raise FormatError(f"{what}: npy header needs {total} bytes but the member inflates to {usize}")
-    return parse_npy_header(inflater.prefix(total), what, max_header_size)
+    return _parse_npy(inflater.prefix(total), total, what, max_header_size)
 
 
 def _user_stacklevel():
