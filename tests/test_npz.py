@@ -1075,3 +1075,13 @@ def test_real_zip64_entry_count(tmp_path):
     with MappedFile(path) as m:
         infos = read_npz_index(m)
         assert len(infos) == n and same(read_member(m, infos[-1]), np.int32(n - 1))
+
+
+def test_compression_warning_through_fastckpt_open_points_at_the_caller(tmp_path):
+    import fastckpt
+
+    path = compressed_npz(tmp_path)
+    with pytest.warns(NotZeroCopyWarning) as record:
+        with fastckpt.open(path) as f:
+            assert same(f["a"], np.arange(1000, dtype="<f8"))
+    assert len(record) == 1 and record[0].filename == __file__

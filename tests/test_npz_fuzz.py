@@ -159,13 +159,16 @@ def test_random_bytes_long(data, backend):
 
 # -- the .npy header parser on its own ------------------------------------------------------------
 
-HEADER_TEXT = "{'descr': [('a', '<f4'), (('t', 'n'), '>i2', (2,))], 'fortran_order': False, 'shape': (3, 4), }"
+HEADER_TEXTS = [
+    "{'descr': [('a', '<f4'), (('t', 'n'), '>i2', (2,))], 'fortran_order': False, 'shape': (3, 4), }",
+    "{'descr': '<f4', 'fortran_order': True, 'shape': (3, 4), }" + " " * 19 + "\n",  # numpy's plain-dtype form
+]
 HEADER_ALPHABET = st.sampled_from(list("{}()[]',:\"\\ -0123456789TrueFalsNonxu<>|fiUSOV" + "é\n"))
 
 
 @st.composite
 def mutated_header(draw):
-    text = list(HEADER_TEXT)
+    text = list(draw(st.sampled_from(HEADER_TEXTS)))
     for _ in range(draw(st.integers(1, 6))):
         pos = draw(st.integers(0, len(text)))
         op = draw(st.sampled_from(["replace", "insert", "delete"]))
