@@ -8,7 +8,7 @@ from fastckpt import FormatError, TensorNotFoundError
 
 TENSORS = {
     "embed.weight": np.arange(24, dtype=np.float32).reshape(4, 6),
-    "scale": np.float16(1.5) * np.ones((), np.float16),
+    "scale": np.array(1.5, dtype=np.float16),
     "mask": np.array([True, False, True]),
     "ids": np.arange(-3, 4, dtype=np.int64),
     "empty": np.zeros((0, 5), np.float64),
