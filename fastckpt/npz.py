@@ -238,7 +238,7 @@ def npy_header(dtype: np.dtype, shape: tuple, fortran_order: bool) -> bytes:
     Byte for byte what ``np.save`` writes before the data. Raises ``ValueError``
     for dtypes that ``.npy`` cannot store faithfully (objects, ml_dtypes types).
 
-    >>> npy_header(np.dtype("<f4"), (2, 3), False)[:60]
+    >>> npy_header(np.dtype("<f4"), (2, 3), False)[:69]
     b"\\x93NUMPY\\x01\\x00v\\x00{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }"
     """
     descr = _descr_of(np.dtype(dtype))
