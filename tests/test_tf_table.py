@@ -315,7 +315,7 @@ def test_header_defaults_match_tensorflow():
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ_SLOW = settings(max_examples=30000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FUZZ_SLOW_FILES = settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ_SLOW_FILES = settings(max_examples=20000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _parse_everything(data: bytes):
