@@ -389,6 +389,8 @@ class NpzWriter:
         stored in Fortran order (``fortran_order`` True), as numpy does.
         """
         if self._file is None:
+            if self._context is not None:
+                raise RuntimeError(f"{self.path}: an earlier add() failed while writing; this writer cannot continue")
             raise RuntimeError("NpzWriter.add() needs an open writer: use it inside 'with NpzWriter(path) as w:'")
         raw_name, flags = _member_name(name)
         if name in self._names:

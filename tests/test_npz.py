@@ -368,6 +368,8 @@ def test_a_failed_add_poisons_the_writer(tmp_path, monkeypatch):
             with pytest.raises(OSError):
                 w.add("b", np.ones(3))
             monkeypatch.undo()
+            with pytest.raises(RuntimeError, match="an earlier add\\(\\) failed while writing"):
+                w.add("c", np.ones(3))
     assert list(tmp_path.iterdir()) == []
 
 
