@@ -14,6 +14,7 @@ span it comes from, so a damaged file raises
 offsets are compared as Python integers, which cannot overflow.
 """
 
+from libc.string cimport memcmp
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 import dataclasses
@@ -523,6 +524,25 @@ cdef tuple _find_end_records(MappedFile m):
     return cd_offset, cd_size, count, cd_end
 
 
+cdef class _Where:
+    """Names a member for error messages; formatted only when a message is built (most never are)."""
+
+    cdef object path, name, kind
+    cdef Py_ssize_t offset
+
+    def __cinit__(self, path, name, kind, Py_ssize_t offset):
+        self.path = path
+        self.name = name
+        self.kind = kind
+        self.offset = offset
+
+    def __str__(self):
+        return f"{self.path}: member {self.name!r} ({self.kind} at offset {self.offset})"
+
+    def __format__(self, spec):
+        return format(str(self), spec)
+
+
 def _check_member_name(path, str name, Py_ssize_t where):
     problem = None
     if "\x00" in name:
@@ -581,6 +601,8 @@ cdef list _read_central_directory(MappedFile m, uint64_t cd_offset, uint64_t cd_
             except UnicodeDecodeError:
                 raise FormatError(f"{path}: central directory entry {k} at offset {at}: name {raw_name!r} is "
                                   "flagged UTF-8 but is not valid UTF-8") from None
+        elif raw_name.isascii():
+            name = raw_name.decode("ascii")  # cp437 agrees with ASCII below 0x80, and decodes far slower
         else:
             name = raw_name.decode("cp437")
         _check_member_name(path, name, at)
@@ -588,17 +610,19 @@ cdef list _read_central_directory(MappedFile m, uint64_t cd_offset, uint64_t cd_
             raise FormatError(f"{path}: member {name!r} appears twice in the central directory (again at offset "
                               f"{at}); expected unique names")
         seen.add(name)
-        what = f"{path}: member {name!r} (central directory entry at offset {at})"
+        what = _Where(path, name, "central directory entry", at)
         if flags & (FLAG_ENCRYPTED | FLAG_STRONG_ENCRYPTION | FLAG_MASKED_HEADERS):
             raise FormatError(f"{what}: encrypted (flags 0x{flags:04x}); fastckpt reads unencrypted archives only")
         if method != METHOD_STORED and method != METHOD_DEFLATED:
             raise FormatError(f"{what}: compression method {method}; expected 0 (stored) or 8 (deflate)")
 
         # zip64 extra field: the 64-bit values of exactly those fields that hold the 0xFFFFFFFF sentinel.
-        wanted = [f for f, v in (("uncompressed size", usize), ("compressed size", csize),
-                                 ("local header offset", local)) if v == 0xFFFFFFFF]
-        if disk == 0xFFFF:
-            wanted.append("disk number")
+        wanted = None
+        if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF or local == 0xFFFFFFFF or disk == 0xFFFF:
+            wanted = [f for f, v in (("uncompressed size", usize), ("compressed size", csize),
+                                     ("local header offset", local)) if v == 0xFFFFFFFF]
+            if disk == 0xFFFF:
+                wanted.append("disk number")
         if wanted:
             e = p + pos + CENTRAL_SIZE + nlen
             epos = 0
@@ -678,15 +702,23 @@ class _Inflater:
         return self.out[:want]
 
 
-def _member_header(MappedFile m, name, method, Py_ssize_t data_start, csize, usize, max_header_size, what):
-    """(dtype, shape, fortran_order, header_nbytes) of one member's .npy header."""
+def _member_header(MappedFile m, name, method, Py_ssize_t data_start, csize, usize, max_header_size, what,
+                   dict parsed):
+    """(dtype, shape, fortran_order, header_nbytes) of one member's .npy header.
+
+    ``parsed`` maps header bytes already parsed in this archive to their result: members of one
+    model share a few headers, and parsing is a pure function of the bytes.
+    """
     if method == METHOD_STORED:
         head = m.read(data_start, min(csize, USUAL_HEADER_NBYTES), what)  # one read covers numpy's usual header
         total = npy_header_length(head[:12], what, max_header_size)
         if total > csize:
             raise FormatError(f"{what}: npy header needs {total} bytes but the member holds {csize}")
-        return _parse_npy(head if total <= len(head) else m.read(data_start, total, what), total, what,
-                          max_header_size)
+        header = head[:total] if total <= len(head) else m.read(data_start, total, what)
+        result = parsed.get(header)
+        if result is None:
+            result = parsed[header] = _parse_npy(header, total, what, max_header_size)
+        return result
     inflater = _Inflater(m, data_start, csize, what)
     total = npy_header_length(inflater.prefix(12), what, max_header_size)
     if total > usize:
@@ -731,8 +763,9 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
     ranges = []  # (local header offset, data end, name): the byte range each member owns
     members = []
     compressed = 0
+    parsed = {}
     for name, raw_name, flags, method, crc, csize, usize, local_offset, at in entries:
-        what = f"{path}: member {name!r} (local header at offset {local_offset})"
+        what = _Where(path, name, "local header", local_offset)
         if local_offset + LOCAL_SIZE > cd_offset:
             raise FormatError(f"{what}: local header would end at {local_offset + LOCAL_SIZE}, inside or past the "
                               f"central directory at offset {cd_offset}")
@@ -748,7 +781,7 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
         if lmethod != method:
             raise FormatError(f"{what}: local header says compression method {lmethod}, central directory says "
                               f"{method}")
-        if m.read(local + LOCAL_SIZE, nlen, what) != raw_name:
+        if nlen != len(raw_name) or memcmp(m.span(local + LOCAL_SIZE, nlen, what), <const char*>raw_name, nlen) != 0:
             raise FormatError(f"{what}: local header names {m.read(local + LOCAL_SIZE, nlen, what)!r}, central "
                               f"directory names {raw_name!r}")
         data_start = local + LOCAL_SIZE + nlen + elen
@@ -766,7 +799,7 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
 
     for name, method, crc, csize, usize, data_start, what in members:
         dtype, shape, fortran_order, header_nbytes = _member_header(
-            m, name, method, data_start, csize, usize, max_header_size, what)
+            m, name, method, data_start, csize, usize, max_header_size, what, parsed)
         count_items = 1
         for d in shape:
             count_items *= d  # Python ints: no overflow
