@@ -204,6 +204,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct 
     _crc32 = zlib.crc32
 # Payloads at least this large get their CRC computed in the helper thread, overlapping the write.
 _PARALLEL_CRC_MIN = 1 << 22
+_JOIN_MAX = 1 << 16  # payloads up to this size go out in the same write() as their headers
 
 _SIG_LOCAL = 0x04034B50
 _SIG_CENTRAL = 0x02014B50
@@ -354,6 +355,7 @@ class NpzWriter:
         self._names: set[str] = set()
         self._central: list[bytes] = []
         self._crc_patches: list[tuple[int, int]] = []
+        self._headers: dict[tuple, bytes] = {}
         self._done = False
         self._crc_pool = None
 
@@ -388,6 +390,13 @@ class NpzWriter:
         ``array`` is anything ``np.asarray`` accepts. Fortran-ordered arrays are
         stored in Fortran order (``fortran_order`` True), as numpy does.
         """
+        arr = np.asarray(array)
+        header_start, header, payload_nbytes, fortran_order, crc = self._add(name, arr)
+        return NpzTensorInfo(name, arr.dtype, arr.shape, header_start + len(header), payload_nbytes, fortran_order,
+                             None, crc, len(header) + payload_nbytes, len(header))
+
+    def _add(self, name: str, arr: np.ndarray) -> tuple:
+        """Write one member; return (header_start, header, payload bytes, fortran_order, crc)."""
         if self._file is None:
             if self._context is not None:
                 raise RuntimeError(f"{self.path}: an earlier add() failed while writing; this writer cannot continue")
@@ -395,11 +404,13 @@ class NpzWriter:
         raw_name, flags = _member_name(name)
         if name in self._names:
             raise ValueError(f"tensor name {name!r} given twice; NPZ member names must be unique")
-        arr = np.asarray(array)
-        try:
-            header = npy_header(arr.dtype, arr.shape, _contiguous_order(arr))
-        except ValueError as e:
-            raise ValueError(f"tensor {name!r}: {e}") from None
+        key = (arr.dtype, arr.shape, _contiguous_order(arr))
+        header = self._headers.get(key)
+        if header is None:  # a model's tensors share a few headers; building one costs ~20 µs
+            try:
+                header = self._headers[key] = npy_header(*key)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r}: {e}") from None
         data, fortran_order = _contiguous(arr)
         payload = _byte_view(data)
         size = len(header) + payload.nbytes
@@ -417,13 +428,12 @@ class NpzWriter:
         size32 = 0xFFFFFFFF if zip64_size else size
         f = self._file
         self._file = None  # until this member is complete: a failed add() leaves the writer unusable
-        f.write(_LOCAL.pack(_SIG_LOCAL, version, flags, 0, _DOS_TIME, _DOS_DATE, 0, size32, size32,
-                            len(raw_name), len(extra)))
-        f.write(raw_name)
-        f.write(extra)
-        f.write(header)
         crc = _crc32(header)
         if payload.nbytes >= _PARALLEL_CRC_MIN:
+            # Large payload: its CRC is computed in a thread while the bytes are written, and
+            # patched into the local header by _finish().
+            f.write(b"".join((_LOCAL.pack(_SIG_LOCAL, version, flags, 0, _DOS_TIME, _DOS_DATE, 0, size32, size32,
+                                          len(raw_name), len(extra)), raw_name, extra, header)))
             if self._crc_pool is None:
                 self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-npz-crc")
             pending = self._crc_pool.submit(_crc32, payload, crc)
@@ -431,12 +441,19 @@ class NpzWriter:
                 f.write(payload)
             finally:
                 crc = pending.result()  # never leave the thread reading a buffer the caller may free
+            self._crc_patches.append((local_offset + 14, crc))
         else:
+            # Small payload: the CRC costs less than a patch, so the local header is final at once.
             crc = _crc32(payload, crc)
-            f.write(payload)
+            record = (_LOCAL.pack(_SIG_LOCAL, version, flags, 0, _DOS_TIME, _DOS_DATE, crc, size32, size32,
+                                  len(raw_name), len(extra)), raw_name, extra, header)
+            if payload.nbytes <= _JOIN_MAX:  # one write call per small member; copying a few KiB is cheaper
+                f.write(b"".join((*record, payload)))
+            else:
+                f.write(b"".join(record))
+                f.write(payload)
         self._file = f
         self._pos = header_start + size
-        self._crc_patches.append((local_offset + 14, crc))
         self._names.add(name)
 
         cd_extra = b""
@@ -451,8 +468,7 @@ class NpzWriter:
                           size32, size32, len(raw_name), len(cd_extra), 0, 0, 0, _EXTERNAL_ATTR,
                           0xFFFFFFFF if local_offset > _ZIP64_LIMIT else local_offset)
             + raw_name + cd_extra)
-        return NpzTensorInfo(name, arr.dtype, arr.shape, header_start + len(header), payload.nbytes, fortran_order,
-                             None, crc, size, len(header))
+        return header_start, header, payload.nbytes, fortran_order, crc
 
     def _finish(self) -> None:
         f = self._file
@@ -512,7 +528,7 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int = 4
                 name, array = item
             except (TypeError, ValueError):
                 raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
-            writer.add(name, array)
+            writer._add(name, np.asarray(array))
 
 
 # -- reading -------------------------------------------------------------------------------------
