@@ -19,6 +19,8 @@ __all__ = [
     "TensorNotFoundError",
     "CheckpointNotFoundError",
     "IntegrityError",
+    "ChecksumMismatchError",
+    "RestoreMismatchError",
     "FastCkptWarning",
     "NotZeroCopyWarning",
 ]
@@ -49,6 +51,33 @@ class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
 
 class IntegrityError(FastCkptError, ValueError):
     """Stored bytes fail their checksum or hash: the file was changed or damaged."""
+
+
+class ChecksumMismatchError(IntegrityError, FormatError):
+    """A block or tensor whose stored checksum (TensorFlow's masked CRC32C) does not match its bytes.
+
+    It is both an :class:`IntegrityError` (stored bytes were changed) and a
+    :class:`FormatError` (the file is not a valid checkpoint), so either
+    ``except`` clause catches it.
+
+    >>> issubclass(ChecksumMismatchError, IntegrityError) and issubclass(ChecksumMismatchError, FormatError)
+    True
+    """
+
+
+class RestoreMismatchError(FastCkptError, ValueError):
+    """An object and a checkpoint disagree: missing, unexpected or mismatched tensors.
+
+    ``result`` holds the :class:`~fastckpt.tf.checkpointable.RestoreResult`
+    with the full lists (nothing was restored when it is raised).
+
+    >>> RestoreMismatchError("1 missing ('w')").result is None
+    True
+    """
+
+    def __init__(self, message: str, result=None):
+        super().__init__(message)
+        self.result = result
 
 
 class FastCkptWarning(UserWarning):

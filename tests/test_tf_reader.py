@@ -11,9 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError, NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    FormatError,
+    IntegrityError,
+    NotZeroCopyWarning,
+    TensorNotFoundError,
+)
 from fastckpt.tf import CheckpointReader, describe, is_tf_checkpoint
-from fastckpt.tf.errors import ChecksumMismatchError
 from fastckpt.tf.proto import BundleHeader, encode_entry, encode_header
 from fastckpt.tf.reader import encode_tensor_name_slice
 from fastckpt.tf.table import TableBuilder

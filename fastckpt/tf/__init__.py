@@ -21,6 +21,7 @@ The byte layout is specified in :mod:`fastckpt.tf.format`.
 
 from __future__ import annotations
 
+from fastckpt.errors import ChecksumMismatchError, RestoreMismatchError  # defined with the others, re-exported here
 from fastckpt.tf.checkpointable import (
     Checkpointable,
     RestoreResult,
@@ -31,7 +32,6 @@ from fastckpt.tf.checkpointable import (
     save_object,
 )
 from fastckpt.tf.describe import describe, is_tf_checkpoint
-from fastckpt.tf.errors import ChecksumMismatchError, RestoreMismatchError
 from fastckpt.tf.reader import CheckpointReader, TFTensorInfo, latest_checkpoint, resolve_prefix
 from fastckpt.tf.writer import CheckpointWriter, escape_local_name, object_key, save, write_checkpoint
 

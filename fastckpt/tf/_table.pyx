@@ -3,7 +3,7 @@
 This module turns untrusted bytes into Python values: varints, blocks of
 prefix-compressed entries, block trailers (masked CRC32C, optional Snappy),
 the 48-byte footer, ``BundleEntryProto`` values and DT_STRING tensor payloads.
-The byte layouts are specified in :mod:`fastckpt.tf.reader`.
+The byte layouts are specified in :mod:`fastckpt.tf.format`.
 
 Every read is checked against the end of its buffer (typed memoryviews with
 ``boundscheck`` on, plus explicit limits that give readable messages), and every
@@ -19,8 +19,7 @@ from fastckpt._mapped cimport MappedFile
 import cramjam
 import crc32c as _crc32c
 
-from fastckpt.errors import FormatError
-from fastckpt.tf.errors import ChecksumMismatchError
+from fastckpt.errors import ChecksumMismatchError, FormatError
 
 FOOTER_SIZE = 48
 TABLE_MAGIC = 0xDB4775248B80FB57

@@ -25,7 +25,7 @@ position), so ignored attributes and non-ASCII names work, and reports what
 the checkpoint lacks (``missing``), what it has beyond the object
 (``unexpected``) and what differs in shape or dtype (``mismatched``). With
 ``strict=True`` (the default) any of these raises
-:class:`~fastckpt.tf.errors.RestoreMismatchError` *before* anything is changed.
+:class:`~fastckpt.errors.RestoreMismatchError` *before* anything is changed.
 
 >>> import numpy as np, tempfile
 >>> from dataclasses import dataclass
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastckpt.tf.errors import RestoreMismatchError
+from fastckpt.errors import RestoreMismatchError
 from fastckpt.tf.reader import OBJECT_GRAPH_KEY, CheckpointReader
 from fastckpt.tf.writer import SAVE_COUNTER_KEY, object_key, write_checkpoint
 
@@ -371,7 +371,7 @@ def restore_object(obj, directory, name: str, *, strict: bool = True, name_map=N
     so that checkpoints written with ``object_graph=True`` restore too. Shapes
     and dtypes must match exactly. With ``strict=True`` any missing,
     unexpected or mismatched tensor raises
-    :class:`~fastckpt.tf.errors.RestoreMismatchError` before the object is
+    :class:`~fastckpt.errors.RestoreMismatchError` before the object is
     touched; with ``strict=False`` the matching tensors are restored and the
     :class:`RestoreResult` lists the rest. ``assign(current, array)`` replaces
     :func:`default_assign` (return the new leaf, or None if it updated in place).

@@ -28,10 +28,15 @@ import numpy as np
 
 from fastckpt._info import TensorInfo
 from fastckpt._mapped import MappedFile
-from fastckpt.errors import CheckpointNotFoundError, FormatError, NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    FormatError,
+    NotZeroCopyWarning,
+    TensorNotFoundError,
+)
 from fastckpt.tf import dtypes as _dt
 from fastckpt.tf._table import decode_entry, decode_string_tensor, mask_crc
-from fastckpt.tf.errors import ChecksumMismatchError
 from fastckpt.tf.proto import decode_checkpoint_state, decode_header
 from fastckpt.tf.table import IndexTable
 
@@ -380,7 +385,7 @@ class CheckpointReader(Mapping):
         :class:`~fastckpt.errors.NotZeroCopyWarning`.
 
         Raises :class:`~fastckpt.errors.TensorNotFoundError` (a KeyError) for an
-        unknown name and :class:`~fastckpt.tf.errors.ChecksumMismatchError` when
+        unknown name and :class:`~fastckpt.errors.ChecksumMismatchError` when
         the stored CRC32C does not match (``verify=False`` skips the check).
         """
         info = self.info(name)
