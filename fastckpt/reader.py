@@ -48,6 +48,16 @@ class TensorFile(Mapping):
 
     Obtain one with :func:`fastckpt.open`. It is a read-only mapping from tensor
     name to a numpy view; views stay valid after :meth:`close`.
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.npz")
+    >>> fastckpt.save_npz(p, {"b": np.zeros(2, np.int8), "a": np.ones(3, np.float32)})
+    >>> with fastckpt.open(p) as f:
+    ...     w = f["a"]
+    ...     list(f), f.info("a").aligned(4096), f.data_region[0] % 4096
+    (['b', 'a'], True, 0)
+    >>> w.tolist()
+    [1.0, 1.0, 1.0]
     """
 
     def __init__(self, mapped: MappedFile, fmt: str, infos: list[TensorInfo], metadata):
@@ -55,11 +65,11 @@ class TensorFile(Mapping):
         self.format = fmt
         self.metadata = metadata
         self.infos: dict[str, TensorInfo] = {i.name: i for i in sorted(infos, key=lambda i: i.offset)}
-        self._warned_compressed = False
 
     # -- description ---------------------------------------------------------------------------
     @property
     def path(self) -> str:
+        """The path the file was opened from."""
         return self.mapped.path
 
     def info(self, name: str) -> TensorInfo:
@@ -94,7 +104,8 @@ class TensorFile(Mapping):
     # -- data ------------------------------------------------------------------------------------
     def host(self, name: str) -> np.ndarray:
         """The tensor as a numpy array: a zero-copy read-only view of the mapping where the
-        layout allows (stored, uncompressed), else a decoded copy (a warning says so once)."""
+        layout allows (stored, uncompressed), else a decoded copy (the NPZ parser's
+        :class:`~fastckpt.errors.NotZeroCopyWarning` at :func:`open` said so)."""
         info = self.info(name)
         if info.compression is None:
             order = "F" if info.fortran_order else "C"
@@ -122,6 +133,7 @@ class TensorFile(Mapping):
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has run (views made before stay valid)."""
         return self.mapped.closed
 
     def __enter__(self) -> "TensorFile":
