@@ -379,6 +379,18 @@ def test_unexpected_entries_raise_unless_not_strict(tmp_path, device, rng):
         assert_same_state(model, state)
 
 
+def test_non_canonical_index_in_a_file_is_an_unexpected_entry(tmp_path, queue, rng):
+    config = [linear(3, 2)]
+    state = randomize(nn.build_sequential(queue, config), rng)
+    entries = {**state, "00:weight": np.zeros((3, 2), np.float32)}  # int("00") == 0, yet it names no weight
+    netcl_style_file(tmp_path / "n.netcl", entries, {"type": "Sequential", "config": config})
+    with pytest.raises(KeyError, match=r"1 entries match no model weight: \['00:weight'\]"):
+        load_model(tmp_path / "n.netcl")
+    model = load_model(tmp_path / "n.netcl", strict=False)
+    assert model.load_report.unexpected_keys == ["00:weight"]
+    assert_same_state(model, state)
+
+
 def test_shape_mismatch_names_key_and_both_shapes(tmp_path, queue, rng):
     config = [linear(3, 2)]
     netcl_style_file(tmp_path / "s.netcl", {"0:weight": np.ones((2, 3), np.float32), "0:bias": np.ones(2, np.float32)},

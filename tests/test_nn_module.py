@@ -93,6 +93,15 @@ def test_strict_names_missing_and_unexpected_keys_and_writes_nothing(queue, rng)
     assert model.state_dict()["0:weight"].tobytes() == state["0:weight"].tobytes()
 
 
+@pytest.mark.parametrize("key", ["00:weight", "+0:weight", " 0:weight", "\u0660:weight", "0x0:weight"])
+def test_non_canonical_layer_index_is_unexpected_not_an_alias(queue, rng, key):
+    model = nn.Sequential(nn.Linear(queue, 3, 2))
+    before = host_state(model)
+    state = {key: rng.standard_normal((3, 2)).astype(np.float32)}
+    assert model.load_state_dict(state, strict=False) == nn.IncompatibleKeys(["0:weight", "0:bias"], [key])
+    assert host_state(model)["0:weight"].tobytes() == before["0:weight"].tobytes()
+
+
 def test_squeeze_tolerance_accepts_1_by_c_for_c(queue, rng):
     layer = nn.Linear(queue, 3, 4)
     bias = rng.standard_normal((1, 4)).astype(np.float32)

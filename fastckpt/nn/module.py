@@ -363,7 +363,8 @@ class Sequential(Module):
         unexpected = []
         for full_key, value in state.items():
             index, sep, key = str(full_key).partition(":")
-            if sep and index.isdigit() and int(index) < len(self.layers):
+            # Only the canonical spelling names a layer: "00:w" or "١:w" (int() takes both) would alias "0:w"/"1:w".
+            if sep and index.isascii() and index.isdigit() and str(int(index)) == index and int(index) < len(self.layers):
                 per_layer[int(index)][key] = value
             else:
                 unexpected.append(prefix + str(full_key))
