@@ -146,7 +146,7 @@ def _header_too_long(where, hlen, max_header_size):
     return FormatError(
         f"{_prefix(where)}npy header is {hlen} bytes, over the {max_header_size}-byte cap (numpy's "
         "_MAX_HEADER_SIZE): refused as unsafe to parse; if you trust this file pass a larger "
-        "max_header_size= to read_npz_index / parse_npy_header")
+        "max_header_size= to fastckpt.open / read_npz_index / parse_npy_header")
 
 
 def parse_npy_header(data, where="", max_header_size=MAX_HEADER_SIZE):

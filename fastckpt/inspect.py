@@ -14,8 +14,8 @@ import sys
 __all__ = ["describe", "configure", "run"]
 
 
-def describe(path: str | os.PathLike) -> dict:
-    """A JSON-safe description of a tensor file.
+def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> dict:
+    """A JSON-safe description of a tensor file (``max_header_size`` as in :func:`fastckpt.open`).
 
     >>> import fastckpt, numpy as np, tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -30,7 +30,7 @@ def describe(path: str | os.PathLike) -> dict:
         return tf_describe(path)
     import fastckpt
 
-    with fastckpt.open(path) as f:
+    with fastckpt.open(path, max_header_size=max_header_size) as f:
         start, end = f.data_region
         return {
             "path": path,
@@ -83,13 +83,16 @@ def _format_table(d: dict) -> str:
 def configure(parser) -> None:
     parser.add_argument("file", help="an NPZ/.netcl or safetensors file, or a TensorFlow checkpoint prefix/directory")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
+    parser.add_argument("--max-header-size", type=int, default=None, metavar="N",
+                        help="raise the cap on each NPZ member's .npy header (default 10000 characters; "
+                             "trusted files only)")
 
 
 def run(args) -> int:
     from fastckpt.errors import FastCkptError
 
     try:
-        d = describe(args.file)
+        d = describe(args.file, max_header_size=getattr(args, "max_header_size", None))
     except (FastCkptError, OSError) as exc:
         print(f"fastckpt inspect: {exc}", file=sys.stderr)
         return 1

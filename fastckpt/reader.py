@@ -148,12 +148,16 @@ class TensorFile(Mapping):
         return f"<fastckpt.TensorFile {self.path!r} format={self.format} tensors={len(self)}>"
 
 
-def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False) -> TensorFile:  # noqa: A001
+def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,  # noqa: A001
+         max_header_size: int | None = None) -> TensorFile:
     """Map ``path`` and parse its index; the format (NPZ or safetensors) is detected from its bytes.
 
     ``backend="pread"`` reads instead of mapping (for filesystems that cannot
     map); ``copy_on_write=True`` makes views writable and private (the file
-    never changes).
+    never changes). ``max_header_size`` raises the cap on each NPZ member's
+    ``.npy`` header (default 10000 characters, numpy's cap); only for trusted
+    files, whose headers are longer (structured dtypes with many fields).
+    safetensors headers have the format's own fixed cap (100 MB).
 
     >>> import fastckpt, numpy as np, tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "t.safetensors")
@@ -162,6 +166,8 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
     >>> list(f), f.metadata, f["a"].tolist()
     (['a'], {'step': '7'}, [0, 1, 2])
     """
+    if max_header_size is not None and (type(max_header_size) is not int or max_header_size < 1):
+        raise ValueError(f"max_header_size must be a positive int or None, got {max_header_size!r}")
     mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write)
     try:
         head = mapped.read(0, min(9, mapped.size), "format magic")
@@ -169,7 +175,8 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
         if fmt == "npz":
             from fastckpt._npz import read_npz_index
 
-            infos, metadata = read_npz_index(mapped), None
+            kw = {} if max_header_size is None else {"max_header_size": max_header_size}
+            infos, metadata = read_npz_index(mapped, **kw), None
         elif fmt == "safetensors":
             from fastckpt._safetensors import read_safetensors_index
 

@@ -51,3 +51,14 @@ def test_inspect_table_and_error_exit(tmp_path, capsys):
 def test_python_m_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "fastckpt", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"fastckpt {fastckpt.__version__}"
+
+
+def test_inspect_passes_max_header_size(tmp_path, capsys):
+    arr = np.zeros(2, np.dtype([(f"field_{i:05d}", "<u1") for i in range(600)]))  # a 14518-byte npy header
+    path = tmp_path / "wide.npz"
+    np.savez(path, w=arr)
+    assert main(["inspect", str(path)]) == 1
+    assert "over the 10000-byte cap" in capsys.readouterr().err
+    assert main(["inspect", "--json", "--max-header-size", "20000", str(path)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [(t["name"], t["shape"], t["nbytes"]) for t in d["tensors"]] == [("w", [2], 1200)]

@@ -193,6 +193,54 @@ def test_circular_state_writes_nothing(tmp_path, queue, rng):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("fail_at", ["param", "npz_replace", "json_replace"])
+def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monkeypatch, fail_at):
+    import fastckpt._atomic as atomic
+
+    params, hosts = make_params(queue, rng)
+    save_checkpoint(params, tmp_path / "ck", optim_state={"m": [np.ones(2)]}, config={"step": 1})
+    before = {n: (tmp_path / n).read_bytes() for n in ("ck.npz", "ck.json")}
+    other, _ = make_params(queue, rng)
+    if fail_at == "param":
+        class Lost:
+            shape, dtype = (3,), np.dtype(np.float32)
+
+            def to_host(self):
+                raise RuntimeError("device lost")
+
+        other[1] = Lost()
+    else:
+        real_replace = os.replace
+        target = "ck.npz" if fail_at == "npz_replace" else "ck.json"
+
+        def replace(src, dst):
+            if os.fspath(dst).endswith(target) and ".partial" in os.fspath(src):
+                raise OSError(28, "No space left on device")
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(atomic.os, "replace", replace)
+    with pytest.raises((RuntimeError, OSError), match="device lost|No space left"):
+        save_checkpoint(other, tmp_path / "ck", optim_state={"m": [np.zeros(2), np.zeros(3)]}, config={"step": 2})
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ck.json", "ck.npz"]
+    assert all((tmp_path / n).read_bytes() == b for n, b in before.items())
+    fresh = blank_params(queue)
+    state = load_checkpoint(queue, fresh, tmp_path / "ck")
+    assert state["config"] == {"step": 1} and state["optim_state"]["m"][0].tobytes() == np.ones(2).tobytes()
+    assert_params(fresh, hosts)
+
+
+def test_new_pair_replaces_an_old_one_and_leaves_no_temporaries(tmp_path, queue, rng):
+    params, _ = make_params(queue, rng)
+    save_checkpoint(params, tmp_path / "ck", config={"step": 1})
+    other, hosts = make_params(queue, rng)
+    save_checkpoint(other, tmp_path / "ck", config={"step": 2})
+    assert sorted(os.listdir(tmp_path)) == ["ck.json", "ck.npz"]
+    fresh = blank_params(queue)
+    assert load_checkpoint(queue, fresh, tmp_path / "ck")["config"] == {"step": 2}
+    assert_params(fresh, hosts)
+
+
 def test_param_names_colliding_with_state_arrays_are_refused(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
     with pytest.raises(ValueError, match=r"\['optim_state.0'\] collide"):

@@ -112,3 +112,26 @@ def test_missing_file_is_file_not_found_with_errno(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         fastckpt.open(tmp_path / "nope.safetensors")
     assert info.value.errno == 2
+
+
+def test_max_header_size_is_passed_to_the_npz_parser(tmp_path):
+    # 600 fields make a .npy header of 14518 characters: over numpy's 10000-character cap.
+    arr = np.zeros(2, np.dtype([(f"field_{i:05d}", "<u1") for i in range(600)]))
+    path = tmp_path / "wide.npz"
+    np.savez(path, w=arr)
+    with pytest.raises(FormatError, match=r"wide\.npz: member 'w\.npy'.*over the 10000-byte cap.*"
+                                          r"max_header_size= to fastckpt\.open"):
+        fastckpt.open(path)
+    with pytest.raises(FormatError, match="npy header is 14518 bytes, over the 12000-byte cap"):
+        fastckpt.open(path, max_header_size=12000)
+    with fastckpt.open(path, max_header_size=20000) as f:
+        got = f.host("w")
+        assert got.dtype == arr.dtype and got.tobytes() == arr.tobytes()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "20000", True])
+def test_max_header_size_must_be_a_positive_int(tmp_path, bad):
+    path = tmp_path / "a.npz"
+    fastckpt.save_npz(path, {"a": np.arange(3)})
+    with pytest.raises(ValueError, match=r"max_header_size must be a positive int or None, got"):
+        fastckpt.open(path, max_header_size=bad)

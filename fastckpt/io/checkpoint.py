@@ -35,7 +35,9 @@ plain dicts).
 
 Nothing is half-written: names, shapes and JSON-serialisability are checked
 before any file is touched; the NPZ and the JSON are each replaced atomically,
-NPZ first.
+NPZ first, and an error at any step (a parameter that cannot be read, a full
+disk, a failed rename) leaves the previous pair exactly as it was. Only a crash
+between the two renames can leave the new NPZ beside the previous JSON.
 
 >>> from fastckpt.io.checkpoint import save_checkpoint, load_checkpoint    # doctest: +SKIP
 >>> save_checkpoint(model.parameters(), "ckpt/iter_1000",
@@ -48,8 +50,11 @@ dtype('float32')
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
@@ -279,10 +284,56 @@ def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names
         yield from arrays
 
     npz_path, json_path = base + ".npz", base + ".json"
-    save_npz(npz_path, entries(), alignment=4096, fsync=fsync)
-    with atomic_write(json_path, fsync=fsync) as f:
-        f.write(text.encode("utf-8"))
+    # The pair is replaced NPZ first, JSON second. The JSON is written out (and fsynced) before the NPZ is
+    # touched, and the old NPZ is kept aside until the JSON's rename is done, so an error at any step
+    # leaves the old pair as it was, never a new NPZ beside an old JSON.
+    old_npz = None
+    npz_replaced = False
+    try:
+        with atomic_write(json_path, fsync=fsync) as f:
+            f.write(text.encode("utf-8"))
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+            old_npz = _keep_aside(npz_path)
+            save_npz(npz_path, entries(), alignment=4096, fsync=fsync)
+            npz_replaced = True
+    except BaseException:
+        if npz_replaced:
+            if old_npz is not None:
+                os.replace(old_npz, npz_path)
+                old_npz = None
+            else:
+                os.unlink(npz_path)
+        raise
+    finally:
+        if old_npz is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old_npz)
     return npz_path, json_path
+
+
+def _keep_aside(path: str) -> str | None:
+    """A second name for the file at ``path`` (a hard link, else a copy), or None when there is none.
+
+    The name follows :mod:`fastckpt._atomic`'s temporaries, so a process killed while it exists
+    leaves nothing a later save of ``path`` does not clean up.
+    """
+    from fastckpt._atomic import _partial_name
+
+    if not os.path.isfile(path):
+        return None
+    aside = str(_partial_name(Path(path)))
+    try:
+        os.link(path, aside)
+    except OSError:  # a filesystem without hard links
+        try:
+            shutil.copyfile(path, aside)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(aside)
+            raise
+    return aside
 
 
 def load_checkpoint(queue, params: Iterable, path, names=None) -> dict:
