@@ -184,13 +184,20 @@ def test_unstorable_state_writes_nothing(tmp_path, queue, rng, optim, config, er
     assert all((tmp_path / n).read_bytes() == b for n, b in before.items())
 
 
-def test_circular_state_writes_nothing(tmp_path, queue, rng):
+def test_circular_state_is_named_and_writes_nothing(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
     loop: list = []
     loop.append(loop)
-    with pytest.raises(RecursionError):
+    with pytest.raises(ValueError, match=r"optim_state\['loop'\]\[0\]: circular reference"):
         save_checkpoint(params, tmp_path / "ck", optim_state={"loop": loop})
     assert os.listdir(tmp_path) == []
+
+
+def test_shared_but_not_circular_state_is_stored_twice(tmp_path, queue, rng):
+    params, _ = make_params(queue, rng)
+    shared = [1, 2]
+    save_checkpoint(params, tmp_path / "ck", config={"a": shared, "b": shared})
+    assert load_checkpoint(queue, params, tmp_path / "ck")["config"] == {"a": [1, 2], "b": [1, 2]}
 
 
 @pytest.mark.parametrize("fail_at", ["param", "npz_replace", "json_replace"])
@@ -239,6 +246,14 @@ def test_new_pair_replaces_an_old_one_and_leaves_no_temporaries(tmp_path, queue,
     fresh = blank_params(queue)
     assert load_checkpoint(queue, fresh, tmp_path / "ck")["config"] == {"step": 2}
     assert_params(fresh, hosts)
+
+
+def test_sidecar_that_is_not_an_object_is_a_format_error(tmp_path, queue, rng):
+    params, _ = make_params(queue, rng)
+    save_checkpoint(params, tmp_path / "ck")
+    (tmp_path / "ck.json").write_text("[1, 2]")
+    with pytest.raises(FormatError, match=r"ck.json: checkpoint sidecar must be a JSON object .*got list"):
+        load_checkpoint(queue, blank_params(queue), tmp_path / "ck")
 
 
 def test_param_names_colliding_with_state_arrays_are_refused(tmp_path, queue, rng):

@@ -204,10 +204,18 @@ def load_params(queue, params: Iterable, path, names=None) -> list[str]:
 
 
 # -- JSON state with array references ---------------------------------------------------------------
-def _extract(value, where: str, prefix: str, arrays: list) -> Any:
-    """``value`` with every array replaced by a reference; the arrays are appended to ``arrays``."""
+def _extract(value, where: str, prefix: str, arrays: list, enclosing: frozenset = frozenset()) -> Any:
+    """``value`` with every array replaced by a reference; the arrays are appended to ``arrays``.
+
+    ``enclosing`` holds the ids of the containers ``value`` sits in, so that a container holding
+    itself is named instead of recursing until Python gives up.
+    """
     from fastckpt.tensor import Tensor
 
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in enclosing:
+            raise ValueError(f"{where}: circular reference (a container that holds itself cannot be stored)")
+        enclosing = enclosing | {id(value)}
     if isinstance(value, dict):
         if ARRAY_REF_KEY in value:
             raise ValueError(f"{where}: the key {ARRAY_REF_KEY!r} is reserved for array references")
@@ -215,10 +223,10 @@ def _extract(value, where: str, prefix: str, arrays: list) -> Any:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"{where}: dict key {key!r} is a {type(key).__name__}; JSON keys must be str")
-            out[key] = _extract(item, f"{where}[{key!r}]", prefix, arrays)
+            out[key] = _extract(item, f"{where}[{key!r}]", prefix, arrays, enclosing)
         return out
     if isinstance(value, (list, tuple)):
-        return [_extract(item, f"{where}[{i}]", prefix, arrays) for i, item in enumerate(value)]
+        return [_extract(item, f"{where}[{i}]", prefix, arrays, enclosing) for i, item in enumerate(value)]
     if isinstance(value, (np.ndarray, Tensor)) or (hasattr(value, "to_host") and hasattr(value, "shape")):
         host = _to_host(value, where)
         key = f"{prefix}.{len(arrays)}"
@@ -275,7 +283,7 @@ def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names
         raise ValueError(f"parameter names {clash} collide with the state array entries; rename them")
     try:
         text = json.dumps(doc)
-    except (TypeError, ValueError) as exc:  # e.g. a circular reference
+    except (TypeError, ValueError) as exc:  # _extract admits only JSON values; kept as a last guard
         raise TypeError(f"checkpoint state is not JSON-serialisable: {exc}") from None
 
     def entries():
@@ -364,6 +372,9 @@ def load_checkpoint(queue, params: Iterable, path, names=None) -> dict:
                     doc = json.loads(f.read().decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise FormatError(f"{json_path}: checkpoint sidecar is not valid JSON ({exc})") from None
+            if not isinstance(doc, dict):
+                raise FormatError(f"{json_path}: checkpoint sidecar must be a JSON object "
+                                  f'({{"optim_state": ..., "config": ...}}), got {type(doc).__name__}')
             state = _restore(doc, "state", tf)
         _check_params(npz_path, tf, params, names)
         for name, param in zip(names, params):
