@@ -362,15 +362,20 @@ class PersistentBufferPool:
         Usable as ``pyopencl.array.Array(..., allocator=pool)`` and in ``enqueue_copy``.
         """
         lease = self.allocate(nbytes)
+        # This local holds the buffer from before it is registered until the caller has it: a sweep in
+        # another thread between the lock's release and the return must see it referenced, or it would
+        # hand the same buffer to a second caller.
+        buffer = lease.buffer
         self._acquire()
         try:
-            self._handed[id(lease.buffer)] = lease
-            # The count when only the pool holds it (the block and the lease), taken with exactly the
-            # expression _sweep uses, so temporaries count the same on every Python version.
-            lease._base_refs = _refs(lease.buffer)
+            self._handed[id(buffer)] = lease
+            # The count when only the pool holds it (the block and the lease): taken with exactly the
+            # expression _sweep uses, so temporaries count the same on every Python version, less the
+            # one reference of the local above (a variable always owns one).
+            lease._base_refs = _refs(lease.buffer) - 1
         finally:
             self._release_lock()
-        return lease.buffer
+        return buffer
 
     def _request(self, nbytes: int, need: int, limit: int, alloc: int) -> PoolBuffer:
         if self.max_alloc_size is not None and need > self.max_alloc_size:
@@ -491,10 +496,14 @@ class PersistentBufferPool:
             self._release_lock()
 
     def clear(self) -> int:
-        """Free all idle memory and forget buffers handed out through ``pool(nbytes)``; returns bytes freed.
+        """Free all idle memory, after taking back dropped ``pool(nbytes)`` buffers; returns bytes freed.
 
-        Leases still alive keep their buffers; they are cached again when returned. The files kept
-        open for reloads are forgotten too.
+        Leases and protocol buffers still in use keep their memory; they are cached again when
+        returned. The files kept open for reloads are forgotten too.
+
+        >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+        >>> pool.allocate(1000).release(); pool.clear()
+        1024
         """
         self.files.clear()
         self._acquire()

@@ -296,6 +296,28 @@ def test_release_of_a_protocol_buffer_and_of_a_stranger():
 
 
 # -- concurrency and re-entrancy -----------------------------------------------------------------
+def test_a_sweep_between_handing_out_and_returning_a_protocol_buffer_keeps_it_in_use():
+    pool, _ = make_pool()
+    real_release = pool._release_lock
+    swept = []
+
+    def release_then_sweep_as_another_thread_would():
+        real_release()
+        if pool._handed and not swept:  # once the buffer is registered, and once only
+            swept.append(None)
+            swept[0] = pool.collect()  # takes and releases the lock itself
+
+    pool._release_lock = release_then_sweep_as_another_thread_would
+    buf = pool(100)
+    pool._release_lock = real_release
+    assert swept == [0], "the buffer on its way to the caller is referenced"
+    assert pool.stats.buffers_in_use == 1
+    other = pool(100)
+    assert other is not buf, "a buffer in use is never handed out twice"
+    del buf, other
+    assert pool.collect() == 2 and pool.stats.buffers_in_use == 0
+
+
 def test_a_return_queued_while_the_lock_is_held_is_applied_when_it_is_released():
     pool, _ = make_pool()
     lease = pool.allocate(4096)
@@ -312,21 +334,42 @@ def test_a_return_queued_while_the_lock_is_held_is_applied_when_it_is_released()
 def test_threads_share_one_pool_consistently():
     pool, alloc = make_pool(max_bytes=1 << 20)
     errors = []
+    holders: dict[int, int] = {}  # id(buffer) -> the thread holding it: a buffer never has two
+    holders_lock = threading.Lock()
+
+    def take(buffer, seed):
+        with holders_lock:
+            if id(buffer) in holders:
+                errors.append(f"{buffer!r} handed to thread {seed} while thread {holders[id(buffer)]} holds it")
+            holders[id(buffer)] = seed
+
+    def give_up(buffer):
+        with holders_lock:
+            del holders[id(buffer)]
 
     def worker(seed):
         rng = random.Random(seed)
         held: list[PoolBuffer] = []
+        kept_protocol_buffers = []
         try:
             for _ in range(400):
                 op = rng.random()
-                if op < 0.45:
+                if op < 0.4:
                     held.append(pool.allocate(rng.choice((100, 4000, 5000, 70_000))))
-                elif op < 0.6:
+                    take(held[-1].buffer, seed)
+                elif op < 0.55:
                     held.append(pool.arena(rng.randrange(1, 300_000)))
-                elif op < 0.7:
+                    take(held[-1].buffer, seed)
+                elif op < 0.6:
                     pool(rng.randrange(1, 9000))  # dropped at once: taken back by a sweep
+                elif op < 0.65:
+                    kept_protocol_buffers.append(pool(rng.randrange(1, 9000)))
+                    take(kept_protocol_buffers[-1], seed)
+                elif op < 0.7 and kept_protocol_buffers:
+                    give_up(kept_protocol_buffers.pop(rng.randrange(len(kept_protocol_buffers))))
                 elif held:
                     lease = held.pop(rng.randrange(len(held)))
+                    give_up(lease.buffer)
                     if rng.random() < 0.5:
                         lease.release()
                     # else dropped: the finalizer returns it
@@ -335,7 +378,12 @@ def test_threads_share_one_pool_consistently():
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
         finally:
+            for lease in held:
+                give_up(lease.buffer)
+            for buffer in kept_protocol_buffers:
+                give_up(buffer)
             held.clear()
+            kept_protocol_buffers.clear()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads:
