@@ -174,6 +174,34 @@ def test_failed_write_leaves_nothing_and_keeps_the_old_checkpoint(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+class _FailingFile:
+    """A data file that accepts a few bytes of its next write, then reports a full disk."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def write(self, data):
+        self.real.write(bytes(memoryview(data).cast("B")[:3]))
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_write_that_fails_midway_poisons_the_writer(tmp_path):
+    write_checkpoint(tmp_path / "c", {"w": np.ones(2)})
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(RuntimeError, match="an add\\(\\) failed while writing; the checkpoint was not written"):
+        with CheckpointWriter(tmp_path / "c") as writer:
+            writer.add("a", np.arange(4, dtype=np.float32))
+            writer._files[0] = _FailingFile(writer._files[0])
+            with pytest.raises(OSError, match="No space left"):
+                writer.add("b", np.arange(4, dtype=np.float32))  # 3 of its 16 bytes reached the file
+            with pytest.raises(RuntimeError, match="earlier add\\(\\) failed"):
+                writer.add("c", np.arange(4, dtype=np.float32))  # would be stored at a wrong offset
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_unsupported_dtype(tmp_path):
     with pytest.raises(TypeError, match="'when'.*no TensorFlow equivalent"):
         write_checkpoint(tmp_path / "c", {"when": np.array(["2020-01-01"], dtype="datetime64[D]")})

@@ -196,6 +196,7 @@ class CheckpointWriter:
         self._stack = contextlib.ExitStack()
         self._files = []
         self._done = False
+        self._failed = False  # an add() failed mid-write: close() must not report success
         try:
             for shard in range(num_shards):
                 self._files.append(self._stack.enter_context(
@@ -239,6 +240,9 @@ class CheckpointWriter:
         builds an object graph).
         """
         if self._done:
+            if self._failed:
+                raise RuntimeError(f"{self.prefix}: an earlier add() failed while writing; this writer cannot "
+                                   "continue and nothing was written")
             raise ValueError(f"{self.prefix}: the checkpoint writer is already closed")
         if not isinstance(name, str):
             raise TypeError(f"tensor names are str, got {type(name).__name__} {name!r}")
@@ -271,11 +275,17 @@ class CheckpointWriter:
         f = self._files[shard]
         offset = self._offsets[shard]
         size = len(data)
-        f.write(data)
         end = offset + size
         pad = (-end) % self.data_alignment
-        if pad:
-            f.write(bytes(pad))
+        try:
+            f.write(data)
+            if pad:
+                f.write(bytes(pad))
+        except BaseException as exc:
+            # Part of the bytes may be in the file: every later offset would be wrong. Nothing is kept.
+            self._failed = True
+            self.abort(type(exc), exc, exc.__traceback__)
+            raise
         self._offsets[shard] = end + pad
         self._entries[key_bytes] = encode_entry(tf_dtype, arr.shape, shard_id=shard, offset=offset, size=size,
                                                 crc32c=crc)
@@ -299,7 +309,12 @@ class CheckpointWriter:
         return encode_object_graph(ObjectGraph(nodes))
 
     def close(self) -> None:
-        """Finish: object graph (if asked), data files, then the index. Idempotent."""
+        """Finish: object graph (if asked), data files, then the index. Idempotent.
+
+        Raises ``RuntimeError`` when an earlier :meth:`add` failed while writing (nothing was kept).
+        """
+        if self._failed:
+            raise RuntimeError(f"{self.prefix}: an add() failed while writing; the checkpoint was not written")
         if self._done:
             return
         try:
