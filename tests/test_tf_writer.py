@@ -202,6 +202,22 @@ def test_a_write_that_fails_midway_poisons_the_writer(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_an_index_that_cannot_be_built_keeps_the_old_data_files(tmp_path, monkeypatch):
+    import fastckpt.tf.writer as writer_module
+
+    write_checkpoint(tmp_path / "c", {"w": np.ones(2)})
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    class BrokenBuilder(writer_module.TableBuilder):
+        def finish(self):
+            raise MemoryError("index")
+
+    monkeypatch.setattr(writer_module, "TableBuilder", BrokenBuilder)
+    with pytest.raises(MemoryError, match="index"):
+        write_checkpoint(tmp_path / "c", {"w": np.zeros(2)})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_unsupported_dtype(tmp_path):
     with pytest.raises(TypeError, match="'when'.*no TensorFlow equivalent"):
         write_checkpoint(tmp_path / "c", {"when": np.array(["2020-01-01"], dtype="datetime64[D]")})

@@ -25,6 +25,7 @@ succeeds.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 from pathlib import Path
@@ -324,18 +325,21 @@ class CheckpointWriter:
                 graph = self._object_graph()
                 self.object_graph = False  # the graph itself is a plain key
                 self.add(OBJECT_GRAPH_KEY, graph, shard=0)
+            # The index is built before any data file is renamed: a failure up to here keeps every
+            # previous file at this prefix (data and index) as it was.
+            index = io.BytesIO()
+            builder = TableBuilder(index)
+            builder.add(b"", encode_header(BundleHeader(num_shards=self.num_shards)))
+            for key in sorted(self._entries):
+                builder.add(key, self._entries[key])
+            builder.finish()
         except BaseException as exc:
             self.abort(type(exc), exc, exc.__traceback__)
             raise
         self._done = True
         self._stack.close()  # data files are complete and renamed before the index exists
-        header = encode_header(BundleHeader(num_shards=self.num_shards))
         with atomic_write(self.prefix + ".index", fsync=self.fsync) as f:
-            builder = TableBuilder(f)
-            builder.add(b"", header)
-            for key in sorted(self._entries):
-                builder.add(key, self._entries[key])
-            builder.finish()
+            f.write(index.getbuffer())
 
     def abort(self, exc_type=None, exc=None, tb=None) -> None:
         """Discard everything written so far (temporary data files are removed)."""
