@@ -259,6 +259,28 @@ def _bundle(tmp_path, header: BundleHeader, entries: dict, data: bytes = b"") ->
     return prefix
 
 
+@pytest.mark.parametrize("num_shards", [2**31 - 1, 2**31, 2**40, -1])
+def test_absurd_shard_counts_cost_nothing_or_are_refused(tmp_path, num_shards):
+    import crc32c
+
+    from fastckpt.tf._table import mask_crc
+
+    payload = np.arange(3, dtype=np.int32).tobytes()
+    entries = {b"a": encode_entry(3, (3,), size=12, crc32c=mask_crc(crc32c.crc32c(payload)))}
+    prefix = _bundle(tmp_path, BundleHeader(num_shards=num_shards), entries, payload)
+    if not 0 < num_shards < 2**31:
+        with pytest.raises(FormatError, match=f"num_shards={num_shards}"):
+            CheckpointReader(prefix)
+        return
+    with CheckpointReader(prefix) as reader:  # no per-shard list of two billion entries
+        assert reader.num_shards == num_shards
+        with pytest.raises(CheckpointNotFoundError, match=f"data-00000-of-{num_shards}"):
+            reader.read_tensor("a")
+    d = describe(prefix)
+    assert d["header"]["num_shards"] == num_shards
+    assert d["files"] == [f"{prefix}.data-00000-of-{num_shards}"]
+
+
 @pytest.mark.parametrize("dtype,tf_enum", [("f4", 1), ("f8", 2), ("i4", 3), ("i2", 5), ("i8", 9), ("c8", 8),
                                            ("f2", 19), ("u2", 17), ("u8", 23), ("u1", 4)])
 def test_big_endian_file_is_byte_swapped(tmp_path, dtype, tf_enum):

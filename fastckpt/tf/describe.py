@@ -20,6 +20,8 @@ from fastckpt.tf.reader import CheckpointReader, data_filename, resolve_prefix
 
 __all__ = ["describe", "is_tf_checkpoint"]
 
+_LISTED_SHARDS = 4096
+
 
 def is_tf_checkpoint(path) -> bool:
     """True if ``path`` names a TensorFlow checkpoint: a prefix with an ``.index``, the ``.index`` or a
@@ -43,7 +45,8 @@ def describe(path, *, verify: bool = False) -> dict:
     """Everything the index says about a checkpoint, as plain Python values.
 
     Keys: ``path`` (as given), ``format`` (``"tensorflow"``), ``prefix``, ``index`` (path),
-    ``files`` (data shard paths), ``header`` (``num_shards``, ``endianness``,
+    ``files`` (data shard paths; only those tensors use when the header claims
+    more than 4096 shards), ``header`` (``num_shards``, ``endianness``,
     ``version``), ``data_blocks`` (index table blocks), ``object_graph``
     (whether ``_CHECKPOINTABLE_OBJECT_GRAPH`` is present), ``tensors`` (a list
     of dicts with ``name``, ``dtype`` (numpy), ``tf_dtype``, ``shape``,
@@ -54,17 +57,21 @@ def describe(path, *, verify: bool = False) -> dict:
     """
     with CheckpointReader(resolve_prefix(path), verify=verify) as reader:
         header = reader.header
-        files = [data_filename(reader.prefix, i, header.num_shards) for i in range(header.num_shards)]
+        infos = reader.infos()
+        # A damaged header can claim two billion shards; past a few thousand, list only the ones in use.
+        shards = (range(header.num_shards) if header.num_shards <= _LISTED_SHARDS
+                  else sorted({i.shard for i in infos if not i.slices}))
+        files = [data_filename(reader.prefix, i, header.num_shards) for i in shards]
         tensors = []
         total = 0
-        for info in reader.infos():
+        for info in infos:
             entry = {
                 "name": info.name,
                 "dtype": "object" if info.dtype.kind == "O" else str(info.dtype),
                 "tf_dtype": info.tf_dtype_name,
                 "shape": list(info.shape),
                 "shard": info.shard,
-                "file": files[info.shard] if info.shard < len(files) else None,
+                "file": data_filename(reader.prefix, info.shard, header.num_shards),
                 "offset": info.offset,
                 "nbytes": info.nbytes,
                 "alignment": info.alignment,

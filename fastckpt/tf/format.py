@@ -101,7 +101,10 @@ the last block.
 (field 2, varint: 0 little, 1 big), ``version`` (field 3, message:
 ``producer`` 1, ``min_consumer`` 2, repeated ``bad_consumers`` 3).
 TensorFlow writes ``08 01 1a 02 08 01``. The reader MUST refuse
-``min_consumer > 1``, ``producer < 0`` or 1 in ``bad_consumers``.
+``min_consumer > 1``, ``producer < 0`` or 1 in ``bad_consumers``, and
+``num_shards`` outside ``1 .. 2**31-1`` (the field is an int32; 0 is
+accepted only for a bundle without tensors). A reader SHOULD NOT allocate
+per shard before a tensor names the shard.
 
 3.2 Every other value is a ``BundleEntryProto`` (proto3: absent scalars are
 0, fields MAY come in any order, unknown fields MUST be skipped)::

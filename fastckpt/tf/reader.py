@@ -43,6 +43,7 @@ from fastckpt.tf.table import IndexTable
 __all__ = ["CheckpointReader", "TFTensorInfo", "resolve_prefix", "latest_checkpoint", "data_filename",
            "encode_tensor_name_slice"]
 
+INT32_MAX = 2**31 - 1  # BundleHeaderProto.num_shards is an int32
 BUNDLE_VERSION = 1  # kTensorBundleVersion
 BUNDLE_MIN_PRODUCER = 0  # kTensorBundleMinProducer
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -217,7 +218,7 @@ class CheckpointReader(Mapping):
         self.prefix = resolve_prefix(path)
         self.verify = verify
         self.index_path = self.prefix + ".index"
-        self._shards: list = []
+        self._shards: dict = {}
         self._closed = False
         self._backend = backend
         with MappedFile(self.index_path, advise=False) as mapped:
@@ -240,9 +241,13 @@ class CheckpointReader(Mapping):
                 names.append(name)
         self._names = names
         num_shards = self.header.num_shards
-        if num_shards < 0 or (num_shards == 0 and names):
-            raise FormatError(f"{self.index_path}: header says num_shards={num_shards}")
-        self._shards = [None] * max(num_shards, 0)  # mapped on first read, as TensorFlow opens them
+        if num_shards < 0 or num_shards > INT32_MAX or (num_shards == 0 and names):
+            raise FormatError(f"{self.index_path}: header says num_shards={num_shards} (an int32 of at least 1 "
+                              "when there are tensors)")
+        self.num_shards = num_shards
+        # Shard index -> mapping, filled on first read as TensorFlow opens them; a dict, so a header
+        # claiming two billion shards costs nothing until a tensor names one.
+        self._shards: dict = {}
 
     def _check_version(self) -> None:
         h = self.header
@@ -287,10 +292,9 @@ class CheckpointReader(Mapping):
 
     def close(self) -> None:
         """Unmap the shards. Idempotent; arrays already returned stay valid."""
-        for shard in self._shards:
-            if shard is not None:
-                shard.close()
-        self._shards = []
+        for shard in self._shards.values():
+            shard.close()
+        self._shards = {}
         self._closed = True
 
     @property
@@ -364,9 +368,9 @@ class CheckpointReader(Mapping):
     def _shard(self, index: int) -> MappedFile:
         if self._closed:
             raise ValueError(f"{self.prefix}: the checkpoint reader is closed")
-        mapped = self._shards[index]
+        mapped = self._shards.get(index)
         if mapped is None:
-            num_shards = len(self._shards)
+            num_shards = self.num_shards
             path = data_filename(self.prefix, index, num_shards)
             if not os.path.exists(path):
                 raise CheckpointNotFoundError(
