@@ -248,6 +248,27 @@ def test_missing_and_unexpected_are_reported(tmp_path):
     assert np.array_equal(fresh.conv1.filter, model.conv1.filter)
 
 
+def test_damaged_checkpoint_changes_nothing(tmp_path):
+    import re
+    from pathlib import Path
+
+    from fastckpt.errors import ChecksumMismatchError
+
+    prefix = filled(LeNet()).save_checkpoint(tmp_path, "LeNet")
+    with CheckpointReader(prefix) as reader:
+        last = max(reader.infos(), key=lambda info: info.offset)  # the tensor a restore reaches last
+    data = Path(prefix + ".data-00000-of-00001")
+    raw = bytearray(data.read_bytes())
+    raw[last.offset] ^= 0x01
+    data.write_bytes(bytes(raw))
+    fresh = LeNet()
+    before = {name: value.copy() for name, value in checkpoint_tensors(fresh).items()}
+    with pytest.raises(ChecksumMismatchError, match=re.escape(repr(last.name))):
+        restore_object(fresh, tmp_path, "LeNet", strict=False)
+    after = checkpoint_tensors(fresh)
+    assert all(after[name].tobytes() == value.tobytes() for name, value in before.items())
+
+
 def test_shape_and_dtype_mismatches(tmp_path):
     tensors = checkpoint_tensors(LeNet())
     tensors["fc3/bias"] = np.zeros(11, np.float32)

@@ -373,7 +373,8 @@ def restore_object(obj, directory, name: str, *, strict: bool = True, name_map=N
     unexpected or mismatched tensor raises
     :class:`~fastckpt.errors.RestoreMismatchError` before the object is
     touched; with ``strict=False`` the matching tensors are restored and the
-    :class:`RestoreResult` lists the rest. ``assign(current, array)`` replaces
+    :class:`RestoreResult` lists the rest. Every tensor is read and verified
+    before any is assigned: a checksum failure changes nothing. ``assign(current, array)`` replaces
     :func:`default_assign` (return the new leaf, or None if it updated in place).
     """
     assign = assign or default_assign
@@ -408,8 +409,10 @@ def restore_object(obj, directory, name: str, *, strict: bool = True, name_map=N
         if strict and not result.ok:
             raise RestoreMismatchError(f"{prefix}: the checkpoint does not match the object: {result.summary()} "
                                        "(restore_object(..., strict=False) restores what matches)", result)
-        for leaf, key in plan:
-            array = reader.read_tensor(key, copy=bool(reader.info(key).slices))
+        # Every tensor is read (and its checksum verified) before the first one is assigned, so a damaged
+        # file leaves the object as it was rather than half restored. Reads are views of the mapping.
+        arrays = [reader.read_tensor(key, copy=bool(reader.info(key).slices)) for _leaf, key in plan]
+        for (leaf, _key), array in zip(plan, arrays):
             replacement = assign(leaf.value, array)
             if replacement is not None:
                 _replace(leaf, replacement)
