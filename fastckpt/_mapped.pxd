@@ -15,6 +15,7 @@ cdef class MappedFile:
     cdef readonly str backend
     cdef readonly bint copy_on_write
     cdef readonly Py_ssize_t size
+    cdef readonly tuple identity
     cdef _Block _block
     cdef int _fd
     cdef uint8_t* _scratch

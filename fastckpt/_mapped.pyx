@@ -21,6 +21,10 @@ Lifetime rules (the same discipline as h5py's handles):
 filesystems): the same API, but each ``view()`` reads its bytes into a fresh
 page-aligned buffer, so views are copies.
 
+``identity`` is what ``fstat`` said of the file when it was opened; a cache
+compares it with ``os.stat(path)`` to learn whether the path still names the
+same, unchanged file (see ``fastckpt.pool.OpenFiles``).
+
 Every read goes through ``span()``, which checks ``0 <= offset`` and
 ``offset + length <= size`` with overflow-safe arithmetic and raises
 :class:`fastckpt.errors.FormatError` naming the file, what was being read,
@@ -164,6 +168,7 @@ cdef class MappedFile:
         try:
             st = os.fstat(fd)
             self.size = st.st_size
+            self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             if backend == "pread":
                 self._fd = fd
                 fd = -1

@@ -557,9 +557,14 @@ class OpenFiles:
     Reloading a file then skips mapping it again (and faulting its pages into
     a fresh mapping, which on 512 MiB can cost as much as the copy itself) and
     parsing its index. A kept file is used only while ``os.stat`` of its path
-    still shows the same file: same device and inode (fastckpt's writers
-    replace files, so a new save is a new inode), size, modification and
-    change times; anything else drops it and opens the path anew. Only
+    still shows the file as it was when it was opened (``MappedFile.identity``,
+    from ``fstat``): same device and inode (fastckpt's writers replace files,
+    so a new save is a new inode, and the kept mapping pins the old one, so
+    its number cannot be reused), size, modification and change times;
+    anything else drops it and opens the path anew. A rewrite in place that
+    keeps the size and lands within the file system's timestamp granularity
+    cannot be seen by ``stat``; replace files (as fastckpt's writers do)
+    rather than rewrite them. Only
     read-only mappings are kept (a copy-on-write mapping may hold a previous
     load's kernel writes). A kept file pins its inode: ``clear()`` (or the
     pool's) lets a replaced file's old data go.
@@ -603,12 +608,17 @@ class OpenFiles:
         return None
 
     def put(self, path, tensor_file) -> bool:
-        """Keep ``tensor_file`` (opened from ``path`` just now); returns False when it is not kept."""
+        """Keep ``tensor_file`` (opened from ``path`` just now); returns False when it is not kept.
+
+        It is kept only when ``path`` still names the file it mapped, unchanged since it was
+        opened (its ``fstat`` then equals ``os.stat(path)`` now): a file replaced or rewritten
+        between the open and this call would otherwise be served, stale, to every later load.
+        """
         if not self.capacity or getattr(tensor_file.mapped, "copy_on_write", False):
             return False
         key = os.path.abspath(os.fspath(path))
         sig = self._signature(key)
-        if sig is None or sig[2] != tensor_file.mapped.size:
+        if sig is None or sig != getattr(tensor_file.mapped, "identity", None):
             return False
         with self._lock:  # files pushed out are dropped, not closed (see get)
             self._entries.pop(key, None)

@@ -119,3 +119,14 @@ def test_advice_accepts_known_kinds(data_file):
         m.advise("willneed", 10, 20)
         with pytest.raises(ValueError, match="advice"):
             m.advise("fast")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_identity_is_the_fstat_of_the_file_as_opened(data_file, backend, tmp_path):
+    st = os.stat(data_file)
+    with MappedFile(data_file, backend=backend) as m:
+        assert m.identity == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        (tmp_path / "new.bin").write_bytes(b"x" * 256)
+        os.replace(tmp_path / "new.bin", data_file)
+        assert os.stat(data_file).st_ino != m.identity[1], "identity describes the mapped file, not the path"
+

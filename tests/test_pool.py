@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from fastckpt.pool import MIN_CLASS, PersistentBufferPool, PoolBuffer, arena_size, size_class
+from fastckpt.pool import MIN_CLASS, OpenFiles, PersistentBufferPool, PoolBuffer, arena_size, size_class
 
 
 class FakeBuffer:
@@ -397,6 +397,39 @@ def test_threads_share_one_pool_consistently():
     assert s.bytes_held == s.bytes_idle <= 1 << 20
     assert s.allocations == s.misses == len(alloc.calls)
     assert s.bytes_held == sum(b.size for b in pool._idle.values())
+
+
+# -- files kept open (no device) -------------------------------------------------------------------
+def test_a_kept_file_is_served_while_unchanged(tmp_path):
+    import fastckpt
+
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {"x": np.arange(4, dtype=np.int32)}, fsync=False)
+    files = OpenFiles(2)
+    tf = fastckpt.open(path)
+    assert files.put(path, tf) and files.get(str(path)) is tf
+
+
+@pytest.mark.parametrize("change", ["replace", "rewrite in place"])
+def test_a_file_changed_between_open_and_keep_is_never_kept(tmp_path, change):
+    import os
+
+    import fastckpt
+
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {"x": np.zeros(4, np.int32)}, fsync=False)
+    tf = fastckpt.open(path)
+    if change == "replace":  # same size, new inode
+        fastckpt.save_safetensors(path, {"x": np.ones(4, np.int32)}, fsync=False)
+    else:
+        st = os.stat(path)
+        with open(path, "r+b") as f:
+            f.seek(tf.info("x").offset)
+            f.write(np.ones(4, np.int32).tobytes())
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # even on a coarse clock
+    files = OpenFiles(2)
+    assert not files.put(path, tf), "the mapping is of the file as it was"
+    assert files.get(path) is None and len(files) == 0
 
 
 # -- on a real device ----------------------------------------------------------------------------

@@ -111,6 +111,29 @@ cdef const uint8_t[::1] _as_view(data):
 _EMPTY = b""
 
 
+cdef bytes _entry_key(const uint8_t[::1] buf, Py_ssize_t restarts_start, Py_ssize_t* pos, bytes prev,
+                      uint64_t* value_len, object what):
+    """The key of the entry at ``pos[0]`` (``prev`` is the previous key); leaves ``pos[0]`` at its value.
+
+    The shared prefix must fit ``prev`` and the key and value must end before the restart array.
+    """
+    cdef Py_ssize_t entry_at = pos[0]
+    cdef uint64_t shared, non_shared
+    cdef bytes key
+    _varint(buf, restarts_start, pos, 5, &shared, what)
+    _varint(buf, restarts_start, pos, 5, &non_shared, what)
+    _varint(buf, restarts_start, pos, 5, value_len, what)
+    if shared > <uint64_t>len(prev):
+        raise FormatError(f"{what}: entry at byte {entry_at} shares {shared} bytes with a previous key "
+                          f"of {len(prev)} bytes")
+    if non_shared + value_len[0] > <uint64_t>(restarts_start - pos[0]):
+        raise FormatError(f"{what}: entry at byte {entry_at} needs {non_shared + value_len[0]} bytes of key and "
+                          f"value but only {restarts_start - pos[0]} remain before the restart array")
+    key = prev[:shared] + bytes(buf[pos[0]:pos[0] + <Py_ssize_t>non_shared])
+    pos[0] += <Py_ssize_t>non_shared
+    return key
+
+
 def decode_block(data, what="block"):
     """Parse one uncompressed block into ``(keys, values, restarts)``.
 
@@ -127,7 +150,7 @@ def decode_block(data, what="block"):
     cdef Py_ssize_t n = buf.shape[0]
     cdef Py_ssize_t restarts_start, pos, i
     cdef uint32_t num_restarts
-    cdef uint64_t shared, non_shared, value_len
+    cdef uint64_t value_len
     cdef list keys = []
     cdef list values = []
     cdef list restarts = []
@@ -144,18 +167,7 @@ def decode_block(data, what="block"):
         restarts.append(_fixed32(buf, restarts_start + 4 * i))
     pos = 0
     while pos < restarts_start:
-        entry_at = pos
-        _varint(buf, restarts_start, &pos, 5, &shared, what)
-        _varint(buf, restarts_start, &pos, 5, &non_shared, what)
-        _varint(buf, restarts_start, &pos, 5, &value_len, what)
-        if shared > <uint64_t>len(prev):
-            raise FormatError(f"{what}: entry at byte {entry_at} shares {shared} bytes with a previous key "
-                              f"of {len(prev)} bytes")
-        if non_shared + value_len > <uint64_t>(restarts_start - pos):
-            raise FormatError(f"{what}: entry at byte {entry_at} needs {non_shared + value_len} bytes of key and "
-                              f"value but only {restarts_start - pos} remain before the restart array")
-        key = prev[:shared] + bytes(buf[pos:pos + <Py_ssize_t>non_shared])
-        pos += <Py_ssize_t>non_shared
+        key = _entry_key(buf, restarts_start, &pos, prev, &value_len, what)
         keys.append(key)
         values.append(bytes(buf[pos:pos + <Py_ssize_t>value_len]))
         pos += <Py_ssize_t>value_len
@@ -192,7 +204,7 @@ def block_seek(data, bytes target, what="block"):
     cdef Py_ssize_t n = buf.shape[0]
     cdef Py_ssize_t restarts_start, pos
     cdef uint32_t num
-    cdef uint64_t shared, non_shared, value_len
+    cdef uint64_t value_len
     cdef Py_ssize_t left, right, mid
     cdef bytes prev = _EMPTY
     cdef bytes key
@@ -215,14 +227,7 @@ def block_seek(data, bytes target, what="block"):
     _restart_key(buf, restarts_start, left, what)  # validates the starting entry
     pos = _fixed32(buf, restarts_start + 4 * left)
     while pos < restarts_start:
-        entry_at = pos
-        _varint(buf, restarts_start, &pos, 5, &shared, what)
-        _varint(buf, restarts_start, &pos, 5, &non_shared, what)
-        _varint(buf, restarts_start, &pos, 5, &value_len, what)
-        if shared > <uint64_t>len(prev) or non_shared + value_len > <uint64_t>(restarts_start - pos):
-            raise FormatError(f"{what}: bad entry in block at byte {entry_at}")
-        key = prev[:shared] + bytes(buf[pos:pos + <Py_ssize_t>non_shared])
-        pos += <Py_ssize_t>non_shared
+        key = _entry_key(buf, restarts_start, &pos, prev, &value_len, what)
         if key >= target:
             return key, bytes(buf[pos:pos + <Py_ssize_t>value_len])
         pos += <Py_ssize_t>value_len
