@@ -170,7 +170,7 @@ def test_unknown_name_is_a_key_error_with_suggestions():
             reader.read_tensor("dense/kernal")
         assert isinstance(info.value, KeyError)
         assert "dense/kernal" not in reader
-        with pytest.raises(KeyError):
+        with pytest.raises(KeyError, match="no tensor named 'nope'"):
             reader["nope"]
 
 
@@ -206,7 +206,7 @@ def test_damaged_tensor_fails_its_checksum_unless_verify_is_off(tmp_path):
         assert reader.read_tensor(name).tobytes() == bytes(raw[info.offset:info.offset + info.nbytes])
 
 
-def test_damaged_string_length_checksum(tmp_path):
+def test_damaged_string_bytes_fail_the_entry_checksum(tmp_path):
     prefix = _copy_fixture(tmp_path)
     name = "model/text/.ATTRIBUTES/VARIABLE_VALUE"
     info = CheckpointReader(prefix).info(name)
@@ -214,9 +214,28 @@ def test_damaged_string_length_checksum(tmp_path):
     raw = bytearray(Path(data_path).read_bytes())
     raw[info.offset + info.nbytes - 1] ^= 0x20  # last byte of the last string
     Path(data_path).write_bytes(bytes(raw))
-    with pytest.raises(ChecksumMismatchError):
+    with pytest.raises(ChecksumMismatchError, match=r"model/text.*checksum mismatch \(stored"):
         CheckpointReader(prefix).read_tensor(name)
-    assert CheckpointReader(prefix, verify=False).read_tensor(name)[-1] != "gr\u00fc\u00df".encode()
+    assert CheckpointReader(prefix, verify=False).read_tensor(name)[-1] == "gr\u00fc\u00ff".encode()
+
+
+def test_damaged_string_length_checksum(tmp_path):
+    from fastckpt.tf._table import decode_varint
+
+    prefix = _copy_fixture(tmp_path)
+    name = "model/text/.ATTRIBUTES/VARIABLE_VALUE"
+    info = CheckpointReader(prefix).info(name)
+    data_path = prefix + ".data-00000-of-00001"
+    raw = bytearray(Path(data_path).read_bytes())
+    at = info.offset
+    for _ in range(info.size):  # skip the varint lengths: the masked length checksum follows them
+        _, at = decode_varint(raw, at)
+    raw[at] ^= 0x01
+    Path(data_path).write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=r"model/text.*length checksum mismatch"):
+        CheckpointReader(prefix).read_tensor(name)
+    unverified = CheckpointReader(prefix, verify=False).read_tensor(name)
+    assert unverified.tolist() == [b"ab", b"", b"xyz" * 50, "gr\u00fc\u00df".encode()]
 
 
 def test_truncated_data_file(tmp_path):
