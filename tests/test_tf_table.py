@@ -155,9 +155,36 @@ def test_small_blocks_keep_point_lookups_working(tmp_path, count):
         table = IndexTable(mapped)
         assert table.items() == items
         assert len(table.block_handles) == blocks
+        _assert_index_invariant(table)
         for key, value in items:
             assert table.get(key) == value
         assert table.get(b"layer") is None
+
+
+def _assert_index_invariant(table):
+    """The spec's section 2.6: last key of block i <= index key i < first key of block i+1."""
+    for i, index_key in enumerate(table.index_keys):
+        assert table.block_entries(i)[0][-1] <= index_key
+        if i + 1 < len(table.index_keys):
+            assert index_key < table.block_entries(i + 1)[0][0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keys=st.sets(st.lists(st.sampled_from(b"\x00\x01\xfe\xffab"), min_size=1, max_size=6).map(bytes),
+                    min_size=1, max_size=60),
+       block_size=st.integers(1, 96))
+def test_index_keys_separate_blocks_for_any_keys(tmp_path, keys, block_size):
+    # 0xFF and adjacent bytes are where FindShortestSeparator / FindShortSuccessor have to give up
+    items = [(key, key[::-1]) for key in sorted(keys)]
+    raw, blocks = _build(items, block_size=block_size)
+    path = tmp_path / "t.index"
+    path.write_bytes(raw)
+    with MappedFile(path) as mapped:
+        table = IndexTable(mapped)
+        assert table.items() == items and len(table.block_handles) == blocks
+        _assert_index_invariant(table)
+        for key, value in items:
+            assert table.get(key) == value
 
 
 def test_builder_refuses_unsorted_keys():
