@@ -432,6 +432,28 @@ def test_loading_twice_through_one_pool_allocates_nothing(tmp_path, device, rng)
     assert_same_state(second, state)
 
 
+def test_reloading_a_realigned_np_savez_file_through_one_pool_allocates_nothing(tmp_path, device, rng):
+    from fastckpt.pool import PersistentBufferPool
+
+    config = [CONV, BN, FLAT, linear(144, 5)]
+    source = nn.build_sequential(device.queue, config)
+    state = randomize(source, rng)
+    netcl_style_file(tmp_path / "odd.netcl", state, {"type": "Sequential", "config": config})
+    pool = PersistentBufferPool(device.context, device.queue)
+    first = load_model(tmp_path / "odd.netcl", pool=pool)
+    assert first.load_report.realigned_keys  # the file's payloads sit at odd offsets: a second arena is used
+    misses, allocated = pool.stats.misses, pool.stats.bytes_allocated
+    x = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    expected = first(x).to_host()
+    del first
+    gc.collect()
+    second = load_model(tmp_path / "odd.netcl", pool=pool)
+    assert (pool.stats.misses, pool.stats.bytes_allocated) == (misses, allocated)
+    assert second.load_report.file_report.pool_misses == 0
+    assert_same_state(second, state)
+    assert second(x).to_host().tobytes() == expected.tobytes()
+
+
 def test_user_layer_type_saves_and_loads(tmp_path, queue, rng):
     from fastckpt.tensor import Tensor
 
