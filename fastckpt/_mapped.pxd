@@ -21,6 +21,11 @@ cdef class MappedFile:
     cdef uint8_t* _scratch
     cdef Py_ssize_t _scratch_cap
     cdef bint _closed
+    cdef Py_ssize_t _reads_in_flight
+    cdef void _release_fd(self) noexcept
     cdef int _check(self, Py_ssize_t offset, Py_ssize_t length, object what) except -1
     cdef int _pread_into(self, uint8_t* dst, Py_ssize_t offset, Py_ssize_t length, object what) except -1
+    # The pointer stays valid while the caller keeps this file open (no close() from another thread
+    # meanwhile) and, for the pread backend, until the next span() call: parsers use it from the one
+    # thread that opened the file.
     cdef const uint8_t* span(self, Py_ssize_t offset, Py_ssize_t length, object what) except NULL

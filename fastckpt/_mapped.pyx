@@ -19,7 +19,11 @@ Lifetime rules (the same discipline as h5py's handles):
 
 ``backend="pread"`` serves filesystems that cannot map (some network and FUSE
 filesystems): the same API, but each ``view()`` reads its bytes into a fresh
-page-aligned buffer, so views are copies.
+page-aligned buffer, so views are copies. ``view()``, ``array()`` and
+``read()`` may run in several threads at once, also while another thread
+closes the file: the descriptor is closed only when the last read in flight
+has finished (closing it earlier would let a new ``open`` reuse its number,
+and the read would return another file's bytes).
 
 ``identity`` is what ``fstat`` said of the file when it was opened; a cache
 compares it with ``os.stat(path)`` to learn whether the path still names the
@@ -32,6 +36,7 @@ the byte range and the file size.
 """
 
 from cpython.buffer cimport PyBUF_WRITABLE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.errno cimport EINTR, errno
 from libc.stdint cimport uint8_t, uintptr_t
@@ -153,6 +158,7 @@ cdef class MappedFile:
         self._scratch = NULL
         self._scratch_cap = 0
         self._closed = True
+        self._reads_in_flight = 0
 
     def __init__(self, path, *, backend="mmap", copy_on_write=False, advise=True, populate=False):
         cdef int fd
@@ -206,14 +212,23 @@ cdef class MappedFile:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self):
-        """Release this handle. Idempotent; views already handed out stay valid."""
+        """Release this handle. Idempotent; views already handed out stay valid.
+
+        Needs no Python module (safe from ``__del__`` at interpreter shutdown). A pread
+        in flight in another thread keeps the descriptor open until it returns.
+        """
         if self._closed:
             return
         self._closed = True
         self._block = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._reads_in_flight == 0:
+            self._release_fd()
+
+    cdef void _release_fd(self) noexcept:
+        cdef int fd = self._fd
+        self._fd = -1
+        if fd >= 0:
+            close(fd)
         if self._scratch != NULL:
             PyMem_Free(self._scratch)
             self._scratch = NULL
@@ -274,26 +289,56 @@ cdef class MappedFile:
 
     cdef int _pread_into(self, uint8_t* dst, Py_ssize_t offset, Py_ssize_t length, object what) except -1:
         cdef ssize_t got
+        cdef int err = 0
         cdef Py_ssize_t done = 0
-        cdef int fd = self._fd
-        while done < length:
-            with nogil:
-                got = pread(fd, dst + done, <size_t>(length - done), offset + done)
-            if got < 0:
-                if errno == EINTR:
-                    continue
-                e = errno
-                raise OSError(e, f"{self.path}: reading {what} at offset {offset + done}: {strerror(e).decode()}", self.path)
-            if got == 0:
-                raise FormatError(f"{self.path}: {what}: expected {length} bytes at offset {offset}, got {done} "
-                                  "(the file shrank while open?)")
-            done += got
+        cdef int fd
+        # Checked again here, not only by the caller: anything between (an allocation running a
+        # finalizer) may have let another thread close the file. From this check on the GIL is held
+        # until the count below keeps close() from closing fd while a pread has dropped the GIL.
+        if self._closed or self._fd < 0:
+            raise ValueError(f"{self.path!r}: the mapped file is closed")
+        fd = self._fd
+        self._reads_in_flight += 1
+        try:
+            while done < length:
+                with nogil:
+                    got = pread(fd, dst + done, <size_t>(length - done), offset + done)
+                    if got < 0:
+                        err = errno
+                if got < 0:
+                    if err == EINTR:
+                        continue
+                    raise OSError(err, f"{self.path}: reading {what} at offset {offset + done}: "
+                                       f"{strerror(err).decode()}", self.path)
+                if got == 0:
+                    raise FormatError(f"{self.path}: {what}: expected {length} bytes at offset {offset}, got {done} "
+                                      "(the file shrank while open?)")
+                done += got
+        finally:
+            self._reads_in_flight -= 1
+            if self._reads_in_flight == 0 and self._closed:
+                self._release_fd()  # close() came while this read ran: it left the descriptor to us
         return 0
 
     def read(self, Py_ssize_t offset, Py_ssize_t length, what="bytes"):
-        """Copy ``length`` bytes at ``offset`` into a new ``bytes`` object."""
-        cdef const uint8_t* p = self.span(offset, length, what)
-        return (<const char*>p)[:length]
+        """Copy ``length`` bytes at ``offset`` into a new ``bytes`` object.
+
+        >>> import tempfile, os
+        >>> fd, p = tempfile.mkstemp(); os.write(fd, b"hello world"); os.close(fd)
+        11
+        >>> MappedFile(p, backend="pread").read(0, 5)
+        b'hello'
+        """
+        cdef bytes out
+        self._check(offset, length, what)
+        if self._block is not None:
+            return (<const char*>self._block.ptr)[offset:offset + length] if length else b""
+        # Straight into the result, not through span()'s shared scratch buffer: read() may run in
+        # several threads at once.
+        out = PyBytes_FromStringAndSize(NULL, length)
+        if length:
+            self._pread_into(<uint8_t*>PyBytes_AS_STRING(out), offset, length, what)
+        return out
 
     def view(self, Py_ssize_t offset=0, length=None, what="bytes"):
         """A ``memoryview`` of ``length`` bytes at ``offset`` (to the end when ``length`` is None).

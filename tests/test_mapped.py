@@ -2,6 +2,8 @@
 
 import gc
 import os
+import random
+import threading
 
 import numpy as np
 import pytest
@@ -129,4 +131,65 @@ def test_identity_is_the_fstat_of_the_file_as_opened(data_file, backend, tmp_pat
         (tmp_path / "new.bin").write_bytes(b"x" * 256)
         os.replace(tmp_path / "new.bin", data_file)
         assert os.stat(data_file).st_ino != m.identity[1], "identity describes the mapped file, not the path"
+
+
+def test_pread_reads_in_many_threads_each_get_their_own_bytes(tmp_path):
+    data = np.random.default_rng(0).bytes(1 << 20)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    m = MappedFile(path, backend="pread")
+    wrong = []
+
+    def reader(seed):
+        rng = random.Random(seed)
+        for _ in range(200):
+            offset = rng.randrange(len(data) - 1)
+            length = rng.randrange(1, min(1 << 17, len(data) - offset) + 1)
+            if m.read(offset, length) != data[offset:offset + length]:
+                wrong.append((offset, length))
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    m.close()
+    assert wrong == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_while_other_threads_read_never_gives_wrong_bytes(tmp_path, backend):
+    data = np.random.default_rng(1).bytes(1 << 20)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\xee" * len(data))  # what a reused descriptor would read
+    m = MappedFile(path, backend=backend)
+    wrong, started = [], threading.Barrier(4)
+
+    def reader(seed):
+        rng = random.Random(seed)
+        started.wait()
+        for _ in range(300):
+            offset = rng.randrange(len(data) - (1 << 16))
+            try:
+                got = bytes(m.view(offset, 1 << 16))
+            except ValueError as e:  # refused after close(): the only acceptable failure
+                if "closed" not in str(e):
+                    wrong.append(repr(e))
+                return
+            if got != data[offset:offset + (1 << 16)]:
+                wrong.append(offset)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    started.wait()
+    m.close()
+    reopened = [os.open(other, os.O_RDONLY) for _ in range(8)]  # would take a descriptor closed too early
+    for t in threads:
+        t.join()
+    for fd in reopened:
+        os.close(fd)
+    assert wrong == []
 
