@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from unittest import mock
 
@@ -415,6 +417,40 @@ def test_hash_mismatch_detected(tmp_path, name, where):
     assert "verify=False" in msg
     problems = verify_checkpoint(tmp_path / "c")
     assert len(problems) == 1 and name in problems[0]
+
+
+def test_hashing_may_start_after_the_files_are_closed(tmp_path, monkeypatch):
+    # The loader hashes each mapped file on a pool thread while it copies the tensors out; a thread
+    # that starts only once the files are closed must still hash them (and still catch a change).
+    from fastckpt.train import checkpoint
+
+    live = build_fresh(1)
+    save(live, tmp_path / "c", 0)
+    closed, all_closed = [], threading.Event()
+    real_close, real_check = checkpoint._TensorSource.close, checkpoint._check_view
+
+    def close(self):
+        real_close(self)
+        closed.append(self.path.name)
+        if len(closed) == 2:
+            all_closed.set()
+
+    def check_once_closed(*args):
+        assert all_closed.wait(60)
+        return real_check(*args)
+
+    monkeypatch.setattr(checkpoint._TensorSource, "close", close)
+    monkeypatch.setattr(checkpoint, "_check_view", check_once_closed)
+    assert byte_equal(load_checkpoint(tmp_path / "c").model_weights, live.model.state_dict())
+    assert sorted(closed) == [OPTIM_FILE, WEIGHTS_FILE]
+    path = tmp_path / "c" / OPTIM_FILE
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    closed.clear()
+    all_closed.clear()
+    with pytest.raises(IntegrityError, match=f"{OPTIM_FILE}: sha256 mismatch"):
+        load_checkpoint(tmp_path / "c")
 
 
 def test_verify_false_skips_hashing(tmp_path):

@@ -778,14 +778,14 @@ def _check_file(d: Path, name: str, entry: dict[str, Any], hashes: bool) -> str 
     return None
 
 
-def _check_mapped(src: "_TensorSource", entry: dict[str, Any], hashes: bool) -> str | None:
-    size = src.file.mapped.size
+def _check_view(path: Path, view: memoryview, entry: dict[str, Any], hashes: bool) -> str | None:
+    size = view.nbytes
     if size != entry["bytes"]:
-        return f"{src.path}: {size} bytes, the manifest says {entry['bytes']} (file truncated or replaced?)"
+        return f"{path}: {size} bytes, the manifest says {entry['bytes']} (file truncated or replaced?)"
     if hashes and size:
-        digest = hashlib.sha256(src.file.mapped.view(0, size)).hexdigest()
+        digest = hashlib.sha256(view).hexdigest()
         if digest != entry["sha256"]:
-            return f"{src.path}: sha256 mismatch: the manifest expects {entry['sha256']}, the file has {digest}"
+            return f"{path}: sha256 mismatch: the manifest expects {entry['sha256']}, the file has {digest}"
     return None
 
 
@@ -883,7 +883,11 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
                 except (FormatError, OSError) as e:
                     read_error = e
                 else:
-                    checks.append(pool.submit(_check_mapped, sources[name], entry, verify))
+                    # SAFETY: the view is taken here, before the source is closed below, and keeps
+                    # the mapping alive until the hashing thread drops it; a view requested after
+                    # close() would raise instead.
+                    mapped = sources[name].file.mapped
+                    checks.append(pool.submit(_check_view, sources[name].path, mapped.view(0, mapped.size), entry, verify))
                     continue
             checks.append(pool.submit(_check_file, d, name, entry, verify))
         try:
@@ -902,7 +906,7 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
             read_error = e
         finally:
             for src in sources.values():
-                src.close()  # mapped views stay valid until the hashes are done
+                src.close()  # the views handed to the hashing threads stay valid
         problems = [p for p in (f.result() for f in checks) if p]
     weights = decoded.get(WEIGHTS_FILE)
     optim = decoded.get(OPTIM_FILE)
