@@ -12,7 +12,7 @@ def test_atomic_write_replaces_only_on_success(tmp_path):
     with atomic_write(target) as f:
         f.write(b"one")
     assert target.read_bytes() == b"one"
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="boom"):
         with atomic_write(target) as f:
             f.write(b"two, half written")
             raise RuntimeError("boom")
@@ -28,7 +28,7 @@ def test_failed_rename_leaves_previous_file_and_no_temporary(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left on device"):
         with atomic_write(target) as f:
             f.write(b"new")
     monkeypatch.undo()
@@ -49,7 +49,7 @@ def test_stale_partials_of_dead_writers_are_removed_live_ones_kept(tmp_path):
 
 def test_atomic_directory_appears_whole(tmp_path):
     target = tmp_path / "ckpt"
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="interrupted"):
         with atomic_directory(target) as d:
             (d / "a").write_bytes(b"1")
             raise RuntimeError("interrupted")
@@ -57,7 +57,7 @@ def test_atomic_directory_appears_whole(tmp_path):
     with atomic_directory(target) as d:
         (d / "a").write_bytes(b"1")
     assert (target / "a").read_bytes() == b"1"
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match=r"ckpt: already exists; pass overwrite=True"):
         with atomic_directory(target):
             pass
     with atomic_directory(target, overwrite=True) as d:
@@ -79,7 +79,7 @@ def test_failed_directory_swap_puts_the_old_directory_back(tmp_path, monkeypatch
         return real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace_failing_second)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="Input/output error"):
         with atomic_directory(target, overwrite=True) as d:
             (d / "b").write_bytes(b"new")
     monkeypatch.undo()

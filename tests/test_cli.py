@@ -31,8 +31,11 @@ def test_inspect_json_reports_offsets_and_alignment(tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["format"] == "safetensors" and d["metadata"] == {"k": "v"}
     with fastckpt.open(path) as f:
-        expected = {i.name: (i.offset, i.nbytes) for i in f.infos.values()}
-    assert {t["name"]: (t["offset"], t["nbytes"]) for t in d["tensors"]} == expected
+        expected = {i.name: (str(i.dtype), list(i.shape), i.offset, i.nbytes, i.alignment) for i in f.infos.values()}
+    got = {t["name"]: (t["dtype"], t["shape"], t["offset"], t["nbytes"], t["alignment"]) for t in d["tensors"]}
+    assert got == expected
+    assert got["a"][:2] == ("float32", [2, 2]) and got["b"][:2] == ("int8", [3])
+    assert got["a"][4] == 4096, "the data section starts on a 4096-byte boundary; float32 comes first"
     assert d["data_region"][0] % 4096 == 0
 
 

@@ -45,7 +45,7 @@ def test_mmap_views_are_zero_copy_and_read_only(data_file):
     b = m.array(0, np.uint8, (256,))
     assert np.shares_memory(a, b)
     assert not a.flags.writeable
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="read-only"):
         a[0] = 1
     assert m.address is not None and m.address % 4096 == 0
 
@@ -193,3 +193,39 @@ def test_close_while_other_threads_read_never_gives_wrong_bytes(tmp_path, backen
         os.close(fd)
     assert wrong == []
 
+
+SHUTDOWN_SCRIPT = """
+import sys
+import numpy as np
+import fastckpt
+from fastckpt._mapped import MappedFile
+from fastckpt.pool import PersistentBufferPool
+
+data, npz = sys.argv[1], sys.argv[2]
+open_view = MappedFile(data).array(0, np.uint8, (256,))        # the handle is gone, the view lives
+pread = MappedFile(data, backend="pread"); pread_view = pread.view(0, 16)
+closed = MappedFile(data); closed_view = closed.view(0, 8); closed.close()
+
+class Cycle:
+    pass
+
+c = Cycle(); c.self = c                                          # freed only by the final collection
+c.mapped = MappedFile(data, copy_on_write=True); c.view = c.mapped.array(0, np.uint8, (4,))
+c.file = fastckpt.open(npz); c.tensor = c.file.host("a")
+c.pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n)); c.lease = c.pool.allocate(10)
+print(int(open_view.sum()), bytes(pread_view[:2]), bytes(closed_view[:2]), c.tensor.tolist())
+"""
+
+
+def test_live_handles_views_and_cycles_at_interpreter_exit_are_clean(data_file, tmp_path):
+    import subprocess
+    import sys
+
+    import fastckpt
+
+    npz = tmp_path / "a.npz"
+    fastckpt.save_npz(npz, {"a": np.arange(3, dtype=np.int16)}, fsync=False)
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", SHUTDOWN_SCRIPT, str(data_file), str(npz)],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"{sum(range(256))} b'\\x00\\x01' b'\\x00\\x01' [0, 1, 2]\n"

@@ -473,7 +473,7 @@ def test_saving_the_views_of_a_file_back_over_it_reproduces_it(tmp_path):
 
 
 def test_parser_refuses_none():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="MappedFile"):
         read_safetensors_index(None)
 
 
