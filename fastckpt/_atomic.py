@@ -85,7 +85,11 @@ def remove_stale_partials(final: str | os.PathLike) -> list[Path]:
 
 
 def fsync_directory(path: str | os.PathLike) -> None:
-    """``fsync`` a directory so that renames and creations inside it are durable."""
+    """``fsync`` a directory so that renames and creations inside it are durable.
+
+    >>> import tempfile
+    >>> fsync_directory(tempfile.mkdtemp())
+    """
     fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)

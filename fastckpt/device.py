@@ -31,7 +31,12 @@ _NO_PLATFORM = (
 
 @dataclass(frozen=True)
 class DeviceHandle:
-    """A device with its own context and in-order queue."""
+    """A device with its own context and in-order queue.
+
+    >>> handle = default("cpu")                          # doctest: +SKIP
+    >>> handle.kind, handle.host_unified_memory          # doctest: +SKIP
+    ('cpu', True)
+    """
 
     context: Any
     queue: Any
@@ -110,6 +115,10 @@ def default(kind: str = "auto") -> DeviceHandle:
 
 
 def reset() -> None:
-    """Forget the cached handles (tests; after a fork)."""
+    """Forget the cached handles (tests; after a fork).
+
+    >>> reset(); default() is default()                  # doctest: +SKIP
+    True
+    """
     with _lock:
         _cache.clear()

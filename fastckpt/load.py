@@ -83,6 +83,10 @@ class LoadReport:
     each tensor to its path (see the module docstring); ``file_reused`` says
     the pool still had the file open (mapped, index parsed); ``timings`` holds
     seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
+
+    >>> report = load_file("model.safetensors", pool=pool).report    # doctest: +SKIP
+    >>> report.mode, report.copies, report.pool_misses, report.file_reused  # doctest: +SKIP
+    ('pool', 1, 0, True)
     """
 
     path: str

@@ -125,6 +125,13 @@ class PoolStats:
     allocations ever made; ``evictions`` counts idle buffers freed to respect
     ``max_bytes`` or after a failed allocation; ``bytes_held`` is what the pool
     owns now (``bytes_in_use`` + ``bytes_idle``).
+
+    >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+    >>> pool.allocate(1000).release(); pool.allocate(1000).hit
+    True
+    >>> s = pool.stats
+    >>> s.hits, s.misses, s.bytes_held, s.bytes_in_use, s.hit_rate
+    (1, 1, 1024, 0, 0.5)
     """
 
     hits: int

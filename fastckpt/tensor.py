@@ -29,18 +29,34 @@ __all__ = ["Tensor", "as_bytes", "contiguous"]
 
 
 def contiguous(array) -> np.ndarray:
-    """``array`` as a C-contiguous ndarray, copied only when needed; 0-d stays 0-d."""
+    """``array`` as a C-contiguous ndarray, copied only when needed; 0-d stays 0-d.
+
+    >>> a = np.arange(6).reshape(2, 3)
+    >>> contiguous(a) is a, contiguous(a.T).flags.c_contiguous
+    (True, True)
+    """
     host = np.asarray(array)
     return host if host.flags.c_contiguous else host.copy(order="C")
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
-    """A flat uint8 view of a C-contiguous array (works for 0-d and ml_dtypes arrays)."""
+    """A flat uint8 view of a C-contiguous array (works for 0-d and ml_dtypes arrays).
+
+    >>> as_bytes(np.array(258, np.uint16)).tolist()
+    [2, 1]
+    """
     return array.reshape(-1).view(np.uint8)
 
 
 class Tensor:
-    """``nbytes`` bytes at ``offset`` in an OpenCL ``buffer``, read as ``dtype`` with ``shape``."""
+    """``nbytes`` bytes at ``offset`` in an OpenCL ``buffer``, read as ``dtype`` with ``shape``.
+
+    >>> from fastckpt.device import default                                # doctest: +SKIP
+    >>> q = default().queue                                                # doctest: +SKIP
+    >>> t = Tensor.from_host(q, np.arange(6, dtype=np.float16).reshape(2, 3))  # doctest: +SKIP
+    >>> t.shape, t.dtype, t.nbytes, t.offset                              # doctest: +SKIP
+    ((2, 3), dtype('float16'), 12, 0)
+    """
 
     __slots__ = ("buffer", "offset", "shape", "dtype", "queue", "_event", "_keepalive", "_owner", "__weakref__")
 
