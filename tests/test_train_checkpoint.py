@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from unittest import mock
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -205,7 +206,8 @@ def test_views_of_one_array_are_aliased_overlaps_are_not(tmp_path):
 
 @pytest.mark.parametrize("value", [
     2**127 + 5, -(2**64), 2**53, float("inf"), float("-inf"), -0.0, 1e-310, 0.1,
-    np.float32(1.5), np.int64(-3), np.bool_(True), np.float16(0.333), (1, "a", None),
+    np.float32(1.5), np.int64(-3), np.bool_(True), np.float16(0.333),
+    np.array(-2.5, dtype=ml_dtypes.bfloat16)[()], np.array(0.75, dtype=ml_dtypes.float8_e4m3fn)[()], (1, "a", None),
     {0: "int key", "__x": 1}, [[1, 2], {"t": (3.0,)}], True, None, "ünïcode",
 ], ids=repr)
 def test_tree_values_roundtrip_exactly(tmp_path, value):
@@ -236,6 +238,52 @@ def test_array_dtypes_and_shapes_roundtrip(tmp_path, dtype, shape):
     assert got.shape == arr.shape and got.dtype == np.dtype(dtype).newbyteorder("<")
     assert got.tobytes() == np.ascontiguousarray(arr, dtype=got.dtype).tobytes()
     assert got.flags.writeable and back["moments"][1].flags.c_contiguous
+
+
+@pytest.mark.parametrize("value", [
+    np.array([1.5, -2.0, 3.25], dtype=ml_dtypes.bfloat16),
+    np.array([[0.5], [-4.0]], dtype=ml_dtypes.float8_e5m2),
+    np.arange(6, dtype=">i2").reshape(2, 3),
+    np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3)),
+    np.zeros((0, 2), dtype=np.complex64),
+    np.array(["ab", "ü"]),
+], ids=lambda a: f"{a.dtype}{list(a.shape)}")
+def test_arrays_inline_in_extra_json_roundtrip_exactly(tmp_path, value):
+    # Scheduler, data-iterator and RNG states live in extra.json, arrays inline as base64.
+    save_checkpoint(_StateHolder({"w": np.zeros(1, np.float32)}), None, _StateHolder({"v": value}), None, None,
+                    tmp_path / "c", step=0)
+    extra = json.loads((tmp_path / "c" / EXTRA_FILE).read_text())
+    assert set(extra["scheduler"]["v"]) == {"__ndarray__", "dtype", "shape"}
+    back = load_checkpoint(tmp_path / "c").scheduler_state["v"]
+    assert back.dtype == value.dtype and back.shape == value.shape and back.flags.c_contiguous
+    assert back.tobytes() == np.ascontiguousarray(value).tobytes()
+
+
+def _replace_file(directory: Path, name: str, data: bytes) -> None:
+    """Write ``name`` and record its new size and hash in the manifest, as a forger would."""
+    (directory / name).write_bytes(data)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"__ndarray__": "AAAAAA==", "dtype": "<f4", "shape": [-1]}, r"shape must be a list of non-negative integers"),
+    ({"__ndarray__": "AAAAAAAAAAA=", "dtype": "<f4", "shape": [3]}, r"needs 12 bytes, the base64 data holds 8"),
+    ({"__ndarray__": "", "dtype": "|O", "shape": [0]}, r"array dtype '\|O' is not allowed"),
+    ({"__ndarray__": "", "dtype": "<f4", "shape": [0], "extra": 1}, r"malformed array object"),
+    ({"__scalar__": {"dtype": "<f4", "data": "AAAAAAAAAAA="}}, r"8 bytes of data for a float32 scalar of 4"),
+    ({"__scalar__": {"dtype": "<M8[D]", "data": "AAAAAAAAAAA="}}, r"array dtype '<M8\[D\]' is not allowed"),
+])
+def test_malformed_values_in_extra_json_are_format_errors(tmp_path, bad, match):
+    out = tmp_path / "c"
+    save_checkpoint(_StateHolder({"w": np.zeros(1, np.float32)}), None, _StateHolder({"v": 1}), None, None, out, step=0)
+    extra = json.loads((out / EXTRA_FILE).read_text())
+    extra["scheduler"] = {"v": bad}
+    _replace_file(out, EXTRA_FILE, json.dumps(extra).encode())
+    with pytest.raises(FormatError, match=match) as err:
+        load_checkpoint(out)
+    assert str(out / EXTRA_FILE) in str(err.value)
 
 
 def test_loaded_arrays_are_private_copies(tmp_path):
@@ -477,7 +525,7 @@ def test_missing_manifest_is_not_a_checkpoint(tmp_path):
     (tmp_path / "c" / MANIFEST_FILE).unlink()
     with pytest.raises(CheckpointNotFoundError, match="never completed"):
         load_checkpoint(tmp_path / "c")
-    with pytest.raises(CheckpointNotFoundError):
+    with pytest.raises(CheckpointNotFoundError, match=r"nothing: no such checkpoint directory"):
         load_checkpoint(tmp_path / "nothing")
 
 

@@ -33,7 +33,19 @@ import numpy as np
 
 from fastckpt.errors import FormatError
 
-__all__ = ["StateObject", "encode", "decode", "dumps", "ARRAY_TAG", "BYTES_TAG", "FLOAT_TAG"]
+__all__ = [
+    "StateObject",
+    "encode",
+    "decode",
+    "dumps",
+    "encode_array",
+    "decode_array",
+    "dtype_token",
+    "parse_dtype",
+    "ARRAY_TAG",
+    "BYTES_TAG",
+    "FLOAT_TAG",
+]
 
 ARRAY_TAG = "__ndarray__"
 BYTES_TAG = "__bytes__"
@@ -175,7 +187,12 @@ def _ml_dtype(name: str) -> np.dtype | None:
     return np.dtype(ext)
 
 
-def _dtype_token(dtype: np.dtype, where: str) -> str:
+def dtype_token(dtype: np.dtype, where: str = "state") -> str:
+    """The string a JSON state stores for ``dtype``: ``dtype.str`` or an ml_dtypes name; refuses the rest.
+
+    >>> dtype_token(np.dtype(">i4")), dtype_token(parse_dtype("bfloat16"))
+    ('>i4', 'bfloat16')
+    """
     # ml_dtypes types first: their dtype.str ('<V2', '<f1') does not name them.
     if dtype.fields is None and _ml_dtype(dtype.name) == dtype and dtype.type.__module__.startswith("ml_dtypes"):
         return dtype.name
@@ -187,7 +204,12 @@ def _dtype_token(dtype: np.dtype, where: str) -> str:
     )
 
 
-def _parse_dtype(token: Any, where: str) -> np.dtype:
+def parse_dtype(token: Any, where: str = "state") -> np.dtype:
+    """Invert :func:`dtype_token`; anything else raises ``FormatError`` (never an object dtype).
+
+    >>> parse_dtype("<f2"), parse_dtype("float8_e4m3fn")
+    (dtype('float16'), dtype(float8_e4m3fn))
+    """
     if not isinstance(token, str):
         raise FormatError(f"{where}: array dtype must be a string, got {token!r}")
     if token.isidentifier():
@@ -229,9 +251,7 @@ def _encode(value: Any, where: str, active: set) -> Any:
     if isinstance(value, StateObject):
         return value._json_tree()
     if isinstance(value, np.ndarray):
-        token = _dtype_token(value.dtype, where)
-        data = np.ascontiguousarray(value).tobytes()
-        return {ARRAY_TAG: base64.b64encode(data).decode("ascii"), "dtype": token, "shape": list(value.shape)}
+        return encode_array(value, where)
     if isinstance(value, np.generic):
         if isinstance(value, (np.bool_, np.integer, np.floating)) and not isinstance(value, np.timedelta64):
             return _encode(value.item(), where, active)
@@ -273,7 +293,7 @@ def decode(tree: Any, where: str = "state") -> Any:
     """
     if isinstance(tree, dict):
         if ARRAY_TAG in tree:
-            return _decode_array(tree, where)
+            return decode_array(tree, where)
         if BYTES_TAG in tree:
             if set(tree) != {BYTES_TAG} or not isinstance(tree[BYTES_TAG], str):
                 raise FormatError(f"{where}: malformed bytes object {dumps(tree)[:80]}")
@@ -298,12 +318,28 @@ def _b64(text: str, where: str) -> bytes:
         raise FormatError(f"{where}: invalid base64 ({exc})") from None
 
 
-def _decode_array(tree: dict, where: str) -> np.ndarray:
+def encode_array(array: np.ndarray, where: str = "state") -> dict:
+    """The tagged JSON object of one array: its C-order bytes in base64, dtype token and shape.
+
+    >>> encode_array(np.array([[1], [2]], dtype="<u2"))
+    {'__ndarray__': 'AQACAA==', 'dtype': '<u2', 'shape': [2, 1]}
+    """
+    token = dtype_token(array.dtype, where)
+    data = np.ascontiguousarray(array).tobytes()
+    return {ARRAY_TAG: base64.b64encode(data).decode("ascii"), "dtype": token, "shape": list(array.shape)}
+
+
+def decode_array(tree: dict, where: str = "state") -> np.ndarray:
+    """Invert :func:`encode_array`: a C-contiguous, writable array; a malformed object raises ``FormatError``.
+
+    >>> decode_array({"__ndarray__": "AQACAA==", "dtype": "<u2", "shape": [2, 1]}).tolist()
+    [[1], [2]]
+    """
     if set(tree) != _ARRAY_KEYS or not isinstance(tree[ARRAY_TAG], str):
         raise FormatError(
             f"{where}: malformed array object with keys {sorted(tree)}; expected exactly {sorted(_ARRAY_KEYS)}"
         )
-    dtype = _parse_dtype(tree["dtype"], where)
+    dtype = parse_dtype(tree["dtype"], where)
     shape = tree["shape"]
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         raise FormatError(f"{where}: array shape must be a list of non-negative integers, got {shape!r}")

@@ -99,14 +99,19 @@ types, bit for bit:
   else ``{"__int__": "<decimal>"}`` (a PCG64 state is 128 bits).
 * floats: themselves when finite (Python writes the shortest repr that
   round-trips exactly), else ``{"__float__": "inf" | "-inf" | "nan"}``.
-* numpy scalars: ``{"__scalar__": {"dtype": "<numpy dtype str>", "data": "<base64 of the bytes>"}}``.
+* numpy scalars: ``{"__scalar__": {"dtype": D, "data": "<base64 of its
+  itemsize bytes>"}}``, ``D`` as for arrays below.
 * tuples: ``{"__tuple__": [...]}``.
 * dicts whose keys are all strings not starting with ``__``: a JSON object;
   any other dict: ``{"__dict__": [[key, value], ...]}`` (keys encoded too, so
   PyTorch's integer-keyed optimizer state keeps its keys).
-* arrays: ``{"__tensor__": "<name>"}`` in the safetensors files;
-  ``{"__ndarray__": {"dtype": ..., "shape": [...], "data": "<base64>"}}`` in
-  ``extra.json``. Object arrays are refused (nothing is ever pickled).
+* arrays: ``{"__tensor__": "<name>"}`` in the safetensors files; in
+  ``extra.json`` the array object of ``fastckpt.stateful`` (exactly these
+  keys): ``{"__ndarray__": "<base64 of the C-order bytes>", "dtype": D,
+  "shape": [...]}`` with exactly ``prod(shape) * itemsize`` bytes. ``D`` is a
+  numpy dtype string with its byte order (kinds ``b i u f c S U``) or the
+  name of an ``ml_dtypes`` type (``"bfloat16"``, ...). Object, structured and
+  other arrays are refused (nothing is ever pickled).
 
 Writing
 =======
@@ -158,6 +163,7 @@ import numpy as np
 
 from fastckpt._atomic import atomic_directory, atomic_write, fsync_directory
 from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
+from fastckpt.stateful._codec import ARRAY_TAG, decode_array, dtype_token, encode_array, parse_dtype
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -304,9 +310,8 @@ def encode_tree(obj: Any, table: ArrayTable | None, path: str = "") -> Any:
     if isinstance(obj, float):
         return float(obj) if math.isfinite(obj) else {"__float__": repr(float(obj))}
     if isinstance(obj, np.generic):
-        if obj.dtype.hasobject:
-            raise TypeError(f"state entry {path!r}: object scalars cannot be stored")
-        return {"__scalar__": {"dtype": obj.dtype.str, "data": base64.b64encode(obj.tobytes()).decode("ascii")}}
+        token = dtype_token(obj.dtype, f"state entry {path or '<root>'!r}")
+        return {"__scalar__": {"dtype": token, "data": base64.b64encode(obj.tobytes()).decode("ascii")}}
     if isinstance(obj, tuple):
         return {"__tuple__": [encode_tree(v, table, _join(path, i)) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
@@ -324,9 +329,7 @@ def encode_tree(obj: Any, table: ArrayTable | None, path: str = "") -> Any:
     if arr.dtype.hasobject:
         raise TypeError(f"state entry {path!r} is an object array; only numeric arrays can be stored (nothing is pickled)")
     if table is None:
-        data = np.ascontiguousarray(arr)
-        return {"__ndarray__": {"dtype": arr.dtype.str, "shape": list(arr.shape),
-                                "data": base64.b64encode(data.tobytes()).decode("ascii")}}
+        return encode_array(arr, f"state entry {path or '<root>'!r}")
     table.add(path, arr, source=obj)
     return {"__tensor__": path}
 
@@ -337,6 +340,8 @@ def decode_tree(tree: Any, tensor: Callable[[str], np.ndarray] | None, where: st
         return [decode_tree(v, tensor, where) for v in tree]
     if not isinstance(tree, dict):
         return tree
+    if ARRAY_TAG in tree:
+        return decode_array(tree, where)
     if len(tree) == 1:
         (tag, body), = tree.items()
         try:
@@ -349,13 +354,11 @@ def decode_tree(tree: Any, tensor: Callable[[str], np.ndarray] | None, where: st
             if tag == "__dict__":
                 return {decode_tree(k, None, where): decode_tree(v, tensor, where) for k, v in body}
             if tag == "__scalar__":
-                dtype = _checked_dtype(body["dtype"], where)
-                return np.frombuffer(base64.b64decode(body["data"], validate=True), dtype=dtype, count=1)[0]
-            if tag == "__ndarray__":
-                dtype = _checked_dtype(body["dtype"], where)
-                shape = tuple(int(n) for n in body["shape"])
+                dtype = parse_dtype(body["dtype"], where)
                 raw = base64.b64decode(body["data"], validate=True)
-                return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+                if len(raw) != dtype.itemsize:
+                    raise ValueError(f"{len(raw)} bytes of data for a {dtype} scalar of {dtype.itemsize}")
+                return np.frombuffer(raw, dtype=dtype)[0]
             if tag == "__tensor__":
                 if tensor is None:
                     raise FormatError(f"{where}: a tensor reference {body!r} where none is allowed")
@@ -365,16 +368,6 @@ def decode_tree(tree: Any, tensor: Callable[[str], np.ndarray] | None, where: st
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"{where}: malformed {tag} entry {json.dumps(body)[:120]}: {e}") from None
     return {k: decode_tree(v, tensor, where) for k, v in tree.items()}
-
-
-def _checked_dtype(text: Any, where: str) -> np.dtype:
-    try:
-        dtype = np.dtype(text)
-    except TypeError:
-        raise FormatError(f"{where}: unknown dtype {text!r}") from None
-    if dtype.hasobject or dtype.kind in "OV":
-        raise FormatError(f"{where}: dtype {text!r} is not allowed (nothing is unpickled)")
-    return dtype
 
 
 def _dumps(obj: Any) -> str:
@@ -726,6 +719,13 @@ def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
     Raises :class:`~fastckpt.errors.CheckpointNotFoundError` when there is no
     checkpoint (or an incomplete one) and :class:`~fastckpt.errors.FormatError`
     when the manifest is unreadable or of another major version.
+
+    >>> import tempfile, os
+    >>> from fastckpt.train import TinyLM
+    >>> out = os.path.join(tempfile.mkdtemp(), "c")
+    >>> digest = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, None, out, step=7)
+    >>> m = read_manifest(out); m["step"], m["weights_sha256"] == digest, sorted(m["files"])
+    (7, True, ['extra.json', 'weights.safetensors'])
     """
     d = Path(in_dir)
     path = d / MANIFEST_FILE
@@ -946,12 +946,16 @@ def apply_checkpoint(state: CheckpointState, model: Any, optimizer: Any = None, 
     >>> rng2.random() == rng.random()
     True
     """
-    restore_into(model, state.model_weights, "model")
-    restore_into(optimizer, state.optim_state, "optimizer")
-    restore_into(scheduler, state.scheduler_state, "scheduler")
-    restore_into(data_iter, state.data_iter_state, "data_iter")
-    restore_into(train_rng, state.train_rng_state, "train_rng")
-    restore_into(scaler, state.scaler_state, "scaler")
+    for obj, value, what in ((model, state.model_weights, "model"), (optimizer, state.optim_state, "optimizer"),
+                             (scheduler, state.scheduler_state, "scheduler"),
+                             (data_iter, state.data_iter_state, "data_iter"),
+                             (train_rng, state.train_rng_state, "train_rng"), (scaler, state.scaler_state, "scaler")):
+        try:
+            restore_into(obj, value, what)
+        except Exception as exc:
+            # The object's own message says what does not fit; the note says which checkpoint.
+            exc.add_note(f"while applying the {what} state of checkpoint {state.path or '(not from a directory)'}")
+            raise
 
 
 # ---------------------------------------------------------------------------------------------
