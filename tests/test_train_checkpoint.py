@@ -206,7 +206,7 @@ def test_views_of_one_array_are_aliased_overlaps_are_not(tmp_path):
 
 @pytest.mark.parametrize("value", [
     2**127 + 5, -(2**64), 2**53, float("inf"), float("-inf"), -0.0, 1e-310, 0.1,
-    np.float32(1.5), np.int64(-3), np.bool_(True), np.float16(0.333),
+    np.float32(1.5), np.float64(-0.0), np.int64(-3), np.bool_(True), np.float16(0.333), np.str_("ü"),
     np.array(-2.5, dtype=ml_dtypes.bfloat16)[()], np.array(0.75, dtype=ml_dtypes.float8_e4m3fn)[()], (1, "a", None),
     {0: "int key", "__x": 1}, [[1, 2], {"t": (3.0,)}], True, None, "ünïcode",
 ], ids=repr)

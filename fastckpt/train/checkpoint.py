@@ -303,15 +303,16 @@ def encode_tree(obj: Any, table: ArrayTable | None, path: str = "") -> Any:
     >>> decode_tree({"__tuple__": [{"__float__": "inf"}]}, None, "example")
     (inf,)
     """
+    # numpy scalars first: np.float64 and np.str_ are also float and str, and would lose their type.
+    if isinstance(obj, np.generic):
+        token = dtype_token(obj.dtype, f"state entry {path or '<root>'!r}")
+        return {"__scalar__": {"dtype": token, "data": base64.b64encode(obj.tobytes()).decode("ascii")}}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
         return int(obj) if abs(obj) < _MAX_SAFE_INT else {"__int__": str(int(obj))}
     if isinstance(obj, float):
         return float(obj) if math.isfinite(obj) else {"__float__": repr(float(obj))}
-    if isinstance(obj, np.generic):
-        token = dtype_token(obj.dtype, f"state entry {path or '<root>'!r}")
-        return {"__scalar__": {"dtype": token, "data": base64.b64encode(obj.tobytes()).decode("ascii")}}
     if isinstance(obj, tuple):
         return {"__tuple__": [encode_tree(v, table, _join(path, i)) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
