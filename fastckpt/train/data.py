@@ -2,12 +2,13 @@
 
 The dataset is one 1-D integer array of tokens cut into ``num_samples``
 non-overlapping windows of ``seq_len + 1`` tokens (inputs and next-token
-targets). Each epoch visits the windows in the order of a permutation drawn
-from ``numpy.random.default_rng([seed, epoch])``, so the state is four
-integers — ``seed``, ``epoch``, ``position`` (batches already served this
-epoch) and the shape of the data — and never the permutation itself. The last
-incomplete batch of an epoch is dropped, so every batch has ``batch_size``
-rows.
+targets). Each epoch visits the windows in the order
+:func:`fastckpt.stateful.epoch_order` gives for ``(seed, epoch)`` — the order
+the stateful readers use, defined by a bit generator's raw stream and so the
+same on every numpy version — so the state is four integers — ``seed``,
+``epoch``, ``position`` (batches already served this epoch) and the shape of
+the data — and never the permutation itself. The last incomplete batch of an
+epoch is dropped, so every batch has ``batch_size`` rows.
 
 The state also carries the sha256 of the token bytes: restoring onto a
 different dataset is refused instead of silently serving other batches.
@@ -29,6 +30,8 @@ import hashlib
 from typing import Any
 
 import numpy as np
+
+from fastckpt.stateful.readers import epoch_order
 
 __all__ = ["ShuffledTokenBatches"]
 
@@ -74,7 +77,7 @@ class ShuffledTokenBatches:
 
     def _permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
-            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+            self._perm = epoch_order(self.num_samples, self.epoch, shuffle=True, seed=self.seed)
             self._perm_epoch = self.epoch
         return self._perm
 

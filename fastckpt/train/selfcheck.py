@@ -86,8 +86,9 @@ def build_fresh(seed: int = 42, *, optimizer: str = "adamw", scheduler: str = "c
                 bit_generator: str = "PCG64") -> TrainObjects:
     """Fresh objects for a run, all derived from ``seed`` (the data itself is fixed).
 
-    The loss scaler starts near the float32 limit so that it both backs off
-    (overflow) and grows within a few steps: its state changes every run.
+    The loss scaler starts just above the float32 limit (2**129) so that within
+    the first ten steps it both grows and backs off after an overflow (skipping
+    steps): a checkpoint at step 10 holds a scaler that went both ways.
     """
     tokens = np.random.default_rng(20240601).integers(0, vocab, num_tokens).astype(np.int32)
     tokens[1::2] = (tokens[::2][: len(tokens[1::2])] * 5 + 3) % vocab  # learnable structure
@@ -96,7 +97,7 @@ def build_fresh(seed: int = 42, *, optimizer: str = "adamw", scheduler: str = "c
     sched = SCHEDULERS[scheduler](opt)
     data = ShuffledTokenBatches(tokens, batch_size=8, seq_len=16, seed=seed)
     rng = np.random.Generator(getattr(np.random, bit_generator)(seed))
-    scaler = GradScaler(init_scale=2.0**127, growth_interval=2)
+    scaler = GradScaler(init_scale=2.0**129, growth_interval=2)
     return TrainObjects(model, opt, sched, data, rng, scaler)
 
 
