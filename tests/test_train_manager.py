@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import signal
 import subprocess
@@ -257,7 +258,73 @@ def test_async_save_of_tied_weights(tmp_path):
 
 
 # -- crash safety -------------------------------------------------------------------------------
-CHILD = r"""
+# One BLAS thread: on a loaded machine OpenBLAS's spinning threads make each step 30x slower.
+CHILD_ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                 OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+
+# Saves step 1, then kills itself with SIGKILL just before the crash_at-th rename of the save of step 2
+# (crash_at 0: never) and otherwise prints how many renames that save made.
+KILL_AT_RENAME = r"""
+import os, signal, sys
+from fastckpt.train import CheckpointManager
+from fastckpt.train.selfcheck import build_fresh, train_n_steps
+directory, crash_at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+objs = build_fresh(1)
+mgr = CheckpointManager(directory, max_to_keep=1)
+mgr.save(1, *objs.save_args(), scaler=objs.scaler)
+train_n_steps(objs, 1)
+real_replace, renames = os.replace, []
+def replace_or_die(src, dst):
+    renames.append(dst)
+    if len(renames) == crash_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst)
+os.replace = replace_or_die
+mgr.save(2, *objs.save_args(), scaler=objs.scaler, blocking=mode == "blocking")
+mgr.close()
+print(len(renames), flush=True)
+"""
+# The renames of that save, in order: the manager's record, weights, optim, extra, manifest, the
+# directory itself; then retention: step 1 moved aside, the record again.
+RENAMES = ["record", "weights", "optim", "extra", "manifest", "directory", "retention", "record-after-delete"]
+DIRECTORY_RENAME = RENAMES.index("directory") + 1
+
+
+def _run_kill_at_rename(directory: Path, crash_at: int, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", KILL_AT_RENAME, str(directory), str(crash_at), mode],
+                          capture_output=True, text=True, env=CHILD_ENV, timeout=300)
+
+
+def test_the_save_makes_the_renames_the_kill_test_targets(tmp_path):
+    proc = _run_kill_at_rename(tmp_path, 0, "blocking")
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) == len(RENAMES)
+    assert CheckpointManager(tmp_path).all_steps() == [2]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+@pytest.mark.parametrize("crash_at", range(1, len(RENAMES) + 1), ids=lambda i: f"before-{RENAMES[i - 1]}")
+def test_kill_9_before_each_rename_of_a_save(tmp_path, crash_at, mode):
+    proc = _run_kill_at_rename(tmp_path, crash_at, mode)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    # The kill hit the middle of the save: a temporary is left, except right before moving step 1 aside.
+    left = [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    assert bool(left) == (RENAMES[crash_at - 1] != "retention"), left
+    mgr = CheckpointManager(tmp_path, max_to_keep=1)  # sweeps the dead writer's temporaries
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
+    # Step 2 counts exactly when its directory was renamed into place; step 1 is there until then.
+    assert mgr.latest_step() == (1 if crash_at <= DIRECTORY_RENAME else 2)
+    for step in mgr.all_steps():
+        assert load_checkpoint(mgr.path_for(step)).step == step  # complete and verified
+    # The directory stays usable: the next save, and retention of what the dead process wrote.
+    mgr.save(3, *build_fresh(1).save_args())
+    assert mgr.all_steps() == [3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD_FILE, "step-00000003"]
+
+
+# Resumes from the latest checkpoint and saves every step until killed; prints each step whose save
+# is known durable (a blocking save returns after the save before it and itself are complete).
+KILL_ANY_TIME = r"""
 import sys
 from fastckpt.train import CheckpointManager
 from fastckpt.train.selfcheck import build_fresh, train_n_steps
@@ -265,41 +332,48 @@ objs = build_fresh(1, vocab=512, dim=128, hidden=512)
 mgr = CheckpointManager(sys.argv[1], max_to_keep=2, keep_every_n_steps=7)
 state = mgr.restore_latest(*objs.save_args(), scaler=objs.scaler)
 step = state.step if state else 0
-print("ready", flush=True)
 while True:
     step += 1
     train_n_steps(objs, 1)
-    mgr.save(step, *objs.save_args(), scaler=objs.scaler, metrics={"loss": 1.0}, blocking=step % 2 == 0)
+    blocking = step % 2 == 0
+    mgr.save(step, *objs.save_args(), scaler=objs.scaler, metrics={"loss": 1.0}, blocking=blocking)
+    if blocking:
+        print(step, flush=True)
 """
 
 
 def _kill_during_saves(directory: Path, rounds: int, seed: int) -> list[int]:
     rnd = random.Random(seed)
     latest = []
-    # One BLAS thread: on a loaded machine OpenBLAS's spinning threads make each step 30x slower.
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     for _ in range(rounds):
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(directory)], stdout=subprocess.PIPE, env=env)
+        child = subprocess.Popen([sys.executable, "-c", KILL_ANY_TIME, str(directory)], stdout=subprocess.PIPE,
+                                 text=True, env=CHILD_ENV)
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in child.stdout], daemon=True)
+        reader.start()
         try:
-            assert child.stdout.readline().strip() == b"ready"
-            time.sleep(rnd.uniform(0.1, 0.6))
+            # Kill only once this round has a durable save of its own, at a random moment after it:
+            # the child spends most of its time saving, so the kill lands in a save most rounds.
+            durable = [int(lines.get(timeout=300))]
+            time.sleep(rnd.uniform(0.0, 0.3))
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait()
+        reader.join(30)
+        while not lines.empty():
+            durable.append(int(lines.get()))
         mgr = CheckpointManager(directory)
-        path = mgr.latest()
-        if path is not None:
-            load_checkpoint(path)  # verified: complete and uncorrupted
-            latest.append(mgr.latest_step())
+        assert mgr.latest_step() >= max(durable)  # a save that returned is never lost
+        load_checkpoint(mgr.latest())  # verified: complete and uncorrupted
         for step in mgr.all_steps():
             load_checkpoint(mgr.path_for(step))
+        latest.append(mgr.latest_step())
     return latest
 
 
 def test_kill_9_during_saves_never_leaves_a_broken_latest(tmp_path):
-    latest = _kill_during_saves(tmp_path, rounds=4, seed=1)
-    assert latest and latest == sorted(latest)  # each round resumed from the previous one
+    latest = _kill_during_saves(tmp_path, rounds=3, seed=1)
+    assert latest == sorted(set(latest))  # each round resumed from the previous one and saved more
     CheckpointManager(tmp_path)  # a new manager sweeps leftovers of the dead writers
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")] == []
 
@@ -307,7 +381,7 @@ def test_kill_9_during_saves_never_leaves_a_broken_latest(tmp_path):
 @pytest.mark.slow
 def test_kill_9_during_saves_many_rounds(tmp_path):
     latest = _kill_during_saves(tmp_path, rounds=30, seed=2)
-    assert latest == sorted(latest)
+    assert latest == sorted(set(latest))
 
 
 # -- the verify command -------------------------------------------------------------------------
