@@ -422,7 +422,8 @@ def test_docs_page_is_the_format_docstring():
 
 @pytest.mark.parametrize("module", ["fastckpt.tf", "fastckpt.tf.reader", "fastckpt.tf.writer", "fastckpt.tf.table",
                                     "fastckpt.tf.proto", "fastckpt.tf.dtypes", "fastckpt.tf.describe",
-                                    "fastckpt.tf.checkpointable", "fastckpt.tf._table", "fastckpt.convert"])
+                                    "fastckpt.tf.checkpointable", "fastckpt.tf._table", "fastckpt.convert",
+                                    "fastckpt.errors"])
 def test_docstring_examples(module):
     import doctest
     import importlib

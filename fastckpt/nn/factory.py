@@ -106,19 +106,35 @@ def register_layer(name: str, ctor: Callable[..., Module], *, to_config: Callabl
 
 
 def unregister_layer(name: str) -> None:
-    """Remove layer type ``name`` (a no-op when it is not registered)."""
+    """Remove layer type ``name`` (a no-op when it is not registered).
+
+    >>> unregister_layer("NoSuchType")
+    >>> "NoSuchType" in registered_types()
+    False
+    """
     with _lock:
         _registry.pop(name, None)
 
 
 def registered_types() -> list[str]:
-    """Names of the registered layer types, in registration order."""
+    """Names of the registered layer types, in registration order.
+
+    >>> registered_types()[:3]
+    ['Conv2d', 'Linear', 'BatchNorm2d']
+    """
     with _lock:
         return list(_registry)
 
 
 def get_layer_spec(name: str) -> LayerSpec:
-    """The spec of layer type ``name``; ``ValueError`` naming the registered types when unknown."""
+    """The spec of layer type ``name``; ``ValueError`` naming the registered types when unknown.
+
+    >>> get_layer_spec("Conv2d").required_args
+    ('in_channels', 'out_channels', 'kernel_size')
+    >>> get_layer_spec("GELU")
+    Traceback (most recent call last):
+    ValueError: unknown layer type 'GELU'; registered: Conv2d, ... Register it with fastckpt.nn.register_layer(name, ctor, ...)
+    """
     with _lock:
         spec = _registry.get(name)
     if spec is None:
@@ -130,7 +146,11 @@ def get_layer_spec(name: str) -> LayerSpec:
 
 
 def layer_to_config(layer: Module) -> dict:
-    """The config entry ``{"type": ..., "args": {...}}`` of ``layer``; ``ValueError`` if no type claims it."""
+    """The config entry ``{"type": ..., "args": {...}}`` of ``layer``; ``ValueError`` if no type claims it.
+
+    >>> layer_to_config(L.MaxPool2d(3, 1))
+    {'type': 'MaxPool2d', 'args': {'kernel_size': 3, 'stride': 1}}
+    """
     with _lock:
         specs = list(_registry.values())
     for spec in reversed(specs):

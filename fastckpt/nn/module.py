@@ -132,7 +132,11 @@ def deferred_init() -> Iterator[None]:
 
 
 def deferred_init_active() -> bool:
-    """True inside :func:`deferred_init` (on this thread)."""
+    """True inside :func:`deferred_init` (on this thread).
+
+    >>> deferred_init_active()
+    False
+    """
     return getattr(_local, "deferred", False)
 
 
@@ -141,6 +145,11 @@ def new_parameter(queue, shape, make) -> Tensor:
 
     ``make`` must draw from :func:`init_rng` in the same order whether or not it is called
     later, which holds because a deferred layer is rebuilt whole.
+
+    >>> with deferred_init():
+    ...     placeholder = new_parameter(None, (2, 3), lambda: np.ones((2, 3), np.float32))
+    >>> placeholder.buffer is None, placeholder.shape
+    (True, (2, 3))
     """
     if deferred_init_active():
         return Tensor(None, tuple(shape), np.float32, queue=queue)
@@ -162,7 +171,11 @@ def shapes_compatible(stored: tuple[int, ...], expected: tuple[int, ...]) -> boo
 
 
 class TensorSpec(NamedTuple):
-    """Shape and dtype of a stored tensor, for validating a load before reading any bytes."""
+    """Shape and dtype of a stored tensor, for validating a load before reading any bytes.
+
+    >>> TensorSpec((1, 3), np.dtype(np.float32)).shape
+    (1, 3)
+    """
 
     shape: tuple[int, ...]
     dtype: np.dtype

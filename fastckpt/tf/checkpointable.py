@@ -122,6 +122,16 @@ class Checkpointable:
     Override in a subclass: ``checkpoint_separator`` (str),
     ``ignored_tensor_paths`` (set of ``"Type.attribute"``), ``tensor_name_map``
     (``identity_map``, ``lookup_map(table)`` or a ``staticmethod``).
+
+    >>> import numpy as np
+    >>> class Encoder(Checkpointable):
+    ...     checkpoint_separator = "."
+    ...     ignored_tensor_paths = {"Encoder.cache"}
+    ...     def __init__(self):
+    ...         self.proj = {"w": np.zeros(2)}
+    ...         self.cache = np.zeros(8)
+    >>> list(checkpoint_tensors(Encoder()))
+    ['proj.w']
     """
 
     checkpoint_separator = DEFAULT_SEPARATOR
@@ -300,6 +310,10 @@ class RestoreResult:
 
     ``mismatched`` holds ``(name, expected, found)`` with ``"dtype[shape]"``
     strings. ``ok`` is true when all three problem lists are empty.
+
+    >>> result = RestoreResult(restored=["w"], missing=["b"])
+    >>> result.ok, result.summary()
+    (False, "1 restored; 1 missing ('b')")
     """
 
     restored: list = field(default_factory=list)
@@ -330,6 +344,10 @@ def default_assign(current, array: np.ndarray):
     writable numpy array is overwritten in place (other references to it see
     the new values); ``type(current).from_host(array)`` if that exists;
     otherwise a new numpy array (a copy, never a view of the file).
+
+    >>> current = np.zeros(2)
+    >>> default_assign(current, np.array([1.0, 2.0])) is None, current.tolist()
+    (True, [1.0, 2.0])
     """
     if callable(getattr(current, "write", None)) and not isinstance(current, np.ndarray):
         current.write(array)
@@ -374,8 +392,18 @@ def restore_object(obj, directory, name: str, *, strict: bool = True, name_map=N
     :class:`~fastckpt.errors.RestoreMismatchError` before the object is
     touched; with ``strict=False`` the matching tensors are restored and the
     :class:`RestoreResult` lists the rest. Every tensor is read and verified
-    before any is assigned: a checksum failure changes nothing. ``assign(current, array)`` replaces
-    :func:`default_assign` (return the new leaf, or None if it updated in place).
+    before any is assigned: a checksum failure changes nothing.
+    ``assign(current, array)`` replaces :func:`default_assign` (return the new
+    leaf, or None if it updated in place).
+
+    >>> import tempfile
+    >>> class Model:
+    ...     def __init__(self, v): self.w = np.full(2, v)
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save_object(Model(3.0), d, "m")
+    >>> model = Model(0.0)
+    >>> restore_object(model, d, "m").restored, model.w.tolist()
+    (['w'], [3.0, 3.0])
     """
     assign = assign or default_assign
     leaves = _leaves(obj, name_map=name_map, name_table=name_table, separator=separator, ignored=ignored)

@@ -50,7 +50,11 @@ OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
 
 def data_filename(prefix, shard: int, num_shards: int) -> str:
-    """``<prefix>.data-%05d-of-%05d``, the name of one data shard."""
+    """``<prefix>.data-%05d-of-%05d``, the name of one data shard.
+
+    >>> data_filename("run/ckpt-1", 0, 2)
+    'run/ckpt-1.data-00000-of-00002'
+    """
     return f"{os.fspath(prefix)}.data-{shard:05d}-of-{num_shards:05d}"
 
 
@@ -62,6 +66,15 @@ class TFTensorInfo(TensorInfo):
     is ``object`` for DT_STRING; ``slices`` is non-empty for a partitioned
     variable (then ``offset`` and ``nbytes`` are 0 and the values live in
     hidden slice entries).
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.tf import write_checkpoint
+    >>> prefix = os.path.join(tempfile.mkdtemp(), "c")
+    >>> write_checkpoint(prefix, {"w": np.zeros((2, 3), np.float32)})
+    >>> with CheckpointReader(prefix) as reader:
+    ...     info = reader.info("w")
+    >>> info.shape, info.shard, info.offset, info.nbytes, info.tf_dtype_name
+    ((2, 3), 0, 0, 24, 'float32')
     """
 
     shard: int = 0
