@@ -159,10 +159,24 @@ def test_async_snapshot_is_taken_at_save_time(tmp_path):
     objs = build_fresh(4)
     train_n_steps(objs, 5)
     expected = capture_full_state(objs)
-    handle = mgr.save(5, *objs.save_args(), scaler=objs.scaler, blocking=False)
-    train_n_steps(objs, 5)  # mutate every state machine while the save may still run
-    objs.model.embed.weight.data[...] = 0
-    handle.wait()
+    mutated = threading.Event()
+    real = asyncsave.write_snapshot
+
+    def write_after_the_trainer_moved_on(*args, **kwargs):
+        assert mutated.wait(60)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(asyncsave, "write_snapshot", side_effect=write_after_the_trainer_moved_on):
+        handle = mgr.save(5, *objs.save_args(), scaler=objs.scaler, blocking=False)
+        # Every state machine changes (arrays in place) before the background write starts.
+        train_n_steps(objs, 5)
+        objs.model.embed.weight.data[...] = 0
+        for buffers in objs.optimizer.state:
+            for array in buffers.values():
+                array[...] = np.nan
+        assert not handle.done()
+        mutated.set()
+        handle.wait()
     fresh = build_fresh(4)
     mgr.restore(5, *fresh.save_args(), scaler=fresh.scaler)
     assert first_difference(expected, capture_full_state(fresh)) is None
@@ -206,6 +220,7 @@ def test_background_error_surfaces_on_next_save(tmp_path):
         mgr.save(1, *objs.save_args(), blocking=False)
         with pytest.raises(OSError, match="I/O error"):
             mgr.save(2, *objs.save_args(), blocking=False)
+    assert mgr.all_steps() == []  # the save that reported the error did not start
     mgr.save(2, *objs.save_args(), blocking=False).wait()
     assert mgr.all_steps() == [2]
     mgr.close()

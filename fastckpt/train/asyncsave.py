@@ -11,7 +11,8 @@ never a torn or mixed-step one.
 
 At most one save is in flight: the next ``save`` first waits for the previous
 one. A failure in the background is raised by ``handle.wait()`` or, if nobody
-waited, by the next ``save`` or ``wait`` (once).
+waited, by the next ``save`` or ``wait`` (once); a ``save`` that raises an
+earlier save's error saves nothing itself, so call it again.
 
 Staging buffers are kept and reused by the next snapshot of the same shapes:
 copying into memory already touched is several times faster than into fresh

@@ -255,8 +255,8 @@ class CheckpointManager:
              data_manifest: Any = None) -> str | SaveHandle:
         """Save ``step``; returns the weights sha256, or with ``blocking=False`` a :class:`SaveHandle`.
 
-        Waits for a save still in flight first (raising its error if it
-        failed and nobody has seen the error yet). Non-blocking saves return
+        Waits for a save still in flight first (raising its error, and saving
+        nothing, if it failed and nobody has seen the error yet). Non-blocking saves return
         once every state is copied; the trainer may then change everything.
         Retention runs after each successful save. An existing ``step`` is an
         error unless ``overwrite=True``.
