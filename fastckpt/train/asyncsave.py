@@ -91,8 +91,12 @@ class StagingPool:
 class SaveHandle:
     """A background save: ``wait()`` returns the weights sha256 or raises the save's error.
 
-    >>> SaveHandle.__name__
-    'SaveHandle'
+    >>> import tempfile, os
+    >>> from fastckpt.train import TinyLM
+    >>> with AsyncCheckpointer() as saver:
+    ...     handle = saver.save(os.path.join(tempfile.mkdtemp(), "c"), TinyLM(vocab=8, dim=4, hidden=8), step=1)
+    ...     len(handle.wait()), handle.done(), handle.step
+    (64, True, 1)
     """
 
     def __init__(self, future: concurrent.futures.Future, path: Path, step: int) -> None:
@@ -133,6 +137,15 @@ class AsyncCheckpointer:
 
     ``before_write`` and ``after_write`` callables run in the background
     thread around the write (the manager records and prunes there).
+
+    >>> import tempfile, os
+    >>> from fastckpt.train import TinyLM
+    >>> root, model = tempfile.mkdtemp(), TinyLM(vocab=8, dim=4, hidden=8)
+    >>> with AsyncCheckpointer(fsync=False) as saver:
+    ...     first = saver.save(os.path.join(root, "a"), model, step=1)
+    ...     second = saver.save(os.path.join(root, "b"), model, step=2)   # waits for the first
+    ...     first.done(), second.wait() == first.wait()
+    (True, True)
     """
 
     def __init__(self, *, fsync: bool = True) -> None:

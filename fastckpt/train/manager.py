@@ -80,7 +80,17 @@ _PARTIAL = re.compile(r"^\.(.+)\.(\d+)\.([0-9a-f]+)\.partial$")
 
 
 class CheckpointManager:
-    """Step-numbered checkpoints in one directory with composable retention; see the module docstring."""
+    """Step-numbered checkpoints in one directory with composable retention; see the module docstring.
+
+    >>> import tempfile
+    >>> from fastckpt.train import TinyLM
+    >>> model = TinyLM(vocab=8, dim=4, hidden=8)
+    >>> with CheckpointManager(tempfile.mkdtemp(), keep_every_n_steps=2, fsync=False) as mgr:
+    ...     for step in (1, 2, 3):
+    ...         _ = mgr.save(step, model, blocking=step == 3)
+    ...     mgr.all_steps(), mgr.latest_step(), mgr.path_for(3).name
+    ([2, 3], 3, 'step-00000003')
+    """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
                  keep_best: tuple | None = None, keep_every_n_steps: int | None = None, fsync: bool = True) -> None:
