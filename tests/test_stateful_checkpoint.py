@@ -676,6 +676,17 @@ def test_keep_removes_only_older_files_this_checkpoint_wrote(tmp_path):
     assert (tmp_path / "c_006.json").exists()
 
 
+def test_keep_spares_a_file_rewritten_in_place_since(tmp_path):
+    # Same name, same inode, other contents: no longer the file this checkpoint wrote.
+    pattern = str(tmp_path / "c_{seq}.json")
+    ckpt = one_state_checkpoint()
+    first = Path(ckpt.save(pattern))
+    first.write_text("rewritten in place by someone else")
+    ckpt.save(pattern, keep=1)
+    assert first.read_text() == "rewritten in place by someone else"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c_0.json", "c_1.json"]
+
+
 @pytest.mark.parametrize("keep", [0, -1, 1.5, True])
 def test_bad_keep_is_refused(tmp_path, keep):
     with pytest.raises(ValueError, match="keep must be an int >= 1"):

@@ -189,6 +189,10 @@ def register_migration(from_version: int, fn: Callable[[dict], dict], *, replace
     _MIGRATIONS[from_version] = fn
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -325,8 +329,8 @@ class Checkpoint:
         self._complete = False
         self._loaded = False
         self._source: str | None = None
-        # pattern text -> [(path, (st_dev, st_ino))] of the files this checkpoint wrote, oldest first
-        self._written: dict[str, list[tuple[Path, tuple[int, int]]]] = {}
+        # pattern text -> [(path, identity)] of the files this checkpoint wrote, oldest first
+        self._written: dict[str, list[tuple[Path, tuple[int, int, int, int]]]] = {}
 
     # ------------------------------------------------------------ properties
     @property
@@ -731,7 +735,9 @@ class Checkpoint:
         existing files are never overwritten. Without ``{seq}`` the one file
         is replaced. The write is atomic. ``keep=N`` then deletes the oldest
         files of this pattern that this Checkpoint wrote, so that N of them
-        remain; files it did not write are never touched. Raises
+        remain; files it did not write (or that were replaced or rewritten
+        since) are never touched. The next number comes from listing the
+        directory, so one process at a time may save to a pattern. Raises
         ``RuntimeError`` if there are no states.
 
         >>> import tempfile, os
@@ -753,10 +759,9 @@ class Checkpoint:
             path = parsed.path()
         with atomic_write(path, fsync=fsync) as f:
             f.write(text.encode("ascii"))
-        st = os.stat(path)
         written = self._written.setdefault(parsed.text, [])
         written[:] = [(p, ident) for p, ident in written if p != path]
-        written.append((path, (st.st_dev, st.st_ino)))
+        written.append((path, _identity(os.stat(path))))
         if keep is not None:
             while len(written) > keep:
                 old, ident = written.pop(0)
@@ -764,7 +769,9 @@ class Checkpoint:
                     st_old = os.stat(old)
                 except FileNotFoundError:
                     continue
-                if (st_old.st_dev, st_old.st_ino) == ident:  # still the file we wrote
+                # Still the file we wrote? A file recreated under the name may reuse a freed inode
+                # number, so its size and modification time must match too.
+                if _identity(st_old) == ident:
                     os.unlink(old)
         return str(path)
 
