@@ -625,7 +625,7 @@ def test_load_picks_the_highest_number(tmp_path):
 def test_load_without_a_match_raises_file_not_found(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint file matches .*ckpt_\{seq\}\.json"):
         Checkpoint().load(str(tmp_path / "ckpt_{seq}.json"))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint file matches .*ckpt\.json' \(looked in .*missing'\)"):
         Checkpoint().load(str(tmp_path / "missing" / "ckpt.json"))
 
 

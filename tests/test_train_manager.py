@@ -137,10 +137,15 @@ def test_corrupt_record_is_reported(tmp_path):
         mgr.save(2, *objs.save_args())
 
 
-@pytest.mark.parametrize("kwargs", [{"max_to_keep": 0}, {"keep_every_n_steps": 0}, {"keep_best": ("loss", "up")},
-                                    {"keep_best": "loss"}, {"keep_best": ("loss", "min", 0)}])
-def test_bad_policy_arguments(tmp_path, kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_to_keep": 0}, r"max_to_keep must be a positive int or None, got 0"),
+    ({"keep_every_n_steps": 0}, r"keep_every_n_steps must be a positive int or None, got 0"),
+    ({"keep_best": ("loss", "up")}, r"keep_best: need \(str metric, 'min'\|'max', positive count\), got \('loss', 'up'\)"),
+    ({"keep_best": "loss"}, r"keep_best must be \(metric, mode\) or \(metric, mode, count\), got 'loss'"),
+    ({"keep_best": ("loss", "min", 0)}, r"positive count\), got \('loss', 'min', 0\)"),
+])
+def test_bad_policy_arguments(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
         CheckpointManager(tmp_path, **kwargs)
 
 

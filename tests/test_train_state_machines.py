@@ -235,12 +235,17 @@ def test_data_resume_mid_epoch(taken):
         assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
 
 
-@pytest.mark.parametrize("key, value", [("data_sha256", "0" * 64), ("batch_size", 8), ("seq_len", 9),
-                                        ("position", 99), ("type", "Other")])
-def test_data_load_refuses_mismatch(key, value):
+@pytest.mark.parametrize("key, value, match", [
+    ("data_sha256", "0" * 64, r"data_sha256 is '0{64}' in the state but '[0-9a-f]{64}' here; build the iterator over the same data"),
+    ("batch_size", 8, r"batch_size is 8 in the state but 4 here"),
+    ("seq_len", 9, r"seq_len is 9 in the state but 10 here"),
+    ("position", 99, r"position 99 outside 0\.\.10"),
+    ("type", "Other", r"state is for 'Other'"),
+])
+def test_data_load_refuses_mismatch(key, value, match):
     it = ShuffledTokenBatches(_tokens(), batch_size=4, seq_len=10, seed=5)
     state = dict(it.state_dict(), **{key: value})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         it.load_state_dict(state)
     assert it.position == 0
 
