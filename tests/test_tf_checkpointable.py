@@ -378,3 +378,27 @@ def test_shared_submodule_is_named_once_under_its_first_path():
             self.head = self.embed  # weight tying
 
     assert list(checkpoint_tensors(Tied())) == ["embed/table"]
+
+
+@pytest.mark.device
+def test_fastckpt_nn_modules_round_trip_through_a_tf_checkpoint(tmp_path):
+    pytest.importorskip("pyopencl")
+    import fastckpt.nn as nn
+    from fastckpt.device import default
+
+    queue = default().queue
+    config = [{"type": "Linear", "args": {"in_features": 3, "out_features": 4}}, {"type": "ReLU"},
+              {"type": "BatchNorm2d", "args": {"num_features": 4}}]
+    source = nn.build_sequential(queue, config, seed=1)
+    state = {k: np.random.default_rng(2).uniform(0.5, 1.5, v.shape).astype(v.dtype)
+             for k, v in source.state_dict().items()}
+    source.load_state_dict(state)
+    save_object(source, tmp_path, "seq")
+    assert CheckpointReader(tmp_path / "seq").tensor_names() == [
+        "layers/[0]/bias", "layers/[0]/weight", "layers/[2]/beta", "layers/[2]/gamma", "layers/[2]/running_mean",
+        "layers/[2]/running_var"]
+    target = nn.build_sequential(queue, config, seed=3)
+    assert restore_object(target, tmp_path, "seq").ok
+    assert all(target.state_dict()[k].tobytes() == v.tobytes() for k, v in state.items())
+    x = np.random.default_rng(4).standard_normal((2, 3)).astype(np.float32)
+    assert target(x).to_host().tobytes() == source(x).to_host().tobytes()
