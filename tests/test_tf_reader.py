@@ -480,3 +480,11 @@ def test_partition_claiming_a_huge_shape_is_refused_before_allocating(tmp_path):
     with CheckpointReader(prefix) as reader:
         with pytest.raises(FormatError, match="do not cover"):  # 8 TiB would be needed; nothing is allocated
             reader.read_tensor("p", copy=True)
+
+
+def test_state_file_that_is_not_text_is_a_format_error(tmp_path):
+    shutil.copytree(DATA / "object_based", tmp_path / "d")
+    (tmp_path / "d" / "checkpoint").write_bytes(b'model_checkpoint_path: "ckpt-1\xff"\n')
+    with pytest.raises(FormatError, match=r"checkpoint: a checkpoint state file is text, but byte 30 is not UTF-8"):
+        CheckpointReader(tmp_path / "d")
+    assert not is_tf_checkpoint(tmp_path / "d")

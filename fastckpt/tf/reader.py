@@ -40,8 +40,8 @@ from fastckpt.tf._table import decode_entry, decode_string_tensor, mask_crc
 from fastckpt.tf.proto import decode_checkpoint_state, decode_header
 from fastckpt.tf.table import IndexTable
 
-__all__ = ["CheckpointReader", "TFTensorInfo", "resolve_prefix", "latest_checkpoint", "data_filename",
-           "encode_tensor_name_slice"]
+__all__ = ["CheckpointReader", "TFTensorInfo", "resolve_prefix", "latest_checkpoint", "read_checkpoint_state",
+           "data_filename", "encode_tensor_name_slice"]
 
 INT32_MAX = 2**31 - 1  # BundleHeaderProto.num_shards is an int32
 BUNDLE_VERSION = 1  # kTensorBundleVersion
@@ -107,11 +107,32 @@ def latest_checkpoint(directory) -> str | None:
     state = directory / "checkpoint"
     if not state.is_file():
         return None
-    latest, _ = decode_checkpoint_state(state.read_text(encoding="utf-8"), str(state))
+    latest, _ = read_checkpoint_state(state)
     if not latest:
         return None
     prefix = latest if os.path.isabs(latest) else str(directory / latest)
     return prefix if os.path.isfile(prefix + ".index") else None
+
+
+def read_checkpoint_state(path) -> tuple:
+    """``(model_checkpoint_path, all_model_checkpoint_paths)`` of a ``checkpoint`` state file.
+
+    The file is text-format protobuf (non-ASCII bytes of paths are octal escapes); anything that is
+    not UTF-8 is a :class:`~fastckpt.errors.FormatError` naming the file.
+
+    >>> import tempfile, pathlib
+    >>> state = pathlib.Path(tempfile.mkdtemp()) / "checkpoint"
+    >>> _ = state.write_text('model_checkpoint_path: "ckpt-2"\\nall_model_checkpoint_paths: "ckpt-2"\\n')
+    >>> read_checkpoint_state(state)
+    ('ckpt-2', ['ckpt-2'])
+    """
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{path}: a checkpoint state file is text, but byte {exc.start} is not UTF-8 "
+                          f"({raw[exc.start:exc.start + 4]!r}); delete or rewrite the file") from None
+    return decode_checkpoint_state(text, str(path))
 
 
 def resolve_prefix(path) -> str:

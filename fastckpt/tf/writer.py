@@ -40,14 +40,13 @@ from fastckpt.tf.proto import (
     BundleHeader,
     GraphNode,
     ObjectGraph,
-    decode_checkpoint_state,
     encode_checkpoint_state,
     encode_entry,
     encode_header,
     encode_object_graph,
     encode_varint,
 )
-from fastckpt.tf.reader import OBJECT_GRAPH_KEY, data_filename
+from fastckpt.tf.reader import OBJECT_GRAPH_KEY, data_filename, read_checkpoint_state
 from fastckpt.tf.table import TableBuilder
 
 __all__ = ["CheckpointWriter", "write_checkpoint", "save", "escape_local_name", "unescape_local_name",
@@ -401,7 +400,7 @@ def save(directory, tensors, *, name: str = "ckpt", max_to_keep: int | None = No
     state_path = directory / "checkpoint"
     kept: list = []
     if state_path.is_file():
-        _, kept = decode_checkpoint_state(state_path.read_text(encoding="utf-8"), str(state_path))
+        _, kept = read_checkpoint_state(state_path)
     numbers = [n for n in (_checkpoint_number(os.path.basename(p), name) for p in kept) if n is not None]
     numbers += [n for n in (_checkpoint_number(p.name[: -len(".index")], name) for p in directory.glob("*.index"))
                 if n is not None]
