@@ -30,7 +30,7 @@ from fastckpt._mapped cimport MappedFile
 from fastckpt.errors import FormatError, NotZeroCopyWarning
 
 __all__ = ["read_npz_index", "parse_npy_header", "npy_header_length", "NpzTensorInfo", "MAX_HEADER_SIZE",
-           "NPY_MAGIC"]
+           "NPY_MAGIC", "member_name_problem"]
 
 # numpy's cap (numpy.lib.format._MAX_HEADER_SIZE): longer headers are refused unless the caller
 # raises it with ``max_header_size=``; the literal parser below is linear, the cap bounds its work.
@@ -543,18 +543,27 @@ cdef class _Where:
         return format(str(self), spec)
 
 
-def _check_member_name(path, str name, Py_ssize_t where):
-    problem = None
+def member_name_problem(str name):
+    """What makes ``name`` unsafe as an NPZ member name, or None: the one rule the reader and the writer share.
+
+    >>> member_name_problem("layer/w.npy") is None, member_name_problem("../w.npy")
+    (True, "name has a '..' path component")
+    """
     if "\x00" in name:
-        problem = "name contains a NUL byte"
-    elif "\\" in name:
-        problem = "name contains a backslash; ZIP names use '/' only"
-    elif name.startswith("/") or (len(name) >= 2 and name[1] == ":" and name[0].isalpha()):
-        problem = "absolute name; expected a relative '<key>.npy'"
-    elif ".." in name.split("/"):
-        problem = "name has a '..' path component"
-    elif not name.endswith(".npy"):
-        problem = "name does not end in '.npy'; every NPZ member is '<key>.npy'"
+        return "name contains a NUL byte"
+    if "\\" in name:
+        return "name contains a backslash; ZIP names use '/' only"
+    if name.startswith("/") or (len(name) >= 2 and name[1] == ":" and name[0].isalpha()):
+        return "absolute name; expected a relative '<key>.npy'"
+    if ".." in name.split("/"):
+        return "name has a '..' path component"
+    if not name.endswith(".npy"):
+        return "name does not end in '.npy'; every NPZ member is '<key>.npy'"
+    return None
+
+
+def _check_member_name(path, str name, Py_ssize_t where):
+    problem = member_name_problem(name)
     if problem is not None:
         raise FormatError(f"{path}: member {name!r} (central directory entry at offset {where}): {problem}")
 

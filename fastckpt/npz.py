@@ -175,6 +175,7 @@ from fastckpt._npz import (
     NpzTensorInfo,
     _descr_to_dtype,
     _Inflater,
+    member_name_problem,
     npy_header_length,
     parse_npy_header,
     read_npz_index,
@@ -290,17 +291,9 @@ def _member_name(name) -> tuple[bytes, int]:
     if not isinstance(name, str):
         raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
     member = name + ".npy"
-    problem = None
-    if "\x00" in member:
-        problem = "contains a NUL character"
-    elif "\\" in member:
-        problem = "contains a backslash (ZIP names use '/')"
-    elif member.startswith("/") or (len(member) >= 2 and member[1] == ":" and member[0].isalpha()):
-        problem = "is absolute"
-    elif ".." in member.split("/"):
-        problem = "has a '..' path component"
+    problem = member_name_problem(member)  # the reader's own rule, so that it reads back what we write
     if problem:
-        raise ValueError(f"tensor name {name!r} {problem}; readers refuse such ZIP member names")
+        raise ValueError(f"tensor name {name!r}: member {member!r}: {problem}; readers refuse such ZIP member names")
     try:
         raw, flags = member.encode("ascii"), 0
     except UnicodeEncodeError:
