@@ -429,9 +429,7 @@ class PersistentBufferPool:
         except Exception as exc:
             if not _is_oom(exc):
                 raise
-            freed = 0
-            while self._idle:
-                freed += self._evict_lru()
+            freed = self._free_all_idle(count_as_evictions=True)
             try:
                 raw = self._allocator(size)
             except Exception as exc2:
@@ -495,12 +493,15 @@ class PersistentBufferPool:
         """Free every idle buffer (memory in use stays); returns the bytes freed. Counts no evictions."""
         self._acquire()
         try:
-            freed = 0
-            while self._idle:
-                freed += self._evict_lru(count_as_eviction=False)
-            return freed
+            return self._free_all_idle()
         finally:
             self._release_lock()
+
+    def _free_all_idle(self, count_as_evictions: bool = False) -> int:
+        freed = 0
+        while self._idle:
+            freed += self._evict_lru(count_as_evictions)
+        return freed
 
     def clear(self) -> int:
         """Free all idle memory, after taking back dropped ``pool(nbytes)`` buffers; returns bytes freed.
@@ -516,10 +517,7 @@ class PersistentBufferPool:
         self._acquire()
         try:
             self._sweep()
-            freed = 0
-            while self._idle:
-                freed += self._evict_lru(count_as_eviction=False)
-            return freed
+            return self._free_all_idle()
         finally:
             self._release_lock()
 
