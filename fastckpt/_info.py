@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,10 +34,7 @@ class TensorInfo:
     @property
     def size(self) -> int:
         """Number of elements."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def zero_copy(self) -> bool:

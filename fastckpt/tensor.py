@@ -21,6 +21,7 @@ array([0, 1, 2])
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -88,10 +89,7 @@ class Tensor:
     @property
     def size(self) -> int:
         """Number of elements."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
