@@ -36,10 +36,12 @@ def detect_format(head: bytes) -> str | None:
     >>> detect_format((2).to_bytes(8, "little") + b"{}")
     'safetensors'
     """
-    if head[:4] in _ZIP_MAGICS:
-        return "npz"
+    # safetensors first: a header length of 0x04034B50 starts with the ZIP magic, while no ZIP
+    # start has "{" at byte 8 (there a local header's compression method, 123, does not exist).
     if len(head) >= 9 and head[8:9] == b"{":
         return "safetensors"
+    if head[:4] in _ZIP_MAGICS:
+        return "npz"
     return None
 
 

@@ -135,3 +135,18 @@ def test_max_header_size_must_be_a_positive_int(tmp_path, bad):
     fastckpt.save_npz(path, {"a": np.arange(3)})
     with pytest.raises(ValueError, match=r"max_header_size must be a positive int or None, got"):
         fastckpt.open(path, max_header_size=bad)
+
+
+@pytest.mark.parametrize("head,fmt", [
+    (b"PK\x03\x04\x14\x00\x00\x00\x00", "npz"),
+    (b"PK\x05\x06\x00\x00\x00\x00\x00", "npz"),
+    ((2).to_bytes(8, "little") + b"{", "safetensors"),
+    # A safetensors header of exactly 0x04034B50 bytes: its length field starts with the ZIP magic.
+    (b"PK\x03\x04\x00\x00\x00\x00{", "safetensors"),
+    (b"PK\x03\x04", "npz"),
+    (b"\x89PNG\r\n\x1a\n0", None),
+])
+def test_detect_format_reads_the_bytes(head, fmt):
+    from fastckpt.reader import detect_format
+
+    assert detect_format(head) == fmt
