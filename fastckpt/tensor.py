@@ -161,5 +161,8 @@ class Tensor:
             cl.enqueue_copy(self.queue, self.buffer, as_bytes(host), dst_offset=self.offset, is_blocking=True)
 
     def __array__(self, dtype=None, copy=None):
+        if copy is False:  # numpy's protocol: refuse rather than copy behind the caller's back
+            raise ValueError("a device tensor has no host memory to view: np.asarray(t, copy=False) cannot "
+                             "avoid a copy; use t.to_host()")
         host = self.to_host()
         return host if dtype is None else host.astype(dtype)

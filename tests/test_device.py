@@ -155,3 +155,12 @@ def test_from_host_with_a_pool_uses_it(dev):
     t = Tensor.from_host(dev.queue, np.arange(10, dtype=np.int64), pool=pool)
     assert pool.stats.buffers_in_use == 1
     assert t.to_host().tolist() == list(range(10))
+
+
+@pytest.mark.device
+def test_asarray_copies_and_refuses_copy_false(dev):
+    t = Tensor.from_host(dev.queue, np.arange(5, dtype=np.int32))
+    assert np.asarray(t).tolist() == [0, 1, 2, 3, 4]
+    assert np.asarray(t, dtype=np.int64).dtype == np.int64
+    with pytest.raises(ValueError, match=r"copy=False\) cannot avoid a copy; use t\.to_host\(\)"):
+        np.asarray(t, copy=False)
