@@ -457,6 +457,7 @@ def test_hand_made_partitioned_variable(tmp_path):
     ([[(0, 2), (0, -1)], [(2, 2), (0, -1)]], [[(0, 2), (0, -1)]], "missing from the index"),
     ([[(0, 2), (0, -1)]], None, "do not cover"),
     ([[(0, 2), (0, -1)], [(0, 2), (0, -1)]], [[(0, 2), (0, -1)]], "do not cover"),
+    ([[(0, 3), (0, -1)], [(1, 3), (0, -1)]], None, r"do not cover its shape \[4, 2\] exactly \(32 bytes\): they hold 48"),
     ([[(3, 2), (0, -1)]], [[(0, 2), (0, -1)]], "outside dimension"),
     ([[(0, 4)]], [], "rank 1 differs"),
 ])
@@ -464,6 +465,35 @@ def test_bad_partitions(tmp_path, slices, made, match):
     prefix, _ = _partitioned(tmp_path, slices, make_entries_for=made)
     with CheckpointReader(prefix) as reader:
         with pytest.raises(FormatError, match=match):
+            reader.read_tensor("p", copy=True)
+
+
+@pytest.mark.parametrize("ranges,expected", [
+    ([], 0), ([(0, 5, 5)], 0), ([(0, 0, 10), (0, 5, 15)], 15), ([(0, 0, 10), (1, 0, 10)], 20),
+    ([(0, 10, 20), (0, 0, 10)], 20), ([(0, 0, 10), (0, 2, 3)], 10), ([(0, 0, 4), (0, 0, 4), (0, 0, 4)], 4),
+])
+def test_union_length_counts_each_data_byte_once(ranges, expected):
+    from fastckpt.tf.reader import _union_length
+
+    assert _union_length(ranges) == expected
+
+
+def test_slices_that_share_their_data_bytes_are_refused(tmp_path):
+    import crc32c
+
+    from fastckpt.tf._table import mask_crc
+
+    rows = np.arange(1000 * 256, dtype=np.float32).reshape(1000, 256)  # 1 MB of data
+    payload = rows.tobytes()
+    crc = mask_crc(crc32c.crc32c(payload))
+    count = 64  # 64 slice entries over the same megabyte would make the reader fill a 64 MB array
+    slices = [[(1000 * i, 1000), (0, -1)] for i in range(count)]
+    entries = {b"p": encode_entry(1, (1000 * count, 256), slices=slices)}
+    for extents in slices:
+        entries[encode_tensor_name_slice(b"p", extents)] = encode_entry(1, (1000, 256), size=len(payload), crc32c=crc)
+    prefix = _bundle(tmp_path, BundleHeader(), entries, payload)
+    with CheckpointReader(prefix) as reader:
+        with pytest.raises(FormatError, match=r"they hold 65536000 bytes, 1024000 of them distinct"):
             reader.read_tensor("p", copy=True)
 
 

@@ -213,6 +213,20 @@ def encode_tensor_name_slice(name: bytes, extents) -> bytes:
 # -- the reader ------------------------------------------------------------------------------------
 
 
+def _union_length(ranges) -> int:
+    """Bytes covered by ``(shard, start, stop)`` ranges, each byte counted once."""
+    total = 0
+    shard = end = None
+    for r_shard, start, stop in sorted(ranges):
+        if r_shard != shard or end is None or start >= end:
+            shard, end = r_shard, stop
+            total += stop - start
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
 def _decode_name(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
 
@@ -499,11 +513,17 @@ class CheckpointReader(Mapping):
                 raise FormatError(f"{shard.path}: slice {list(extents)} of {info.name!r} needs bytes "
                                   f"[{part.offset}, {part.offset + part.nbytes}) but the file has {shard.size}")
             parts.append((tuple(index), part))
-        # The slices' bytes are in the files; only now is the full array allocated, so an index that
-        # claims a huge shape cannot make the reader allocate more than the files could fill.
-        if sum(p.nbytes for _, p in parts) < info.size * info.dtype.itemsize:
+        # Only now is the full array allocated, and only when the slices' own bytes, each byte of the
+        # files counted once, make exactly that array: slices that overlap, or many slice entries that
+        # point at the same bytes, cannot make an index claim more memory than its files hold.
+        needed = info.size * info.dtype.itemsize
+        claimed = sum(p.nbytes for _, p in parts)
+        distinct = _union_length((p.shard, p.offset, p.offset + p.nbytes) for _, p in parts)
+        if claimed != needed or distinct != needed:
             raise FormatError(f"{self.prefix}: the slices of partitioned variable {info.name!r} do not cover its "
-                              f"shape {list(info.shape)}")
+                              f"shape {list(info.shape)} exactly ({needed} bytes): they hold {claimed} bytes, "
+                              f"{distinct} of them distinct in the data files (slices overlap, leave gaps or share "
+                              "data)")
         out = np.zeros(info.shape, dtype=info.dtype)
         covered = np.zeros(info.shape, dtype=bool)
         for index, part in parts:
