@@ -129,7 +129,9 @@ are slices of partitioned variables: ``OrderedCode`` of (0, name, rank,
 (start, length) per dimension, length -1 for a full dimension). They are
 hidden from listings; the variable's own entry carries only ``dtype``,
 ``shape`` and ``slices`` (each ``extent{start = 1, length = 2}``), and the
-reader assembles the full tensor from the slice entries, which MUST cover it.
+reader assembles the full tensor from the slice entries, which MUST cover it
+exactly once; no two slice entries may point at the same data bytes (the
+reader refuses such an index before allocating the full tensor).
 Object-based checkpoints (``tf.train.Checkpoint``) use keys
 ``<path>/.ATTRIBUTES/VARIABLE_VALUE`` where each path component is escaped
 (``.`` -> ``..``, then ``/`` -> ``.S``), a ``save_counter`` int64 scalar and
