@@ -248,6 +248,17 @@ def test_new_pair_replaces_an_old_one_and_leaves_no_temporaries(tmp_path, queue,
     assert_params(fresh, hosts)
 
 
+@pytest.mark.parametrize("depth", [900, 100_000])  # parses but cannot be walked back / does not parse
+def test_deeply_nested_sidecar_is_a_format_error(tmp_path, queue, rng, depth):
+    params, _ = make_params(queue, rng)
+    save_checkpoint(params, tmp_path / "ck")
+    (tmp_path / "ck.json").write_text('{"config": ' + "[" * depth + "]" * depth + "}")
+    fresh = blank_params(queue)
+    with pytest.raises(FormatError, match=r"ck.json: checkpoint sidecar (is not valid JSON|nests too deeply)"):
+        load_checkpoint(queue, fresh, tmp_path / "ck")
+    assert all((p.to_host() == 7).all() for p in fresh)
+
+
 def test_sidecar_that_is_not_an_object_is_a_format_error(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
     save_checkpoint(params, tmp_path / "ck")

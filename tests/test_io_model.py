@@ -320,6 +320,7 @@ GOOD_CONFIG = [linear(2, 2)]
     "meta_text,match",
     [(None, "missing NetCL metadata.*load_params"),
      ("{not json", "'__netcl_meta__' is not valid JSON"),
+     ("[" * 100_000 + "]" * 100_000, "'__netcl_meta__' is not valid JSON"),
      ("[1, 2]", "must be a JSON object, got list"),
      (json.dumps({"type": "ResNet", "config": GOOD_CONFIG}), "model type 'ResNet' is not supported"),
      (json.dumps({"type": "Sequential", "config": GOOD_CONFIG, "version": 3}),

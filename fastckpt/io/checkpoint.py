@@ -370,12 +370,15 @@ def load_checkpoint(queue, params: Iterable, path, names=None) -> dict:
             try:
                 with open(json_path, "rb") as f:
                     doc = json.loads(f.read().decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
                 raise FormatError(f"{json_path}: checkpoint sidecar is not valid JSON ({exc})") from None
             if not isinstance(doc, dict):
                 raise FormatError(f"{json_path}: checkpoint sidecar must be a JSON object "
                                   f'({{"optim_state": ..., "config": ...}}), got {type(doc).__name__}')
-            state = _restore(doc, "state", tf)
+            try:
+                state = _restore(doc, "state", tf)
+            except RecursionError:
+                raise FormatError(f"{json_path}: checkpoint sidecar nests too deeply to restore") from None
         _check_params(npz_path, tf, params, names)
         for name, param in zip(names, params):
             _write_param(param, tf.host(name))

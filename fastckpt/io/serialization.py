@@ -273,7 +273,7 @@ def _decode_meta(path: str, array: np.ndarray) -> dict:
             raise FormatError(f"{path}: {META_KEY!r} is not UTF-8 ({exc})") from None
     try:
         return json.loads(value)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting deeper than json can parse
         raise FormatError(f"{path}: {META_KEY!r} is not valid JSON ({exc}); first bytes: {value[:60]!r}") from None
 
 
@@ -312,7 +312,7 @@ def _read_metadata(layout: str, weights, json_path: str | None) -> tuple[str, di
         try:
             with open(json_path, "rb") as f:
                 return json_path, json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise FormatError(f"{json_path}: legacy model metadata is not valid JSON ({exc})") from None
     if META_KEY not in weights:
         raise FormatError(
