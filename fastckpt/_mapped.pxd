@@ -25,7 +25,7 @@ cdef class MappedFile:
     cdef void _release_fd(self) noexcept
     cdef int _check(self, Py_ssize_t offset, Py_ssize_t length, object what) except -1
     cdef int _pread_into(self, uint8_t* dst, Py_ssize_t offset, Py_ssize_t length, object what) except -1
-    # The pointer stays valid while the caller keeps this file open (no close() from another thread
-    # meanwhile) and, for the pread backend, until the next span() call: parsers use it from the one
-    # thread that opened the file.
+    # The pointer stays valid, for the mmap backend, while the caller holds a reference to _block
+    # (close() in another thread drops only the handle's own), and, for the pread backend, until the
+    # next span() call: parsers use it from one thread at a time.
     cdef const uint8_t* span(self, Py_ssize_t offset, Py_ssize_t length, object what) except NULL

@@ -223,16 +223,14 @@ cdef class MappedFile:
         self._block = None
         if self._reads_in_flight == 0:
             self._release_fd()
+        # The scratch buffer stays until __dealloc__: a parser in another thread may still hold a
+        # span() pointer into it.
 
     cdef void _release_fd(self) noexcept:
         cdef int fd = self._fd
         self._fd = -1
         if fd >= 0:
             close(fd)
-        if self._scratch != NULL:
-            PyMem_Free(self._scratch)
-            self._scratch = NULL
-            self._scratch_cap = 0
 
     @property
     def closed(self):

@@ -765,6 +765,9 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
     cdef const uint8_t* p
     cdef Py_ssize_t local
     cdef Py_ssize_t nlen, elen
+    # SAFETY: the span() pointers below point into this block; holding it keeps the mapping alive
+    # should another thread close m while the parse runs Python code.
+    cdef object keep_mapping = m._block
     path = m.path
     cd_offset, cd_size, count, cd_end = _find_end_records(m)
     entries = _read_central_directory(m, cd_offset, cd_size, count)

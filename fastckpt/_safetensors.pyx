@@ -207,6 +207,9 @@ def read_safetensors_index(MappedFile m not None):
     cdef int64_t begin, end, expected_begin, count, dim, itemsize, nbytes
     cdef int k
     cdef _Scan scan
+    # SAFETY: the span() pointers below point into this block; holding it keeps the mapping alive
+    # should another thread close m while the parse runs Python code.
+    cdef object keep_mapping = m._block
 
     # -- fixed part: 8-byte little-endian length, then the header --------------------------------
     if size < 8:

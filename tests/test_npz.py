@@ -1087,3 +1087,35 @@ def test_compression_warning_through_fastckpt_open_points_at_the_caller(tmp_path
         with fastckpt.open(path) as f:
             assert same(f["a"], np.arange(1000, dtype="<f8"))
     assert len(record) == 1 and record[0].filename == __file__
+
+
+CLOSE_MID_PARSE = """
+import sys
+import numpy as np
+import fastckpt._npz as _npz
+from fastckpt._mapped import MappedFile
+
+m = MappedFile(sys.argv[1])
+real = _npz._check_member_name
+
+def close_then_check(*args):
+    m.close()  # as another thread might, while the parser holds pointers into the central directory
+    return real(*args)
+
+_npz._check_member_name = close_then_check
+try:
+    _npz.read_npz_index(m)
+except ValueError as e:
+    print("refused:", "closed" in str(e))
+"""
+
+
+def test_closing_the_file_during_a_parse_never_reads_unmapped_memory(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "many.npz"
+    save_npz(path, {f"t{i}": np.arange(i, dtype=np.int8) for i in range(50)}, fsync=False)
+    done = subprocess.run([sys.executable, "-c", CLOSE_MID_PARSE, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "refused: True\n", "")
