@@ -513,6 +513,29 @@ def test_zero_copy_kernel_writes_stay_private(tmp_path, dev):
 
 
 @pytest.mark.device
+def test_zero_copy_from_an_open_read_only_file_maps_it_privately_again(tmp_path, dev, pool):
+    import pyopencl as cl
+
+    path = tmp_path / "z.safetensors"
+    w = np.arange(16, dtype=np.float32)
+    fastckpt.save_safetensors(path, {"w": w}, fsync=False)
+    before = file_bytes(path)
+    with fastckpt.open(path) as tf:
+        host_view = tf.host("w")
+        loaded = load_file(tf, dev.queue, pool=pool, zero_copy=True)
+        assert loaded.report.mode == "zero-copy" and not tf.closed
+        t = loaded["w"]
+        cl.Program(dev.context, ADD_ONE).build().add_one(dev.queue, (16,), None, t.buffer, np.uint64(t.offset),
+                                                         np.uint32(16))
+        dev.queue.finish()
+        assert np.array_equal(t.to_host(), w + 1)
+        assert np.array_equal(host_view, w), "the read-only mapping the caller holds is not the one written"
+    assert file_bytes(path) == before
+    again = load_file(path, dev.queue, pool=pool)
+    assert np.array_equal(again["w"].to_host(), w)
+
+
+@pytest.mark.device
 def test_zero_copy_of_an_unaligned_region_rounds_the_buffer_start_down(tmp_path, dev):
     path = tmp_path / "u.safetensors"
     tensors = {"a": np.array([9, 8, 7], np.uint8), "b": sample(np.float32, (33,))}
