@@ -393,6 +393,26 @@ def test_non_blocking_load_waits_before_reading(tmp_path, dev, pool):
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("use_pool", [True, False])
+def test_non_blocking_copies_keep_the_mapping_after_every_handle_is_gone(tmp_path, dev, pool, monkeypatch,
+                                                                          use_pool):
+    import fastckpt.load as load_mod
+
+    monkeypatch.setattr(load_mod, "COPY_CHUNK", 1 << 16)  # several commands per region, and a marker
+    path = tmp_path / "m.safetensors"
+    big = {f"t{i}": sample(np.float64, (1 << 15,), seed=i) for i in range(4)}
+    fastckpt.save_safetensors(path, big, fsync=False)
+    tf = fastckpt.open(path)
+    loaded = load_file(tf, dev.queue, pool=pool if use_pool else None, blocking=False)
+    kept = {name: loaded[name] for name in ("t0", "t3")}
+    tf.close()
+    del tf, loaded  # the file handle, the load and its events: only the pending tensors remain
+    gc.collect()
+    for name, t in kept.items():
+        assert t.to_host().tobytes() == big[name].tobytes(), name
+
+
+@pytest.mark.device
 def test_a_failing_copy_raises_and_returns_the_arenas(tmp_path, dev, pool, monkeypatch):
     import pyopencl as cl
 
