@@ -9,25 +9,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from _device_data import DTYPES, sample
 from fastckpt import device as device_mod
 from fastckpt.tensor import Tensor, as_bytes
 
-DTYPES = [
-    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
-    np.float16, np.float32, np.float64, ml_dtypes.bfloat16, np.complex64, np.complex128,
-]
 SHAPES = [(), (0,), (7,), (3, 5), (2, 3, 4)]
-
-
-def sample(dtype, shape, seed=0) -> np.ndarray:
-    """Random bit patterns of ``dtype`` (NaNs and infinities included), valid booleans."""
-    dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
-    rng = np.random.default_rng(seed)
-    if dt == np.bool_:
-        return rng.integers(0, 2, n).astype(np.bool_).reshape(shape)
-    raw = rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8)
-    return raw.view(dt).reshape(shape)
 
 
 def test_importing_fastckpt_does_not_import_pyopencl():

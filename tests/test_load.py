@@ -14,26 +14,13 @@ import numpy as np
 import pytest
 
 import fastckpt
+from _device_data import DTYPES, sample
 from fastckpt._info import TensorInfo
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.load import MERGE_GAP, LoadedTensors, load_file, plan_regions
 from fastckpt.pool import PersistentBufferPool
 
-DTYPES = [
-    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
-    np.float16, np.float32, np.float64, ml_dtypes.bfloat16, np.complex64, np.complex128,
-]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 1, 3)]
-
-
-def sample(dtype, shape, seed=0) -> np.ndarray:
-    """Random bit patterns of ``dtype`` (NaN payloads included), valid booleans."""
-    dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
-    rng = np.random.default_rng(seed)
-    if dt == np.bool_:
-        return rng.integers(0, 2, n).astype(np.bool_).reshape(shape)
-    return rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8).view(dt).reshape(shape)
 
 
 _ST_DTYPE = {"bool": "BOOL", "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32",
