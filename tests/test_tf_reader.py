@@ -518,3 +518,24 @@ def test_state_file_that_is_not_text_is_a_format_error(tmp_path):
     with pytest.raises(FormatError, match=r"checkpoint: a checkpoint state file is text, but byte 30 is not UTF-8"):
         CheckpointReader(tmp_path / "d")
     assert not is_tf_checkpoint(tmp_path / "d")
+
+
+def test_an_older_ml_dtypes_costs_only_the_types_it_lacks(monkeypatch):
+    import importlib
+
+    import ml_dtypes
+
+    import fastckpt.tf.dtypes as dtypes
+
+    monkeypatch.delattr(ml_dtypes, "int2")
+    monkeypatch.delattr(ml_dtypes, "float4_e2m1fn")
+    try:
+        importlib.reload(dtypes)  # what an import with ml_dtypes 0.4 sees
+        with pytest.raises(FormatError, match=r"dtype int2 \(31\).*has no int2; pip install -U ml_dtypes"):
+            dtypes.numpy_dtype(dtypes.DT_INT2)
+        assert dtypes.numpy_dtype(dtypes.DT_UINT2) == np.dtype(ml_dtypes.uint2)
+        assert dtypes.numpy_dtype(dtypes.DT_BFLOAT16) == np.dtype(ml_dtypes.bfloat16)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(dtypes)
+    assert dtypes.numpy_dtype(dtypes.DT_INT2) == np.dtype(ml_dtypes.int2)

@@ -85,10 +85,15 @@ _NUMPY = {
     DT_FLOAT8_E5M2FNUZ: np.dtype(ml_dtypes.float8_e5m2fnuz),
     DT_INT4: np.dtype(ml_dtypes.int4),
     DT_UINT4: np.dtype(ml_dtypes.uint4),
-    DT_INT2: np.dtype(ml_dtypes.int2),
-    DT_UINT2: np.dtype(ml_dtypes.uint2),
-    DT_FLOAT4_E2M1FN: np.dtype(ml_dtypes.float4_e2m1fn),
 }
+# Types that older ml_dtypes releases lack (pyproject allows them): without one, only that dtype is
+# unreadable (numpy_dtype says which ml_dtypes is needed); everything else keeps working.
+_NEEDS_NEWER_ML_DTYPES = {}
+for _enum, _name in ((DT_INT2, "int2"), (DT_UINT2, "uint2"), (DT_FLOAT4_E2M1FN, "float4_e2m1fn")):
+    if hasattr(ml_dtypes, _name):
+        _NUMPY[_enum] = np.dtype(getattr(ml_dtypes, _name))
+    else:
+        _NEEDS_NEWER_ML_DTYPES[_enum] = _name
 
 TF_NAMES = {
     DT_INVALID: "invalid", DT_FLOAT: "float32", DT_DOUBLE: "float64", DT_INT32: "int32", DT_UINT8: "uint8",
@@ -118,7 +123,10 @@ def numpy_dtype(enum: int, *, what: str = "tensor") -> np.dtype:
     try:
         return _NUMPY[enum]
     except KeyError:
-        if enum >= 100:
+        if enum in _NEEDS_NEWER_ML_DTYPES:
+            detail = (f"the installed ml_dtypes {ml_dtypes.__version__} has no {_NEEDS_NEWER_ML_DTYPES[enum]}; "
+                      "pip install -U ml_dtypes")
+        elif enum >= 100:
             detail = "a reference type, which never appears in a checkpoint"
         elif enum in (DT_STRING, DT_VARIANT, DT_RESOURCE):
             detail = "not a fixed-size type"
