@@ -539,3 +539,36 @@ def test_an_older_ml_dtypes_costs_only_the_types_it_lacks(monkeypatch):
         monkeypatch.undo()
         importlib.reload(dtypes)
     assert dtypes.numpy_dtype(dtypes.DT_INT2) == np.dtype(ml_dtypes.int2)
+
+
+def test_threads_reading_one_shard_map_it_once(monkeypatch):
+    import threading
+    import time
+
+    import fastckpt.tf.reader as reader_module
+
+    opened = []
+    real = reader_module.MappedFile
+
+    def counting(path, **kwargs):
+        opened.append(path)
+        time.sleep(0.02)  # a slow open: without the lock every waiting thread would map the shard too
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(reader_module, "MappedFile", counting)
+    with CheckpointReader(prefix_of("object_based")) as reader:
+        del opened[:]  # the index
+        names = reader.tensor_names()
+        barrier = threading.Barrier(8)
+
+        def read_all():
+            barrier.wait()
+            for name in names:
+                reader.read_tensor(name, copy=True)
+
+        threads = [threading.Thread(target=read_all) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(opened) == 1

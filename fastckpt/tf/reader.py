@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -266,9 +267,12 @@ class CheckpointReader(Mapping):
         self.prefix = resolve_prefix(path)
         self.verify = verify
         self.index_path = self.prefix + ".index"
+        # Shard index -> mapping, filled on first read as TensorFlow opens them; a dict, so a header
+        # claiming two billion shards costs nothing until a tensor names one.
         self._shards: dict = {}
         self._closed = False
         self._backend = backend
+        self._shard_lock = threading.Lock()  # two threads reading one new shard map it once
         with MappedFile(self.index_path, advise=False) as mapped:
             table = IndexTable(mapped)
             items = table.items()
@@ -293,9 +297,6 @@ class CheckpointReader(Mapping):
             raise FormatError(f"{self.index_path}: header says num_shards={num_shards} (an int32 of at least 1 "
                               "when there are tensors)")
         self.num_shards = num_shards
-        # Shard index -> mapping, filled on first read as TensorFlow opens them; a dict, so a header
-        # claiming two billion shards costs nothing until a tensor names one.
-        self._shards: dict = {}
 
     def _check_version(self) -> None:
         h = self.header
@@ -340,10 +341,11 @@ class CheckpointReader(Mapping):
 
     def close(self) -> None:
         """Unmap the shards. Idempotent; arrays already returned stay valid."""
-        for shard in self._shards.values():
-            shard.close()
-        self._shards = {}
-        self._closed = True
+        with self._shard_lock:
+            for shard in self._shards.values():
+                shard.close()
+            self._shards = {}
+            self._closed = True
 
     @property
     def closed(self) -> bool:
@@ -417,14 +419,20 @@ class CheckpointReader(Mapping):
         if self._closed:
             raise ValueError(f"{self.prefix}: the checkpoint reader is closed")
         mapped = self._shards.get(index)
-        if mapped is None:
-            num_shards = self.num_shards
-            path = data_filename(self.prefix, index, num_shards)
-            if not os.path.exists(path):
-                raise CheckpointNotFoundError(
-                    f"{path}: data shard {index} of {num_shards} is missing (the index {self.index_path} lists "
-                    "tensors in it; was the checkpoint copied without its data files?)")
-            mapped = self._shards[index] = MappedFile(path, backend=self._backend)
+        if mapped is not None:
+            return mapped
+        with self._shard_lock:
+            if self._closed:
+                raise ValueError(f"{self.prefix}: the checkpoint reader is closed")
+            mapped = self._shards.get(index)
+            if mapped is None:
+                num_shards = self.num_shards
+                path = data_filename(self.prefix, index, num_shards)
+                if not os.path.exists(path):
+                    raise CheckpointNotFoundError(
+                        f"{path}: data shard {index} of {num_shards} is missing (the index {self.index_path} "
+                        "lists tensors in it; was the checkpoint copied without its data files?)")
+                mapped = self._shards[index] = MappedFile(path, backend=self._backend)
         return mapped
 
     def read_tensor(self, name: str, *, copy: bool = False) -> np.ndarray:
