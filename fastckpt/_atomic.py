@@ -20,6 +20,9 @@ made it is gone, so two live writers never delete each other's work.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
 import secrets
 import shutil
@@ -132,15 +135,50 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[
         fsync_directory(final.parent)
 
 
-def _swap_in(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` onto ``final``, moving an existing ``final`` aside first.
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
 
-    Directories cannot be replaced in one rename, so there is a moment with the
-    old one moved aside; if the second rename fails, the old one is put back,
-    or a later save would remove it as a dead writer's leftover.
+
+@functools.lru_cache(maxsize=None)
+def _renameat2():
+    """glibc's ``renameat2`` (Linux 3.15+, glibc 2.28+), or None where the C library lacks it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step; False where the system or filesystem cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` onto ``final``; an existing ``final`` directory is replaced.
+
+    Where Linux's ``renameat2(RENAME_EXCHANGE)`` works, the two directories trade
+    places in one atomic step, so ``final`` always names a complete directory,
+    even if the process dies right after; the old one, now under the temporary
+    name, is then removed (or swept as a dead writer's leftover). Elsewhere the
+    old one is moved aside first, and put back if the second rename fails.
     """
     if not final.exists():
         os.replace(tmp, final)
+        return
+    if _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)
         return
     old = _partial_name(final)
     os.replace(final, old)

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from fastckpt import _atomic
 from fastckpt._atomic import atomic_directory, atomic_write, remove_stale_partials
 
 
@@ -65,7 +66,23 @@ def test_atomic_directory_appears_whole(tmp_path):
     assert sorted(p.name for p in target.iterdir()) == ["b"]
 
 
+def test_directory_replacement_is_one_atomic_exchange_where_linux_has_it(tmp_path, monkeypatch):
+    if _atomic._renameat2() is None:
+        pytest.skip("this C library has no renameat2")
+    target = tmp_path / "ckpt"
+    with atomic_directory(target) as d:
+        (d / "a").write_bytes(b"old")
+    moves = []
+    monkeypatch.setattr(os, "replace", lambda *a: moves.append(a))  # the exchange needs no rename
+    with atomic_directory(target, overwrite=True) as d:
+        (d / "b").write_bytes(b"new")
+    assert moves == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert [p.name for p in target.iterdir()] == ["b"]
+
+
 def test_failed_directory_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)  # the two-rename fallback
     target = tmp_path / "ckpt"
     with atomic_directory(target) as d:
         (d / "a").write_bytes(b"old")
