@@ -111,6 +111,21 @@ cdef const uint8_t[::1] _as_view(data):
 _EMPTY = b""
 
 
+cdef Py_ssize_t _restarts_start(const uint8_t[::1] buf, uint32_t* num_restarts, object what) except -1:
+    """Where a block's restart array starts (its entries end there); sets ``num_restarts[0]``.
+
+    The trailing restart count and the array it announces must fit in the block.
+    """
+    cdef Py_ssize_t n = buf.shape[0]
+    if n < 4:
+        raise FormatError(f"{what}: a block needs at least 4 bytes (the restart count), got {n}")
+    num_restarts[0] = _fixed32(buf, n - 4)
+    if num_restarts[0] > (n - 4) // 4:
+        raise FormatError(f"{what}: restart count {num_restarts[0]} needs {4 * (<uint64_t>num_restarts[0]) + 4} "
+                          f"bytes but the block has {n}")
+    return n - 4 - 4 * <Py_ssize_t>num_restarts[0]
+
+
 cdef bytes _entry_key(const uint8_t[::1] buf, Py_ssize_t restarts_start, Py_ssize_t* pos, bytes prev,
                       uint64_t* value_len, object what):
     """The key of the entry at ``pos[0]`` (``prev`` is the previous key); leaves ``pos[0]`` at its value.
@@ -147,7 +162,6 @@ def decode_block(data, what="block"):
     ([b'a'], [b''], [0])
     """
     cdef const uint8_t[::1] buf = _as_view(data)
-    cdef Py_ssize_t n = buf.shape[0]
     cdef Py_ssize_t restarts_start, pos, i
     cdef uint32_t num_restarts
     cdef uint64_t value_len
@@ -156,13 +170,7 @@ def decode_block(data, what="block"):
     cdef list restarts = []
     cdef bytes prev = _EMPTY
     cdef bytes key
-    if n < 4:
-        raise FormatError(f"{what}: a block needs at least 4 bytes (the restart count), got {n}")
-    num_restarts = _fixed32(buf, n - 4)
-    if num_restarts > (n - 4) // 4:
-        raise FormatError(f"{what}: restart count {num_restarts} needs {4 * (<uint64_t>num_restarts) + 4} bytes "
-                          f"but the block has {n}")
-    restarts_start = n - 4 - 4 * <Py_ssize_t>num_restarts
+    restarts_start = _restarts_start(buf, &num_restarts, what)
     for i in range(num_restarts):
         restarts.append(_fixed32(buf, restarts_start + 4 * i))
     pos = 0
@@ -201,19 +209,13 @@ def block_seek(data, bytes target, what="block"):
     restart array is usable for point lookups.
     """
     cdef const uint8_t[::1] buf = _as_view(data)
-    cdef Py_ssize_t n = buf.shape[0]
     cdef Py_ssize_t restarts_start, pos
     cdef uint32_t num
     cdef uint64_t value_len
     cdef Py_ssize_t left, right, mid
     cdef bytes prev = _EMPTY
     cdef bytes key
-    if n < 4:
-        raise FormatError(f"{what}: a block needs at least 4 bytes, got {n}")
-    num = _fixed32(buf, n - 4)
-    if num > (n - 4) // 4:
-        raise FormatError(f"{what}: restart count {num} does not fit in {n} bytes")
-    restarts_start = n - 4 - 4 * <Py_ssize_t>num
+    restarts_start = _restarts_start(buf, &num, what)
     if num == 0 or restarts_start == 0:
         return None
     left = 0
