@@ -341,14 +341,16 @@ def test_pluggable_leaves(tmp_path):
 
 def test_tuple_leaf_that_cannot_be_updated_in_place(tmp_path):
     class Model:
-        def __init__(self):
-            self.pair = (np.zeros(1),)
+        def __init__(self, v):
+            self.first = np.full(2, v)
+            self.pair = (np.full(1, v),)
 
-    save_object(Model(), tmp_path, "t")
-    dst = Model()
+    save_object(Model(1.0), tmp_path, "t")
+    dst = Model(0.0)
     dst.pair[0].flags.writeable = False
-    with pytest.raises(TypeError, match="tuple"):
+    with pytest.raises(TypeError, match=r"'pair/\[0\]' lives in a tuple"):
         restore_object(dst, tmp_path, "t")
+    assert dst.first.tolist() == [0.0, 0.0]  # refused before anything was assigned
 
 
 def test_callable_layers_are_walked():

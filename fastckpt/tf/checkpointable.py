@@ -440,12 +440,23 @@ def restore_object(obj, directory, name: str, *, strict: bool = True, name_map=N
         # Every tensor is read (and its checksum verified) before the first one is assigned, so a damaged
         # file leaves the object as it was rather than half restored. Reads are views of the mapping.
         arrays = [reader.read_tensor(key, copy=bool(reader.info(key).slices)) for _leaf, key in plan]
+        if assign is default_assign:  # what default_assign must replace, it cannot replace inside a tuple
+            for leaf, _key in plan:
+                if isinstance(leaf.parent, tuple) and not _assigned_in_place(leaf.value):
+                    _replace(leaf, None)  # raises the TypeError that names the leaf, before any change
         for (leaf, _key), array in zip(plan, arrays):
             replacement = assign(leaf.value, array)
             if replacement is not None:
                 _replace(leaf, replacement)
             result.restored.append(leaf.name)
     return result
+
+
+def _assigned_in_place(value) -> bool:
+    """True when :func:`default_assign` updates ``value`` itself rather than returning a replacement."""
+    if isinstance(value, np.ndarray):
+        return value.flags.writeable
+    return callable(getattr(value, "write", None))
 
 
 def _replace(leaf: _Leaf, value) -> None:
