@@ -19,11 +19,13 @@ import importlib
 
 from fastckpt.errors import (
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     FastCkptError,
     FastCkptWarning,
     FormatError,
     IntegrityError,
     NotZeroCopyWarning,
+    RestoreMismatchError,
     TensorNotFoundError,
 )
 
@@ -49,6 +51,8 @@ __all__ = [
     "FastCkptError",
     "FormatError",
     "IntegrityError",
+    "ChecksumMismatchError",
+    "RestoreMismatchError",
     "TensorNotFoundError",
     "CheckpointNotFoundError",
     "FastCkptWarning",
