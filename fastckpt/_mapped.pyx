@@ -38,6 +38,10 @@ the byte range and the file size.
 from cpython.buffer cimport PyBUF_WRITABLE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.ref cimport Py_INCREF
+
+cimport numpy as cnp
 from libc.errno cimport EINTR, errno
 from libc.stdint cimport uint8_t, uintptr_t
 from libc.stdlib cimport free
@@ -48,6 +52,21 @@ import os
 import numpy as np
 
 from fastckpt.errors import FormatError
+
+cnp.import_array()
+
+cdef extern from *:
+    Py_ssize_t PY_SSIZE_T_MAX
+
+cdef extern from "numpy/arrayobject.h":
+    ctypedef struct _Descr "PyArray_Descr":
+        pass
+    # Declared here with raw pointers: the call steals a reference to ``descr`` (taken by hand below).
+    object _new_array "PyArray_NewFromDescr" (PyTypeObject* subtype, _Descr* descr, int nd,
+                                             cnp.npy_intp* dims, cnp.npy_intp* strides, void* data,
+                                             int flags, PyObject* obj)
+
+DEF _MAX_DIMS = 32  # numpy 1.x's NPY_MAXDIMS; numpy 2 allows 64, no tensor file needs more
 
 
 cdef extern from "<sys/mman.h>" nogil:
@@ -366,21 +385,54 @@ cdef class MappedFile:
 
         ``order="F"`` interprets the bytes in Fortran (column-major) order. The array
         is read-only unless the file was opened copy-on-write, and may be unaligned
-        (numpy handles that; ``arr.flags.aligned`` says so).
+        (numpy handles that; ``arr.flags.aligned`` says so). Its ``base`` keeps the
+        mapping alive.
+
+        >>> import tempfile, os, numpy as np
+        >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, np.arange(6, dtype="<i2").tobytes()); os.close(fd)
+        >>> MappedFile(p).array(2, "<i2", (2, 2), order="F").tolist()
+        [[1, 3], [2, 4]]
         """
-        dt = np.dtype(dtype)
-        shp = tuple(int(s) for s in shape)
-        count = 1
-        for s in shp:
-            if s < 0:
+        cdef cnp.npy_intp dims[_MAX_DIMS]
+        cdef Py_ssize_t nbytes, d
+        cdef int nd, i, flags
+        cdef _Block block
+        cdef uint8_t* base
+        dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+        if dt.hasobject:
+            raise ValueError(f"{self.path}: {what}: dtype {dt} holds Python objects, which raw file bytes never are")
+        shp = shape if type(shape) is tuple else tuple(shape)
+        nd = len(shp)
+        if nd > _MAX_DIMS:
+            raise FormatError(f"{self.path}: {what}: {nd} dimensions; numpy allows at most {_MAX_DIMS}")
+        nbytes = dt.itemsize
+        for i in range(nd):
+            d = shp[i]
+            if d < 0:
                 raise FormatError(f"{self.path}: {what}: negative dimension in shape {shp}")
-            count *= s
-        nbytes = count * dt.itemsize
-        buf = self.view(offset, nbytes, what)
-        arr = np.frombuffer(buf, dtype=dt, count=count)
-        if order == "F":
-            return arr.reshape(shp, order="F")
-        return arr.reshape(shp)
+            if d != 0 and nbytes > PY_SSIZE_T_MAX // d:
+                raise FormatError(f"{self.path}: {what}: shape {shp} of {dt} spans more bytes than memory can address")
+            nbytes *= d
+            dims[i] = d
+        for i in range(nd):
+            if dims[i] == 0:
+                nbytes = 0
+        self._check(offset, nbytes, what)
+        block = self._block
+        if block is None:  # pread backend: a private copy of the bytes
+            arr = np.frombuffer(self.view(offset, nbytes, what), dtype=dt, count=nbytes // dt.itemsize if dt.itemsize else 0)
+            return arr.reshape(tuple(int(x) for x in shp), order="F" if order == "F" else "C")
+        base = block.ptr if block.ptr != NULL else _EMPTY
+        flags = cnp.NPY_ARRAY_F_CONTIGUOUS if order == "F" else cnp.NPY_ARRAY_C_CONTIGUOUS
+        if block.writable:
+            flags |= cnp.NPY_ARRAY_WRITEABLE
+        # SAFETY: the array points into the mapping; its base holds the block that owns the mapping,
+        # so the pages stay mapped for as long as the array (or any view of it) lives.
+        Py_INCREF(dt)  # PyArray_NewFromDescr steals a reference to the descriptor
+        arr = _new_array(<PyTypeObject*>np.ndarray, <_Descr*>dt, nd, dims, NULL, <void*>(base + offset),
+                         flags, NULL)
+        cnp.set_array_base(arr, block)
+        return arr
 
     def advise(self, kind, Py_ssize_t offset=0, length=None):
         """Pass ``madvise`` advice (``"sequential"``, ``"willneed"``, ``"random"``, ``"dontneed"``, ``"normal"``)

@@ -229,3 +229,30 @@ def test_live_handles_views_and_cycles_at_interpreter_exit_are_clean(data_file, 
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == f"{sum(range(256))} b'\\x00\\x01' b'\\x00\\x01' [0, 1, 2]\n"
+
+
+def test_array_refuses_object_dtypes_and_impossible_shapes(data_file):
+    with MappedFile(data_file) as m:
+        with pytest.raises(ValueError, match="holds Python objects"):
+            m.array(0, object, (2,))
+        with pytest.raises(FormatError, match="more bytes than memory can address"):
+            m.array(0, np.float64, (2**40, 2**40))
+        with pytest.raises(FormatError, match="at most 32"):
+            m.array(0, np.uint8, (1,) * 33)
+        with pytest.raises(FormatError, match="negative dimension"):
+            m.array(0, np.uint8, (2, -1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_array_views_match_numpy_for_every_layout(data_file, backend):
+    raw = np.arange(256, dtype=np.uint8)
+    with MappedFile(data_file, backend=backend) as m:
+        for offset, dtype, shape, order in [(0, "<u2", (4, 8), "C"), (3, ">i4", (2, 3, 4), "F"),
+                                            (17, "<f8", (0, 5), "C"), (255, "u1", (), "C")]:
+            dt = np.dtype(dtype)
+            n = int(np.prod(shape)) * dt.itemsize
+            expected = np.frombuffer(raw[offset:offset + n].tobytes(), dt).reshape(shape, order=order)
+            got = m.array(offset, dt, shape, order=order)
+            assert got.dtype == dt and got.shape == shape and got.tobytes(order="A") == expected.tobytes(order="A")
+            assert np.array_equal(got, expected)
+            assert got.flags.f_contiguous if order == "F" else got.flags.c_contiguous
