@@ -32,6 +32,9 @@ from typing import IO, Iterator
 __all__ = ["atomic_write", "atomic_directory", "fsync_directory", "remove_stale_partials"]
 
 _SUFFIX = ".partial"
+# Small writes (headers, many small tensors) gather into one write() per 256 KiB; a write at least this
+# large goes straight to the file without a copy.
+_WRITE_BUFFER = 256 << 10
 
 
 def _partial_name(final: Path) -> Path:
@@ -118,7 +121,7 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(final)
     tmp = _partial_name(final)
-    f = open(tmp, "xb")
+    f = open(tmp, "xb", buffering=_WRITE_BUFFER)
     try:
         yield f
         f.flush()
