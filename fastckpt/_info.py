@@ -7,7 +7,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TensorInfo"]
+__all__ = ["TensorInfo", "from_checked_fields"]
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def from_checked_fields(cls, fields: dict):
+    """An instance of the frozen dataclass ``cls`` (``TensorInfo`` or a subclass) from ``fields``.
+
+    For the parsers, which have already checked every value: it skips the
+    generated ``__init__`` (about 1.5 µs of a file's open time per tensor).
+    ``fields`` must name every field exactly once.
+
+    >>> import numpy as np
+    >>> a = from_checked_fields(TensorInfo, dict(name="w", dtype=np.dtype("<f4"), shape=(2,), offset=64,
+    ...                                          nbytes=8, fortran_order=False, compression=None))
+    >>> a == TensorInfo("w", np.dtype("<f4"), (2,), 64, 8)
+    True
+    """
+    obj = _new(cls)
+    _set(obj, "__dict__", fields)
+    return obj
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import zlib
 
 import numpy as np
 
-from fastckpt._info import TensorInfo
+from fastckpt._info import TensorInfo, from_checked_fields
 from fastckpt._mapped cimport MappedFile
 from fastckpt.errors import FormatError, NotZeroCopyWarning
 
@@ -822,12 +822,16 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
                               f"{payload} after its {header_nbytes}-byte npy header")
         key = name[:len(name) - 4]  # wraparound is off: no negative indices
         if method == METHOD_STORED:
-            infos.append(NpzTensorInfo(key, dtype, shape, data_start + header_nbytes, expected, fortran_order, None,
-                                       crc, usize, header_nbytes))
+            infos.append(from_checked_fields(NpzTensorInfo, {
+                "name": key, "dtype": dtype, "shape": shape, "offset": data_start + header_nbytes,
+                "nbytes": expected, "fortran_order": fortran_order, "compression": None,
+                "crc32": crc, "member_nbytes": usize, "header_nbytes": header_nbytes}))
         else:
             compressed += 1
-            infos.append(NpzTensorInfo(key, dtype, shape, data_start, csize, fortran_order, "deflate",
-                                       crc, usize, header_nbytes))
+            infos.append(from_checked_fields(NpzTensorInfo, {
+                "name": key, "dtype": dtype, "shape": shape, "offset": data_start, "nbytes": csize,
+                "fortran_order": fortran_order, "compression": "deflate",
+                "crc32": crc, "member_nbytes": usize, "header_nbytes": header_nbytes}))
     if compressed:
         warnings.warn(f"{path}: {compressed} of {len(infos)} members are compressed; they will be inflated on read, "
                       "not viewed in place (re-save with fastckpt.save_npz for zero-copy reads)",

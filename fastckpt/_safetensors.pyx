@@ -20,7 +20,7 @@ import json
 import ml_dtypes
 import numpy as np
 
-from fastckpt._info import TensorInfo
+from fastckpt._info import TensorInfo, from_checked_fields
 from fastckpt._mapped cimport MappedFile
 from fastckpt.errors import FormatError
 
@@ -362,7 +362,9 @@ def read_safetensors_index(MappedFile m not None):
                 f"{path}: tensor {name!r}: shape {shape_json!r:.200} of {dtype_name} needs {nbytes} bytes, but "
                 f"data_offsets [{begin}, {end}] hold {end - begin} (absolute bytes [{data_start + begin}, "
                 f"{data_start + end}))")
-        tensors.append(TensorInfo(name, dtype, tuple(shape_json), data_start + begin, nbytes))
+        tensors.append(from_checked_fields(TensorInfo, {
+            "name": name, "dtype": dtype, "shape": tuple(shape_json), "offset": data_start + begin,
+            "nbytes": nbytes, "fortran_order": False, "compression": None}))
         expected_begin = end
     if expected_begin != data_len:
         raise FormatError(

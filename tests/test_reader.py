@@ -150,3 +150,15 @@ def test_detect_format_reads_the_bytes(head, fmt):
     from fastckpt.reader import detect_format
 
     assert detect_format(head) == fmt
+
+
+def test_parsed_infos_behave_like_constructed_ones(written):
+    import dataclasses
+
+    _, path = written
+    with fastckpt.open(path) as f:
+        for info in f.infos.values():
+            rebuilt = type(info)(**{fl.name: getattr(info, fl.name) for fl in dataclasses.fields(info)})
+            assert info == rebuilt and hash(info) == hash(rebuilt) and repr(info) == repr(rebuilt)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                info.offset = 0
