@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -43,7 +44,10 @@ def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int
 
     On a shared machine load changes over seconds; taking the paths in turn lets
     every path meet the same conditions, where timing one path's runs back to
-    back would favour whichever ran in a quiet moment. Before each run the
+    back would favour whichever ran in a quiet moment. The order is shuffled
+    each round (seeded), because some costs land on whatever runs next: the
+    blocks of a large file replaced or truncated by one path are freed while
+    the next path writes. Before each run the
     kernel writes back all dirty pages (``os.sync``, untimed): otherwise a write
     without fsync leaves hundreds of MiB dirty, and whichever path runs next
     pays for their write-back (seen here as 1.6-2 s stalls of a 0.5 s save).
@@ -52,8 +56,11 @@ def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int
         for fn in paths.values():
             fn()
     times: dict[str, list[float]] = {label: [] for label in paths}
+    order = list(paths.items())
+    shuffle = random.Random(0).shuffle
     for _ in range(repeat):
-        for label, fn in paths.items():
+        shuffle(order)  # a path's after-effects (freeing a 512 MiB file) must not always land on the same next path
+        for label, fn in order:
             gc.collect()
             os.sync()
             t0 = time.perf_counter()
