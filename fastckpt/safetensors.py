@@ -295,6 +295,8 @@ def _checked_metadata(metadata) -> dict[str, str] | None:
 
 
 def _as_array(name: str, value) -> np.ndarray:
+    if type(value) is np.ndarray:  # the common case, before the slower checks below
+        return value
     if isinstance(value, np.ma.MaskedArray):
         raise TypeError(f"tensor {name!r}: safetensors cannot store a mask; pass .filled(value) or .data")
     try:
@@ -353,6 +355,9 @@ def _write_tensor(f, t: _Planned) -> None:
     # No copy for a C-contiguous little-endian array; else one copy of this tensor only.
     arr = np.ascontiguousarray(arr, dtype=t.dtype)
     raw = memoryview(arr.reshape(-1).view(np.uint8))
+    if t.nbytes <= _WRITE_CHUNK:
+        f.write(raw)
+        return
     for start in range(0, t.nbytes, _WRITE_CHUNK):
         f.write(raw[start:start + _WRITE_CHUNK])
 
