@@ -28,15 +28,10 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["main", "median_time", "interleaved", "markdown_table"]
+__all__ = ["main", "interleaved", "markdown_table"]
 
 CASES = {"a": ("512 MiB in 64 tensors", 64, 2**21), "b": ("1000 tensors of 4 KiB", 1000, 1024)}
 QUICK = {"a": ("8 MiB in 64 tensors", 64, 2**15), "b": ("100 tensors of 4 KiB", 100, 1024)}
-
-
-def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs."""
-    return interleaved({"": fn}, repeat, warmup)[""][0]
 
 
 def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int = 1) -> dict[str, tuple[float, float]]:
