@@ -21,20 +21,86 @@ def test_atomic_write_replaces_only_on_success(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["f.bin"]
 
 
-def test_failed_rename_leaves_previous_file_and_no_temporary(tmp_path, monkeypatch):
+@pytest.mark.parametrize("step", ["exchange", "replace"])
+def test_failed_rename_leaves_previous_file_and_no_temporary(tmp_path, monkeypatch, step):
     target = tmp_path / "f.bin"
     target.write_bytes(b"old")
 
-    def broken_replace(src, dst):
+    def broken(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "replace", broken_replace)
+    if step == "exchange":
+        monkeypatch.setattr(_atomic, "_exchange", broken)
+    else:  # no renameat2: the plain rename
+        monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(os, "replace", broken)
     with pytest.raises(OSError, match="No space left on device"):
         with atomic_write(target) as f:
             f.write(b"new")
     monkeypatch.undo()
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_an_existing_file_trades_places_and_is_removed(tmp_path, monkeypatch):
+    if _atomic._renameat2() is None:
+        pytest.skip("this C library has no renameat2")
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+    with open(target, "rb") as reader:
+        renames = []
+        monkeypatch.setattr(os, "replace", lambda *a: renames.append(a))  # the exchange needs no rename
+        with atomic_write(target) as f:
+            f.write(b"new")
+        monkeypatch.undo()
+        assert renames == []
+        assert target.read_bytes() == b"new"
+        assert reader.read() == b"old"  # an open reader keeps the old file whole
+        assert os.fstat(reader.fileno()).st_nlink == 0  # and it is unlinked, not left under a temporary name
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_a_save_succeeds_when_the_replaced_file_cannot_be_unlinked(tmp_path, monkeypatch):
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+    real_unlink = type(target).unlink
+
+    def unlink(self, *args, **kw):
+        if self.read_bytes() == b"old":
+            raise PermissionError(13, "Permission denied")
+        return real_unlink(self, *args, **kw)
+
+    monkeypatch.setattr(type(target), "unlink", unlink)
+    with atomic_write(target) as f:
+        f.write(b"new")
+    monkeypatch.undo()
+    assert target.read_bytes() == b"new"
+    if _atomic._renameat2() is not None:  # the old file stays under this process's temporary name
+        [left] = [p for p in tmp_path.iterdir() if p.name != "f.bin"]
+        assert left.read_bytes() == b"old" and f".f.bin.{os.getpid()}." in left.name
+
+
+def test_a_file_never_replaces_a_directory(tmp_path):
+    target = tmp_path / "d"
+    target.mkdir()
+    (target / "keep").write_bytes(b"k")
+    with pytest.raises(IsADirectoryError):
+        with atomic_write(target) as f:
+            f.write(b"new")
+    assert (target / "keep").read_bytes() == b"k"
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_a_symlink_is_replaced_not_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"theirs")
+    target = tmp_path / "f.bin"
+    target.symlink_to(elsewhere)
+    with atomic_write(target) as f:
+        f.write(b"new")
+    assert not target.is_symlink() and target.read_bytes() == b"new"
+    assert elsewhere.read_bytes() == b"theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.bin", "f.bin"]
 
 
 def test_stale_partials_of_dead_writers_are_removed_live_ones_kept(tmp_path):
