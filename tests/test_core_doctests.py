@@ -9,7 +9,7 @@ import pytest
 
 # Modules whose examples need no device (device examples are marked +SKIP and run as tests elsewhere).
 MODULES = ["reader", "_info", "_atomic", "npz", "safetensors", "inspect", "pool", "load", "tensor"]
-CYTHON_MODULES = ["_mapped", "_npz", "_safetensors"]
+CYTHON_MODULES = ["_mapped", "_gather", "_npz", "_safetensors"]
 
 
 @pytest.mark.parametrize("name", MODULES + CYTHON_MODULES)

@@ -1,0 +1,18 @@
+# Gathered zero-copy writes (see _gather.pyx).
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void* iov_base
+        size_t iov_len
+
+
+cdef class GatherWriter:
+    cdef int _fd
+    cdef int _count
+    cdef Py_ssize_t _pending
+    cdef Py_ssize_t _written
+    cdef Py_buffer* _views
+    cdef iovec* _iov
+    cdef void _release(self, int start) noexcept
+    cpdef write(self, obj)
+    cpdef write_zeros(self, Py_ssize_t n)
+    cpdef flush(self)

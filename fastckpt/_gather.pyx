@@ -1,0 +1,169 @@
+"""Gathered writes: many buffers to a file descriptor in one ``writev`` call, without copying them.
+
+A model with thousands of small tensors costs a buffered writer one copy of
+every byte into its buffer and a Python call per tensor. ``GatherWriter``
+instead keeps a reference to each buffer (a buffer export, so that it can
+neither move nor be freed) and hands up to ``IOV_MAX`` of them to the kernel
+in one ``writev(2)``, with the GIL released. Partial writes (a signal, a
+2 GiB call limit) are resumed where they stopped; errors raise ``OSError``
+with the errno.
+
+The writer owns the file position from the descriptor's current offset:
+anything written to the descriptor some other way must be flushed before the
+writer is used, and the writer flushed before anything else writes.
+
+>>> import os, tempfile
+>>> fd, path = tempfile.mkstemp()
+>>> with GatherWriter(fd) as out:
+...     out.write(b"head ")
+...     out.write(memoryview(b"tail"))
+>>> os.close(fd); open(path, "rb").read()
+b'head tail'
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.errno cimport EINTR, errno
+from libc.string cimport memset
+
+import os
+
+import numpy as np
+
+cdef extern from "<sys/uio.h>" nogil:
+    ssize_t writev(int fd, const iovec* iov, int iovcnt)
+
+# Linux's IOV_MAX (UIO_MAXIOV); POSIX guarantees at least 16, glibc and musl say 1024.
+DEF _IOV_MAX = 1024
+# Pending bytes at which the writer flushes by itself: keeps each call's work bounded.
+DEF _FLUSH_BYTES = 64 << 20
+DEF _ZERO_BLOCK = 1 << 16
+cdef char _ZEROS[_ZERO_BLOCK]  # static storage: all zero, never written
+
+
+cdef class GatherWriter:
+    """Collect buffers and write them to ``fd`` in order, ``IOV_MAX`` per ``writev`` call.
+
+    ``write(obj)`` takes anything with the buffer protocol (bytes,
+    memoryview, a C-contiguous numpy array of any dtype) and holds it,
+    uncopied, until the next ``flush()``, which happens by itself every
+    1024 buffers or 64 MiB. The caller must not change a buffer's contents
+    before it is flushed. As a context manager it flushes on success and drops
+    what is pending on an exception.
+    """
+
+    def __cinit__(self, int fd):
+        self._fd = fd
+        self._count = 0
+        self._pending = 0
+        self._written = 0
+        self._views = <Py_buffer*>PyMem_Malloc(_IOV_MAX * sizeof(Py_buffer))
+        self._iov = <iovec*>PyMem_Malloc(_IOV_MAX * sizeof(iovec))
+        if self._views == NULL or self._iov == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self._views != NULL:
+            self._release(0)
+            PyMem_Free(self._views)
+        PyMem_Free(self._iov)
+
+    @property
+    def written(self):
+        """Bytes written to the descriptor so far (pending buffers not included)."""
+        return self._written
+
+    cdef void _release(self, int start) noexcept:
+        cdef int i
+        for i in range(start, self._count):
+            PyBuffer_Release(&self._views[i])
+        self._count = 0
+        self._pending = 0
+
+    cpdef write(self, obj):
+        """Queue ``obj``'s bytes after everything queued before; flushes when the queue is full."""
+        cdef Py_buffer* view
+        if self._count == _IOV_MAX:
+            self.flush()
+        view = &self._views[self._count]
+        try:
+            PyObject_GetBuffer(obj, view, PyBUF_SIMPLE)
+        except (BufferError, ValueError, TypeError):
+            if type(obj) is not np.ndarray or not obj.flags.c_contiguous:
+                raise
+            # A dtype this numpy will not export (older numpy and datetime64): its bytes, as uint8.
+            PyObject_GetBuffer(obj.reshape(-1).view(np.uint8), view, PyBUF_SIMPLE)
+        if view.len == 0:
+            PyBuffer_Release(view)
+            return
+        self._count += 1
+        self._pending += view.len
+        if self._pending >= _FLUSH_BYTES:
+            self.flush()
+
+    cpdef write_zeros(self, Py_ssize_t n):
+        """Queue ``n`` zero bytes (padding), taken from one static zero block rather than a new buffer."""
+        cdef Py_buffer* view
+        cdef Py_ssize_t piece
+        if n < 0:
+            raise ValueError(f"cannot write {n} zero bytes")
+        while n > 0:
+            if self._count == _IOV_MAX:
+                self.flush()
+            piece = min(n, _ZERO_BLOCK)
+            view = &self._views[self._count]
+            memset(view, 0, sizeof(Py_buffer))  # obj NULL: PyBuffer_Release lets go of nothing
+            view.buf = <void*>_ZEROS
+            view.len = piece
+            self._count += 1
+            self._pending += piece
+            n -= piece
+        if self._pending >= _FLUSH_BYTES:
+            self.flush()
+
+    cpdef flush(self):
+        """Write every queued buffer, in order, then let them go."""
+        cdef int i, start = 0, count = self._count
+        cdef ssize_t done
+        cdef int err = 0
+        if count == 0:
+            return
+        for i in range(count):
+            self._iov[i].iov_base = self._views[i].buf
+            self._iov[i].iov_len = <size_t>self._views[i].len
+        try:
+            while start < count:
+                with nogil:
+                    done = writev(self._fd, &self._iov[start], count - start)
+                    if done < 0:
+                        err = errno
+                if done < 0:
+                    if err == EINTR:
+                        continue
+                    raise OSError(err, os.strerror(err))
+                if done == 0:
+                    raise OSError(f"writev wrote nothing with {self._pending} bytes pending")
+                self._written += done
+                # Skip what went out; resume a buffer that went out in part.
+                while start < count and <size_t>done >= self._iov[start].iov_len:
+                    done -= self._iov[start].iov_len
+                    start += 1
+                if start < count and done > 0:
+                    self._iov[start].iov_base = <char*>self._iov[start].iov_base + done
+                    self._iov[start].iov_len -= <size_t>done
+        finally:
+            self._release(0)
+
+    def discard(self):
+        """Drop every queued buffer without writing it."""
+        self._release(0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.flush()
+        else:
+            self._release(0)
+        return False

@@ -1,0 +1,124 @@
+"""GatherWriter: buffers written in order, uncopied, with short writes resumed and errors raised."""
+
+import errno
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _limits import file_size_limit
+
+from fastckpt._gather import GatherWriter
+
+
+@pytest.fixture
+def fd(tmp_path):
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    yield fd
+    os.close(fd)
+
+
+def written(tmp_path):
+    return (tmp_path / "out.bin").read_bytes()
+
+
+def test_buffers_of_every_kind_come_out_in_order(tmp_path, fd):
+    parts = [b"head", bytearray(b"-ba-"), memoryview(b"0123456789")[2:5], np.arange(6, dtype=np.int16).reshape(2, 3),
+             np.array(7.5, np.float64), np.ones(3, ml_dtypes.bfloat16), np.array(["ab", "c"], "U2"),
+             np.array([1, 2], "M8[s]"), np.zeros(0, np.float32), b""]
+    with GatherWriter(fd) as out:
+        for part in parts:
+            out.write(part)
+    expected = b"".join(bytes(memoryview(p).cast("B")) if not isinstance(p, np.ndarray) else p.tobytes() for p in parts)
+    assert written(tmp_path) == expected
+    assert out.written == len(expected)
+
+
+def test_more_buffers_than_one_writev_takes(tmp_path, fd):
+    arrays = [np.full(3, i, np.int32) for i in range(5000)]  # five calls of IOV_MAX (1024) buffers
+    with GatherWriter(fd) as out:
+        for a in arrays:
+            out.write(a)
+    assert np.array_equal(np.frombuffer(written(tmp_path), np.int32).reshape(-1, 3)[:, 0], np.arange(5000))
+
+
+def test_nothing_is_written_before_a_flush_and_everything_after(tmp_path, fd):
+    out = GatherWriter(fd)
+    out.write(b"abc")
+    assert written(tmp_path) == b"" and out.written == 0
+    out.flush()
+    assert written(tmp_path) == b"abc" and out.written == 3
+
+
+def test_a_large_queue_flushes_by_itself(tmp_path, fd):
+    out = GatherWriter(fd)
+    for i in range(5):
+        out.write(np.full(16 << 20, i, np.uint8))  # 64 MiB pending after the fourth
+    assert out.written == 64 << 20
+    out.flush()
+    data = np.frombuffer(written(tmp_path), np.uint8)
+    assert data.size == 80 << 20 and np.array_equal(data[:: 16 << 20], np.arange(5))
+
+
+def test_short_writes_are_resumed_and_the_failure_is_raised(tmp_path, fd):
+    out = GatherWriter(fd)
+    for i in range(8):
+        out.write(bytes([i]) * 1000)
+    with file_size_limit(2500):  # the kernel writes 2500 bytes, then refuses with EFBIG
+        with pytest.raises(OSError) as info:
+            out.flush()
+    assert info.value.errno == errno.EFBIG
+    assert written(tmp_path) == b"\x00" * 1000 + b"\x01" * 1000 + b"\x02" * 500
+    out.write(b"more")  # the failed buffers were let go
+    out.flush()
+    assert written(tmp_path)[2500:] == b"more"
+
+
+def test_an_exception_in_the_block_drops_what_is_pending(tmp_path, fd):
+    with pytest.raises(RuntimeError, match="stop"):
+        with GatherWriter(fd) as out:
+            out.write(b"never")
+            raise RuntimeError("stop")
+    assert written(tmp_path) == b""
+
+
+def test_a_bad_descriptor_raises_oserror_with_its_errno():
+    r, w = os.pipe()
+    os.close(w)
+    os.close(r)
+    out = GatherWriter(w)
+    out.write(b"x")
+    with pytest.raises(OSError) as info:
+        out.flush()
+    assert info.value.errno == errno.EBADF
+
+
+def test_objects_without_bytes_are_refused(fd):
+    out = GatherWriter(fd)
+    with pytest.raises(TypeError):
+        out.write("text is not bytes")
+    with pytest.raises((BufferError, ValueError)):
+        out.write(np.arange(6)[::2])  # not contiguous: its bytes are not one buffer
+    out.flush()
+    assert out.written == 0
+
+
+def test_zero_padding_of_any_length_comes_out_in_place(tmp_path, fd):
+    with GatherWriter(fd) as out:
+        out.write(b"a")
+        out.write_zeros(0)
+        out.write_zeros(5)
+        out.write(b"b")
+        out.write_zeros((1 << 16) * 2 + 3)  # longer than the static zero block
+        out.write(b"c")
+    assert written(tmp_path) == b"a" + bytes(5) + b"b" + bytes((1 << 16) * 2 + 3) + b"c"
+    with pytest.raises(ValueError, match="cannot write -1 zero bytes"):
+        out.write_zeros(-1)
+
+
+def test_zero_padding_fills_queues_like_any_buffer(tmp_path, fd):
+    with GatherWriter(fd) as out:
+        for i in range(3000):  # three IOV_MAX queues of (byte, padding) pairs
+            out.write(bytes([i % 251]))
+            out.write_zeros(3)
+    assert written(tmp_path) == b"".join(bytes([i % 251]) + bytes(3) for i in range(3000))
