@@ -157,18 +157,23 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from fastckpt._atomic import atomic_write
+from fastckpt._gather import GatherWriter
 from fastckpt._info import TensorInfo
 from fastckpt._safetensors import (
     DTYPE_RANK,
     MAX_HEADER_SIZE,
     NUMPY_DTYPES,
+    header_text,
+    plan_tensors,
     read_safetensors_index,
     unsupported_dtype_message,
+    write_tensors,
 )
 
 __all__ = [
@@ -187,9 +192,6 @@ _NAME_BY_KIND_SIZE = {
     (dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items() if dt.kind != "V"
 }
 _NAME_BY_ML_TYPE = {dt.type: name for name, dt in NUMPY_DTYPES.items() if dt.kind == "V"}
-
-# Largest single write: well below Linux's 2 GiB per write(2) call.
-_WRITE_CHUNK = 256 << 20
 
 
 def dtype_from_safetensors(name: str) -> np.dtype:
@@ -255,19 +257,15 @@ def read_tensor(m, info: TensorInfo) -> np.ndarray:
     return m.array(info.offset, info.dtype, info.shape, what=f"tensor {info.name!r}")
 
 
-class _Planned:
-    """One tensor on its way to disk: what the header says, and where its bytes come from."""
+# Planned tensors are tuples (see fastckpt/_safetensors.pyx, which plans, describes and writes them):
+#   (-rank, name, position, dtype name, shape, nbytes, array or None, source)
+_NAME, _DTYPE_NAME, _SHAPE, _NBYTES, _ARRAY, _SOURCE = 1, 3, 4, 5, 6, 7
 
-    __slots__ = ("name", "dtype_name", "dtype", "shape", "nbytes", "array", "source")
-
-    def __init__(self, name, dtype_name, dtype, shape, nbytes, array, source):
-        self.name = name
-        self.dtype_name = dtype_name
-        self.dtype = dtype
-        self.shape = shape
-        self.nbytes = nbytes
-        self.array = array
-        self.source = source
+# The common case, planned in Cython: an exact ndarray of a native (or byte-order-free) dtype.
+# dtype -> (safetensors name, -rank). Byte-swapped dtypes are absent and take the general path.
+_FAST_DTYPES = {dt: (name, -DTYPE_RANK[name]) for name, dt in NUMPY_DTYPES.items() if dt.isnative}
+# Dtypes whose C-contiguous arrays are written as they are: the file's own dtypes.
+_DIRECT_DTYPES = frozenset(_FAST_DTYPES)
 
 
 def _check_utf8(text: str, what: str) -> None:
@@ -307,7 +305,8 @@ def _as_array(name: str, value) -> np.ndarray:
         raise
 
 
-def _plan(name, value) -> _Planned:
+def _plan(name, value, position: int) -> tuple:
+    """The planned tuple of one tensor that ``plan_tensors`` does not plan itself; checks everything."""
     if type(name) is not str:
         raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
     if name == "__metadata__":
@@ -322,19 +321,16 @@ def _plan(name, value) -> _Planned:
     # (lists, lazily materialized array-likes) and rebuild them at write time, so that at most
     # one such copy exists at once.
     owned_copy = arr is not value and arr.flags.owndata
-    return _Planned(name, dtype_name, NUMPY_DTYPES[dtype_name], arr.shape, arr.nbytes,
-                    None if owned_copy else arr, value)
+    return (-DTYPE_RANK[dtype_name], name, position, dtype_name, arr.shape, arr.nbytes,
+            None if owned_copy else arr, value)
 
 
-def _header_bytes(plan: list[_Planned], metadata: dict[str, str] | None, alignment: int) -> bytes:
-    header: dict[str, Any] = {}
+def _header_bytes(plan: list[tuple], metadata: dict[str, str] | None, alignment: int) -> bytes:
+    """The length prefix and the space-padded JSON header of a sorted plan."""
+    metadata_json = None
     if metadata is not None:
-        header["__metadata__"] = metadata
-    offset = 0
-    for t in plan:
-        header[t.name] = {"dtype": t.dtype_name, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        metadata_json = json.dumps(metadata, separators=(",", ":"), ensure_ascii=False)
+    text = header_text(plan, metadata_json)
     padded = len(text) + (-(8 + len(text)) % alignment)
     if padded > MAX_HEADER_SIZE:
         raise ValueError(f"the JSON header would be {padded} bytes, over the safetensors limit of "
@@ -342,24 +338,18 @@ def _header_bytes(plan: list[_Planned], metadata: dict[str, str] | None, alignme
     return padded.to_bytes(8, "little") + text + b" " * (padded - len(text))
 
 
-def _write_tensor(f, t: _Planned) -> None:
-    arr = t.array
+def _write_tensor(out: GatherWriter, t: tuple) -> None:
+    """Queue a tensor that needs converting first (a non-ndarray, another byte order, a strided view)."""
+    name, dtype_name, shape, nbytes, arr = t[_NAME], t[_DTYPE_NAME], t[_SHAPE], t[_NBYTES], t[_ARRAY]
     if arr is None:
-        arr = _as_array(t.name, t.source)
-        if arr.shape != t.shape or dtype_to_safetensors(arr.dtype) != t.dtype_name:
-            raise ValueError(f"tensor {t.name!r}: converting it again gave {arr.dtype}{list(arr.shape)} instead "
-                             f"of {t.dtype_name}{list(t.shape)}; pass a numpy array")
-    t.array = None  # release our reference as soon as its bytes are out
-    if t.nbytes == 0:
+        arr = _as_array(name, t[_SOURCE])
+        if arr.shape != shape or dtype_to_safetensors(arr.dtype) != dtype_name:
+            raise ValueError(f"tensor {name!r}: converting it again gave {arr.dtype}{list(arr.shape)} instead "
+                             f"of {dtype_name}{list(shape)}; pass a numpy array")
+    if nbytes == 0:
         return
-    # No copy for a C-contiguous little-endian array; else one copy of this tensor only.
-    arr = np.ascontiguousarray(arr, dtype=t.dtype)
-    raw = memoryview(arr.reshape(-1).view(np.uint8))
-    if t.nbytes <= _WRITE_CHUNK:
-        f.write(raw)
-        return
-    for start in range(0, t.nbytes, _WRITE_CHUNK):
-        f.write(raw[start:start + _WRITE_CHUNK])
+    out.write(np.ascontiguousarray(arr, dtype=NUMPY_DTYPES[dtype_name]))
+    out.flush()  # a converted copy is freed before the next tensor is converted
 
 
 def save_safetensors(
@@ -394,10 +384,9 @@ def save_safetensors(
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name to array, got {type(tensors).__name__}")
     checked_metadata = _checked_metadata(metadata)
-    plan = [_plan(name, value) for name, value in tensors.items()]
-    plan.sort(key=lambda t: (-DTYPE_RANK[t.dtype_name], t.name))
+    plan = plan_tensors(tensors.items(), _FAST_DTYPES, _plan)
+    plan.sort()  # dtype rank descending, then name: the reference writer's order
     prefix = _header_bytes(plan, checked_metadata, alignment)
-    with atomic_write(path, fsync=fsync) as f:
-        f.write(prefix)
-        for t in plan:
-            _write_tensor(f, t)
+    with atomic_write(path, fsync=fsync) as f, GatherWriter(f.fileno()) as out:
+        out.write(prefix)
+        write_tensors(out, plan, _DIRECT_DTYPES, partial(_write_tensor, out))

@@ -1,6 +1,7 @@
 """safetensors: exact round trips with fastckpt and the reference library, the writer's layout, and
 every way a damaged header must fail."""
 
+import errno
 import json
 import os
 import struct
@@ -10,6 +11,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from _limits import file_size_limit
 import safetensors
 import safetensors.numpy as st_numpy
 
@@ -436,6 +438,18 @@ def test_failure_mid_save_leaves_no_file_and_no_temporary(tmp_path, error):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_write_the_kernel_refuses_leaves_the_previous_file_and_no_temporary(tmp_path):
+    path = tmp_path / "f.safetensors"
+    save_safetensors(path, {"a": np.arange(10, dtype=np.int32)})
+    before = path.read_bytes()
+    with file_size_limit(1 << 20):  # a short write, then EFBIG, as on a full disk
+        with pytest.raises(OSError) as info:
+            save_safetensors(path, {f"t{i}": np.full(1 << 16, i, np.float64) for i in range(4)})
+    assert info.value.errno == errno.EFBIG
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.safetensors"]
+
+
 def test_failed_save_keeps_the_previous_file_intact(tmp_path):
     path = tmp_path / "f.safetensors"
     save_safetensors(path, {"a": np.arange(10, dtype=np.int32)})
@@ -663,3 +677,18 @@ def test_escaped_surrogate_pairs_are_valid_names(tmp_path):
     path = raw_file(tmp_path, header, b"\x07", _pad8(header))
     got, _, _ = load(path)
     assert list(got) == ["\U0001f600"]
+
+
+def test_header_is_what_json_dumps_writes_for_every_kind_of_name(tmp_path):
+    # The writer builds the header text itself; names that need escaping must come out as json.dumps has them.
+    names = [chr(c) + "x" for c in range(128)] + ["é", "\u2028\u2029", "😀", 'a"b\\c\x7f', "", " "]
+    tensors = {name: np.array([i], np.uint16) for i, name in enumerate(names)}
+    path = tmp_path / "names.safetensors"
+    save_safetensors(path, tensors, {"k\x00": "v\n"}, alignment=8)
+    expected = {"__metadata__": {"k\x00": "v\n"}}
+    for offset, name in enumerate(sorted(names)):
+        expected[name] = {"dtype": "U16", "shape": [1], "data_offsets": [2 * offset, 2 * offset + 2]}
+    _, header, _ = split(path)
+    assert header.rstrip(b" ") == json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    got, _, _ = load(path)
+    assert {name: int(a[0]) for name, a in got.items()} == {name: i for i, name in enumerate(names)}
