@@ -14,8 +14,14 @@ span it comes from, so a damaged file raises
 offsets are compared as Python integers, which cannot overflow.
 """
 
-from libc.string cimport memcmp
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+cimport numpy as cnp
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.unicode cimport PyUnicode_AsASCIIString
+from libc.string cimport memcmp, memcpy
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+
+cdef extern from "Python.h":
+    bint PyUnicode_IS_ASCII(object text)
 
 import dataclasses
 import re
@@ -25,9 +31,12 @@ import zlib
 
 import numpy as np
 
+from fastckpt._gather cimport GatherWriter
 from fastckpt._info import TensorInfo, from_checked_fields
 from fastckpt._mapped cimport MappedFile
 from fastckpt.errors import FormatError, NotZeroCopyWarning
+
+cnp.import_array()
 
 __all__ = ["read_npz_index", "parse_npy_header", "npy_header_length", "NpzTensorInfo", "MAX_HEADER_SIZE",
            "NPY_MAGIC", "member_name_problem"]
@@ -549,17 +558,7 @@ def member_name_problem(str name):
     >>> member_name_problem("layer/w.npy") is None, member_name_problem("../w.npy")
     (True, "name has a '..' path component")
     """
-    if "\x00" in name:
-        return "name contains a NUL byte"
-    if "\\" in name:
-        return "name contains a backslash; ZIP names use '/' only"
-    if name.startswith("/") or (len(name) >= 2 and name[1] == ":" and name[0].isalpha()):
-        return "absolute name; expected a relative '<key>.npy'"
-    if ".." in name.split("/"):
-        return "name has a '..' path component"
-    if not name.endswith(".npy"):
-        return "name does not end in '.npy'; every NPZ member is '<key>.npy'"
-    return None
+    return _member_problem(name)
 
 
 def _check_member_name(path, str name, Py_ssize_t where):
@@ -837,3 +836,235 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
                       "not viewed in place (re-save with fastckpt.save_npz for zero-copy reads)",
                       NotZeroCopyWarning, stacklevel=_user_stacklevel())
     return infos
+
+
+# -- writing: member records ------------------------------------------------------------------------
+# The writer (fastckpt.npz.NpzWriter) spends most of a small tensor's time building the member's
+# ZIP records; here they are built in C, and the bytes go out through a GatherWriter uncopied.
+
+cdef uint16_t ALIGN_EXTRA_ID = 0xD935  # zipalign's extra field: uint16 alignment, then zero padding
+cdef uint16_t VERSION = 20
+cdef uint16_t VERSION_ZIP64 = 45
+cdef uint16_t MADE_BY_UNIX = 3 << 8
+cdef uint32_t EXTERNAL_ATTR = 0o100644 << 16
+cdef uint16_t DOS_TIME = 0
+cdef uint16_t DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01
+
+
+cdef inline void _put16(uint8_t* p, uint16_t v) noexcept nogil:
+    p[0] = <uint8_t>v
+    p[1] = <uint8_t>(v >> 8)
+
+
+cdef inline void _put32(uint8_t* p, uint32_t v) noexcept nogil:
+    _put16(p, <uint16_t>v)
+    _put16(p + 2, <uint16_t>(v >> 16))
+
+
+cdef inline void _put64(uint8_t* p, uint64_t v) noexcept nogil:
+    _put32(p, <uint32_t>v)
+    _put32(p + 4, <uint32_t>(v >> 32))
+
+
+cdef str _member_problem(str member):
+    if "\x00" in member:
+        return "name contains a NUL byte"
+    if "\\" in member:
+        return "name contains a backslash; ZIP names use '/' only"
+    if member.startswith("/") or (len(member) >= 2 and member[1] == ":" and member[0].isalpha()):
+        return "absolute name; expected a relative '<key>.npy'"
+    if ".." in member and ".." in member.split("/"):
+        return "name has a '..' path component"
+    if not member.endswith(".npy"):
+        return "name does not end in '.npy'; every NPZ member is '<key>.npy'"
+    return None
+
+
+cdef class MemberWriter:
+    """The members of an NPZ being written: each one's local record and payload go to ``out``.
+
+    ``add(name, array)`` writes member ``<name>.npy`` at the current position
+    (``pos``) with its payload aligned to ``alignment``, and keeps its
+    central-directory record in ``central``; ``fastckpt.npz.NpzWriter`` writes
+    those and the end records. The byte layout is the spec in
+    ``fastckpt/npz.py``. ``crc32(data, value)`` is ZIP's CRC-32,
+    ``npy_header(dtype, shape, fortran_order)`` builds ``.npy`` headers, and
+    payloads of at least ``large_min`` bytes go through
+    ``large_payload(out, payload, crc) -> crc``, which computes their CRC
+    while writing them; their local headers get the CRC later, from
+    ``crc_patches`` (file offset, crc). Values above ``zip64_limit`` go to
+    zip64 fields. ``broken`` is set while a member is being written, and stays
+    set if writing it failed.
+    """
+    cdef GatherWriter _out
+    cdef readonly int64_t pos
+    cdef int64_t _zip64_limit
+    cdef int64_t _large_min
+    cdef Py_ssize_t _alignment
+    cdef set _names
+    cdef dict _headers
+    cdef readonly list central
+    cdef readonly list crc_patches
+    cdef object _crc32, _npy_header, _large_payload
+    cdef readonly bint broken
+
+    def __init__(self, GatherWriter out not None, Py_ssize_t alignment, int64_t zip64_limit, crc32, npy_header,
+                 large_payload, int64_t large_min):
+        if alignment < 1 or alignment > 0x8000 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two from 1 to 32768, got {alignment}")
+        self._out = out
+        self.pos = 0
+        self._alignment = alignment
+        self._zip64_limit = zip64_limit
+        self._large_min = large_min
+        self._names = set()
+        self._headers = {}
+        self.central = []
+        self.crc_patches = []
+        self._crc32 = crc32
+        self._npy_header = npy_header
+        self._large_payload = large_payload
+        self.broken = False
+
+    def add(self, name, cnp.ndarray arr not None):
+        """Write one member; return (header_start, npy header, payload bytes, fortran_order, crc)."""
+        cdef bytes raw_name, header, record, central
+        cdef uint32_t header_crc
+        cdef uint16_t flags = 0, version
+        cdef int64_t nbytes, size, local_offset, header_start, pad = 0
+        cdef Py_ssize_t name_len, extra_len, cd_extra_len, at
+        cdef bint zip64_size, zip64_offset, fortran_order
+        cdef uint32_t crc, size32
+        cdef uint8_t* p
+        cdef int kind
+        if type(name) is not str:
+            raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
+        member = <str>name + ".npy"
+        problem = _member_problem(member)  # the reader's own rule, so that it reads back what we write
+        if problem is not None:
+            raise ValueError(f"tensor name {name!r}: member {member!r}: {problem}; readers refuse such ZIP member names")
+        if PyUnicode_IS_ASCII(member):
+            raw_name = PyUnicode_AsASCIIString(member)
+        else:
+            raw_name, flags = member.encode("utf-8"), FLAG_UTF8  # fails on lone surrogates, as it should
+        name_len = len(raw_name)
+        if name_len > 0xFFFF:
+            raise ValueError(f"tensor name of {name_len} bytes is too long for a ZIP member name (65531 at most)")
+        if name in self._names:
+            raise ValueError(f"tensor name {name!r} given twice; NPZ member names must be unique")
+
+        # The payload: the array's own bytes in C order, or, for a Fortran-ordered array, those of its
+        # transpose (numpy's fortran_order); any other layout is copied once.
+        if cnp.PyArray_IS_C_CONTIGUOUS(arr):
+            data, fortran_order = arr, False
+        elif cnp.PyArray_IS_F_CONTIGUOUS(arr):
+            data, fortran_order = arr.T, True
+        else:
+            data, fortran_order = np.ascontiguousarray(arr), False
+        key = ((<object>arr).dtype, (<object>arr).shape, fortran_order)
+        known = self._headers.get(key)
+        if known is None:  # a model's tensors share a few headers; building one costs ~20 µs
+            try:
+                header = self._npy_header(*key)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r}: {e}") from None
+            known = self._headers[key] = (header, self._crc32(header))
+        header, header_crc = known
+        kind = cnp.PyArray_TYPE(<cnp.ndarray>data)
+        if kind == cnp.NPY_DATETIME or kind == cnp.NPY_TIMEDELTA:  # older numpy will not export these
+            data = data.reshape(-1).view(np.uint8)
+        nbytes = cnp.PyArray_NBYTES(<cnp.ndarray>data)
+        size = len(header) + nbytes
+
+        local_offset = self.pos
+        zip64_size = size > self._zip64_limit
+        zip64_offset = local_offset > self._zip64_limit
+        version = VERSION_ZIP64 if zip64_size or zip64_offset else VERSION
+        extra_len = 20 if zip64_size else 0
+        header_start = local_offset + LOCAL_SIZE + name_len + extra_len
+        if self._alignment > 1:
+            pad = -(header_start + 6 + len(header)) % self._alignment  # the field's own 6 bytes, then the header
+            extra_len += 6 + pad
+            header_start += 6 + pad
+        size32 = 0xFFFFFFFF if zip64_size else <uint32_t>size
+
+        self.broken = True  # until this member is complete: a failed write leaves the writer unusable
+        large = nbytes >= self._large_min
+        # The member's CRC covers its .npy header and payload; the local header gets it now, or later
+        # (crc_patches) for a large payload, whose CRC is computed while it is written.
+        crc = header_crc if large else self._crc32(data, header_crc)
+        # The local record up to the alignment field's padding: the padding comes from the writer's
+        # zeros and the .npy header is the cached object, so neither is built again for every member.
+        record = PyBytes_FromStringAndSize(NULL, LOCAL_SIZE + name_len + extra_len - pad)
+        p = <uint8_t*>PyBytes_AS_STRING(record)
+        _put32(p, SIG_LOCAL)
+        _put16(p + 4, version)
+        _put16(p + 6, flags)
+        _put16(p + 8, 0)  # stored
+        _put16(p + 10, DOS_TIME)
+        _put16(p + 12, DOS_DATE)
+        _put32(p + 14, 0 if large else crc)
+        _put32(p + 18, size32)
+        _put32(p + 22, size32)
+        _put16(p + 26, <uint16_t>name_len)
+        _put16(p + 28, <uint16_t>extra_len)
+        memcpy(p + LOCAL_SIZE, PyBytes_AS_STRING(raw_name), name_len)
+        at = LOCAL_SIZE + name_len
+        if zip64_size:
+            _put16(p + at, ZIP64_EXTRA_ID)
+            _put16(p + at + 2, 16)
+            _put64(p + at + 4, <uint64_t>size)
+            _put64(p + at + 12, <uint64_t>size)
+            at += 20
+        if self._alignment > 1:
+            _put16(p + at, ALIGN_EXTRA_ID)
+            _put16(p + at + 2, <uint16_t>(2 + pad))
+            _put16(p + at + 4, <uint16_t>self._alignment)
+        self._out.write(record)
+        self._out.write_zeros(pad)
+        self._out.write(header)
+        if large:
+            crc = self._large_payload(self._out, data, crc)
+            self.crc_patches.append((local_offset + 14, crc))
+        else:
+            self._out.write(data)
+        self.broken = False
+        self.pos = header_start + size
+        self._names.add(name)
+
+        cd_extra_len = (16 if zip64_size else 0) + (8 if zip64_offset else 0)
+        if cd_extra_len:
+            cd_extra_len += 4
+        central = PyBytes_FromStringAndSize(NULL, CENTRAL_SIZE + name_len + cd_extra_len)
+        p = <uint8_t*>PyBytes_AS_STRING(central)
+        _put32(p, SIG_CENTRAL)
+        _put16(p + 4, MADE_BY_UNIX | version)
+        _put16(p + 6, version)
+        _put16(p + 8, flags)
+        _put16(p + 10, 0)
+        _put16(p + 12, DOS_TIME)
+        _put16(p + 14, DOS_DATE)
+        _put32(p + 16, crc)
+        _put32(p + 20, size32)
+        _put32(p + 24, size32)
+        _put16(p + 28, <uint16_t>name_len)
+        _put16(p + 30, <uint16_t>cd_extra_len)
+        _put16(p + 32, 0)  # comment length
+        _put16(p + 34, 0)  # disk number
+        _put16(p + 36, 0)  # internal attributes
+        _put32(p + 38, EXTERNAL_ATTR)
+        _put32(p + 42, 0xFFFFFFFF if zip64_offset else <uint32_t>local_offset)
+        memcpy(p + CENTRAL_SIZE, PyBytes_AS_STRING(raw_name), name_len)
+        at = CENTRAL_SIZE + name_len
+        if cd_extra_len:
+            _put16(p + at, ZIP64_EXTRA_ID)
+            _put16(p + at + 2, <uint16_t>(cd_extra_len - 4))
+            at += 4
+            if zip64_size:
+                _put64(p + at, <uint64_t>size)
+                _put64(p + at + 8, <uint64_t>size)
+                at += 16
+            if zip64_offset:
+                _put64(p + at, <uint64_t>local_offset)
+        self.central.append(central)
+        return header_start, header, nbytes, fortran_order, crc

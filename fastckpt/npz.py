@@ -168,14 +168,15 @@ from typing import Iterable, Union
 import numpy as np
 
 from fastckpt._atomic import atomic_write
+from fastckpt._gather import GatherWriter
 from fastckpt._info import TensorInfo
 from fastckpt._mapped import MappedFile
 from fastckpt._npz import (
     MAX_HEADER_SIZE,
+    MemberWriter,
     NpzTensorInfo,
     _descr_to_dtype,
     _Inflater,
-    member_name_problem,
     npy_header_length,
     parse_npy_header,
     read_npz_index,
@@ -205,25 +206,13 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct 
     _crc32 = zlib.crc32
 # Payloads at least this large get their CRC computed in the helper thread, overlapping the write.
 _PARALLEL_CRC_MIN = 1 << 22
-_JOIN_MAX = 1 << 16  # payloads up to this size go out in the same write() as their headers
 
-_SIG_LOCAL = 0x04034B50
-_SIG_CENTRAL = 0x02014B50
+# The members' own records are built by fastckpt._npz.MemberWriter; these are the end records.
 _SIG_EOCD = 0x06054B50
 _SIG_ZIP64_EOCD = 0x06064B50
 _SIG_ZIP64_LOCATOR = 0x07064B50
-_ALIGN_EXTRA_ID = 0xD935
-_ZIP64_EXTRA_ID = 0x0001
-_DOS_TIME = 0
-_DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01
-_VERSION = 20
 _VERSION_ZIP64 = 45
-_MADE_BY_UNIX = 3 << 8
-_EXTERNAL_ATTR = 0o100644 << 16
-_FLAG_UTF8 = 0x0800
 
-_LOCAL = struct.Struct("<IHHHHHIIIHH")
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _EOCD = struct.Struct("<IHHHHIIH")
 _ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
 _ZIP64_LOCATOR = struct.Struct("<IIQI")
@@ -287,31 +276,6 @@ def _descr_of(dtype: np.dtype):
     return descr
 
 
-def _member_name(name) -> tuple[bytes, int]:
-    if not isinstance(name, str):
-        raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
-    member = name + ".npy"
-    problem = member_name_problem(member)  # the reader's own rule, so that it reads back what we write
-    if problem:
-        raise ValueError(f"tensor name {name!r}: member {member!r}: {problem}; readers refuse such ZIP member names")
-    try:
-        raw, flags = member.encode("ascii"), 0
-    except UnicodeEncodeError:
-        raw, flags = member.encode("utf-8"), _FLAG_UTF8
-    if len(raw) > 0xFFFF:
-        raise ValueError(f"tensor name of {len(raw)} bytes is too long for a ZIP member name (65531 at most)")
-    return raw, flags
-
-
-def _contiguous(arr: np.ndarray) -> tuple[np.ndarray, bool]:
-    """(C-contiguous array whose bytes are the payload, fortran_order), as numpy decides it."""
-    if arr.flags.c_contiguous:
-        return arr, False
-    if arr.flags.f_contiguous:
-        return arr.T, True  # the transpose of a Fortran array is C-contiguous over the same bytes
-    return np.ascontiguousarray(arr), False
-
-
 def _byte_view(arr: np.ndarray) -> memoryview:
     if arr.nbytes == 0:
         return memoryview(b"")
@@ -344,11 +308,8 @@ class NpzWriter:
         self.fsync = fsync
         self._context = None
         self._file = None
-        self._pos = 0
-        self._names: set[str] = set()
-        self._central: list[bytes] = []
-        self._crc_patches: list[tuple[int, int]] = []
-        self._headers: dict[tuple, bytes] = {}
+        self._out = None
+        self._members = None
         self._done = False
         self._crc_pool = None
 
@@ -357,25 +318,34 @@ class NpzWriter:
             raise RuntimeError("an NpzWriter is entered once")
         self._context = atomic_write(self.path, fsync=self.fsync)
         self._file = self._context.__enter__()
+        # Every byte goes through the gather writer, straight from the arrays' buffers.
+        self._out = GatherWriter(self._file.fileno())
+        self._members = MemberWriter(self._out, self.alignment, _ZIP64_LIMIT, _crc32, npy_header,
+                                     self._large_payload, _PARALLEL_CRC_MIN)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         context, self._context = self._context, None
         self._done = True
-        if self._crc_pool is not None:
-            self._crc_pool.shutdown()
-            self._crc_pool = None
-        if exc_type is None:
-            try:
-                if self._file is None:
-                    raise RuntimeError(f"{self.path}: an add() failed inside this writer; the file is not written")
-                self._finish()
-            except BaseException as error:
-                if not context.__exit__(type(error), error, error.__traceback__):
-                    raise
-                return False
-        self._file = None
-        return bool(context.__exit__(exc_type, exc, tb))
+        try:
+            if exc_type is None:
+                try:
+                    if self._members.broken:
+                        raise RuntimeError(f"{self.path}: an add() failed inside this writer; the file is not written")
+                    self._finish()
+                except BaseException as error:
+                    self._out.discard()
+                    if not context.__exit__(type(error), error, error.__traceback__):
+                        raise
+                    return False
+            else:
+                self._out.discard()
+            return bool(context.__exit__(exc_type, exc, tb))
+        finally:
+            self._file = self._out = self._members = None
+            if self._crc_pool is not None:
+                self._crc_pool.shutdown()
+                self._crc_pool = None
 
     def add(self, name: str, array) -> NpzTensorInfo:
         """Write ``array`` as member ``<name>.npy``; return where its payload landed.
@@ -390,105 +360,48 @@ class NpzWriter:
 
     def _add(self, name: str, arr: np.ndarray) -> tuple:
         """Write one member; return (header_start, header, payload bytes, fortran_order, crc)."""
-        if self._file is None:
-            if self._context is not None:
-                raise RuntimeError(f"{self.path}: an earlier add() failed while writing; this writer cannot continue")
+        members = self._members
+        if members is None:
             raise RuntimeError("NpzWriter.add() needs an open writer: use it inside 'with NpzWriter(path) as w:'")
-        raw_name, flags = _member_name(name)
-        if name in self._names:
-            raise ValueError(f"tensor name {name!r} given twice; NPZ member names must be unique")
-        key = (arr.dtype, arr.shape, _contiguous_order(arr))
-        header = self._headers.get(key)
-        if header is None:  # a model's tensors share a few headers; building one costs ~20 µs
-            try:
-                header = self._headers[key] = npy_header(*key)
-            except ValueError as e:
-                raise ValueError(f"tensor {name!r}: {e}") from None
-        data, fortran_order = _contiguous(arr)
-        payload = _byte_view(data)
-        size = len(header) + payload.nbytes
-        local_offset = self._pos
-        zip64_size = size > _ZIP64_LIMIT
-        zip64_any = zip64_size or local_offset > _ZIP64_LIMIT
-        version = _VERSION_ZIP64 if zip64_any else _VERSION
-        extra = struct.pack("<HHQQ", _ZIP64_EXTRA_ID, 16, size, size) if zip64_size else b""
-        header_start = local_offset + _LOCAL.size + len(raw_name) + len(extra)
-        if self.alignment > 1:
-            fixed = header_start + 6 + len(header)  # the alignment field's own 6 bytes, then the .npy header
-            pad = -fixed % self.alignment
-            extra += struct.pack("<HHH", _ALIGN_EXTRA_ID, 2 + pad, self.alignment) + bytes(pad)
-            header_start += 6 + pad
-        size32 = 0xFFFFFFFF if zip64_size else size
-        f = self._file
-        self._file = None  # until this member is complete: a failed add() leaves the writer unusable
-        crc = _crc32(header)
-        if payload.nbytes >= _PARALLEL_CRC_MIN:
-            # Large payload: its CRC is computed in a thread while the bytes are written, and
-            # patched into the local header by _finish().
-            f.write(b"".join((_LOCAL.pack(_SIG_LOCAL, version, flags, 0, _DOS_TIME, _DOS_DATE, 0, size32, size32,
-                                          len(raw_name), len(extra)), raw_name, extra, header)))
-            if self._crc_pool is None:
-                self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-npz-crc")
-            pending = self._crc_pool.submit(_crc32, payload, crc)
-            try:
-                f.write(payload)
-            finally:
-                crc = pending.result()  # never leave the thread reading a buffer the caller may free
-            self._crc_patches.append((local_offset + 14, crc))
-        else:
-            # Small payload: the CRC costs less than a patch, so the local header is final at once.
-            crc = _crc32(payload, crc)
-            record = (_LOCAL.pack(_SIG_LOCAL, version, flags, 0, _DOS_TIME, _DOS_DATE, crc, size32, size32,
-                                  len(raw_name), len(extra)), raw_name, extra, header)
-            if payload.nbytes <= _JOIN_MAX:  # one write call per small member; copying a few KiB is cheaper
-                f.write(b"".join((*record, payload)))
-            else:
-                f.write(b"".join(record))
-                f.write(payload)
-        self._file = f
-        self._pos = header_start + size
-        self._names.add(name)
+        if members.broken:
+            raise RuntimeError(f"{self.path}: an earlier add() failed while writing; this writer cannot continue")
+        return members.add(name, arr)
 
-        cd_extra = b""
-        if zip64_size:
-            cd_extra += struct.pack("<QQ", size, size)
-        if local_offset > _ZIP64_LIMIT:
-            cd_extra += struct.pack("<Q", local_offset)
-        if cd_extra:
-            cd_extra = struct.pack("<HH", _ZIP64_EXTRA_ID, len(cd_extra)) + cd_extra
-        self._central.append(
-            _CENTRAL.pack(_SIG_CENTRAL, _MADE_BY_UNIX | version, version, flags, 0, _DOS_TIME, _DOS_DATE, crc,
-                          size32, size32, len(raw_name), len(cd_extra), 0, 0, 0, _EXTERNAL_ATTR,
-                          0xFFFFFFFF if local_offset > _ZIP64_LIMIT else local_offset)
-            + raw_name + cd_extra)
-        return header_start, header, payload.nbytes, fortran_order, crc
+    def _large_payload(self, out: GatherWriter, payload: np.ndarray, crc: int) -> int:
+        """Write a large payload while a helper thread computes its CRC-32 (patched in by _finish)."""
+        out.flush()
+        if self._crc_pool is None:
+            self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-npz-crc")
+        pending = self._crc_pool.submit(_crc32, payload, crc)
+        try:
+            out.write(payload)
+            out.flush()
+        finally:
+            crc = pending.result()  # never leave the thread reading a buffer the caller may free
+        return crc
 
     def _finish(self) -> None:
-        f = self._file
-        cd_offset = self._pos
-        for entry in self._central:
-            f.write(entry)
-        cd_size = sum(len(e) for e in self._central)
-        count = len(self._central)
+        out, members = self._out, self._members
+        cd_offset = members.pos
+        for entry in members.central:
+            out.write(entry)
+        cd_size = sum(len(e) for e in members.central)
+        count = len(members.central)
         if count >= _ZIP_FILECOUNT_LIMIT or cd_offset > _ZIP64_LIMIT or cd_size > _ZIP64_LIMIT:
             zip64_offset = cd_offset + cd_size
-            f.write(_ZIP64_EOCD.pack(_SIG_ZIP64_EOCD, _ZIP64_EOCD.size - 12, _VERSION_ZIP64, _VERSION_ZIP64, 0, 0,
-                                     count, count, cd_size, cd_offset))
-            f.write(_ZIP64_LOCATOR.pack(_SIG_ZIP64_LOCATOR, 0, zip64_offset, 1))
+            out.write(_ZIP64_EOCD.pack(_SIG_ZIP64_EOCD, _ZIP64_EOCD.size - 12, _VERSION_ZIP64, _VERSION_ZIP64, 0, 0,
+                                       count, count, cd_size, cd_offset))
+            out.write(_ZIP64_LOCATOR.pack(_SIG_ZIP64_LOCATOR, 0, zip64_offset, 1))
             count16 = min(count, 0xFFFF)
-            f.write(_EOCD.pack(_SIG_EOCD, 0, 0, count16, count16, min(cd_size, 0xFFFFFFFF),
-                               min(cd_offset, 0xFFFFFFFF), 0))
+            out.write(_EOCD.pack(_SIG_EOCD, 0, 0, count16, count16, min(cd_size, 0xFFFFFFFF),
+                                 min(cd_offset, 0xFFFFFFFF), 0))
         else:
-            f.write(_EOCD.pack(_SIG_EOCD, 0, 0, count, count, cd_size, cd_offset, 0))
-        # The CRCs are known only after each member's bytes went out: patch the local headers in place.
-        f.flush()
-        fd = f.fileno()
-        for position, crc in self._crc_patches:
+            out.write(_EOCD.pack(_SIG_EOCD, 0, 0, count, count, cd_size, cd_offset, 0))
+        out.flush()
+        # The CRCs of large payloads are known only after their bytes went out: patch the local headers.
+        fd = self._file.fileno()
+        for position, crc in members.crc_patches:
             _pwrite_all(fd, struct.pack("<I", crc), position)
-
-
-def _contiguous_order(arr: np.ndarray) -> bool:
-    return not arr.flags.c_contiguous and arr.flags.f_contiguous
 
 
 def _pwrite_all(fd: int, data: bytes, position: int) -> None:
