@@ -9,7 +9,12 @@ and prints median times and ratios as markdown tables for
   safetensors files), ``np.load`` of the NPZ, ``safetensors.safe_open(framework="numpy")``;
 * saving: fastckpt (NPZ, safetensors; with and without fsync) against a raw
   sequential write of the same bytes (with and without fsync) and
-  ``safetensors.numpy.save_file``.
+  ``safetensors.numpy.save_file``. Every save writes a new file: the previous
+  run's file is deleted, untimed, before each run, so no path pays for
+  freeing another's blocks. The raw write is Python's file ``write`` of each
+  tensor's bytes in order, through a 256 KiB buffer (fastckpt's own
+  buffer size, and faster than Python's default 8 KiB for small tensors);
+  a row with the default buffer is shown too.
 
 Numbers vary from machine to machine; the ratios are what the targets speak of.
 """
@@ -17,6 +22,7 @@ Numbers vary from machine to machine; the ratios are what the targets speak of.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -34,7 +40,8 @@ CASES = {"a": ("512 MiB in 64 tensors", 64, 2**21), "b": ("1000 tensors of 4 KiB
 QUICK = {"a": ("8 MiB in 64 tensors", 64, 2**15), "b": ("100 tensors of 4 KiB", 100, 1024)}
 
 
-def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int = 1) -> dict[str, tuple[float, float]]:
+def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int = 1,
+                prepare: dict[str, Callable[[], object]] | None = None) -> dict[str, tuple[float, float]]:
     """(median, best) seconds of each path, timed round-robin: one run of every path per round.
 
     On a shared machine load changes over seconds; taking the paths in turn lets
@@ -46,9 +53,12 @@ def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int
     kernel writes back all dirty pages (``os.sync``, untimed): otherwise a write
     without fsync leaves hundreds of MiB dirty, and whichever path runs next
     pays for their write-back (seen here as 1.6-2 s stalls of a 0.5 s save).
+    ``prepare[label]``, where given, runs untimed before each run of that path.
     """
+    prepare = prepare or {}
     for _ in range(warmup):
-        for fn in paths.values():
+        for label, fn in paths.items():
+            prepare.get(label, _nothing)()
             fn()
     times: dict[str, list[float]] = {label: [] for label in paths}
     order = list(paths.items())
@@ -56,6 +66,7 @@ def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int
     for _ in range(repeat):
         shuffle(order)  # a path's after-effects (freeing a 512 MiB file) must not always land on the same next path
         for label, fn in order:
+            prepare.get(label, _nothing)()
             gc.collect()
             os.sync()
             t0 = time.perf_counter()
@@ -64,18 +75,40 @@ def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int
     return {label: (statistics.median(ts), min(ts)) for label, ts in times.items()}
 
 
-def markdown_table(title: str, rows: list[tuple[str, tuple[float, float]]], base: str) -> str:
+def _nothing() -> None:
+    pass
+
+
+def markdown_table(title: str, rows: list[tuple[str, tuple[float, float]]], base: str,
+                   durable_base: str | None = None) -> str:
     """Rows of (label, (median, best) seconds) as a markdown table, each time divided by row ``base``'s.
 
-    Both statistics are shown: on a shared machine, writes meet occasional
-    write-back stalls of a second or more, which the median may catch and the
+    With ``durable_base``, rows whose label says ``fsync`` (and are not a
+    baseline themselves) are divided by that row instead, and a column names
+    the row each ratio is taken against: a durable save is compared with a
+    durable raw write. Both statistics are shown: on a shared machine, writes
+    meet occasional write-back stalls, which the median may catch and the
     best run does not.
     """
-    ref_median, ref_best = dict(rows)[base]
-    out = [f"### {title}", "", f"Ratios are each path's time divided by that of: {base}.", "",
-           "| path | median | best | median ratio | best ratio |", "|---|---:|---:|---:|---:|"]
+    times = dict(rows)
+
+    def base_of(label: str) -> str:
+        if durable_base and "fsync" in label and "no fsync" not in label and label not in (base, durable_base):
+            return durable_base
+        return base
+
+    if durable_base is None:
+        head = [f"Ratios are each path's time divided by that of: {base}.", "",
+                "| path | median | best | median ratio | best ratio |", "|---|---:|---:|---:|---:|"]
+    else:
+        head = [f"Ratios are each path's time divided by that of the row named in \"against\".", "",
+                "| path | median | best | against | median ratio | best ratio |", "|---|---:|---:|---|---:|---:|"]
+    out = [f"### {title}", "", *head]
     for label, (median, best) in rows:
-        out.append(f"| {label} | {_fmt(median)} | {_fmt(best)} | {_ratio(median / ref_median)} | "
+        ref = base_of(label)
+        ref_median, ref_best = times[ref]
+        against = "" if durable_base is None else f" {ref} |"
+        out.append(f"| {label} | {_fmt(median)} | {_fmt(best)} |{against} {_ratio(median / ref_median)} | "
                    f"{_ratio(best / ref_best)} |")
     return "\n".join(out)
 
@@ -93,8 +126,12 @@ def _tensors(n: int, elems: int) -> dict[str, np.ndarray]:
     return {f"t{i:04d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
 
 
-def _raw_write(path: str, tensors: dict[str, np.ndarray], fsync: bool) -> None:
-    with open(path, "wb") as f:
+# fastckpt's own write buffer (fastckpt._atomic._WRITE_BUFFER).
+RAW_BUFFER = 256 << 10
+
+
+def _raw_write(path: str, tensors: dict[str, np.ndarray], fsync: bool, buffering: int = RAW_BUFFER) -> None:
+    with open(path, "wb", buffering=buffering) as f:
         for a in tensors.values():
             f.write(memoryview(a).cast("B"))
         f.flush()
@@ -138,21 +175,37 @@ def bench_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> str:
                 return [f.get_tensor(k) for k in f.keys()]
         open_paths["safetensors.safe_open(numpy) + get_tensor"] = open_safetensors
     rows = list(interleaved(open_paths, repeat).items())
-    out = [markdown_table(f"open + host arrays: {label}", rows, "fastckpt.open (safetensors) + host views")]
+    tables = [markdown_table(f"open + host arrays: {label}", rows, "fastckpt.open (safetensors) + host views")]
 
-    raw_path = os.path.join(tmp, "raw.bin")
-    save_paths = {
-        "raw sequential write": lambda: _raw_write(raw_path, tensors, False),
-        "raw sequential write + fsync": lambda: _raw_write(raw_path, tensors, True),
-        "fastckpt.save_safetensors, no fsync": lambda: fastckpt.save_safetensors(st_path, tensors, fsync=False),
-        "fastckpt.save_safetensors (atomic, fsync)": lambda: fastckpt.save_safetensors(st_path, tensors),
-        "fastckpt.save_npz, no fsync": lambda: fastckpt.save_npz(npz_path, tensors, fsync=False),
-        "fastckpt.save_npz (atomic, fsync)": lambda: fastckpt.save_npz(npz_path, tensors),
-    }
+    # (label, how to save to a path): each path saves to a file of its own, removed untimed before each run.
+    savers = [
+        ("raw sequential write", lambda path: _raw_write(path, tensors, False)),
+        ("raw sequential write + fsync", lambda path: _raw_write(path, tensors, True)),
+        ("raw sequential write, Python's default buffer", lambda path: _raw_write(path, tensors, False, -1)),
+        ("fastckpt.save_safetensors, no fsync", lambda path: fastckpt.save_safetensors(path, tensors, fsync=False)),
+        ("fastckpt.save_safetensors (atomic, fsync)", lambda path: fastckpt.save_safetensors(path, tensors)),
+        ("fastckpt.save_npz, no fsync", lambda path: fastckpt.save_npz(path, tensors, fsync=False)),
+        ("fastckpt.save_npz (atomic, fsync)", lambda path: fastckpt.save_npz(path, tensors)),
+        ("fastckpt.save_npz(alignment=64), no fsync",
+         lambda path: fastckpt.save_npz(path, tensors, alignment=64, fsync=False)),
+    ]
     if save_file is not None:
-        save_paths["safetensors.numpy.save_file"] = lambda: save_file(tensors, st_path + ".ref")
-    out.append(markdown_table(f"save: {label}", list(interleaved(save_paths, repeat).items()), "raw sequential write"))
-    return "\n\n".join(out)
+        savers.append(("safetensors.numpy.save_file", lambda path: save_file(tensors, path)))
+    save_paths, prepare = {}, {}
+    for i, (row, save) in enumerate(savers):
+        path = os.path.join(tmp, f"save-{i}")
+        save_paths[row] = functools.partial(save, path)
+        prepare[row] = functools.partial(_remove, path)
+    tables.append(markdown_table(f"save: {label}", list(interleaved(save_paths, repeat, prepare=prepare).items()),
+                                 "raw sequential write", durable_base="raw sequential write + fsync"))
+    return "\n\n".join(tables)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
