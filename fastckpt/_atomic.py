@@ -26,7 +26,6 @@ import ctypes
 import errno
 import functools
 import os
-import secrets
 import shutil
 import stat
 from pathlib import Path
@@ -41,7 +40,13 @@ _WRITE_BUFFER = 256 << 10
 
 
 def _partial_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_SUFFIX}")
+    return Path(_partial_path(os.fspath(final)))
+
+
+def _partial_path(final: str) -> str:
+    """The temporary name of ``final`` for this process: same directory, hidden, ours by pid."""
+    head, name = os.path.split(final)
+    return os.path.join(head, f".{name}.{os.getpid()}.{os.urandom(4).hex()}{_SUFFIX}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -69,27 +74,30 @@ def remove_stale_partials(final: str | os.PathLike) -> list[Path]:
     >>> [p.name for p in remove_stale_partials(d / "w.bin")]
     ['.w.bin.999999999.ab12cd34.partial']
     """
-    final = Path(final)
+    head, name = os.path.split(os.fspath(final))
+    parent = head or "."
+    prefix = f".{name}."
     removed = []
-    parent = final.parent if str(final.parent) else Path(".")
-    if not parent.is_dir():
+    try:
+        entries = os.scandir(parent)  # one directory read, no stat per entry
+    except (FileNotFoundError, NotADirectoryError):
         return removed
-    prefix = f".{final.name}."
-    for entry in parent.iterdir():
-        name = entry.name
-        if not (name.startswith(prefix) and name.endswith(_SUFFIX)):
-            continue
-        middle = name[len(prefix) : -len(_SUFFIX)].split(".")
-        if len(middle) != 2 or not middle[0].isdigit():
-            continue
-        if _pid_alive(int(middle[0])):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                entry.unlink()
-        removed.append(entry)
+    with entries:
+        for entry in entries:
+            entry_name = entry.name
+            if not (entry_name.startswith(prefix) and entry_name.endswith(_SUFFIX)):
+                continue
+            middle = entry_name[len(prefix) : -len(_SUFFIX)].split(".")
+            if len(middle) != 2 or not middle[0].isdigit():
+                continue
+            if _pid_alive(int(middle[0])):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            removed.append(Path(entry.path))
     return removed
 
 
@@ -126,7 +134,7 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[
     if not os.path.isdir(parent):
         os.makedirs(parent, exist_ok=True)
     remove_stale_partials(final)
-    tmp = _partial_name(Path(final))
+    tmp = _partial_path(final)
     f = open(tmp, "xb", buffering=_WRITE_BUFFER)
     try:
         yield f
@@ -138,13 +146,13 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[
     except BaseException:
         f.close()
         with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+            os.unlink(tmp)
         raise
     if fsync:
         fsync_directory(parent)
 
 
-def _replace_file(tmp: Path, final: str) -> None:
+def _replace_file(tmp: str, final: str) -> None:
     """Put the complete file ``tmp`` at ``final``, in one atomic step; remove the file it replaces.
 
     An existing file trades places with ``tmp`` (``renameat2(RENAME_EXCHANGE)``)
@@ -164,14 +172,14 @@ def _replace_file(tmp: Path, final: str) -> None:
         mode = 0
     if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
         try:
-            exchanged = _exchange(tmp, Path(final))
+            exchanged = _exchange(tmp, final)
         except FileNotFoundError:  # ``final`` went away meanwhile: nothing to trade places with
             exchanged = False
         if exchanged:
             # The new file is in place: the save has succeeded. If the old one cannot be unlinked,
             # it stays under the temporary name and a later save removes it.
             with contextlib.suppress(OSError):
-                tmp.unlink()
+                os.unlink(tmp)
             return
     os.replace(tmp, final)
 
@@ -193,7 +201,7 @@ def _renameat2():
     return fn
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def _exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     """Swap two existing paths in one atomic step; False where the system or filesystem cannot."""
     fn = _renameat2()
     if fn is None:

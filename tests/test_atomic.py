@@ -63,14 +63,15 @@ def test_an_existing_file_trades_places_and_is_removed(tmp_path, monkeypatch):
 def test_a_save_succeeds_when_the_replaced_file_cannot_be_unlinked(tmp_path, monkeypatch):
     target = tmp_path / "f.bin"
     target.write_bytes(b"old")
-    real_unlink = type(target).unlink
+    real_unlink = os.unlink
 
-    def unlink(self, *args, **kw):
-        if self.read_bytes() == b"old":
-            raise PermissionError(13, "Permission denied")
-        return real_unlink(self, *args, **kw)
+    def unlink(path, *args, **kw):
+        with open(path, "rb") as f:
+            if f.read() == b"old":
+                raise PermissionError(13, "Permission denied")
+        return real_unlink(path, *args, **kw)
 
-    monkeypatch.setattr(type(target), "unlink", unlink)
+    monkeypatch.setattr(os, "unlink", unlink)
     with atomic_write(target) as f:
         f.write(b"new")
     monkeypatch.undo()
