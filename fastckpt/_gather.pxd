@@ -12,7 +12,8 @@ cdef class GatherWriter:
     cdef Py_ssize_t _written
     cdef Py_buffer* _views
     cdef iovec* _iov
-    cdef void _release(self, int start) noexcept
+    cdef list _keep
+    cdef void _release(self) noexcept
     cpdef write(self, obj)
     cpdef write_zeros(self, Py_ssize_t n)
     cpdef flush(self)

@@ -28,7 +28,10 @@ from libc.string cimport memset
 
 import os
 
+cimport numpy as cnp
 import numpy as np
+
+cnp.import_array()
 
 cdef extern from "<sys/uio.h>" nogil:
     ssize_t writev(int fd, const iovec* iov, int iovcnt)
@@ -44,8 +47,8 @@ cdef char _ZEROS[_ZERO_BLOCK]  # static storage: all zero, never written
 cdef class GatherWriter:
     """Collect buffers and write them to ``fd`` in order, ``IOV_MAX`` per ``writev`` call.
 
-    ``write(obj)`` takes anything with the buffer protocol (bytes,
-    memoryview, a C-contiguous numpy array of any dtype) and holds it,
+    ``write(obj)`` takes a C-contiguous numpy array of any dtype, or
+    anything else with the buffer protocol (bytes, memoryview), and holds it,
     uncopied, until the next ``flush()``, which happens by itself every
     1024 buffers or 64 MiB. The caller must not change a buffer's contents
     before it is flushed. As a context manager it flushes on success and drops
@@ -57,6 +60,7 @@ cdef class GatherWriter:
         self._count = 0
         self._pending = 0
         self._written = 0
+        self._keep = []
         self._views = <Py_buffer*>PyMem_Malloc(_IOV_MAX * sizeof(Py_buffer))
         self._iov = <iovec*>PyMem_Malloc(_IOV_MAX * sizeof(iovec))
         if self._views == NULL or self._iov == NULL:
@@ -64,7 +68,7 @@ cdef class GatherWriter:
 
     def __dealloc__(self):
         if self._views != NULL:
-            self._release(0)
+            self._release()
             PyMem_Free(self._views)
         PyMem_Free(self._iov)
 
@@ -73,29 +77,37 @@ cdef class GatherWriter:
         """Bytes written to the descriptor so far (pending buffers not included)."""
         return self._written
 
-    cdef void _release(self, int start) noexcept:
+    cdef void _release(self) noexcept:
         cdef int i
-        for i in range(start, self._count):
+        for i in range(self._count):
             PyBuffer_Release(&self._views[i])
         self._count = 0
         self._pending = 0
+        if self._keep is not None:
+            self._keep.clear()
 
     cpdef write(self, obj):
         """Queue ``obj``'s bytes after everything queued before; flushes when the queue is full."""
         cdef Py_buffer* view
+        cdef Py_ssize_t n
         if self._count == _IOV_MAX:
             self.flush()
         view = &self._views[self._count]
-        try:
+        if type(obj) is np.ndarray and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>obj):
+            # An array's bytes, held by a reference rather than a buffer export: numpy's export
+            # builds a format description (and refuses some dtypes) that a byte copy never needs.
+            n = cnp.PyArray_NBYTES(<cnp.ndarray>obj)
+            if n == 0:
+                return
+            memset(view, 0, sizeof(Py_buffer))  # obj NULL: PyBuffer_Release lets go of nothing
+            view.buf = cnp.PyArray_DATA(<cnp.ndarray>obj)
+            view.len = n
+            self._keep.append(obj)
+        else:
             PyObject_GetBuffer(obj, view, PyBUF_SIMPLE)
-        except (BufferError, ValueError, TypeError):
-            if type(obj) is not np.ndarray or not obj.flags.c_contiguous:
-                raise
-            # A dtype this numpy will not export (older numpy and datetime64): its bytes, as uint8.
-            PyObject_GetBuffer(obj.reshape(-1).view(np.uint8), view, PyBUF_SIMPLE)
-        if view.len == 0:
-            PyBuffer_Release(view)
-            return
+            if view.len == 0:
+                PyBuffer_Release(view)
+                return
         self._count += 1
         self._pending += view.len
         if self._pending >= _FLUSH_BYTES:
@@ -152,11 +164,11 @@ cdef class GatherWriter:
                     self._iov[start].iov_base = <char*>self._iov[start].iov_base + done
                     self._iov[start].iov_len -= <size_t>done
         finally:
-            self._release(0)
+            self._release()
 
     def discard(self):
         """Drop every queued buffer without writing it."""
-        self._release(0)
+        self._release()
 
     def __enter__(self):
         return self
@@ -165,5 +177,5 @@ cdef class GatherWriter:
         if exc_type is None:
             self.flush()
         else:
-            self._release(0)
+            self._release()
         return False
