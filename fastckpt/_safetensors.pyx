@@ -397,6 +397,7 @@ def read_safetensors_index(MappedFile m not None):
 # A planned tensor is a tuple that sorts into the reference writer's order: dtype rank descending,
 # then name (then the input position, so that sorting never compares arrays):
 #   (-rank, name, position, dtype name, shape, nbytes, array or None, source)
+# ``shape`` is None where ``array`` is the caller's own ndarray: its dimensions are read from it.
 # ``array`` is None when the caller's value had to be converted into a new array; it is converted
 # again at write time, so that at most one such copy exists at once (see fastckpt.safetensors).
 
@@ -409,8 +410,28 @@ cdef inline bint _plain_json_string(str s):
     return True
 
 
-def plan_tensors(items, dict fast_dtypes, slow_plan):
-    """Planned tuples of ``(name, value)`` pairs, in input order.
+cdef inline tuple _plan_one(name, value, Py_ssize_t position, dict fast_dtypes, slow_plan, list last):
+    # ``last`` is [descr, known] of the previous fast tensor: a model's arrays share a few dtype
+    # objects, and an identity test is cheaper than hashing the dtype again.
+    cdef PyObject* known
+    cdef object descr
+    if type(value) is np.ndarray and type(name) is str and PyUnicode_IS_ASCII(name) and name != "__metadata__":
+        descr = <object>cnp.PyArray_DESCR(<cnp.ndarray>value)
+        if descr is last[0]:
+            known = <PyObject*>last[1]
+        else:
+            known = PyDict_GetItem(fast_dtypes, descr)
+            if known is not NULL:
+                last[0], last[1] = descr, <object>known
+        if known is not NULL:
+            # shape None: header_text reads the dimensions from the array itself.
+            return ((<tuple>known)[1], name, position, (<tuple>known)[0], None,
+                    cnp.PyArray_NBYTES(<cnp.ndarray>value), value, value)
+    return slow_plan(name, value, position)
+
+
+def plan_tensors(tensors, dict fast_dtypes, slow_plan):
+    """Planned tuples of a mapping's ``(name, value)`` pairs, in its order.
 
     The common case, an exact ``ndarray`` under an ASCII name with a dtype in
     ``fast_dtypes`` (dtype -> (safetensors name, -rank)), is planned here;
@@ -418,18 +439,13 @@ def plan_tensors(items, dict fast_dtypes, slow_plan):
     checks it and raises the user-facing errors.
     """
     cdef list plan = []
-    cdef Py_ssize_t position = 0
-    cdef PyObject* known
-    for name, value in items:
-        if type(value) is np.ndarray and type(name) is str and PyUnicode_IS_ASCII(name) and name != "__metadata__":
-            known = PyDict_GetItem(fast_dtypes, <object>cnp.PyArray_DESCR(<cnp.ndarray>value))
-            if known is not NULL:
-                plan.append(((<tuple>known)[1], name, position, (<tuple>known)[0], value.shape,
-                             cnp.PyArray_NBYTES(<cnp.ndarray>value), value, value))
-                position += 1
-                continue
-        plan.append(slow_plan(name, value, position))
-        position += 1
+    cdef list last = [None, None]
+    if type(tensors) is dict:  # walked with PyDict_Next: no (name, value) tuple per item
+        for name, value in (<dict>tensors).items():
+            plan.append(_plan_one(name, value, len(plan), fast_dtypes, slow_plan, last))
+    else:
+        for name, value in tensors.items():
+            plan.append(_plan_one(name, value, len(plan), fast_dtypes, slow_plan, last))
     return plan
 
 
@@ -462,22 +478,25 @@ cdef int _put(_Text* text, const char* data, Py_ssize_t n) except -1:
     return 0
 
 
-cdef int _put_uint(_Text* text, uint64_t value) except -1:
-    cdef char digits[20]  # 2**64 - 1 has 20 digits
-    cdef int n = 0
-    while True:
-        digits[19 - n] = <char>(48 + value % 10)
-        value //= 10
-        n += 1
-        if value == 0:
-            break
-    return _put(text, &digits[20 - n], n)
-
-
 cdef int _put_str(_Text* text, str s) except -1:
     cdef Py_ssize_t n
     cdef const char* utf8 = PyUnicode_AsUTF8AndSize(s, &n)  # no copy for ASCII text
     return _put(text, utf8, n)
+
+
+cdef inline Py_ssize_t _digits(char* out, uint64_t value) noexcept:
+    """Write ``value`` in decimal at ``out`` (room for 20 digits); return how many digits."""
+    cdef char tmp[20]
+    cdef int n = 0, i
+    while True:
+        tmp[19 - n] = <char>(48 + value % 10)
+        value //= 10
+        n += 1
+        if value == 0:
+            break
+    for i in range(n):
+        out[i] = tmp[20 - n + i]
+    return n
 
 
 def header_text(list plan, str metadata_json):
@@ -494,7 +513,11 @@ def header_text(list plan, str metadata_json):
     cdef uint64_t offset = 0, nbytes
     cdef tuple t, shape
     cdef str name, previous = None
-    cdef Py_ssize_t i
+    cdef Py_ssize_t i, ndim, name_len, dtype_len
+    cdef const char* name_utf8
+    cdef const char* dtype_utf8
+    cdef cnp.npy_intp* dims = NULL
+    cdef char* q
     text.data, text.size, text.capacity = NULL, 0, 0
     try:
         _put(&text, "{", 1)
@@ -506,29 +529,49 @@ def header_text(list plan, str metadata_json):
             if name == previous:
                 raise ValueError(f"tensor name {name!r} appears twice; safetensors names must be unique")
             previous = name
-            if text.size > 1:
-                _put(&text, ",", 1)
             if _plain_json_string(name):
-                _put(&text, '"', 1)
-                _put_str(&text, name)
-                _put(&text, '"', 1)
+                name_utf8 = PyUnicode_AsUTF8AndSize(name, &name_len)  # no copy for ASCII text
             else:
-                _put_str(&text, json.dumps(name, ensure_ascii=False))
-            _put(&text, ':{"dtype":"', 11)
-            _put_str(&text, t[3])
-            _put(&text, '","shape":[', 11)
+                escaped = json.dumps(name, ensure_ascii=False)
+                escaped = escaped[1:len(escaped) - 1]  # without its quotes, written below
+                name_utf8 = PyUnicode_AsUTF8AndSize(escaped, &name_len)
+            dtype_utf8 = PyUnicode_AsUTF8AndSize(t[3], &dtype_len)
             shape = t[4]
-            for i in range(len(shape)):
+            if shape is None:
+                ndim = cnp.PyArray_NDIM(<cnp.ndarray>t[6])
+                dims = cnp.PyArray_DIMS(<cnp.ndarray>t[6])
+            else:
+                ndim = len(shape)
+            # Room for the whole entry: its text parts, and 20 digits and a comma per number.
+            _reserve(&text, name_len + dtype_len + 64 + 21 * (ndim + 2))
+            q = text.data + text.size
+            if text.size > 1:
+                q[0] = b","
+                q += 1
+            q[0] = b'"'
+            memcpy(q + 1, name_utf8, name_len)
+            q += 1 + name_len
+            memcpy(q, '":{"dtype":"', 12)
+            memcpy(q + 12, dtype_utf8, dtype_len)
+            q += 12 + dtype_len
+            memcpy(q, '","shape":[', 11)
+            q += 11
+            for i in range(ndim):
                 if i:
-                    _put(&text, ",", 1)
-                _put_uint(&text, <uint64_t>(<int64_t>shape[i]))
-            _put(&text, '],"data_offsets":[', 18)
+                    q[0] = b","
+                    q += 1
+                q += _digits(q, <uint64_t>(dims[i] if shape is None else <int64_t>shape[i]))
+            memcpy(q, '],"data_offsets":[', 18)
+            q += 18
             nbytes = <uint64_t>(<int64_t>t[5])
-            _put_uint(&text, offset)
-            _put(&text, ",", 1)
+            q += _digits(q, offset)
+            q[0] = b","
+            q += 1
             offset += nbytes
-            _put_uint(&text, offset)
-            _put(&text, "]}", 2)
+            q += _digits(q, offset)
+            memcpy(q, "]}", 2)
+            q += 2
+            text.size = q - text.data
         _put(&text, "}", 1)
         return PyBytes_FromStringAndSize(text.data, text.size)
     finally:

@@ -384,7 +384,7 @@ def save_safetensors(
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name to array, got {type(tensors).__name__}")
     checked_metadata = _checked_metadata(metadata)
-    plan = plan_tensors(tensors.items(), _FAST_DTYPES, _plan)
+    plan = plan_tensors(tensors, _FAST_DTYPES, _plan)
     plan.sort()  # dtype rank descending, then name: the reference writer's order
     prefix = _header_bytes(plan, checked_metadata, alignment)
     with atomic_write(path, fsync=fsync) as f, GatherWriter(f.fileno()) as out:
