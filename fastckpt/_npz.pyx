@@ -1,11 +1,12 @@
-"""Validating parser of NPZ archives (the spec is in ``fastckpt/npz.py``).
+"""Validating parser of NPZ archives, and the writer's member records (the spec is in ``fastckpt/npz.py``).
 
 ``read_npz_index(m)`` finds the ZIP end-of-central-directory record (zip64
 aware), walks the central directory, checks every member's local header and
 ``.npy`` header, and returns one :class:`NpzTensorInfo` per member with the
 absolute offset of its payload. ``parse_npy_header(data)`` reads one ``.npy``
 header with a small literal parser of its own: nothing is ever evaluated or
-unpickled.
+unpickled. ``MemberWriter`` builds each member's local and central records
+for ``fastckpt.npz.NpzWriter`` in C, sized exactly before they are filled.
 
 Every byte comes through ``MappedFile.span()``/``read()``, which are
 bounds-checked; every field read below is preceded by a length check of the
@@ -17,7 +18,7 @@ offsets are compared as Python integers, which cannot overflow.
 cimport numpy as cnp
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_AsASCIIString
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from "Python.h":
@@ -849,6 +850,9 @@ cdef uint16_t MADE_BY_UNIX = 3 << 8
 cdef uint32_t EXTERNAL_ATTR = 0o100644 << 16
 cdef uint16_t DOS_TIME = 0
 cdef uint16_t DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01
+# Alignment padding up to this long is copied into the member's record; longer padding is queued
+# from the GatherWriter's static zeros, uncopied.
+cdef int64_t _INLINE_PAD = 512
 
 
 cdef inline void _put16(uint8_t* p, uint16_t v) noexcept nogil:
@@ -926,6 +930,15 @@ cdef class MemberWriter:
         self._large_payload = large_payload
         self.broken = False
 
+    def add_items(self, items):
+        """``add(name, np.asarray(array))`` for each ``(name, array)`` pair of ``items``, in order."""
+        for item in items:
+            try:
+                name, array = item
+            except (TypeError, ValueError):
+                raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
+            self.add(name, array if type(array) is np.ndarray else np.asarray(array))
+
     def add(self, name, cnp.ndarray arr not None):
         """Write one member; return (header_start, npy header, payload bytes, fortran_order, crc)."""
         cdef bytes raw_name, header, record, central
@@ -933,7 +946,7 @@ cdef class MemberWriter:
         cdef uint16_t flags = 0, version
         cdef int64_t nbytes, size, local_offset, header_start, pad = 0
         cdef Py_ssize_t name_len, extra_len, cd_extra_len, at
-        cdef bint zip64_size, zip64_offset, fortran_order
+        cdef bint zip64_size, zip64_offset, fortran_order, inline_tail
         cdef uint32_t crc, size32
         cdef uint8_t* p
         cdef int kind
@@ -995,7 +1008,10 @@ cdef class MemberWriter:
         crc = header_crc if large else self._crc32(data, header_crc)
         # The local record up to the alignment field's padding: the padding comes from the writer's
         # zeros and the .npy header is the cached object, so neither is built again for every member.
-        record = PyBytes_FromStringAndSize(NULL, LOCAL_SIZE + name_len + extra_len - pad)
+        # Short padding is copied into the record with the .npy header (one buffer instead of three).
+        inline_tail = pad <= _INLINE_PAD
+        record = PyBytes_FromStringAndSize(NULL, LOCAL_SIZE + name_len + extra_len - pad
+                                           + (pad + len(header) if inline_tail else 0))
         p = <uint8_t*>PyBytes_AS_STRING(record)
         _put32(p, SIG_LOCAL)
         _put16(p + 4, version)
@@ -1020,9 +1036,15 @@ cdef class MemberWriter:
             _put16(p + at, ALIGN_EXTRA_ID)
             _put16(p + at + 2, <uint16_t>(2 + pad))
             _put16(p + at + 4, <uint16_t>self._alignment)
-        self._out.write(record)
-        self._out.write_zeros(pad)
-        self._out.write(header)
+            at += 6
+        if inline_tail:
+            memset(p + at, 0, pad)
+            memcpy(p + at + pad, PyBytes_AS_STRING(header), len(header))
+            self._out.write(record)
+        else:
+            self._out.write(record)
+            self._out.write_zeros(pad)
+            self._out.write(header)
         if large:
             crc = self._large_payload(self._out, data, crc)
             self.crc_patches.append((local_offset + 14, crc))

@@ -383,8 +383,7 @@ class NpzWriter:
     def _finish(self) -> None:
         out, members = self._out, self._members
         cd_offset = members.pos
-        for entry in members.central:
-            out.write(entry)
+        out.write(b"".join(members.central))
         cd_size = sum(len(e) for e in members.central)
         count = len(members.central)
         if count >= _ZIP_FILECOUNT_LIMIT or cd_offset > _ZIP64_LIMIT or cd_size > _ZIP64_LIMIT:
@@ -429,12 +428,7 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int = 4
     """
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     with NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
-        for item in items:
-            try:
-                name, array = item
-            except (TypeError, ValueError):
-                raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
-            writer._add(name, np.asarray(array))
+        writer._members.add_items(items)
 
 
 # -- reading -------------------------------------------------------------------------------------
