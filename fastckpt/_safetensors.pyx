@@ -505,14 +505,13 @@ def header_text(list plan, str metadata_json):
     ``json.dumps(header, separators=(",", ":"), ensure_ascii=False)`` of the
     nested dicts costs about 1.5 µs per tensor; this costs a twentieth of
     that. ``metadata_json`` is the ``__metadata__`` object already in JSON,
-    or None. Two tensors of one name (a mapping whose ``items()`` repeats a
-    key) raise ``ValueError``. Sizes and dimensions are non-negative and
-    below 2**63 (numpy's limits).
+    or None. Sizes and dimensions are non-negative and below 2**63 (numpy's
+    limits); names are unique (the caller checks).
     """
     cdef _Text text
     cdef uint64_t offset = 0, nbytes
     cdef tuple t, shape
-    cdef str name, previous = None
+    cdef str name
     cdef Py_ssize_t i, ndim, name_len, dtype_len
     cdef const char* name_utf8
     cdef const char* dtype_utf8
@@ -526,9 +525,6 @@ def header_text(list plan, str metadata_json):
             _put_str(&text, metadata_json)
         for t in plan:
             name = t[1]
-            if name == previous:
-                raise ValueError(f"tensor name {name!r} appears twice; safetensors names must be unique")
-            previous = name
             if _plain_json_string(name):
                 name_utf8 = PyUnicode_AsUTF8AndSize(name, &name_len)  # no copy for ASCII text
             else:

@@ -325,6 +325,14 @@ def _plan(name, value, position: int) -> tuple:
             None if owned_copy else arr, value)
 
 
+def _check_unique(plan: list[tuple]) -> None:
+    seen = set()
+    for t in plan:
+        if t[_NAME] in seen:
+            raise ValueError(f"tensor name {t[_NAME]!r} appears twice; safetensors names must be unique")
+        seen.add(t[_NAME])
+
+
 def _header_bytes(plan: list[tuple], metadata: dict[str, str] | None, alignment: int) -> bytes:
     """The length prefix and the space-padded JSON header of a sorted plan."""
     metadata_json = None
@@ -385,6 +393,8 @@ def save_safetensors(
         raise TypeError(f"tensors must be a mapping of name to array, got {type(tensors).__name__}")
     checked_metadata = _checked_metadata(metadata)
     plan = plan_tensors(tensors, _FAST_DTYPES, _plan)
+    if type(tensors) is not dict:  # a dict's keys are unique; another mapping's items() might repeat one
+        _check_unique(plan)
     plan.sort()  # dtype rank descending, then name: the reference writer's order
     prefix = _header_bytes(plan, checked_metadata, alignment)
     with atomic_write(path, fsync=fsync) as f, GatherWriter(f.fileno()) as out:

@@ -6,6 +6,7 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -692,3 +693,40 @@ def test_header_is_what_json_dumps_writes_for_every_kind_of_name(tmp_path):
     assert header.rstrip(b" ") == json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     got, _, _ = load(path)
     assert {name: int(a[0]) for name, a in got.items()} == {name: i for i, name in enumerate(names)}
+
+
+class _ItemsMapping(Mapping):
+    """A read-only mapping that is not a dict, whose items() the writer walks as given."""
+
+    def __init__(self, items):
+        self._items = list(items)
+
+    def __getitem__(self, key):
+        return dict(self._items)[key]
+
+    def __iter__(self):
+        return (k for k, _ in self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def items(self):
+        return iter(self._items)
+
+
+def test_any_mapping_gives_the_bytes_a_dict_gives(tmp_path):
+    from types import MappingProxyType
+
+    tensors = {"b": np.arange(3, dtype=np.int16), "a": np.ones((2, 2), np.float32), "é": [1.5, 2.5]}
+    save_safetensors(tmp_path / "dict.safetensors", tensors)
+    expected = (tmp_path / "dict.safetensors").read_bytes()
+    for mapping in (MappingProxyType(tensors), _ItemsMapping(tensors.items())):
+        save_safetensors(tmp_path / "other.safetensors", mapping)
+        assert (tmp_path / "other.safetensors").read_bytes() == expected
+
+
+def test_a_mapping_that_repeats_a_name_is_refused_before_writing(tmp_path):
+    repeating = _ItemsMapping([("w", np.zeros(2, np.float32)), ("v", np.ones(1, np.int8)), ("w", np.ones(2, np.int16))])
+    with pytest.raises(ValueError, match="tensor name 'w' appears twice"):
+        save_safetensors(tmp_path / "r.safetensors", repeating)
+    assert list(tmp_path.iterdir()) == []
