@@ -14,8 +14,10 @@ and prints median times and ratios as markdown tables for
   freeing another's blocks. The raw write is Python's file ``write`` of each
   tensor's bytes in order, through a 256 KiB buffer (fastckpt's own
   buffer size, and faster than Python's default 8 KiB for small tensors);
-  rows with the default buffer, and with the arrays handed to ``os.writev``
-  uncopied (as fastckpt's writers do), are shown too.
+  rows with the default buffer, with the arrays handed to ``os.writev``
+  uncopied (as fastckpt's writers do), and with the bytes of the aligned
+  NPZ file in one ``write`` (its 4096-byte padding doubles a 4 KiB tensor)
+  are shown too.
 
 Numbers vary from machine to machine; the ratios are what the targets speak of.
 """
@@ -140,6 +142,11 @@ def _raw_write(path: str, tensors: dict[str, np.ndarray], fsync: bool, buffering
             os.fsync(f.fileno())
 
 
+def _raw_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb", buffering=RAW_BUFFER) as f:
+        f.write(data)  # one write: larger than the buffer, it goes straight to the file
+
+
 def _raw_writev(path: str, tensors: dict[str, np.ndarray]) -> None:
     """The arrays' buffers straight to the file, 1024 (Linux's IOV_MAX) per writev call, short writes resumed."""
     views = [memoryview(a).cast("B") for a in tensors.values()]
@@ -198,12 +205,15 @@ def bench_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> str:
     rows = list(interleaved(open_paths, repeat).items())
     tables = [markdown_table(f"open + host arrays: {label}", rows, "fastckpt.open (safetensors) + host views")]
 
+    with open(npz_path, "rb") as f:  # the bytes an aligned NPZ of these tensors has: the floor for saving one
+        npz_bytes = f.read()
     # (label, how to save to a path): each path saves to a file of its own, removed untimed before each run.
     savers = [
         ("raw sequential write", lambda path: _raw_write(path, tensors, False)),
         ("raw sequential write + fsync", lambda path: _raw_write(path, tensors, True)),
         ("raw sequential write, Python's default buffer", lambda path: _raw_write(path, tensors, False, -1)),
         ("raw gathered write (os.writev, 1024 arrays a call)", lambda path: _raw_writev(path, tensors)),
+        ("raw write of the NPZ file's bytes, 4096-byte padding included", lambda path: _raw_bytes(path, npz_bytes)),
         ("fastckpt.save_safetensors, no fsync", lambda path: fastckpt.save_safetensors(path, tensors, fsync=False)),
         ("fastckpt.save_safetensors (atomic, fsync)", lambda path: fastckpt.save_safetensors(path, tensors)),
         ("fastckpt.save_npz, no fsync", lambda path: fastckpt.save_npz(path, tensors, fsync=False)),
