@@ -2,9 +2,10 @@
 
 A model with thousands of small tensors costs a buffered writer one copy of
 every byte into its buffer and a Python call per tensor. ``GatherWriter``
-instead keeps a reference to each buffer (a buffer export, so that it can
-neither move nor be freed) and hands up to ``IOV_MAX`` of them to the kernel
-in one ``writev(2)``, with the GIL released. Partial writes (a signal, a
+instead holds each buffer until it is written (an array by a reference and
+its data pointer, anything else by a buffer export, so that none can be freed
+or moved) and hands up to ``IOV_MAX`` of them to the kernel in one
+``writev(2)``, with the GIL released. Partial writes (a signal, a
 2 GiB call limit) are resumed where they stopped; errors raise ``OSError``
 with the errno.
 
