@@ -8,9 +8,7 @@ must never destroy the previous good copy. Every save in fastckpt therefore:
    filesystem;
 2. flushes and ``fsync``\\ s the temporary file (or every file of a temporary
    directory);
-3. renames it onto the final name (atomic on POSIX); where Linux's
-   ``renameat2(RENAME_EXCHANGE)`` works, an existing file trades places with it
-   and is then unlinked, which spares ext4 an immediate write-back;
+3. ``os.replace``\\ s it onto the final name (atomic on POSIX);
 4. ``fsync``\\ s the parent directory, so that the rename itself is durable.
 
 On any exception the temporary is removed and the final name is untouched.
@@ -27,7 +25,6 @@ import errno
 import functools
 import os
 import shutil
-import stat
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -118,9 +115,8 @@ def fsync_directory(path: str | os.PathLike) -> None:
 def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[bytes]]:
     """Open a temporary file that replaces ``path`` atomically when the block succeeds.
 
-    ``fsync=False`` skips both fsyncs: faster, still atomic against readers,
-    not durable (after a power loss ``path`` may hold an empty or partial
-    file). Parent directories are created.
+    ``fsync=False`` skips both fsyncs (faster, still atomic against readers, not
+    durable against power loss). Parent directories are created.
 
     >>> import tempfile, pathlib
     >>> target = pathlib.Path(tempfile.mkdtemp()) / "out.bin"
@@ -142,7 +138,7 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[
         if fsync:
             os.fsync(f.fileno())
         f.close()
-        _replace_file(tmp, final)
+        os.replace(tmp, final)
     except BaseException:
         f.close()
         with contextlib.suppress(FileNotFoundError):
@@ -150,38 +146,6 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[
         raise
     if fsync:
         fsync_directory(parent)
-
-
-def _replace_file(tmp: str, final: str) -> None:
-    """Put the complete file ``tmp`` at ``final``, in one atomic step; remove the file it replaces.
-
-    An existing file trades places with ``tmp`` (``renameat2(RENAME_EXCHANGE)``)
-    and is then unlinked under the temporary name, rather than being renamed
-    over: on ext4 a rename over an existing file also starts writing the new
-    file's data back at once (the ``auto_da_alloc`` safeguard for programs that
-    never fsync), which costs a 4 MiB save about 2.5 ms and a 512 MiB save
-    tens of ms. With ``fsync=True`` the data is already on disk; with
-    ``fsync=False`` the caller chose not to wait for it. A process killed
-    between the two steps leaves the old file under a temporary name, which
-    the next save removes. Directories and other file types at ``final`` go
-    through ``os.replace``, which refuses to put a file over a directory.
-    """
-    try:
-        mode = os.lstat(final).st_mode
-    except FileNotFoundError:
-        mode = 0
-    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
-        try:
-            exchanged = _exchange(tmp, final)
-        except FileNotFoundError:  # ``final`` went away meanwhile: nothing to trade places with
-            exchanged = False
-        if exchanged:
-            # The new file is in place: the save has succeeded. If the old one cannot be unlinked,
-            # it stays under the temporary name and a later save removes it.
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            return
-    os.replace(tmp, final)
 
 
 _AT_FDCWD = -100

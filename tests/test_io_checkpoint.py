@@ -217,15 +217,15 @@ def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monk
 
         other[1] = Lost()
     else:
-        real_replace = atomic._replace_file
+        real_replace = os.replace
         target = "ck.npz" if fail_at == "npz_replace" else "ck.json"
 
-        def replace(src, dst):  # the step that puts a complete temporary file in place
+        def replace(src, dst):
             if os.fspath(dst).endswith(target) and ".partial" in os.fspath(src):
                 raise OSError(28, "No space left on device")
             return real_replace(src, dst)
 
-        monkeypatch.setattr(atomic, "_replace_file", replace)
+        monkeypatch.setattr(atomic.os, "replace", replace)
     with pytest.raises((RuntimeError, OSError), match="device lost|No space left"):
         save_checkpoint(other, tmp_path / "ck", optim_state={"m": [np.zeros(2), np.zeros(3)]}, config={"step": 2})
     monkeypatch.undo()

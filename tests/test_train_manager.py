@@ -293,16 +293,13 @@ objs = build_fresh(1)
 mgr = CheckpointManager(directory, max_to_keep=1)
 mgr.save(1, *objs.save_args(), scaler=objs.scaler)
 train_n_steps(objs, 1)
-import fastckpt._atomic as atomic
-renames = []
-def or_die(rename):  # a file replacing an existing one trades places with it: _exchange, not os.replace
-    def rename_or_die(src, dst):
-        renames.append(dst)
-        if len(renames) == crash_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return rename(src, dst)
-    return rename_or_die
-os.replace, atomic._exchange = or_die(os.replace), or_die(atomic._exchange)
+real_replace, renames = os.replace, []
+def replace_or_die(src, dst):
+    renames.append(dst)
+    if len(renames) == crash_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_replace(src, dst)
+os.replace = replace_or_die
 mgr.save(2, *objs.save_args(), scaler=objs.scaler, blocking=mode == "blocking")
 mgr.close()
 print(len(renames), flush=True)
