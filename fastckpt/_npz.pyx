@@ -930,14 +930,27 @@ cdef class MemberWriter:
         self._large_payload = large_payload
         self.broken = False
 
-    def add_items(self, items):
-        """``add(name, np.asarray(array))`` for each ``(name, array)`` pair of ``items``, in order."""
+    def add_items(self, items, bint batch):
+        """``add(name, np.asarray(array))`` for each ``(name, array)`` pair of ``items``, in order.
+
+        Queued arrays must not change before they are written, and the caller's
+        code may change them: a generator refilling one buffer, an
+        ``__array__`` reusing one. So whenever caller code is about to run
+        (converting a value, and, unless ``batch``, fetching the next item) the
+        queue is written first. ``batch`` is for items that only a dict's own
+        iteration produces.
+        """
         for item in items:
             try:
                 name, array = item
             except (TypeError, ValueError):
                 raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
-            self.add(name, array if type(array) is np.ndarray else np.asarray(array))
+            if type(array) is not np.ndarray:
+                self._out.flush()
+                array = np.asarray(array)
+            self.add(name, array)
+            if not batch:
+                self._out.flush()
 
     def add(self, name, cnp.ndarray arr not None):
         """Write one member; return (header_start, npy header, payload bytes, fortran_order, crc)."""
@@ -951,7 +964,9 @@ cdef class MemberWriter:
         cdef uint8_t* p
         cdef int kind
         if type(name) is not str:
-            raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
+            if not isinstance(name, str):
+                raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
+            name = str(name)  # np.str_, StrEnum: stored (and read back) as the plain text
         member = <str>name + ".npy"
         problem = _member_problem(member)  # the reader's own rule, so that it reads back what we write
         if problem is not None:
@@ -1050,9 +1065,6 @@ cdef class MemberWriter:
             self.crc_patches.append((local_offset + 14, crc))
         else:
             self._out.write(data)
-        self.broken = False
-        self.pos = header_start + size
-        self._names.add(name)
 
         cd_extra_len = (16 if zip64_size else 0) + (8 if zip64_offset else 0)
         if cd_extra_len:
@@ -1089,4 +1101,7 @@ cdef class MemberWriter:
             if zip64_offset:
                 _put64(p + at, <uint64_t>local_offset)
         self.central.append(central)
+        self.pos = header_start + size
+        self._names.add(name)
+        self.broken = False  # only now: a member written but missing from the index would be lost
         return header_start, header, nbytes, fortran_order, crc

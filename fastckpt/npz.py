@@ -287,8 +287,9 @@ def _byte_view(arr: np.ndarray) -> memoryview:
 class NpzWriter:
     """Stream arrays into an aligned NPZ file, one member at a time, replaced atomically on success.
 
-    Each array's bytes go straight from its buffer to the file (a non-contiguous
-    array is copied once, alone), with its CRC-32 computed on the way. On an
+    Each array's bytes go from its own buffer to the file, uncopied (a
+    non-contiguous array is copied once), and are written before ``add()``
+    returns, so the caller may reuse the array at once. On an
     exception inside the ``with`` block nothing is left behind and an existing
     file at ``path`` is untouched. ``alignment`` (a power of two up to 32768)
     is the boundary of every array payload; ``fsync=False`` skips the fsyncs
@@ -353,6 +354,7 @@ class NpzWriter:
         """
         arr = np.asarray(array)
         header_start, header, payload_nbytes, fortran_order, crc = self._add(name, arr)
+        self._out.flush()  # the caller may change or reuse the array once add() returns
         return NpzTensorInfo(name, arr.dtype, arr.shape, header_start + len(header), payload_nbytes, fortran_order,
                              None, crc, len(header) + payload_nbytes, len(header))
 
@@ -425,7 +427,8 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int = 4
     """
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     with NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
-        writer._members.add_items(items)
+        # A dict's own iteration runs no caller code, so its arrays can be queued and written together.
+        writer._members.add_items(items, type(tensors) is dict)
 
 
 # -- reading -------------------------------------------------------------------------------------
