@@ -579,7 +579,7 @@ def write_tensors(GatherWriter out, list plan, frozenset direct_dtypes, write_on
 
     A C-contiguous array of a dtype in ``direct_dtypes`` (the file's own
     dtypes, little-endian) goes to ``out`` as it is, uncopied; any other goes
-    to ``write_one(t)``, which converts it.
+    to ``write_one(t)``, which converts it, after what is queued is written.
     """
     cdef Py_ssize_t i
     cdef tuple t
@@ -590,5 +590,6 @@ def write_tensors(GatherWriter out, list plan, frozenset direct_dtypes, write_on
                 and <object>cnp.PyArray_DESCR(<cnp.ndarray>arr) in direct_dtypes):
             out.write(arr)
         else:
+            out.flush()  # converting runs caller code, which must not find queued arrays unwritten
             write_one(t)
         plan[i] = None

@@ -730,3 +730,41 @@ def test_a_mapping_that_repeats_a_name_is_refused_before_writing(tmp_path):
     with pytest.raises(ValueError, match="tensor name 'w' appears twice"):
         save_safetensors(tmp_path / "r.safetensors", repeating)
     assert list(tmp_path.iterdir()) == []
+
+
+class _RefilledBuffer:
+    """An array-like that fills one shared buffer each time it is converted (as a device download may)."""
+
+    shared = np.zeros(256, np.int32)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __array__(self, dtype=None, copy=None):
+        _RefilledBuffer.shared[:] = self.value
+        return _RefilledBuffer.shared
+
+
+def test_array_likes_that_share_a_buffer_are_each_saved(tmp_path):
+    tensors = {"a": np.full(8, 7, np.int32), **{f"t{i}": _RefilledBuffer(i) for i in range(3)},
+               "z": np.full(8, 9, np.int32)}
+    save_safetensors(tmp_path / "r.safetensors", tensors)
+    loaded = st_numpy.load_file(str(tmp_path / "r.safetensors"))
+    assert {k: v.tolist() for k, v in loaded.items()} == {
+        "a": [7] * 8, "t0": [0] * 256, "t1": [1] * 256, "t2": [2] * 256, "z": [9] * 8}
+
+
+def test_an_array_changed_by_a_later_conversion_is_saved_as_it_was_before(tmp_path):
+    # Converting "c" changes "b" in place; "b" comes first in the file and must hold what it held
+    # when its turn came, as a writer that writes each tensor as it goes would have it.
+    b = np.zeros(4, np.int32)
+
+    class Bumps:
+        def __array__(self, dtype=None, copy=None):
+            b[:] += 1  # caller code between tensors
+            return np.full(4, 5, np.int32)
+
+    save_safetensors(tmp_path / "c.safetensors", {"b": b, "c": Bumps()})
+    loaded = st_numpy.load_file(str(tmp_path / "c.safetensors"))
+    assert loaded["b"].tolist() == [1] * 4  # bumped once when planned, not again while being written
+    assert loaded["c"].tolist() == [5] * 4 and b.tolist() == [2] * 4
