@@ -3,9 +3,10 @@
 A model with thousands of small tensors costs a buffered writer one copy of
 every byte into its buffer and a Python call per tensor. ``GatherWriter``
 instead holds each buffer until it is written (an array by a reference and
-its data pointer, anything else by a buffer export, so that none can be freed
-or moved) and hands up to ``IOV_MAX`` of them to the kernel in one
-``writev(2)``, with the GIL released. Partial writes (a signal, a
+its data pointer, anything else by a buffer export, so that none is freed)
+and hands up to ``IOV_MAX`` of them to the kernel in one ``writev(2)``, with
+the GIL released. Its users flush before any caller code runs that could
+change a queued array's bytes. Partial writes (a signal, a
 2 GiB call limit) are resumed where they stopped; errors raise ``OSError``
 with the errno.
 
@@ -23,6 +24,7 @@ b'head tail'
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.errno cimport EINTR, errno
 from libc.string cimport memset
@@ -152,6 +154,7 @@ cdef class GatherWriter:
                         err = errno
                 if done < 0:
                     if err == EINTR:
+                        PyErr_CheckSignals()  # Ctrl-C raises KeyboardInterrupt, as in Python's own writes
                         continue
                     raise OSError(err, os.strerror(err))
                 if done == 0:
@@ -161,9 +164,13 @@ cdef class GatherWriter:
                 while start < count and <size_t>done >= self._iov[start].iov_len:
                     done -= self._iov[start].iov_len
                     start += 1
-                if start < count and done > 0:
-                    self._iov[start].iov_base = <char*>self._iov[start].iov_base + done
-                    self._iov[start].iov_len -= <size_t>done
+                if start < count:
+                    if done > 0:
+                        self._iov[start].iov_base = <char*>self._iov[start].iov_base + done
+                        self._iov[start].iov_len -= <size_t>done
+                    # A short write may mean a signal arrived: run its handler (Ctrl-C raises) before
+                    # blocking again, as Python's own buffered writer does.
+                    PyErr_CheckSignals()
         finally:
             self._release()
 

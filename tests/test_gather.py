@@ -60,7 +60,7 @@ def test_a_large_queue_flushes_by_itself(tmp_path, fd):
     assert data.size == 80 << 20 and np.array_equal(data[:: 16 << 20], np.arange(5))
 
 
-def test_short_writes_are_resumed_and_the_failure_is_raised(tmp_path, fd):
+def test_a_short_write_keeps_what_went_out_and_the_failure_is_raised(tmp_path, fd):
     out = GatherWriter(fd)
     for i in range(8):
         out.write(bytes([i]) * 1000)
@@ -122,3 +122,75 @@ def test_zero_padding_fills_queues_like_any_buffer(tmp_path, fd):
             out.write(bytes([i % 251]))
             out.write_zeros(3)
     assert written(tmp_path) == b"".join(bytes([i % 251]) + bytes(3) for i in range(3000))
+
+
+def test_writes_interrupted_by_signals_resume_where_they_stopped():
+    # A pipe drained slowly while SIGALRM fires every millisecond: writev returns short counts
+    # (or EINTR) mid-buffer, and the writer must carry on from the exact byte.
+    import signal
+    import threading
+    import time
+
+    payload = [np.arange(i * 1000, (i + 1) * 1000, dtype=np.int64) for i in range(64)]  # 512 KB
+    expected = b"".join(p.tobytes() for p in payload)
+    r, w = os.pipe()
+    got = bytearray()
+
+    def drain():
+        while True:
+            chunk = os.read(r, 4096)
+            if not chunk:
+                return
+            got.extend(chunk)
+            time.sleep(0.0005)
+
+    reader = threading.Thread(target=drain)
+    alarms = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: alarms.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+    reader.start()
+    try:
+        out = GatherWriter(w)
+        for p in payload:
+            out.write(p)
+        out.flush()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        os.close(w)
+        reader.join()
+        os.close(r)
+    assert alarms, "no signal arrived during the write"
+    assert bytes(got) == expected and out.written == len(expected)
+
+
+def test_ctrl_c_during_a_blocked_write_raises_keyboard_interrupt():
+    import signal
+
+    r, w = os.pipe()  # nobody reads: the write blocks once the pipe is full
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    import threading
+
+    # Should the interrupt be lost, closing the read end after 10 s fails the write (EPIPE) instead of
+    # leaving the test blocked.
+    watchdog = threading.Timer(10, os.close, (r,))
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    watchdog.start()
+    try:
+        out = GatherWriter(w)
+        out.write(np.zeros(1 << 20, np.uint8))
+        with pytest.raises(KeyboardInterrupt):
+            out.flush()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        watchdog.cancel()
+        os.close(w)
+        try:
+            os.close(r)
+        except OSError:  # the watchdog closed it
+            pass
