@@ -12,8 +12,9 @@ and prints median times and ratios as markdown tables for
   ``safetensors.numpy.save_file``. Every save writes a new file: the previous
   run's file is deleted, untimed, before each run, so no path pays for
   freeing another's blocks. The raw write is Python's file ``write`` of each
-  tensor's bytes in order, through a 256 KiB buffer (fastckpt's own
-  buffer size, and faster than Python's default 8 KiB for small tensors);
+  tensor's bytes in order, through a 256 KiB buffer (the one fastckpt's
+  other writers get from ``atomic_write``; faster than Python's default 8 KiB
+  for small tensors);
   rows with the default buffer, with the arrays handed to ``os.writev``
   uncopied (as fastckpt's writers do), and with the bytes of the aligned
   NPZ file in one ``write`` (its 4096-byte padding doubles a 4 KiB tensor)
@@ -129,7 +130,7 @@ def _tensors(n: int, elems: int) -> dict[str, np.ndarray]:
     return {f"t{i:04d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
 
 
-# fastckpt's own write buffer (fastckpt._atomic._WRITE_BUFFER).
+# The buffer fastckpt._atomic.atomic_write gives writers that do not gather (_WRITE_BUFFER).
 RAW_BUFFER = 256 << 10
 
 
