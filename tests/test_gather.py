@@ -6,7 +6,7 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
-from _limits import file_size_limit
+from _writing import file_size_limit
 
 from fastckpt._gather import GatherWriter
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from _limits import file_size_limit
+from _writing import RefilledBuffer, file_size_limit
 
 import fastckpt.npz as npz
 from fastckpt import FormatError, IntegrityError, NotZeroCopyWarning
@@ -1096,19 +1096,6 @@ def test_closing_the_file_during_a_parse_never_reads_unmapped_memory(tmp_path):
 
 # -- arrays the caller changes after handing them over -----------------------------------------------
 
-class _RefilledBuffer:
-    """An array-like that fills one shared buffer each time it is converted (as a device download may)."""
-
-    shared = np.zeros(1024, np.float32)
-
-    def __init__(self, value):
-        self.value = value
-
-    def __array__(self, dtype=None, copy=None):
-        _RefilledBuffer.shared[:] = self.value
-        return _RefilledBuffer.shared
-
-
 def _assert_filled(path, values):
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None  # every member's CRC-32 matches its bytes
@@ -1139,7 +1126,8 @@ def test_a_generator_refilling_one_buffer_is_saved_as_it_was(tmp_path):
 
 
 def test_array_likes_that_share_a_buffer_are_each_saved(tmp_path):
-    save_npz(tmp_path / "m.npz", {f"t{i}": _RefilledBuffer(i) for i in range(3)})
+    shared = np.zeros(1024, np.float32)
+    save_npz(tmp_path / "m.npz", {f"t{i}": RefilledBuffer(shared, i) for i in range(3)})
     _assert_filled(tmp_path / "m.npz", range(3))
 
 

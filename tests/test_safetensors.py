@@ -12,7 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from _limits import file_size_limit
+from _writing import RefilledBuffer, file_size_limit
 import safetensors
 import safetensors.numpy as st_numpy
 
@@ -732,21 +732,9 @@ def test_a_mapping_that_repeats_a_name_is_refused_before_writing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-class _RefilledBuffer:
-    """An array-like that fills one shared buffer each time it is converted (as a device download may)."""
-
-    shared = np.zeros(256, np.int32)
-
-    def __init__(self, value):
-        self.value = value
-
-    def __array__(self, dtype=None, copy=None):
-        _RefilledBuffer.shared[:] = self.value
-        return _RefilledBuffer.shared
-
-
 def test_array_likes_that_share_a_buffer_are_each_saved(tmp_path):
-    tensors = {"a": np.full(8, 7, np.int32), **{f"t{i}": _RefilledBuffer(i) for i in range(3)},
+    shared = np.zeros(256, np.int32)
+    tensors = {"a": np.full(8, 7, np.int32), **{f"t{i}": RefilledBuffer(shared, i) for i in range(3)},
                "z": np.full(8, 9, np.int32)}
     save_safetensors(tmp_path / "r.safetensors", tensors)
     loaded = st_numpy.load_file(str(tmp_path / "r.safetensors"))

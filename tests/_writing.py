@@ -1,4 +1,4 @@
-"""Real write failures for tests: the kernel refuses writes past a file size (EFBIG), as a full disk would."""
+"""Helpers for tests of writers: real write failures from the kernel, and callers that reuse one buffer."""
 
 import contextlib
 import resource
@@ -21,3 +21,18 @@ def file_size_limit(nbytes: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
+
+
+class RefilledBuffer:
+    """An array-like whose conversion fills one shared buffer with ``value`` and returns that buffer.
+
+    As a device download into a reused staging buffer does: a writer that keeps
+    the returned array and writes it later saves the last value under every name.
+    """
+
+    def __init__(self, shared, value):
+        self.shared, self.value = shared, value
+
+    def __array__(self, dtype=None, copy=None):
+        self.shared[:] = self.value
+        return self.shared
