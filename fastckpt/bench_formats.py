@@ -105,7 +105,7 @@ def markdown_table(title: str, rows: list[tuple[str, tuple[float, float]]], base
         head = [f"Ratios are each path's time divided by that of: {base}.", "",
                 "| path | median | best | median ratio | best ratio |", "|---|---:|---:|---:|---:|"]
     else:
-        head = [f"Ratios are each path's time divided by that of the row named in \"against\".", "",
+        head = ["Ratios are each path's time divided by that of the row named in \"against\".", "",
                 "| path | median | best | against | median ratio | best ratio |", "|---|---:|---:|---|---:|---:|"]
     out = [f"### {title}", "", *head]
     for label, (median, best) in rows:

@@ -392,7 +392,7 @@ class NpzWriter:
 
 def _large_payload(out: GatherWriter, payload: np.ndarray, crc: int) -> int:
     """Write a large payload piece by piece, each checksummed just before; return the CRC-32."""
-    view = memoryview(payload.reshape(-1).view(np.uint8)) if payload.ndim else memoryview(payload.tobytes())
+    view = memoryview(payload.reshape(-1).view(np.uint8))  # C-contiguous, so a view of its bytes (0-d too)
     out.flush()
     for start in range(0, len(view), _CRC_PIECE):
         piece = view[start:start + _CRC_PIECE]
