@@ -1,0 +1,419 @@
+"""Golden bytes: every on-disk format fastckpt writes, made from fixed inputs, equals the files in tests/data/golden/.
+
+Each case below writes one format (or one directory layout) from inputs that
+never change and compares every file it produced with the committed copy,
+byte for byte. A failure means a writer now puts different bytes on disk: a
+format change. If that is deliberate, bump the format's version, keep the old
+files readable (keep the old golden file and a test that reads it), say so in
+the format's spec, and only then regenerate::
+
+    FASTCKPT_REGENERATE_GOLDEN=1 python -m pytest tests/test_golden.py
+
+The inputs reach into every corner of the encoders: every dtype the formats
+carry, 0-d, empty, Fortran-ordered and big-endian arrays, tied weights, and
+state trees holding tuples, big integers, non-finite floats, bytes, numpy
+scalars and non-string keys, so that a change to a shared codec shows here.
+
+Two kinds of values are facts about the machine or the moment, not about the
+inputs: a training manifest's ``created_utc``, ``versions``, ``git_commit`` and
+``hardware``. For ``manifest.json`` the test checks that the file is exactly
+``json.dumps(parsed, indent=1, ensure_ascii=False)`` of its own content (the
+layout, the key order and every other value are compared), with those four
+values replaced by placeholders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+REGENERATE = os.environ.get("FASTCKPT_REGENERATE_GOLDEN") == "1"
+VOLATILE_MANIFEST_KEYS = ("created_utc", "versions", "git_commit", "hardware")
+
+
+def _arange(dtype, shape, start=1):
+    n = int(np.prod(shape, dtype=np.int64))
+    return (np.arange(start, start + n) % 97).astype(dtype).reshape(shape)
+
+
+def tensor_set() -> dict[str, np.ndarray]:
+    """Arrays of every layout the tensor-file writers handle, with fixed values."""
+    return {
+        "f32": _arange(np.float32, (2, 3)) / 8,
+        "f64": _arange(np.float64, (5,)) / 3,
+        "f16": _arange(np.float16, (3, 2)),
+        "bf16": _arange(np.float32, (4,)).astype(ml_dtypes.bfloat16),
+        "i8": _arange(np.int8, (7,)) - 40,
+        "u8": _arange(np.uint8, (3,)),
+        "i16": _arange(np.int16, (2, 2)),
+        "i32": _arange(np.int32, (1, 1, 3)),
+        "i64": np.array(-(2**40) - 7, np.int64),  # 0-d
+        "u64": np.array([2**63 + 5, 1], np.uint64),
+        "bool": np.array([True, False, True]),
+        "empty": np.zeros((0, 4), np.float32),
+        "step": np.array(7, np.int64),
+    }
+
+
+def npz_only_set() -> dict[str, np.ndarray]:
+    """What .npy can hold and safetensors cannot."""
+    return {
+        **{k: v for k, v in tensor_set().items() if k != "bf16"},
+        "c64": (_arange(np.float32, (3,)) + 1j * _arange(np.float32, (3,), 5)).astype(np.complex64),
+        "fortran": np.asfortranarray(_arange(np.float32, (2, 3))),
+        "big_endian": _arange(">u2", (4,)),
+        "text": np.array(["a", "héllo", "ok"]),
+        "raw": np.array([b"ab", b"c"]),
+    }
+
+
+def _write_npz(out: Path) -> None:
+    import fastckpt
+
+    fastckpt.save_npz(out / "tensors.npz", npz_only_set())
+    fastckpt.save_npz(out / "tensors-align64.npz", npz_only_set(), alignment=64)
+
+
+def _write_safetensors(out: Path) -> None:
+    import fastckpt
+
+    fastckpt.save_safetensors(out / "tensors.safetensors", tensor_set(), metadata={"arch": "mlp", "note": "ünï"})
+    fastckpt.save_safetensors(out / "tensors-align8.safetensors", tensor_set(), alignment=8)
+
+
+def _write_netcl_model(out: Path, queue) -> None:
+    from fastckpt.io import save_model
+    from fastckpt.nn import BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, Linear, ReLU, Sequential
+
+    model = Sequential(Conv2d(queue, 2, 3, 3, pad=1), BatchNorm2d(queue, 3), ReLU(), Flatten(),
+                       Linear(queue, 12, 4), Dropout(0.25, seed=3), Linear(queue, 4, 2, bias=False),
+                       Embedding(5, 2, queue=queue))
+    state = {k: _arange(v.dtype, v.shape) / 16 for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    save_model(model, out / "model.netcl")
+
+
+def _write_netcl_params(out: Path) -> None:
+    from fastckpt.io.checkpoint import save_checkpoint, save_params
+
+    params = [_arange(np.float32, (3, 2)), _arange(np.float16, (2,)), np.array(1.5, np.float64)]
+    save_params(params, out / "params.npz")
+    save_params(params, out / "named", names=["w", "b", "scale"])
+    optim_state = {
+        "t": 10,
+        "lr": 1e-3,
+        "betas": (0.9, np.float32(0.999)),
+        "moments": [(_arange(np.float32, (3, 2)), _arange(np.float32, (3, 2), 9)), {"m": np.zeros(2, np.float16)}],
+        "count": np.int64(3),
+        "flag": np.bool_(True),
+        "name": "adam",
+        "nothing": None,
+    }
+    config = {"step": 1000, "sizes": [3, 2], "table": _arange(np.int32, (2, 2)), "nan": float("nan")}
+    save_checkpoint(params, out / "ckpt" / "run.v1", optim_state=optim_state, config=config)
+
+
+class TrainCorner:
+    """A model whose state dict reaches every value kind of the training tree encoding."""
+
+    __module__ = "golden"
+
+    def __init__(self):
+        w = _arange(np.float32, (4, 3)) / 4
+        self.state = {
+            "embed": {"weight": w},
+            "head": {"weight": w},  # tied: stored once, ALIAS(...) in the metadata
+            "half": w[:2],  # overlaps, but a different view: stored separately
+            "bias": _arange(ml_dtypes.bfloat16, (3,)),
+            "cplx": np.array([1 + 2j, -3.5j], np.complex64),
+            "groups": [{"lr": 0.1, "ids": (1, 2, 3)}, {"lr": float("inf"), "ids": ()}],
+            "counter": 2**70,
+            "neg": -(2**53),
+            "small": 2**53 - 1,
+            "scalars": {"f32": np.float32(0.1), "i64": np.int64(-5), "b": np.bool_(False), "u8": np.uint8(200),
+                        "f16": np.float16(np.inf)},
+            "by_id": {0: "zero", 1: (np.float64(-0.0), float("nan"))},
+            "__private": 1,
+            "text": "naïve ✓",
+            "none": None,
+            "flag": True,
+        }
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _train_objects():
+    from fastckpt.stateful import RNG
+    from fastckpt.train import AdamW, CosineWarmupLR, GradScaler, ShuffledTokenBatches, TinyLM, train_step
+
+    tokens = (np.arange(2000) * 7 % 31).astype(np.int32)
+    lm = TinyLM(vocab=31, dim=8, hidden=16, seed=0)
+    opt = AdamW(lm.parameters(), lr=1e-2)
+    sched = CosineWarmupLR(opt, warmup_steps=2, total_steps=20)
+    data = ShuffledTokenBatches(tokens, batch_size=4, seq_len=8, seed=1)
+    rng = np.random.default_rng(5)
+    scaler = GradScaler(init_scale=2.0**8)
+    for _ in range(3):
+        train_step(lm, opt, sched, data, rng, scaler)
+    return lm, opt, sched, data, rng, scaler, RNG(seed=9, bit_generator="Philox")
+
+
+def _write_train_dir(out: Path) -> None:
+    from fastckpt.train import CheckpointManager, save_checkpoint
+
+    lm, opt, sched, data, rng, scaler, _ = _train_objects()
+    save_checkpoint(lm, opt, sched, data, rng, out / "tinylm", step=3, epoch=1, extra_metrics={"loss": np.float32(2.5)},
+                    scaler=scaler, seed=0)
+    # A get_state()/set_state() object (a stateful RNG) as the training RNG, a given config, corner values.
+    _, _, _, _, _, _, philox = _train_objects()
+    save_checkpoint(TrainCorner(), None, None, None, philox, out / "corners", step=2**40, epoch=0,
+                    extra_metrics={"acc": 0.5, "ok": True}, config={"layers": (2, 3), "name": "corner"},
+                    data_manifest={"files": ["a", "b"]})
+    mgr = CheckpointManager(out / "managed", max_to_keep=1)
+    for step in (1, 2):
+        mgr.save(step, lm, opt, sched, data, rng, epoch=0, metrics={"loss": 1.0 / step}, scaler=scaler,
+                 blocking=step == 1)  # the second save goes through the asynchronous path
+    mgr.close()
+
+
+class StateCorner:
+    """A get_state() / set_state() op whose state reaches every value kind of the stateful JSON encoding."""
+
+    __module__ = "golden"  # the type name is written into the file: keep it independent of how tests import
+
+    def __init__(self):
+        self.value = {
+            "bytes": b"\x00\xffab",
+            "nan": float("nan"), "inf": float("inf"), "ninf": float("-inf"),
+            "big": 2**100, "neg": -(2**64),
+            "tuple": (1, "two", [3.0]),
+            "np": [np.float32(0.1), np.int64(-7), np.bool_(True), np.float64(1e300)],
+            "arrays": [_arange(np.float32, (2, 2)), _arange(">i4", (3,)), _arange(ml_dtypes.bfloat16, (2,)),
+                       np.array(["ab", "c"]), np.array([b"x", b"yz"]), np.array(1 + 2j, np.complex64),
+                       np.array([True, False]), np.zeros((0, 2), np.uint16)],
+            "text": "naïve ✓ \u2028",
+            "nested": {"a": {"b": [None, False]}},
+        }
+
+    def get_state(self):
+        return self.value
+
+    def set_state(self, value):
+        self.value = value
+
+
+class StateDicty:
+    """An op with the state_dict() / load_state_dict() protocol."""
+
+    __module__ = "golden"
+
+    def __init__(self):
+        self.state = {"step": 12, "lr": 0.5}
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _write_stateful(out: Path) -> None:
+    from fastckpt.stateful import RNG, ArrayReader, Checkpoint
+
+    reader = ArrayReader(np.arange(20), shuffle=True, seed=4, enable_checkpointing=True)
+    it = reader.next_epoch(batch_size=3)
+    next(it), next(it)
+    rng, philox = RNG(seed=42), RNG(seed=7, bit_generator="Philox")
+    rng.random(3)
+    ckpt = Checkpoint()
+    ckpt.register(reader, "reader")
+    ckpt.register(rng, "rng")
+    ckpt.register(philox)
+    ckpt.register(StateCorner(), "corner")
+    ckpt.register(StateDicty(), "dicty")
+    ckpt.collect()
+    ckpt.save(out / "state-{seq:04d}.json")
+
+
+def _write_tf(out: Path) -> None:
+    from fastckpt.tf import CheckpointWriter, save, save_object, write_checkpoint
+
+    tensors = {
+        "dense/kernel": _arange(np.float32, (3, 2)) / 4,
+        "dense/bias": _arange(np.float64, (2,)),
+        "global_step": np.int64(1234),
+        "half": _arange(np.float16, (2, 2)),
+        "bf16": _arange(ml_dtypes.bfloat16, (3,)),
+        "flags": np.array([True, False]),
+        "ids": _arange(np.int8, (4,)),
+        "u16": _arange(np.uint16, (2,)),
+        "c64": np.array([1 + 1j], np.complex64),
+        "words": np.array([b"alpha", b"", "βeta".encode()], dtype=object),
+        "scalar_text": "a single string",
+        "empty": np.zeros((0, 3), np.float32),
+    }
+    write_checkpoint(out / "names" / "model", tensors)
+    write_checkpoint(out / "objects" / "ckpt-1", {"model/dense/kernel": tensors["dense/kernel"],
+                                                  "model/dense/bias": tensors["dense/bias"],
+                                                  "optimizer/iter": np.int64(3)}, object_graph=True)
+    write_checkpoint(out / "sharded" / "model", tensors, num_shards=2, data_alignment=64)
+    with CheckpointWriter(out / "writer" / "model", data_alignment=8) as w:
+        w.add("b", _arange(np.int32, (3,)))
+        w.add("a", "text", shard=0)
+    save(out / "saved", {"w": _arange(np.float32, (2,))}, object_graph=True)
+    save(out / "saved", {"w": _arange(np.float32, (2,), 3)}, object_graph=True, max_to_keep=1)
+
+    class Layer:
+        def __init__(self, scale):
+            self.kernel = _arange(np.float32, (2, 2)) * scale
+            self.bias = np.zeros(2, np.float32)
+
+    class Net:
+        def __init__(self):
+            self.layers = [Layer(1), Layer(2)]
+            self.step = np.int64(5)
+
+    save_object(Net(), out / "checkpointable", "net")
+
+
+CASES = {
+    "npz": _write_npz,
+    "safetensors": _write_safetensors,
+    "netcl-model": _write_netcl_model,
+    "netcl-params": _write_netcl_params,
+    "train": _write_train_dir,
+    "stateful": _write_stateful,
+    "tf": _write_tf,
+}
+DEVICE_CASES = {"netcl-model"}
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _normalized_manifest(raw: bytes, where: str) -> bytes:
+    parsed = json.loads(raw.decode("utf-8"))
+    relaid = json.dumps(parsed, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    assert relaid == raw, f"{where}: not laid out as json.dumps(indent=1, ensure_ascii=False)"
+    assert isinstance(parsed["created_utc"], str) and parsed["created_utc"].endswith("+00:00"), where
+    assert set(parsed["versions"]) >= {"python", "numpy", "fastckpt"}, where
+    assert set(parsed["hardware"]) == {"machine", "system", "processor", "cpu_count"}, where
+    for key in VOLATILE_MANIFEST_KEYS:
+        parsed[key] = f"<{key}>"
+    return json.dumps(parsed, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def _comparable(path: Path, where: str) -> bytes:
+    raw = path.read_bytes()
+    return _normalized_manifest(raw, where) if path.name == "manifest.json" else raw
+
+
+def _first_difference(a: bytes, b: bytes) -> str:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return (f"sizes {len(a)} (written) and {len(b)} (golden); first difference at byte {n}: "
+            f"written {a[max(0, n - 16):n + 16]!r}, golden {b[max(0, n - 16):n + 16]!r}")
+
+
+@pytest.fixture
+def device_queue():
+    from fastckpt.device import default
+
+    return default().queue
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_written_bytes_equal_the_golden_files(case, tmp_path, monkeypatch, request):
+    monkeypatch.setenv("FASTCKPT_GIT_COMMIT", "0" * 40)
+    out = tmp_path / case
+    out.mkdir()
+    if case in DEVICE_CASES:
+        CASES[case](out, request.getfixturevalue("device_queue"))
+    else:
+        CASES[case](out)
+    golden = GOLDEN / case
+    if REGENERATE:
+        shutil.rmtree(golden, ignore_errors=True)
+        shutil.copytree(out, golden)
+        for path in golden.rglob("manifest.json"):  # committed with the placeholders in place
+            path.write_bytes(_normalized_manifest(path.read_bytes(), str(path)))
+        pytest.skip(f"regenerated {golden}")
+    written = _files(out)
+    assert written == _files(golden), f"{case}: the set of files written changed"
+    for name in written:
+        where = f"{case}/{name}"
+        got = _comparable(out / name, where)
+        want = (golden / name).read_bytes()
+        assert got == want, f"{where}: {_first_difference(got, want)}"
+
+
+# -- the golden files read back to the inputs they were made from ------------------------------------
+# These keep the committed files readable by every later version, whatever its writers do.
+
+
+@pytest.mark.parametrize("name, expected", [("tensors.npz", npz_only_set), ("tensors-align64.npz", npz_only_set),
+                                            ("tensors.safetensors", tensor_set),
+                                            ("tensors-align8.safetensors", tensor_set)])
+def test_golden_tensor_files_read_back(name, expected):
+    import fastckpt
+
+    folder = "npz" if name.endswith(".npz") else "safetensors"
+    with fastckpt.open(GOLDEN / folder / name) as f:
+        want = expected()
+        assert sorted(f.keys()) == sorted(want)
+        for key, value in want.items():
+            got = f.host(key)
+            assert got.dtype == value.dtype.newbyteorder("=") or got.dtype == value.dtype, key
+            assert got.shape == value.shape and got.tobytes(order="A") == value.astype(got.dtype).tobytes(order="A"), key
+
+
+def test_golden_training_checkpoints_load():
+    from fastckpt.train import load_checkpoint
+
+    state = load_checkpoint(GOLDEN / "train" / "corners", verify=False)
+    w = state.model_weights
+    assert w["head"]["weight"] is w["embed"]["weight"]
+    assert w["counter"] == 2**70 and w["groups"][0]["ids"] == (1, 2, 3) and w["groups"][1]["lr"] == float("inf")
+    assert type(w["scalars"]["f32"]) is np.float32 and w["scalars"]["f32"] == np.float32(0.1)
+    assert w["by_id"][0] == "zero" and np.isnan(w["by_id"][1][1]) and np.signbit(w["by_id"][1][0])
+    assert w["bias"].dtype == ml_dtypes.bfloat16 and w["__private"] == 1
+    assert state.step == 2**40 and state.metrics == {"acc": 0.5, "ok": True}
+    tiny = load_checkpoint(GOLDEN / "train" / "tinylm", verify=False)
+    assert tiny.step == 3 and set(tiny.optim_state) >= {"state", "param_groups"} or tiny.optim_state is not None
+
+
+def test_golden_stateful_file_loads():
+    from fastckpt.stateful import RNG, ArrayReader, Checkpoint
+
+    ckpt = Checkpoint()
+    ckpt.load(GOLDEN / "stateful" / "state-{seq:04d}.json")
+    corner, dicty = StateCorner(), StateDicty()
+    corner.value = dicty.state = None
+    for op, name in ((ArrayReader(np.arange(20), shuffle=True, seed=4), "reader"), (RNG(), "rng"),
+                     (RNG(bit_generator="Philox"), None), (corner, "corner"), (dicty, "dicty")):
+        ckpt.register(op, name)
+    state = corner.value
+    assert state["bytes"] == b"\x00\xffab" and state["big"] == 2**100 and np.isnan(state["nan"])
+    assert state["arrays"][1].dtype == np.dtype(">i4") and state["arrays"][2].dtype == ml_dtypes.bfloat16
+    assert state["arrays"][1].tolist() == [1, 2, 3] and dicty.state == {"step": 12, "lr": 0.5}
+
+
+def test_golden_tf_checkpoints_read_back():
+    from fastckpt.tf import CheckpointReader
+
+    with CheckpointReader(GOLDEN / "tf" / "sharded" / "model") as r:
+        assert r.read_tensor("dense/kernel").tolist() == (_arange(np.float32, (3, 2)) / 4).tolist()
+        assert r.read_tensor("words").tolist() == [b"alpha", b"", "βeta".encode()]
+    with CheckpointReader(GOLDEN / "tf" / "objects" / "ckpt-1") as r:
+        assert r.object_graph() is not None
