@@ -13,7 +13,7 @@ COMPILER_DIRECTIVES = {
 }
 
 
-EXTENSIONS = ["_mapped", "_gather", "_safetensors", "tf._table", "_npz"]  # grows as parsers land
+EXTENSIONS = ["_mapped", "_gather", "_safetensors", "tf._table", "_npy", "_npz"]  # grows as parsers land
 
 
 def ext(name: str) -> Extension:

@@ -2,11 +2,11 @@
 
 ``read_npz_index(m)`` finds the ZIP end-of-central-directory record (zip64
 aware), walks the central directory, checks every member's local header and
-``.npy`` header, and returns one :class:`NpzTensorInfo` per member with the
-absolute offset of its payload. ``parse_npy_header(data)`` reads one ``.npy``
-header with a small literal parser of its own: nothing is ever evaluated or
-unpickled. ``MemberWriter`` builds each member's local and central records
-for ``fastckpt.npz.NpzWriter`` in C, sized exactly before they are filled.
+``.npy`` header (read by ``fastckpt._npy``, which evaluates and unpickles
+nothing), and returns one :class:`NpzTensorInfo` per member with the absolute
+offset of its payload. ``MemberWriter`` builds each member's local and central
+records for ``fastckpt.npz.NpzWriter`` in C, sized exactly before they are
+filled.
 
 Every byte comes through ``MappedFile.span()``/``read()``, which are
 bounds-checked; every field read below is preceded by a length check of the
@@ -25,7 +25,6 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object text)
 
 import dataclasses
-import re
 import sys
 import warnings
 import zlib
@@ -35,24 +34,16 @@ import numpy as np
 from fastckpt._gather cimport GatherWriter
 from fastckpt._info import TensorInfo, from_checked_fields
 from fastckpt._mapped cimport MappedFile
+from fastckpt._npy cimport npy_total_length, parse_npy
+from fastckpt._npy import MAX_HEADER_SIZE
 from fastckpt.errors import FormatError, NotZeroCopyWarning
 
 cnp.import_array()
 
-__all__ = ["read_npz_index", "parse_npy_header", "npy_header_length", "NpzTensorInfo", "MAX_HEADER_SIZE",
-           "NPY_MAGIC", "member_name_problem"]
+__all__ = ["read_npz_index", "NpzTensorInfo", "member_name_problem"]
 
-# numpy's cap (numpy.lib.format._MAX_HEADER_SIZE): longer headers are refused unless the caller
-# raises it with ``max_header_size=``; the literal parser below is linear, the cap bounds its work.
-MAX_HEADER_SIZE = 10000
-NPY_MAGIC = b"\x93NUMPY"
-# numpy's NPY_MAXDIMS (numpy >= 2.0).
-MAX_NDIM = 64
-# Nesting of tuples/lists/dicts in a header: a structured descr nests a few levels at most.
-MAX_LITERAL_DEPTH = 16
-# An int literal longer than this cannot be a dimension of an array that fits in a file.
-MAX_INT_DIGITS = 20
-MAX_INTP = 2**63 - 1
+# The first read of a stored member: it covers most .npy headers (numpy pads them to a multiple
+# of 64 bytes, usually 128); a longer one takes a second read.
 USUAL_HEADER_NBYTES = 256
 
 cdef uint32_t SIG_LOCAL = 0x04034B50
@@ -109,355 +100,6 @@ cdef inline uint64_t _u64(const uint8_t* p) noexcept nogil:
 
 def _sig(uint32_t value):
     return "PK" + "".join(f"\\x{b:02x}" for b in value.to_bytes(4, "little")[2:])
-
-
-# -- .npy header ---------------------------------------------------------------------------------
-
-
-def _prefix(where):
-    return f"{where}: " if where else ""
-
-
-def npy_header_length(prefix, where="", max_header_size=MAX_HEADER_SIZE):
-    """Total length in bytes (magic included) of the ``.npy`` header that ``prefix`` starts.
-
-    ``prefix`` needs the first 10 bytes (format 1.0) or 12 (2.0, 3.0). Checks the
-    magic, the version and the size cap.
-
-    >>> npy_header_length(b"\\x93NUMPY\\x01\\x00\\x76\\x00")
-    128
-    """
-    data = bytes(prefix)
-    if len(data) < 8:
-        raise FormatError(f"{_prefix(where)}expected an 8-byte npy magic and version at the start of the member, "
-                          f"got {len(data)} bytes {data!r}")
-    if data[:6] != NPY_MAGIC:
-        raise FormatError(f"{_prefix(where)}bad npy magic: expected {NPY_MAGIC!r}, got {data[:6]!r}")
-    version = (data[6], data[7])
-    if version == (1, 0):
-        fixed = 10
-    elif version in ((2, 0), (3, 0)):
-        fixed = 12
-    else:
-        raise FormatError(f"{_prefix(where)}unsupported npy format version {version[0]}.{version[1]} "
-                          "(expected 1.0, 2.0 or 3.0)")
-    if len(data) < fixed:
-        raise FormatError(f"{_prefix(where)}npy {version[0]}.{version[1]} header needs {fixed} bytes before its text, "
-                          f"got {len(data)}")
-    hlen = int.from_bytes(data[8:fixed], "little")
-    # A UTF-8 header (3.0) may take up to 4 bytes per character; the character cap is checked after decoding.
-    limit = max_header_size * (4 if version == (3, 0) else 1)
-    if hlen > limit:
-        raise _header_too_long(where, hlen, max_header_size)
-    return fixed + hlen
-
-
-def _header_too_long(where, hlen, max_header_size):
-    return FormatError(
-        f"{_prefix(where)}npy header is {hlen} bytes, over the {max_header_size}-byte cap (numpy's "
-        "_MAX_HEADER_SIZE): refused as unsafe to parse; if you trust this file pass a larger "
-        "max_header_size= to fastckpt.open / read_npz_index / parse_npy_header")
-
-
-def parse_npy_header(data, where="", max_header_size=MAX_HEADER_SIZE):
-    """Parse the ``.npy`` header at the start of ``data``; return ``(dtype, shape, fortran_order, header_nbytes)``.
-
-    Formats 1.0, 2.0 and 3.0 (UTF-8). The header text must be exactly the dict
-    numpy writes (keys ``descr``, ``fortran_order``, ``shape``), read by a small
-    literal parser: nothing is evaluated. Dtypes holding Python objects are
-    refused (they would need pickle). ``where`` prefixes error messages.
-
-    >>> import io, numpy as np
-    >>> buf = io.BytesIO(); np.save(buf, np.zeros((2, 3), ">f4"))
-    >>> parse_npy_header(buf.getvalue())
-    (dtype('>f4'), (2, 3), False, 128)
-    """
-    data = bytes(data)
-    return _parse_npy(data, npy_header_length(data[:12], where, max_header_size), where, max_header_size)
-
-
-def _parse_npy(bytes data, total, where, max_header_size):
-    """parse_npy_header once the header's total length is known (and checked against the cap)."""
-    if len(data) < total:
-        raise FormatError(f"{_prefix(where)}expected a {total}-byte npy header, got {len(data)} bytes "
-                          "(member seems truncated?)")
-    fixed = 10 if data[6] == 1 else 12
-    encoding = "utf-8" if data[6] == 3 else "latin-1"
-    try:
-        text = data[fixed:total].decode(encoding)
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{_prefix(where)}npy {data[6]}.0 header is not valid {encoding} at byte "
-                          f"{fixed + e.start}") from None
-    if len(text) > max_header_size:
-        raise _header_too_long(where, len(text), max_header_size)
-    canonical = _CANONICAL_HEADER.fullmatch(text)
-    if canonical is not None:
-        # The exact text numpy writes for a plain dtype; the pattern itself guarantees the value types.
-        dims = canonical.group(3).rstrip(",")
-        descr = canonical.group(1)
-        fortran_order = canonical.group(2) == "True"
-        shape = tuple([int(d) for d in dims.split(", ")]) if dims else ()
-    else:
-        descr, fortran_order, shape = _checked_header_values(_LiteralParser(text, where).parse_header(), where)
-    dtype = _descr_to_dtype(descr, where)
-    # numpy's own limit (PyArray_NewFromDescr): nonzero dimensions times the item size must fit in intp,
-    # even for an empty array.
-    nbytes = max(dtype.itemsize, 1)
-    for d in shape:
-        nbytes *= d or 1
-    if nbytes > MAX_INTP:
-        raise FormatError(f"{_prefix(where)}npy shape {shape} of {dtype} spans {nbytes} bytes, more than numpy's "
-                          f"limit of {MAX_INTP}")
-    return dtype, shape, fortran_order, total
-
-
-def _checked_header_values(dict header, where):
-    if set(header) != {"descr", "fortran_order", "shape"}:
-        raise FormatError(f"{_prefix(where)}npy header keys must be exactly 'descr', 'fortran_order' and 'shape', "
-                          f"got {sorted(header)!r}")
-    shape = header["shape"]
-    if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
-        raise FormatError(f"{_prefix(where)}npy header 'shape' must be a tuple of non-negative ints, got {shape!r}")
-    if len(shape) > MAX_NDIM:
-        raise FormatError(f"{_prefix(where)}npy header 'shape' has {len(shape)} dimensions, more than numpy's "
-                          f"{MAX_NDIM}")
-    fortran_order = header["fortran_order"]
-    if type(fortran_order) is not bool:
-        raise FormatError(f"{_prefix(where)}npy header 'fortran_order' must be True or False, got {fortran_order!r}")
-    return header["descr"], fortran_order, shape
-
-
-def _descr_to_dtype(descr, where, int depth=0):
-    """numpy.lib.format.descr_to_dtype over a validated literal, with every failure a FormatError."""
-    if depth > MAX_LITERAL_DEPTH:
-        raise FormatError(f"{_prefix(where)}npy 'descr' nests deeper than {MAX_LITERAL_DEPTH} levels")
-    if type(descr) is str:
-        try:
-            dtype = np.dtype(descr)
-        except Exception as e:  # numpy raises TypeError, ValueError or others for junk strings
-            raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} is not a numpy dtype ({e})") from None
-    elif type(descr) is list:
-        names, formats, titles, offsets = [], [], [], []
-        offset = 0
-        for field in descr:
-            if type(field) is not tuple or len(field) not in (2, 3):
-                raise FormatError(f"{_prefix(where)}npy 'descr' field must be (name, format) or "
-                                  f"(name, format, shape), got {field!r}")
-            name, fmt = field[0], field[1]
-            title = None
-            if type(name) is tuple and len(name) == 2 and all(type(x) is str for x in name):
-                title, name = name
-            elif type(name) is not str:
-                raise FormatError(f"{_prefix(where)}npy 'descr' field name must be a str or a (title, name) "
-                                  f"pair, got {name!r}")
-            dt = _descr_to_dtype(fmt, where, depth + 1)
-            if len(field) == 3:
-                sub = field[2]
-                if type(sub) is int:
-                    sub = (sub,)
-                if type(sub) is not tuple or not all(type(d) is int and d >= 0 for d in sub) or len(sub) > MAX_NDIM:
-                    raise FormatError(f"{_prefix(where)}npy 'descr' field {name!r} has a bad subarray shape {field[2]!r}")
-                try:
-                    dt = np.dtype((dt, sub))
-                except Exception as e:
-                    raise FormatError(f"{_prefix(where)}npy 'descr' field {name!r}: {e}") from None
-            if name == "" and dt.type is np.void and dt.names is None:
-                pass  # padding bytes, as numpy writes them for offset/aligned fields
-            else:
-                names.append(name)
-                formats.append(dt)
-                titles.append(title)
-                offsets.append(offset)
-            offset += dt.itemsize
-        try:
-            dtype = np.dtype({"names": names, "formats": formats, "titles": titles, "offsets": offsets,
-                              "itemsize": offset})
-        except Exception as e:
-            raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} is not a valid structured dtype ({e})") from None
-    else:
-        raise FormatError(f"{_prefix(where)}npy 'descr' must be a dtype string or a list of fields, got {descr!r}")
-    if dtype.hasobject:
-        raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} holds Python objects; reading it would need pickle, "
-                          "which fastckpt never does (re-save the array with a numeric or string dtype)")
-    return dtype
-
-
-# What numpy writes for every non-structured dtype, e.g.
-# "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }" + spaces + "\n". Linear to match.
-_CANONICAL_HEADER = re.compile(
-    r"\{'descr': '([<>|=]?[A-Za-z][A-Za-z0-9\[\]]{0,24})', 'fortran_order': (False|True), "
-    r"'shape': \((|[0-9]{1,20},|[0-9]{1,20}(?:, [0-9]{1,20}){1,63})\), \} *\n?")
-_WHITESPACE = " \t\r\n\f\v"
-_SIMPLE_ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "r": "\r", "t": "\t", "0": "\0",
-                   "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
-_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
-
-
-class _LiteralParser:
-    """Reads the Python literal numpy writes as a ``.npy`` header: a dict of str keys whose values are
-    strings, ints, True/False, tuples and lists (nested to ``MAX_LITERAL_DEPTH``). Linear time."""
-
-    def __init__(self, str text, where):
-        self.text = text
-        self.pos = 0
-        self.where = where
-
-    def fail(self, what):
-        near = self.text[max(0, self.pos - 20): self.pos + 20]
-        return FormatError(f"{_prefix(self.where)}cannot parse npy header at character {self.pos}: {what} "
-                           f"(near {near!r})")
-
-    def skip_ws(self):
-        cdef str text = self.text
-        cdef Py_ssize_t n = len(text)
-        cdef Py_ssize_t i = self.pos
-        while i < n and text[i] in _WHITESPACE:
-            i += 1
-        self.pos = i
-
-    def peek(self):
-        self.skip_ws()
-        return self.text[self.pos] if self.pos < len(self.text) else ""
-
-    def expect(self, ch):
-        if self.peek() != ch:
-            raise self.fail(f"expected {ch!r}")
-        self.pos += 1
-
-    def parse_header(self):
-        value = self.value(0)
-        if type(value) is not dict:
-            raise FormatError(f"{_prefix(self.where)}npy header is not a dict: {self.text[:80]!r}")
-        if self.peek() != "":
-            raise self.fail("unexpected text after the header dict")
-        return value
-
-    def value(self, int depth):
-        if depth > MAX_LITERAL_DEPTH:
-            raise self.fail(f"nested deeper than {MAX_LITERAL_DEPTH} levels")
-        ch = self.peek()
-        if ch == "":
-            raise self.fail("unexpected end of the header")
-        if ch == "{":
-            return self.mapping(depth)
-        if ch in "([":
-            return self.sequence(depth, ch)
-        if ch in "'\"":
-            return self.string()
-        if ch.isdigit() or ch == "-":
-            return self.integer()
-        for word, val in (("True", True), ("False", False), ("None", None)):
-            if self.text.startswith(word, self.pos):
-                end = self.pos + len(word)
-                if end < len(self.text) and (self.text[end].isalnum() or self.text[end] == "_"):
-                    break
-                self.pos = end
-                return val
-        raise self.fail("expected a string, int, True/False, tuple, list or dict")
-
-    def mapping(self, int depth):
-        self.expect("{")
-        out = {}
-        while self.peek() != "}":
-            key = self.value(depth + 1)
-            if type(key) is not str:
-                raise self.fail(f"dict key must be a string, got {key!r}")
-            if key in out:
-                raise self.fail(f"duplicate key {key!r}")
-            self.expect(":")
-            out[key] = self.value(depth + 1)
-            if self.peek() == ",":
-                self.pos += 1
-            elif self.peek() != "}":
-                raise self.fail("expected ',' or '}'")
-        self.pos += 1
-        return out
-
-    def sequence(self, int depth, str opener):
-        closer = ")" if opener == "(" else "]"
-        self.expect(opener)
-        items = []
-        trailing_comma = False
-        while self.peek() != closer:
-            items.append(self.value(depth + 1))
-            trailing_comma = False
-            if self.peek() == ",":
-                self.pos += 1
-                trailing_comma = True
-            elif self.peek() != closer:
-                raise self.fail(f"expected ',' or {closer!r}")
-        self.pos += 1
-        if opener == "[":
-            return items
-        if len(items) == 1 and not trailing_comma:
-            return items[0]  # "(x)" is x, as in Python
-        return tuple(items)
-
-    def integer(self):
-        cdef str text = self.text
-        cdef Py_ssize_t start = self.pos
-        cdef Py_ssize_t i = start
-        cdef Py_ssize_t n = len(text)
-        if i < n and text[i] == "-":
-            i += 1
-        while i < n and "0" <= text[i] <= "9":
-            i += 1
-        digits = text[start:i]
-        if digits in ("", "-"):
-            raise self.fail("expected digits")
-        if len(digits) > MAX_INT_DIGITS:
-            raise self.fail(f"integer literal longer than {MAX_INT_DIGITS} digits")
-        if i < n and text[i] in "lL":
-            i += 1  # Python 2's long suffix, still found in old .npy headers
-        self.pos = i
-        return int(digits)
-
-    def string(self):
-        cdef str text = self.text
-        cdef Py_ssize_t n = len(text)
-        cdef Py_ssize_t i = self.pos
-        quote = text[i]
-        i += 1
-        parts = []
-        while True:
-            if i >= n:
-                self.pos = i
-                raise self.fail("unterminated string")
-            ch = text[i]
-            if ch == quote:
-                i += 1
-                break
-            if ch == "\n":
-                self.pos = i
-                raise self.fail("newline inside a string")
-            if ch == "\\":
-                if i + 1 >= n:
-                    self.pos = i
-                    raise self.fail("unterminated escape")
-                esc = text[i + 1:i + 2]
-                if esc in _SIMPLE_ESCAPES:
-                    parts.append(_SIMPLE_ESCAPES[esc])
-                    i += 2
-                elif esc in _HEX_ESCAPES:
-                    width = _HEX_ESCAPES[esc]
-                    digits = text[i + 2: i + 2 + width]
-                    if len(digits) != width or any(c not in "0123456789abcdefABCDEF" for c in digits):
-                        self.pos = i
-                        raise self.fail(f"bad \\{esc} escape")
-                    code = int(digits, 16)
-                    if code > 0x10FFFF:
-                        self.pos = i
-                        raise self.fail(f"\\{esc} escape out of range")
-                    parts.append(chr(code))
-                    i += 2 + width
-                else:
-                    self.pos = i
-                    raise self.fail(f"unsupported escape \\{esc}")
-            else:
-                parts.append(ch)
-                i += 1
-        self.pos = i
-        return "".join(parts)
 
 
 # -- ZIP -----------------------------------------------------------------------------------------
@@ -720,19 +362,19 @@ def _member_header(MappedFile m, name, method, Py_ssize_t data_start, csize, usi
     """
     if method == METHOD_STORED:
         head = m.read(data_start, min(csize, USUAL_HEADER_NBYTES), what)  # one read covers numpy's usual header
-        total = npy_header_length(head[:12], what, max_header_size)
+        total = npy_total_length(head[:12], what, max_header_size)
         if total > csize:
             raise FormatError(f"{what}: npy header needs {total} bytes but the member holds {csize}")
         header = head[:total] if total <= len(head) else m.read(data_start, total, what)
         result = parsed.get(header)
         if result is None:
-            result = parsed[header] = _parse_npy(header, total, what, max_header_size)
+            result = parsed[header] = parse_npy(header, total, what, max_header_size)
         return result
     inflater = _Inflater(m, data_start, csize, what)
-    total = npy_header_length(inflater.prefix(12), what, max_header_size)
+    total = npy_total_length(inflater.prefix(12), what, max_header_size)
     if total > usize:
         raise FormatError(f"{what}: npy header needs {total} bytes but the member inflates to {usize}")
-    return _parse_npy(inflater.prefix(total), total, what, max_header_size)
+    return parse_npy(inflater.prefix(total), total, what, max_header_size)
 
 
 def _user_stacklevel():

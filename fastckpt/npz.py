@@ -170,16 +170,8 @@ from fastckpt._atomic import atomic_write
 from fastckpt._gather import GatherWriter
 from fastckpt._info import TensorInfo
 from fastckpt._mapped import MappedFile
-from fastckpt._npz import (
-    MAX_HEADER_SIZE,
-    MemberWriter,
-    NpzTensorInfo,
-    _descr_to_dtype,
-    _Inflater,
-    npy_header_length,
-    parse_npy_header,
-    read_npz_index,
-)
+from fastckpt._npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_length, parse_npy_header
+from fastckpt._npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
 from fastckpt.errors import FormatError, IntegrityError
 
 __all__ = [
