@@ -32,6 +32,11 @@ Paths a tensor can take (``LoadedTensors.report.paths``):
   says which.
 - ``"empty"``: a tensor with no bytes (a view of length 0).
 
+Each path is one function (``_load_zero_copy``, ``_load_arenas``,
+``_load_buffers``, ``_load_decoded``, ``_load_empty``) that ``load_file`` calls
+in that order. Files written by ``np.savez`` can leave arena views starting
+mid-element; :func:`realign` moves those into one more pooled arena.
+
 SAFETY (keep-alive): a non-blocking copy reads the mapping after
 ``enqueue_copy`` returns, so the memoryview it reads is kept by pyopencl's
 ``NannyEvent`` and by every tensor filled by that copy until it is waited on;
@@ -63,7 +68,8 @@ import numpy as np
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.tensor import Tensor, contiguous
 
-__all__ = ["load_file", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP", "COPY_CHUNK"]
+__all__ = ["load_file", "realign", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP",
+           "COPY_CHUNK"]
 
 # Regions are copied in commands of at most this many bytes (into one arena). On pocl a single huge
 # copy runs about 3x slower than the same bytes in 8-16 MiB commands (measured: 512 MiB in 210 ms as
@@ -369,18 +375,8 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     >>> load_file(p)["w"].to_host()                                    # doctest: +SKIP
     array([0., 1., 2., 3., 4., 5.], dtype=float32)
     """
-    import pyopencl as cl
-
     t_start = time.perf_counter()
-    if queue is None:
-        queue = pool.queue if pool is not None and pool.queue is not None else None
-    if queue is None:
-        from fastckpt.device import default
-
-        queue = default().queue
-    if pool is not None and pool.context is not None and queue.context != pool.context:
-        raise ValueError("the queue and the pool belong to different OpenCL contexts; make the pool with "
-                         "PersistentBufferPool(queue.context, queue)")
+    queue = _queue_for(queue, pool)
     if isinstance(names, str):
         raise TypeError("names must be a list of tensor names, not a single string")
     if names is not None:
@@ -391,159 +387,32 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         plan = _plan_for(tf, names)
         report = LoadReport(path=tf.path, format=tf.format, mode="pool" if pool is not None else "per-tensor",
                             tensors=len(plan.selected), file_reused=file_reused)
-        device = queue.device
-        limit = int(device.max_mem_alloc_size)
-        if pool is not None and pool.max_alloc_size is not None:
-            limit = min(limit, pool.max_alloc_size)
-        mapped = tf.mapped
-        direct, decoded, empty = plan.direct, plan.decoded, plan.empty
-        tensors: dict = {}
-        paths: dict = {}
-        leases: list = []
-        events: list = []
-        lazy_regions: list = []
-        index = None
-        first_buffer = None
-        t_plan = t_alloc = time.perf_counter()
-
-        def note(message: str) -> None:
-            report.warnings.append(message)
-            warnings.warn(NotZeroCopyWarning(message), stacklevel=3)
-
+        limit = _allocation_limit(queue.device, pool)
+        load = _Load(queue, pool, tf, blocking, report)
+        t_plan = load.t_alloc = time.perf_counter()
         try:
-            if zero_copy and direct:
-                reason = _zero_copy_obstacle(device, mapped)
-                if reason is None:
-                    base_align = _base_align(device)
-                    address = mapped.address
-                    starts = [-1]
-                    if limit is None or base_align < limit:
-                        # Room for rounding each buffer start down to the alignment.
-                        regions = plan_regions(direct, limit - base_align + 1 if limit else None)
-                        starts = [s - ((address + s) % base_align) for s, _, _ in regions]
-                    if min(starts) < 0:
-                        reason = (f"the device needs buffers aligned to {base_align} bytes "
-                                  "(mem_base_addr_align) and the mapping cannot provide that")
-                if reason is None:
-                    report.mode = "zero-copy"
-                    flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
-                    for (start, end, group), astart in zip(regions, starts):
-                        # SAFETY: the buffer keeps the memoryview (and so the private mapping) alive.
-                        buffer = cl.Buffer(queue.context, flags, hostbuf=mapped.view(astart, end - astart))
-                        first_buffer = first_buffer or buffer
-                        for info in group:
-                            tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, info.offset - astart,
-                                                              queue, None)
-                            paths[info.name] = "zero-copy"
-                    report.regions = len(regions)
-                    direct = []
-                else:
-                    note(f"{tf.path}: zero_copy=True but {reason}; the tensors are copied instead")
-
+            direct = plan.direct
+            if zero_copy and direct and _load_zero_copy(load, direct, limit):
+                direct = []
             if direct and pool is not None:
-                regions, index, arena_paths = plan.arena(limit)
-                report.regions = len(regions)
-                for start, end, group in regions:
-                    lease = pool.arena(end - start)
-                    leases.append(lease)
-                    if lease.hit:
-                        report.pool_hits += 1
-                    else:
-                        report.pool_misses += 1
-                        report.bytes_allocated += lease.size
-                t_alloc = time.perf_counter()
-                for (start, end, group), lease in zip(regions, leases):
-                    source_view = mapped.view(start, end - start, "tensor data region")
-                    chunk_events = []
-                    for lo in range(0, end - start, COPY_CHUNK):
-                        hi = min(lo + COPY_CHUNK, end - start)
-                        chunk_events.append(cl.enqueue_copy(queue, lease.buffer, source_view[lo:hi], dst_offset=lo,
-                                                            is_blocking=False))
-                    events.extend(chunk_events)
-                    report.copies += len(chunk_events)
-                    report.bytes_copied += end - start
-                    event = chunk_events[0]
-                    if len(chunk_events) > 1 and not blocking:
-                        # One event for the whole region, also on out-of-order queues.
-                        event = cl.enqueue_marker(queue, wait_for=chunk_events)
-                    first_buffer = first_buffer or lease.buffer
-                    # Views are made on access (LoadedTensors.__getitem__); a pending copy travels with them.
-                    lazy_regions.append([lease.buffer, start, lease, None if blocking else event,
-                                         None if blocking else source_view])
-                if arena_paths is not None:
-                    paths = arena_paths
-                else:
-                    paths.update(dict.fromkeys((i.name for i in direct), "arena"))
+                _load_arenas(load, plan, limit)
             elif direct:
-                ctx = queue.context
-                rw = cl.mem_flags.READ_WRITE
-                for info in direct:
-                    buffer = cl.Buffer(ctx, rw, info.nbytes)
-                    report.bytes_allocated += info.nbytes
-                    source_view = mapped.view(info.offset, info.nbytes, f"tensor {info.name!r}")
-                    event = cl.enqueue_copy(queue, buffer, source_view, is_blocking=False)
-                    events.append(event)
-                    report.copies += 1
-                    report.bytes_copied += info.nbytes
-                    first_buffer = first_buffer or buffer
-                    t = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
-                    if not blocking:
-                        t._event, t._keepalive = event, source_view
-                    tensors[info.name] = t
-                    paths[info.name] = "buffer"
-                t_alloc = time.perf_counter()
-
-            if decoded:
-                kinds = sorted({"compressed (" + i.compression + ")" if i.compression else "Fortran-ordered"
-                                for i in decoded})
-                shown = ", ".join(repr(i.name) for i in decoded[:5]) + (", ..." if len(decoded) > 5 else "")
-                note(f"{tf.path}: {len(decoded)} tensor(s) are {' and '.join(kinds)} and were decoded on the host "
-                     f"and copied one by one ({shown}); save with fastckpt.save_npz or save_safetensors "
-                     "(stored, C order) for the one-copy path")
-                for info in decoded:
-                    host = contiguous(tf.host(info.name))
-                    nbytes = host.nbytes
-                    if pool is not None:
-                        lease = pool.allocate(nbytes)
-                        leases.append(lease)
-                        report.pool_hits += lease.hit
-                        report.pool_misses += not lease.hit
-                        report.bytes_allocated += 0 if lease.hit else lease.size
-                        buffer, owner = lease.buffer, lease
-                    else:
-                        buffer, owner = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, max(nbytes, 1)), None
-                        report.bytes_allocated += max(nbytes, 1)
-                    t = Tensor(buffer, host.shape, host.dtype, queue=queue, owner=owner)
-                    if nbytes:
-                        event = cl.enqueue_copy(queue, buffer, host.reshape(-1).view(np.uint8), is_blocking=False)
-                        events.append(event)
-                        report.copies += 1
-                        report.bytes_copied += nbytes
-                        if not blocking:
-                            t._event, t._keepalive = event, host
-                    first_buffer = first_buffer or buffer
-                    tensors[info.name] = t
-                    paths[info.name] = "decoded"
-
-            if empty:
-                if first_buffer is None:
-                    first_buffer = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, 1)
-                owner = leases[0] if leases else None
-                for info in empty:
-                    tensors[info.name] = Tensor._make(first_buffer, info.shape, info.dtype, 0, queue, owner)
-                    paths[info.name] = "empty"
-
-            if blocking and events:
-                _wait_all(events)
-                events = []
+                _load_buffers(load, direct)
+            if plan.decoded:
+                _load_decoded(load, plan.decoded)
+            if plan.empty:
+                _load_empty(load, plan.empty)
+            if blocking and load.events:
+                _wait_all(load.events)
+                load.events = []
         except BaseException:
             # Never leave a copy reading memory we are about to drop, nor a lease marked in use.
-            if events:
+            if load.events:
                 try:
-                    _wait_all(events)
+                    _wait_all(load.events)
                 except Exception:  # the original error is the one to report
                     pass
-            for lease in leases:
+            for lease in load.leases:
                 lease.release()
             raise
         t_end = time.perf_counter()
@@ -551,16 +420,269 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         if opened:
             tf.close()  # views already taken keep the mapping alive
 
-    report.paths = paths
+    report.paths = load.paths
     report.timings = {
         "open": t_open - t_start,
         "plan": t_plan - t_open,
-        "allocate": t_alloc - t_plan,
-        "copy": t_end - t_alloc,
+        "allocate": load.t_alloc - t_plan,
+        "copy": t_end - load.t_alloc,
         "total": t_end - t_start,
     }
-    return LoadedTensors(tensors, report, leases, events, plan.names, index if lazy_regions else None,
-                         lazy_regions, queue)
+    return LoadedTensors(load.tensors, report, load.leases, load.events, plan.names,
+                         load.index if load.regions else None, load.regions, queue)
+
+
+class _Load:
+    """One :func:`load_file` call in progress: where its tensors go, and what each strategy has added so far.
+
+    Every lease and every queued copy is recorded here as soon as it exists, so that the one error path
+    in :func:`load_file` can wait for the copies and return the leases, wherever the load stopped.
+    """
+
+    __slots__ = ("queue", "pool", "tf", "mapped", "blocking", "report", "tensors", "paths", "leases", "events",
+                 "regions", "index", "first_buffer", "t_alloc")
+
+    def __init__(self, queue, pool, tf, blocking: bool, report: LoadReport):
+        self.queue = queue
+        self.pool = pool
+        self.tf = tf
+        self.mapped = tf.mapped
+        self.blocking = blocking
+        self.report = report
+        self.tensors: dict = {}  # name -> Tensor made now (arena views are made on access instead)
+        self.paths: Mapping = {}
+        self.leases: list = []
+        self.events: list = []  # copies not waited for yet
+        self.regions: list = []  # arena regions for LoadedTensors: [buffer, start, lease, event, source view]
+        self.index: dict | None = None  # name -> (region number, TensorInfo) of the arena regions
+        self.first_buffer = None  # what empty tensors point into
+        self.t_alloc = 0.0  # when allocating ended and copying began (for report.timings)
+
+    def note(self, message: str) -> None:
+        """Record and warn that tensors took a slower path than asked for; called by a strategy function."""
+        self.report.warnings.append(message)
+        # 4: past note, the strategy function and load_file, to load_file's caller.
+        warnings.warn(NotZeroCopyWarning(message), stacklevel=4)
+
+
+def _queue_for(queue, pool):
+    """The queue to load with: ``queue``, else the pool's, else the default device's; checked against the pool."""
+    if queue is None:
+        queue = pool.queue if pool is not None and pool.queue is not None else None
+    if queue is None:
+        from fastckpt.device import default
+
+        queue = default().queue
+    if pool is not None and pool.context is not None and queue.context != pool.context:
+        raise ValueError("the queue and the pool belong to different OpenCL contexts; make the pool with "
+                         "PersistentBufferPool(queue.context, queue)")
+    return queue
+
+
+def _allocation_limit(device, pool) -> int:
+    """The most bytes one buffer may hold: the device's ``max_mem_alloc_size``, lowered by the pool's bound."""
+    limit = int(device.max_mem_alloc_size)
+    if pool is not None and pool.max_alloc_size is not None:
+        limit = min(limit, pool.max_alloc_size)
+    return limit
+
+
+def _lease(request, nbytes: int, report: LoadReport | None):
+    """A lease from ``request`` (a pool's ``arena`` or ``allocate``), counted in ``report`` as a pool hit or miss."""
+    lease = request(nbytes)
+    if report is not None:
+        if lease.hit:
+            report.pool_hits += 1
+        else:
+            report.pool_misses += 1
+            report.bytes_allocated += lease.size
+    return lease
+
+
+def _load_zero_copy(load: _Load, direct: list, limit: int) -> bool:
+    """``"zero-copy"``: ``USE_HOST_PTR`` buffers over the copy-on-write mapping, one per region; nothing is copied.
+
+    False (after a :class:`NotZeroCopyWarning`) when the device or the mapping does not allow it.
+    """
+    import pyopencl as cl
+
+    device, mapped = load.queue.device, load.mapped
+    reason = _zero_copy_obstacle(device, mapped)
+    if reason is None:
+        base_align = _base_align(device)
+        address = mapped.address
+        starts = [-1]
+        if limit is None or base_align < limit:
+            # Room for rounding each buffer start down to the alignment.
+            regions = plan_regions(direct, limit - base_align + 1 if limit else None)
+            starts = [s - ((address + s) % base_align) for s, _, _ in regions]
+        if min(starts) < 0:
+            reason = (f"the device needs buffers aligned to {base_align} bytes "
+                      "(mem_base_addr_align) and the mapping cannot provide that")
+    if reason is not None:
+        load.note(f"{load.tf.path}: zero_copy=True but {reason}; the tensors are copied instead")
+        return False
+    load.report.mode = "zero-copy"
+    queue, tensors, paths = load.queue, load.tensors, load.paths
+    flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
+    for (start, end, group), astart in zip(regions, starts):
+        # SAFETY: the buffer keeps the memoryview (and so the private mapping) alive.
+        buffer = cl.Buffer(queue.context, flags, hostbuf=mapped.view(astart, end - astart))
+        if load.first_buffer is None:
+            load.first_buffer = buffer
+        for info in group:
+            tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, info.offset - astart, queue, None)
+            paths[info.name] = "zero-copy"
+    load.report.regions = len(regions)
+    return True
+
+
+def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
+    """``"arena"``: one pooled arena per region, filled by one ``enqueue_copy`` per ``COPY_CHUNK`` of it.
+
+    The tensors are views made on access (:meth:`LoadedTensors.__getitem__`), so this costs the same for
+    10 tensors or 10,000.
+    """
+    import pyopencl as cl
+
+    regions, load.index, arena_paths = plan.arena(limit)
+    report, queue, mapped, blocking = load.report, load.queue, load.mapped, load.blocking
+    report.regions = len(regions)
+    arenas = []
+    for start, end, _group in regions:
+        lease = _lease(load.pool.arena, end - start, report)
+        load.leases.append(lease)
+        arenas.append(lease)
+    load.t_alloc = time.perf_counter()
+    for (start, end, _group), lease in zip(regions, arenas):
+        source_view = mapped.view(start, end - start, "tensor data region")
+        chunk_events = []
+        for lo in range(0, end - start, COPY_CHUNK):
+            hi = min(lo + COPY_CHUNK, end - start)
+            chunk_events.append(cl.enqueue_copy(queue, lease.buffer, source_view[lo:hi], dst_offset=lo,
+                                                is_blocking=False))
+        load.events.extend(chunk_events)
+        report.copies += len(chunk_events)
+        report.bytes_copied += end - start
+        event = chunk_events[0]
+        if len(chunk_events) > 1 and not blocking:
+            # One event for the whole region, also on out-of-order queues.
+            event = cl.enqueue_marker(queue, wait_for=chunk_events)
+        if load.first_buffer is None:
+            load.first_buffer = lease.buffer
+        # Views are made on access (LoadedTensors.__getitem__); a pending copy travels with them.
+        # SAFETY: while the copy may run, the region entry keeps source_view (and so the mapping) alive.
+        load.regions.append([lease.buffer, start, lease, None if blocking else event,
+                             None if blocking else source_view])
+    if arena_paths is not None:
+        load.paths = arena_paths
+    else:
+        load.paths.update(dict.fromkeys((i.name for i in plan.direct), "arena"))
+
+
+def _load_buffers(load: _Load, direct: list) -> None:
+    """``"buffer"`` (no pool): a buffer of exactly each tensor's size, filled by one copy each."""
+    import pyopencl as cl
+
+    report, queue, mapped, blocking = load.report, load.queue, load.mapped, load.blocking
+    tensors, paths, events = load.tensors, load.paths, load.events
+    ctx = queue.context
+    rw = cl.mem_flags.READ_WRITE
+    for info in direct:
+        buffer = cl.Buffer(ctx, rw, info.nbytes)
+        report.bytes_allocated += info.nbytes
+        source_view = mapped.view(info.offset, info.nbytes, f"tensor {info.name!r}")
+        event = cl.enqueue_copy(queue, buffer, source_view, is_blocking=False)
+        events.append(event)
+        report.copies += 1
+        report.bytes_copied += info.nbytes
+        if load.first_buffer is None:
+            load.first_buffer = buffer
+        t = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
+        if not blocking:
+            # SAFETY: the copy reads source_view after enqueue_copy returns; the tensor keeps it until waited on.
+            t._event, t._keepalive = event, source_view
+        tensors[info.name] = t
+        paths[info.name] = "buffer"
+    load.t_alloc = time.perf_counter()
+
+
+def _load_decoded(load: _Load, decoded: list) -> None:
+    """``"decoded"``: compressed or Fortran-ordered members, decoded on the host and copied one by one (with a warning)."""
+    import pyopencl as cl
+
+    tf, pool, report, queue, blocking = load.tf, load.pool, load.report, load.queue, load.blocking
+    kinds = sorted({"compressed (" + i.compression + ")" if i.compression else "Fortran-ordered" for i in decoded})
+    shown = ", ".join(repr(i.name) for i in decoded[:5]) + (", ..." if len(decoded) > 5 else "")
+    load.note(f"{tf.path}: {len(decoded)} tensor(s) are {' and '.join(kinds)} and were decoded on the host "
+              f"and copied one by one ({shown}); save with fastckpt.save_npz or save_safetensors "
+              "(stored, C order) for the one-copy path")
+    for info in decoded:
+        host = contiguous(tf.host(info.name))
+        nbytes = host.nbytes
+        if pool is not None:
+            lease = _lease(pool.allocate, nbytes, report)
+            load.leases.append(lease)
+            buffer, owner = lease.buffer, lease
+        else:
+            buffer, owner = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, max(nbytes, 1)), None
+            report.bytes_allocated += max(nbytes, 1)
+        t = Tensor(buffer, host.shape, host.dtype, queue=queue, owner=owner)
+        if nbytes:
+            event = cl.enqueue_copy(queue, buffer, host.reshape(-1).view(np.uint8), is_blocking=False)
+            load.events.append(event)
+            report.copies += 1
+            report.bytes_copied += nbytes
+            if not blocking:
+                # SAFETY: the copy reads the decoded host array after enqueue_copy returns; the tensor keeps it.
+                t._event, t._keepalive = event, host
+        if load.first_buffer is None:
+            load.first_buffer = buffer
+        load.tensors[info.name] = t
+        load.paths[info.name] = "decoded"
+
+
+def _load_empty(load: _Load, empty: list) -> None:
+    """``"empty"``: tensors with no bytes, length-0 views of a buffer this load already made (or a 1-byte one)."""
+    import pyopencl as cl
+
+    if load.first_buffer is None:
+        load.first_buffer = cl.Buffer(load.queue.context, cl.mem_flags.READ_WRITE, 1)
+    owner = load.leases[0] if load.leases else None
+    for info in empty:
+        load.tensors[info.name] = Tensor._make(load.first_buffer, info.shape, info.dtype, 0, load.queue, owner)
+        load.paths[info.name] = "empty"
+
+
+def realign(tensors: dict, queue, pool, report: LoadReport | None = None) -> list[str]:
+    """Move the tensors whose offset is not a multiple of their itemsize into one aligned pooled arena.
+
+    Files written by ``np.savez`` put payloads at arbitrary offsets (2 or 3 mod 4 are common), so
+    their arena views can start mid-element, and kernels, which index elements, cannot use them in
+    place. Those tensors are replaced in ``tensors`` by views into one more pooled arena (each at a
+    multiple of 256 bytes), filled by one device-side copy per tensor; the pool lease is counted in
+    ``report``. Returns their names (none for fastckpt's own files, whose payloads are aligned).
+    The copies that filled ``tensors`` must have finished (a blocking :func:`load_file`).
+    """
+    odd = [k for k, t in tensors.items() if t.nbytes and t.offset % t.dtype.itemsize]
+    if not odd:
+        return []
+    import pyopencl as cl
+
+    offsets, total = {}, 0
+    for k in odd:
+        offsets[k] = total
+        total += -(-tensors[k].nbytes // 256) * 256
+    lease = _lease(pool.arena, total, report)
+    for k in odd:
+        t = tensors[k]
+        cl.enqueue_copy(queue, lease.buffer, t.buffer, byte_count=t.nbytes, src_offset=t.offset,
+                        dst_offset=offsets[k])
+        tensors[k] = Tensor(lease.buffer, t.shape, t.dtype, offset=offsets[k], queue=queue, owner=lease)
+    # The copies read the old arena, which returns to the pool (and may be overwritten) once the
+    # replaced tensors are dropped: finish them before anyone can drop those.
+    queue.finish()
+    return odd
 
 
 def _base_align(device) -> int:

@@ -323,40 +323,6 @@ def _read_metadata(layout: str, weights, json_path: str | None) -> tuple[str, di
     return weights.path, _decode_meta(weights.path, weights.host(META_KEY))
 
 
-def _realign(queue, pool, state: dict, report: ModelLoadReport) -> None:
-    """Move tensors whose arena offset is not a multiple of their itemsize (np.savez files) to an aligned arena.
-
-    Kernels index elements, so a float32 at byte offset 190 cannot be used in place. One
-    device-side copy per such tensor into one more pooled arena; fastckpt's own files never need it.
-    """
-    import pyopencl as cl
-
-    from fastckpt.tensor import Tensor
-
-    odd = [k for k, t in state.items() if t.nbytes and t.offset % t.dtype.itemsize]
-    if not odd:
-        return
-    offsets, total = {}, 0
-    for k in odd:
-        offsets[k] = total
-        total += -(-state[k].nbytes // 256) * 256
-    lease = pool.arena(total)
-    file_report = report.file_report
-    if file_report is not None:
-        if lease.hit:
-            file_report.pool_hits += 1
-        else:
-            file_report.pool_misses += 1
-            file_report.bytes_allocated += lease.size
-    for k in odd:
-        t = state[k]
-        cl.enqueue_copy(queue, lease.buffer, t.buffer, byte_count=t.nbytes, src_offset=t.offset,
-                        dst_offset=offsets[k])
-        state[k] = Tensor(lease.buffer, t.shape, t.dtype, offset=offsets[k], queue=queue, owner=lease)
-    queue.finish()
-    report.realigned_keys = odd
-
-
 def _materialize_missing(queue, model, entries) -> None:
     """Give weights the file lacked their seeded initial values: rebuild those layers normally."""
     from fastckpt.nn import build_layer
@@ -427,7 +393,7 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
         report.unexpected_keys = list(plan.unexpected)
         wanted = [name for name in infos if name not in set(plan.unexpected)]
 
-        from fastckpt.load import load_file
+        from fastckpt.load import load_file, realign
 
         # With a pool: one copy into one arena. Without: one exact-size buffer per weight, the copies
         # queued back to back and waited for once.
@@ -435,7 +401,7 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
         report.file_report = loaded.report
         state = dict(loaded)
         if pool is not None:
-            _realign(queue, pool, state, report)
+            report.realigned_keys = realign(state, queue, pool, loaded.report)
         # The plan was validated against the index; the loaded tensors have exactly those shapes.
         for module, key, _spec, full_key in plan.writes:
             module._apply(key, state[full_key])
