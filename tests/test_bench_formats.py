@@ -1,12 +1,13 @@
-"""The format benchmark runs end to end and reports every path it promises."""
+"""The format benchmark (``fastckpt bench --suite formats``) runs end to end and reports every path it promises."""
 
 import re
 
-from fastckpt import bench_formats
+from fastckpt.bench import formats as bench_formats
+from fastckpt.cli import main
 
 
-def test_quick_run_reports_every_path(capsys):
-    assert bench_formats.main(["--quick", "--repeat", "1", "--case", "b"]) == 0
+def test_quick_run_reports_every_path(capsys, tmp_path):
+    assert main(["bench", "--suite", "formats", "--quick", "--repeat", "1", "--case", "b", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for label in ("fastckpt.open (safetensors) + host views", "fastckpt.open (npz) + host views",
                   "np.load(npz) + every member", "safetensors.safe_open(numpy) + get_tensor",

@@ -1,48 +1,67 @@
-"""Benchmark of training checkpoints: sync save against a raw write, async blocking time, verified loads.
+"""The ``train`` suite: sync save of a training checkpoint against a raw write, async blocking time, verified loads.
 
-``python -m fastckpt.train.bench [--mib 256] [--runs 5] [--dir DIR]`` builds a
-training state of about ``--mib`` MiB (a :class:`~fastckpt.train.TinyLM` and
-its Adam moments, so weights are a third of it) and, in one process, times
+``python -m fastckpt bench --suite train [--mib 256] [--runs 5] [--dir DIR]``
+builds a training state of about ``--mib`` MiB (a :class:`~fastckpt.train.TinyLM`
+and its Adam moments, so weights are a third of it) and, in one process, times
 the median of ``--runs`` runs of:
 
 * ``raw write+fsync``: the same array bytes written to one file and fsynced —
   the floor for a durable save;
 * ``save_checkpoint``: the full atomic, hashed, fsynced checkpoint directory;
+* ``load_checkpoint`` with and without hash verification (warm page cache);
 * ``async save, blocking``: how long ``CheckpointManager.save(blocking=False)``
   holds the trainer (the snapshot copy), first call and steady state (reused
-  staging buffers), and the time until the background save is durable;
-* ``load_checkpoint`` with and without hash verification (warm page cache).
+  staging buffers), and the time until the background save is durable.
+
+The raw write, the save and the two loads are timed round-robin
+(:func:`fastckpt.bench.timing.round_robin`); every raw write and every save
+makes a new file or directory, the previous run's being removed untimed. The
+async saves run one after another, as a trainer makes them: the first one
+meets fresh staging buffers, and both of its figures (blocked, durable) come
+from the same save.
 
 It prints a markdown table with the ratios the design aims at (sync save
 within 1.3x of the raw write; async blocking at most 15% of the sync save).
 Timings on a shared machine are noisy: quote them with the load they ran under.
 
->>> rows = run(mib=2, runs=1)
+>>> rows = measure(mib=2, runs=1)
 >>> sorted(rows)[:2]
 ['async_block_first_s', 'async_block_steady_s']
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
+import itertools
 import os
 import shutil
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from fastckpt.bench.timing import round_robin, summarize, table_lines
 from fastckpt.train.checkpoint import load_checkpoint, save_checkpoint
 from fastckpt.train.manager import CheckpointManager
 from fastckpt.train.model import TinyLM
 from fastckpt.train.optim import Adam
 
+__all__ = ["configure", "run", "measure", "build_state", "table"]
+
+RAW = "raw"
+SYNC = "sync"
+LOAD_VERIFY = "load_verify"
+LOAD_NO_VERIFY = "load_noverify"
+
 
 def build_state(mib: float) -> tuple[TinyLM, Adam]:
-    """A model + Adam whose arrays total about ``mib`` MiB (weights, m, v: a third each)."""
+    """A model + Adam whose arrays total about ``mib`` MiB (weights, m, v: a third each).
+
+    >>> model, opt = build_state(2)
+    >>> opt.t
+    1000
+    """
     floats = int(mib * 2**20 / 4 / 3)
     dim = 256 if mib < 64 else 640
     hidden = 4 * dim
@@ -68,38 +87,33 @@ def _raw_write(path: Path, arrays: list[np.ndarray]) -> None:
         os.fsync(f.fileno())
 
 
-def _median(samples: list[float]) -> float:
-    return statistics.median(samples)
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
-def run(mib: float = 256, runs: int = 5, directory: str | None = None) -> dict[str, float]:
+def measure(mib: float = 256, runs: int = 5, directory: str | None = None) -> dict[str, float]:
     """Time every case; returns seconds (medians) and sizes keyed by name."""
     model, opt = build_state(mib)
     arrays = _arrays(model, opt)
     nbytes = sum(a.nbytes for a in arrays)
     root = Path(tempfile.mkdtemp(prefix="fastckpt-train-bench-", dir=directory))
     try:
-        raw, sync, blocks, async_total, load_v, load_nv = [], [], [], [], [], []
-        for i in range(runs):
-            path = root / f"raw-{i}.bin"
-            t = time.perf_counter()
-            _raw_write(path, arrays)
-            raw.append(time.perf_counter() - t)
-            path.unlink()
+        steps = itertools.count()
+        raw_path, sync_dir, loaded_dir = root / "raw.bin", root / "sync", root / "loaded"
+        save_checkpoint(model, opt, None, None, None, loaded_dir, step=next(steps))  # what the loads read
+        paths = {
+            RAW: functools.partial(_raw_write, raw_path, arrays),
+            SYNC: lambda: save_checkpoint(model, opt, None, None, None, sync_dir, step=next(steps)),
+            LOAD_VERIFY: lambda: load_checkpoint(loaded_dir, verify=True),
+            LOAD_NO_VERIFY: lambda: load_checkpoint(loaded_dir, verify=False),
+        }
+        prepare = {RAW: functools.partial(_remove, raw_path), SYNC: functools.partial(_remove, sync_dir)}
+        timings = round_robin(paths, runs, prepare=prepare)
 
-            out = root / f"sync-{i}"
-            t = time.perf_counter()
-            save_checkpoint(model, opt, None, None, None, out, step=i)
-            sync.append(time.perf_counter() - t)
-
-            t = time.perf_counter()
-            load_checkpoint(out, verify=True)
-            load_v.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            load_checkpoint(out, verify=False)
-            load_nv.append(time.perf_counter() - t)
-            shutil.rmtree(out)
-
+        blocks, async_total = [], []
         mgr = CheckpointManager(root / "managed", max_to_keep=1)
         for i in range(runs + 1):
             t = time.perf_counter()
@@ -113,18 +127,24 @@ def run(mib: float = 256, runs: int = 5, directory: str | None = None) -> dict[s
         shutil.rmtree(root, ignore_errors=True)
     return {
         "state_bytes": float(nbytes),
-        "raw_s": _median(raw),
-        "sync_s": _median(sync),
+        "raw_s": timings[RAW].median,
+        "sync_s": timings[SYNC].median,
         "async_block_first_s": blocks[0],
-        "async_block_steady_s": _median(blocks[1:]),
-        "async_total_s": _median(async_total[1:]),
-        "load_verify_s": _median(load_v),
-        "load_noverify_s": _median(load_nv),
+        "async_block_steady_s": summarize(blocks[1:]).median,
+        "async_total_s": summarize(async_total[1:]).median,
+        "load_verify_s": timings[LOAD_VERIFY].median,
+        "load_noverify_s": timings[LOAD_NO_VERIFY].median,
     }
 
 
 def table(r: dict[str, float]) -> str:
-    """The results as a markdown table."""
+    """The results of :func:`measure` as a markdown table.
+
+    >>> r = {"state_bytes": 2**20, "raw_s": 0.01, "sync_s": 0.012, "async_block_first_s": 0.002,
+    ...      "async_block_steady_s": 0.001, "async_total_s": 0.02, "load_verify_s": 0.004, "load_noverify_s": 0.002}
+    >>> print(table(r).splitlines()[5])
+    | save_checkpoint (sync) | 0.012 | 83 | 1.20x raw (target <= 1.3x) |
+    """
     mib = r["state_bytes"] / 2**20
     rows = [
         ("raw write + fsync (floor)", r["raw_s"], "1.00x raw"),
@@ -137,22 +157,33 @@ def table(r: dict[str, float]) -> str:
         ("load_checkpoint(verify=True)", r["load_verify_s"], f"{r['load_verify_s'] / r['load_noverify_s']:.2f}x unverified"),
         ("load_checkpoint(verify=False)", r["load_noverify_s"], ""),
     ]
+    body = [[name, f"{sec:.3f}", f"{mib / sec:,.0f}", note] for name, sec, note in rows]
     lines = [f"Training state: {mib:.1f} MiB (weights + Adam m, v), medians", "",
-             "| case | seconds | MiB/s | note |", "|---|---:|---:|---|"]
-    for name, sec, note in rows:
-        lines.append(f"| {name} | {sec:.3f} | {mib / sec:,.0f} | {note} |")
+             *table_lines(["case", "seconds", "MiB/s", "note"], body, "lrrl")]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastckpt.train.bench", description=__doc__.splitlines()[0])
+def configure(parser) -> None:
+    """Add the train suite's options to ``parser`` (an :class:`argparse.ArgumentParser`).
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> configure(parser)
+    >>> parser.parse_args(["--mib", "2"]).mib
+    2.0
+    """
     parser.add_argument("--mib", type=float, default=256, help="training state size in MiB (default 256)")
     parser.add_argument("--runs", type=int, default=5, help="runs per case; medians are reported (default 5)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
-    args = parser.parse_args(argv)
-    print(table(run(args.mib, args.runs, args.dir)))
+
+
+def run(args) -> int:
+    """Run the train suite with parsed options; prints the markdown table, returns 0.
+
+    >>> from fastckpt.cli import main
+    >>> main(["bench", "--suite", "train", "--mib", "2", "--runs", "1"])  # doctest: +SKIP
+    """
+    if args.runs < 1:
+        raise SystemExit("--runs must be at least 1")
+    print(table(measure(args.mib, args.runs, args.dir)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

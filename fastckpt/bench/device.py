@@ -1,8 +1,8 @@
-"""The ``fastckpt bench`` command: file-to-device load times against the usual ways, in one process.
+"""The ``device`` suite: file-to-device load times against the usual ways, in one process.
 
-It builds its fixtures in a temporary directory, then loads the same files
-(page cache warm) by every path and prints median times and ratios as
-markdown tables, for
+``python -m fastckpt bench [--suite device]`` builds its fixtures in a
+temporary directory, then loads the same files (page cache warm) by every path
+and prints median times and ratios as markdown tables, for
 
 * (a) 512 MiB in 64 float32 tensors, and (b) 1000 float32 tensors of 4 KiB
   (``--quick``: 16 MiB in 64 tensors and 200 tensors of 4 KiB);
@@ -14,37 +14,38 @@ markdown tables, for
   ``safetensors.safe_open(framework="numpy")`` + ``enqueue_copy`` per tensor
   into buffers already allocated; ``np.load`` + a new ``cl.Buffer`` per tensor.
 
-Paths are timed round-robin (one run of each per round, ``--repeat``
-rounds) so that changes in machine load hit them alike. Per-tensor baselines
-enqueue non-blocking copies and wait once at the end
+Paths are timed round-robin (:func:`fastckpt.bench.timing.round_robin`: one
+run of each per round in shuffled order, ``--repeat`` rounds, each run after a
+collection and 5 ms of idle) so that changes in machine load hit them alike.
+Per-tensor baselines enqueue non-blocking copies and wait once at the end
 (the fastest way to issue them); the row marked "blocking" is the common
 ``is_blocking=True`` loop. After the tables it reports the pool's misses over
 the repeated loads (0 means nothing was allocated), the device bytes the pool
-allocated, and whether each target was met. ``--suite formats`` runs the
-host-side format benchmark (:mod:`fastckpt.bench_formats`) instead.
+allocated, and whether each target was met.
 
->>> main(["--quick", "--repeat", "1"])  # doctest: +SKIP
+>>> from fastckpt.cli import main
+>>> main(["bench", "--quick", "--repeat", "1", "--case", "b"])  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
-import statistics
 import sys
 import tempfile
-import time
 from typing import Callable
 
 import numpy as np
 
-__all__ = ["main", "configure", "run", "bench_case", "interleaved_medians"]
+from fastckpt.bench.timing import format_duration, format_size, round_robin, table_lines
+
+__all__ = ["configure", "run", "bench_case"]
 
 CASES = {"a": ("512 MiB in 64 float32 tensors", 64, 2**21), "b": ("1000 float32 tensors of 4 KiB", 1000, 1024)}
 QUICK = {"a": ("16 MiB in 64 float32 tensors", 64, 2**16), "b": ("200 float32 tensors of 4 KiB", 200, 1024)}
 
-SETTLE = 0.005  # seconds of idle before each timed run (see interleaved_medians)
+SETTLE = 0.005  # seconds of idle before each timed run (see round_robin)
+NPLOAD_RUNS = 3  # np.load + new buffers is slow: three runs are enough
 
 POOLED = "fastckpt: load_file(path), warm pool (file kept open by the pool)"
 POOLED_TOUCH = "fastckpt: load_file(path), warm pool, then every Tensor view made"
@@ -59,19 +60,11 @@ NPLOAD = "np.load + a new cl.Buffer per tensor"
 OPEN_ONLY = "fastckpt.open alone (parse the index)"
 
 
-def _fmt(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
-
-
 def _table(title: str, rows: list[tuple[str, float]], nbytes: int, base: str) -> str:
     ref = dict(rows)[base]
-    out = [f"### {title}", "", f"| path | median | GB/s | vs. bound |", "|---|---:|---:|---:|"]
-    for label, t in rows:
-        rate = f"{nbytes / t / 1e9:.1f}" if t > 0 else "-"
-        out.append(f"| {label} | {_fmt(t)} | {rate} | {t / ref:.2f}x |")
-    return "\n".join(out)
+    body = [[label, format_duration(t), f"{nbytes / t / 1e9:.1f}" if t > 0 else "-", f"{t / ref:.2f}x"]
+            for label, t in rows]
+    return "\n".join([f"### {title}", "", *table_lines(["path", "median", "GB/s", "vs. bound"], body, "lrrr")])
 
 
 def _fixtures(tmp: str, key: str, n: int, elems: int, fmt: str) -> tuple[dict, str, str, str]:
@@ -89,34 +82,14 @@ def _fixtures(tmp: str, key: str, n: int, elems: int, fmt: str) -> tuple[dict, s
     return tensors, main_path, st_path, np_path
 
 
-def interleaved_medians(paths: list[tuple[str, Callable[[], object], int]], repeat: int) -> list[tuple[str, float]]:
-    """Median seconds per path, timing the paths round-robin (one run of each per round).
-
-    On a shared machine the load changes over seconds; interleaving spreads its
-    phases over every path alike, so the ratios stay meaningful. Each path is run
-    once untimed first; a path with a cap of ``k`` runs takes part in ``k`` rounds.
-    Every timed run follows ``gc.collect()`` and ``SETTLE`` seconds of idle: on
-    pocl a copy issued straight after a collection was measured several
-    milliseconds slower (4.7 ms instead of 0.3 ms for 4 MiB from a mapped file),
-    an effect of the collection, not of the path being timed.
-    """
-    for _, fn, _cap in paths:
-        fn()
-    times: dict[str, list[float]] = {label: [] for label, _, _ in paths}
-    for round_number in range(repeat):
-        for label, fn, cap in paths:
-            if round_number >= cap:
-                continue
-            gc.collect()
-            time.sleep(SETTLE)
-            t0 = time.perf_counter()
-            fn()
-            times[label].append(time.perf_counter() - t0)
-    return [(label, statistics.median(times[label])) for label, _, _ in paths]
-
-
 def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, repeat: int, dev) -> tuple[str, dict]:
-    """Time every path on one fixture; returns the markdown and the facts the targets are checked on."""
+    """Time every path on one fixture; returns the markdown and the facts the targets are checked on.
+
+    >>> from fastckpt.device import default
+    >>> text, facts = bench_case("b", "8 tensors of 4 KiB", 8, 1024, "safetensors", ".", 1, default())  # doctest: +SKIP
+    >>> facts["repeat_misses"]  # doctest: +SKIP
+    0
+    """
     import pyopencl as cl
 
     import fastckpt
@@ -130,16 +103,15 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
     buffers = {name: cl.Buffer(ctx, rw, a.nbytes) for name, a in tensors.items()}
     flat = np.concatenate([a.reshape(-1) for a in tensors.values()])
     one = cl.Buffer(ctx, rw, flat.nbytes)
-    paths: list[tuple[str, Callable[[], object], int]] = []
-    every = repeat
+    paths: dict[str, Callable[[], object]] = {}
 
     def bound():
         for name, a in tensors.items():
             cl.enqueue_copy(queue, buffers[name], a, is_blocking=False)
         queue.finish()
 
-    paths.append((BOUND, bound, every))
-    paths.append((BOUND_ONE, lambda: cl.enqueue_copy(queue, one, flat, is_blocking=True), every))
+    paths[BOUND] = bound
+    paths[BOUND_ONE] = lambda: cl.enqueue_copy(queue, one, flat, is_blocking=True)
 
     pool = PersistentBufferPool(ctx, queue)
     load_file(path, queue, pool=pool)  # the first load fills the pool
@@ -157,11 +129,13 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
         with fastckpt.open(path) as tf:
             load_file(tf, queue, pool=pool)
 
-    paths += [(POOLED, pooled, every), (POOLED_TOUCH, pooled_touch, every), (POOLED_FRESH, pooled_fresh, every)]
+    paths[POOLED] = pooled
+    paths[POOLED_TOUCH] = pooled_touch
+    paths[POOLED_FRESH] = pooled_fresh
     if dev.host_unified_memory:
-        paths.append((ZERO_COPY, lambda: load_file(path, queue, zero_copy=True), every))
-    paths.append((UNPOOLED, lambda: load_file(path, queue), every))
-    paths.append((OPEN_ONLY, lambda: fastckpt.open(path).close(), every))
+        paths[ZERO_COPY] = lambda: load_file(path, queue, zero_copy=True)
+    paths[UNPOOLED] = lambda: load_file(path, queue)
+    paths[OPEN_ONLY] = lambda: fastckpt.open(path).close()
 
     try:
         from safetensors import safe_open
@@ -176,8 +150,8 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
                 queue.finish()
             return run_once
 
-        paths.append((SAFETENSORS, safetensors_load(False), every))
-        paths.append((SAFETENSORS_BLOCKING, safetensors_load(True), every))
+        paths[SAFETENSORS] = safetensors_load(False)
+        paths[SAFETENSORS_BLOCKING] = safetensors_load(True)
 
     def npload():
         flags = rw | cl.mem_flags.COPY_HOST_PTR
@@ -186,8 +160,9 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
         queue.finish()
         return out
 
-    paths.append((NPLOAD, npload, max(1, min(repeat, 3))))  # slow: three runs are enough
-    rows = interleaved_medians(paths, repeat)
+    paths[NPLOAD] = npload
+    timings = round_robin(paths, repeat, max_runs={NPLOAD: NPLOAD_RUNS}, settle=SETTLE)
+    rows = [(label, timing.median) for label, timing in timings.items()]
     del one, flat
 
     stats = pool.stats
@@ -198,12 +173,8 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
     facts["exact"] = all(check[k].to_host().tobytes() == tensors[k].tobytes() for k in tensors)
     del check
     facts["times"] = dict(rows)
-    title = f"({key}) {label}, {fmt}, {_fmt_bytes(nbytes)}, device {dev.name}"
+    title = f"({key}) {label}, {fmt}, {format_size(nbytes)}, device {dev.name}"
     return _table(title, rows, nbytes, BOUND), facts
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def _targets(results: dict, quick: bool) -> list[str]:
@@ -212,6 +183,7 @@ def _targets(results: dict, quick: bool) -> list[str]:
     def line(ok: bool, text: str) -> None:
         out.append(f"- {'met' if ok else 'MISSED'}: {text}")
 
+    fmt = format_duration
     if "a" in results:
         t = results["a"]["times"]
         r = t[POOLED] / t[BOUND]
@@ -220,12 +192,12 @@ def _targets(results: dict, quick: bool) -> list[str]:
             s = t[SAFETENSORS] / t[POOLED]
             line(s >= 1.4, f"(a) pooled load >= 1.4x faster than safetensors + enqueue_copy: {s:.2f}x")
         if ZERO_COPY in t:
-            line(t[ZERO_COPY] <= 2e-3, f"(a) zero-copy load <= 2 ms: {_fmt(t[ZERO_COPY])}")
+            line(t[ZERO_COPY] <= 2e-3, f"(a) zero-copy load <= 2 ms: {fmt(t[ZERO_COPY])}")
     if "b" in results:
         t = results["b"]["times"]
-        line(t[POOLED] <= 1e-3, f"(b) pooled load <= 1 ms: {_fmt(t[POOLED])} (every view made: {_fmt(t[POOLED_TOUCH])}; "
-                                f"a fresh fastckpt.open each time: {_fmt(t[POOLED_FRESH])}; "
-                                f"fastckpt.open alone: {_fmt(t[OPEN_ONLY])})")
+        line(t[POOLED] <= 1e-3, f"(b) pooled load <= 1 ms: {fmt(t[POOLED])} (every view made: {fmt(t[POOLED_TOUCH])}; "
+                                f"a fresh fastckpt.open each time: {fmt(t[POOLED_FRESH])}; "
+                                f"fastckpt.open alone: {fmt(t[OPEN_ONLY])})")
         if SAFETENSORS in t:
             s = t[SAFETENSORS] / t[POOLED]
             sb = t[SAFETENSORS_BLOCKING] / t[POOLED]
@@ -234,14 +206,22 @@ def _targets(results: dict, quick: bool) -> list[str]:
     for key, facts in sorted(results.items()):
         line(facts["repeat_misses"] == 0,
              f"({key}) repeated pooled loads: {facts['repeat_misses']} pool misses; the pool allocated "
-             f"{_fmt_bytes(facts['pool_bytes_allocated'])} in {facts['pool_allocations']} buffer(s) for "
-             f"{_fmt_bytes(facts['nbytes'])} of tensors, {facts['copies']} copy per load; values exact: {facts['exact']}")
+             f"{format_size(facts['pool_bytes_allocated'])} in {facts['pool_allocations']} buffer(s) for "
+             f"{format_size(facts['nbytes'])} of tensors, {facts['copies']} copy per load; values exact: {facts['exact']}")
     if quick:
         out.append("- (--quick sizes: the targets are stated for the full sizes)")
     return out
 
 
 def configure(parser) -> None:
+    """Add the device suite's options to ``parser`` (an :class:`argparse.ArgumentParser`).
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> configure(parser)
+    >>> parser.parse_args(["--quick", "--case", "b"]).repeat
+    7
+    """
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds; for smoke tests)")
     parser.add_argument("--repeat", type=int, default=7, help="timed runs per path; the median is reported")
     parser.add_argument("--format", choices=("safetensors", "npz"), default="safetensors",
@@ -249,17 +229,16 @@ def configure(parser) -> None:
     parser.add_argument("--case", choices=sorted(CASES), action="append", help="run only this case (repeatable)")
     parser.add_argument("--dir", default=None, help="where to write fixtures (default: a temporary directory)")
     parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto", help="which OpenCL device")
-    parser.add_argument("--suite", choices=("device", "formats"), default="device",
-                        help="device: file -> device loads (this command); formats: host-side open and save")
 
 
 def run(args) -> int:
+    """Run the device suite with parsed options; prints the markdown tables and targets, returns 0.
+
+    >>> from fastckpt.cli import main
+    >>> main(["bench", "--suite", "device", "--quick", "--repeat", "1", "--case", "b"])  # doctest: +SKIP
+    """
     if args.repeat < 1:
         raise SystemExit("--repeat must be at least 1")
-    if getattr(args, "suite", "device") == "formats":
-        from fastckpt import bench_formats
-
-        return bench_formats.run(args)
     from fastckpt.device import default
 
     dev = default(args.device)
@@ -276,17 +255,3 @@ def run(args) -> int:
     print("### targets\n")
     print("\n".join(_targets(results, args.quick)))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the device load benchmark and print markdown tables.
-
-    >>> main(["--quick", "--repeat", "1", "--case", "b"])  # doctest: +SKIP
-    """
-    parser = argparse.ArgumentParser(prog="fastckpt bench", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,11 @@
-"""Host-side format benchmark: open + views, and saves, against the usual baselines, in one process.
+"""The ``formats`` suite: host-side open + views, and saves, against the usual baselines, in one process.
 
-``python -m fastckpt.bench_formats`` (or ``fastckpt bench --suite formats``)
-builds its fixtures in a temporary directory (page cache warm, as in serving)
-and prints median times and ratios as markdown tables for
+``python -m fastckpt bench --suite formats`` builds its fixtures in a
+temporary directory (page cache warm, as in serving) and prints median and
+best times and ratios as markdown tables for
 
-* (a) 512 MiB in 64 float32 tensors and (b) 1000 float32 tensors of 4 KiB;
+* (a) 512 MiB in 64 float32 tensors and (b) 1000 float32 tensors of 4 KiB
+  (``--quick``: 8 MiB in 64 tensors and 100 tensors of 4 KiB);
 * opening a file and producing a host array of every tensor: fastckpt (NPZ and
   safetensors files), ``np.load`` of the NPZ, ``safetensors.safe_open(framework="numpy")``;
 * saving: fastckpt (NPZ, safetensors; with and without fsync) against a raw
@@ -20,70 +21,32 @@ and prints median times and ratios as markdown tables for
   NPZ file in one ``write`` (its 4096-byte padding doubles a 4 KiB tensor)
   are shown too.
 
+Paths are timed round-robin in shuffled order with ``os.sync()`` before each
+run (:func:`fastckpt.bench.timing.round_robin`), ``--repeat`` rounds.
 Numbers vary from machine to machine; the ratios are what the targets speak of.
+
+>>> from fastckpt.cli import main
+>>> main(["bench", "--suite", "formats", "--quick", "--repeat", "1", "--case", "b"])  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import gc
 import os
-import random
-import statistics
 import sys
 import tempfile
-import time
-from typing import Callable
 
 import numpy as np
 
-__all__ = ["main", "interleaved", "markdown_table"]
+from fastckpt.bench.timing import Timing, format_duration, format_ratio, round_robin, table_lines
+
+__all__ = ["configure", "run", "bench_case", "markdown_table"]
 
 CASES = {"a": ("512 MiB in 64 tensors", 64, 2**21), "b": ("1000 tensors of 4 KiB", 1000, 1024)}
 QUICK = {"a": ("8 MiB in 64 tensors", 64, 2**15), "b": ("100 tensors of 4 KiB", 100, 1024)}
 
 
-def interleaved(paths: dict[str, Callable[[], object]], repeat: int, warmup: int = 1,
-                prepare: dict[str, Callable[[], object]] | None = None) -> dict[str, tuple[float, float]]:
-    """(median, best) seconds of each path, timed round-robin: one run of every path per round.
-
-    On a shared machine load changes over seconds; taking the paths in turn lets
-    every path meet the same conditions, where timing one path's runs back to
-    back would favour whichever ran in a quiet moment. The order is shuffled
-    each round (seeded), because some costs land on whatever runs next: the
-    blocks of a large file replaced or truncated by one path are freed while
-    the next path writes. Before each run the
-    kernel writes back all dirty pages (``os.sync``, untimed): otherwise a write
-    without fsync leaves hundreds of MiB dirty, and whichever path runs next
-    pays for their write-back (seen here as 1.6-2 s stalls of a 0.5 s save).
-    ``prepare[label]``, where given, runs untimed before each run of that path.
-    """
-    prepare = prepare or {}
-    for _ in range(warmup):
-        for label, fn in paths.items():
-            prepare.get(label, _nothing)()
-            fn()
-    times: dict[str, list[float]] = {label: [] for label in paths}
-    order = list(paths.items())
-    shuffle = random.Random(0).shuffle
-    for _ in range(repeat):
-        shuffle(order)  # a path's after-effects (freeing a 512 MiB file) must not always land on the same next path
-        for label, fn in order:
-            prepare.get(label, _nothing)()
-            gc.collect()
-            os.sync()
-            t0 = time.perf_counter()
-            fn()
-            times[label].append(time.perf_counter() - t0)
-    return {label: (statistics.median(ts), min(ts)) for label, ts in times.items()}
-
-
-def _nothing() -> None:
-    pass
-
-
-def markdown_table(title: str, rows: list[tuple[str, tuple[float, float]]], base: str,
+def markdown_table(title: str, rows: list[tuple[str, Timing | tuple[float, float]]], base: str,
                    durable_base: str | None = None) -> str:
     """Rows of (label, (median, best) seconds) as a markdown table, each time divided by row ``base``'s.
 
@@ -93,6 +56,16 @@ def markdown_table(title: str, rows: list[tuple[str, tuple[float, float]]], base
     durable raw write. Both statistics are shown: on a shared machine, writes
     meet occasional write-back stalls, which the median may catch and the
     best run does not.
+
+    >>> print(markdown_table("t", [("a", (2.0, 1.0)), ("b", (4.0, 3.0))], "a"))
+    ### t
+    <BLANKLINE>
+    Ratios are each path's time divided by that of: a.
+    <BLANKLINE>
+    | path | median | best | median ratio | best ratio |
+    |---|---:|---:|---:|---:|
+    | a | 2.000 s | 1.000 s | 1.00x | 1.00x |
+    | b | 4.000 s | 3.000 s | 2.00x | 3.00x |
     """
     times = dict(rows)
 
@@ -101,28 +74,23 @@ def markdown_table(title: str, rows: list[tuple[str, tuple[float, float]]], base
             return durable_base
         return base
 
-    if durable_base is None:
-        head = [f"Ratios are each path's time divided by that of: {base}.", "",
-                "| path | median | best | median ratio | best ratio |", "|---|---:|---:|---:|---:|"]
-    else:
-        head = ["Ratios are each path's time divided by that of the row named in \"against\".", "",
-                "| path | median | best | against | median ratio | best ratio |", "|---|---:|---:|---|---:|---:|"]
-    out = [f"### {title}", "", *head]
+    def fmt(seconds: float) -> str:
+        return format_duration(seconds, ms_digits=3, micro=False)
+
+    body = []
     for label, (median, best) in rows:
         ref = base_of(label)
         ref_median, ref_best = times[ref]
-        against = "" if durable_base is None else f" {ref} |"
-        out.append(f"| {label} | {_fmt(median)} | {_fmt(best)} |{against} {_ratio(median / ref_median)} | "
-                   f"{_ratio(best / ref_best)} |")
-    return "\n".join(out)
-
-
-def _ratio(r: float) -> str:
-    return f"{r:.2f}x" if r < 100 else f"{r:.0f}x"
-
-
-def _fmt(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.3f} s"
+        against = [] if durable_base is None else [ref]
+        body.append([label, fmt(median), fmt(best), *against, format_ratio(median / ref_median),
+                     format_ratio(best / ref_best)])
+    if durable_base is None:
+        head = [f"Ratios are each path's time divided by that of: {base}.", "",
+                *table_lines(["path", "median", "best", "median ratio", "best ratio"], body, "lrrrr")]
+    else:
+        head = ["Ratios are each path's time divided by that of the row named in \"against\".", "",
+                *table_lines(["path", "median", "best", "against", "median ratio", "best ratio"], body, "lrrlrr")]
+    return "\n".join([f"### {title}", "", *head])
 
 
 def _tensors(n: int, elems: int) -> dict[str, np.ndarray]:
@@ -169,6 +137,10 @@ def _raw_writev(path: str, tensors: dict[str, np.ndarray]) -> None:
 
 
 def bench_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> str:
+    """Time the open and the save paths on ``n`` float32 tensors of ``elems`` elements; returns both tables.
+
+    >>> print(bench_case("8 tensors of 4 KiB", 8, 1024, ".", 1))  # doctest: +SKIP
+    """
     import fastckpt
 
     tensors = _tensors(n, elems)
@@ -203,7 +175,7 @@ def bench_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> str:
             with safe_open(st_path, framework="numpy") as f:
                 return [f.get_tensor(k) for k in f.keys()]
         open_paths["safetensors.safe_open(numpy) + get_tensor"] = open_safetensors
-    rows = list(interleaved(open_paths, repeat).items())
+    rows = list(round_robin(open_paths, repeat, sync=True).items())
     tables = [markdown_table(f"open + host arrays: {label}", rows, "fastckpt.open (safetensors) + host views")]
 
     with open(npz_path, "rb") as f:  # the bytes an aligned NPZ of these tensors has: the floor for saving one
@@ -229,8 +201,9 @@ def bench_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> str:
         path = os.path.join(tmp, f"save-{i}")
         save_paths[row] = functools.partial(save, path)
         prepare[row] = functools.partial(_remove, path)
-    tables.append(markdown_table(f"save: {label}", list(interleaved(save_paths, repeat, prepare=prepare).items()),
-                                 "raw sequential write", durable_base="raw sequential write + fsync"))
+    save_rows = list(round_robin(save_paths, repeat, prepare=prepare, sync=True).items())
+    tables.append(markdown_table(f"save: {label}", save_rows, "raw sequential write",
+                                 durable_base="raw sequential write + fsync"))
     return "\n\n".join(tables)
 
 
@@ -241,17 +214,15 @@ def _remove(path: str) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the format benchmark and print markdown tables.
-
-    >>> main(["--quick", "--repeat", "1"])  # doctest: +SKIP
-    """
-    parser = argparse.ArgumentParser(prog="python -m fastckpt.bench_formats", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
-
-
 def configure(parser) -> None:
+    """Add the formats suite's options to ``parser`` (an :class:`argparse.ArgumentParser`).
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> configure(parser)
+    >>> parser.parse_args(["--quick"]).repeat
+    7
+    """
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke tests)")
     parser.add_argument("--repeat", type=int, default=7, help="timed runs per path (median is reported)")
     parser.add_argument("--case", choices=sorted(CASES), action="append", help="run only this case (repeatable)")
@@ -259,6 +230,13 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
+    """Run the formats suite with parsed options; prints the markdown tables, returns 0.
+
+    >>> from fastckpt.cli import main
+    >>> main(["bench", "--suite", "formats", "--quick", "--repeat", "1"])  # doctest: +SKIP
+    """
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
     cases = QUICK if args.quick else CASES
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for key in args.case or sorted(cases):
@@ -266,7 +244,3 @@ def run(args) -> int:
             print(bench_case(f"({key}) {label}", n, elems, tmp, args.repeat), end="\n\n")
             sys.stdout.flush()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

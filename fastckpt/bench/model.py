@@ -1,4 +1,4 @@
-"""Benchmark of ``load_model(path, pool=pool)`` against the usual ways of getting the same weights onto the device.
+"""The ``model`` suite: ``load_model(path, pool=pool)`` against the usual ways of getting its weights onto the device.
 
 Two models: an 8-layer MLP of about 64 MiB (``Linear(1448, 1448)`` x 8) and a
 model of 400 small layers (``Linear(16, 16)`` x 400, 800 tensors). For each,
@@ -6,7 +6,7 @@ in one process and on the same files (page cache warm: every method reads files
 it has read before), the median wall time of:
 
 - ``fastckpt load_model, pool warm``: ``load_model(path, pool=pool)`` where
-  the pool already holds a fitting arena (the model of the previous repeat was
+  the pool already holds a fitting arena (the model of the previous run was
   dropped): rebuild + one copy, no allocation;
 - ``fastckpt load_model, new pool``: the same with a fresh pool (allocates);
 - ``fastckpt load_model, no pool``: one exact-size buffer per tensor;
@@ -17,33 +17,32 @@ it has read before), the median wall time of:
   tensors, then one buffer and one blocking ``enqueue_copy`` per tensor.
 
 Only fastckpt's rows rebuild a model object; the baselines only produce buffers.
+The methods of one model are timed round-robin (:func:`fastckpt.bench.timing.round_robin`,
+``--repeats`` rounds, one untimed warm-up run each); what a method returns is
+dropped after its clock stops.
 
-Run: ``python -m fastckpt.io.bench [--repeats 7]``; prints a markdown table.
+Run: ``python -m fastckpt bench --suite model [--repeats 7]``; prints a markdown table.
+
+>>> from fastckpt.cli import main
+>>> main(["bench", "--suite", "model", "--repeats", "1"])  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
 import os
-import statistics
 import tempfile
-import time
 
 import numpy as np
 
-__all__ = ["run_benchmark", "main"]
+from fastckpt.bench.timing import round_robin, table_lines
 
+__all__ = ["configure", "run", "measure"]
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        gc.collect()
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-        del result
-    return statistics.median(times) * 1e3
+WARM = "fastckpt load_model, pool warm"
+NEW_POOL = "fastckpt load_model, new pool"
+NO_POOL = "fastckpt load_model, no pool"
+NPLOAD = "np.load + new buffers"
+SAFETENSORS = "safetensors + enqueue_copy"
 
 
 def _make_model(queue, kind: str):
@@ -56,8 +55,11 @@ def _make_model(queue, kind: str):
     return nn.build_sequential(queue, config)
 
 
-def run_benchmark(repeats: int = 7, directory: str | None = None) -> str:
-    """Time every method on both models and return the markdown table (also usable from asv or a notebook)."""
+def measure(repeats: int = 7, directory: str | None = None) -> str:
+    """Time every method on both models and return the markdown table (also usable from asv or a notebook).
+
+    >>> print(measure(repeats=1))  # doctest: +SKIP
+    """
     import pyopencl as cl
 
     from fastckpt.device import default
@@ -118,33 +120,43 @@ def run_benchmark(repeats: int = 7, directory: str | None = None) -> str:
                     bufs.append(b)
                 return bufs
 
-            methods = [("fastckpt load_model, pool warm", fastckpt_warm),
-                       ("fastckpt load_model, new pool", fastckpt_new_pool),
-                       ("fastckpt load_model, no pool", fastckpt_no_pool),
-                       ("np.load + new buffers", np_load_buffers)]
+            methods = {WARM: fastckpt_warm, NEW_POOL: fastckpt_new_pool, NO_POOL: fastckpt_no_pool,
+                       NPLOAD: np_load_buffers}
             if st_load is not None:
-                methods.append(("safetensors + enqueue_copy", safetensors_copy))
-            for fn_label, fn in methods:
-                fn()  # warm-up: page cache, kernels, imports
-                rows.append((label, f"{mib:.1f}", fn_label, _median_ms(fn, repeats)))
+                methods[SAFETENSORS] = safetensors_copy
+            # warm-up run first (page cache, kernels, imports); results dropped untimed, as a loaded model is
+            # what is measured, not its release
+            timings = round_robin(methods, repeats, time_release=False)
+            rows += [(label, f"{mib:.1f}", method, timing.median * 1e3) for method, timing in timings.items()]
             assert warm_pool.stats.misses == 1, warm_pool.stats  # warm loads never allocated
 
-    base = {label: ms for label, _, m, ms in rows if m == "np.load + new buffers"}
+    base = {label: ms for label, _, m, ms in rows if m == NPLOAD}
+    body = [[label, mib, method, f"{ms:.2f}", f"{base[label] / ms:.1f}x"] for label, mib, method, ms in rows]
     lines = [f"Device: {dev.name}; median of {repeats} runs, page cache warm.", "",
-             "| model | MiB | method | median ms | vs np.load |", "|---|---:|---|---:|---:|"]
-    for label, mib, method, ms in rows:
-        lines.append(f"| {label} | {mib} | {method} | {ms:.2f} | {base[label] / ms:.1f}x |")
+             *table_lines(["model", "MiB", "method", "median ms", "vs np.load"], body, "lrlrr")]
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastckpt.io.bench", description=__doc__.splitlines()[0])
+def configure(parser) -> None:
+    """Add the model suite's options to ``parser`` (an :class:`argparse.ArgumentParser`).
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> configure(parser)
+    >>> parser.parse_args([]).repeats
+    7
+    """
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per method (median reported)")
     parser.add_argument("--dir", default=None, help="directory for the temporary files (default: system temp)")
-    args = parser.parse_args(argv)
-    print(run_benchmark(args.repeats, args.dir))
+
+
+def run(args) -> int:
+    """Run the model suite with parsed options; prints the markdown table, returns 0.
+
+    >>> from fastckpt.cli import main
+    >>> main(["bench", "--suite", "model", "--repeats", "1"])  # doctest: +SKIP
+    """
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    print(measure(args.repeats, args.dir))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""The timing harness every benchmark suite uses, and the small helpers their markdown tables share.
+
+:func:`round_robin` times several named callables side by side: one run of
+each per round, in an order shuffled every round (seeded, so runs repeat),
+each run after a garbage collection and, where asked, an ``os.sync()`` and a
+short idle; it returns the median and the best of each path's runs
+(:class:`Timing`). :func:`summarize` gives the same two figures for samples a
+suite has to take itself (a sequence whose runs depend on one another).
+
+The formatting helpers turn seconds, byte counts and ratios into the short
+strings the tables show, and :func:`table_lines` writes a markdown table's
+header, rule and rows.
+
+>>> timings = round_robin({"sum": lambda: sum(range(1000)), "sorted": lambda: sorted(range(1000))}, repeat=3)
+>>> list(timings)
+['sum', 'sorted']
+>>> timings["sum"].best <= timings["sum"].median
+True
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import statistics
+import time
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
+
+__all__ = ["Timing", "round_robin", "summarize", "format_duration", "format_size", "format_ratio", "table_lines"]
+
+
+class Timing(NamedTuple):
+    """The median and the best (shortest) of one path's timed runs, in seconds.
+
+    A plain pair, so ``median, best = timing`` works.
+
+    >>> Timing(median=0.002, best=0.001).median
+    0.002
+    """
+
+    median: float
+    best: float
+
+
+def summarize(samples: Iterable[float]) -> Timing:
+    """The :class:`Timing` (median and best) of seconds a suite measured itself.
+
+    >>> summarize([0.3, 0.1, 0.2])
+    Timing(median=0.2, best=0.1)
+    """
+    samples = list(samples)
+    if not samples:
+        raise ValueError("no samples to summarize")
+    return Timing(statistics.median(samples), min(samples))
+
+
+def round_robin(paths: Mapping[str, Callable[[], object]], repeat: int, *, warmup: int = 1,
+                prepare: Mapping[str, Callable[[], object]] | None = None,
+                max_runs: Mapping[str, int] | None = None, settle: float = 0.0, sync: bool = False,
+                time_release: bool = True, seed: int = 0) -> dict[str, Timing]:
+    """Time every path ``repeat`` times, one run of each per round; returns ``{name: Timing}`` in ``paths``' order.
+
+    On a shared machine the load changes over seconds. Taking the paths in turn
+    lets every path meet the same conditions, where timing one path's runs back
+    to back would favour whichever ran in a quiet moment; so the ratios between
+    paths stay meaningful. The order is shuffled every round (``random.Random(seed)``)
+    because some costs land on whatever runs next (the blocks of a large file
+    removed by one path are freed while the next path writes).
+
+    Before the timed rounds every path runs ``warmup`` times untimed (page cache,
+    compiled kernels, imports, pools). Before each run, untimed and in this order:
+
+    * ``prepare[name]()``, where given (for instance: remove the file the
+      previous run of that path wrote, so that every save writes a new file);
+    * ``gc.collect()``, so that no path pays for another's garbage;
+    * ``os.sync()`` with ``sync=True``: the kernel writes back every dirty page,
+      otherwise a write without fsync leaves hundreds of MiB dirty and whichever
+      path runs next pays for their write-back (1.6-2 s stalls of a 0.5 s save);
+    * ``settle`` seconds of idle: on pocl a copy issued straight after a
+      collection was measured several milliseconds slower (4.7 ms instead of
+      0.3 ms for 4 MiB from a mapped file), an effect of the collection, not of
+      the path being timed.
+
+    ``max_runs[name] = k`` limits a slow path to the first ``k`` rounds. With
+    ``time_release=True`` a run's time includes dropping what the callable
+    returned (freeing the buffers or leases it made); with ``False`` the result
+    is kept until the clock has stopped.
+
+    >>> t = round_robin({"a": lambda: None, "b": lambda: None}, repeat=5, max_runs={"b": 2})
+    >>> sorted(t), all(x.best <= x.median for x in t.values())
+    (['a', 'b'], True)
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, not {repeat}")
+    prepare = prepare or {}
+    max_runs = max_runs or {}
+    for _ in range(warmup):
+        for name, fn in paths.items():
+            prepare.get(name, _nothing)()
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths.items())
+    shuffle = random.Random(seed).shuffle
+    for round_number in range(repeat):
+        shuffle(order)
+        for name, fn in order:
+            if round_number >= max(1, max_runs.get(name, repeat)):
+                continue
+            prepare.get(name, _nothing)()
+            gc.collect()
+            if sync:
+                os.sync()
+            if settle:
+                time.sleep(settle)
+            if time_release:
+                start = time.perf_counter()
+                fn()  # the result is dropped before the clock stops
+                times[name].append(time.perf_counter() - start)
+            else:
+                start = time.perf_counter()
+                result = fn()
+                times[name].append(time.perf_counter() - start)
+                del result
+    return {name: summarize(samples) for name, samples in times.items()}
+
+
+def _nothing() -> None:
+    pass
+
+
+def format_duration(seconds: float, *, ms_digits: int = 2, micro: bool = True) -> str:
+    """Seconds as the tables show them: µs (with ``micro``) below 1 ms, ms below 1 s, else s.
+
+    >>> format_duration(0.00042), format_duration(0.0123), format_duration(1.5)
+    ('420 µs', '12.30 ms', '1.500 s')
+    >>> format_duration(0.00042, ms_digits=3, micro=False)
+    '0.420 ms'
+    """
+    if micro and seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    return f"{seconds * 1e3:.{ms_digits}f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def format_size(nbytes: int) -> str:
+    """A byte count in whole MiB from 1 MiB up, else in whole KiB.
+
+    >>> format_size(512 * 2**20), format_size(4096)
+    ('512 MiB', '4 KiB')
+    """
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def format_ratio(ratio: float) -> str:
+    """A ratio with two decimals, or none from 100 up.
+
+    >>> format_ratio(1.234), format_ratio(861.4)
+    ('1.23x', '861x')
+    """
+    return f"{ratio:.2f}x" if ratio < 100 else f"{ratio:.0f}x"
+
+
+def table_lines(header: Sequence[str], rows: Iterable[Sequence[object]], align: str) -> list[str]:
+    """A markdown table's lines: header, rule (``align``: one ``l`` or ``r`` per column), then one line per row.
+
+    >>> print("\\n".join(table_lines(["path", "median"], [["a", "1.00 ms"]], "lr")))
+    | path | median |
+    |---|---:|
+    | a | 1.00 ms |
+    """
+    if len(align) != len(header) or set(align) - {"l", "r"}:
+        raise ValueError(f"align must hold one 'l' or 'r' per column, not {align!r}")
+    rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
+    return [_row(header), rule, *(_row(row) for row in rows)]
+
+
+def _row(cells: Sequence[object]) -> str:
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"

@@ -1,0 +1,190 @@
+"""The benchmark package: its timing helper, and every suite run at its quickest through ``fastckpt bench``.
+
+The suites are run with tiny sizes and one round, only to check that each one still measures every path it
+promises and prints its table with the same rows and columns; the figures themselves are not looked at.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import time
+
+import pytest
+
+from fastckpt.bench import SUITES, suite_of, timing
+from fastckpt.cli import main
+
+
+def _first_cells(out: str) -> list[str]:
+    """The first cell of every markdown table row (rule lines left out)."""
+    return [line.split(" | ")[0][2:] for line in out.splitlines() if line.startswith("| ")]
+
+
+# ------------------------------------------------------------------ the timing helper
+
+@pytest.fixture
+def no_collections(monkeypatch):
+    # A full collection before every run is right for timing but slow for counting calls: left out here.
+    monkeypatch.setattr(timing.gc, "collect", lambda: 0)
+
+
+def test_round_robin_reports_in_the_given_order_and_shuffles_each_round(no_collections):
+    calls = []
+    paths = {name: (lambda name=name: calls.append(name)) for name in "abcdef"}
+    result = timing.round_robin(paths, repeat=4)
+    assert list(result) == list("abcdef")
+    assert calls[:6] == list("abcdef")  # the warm-up round, in the given order
+    rounds = [calls[6 + 6 * i:12 + 6 * i] for i in range(4)]
+    assert all(sorted(r) == list("abcdef") for r in rounds)  # every path once per round
+    assert len({tuple(r) for r in rounds}) > 1  # in an order that changes from round to round
+    calls.clear()
+    timing.round_robin(paths, repeat=4)
+    assert [calls[6 + 6 * i:12 + 6 * i] for i in range(4)] == rounds  # seeded: the same orders again
+
+
+def test_round_robin_caps_prepares_and_syncs(monkeypatch, no_collections):
+    runs = {"fast": 0, "slow": 0}
+    prepared = []
+    syncs = []
+    monkeypatch.setattr(timing.os, "sync", lambda: syncs.append(1))
+
+    def bump(name):
+        runs[name] += 1
+
+    result = timing.round_robin({"fast": lambda: bump("fast"), "slow": lambda: bump("slow")}, repeat=5,
+                                max_runs={"slow": 2}, prepare={"slow": lambda: prepared.append(runs["slow"])},
+                                sync=True)
+    assert runs == {"fast": 1 + 5, "slow": 1 + 2}  # one warm-up run each, then the timed ones
+    assert prepared == [0, 1, 2]  # before every run of that path, warm-up included
+    assert len(syncs) == 5 + 2  # before every timed run
+    assert all(t.best <= t.median for t in result.values())
+
+
+def test_round_robin_keeps_the_result_until_the_clock_stops_when_asked(no_collections):
+    class SlowToRelease:
+        def __del__(self):
+            time.sleep(0.05)
+
+    kept = timing.round_robin({"r": SlowToRelease}, repeat=3, time_release=False)
+    dropped = timing.round_robin({"r": SlowToRelease}, repeat=1)
+    assert kept["r"].best < 0.05 <= dropped["r"].best
+    with pytest.raises(ValueError):
+        timing.round_robin({"r": SlowToRelease}, repeat=0)
+
+
+def test_formatting_helpers():
+    assert timing.summarize([3.0, 1.0, 2.0]) == (2.0, 1.0)
+    assert timing.format_duration(0.0005) == "500 µs"
+    assert timing.format_duration(0.0005, ms_digits=3, micro=False) == "0.500 ms"
+    assert timing.format_size(800 * 1024) == "800 KiB"
+    assert timing.format_ratio(0.5) == "0.50x"
+    assert timing.table_lines(["a", "b", "c"], [[1, 2, ""]], "lrl") == ["| a | b | c |", "|---|---:|---|",
+                                                                        "| 1 | 2 |  |"]
+
+
+# ------------------------------------------------------------------ one way to start
+
+def test_every_suite_has_configure_run_and_a_docstring():
+    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful"}
+    for name, module_name in SUITES.items():
+        module = importlib.import_module(module_name)
+        assert callable(module.configure) and callable(module.run), name
+        assert "python -m fastckpt bench" in module.__doc__, name  # says how it is run
+
+
+@pytest.mark.parametrize("old", ["fastckpt.bench_formats", "fastckpt.io.bench", "fastckpt.tf.bench",
+                                 "fastckpt.train.bench", "fastckpt.stateful.bench"])
+def test_the_old_entry_points_are_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+
+
+def test_the_suite_is_read_first_and_picks_the_options():
+    assert suite_of(["bench", "--repeat", "9"]) == "device"
+    assert suite_of(["bench", "--suite=train"]) == "train"
+    with pytest.raises(SystemExit) as bad_suite:
+        main(["bench", "--suite", "nope"])
+    assert bad_suite.value.code == 2
+    with pytest.raises(SystemExit):  # --quick is the device suite's, not the model suite's
+        main(["bench", "--suite", "model", "--quick"])
+
+
+# ------------------------------------------------------------------ every suite at its quickest
+
+@pytest.mark.device
+def test_device_suite(tmp_path, capsys):
+    from fastckpt.bench import device
+
+    assert main(["bench", "--quick", "--repeat", "1", "--case", "b", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| path | median | GB/s | vs. bound |" in out
+    rows = _first_cells(out)
+    for label in (device.BOUND, device.BOUND_ONE, device.POOLED, device.POOLED_TOUCH, device.POOLED_FRESH,
+                  device.UNPOOLED, device.OPEN_ONLY, device.SAFETENSORS, device.SAFETENSORS_BLOCKING, device.NPLOAD):
+        assert label in rows, label
+    assert "### targets" in out and "(b) repeated pooled loads: 0 pool misses" in out
+
+
+def test_formats_suite_tables(tmp_path):
+    from fastckpt.bench import formats
+
+    text = formats.bench_case("(t) 4 tiny tensors", 4, 256, str(tmp_path), 1)
+    assert "### open + host arrays: (t) 4 tiny tensors" in text and "### save: (t) 4 tiny tensors" in text
+    rows = _first_cells(text)
+    for label in ("fastckpt.open (safetensors) + host views", "fastckpt.open (npz) + host views",
+                  "np.load(npz) + every member", "safetensors.safe_open(numpy) + get_tensor",
+                  "raw sequential write", "raw sequential write + fsync",
+                  "raw sequential write, Python's default buffer", "raw gathered write (os.writev, 1024 arrays a call)",
+                  "raw write of the NPZ file's bytes, 4096-byte padding included",
+                  "fastckpt.save_safetensors, no fsync", "fastckpt.save_safetensors (atomic, fsync)",
+                  "fastckpt.save_npz, no fsync", "fastckpt.save_npz (atomic, fsync)",
+                  "fastckpt.save_npz(alignment=64), no fsync", "safetensors.numpy.save_file"):
+        assert label in rows, label
+
+
+@pytest.mark.device
+def test_model_suite(tmp_path, capsys):
+    assert main(["bench", "--suite", "model", "--repeats", "1", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "median of 1 runs, page cache warm." in out
+    assert "| model | MiB | method | median ms | vs np.load |" in out
+    methods = [line.split(" | ")[2] for line in out.splitlines() if line.startswith(("| MLP", "| 400"))]
+    assert methods == ["fastckpt load_model, pool warm", "fastckpt load_model, new pool",
+                       "fastckpt load_model, no pool", "np.load + new buffers", "safetensors + enqueue_copy"] * 2
+
+
+def test_tf_suite_leaves_the_tensorflow_row_out_without_tensorflow(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # import tensorflow fails, as where it is not installed
+    assert main(["bench", "--suite", "tf", "--mib", "1", "--tensors", "4", "--runs", "1", "--dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "tensorflow is not installed: its row is left out" in captured.err
+    assert "| reader | checkpoint | median time | throughput | vs TensorFlow |" in captured.out
+    assert _first_cells(captured.out)[1:] == ["fastckpt, verified, zero-copy", "fastckpt, verified, copies",
+                                              "fastckpt, verify=False (zero-copy)",
+                                              "fastckpt, verify=False (zero-copy)"]
+    assert re.search(r"\| fastckpt, verified, copies \| 1 MiB \| [0-9.]+ ms \| [0-9.]+ GiB/s \| n/a \|",
+                     captured.out)
+
+
+def test_train_suite(tmp_path, capsys):
+    assert main(["bench", "--suite", "train", "--mib", "2", "--runs", "1", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(weights + Adam m, v), medians" in out and "| case | seconds | MiB/s | note |" in out
+    assert _first_cells(out)[1:] == ["raw write + fsync (floor)", "save_checkpoint (sync)",
+                                     "async save: trainer blocked, first", "async save: trainer blocked, steady",
+                                     "async save: until durable", "load_checkpoint(verify=True)",
+                                     "load_checkpoint(verify=False)"]
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+def test_stateful_suite(capsys):
+    assert main(["bench", "--suite", "stateful", "--quick", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line[:40].rstrip() for line in lines] == [
+        "reader sync", "reader sync+checkpointing", "reader prefetch=4+checkpointing", "reader get_state",
+        "MT19937 get_state+str", "checkpoint collect+save fsync=True", "checkpoint collect+save fsync=False",
+        "checkpoint load+apply"]
+    assert lines[0].endswith("batches/s of 256") and lines[3].endswith("us per call")
+    assert lines[-1].endswith(" ms") and "1 MiB array state" in lines[-1]
