@@ -52,6 +52,7 @@ def test_env_override_is_checked(monkeypatch, fresh_cache):
         device_mod.default("auto")
 
 
+# Kept local, not conftest's `device`: these tests check the CPU (pocl) device itself, whatever default() would pick.
 @pytest.fixture(scope="module")
 def dev():
     return device_mod.default("cpu")

@@ -20,13 +20,6 @@ pytestmark = pytest.mark.device
 SHAPES = [(4, 3), (3,), (2, 2, 2)]
 
 
-@pytest.fixture(scope="module")
-def queue():
-    from fastckpt.device import default
-
-    return default().queue
-
-
 @pytest.fixture
 def rng():
     return np.random.default_rng(secrets.randbits(32))

@@ -51,18 +51,6 @@ LAYER_CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def device():
-    from fastckpt.device import default
-
-    return default()
-
-
-@pytest.fixture
-def queue(device):
-    return device.queue
-
-
 @pytest.fixture
 def rng():
     return np.random.default_rng(secrets.randbits(32))

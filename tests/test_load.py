@@ -65,6 +65,9 @@ UNSUPPORTED = {  # (writer, dtype name): the format or the writer cannot store i
 }
 
 
+# Kept local, not conftest's `device`/`pool`: these tests pin the CPU device (pocl), whose host-unified memory the
+# zero-copy assertions rely on, while the shared fixtures use default(), a GPU where there is one; the pool must be
+# on this same CPU context.
 @pytest.fixture(scope="module")
 def dev():
     from fastckpt.device import default

@@ -16,13 +16,6 @@ pytestmark = pytest.mark.device
 
 
 @pytest.fixture(scope="module")
-def queue():
-    from fastckpt.device import default
-
-    return default().queue
-
-
-@pytest.fixture(scope="module")
 def has_fp64(queue):
     return "cl_khr_fp64" in queue.device.extensions
 

@@ -23,13 +23,6 @@ CNN_CONFIG = [
 ]
 
 
-@pytest.fixture(scope="module")
-def queue():
-    from fastckpt.device import default
-
-    return default().queue
-
-
 @pytest.fixture
 def rng():
     return np.random.default_rng(secrets.randbits(32))
@@ -198,13 +191,3 @@ def test_user_layer_types_register_build_and_describe(queue, scale_registered):
 def test_unregistered_layer_cannot_be_described(queue):
     with pytest.raises(ValueError, match="unsupported layer type Scale"):
         nn.layer_to_config(Scale(queue, 2))
-
-
-@pytest.mark.parametrize("module", ["fastckpt.nn.module", "fastckpt.nn.factory"])
-def test_docstring_examples(module):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0
-    assert result.attempted > 0

@@ -433,6 +433,8 @@ def test_a_file_changed_between_open_and_keep_is_never_kept(tmp_path, change):
 
 
 # -- on a real device ----------------------------------------------------------------------------
+# Kept local, not conftest's `device`: a different device kind. These tests were written against the CPU device
+# (pocl) and stay on it; default() would pick a GPU where there is one.
 @pytest.fixture(scope="module")
 def dev():
     from fastckpt.device import default

@@ -1,12 +1,10 @@
 """Readers: sharding, shuffling, prefetch, and exact resume from a saved checkpoint file."""
 
-import doctest
 import threading
 
 import numpy as np
 import pytest
 
-import fastckpt.stateful.readers
 from fastckpt.stateful import ArrayReader, Checkpoint, FileReader, ReaderState, epoch_order
 
 NUM_SAMPLES = 23
@@ -375,8 +373,3 @@ def test_bad_file_root_is_refused(tmp_path):
         FileReader(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="no files match"):
         FileReader(tmp_path)
-
-
-def test_docstring_examples():
-    result = doctest.testmod(fastckpt.stateful.readers, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0

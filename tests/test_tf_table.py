@@ -418,16 +418,3 @@ def test_docs_page_is_the_format_docstring():
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "formats" / "tf-checkpoint.md").read_text()
     assert spec.__doc__.strip() in page
-
-
-@pytest.mark.parametrize("module", ["fastckpt.tf", "fastckpt.tf.reader", "fastckpt.tf.writer", "fastckpt.tf.table",
-                                    "fastckpt.tf.proto", "fastckpt.tf.dtypes", "fastckpt.tf.describe",
-                                    "fastckpt.tf.checkpointable", "fastckpt.tf._table", "fastckpt.convert",
-                                    "fastckpt.errors"])
-def test_docstring_examples(module):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0
-    assert result.attempted > 0
