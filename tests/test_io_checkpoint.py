@@ -160,11 +160,11 @@ def test_optimizer_moments_are_stored_as_array_references(tmp_path, queue, rng):
 
 @pytest.mark.parametrize(
     "optim,config,error,match",
-    [({"m": {1, 2}}, None, TypeError, r"optim_state\['m'\]: a set cannot be stored"),
-     ({1: np.zeros(2)}, None, TypeError, "dict key 1 is a int; JSON keys must be str"),
-     (None, {"fn": print}, TypeError, r"config\['fn'\]: a builtin_function_or_method cannot be stored"),
-     ({ARRAY_REF_KEY: "x"}, None, ValueError, "reserved for array references"),
-     ({"o": np.array([object()])}, None, TypeError, "object arrays cannot be stored")],
+    [({"m": {1, 2}}, None, TypeError, r"optim_state\['m'\]: a builtins.set cannot be stored"),
+     ({1: np.zeros(2)}, None, TypeError, "dict key 1 is a int; parameter checkpoint sidecar keys must be str"),
+     (None, {"fn": print}, TypeError, r"config\['fn'\]: a builtins.builtin_function_or_method cannot be stored"),
+     ({ARRAY_REF_KEY: "x"}, None, ValueError, "reserved for the parameter checkpoint sidecar encoding"),
+     ({"o": np.array([object()])}, None, TypeError, "an object array")],
 )
 def test_unstorable_state_writes_nothing(tmp_path, queue, rng, optim, config, error, match):
     params, hosts = make_params(queue, rng)
@@ -181,7 +181,7 @@ def test_circular_state_is_named_and_writes_nothing(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
     loop: list = []
     loop.append(loop)
-    with pytest.raises(ValueError, match=r"optim_state\['loop'\]\[0\]: circular reference"):
+    with pytest.raises(ValueError, match=r"optim_state\['loop'\]\[0\]: the state contains a reference cycle"):
         save_checkpoint(params, tmp_path / "ck", optim_state={"loop": loop})
     assert os.listdir(tmp_path) == []
 

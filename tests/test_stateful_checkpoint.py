@@ -23,7 +23,17 @@ from fastckpt.stateful import (
     current,
     register_migration,
 )
-from fastckpt.stateful._codec import decode, encode
+from fastckpt.state import STATEFUL_JSON
+from fastckpt.state import decode as _decode
+from fastckpt.state import encode as _encode
+
+
+def encode(value, where="state"):
+    return _encode(value, STATEFUL_JSON, where=where)
+
+
+def decode(tree, where="state"):
+    return _decode(tree, STATEFUL_JSON, where=where)
 
 RNG_TYPE = "fastckpt.stateful.rng.RNG"
 READER_TYPE = "fastckpt.stateful.readers.ArrayReader"
@@ -125,7 +135,7 @@ def test_one_op_under_two_names_is_refused():
 
 
 def test_objects_without_the_contract_are_refused():
-    with pytest.raises(TypeError, match=r"builtins.object cannot be checkpointed: it needs get_state\(\)/set_state"):
+    with pytest.raises(TypeError, match=r"builtins.object cannot be checkpointed: it needs state_dict\(\)/load_state_dict"):
         Checkpoint().register(object())
 
 
@@ -808,7 +818,7 @@ def test_scalars_bytes_and_non_finite_floats():
     (np.array([object()], dtype=object), TypeError, r"dtype\('O'\) cannot be stored .*nothing is pickled"),
     (np.zeros(2, dtype=[("a", "<i4")]), TypeError, r"cannot be stored in a JSON state"),
     (np.array(["2020-01-01"], dtype="datetime64[D]"), TypeError, r"cannot be stored"),
-    ({1: "int key"}, TypeError, r"dict key 1 is a int; JSON states need str keys"),
+    ({1: "int key"}, TypeError, r"dict key 1 is a int; stateful JSON keys must be str"),
     ({"__ndarray__": 1}, TypeError, r"dict key '__ndarray__' is reserved"),
     (np.complex64(1j), TypeError, r"wrap it in np.asarray"),
     (1j, TypeError, r"builtins.complex cannot be stored"),

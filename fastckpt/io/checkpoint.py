@@ -24,7 +24,8 @@ reference in its place in the JSON::
 
     {"__fastckpt_array__": "optim_state.0"}
 
-An object with exactly this one key is a reference; a state dict that itself
+(This is the ``PARAM_SIDECAR`` dialect of :mod:`fastckpt.state.codec`.) An
+object with exactly this one key is a reference; a state dict that itself
 uses the key ``"__fastckpt_array__"`` is refused when saving. On load every
 reference becomes a numpy array again (a copy, with its stored dtype and
 shape). Tuples come back as lists (JSON has no tuples), numpy scalars are stored
@@ -60,6 +61,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from fastckpt.errors import FormatError
+from fastckpt.state import PARAM_SIDECAR, decode, encode
+from fastckpt.state.codec import NumberedArrays
 
 __all__ = ["save_params", "load_params", "save_checkpoint", "load_checkpoint", "ARRAY_REF_KEY"]
 
@@ -204,57 +207,19 @@ def load_params(queue, params: Iterable, path, names=None) -> list[str]:
 
 
 # -- JSON state with array references ---------------------------------------------------------------
-def _extract(value, where: str, prefix: str, arrays: list, enclosing: frozenset = frozenset()) -> Any:
-    """``value`` with every array replaced by a reference; the arrays are appended to ``arrays``.
-
-    ``enclosing`` holds the ids of the containers ``value`` sits in, so that a container holding
-    itself is named instead of recursing until Python gives up.
-    """
-    from fastckpt.tensor import Tensor
-
-    if isinstance(value, (dict, list, tuple)):
-        if id(value) in enclosing:
-            raise ValueError(f"{where}: circular reference (a container that holds itself cannot be stored)")
-        enclosing = enclosing | {id(value)}
-    if isinstance(value, dict):
-        if ARRAY_REF_KEY in value:
-            raise ValueError(f"{where}: the key {ARRAY_REF_KEY!r} is reserved for array references")
-        out = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where}: dict key {key!r} is a {type(key).__name__}; JSON keys must be str")
-            out[key] = _extract(item, f"{where}[{key!r}]", prefix, arrays, enclosing)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [_extract(item, f"{where}[{i}]", prefix, arrays, enclosing) for i, item in enumerate(value)]
-    if isinstance(value, (np.ndarray, Tensor)) or (hasattr(value, "to_host") and hasattr(value, "shape")):
-        host = _to_host(value, where)
-        key = f"{prefix}.{len(arrays)}"
-        arrays.append((key, host))
-        return {ARRAY_REF_KEY: key}
-    if isinstance(value, np.generic):
-        if value.dtype.hasobject or value.dtype.kind in "SUVMm":
-            raise TypeError(f"{where}: numpy scalar of dtype {value.dtype} cannot be stored")
-        return value.item()
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    raise TypeError(
-        f"{where}: a {type(value).__name__} cannot be stored in a checkpoint; use JSON values "
-        "(dict with str keys, list, str, int, float, bool, None), numpy arrays or Tensors"
-    )
+# The sidecar is the PARAM_SIDECAR dialect of fastckpt.state.codec: netcl's plain JSON, arrays numbered into the NPZ.
+def _extract(value, prefix: str, arrays: list) -> Any:
+    """``value`` with every array replaced by a reference; ``(name, array)`` pairs are appended to ``arrays``."""
+    return encode(value, PARAM_SIDECAR, NumberedArrays(prefix, arrays, ARRAY_REF_KEY), where=prefix)
 
 
-def _restore(value, where: str, tf) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {ARRAY_REF_KEY}:
-            key = value[ARRAY_REF_KEY]
-            if not isinstance(key, str) or key not in tf.infos:
-                raise FormatError(f"{tf.path}: {where} refers to array {key!r}, which the NPZ does not hold")
-            return np.array(tf.host(key))  # a copy: the mapping is closed after loading
-        return {k: _restore(v, f"{where}[{k!r}]", tf) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_restore(v, f"{where}[{i}]", tf) for i, v in enumerate(value)]
-    return value
+def _restore(doc: dict, tf) -> Any:
+    def array(key: str) -> np.ndarray:
+        if key not in tf.infos:
+            raise KeyError(key)
+        return np.array(tf.host(key))  # a copy: the mapping is closed after loading
+
+    return decode(doc, PARAM_SIDECAR, array, where=f"{tf.path}: state")
 
 
 def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names=None, *,
@@ -273,9 +238,8 @@ def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names
     optim_arrays: list = []
     config_arrays: list = []
     doc = {
-        "optim_state": _extract(optim_state if optim_state is not None else {}, "optim_state", "optim_state",
-                                optim_arrays),
-        "config": _extract(config if config is not None else {}, "config", "config", config_arrays),
+        "optim_state": _extract(optim_state if optim_state is not None else {}, "optim_state", optim_arrays),
+        "config": _extract(config if config is not None else {}, "config", config_arrays),
     }
     arrays = optim_arrays + config_arrays
     clash = sorted(set(names) & {k for k, _ in arrays})
@@ -376,7 +340,7 @@ def load_checkpoint(queue, params: Iterable, path, names=None) -> dict:
                 raise FormatError(f"{json_path}: checkpoint sidecar must be a JSON object "
                                   f'({{"optim_state": ..., "config": ...}}), got {type(doc).__name__}')
             try:
-                state = _restore(doc, "state", tf)
+                state = _restore(doc, tf)
             except RecursionError:
                 raise FormatError(f"{json_path}: checkpoint sidecar nests too deeply to restore") from None
         _check_params(npz_path, tf, params, names)

@@ -19,7 +19,7 @@ The JSON file format is specified in :mod:`fastckpt.stateful.checkpoint`.
 
 from __future__ import annotations
 
-from fastckpt.stateful._codec import StateObject
+from fastckpt.state import StateObject
 from fastckpt.stateful.checkpoint import (
     FORMAT_VERSION,
     Checkpoint,

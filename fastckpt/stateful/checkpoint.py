@@ -1,9 +1,12 @@
 """Checkpoint: collect, save, load and restore the state of readers, RNGs and other stateful objects.
 
 A :class:`Checkpoint` holds a set of registered objects ("ops"), each under a
-key, and a dictionary of their states. It works with any object that has
-``get_state()`` / ``set_state(value)`` (the readers and :class:`RNG` of this
-package) or ``state_dict()`` / ``load_state_dict(value)``.
+key, and a dictionary of their states. It works with any object the state
+protocol of :mod:`fastckpt.state.protocol` knows, found in its one order: a
+``numpy.random.Generator``, then ``state_dict()`` / ``load_state_dict(value)``,
+then ``get_state()`` / ``set_state(value)`` (the readers and :class:`RNG` of
+this package). States are encoded by :mod:`fastckpt.state.codec` in its
+``STATEFUL_JSON`` dialect, whose bytes are specified below.
 
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.stateful import ArrayReader, Checkpoint, RNG
@@ -126,7 +129,9 @@ from typing import Any, Callable, Iterator
 
 from fastckpt._atomic import atomic_write
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError, FormatError
-from fastckpt.stateful._codec import StateObject, decode, dumps, encode
+from fastckpt.state import STATEFUL_JSON, StateObject, accessors, dumps
+from fastckpt.state import decode as _decode
+from fastckpt.state import encode as _encode_state
 
 __all__ = [
     "Checkpoint",
@@ -208,17 +213,6 @@ class _Entry:
 
 
 _UNSET = object()
-
-
-def _accessors(op) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
-    if callable(getattr(op, "get_state", None)) and callable(getattr(op, "set_state", None)):
-        return op.get_state, op.set_state
-    if callable(getattr(op, "state_dict", None)) and callable(getattr(op, "load_state_dict", None)):
-        return op.state_dict, op.load_state_dict
-    raise TypeError(
-        f"a {_qualname(type(op))} cannot be checkpointed: it needs get_state()/set_state(value) "
-        "or state_dict()/load_state_dict(value)"
-    )
 
 
 def _raise_with_context(exc: Exception, message: str):
@@ -378,7 +372,7 @@ class Checkpoint:
         >>> c.register(rng, "rng"), c.register(rng, "rng"), c.register(rng)
         ('rng', 'rng', 'rng')
         """
-        _accessors(op)
+        accessors(op)
         existing = self._by_id.get(id(op))
         if existing is not None and name in (None, existing):
             # Already registered here: nothing changes, but a state that arrived since is applied.
@@ -458,7 +452,7 @@ class Checkpoint:
             )
         states = {}
         for key, op in self._ops.items():
-            getter, _ = _accessors(op)
+            getter, _ = accessors(op)
             try:
                 value = getter()
             except Exception as exc:
@@ -475,7 +469,7 @@ class Checkpoint:
     def _encode(key: str, value: Any, op=None) -> Any:
         owner = f" ({_qualname(type(op))})" if op is not None else ""
         try:
-            return encode(value, where=f"state of {key!r}{owner}")
+            return _encode_state(value, STATEFUL_JSON, where=f"state of {key!r}{owner}")
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{exc}. States must be JSON-safe; see fastckpt.stateful.checkpoint") from None
 
@@ -498,7 +492,7 @@ class Checkpoint:
         entry = self._states.get(name)
         if entry is None:
             raise CheckpointKeyError(f"the op registered under {name!r} has no state yet; call collect() first")
-        return decode(entry.encoded) if entry.value is _UNSET else entry.value
+        return _decode(entry.encoded, STATEFUL_JSON) if entry.value is _UNSET else entry.value
 
     def set_state(self, name: str, value: Any, op_type: type | str | None = None) -> None:
         """Set the state for the op under ``name`` (registered now or later); it is marked dirty.
@@ -582,13 +576,13 @@ class Checkpoint:
             )
 
     def _apply(self, key: str, entry: _Entry, op) -> None:
-        _, setter = _accessors(op)
+        _, setter = accessors(op)
         if entry.value is not _UNSET:
             value = entry.value
         elif entry.decoded is not None:
             value, entry.decoded = entry.decoded, None
         else:
-            value = decode(entry.encoded, where=f"state of {key!r}")
+            value = _decode(entry.encoded, STATEFUL_JSON, where=f"state of {key!r}")
         try:
             setter(value)
         except Exception as exc:
@@ -721,7 +715,7 @@ class Checkpoint:
             type_name = item["type"]
             if type_name is not None and not isinstance(type_name, str):
                 raise FormatError(f"{where}: entry {key!r}: 'type' must be a string or null, got {type_name!r}")
-            decoded = decode(item["state"], where=f"{where}: state of {key!r}")  # validate now, not at apply time
+            decoded = _decode(item["state"], STATEFUL_JSON, where=f"{where}: state of {key!r}")  # validate now, not at apply time
             states[key] = _Entry(item["state"], _UNSET, type_name, dirty=True, decoded=decoded)
         return states
 

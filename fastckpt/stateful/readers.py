@@ -60,7 +60,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from fastckpt.stateful._codec import StateObject, dumps
+from fastckpt.state import StateObject, dumps
 
 __all__ = ["Reader", "ReaderState", "ArrayReader", "FileReader", "READER_STATE_VERSION"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt.stateful._codec import StateObject
+from fastckpt.state import StateObject
 
 __all__ = ["RNG", "RNGState", "BIT_GENERATORS"]
 

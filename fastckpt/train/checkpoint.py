@@ -92,7 +92,9 @@ contain no others that matter (readers MUST ignore unknown files):
 Tree encoding (JSON-safe, exact)
 --------------------------------
 State dicts are encoded so that decoding gives back equal values of the same
-types, bit for bit:
+types, bit for bit (the ``TRAIN_TREE`` dialect of :mod:`fastckpt.state.codec`;
+states are taken from objects in the one order of
+:mod:`fastckpt.state.protocol`):
 
 * ``null``, ``true``/``false``, strings, lists: themselves.
 * integers: themselves when ``|i| < 2**53`` (exact in every JSON reader),
@@ -142,13 +144,10 @@ Example
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import contextlib
 import datetime
 import hashlib
 import json
-import math
 import os
 import platform
 import re
@@ -163,7 +162,9 @@ import numpy as np
 
 from fastckpt._atomic import atomic_directory, atomic_write, fsync_directory
 from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
-from fastckpt.stateful._codec import ARRAY_TAG, decode_array, dtype_token, encode_array, parse_dtype
+from fastckpt.state import TRAIN_TREE, decode, encode, load_state
+from fastckpt.state import state_of as _protocol_state_of
+from fastckpt.state.codec import INLINE, TensorRefs
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -188,38 +189,6 @@ ALIGNMENT = 64
 _ALIAS = re.compile(r"^ALIAS\((.*)\)$", re.DOTALL)
 _MAX_SAFE_INT = 2**53
 _MAX_MANIFEST_BYTES = 64 << 20
-
-
-# ---------------------------------------------------------------------------------------------
-# Arrays from any framework
-# ---------------------------------------------------------------------------------------------
-def as_numpy(value: Any) -> np.ndarray | None:
-    """``value`` as an ndarray when it is array-like (ndarray, ``to_host()``, DLPack, ``__array__``), else None.
-
-    Zero-copy where the source allows (CPU DLPack, numpy views).
-
-    >>> as_numpy([1, 2]) is None, as_numpy(np.zeros(2)).shape
-    (True, (2,))
-    """
-    if isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, (np.generic, str, bytes, int, float, bool, list, tuple, dict)) or value is None:
-        return None
-    if hasattr(value, "to_host"):
-        return np.asarray(value.to_host())
-    if hasattr(value, "__dlpack__"):
-        tensor = value.detach() if hasattr(value, "detach") else value
-        try:
-            return np.from_dlpack(tensor)
-        except (TypeError, RuntimeError, BufferError, ValueError):
-            if hasattr(tensor, "cpu"):  # a device tensor: one copy to host
-                tensor = tensor.cpu()
-                with contextlib.suppress(TypeError, RuntimeError, BufferError, ValueError):
-                    return np.from_dlpack(tensor)
-            return np.asarray(tensor)
-    if hasattr(value, "__array__"):
-        return np.asarray(value)
-    return None
 
 
 def _view_key(arr: np.ndarray) -> tuple | None:
@@ -288,135 +257,42 @@ class ArrayTable:
         return sum(a.nbytes for a in self.tensors.values())
 
 
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def encode_tree(obj: Any, table: ArrayTable | None, path: str = "") -> Any:
-    """Encode ``obj`` into the JSON-safe tree encoding; arrays go to ``table`` (or inline when None).
-
-    >>> t = ArrayTable(); w = np.zeros(2, np.float32)
-    >>> encode_tree({"w": w, "tied": w, "t": 2**70, "b": (1.5,)}, t)
-    {'w': {'__tensor__': 'w'}, 'tied': {'__tensor__': 'tied'}, 't': {'__int__': '1180591620717411303424'}, 'b': {'__tuple__': [1.5]}}
-    >>> list(t.tensors), t.aliases
-    (['w'], {'tied': 'w'})
-    >>> decode_tree({"__tuple__": [{"__float__": "inf"}]}, None, "example")
-    (inf,)
-    """
-    # numpy scalars first: np.float64 and np.str_ are also float and str, and would lose their type.
-    if isinstance(obj, np.generic):
-        token = dtype_token(obj.dtype, f"state entry {path or '<root>'!r}")
-        return {"__scalar__": {"dtype": token, "data": base64.b64encode(obj.tobytes()).decode("ascii")}}
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return int(obj) if abs(obj) < _MAX_SAFE_INT else {"__int__": str(int(obj))}
-    if isinstance(obj, float):
-        return float(obj) if math.isfinite(obj) else {"__float__": repr(float(obj))}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [encode_tree(v, table, _join(path, i)) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [encode_tree(v, table, _join(path, i)) for i, v in enumerate(obj)]
-    if isinstance(obj, Mapping):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: encode_tree(v, table, _join(path, k)) for k, v in obj.items()}
-        return {"__dict__": [[encode_tree(k, None, path), encode_tree(v, table, _join(path, k))] for k, v in obj.items()]}
-    arr = as_numpy(obj)
-    if arr is None:
-        raise TypeError(
-            f"state entry {path or '<root>'!r} is a {type(obj).__module__}.{type(obj).__qualname__}; a checkpoint "
-            "stores None, bool, int, float, str, numpy scalars, lists, tuples, dicts and arrays"
-        )
-    if arr.dtype.hasobject:
-        raise TypeError(f"state entry {path!r} is an object array; only numeric arrays can be stored (nothing is pickled)")
-    if table is None:
-        return encode_array(arr, f"state entry {path or '<root>'!r}")
-    table.add(path, arr, source=obj)
-    return {"__tensor__": path}
-
-
-def decode_tree(tree: Any, tensor: Callable[[str], np.ndarray] | None, where: str) -> Any:
-    """Invert :func:`encode_tree`; ``tensor(name)`` supplies the stored arrays (see its example)."""
-    if isinstance(tree, list):
-        return [decode_tree(v, tensor, where) for v in tree]
-    if not isinstance(tree, dict):
-        return tree
-    if ARRAY_TAG in tree:
-        return decode_array(tree, where)
-    if len(tree) == 1:
-        (tag, body), = tree.items()
-        try:
-            if tag == "__int__":
-                return int(body)
-            if tag == "__float__":
-                return float(body)
-            if tag == "__tuple__":
-                return tuple(decode_tree(v, tensor, where) for v in body)
-            if tag == "__dict__":
-                return {decode_tree(k, None, where): decode_tree(v, tensor, where) for k, v in body}
-            if tag == "__scalar__":
-                dtype = parse_dtype(body["dtype"], where)
-                raw = base64.b64decode(body["data"], validate=True)
-                if len(raw) != dtype.itemsize:
-                    raise ValueError(f"{len(raw)} bytes of data for a {dtype} scalar of {dtype.itemsize}")
-                return np.frombuffer(raw, dtype=dtype)[0]
-            if tag == "__tensor__":
-                if tensor is None:
-                    raise FormatError(f"{where}: a tensor reference {body!r} where none is allowed")
-                return tensor(body)
-        except FormatError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"{where}: malformed {tag} entry {json.dumps(body)[:120]}: {e}") from None
-    return {k: decode_tree(v, tensor, where) for k, v in tree.items()}
-
-
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def encode_tree(obj: Any, table: ArrayTable | None, where: str) -> Any:
+    """``obj`` in the tree encoding (:data:`fastckpt.state.TRAIN_TREE`); arrays go to ``table``, else inline.
+
+    >>> t = ArrayTable(); w = np.zeros(2, np.float32)
+    >>> encode_tree({"w": w, "tied": w, "t": 2**70, "b": (1.5,)}, t, "model")
+    {'w': {'__tensor__': 'w'}, 'tied': {'__tensor__': 'tied'}, 't': {'__int__': '1180591620717411303424'}, 'b': {'__tuple__': [1.5]}}
+    >>> list(t.tensors), t.aliases
+    (['w'], {'tied': 'w'})
+    """
+    return encode(obj, TRAIN_TREE, INLINE if table is None else TensorRefs(table), where)
+
+
+def decode_tree(tree: Any, tensor: Callable[[str], np.ndarray] | None, where: str) -> Any:
+    """Invert :func:`encode_tree`; ``tensor(name)`` supplies the stored arrays.
+
+    >>> decode_tree({"__tuple__": [{"__float__": "inf"}]}, None, "example")
+    (inf,)
+    """
+    return decode(tree, TRAIN_TREE, tensor, where)
+
+
 def _canonical_hash(obj: Any) -> str:
-    text = json.dumps(encode_tree(obj, None), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = json.dumps(encode_tree(obj, None, "config"), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading state out of objects and back in
 # ---------------------------------------------------------------------------------------------
-def _is_numpy_generator(obj: Any) -> bool:
-    return isinstance(obj, np.random.Generator)
-
-
-def state_of(obj: Any, what: str) -> Any:
-    """The state of one state machine: ``Generator.bit_generator.state``, ``state_dict()`` or ``get_state()``."""
-    if obj is None:
-        return None
-    if _is_numpy_generator(obj):
-        return obj.bit_generator.state
-    if hasattr(obj, "state_dict"):
-        return obj.state_dict()
-    if hasattr(obj, "get_state"):
-        state = obj.get_state()
-        return state.to_dict() if hasattr(state, "to_dict") else state
-    raise TypeError(f"{what}: {type(obj).__qualname__} has no state_dict(), get_state() or bit_generator to save")
-
-
-def _like_target(obj: Any, state: Any) -> Any:
-    """Convert loaded ndarrays to the framework the target object uses (PyTorch tensors for torch objects)."""
-    if not type(obj).__module__.startswith("torch"):
-        return state
-    import torch
-
-    def convert(v):
-        if isinstance(v, np.ndarray):
-            return torch.from_numpy(v)
-        if isinstance(v, dict):
-            return type(v)((k, convert(x)) for k, x in v.items())
-        if isinstance(v, (list, tuple)):
-            return type(v)(convert(x) for x in v)
-        return v
-
-    return convert(state)
+def state_of(obj: Any) -> Any:
+    """The state of one state machine (None for None), by the lookup order of :mod:`fastckpt.state.protocol`."""
+    return None if obj is None else _protocol_state_of(obj)
 
 
 def restore_into(obj: Any, state: Any, what: str) -> None:
@@ -425,14 +301,7 @@ def restore_into(obj: Any, state: Any, what: str) -> None:
         return
     if state is None:
         raise ValueError(f"apply_checkpoint: the checkpoint holds no {what} state, but a {what} was given; pass None for it")
-    if _is_numpy_generator(obj):
-        obj.bit_generator.state = state
-    elif hasattr(obj, "load_state_dict"):
-        obj.load_state_dict(_like_target(obj, state))
-    elif hasattr(obj, "set_state"):
-        obj.set_state(state)
-    else:
-        raise TypeError(f"{what}: {type(obj).__qualname__} has no load_state_dict(), set_state() or bit_generator")
+    load_state(obj, state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,21 +371,21 @@ def take_snapshot(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, tr
     if type(step) is not int and not isinstance(step, np.integer):
         raise TypeError(f"save_checkpoint: step must be an int, got {step!r}")
     weights = ArrayTable(stage)
-    weights_tree = _dumps(encode_tree(state_of(model, "model"), weights))
+    weights_tree = _dumps(encode_tree(state_of(model), weights, "model"))
     weights.seal()
     optim = optim_tree = None
     if optimizer is not None:
         optim = ArrayTable(stage)
-        optim_tree = _dumps(encode_tree(state_of(optimizer, "optimizer"), optim))
+        optim_tree = _dumps(encode_tree(state_of(optimizer), optim, "optimizer"))
         optim.seal()
     # Python state is serialized now: later mutation by the trainer cannot reach the checkpoint.
     extra = {
         "format": "fastckpt.train.extra",
         "schema_version": SCHEMA_VERSION,
-        "scheduler": encode_tree(state_of(scheduler, "scheduler"), None, "scheduler"),
-        "data_iter": encode_tree(state_of(data_iter, "data_iter"), None, "data_iter"),
-        "train_rng": encode_tree(state_of(train_rng, "train_rng"), None, "train_rng"),
-        "scaler": encode_tree(state_of(scaler, "scaler"), None, "scaler"),
+        "scheduler": encode_tree(state_of(scheduler), None, "scheduler"),
+        "data_iter": encode_tree(state_of(data_iter), None, "data_iter"),
+        "train_rng": encode_tree(state_of(train_rng), None, "train_rng"),
+        "scaler": encode_tree(state_of(scaler), None, "scaler"),
     }
     extra_json = json.dumps(extra, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8")
     if config is None:
