@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from fastckpt.nn import kernels
+from fastckpt.nn._common import as_tensor, default_queue
 from fastckpt.nn.kernels import element_offset
 from fastckpt.nn.module import Module, init_rng, new_parameter
 from fastckpt.tensor import Tensor
@@ -46,26 +47,6 @@ __all__ = [
 ]
 
 _F32 = np.dtype(np.float32)
-
-
-def _default_queue(queue):
-    if queue is not None:
-        return queue
-    from fastckpt.device import default
-
-    return default().queue
-
-
-def as_tensor(x, queue, dtype) -> Tensor:
-    """``x`` as a device tensor: a Tensor as it is, host data uploaded (cast to ``dtype`` when given)."""
-    if isinstance(x, Tensor):
-        return x
-    host = np.asarray(x)
-    if host.dtype.hasobject or host.dtype.kind in "USMmV":
-        raise TypeError(f"cannot run a layer on a {host.dtype} array; pass numbers")
-    if dtype is not None and host.dtype != dtype:
-        host = host.astype(dtype)
-    return Tensor.from_host(_default_queue(queue), host)
 
 
 def _empty(queue, shape) -> Tensor:
@@ -127,7 +108,7 @@ class Linear(Module):
     def __init__(self, queue=None, in_features: int = None, out_features: int = None, bias: bool = True):
         self.in_features = _positive_int("Linear", "in_features", in_features)
         self.out_features = _positive_int("Linear", "out_features", out_features)
-        self.queue = _default_queue(queue)
+        self.queue = default_queue(queue)
         limit = math.sqrt(6.0 / (self.in_features + self.out_features))
         self.weight = new_parameter(self.queue, (self.in_features, self.out_features),
                                     lambda: _uniform((self.in_features, self.out_features), limit))
@@ -180,7 +161,7 @@ class Conv2d(Module):
                 f"Conv2d: groups={self.groups} must divide in_channels={self.in_channels} "
                 f"and out_channels={self.out_channels}"
             )
-        self.queue = _default_queue(queue)
+        self.queue = default_queue(queue)
         k = self.kernel_size
         fan_in = (self.in_channels // self.groups) * k * k
         bound = math.sqrt(6.0 / fan_in)
@@ -238,7 +219,7 @@ class BatchNorm2d(Module):
         self.eps = float(eps)
         if not self.eps > 0:
             raise ValueError(f"BatchNorm2d: eps must be > 0, got {eps!r}")
-        self.queue = _default_queue(queue)
+        self.queue = default_queue(queue)
         ones, zeros = (lambda: np.ones(c, np.float32)), (lambda: np.zeros(c, np.float32))
         self.gamma = new_parameter(self.queue, (c,), ones)
         self.beta = new_parameter(self.queue, (c,), zeros)
@@ -415,7 +396,7 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int = None, embedding_dim: int = None, queue=None):
         self.num_embeddings = _positive_int("Embedding", "num_embeddings", num_embeddings)
         self.embedding_dim = _positive_int("Embedding", "embedding_dim", embedding_dim)
-        self.queue = _default_queue(queue)
+        self.queue = default_queue(queue)
         shape = (self.num_embeddings, self.embedding_dim)
         self.weight = new_parameter(self.queue, shape, lambda: init_rng().standard_normal(shape).astype(np.float32))
 

@@ -30,6 +30,7 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
+from fastckpt.nn._common import as_tensor
 from fastckpt.tensor import Tensor
 
 __all__ = [
@@ -399,8 +400,6 @@ class Sequential(Module):
         for layer in self.layers:
             x = layer(x)
         if not isinstance(x, Tensor):  # an empty Sequential still returns a device tensor
-            from fastckpt.nn.layers import as_tensor
-
             x = as_tensor(x, None, None)
         return x
 
