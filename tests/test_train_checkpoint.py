@@ -569,9 +569,9 @@ def test_manifest_contents(tmp_path):
 
 
 def test_save_without_git_still_works(tmp_path, monkeypatch):
-    from fastckpt.train import checkpoint
+    from fastckpt.train import snapshot
 
-    monkeypatch.setattr(checkpoint, "_GIT_COMMIT", [])
+    monkeypatch.setattr(snapshot, "_GIT_COMMIT", [])
     monkeypatch.delenv("FASTCKPT_GIT_COMMIT", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     save(build_fresh(1), tmp_path / "c", 0)

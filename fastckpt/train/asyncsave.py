@@ -41,7 +41,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fastckpt.train.checkpoint import take_snapshot, write_snapshot
+from fastckpt.train.checkpoint import write_snapshot
+from fastckpt.train.snapshot import take_snapshot
 
 __all__ = ["SaveHandle", "AsyncCheckpointer", "StagingPool"]
 

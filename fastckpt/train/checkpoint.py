@@ -6,114 +6,9 @@ training RNG — plus, optionally, a dynamic loss scaler, so that a run restored
 from it continues with exactly the losses the uninterrupted run would have
 produced.
 
-Directory format, schema version 1.0
-====================================
-A checkpoint is one directory. It MUST contain these regular files and MAY
-contain no others that matter (readers MUST ignore unknown files):
-
-``weights.safetensors``
-    The model's ``state_dict()``, one safetensors file (see
-    ``fastckpt.safetensors`` for the byte layout: 8-byte little-endian header
-    length N, N bytes of JSON header padded with spaces, then the data
-    section). fastckpt writes it with a data section aligned to 64 bytes,
-    tensors ordered by dtype rank then name.
-
-    * Every array of the state dict that is not an alias is one tensor, named
-      by its path in the state dict: the keys from the root joined with ``.``
-      (``{"fc1": {"weight": w}}`` -> ``fc1.weight``; list indices are
-      decimal numbers). Two paths that join to the same name are an error at
-      save time.
-    * *Aliases (tied weights).* An array that is the very same view as an
-      array stored before it (same data address, dtype, shape and strides —
-      the same object, or two views of one parameter) MUST NOT be stored
-      twice. Its name instead gets the metadata entry
-      ``"<name>": "ALIAS(<target>)"`` where ``<target>`` is a stored tensor.
-      Readers MUST resolve an alias to the *same array object* as its target.
-      Arrays that merely overlap are stored separately.
-    * ``__metadata__`` (all values strings) MUST hold
-      ``"fastckpt.format": "fastckpt.train.weights"``,
-      ``"fastckpt.schema_version": "1.0"`` and ``"fastckpt.tree"``: the state
-      dict as JSON in the *tree encoding* below, each array replaced by
-      ``{"__tensor__": "<name>"}``. Metadata keys starting with ``fastckpt.``
-      are reserved; a tensor name MUST NOT start with ``fastckpt.``.
-
-``optim.safetensors``
-    The optimizer's ``state_dict()``, in the same layout as the weights file
-    but with ``"fastckpt.format": "fastckpt.train.optim"``. Every array of the
-    optimizer state (per-parameter moments ``m``/``v``, momentum buffers, a
-    0-d ``step`` tensor, ...) is a tensor; every scalar (the step count
-    ``t``, ``lr``, hyperparameters) lives in the tree. The file is absent when
-    the checkpoint was saved without an optimizer.
-
-``extra.json``
-    UTF-8 JSON object with ``"format": "fastckpt.train.extra"``,
-    ``"schema_version": "1.0"`` and the keys ``"scheduler"``, ``"data_iter"``,
-    ``"train_rng"`` and ``"scaler"``: each the state of that object in the tree
-    encoding, or ``null`` when it was not saved. Small arrays here (the key of
-    an MT19937 generator) are stored inline.
-
-``manifest.json``
-    Written last, once every other file is complete. UTF-8 JSON object:
-
-    ==================== ===========================================================
-    key                  value
-    ==================== ===========================================================
-    format               ``"fastckpt.train.checkpoint"``
-    schema_version       ``"1.0"``: ``"<major>.<minor>"``. Readers MUST refuse
-                         another major version and SHOULD read a higher minor
-                         (ignoring keys they do not know).
-    step, epoch          integers given to the save
-    metrics              object: the metrics given to the save (tree encoding;
-                         numpy numbers are stored as plain JSON numbers)
-    seed                 integer or null
-    created_utc          ISO 8601 time of the save
-    versions             object: ``python``, ``numpy``, ``fastckpt`` (and
-                         ``torch`` when it was imported)
-    config_hash          ``"sha256:<hex>"`` of the canonical JSON (sorted keys,
-                         no spaces) of the config given to the save, or, when
-                         none was given, of the derived config (object types,
-                         weight names, dtypes and shapes); ``config_source``
-                         says which (``"given"`` or ``"derived"``)
-    data_manifest_hash   ``"sha256:<hex>"`` of the canonical JSON of the data
-                         manifest (given, or ``data_iter.data_manifest()``), or null
-    git_commit           ``git rev-parse HEAD`` of the working directory (or
-                         ``$FASTCKPT_GIT_COMMIT``), or null
-    hardware             object: ``machine``, ``system``, ``processor``, ``cpu_count``
-    weights_sha256       lowercase hex sha256 of ``weights.safetensors``: the
-                         checkpoint's identity (returned by the save)
-    files                object: for every other file of the checkpoint, its
-                         name -> ``{"sha256": "<hex>", "bytes": <size>}``
-    ==================== ===========================================================
-
-    A checkpoint without a parseable ``manifest.json`` is incomplete and MUST
-    NOT be loaded. A loader SHOULD verify every listed file's size and sha256
-    before using it (``load_checkpoint`` does unless ``verify=False``).
-
-Tree encoding (JSON-safe, exact)
---------------------------------
-State dicts are encoded so that decoding gives back equal values of the same
-types, bit for bit (the ``TRAIN_TREE`` dialect of :mod:`fastckpt.state.codec`;
-states are taken from objects in the one order of
-:mod:`fastckpt.state.protocol`):
-
-* ``null``, ``true``/``false``, strings, lists: themselves.
-* integers: themselves when ``|i| < 2**53`` (exact in every JSON reader),
-  else ``{"__int__": "<decimal>"}`` (a PCG64 state is 128 bits).
-* floats: themselves when finite (Python writes the shortest repr that
-  round-trips exactly), else ``{"__float__": "inf" | "-inf" | "nan"}``.
-* numpy scalars: ``{"__scalar__": {"dtype": D, "data": "<base64 of its
-  itemsize bytes>"}}``, ``D`` as for arrays below.
-* tuples: ``{"__tuple__": [...]}``.
-* dicts whose keys are all strings not starting with ``__``: a JSON object;
-  any other dict: ``{"__dict__": [[key, value], ...]}`` (keys encoded too, so
-  PyTorch's integer-keyed optimizer state keeps its keys).
-* arrays: ``{"__tensor__": "<name>"}`` in the safetensors files; in
-  ``extra.json`` the array object of ``fastckpt.stateful`` (exactly these
-  keys): ``{"__ndarray__": "<base64 of the C-order bytes>", "dtype": D,
-  "shape": [...]}`` with exactly ``prod(shape) * itemsize`` bytes. ``D`` is a
-  numpy dtype string with its byte order (kinds ``b i u f c S U``) or the
-  name of an ``ml_dtypes`` type (``"bfloat16"``, ...). Object, structured and
-  other arrays are refused (nothing is ever pickled).
+The directory format (byte-level specification, tree encoding, manifest) is
+in :mod:`fastckpt.train.format`; how the state is taken from the objects, in
+:mod:`fastckpt.train.snapshot`.
 
 Writing
 =======
@@ -145,26 +40,33 @@ Example
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
-import hashlib
 import json
 import os
-import platform
-import re
-import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 from fastckpt._atomic import atomic_directory, atomic_write, fsync_directory
-from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
-from fastckpt.state import TRAIN_TREE, decode, encode, load_state
-from fastckpt.state import state_of as _protocol_state_of
-from fastckpt.state.codec import INLINE, TensorRefs
+from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.train.format import (
+    ALIGNMENT,
+    EXTRA_FILE,
+    MANIFEST_FILE,
+    OPTIM_FILE,
+    SCHEMA_VERSION,
+    WEIGHTS_FILE,
+    _check_file,
+    _check_view,
+    _integrity_error,
+    _table_metadata,
+    _TensorSource,
+    _walk_refs,
+    decode_tree,
+    read_manifest,
+    sha256_file,
+)
+from fastckpt.train.snapshot import Snapshot, restore_into, take_snapshot
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -176,282 +78,16 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-SCHEMA_VERSION = "1.0"
-CHECKPOINT_FORMAT = "fastckpt.train.checkpoint"
-WEIGHTS_FILE = "weights.safetensors"
-OPTIM_FILE = "optim.safetensors"
-EXTRA_FILE = "extra.json"
-MANIFEST_FILE = "manifest.json"
-# Small alignment: a training checkpoint is copied on load anyway, and the file
-# size should equal the unique parameter bytes plus a header of a few hundred bytes.
-ALIGNMENT = 64
-
-_ALIAS = re.compile(r"^ALIAS\((.*)\)$", re.DOTALL)
-_MAX_SAFE_INT = 2**53
-_MAX_MANIFEST_BYTES = 64 << 20
-
-
-def _view_key(arr: np.ndarray) -> tuple | None:
-    if arr.size == 0:
-        return None  # empty arrays may share an address without being the same tensor
-    return (arr.__array_interface__["data"][0], arr.dtype.str, arr.shape, arr.strides)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tree encoding
-# ---------------------------------------------------------------------------------------------
-class ArrayTable:
-    """The tensors of one safetensors file, with tied (aliased) arrays stored once.
-
-    ``take(arr)`` (optional) gives the array to store for a new unique array:
-    a staged copy for an asynchronous save, the array itself otherwise.
-
-    >>> t = ArrayTable(); a = np.arange(4.0)
-    >>> t.add("a", a); t.add("view", a[:]); t.add("half", a[:2])
-    >>> sorted(t.tensors), t.aliases
-    (['a', 'half'], {'view': 'a'})
-    """
-
-    def __init__(self, take: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        self.tensors: dict[str, np.ndarray] = {}
-        self.aliases: dict[str, str] = {}
-        self._by_view: dict[tuple, str] = {}
-        self._by_source: dict[int, str] = {}
-        self._sources: list[Any] = []
-        self._take = take
-
-    def add(self, name: str, arr: np.ndarray, source: Any = None) -> None:
-        """Store ``arr`` under ``name``, or record an alias when it is an array already stored.
-
-        ``source`` is the object ``arr`` was converted from: a device tensor gives a new host
-        array on every ``to_host()``, so the same tensor object is recognised by identity.
-        """
-        if name in self.tensors or name in self.aliases:
-            raise ValueError(f"two entries of the state are both named {name!r} once their keys are joined with '.'")
-        if name.startswith("fastckpt."):
-            raise ValueError(f"state key {name!r}: names starting with 'fastckpt.' are reserved for checkpoint metadata")
-        if arr.dtype.hasobject:
-            raise TypeError(f"state entry {name!r} is an object array; only numeric arrays can be stored (nothing is pickled)")
-        if source is not None and source is not arr:
-            target = self._by_source.get(id(source))
-            if target is not None:
-                self.aliases[name] = target
-                return
-            self._by_source[id(source)] = name
-            self._sources.append(source)  # kept alive so that its id is not reused meanwhile
-        key = _view_key(arr)
-        if key is not None and key in self._by_view:
-            self.aliases[name] = self._by_view[key]
-            return
-        if key is not None:
-            self._by_view[key] = name
-        self.tensors[name] = self._take(arr) if self._take is not None else arr
-
-    def seal(self) -> None:
-        """No more arrays will come: drop the references to their source objects."""
-        self._sources.clear()
-        self._by_source.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.tensors.values())
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def encode_tree(obj: Any, table: ArrayTable | None, where: str) -> Any:
-    """``obj`` in the tree encoding (:data:`fastckpt.state.TRAIN_TREE`); arrays go to ``table``, else inline.
-
-    >>> t = ArrayTable(); w = np.zeros(2, np.float32)
-    >>> encode_tree({"w": w, "tied": w, "t": 2**70, "b": (1.5,)}, t, "model")
-    {'w': {'__tensor__': 'w'}, 'tied': {'__tensor__': 'tied'}, 't': {'__int__': '1180591620717411303424'}, 'b': {'__tuple__': [1.5]}}
-    >>> list(t.tensors), t.aliases
-    (['w'], {'tied': 'w'})
-    """
-    return encode(obj, TRAIN_TREE, INLINE if table is None else TensorRefs(table), where)
-
-
-def decode_tree(tree: Any, tensor: Callable[[str], np.ndarray] | None, where: str) -> Any:
-    """Invert :func:`encode_tree`; ``tensor(name)`` supplies the stored arrays.
-
-    >>> decode_tree({"__tuple__": [{"__float__": "inf"}]}, None, "example")
-    (inf,)
-    """
-    return decode(tree, TRAIN_TREE, tensor, where)
-
-
-def _canonical_hash(obj: Any) -> str:
-    text = json.dumps(encode_tree(obj, None, "config"), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading state out of objects and back in
-# ---------------------------------------------------------------------------------------------
-def state_of(obj: Any) -> Any:
-    """The state of one state machine (None for None), by the lookup order of :mod:`fastckpt.state.protocol`."""
-    return None if obj is None else _protocol_state_of(obj)
-
-
-def restore_into(obj: Any, state: Any, what: str) -> None:
-    """Put ``state`` back into ``obj`` (the inverse of :func:`state_of`); never reseeds an RNG."""
-    if obj is None:
-        return
-    if state is None:
-        raise ValueError(f"apply_checkpoint: the checkpoint holds no {what} state, but a {what} was given; pass None for it")
-    load_state(obj, state)
-
-
-# ---------------------------------------------------------------------------------------------
-# Snapshot: everything a save writes, taken at one instant
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class Snapshot:
-    """The complete content of one checkpoint, detached from the live objects when staged."""
-
-    weights: ArrayTable
-    weights_tree: str
-    optim: ArrayTable | None
-    optim_tree: str | None
-    extra_json: bytes
-    manifest: dict[str, Any]
-
-
-_GIT_COMMIT: list[str | None] = []
-
-
-def _git_commit() -> str | None:
-    if not _GIT_COMMIT:
-        commit = os.environ.get("FASTCKPT_GIT_COMMIT")
-        if commit is None:
-            try:
-                out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
-                commit = out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
-            except (OSError, subprocess.SubprocessError):
-                commit = None
-        _GIT_COMMIT.append(commit)
-    return _GIT_COMMIT[0]
-
-
-def _versions() -> dict[str, str]:
-    from fastckpt import __version__
-
-    out = {"python": platform.python_version(), "numpy": np.__version__, "fastckpt": __version__}
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        out["torch"] = str(getattr(torch, "__version__", "unknown"))
-    return out
-
-
-def _hardware() -> dict[str, Any]:
-    return {"machine": platform.machine(), "system": platform.system(), "processor": platform.processor(),
-            "cpu_count": os.cpu_count()}
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    # Metrics are for people and retention policies: numpy numbers become plain JSON numbers
-    # (float32 -> float is exact).
-    out = {}
-    for key, value in dict(metrics or {}).items():
-        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
-            value = value.item()
-        out[key] = value
-    return out
-
-
-def take_snapshot(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, train_rng: Any, *,
-                  step: int, epoch: int, metrics: Mapping[str, Any] | None, scaler: Any = None,
-                  seed: int | None = None, config: Any = None, data_manifest: Any = None,
-                  stage: Callable[[np.ndarray], np.ndarray] | None = None) -> Snapshot:
-    """Capture every piece of state. With ``stage`` (copy arrays) the snapshot no longer depends on the objects."""
-    if model is None:
-        raise TypeError("save_checkpoint: a model is required")
-    if type(step) is not int and not isinstance(step, np.integer):
-        raise TypeError(f"save_checkpoint: step must be an int, got {step!r}")
-    weights = ArrayTable(stage)
-    weights_tree = _dumps(encode_tree(state_of(model), weights, "model"))
-    weights.seal()
-    optim = optim_tree = None
-    if optimizer is not None:
-        optim = ArrayTable(stage)
-        optim_tree = _dumps(encode_tree(state_of(optimizer), optim, "optimizer"))
-        optim.seal()
-    # Python state is serialized now: later mutation by the trainer cannot reach the checkpoint.
-    extra = {
-        "format": "fastckpt.train.extra",
-        "schema_version": SCHEMA_VERSION,
-        "scheduler": encode_tree(state_of(scheduler), None, "scheduler"),
-        "data_iter": encode_tree(state_of(data_iter), None, "data_iter"),
-        "train_rng": encode_tree(state_of(train_rng), None, "train_rng"),
-        "scaler": encode_tree(state_of(scaler), None, "scaler"),
-    }
-    extra_json = json.dumps(extra, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8")
-    if config is None:
-        config_source = "derived"
-        config = {
-            "model": type(model).__qualname__,
-            "weights": {k: [v.dtype.str, list(v.shape)] for k, v in weights.tensors.items()},
-            "aliases": dict(weights.aliases),
-            **{name: (type(o).__qualname__ if o is not None else None)
-               for name, o in (("optimizer", optimizer), ("scheduler", scheduler), ("data_iter", data_iter),
-                               ("train_rng", train_rng), ("scaler", scaler))},
-        }
-    else:
-        config_source = "given"
-    if data_manifest is None and data_iter is not None and hasattr(data_iter, "data_manifest"):
-        data_manifest = data_iter.data_manifest()
-    manifest = {
-        "format": CHECKPOINT_FORMAT,
-        "schema_version": SCHEMA_VERSION,
-        "step": int(step),
-        "epoch": int(epoch),
-        "metrics": encode_tree(_plain_metrics(metrics), None, "metrics"),
-        "seed": None if seed is None else int(seed),
-        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
-        "versions": _versions(),
-        "config_hash": _canonical_hash(config),
-        "config_source": config_source,
-        "data_manifest_hash": None if data_manifest is None else _canonical_hash(data_manifest),
-        "git_commit": _git_commit(),
-        "hardware": _hardware(),
-    }
-    return Snapshot(weights, weights_tree, optim, optim_tree, extra_json, manifest)
-
 
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
-    """``(hex sha256, size)`` of a file (e.g. ``sha256_file("ckpt/weights.safetensors")``).
-
-    Hashes a read-only mapping in one call (hashlib releases the GIL), which
-    saves the copy a ``read()`` into a buffer would make; right after a save
-    the pages are in the page cache.
-    """
-    from fastckpt._mapped import MappedFile
-
-    size = os.path.getsize(path)
-    if size == 0:
-        return hashlib.sha256(b"").hexdigest(), 0
-    with MappedFile(path) as m:
-        return hashlib.sha256(m.view(0, m.size)).hexdigest(), m.size
-
-
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _table_metadata(table: ArrayTable, tree: str, fmt: str) -> dict[str, str]:
-    meta = {"fastckpt.format": fmt, "fastckpt.schema_version": SCHEMA_VERSION, "fastckpt.tree": tree}
-    for name, target in table.aliases.items():
-        meta[name] = f"ALIAS({target})"
-    return meta
 
 
 def _existing_is_replaceable(out: Path) -> bool:
@@ -581,141 +217,6 @@ class CheckpointState:
     @property
     def metrics(self) -> dict[str, Any]:
         return decode_tree(self.manifest.get("metrics", {}), None, "manifest metrics")
-
-
-def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
-    """Parse and check ``manifest.json`` of a checkpoint directory (format, schema version, required keys).
-
-    Raises :class:`~fastckpt.errors.CheckpointNotFoundError` when there is no
-    checkpoint (or an incomplete one) and :class:`~fastckpt.errors.FormatError`
-    when the manifest is unreadable or of another major version.
-
-    >>> import tempfile, os
-    >>> from fastckpt.train import TinyLM
-    >>> out = os.path.join(tempfile.mkdtemp(), "c")
-    >>> digest = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, None, out, step=7)
-    >>> m = read_manifest(out); m["step"], m["weights_sha256"] == digest, sorted(m["files"])
-    (7, True, ['extra.json', 'weights.safetensors'])
-    """
-    d = Path(in_dir)
-    path = d / MANIFEST_FILE
-    if not d.is_dir():
-        raise CheckpointNotFoundError(f"{d}: no such checkpoint directory")
-    if not path.is_file():
-        raise CheckpointNotFoundError(
-            f"{d}: no {MANIFEST_FILE}; the directory is not a checkpoint, or its save never completed"
-        )
-    size = path.stat().st_size
-    if size > _MAX_MANIFEST_BYTES:
-        raise FormatError(f"{path}: {size} bytes, over the {_MAX_MANIFEST_BYTES}-byte limit for a manifest")
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{path}: not valid UTF-8 JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise FormatError(f"{path}: 'format' is {got!r}, expected {CHECKPOINT_FORMAT!r}")
-    version = manifest.get("schema_version")
-    major = str(version).split(".")[0]
-    if not isinstance(version, str) or major != SCHEMA_VERSION.split(".")[0]:
-        raise FormatError(
-            f"{path}: schema_version {version!r} is not readable by this fastckpt (reads {SCHEMA_VERSION.split('.')[0]}.x); "
-            "upgrade fastckpt to load it"
-        )
-    missing = [k for k in ("step", "epoch", "files", "weights_sha256") if k not in manifest]
-    files = manifest.get("files")
-    if missing or not isinstance(files, dict) or WEIGHTS_FILE not in files or EXTRA_FILE not in files:
-        raise FormatError(f"{path}: incomplete manifest (missing {missing or 'file entries for ' + WEIGHTS_FILE + '/' + EXTRA_FILE})")
-    for name, entry in files.items():
-        if (not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not isinstance(entry, dict)
-                or not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("bytes"), int)):
-            raise FormatError(f"{path}: malformed files entry {name!r}: {entry!r}")
-    return manifest
-
-
-def _check_file(d: Path, name: str, entry: dict[str, Any], hashes: bool) -> str | None:
-    path = d / name
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return f"{path}: missing (the manifest lists it with {entry['bytes']} bytes)"
-    if size != entry["bytes"]:
-        return f"{path}: {size} bytes, the manifest says {entry['bytes']} (file truncated or replaced?)"
-    if hashes:
-        digest, _ = sha256_file(path)
-        if digest != entry["sha256"]:
-            return f"{path}: sha256 mismatch: the manifest expects {entry['sha256']}, the file has {digest}"
-    return None
-
-
-def _check_view(path: Path, view: memoryview, entry: dict[str, Any], hashes: bool) -> str | None:
-    size = view.nbytes
-    if size != entry["bytes"]:
-        return f"{path}: {size} bytes, the manifest says {entry['bytes']} (file truncated or replaced?)"
-    if hashes and size:
-        digest = hashlib.sha256(view).hexdigest()
-        if digest != entry["sha256"]:
-            return f"{path}: sha256 mismatch: the manifest expects {entry['sha256']}, the file has {digest}"
-    return None
-
-
-def _integrity_error(problem: str) -> IntegrityError:
-    return IntegrityError(
-        f"{problem}; the checkpoint was changed or damaged after it was saved — restore it from a copy, "
-        "load an earlier checkpoint, or pass verify=False to load it anyway"
-    )
-
-
-class _TensorSource:
-    """Copies tensors out of a mapped safetensors file once; aliases resolve to the same copy."""
-
-    def __init__(self, path: Path, expected_format: str) -> None:
-        import fastckpt
-
-        self.path = path
-        self.file = fastckpt.open(path)
-        meta = self.file.metadata or {}
-        if meta.get("fastckpt.format") != expected_format:
-            self.file.close()
-            raise FormatError(f"{path}: metadata 'fastckpt.format' is {meta.get('fastckpt.format')!r}, expected {expected_format!r}")
-        self.meta = meta
-        self.cache: dict[str, np.ndarray] = {}
-
-    def tree(self) -> Any:
-        try:
-            return json.loads(self.meta["fastckpt.tree"])
-        except (KeyError, ValueError, RecursionError) as e:
-            raise FormatError(f"{self.path}: metadata 'fastckpt.tree' missing, not JSON or nested too deeply ({e!r})") from None
-
-    def resolve(self, name: str) -> str:
-        if name in self.file:
-            return name
-        alias = _ALIAS.match(self.meta.get(name, ""))
-        if alias is None:
-            raise FormatError(f"{self.path}: the state refers to tensor {name!r}, which is neither stored nor an ALIAS(...) entry")
-        target = alias.group(1)
-        if target not in self.file:
-            raise FormatError(f"{self.path}: {name!r} is ALIAS({target}), but no tensor {target!r} is stored")
-        return target
-
-    def __call__(self, name: str) -> np.ndarray:
-        target = self.resolve(name)
-        arr = self.cache.get(target)
-        if arr is None:
-            # A private writable copy: the mapped view is read-only and shares the page cache.
-            arr = self.cache[target] = np.array(self.file.host(target), copy=True)
-        return arr
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def _read_table_file(path: Path, expected_format: str) -> Any:
-    src = _TensorSource(path, expected_format)
-    try:
-        return decode_tree(src.tree(), src, str(path))
-    finally:
-        src.close()
 
 
 def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> CheckpointState:
@@ -881,15 +382,3 @@ def verify_checkpoint(in_dir: str | os.PathLike, *, hashes: bool = True) -> list
     except (UnicodeDecodeError, ValueError, OSError) as e:
         problems.append(f"{d / EXTRA_FILE}: unreadable ({e})")
     return problems
-
-
-def _walk_refs(tree: Any, resolve: Callable[[str], str]) -> None:
-    if isinstance(tree, list):
-        for v in tree:
-            _walk_refs(v, resolve)
-    elif isinstance(tree, dict):
-        if len(tree) == 1 and "__tensor__" in tree:
-            resolve(tree["__tensor__"])
-        else:
-            for v in tree.values():
-                _walk_refs(v, resolve)

@@ -67,9 +67,9 @@ from fastckpt.train.checkpoint import (
     apply_checkpoint,
     load_checkpoint,
     read_manifest,
-    take_snapshot,
     write_snapshot,
 )
+from fastckpt.train.snapshot import take_snapshot
 
 __all__ = ["CheckpointManager"]
 
