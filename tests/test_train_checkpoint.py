@@ -26,7 +26,7 @@ from fastckpt.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from fastckpt.train.selfcheck import (
+from fastckpt.train.reference.selfcheck import (
     MACHINES,
     build_fresh,
     byte_equal,

@@ -22,7 +22,7 @@ from fastckpt.train import asyncsave
 from fastckpt.train.asyncsave import AsyncCheckpointer, StagingPool
 from fastckpt.train.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
 from fastckpt.train.manager import RECORD_FILE, CheckpointManager
-from fastckpt.train.selfcheck import build_fresh, byte_equal, capture_full_state, first_difference, train_n_steps
+from fastckpt.train.reference.selfcheck import build_fresh, byte_equal, capture_full_state, first_difference, train_n_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -287,7 +287,7 @@ CHILD_ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get(
 KILL_AT_RENAME = r"""
 import os, signal, sys
 from fastckpt.train import CheckpointManager
-from fastckpt.train.selfcheck import build_fresh, train_n_steps
+from fastckpt.train.reference.selfcheck import build_fresh, train_n_steps
 directory, crash_at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 objs = build_fresh(1)
 mgr = CheckpointManager(directory, max_to_keep=1)
@@ -347,7 +347,7 @@ def test_kill_9_before_each_rename_of_a_save(tmp_path, crash_at, mode):
 KILL_ANY_TIME = r"""
 import sys
 from fastckpt.train import CheckpointManager
-from fastckpt.train.selfcheck import build_fresh, train_n_steps
+from fastckpt.train.reference.selfcheck import build_fresh, train_n_steps
 objs = build_fresh(1, vocab=512, dim=128, hidden=512)
 mgr = CheckpointManager(sys.argv[1], max_to_keep=2, keep_every_n_steps=7)
 state = mgr.restore_latest(*objs.save_args(), scaler=objs.scaler)

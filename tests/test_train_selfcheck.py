@@ -6,7 +6,8 @@ import json
 
 import numpy as np
 
-from fastckpt.train import checkpoint, selfcheck
+from fastckpt.train import checkpoint
+from fastckpt.train.reference import selfcheck
 
 
 def test_selfcheck_writes_the_seed_fields(tmp_path):

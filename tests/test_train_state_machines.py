@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from fastckpt.train.data import ShuffledTokenBatches
-from fastckpt.train.model import Parameter, TinyLM
-from fastckpt.train.optim import SGD, Adam, AdamW
-from fastckpt.train.scaler import GradScaler
-from fastckpt.train.sched import CosineWarmupLR, ReduceLROnPlateau, StepLR
-from fastckpt.train.selfcheck import build_fresh, byte_equal, train_n_steps
+from fastckpt.train.reference.data import ShuffledTokenBatches
+from fastckpt.train.reference.model import Parameter, TinyLM
+from fastckpt.train.reference.optim import SGD, Adam, AdamW
+from fastckpt.train.reference.scaler import GradScaler
+from fastckpt.train.reference.sched import CosineWarmupLR, ReduceLROnPlateau, StepLR
+from fastckpt.train.reference.selfcheck import build_fresh, byte_equal, train_n_steps
 
 
 def _params(seed=0):

@@ -44,8 +44,8 @@ import numpy as np
 from fastckpt.bench.timing import round_robin, summarize, table_lines
 from fastckpt.train.checkpoint import load_checkpoint, save_checkpoint
 from fastckpt.train.manager import CheckpointManager
-from fastckpt.train.model import TinyLM
-from fastckpt.train.optim import Adam
+from fastckpt.train.reference.model import TinyLM
+from fastckpt.train.reference.optim import Adam
 
 __all__ = ["configure", "run", "measure", "build_state", "table"]
 

@@ -4,9 +4,9 @@
 restore the model, optimizer, scheduler, data iterator, training RNG (and loss
 scaler) as one atomic directory; ``CheckpointManager`` keeps a series of them
 with retention policies and asynchronous saves. The optimizers, schedulers,
-scaler, data iterator and ``TinyLM`` here are reference implementations whose
-state round-trips exactly. The directory format is specified in
-:mod:`fastckpt.train.checkpoint`.
+scaler, data iterator and ``TinyLM`` re-exported here are the reference
+trainer of :mod:`fastckpt.train.reference`, whose state round-trips exactly.
+The directory format is specified in :mod:`fastckpt.train.format`.
 
 >>> from fastckpt.train import CheckpointManager, TinyLM, AdamW
 >>> TinyLM(vocab=8, dim=4, hidden=8).tied
@@ -28,17 +28,17 @@ _LAZY = {
     "CheckpointManager": "fastckpt.train.manager",
     "SaveHandle": "fastckpt.train.asyncsave",
     "AsyncCheckpointer": "fastckpt.train.asyncsave",
-    "SGD": "fastckpt.train.optim",
-    "Adam": "fastckpt.train.optim",
-    "AdamW": "fastckpt.train.optim",
-    "StepLR": "fastckpt.train.sched",
-    "CosineWarmupLR": "fastckpt.train.sched",
-    "ReduceLROnPlateau": "fastckpt.train.sched",
-    "GradScaler": "fastckpt.train.scaler",
-    "ShuffledTokenBatches": "fastckpt.train.data",
-    "Parameter": "fastckpt.train.model",
-    "TinyLM": "fastckpt.train.model",
-    "train_step": "fastckpt.train.model",
+    "SGD": "fastckpt.train.reference.optim",
+    "Adam": "fastckpt.train.reference.optim",
+    "AdamW": "fastckpt.train.reference.optim",
+    "StepLR": "fastckpt.train.reference.sched",
+    "CosineWarmupLR": "fastckpt.train.reference.sched",
+    "ReduceLROnPlateau": "fastckpt.train.reference.sched",
+    "GradScaler": "fastckpt.train.reference.scaler",
+    "ShuffledTokenBatches": "fastckpt.train.reference.data",
+    "Parameter": "fastckpt.train.reference.model",
+    "TinyLM": "fastckpt.train.reference.model",
+    "train_step": "fastckpt.train.reference.model",
 }
 
 __all__ = list(_LAZY)

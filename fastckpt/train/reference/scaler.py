@@ -11,8 +11,8 @@ Call order per iteration (as in PyTorch): ``loss * scaler.scale`` → backward �
 ``scaler.step(optimizer)`` → ``scaler.update()``. Save between iterations.
 
 >>> import numpy as np
->>> from fastckpt.train.model import Parameter
->>> from fastckpt.train.optim import SGD
+>>> from fastckpt.train.reference.model import Parameter
+>>> from fastckpt.train.reference.optim import SGD
 >>> p = Parameter(np.zeros(1, np.float32)); opt = SGD([p], lr=1.0)
 >>> s = GradScaler(init_scale=4.0, growth_interval=1)
 >>> p.grad = np.array([8.0], np.float32)   # = 2.0 * scale

@@ -13,7 +13,7 @@ parameter, in ``params`` order; ``load_state_dict`` validates everything before
 it changes anything.
 
 >>> import numpy as np
->>> from fastckpt.train.model import Parameter
+>>> from fastckpt.train.reference.model import Parameter
 >>> p = Parameter(np.ones(3, np.float32))
 >>> opt = Adam([p], lr=0.1)
 >>> p.grad = np.full(3, 0.5, np.float32)
@@ -125,7 +125,7 @@ class SGD(Optimizer):
     """SGD with (optionally Nesterov) momentum and L2 weight decay, as in PyTorch.
 
     >>> import numpy as np
-    >>> from fastckpt.train.model import Parameter
+    >>> from fastckpt.train.reference.model import Parameter
     >>> p = Parameter(np.zeros(2, np.float32)); p.grad = np.ones(2, np.float32)
     >>> opt = SGD([p], lr=0.5, momentum=0.9); opt.step(); opt.step()
     >>> p.data.tolist()
@@ -161,7 +161,7 @@ class Adam(Optimizer):
     """Adam with bias correction (uses the step count ``t``) and optional L2 weight decay.
 
     >>> import numpy as np
-    >>> from fastckpt.train.model import Parameter
+    >>> from fastckpt.train.reference.model import Parameter
     >>> p = Parameter(np.zeros(1, np.float32)); p.grad = np.ones(1, np.float32)
     >>> opt = Adam([p], lr=0.01); opt.step(); float(p.data[0])
     -0.010000000707805157
@@ -199,7 +199,7 @@ class AdamW(Adam):
     """Adam with decoupled weight decay (Loshchilov & Hutter), applied before the Adam step.
 
     >>> import numpy as np
-    >>> from fastckpt.train.model import Parameter
+    >>> from fastckpt.train.reference.model import Parameter
     >>> p = Parameter(np.ones(1, np.float32)); p.grad = np.zeros(1, np.float32)
     >>> opt = AdamW([p], lr=0.1, weight_decay=0.5); opt.step(); float(p.data[0])
     0.949999988079071

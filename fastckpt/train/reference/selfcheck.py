@@ -1,6 +1,6 @@
 """Round-trip self-check of training checkpoints; writes ``roundtrip_results.json``.
 
-``python -m fastckpt.train.selfcheck OUT_DIR`` trains the reference model a
+``python -m fastckpt.train.reference.selfcheck OUT_DIR`` trains the reference model a
 few steps, saves, reloads into fresh objects and measures — it does not
 assume — that:
 
@@ -42,11 +42,11 @@ import numpy as np
 
 from fastckpt._atomic import atomic_write
 from fastckpt.train.checkpoint import SCHEMA_VERSION, WEIGHTS_FILE, apply_checkpoint, load_checkpoint, save_checkpoint
-from fastckpt.train.data import ShuffledTokenBatches
-from fastckpt.train.model import TinyLM, train_step
-from fastckpt.train.optim import SGD, Adam, AdamW
-from fastckpt.train.scaler import GradScaler
-from fastckpt.train.sched import CosineWarmupLR, ReduceLROnPlateau, StepLR
+from fastckpt.train.reference.data import ShuffledTokenBatches
+from fastckpt.train.reference.model import TinyLM, train_step
+from fastckpt.train.reference.optim import SGD, Adam, AdamW
+from fastckpt.train.reference.scaler import GradScaler
+from fastckpt.train.reference.sched import CosineWarmupLR, ReduceLROnPlateau, StepLR
 
 __all__ = ["TrainObjects", "build_fresh", "train_n_steps", "capture_full_state", "byte_equal", "first_difference",
            "unique_param_bytes", "run_selfcheck", "MACHINES"]
@@ -262,7 +262,7 @@ def passed(results: dict[str, Any]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastckpt.train.selfcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fastckpt.train.reference.selfcheck", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="directory for roundtrip_results.json, manifest.json and the checkpoint")
     args = parser.parse_args(argv)
     results = run_selfcheck(args.out_dir)

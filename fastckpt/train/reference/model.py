@@ -12,7 +12,7 @@ RNG — bit for bit on one machine.
 machines (model + optimizer, scheduler, loss scaler, data iterator, RNG).
 
 >>> import numpy as np
->>> from fastckpt.train.optim import AdamW
+>>> from fastckpt.train.reference.optim import AdamW
 >>> model = TinyLM(vocab=16, dim=8, hidden=16, seed=0)
 >>> model.embed.weight.data is model.lm_head.weight.data
 True
@@ -177,9 +177,9 @@ def train_step(model: TinyLM, optimizer: Any, scheduler: Any, data_iter: Any, tr
     Returns the (unscaled) loss. A ``ReduceLROnPlateau`` scheduler gets the loss as its metric.
 
     >>> import numpy as np
-    >>> from fastckpt.train.optim import SGD
-    >>> from fastckpt.train.sched import StepLR
-    >>> from fastckpt.train.data import ShuffledTokenBatches
+    >>> from fastckpt.train.reference.optim import SGD
+    >>> from fastckpt.train.reference.sched import StepLR
+    >>> from fastckpt.train.reference.data import ShuffledTokenBatches
     >>> m = TinyLM(vocab=16, dim=8, hidden=16); opt = SGD(m.parameters(), lr=0.1)
     >>> data = ShuffledTokenBatches(np.arange(200) % 16, batch_size=4, seq_len=8, seed=0)
     >>> float(train_step(m, opt, StepLR(opt, 10), data, np.random.default_rng(0))) > 0

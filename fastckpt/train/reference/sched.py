@@ -5,8 +5,8 @@ from its counters and writes it to ``optimizer.lr``. Its ``state_dict()`` holds
 only Python ints, floats, strings and bools, so it goes into ``extra.json`` and
 comes back bit for bit (JSON floats round-trip exactly through ``repr``).
 
->>> from fastckpt.train.model import Parameter
->>> from fastckpt.train.optim import SGD
+>>> from fastckpt.train.reference.model import Parameter
+>>> from fastckpt.train.reference.optim import SGD
 >>> import numpy as np
 >>> opt = SGD([Parameter(np.zeros(1, np.float32))], lr=1.0)
 >>> sched = StepLR(opt, step_size=2, gamma=0.5)
@@ -75,8 +75,8 @@ class LRScheduler:
 class StepLR(LRScheduler):
     """``lr = base_lr * gamma ** (last_step // step_size)``.
 
-    >>> from fastckpt.train.model import Parameter
-    >>> from fastckpt.train.optim import SGD
+    >>> from fastckpt.train.reference.model import Parameter
+    >>> from fastckpt.train.reference.optim import SGD
     >>> import numpy as np
     >>> opt = SGD([Parameter(np.zeros(1, np.float32))], lr=0.8)
     >>> s = StepLR(opt, step_size=1, gamma=0.5); s.step(); opt.lr
@@ -99,8 +99,8 @@ class StepLR(LRScheduler):
 class CosineWarmupLR(LRScheduler):
     """Linear warmup over ``warmup_steps``, then cosine decay to ``min_lr`` at ``total_steps``.
 
-    >>> from fastckpt.train.model import Parameter
-    >>> from fastckpt.train.optim import SGD
+    >>> from fastckpt.train.reference.model import Parameter
+    >>> from fastckpt.train.reference.optim import SGD
     >>> import numpy as np
     >>> opt = SGD([Parameter(np.zeros(1, np.float32))], lr=1.0)
     >>> s = CosineWarmupLR(opt, warmup_steps=2, total_steps=4); opt.lr
@@ -135,8 +135,8 @@ class ReduceLROnPlateau(LRScheduler):
     ``step(metric)`` needs the metric (e.g. the loss). The best value starts at
     ±inf, which ``extra.json`` stores as ``{"__float__": "inf"}``.
 
-    >>> from fastckpt.train.model import Parameter
-    >>> from fastckpt.train.optim import SGD
+    >>> from fastckpt.train.reference.model import Parameter
+    >>> from fastckpt.train.reference.optim import SGD
     >>> import numpy as np
     >>> opt = SGD([Parameter(np.zeros(1, np.float32))], lr=1.0)
     >>> s = ReduceLROnPlateau(opt, factor=0.5, patience=1)
