@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastckpt.stateful.checkpoint as ckmod
+import fastckpt.stateful.format as fmtmod
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.stateful import (
     RNG,
@@ -542,8 +543,8 @@ def test_errors_while_loading_name_the_file(tmp_path):
 @pytest.fixture
 def version_3(monkeypatch):
     """Pretend the current format is version 3, with an empty migration table."""
-    monkeypatch.setattr(ckmod, "FORMAT_VERSION", 3)
-    monkeypatch.setattr(ckmod, "_MIGRATIONS", {})
+    monkeypatch.setattr(fmtmod, "FORMAT_VERSION", 3)
+    monkeypatch.setattr(fmtmod, "_MIGRATIONS", {})
 
 
 def old_payload(version):
@@ -839,7 +840,7 @@ def test_reference_cycles_are_refused():
 
 def test_docs_carry_the_same_format_spec_as_the_module():
     docs = (Path(__file__).resolve().parent.parent / "docs" / "stateful.md").read_text(encoding="utf-8")
-    spec = ckmod.__doc__[ckmod.__doc__.index("File format (version 1)"):].rstrip("\n")
+    spec = fmtmod.__doc__[fmtmod.__doc__.index("File format (version 1)"):].rstrip("\n")
     block = docs[docs.index("```text\n", docs.index("## File format")) + len("```text\n"):].rsplit("\n```", 1)[0]
     assert block == spec
 

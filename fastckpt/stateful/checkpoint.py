@@ -28,86 +28,7 @@ this package). States are encoded by :mod:`fastckpt.state.codec` in its
 >>> (next(reader.next_epoch(batch_size=4)).tolist(), rng.random()) == expected
 True
 
-File format (version 1)
-=======================
-
-A checkpoint file (and the string :meth:`Checkpoint.serialize` returns) is one
-JSON text (RFC 8259).
-
-Encoding
-    The file MUST be UTF-8 without a byte order mark. Writers emit ASCII only
-    (every other character escaped as ``\\uXXXX``), object keys sorted by code
-    point, no insignificant whitespace, and a file ends with one line feed
-    (0x0A); ``serialize()`` returns the same text without it. Readers MUST
-    accept any valid JSON whitespace and key order. The literals ``NaN``,
-    ``Infinity`` and ``-Infinity`` MUST NOT appear.
-
-Top level
-    An object with exactly these keys:
-
-    ``"format"``
-        MUST be the string ``"fastckpt.stateful"``.
-    ``"version"``
-        An integer, the format version; this text describes version ``1``.
-    ``"entries"``
-        An object mapping each key to an entry. Keys beginning with
-        ``"__op_"`` are the generated keys of anonymous registrations
-        (``"__op_0"``, ``"__op_1"``, ... in registration order); other keys
-        are the names the user gave.
-
-    Readers MUST refuse a file with another ``format``, a missing key, or a
-    ``version`` they cannot read (below).
-
-Entry
-    An object with exactly two keys:
-
-    ``"type"``
-        The qualified type name (``module.QualName``) of the op whose state
-        this is, e.g. ``"fastckpt.stateful.rng.RNG"``, or ``null`` when the
-        state was set without a type. Before a state is applied, a non-null
-        type MUST equal the qualified type name of the op it is applied to.
-    ``"state"``
-        The state, a JSON value in the value encoding below.
-
-Value encoding
-    Dicts (string keys only), lists, strings, booleans and ``null`` are
-    written as JSON. Integers are written exactly, of any size (PCG64 states
-    hold 128-bit integers): readers MUST NOT round them through a double.
-    Finite floats are written in the shortest form that reads back to the
-    same IEEE 754 double. Tuples are written as lists and read back as lists;
-    numpy integer, float and bool scalars are written as the Python scalar of
-    the same value. Three values are written as tagged objects, recognised by
-    their key; a user dict MUST NOT use any of these keys:
-
-    ``{"__ndarray__": B, "dtype": D, "shape": S}`` (exactly these keys)
-        A numpy array. ``D`` is a numpy dtype string with its byte order
-        (``"<f4"``, ``">i8"``, ``"|b1"``, ``"<U3"``, ...; kinds ``b i u f c S
-        U`` only) or the name of an ``ml_dtypes`` type (``"bfloat16"``,
-        ``"float8_e4m3fn"``, ...; little-endian). ``S`` is the list of
-        dimensions (``[]`` for 0-d). ``B`` is the standard base64 (RFC 4648,
-        with padding) of the array's elements in C order, exactly
-        ``prod(S) * itemsize`` bytes. Object, structured and other dtypes are
-        refused: nothing is ever pickled. Arrays read back C-contiguous and
-        writable.
-    ``{"__bytes__": B}``
-        A ``bytes`` value; ``B`` is its base64.
-    ``{"__float__": "nan" | "inf" | "-inf"}``
-        A non-finite float (the sign and payload of a NaN are not kept).
-
-Versioning
-    A file whose ``version`` is older than the current one is upgraded, one
-    version at a time, by the migration functions registered with
-    :func:`register_migration`; a file is refused (``FormatError`` naming
-    both versions) when a step has no migration or when its version is newer
-    than this fastckpt reads. The states inside carry their own layout
-    versions (e.g. ``"version"`` in a reader state), checked by the op that
-    applies them.
-
-Files
-    :meth:`Checkpoint.save` writes through :func:`fastckpt._atomic.atomic_write`
-    (a temporary in the same directory, fsync, rename, directory fsync), so a
-    reader of the file name sees either the previous file or the complete new
-    one.
+The file format (version 1) is specified in :mod:`fastckpt.stateful.format`.
 
 Not thread-safe: one Checkpoint (including the one :func:`current` returns)
 must not be used from several threads at once, and an op must not be
@@ -118,20 +39,27 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 import os
-import re
-import string
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from fastckpt._atomic import atomic_write
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError, FormatError
 from fastckpt.state import STATEFUL_JSON, StateObject, accessors, dumps
 from fastckpt.state import decode as _decode
 from fastckpt.state import encode as _encode_state
+from fastckpt.stateful.format import (
+    ANONYMOUS_PREFIX,
+    FORMAT,
+    FORMAT_VERSION,
+    _Entry,
+    _UNSET,
+    parse,
+    payload,
+    register_migration,
+)
+from fastckpt.stateful.pattern import _identity, _Pattern
 
 __all__ = [
     "Checkpoint",
@@ -143,16 +71,6 @@ __all__ = [
     "FORMAT_VERSION",
     "ANONYMOUS_PREFIX",
 ]
-
-#: Value of the top-level ``"format"`` key.
-FORMAT = "fastckpt.stateful"
-#: The format version this module writes.
-FORMAT_VERSION = 1
-#: Prefix of the keys generated for anonymous registrations; refused in user names.
-ANONYMOUS_PREFIX = "__op_"
-
-# from_version -> function(payload dict at from_version) -> payload dict at from_version + 1
-_MIGRATIONS: dict[int, Callable[[dict], dict]] = {}
 
 
 class CheckpointKeyError(FastCkptError, KeyError):
@@ -169,50 +87,8 @@ class CheckpointKeyError(FastCkptError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def register_migration(from_version: int, fn: Callable[[dict], dict], *, replace: bool = False) -> None:
-    """Register ``fn`` to upgrade a payload from ``from_version`` to ``from_version + 1``.
-
-    ``fn`` receives the parsed top-level JSON object (a dict with ``format``,
-    ``version`` and ``entries``) and returns the upgraded object; its
-    ``"version"`` is then set to ``from_version + 1``. Older payloads go
-    through every step up to :data:`FORMAT_VERSION`.
-
-    >>> def v1_to_v2(payload):
-    ...     for entry in payload["entries"].values():
-    ...         entry["type"] = entry["type"].replace("oldpkg.", "newpkg.")
-    ...     return payload
-    >>> register_migration(1, v1_to_v2)     # doctest: +SKIP
-    """
-    if type(from_version) is not int or from_version < 1:
-        raise ValueError(f"from_version must be an int >= 1, got {from_version!r}")
-    if not callable(fn):
-        raise TypeError(f"a migration must be callable, got {type(fn).__name__}")
-    if from_version in _MIGRATIONS and not replace:
-        raise ValueError(
-            f"a migration from format version {from_version} is already registered; pass replace=True to replace it"
-        )
-    _MIGRATIONS[from_version] = fn
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-@dataclass
-class _Entry:
-    encoded: Any  # JSON-safe tree: what serialize() writes
-    value: Any  # what get_state() returns and set_state()/load_state_dict() receives; _UNSET: decode(encoded)
-    type_name: str | None
-    dirty: bool
-    # Decoded while validating a loaded payload; handed to the first apply so big arrays decode once.
-    decoded: Any = None
-
-
-_UNSET = object()
 
 
 def _raise_with_context(exc: Exception, message: str):
@@ -224,74 +100,6 @@ def _raise_with_context(exc: Exception, message: str):
             exc.add_note(message)
         raise exc
     raise new from exc
-
-
-class _Pattern:
-    """A ``save``/``load`` file name with at most one ``{seq}`` field in its last component."""
-
-    def __init__(self, pattern: str | os.PathLike):
-        text = os.fspath(pattern)
-        if not isinstance(text, str):
-            raise TypeError(f"the file pattern must be a str, got {type(text).__name__}")
-        self.text = text
-        directory, name = os.path.split(text)
-        try:
-            directory = directory.format()
-        except (KeyError, IndexError, ValueError):
-            raise ValueError(f"{text!r}: {{seq}} may only appear in the file name, not in the directory") from None
-        self.directory = Path(directory or ".")
-        pieces, seq_fields = [], 0
-        self.spec = ""
-        try:
-            parsed = list(string.Formatter().parse(name))
-        except ValueError as exc:
-            raise ValueError(f"{text!r} is not a valid format string ({exc}); write literal braces as {{{{ and }}}}") from None
-        for literal, field, spec, conversion in parsed:
-            pieces.append(re.escape(literal))
-            if field is None:
-                continue
-            if field != "seq" or conversion:
-                raise ValueError(f"{text!r}: the only placeholder allowed is {{seq}} (with an optional format spec such as {{seq:04d}}), found {{{field}}}")
-            seq_fields += 1
-            self.spec = spec
-            pieces.append("([0-9]+)")
-        if seq_fields > 1:
-            raise ValueError(f"{text!r}: {{seq}} may appear only once")
-        self.has_seq = seq_fields == 1
-        self.name_template = name
-        if self.has_seq:
-            for probe in (0, 7, 12345):
-                shown = format(probe, self.spec)
-                if not (shown.isascii() and shown.isdigit() and int(shown) == probe):
-                    raise ValueError(
-                        f"{text!r}: the format spec {self.spec!r} does not write {probe} as plain decimal digits "
-                        f"(it writes {shown!r}); use a spec such as '04d'"
-                    )
-        self._regex = re.compile("".join(pieces) + r"\Z")
-
-    def path(self, seq: int | None = None) -> Path:
-        name = self.name_template.format(seq=seq) if self.has_seq else self.name_template.format()
-        return self.directory / name
-
-    def existing(self) -> dict[int, Path]:
-        """Sequence number -> path of the files on disk that this pattern writes."""
-        if not self.has_seq:
-            path = self.path()
-            return {0: path} if path.is_file() else {}
-        found = {}
-        try:
-            entries = list(os.scandir(self.directory))
-        except FileNotFoundError:
-            return found
-        for entry in entries:
-            match = self._regex.match(entry.name)
-            if match is None:
-                continue
-            seq = int(match.group(1))
-            # Only the canonical spelling counts: "ckpt_7.json" is not seq 7 of "ckpt_{seq:04d}.json".
-            if self.name_template.format(seq=seq) == entry.name and entry.is_file():
-                found[seq] = self.directory / entry.name
-        return found
 
 
 class Checkpoint:
@@ -617,7 +425,7 @@ class Checkpoint:
             if type_name is None and key in self._ops:
                 type_name = _qualname(type(self._ops[key]))
             entries[key] = {"type": type_name, "state": entry.encoded}
-        return {"format": FORMAT, "version": FORMAT_VERSION, "entries": entries}
+        return payload(entries)
 
     def serialize(self) -> str:
         """The states as one JSON string (the file format in the module docs, without the final newline).
@@ -653,71 +461,11 @@ class Checkpoint:
         if not isinstance(data, str):
             raise TypeError(f"deserialize needs a str, got {type(data).__name__}")
 
-        def refuse_constant(token):
-            raise FormatError(f"{where}: {token} is not allowed; non-finite floats are written as tagged objects")
-
-        try:
-            payload = json.loads(data, parse_constant=refuse_constant)
-            states = self._parse_payload(payload, where)
-        except json.JSONDecodeError as exc:
-            raise FormatError(f"{where}: not valid JSON ({exc})") from None
-        except RecursionError:
-            raise FormatError(f"{where}: JSON nested too deeply to read") from None
+        states = parse(data, where)
         self._states = states
         self._loaded = True
         self._complete = False
         self._source = source
-
-    @staticmethod
-    def _parse_payload(payload: Any, where: str) -> dict[str, _Entry]:
-        if not isinstance(payload, dict):
-            raise FormatError(f"{where}: expected a JSON object at the top level, got {type(payload).__name__}")
-        if payload.get("format") != FORMAT:
-            raise FormatError(
-                f"{where}: not a fastckpt stateful checkpoint ('format' is {payload.get('format')!r}, "
-                f"expected {FORMAT!r})"
-            )
-        version = payload.get("version")
-        if type(version) is not int:
-            raise FormatError(f"{where}: 'version' must be an integer, got {version!r}")
-        current_version = FORMAT_VERSION
-        if version > current_version:
-            raise FormatError(
-                f"{where}: format version {version} is newer than this fastckpt reads (version {current_version}); "
-                "upgrade fastckpt to load it"
-            )
-        while version < current_version:
-            migrate = _MIGRATIONS.get(version)
-            if migrate is None:
-                raise FormatError(
-                    f"{where}: format version {version} cannot be upgraded to version {current_version}: "
-                    f"no migration from version {version} is registered (see register_migration)"
-                )
-            try:
-                payload = migrate(payload)
-            except Exception as exc:
-                raise FormatError(f"{where}: migration from format version {version} failed: {exc!r}") from exc
-            if not isinstance(payload, dict):
-                raise FormatError(f"{where}: migration from format version {version} returned {type(payload).__name__}, not a dict")
-            version += 1
-            payload["version"] = version
-        expected_keys = {"format", "version", "entries"}
-        if set(payload) != expected_keys:
-            raise FormatError(f"{where}: top-level keys are {sorted(payload)}, expected {sorted(expected_keys)}")
-        entries = payload["entries"]
-        if not isinstance(entries, dict):
-            raise FormatError(f"{where}: 'entries' must be an object, got {type(entries).__name__}")
-        states = {}
-        for key, item in entries.items():
-            if not isinstance(item, dict) or set(item) != {"type", "state"}:
-                shown = sorted(item) if isinstance(item, dict) else type(item).__name__
-                raise FormatError(f"{where}: entry {key!r} must be an object with keys 'type' and 'state', got {shown}")
-            type_name = item["type"]
-            if type_name is not None and not isinstance(type_name, str):
-                raise FormatError(f"{where}: entry {key!r}: 'type' must be a string or null, got {type_name!r}")
-            decoded = _decode(item["state"], STATEFUL_JSON, where=f"{where}: state of {key!r}")  # validate now, not at apply time
-            states[key] = _Entry(item["state"], _UNSET, type_name, dirty=True, decoded=decoded)
-        return states
 
     # ----------------------------------------------------------------- files
     def save(self, pattern: str | os.PathLike, *, keep: int | None = None, fsync: bool = True) -> str:
