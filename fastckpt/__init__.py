@@ -1,7 +1,9 @@
 """fastckpt: fast, exact checkpoints.
 
-Zero-copy readers for NPZ, safetensors and TensorFlow checkpoints, aligned and
-atomic writers, and one-copy loads of whole files into OpenCL device memory.
+Zero-copy readers for NPZ, safetensors and TensorFlow checkpoints behind one
+contract (``fastckpt.open`` opens any of them, and training-checkpoint
+directories; :class:`fastckpt.contract.TensorReader`), aligned and atomic
+writers, and one-copy loads of whole files into OpenCL device memory.
 
 >>> import fastckpt, numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -34,7 +36,10 @@ __version__ = "0.1.0"
 # name -> module that defines it; resolved on first access (PEP 562).
 _LAZY = {
     "open": "fastckpt.reader",
+    "register_opener": "fastckpt.reader",
     "TensorFile": "fastckpt.reader",
+    "CheckpointDirectory": "fastckpt.reader",
+    "TensorReader": "fastckpt.contract",
     "TensorInfo": "fastckpt._info",
     "MappedFile": "fastckpt._mapped",
     "save_npz": "fastckpt.npz",

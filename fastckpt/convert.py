@@ -1,7 +1,8 @@
-"""``fastckpt convert SRC DST``: copy every tensor between TensorFlow checkpoints, safetensors and NPZ.
+"""Copy every tensor between TensorFlow checkpoints, safetensors and NPZ (the ``fastckpt convert`` command).
 
-The source format is detected (a TensorFlow prefix, ``.index`` file or
-directory; otherwise the bytes of an NPZ or safetensors file). The destination
+The source is whatever :func:`fastckpt.open` opens (a TensorFlow prefix,
+``.index`` file or directory; an NPZ or safetensors file, by its bytes; a
+training-checkpoint directory, its tensors named ``<file stem>/<name>``). The destination
 format is ``--to`` or else the destination's suffix: ``.safetensors``,
 ``.npz``, anything else a TensorFlow checkpoint prefix (a trailing ``.index``
 is dropped). Values are copied bit for bit; names are kept.
@@ -29,10 +30,9 @@ allows it:
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-__all__ = ["convert", "configure", "run", "destination_format"]
+__all__ = ["convert", "destination_format"]
 
 FORMATS = ("tf", "safetensors", "npz")
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -53,36 +53,22 @@ def destination_format(dst, to: str | None = None) -> str:
 
 
 class _Source:
-    """Names, arrays, string-ness and metadata of the source, whatever its format."""
+    """Names, arrays, string-ness and metadata of the source: any reader :func:`fastckpt.open` returns."""
 
     def __init__(self, path):
-        from fastckpt.tf import CheckpointReader, is_tf_checkpoint
+        import fastckpt
 
         self.path = os.fspath(path)
-        if is_tf_checkpoint(path):
-            self.format = "tf"
-            self.reader = CheckpointReader(path)
-            self.names = self.reader.tensor_names()
-            self.metadata = {}
-        else:
-            import fastckpt
-
-            self.reader = fastckpt.open(path)
-            self.format = self.reader.format
-            self.names = list(self.reader.keys())
-            self.metadata = dict(self.reader.metadata or {})
+        self.reader = fastckpt.open(path)
+        self.format = {"tensorflow": "tf"}.get(self.reader.format, self.reader.format)
+        self.names = list(self.reader.keys())
+        self.metadata = dict(self.reader.metadata or {})
 
     def is_string(self, name: str) -> bool:
-        if self.format != "tf":
-            return False
-        return self.reader.info(name).tf_dtype == 7
+        return self.reader.info(name).dtype.kind == "O"  # TensorFlow strings: object arrays of bytes
 
     def array(self, name: str):
-        if self.format == "tf":
-            info = self.reader.info(name)
-            # partitioned and big-endian tensors are copies anyway: ask for one and skip the warning
-            return self.reader.read_tensor(name, copy=bool(info.slices) or self.reader.header.big_endian)
-        return self.reader.host(name)
+        return self.reader.host(name)  # zero-copy where the source allows, copies (no warning) elsewhere
 
     def close(self):
         self.reader.close()
@@ -159,42 +145,3 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
                 "skipped": skipped, "dropped": dropped, "needs_object_graph": needs_graph}
     finally:
         source.close()
-
-
-def configure(parser) -> None:
-    parser.add_argument("src", help="a TensorFlow checkpoint (prefix, .index or directory), .safetensors or .npz file")
-    parser.add_argument("dst", help="the file to write, or a TensorFlow checkpoint prefix such as out/ckpt-1")
-    parser.add_argument("--to", choices=FORMATS, help="destination format (default: from DST's suffix, else tf)")
-    parser.add_argument("--object-graph", action="store_true",
-                        help="TensorFlow destination: store object-based keys and a _CHECKPOINTABLE_OBJECT_GRAPH so "
-                             "that tf.train.Checkpoint.restore works")
-    parser.add_argument("--skip-unsupported", action="store_true",
-                        help="leave out string tensors the destination cannot hold (instead of failing)")
-    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
-    parser.add_argument("--shards", type=int, default=1, help="TensorFlow destination: number of data files")
-    parser.add_argument("--alignment", type=int, default=1,
-                        help="TensorFlow destination: start every tensor at a multiple of this many bytes")
-
-
-def run(args) -> int:
-    from fastckpt.errors import FastCkptError
-
-    try:
-        summary = convert(args.src, args.dst, to=args.to, object_graph=args.object_graph,
-                          skip_unsupported=args.skip_unsupported, force=args.force, num_shards=args.shards,
-                          data_alignment=args.alignment)
-    except (FastCkptError, OSError, TypeError, ValueError) as exc:
-        print(f"fastckpt convert: {exc}", file=sys.stderr)
-        return 1
-    print(f"{args.src} ({summary['source']}) -> {summary['path']} ({summary['destination']}): "
-          f"{summary['tensors']} tensors")
-    for name in summary["dropped"]:
-        what = "metadata (a TensorFlow checkpoint/NPZ has no place for it)" if name == "metadata" else \
-            f"{name} (bookkeeping; --object-graph rebuilds it when converting back to tf)"
-        print(f"  left out: {what}", file=sys.stderr)
-    for name in summary["skipped"]:
-        print(f"  skipped string tensor: {name}", file=sys.stderr)
-    if summary["needs_object_graph"]:
-        print("  note: the keys are object-based (.../.ATTRIBUTES/...) but no object graph was written; "
-              "tf.train.Checkpoint.restore needs one: convert again with --object-graph", file=sys.stderr)
-    return 0

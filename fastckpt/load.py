@@ -29,7 +29,10 @@ Paths a tensor can take (``LoadedTensors.report.paths``):
   tensor, one copy each.
 - ``"decoded"``: compressed (DEFLATE) members and Fortran-ordered arrays are
   decoded on the host and copied one by one; a :class:`NotZeroCopyWarning`
-  says which.
+  says which. Every tensor of a reader that is not one mapped file (a
+  TensorFlow checkpoint, a training-checkpoint directory, any other object of
+  the reader contract :class:`~fastckpt.contract.TensorReader`) takes this
+  path too: its ``host(name)`` array is copied.
 - ``"empty"``: a tensor with no bytes (a view of length 0).
 
 Each path is one function (``_load_zero_copy``, ``_load_arenas``,
@@ -65,7 +68,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from fastckpt.contract import TensorReader
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.reader import TensorFile
 from fastckpt.tensor import Tensor, contiguous
 
 __all__ = ["load_file", "realign", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP",
@@ -86,7 +91,8 @@ class LoadReport:
     """What one :func:`load_file` call did.
 
     ``mode`` is ``"pool"``, ``"per-tensor"`` or ``"zero-copy"``; ``paths`` maps
-    each tensor to its path (see the module docstring); ``file_reused`` says
+    each tensor to its path (see the module docstring); ``skipped`` lists the
+    string tensors left out (they have no device form); ``file_reused`` says
     the pool still had the file open (mapped, index parsed); ``timings`` holds
     seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
 
@@ -107,6 +113,7 @@ class LoadReport:
     bytes_allocated: int = 0
     file_reused: bool = False
     paths: Mapping = field(default_factory=dict)
+    skipped: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
 
@@ -259,7 +266,7 @@ def _wait_all(events) -> None:
 
 
 def _open(source, copy_on_write: bool, pool=None):
-    """``(tensor_file, close_after, kept_by_pool)`` for a path or an open file."""
+    """``(reader, close_after, kept_by_pool)`` for a path or an open reader of the contract."""
     from fastckpt import reader
 
     if isinstance(source, (str, os.PathLike)):
@@ -268,27 +275,36 @@ def _open(source, copy_on_write: bool, pool=None):
             if tf is not None:
                 return tf, False, True
             tf = reader.open(source)
-            return tf, not pool.files.put(source, tf), False
+            # Only mapped files are kept: their identity is the one file a stat can check.
+            return tf, not (isinstance(tf, TensorFile) and pool.files.put(source, tf)), False
         return reader.open(source, copy_on_write=copy_on_write), True, False
-    if not hasattr(source, "infos") or not hasattr(source, "mapped"):
-        raise TypeError(f"load_file needs a path or an open fastckpt.TensorFile, got {type(source).__name__}")
-    if copy_on_write and not source.mapped.copy_on_write:
+    if not isinstance(source, TensorReader):
+        raise TypeError(f"load_file needs a path or an open fastckpt.TensorFile or other reader of the contract "
+                        f"fastckpt.contract.TensorReader, got {type(source).__name__}")
+    if copy_on_write and isinstance(source, TensorFile) and not source.mapped.copy_on_write:
         # USE_HOST_PTR lets kernels write into the mapping: it must be private, never the read-only one.
-        return reader.open(source.path, backend=source.mapped.backend, copy_on_write=True), True, False
+        return reader.open_file(source.path, backend=source.mapped.backend, copy_on_write=True), True, False
     return source, False, False
 
 
 class _Plan:
-    """What to load from one open file for one ``names`` selection: computed once per file and reused."""
+    """What to load from one open reader for one ``names`` selection: computed once per reader and reused.
 
-    __slots__ = ("selected", "names", "direct", "decoded", "empty", "_arena")
+    A mapped file (:class:`~fastckpt.reader.TensorFile`) is planned by payload offset, for region copies;
+    any other reader of the contract has every tensor decoded through ``host(name)``, in ``keys()`` order.
+    """
+
+    __slots__ = ("mapped", "selected", "names", "direct", "decoded", "empty", "skipped", "_arena")
 
     def __init__(self, tf, names):
-        self.selected = _select(tf, names)
+        self.mapped = isinstance(tf, TensorFile)
+        self.selected, self.skipped = _select(tf, names, self.mapped)
         self.names = tuple(i.name for i in self.selected)
         self.direct, self.decoded, self.empty = [], [], []
         for info in self.selected:
-            if info.compression is not None or info.fortran_order:
+            if not self.mapped:
+                (self.empty if info.size == 0 else self.decoded).append(info)
+            elif info.compression is not None or info.fortran_order:
                 self.decoded.append(info)
             elif info.nbytes == 0:
                 self.empty.append(info)
@@ -330,9 +346,19 @@ def _plan_for(tf, names: tuple | None) -> _Plan:
     return plan
 
 
-def _select(tf, names) -> list:
+def _select(tf, names, by_offset: bool) -> tuple[list, list]:
+    """``(infos to load, string tensors left out)``: by payload offset for a mapped file, else in keys() order.
+
+    String tensors (``object`` dtype: TensorFlow's DT_STRING) have no device form: left out of a whole-reader
+    load, a ``TypeError`` when named.
+    """
     if names is None:
-        return sorted(tf.infos.values(), key=lambda i: i.offset)  # regions need file order
+        infos = tf.infos.values()
+        if by_offset:
+            return sorted(infos, key=lambda i: i.offset), []  # regions need file order
+        chosen = [i for i in infos if i.dtype.kind != "O"]
+        skipped = [i.name for i in infos if i.dtype.kind == "O"] if len(chosen) < len(tf.infos) else []
+        return chosen, skipped
     if isinstance(names, str):
         raise TypeError("names must be a list of tensor names, not a single string")
     seen = set()
@@ -343,22 +369,38 @@ def _select(tf, names) -> list:
         seen.add(name)
         info = tf.infos.get(name)
         if info is None:
-            shown = ", ".join(repr(n) for n in list(tf.infos)[:8])
-            raise TensorNotFoundError(f"{tf.path}: no tensor named {name!r} ({len(tf.infos)} tensors: {shown}"
-                                      f"{', ...' if len(tf.infos) > 8 else ''})")
+            info = tf.info(name)  # raises the reader's TensorNotFoundError, naming close matches
         chosen.append(info)
-    chosen.sort(key=lambda i: i.offset)
-    return chosen
+    strings = [i.name for i in chosen if i.dtype.kind == "O"]
+    if strings:
+        raise TypeError(f"{tf.path}: string tensors cannot be loaded into device memory: "
+                        f"{', '.join(map(repr, strings[:8]))}; leave them out of names")
+    if by_offset:
+        chosen.sort(key=lambda i: i.offset)
+    else:
+        order = {name: i for i, name in enumerate(tf.infos)}
+        chosen.sort(key=lambda i: order[i.name])
+    return chosen, []
 
 
 def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=None,
               blocking: bool = True) -> LoadedTensors:
-    """Load the tensors of an NPZ or safetensors file into device memory.
+    """Load the tensors of a tensor file, or of any reader of the contract, into device memory.
 
-    ``source`` is a path or an open :class:`fastckpt.TensorFile` (reusing one
-    skips parsing the index again; a pool also keeps the last few files loaded
-    through it open, revalidated with ``os.stat`` on each load, see
-    :class:`~fastckpt.pool.OpenFiles`). ``queue`` defaults to the pool's queue, else
+    ``source`` is a path (opened with :func:`fastckpt.open`) or an open reader:
+    a :class:`fastckpt.TensorFile` (reusing one skips parsing the index again; a
+    pool also keeps the last few files loaded through it open, revalidated
+    with ``os.stat`` on each load, see :class:`~fastckpt.pool.OpenFiles`) or
+    any other object of the reader contract
+    (:class:`~fastckpt.contract.TensorReader`: a
+    :class:`fastckpt.tf.CheckpointReader`, a
+    :class:`fastckpt.reader.CheckpointDirectory`, ...). A mapped NPZ or
+    safetensors file takes the one-copy paths below; any other reader's
+    tensors are read with its ``host(name)`` and copied one by one (the
+    ``"decoded"`` path, with a :class:`~fastckpt.errors.NotZeroCopyWarning`),
+    in its ``keys()`` order; its string tensors (TensorFlow's object graph, for
+    one) have no device form and are left out (``report.skipped``), or are a
+    ``TypeError`` when named. Readers passed in are not closed. ``queue`` defaults to the pool's queue, else
     :func:`fastckpt.device.default`'s. With ``pool`` (a
     :class:`~fastckpt.pool.PersistentBufferPool`) the file's data region is
     copied with one command into an arena; without, each tensor gets its own
@@ -386,7 +428,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         t_open = time.perf_counter()
         plan = _plan_for(tf, names)
         report = LoadReport(path=tf.path, format=tf.format, mode="pool" if pool is not None else "per-tensor",
-                            tensors=len(plan.selected), file_reused=file_reused)
+                            tensors=len(plan.selected), file_reused=file_reused, skipped=list(plan.skipped))
         limit = _allocation_limit(queue.device, pool)
         load = _Load(queue, pool, tf, blocking, report)
         t_plan = load.t_alloc = time.perf_counter()
@@ -446,7 +488,7 @@ class _Load:
         self.queue = queue
         self.pool = pool
         self.tf = tf
-        self.mapped = tf.mapped
+        self.mapped = tf.mapped if isinstance(tf, TensorFile) else None  # None: a reader read through host()
         self.blocking = blocking
         self.report = report
         self.tensors: dict = {}  # name -> Tensor made now (arena views are made on access instead)
@@ -608,15 +650,22 @@ def _load_buffers(load: _Load, direct: list) -> None:
 
 
 def _load_decoded(load: _Load, decoded: list) -> None:
-    """``"decoded"``: compressed or Fortran-ordered members, decoded on the host and copied one by one (with a warning)."""
+    """``"decoded"``: compressed or Fortran-ordered members, or every tensor of a reader that is not one mapped
+    file, read on the host (``host(name)``) and copied one by one (with a warning)."""
     import pyopencl as cl
 
     tf, pool, report, queue, blocking = load.tf, load.pool, load.report, load.queue, load.blocking
-    kinds = sorted({"compressed (" + i.compression + ")" if i.compression else "Fortran-ordered" for i in decoded})
     shown = ", ".join(repr(i.name) for i in decoded[:5]) + (", ..." if len(decoded) > 5 else "")
-    load.note(f"{tf.path}: {len(decoded)} tensor(s) are {' and '.join(kinds)} and were decoded on the host "
-              f"and copied one by one ({shown}); save with fastckpt.save_npz or save_safetensors "
-              "(stored, C order) for the one-copy path")
+    if load.mapped is None:
+        load.note(f"{tf.path}: the {len(decoded)} tensor(s) of this {tf.format} reader were read through its host() "
+                  f"and copied one by one ({shown}); only a mapped NPZ or safetensors file is loaded with one copy "
+                  "(fastckpt convert writes one)")
+    else:
+        kinds = sorted({"compressed (" + i.compression + ")" if i.compression else "Fortran-ordered"
+                        for i in decoded})
+        load.note(f"{tf.path}: {len(decoded)} tensor(s) are {' and '.join(kinds)} and were decoded on the host "
+                  f"and copied one by one ({shown}); save with fastckpt.save_npz or save_safetensors "
+                  "(stored, C order) for the one-copy path")
     for info in decoded:
         host = contiguous(tf.host(info.name))
         nbytes = host.nbytes

@@ -1,8 +1,21 @@
-"""One read-only API over NPZ and safetensors files: ``fastckpt.open``.
+"""One read-only API over tensor files and checkpoints: ``fastckpt.open``.
 
-The file is mapped once; the format is detected from its first bytes (never
-from its name); the index is parsed by the Cython parsers; ``host(name)``
-returns a zero-copy, read-only numpy view of a tensor's bytes in the mapping.
+``fastckpt.open(path)`` opens whatever ``path`` is and returns a reader of the
+contract in :mod:`fastckpt.contract` (``keys()``, ``infos``, ``info(name)``,
+``host(name)``, ``metadata``, ``close()``):
+
+- a file, by its first bytes (never its name): NPZ or safetensors, a
+  :class:`TensorFile`. The file is mapped once, the index is parsed by the
+  Cython parsers and ``host(name)`` returns a zero-copy, read-only numpy view
+  of a tensor's bytes in the mapping;
+- a TensorFlow checkpoint: a prefix (``<path>.index`` exists), its ``.index``
+  or a data file, or a directory holding one (a ``checkpoint`` state file, or
+  a single ``*.index``): a :class:`fastckpt.tf.CheckpointReader`;
+- a training-checkpoint directory written by :mod:`fastckpt.train` (it has a
+  ``manifest.json``): a :class:`CheckpointDirectory` over its tensor files,
+  tensors named ``"<file stem>/<tensor name>"`` (``"weights/fc1.weight"``);
+- whatever an opener added with :func:`register_opener` accepts (checked
+  first: the sharded-checkpoint directory plugs in there).
 
 >>> import fastckpt, numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "model.bin")
@@ -14,16 +27,22 @@ returns a zero-copy, read-only numpy view of a tensor's bytes in the mapping.
 
 from __future__ import annotations
 
+import errno
 import os
-from typing import Iterator, Mapping
+import stat
+import threading
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from fastckpt._info import TensorInfo
+from fastckpt._info import TensorInfo, from_checked_fields
 from fastckpt._mapped import MappedFile
-from fastckpt.errors import FormatError, TensorNotFoundError
+from fastckpt.contract import TensorReader, tensor_not_found
+from fastckpt.errors import CheckpointNotFoundError, FormatError
 
-__all__ = ["open", "TensorFile", "detect_format"]
+__all__ = ["open", "open_file", "TensorFile", "CheckpointDirectory", "detect_format", "register_opener",
+           "unregister_opener"]
 
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
 
@@ -46,10 +65,13 @@ def detect_format(head: bytes) -> str | None:
 
 
 class TensorFile(Mapping):
-    """A mapped tensor file: names, per-tensor info, zero-copy host views, metadata.
+    """A mapped NPZ or safetensors file: names, per-tensor info, zero-copy host views, metadata.
 
-    Obtain one with :func:`fastckpt.open`. It is a read-only mapping from tensor
-    name to a numpy view; views stay valid after :meth:`close`.
+    Obtain one with :func:`fastckpt.open`. It implements the reader contract
+    (:class:`~fastckpt.contract.TensorReader`) and is a read-only mapping from
+    tensor name to a numpy view; views stay valid after :meth:`close`.
+    ``infos`` is a read-only mapping name -> :class:`~fastckpt.TensorInfo` in
+    file order; ``metadata`` is safetensors' ``__metadata__`` (None for NPZ).
 
     >>> import fastckpt, numpy as np, tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "m.npz")
@@ -66,7 +88,8 @@ class TensorFile(Mapping):
         self.mapped = mapped
         self.format = fmt
         self.metadata = metadata
-        self.infos: dict[str, TensorInfo] = {i.name: i for i in sorted(infos, key=lambda i: i.offset)}
+        self.infos: Mapping[str, TensorInfo] = MappingProxyType(
+            {i.name: i for i in sorted(infos, key=lambda i: i.offset)})
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -79,12 +102,7 @@ class TensorFile(Mapping):
         try:
             return self.infos[name]
         except KeyError:
-            raise TensorNotFoundError(self._missing(name)) from None
-
-    def _missing(self, name: str) -> str:
-        names = list(self.infos)
-        shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
-        return f"{self.path}: no tensor named {name!r} ({len(names)} tensors: {shown})"
+            raise tensor_not_found(self.path, name, self.infos) from None
 
     @property
     def data_region(self) -> tuple[int, int]:
@@ -150,26 +168,20 @@ class TensorFile(Mapping):
         return f"<fastckpt.TensorFile {self.path!r} format={self.format} tensors={len(self)}>"
 
 
-def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,  # noqa: A001
-         max_header_size: int | None = None) -> TensorFile:
-    """Map ``path`` and parse its index; the format (NPZ or safetensors) is detected from its bytes.
+def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
+              max_header_size: int | None = None) -> TensorFile:
+    """Map the NPZ or safetensors file ``path`` and parse its index; the format is detected from its bytes.
 
-    ``backend="pread"`` reads instead of mapping (for filesystems that cannot
-    map); ``copy_on_write=True`` makes views writable and private (the file
-    never changes). ``max_header_size`` raises the cap on each NPZ member's
-    ``.npy`` header (default 10000 characters, numpy's cap); only for trusted
-    files, whose headers are longer (structured dtypes with many fields).
-    safetensors headers have the format's own fixed cap (100 MB).
+    :func:`open` calls this for a file; options as there.
 
     >>> import fastckpt, numpy as np, tempfile, os
-    >>> p = os.path.join(tempfile.mkdtemp(), "t.safetensors")
-    >>> fastckpt.save_safetensors(p, {"a": np.arange(3, dtype=np.int32)}, metadata={"step": "7"})
-    >>> f = fastckpt.open(p)
-    >>> list(f), f.metadata, f["a"].tolist()
-    (['a'], {'step': '7'}, [0, 1, 2])
+    >>> p = os.path.join(tempfile.mkdtemp(), "t.bin")
+    >>> fastckpt.save_safetensors(p, {"a": np.arange(2, dtype=np.int8)})
+    >>> with open_file(p) as f:
+    ...     f.format, f["a"].tolist()
+    ('safetensors', [0, 1])
     """
-    if max_header_size is not None and (type(max_header_size) is not int or max_header_size < 1):
-        raise ValueError(f"max_header_size must be a positive int or None, got {max_header_size!r}")
+    _check_max_header_size(max_header_size)
     mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write)
     try:
         head = mapped.read(0, min(9, mapped.size), "format magic")
@@ -187,9 +199,301 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
             raise FormatError(
                 f"{mapped.path}: not an NPZ (ZIP) or safetensors file: first bytes are {head!r} "
                 "(expected b'PK\\x03\\x04' for NPZ, or an 8-byte little-endian header length followed by '{' "
-                "for safetensors; TensorFlow checkpoints open with fastckpt.tf.CheckpointReader)"
+                "for safetensors)"
             )
     except BaseException:
         mapped.close()
         raise
     return TensorFile(mapped, fmt, infos, metadata)
+
+
+def _check_max_header_size(max_header_size) -> None:
+    if max_header_size is not None and (type(max_header_size) is not int or max_header_size < 1):
+        raise ValueError(f"max_header_size must be a positive int or None, got {max_header_size!r}")
+
+
+# -- what fastckpt.open can open -----------------------------------------------------------------
+
+# (predicate, opener) pairs added by register_opener, the latest first; consulted before the built-in kinds.
+_openers: list[tuple[Callable[[str], bool], Callable[..., TensorReader]]] = []
+_openers_lock = threading.Lock()
+
+
+def register_opener(predicate: Callable[[str], bool], opener: Callable[..., TensorReader]) -> Callable:
+    """Teach :func:`open` a new kind of path (the sharded-checkpoint directory is the first); returns ``opener``.
+
+    ``predicate(path: str) -> bool`` says whether ``opener`` takes ``path``; it
+    is called on every :func:`open` call before the built-in kinds, so it must be
+    cheap (a ``stat`` or two, no parsing) and must not raise. The first
+    predicate to accept, the most recently registered first, wins; its
+    ``opener(path: str, *, backend, copy_on_write, max_header_size)`` (always
+    given those keywords, as :func:`open` got them; an option it cannot honour
+    is a ``ValueError``) returns an object of the reader contract
+    (:class:`~fastckpt.contract.TensorReader`). :func:`unregister_opener`
+    removes it again.
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> fastckpt.save_safetensors(os.path.join(d, "only.safetensors"), {"w": np.zeros(2, np.float32)})
+    >>> def holds_one_file(path):
+    ...     return os.path.isfile(os.path.join(path, "only.safetensors"))
+    >>> def open_the_file(path, **options):
+    ...     return open_file(os.path.join(path, "only.safetensors"), **options)
+    >>> _ = register_opener(holds_one_file, open_the_file)
+    >>> with fastckpt.open(d) as r:
+    ...     list(r.keys())
+    ['w']
+    >>> unregister_opener(open_the_file)
+    """
+    if not callable(predicate) or not callable(opener):
+        raise TypeError("register_opener(predicate, opener) needs two callables")
+    with _openers_lock:
+        _openers.insert(0, (predicate, opener))
+    return opener
+
+
+def unregister_opener(opener: Callable) -> None:
+    """Remove every registration of ``opener`` made by :func:`register_opener` (``ValueError`` if none).
+
+    >>> unregister_opener(print)
+    Traceback (most recent call last):
+    ...
+    ValueError: <built-in function print> was not registered with fastckpt.reader.register_opener
+    """
+    with _openers_lock:
+        kept = [entry for entry in _openers if entry[1] is not opener]
+        if len(kept) == len(_openers):
+            raise ValueError(f"{opener!r} was not registered with fastckpt.reader.register_opener")
+        _openers[:] = kept
+
+
+def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,  # noqa: A001
+         max_header_size: int | None = None) -> TensorReader:
+    """Open whatever ``path`` is as a reader of the contract (:class:`~fastckpt.contract.TensorReader`).
+
+    In this order: a path an opener added with :func:`register_opener`
+    accepts; a directory: a :mod:`fastckpt.train` checkpoint (``manifest.json``)
+    as a :class:`CheckpointDirectory`, a TensorFlow checkpoint (its
+    ``checkpoint`` state file, else its only ``*.index``) as a
+    :class:`fastckpt.tf.CheckpointReader`; a file: a TensorFlow ``.index`` or
+    data file as that checkpoint's reader, any other by its bytes (NPZ or
+    safetensors) as a :class:`TensorFile`; a path that does not exist but
+    ``path + ".index"`` does: that TensorFlow checkpoint. Anything else is an
+    error naming the path and what was expected
+    (:class:`~fastckpt.errors.FormatError` for a file of another format,
+    :class:`~fastckpt.errors.CheckpointNotFoundError`, a ``FileNotFoundError``,
+    otherwise).
+
+    ``backend="pread"`` reads instead of mapping (for filesystems that cannot
+    map); ``copy_on_write=True`` makes views writable and private (the files
+    never change). ``max_header_size`` raises the cap on each NPZ member's
+    ``.npy`` header (default 10000 characters, numpy's cap); only for trusted
+    files, whose headers are longer (structured dtypes with many fields).
+    safetensors headers have the format's own fixed cap (100 MB). TensorFlow
+    checkpoints are opened with checksum verification on (open a
+    :class:`~fastckpt.tf.CheckpointReader` with ``verify=False`` to skip it).
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "t.safetensors")
+    >>> fastckpt.save_safetensors(p, {"a": np.arange(3, dtype=np.int32)}, metadata={"step": "7"})
+    >>> f = fastckpt.open(p)
+    >>> list(f), f.metadata, f["a"].tolist()
+    (['a'], {'step': '7'}, [0, 1, 2])
+    >>> f.close()
+    >>> from fastckpt.tf import write_checkpoint
+    >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt-1")
+    >>> write_checkpoint(prefix, {"dense/kernel": np.eye(2, dtype=np.float32)})
+    >>> with fastckpt.open(prefix) as r:
+    ...     r.format, list(r.keys()), r.host("dense/kernel").tolist()
+    ('tensorflow', ['dense/kernel'], [[1.0, 0.0], [0.0, 1.0]])
+    """
+    _check_max_header_size(max_header_size)
+    p = os.fspath(path)
+    options = {"backend": backend, "copy_on_write": copy_on_write, "max_header_size": max_header_size}
+    for predicate, opener in tuple(_openers):
+        if predicate(p):
+            return opener(p, **options)
+    try:
+        is_dir = stat.S_ISDIR(os.stat(p).st_mode)
+    except FileNotFoundError:
+        if os.path.isfile(p + ".index"):
+            return _open_tf(p, **options)
+        raise CheckpointNotFoundError(
+            errno.ENOENT, f"{os.strerror(errno.ENOENT)}: expected a tensor file (NPZ, safetensors), a TensorFlow "
+                          "checkpoint prefix (with a .index file) or a checkpoint directory", p) from None
+    except OSError:
+        is_dir = False  # opening the file reports what is wrong (permissions, ...)
+    if is_dir:
+        if os.path.isfile(os.path.join(p, _MANIFEST)):
+            return CheckpointDirectory(p, **options)
+        prefix = _tf_prefix_in(p)
+        if prefix is not None:
+            return _open_tf(prefix, **options)
+        raise CheckpointNotFoundError(
+            f"{p}: a directory fastckpt.open cannot read: expected a fastckpt.train checkpoint ({_MANIFEST}), "
+            "a TensorFlow checkpoint (a 'checkpoint' state file or one *.index file), or a directory a "
+            "fastckpt.reader.register_opener opener accepts")
+    if _is_tf_file(p):
+        return _open_tf(p, **options)
+    return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
+
+
+_MANIFEST = "manifest.json"  # fastckpt.train.checkpoint.MANIFEST_FILE (that module is imported only when needed)
+
+
+def _is_tf_file(path: str) -> bool:
+    """True for a TensorFlow ``.index`` or data file (by name, then by the index's magic)."""
+    name = os.path.basename(path)
+    if not (name.endswith(".index") or ".data-" in name):
+        return False
+    from fastckpt.tf.describe import is_tf_checkpoint
+
+    return is_tf_checkpoint(path)
+
+
+def _tf_prefix_in(directory: str) -> str | None:
+    """The TensorFlow checkpoint of ``directory``: named by its ``checkpoint`` file, else its only ``*.index``."""
+    if os.path.isfile(os.path.join(directory, "checkpoint")):
+        return directory  # CheckpointReader resolves it (and says what is wrong with a bad state file)
+    try:
+        indexes = [e.name for e in os.scandir(directory) if e.name.endswith(".index") and e.is_file()]
+    except OSError:
+        return None
+    if len(indexes) == 1:
+        return os.path.join(directory, indexes[0][: -len(".index")])
+    if len(indexes) > 1:
+        raise CheckpointNotFoundError(
+            f"{directory}: {len(indexes)} TensorFlow checkpoints ({', '.join(sorted(indexes)[:5])}) and no "
+            "'checkpoint' state file naming the one to read; pass its prefix")
+    return None
+
+
+def _open_tf(path: str, *, backend: str, copy_on_write: bool, max_header_size: int | None) -> TensorReader:
+    from fastckpt.tf.reader import CheckpointReader
+
+    return CheckpointReader(path, backend=backend, copy_on_write=copy_on_write)
+
+
+class CheckpointDirectory(Mapping):
+    """A :mod:`fastckpt.train` checkpoint directory as one reader: the tensors of all its tensor files.
+
+    Obtain one with :func:`fastckpt.open` (or construct it with the options of
+    :func:`open`). It implements the reader contract
+    (:class:`~fastckpt.contract.TensorReader`) over the NPZ and safetensors
+    files its ``manifest.json`` lists (``weights.safetensors``, and
+    ``optim.safetensors`` when an optimizer was saved), each opened once as a
+    :class:`TensorFile` (``files``: file stem -> file):
+
+    - tensor names are ``"<file stem>/<tensor name>"`` (``"weights/fc1.weight"``,
+      ``"optim/state.0.m"``), file after file in the manifest's order, each
+      file's tensors in its own order; ``info`` gives the file's
+      :class:`~fastckpt.TensorInfo` under that name (``offset`` within its file);
+    - ``metadata`` holds every file's metadata the same way
+      (``"weights/fastckpt.tree"``); tied weights are stored once, the other
+      names being ``ALIAS(<target>)`` metadata entries, not tensors;
+    - ``manifest`` is the parsed ``manifest.json``;
+    - ``close()`` closes every file.
+
+    Only the tensors are read: the manifest's hashes are not checked here
+    (:func:`fastckpt.train.verify_checkpoint` does), and the optimizer, scheduler,
+    data and RNG states are restored by :func:`fastckpt.train.load_checkpoint`.
+
+    >>> import fastckpt, tempfile, os
+    >>> from fastckpt.train import TinyLM, save_checkpoint
+    >>> out = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, None, out, step=3)
+    >>> with fastckpt.open(out) as r:
+    ...     r.format, list(r.files), r.info("weights/embed.weight").shape, r.manifest["step"]
+    ('fastckpt.train.checkpoint', ['weights'], (8, 4), 3)
+    """
+
+    format = "fastckpt.train.checkpoint"
+
+    # A file handle: equal only to itself (Mapping's value comparison would compare arrays).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
+                 max_header_size: int | None = None):
+        from fastckpt.train.checkpoint import read_manifest
+
+        self.path = os.fspath(path)
+        self.manifest = read_manifest(self.path)
+        self.files: dict[str, TensorFile] = {}
+        infos: dict[str, TensorInfo] = {}
+        where: dict[str, tuple] = {}
+        metadata: dict[str, str] = {}
+        try:
+            for file_name in self.manifest["files"]:
+                stem, suffix = os.path.splitext(file_name)
+                if suffix not in (".safetensors", ".npz"):
+                    continue
+                f = self.files[stem] = open_file(os.path.join(self.path, file_name), backend=backend,
+                                                 copy_on_write=copy_on_write, max_header_size=max_header_size)
+                for inner, info in f.infos.items():
+                    name = f"{stem}/{inner}"
+                    infos[name] = from_checked_fields(type(info), {**info.__dict__, "name": name})
+                    where[name] = (f, inner)
+                for key, value in (f.metadata or {}).items():
+                    metadata[f"{stem}/{key}"] = value
+        except BaseException:
+            self.close()
+            raise
+        self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
+        self.metadata: dict[str, str] | None = metadata or None
+        self._where = where
+        self._closed = False
+
+    def info(self, name: str) -> TensorInfo:
+        """The :class:`~fastckpt.TensorInfo` of ``name`` (``TensorNotFoundError``, a KeyError, if absent)."""
+        try:
+            return self.infos[name]
+        except KeyError:
+            raise tensor_not_found(self.path, name, self.infos) from None
+
+    def host(self, name: str) -> np.ndarray:
+        """The tensor as its file's :meth:`TensorFile.host` gives it (a zero-copy read-only view where stored)."""
+        try:
+            f, inner = self._where[name]
+        except KeyError:
+            raise tensor_not_found(self.path, name, self.infos) from None
+        return f.host(inner)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.host(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.infos)
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.infos
+
+    @property
+    def nbytes(self) -> int:
+        """Total payload bytes of all tensors as stored."""
+        return sum(i.nbytes for i in self.infos.values())
+
+    def close(self) -> None:
+        """Close every file (idempotent); views already made stay valid."""
+        for f in self.files.values():
+            f.close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    def __enter__(self) -> "CheckpointDirectory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "<Closed fastckpt.CheckpointDirectory>"
+        return f"<fastckpt.CheckpointDirectory {self.path!r} files={list(self.files)} tensors={len(self)}>"

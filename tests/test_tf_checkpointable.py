@@ -256,7 +256,7 @@ def test_damaged_checkpoint_changes_nothing(tmp_path):
 
     prefix = filled(LeNet()).save_checkpoint(tmp_path, "LeNet")
     with CheckpointReader(prefix) as reader:
-        last = max(reader.infos(), key=lambda info: info.offset)  # the tensor a restore reaches last
+        last = max(reader.infos.values(), key=lambda info: info.offset)  # the tensor a restore reaches last
     data = Path(prefix + ".data-00000-of-00001")
     raw = bytearray(data.read_bytes())
     raw[last.offset] ^= 0x01

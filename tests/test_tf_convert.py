@@ -106,7 +106,7 @@ def test_tf_to_tf_keeps_strings_and_can_shard(tmp_path):
     convert(src, tmp_path / "copy.index", num_shards=2, data_alignment=64)
     with CheckpointReader(tmp_path / "copy") as reader:
         assert reader.header.num_shards == 2
-        assert all(i.offset % 64 == 0 for i in reader.infos())
+        assert all(i.offset % 64 == 0 for i in reader.infos.values())
     with CheckpointReader(tmp_path / "copy") as a, CheckpointReader(src) as b:
         assert a.tensor_names() == b.tensor_names()
         for name in a:

@@ -244,7 +244,7 @@ def test_truncated_data_file(tmp_path):
     raw = Path(data_path).read_bytes()
     Path(data_path).write_bytes(raw[:100])
     with CheckpointReader(prefix) as reader:
-        late = max(reader.infos(), key=lambda i: i.offset)
+        late = max(reader.infos.values(), key=lambda i: i.offset)
         with pytest.raises(FormatError, match="truncated"):
             reader.read_tensor(late.name)
 

@@ -124,7 +124,7 @@ def test_data_alignment(tmp_path, alignment):
     tensors = {"a": np.ones(3, np.int8), "b": np.arange(5.0), "c": np.zeros(0, np.float32), "d": np.int16(7)}
     write_checkpoint(tmp_path / "c", tensors, data_alignment=alignment)
     with CheckpointReader(tmp_path / "c") as reader:
-        for info in reader.infos():
+        for info in reader.infos.values():
             assert info.offset % alignment == 0
         for name, value in tensors.items():
             assert reader[name].tobytes() == np.asarray(value).tobytes()

@@ -121,6 +121,7 @@ tried.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -261,11 +262,12 @@ def resolve_model_path(path: str | os.PathLike) -> tuple[str, str, str | None]:
 
 
 def _decode_meta(path: str, array: np.ndarray) -> dict:
-    if array.size != 1 or array.dtype.kind not in "US":
+    # "O": a TensorFlow string tensor, read as an object array of bytes.
+    value = array.reshape(()).item() if array.size == 1 else None
+    if array.size != 1 or array.dtype.kind not in "USO" or not isinstance(value, (str, bytes)):
         raise FormatError(
             f"{path}: {META_KEY!r} must be a 0-d string array holding JSON, got {array.dtype}{array.shape}"
         )
-    value = array.reshape(()).item()
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
@@ -314,10 +316,10 @@ def _read_metadata(layout: str, weights, json_path: str | None) -> tuple[str, di
                 return json_path, json.loads(f.read().decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise FormatError(f"{json_path}: legacy model metadata is not valid JSON ({exc})") from None
-    if META_KEY not in weights:
+    if META_KEY not in weights.infos:
         raise FormatError(
             f"{weights.path}: model file is missing NetCL metadata (no {META_KEY!r} entry; "
-            f"{len(weights)} entries). A raw parameter NPZ is read with fastckpt.io.checkpoint.load_params; "
+            f"{len(weights.infos)} entries). A raw parameter NPZ is read with fastckpt.io.checkpoint.load_params; "
             "a legacy export is the pair X.json + X.npz, loaded by passing X"
         )
     return weights.path, _decode_meta(weights.path, weights.host(META_KEY))
@@ -335,8 +337,16 @@ def _materialize_missing(queue, model, entries) -> None:
                 setattr(layer, key, getattr(fresh, key))
 
 
-def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool = True):
-    """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair).
+def load_model(path, queue=None, pool=None, *, strict: bool = True):
+    """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair), or from an open reader.
+
+    ``path`` is resolved as in :func:`resolve_model_path`; it may also be an open
+    reader of the contract (:class:`~fastckpt.contract.TensorReader`: a
+    :class:`fastckpt.TensorFile`, a :class:`fastckpt.tf.CheckpointReader`, ...)
+    holding the ``__netcl_meta__`` entry and the weights, read as a single-file
+    model (layout ``"single-file"``, the reader's ``path`` in the report) and
+    left open. Its weights load as :func:`~fastckpt.load.load_file` loads that
+    reader: one copy for a mapped file, through ``host(name)`` otherwise.
 
     ``queue`` defaults to ``pool.queue``, else :func:`fastckpt.device.default`'s. With
     ``pool`` (a :class:`fastckpt.pool.PersistentBufferPool`) all weights land in one
@@ -354,11 +364,19 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
     1
     """
     import fastckpt
+    from fastckpt.contract import TensorReader
     from fastckpt.nn import Sequential, build_layer, deferred_init, normalize_config
     from fastckpt.nn.module import TensorSpec
 
     t0 = time.perf_counter()
-    layout, weights_path, json_path = resolve_model_path(path)
+    if isinstance(path, (str, os.PathLike)):
+        layout, weights_path, json_path = resolve_model_path(path)
+        source = None
+    elif isinstance(path, TensorReader):
+        layout, weights_path, json_path, source = "single-file", path.path, None, path
+    else:
+        raise TypeError(f"load_model needs a path or an open reader of the contract fastckpt.contract.TensorReader, "
+                        f"got {type(path).__name__}")
     if queue is None and pool is not None:
         queue = getattr(pool, "queue", None)
     if queue is None:
@@ -366,7 +384,7 @@ def load_model(path: str | os.PathLike, queue=None, pool=None, *, strict: bool =
 
         queue = default().queue
 
-    with fastckpt.open(weights_path) as tf:
+    with fastckpt.open(weights_path) if source is None else contextlib.nullcontext(source) as tf:
         meta_path, meta = _read_metadata(layout, tf, json_path)
         version, config = _check_meta(meta_path, meta, layout)
         try:

@@ -57,7 +57,7 @@ def describe(path, *, verify: bool = False) -> dict:
     """
     with CheckpointReader(resolve_prefix(path), verify=verify) as reader:
         header = reader.header
-        infos = reader.infos()
+        infos = list(reader.infos.values())
         # A damaged header can claim two billion shards; past a few thousand, list only the ones in use.
         shards = (range(header.num_shards) if header.num_shards <= _LISTED_SHARDS
                   else sorted({i.shard for i in infos if not i.slices}))

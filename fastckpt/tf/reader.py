@@ -3,7 +3,9 @@
 ``CheckpointReader(prefix)`` opens ``<prefix>.index`` (format in
 :mod:`fastckpt.tf.format`), maps every ``<prefix>.data-?????-of-?????`` shard
 and serves each tensor as a read-only numpy view of the mapped bytes, after
-checking its masked CRC32C (``verify=False`` skips the check).
+checking its masked CRC32C (``verify=False`` skips the check). It implements
+the reader contract of :mod:`fastckpt.contract` (``fastckpt.open(prefix)``
+returns one).
 
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.tf import write_checkpoint
@@ -16,25 +18,25 @@ checking its masked CRC32C (``verify=False`` skips the check).
 
 from __future__ import annotations
 
-import difflib
 import os
 import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import crc32c as _crc32c
 import numpy as np
 
 from fastckpt._info import TensorInfo
 from fastckpt._mapped import MappedFile
+from fastckpt.contract import tensor_not_found
 from fastckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     FormatError,
     NotZeroCopyWarning,
-    TensorNotFoundError,
 )
 from fastckpt.tf import dtypes as _dt
 from fastckpt.tf._table import decode_entry, decode_string_tensor, mask_crc
@@ -63,10 +65,12 @@ def data_filename(prefix, shard: int, num_shards: int) -> str:
 class TFTensorInfo(TensorInfo):
     """A :class:`~fastckpt._info.TensorInfo` plus what the bundle entry says.
 
-    ``offset`` / ``nbytes`` locate the payload in data shard ``shard``; ``dtype``
-    is ``object`` for DT_STRING; ``slices`` is non-empty for a partitioned
-    variable (then ``offset`` and ``nbytes`` are 0 and the values live in
-    hidden slice entries).
+    It is the ``TensorInfo`` of the reader contract for TensorFlow:
+    ``offset`` / ``nbytes`` locate the payload in data shard ``shard`` (not in
+    one file, so ``offset`` alone does not order tensors across shards);
+    ``dtype`` is ``object`` for DT_STRING (``nbytes`` is then the encoded
+    size); ``slices`` is non-empty for a partitioned variable (then ``offset``
+    and ``nbytes`` are 0 and the values live in hidden slice entries).
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.tf import write_checkpoint
@@ -242,11 +246,18 @@ class CheckpointReader(Mapping):
     ``path`` is a prefix (``dir/ckpt-1``), its ``.index`` file, or a directory
     (resolved through its ``checkpoint`` file). ``verify=False`` skips the
     per-tensor CRC32C (block checksums of the index are always checked).
-    ``backend="pread"`` reads shards without mmap (network filesystems).
+    ``backend="pread"`` reads shards without mmap (network filesystems);
+    ``copy_on_write=True`` maps them privately, so views are writable and the
+    files never change.
 
-    The reader is a read-only :class:`~collections.abc.Mapping` from tensor
-    name to array (``keys()``, ``items()``, ``get()`` ...). Slice entries
-    of partitioned variables are hidden; the variable itself is listed and
+    The reader implements the reader contract
+    (:class:`~fastckpt.contract.TensorReader`: ``keys()``, ``infos``,
+    ``info(name)``, ``host(name)``, ``metadata`` (always None: a bundle has no
+    free-form metadata), ``path`` (the prefix), ``format``
+    (``"tensorflow"``)) and is a read-only :class:`~collections.abc.Mapping`
+    from tensor name to array (``items()``, ``get()`` ...; ``reader[name]`` is
+    :meth:`read_tensor`). Names are in index (byte) order. Slice entries of
+    partitioned variables are hidden; the variable itself is listed and
     :meth:`read_tensor` assembles it.
 
     >>> import numpy as np, tempfile, os
@@ -256,14 +267,21 @@ class CheckpointReader(Mapping):
     >>> r = CheckpointReader(prefix)
     >>> list(r), r.tensor_shape("b"), r.tensor_dtype("a")
     (['a', 'b'], (3,), dtype('float32'))
+    >>> [(name, info.shard, info.offset, info.nbytes) for name, info in r.infos.items()]
+    [('a', 0, 24, 4), ('b', 0, 0, 24)]
+    >>> r.host("b").flags.writeable, r.metadata
+    (False, None)
     >>> r.close()
     """
+
+    format = "tensorflow"
+    metadata = None  # the reader contract's metadata: a tensor bundle has none
 
     # A file handle: equal only to itself (Mapping's value comparison would compare arrays).
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
-    def __init__(self, path, *, verify: bool = True, backend: str = "mmap"):
+    def __init__(self, path, *, verify: bool = True, backend: str = "mmap", copy_on_write: bool = False):
         self.prefix = resolve_prefix(path)
         self.verify = verify
         self.index_path = self.prefix + ".index"
@@ -272,6 +290,7 @@ class CheckpointReader(Mapping):
         self._shards: dict = {}
         self._closed = False
         self._backend = backend
+        self._copy_on_write = copy_on_write
         self._shard_lock = threading.Lock()  # two threads reading one new shard map it once
         with MappedFile(self.index_path, advise=False) as mapped:
             table = IndexTable(mapped)
@@ -284,14 +303,15 @@ class CheckpointReader(Mapping):
         self.header = decode_header(items[0][1], f"{self.index_path}: header entry")
         self._check_version()
         self._entries: dict = {}
-        names = []
+        listed: dict = {}
         for key, value in items[1:]:
             name = _decode_name(key)
             info = self._make_info(name, value)
             self._entries[key] = info
             if not key.startswith(b"\x00"):
-                names.append(name)
-        self._names = names
+                listed[name] = info
+        self._names = names = list(listed)
+        self._infos = MappingProxyType(listed)
         num_shards = self.header.num_shards
         if num_shards < 0 or num_shards > INT32_MAX or (num_shards == 0 and names):
             raise FormatError(f"{self.index_path}: header says num_shards={num_shards} (an int32 of at least 1 "
@@ -349,7 +369,13 @@ class CheckpointReader(Mapping):
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has run (arrays returned before stay valid)."""
         return self._closed
+
+    @property
+    def path(self) -> str:
+        """The checkpoint prefix (the reader contract's ``path``)."""
+        return self.prefix
 
     def __enter__(self):
         return self
@@ -370,24 +396,20 @@ class CheckpointReader(Mapping):
         return list(self._names)
 
     def info(self, name: str) -> TFTensorInfo:
-        """Where and how tensor ``name`` is stored."""
-        key = _encode_name(name) if isinstance(name, str) else None
-        info = self._entries.get(key) if key is not None else None
-        if info is None or key.startswith(b"\x00"):
-            close = difflib.get_close_matches(str(name), self._names, n=3)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise TensorNotFoundError(f"{self.prefix}: no tensor named {name!r} among {len(self._names)} "
-                                      f"tensors{hint}")
+        """Where and how tensor ``name`` is stored (``TensorNotFoundError``, a KeyError, naming close matches)."""
+        info = self._infos.get(name) if isinstance(name, str) else None
+        if info is None:
+            raise tensor_not_found(self.prefix, name, self._names)
         return info
 
-    def infos(self) -> list:
-        """:class:`TFTensorInfo` of every listed tensor, in name order."""
-        return [self._entries[_encode_name(n)] for n in self._names]
+    @property
+    def infos(self) -> "MappingProxyType[str, TFTensorInfo]":
+        """Read-only mapping name -> :class:`TFTensorInfo` of every listed tensor, in name (index) order."""
+        return self._infos
 
     def has_tensor(self, name: str) -> bool:
         """True if ``name`` is a (listed) tensor of this checkpoint."""
-        key = _encode_name(name) if isinstance(name, str) else None
-        return key is not None and key in self._entries and not key.startswith(b"\x00")
+        return isinstance(name, str) and name in self._infos
 
     def tensor_shape(self, name: str) -> tuple:
         """The shape of ``name`` as a tuple (``()`` for a scalar)."""
@@ -399,7 +421,7 @@ class CheckpointReader(Mapping):
 
     def variable_to_shape_map(self) -> dict:
         """``{name: list(shape)}``, like TensorFlow's ``get_variable_to_shape_map``."""
-        return {n: list(self._entries[_encode_name(n)].shape) for n in self._names}
+        return {n: list(info.shape) for n, info in self._infos.items()}
 
     def __iter__(self):
         return iter(self.tensor_names())
@@ -432,8 +454,20 @@ class CheckpointReader(Mapping):
                     raise CheckpointNotFoundError(
                         f"{path}: data shard {index} of {num_shards} is missing (the index {self.index_path} "
                         "lists tensors in it; was the checkpoint copied without its data files?)")
-                mapped = self._shards[index] = MappedFile(path, backend=self._backend)
+                mapped = self._shards[index] = MappedFile(path, backend=self._backend,
+                                                          copy_on_write=self._copy_on_write)
         return mapped
+
+    def host(self, name: str) -> np.ndarray:
+        """The value of tensor ``name`` as the reader contract gives it: :meth:`read_tensor`, copying only where needed.
+
+        A zero-copy, read-only view of the mapped data where the bytes allow;
+        big-endian tensors and partitioned variables come back as new arrays,
+        without :meth:`read_tensor`'s warning; strings as ``object`` arrays of ``bytes``.
+        """
+        info = self.info(name)
+        copy = bool(info.slices) or (self.header.big_endian and info.dtype.itemsize > 1)
+        return self.read_tensor(name, copy=copy)
 
     def read_tensor(self, name: str, *, copy: bool = False) -> np.ndarray:
         """The value of tensor ``name``.

@@ -1,0 +1,123 @@
+"""The reader contract: what every tensor-file reader of fastckpt offers, whatever the format.
+
+:func:`fastckpt.open` returns an object of this contract for an NPZ or
+safetensors file (:class:`~fastckpt.reader.TensorFile`), a TensorFlow
+checkpoint (:class:`~fastckpt.tf.CheckpointReader`) and a training-checkpoint
+directory (:class:`~fastckpt.reader.CheckpointDirectory`);
+:func:`~fastckpt.load.load_file` and :func:`~fastckpt.io.serialization.load_model`
+accept any object of it. A reader implements the contract by having these
+members (:class:`TensorReader` is a ``runtime_checkable`` Protocol, so
+``isinstance(reader, TensorReader)`` checks that they are present):
+
+``keys()``
+    The tensor names, each once, in the order of the source: file order for
+    NPZ and safetensors (payload offset), index order for TensorFlow (byte
+    order of the names), file after file for a directory.
+``infos``
+    A read-only mapping name -> :class:`~fastckpt.TensorInfo` (or a subclass:
+    ``TFTensorInfo`` adds the data shard and checksum), in ``keys()`` order.
+    ``dtype`` is the numpy dtype ``host`` returns and ``shape`` its shape;
+    ``offset`` / ``nbytes`` locate the payload as stored, in the file the
+    reader's format says (the data shard ``info.shard`` for TensorFlow, the
+    tensor's own file for a directory).
+``info(name)``
+    ``infos[name]``; an unknown name raises
+    :class:`~fastckpt.errors.TensorNotFoundError` (a ``KeyError``) naming the
+    reader's path, how many tensors it holds and the closest names
+    (:func:`tensor_not_found` builds that error).
+``host(name)``
+    The tensor as a numpy array of ``info(name).dtype`` and ``.shape``, to be
+    treated as read-only: a zero-copy, read-only view of the mapped file where
+    the format allows (stored, little-endian, C- or Fortran-ordered payloads;
+    writable only for files opened ``copy_on_write=True``), else a new array
+    decoded from the stored bytes (DEFLATE members of an NPZ, big-endian or
+    partitioned TensorFlow tensors, TensorFlow strings as ``object`` arrays of
+    ``bytes``; every array when read with ``backend="pread"``). Views stay
+    valid after ``close()``. Unknown names raise as ``info`` does.
+``metadata``
+    A ``dict[str, str]`` of the source's free-form metadata (safetensors'
+    ``__metadata__``), or None when the source has none (NPZ and TensorFlow
+    have no place for it; a safetensors file may leave it out).
+``path``, ``format``
+    What the reader was opened from (a file, a TensorFlow prefix, a directory)
+    and a short name of its format (``"npz"``, ``"safetensors"``,
+    ``"tensorflow"``, ...), for messages and load reports.
+``close()``, ``with reader:``
+    Release the files (idempotent; leaving a ``with`` block closes).
+
+The built-in readers are also read-only :class:`~collections.abc.Mapping`
+objects name -> array (``reader[name]``), but the contract asks only for the
+members above.
+
+>>> import fastckpt, numpy as np, tempfile, os
+>>> p = os.path.join(tempfile.mkdtemp(), "m.npz")
+>>> fastckpt.save_npz(p, {"w": np.ones((2, 2), np.float32)})
+>>> with fastckpt.open(p) as reader:
+...     isinstance(reader, TensorReader), list(reader.keys()), reader.infos["w"].shape, reader.metadata
+(True, ['w'], (2, 2), None)
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+
+import numpy as np
+
+from fastckpt._info import TensorInfo
+from fastckpt.errors import TensorNotFoundError
+
+__all__ = ["TensorReader", "tensor_not_found"]
+
+
+@runtime_checkable
+class TensorReader(Protocol):
+    """An open source of named tensors (see the module docstring for the exact contract).
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.safetensors")
+    >>> fastckpt.save_safetensors(p, {"a": np.arange(3, dtype=np.int16)}, metadata={"step": "3"})
+    >>> with fastckpt.open(p) as r:
+    ...     isinstance(r, TensorReader), r.info("a").dtype, r.host("a").tolist(), r.metadata
+    (True, dtype('int16'), [0, 1, 2], {'step': '3'})
+    """
+
+    path: str
+    format: str
+
+    @property
+    def infos(self) -> Mapping[str, TensorInfo]:
+        """Read-only mapping name -> :class:`~fastckpt.TensorInfo`, in ``keys()`` order."""
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        """The source's string metadata, or None when it has none."""
+
+    def keys(self) -> Iterable[str]:
+        """Every tensor name once, in the source's order."""
+
+    def info(self, name: str) -> TensorInfo:
+        """The :class:`~fastckpt.TensorInfo` of ``name`` (``TensorNotFoundError``, a KeyError, if absent)."""
+
+    def host(self, name: str) -> np.ndarray:
+        """The tensor as a numpy array (treat as read-only; zero-copy where the format allows)."""
+
+    def close(self) -> None:
+        """Release the source's files; idempotent."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc) -> Any: ...
+
+
+def tensor_not_found(where: str, name: object, names: Iterable[str]) -> TensorNotFoundError:
+    """The error for an unknown tensor ``name`` of the reader at ``where``: how many there are, the closest names.
+
+    >>> print(tensor_not_found("m.npz", "fc1.wieght", ["fc1.weight", "fc1.bias"]).args[0])
+    m.npz: no tensor named 'fc1.wieght' (2 tensors: 'fc1.weight', 'fc1.bias'); did you mean 'fc1.weight'?
+    """
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    close = difflib.get_close_matches(str(name), names, n=3) if isinstance(name, str) else []
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return TensorNotFoundError(f"{where}: no tensor named {name!r} ({len(names)} tensors: {shown}){hint}")
