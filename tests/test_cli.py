@@ -16,7 +16,7 @@ def test_every_sub_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as info:
         main([command, "--help"])
     assert info.value.code == 0
-    assert COMMANDS[command][1].split()[0] in capsys.readouterr().out
+    assert COMMANDS[command].HELP.split()[0] in capsys.readouterr().out
 
 
 def test_no_command_prints_help_and_fails(capsys):
@@ -65,3 +65,26 @@ def test_inspect_passes_max_header_size(tmp_path, capsys):
     assert main(["inspect", "--json", "--max-header-size", "20000", str(path)]) == 0
     d = json.loads(capsys.readouterr().out)
     assert [(t["name"], t["shape"], t["nbytes"]) for t in d["tensors"]] == [("w", [2], 1200)]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_each_command_is_a_module_of_its_own(command):
+    module = COMMANDS[command]
+    assert module.__name__ == f"fastckpt.cli.{command}"
+    assert callable(module.add_parser) and callable(module.run) and module.HELP
+
+
+def test_a_command_imports_only_what_it_needs():
+    # The command modules are light: running `inspect` does not import the benchmarks nor the training code.
+    check = ("import sys\n"
+             "from fastckpt.cli import build_parser\n"
+             "build_parser('inspect', ['inspect', 'x.npz']).parse_args(['inspect', 'x.npz'])\n"
+             "print(sorted(m for m in sys.modules if m.startswith(('fastckpt.bench', 'fastckpt.train'))))\n")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_python_m_fastckpt_cli_runs():
+    out = subprocess.run([sys.executable, "-m", "fastckpt.cli", "--version"], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == f"fastckpt {fastckpt.__version__}"

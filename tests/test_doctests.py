@@ -24,7 +24,7 @@ import fastckpt
 # The modules that legitimately have no example, with the reason. Keep it short: an example is the cheapest test.
 # (``__main__`` modules need no entry: they are never imported, see test_docstring_examples.)
 NO_EXAMPLES = {
-    "fastckpt.demo": "the `fastckpt demo` command: itself a worked example, printed with timings",
+    "fastckpt.cli.demo": "the `fastckpt demo` command: itself a worked example, printed with timings",
     "fastckpt.tf.format": "the byte-level format specification (the docs page): prose, no code",
 }
 

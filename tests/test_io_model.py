@@ -481,7 +481,7 @@ def test_format_page_has_the_same_text_as_the_module_docstring():
 
 
 def test_demo_model_section_round_trips_through_a_pool(tmp_path, capsys):
-    from fastckpt.demo import _model_demo
+    from fastckpt.cli.demo import _model_demo
 
     _model_demo(str(tmp_path), 32)
     out = capsys.readouterr().out

@@ -11,7 +11,9 @@ import json
 import os
 import sys
 
-__all__ = ["describe", "configure", "run"]
+__all__ = ["HELP", "describe", "add_parser", "run"]
+
+HELP = "list a file's tensors, dtypes, shapes, offsets, alignment and metadata"
 
 
 def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> dict:
@@ -80,12 +82,14 @@ def _format_table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def configure(parser) -> None:
+def add_parser(subparsers):
+    parser = subparsers.add_parser("inspect", help=HELP, description=HELP)
     parser.add_argument("file", help="an NPZ/.netcl or safetensors file, or a TensorFlow checkpoint prefix/directory")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     parser.add_argument("--max-header-size", type=int, default=None, metavar="N",
                         help="raise the cap on each NPZ member's .npy header (default 10000 characters; "
                              "trusted files only)")
+    return parser
 
 
 def run(args) -> int:

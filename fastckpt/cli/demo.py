@@ -6,19 +6,23 @@ import os
 import tempfile
 import time
 
-import numpy as np
+__all__ = ["HELP", "add_parser", "run"]
 
-__all__ = ["configure", "run"]
+HELP = "save and load a small model on the default device, with timings"
 
 
-def configure(parser) -> None:
+def add_parser(subparsers):
+    parser = subparsers.add_parser("demo", help=HELP, description=HELP)
     parser.add_argument("--tensors", type=int, default=16, help="number of tensors (default 16)")
     parser.add_argument("--mib", type=float, default=64.0, help="total size in MiB (default 64)")
     parser.add_argument("--hidden", type=int, default=1024,
                         help="hidden width of the demo MLP saved as a .netcl model file (default 1024)")
+    return parser
 
 
 def run(args) -> int:
+    import numpy as np
+
     import fastckpt
     import fastckpt._npz  # noqa: F401  (imported here so that the timings below are of the work, not the import)
     import fastckpt._safetensors  # noqa: F401
@@ -60,6 +64,7 @@ def _median_ms(fn, repeats: int = 5) -> float:
 
 def _model_demo(tmp: str, hidden: int) -> None:
     """Save an MLP as a .netcl model file, load it through a pool, run it, and compare with np.load."""
+    import numpy as np
     import pyopencl as cl
 
     from fastckpt.device import default

@@ -1,0 +1,7 @@
+"""``python -m fastckpt.cli``: the same as the ``fastckpt`` command."""
+
+import sys
+
+from fastckpt.cli import main
+
+sys.exit(main())
