@@ -13,7 +13,8 @@ COMPILER_DIRECTIVES = {
 }
 
 
-EXTENSIONS = ["_mapped", "_gather", "_safetensors", "tf._table", "_npy", "_npz"]  # grows as parsers land
+EXTENSIONS = ["_native.mapped", "_native.gather", "_native.safetensors", "_native.tftable", "_native.npy",
+              "_native.npz"]
 
 
 def ext(name: str) -> Extension:

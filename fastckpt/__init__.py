@@ -2,7 +2,7 @@
 
 Zero-copy readers for NPZ, safetensors and TensorFlow checkpoints behind one
 contract (``fastckpt.open`` opens any of them, and training-checkpoint
-directories; :class:`fastckpt.contract.TensorReader`), aligned and atomic
+directories; :class:`fastckpt.formats.contract.TensorReader`), aligned and atomic
 writers, and one-copy loads of whole files into OpenCL device memory.
 
 >>> import fastckpt, numpy as np, tempfile, os
@@ -35,20 +35,20 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; resolved on first access (PEP 562).
 _LAZY = {
-    "open": "fastckpt.reader",
-    "register_opener": "fastckpt.reader",
-    "TensorFile": "fastckpt.reader",
-    "CheckpointDirectory": "fastckpt.reader",
-    "TensorReader": "fastckpt.contract",
-    "TensorInfo": "fastckpt._info",
-    "MappedFile": "fastckpt._mapped",
-    "save_npz": "fastckpt.npz",
-    "NpzWriter": "fastckpt.npz",
-    "save_safetensors": "fastckpt.safetensors",
-    "load_file": "fastckpt.load",
-    "LoadedTensors": "fastckpt.load",
-    "PersistentBufferPool": "fastckpt.pool",
-    "Tensor": "fastckpt.tensor",
+    "open": "fastckpt.formats.reader",
+    "register_opener": "fastckpt.formats.reader",
+    "TensorFile": "fastckpt.formats.reader",
+    "CheckpointDirectory": "fastckpt.train.directory",
+    "TensorReader": "fastckpt.formats.contract",
+    "TensorInfo": "fastckpt.info",
+    "MappedFile": "fastckpt._native.mapped",
+    "save_npz": "fastckpt.formats.npz",
+    "NpzWriter": "fastckpt.formats.npz",
+    "save_safetensors": "fastckpt.formats.safetensors",
+    "load_file": "fastckpt.device.load",
+    "LoadedTensors": "fastckpt.device.load",
+    "PersistentBufferPool": "fastckpt.device.pool",
+    "Tensor": "fastckpt.device.tensor",
     "CheckpointManager": "fastckpt.train.manager",
 }
 

@@ -38,6 +38,6 @@ def queue(device):
 @pytest.fixture
 def pool(device):
     """A new, empty PersistentBufferPool on the default device for each test (its counters start at zero)."""
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     return PersistentBufferPool(device.context, device.queue)

@@ -88,3 +88,17 @@ def test_python_m_fastckpt_cli_runs():
     out = subprocess.run([sys.executable, "-m", "fastckpt.cli", "--version"], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == f"fastckpt {fastckpt.__version__}"
+
+
+def test_inspect_a_training_checkpoint_directory_lists_every_file_s_tensors(tmp_path, capsys):
+    from fastckpt.train import AdamW, TinyLM, save_checkpoint
+
+    model = TinyLM(vocab=8, dim=4, hidden=8)
+    save_checkpoint(model, AdamW(model.parameters()), None, None, None, tmp_path / "ckpt", step=1)
+    assert main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["format"] == "fastckpt.train.checkpoint" and "data_region" not in d
+    names = [t["name"] for t in d["tensors"]]
+    assert "weights/embed.weight" in names and "lm_head.weight" not in " ".join(names)  # tied: stored once
+    assert any(n.startswith("optim/") for n in names)
+    assert d["metadata"]["weights/lm_head.weight"] == "ALIAS(embed.weight)"

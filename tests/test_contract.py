@@ -1,4 +1,4 @@
-"""The reader contract (fastckpt.contract.TensorReader): every reader fastckpt.open returns, and load_file /
+"""The reader contract (fastckpt.formats.contract.TensorReader): every reader fastckpt.open returns, and load_file /
 load_model taking any of them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import fastckpt
 from fastckpt import CheckpointDirectory, TensorReader
 from fastckpt.errors import CheckpointNotFoundError, FormatError, NotZeroCopyWarning, TensorNotFoundError
-from fastckpt.reader import register_opener, unregister_opener
+from fastckpt.formats.reader import register_opener, unregister_opener
 from fastckpt.tf import CheckpointReader, save, write_checkpoint
 
 TF_DATA = Path(__file__).parent / "data" / "tf"
@@ -181,13 +181,15 @@ def test_training_directory_that_fails_to_open_closes_what_it_opened(tmp_path, m
     out = _training_checkpoint(tmp_path / "ckpt")
     (out / "optim.safetensors").write_bytes(b"not a tensor file")
     opened = []
-    real = fastckpt.reader.open_file
+    import fastckpt.train.directory as directory
+
+    real = directory.open_file
 
     def recording(*args, **kwargs):
         opened.append(real(*args, **kwargs))
         return opened[-1]
 
-    monkeypatch.setattr(fastckpt.reader, "open_file", recording)
+    monkeypatch.setattr(directory, "open_file", recording)
     with pytest.raises(FormatError, match="optim.safetensors"):
         fastckpt.open(out)
     assert len(opened) == 1 and opened[0].closed
@@ -220,7 +222,7 @@ def test_registered_openers_come_first_and_can_be_removed(tmp_path):
 
     def open_sharded(path, **options):
         calls.append(options)
-        return fastckpt.reader.open_file(Path(path, "shard-1.safetensors"), **options)
+        return fastckpt.formats.reader.open_file(Path(path, "shard-1.safetensors"), **options)
 
     assert register_opener(is_sharded, open_sharded) is open_sharded
     try:
@@ -249,7 +251,7 @@ def _host_values(reader) -> dict:
 @pytest.mark.parametrize("fixture", TF_FIXTURES)
 @pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
 def test_load_file_of_a_tensorflow_reader_equals_its_host_values(fixture, use_pool, queue, pool):
-    from fastckpt.load import load_file
+    from fastckpt.device.load import load_file
 
     with CheckpointReader(_tf_prefix(fixture)) as reader:
         expected = _host_values(reader)
@@ -266,7 +268,7 @@ def test_load_file_of_a_tensorflow_reader_equals_its_host_values(fixture, use_po
 
 
 def test_load_file_of_a_tensorflow_prefix_path_and_named_strings(queue):
-    from fastckpt.load import load_file
+    from fastckpt.device.load import load_file
 
     prefix = _tf_prefix("object_based")
     with pytest.warns(NotZeroCopyWarning):
@@ -281,7 +283,7 @@ def test_load_file_of_a_tensorflow_prefix_path_and_named_strings(queue):
 
 
 def test_load_file_of_a_training_directory(tmp_path, queue, pool):
-    from fastckpt.load import load_file
+    from fastckpt.device.load import load_file
 
     out = _training_checkpoint(tmp_path / "ckpt")
     with fastckpt.open(out) as reader:
@@ -312,7 +314,7 @@ def test_load_model_takes_an_open_reader(tmp_path, device):
     assert {k: t.to_host().tobytes() for k, t in loaded.named_tensors().items()} == {
         k: v.tobytes() for k, v in expected.items()}
     # the same model as a TensorFlow checkpoint: its weights go through host()
-    from fastckpt.convert import convert
+    from fastckpt.formats.convert import convert
 
     convert(tmp_path / "m.netcl", tmp_path / "tf" / "m")
     with fastckpt.open(tmp_path / "tf" / "m") as reader, pytest.warns(NotZeroCopyWarning):
@@ -324,7 +326,7 @@ def test_load_model_takes_an_open_reader(tmp_path, device):
 
 
 def test_load_file_refuses_what_is_not_a_reader(queue):
-    from fastckpt.load import load_file
+    from fastckpt.device.load import load_file
 
     class Partial:  # infos and host, but no keys/info/metadata/close: not the contract
         infos = {}
@@ -332,7 +334,7 @@ def test_load_file_refuses_what_is_not_a_reader(queue):
         def host(self, name):
             raise KeyError(name)
 
-    with pytest.raises(TypeError, match="fastckpt.contract.TensorReader"):
+    with pytest.raises(TypeError, match="fastckpt.formats.contract.TensorReader"):
         load_file(Partial(), queue)
 
 

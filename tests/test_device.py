@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from _device_data import DTYPES, sample
-from fastckpt import device as device_mod
-from fastckpt.tensor import Tensor, as_bytes
+from fastckpt.device import context as device_mod
+from fastckpt.device.tensor import Tensor, as_bytes
 
 SHAPES = [(), (0,), (7,), (3, 5), (2, 3, 4)]
 
 
 def test_importing_fastckpt_does_not_import_pyopencl():
-    code = ("import sys, fastckpt, fastckpt.reader, fastckpt.pool, fastckpt.load, fastckpt.tensor, fastckpt.device\n"
+    code = ("import sys, fastckpt, fastckpt.formats.reader, fastckpt.device.pool, fastckpt.device.load, fastckpt.device.tensor, fastckpt.device\n"
             "assert 'pyopencl' not in sys.modules, sorted(m for m in sys.modules if 'opencl' in m)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -136,7 +136,7 @@ def test_to_host_out_must_match(dev):
 
 @pytest.mark.device
 def test_from_host_with_a_pool_uses_it(dev):
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     pool = PersistentBufferPool(dev.context, dev.queue)
     t = Tensor.from_host(dev.queue, np.arange(10, dtype=np.int64), pool=pool)

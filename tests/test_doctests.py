@@ -25,7 +25,7 @@ import fastckpt
 # (``__main__`` modules need no entry: they are never imported, see test_docstring_examples.)
 NO_EXAMPLES = {
     "fastckpt.cli.demo": "the `fastckpt demo` command: itself a worked example, printed with timings",
-    "fastckpt.tf.format": "the byte-level format specification (the docs page): prose, no code",
+    "fastckpt.formats.tf.format": "the byte-level format specification (the docs page): prose, no code",
 }
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _writing import file_size_limit
 
-from fastckpt._gather import GatherWriter
+from fastckpt._native.gather import GatherWriter
 
 
 @pytest.fixture

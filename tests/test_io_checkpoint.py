@@ -13,7 +13,7 @@ pytest.importorskip("pyopencl")
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.io.checkpoint import ARRAY_REF_KEY, load_checkpoint, load_params, save_checkpoint, save_params
-from fastckpt.tensor import Tensor
+from fastckpt.device.tensor import Tensor
 
 pytestmark = pytest.mark.device
 
@@ -195,7 +195,7 @@ def test_shared_but_not_circular_state_is_stored_twice(tmp_path, queue, rng):
 
 @pytest.mark.parametrize("fail_at", ["param", "npz_replace", "json_replace"])
 def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monkeypatch, fail_at):
-    import fastckpt._atomic as atomic
+    import fastckpt.formats.atomic as atomic
 
     params, hosts = make_params(queue, rng)
     save_checkpoint(params, tmp_path / "ck", optim_state={"m": [np.ones(2)]}, config={"step": 1})

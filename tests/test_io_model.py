@@ -92,7 +92,7 @@ def payload_offsets(path):
 @pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
 @pytest.mark.parametrize("name", list(LAYER_CONFIGS))
 def test_round_trip_exact_weights_and_forward(tmp_path, device, rng, name, use_pool):
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     model = nn.build_sequential(device.queue, LAYER_CONFIGS[name][0], seed=secrets.randbits(31))
     state = randomize(model, rng)
@@ -116,7 +116,7 @@ def test_round_trip_exact_weights_and_forward(tmp_path, device, rng, name, use_p
 @pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32])
 @pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
 def test_stored_dtype_is_kept(tmp_path, device, rng, dtype, use_pool):
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     model = nn.build_sequential(device.queue, [CONV, BN, FLAT, linear(144, 3)])
     randomize(model, rng)
@@ -189,7 +189,7 @@ def test_error_while_streaming_leaves_the_old_file_untouched(tmp_path, queue):
         _state_names = ("a", "b")
 
         def __init__(self):
-            from fastckpt.tensor import Tensor
+            from fastckpt.device.tensor import Tensor
 
             self.a = Tensor.from_host(queue, np.ones(4096, np.float32))
             self.b = Broken()
@@ -224,7 +224,7 @@ def netcl_style_file(path, arrays: dict, meta, *, compressed=False, meta_bytes=F
 
 @pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
 def test_hand_written_np_savez_file_with_unaligned_payloads_loads(tmp_path, device, rng, use_pool):
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     config = [CONV, BN, {"type": "ReLU", "args": {}}, POOL, FLAT, linear(36, 8)]
     source = nn.build_sequential(device.queue, config)
@@ -354,7 +354,7 @@ def test_missing_weights_keep_seeded_values_and_are_reported(tmp_path, queue, rn
 
 
 def test_unexpected_entries_raise_unless_not_strict(tmp_path, device, rng):
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     config = [linear(3, 2)]
     state = randomize(nn.build_sequential(device.queue, config), rng)
@@ -390,7 +390,7 @@ def test_shape_mismatch_names_key_and_both_shapes(tmp_path, queue, rng):
 
 @pytest.mark.parametrize("use_pool", [False, True], ids=["buffers", "pool"])
 def test_squeeze_tolerance_1_by_c_bias(tmp_path, device, rng, use_pool):
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     config = [linear(3, 4)]
     w = rng.standard_normal((3, 4)).astype(np.float32)
@@ -403,7 +403,7 @@ def test_squeeze_tolerance_1_by_c_bias(tmp_path, device, rng, use_pool):
 
 # -- pools ----------------------------------------------------------------------------------------
 def test_loading_twice_through_one_pool_allocates_nothing(tmp_path, device, rng):
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     model = nn.build_sequential(device.queue, [CONV, BN, FLAT, linear(144, 16), {"type": "ReLU"}, linear(16, 3)])
     state = randomize(model, rng)
@@ -422,7 +422,7 @@ def test_loading_twice_through_one_pool_allocates_nothing(tmp_path, device, rng)
 
 
 def test_reloading_a_realigned_np_savez_file_through_one_pool_allocates_nothing(tmp_path, device, rng):
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     config = [CONV, BN, FLAT, linear(144, 5)]
     source = nn.build_sequential(device.queue, config)
@@ -444,7 +444,7 @@ def test_reloading_a_realigned_np_savez_file_through_one_pool_allocates_nothing(
 
 
 def test_user_layer_type_saves_and_loads(tmp_path, queue, rng):
-    from fastckpt.tensor import Tensor
+    from fastckpt.device.tensor import Tensor
 
     class Scale(nn.Module):
         _state_names = ("factor",)

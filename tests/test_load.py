@@ -15,10 +15,10 @@ import pytest
 
 import fastckpt
 from _device_data import DTYPES, sample
-from fastckpt._info import TensorInfo
+from fastckpt.info import TensorInfo
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
-from fastckpt.load import MERGE_GAP, LoadedTensors, load_file, plan_regions
-from fastckpt.pool import PersistentBufferPool
+from fastckpt.device.load import MERGE_GAP, LoadedTensors, load_file, plan_regions
+from fastckpt.device.pool import PersistentBufferPool
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 1, 3)]
 
@@ -231,7 +231,7 @@ def test_region_split_at_tensor_boundaries_when_allocations_are_small(tmp_path, 
 @pytest.mark.device
 @pytest.mark.parametrize("blocking", [True, False])
 def test_large_region_is_copied_in_chunks_into_one_arena(tmp_path, dev, pool, monkeypatch, blocking):
-    import fastckpt.load as load_mod
+    import fastckpt.device.load as load_mod
 
     monkeypatch.setattr(load_mod, "COPY_CHUNK", 1000)
     path = tmp_path / "m.safetensors"
@@ -386,7 +386,7 @@ def test_non_blocking_load_waits_before_reading(tmp_path, dev, pool):
 @pytest.mark.parametrize("use_pool", [True, False])
 def test_non_blocking_copies_keep_the_mapping_after_every_handle_is_gone(tmp_path, dev, pool, monkeypatch,
                                                                           use_pool):
-    import fastckpt.load as load_mod
+    import fastckpt.device.load as load_mod
 
     monkeypatch.setattr(load_mod, "COPY_CHUNK", 1 << 16)  # several commands per region, and a marker
     path = tmp_path / "m.safetensors"
@@ -406,7 +406,7 @@ def test_non_blocking_copies_keep_the_mapping_after_every_handle_is_gone(tmp_pat
 def test_a_failing_copy_raises_and_returns_the_arenas(tmp_path, dev, pool, monkeypatch):
     import pyopencl as cl
 
-    import fastckpt.load as load_mod
+    import fastckpt.device.load as load_mod
 
     monkeypatch.setattr(load_mod, "COPY_CHUNK", 256)
     path = tmp_path / "m.safetensors"
@@ -562,7 +562,7 @@ def test_zero_copy_of_an_unaligned_region_rounds_the_buffer_start_down(tmp_path,
 
 @pytest.mark.device
 def test_zero_copy_impossible_alignment_warns_and_copies(tmp_path, dev, pool, monkeypatch):
-    import fastckpt.load as load_mod
+    import fastckpt.device.load as load_mod
 
     monkeypatch.setattr(load_mod, "_base_align", lambda device: 1 << 40)
     path = tmp_path / "m.safetensors"
@@ -653,7 +653,7 @@ def test_importing_load_and_pool_keeps_pyopencl_out():
     import subprocess
     import sys
 
-    code = "import sys, fastckpt.load, fastckpt.pool\nassert 'pyopencl' not in sys.modules\n"
+    code = "import sys, fastckpt.device.load, fastckpt.device.pool\nassert 'pyopencl' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastckpt import FormatError
-from fastckpt._mapped import MappedFile
+from fastckpt._native.mapped import MappedFile
 
 BACKENDS = ["mmap", "pread"]
 
@@ -198,8 +198,8 @@ SHUTDOWN_SCRIPT = """
 import sys
 import numpy as np
 import fastckpt
-from fastckpt._mapped import MappedFile
-from fastckpt.pool import PersistentBufferPool
+from fastckpt._native.mapped import MappedFile
+from fastckpt.device.pool import PersistentBufferPool
 
 data, npz = sys.argv[1], sys.argv[2]
 open_view = MappedFile(data).array(0, np.uint8, (256,))        # the handle is gone, the view lives

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("pyopencl")
 
 import fastckpt.nn as nn
-from fastckpt.tensor import Tensor
+from fastckpt.device.tensor import Tensor
 
 pytestmark = pytest.mark.device
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from _writing import RefilledBuffer, file_size_limit
 
-import fastckpt.npz as npz
+import fastckpt.formats.npz as npz
 from fastckpt import FormatError, IntegrityError, NotZeroCopyWarning
-from fastckpt._mapped import MappedFile
-from fastckpt.npz import (
+from fastckpt._native.mapped import MappedFile
+from fastckpt.formats.npz import (
     NpzWriter,
     npy_header,
     parse_npy_header,
@@ -1065,8 +1065,8 @@ def test_compression_warning_through_fastckpt_open_points_at_the_caller(tmp_path
 CLOSE_MID_PARSE = """
 import sys
 import numpy as np
-import fastckpt._npz as _npz
-from fastckpt._mapped import MappedFile
+import fastckpt._native.npz as _npz
+from fastckpt._native.mapped import MappedFile
 
 m = MappedFile(sys.argv[1])
 real = _npz._check_member_name

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fastckpt.npz as npz
+import fastckpt.formats.npz as npz
 from fastckpt import FormatError, IntegrityError
-from fastckpt._mapped import MappedFile
-from fastckpt.npz import parse_npy_header, read_member, read_npz_index, save_npz
+from fastckpt._native.mapped import MappedFile
+from fastckpt.formats.npz import parse_npy_header, read_member, read_npz_index, save_npz
 
 DEFAULT_EXAMPLES = 200
 SLOW_EXAMPLES = 5000

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from fastckpt.pool import MIN_CLASS, OpenFiles, PersistentBufferPool, PoolBuffer, arena_size, size_class
+from fastckpt.device.pool import MIN_CLASS, OpenFiles, PersistentBufferPool, PoolBuffer, arena_size, size_class
 
 
 class FakeBuffer:

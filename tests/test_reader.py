@@ -147,7 +147,7 @@ def test_max_header_size_must_be_a_positive_int(tmp_path, bad):
     (b"\x89PNG\r\n\x1a\n0", None),
 ])
 def test_detect_format_reads_the_bytes(head, fmt):
-    from fastckpt.reader import detect_format
+    from fastckpt.formats.reader import detect_format
 
     assert detect_format(head) == fmt
 

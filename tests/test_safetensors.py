@@ -17,8 +17,8 @@ import safetensors
 import safetensors.numpy as st_numpy
 
 from fastckpt import FormatError
-from fastckpt._mapped import MappedFile
-from fastckpt.safetensors import (
+from fastckpt._native.mapped import MappedFile
+from fastckpt.formats.safetensors import (
     dtype_from_safetensors,
     dtype_to_safetensors,
     read_safetensors_index,
@@ -322,7 +322,7 @@ def test_writer_refuses_bad_alignment(tmp_path, alignment):
 
 
 def test_header_over_the_size_limit_is_refused_before_writing(tmp_path, monkeypatch):
-    import fastckpt.safetensors as mod
+    import fastckpt.formats.safetensors as mod
 
     monkeypatch.setattr(mod, "MAX_HEADER_SIZE", 4096)
     with pytest.raises(ValueError, match="over the safetensors limit of 4096"):
@@ -655,7 +655,7 @@ def test_hand_made_variants_that_are_valid(tmp_path):
 def test_docs_page_has_the_same_text_as_the_module_docstring():
     import re
 
-    import fastckpt.safetensors as module
+    import fastckpt.formats.safetensors as module
 
     page = (Path(__file__).parent.parent / "docs" / "formats" / "safetensors.md").read_text(encoding="utf-8")
     page = re.sub(r"<!--.*?-->", "", page, flags=re.S)

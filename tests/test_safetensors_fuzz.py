@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fastckpt import FormatError
-from fastckpt._mapped import MappedFile
-from fastckpt.safetensors import dtype_to_safetensors, read_safetensors_index, read_tensor, save_safetensors
+from fastckpt._native.mapped import MappedFile
+from fastckpt.formats.safetensors import dtype_to_safetensors, read_safetensors_index, read_tensor, save_safetensors
 
 BACKENDS = ["mmap", "pread"]
 DEFAULT = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

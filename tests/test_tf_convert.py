@@ -12,7 +12,7 @@ import pytest
 
 import fastckpt
 from fastckpt.cli import main
-from fastckpt.convert import convert, destination_format
+from fastckpt.formats.convert import convert, destination_format
 from fastckpt.tf import CheckpointReader, write_checkpoint
 
 DATA = Path(__file__).parent / "data" / "tf"

@@ -20,9 +20,9 @@ from fastckpt.errors import (
     TensorNotFoundError,
 )
 from fastckpt.tf import CheckpointReader, describe, is_tf_checkpoint
-from fastckpt.tf.proto import BundleHeader, encode_entry, encode_header
-from fastckpt.tf.reader import encode_tensor_name_slice
-from fastckpt.tf.table import TableBuilder
+from fastckpt.formats.tf.proto import BundleHeader, encode_entry, encode_header
+from fastckpt.formats.tf.reader import encode_tensor_name_slice
+from fastckpt.formats.tf.table import TableBuilder
 
 DATA = Path(__file__).parent / "data" / "tf"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -127,7 +127,7 @@ def test_slice_key_encoding_matches_tensorflow():
                                             (64, b"\xc0\x40"), (-65, b"\x3f\xbf"), (0x424242, b"\xf0\x42\x42\x42"),
                                             (-0x800, b"\x38\x00")])
 def test_ordered_code_signed_numbers(value, expected):
-    from fastckpt.tf.reader import _ordered_signed
+    from fastckpt.formats.tf.reader import _ordered_signed
 
     assert _ordered_signed(value) == expected
 
@@ -220,7 +220,7 @@ def test_damaged_string_bytes_fail_the_entry_checksum(tmp_path):
 
 
 def test_damaged_string_length_checksum(tmp_path):
-    from fastckpt.tf._table import decode_varint
+    from fastckpt._native.tftable import decode_varint
 
     prefix = _copy_fixture(tmp_path)
     name = "model/text/.ATTRIBUTES/VARIABLE_VALUE"
@@ -282,7 +282,7 @@ def _bundle(tmp_path, header: BundleHeader, entries: dict, data: bytes = b"") ->
 def test_absurd_shard_counts_cost_nothing_or_are_refused(tmp_path, num_shards):
     import crc32c
 
-    from fastckpt.tf._table import mask_crc
+    from fastckpt._native.tftable import mask_crc
 
     payload = np.arange(3, dtype=np.int32).tobytes()
     entries = {b"a": encode_entry(3, (3,), size=12, crc32c=mask_crc(crc32c.crc32c(payload)))}
@@ -305,7 +305,7 @@ def test_absurd_shard_counts_cost_nothing_or_are_refused(tmp_path, num_shards):
 def test_big_endian_file_is_byte_swapped(tmp_path, dtype, tf_enum):
     import crc32c
 
-    from fastckpt.tf._table import mask_crc
+    from fastckpt._native.tftable import mask_crc
 
     value = (np.arange(6) * 3 - 2).astype("<" + dtype).reshape(2, 3)
     stored = value.astype(">" + dtype).tobytes()
@@ -379,8 +379,8 @@ def test_tf1_index_files(name):
 
 @pytest.mark.skipif(not SWIFT_INDEX_DIR.is_dir(), reason="shared/reference/tf-index-files is not available")
 def test_tf1_snappy_index_file_really_is_compressed():
-    from fastckpt._mapped import MappedFile
-    from fastckpt.tf.table import IndexTable
+    from fastckpt._native.mapped import MappedFile
+    from fastckpt.formats.tf.table import IndexTable
 
     with MappedFile(SWIFT_INDEX_DIR / "minigo.index") as mapped:
         table = IndexTable(mapped)
@@ -407,7 +407,7 @@ def test_big_endian_bfloat16_and_zero_size(tmp_path):
     import crc32c
     import ml_dtypes
 
-    from fastckpt.tf._table import mask_crc
+    from fastckpt._native.tftable import mask_crc
 
     value = np.array([1.0, -2.5, 3e38], ml_dtypes.bfloat16)
     stored = value.view(np.uint16).astype(">u2").tobytes()
@@ -432,7 +432,7 @@ def _partitioned(tmp_path, slices, full_shape=(4, 2), make_entries_for=None):
     """A hand-made partitioned variable 'p' whose slices hold rows of arange(8)."""
     import crc32c
 
-    from fastckpt.tf._table import mask_crc
+    from fastckpt._native.tftable import mask_crc
 
     full = np.arange(np.prod(full_shape), dtype=np.float32).reshape(full_shape)
     entries = {b"p": encode_entry(1, full_shape, slices=slices)}
@@ -473,7 +473,7 @@ def test_bad_partitions(tmp_path, slices, made, match):
     ([(0, 10, 20), (0, 0, 10)], 20), ([(0, 0, 10), (0, 2, 3)], 10), ([(0, 0, 4), (0, 0, 4), (0, 0, 4)], 4),
 ])
 def test_union_length_counts_each_data_byte_once(ranges, expected):
-    from fastckpt.tf.reader import _union_length
+    from fastckpt.formats.tf.reader import _union_length
 
     assert _union_length(ranges) == expected
 
@@ -481,7 +481,7 @@ def test_union_length_counts_each_data_byte_once(ranges, expected):
 def test_slices_that_share_their_data_bytes_are_refused(tmp_path):
     import crc32c
 
-    from fastckpt.tf._table import mask_crc
+    from fastckpt._native.tftable import mask_crc
 
     rows = np.arange(1000 * 256, dtype=np.float32).reshape(1000, 256)  # 1 MB of data
     payload = rows.tobytes()
@@ -500,7 +500,7 @@ def test_slices_that_share_their_data_bytes_are_refused(tmp_path):
 def test_partition_claiming_a_huge_shape_is_refused_before_allocating(tmp_path):
     import crc32c
 
-    from fastckpt.tf._table import mask_crc
+    from fastckpt._native.tftable import mask_crc
 
     payload = np.arange(4, dtype=np.float32).tobytes()
     entries = {b"p": encode_entry(1, (2**40, 2), slices=[[(0, 2), (0, -1)]]),
@@ -525,7 +525,7 @@ def test_an_older_ml_dtypes_costs_only_the_types_it_lacks(monkeypatch):
 
     import ml_dtypes
 
-    import fastckpt.tf.dtypes as dtypes
+    import fastckpt.formats.tf.dtypes as dtypes
 
     monkeypatch.delattr(ml_dtypes, "int2")
     monkeypatch.delattr(ml_dtypes, "float4_e2m1fn")
@@ -545,7 +545,7 @@ def test_threads_reading_one_shard_map_it_once(monkeypatch):
     import threading
     import time
 
-    import fastckpt.tf.reader as reader_module
+    import fastckpt.formats.tf.reader as reader_module
 
     opened = []
     real = reader_module.MappedFile

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastckpt._mapped import MappedFile
+from fastckpt._native.mapped import MappedFile
 from fastckpt.errors import FormatError
 from fastckpt.tf import CheckpointReader
-from fastckpt.tf._table import (
+from fastckpt._native.tftable import (
     block_seek,
     decode_block,
     decode_entry,
@@ -26,7 +26,7 @@ from fastckpt.tf._table import (
     mask_crc,
     unmask_crc,
 )
-from fastckpt.tf.proto import (
+from fastckpt.formats.tf.proto import (
     BundleHeader,
     decode_checkpoint_state,
     decode_header,
@@ -35,7 +35,7 @@ from fastckpt.tf.proto import (
     encode_header,
     encode_varint,
 )
-from fastckpt.tf.table import IndexTable, TableBuilder, short_successor, shortest_separator
+from fastckpt.formats.tf.table import IndexTable, TableBuilder, short_successor, shortest_separator
 
 DATA = Path(__file__).parent / "data" / "tf"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -414,7 +414,7 @@ def test_fuzz_mutated_index_never_crashes_long(tmp_path_factory, edits):
 
 
 def test_docs_page_is_the_format_docstring():
-    import fastckpt.tf.format as spec
+    import fastckpt.formats.tf.format as spec
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "formats" / "tf-checkpoint.md").read_text()
     assert spec.__doc__.strip() in page

@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fastckpt._mapped import MappedFile
+from fastckpt._native.mapped import MappedFile
 from fastckpt.tf import CheckpointReader, CheckpointWriter, latest_checkpoint, object_key, save, write_checkpoint
-from fastckpt.tf.table import IndexTable
-from fastckpt.tf.writer import escape_local_name, unescape_local_name
+from fastckpt.formats.tf.table import IndexTable
+from fastckpt.formats.tf.writer import escape_local_name, unescape_local_name
 
 DTYPES = ["float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "bool", "complex64", "complex128", ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn,
@@ -203,7 +203,7 @@ def test_a_write_that_fails_midway_poisons_the_writer(tmp_path):
 
 
 def test_an_index_that_cannot_be_built_keeps_the_old_data_files(tmp_path, monkeypatch):
-    import fastckpt.tf.writer as writer_module
+    import fastckpt.formats.tf.writer as writer_module
 
     write_checkpoint(tmp_path / "c", {"w": np.ones(2)})
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}

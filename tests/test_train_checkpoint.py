@@ -397,7 +397,7 @@ def test_interrupted_overwrite_keeps_previous_checkpoint(tmp_path, fail_at, monk
     # Fail each rename of a save in turn: weights, optim, extra, manifest, then the two directory
     # renames of a replacement (the old one aside, the new one in). Where renameat2 can exchange
     # the directories no second rename exists; this test takes the two-rename path everywhere.
-    from fastckpt import _atomic
+    from fastckpt.formats import atomic as _atomic
 
     monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
     assert _count_replaces(tmp_path) == 5
@@ -596,7 +596,7 @@ def test_restore_onto_other_data_is_refused(tmp_path):
 @pytest.mark.device
 def test_fastckpt_device_tensors_are_saved(tmp_path):
     from fastckpt.device import default
-    from fastckpt.tensor import Tensor
+    from fastckpt.device.tensor import Tensor
 
     dev = default()
     host = np.arange(12, dtype=np.float32).reshape(3, 4)

@@ -11,10 +11,10 @@ import safetensors.numpy as st_numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fastckpt.npz as npz
+import fastckpt.formats.npz as npz
 from fastckpt import open as open_tensors
-from fastckpt.npz import save_npz
-from fastckpt.safetensors import save_safetensors
+from fastckpt.formats.npz import save_npz
+from fastckpt.formats.safetensors import save_safetensors
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -105,7 +105,7 @@ _DTYPE_NAMES = {"<f4": "F32", "<f2": "F16", "<i8": "I64", "|b1": "BOOL", "<c8": 
 
 
 def _rank(dtype):
-    from fastckpt._safetensors import DTYPE_RANK
+    from fastckpt._native.safetensors import DTYPE_RANK
 
     return DTYPE_RANK[_DTYPE_NAMES[dtype.newbyteorder("<").str]]
 

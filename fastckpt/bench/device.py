@@ -6,7 +6,7 @@ and prints median times and ratios as markdown tables, for
 
 * (a) 512 MiB in 64 float32 tensors, and (b) 1000 float32 tensors of 4 KiB
   (``--quick``: 16 MiB in 64 tensors and 200 tensors of 4 KiB);
-* paths: fastckpt through a warm :class:`~fastckpt.pool.PersistentBufferPool`
+* paths: fastckpt through a warm :class:`~fastckpt.device.pool.PersistentBufferPool`
   (``load_file(path)``, the pool keeping the file open between loads; and a
   fresh ``fastckpt.open`` + ``load_file`` each time), fastckpt zero-copy
   (where the device shares host memory), fastckpt without a pool; the bound
@@ -93,8 +93,8 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
     import pyopencl as cl
 
     import fastckpt
-    from fastckpt.load import load_file
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.load import load_file
+    from fastckpt.device.pool import PersistentBufferPool
 
     queue, ctx = dev.queue, dev.context
     tensors, path, st_path, np_path = _fixtures(tmp, key, n, elems, fmt)

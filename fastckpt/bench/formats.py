@@ -98,7 +98,7 @@ def _tensors(n: int, elems: int) -> dict[str, np.ndarray]:
     return {f"t{i:04d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
 
 
-# The buffer fastckpt._atomic.atomic_write gives writers that do not gather (_WRITE_BUFFER).
+# The buffer fastckpt.formats.atomic.atomic_write gives writers that do not gather (_WRITE_BUFFER).
 RAW_BUFFER = 256 << 10
 
 

@@ -64,7 +64,7 @@ def measure(repeats: int = 7, directory: str | None = None) -> str:
 
     from fastckpt.device import default
     from fastckpt.io import load_model, save_model
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     try:
         from safetensors.numpy import load_file as st_load, save_file as st_save

@@ -31,8 +31,8 @@ import tempfile
 import numpy as np
 
 from fastckpt.bench.timing import round_robin, table_lines
-from fastckpt.tf.reader import CheckpointReader
-from fastckpt.tf.writer import write_checkpoint
+from fastckpt.formats.tf.reader import CheckpointReader
+from fastckpt.formats.tf.writer import write_checkpoint
 
 __all__ = ["configure", "run", "measure", "format_table"]
 

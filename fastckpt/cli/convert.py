@@ -1,6 +1,6 @@
 """``fastckpt convert SRC DST``: copy every tensor between TensorFlow checkpoints, safetensors and NPZ.
 
-The work is :func:`fastckpt.convert.convert` (its docstring says what is
+The work is :func:`fastckpt.formats.convert.convert` (its docstring says what is
 carried and what is refused); this module adds the arguments and prints the
 summary, with what was left out on stderr.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from fastckpt.convert import FORMATS, convert
+from fastckpt.formats.convert import FORMATS, convert
 
 __all__ = ["HELP", "add_parser", "run"]
 

@@ -24,8 +24,8 @@ def run(args) -> int:
     import numpy as np
 
     import fastckpt
-    import fastckpt._npz  # noqa: F401  (imported here so that the timings below are of the work, not the import)
-    import fastckpt._safetensors  # noqa: F401
+    import fastckpt._native.npz  # noqa: F401  (imported here so that the timings below are of the work, not the import)
+    import fastckpt._native.safetensors  # noqa: F401
 
     rng = np.random.default_rng(0)
     per = max(1, int(args.mib * 2**20 / 4 / args.tensors))
@@ -70,7 +70,7 @@ def _model_demo(tmp: str, hidden: int) -> None:
     from fastckpt.device import default
     from fastckpt.io import load_model, save_model
     from fastckpt.nn import Linear, ReLU, Sequential
-    from fastckpt.pool import PersistentBufferPool
+    from fastckpt.device.pool import PersistentBufferPool
 
     dev = default()
     q = dev.queue

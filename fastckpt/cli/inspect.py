@@ -1,8 +1,10 @@
-"""``fastckpt inspect FILE``: what a tensor file holds, for people (a table) or machines (``--json``).
+"""``fastckpt inspect PATH``: what a tensor file or checkpoint holds, for people (a table) or machines (``--json``).
 
 Shows the format, each tensor's dtype, shape, byte offset, size and alignment,
-and the file's metadata. TensorFlow checkpoints (a prefix or a directory) are
-described by :mod:`fastckpt.tf` when that module is available.
+and the file's metadata; ``PATH`` is anything :func:`fastckpt.open` opens (a
+training-checkpoint directory lists the tensors of all its files).
+TensorFlow checkpoints (a prefix or a directory) are described by
+:mod:`fastckpt.tf`.
 """
 
 from __future__ import annotations
@@ -33,31 +35,29 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
     import fastckpt
 
     with fastckpt.open(path, max_header_size=max_header_size) as f:
-        start, end = f.data_region
-        return {
-            "path": path,
-            "format": f.format,
-            "file_bytes": f.mapped.size,
-            "data_region": [start, end],
-            "metadata": f.metadata,
-            "tensors": [
-                {
-                    "name": i.name,
-                    "dtype": str(i.dtype),
-                    "shape": list(i.shape),
-                    "offset": i.offset,
-                    "nbytes": i.nbytes,
-                    "alignment": i.alignment,
-                    "fortran_order": i.fortran_order,
-                    "compression": i.compression,
-                }
-                for i in f.infos.values()
-            ],
-        }
+        d = {"path": path, "format": f.format}
+        if hasattr(f, "data_region"):  # one mapped file; a checkpoint directory spans several
+            start, end = f.data_region
+            d.update(file_bytes=f.mapped.size, data_region=[start, end])
+        d["metadata"] = f.metadata
+        d["tensors"] = [
+            {
+                "name": i.name,
+                "dtype": str(i.dtype),
+                "shape": list(i.shape),
+                "offset": i.offset,
+                "nbytes": i.nbytes,
+                "alignment": i.alignment,
+                "fortran_order": i.fortran_order,
+                "compression": i.compression,
+            }
+            for i in f.infos.values()
+        ]
+        return d
 
 
 def _tf_describer(path: str):
-    """``fastckpt.tf.describe`` when ``path`` is a TensorFlow checkpoint, else None."""
+    """``fastckpt.formats.tf.describe`` when ``path`` is a TensorFlow checkpoint, else None."""
     try:
         from fastckpt import tf
     except ImportError:
@@ -84,7 +84,8 @@ def _format_table(d: dict) -> str:
 
 def add_parser(subparsers):
     parser = subparsers.add_parser("inspect", help=HELP, description=HELP)
-    parser.add_argument("file", help="an NPZ/.netcl or safetensors file, or a TensorFlow checkpoint prefix/directory")
+    parser.add_argument("file", help="an NPZ/.netcl or safetensors file, a TensorFlow checkpoint prefix/directory, "
+                                     "or a training-checkpoint directory")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     parser.add_argument("--max-header-size", type=int, default=None, metavar="N",
                         help="raise the cap on each NPZ member's .npy header (default 10000 characters; "

@@ -102,7 +102,7 @@ def _names(params: list, names) -> list[str]:
 
 
 def _to_host(value, where: str) -> np.ndarray:
-    from fastckpt.tensor import Tensor
+    from fastckpt.device.tensor import Tensor
 
     if isinstance(value, Tensor):
         return value.to_host()
@@ -135,7 +135,7 @@ def save_params(params: Iterable, path, names=None, *, fsync: bool = True) -> st
     >>> save_params(model.parameters(), "raw/iter_1000.npz", names=["fc1.weight", "fc1.bias"])  # doctest: +SKIP
     'raw/iter_1000.npz'
     """
-    from fastckpt.npz import save_npz
+    from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
     names = _names(params, names)
@@ -168,7 +168,7 @@ def _check_params(path: str, tf, params: list, names: list[str]) -> None:
 
 
 def _write_param(param, host: np.ndarray) -> None:
-    from fastckpt.tensor import Tensor
+    from fastckpt.device.tensor import Tensor
 
     if isinstance(param, Tensor):
         param.write(host)
@@ -229,8 +229,8 @@ def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names
     >>> save_checkpoint(params, "ckpt/run.v1", optim_state={"velocity": [v0]}, config={"step": 3})  # doctest: +SKIP
     ('ckpt/run.v1.npz', 'ckpt/run.v1.json')
     """
-    from fastckpt._atomic import atomic_write
-    from fastckpt.npz import save_npz
+    from fastckpt.formats.atomic import atomic_write
+    from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
     names = _names(params, names)
@@ -288,10 +288,10 @@ def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names
 def _keep_aside(path: str) -> str | None:
     """A second name for the file at ``path`` (a hard link, else a copy), or None when there is none.
 
-    The name follows :mod:`fastckpt._atomic`'s temporaries, so a process killed while it exists
+    The name follows :mod:`fastckpt.formats.atomic`'s temporaries, so a process killed while it exists
     leaves nothing a later save of ``path`` does not clean up.
     """
-    from fastckpt._atomic import _partial_name
+    from fastckpt.formats.atomic import _partial_name
 
     if not os.path.isfile(path):
         return None

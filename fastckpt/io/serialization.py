@@ -166,7 +166,7 @@ class ModelLoadReport:
 
     ``missing_keys`` kept their freshly built (seeded) values; ``unexpected_keys`` were
     in the file but not in the model (only possible with ``strict=False``);
-    ``file_report`` is the device loader's :class:`~fastckpt.load.LoadReport` (copies,
+    ``file_report`` is the device loader's :class:`~fastckpt.device.load.LoadReport` (copies,
     pool hits and misses, bytes allocated).
 
     >>> load_model("m.netcl", pool=pool).load_report.missing_keys   # doctest: +SKIP
@@ -216,7 +216,7 @@ def save_model(model, path: str | os.PathLike, *, fsync: bool = True) -> None:
 
     >>> save_model(Sequential(Linear(None, 4, 2), ReLU()), "out/tiny.netcl")   # doctest: +SKIP
     """
-    from fastckpt.npz import save_npz
+    from fastckpt.formats.npz import save_npz
 
     meta = model_metadata(model)
     try:  # before anything is written: a config that JSON cannot hold leaves no file
@@ -341,15 +341,15 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
     """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair), or from an open reader.
 
     ``path`` is resolved as in :func:`resolve_model_path`; it may also be an open
-    reader of the contract (:class:`~fastckpt.contract.TensorReader`: a
+    reader of the contract (:class:`~fastckpt.formats.contract.TensorReader`: a
     :class:`fastckpt.TensorFile`, a :class:`fastckpt.tf.CheckpointReader`, ...)
     holding the ``__netcl_meta__`` entry and the weights, read as a single-file
     model (layout ``"single-file"``, the reader's ``path`` in the report) and
-    left open. Its weights load as :func:`~fastckpt.load.load_file` loads that
+    left open. Its weights load as :func:`~fastckpt.device.load.load_file` loads that
     reader: one copy for a mapped file, through ``host(name)`` otherwise.
 
     ``queue`` defaults to ``pool.queue``, else :func:`fastckpt.device.default`'s. With
-    ``pool`` (a :class:`fastckpt.pool.PersistentBufferPool`) all weights land in one
+    ``pool`` (a :class:`fastckpt.device.pool.PersistentBufferPool`) all weights land in one
     pooled arena with one copy and become the parameters directly; loading again through
     the same pool allocates nothing. Without a pool, each weight gets its own exact-size
     buffer, copied from the mapped file.
@@ -364,7 +364,7 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
     1
     """
     import fastckpt
-    from fastckpt.contract import TensorReader
+    from fastckpt.formats.contract import TensorReader
     from fastckpt.nn import Sequential, build_layer, deferred_init, normalize_config
     from fastckpt.nn.module import TensorSpec
 
@@ -375,7 +375,7 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
     elif isinstance(path, TensorReader):
         layout, weights_path, json_path, source = "single-file", path.path, None, path
     else:
-        raise TypeError(f"load_model needs a path or an open reader of the contract fastckpt.contract.TensorReader, "
+        raise TypeError(f"load_model needs a path or an open reader of the contract fastckpt.formats.contract.TensorReader, "
                         f"got {type(path).__name__}")
     if queue is None and pool is not None:
         queue = getattr(pool, "queue", None)
@@ -411,7 +411,7 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
         report.unexpected_keys = list(plan.unexpected)
         wanted = [name for name in infos if name not in set(plan.unexpected)]
 
-        from fastckpt.load import load_file, realign
+        from fastckpt.device.load import load_file, realign
 
         # With a pool: one copy into one arena. Without: one exact-size buffer per weight, the copies
         # queued back to back and waited for once.

@@ -6,7 +6,7 @@ model is given into a device tensor). That little lives here, so that imports
 in :mod:`fastckpt.nn` point one way only: ``_common`` <- ``module`` <- ``layers``.
 
 >>> import numpy as np
->>> from fastckpt.tensor import Tensor
+>>> from fastckpt.device.tensor import Tensor
 >>> t = Tensor(None, (3,), np.float32)  # a device tensor is returned as it is (no device needed to show it)
 >>> as_tensor(t, None, np.float64) is t
 True
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastckpt.tensor import Tensor
+from fastckpt.device.tensor import Tensor
 
 __all__ = ["as_tensor", "default_queue"]
 

@@ -6,7 +6,7 @@ Parameters are float32 device tensors drawn from :func:`~fastckpt.nn.module.init
 ``Conv2d.weight`` is (out, in // groups, k, k) over NCHW input; BatchNorm2d keeps
 ``gamma``, ``beta``, ``running_mean``, ``running_var``.
 
-Inputs: a :class:`~fastckpt.tensor.Tensor` or anything numpy converts. Host
+Inputs: a :class:`~fastckpt.device.tensor.Tensor` or anything numpy converts. Host
 floating-point input is cast to float32 for the float layers (and host integer input
 to int64 for Embedding); a device Tensor must already have the right dtype. Forward
 kernels exist for float32 parameters only; a model loaded with another dtype raises a
@@ -29,7 +29,7 @@ from fastckpt.nn import kernels
 from fastckpt.nn._common import as_tensor, default_queue
 from fastckpt.nn.kernels import element_offset
 from fastckpt.nn.module import Module, init_rng, new_parameter
-from fastckpt.tensor import Tensor
+from fastckpt.device.tensor import Tensor
 
 __all__ = [
     "Linear",

@@ -8,7 +8,7 @@ the layer's config entry (see :mod:`fastckpt.nn.factory`).
 ``load_state_dict`` validates the whole state first and writes nothing when
 anything is wrong. Values may be host arrays (copied into the existing device
 buffers when the dtype matches, else into new buffers of the stored dtype) or
-device :class:`~fastckpt.tensor.Tensor` objects, which are adopted as they are
+device :class:`~fastckpt.device.tensor.Tensor` objects, which are adopted as they are
 (no device copy), so a file loaded into a pooled arena becomes the model's
 parameters directly.
 
@@ -31,7 +31,7 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 
 from fastckpt.nn._common import as_tensor
-from fastckpt.tensor import Tensor
+from fastckpt.device.tensor import Tensor
 
 __all__ = [
     "IncompatibleKeys",

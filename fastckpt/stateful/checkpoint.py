@@ -44,7 +44,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from fastckpt._atomic import atomic_write
+from fastckpt.formats.atomic import atomic_write
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError, FormatError
 from fastckpt.state import STATEFUL_JSON, StateObject, accessors, dumps
 from fastckpt.state import decode as _decode

@@ -9,7 +9,7 @@
   naming an object's arrays by their attribute paths.
 - :func:`describe` / :func:`is_tf_checkpoint`: what ``fastckpt inspect`` shows.
 
-The byte layout is specified in :mod:`fastckpt.tf.format`.
+The byte layout is specified in :mod:`fastckpt.formats.tf.format`.
 
 >>> import numpy as np, tempfile, os
 >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt-1")
@@ -31,9 +31,9 @@ from fastckpt.tf.checkpointable import (
     restore_object,
     save_object,
 )
-from fastckpt.tf.describe import describe, is_tf_checkpoint
-from fastckpt.tf.reader import CheckpointReader, TFTensorInfo, latest_checkpoint, resolve_prefix
-from fastckpt.tf.writer import CheckpointWriter, escape_local_name, object_key, save, write_checkpoint
+from fastckpt.formats.tf.describe import describe, is_tf_checkpoint
+from fastckpt.formats.tf.reader import CheckpointReader, TFTensorInfo, latest_checkpoint, resolve_prefix
+from fastckpt.formats.tf.writer import CheckpointWriter, escape_local_name, object_key, save, write_checkpoint
 
 __all__ = [
     "CheckpointReader",

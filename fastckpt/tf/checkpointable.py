@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastckpt.errors import RestoreMismatchError
-from fastckpt.tf.reader import OBJECT_GRAPH_KEY, CheckpointReader
-from fastckpt.tf.writer import SAVE_COUNTER_KEY, object_key, write_checkpoint
+from fastckpt.formats.tf.reader import OBJECT_GRAPH_KEY, CheckpointReader
+from fastckpt.formats.tf.writer import SAVE_COUNTER_KEY, object_key, write_checkpoint
 
 __all__ = [
     "Checkpointable",

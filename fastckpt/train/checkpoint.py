@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastckpt._atomic import atomic_directory, atomic_write, fsync_directory
+from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.train.format import (
     ALIGNMENT,
@@ -116,7 +116,7 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
 
 
 def _write_directory(snap: Snapshot, out: Path, fsync: bool) -> str:
-    from fastckpt.safetensors import save_safetensors
+    from fastckpt.formats.safetensors import save_safetensors
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fastckpt-save") as pool, \
             atomic_directory(out, fsync=False, overwrite=True) as tmp:

@@ -13,7 +13,7 @@ contain no others that matter (readers MUST ignore unknown files):
 
 ``weights.safetensors``
     The model's ``state_dict()``, one safetensors file (see
-    ``fastckpt.safetensors`` for the byte layout: 8-byte little-endian header
+    ``fastckpt.formats.safetensors`` for the byte layout: 8-byte little-endian header
     length N, N bytes of JSON header padded with spaces, then the data
     section). fastckpt writes it with a data section aligned to 64 bytes,
     tensors ordered by dtype rank then name.
@@ -256,7 +256,7 @@ def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
     saves the copy a ``read()`` into a buffer would make; right after a save
     the pages are in the page cache.
     """
-    from fastckpt._mapped import MappedFile
+    from fastckpt._native.mapped import MappedFile
 
     size = os.path.getsize(path)
     if size == 0:

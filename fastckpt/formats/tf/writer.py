@@ -1,8 +1,8 @@
 """Write TensorFlow v2 checkpoints that TensorFlow itself reads and restores.
 
 ``write_checkpoint(prefix, tensors)`` writes ``<prefix>.data-00000-of-00001``
-and ``<prefix>.index`` (format in :mod:`fastckpt.tf.format`): data files first,
-index last, each through :func:`fastckpt._atomic.atomic_write`, so a reader
+and ``<prefix>.index`` (format in :mod:`fastckpt.formats.tf.format`): data files first,
+index last, each through :func:`fastckpt.formats.atomic.atomic_write`, so a reader
 never sees a half-written file. ``save(directory, tensors)`` picks the next
 ``ckpt-N`` and updates the directory's ``checkpoint`` state file the way
 ``tf.train.CheckpointManager`` does.
@@ -33,10 +33,10 @@ from pathlib import Path
 import crc32c as _crc32c
 import numpy as np
 
-from fastckpt._atomic import atomic_write
-from fastckpt.tf import dtypes as _dt
-from fastckpt.tf._table import mask_crc
-from fastckpt.tf.proto import (
+from fastckpt.formats.atomic import atomic_write
+from fastckpt.formats.tf import dtypes as _dt
+from fastckpt._native.tftable import mask_crc
+from fastckpt.formats.tf.proto import (
     BundleHeader,
     GraphNode,
     ObjectGraph,
@@ -46,8 +46,8 @@ from fastckpt.tf.proto import (
     encode_object_graph,
     encode_varint,
 )
-from fastckpt.tf.reader import OBJECT_GRAPH_KEY, data_filename, read_checkpoint_state
-from fastckpt.tf.table import TableBuilder
+from fastckpt.formats.tf.reader import OBJECT_GRAPH_KEY, data_filename, read_checkpoint_state
+from fastckpt.formats.tf.table import TableBuilder
 
 __all__ = ["CheckpointWriter", "write_checkpoint", "save", "escape_local_name", "unescape_local_name",
            "object_key", "SAVE_COUNTER_KEY"]

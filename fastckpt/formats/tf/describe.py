@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from fastckpt.errors import CheckpointNotFoundError
-from fastckpt.tf.reader import CheckpointReader, data_filename, resolve_prefix
+from fastckpt.formats.tf.reader import CheckpointReader, data_filename, resolve_prefix
 
 __all__ = ["describe", "is_tf_checkpoint"]
 

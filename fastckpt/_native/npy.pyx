@@ -1,8 +1,8 @@
 """Validating parser of ``.npy`` headers: a literal parser of its own, never ``eval``, never pickle.
 
 An NPZ member is a ``.npy`` file; this module reads the header that starts it
-and says where its payload begins (``fastckpt._npz`` finds the members, the
-writer ``fastckpt.npz.npy_header`` builds the headers). Every failure raises
+and says where its payload begins (``fastckpt._native.npz`` finds the members, the
+writer ``fastckpt.formats.npz.npy_header`` builds the headers). Every failure raises
 :class:`fastckpt.errors.FormatError`, prefixed by ``where`` when one is given.
 
 Byte layout

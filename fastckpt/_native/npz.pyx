@@ -1,11 +1,11 @@
-"""Validating parser of NPZ archives, and the writer's member records (the spec is in ``fastckpt/npz.py``).
+"""Validating parser of NPZ archives, and the writer's member records (the spec is in ``fastckpt/formats/npz.py``).
 
 ``read_npz_index(m)`` finds the ZIP end-of-central-directory record (zip64
 aware), walks the central directory, checks every member's local header and
-``.npy`` header (read by ``fastckpt._npy``, which evaluates and unpickles
+``.npy`` header (read by ``fastckpt._native.npy``, which evaluates and unpickles
 nothing), and returns one :class:`NpzTensorInfo` per member with the absolute
 offset of its payload. ``MemberWriter`` builds each member's local and central
-records for ``fastckpt.npz.NpzWriter`` in C, sized exactly before they are
+records for ``fastckpt.formats.npz.NpzWriter`` in C, sized exactly before they are
 filled.
 
 Every byte comes through ``MappedFile.span()``/``read()``, which are
@@ -31,11 +31,11 @@ import zlib
 
 import numpy as np
 
-from fastckpt._gather cimport GatherWriter
-from fastckpt._info import TensorInfo, from_checked_fields
-from fastckpt._mapped cimport MappedFile
-from fastckpt._npy cimport npy_total_length, parse_npy
-from fastckpt._npy import MAX_HEADER_SIZE
+from fastckpt._native.gather cimport GatherWriter
+from fastckpt.info import TensorInfo, from_checked_fields
+from fastckpt._native.mapped cimport MappedFile
+from fastckpt._native.npy cimport npy_total_length, parse_npy
+from fastckpt._native.npy import MAX_HEADER_SIZE
 from fastckpt.errors import FormatError, NotZeroCopyWarning
 
 cnp.import_array()
@@ -399,7 +399,7 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
     ``max_header_size`` is the cap on each ``.npy`` header (numpy's is 10000).
 
     >>> import numpy as np, tempfile, os
-    >>> from fastckpt._mapped import MappedFile
+    >>> from fastckpt._native.mapped import MappedFile
     >>> p = os.path.join(tempfile.mkdtemp(), "a.npz"); np.savez(p, w=np.arange(3.0))
     >>> [(i.name, i.shape, str(i.dtype)) for i in read_npz_index(MappedFile(p))]
     [('w', (3,), 'float64')]
@@ -482,7 +482,7 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
 
 
 # -- writing: member records ------------------------------------------------------------------------
-# The writer (fastckpt.npz.NpzWriter) spends most of a small tensor's time building the member's
+# The writer (fastckpt.formats.npz.NpzWriter) spends most of a small tensor's time building the member's
 # ZIP records; here they are built in C, and the bytes go out through a GatherWriter uncopied.
 
 cdef uint16_t ALIGN_EXTRA_ID = 0xD935  # zipalign's extra field: uint16 alignment, then zero padding
@@ -531,9 +531,9 @@ cdef class MemberWriter:
 
     ``add(name, array)`` writes member ``<name>.npy`` at the current position
     (``pos``) with its payload aligned to ``alignment``, and keeps its
-    central-directory record in ``central``; ``fastckpt.npz.NpzWriter`` writes
+    central-directory record in ``central``; ``fastckpt.formats.npz.NpzWriter`` writes
     those and the end records. The byte layout is the spec in
-    ``fastckpt/npz.py``. ``crc32(data, value)`` is ZIP's CRC-32,
+    ``fastckpt/formats/npz.py``. ``crc32(data, value)`` is ZIP's CRC-32,
     ``npy_header(dtype, shape, fortran_order)`` builds ``.npy`` headers, and
     payloads of at least ``large_min`` bytes go through
     ``large_payload(out, payload, crc) -> crc``, which computes their CRC

@@ -3,7 +3,7 @@
 Reading goes footer -> index block -> data blocks (never a linear scan of the
 file), checking every block trailer's masked CRC32C; writing follows
 ``table_builder.cc`` so that, for the same entries, the bytes equal
-TensorFlow's. The byte layout is specified in :mod:`fastckpt.tf.format`.
+TensorFlow's. The byte layout is specified in :mod:`fastckpt.formats.tf.format`.
 
 >>> import io
 >>> out = io.BytesIO()
@@ -21,7 +21,7 @@ import bisect
 import crc32c as _crc32c
 
 from fastckpt.errors import FormatError
-from fastckpt.tf._table import (
+from fastckpt._native.tftable import (
     BLOCK_TRAILER_SIZE,
     FOOTER_SIZE,
     TABLE_MAGIC,
@@ -32,7 +32,7 @@ from fastckpt.tf._table import (
     mask_crc,
     read_block,
 )
-from fastckpt.tf.proto import encode_varint
+from fastckpt.formats.tf.proto import encode_varint
 
 __all__ = ["IndexTable", "TableBuilder", "shortest_separator", "short_successor"]
 
@@ -44,7 +44,7 @@ INDEX_RESTART_INTERVAL = 1
 class IndexTable:
     """An opened table: its index block, and its data blocks on demand.
 
-    ``mapped`` is a :class:`fastckpt._mapped.MappedFile` of the whole file.
+    ``mapped`` is a :class:`fastckpt._native.mapped.MappedFile` of the whole file.
     ``verify=False`` skips the block trailer checksums (for fuzzing the block
     parser behind them; TensorFlow always checks them).
     """

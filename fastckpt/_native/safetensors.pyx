@@ -1,4 +1,4 @@
-"""Validating parser of safetensors headers (the spec is in ``fastckpt/safetensors.py``).
+"""Validating parser of safetensors headers (the spec is in ``fastckpt/formats/safetensors.py``).
 
 ``read_safetensors_index(m)`` reads the 8-byte length, checks the JSON
 header byte by byte (bounds, leading ``{``, space-only padding, UTF-8) and
@@ -13,7 +13,7 @@ The writer's per-tensor work is here too (``plan_tensors``, ``header_text``,
 Python these steps cost more than writing their bytes.
 
 The dtype table lives here because the parser is what decides which files
-fastckpt can read; ``fastckpt.safetensors`` re-exports it as
+fastckpt can read; ``fastckpt.formats.safetensors`` re-exports it as
 ``dtype_from_safetensors`` / ``dtype_to_safetensors``.
 """
 
@@ -36,9 +36,9 @@ import json
 import ml_dtypes
 import numpy as np
 
-from fastckpt._info import TensorInfo, from_checked_fields
-from fastckpt._gather cimport GatherWriter
-from fastckpt._mapped cimport MappedFile
+from fastckpt.info import TensorInfo, from_checked_fields
+from fastckpt._native.gather cimport GatherWriter
+from fastckpt._native.mapped cimport MappedFile
 from fastckpt.errors import FormatError
 
 cnp.import_array()
@@ -50,7 +50,7 @@ cdef int64_t _INT64_MAX = 0x7FFFFFFFFFFFFFFF
 
 # Every dtype of the reference implementation, in its declaration order. The
 # reference writer orders tensors by this rank, descending, then by name;
-# fastckpt's writer does the same (see save_safetensors in fastckpt/safetensors.py).
+# fastckpt's writer does the same (see save_safetensors in fastckpt/formats/safetensors.py).
 DTYPE_NAMES = (
     "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
     "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
@@ -202,15 +202,15 @@ def read_safetensors_index(MappedFile m not None):
     """Parse and check the header of the safetensors file mapped by ``m``.
 
     Returns ``(tensors, metadata, data_start)``: a list of
-    :class:`~fastckpt._info.TensorInfo` in data-offset order (``offset`` is
+    :class:`~fastckpt.info.TensorInfo` in data-offset order (``offset`` is
     absolute), the ``__metadata__`` dict or None, and the absolute offset of
     the data section. Any deviation from the spec raises
     :class:`~fastckpt.errors.FormatError` naming the file, the tensor, the byte
     offset and what was expected.
 
     >>> import os, tempfile, numpy as np
-    >>> from fastckpt._mapped import MappedFile
-    >>> from fastckpt.safetensors import save_safetensors
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> from fastckpt.formats.safetensors import save_safetensors
     >>> p = os.path.join(tempfile.mkdtemp(), "t.safetensors")
     >>> save_safetensors(p, {"w": np.zeros((2, 3), np.float32)}, alignment=64)
     >>> with MappedFile(p) as m:
@@ -399,7 +399,7 @@ def read_safetensors_index(MappedFile m not None):
 #   (-rank, name, position, dtype name, shape, nbytes, array or None, source)
 # ``shape`` is None where ``array`` is the caller's own ndarray: its dimensions are read from it.
 # ``array`` is None when the caller's value had to be converted into a new array; it is converted
-# again at write time, so that at most one such copy exists at once (see fastckpt.safetensors).
+# again at write time, so that at most one such copy exists at once (see fastckpt.formats.safetensors).
 
 cdef inline bint _plain_json_string(str s):
     """True when ``json.dumps(s, ensure_ascii=False)`` is ``s`` between quotes: nothing to escape."""

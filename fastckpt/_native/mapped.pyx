@@ -27,7 +27,7 @@ and the read would return another file's bytes).
 
 ``identity`` is what ``fstat`` said of the file when it was opened; a cache
 compares it with ``os.stat(path)`` to learn whether the path still names the
-same, unchanged file (see ``fastckpt.pool.OpenFiles``).
+same, unchanged file (see ``fastckpt.device.pool.OpenFiles``).
 
 Every read goes through ``span()``, which checks ``0 <= offset`` and
 ``offset + length <= size`` with overflow-safe arithmetic and raises

@@ -1,10 +1,10 @@
 """Read TensorFlow v2 checkpoints (tensor bundles) without TensorFlow, zero-copy.
 
 ``CheckpointReader(prefix)`` opens ``<prefix>.index`` (format in
-:mod:`fastckpt.tf.format`), maps every ``<prefix>.data-?????-of-?????`` shard
+:mod:`fastckpt.formats.tf.format`), maps every ``<prefix>.data-?????-of-?????`` shard
 and serves each tensor as a read-only numpy view of the mapped bytes, after
 checking its masked CRC32C (``verify=False`` skips the check). It implements
-the reader contract of :mod:`fastckpt.contract` (``fastckpt.open(prefix)``
+the reader contract of :mod:`fastckpt.formats.contract` (``fastckpt.open(prefix)``
 returns one).
 
 >>> import numpy as np, tempfile, os
@@ -29,19 +29,19 @@ from types import MappingProxyType
 import crc32c as _crc32c
 import numpy as np
 
-from fastckpt._info import TensorInfo
-from fastckpt._mapped import MappedFile
-from fastckpt.contract import tensor_not_found
+from fastckpt.info import TensorInfo
+from fastckpt._native.mapped import MappedFile
+from fastckpt.formats.contract import tensor_not_found
 from fastckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     FormatError,
     NotZeroCopyWarning,
 )
-from fastckpt.tf import dtypes as _dt
-from fastckpt.tf._table import decode_entry, decode_string_tensor, mask_crc
-from fastckpt.tf.proto import decode_checkpoint_state, decode_header
-from fastckpt.tf.table import IndexTable
+from fastckpt.formats.tf import dtypes as _dt
+from fastckpt._native.tftable import decode_entry, decode_string_tensor, mask_crc
+from fastckpt.formats.tf.proto import decode_checkpoint_state, decode_header
+from fastckpt.formats.tf.table import IndexTable
 
 __all__ = ["CheckpointReader", "TFTensorInfo", "resolve_prefix", "latest_checkpoint", "read_checkpoint_state",
            "data_filename", "encode_tensor_name_slice"]
@@ -63,7 +63,7 @@ def data_filename(prefix, shard: int, num_shards: int) -> str:
 
 @dataclass(frozen=True)
 class TFTensorInfo(TensorInfo):
-    """A :class:`~fastckpt._info.TensorInfo` plus what the bundle entry says.
+    """A :class:`~fastckpt.info.TensorInfo` plus what the bundle entry says.
 
     It is the ``TensorInfo`` of the reader contract for TensorFlow:
     ``offset`` / ``nbytes`` locate the payload in data shard ``shard`` (not in
@@ -251,7 +251,7 @@ class CheckpointReader(Mapping):
     files never change.
 
     The reader implements the reader contract
-    (:class:`~fastckpt.contract.TensorReader`: ``keys()``, ``infos``,
+    (:class:`~fastckpt.formats.contract.TensorReader`: ``keys()``, ``infos``,
     ``info(name)``, ``host(name)``, ``metadata`` (always None: a bundle has no
     free-form metadata), ``path`` (the prefix), ``format``
     (``"tensorflow"``)) and is a read-only :class:`~collections.abc.Mapping`
@@ -577,8 +577,8 @@ class CheckpointReader(Mapping):
         return out
 
     def object_graph(self):
-        """The decoded ``_CHECKPOINTABLE_OBJECT_GRAPH`` (:class:`fastckpt.tf.proto.ObjectGraph`), or None."""
-        from fastckpt.tf.proto import decode_object_graph
+        """The decoded ``_CHECKPOINTABLE_OBJECT_GRAPH`` (:class:`fastckpt.formats.tf.proto.ObjectGraph`), or None."""
+        from fastckpt.formats.tf.proto import decode_object_graph
 
         if not self.has_tensor(OBJECT_GRAPH_KEY):
             return None

@@ -108,7 +108,7 @@ directory size (4), directory offset (4), comment length 0 (2).
 Writers
 -------
 - A writer MUST write the file through a temporary and rename it into place
-  (``fastckpt._atomic``), so that a reader never sees a partial file.
+  (``fastckpt.formats.atomic``), so that a reader never sees a partial file.
 - A writer MUST NOT store object arrays (they need pickle) and MUST NOT store a
   dtype that ``.npy`` cannot express: numpy writes ml_dtypes' ``bfloat16`` as
   ``'<V2'``, which reads back as raw void bytes, so fastckpt refuses it (save
@@ -166,12 +166,12 @@ from typing import Iterable, Union
 
 import numpy as np
 
-from fastckpt._atomic import atomic_write
-from fastckpt._gather import GatherWriter
-from fastckpt._info import TensorInfo
-from fastckpt._mapped import MappedFile
-from fastckpt._npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_length, parse_npy_header
-from fastckpt._npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
+from fastckpt.formats.atomic import atomic_write
+from fastckpt._native.gather import GatherWriter
+from fastckpt.info import TensorInfo
+from fastckpt._native.mapped import MappedFile
+from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_length, parse_npy_header
+from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
 from fastckpt.errors import FormatError, IntegrityError
 
 __all__ = [
@@ -201,7 +201,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct 
 _LARGE_PAYLOAD = 1 << 22
 _CRC_PIECE = 1 << 20
 
-# The members' own records are built by fastckpt._npz.MemberWriter; these are the end records.
+# The members' own records are built by fastckpt._native.npz.MemberWriter; these are the end records.
 _SIG_EOCD = 0x06054B50
 _SIG_ZIP64_EOCD = 0x06064B50
 _SIG_ZIP64_LOCATOR = 0x07064B50
@@ -439,7 +439,7 @@ def read_member(m: MappedFile, info: TensorInfo) -> np.ndarray:
     (:class:`~fastckpt.errors.IntegrityError` on a CRC mismatch).
 
     >>> import tempfile, os, numpy as np
-    >>> from fastckpt._mapped import MappedFile
+    >>> from fastckpt._native.mapped import MappedFile
     >>> p = os.path.join(tempfile.mkdtemp(), "a.npz"); save_npz(p, {"x": np.arange(3)})
     >>> m = MappedFile(p); [info] = read_npz_index(m)
     >>> read_member(m, info).tolist()
@@ -519,7 +519,7 @@ def verify_member(m: MappedFile, info: NpzTensorInfo) -> None:
     Raises :class:`~fastckpt.errors.IntegrityError` on a mismatch.
 
     >>> import tempfile, os, numpy as np
-    >>> from fastckpt._mapped import MappedFile
+    >>> from fastckpt._native.mapped import MappedFile
     >>> p = os.path.join(tempfile.mkdtemp(), "a.npz"); save_npz(p, {"x": np.arange(3)})
     >>> m = MappedFile(p); verify_member(m, read_npz_index(m)[0])
     """

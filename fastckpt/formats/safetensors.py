@@ -162,10 +162,10 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt._atomic import atomic_write
-from fastckpt._gather import GatherWriter
-from fastckpt._info import TensorInfo
-from fastckpt._safetensors import (
+from fastckpt.formats.atomic import atomic_write
+from fastckpt._native.gather import GatherWriter
+from fastckpt.info import TensorInfo
+from fastckpt._native.safetensors import (
     DTYPE_RANK,
     MAX_HEADER_SIZE,
     NUMPY_DTYPES,
@@ -246,7 +246,7 @@ def read_tensor(m, info: TensorInfo) -> np.ndarray:
     The view keeps the mapping alive after ``m.close()``.
 
     >>> import os, tempfile, numpy as np
-    >>> from fastckpt._mapped import MappedFile
+    >>> from fastckpt._native.mapped import MappedFile
     >>> p = os.path.join(tempfile.mkdtemp(), "t.safetensors")
     >>> save_safetensors(p, {"w": np.arange(6, dtype=np.int16).reshape(2, 3)})
     >>> with MappedFile(p) as m:
@@ -257,7 +257,7 @@ def read_tensor(m, info: TensorInfo) -> np.ndarray:
     return m.array(info.offset, info.dtype, info.shape, what=f"tensor {info.name!r}")
 
 
-# Planned tensors are tuples (see fastckpt/_safetensors.pyx, which plans, describes and writes them):
+# Planned tensors are tuples (see fastckpt/_native/safetensors.pyx, which plans, describes and writes them):
 #   (-rank, name, position, dtype name, shape, nbytes, array or None, source)
 _NAME, _DTYPE_NAME, _SHAPE, _NBYTES, _ARRAY, _SOURCE = 1, 3, 4, 5, 6, 7
 

@@ -1,10 +1,10 @@
 """The reader contract: what every tensor-file reader of fastckpt offers, whatever the format.
 
 :func:`fastckpt.open` returns an object of this contract for an NPZ or
-safetensors file (:class:`~fastckpt.reader.TensorFile`), a TensorFlow
+safetensors file (:class:`~fastckpt.formats.reader.TensorFile`), a TensorFlow
 checkpoint (:class:`~fastckpt.tf.CheckpointReader`) and a training-checkpoint
-directory (:class:`~fastckpt.reader.CheckpointDirectory`);
-:func:`~fastckpt.load.load_file` and :func:`~fastckpt.io.serialization.load_model`
+directory (:class:`~fastckpt.train.directory.CheckpointDirectory`);
+:func:`~fastckpt.device.load.load_file` and :func:`~fastckpt.io.serialization.load_model`
 accept any object of it. A reader implements the contract by having these
 members (:class:`TensorReader` is a ``runtime_checkable`` Protocol, so
 ``isinstance(reader, TensorReader)`` checks that they are present):
@@ -64,7 +64,7 @@ from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from fastckpt._info import TensorInfo
+from fastckpt.info import TensorInfo
 from fastckpt.errors import TensorNotFoundError
 
 __all__ = ["TensorReader", "tensor_not_found"]

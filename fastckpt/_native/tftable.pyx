@@ -3,7 +3,7 @@
 This module turns untrusted bytes into Python values: varints, blocks of
 prefix-compressed entries, block trailers (masked CRC32C, optional Snappy),
 the 48-byte footer, ``BundleEntryProto`` values and DT_STRING tensor payloads.
-The byte layouts are specified in :mod:`fastckpt.tf.format`.
+The byte layouts are specified in :mod:`fastckpt.formats.tf.format`.
 
 Every read is checked against the end of its buffer (typed memoryviews with
 ``boundscheck`` on, plus explicit limits that give readable messages), and every
@@ -14,7 +14,7 @@ naming the file, the block and the byte offset.
 
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
-from fastckpt._mapped cimport MappedFile
+from fastckpt._native.mapped cimport MappedFile
 
 import cramjam
 import crc32c as _crc32c

@@ -6,7 +6,7 @@ A checkpoint needs five small messages (``BundleHeaderProto``,
 format is a handful of varints and length-delimited fields, so it is written
 here directly instead of depending on the ``protobuf`` package and generated
 code. Decoding of the hot message (``BundleEntryProto``) lives in the Cython
-module :mod:`fastckpt.tf._table`; this module encodes everything and decodes
+module :mod:`fastckpt._native.tftable`; this module encodes everything and decodes
 the rest.
 
 Encoders follow protobuf's canonical serialization for proto3 (fields in
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 
 from fastckpt.errors import FormatError
-from fastckpt.tf._table import decode_varint, iter_fields
+from fastckpt._native.tftable import decode_varint, iter_fields
 
 __all__ = [
     "encode_varint",

@@ -1,7 +1,7 @@
 """One read-only API over tensor files and checkpoints: ``fastckpt.open``.
 
 ``fastckpt.open(path)`` opens whatever ``path`` is and returns a reader of the
-contract in :mod:`fastckpt.contract` (``keys()``, ``infos``, ``info(name)``,
+contract in :mod:`fastckpt.formats.contract` (``keys()``, ``infos``, ``info(name)``,
 ``host(name)``, ``metadata``, ``close()``):
 
 - a file, by its first bytes (never its name): NPZ or safetensors, a
@@ -12,7 +12,7 @@ contract in :mod:`fastckpt.contract` (``keys()``, ``infos``, ``info(name)``,
   or a data file, or a directory holding one (a ``checkpoint`` state file, or
   a single ``*.index``): a :class:`fastckpt.tf.CheckpointReader`;
 - a training-checkpoint directory written by :mod:`fastckpt.train` (it has a
-  ``manifest.json``): a :class:`CheckpointDirectory` over its tensor files,
+  ``manifest.json``): a :class:`~fastckpt.train.directory.CheckpointDirectory` over its tensor files,
   tensors named ``"<file stem>/<tensor name>"`` (``"weights/fc1.weight"``);
 - whatever an opener added with :func:`register_opener` accepts (checked
   first: the sharded-checkpoint directory plugs in there).
@@ -28,6 +28,7 @@ contract in :mod:`fastckpt.contract` (``keys()``, ``infos``, ``info(name)``,
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import stat
 import threading
@@ -36,13 +37,13 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from fastckpt._info import TensorInfo, from_checked_fields
-from fastckpt._mapped import MappedFile
-from fastckpt.contract import TensorReader, tensor_not_found
+from fastckpt.info import TensorInfo
+from fastckpt._native.mapped import MappedFile
+from fastckpt.formats.contract import TensorReader, tensor_not_found
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 
-__all__ = ["open", "open_file", "TensorFile", "CheckpointDirectory", "detect_format", "register_opener",
-           "unregister_opener"]
+__all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
+           "DIRECTORY_READERS"]
 
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
 
@@ -68,7 +69,7 @@ class TensorFile(Mapping):
     """A mapped NPZ or safetensors file: names, per-tensor info, zero-copy host views, metadata.
 
     Obtain one with :func:`fastckpt.open`. It implements the reader contract
-    (:class:`~fastckpt.contract.TensorReader`) and is a read-only mapping from
+    (:class:`~fastckpt.formats.contract.TensorReader`) and is a read-only mapping from
     tensor name to a numpy view; views stay valid after :meth:`close`.
     ``infos`` is a read-only mapping name -> :class:`~fastckpt.TensorInfo` in
     file order; ``metadata`` is safetensors' ``__metadata__`` (None for NPZ).
@@ -130,7 +131,7 @@ class TensorFile(Mapping):
         if info.compression is None:
             order = "F" if info.fortran_order else "C"
             return self.mapped.array(info.offset, info.dtype, info.shape, order=order, what=f"tensor {name!r}")
-        from fastckpt import npz
+        from fastckpt.formats import npz
 
         return npz.read_member(self.mapped, info)
 
@@ -187,12 +188,12 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
         head = mapped.read(0, min(9, mapped.size), "format magic")
         fmt = detect_format(head)
         if fmt == "npz":
-            from fastckpt._npz import read_npz_index
+            from fastckpt._native.npz import read_npz_index
 
             kw = {} if max_header_size is None else {"max_header_size": max_header_size}
             infos, metadata = read_npz_index(mapped, **kw), None
         elif fmt == "safetensors":
-            from fastckpt._safetensors import read_safetensors_index
+            from fastckpt._native.safetensors import read_safetensors_index
 
             infos, metadata, _data_start = read_safetensors_index(mapped)
         else:
@@ -229,7 +230,7 @@ def register_opener(predicate: Callable[[str], bool], opener: Callable[..., Tens
     ``opener(path: str, *, backend, copy_on_write, max_header_size)`` (always
     given those keywords, as :func:`open` got them; an option it cannot honour
     is a ``ValueError``) returns an object of the reader contract
-    (:class:`~fastckpt.contract.TensorReader`). :func:`unregister_opener`
+    (:class:`~fastckpt.formats.contract.TensorReader`). :func:`unregister_opener`
     removes it again.
 
     >>> import fastckpt, numpy as np, tempfile, os
@@ -258,22 +259,23 @@ def unregister_opener(opener: Callable) -> None:
     >>> unregister_opener(print)
     Traceback (most recent call last):
     ...
-    ValueError: <built-in function print> was not registered with fastckpt.reader.register_opener
+    ValueError: <built-in function print> was not registered with fastckpt.formats.reader.register_opener
     """
     with _openers_lock:
         kept = [entry for entry in _openers if entry[1] is not opener]
         if len(kept) == len(_openers):
-            raise ValueError(f"{opener!r} was not registered with fastckpt.reader.register_opener")
+            raise ValueError(f"{opener!r} was not registered with fastckpt.formats.reader.register_opener")
         _openers[:] = kept
 
 
 def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,  # noqa: A001
          max_header_size: int | None = None) -> TensorReader:
-    """Open whatever ``path`` is as a reader of the contract (:class:`~fastckpt.contract.TensorReader`).
+    """Open whatever ``path`` is as a reader of the contract (:class:`~fastckpt.formats.contract.TensorReader`).
 
     In this order: a path an opener added with :func:`register_opener`
     accepts; a directory: a :mod:`fastckpt.train` checkpoint (``manifest.json``)
-    as a :class:`CheckpointDirectory`, a TensorFlow checkpoint (its
+    as a :class:`~fastckpt.train.directory.CheckpointDirectory` (a kind of
+    :data:`DIRECTORY_READERS`), a TensorFlow checkpoint (its
     ``checkpoint`` state file, else its only ``*.index``) as a
     :class:`fastckpt.tf.CheckpointReader`; a file: a TensorFlow ``.index`` or
     data file as that checkpoint's reader, any other by its bytes (NPZ or
@@ -324,21 +326,33 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
     except OSError:
         is_dir = False  # opening the file reports what is wrong (permissions, ...)
     if is_dir:
-        if os.path.isfile(os.path.join(p, _MANIFEST)):
-            return CheckpointDirectory(p, **options)
+        reader = _directory_reader(p)
+        if reader is not None:
+            return reader(p, **options)
         prefix = _tf_prefix_in(p)
         if prefix is not None:
             return _open_tf(prefix, **options)
         raise CheckpointNotFoundError(
-            f"{p}: a directory fastckpt.open cannot read: expected a fastckpt.train checkpoint ({_MANIFEST}), "
+            f"{p}: a directory fastckpt.open cannot read: expected a fastckpt.train checkpoint (manifest.json), "
             "a TensorFlow checkpoint (a 'checkpoint' state file or one *.index file), or a directory a "
-            "fastckpt.reader.register_opener opener accepts")
+            "fastckpt.formats.reader.register_opener opener accepts")
     if _is_tf_file(p):
         return _open_tf(p, **options)
     return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
 
 
-_MANIFEST = "manifest.json"  # fastckpt.train.checkpoint.MANIFEST_FILE (that module is imported only when needed)
+# Directory kinds of the floors above, by the file that marks them: marker -> "module:reader class". They are
+# named, not imported, so this floor imports nothing above it; a directory of the kind imports its reader when
+# first opened. Each reader takes (path, backend=, copy_on_write=, max_header_size=) and implements the contract.
+DIRECTORY_READERS = {"manifest.json": "fastckpt.train.directory:CheckpointDirectory"}
+
+
+def _directory_reader(path: str):
+    for marker, target in DIRECTORY_READERS.items():
+        if os.path.isfile(os.path.join(path, marker)):
+            module, _, name = target.partition(":")
+            return getattr(importlib.import_module(module), name)
+    return None
 
 
 def _is_tf_file(path: str) -> bool:
@@ -346,7 +360,7 @@ def _is_tf_file(path: str) -> bool:
     name = os.path.basename(path)
     if not (name.endswith(".index") or ".data-" in name):
         return False
-    from fastckpt.tf.describe import is_tf_checkpoint
+    from fastckpt.formats.tf.describe import is_tf_checkpoint
 
     return is_tf_checkpoint(path)
 
@@ -369,131 +383,6 @@ def _tf_prefix_in(directory: str) -> str | None:
 
 
 def _open_tf(path: str, *, backend: str, copy_on_write: bool, max_header_size: int | None) -> TensorReader:
-    from fastckpt.tf.reader import CheckpointReader
+    from fastckpt.formats.tf.reader import CheckpointReader
 
     return CheckpointReader(path, backend=backend, copy_on_write=copy_on_write)
-
-
-class CheckpointDirectory(Mapping):
-    """A :mod:`fastckpt.train` checkpoint directory as one reader: the tensors of all its tensor files.
-
-    Obtain one with :func:`fastckpt.open` (or construct it with the options of
-    :func:`open`). It implements the reader contract
-    (:class:`~fastckpt.contract.TensorReader`) over the NPZ and safetensors
-    files its ``manifest.json`` lists (``weights.safetensors``, and
-    ``optim.safetensors`` when an optimizer was saved), each opened once as a
-    :class:`TensorFile` (``files``: file stem -> file):
-
-    - tensor names are ``"<file stem>/<tensor name>"`` (``"weights/fc1.weight"``,
-      ``"optim/state.0.m"``), file after file in the manifest's order, each
-      file's tensors in its own order; ``info`` gives the file's
-      :class:`~fastckpt.TensorInfo` under that name (``offset`` within its file);
-    - ``metadata`` holds every file's metadata the same way
-      (``"weights/fastckpt.tree"``); tied weights are stored once, the other
-      names being ``ALIAS(<target>)`` metadata entries, not tensors;
-    - ``manifest`` is the parsed ``manifest.json``;
-    - ``close()`` closes every file.
-
-    Only the tensors are read: the manifest's hashes are not checked here
-    (:func:`fastckpt.train.verify_checkpoint` does), and the optimizer, scheduler,
-    data and RNG states are restored by :func:`fastckpt.train.load_checkpoint`.
-
-    >>> import fastckpt, tempfile, os
-    >>> from fastckpt.train import TinyLM, save_checkpoint
-    >>> out = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> _ = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, None, out, step=3)
-    >>> with fastckpt.open(out) as r:
-    ...     r.format, list(r.files), r.info("weights/embed.weight").shape, r.manifest["step"]
-    ('fastckpt.train.checkpoint', ['weights'], (8, 4), 3)
-    """
-
-    format = "fastckpt.train.checkpoint"
-
-    # A file handle: equal only to itself (Mapping's value comparison would compare arrays).
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
-    def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
-                 max_header_size: int | None = None):
-        from fastckpt.train.checkpoint import read_manifest
-
-        self.path = os.fspath(path)
-        self.manifest = read_manifest(self.path)
-        self.files: dict[str, TensorFile] = {}
-        infos: dict[str, TensorInfo] = {}
-        where: dict[str, tuple] = {}
-        metadata: dict[str, str] = {}
-        try:
-            for file_name in self.manifest["files"]:
-                stem, suffix = os.path.splitext(file_name)
-                if suffix not in (".safetensors", ".npz"):
-                    continue
-                f = self.files[stem] = open_file(os.path.join(self.path, file_name), backend=backend,
-                                                 copy_on_write=copy_on_write, max_header_size=max_header_size)
-                for inner, info in f.infos.items():
-                    name = f"{stem}/{inner}"
-                    infos[name] = from_checked_fields(type(info), {**info.__dict__, "name": name})
-                    where[name] = (f, inner)
-                for key, value in (f.metadata or {}).items():
-                    metadata[f"{stem}/{key}"] = value
-        except BaseException:
-            self.close()
-            raise
-        self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
-        self.metadata: dict[str, str] | None = metadata or None
-        self._where = where
-        self._closed = False
-
-    def info(self, name: str) -> TensorInfo:
-        """The :class:`~fastckpt.TensorInfo` of ``name`` (``TensorNotFoundError``, a KeyError, if absent)."""
-        try:
-            return self.infos[name]
-        except KeyError:
-            raise tensor_not_found(self.path, name, self.infos) from None
-
-    def host(self, name: str) -> np.ndarray:
-        """The tensor as its file's :meth:`TensorFile.host` gives it (a zero-copy read-only view where stored)."""
-        try:
-            f, inner = self._where[name]
-        except KeyError:
-            raise tensor_not_found(self.path, name, self.infos) from None
-        return f.host(inner)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.host(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.infos)
-
-    def __len__(self) -> int:
-        return len(self.infos)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.infos
-
-    @property
-    def nbytes(self) -> int:
-        """Total payload bytes of all tensors as stored."""
-        return sum(i.nbytes for i in self.infos.values())
-
-    def close(self) -> None:
-        """Close every file (idempotent); views already made stay valid."""
-        for f in self.files.values():
-            f.close()
-        self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` has run."""
-        return self._closed
-
-    def __enter__(self) -> "CheckpointDirectory":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        if self._closed:
-            return "<Closed fastckpt.CheckpointDirectory>"
-        return f"<fastckpt.CheckpointDirectory {self.path!r} files={list(self.files)} tensors={len(self)}>"

@@ -1,0 +1,20 @@
+"""The native core: Cython modules that map files and parse untrusted bytes, every index bounds-checked.
+
+* ``mapped`` - :class:`MappedFile`: a read-only (or copy-on-write) mapping
+  with zero-copy views, ``pread`` fallback, and the file identity it was
+  opened at;
+* ``gather`` - ``GatherWriter``: buffered ``writev`` output that releases the
+  GIL while writing;
+* ``npy`` - the ``.npy`` header parser;
+* ``npz`` - the ZIP container (central directory, local headers, ZIP64);
+* ``safetensors`` - the safetensors header parser;
+* ``tftable`` - TensorFlow's SSTable blocks (the ``.index`` file).
+
+Everything above this floor imports these modules through the formats
+(:mod:`fastckpt.formats`); none of them imports anything of fastckpt but
+each other.
+
+>>> from fastckpt._native.mapped import MappedFile
+>>> MappedFile.__module__
+'fastckpt._native.mapped'
+"""

@@ -1,0 +1,748 @@
+"""Loading a tensor file into OpenCL device memory with one copy per file region, or none.
+
+``load_file(path_or_tensorfile, queue, pool=pool)`` copies the file's tensor
+data region straight from the memory mapping into one pooled device buffer
+(an *arena*) with one ``enqueue_copy`` (regions above ``COPY_CHUNK`` bytes go
+in 16 MiB commands, which pocl runs about 3x faster than one huge command);
+each tensor is then a view ``(arena, payload offset - region start, shape,
+dtype)``. No host copy is made and, when the pool already holds a fitting
+arena (the same or a same-shaped model loaded before), no device memory is
+allocated either. The command count, not the byte count, is what costs on
+small tensors (tens of microseconds per command on pocl), which is why the
+region is copied whole rather than tensor by tensor.
+
+Paths a tensor can take (``LoadedTensors.report.paths``):
+
+- ``"arena"``: a view into a pooled arena filled by one copy per region
+  (per 16 MiB of it).
+  Regions are split where a gap between tensors exceeds ``MERGE_GAP`` bytes
+  (copying the gap would cost more than another command) or where one device
+  allocation (``max_mem_alloc_size``) cannot hold more.
+- ``"zero-copy"`` (``zero_copy=True``, devices sharing host memory, such as
+  pocl and integrated GPUs): a ``USE_HOST_PTR`` buffer over a copy-on-write
+  mapping of the file. Nothing is copied or allocated; kernel writes stay in
+  the private mapping and the file never changes. The buffer starts at the
+  region start rounded down to the device's ``mem_base_addr_align`` (so the
+  runtime need not copy), which any mapping allows when that alignment
+  divides the page size.
+- ``"buffer"``: without a pool, a buffer of exactly the tensor's size per
+  tensor, one copy each.
+- ``"decoded"``: compressed (DEFLATE) members and Fortran-ordered arrays are
+  decoded on the host and copied one by one; a :class:`NotZeroCopyWarning`
+  says which. Every tensor of a reader that is not one mapped file (a
+  TensorFlow checkpoint, a training-checkpoint directory, any other object of
+  the reader contract :class:`~fastckpt.formats.contract.TensorReader`) takes this
+  path too: its ``host(name)`` array is copied.
+- ``"empty"``: a tensor with no bytes (a view of length 0).
+
+Each path is one function (``_load_zero_copy``, ``_load_arenas``,
+``_load_buffers``, ``_load_decoded``, ``_load_empty``) that ``load_file`` calls
+in that order. Files written by ``np.savez`` can leave arena views starting
+mid-element; :func:`realign` moves those into one more pooled arena.
+
+SAFETY (keep-alive): a non-blocking copy reads the mapping after
+``enqueue_copy`` returns, so the memoryview it reads is kept by pyopencl's
+``NannyEvent`` and by every tensor filled by that copy until it is waited on;
+the mapping cannot be unmapped earlier. With ``blocking=True`` every copy has
+finished when ``load_file`` returns.
+
+>>> import fastckpt, numpy as np                            # doctest: +SKIP
+>>> from fastckpt.device.pool import PersistentBufferPool          # doctest: +SKIP
+>>> dev = fastckpt.device.default()                         # doctest: +SKIP
+>>> pool = PersistentBufferPool(dev.context, dev.queue)     # doctest: +SKIP
+>>> model = load_file("model.safetensors", dev.queue, pool=pool)  # doctest: +SKIP
+>>> model["w"].to_host()                                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from fastckpt.formats.contract import TensorReader
+from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.formats.reader import TensorFile
+from fastckpt.device.tensor import Tensor, contiguous
+
+__all__ = ["load_file", "realign", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP",
+           "COPY_CHUNK"]
+
+# Regions are copied in commands of at most this many bytes (into one arena). On pocl a single huge
+# copy runs about 3x slower than the same bytes in 8-16 MiB commands (measured: 512 MiB in 210 ms as
+# one command, 72 ms in 16 MiB commands); each extra command costs only ~45 us.
+COPY_CHUNK = 16 * 1024 * 1024
+
+# Largest gap between two payloads copied along with them rather than split into a second command:
+# about what the device copies in the time one extra command costs (~45 us at ~12 GB/s on pocl).
+MERGE_GAP = 512 * 1024
+
+
+@dataclass
+class LoadReport:
+    """What one :func:`load_file` call did.
+
+    ``mode`` is ``"pool"``, ``"per-tensor"`` or ``"zero-copy"``; ``paths`` maps
+    each tensor to its path (see the module docstring); ``skipped`` lists the
+    string tensors left out (they have no device form); ``file_reused`` says
+    the pool still had the file open (mapped, index parsed); ``timings`` holds
+    seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
+
+    >>> report = load_file("model.safetensors", pool=pool).report    # doctest: +SKIP
+    >>> report.mode, report.copies, report.pool_misses, report.file_reused  # doctest: +SKIP
+    ('pool', 1, 0, True)
+    """
+
+    path: str
+    format: str
+    mode: str
+    tensors: int = 0
+    regions: int = 0
+    bytes_copied: int = 0
+    copies: int = 0
+    pool_hits: int = 0
+    pool_misses: int = 0
+    bytes_allocated: int = 0
+    file_reused: bool = False
+    paths: Mapping = field(default_factory=dict)
+    skipped: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+class LoadedTensors(Mapping):
+    """The tensors of one :func:`load_file` call: a read-only mapping name -> :class:`~fastckpt.device.tensor.Tensor`.
+
+    Iteration follows the file's order. Views into a pooled arena are made on
+    first access (about a microsecond each), so the load itself costs the same
+    for 10 tensors or 10,000. The device memory stays valid while any of its
+    tensors (or this object) is alive; pooled arenas then return to the pool by
+    themselves. :meth:`release` returns them at once.
+
+    >>> loaded = load_file("model.safetensors", pool=pool)   # doctest: +SKIP
+    >>> loaded.report.copies, loaded.report.pool_misses       # doctest: +SKIP
+    (1, 0)
+    """
+
+    def __init__(self, tensors: dict, report: LoadReport, leases: list, events: list,
+                 names: tuple, index: dict | None = None, regions: list | None = None, queue=None):
+        self._tensors = tensors  # materialised views
+        self.report = report
+        self._leases = leases
+        self._events = events
+        self._names = names
+        self._index = index or {}  # name -> (region number, TensorInfo), for views made on access
+        self._regions = regions or []  # [buffer, region start, lease, pending event, source view]
+        self._queue = queue
+
+    @property
+    def path(self) -> str:
+        return self.report.path
+
+    def __getitem__(self, name: str) -> Tensor:
+        t = self._tensors.get(name)
+        if t is not None:
+            return t
+        try:
+            number, info = self._index[name]
+        except (KeyError, TypeError):
+            raise TensorNotFoundError(f"{self.report.path}: no tensor named {name!r} was loaded "
+                                      f"({len(self._names)} loaded)") from None
+        buffer, start, lease, event, keep = self._regions[number]
+        t = Tensor._make(buffer, info.shape, info.dtype, info.offset - start, self._queue, lease)
+        if event is not None:
+            t._event, t._keepalive = event, keep
+        return self._tensors.setdefault(name, t)  # another thread may have made it first
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors or name in self._index
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data loaded."""
+        return sum(self[name].nbytes for name in self._names)
+
+    def wait(self) -> None:
+        """Block until every copy of this load has finished (a no-op after a blocking load)."""
+        events, self._events = self._events, []
+        if events:
+            _wait_all(events)
+        for region in self._regions:
+            region[3] = region[4] = None
+        for t in list(self._tensors.values()):
+            t.wait()
+
+    def release(self) -> None:
+        """Wait for pending copies, then return pooled memory to the pool now.
+
+        Tensors of this load (including ones held elsewhere) must not be used afterwards:
+        the next load may overwrite their memory.
+        """
+        self.wait()
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.release()
+        self._tensors, self._index, self._regions, self._names = {}, {}, [], ()
+
+    def __enter__(self) -> "LoadedTensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        r = self.report
+        return f"<LoadedTensors {r.path!r} tensors={len(self)} mode={r.mode} copies={r.copies}>"
+
+
+def plan_regions(infos: Iterable, limit: int | None, merge_gap: int = MERGE_GAP) -> list[tuple[int, int, list]]:
+    """Group payloads (sorted by offset, none empty) into ``(start, end, infos)`` regions for one copy each.
+
+    A region ends where the next payload starts more than ``merge_gap`` bytes
+    after it, or where including it would make the region longer than
+    ``limit`` bytes (one device allocation). Splits fall on tensor boundaries.
+
+    >>> from fastckpt.info import TensorInfo
+    >>> ts = [TensorInfo(n, np.dtype("u1"), (4,), o, 4) for n, o in (("a", 100), ("b", 104), ("c", 120))]
+    >>> [(s, e, [i.name for i in g]) for s, e, g in plan_regions(ts, limit=16)]
+    [(100, 108, ['a', 'b']), (120, 124, ['c'])]
+    """
+    if not isinstance(infos, list):
+        infos = list(infos)
+    if not infos:
+        return []
+    # Fast path (the usual file): payloads back to back, the whole span fits in one allocation.
+    start = infos[0].offset
+    end = start
+    for info in infos:
+        if info.offset - end > merge_gap:
+            break
+        hi = info.offset + info.nbytes
+        if hi > end:
+            end = hi
+    else:
+        if limit is None or end - start <= limit:
+            return [(start, end, infos)]
+    regions: list[tuple[int, int, list]] = []
+    start = end = -1
+    group: list = []
+    for info in infos:
+        lo, hi = info.offset, info.offset + info.nbytes
+        if limit is not None and hi - lo > limit:
+            raise ValueError(
+                f"tensor {info.name!r} has {info.nbytes} bytes, more than one device allocation may hold "
+                f"(max_mem_alloc_size = {limit}); it cannot be loaded on this device"
+            )
+        if group and lo - end <= merge_gap and (limit is None or max(end, hi) - start <= limit):
+            group.append(info)
+            end = max(end, hi)
+            continue
+        if group:
+            regions.append((start, end, group))
+        start, end, group = lo, hi, [info]
+    if group:
+        regions.append((start, end, group))
+    return regions
+
+
+def _wait_all(events) -> None:
+    import pyopencl as cl
+
+    cl.wait_for_events(events)
+
+
+def _open(source, copy_on_write: bool, pool=None):
+    """``(reader, close_after, kept_by_pool)`` for a path or an open reader of the contract."""
+    from fastckpt.formats import reader
+
+    if isinstance(source, (str, os.PathLike)):
+        if pool is not None and not copy_on_write:
+            tf = pool.files.get(source)
+            if tf is not None:
+                return tf, False, True
+            tf = reader.open(source)
+            # Only mapped files are kept: their identity is the one file a stat can check.
+            return tf, not (isinstance(tf, TensorFile) and pool.files.put(source, tf)), False
+        return reader.open(source, copy_on_write=copy_on_write), True, False
+    if not isinstance(source, TensorReader):
+        raise TypeError(f"load_file needs a path or an open fastckpt.TensorFile or other reader of the contract "
+                        f"fastckpt.formats.contract.TensorReader, got {type(source).__name__}")
+    if copy_on_write and isinstance(source, TensorFile) and not source.mapped.copy_on_write:
+        # USE_HOST_PTR lets kernels write into the mapping: it must be private, never the read-only one.
+        return reader.open_file(source.path, backend=source.mapped.backend, copy_on_write=True), True, False
+    return source, False, False
+
+
+class _Plan:
+    """What to load from one open reader for one ``names`` selection: computed once per reader and reused.
+
+    A mapped file (:class:`~fastckpt.formats.reader.TensorFile`) is planned by payload offset, for region copies;
+    any other reader of the contract has every tensor decoded through ``host(name)``, in ``keys()`` order.
+    """
+
+    __slots__ = ("mapped", "selected", "names", "direct", "decoded", "empty", "skipped", "_arena")
+
+    def __init__(self, tf, names):
+        self.mapped = isinstance(tf, TensorFile)
+        self.selected, self.skipped = _select(tf, names, self.mapped)
+        self.names = tuple(i.name for i in self.selected)
+        self.direct, self.decoded, self.empty = [], [], []
+        for info in self.selected:
+            if not self.mapped:
+                (self.empty if info.size == 0 else self.decoded).append(info)
+            elif info.compression is not None or info.fortran_order:
+                self.decoded.append(info)
+            elif info.nbytes == 0:
+                self.empty.append(info)
+            else:
+                self.direct.append(info)
+        self._arena = None
+
+    def arena(self, limit) -> tuple:
+        """``(regions, name index, report paths or None)`` for pooled arenas, cached per allocation limit.
+
+        Replaced as one tuple, so threads loading through pools with different limits never mix parts.
+        """
+        arena = self._arena
+        if arena is None or arena[0] != limit:
+            regions = plan_regions(self.direct, limit)
+            index = {info.name: (number, info) for number, (_, _, group) in enumerate(regions) for info in group}
+            paths = None if self.decoded or self.empty else MappingProxyType(dict.fromkeys(index, "arena"))
+            arena = self._arena = (limit, regions, index, paths)
+        return arena[1:]
+
+
+# Plans of open files, keyed by id(file) and the selection; dropped when the file object goes.
+_plans: dict[tuple, tuple] = {}
+_plans_lock = threading.Lock()
+
+
+def _plan_for(tf, names: tuple | None) -> _Plan:
+    key = (id(tf), names)
+    entry = _plans.get(key)
+    if entry is not None and entry[0]() is tf:
+        return entry[1]
+    plan = _Plan(tf, names)
+    try:
+        ref = weakref.ref(tf, lambda _r, key=key: _plans.pop(key, None))
+    except TypeError:  # a file object that takes no weak references: plan every time
+        return plan
+    with _plans_lock:
+        _plans[key] = (ref, plan)
+    return plan
+
+
+def _select(tf, names, by_offset: bool) -> tuple[list, list]:
+    """``(infos to load, string tensors left out)``: by payload offset for a mapped file, else in keys() order.
+
+    String tensors (``object`` dtype: TensorFlow's DT_STRING) have no device form: left out of a whole-reader
+    load, a ``TypeError`` when named.
+    """
+    if names is None:
+        infos = tf.infos.values()
+        if by_offset:
+            return sorted(infos, key=lambda i: i.offset), []  # regions need file order
+        chosen = [i for i in infos if i.dtype.kind != "O"]
+        skipped = [i.name for i in infos if i.dtype.kind == "O"] if len(chosen) < len(tf.infos) else []
+        return chosen, skipped
+    if isinstance(names, str):
+        raise TypeError("names must be a list of tensor names, not a single string")
+    seen = set()
+    chosen = []
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        info = tf.infos.get(name)
+        if info is None:
+            info = tf.info(name)  # raises the reader's TensorNotFoundError, naming close matches
+        chosen.append(info)
+    strings = [i.name for i in chosen if i.dtype.kind == "O"]
+    if strings:
+        raise TypeError(f"{tf.path}: string tensors cannot be loaded into device memory: "
+                        f"{', '.join(map(repr, strings[:8]))}; leave them out of names")
+    if by_offset:
+        chosen.sort(key=lambda i: i.offset)
+    else:
+        order = {name: i for i, name in enumerate(tf.infos)}
+        chosen.sort(key=lambda i: order[i.name])
+    return chosen, []
+
+
+def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=None,
+              blocking: bool = True) -> LoadedTensors:
+    """Load the tensors of a tensor file, or of any reader of the contract, into device memory.
+
+    ``source`` is a path (opened with :func:`fastckpt.open`) or an open reader:
+    a :class:`fastckpt.TensorFile` (reusing one skips parsing the index again; a
+    pool also keeps the last few files loaded through it open, revalidated
+    with ``os.stat`` on each load, see :class:`~fastckpt.device.pool.OpenFiles`) or
+    any other object of the reader contract
+    (:class:`~fastckpt.formats.contract.TensorReader`: a
+    :class:`fastckpt.tf.CheckpointReader`, a
+    :class:`fastckpt.train.directory.CheckpointDirectory`, ...). A mapped NPZ or
+    safetensors file takes the one-copy paths below; any other reader's
+    tensors are read with its ``host(name)`` and copied one by one (the
+    ``"decoded"`` path, with a :class:`~fastckpt.errors.NotZeroCopyWarning`),
+    in its ``keys()`` order; its string tensors (TensorFlow's object graph, for
+    one) have no device form and are left out (``report.skipped``), or are a
+    ``TypeError`` when named. Readers passed in are not closed. ``queue`` defaults to the pool's queue, else
+    :func:`fastckpt.device.default`'s. With ``pool`` (a
+    :class:`~fastckpt.device.pool.PersistentBufferPool`) the file's data region is
+    copied with one command into an arena; without, each tensor gets its own
+    exact-size buffer. ``zero_copy=True`` maps the file copy-on-write and uses
+    it as device memory where the device shares host memory (else a
+    :class:`~fastckpt.errors.NotZeroCopyWarning` and a normal copy).
+    ``names`` loads only those tensors. ``blocking=False`` returns while copies
+    may still run: each tensor waits for its copy before it is read
+    (:meth:`LoadedTensors.wait` waits for all).
+
+    >>> import fastckpt, numpy as np, tempfile, os                     # doctest: +SKIP
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")          # doctest: +SKIP
+    >>> fastckpt.save_safetensors(p, {"w": np.arange(6, dtype=np.float32)})  # doctest: +SKIP
+    >>> load_file(p)["w"].to_host()                                    # doctest: +SKIP
+    array([0., 1., 2., 3., 4., 5.], dtype=float32)
+    """
+    t_start = time.perf_counter()
+    queue = _queue_for(queue, pool)
+    if isinstance(names, str):
+        raise TypeError("names must be a list of tensor names, not a single string")
+    if names is not None:
+        names = tuple(names)
+    tf, opened, file_reused = _open(source, zero_copy, pool)
+    try:
+        t_open = time.perf_counter()
+        plan = _plan_for(tf, names)
+        report = LoadReport(path=tf.path, format=tf.format, mode="pool" if pool is not None else "per-tensor",
+                            tensors=len(plan.selected), file_reused=file_reused, skipped=list(plan.skipped))
+        limit = _allocation_limit(queue.device, pool)
+        load = _Load(queue, pool, tf, blocking, report)
+        t_plan = load.t_alloc = time.perf_counter()
+        try:
+            direct = plan.direct
+            if zero_copy and direct and _load_zero_copy(load, direct, limit):
+                direct = []
+            if direct and pool is not None:
+                _load_arenas(load, plan, limit)
+            elif direct:
+                _load_buffers(load, direct)
+            if plan.decoded:
+                _load_decoded(load, plan.decoded)
+            if plan.empty:
+                _load_empty(load, plan.empty)
+            if blocking and load.events:
+                _wait_all(load.events)
+                load.events = []
+        except BaseException:
+            # Never leave a copy reading memory we are about to drop, nor a lease marked in use.
+            if load.events:
+                try:
+                    _wait_all(load.events)
+                except Exception:  # the original error is the one to report
+                    pass
+            for lease in load.leases:
+                lease.release()
+            raise
+        t_end = time.perf_counter()
+    finally:
+        if opened:
+            tf.close()  # views already taken keep the mapping alive
+
+    report.paths = load.paths
+    report.timings = {
+        "open": t_open - t_start,
+        "plan": t_plan - t_open,
+        "allocate": load.t_alloc - t_plan,
+        "copy": t_end - load.t_alloc,
+        "total": t_end - t_start,
+    }
+    return LoadedTensors(load.tensors, report, load.leases, load.events, plan.names,
+                         load.index if load.regions else None, load.regions, queue)
+
+
+class _Load:
+    """One :func:`load_file` call in progress: where its tensors go, and what each strategy has added so far.
+
+    Every lease and every queued copy is recorded here as soon as it exists, so that the one error path
+    in :func:`load_file` can wait for the copies and return the leases, wherever the load stopped.
+    """
+
+    __slots__ = ("queue", "pool", "tf", "mapped", "blocking", "report", "tensors", "paths", "leases", "events",
+                 "regions", "index", "first_buffer", "t_alloc")
+
+    def __init__(self, queue, pool, tf, blocking: bool, report: LoadReport):
+        self.queue = queue
+        self.pool = pool
+        self.tf = tf
+        self.mapped = tf.mapped if isinstance(tf, TensorFile) else None  # None: a reader read through host()
+        self.blocking = blocking
+        self.report = report
+        self.tensors: dict = {}  # name -> Tensor made now (arena views are made on access instead)
+        self.paths: Mapping = {}
+        self.leases: list = []
+        self.events: list = []  # copies not waited for yet
+        self.regions: list = []  # arena regions for LoadedTensors: [buffer, start, lease, event, source view]
+        self.index: dict | None = None  # name -> (region number, TensorInfo) of the arena regions
+        self.first_buffer = None  # what empty tensors point into
+        self.t_alloc = 0.0  # when allocating ended and copying began (for report.timings)
+
+    def note(self, message: str) -> None:
+        """Record and warn that tensors took a slower path than asked for; called by a strategy function."""
+        self.report.warnings.append(message)
+        # 4: past note, the strategy function and load_file, to load_file's caller.
+        warnings.warn(NotZeroCopyWarning(message), stacklevel=4)
+
+
+def _queue_for(queue, pool):
+    """The queue to load with: ``queue``, else the pool's, else the default device's; checked against the pool."""
+    if queue is None:
+        queue = pool.queue if pool is not None and pool.queue is not None else None
+    if queue is None:
+        from fastckpt.device import default
+
+        queue = default().queue
+    if pool is not None and pool.context is not None and queue.context != pool.context:
+        raise ValueError("the queue and the pool belong to different OpenCL contexts; make the pool with "
+                         "PersistentBufferPool(queue.context, queue)")
+    return queue
+
+
+def _allocation_limit(device, pool) -> int:
+    """The most bytes one buffer may hold: the device's ``max_mem_alloc_size``, lowered by the pool's bound."""
+    limit = int(device.max_mem_alloc_size)
+    if pool is not None and pool.max_alloc_size is not None:
+        limit = min(limit, pool.max_alloc_size)
+    return limit
+
+
+def _lease(request, nbytes: int, report: LoadReport | None):
+    """A lease from ``request`` (a pool's ``arena`` or ``allocate``), counted in ``report`` as a pool hit or miss."""
+    lease = request(nbytes)
+    if report is not None:
+        if lease.hit:
+            report.pool_hits += 1
+        else:
+            report.pool_misses += 1
+            report.bytes_allocated += lease.size
+    return lease
+
+
+def _load_zero_copy(load: _Load, direct: list, limit: int) -> bool:
+    """``"zero-copy"``: ``USE_HOST_PTR`` buffers over the copy-on-write mapping, one per region; nothing is copied.
+
+    False (after a :class:`NotZeroCopyWarning`) when the device or the mapping does not allow it.
+    """
+    import pyopencl as cl
+
+    device, mapped = load.queue.device, load.mapped
+    reason = _zero_copy_obstacle(device, mapped)
+    if reason is None:
+        base_align = _base_align(device)
+        address = mapped.address
+        starts = [-1]
+        if limit is None or base_align < limit:
+            # Room for rounding each buffer start down to the alignment.
+            regions = plan_regions(direct, limit - base_align + 1 if limit else None)
+            starts = [s - ((address + s) % base_align) for s, _, _ in regions]
+        if min(starts) < 0:
+            reason = (f"the device needs buffers aligned to {base_align} bytes "
+                      "(mem_base_addr_align) and the mapping cannot provide that")
+    if reason is not None:
+        load.note(f"{load.tf.path}: zero_copy=True but {reason}; the tensors are copied instead")
+        return False
+    load.report.mode = "zero-copy"
+    queue, tensors, paths = load.queue, load.tensors, load.paths
+    flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
+    for (start, end, group), astart in zip(regions, starts):
+        # SAFETY: the buffer keeps the memoryview (and so the private mapping) alive.
+        buffer = cl.Buffer(queue.context, flags, hostbuf=mapped.view(astart, end - astart))
+        if load.first_buffer is None:
+            load.first_buffer = buffer
+        for info in group:
+            tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, info.offset - astart, queue, None)
+            paths[info.name] = "zero-copy"
+    load.report.regions = len(regions)
+    return True
+
+
+def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
+    """``"arena"``: one pooled arena per region, filled by one ``enqueue_copy`` per ``COPY_CHUNK`` of it.
+
+    The tensors are views made on access (:meth:`LoadedTensors.__getitem__`), so this costs the same for
+    10 tensors or 10,000.
+    """
+    import pyopencl as cl
+
+    regions, load.index, arena_paths = plan.arena(limit)
+    report, queue, mapped, blocking = load.report, load.queue, load.mapped, load.blocking
+    report.regions = len(regions)
+    arenas = []
+    for start, end, _group in regions:
+        lease = _lease(load.pool.arena, end - start, report)
+        load.leases.append(lease)
+        arenas.append(lease)
+    load.t_alloc = time.perf_counter()
+    for (start, end, _group), lease in zip(regions, arenas):
+        source_view = mapped.view(start, end - start, "tensor data region")
+        chunk_events = []
+        for lo in range(0, end - start, COPY_CHUNK):
+            hi = min(lo + COPY_CHUNK, end - start)
+            chunk_events.append(cl.enqueue_copy(queue, lease.buffer, source_view[lo:hi], dst_offset=lo,
+                                                is_blocking=False))
+        load.events.extend(chunk_events)
+        report.copies += len(chunk_events)
+        report.bytes_copied += end - start
+        event = chunk_events[0]
+        if len(chunk_events) > 1 and not blocking:
+            # One event for the whole region, also on out-of-order queues.
+            event = cl.enqueue_marker(queue, wait_for=chunk_events)
+        if load.first_buffer is None:
+            load.first_buffer = lease.buffer
+        # Views are made on access (LoadedTensors.__getitem__); a pending copy travels with them.
+        # SAFETY: while the copy may run, the region entry keeps source_view (and so the mapping) alive.
+        load.regions.append([lease.buffer, start, lease, None if blocking else event,
+                             None if blocking else source_view])
+    if arena_paths is not None:
+        load.paths = arena_paths
+    else:
+        load.paths.update(dict.fromkeys((i.name for i in plan.direct), "arena"))
+
+
+def _load_buffers(load: _Load, direct: list) -> None:
+    """``"buffer"`` (no pool): a buffer of exactly each tensor's size, filled by one copy each."""
+    import pyopencl as cl
+
+    report, queue, mapped, blocking = load.report, load.queue, load.mapped, load.blocking
+    tensors, paths, events = load.tensors, load.paths, load.events
+    ctx = queue.context
+    rw = cl.mem_flags.READ_WRITE
+    for info in direct:
+        buffer = cl.Buffer(ctx, rw, info.nbytes)
+        report.bytes_allocated += info.nbytes
+        source_view = mapped.view(info.offset, info.nbytes, f"tensor {info.name!r}")
+        event = cl.enqueue_copy(queue, buffer, source_view, is_blocking=False)
+        events.append(event)
+        report.copies += 1
+        report.bytes_copied += info.nbytes
+        if load.first_buffer is None:
+            load.first_buffer = buffer
+        t = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
+        if not blocking:
+            # SAFETY: the copy reads source_view after enqueue_copy returns; the tensor keeps it until waited on.
+            t._event, t._keepalive = event, source_view
+        tensors[info.name] = t
+        paths[info.name] = "buffer"
+    load.t_alloc = time.perf_counter()
+
+
+def _load_decoded(load: _Load, decoded: list) -> None:
+    """``"decoded"``: compressed or Fortran-ordered members, or every tensor of a reader that is not one mapped
+    file, read on the host (``host(name)``) and copied one by one (with a warning)."""
+    import pyopencl as cl
+
+    tf, pool, report, queue, blocking = load.tf, load.pool, load.report, load.queue, load.blocking
+    shown = ", ".join(repr(i.name) for i in decoded[:5]) + (", ..." if len(decoded) > 5 else "")
+    if load.mapped is None:
+        load.note(f"{tf.path}: the {len(decoded)} tensor(s) of this {tf.format} reader were read through its host() "
+                  f"and copied one by one ({shown}); only a mapped NPZ or safetensors file is loaded with one copy "
+                  "(fastckpt convert writes one)")
+    else:
+        kinds = sorted({"compressed (" + i.compression + ")" if i.compression else "Fortran-ordered"
+                        for i in decoded})
+        load.note(f"{tf.path}: {len(decoded)} tensor(s) are {' and '.join(kinds)} and were decoded on the host "
+                  f"and copied one by one ({shown}); save with fastckpt.save_npz or save_safetensors "
+                  "(stored, C order) for the one-copy path")
+    for info in decoded:
+        host = contiguous(tf.host(info.name))
+        nbytes = host.nbytes
+        if pool is not None:
+            lease = _lease(pool.allocate, nbytes, report)
+            load.leases.append(lease)
+            buffer, owner = lease.buffer, lease
+        else:
+            buffer, owner = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, max(nbytes, 1)), None
+            report.bytes_allocated += max(nbytes, 1)
+        t = Tensor(buffer, host.shape, host.dtype, queue=queue, owner=owner)
+        if nbytes:
+            event = cl.enqueue_copy(queue, buffer, host.reshape(-1).view(np.uint8), is_blocking=False)
+            load.events.append(event)
+            report.copies += 1
+            report.bytes_copied += nbytes
+            if not blocking:
+                # SAFETY: the copy reads the decoded host array after enqueue_copy returns; the tensor keeps it.
+                t._event, t._keepalive = event, host
+        if load.first_buffer is None:
+            load.first_buffer = buffer
+        load.tensors[info.name] = t
+        load.paths[info.name] = "decoded"
+
+
+def _load_empty(load: _Load, empty: list) -> None:
+    """``"empty"``: tensors with no bytes, length-0 views of a buffer this load already made (or a 1-byte one)."""
+    import pyopencl as cl
+
+    if load.first_buffer is None:
+        load.first_buffer = cl.Buffer(load.queue.context, cl.mem_flags.READ_WRITE, 1)
+    owner = load.leases[0] if load.leases else None
+    for info in empty:
+        load.tensors[info.name] = Tensor._make(load.first_buffer, info.shape, info.dtype, 0, load.queue, owner)
+        load.paths[info.name] = "empty"
+
+
+def realign(tensors: dict, queue, pool, report: LoadReport | None = None) -> list[str]:
+    """Move the tensors whose offset is not a multiple of their itemsize into one aligned pooled arena.
+
+    Files written by ``np.savez`` put payloads at arbitrary offsets (2 or 3 mod 4 are common), so
+    their arena views can start mid-element, and kernels, which index elements, cannot use them in
+    place. Those tensors are replaced in ``tensors`` by views into one more pooled arena (each at a
+    multiple of 256 bytes), filled by one device-side copy per tensor; the pool lease is counted in
+    ``report``. Returns their names (none for fastckpt's own files, whose payloads are aligned).
+    The copies that filled ``tensors`` must have finished (a blocking :func:`load_file`).
+    """
+    odd = [k for k, t in tensors.items() if t.nbytes and t.offset % t.dtype.itemsize]
+    if not odd:
+        return []
+    import pyopencl as cl
+
+    offsets, total = {}, 0
+    for k in odd:
+        offsets[k] = total
+        total += -(-tensors[k].nbytes // 256) * 256
+    lease = _lease(pool.arena, total, report)
+    for k in odd:
+        t = tensors[k]
+        cl.enqueue_copy(queue, lease.buffer, t.buffer, byte_count=t.nbytes, src_offset=t.offset,
+                        dst_offset=offsets[k])
+        tensors[k] = Tensor(lease.buffer, t.shape, t.dtype, offset=offsets[k], queue=queue, owner=lease)
+    # The copies read the old arena, which returns to the pool (and may be overwritten) once the
+    # replaced tensors are dropped: finish them before anyone can drop those.
+    queue.finish()
+    return odd
+
+
+def _base_align(device) -> int:
+    """The alignment (bytes) the device wants for buffer base addresses (``mem_base_addr_align`` is in bits)."""
+    return max(1, int(device.mem_base_addr_align) // 8)
+
+
+def _zero_copy_obstacle(device, mapped) -> str | None:
+    """Why a zero-copy load is impossible here, or None."""
+    if not device.host_unified_memory:
+        return f"the device {device.name.strip()!r} does not share host memory (host_unified_memory is false)"
+    if mapped.address is None:
+        return f"the file is not memory-mapped (backend={mapped.backend!r})"
+    return None

@@ -1,0 +1,641 @@
+"""Device memory that outlives a load, so loading the same model again allocates nothing.
+
+A :class:`PersistentBufferPool` keeps device buffers after the tensors using
+them are gone and hands them to the next request that fits. Two kinds of
+request share one store of buffers:
+
+- **arenas** (:meth:`PersistentBufferPool.arena`): one allocation for a file's
+  whole tensor-data region (rounded up by at most 1.6 %, :func:`arena_size`);
+  the tensors are ``(buffer, offset)`` views into it.
+  A later load takes the *best fitting* idle buffer (the smallest one at least
+  as large as its region, wasting at most half of it), so reloading the same
+  or a same-shaped model is a hit and costs no allocation.
+- **single buffers** (:meth:`PersistentBufferPool.allocate`, and calling the
+  pool, which is pyopencl's allocator protocol): sizes are rounded up to
+  geometric size classes (eight per power of two: at most 12.5 % padding;
+  256 bytes at least) so that buffers of nearly equal sizes are shared.
+
+Buffers go back to the pool when the lease holding them is released or
+garbage-collected (a ``weakref.finalize`` on the lease; a tensor that is a view
+into an arena holds the lease as its owner). Buffers handed out through the
+allocator protocol are plain ``pyopencl.Buffer`` objects, which cannot carry
+weak references; the pool notices that they were dropped by their reference
+count, at its next miss, :meth:`~PersistentBufferPool.collect` or ``stats``.
+
+Files: a pool also keeps the last few files loaded through it open
+(:class:`OpenFiles`, revalidated with ``os.stat`` on every load), so a reload
+neither parses the index nor maps the file again.
+
+Memory bounds: with ``max_bytes`` the pool evicts idle buffers, least recently
+used first, to keep what it holds under the bound; a request that cannot fit
+even then is still served (memory in use cannot be freed) and its buffer is
+freed, not kept, when returned. An allocation that fails for lack of device
+memory frees every idle buffer and is retried once; a second failure raises
+``MemoryError`` saying how much was asked for and how much is held.
+
+Thread safety: every public method may be called from any thread. Leases are
+returned by finalizers, which can run inside any allocation, including one
+the pool itself makes while it holds its lock; a finalizer therefore only
+queues the return, and whoever holds (or next takes) the lock applies it. A
+re-entrant lock would let the finalizer change the pool's lists in the middle
+of an update, so the lock is deliberately not re-entrant.
+
+>>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+>>> with pool.allocate(1000) as lease:
+...     lease.size
+1024
+>>> pool.allocate(1000).hit       # the same size class again: no allocation
+True
+>>> pool.stats.allocations
+1
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import sys
+import threading
+import weakref
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "OpenFiles", "size_class", "arena_size"]
+
+MIN_CLASS = 256
+# An idle buffer serves a single-buffer request up to this factor above its size class (borrowing from
+# the next two classes), and an arena request up to twice the region.
+_CLASS_SLACK = 1.25
+_ARENA_SLACK = 2.0
+
+# OpenCL status codes meaning "no memory for this allocation" (possibly only for now).
+_OOM_CODES = {-4, -5, -6}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY
+
+
+def size_class(nbytes: int) -> int:
+    """The size a single-buffer request of ``nbytes`` is rounded up to.
+
+    Eight classes per power of two, so the padding is at most 12.5 % (and
+    requests up to 256 bytes share one class).
+
+    >>> [size_class(n) for n in (1, 256, 257, 1000, 4096, 4097, 10**6)]
+    [256, 256, 288, 1024, 4096, 4608, 1048576]
+    """
+    if nbytes <= MIN_CLASS:
+        return MIN_CLASS
+    step = 1 << max(0, (nbytes - 1).bit_length() - 4)
+    return (nbytes + step - 1) & -step
+
+
+def arena_size(nbytes: int) -> int:
+    """The size an arena for ``nbytes`` is allocated with: at most 1/64 (1.6 %) more, in 4 KiB steps.
+
+    Finer than :func:`size_class`: arenas are large, and 12.5 % of a model is too much to waste.
+
+    >>> [arena_size(n) for n in (1, 4096, 4097, 10**6, 512 * 2**20 + 1)]
+    [4096, 4096, 8192, 1007616, 545259520]
+    """
+    step = max(4096, 1 << max(0, (nbytes - 1).bit_length() - 7))
+    return (max(nbytes, 1) + step - 1) // step * step
+
+
+def _refs(obj) -> int:
+    return sys.getrefcount(obj)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    code = getattr(exc, "code", None)
+    if code is None and exc.args:
+        code = getattr(exc.args[0], "code", None)
+    try:
+        return int(code) in _OOM_CODES
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's counters.
+
+    ``hits``/``misses`` count requests served from held memory / by a new
+    allocation; ``allocations`` and ``bytes_allocated`` count device
+    allocations ever made; ``evictions`` counts idle buffers freed to respect
+    ``max_bytes`` or after a failed allocation; ``bytes_held`` is what the pool
+    owns now (``bytes_in_use`` + ``bytes_idle``).
+
+    >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+    >>> pool.allocate(1000).release(); pool.allocate(1000).hit
+    True
+    >>> s = pool.stats
+    >>> s.hits, s.misses, s.bytes_held, s.bytes_in_use, s.hit_rate
+    (1, 1, 1024, 0, 0.5)
+    """
+
+    hits: int
+    misses: int
+    allocations: int
+    bytes_allocated: int
+    evictions: int
+    bytes_held: int
+    bytes_in_use: int
+    bytes_idle: int
+    buffers_held: int
+    buffers_in_use: int
+    max_bytes: int | None
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class _Block:
+    """One device allocation owned by the pool."""
+
+    __slots__ = ("raw", "size", "serial", "in_use")
+
+    def __init__(self, raw, size: int, serial: int):
+        self.raw = raw
+        self.size = size
+        self.serial = serial
+        self.in_use = False
+
+
+class PoolBuffer:
+    """A lease on a pooled buffer: ``buffer`` is yours until :meth:`release` (or garbage collection).
+
+    ``nbytes`` is what was asked for, ``size`` the buffer's real size (never
+    less), ``hit`` whether it came from held memory.
+
+    >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+    >>> lease = pool.allocate(10)
+    >>> lease.nbytes, lease.size, lease.released
+    (10, 256, False)
+    >>> lease.release(); lease.released
+    True
+    """
+
+    __slots__ = ("buffer", "nbytes", "size", "hit", "_block", "_finalizer", "_base_refs", "__weakref__")
+
+    def __init__(self, pool: "PersistentBufferPool", block: _Block, nbytes: int, hit: bool):
+        self.buffer = block.raw
+        self.nbytes = nbytes
+        self.size = block.size
+        self.hit = hit
+        self._base_refs = 0
+        self._block = block
+        self._finalizer = weakref.finalize(self, pool._give_back, block)
+        self._finalizer.atexit = False  # nothing to return to at interpreter exit
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def release(self) -> None:
+        """Return the buffer to the pool now. Idempotent. Do not use ``buffer`` afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "PoolBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else ("hit" if self.hit else "miss")
+        return f"<PoolBuffer nbytes={self.nbytes} size={self.size} {state}>"
+
+
+class PersistentBufferPool:
+    """Device buffers kept across loads: arenas for whole files, size classes for single tensors.
+
+    ``context`` is the pyopencl context to allocate in (read-write buffers);
+    ``allocator`` replaces that with any callable ``nbytes -> buffer`` (used to
+    test the bookkeeping without a device; the pool keeps sizes itself, so the
+    buffer can be any object). ``max_bytes`` bounds the memory held (None: no
+    bound but the device's). ``max_alloc_size`` is the largest single
+    allocation (default: the device's ``max_mem_alloc_size``; None without a
+    context); loads split regions larger than it. ``keep_files`` is how many
+    files loaded through the pool stay open (mapped, index parsed) for the next
+    load of the same unchanged file (see :class:`OpenFiles`; 0 keeps none).
+
+    >>> import numpy as np, pyopencl as cl, pyopencl.array as cla       # doctest: +SKIP
+    >>> from fastckpt.device import default                             # doctest: +SKIP
+    >>> dev = default()                                                 # doctest: +SKIP
+    >>> pool = PersistentBufferPool(dev.context, dev.queue)             # doctest: +SKIP
+    >>> a = cla.to_device(dev.queue, np.ones(1000, np.float32), allocator=pool)  # doctest: +SKIP
+    >>> del a; pool.stats.bytes_idle                                    # doctest: +SKIP
+    4096
+    """
+
+    def __init__(self, context, queue=None, *, max_bytes: int | None = None,
+                 allocator: Callable[[int], Any] | None = None, max_alloc_size: int | None = None,
+                 keep_files: int = 4):
+        if context is None and allocator is None:
+            raise ValueError("PersistentBufferPool needs a pyopencl context, or an allocator=callable(nbytes)")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
+        self.context = context
+        self.queue = queue
+        self.max_bytes = max_bytes
+        devices = list(context.devices) if context is not None else []
+        if max_alloc_size is None and devices:
+            max_alloc_size = min(int(d.max_mem_alloc_size) for d in devices)
+        self.max_alloc_size = max_alloc_size
+        # Offsets of sub-buffers must be multiples of this (bytes); arenas are sized in multiples of it.
+        self.base_align = max((int(d.mem_base_addr_align) // 8 for d in devices), default=1) or 1
+        if allocator is None:
+            import pyopencl as cl
+
+            flags = cl.mem_flags.READ_WRITE
+
+            def allocator(nbytes, _ctx=context, _flags=flags, _Buffer=cl.Buffer):
+                return _Buffer(_ctx, _flags, nbytes)
+
+        self._allocator = allocator
+        self.files = OpenFiles(keep_files)
+        self._lock = threading.Lock()  # not re-entrant on purpose: see the module docstring
+        self._returned: deque[_Block] = deque()
+        self._idle: OrderedDict[int, _Block] = OrderedDict()  # serial -> block, least recently used first
+        self._idle_sizes: list[tuple[int, int]] = []  # sorted (size, serial) of idle blocks, for best fit
+        self._handed: dict[int, PoolBuffer] = {}  # id(buffer) -> lease, for the allocator protocol
+        self._serial = 0
+        self._hits = self._misses = self._allocations = self._evictions = 0
+        self._bytes_allocated = 0
+        self._bytes_held = 0
+        self._bytes_in_use = 0
+        self._buffers_in_use = 0
+
+    # -- locking and deferred returns ------------------------------------------------------------
+    def _acquire(self) -> None:
+        self._lock.acquire()
+        self._drain()
+
+    def _release_lock(self) -> None:
+        # A finalizer may have queued a return after our last drain; apply it unless someone else
+        # now holds the lock (they will).
+        self._drain()
+        self._lock.release()
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _give_back(self, block: _Block) -> None:
+        """Finalizer of a lease: queue the block and apply the return if the lock is free."""
+        self._returned.append(block)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        returned = self._returned
+        while returned:
+            try:
+                block = returned.popleft()
+            except IndexError:  # pragma: no cover - another thread emptied it
+                break
+            self._make_idle(block)
+
+    def _make_idle(self, block: _Block) -> None:
+        if not block.in_use:
+            return
+        block.in_use = False
+        self._bytes_in_use -= block.size
+        self._buffers_in_use -= 1
+        if block.raw is None:
+            return
+        if self.max_bytes is not None and self._bytes_held > self.max_bytes:
+            self._free(block)
+            self._evictions += 1
+            return
+        self._idle[block.serial] = block
+        bisect.insort(self._idle_sizes, (block.size, block.serial))
+
+    def _free(self, block: _Block) -> None:
+        # Dropping the pool's reference frees the device memory (nothing else holds an idle block).
+        block.raw = None
+        self._bytes_held -= block.size
+
+    def _take_idle(self, serial: int) -> _Block:
+        block = self._idle.pop(serial)
+        i = bisect.bisect_left(self._idle_sizes, (block.size, serial))
+        del self._idle_sizes[i]
+        return block
+
+    def _evict_lru(self, count_as_eviction: bool = True) -> int:
+        serial, block = next(iter(self._idle.items()))
+        self._take_idle(serial)
+        self._free(block)
+        if count_as_eviction:
+            self._evictions += 1
+        return block.size
+
+    # -- requests ------------------------------------------------------------------------------
+    def allocate(self, nbytes: int) -> PoolBuffer:
+        """A lease on a buffer of at least ``nbytes`` (rounded to its size class).
+
+        >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+        >>> pool.allocate(5000).size
+        5120
+        """
+        need = size_class(_check_size(nbytes))
+        return self._request(nbytes, need, int(need * _CLASS_SLACK), need)
+
+    def arena(self, nbytes: int) -> PoolBuffer:
+        """A lease on one buffer for a whole region of ``nbytes``: the best-fitting idle buffer, else a new one.
+
+        >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+        >>> pool.arena(3_000_000).release()
+        >>> pool.arena(2_000_000).hit      # the 3 MB arena is idle and at most 2x too large
+        True
+        """
+        nbytes = _check_size(nbytes)
+        need = max(nbytes, 1)
+        alloc = arena_size(need)
+        if self.max_alloc_size is not None and alloc > self.max_alloc_size:
+            alloc = max(need, self.max_alloc_size - self.max_alloc_size % self.base_align)
+        return self._request(nbytes, need, max(int(need * _ARENA_SLACK), alloc), alloc)
+
+    def __call__(self, nbytes: int):
+        """pyopencl's allocator protocol: a buffer of at least ``nbytes``, returned when dropped.
+
+        Usable as ``pyopencl.array.Array(..., allocator=pool)`` and in ``enqueue_copy``.
+        """
+        lease = self.allocate(nbytes)
+        # This local holds the buffer from before it is registered until the caller has it: a sweep in
+        # another thread between the lock's release and the return must see it referenced, or it would
+        # hand the same buffer to a second caller.
+        buffer = lease.buffer
+        self._acquire()
+        try:
+            self._handed[id(buffer)] = lease
+            # The count when only the pool holds it (the block and the lease): taken with exactly the
+            # expression _sweep uses, so temporaries count the same on every Python version, less the
+            # one reference of the local above (a variable always owns one).
+            lease._base_refs = _refs(lease.buffer) - 1
+        finally:
+            self._release_lock()
+        return buffer
+
+    def _request(self, nbytes: int, need: int, limit: int, alloc: int) -> PoolBuffer:
+        if self.max_alloc_size is not None and need > self.max_alloc_size:
+            raise ValueError(
+                f"cannot allocate {need} bytes in one device buffer: the device's max_mem_alloc_size is "
+                f"{self.max_alloc_size} bytes (split the data, as load_file does for large files)"
+            )
+        self._acquire()
+        try:
+            block = self._best_fit(need, limit)
+            if block is None and self._handed:
+                self._sweep()  # buffers dropped by pyopencl arrays may be what we need
+                block = self._best_fit(need, limit)
+            hit = block is not None
+            if hit:
+                self._hits += 1
+            else:
+                block = self._new_block(alloc)
+                self._misses += 1
+            block.in_use = True
+            self._bytes_in_use += block.size
+            self._buffers_in_use += 1
+            try:
+                return PoolBuffer(self, block, nbytes, hit)
+            except BaseException:
+                self._returned.append(block)
+                raise
+        finally:
+            self._release_lock()
+
+    def _best_fit(self, need: int, limit: int) -> _Block | None:
+        sizes = self._idle_sizes
+        i = bisect.bisect_left(sizes, (need, -1))
+        if i < len(sizes) and sizes[i][0] <= limit:
+            return self._take_idle(sizes[i][1])
+        return None
+
+    def _new_block(self, size: int) -> _Block:
+        if self.max_bytes is not None:
+            while self._idle and self._bytes_held + size > self.max_bytes:
+                self._evict_lru()
+        try:
+            raw = self._allocator(size)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            freed = self._free_all_idle(count_as_evictions=True)
+            try:
+                raw = self._allocator(size)
+            except Exception as exc2:
+                if not _is_oom(exc2):
+                    raise
+                raise MemoryError(
+                    f"device allocation of {size} bytes failed ({exc2}); the buffer pool holds "
+                    f"{self._bytes_held} bytes in use by live tensors or leases (it freed {freed} idle bytes "
+                    "and retried). Release tensors no longer needed, load fewer (names=...), or pass "
+                    "max_bytes= to bound what the pool keeps."
+                ) from exc2
+        self._serial += 1
+        block = _Block(raw, size, self._serial)
+        self._allocations += 1
+        self._bytes_allocated += size
+        self._bytes_held += size
+        return block
+
+    # -- returns, trimming, statistics -----------------------------------------------------------
+    def _sweep(self) -> int:
+        """Return buffers handed out by ``pool(nbytes)`` that no one references any more."""
+        dropped = []
+        for key, lease in self._handed.items():
+            if _refs(lease.buffer) <= lease._base_refs:
+                dropped.append(key)
+        for key in dropped:
+            lease = self._handed.pop(key)
+            if lease._finalizer.detach() is not None:
+                self._make_idle(lease._block)
+        return len(dropped)
+
+    def release(self, obj) -> None:
+        """Return a lease, or a buffer handed out by ``pool(nbytes)``, to the pool now.
+
+        Any tensor still viewing that memory must not be used afterwards.
+        """
+        if isinstance(obj, PoolBuffer):
+            obj.release()
+            return
+        self._acquire()
+        try:
+            lease = self._handed.pop(id(obj), None)
+            if lease is None or lease.buffer is not obj:
+                if lease is not None:
+                    self._handed[id(obj)] = lease
+                raise ValueError(f"{obj!r} was not handed out by this pool (or was already released)")
+            if lease._finalizer.detach() is not None:
+                self._make_idle(lease._block)
+        finally:
+            self._release_lock()
+
+    def collect(self) -> int:
+        """Take back allocator-protocol buffers that are no longer referenced; returns how many."""
+        self._acquire()
+        try:
+            return self._sweep()
+        finally:
+            self._release_lock()
+
+    def free_idle(self) -> int:
+        """Free every idle buffer (memory in use stays); returns the bytes freed. Counts no evictions."""
+        self._acquire()
+        try:
+            return self._free_all_idle()
+        finally:
+            self._release_lock()
+
+    def _free_all_idle(self, count_as_evictions: bool = False) -> int:
+        freed = 0
+        while self._idle:
+            freed += self._evict_lru(count_as_evictions)
+        return freed
+
+    def clear(self) -> int:
+        """Free all idle memory, after taking back dropped ``pool(nbytes)`` buffers; returns bytes freed.
+
+        Leases and protocol buffers still in use keep their memory; they are cached again when
+        returned. The files kept open for reloads are forgotten too.
+
+        >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
+        >>> pool.allocate(1000).release(); pool.clear()
+        1024
+        """
+        self.files.clear()
+        self._acquire()
+        try:
+            self._sweep()
+            return self._free_all_idle()
+        finally:
+            self._release_lock()
+
+    @property
+    def stats(self) -> PoolStats:
+        """Current counters (after taking back dropped allocator-protocol buffers)."""
+        self._acquire()
+        try:
+            if self._handed:
+                self._sweep()
+            return PoolStats(
+                hits=self._hits,
+                misses=self._misses,
+                allocations=self._allocations,
+                bytes_allocated=self._bytes_allocated,
+                evictions=self._evictions,
+                bytes_held=self._bytes_held,
+                bytes_in_use=self._bytes_in_use,
+                bytes_idle=self._bytes_held - self._bytes_in_use,
+                buffers_held=len(self._idle) + self._buffers_in_use,
+                buffers_in_use=self._buffers_in_use,
+                max_bytes=self.max_bytes,
+            )
+        finally:
+            self._release_lock()
+
+    def __repr__(self) -> str:
+        return (f"<PersistentBufferPool held={self._bytes_held} in_use={self._bytes_in_use} "
+                f"hits={self._hits} misses={self._misses}>")
+
+
+def _check_size(nbytes) -> int:
+    n = int(nbytes)
+    if n < 0:
+        raise ValueError(f"cannot allocate a negative number of bytes ({nbytes!r})")
+    return n
+
+
+class OpenFiles:
+    """The last few tensor files loaded through a pool, kept open for the next load of the same file.
+
+    Reloading a file then skips mapping it again (and faulting its pages into
+    a fresh mapping, which on 512 MiB can cost as much as the copy itself) and
+    parsing its index. A kept file is used only while ``os.stat`` of its path
+    still shows the file as it was when it was opened (``MappedFile.identity``,
+    from ``fstat``): same device and inode (fastckpt's writers replace files,
+    so a new save is a new inode, and the kept mapping pins the old one, so
+    its number cannot be reused), size, modification and change times;
+    anything else drops it and opens the path anew. A rewrite in place that
+    keeps the size and lands within the file system's timestamp granularity
+    cannot be seen by ``stat``; replace files (as fastckpt's writers do)
+    rather than rewrite them. Only
+    read-only mappings are kept (a copy-on-write mapping may hold a previous
+    load's kernel writes). A kept file pins its inode: ``clear()`` (or the
+    pool's) lets a replaced file's old data go.
+
+    >>> files = OpenFiles(2)
+    >>> files.get("/nonexistent") is None
+    True
+    """
+
+    def __init__(self, capacity: int = 4):
+        self.capacity = max(0, int(capacity))
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[tuple, Any]] = OrderedDict()
+
+    @staticmethod
+    def _signature(path: str) -> tuple | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def get(self, path) -> Any:
+        """The kept file for ``path`` if it is still the same file on disk, else None."""
+        if not self.capacity:
+            return None
+        key = os.path.abspath(os.fspath(path))
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return None
+        sig = self._signature(key)
+        with self._lock:
+            if sig is not None and sig == entry[0] and self._entries.get(key) is entry:
+                self._entries.move_to_end(key)
+                return entry[1]
+            if self._entries.get(key) is entry:
+                # Dropped, not closed: another thread may be loading from it right now; the mapping
+                # goes when the last reference and view do.
+                del self._entries[key]
+        return None
+
+    def put(self, path, tensor_file) -> bool:
+        """Keep ``tensor_file`` (opened from ``path`` just now); returns False when it is not kept.
+
+        It is kept only when ``path`` still names the file it mapped, unchanged since it was
+        opened (its ``fstat`` then equals ``os.stat(path)`` now): a file replaced or rewritten
+        between the open and this call would otherwise be served, stale, to every later load.
+        """
+        if not self.capacity or getattr(tensor_file.mapped, "copy_on_write", False):
+            return False
+        key = os.path.abspath(os.fspath(path))
+        sig = self._signature(key)
+        if sig is None or sig != getattr(tensor_file.mapped, "identity", None):
+            return False
+        with self._lock:  # files pushed out are dropped, not closed (see get)
+            self._entries.pop(key, None)
+            self._entries[key] = (sig, tensor_file)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return True
+
+    def clear(self) -> None:
+        """Forget every kept file (each is unmapped once no tensor view or load uses it)."""
+        with self._lock:
+            self._entries = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)

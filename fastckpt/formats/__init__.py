@@ -1,0 +1,22 @@
+"""The format floor: tensor files on disk, read through one contract and written atomically.
+
+* :mod:`~fastckpt.formats.contract` - :class:`TensorReader`, the reader
+  contract every format implements;
+* :mod:`~fastckpt.formats.reader` - :func:`fastckpt.open`: any path (file,
+  TF prefix, training-checkpoint directory, registered openers) to a reader;
+* :mod:`~fastckpt.formats.npz`, :mod:`~fastckpt.formats.safetensors`,
+  :mod:`~fastckpt.formats.tf` - each format's reader, writer and byte-level
+  specification;
+* :mod:`~fastckpt.formats.atomic` - temporary file, fsync, rename, directory
+  fsync;
+* :mod:`~fastckpt.formats.convert` - any format to any other.
+
+A new format plugs in here: a reader implementing the contract, an opener
+registered with :func:`fastckpt.formats.reader.register_opener` (or a magic
+number in :func:`fastckpt.open`), and a writer that goes through
+:mod:`~fastckpt.formats.atomic`.
+
+>>> from fastckpt.formats.contract import TensorReader
+>>> TensorReader.__name__
+'TensorReader'
+"""

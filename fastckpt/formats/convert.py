@@ -1,0 +1,147 @@
+"""Copy every tensor between TensorFlow checkpoints, safetensors and NPZ (the ``fastckpt convert`` command).
+
+The source is whatever :func:`fastckpt.open` opens (a TensorFlow prefix,
+``.index`` file or directory; an NPZ or safetensors file, by its bytes; a
+training-checkpoint directory, its tensors named ``<file stem>/<name>``). The destination
+format is ``--to`` or else the destination's suffix: ``.safetensors``,
+``.npz``, anything else a TensorFlow checkpoint prefix (a trailing ``.index``
+is dropped). Values are copied bit for bit; names are kept.
+
+What cannot be carried is refused rather than lost, with the option that
+allows it:
+
+- string tensors have no safetensors/NPZ form: the error lists them and
+  ``--skip-unsupported`` leaves them out. TensorFlow's
+  ``_CHECKPOINTABLE_OBJECT_GRAPH`` is bookkeeping, not a value: it is always
+  left out of safetensors/NPZ (and said so); converting back with
+  ``--object-graph`` rebuilds one from the ``.../.ATTRIBUTES/...`` keys;
+- a destination that exists needs ``--force``;
+- dtypes the destination lacks (complex128 in safetensors, bfloat16 in NPZ)
+  fail with the destination writer's message.
+
+>>> import numpy as np, tempfile, os
+>>> from fastckpt.tf import write_checkpoint
+>>> d = tempfile.mkdtemp()
+>>> write_checkpoint(os.path.join(d, "ckpt-1"), {"w": np.arange(3, dtype=np.float32)})
+>>> convert(os.path.join(d, "ckpt-1"), os.path.join(d, "w.safetensors"))["tensors"]
+1
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["convert", "destination_format"]
+
+FORMATS = ("tf", "safetensors", "npz")
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+def destination_format(dst, to: str | None = None) -> str:
+    """``to`` if given, else the format named by the destination's suffix (TensorFlow by default).
+
+    >>> destination_format("model.safetensors"), destination_format("out/ckpt-3"), destination_format("a.npz")
+    ('safetensors', 'tf', 'npz')
+    """
+    if to is not None:
+        if to not in FORMATS:
+            raise ValueError(f"unknown destination format {to!r}; choose one of {', '.join(FORMATS)}")
+        return to
+    suffix = Path(os.fspath(dst)).suffix.lower()
+    return {".safetensors": "safetensors", ".npz": "npz"}.get(suffix, "tf")
+
+
+class _Source:
+    """Names, arrays, string-ness and metadata of the source: any reader :func:`fastckpt.open` returns."""
+
+    def __init__(self, path):
+        import fastckpt
+
+        self.path = os.fspath(path)
+        self.reader = fastckpt.open(path)
+        self.format = {"tensorflow": "tf"}.get(self.reader.format, self.reader.format)
+        self.names = list(self.reader.keys())
+        self.metadata = dict(self.reader.metadata or {})
+
+    def is_string(self, name: str) -> bool:
+        return self.reader.info(name).dtype.kind == "O"  # TensorFlow strings: object arrays of bytes
+
+    def array(self, name: str):
+        return self.reader.host(name)  # zero-copy where the source allows, copies (no warning) elsewhere
+
+    def close(self):
+        self.reader.close()
+
+
+def _exists(dst: str, fmt: str) -> bool:
+    if fmt == "tf":
+        return os.path.exists(dst + ".index")
+    return os.path.exists(dst)
+
+
+def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip_unsupported: bool = False,
+            force: bool = False, num_shards: int = 1, data_alignment: int = 1, fsync: bool = True) -> dict:
+    """Copy every tensor of ``src`` into a new file or checkpoint ``dst``; returns a summary dict.
+
+    The summary has ``source`` / ``destination`` (formats), ``path`` (what was
+    written: the prefix for TensorFlow), ``tensors`` (how many), ``skipped``
+    (string tensors left out with ``skip_unsupported``) and ``dropped``
+    (bookkeeping left out: the object graph, or metadata a TensorFlow
+    checkpoint cannot hold) and ``needs_object_graph`` (object-based keys were
+    written without a graph, which ``tf.train.Checkpoint.restore`` needs).
+    ``object_graph``, ``num_shards`` and
+    ``data_alignment`` apply to TensorFlow destinations.
+    """
+    fmt = destination_format(dst, to)
+    dst = os.fspath(dst)
+    if fmt == "tf" and dst.endswith(".index"):
+        dst = dst[: -len(".index")]
+    if _exists(dst, fmt) and not force:
+        raise FileExistsError(f"{dst}{'.index' if fmt == 'tf' else ''} already exists; pass --force (force=True) "
+                              "to replace it")
+    source = _Source(src)
+    try:
+        dropped, skipped, names = [], [], []
+        for name in source.names:
+            if fmt == "tf" and object_graph and name == OBJECT_GRAPH_KEY:
+                continue  # the writer builds a new one from the keys
+            if fmt != "tf" and source.is_string(name):
+                if name == OBJECT_GRAPH_KEY:
+                    dropped.append(name)
+                elif skip_unsupported:
+                    skipped.append(name)
+                else:
+                    strings = [n for n in source.names if source.is_string(n) and n != OBJECT_GRAPH_KEY]
+                    raise ValueError(f"{source.path}: {len(strings)} string tensor(s) cannot be stored in {fmt}: "
+                                     f"{', '.join(map(repr, strings[:8]))}; pass --skip-unsupported "
+                                     "(skip_unsupported=True) to leave them out, or convert to a TensorFlow "
+                                     "checkpoint")
+            else:
+                names.append(name)
+        if fmt == "tf":
+            from fastckpt.formats.tf.writer import CheckpointWriter
+
+            if source.metadata:
+                dropped.append("metadata")
+            with CheckpointWriter(dst, num_shards=num_shards, data_alignment=data_alignment,
+                                  object_graph=object_graph, fsync=fsync) as writer:
+                for name in names:
+                    writer.add(name, source.array(name))
+        else:
+            import fastckpt
+
+            tensors = {name: source.array(name) for name in names}  # zero-copy views of the source
+            if fmt == "safetensors":
+                fastckpt.save_safetensors(dst, tensors, metadata=source.metadata or None, fsync=fsync)
+            else:
+                if source.metadata:
+                    dropped.append("metadata")
+                fastckpt.save_npz(dst, tensors, fsync=fsync)
+        # Object-style keys without a graph restore nothing in tf.train.Checkpoint.restore, silently.
+        needs_graph = (fmt == "tf" and not object_graph and OBJECT_GRAPH_KEY not in names
+                       and any("/.ATTRIBUTES/" in n for n in names))
+        return {"source": source.format, "destination": fmt, "path": dst, "tensors": len(names),
+                "skipped": skipped, "dropped": dropped, "needs_object_graph": needs_graph}
+    finally:
+        source.close()
