@@ -8,8 +8,8 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-
 from _device_data import DTYPES, sample
+
 from fastckpt.device import context as device_mod
 from fastckpt.device.tensor import Tensor, as_bytes
 

@@ -7,7 +7,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _writing import file_size_limit
-
 from fastckpt._native.gather import GatherWriter
 
 

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("pyopencl")
 
+from fastckpt.device.tensor import Tensor
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.io.checkpoint import ARRAY_REF_KEY, load_checkpoint, load_params, save_checkpoint, save_params
-from fastckpt.device.tensor import Tensor
 
 pytestmark = pytest.mark.device
 

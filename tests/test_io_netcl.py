@@ -12,9 +12,9 @@ pytest.importorskip("pyopencl")
 netcl_io = pytest.importorskip("netcl.io")
 
 import fastckpt.nn as nn
+from fastckpt.device.tensor import Tensor
 from fastckpt.io import load_model, save_model
 from fastckpt.io.checkpoint import load_checkpoint, save_checkpoint
-from fastckpt.device.tensor import Tensor
 
 pytestmark = pytest.mark.device
 

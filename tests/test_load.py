@@ -12,13 +12,13 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
+from _device_data import DTYPES, sample
 
 import fastckpt
-from _device_data import DTYPES, sample
-from fastckpt.info import TensorInfo
-from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.device.load import MERGE_GAP, LoadedTensors, load_file, plan_regions
 from fastckpt.device.pool import PersistentBufferPool
+from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.info import TensorInfo
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 1, 3)]
 

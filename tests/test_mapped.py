@@ -7,9 +7,9 @@ import threading
 
 import numpy as np
 import pytest
+from fastckpt._native.mapped import MappedFile
 
 from fastckpt import FormatError
-from fastckpt._native.mapped import MappedFile
 
 BACKENDS = ["mmap", "pread"]
 

@@ -6,18 +6,18 @@ import os
 import struct
 import tracemalloc
 import warnings
-import zlib
 import zipfile
+import zlib
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 from _writing import RefilledBuffer, file_size_limit
+from fastckpt._native.mapped import MappedFile
 
 import fastckpt.formats.npz as npz
 from fastckpt import FormatError, IntegrityError, NotZeroCopyWarning
-from fastckpt._native.mapped import MappedFile
 from fastckpt.formats.npz import (
     NpzWriter,
     npy_header,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fastckpt._native.mapped import MappedFile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastckpt.formats.npz as npz
 from fastckpt import FormatError, IntegrityError
-from fastckpt._native.mapped import MappedFile
 from fastckpt.formats.npz import parse_npy_header, read_member, read_npz_index, save_npz
 
 DEFAULT_EXAMPLES = 200

@@ -12,12 +12,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from _writing import RefilledBuffer, file_size_limit
 import safetensors
 import safetensors.numpy as st_numpy
+from _writing import RefilledBuffer, file_size_limit
+from fastckpt._native.mapped import MappedFile
 
 from fastckpt import FormatError
-from fastckpt._native.mapped import MappedFile
 from fastckpt.formats.safetensors import (
     dtype_from_safetensors,
     dtype_to_safetensors,

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy as st_numpy
+from fastckpt._native.mapped import MappedFile
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fastckpt import FormatError
-from fastckpt._native.mapped import MappedFile
 from fastckpt.formats.safetensors import dtype_to_safetensors, read_safetensors_index, read_tensor, save_safetensors
 
 BACKENDS = ["mmap", "pread"]

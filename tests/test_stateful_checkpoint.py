@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 import fastckpt.stateful.checkpoint as ckmod
 import fastckpt.stateful.format as fmtmod
 from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.state import STATEFUL_JSON
+from fastckpt.state import decode as _decode
+from fastckpt.state import encode as _encode
 from fastckpt.stateful import (
     RNG,
     ArrayReader,
@@ -24,9 +27,6 @@ from fastckpt.stateful import (
     current,
     register_migration,
 )
-from fastckpt.state import STATEFUL_JSON
-from fastckpt.state import decode as _decode
-from fastckpt.state import encode as _encode
 
 
 def encode(value, where="state"):

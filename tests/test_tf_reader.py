@@ -19,10 +19,10 @@ from fastckpt.errors import (
     NotZeroCopyWarning,
     TensorNotFoundError,
 )
-from fastckpt.tf import CheckpointReader, describe, is_tf_checkpoint
 from fastckpt.formats.tf.proto import BundleHeader, encode_entry, encode_header
 from fastckpt.formats.tf.reader import encode_tensor_name_slice
 from fastckpt.formats.tf.table import TableBuilder
+from fastckpt.tf import CheckpointReader, describe, is_tf_checkpoint
 
 DATA = Path(__file__).parent / "data" / "tf"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -281,7 +281,6 @@ def _bundle(tmp_path, header: BundleHeader, entries: dict, data: bytes = b"") ->
 @pytest.mark.parametrize("num_shards", [2**31 - 1, 2**31, 2**40, -1])
 def test_absurd_shard_counts_cost_nothing_or_are_refused(tmp_path, num_shards):
     import crc32c
-
     from fastckpt._native.tftable import mask_crc
 
     payload = np.arange(3, dtype=np.int32).tobytes()
@@ -304,7 +303,6 @@ def test_absurd_shard_counts_cost_nothing_or_are_refused(tmp_path, num_shards):
                                            ("f2", 19), ("u2", 17), ("u8", 23), ("u1", 4)])
 def test_big_endian_file_is_byte_swapped(tmp_path, dtype, tf_enum):
     import crc32c
-
     from fastckpt._native.tftable import mask_crc
 
     value = (np.arange(6) * 3 - 2).astype("<" + dtype).reshape(2, 3)
@@ -380,6 +378,7 @@ def test_tf1_index_files(name):
 @pytest.mark.skipif(not SWIFT_INDEX_DIR.is_dir(), reason="shared/reference/tf-index-files is not available")
 def test_tf1_snappy_index_file_really_is_compressed():
     from fastckpt._native.mapped import MappedFile
+
     from fastckpt.formats.tf.table import IndexTable
 
     with MappedFile(SWIFT_INDEX_DIR / "minigo.index") as mapped:
@@ -406,7 +405,6 @@ def test_reader_repr_and_close():
 def test_big_endian_bfloat16_and_zero_size(tmp_path):
     import crc32c
     import ml_dtypes
-
     from fastckpt._native.tftable import mask_crc
 
     value = np.array([1.0, -2.5, 3e38], ml_dtypes.bfloat16)
@@ -431,7 +429,6 @@ def test_non_string_names_are_not_found(name):
 def _partitioned(tmp_path, slices, full_shape=(4, 2), make_entries_for=None):
     """A hand-made partitioned variable 'p' whose slices hold rows of arange(8)."""
     import crc32c
-
     from fastckpt._native.tftable import mask_crc
 
     full = np.arange(np.prod(full_shape), dtype=np.float32).reshape(full_shape)
@@ -480,7 +477,6 @@ def test_union_length_counts_each_data_byte_once(ranges, expected):
 
 def test_slices_that_share_their_data_bytes_are_refused(tmp_path):
     import crc32c
-
     from fastckpt._native.tftable import mask_crc
 
     rows = np.arange(1000 * 256, dtype=np.float32).reshape(1000, 256)  # 1 MB of data
@@ -499,7 +495,6 @@ def test_slices_that_share_their_data_bytes_are_refused(tmp_path):
 
 def test_partition_claiming_a_huge_shape_is_refused_before_allocating(tmp_path):
     import crc32c
-
     from fastckpt._native.tftable import mask_crc
 
     payload = np.arange(4, dtype=np.float32).tobytes()

@@ -8,12 +8,7 @@ from pathlib import Path
 
 import crc32c
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from fastckpt._native.mapped import MappedFile
-from fastckpt.errors import FormatError
-from fastckpt.tf import CheckpointReader
 from fastckpt._native.tftable import (
     block_seek,
     decode_block,
@@ -26,6 +21,10 @@ from fastckpt._native.tftable import (
     mask_crc,
     unmask_crc,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastckpt.errors import FormatError
 from fastckpt.formats.tf.proto import (
     BundleHeader,
     decode_checkpoint_state,
@@ -36,6 +35,7 @@ from fastckpt.formats.tf.proto import (
     encode_varint,
 )
 from fastckpt.formats.tf.table import IndexTable, TableBuilder, short_successor, shortest_separator
+from fastckpt.tf import CheckpointReader
 
 DATA = Path(__file__).parent / "data" / "tf"
 EXPECTED = json.loads((DATA / "expected.json").read_text())

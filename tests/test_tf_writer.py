@@ -8,11 +8,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-
 from fastckpt._native.mapped import MappedFile
-from fastckpt.tf import CheckpointReader, CheckpointWriter, latest_checkpoint, object_key, save, write_checkpoint
+
 from fastckpt.formats.tf.table import IndexTable
 from fastckpt.formats.tf.writer import escape_local_name, unescape_local_name
+from fastckpt.tf import CheckpointReader, CheckpointWriter, latest_checkpoint, object_key, save, write_checkpoint
 
 DTYPES = ["float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "bool", "complex64", "complex128", ml_dtypes.bfloat16, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn,

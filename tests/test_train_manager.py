@@ -22,7 +22,13 @@ from fastckpt.train import asyncsave
 from fastckpt.train.asyncsave import AsyncCheckpointer, StagingPool
 from fastckpt.train.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
 from fastckpt.train.manager import RECORD_FILE, CheckpointManager
-from fastckpt.train.reference.selfcheck import build_fresh, byte_equal, capture_full_state, first_difference, train_n_steps
+from fastckpt.train.reference.selfcheck import (
+    build_fresh,
+    byte_equal,
+    capture_full_state,
+    first_difference,
+    train_n_steps,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -63,11 +63,12 @@ def measure(repeats: int = 7, directory: str | None = None) -> str:
     import pyopencl as cl
 
     from fastckpt.device import default
-    from fastckpt.io import load_model, save_model
     from fastckpt.device.pool import PersistentBufferPool
+    from fastckpt.io import load_model, save_model
 
     try:
-        from safetensors.numpy import load_file as st_load, save_file as st_save
+        from safetensors.numpy import load_file as st_load
+        from safetensors.numpy import save_file as st_save
     except ImportError:  # optional: a test extra
         st_load = st_save = None
 

@@ -68,9 +68,9 @@ def _model_demo(tmp: str, hidden: int) -> None:
     import pyopencl as cl
 
     from fastckpt.device import default
+    from fastckpt.device.pool import PersistentBufferPool
     from fastckpt.io import load_model, save_model
     from fastckpt.nn import Linear, ReLU, Sequential
-    from fastckpt.device.pool import PersistentBufferPool
 
     dev = default()
     q = dev.queue

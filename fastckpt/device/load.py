@@ -68,10 +68,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from fastckpt.formats.contract import TensorReader
-from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
-from fastckpt.formats.reader import TensorFile
 from fastckpt.device.tensor import Tensor, contiguous
+from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.formats.contract import TensorReader
+from fastckpt.formats.reader import TensorFile
 
 __all__ = ["load_file", "realign", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP",
            "COPY_CHUNK"]

@@ -60,14 +60,16 @@ members above.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
+from collections.abc import Mapping as MappingABC
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
-from fastckpt.info import TensorInfo
 from fastckpt.errors import TensorNotFoundError
+from fastckpt.info import TensorInfo
 
-__all__ = ["TensorReader", "tensor_not_found"]
+__all__ = ["TensorReader", "ReaderMapping", "tensor_not_found"]
 
 
 @runtime_checkable
@@ -121,3 +123,52 @@ def tensor_not_found(where: str, name: object, names: Iterable[str]) -> TensorNo
     close = difflib.get_close_matches(str(name), names, n=3) if isinstance(name, str) else []
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
     return TensorNotFoundError(f"{where}: no tensor named {name!r} ({len(names)} tensors: {shown}){hint}")
+
+
+class ReaderMapping(MappingABC):
+    """The half of the contract every reader writes alike, written once: ``info``, the read-only mapping
+    name -> array, ``nbytes`` and the context manager, all in terms of ``infos``, ``host``, ``path`` and
+    ``close``, which a subclass supplies.
+
+    >>> class One(ReaderMapping):
+    ...     path, infos = "one", {"x": TensorInfo("x", np.dtype("u1"), (1,), 0, 1)}
+    ...     def host(self, name): return np.zeros(1, self.info(name).dtype)
+    ...     def close(self): pass
+    >>> with One() as r:
+    ...     list(r), r["x"].tolist(), r.nbytes, "y" in r
+    (['x'], [0], 1, False)
+    """
+
+    # A file handle: equal only to itself (Mapping's value comparison would compare arrays).
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def info(self, name: str) -> TensorInfo:
+        """The :class:`~fastckpt.TensorInfo` of ``name`` (``TensorNotFoundError``, a KeyError, if absent)."""
+        try:
+            return self.infos[name]
+        except (KeyError, TypeError):
+            raise tensor_not_found(self.path, name, self.infos) from None
+
+    @property
+    def nbytes(self) -> int:
+        """Total payload bytes of all tensors as stored."""
+        return sum(i.nbytes for i in self.infos.values())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.host(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.infos)
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.infos
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

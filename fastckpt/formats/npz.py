@@ -166,13 +166,13 @@ from typing import Iterable, Union
 
 import numpy as np
 
-from fastckpt.formats.atomic import atomic_write
 from fastckpt._native.gather import GatherWriter
-from fastckpt.info import TensorInfo
 from fastckpt._native.mapped import MappedFile
 from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_length, parse_npy_header
 from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
 from fastckpt.errors import FormatError, IntegrityError
+from fastckpt.formats.atomic import atomic_write
+from fastckpt.info import TensorInfo
 
 __all__ = [
     "save_npz",

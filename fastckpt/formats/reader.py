@@ -33,14 +33,14 @@ import os
 import stat
 import threading
 from types import MappingProxyType
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
-from fastckpt.info import TensorInfo
 from fastckpt._native.mapped import MappedFile
-from fastckpt.formats.contract import TensorReader, tensor_not_found
 from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.formats.contract import ReaderMapping, TensorReader
+from fastckpt.info import TensorInfo
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
            "DIRECTORY_READERS"]
@@ -65,7 +65,7 @@ def detect_format(head: bytes) -> str | None:
     return None
 
 
-class TensorFile(Mapping):
+class TensorFile(ReaderMapping):
     """A mapped NPZ or safetensors file: names, per-tensor info, zero-copy host views, metadata.
 
     Obtain one with :func:`fastckpt.open`. It implements the reader contract
@@ -98,13 +98,6 @@ class TensorFile(Mapping):
         """The path the file was opened from."""
         return self.mapped.path
 
-    def info(self, name: str) -> TensorInfo:
-        """The :class:`~fastckpt.TensorInfo` of ``name`` (``TensorNotFoundError``, a KeyError, if absent)."""
-        try:
-            return self.infos[name]
-        except KeyError:
-            raise tensor_not_found(self.path, name, self.infos) from None
-
     @property
     def data_region(self) -> tuple[int, int]:
         """``(start, end)``: the smallest byte range of the file holding every zero-copy payload.
@@ -116,11 +109,6 @@ class TensorFile(Mapping):
         if not spans:
             return (0, 0)
         return (min(s for s, _ in spans), max(e for _, e in spans))
-
-    @property
-    def nbytes(self) -> int:
-        """Total payload bytes of all tensors as stored."""
-        return sum(i.nbytes for i in self.infos.values())
 
     # -- data ------------------------------------------------------------------------------------
     def host(self, name: str) -> np.ndarray:
@@ -135,18 +123,6 @@ class TensorFile(Mapping):
 
         return npz.read_member(self.mapped, info)
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.host(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.infos)
-
-    def __len__(self) -> int:
-        return len(self.infos)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.infos
-
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the mapping handle (idempotent); views already made stay valid."""
@@ -156,12 +132,6 @@ class TensorFile(Mapping):
     def closed(self) -> bool:
         """True once :meth:`close` has run (views made before stay valid)."""
         return self.mapped.closed
-
-    def __enter__(self) -> "TensorFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         if self.closed:

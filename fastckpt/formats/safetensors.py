@@ -162,9 +162,7 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt.formats.atomic import atomic_write
 from fastckpt._native.gather import GatherWriter
-from fastckpt.info import TensorInfo
 from fastckpt._native.safetensors import (
     DTYPE_RANK,
     MAX_HEADER_SIZE,
@@ -175,6 +173,8 @@ from fastckpt._native.safetensors import (
     unsupported_dtype_message,
     write_tensors,
 )
+from fastckpt.formats.atomic import atomic_write
+from fastckpt.info import TensorInfo
 
 __all__ = [
     "save_safetensors",

@@ -24,8 +24,8 @@ parameter-free layers ignore them.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Callable
 
 from fastckpt.nn import layers as L

@@ -25,11 +25,11 @@ import math
 
 import numpy as np
 
+from fastckpt.device.tensor import Tensor
 from fastckpt.nn import kernels
 from fastckpt.nn._common import as_tensor, default_queue
 from fastckpt.nn.kernels import element_offset
 from fastckpt.nn.module import Module, init_rng, new_parameter
-from fastckpt.device.tensor import Tensor
 
 __all__ = [
     "Linear",

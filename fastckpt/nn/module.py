@@ -30,8 +30,8 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from fastckpt.nn._common import as_tensor
 from fastckpt.device.tensor import Tensor
+from fastckpt.nn._common import as_tensor
 
 __all__ = [
     "IncompatibleKeys",

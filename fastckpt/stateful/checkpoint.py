@@ -44,17 +44,17 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from fastckpt.formats.atomic import atomic_write
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError, FormatError
+from fastckpt.formats.atomic import atomic_write
 from fastckpt.state import STATEFUL_JSON, StateObject, accessors, dumps
 from fastckpt.state import decode as _decode
 from fastckpt.state import encode as _encode_state
 from fastckpt.stateful.format import (
+    _UNSET,
     ANONYMOUS_PREFIX,
     FORMAT,
     FORMAT_VERSION,
     _Entry,
-    _UNSET,
     parse,
     payload,
     register_migration,

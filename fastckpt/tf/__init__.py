@@ -22,6 +22,9 @@ The byte layout is specified in :mod:`fastckpt.formats.tf.format`.
 from __future__ import annotations
 
 from fastckpt.errors import ChecksumMismatchError, RestoreMismatchError  # defined with the others, re-exported here
+from fastckpt.formats.tf.describe import describe, is_tf_checkpoint
+from fastckpt.formats.tf.reader import CheckpointReader, TFTensorInfo, latest_checkpoint, resolve_prefix
+from fastckpt.formats.tf.writer import CheckpointWriter, escape_local_name, object_key, save, write_checkpoint
 from fastckpt.tf.checkpointable import (
     Checkpointable,
     RestoreResult,
@@ -31,9 +34,6 @@ from fastckpt.tf.checkpointable import (
     restore_object,
     save_object,
 )
-from fastckpt.formats.tf.describe import describe, is_tf_checkpoint
-from fastckpt.formats.tf.reader import CheckpointReader, TFTensorInfo, latest_checkpoint, resolve_prefix
-from fastckpt.formats.tf.writer import CheckpointWriter, escape_local_name, object_key, save, write_checkpoint
 
 __all__ = [
     "CheckpointReader",

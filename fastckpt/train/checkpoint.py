@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory
 from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory
 from fastckpt.train.format import (
     ALIGNMENT,
     EXTRA_FILE,

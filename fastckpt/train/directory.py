@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import os
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from fastckpt.formats.contract import tensor_not_found
-from fastckpt.info import TensorInfo, from_checked_fields
+from fastckpt.formats.contract import ReaderMapping, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
+from fastckpt.info import TensorInfo, from_checked_fields
 from fastckpt.train.format import read_manifest
 
 __all__ = ["CheckpointDirectory"]
 
 
-class CheckpointDirectory(Mapping):
+class CheckpointDirectory(ReaderMapping):
     """A :mod:`fastckpt.train` checkpoint directory as one reader: the tensors of all its tensor files.
 
     Obtain one with :func:`fastckpt.open` (or construct it with the options of
@@ -63,10 +63,6 @@ class CheckpointDirectory(Mapping):
 
     format = "fastckpt.train.checkpoint"
 
-    # A file handle: equal only to itself (Mapping's value comparison would compare arrays).
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
-
     def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
                  max_header_size: int | None = None):
         self.path = os.fspath(path)
@@ -96,13 +92,6 @@ class CheckpointDirectory(Mapping):
         self._where = where
         self._closed = False
 
-    def info(self, name: str) -> TensorInfo:
-        """The :class:`~fastckpt.TensorInfo` of ``name`` (``TensorNotFoundError``, a KeyError, if absent)."""
-        try:
-            return self.infos[name]
-        except KeyError:
-            raise tensor_not_found(self.path, name, self.infos) from None
-
     def host(self, name: str) -> np.ndarray:
         """The tensor as its file's :meth:`TensorFile.host` gives it (a zero-copy read-only view where stored)."""
         try:
@@ -110,23 +99,6 @@ class CheckpointDirectory(Mapping):
         except KeyError:
             raise tensor_not_found(self.path, name, self.infos) from None
         return f.host(inner)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.host(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.infos)
-
-    def __len__(self) -> int:
-        return len(self.infos)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.infos
-
-    @property
-    def nbytes(self) -> int:
-        """Total payload bytes of all tensors as stored."""
-        return sum(i.nbytes for i in self.infos.values())
 
     def close(self) -> None:
         """Close every file (idempotent); views already made stay valid."""
@@ -138,12 +110,6 @@ class CheckpointDirectory(Mapping):
     def closed(self) -> bool:
         """True once :meth:`close` has run."""
         return self._closed
-
-    def __enter__(self) -> "CheckpointDirectory":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         if self._closed:

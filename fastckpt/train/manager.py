@@ -59,8 +59,8 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials
 from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
 from fastckpt.train.checkpoint import (
     CheckpointState,

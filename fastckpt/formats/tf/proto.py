@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from fastckpt.errors import FormatError
 from fastckpt._native.tftable import decode_varint, iter_fields
+from fastckpt.errors import FormatError
 
 __all__ = [
     "encode_varint",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -29,19 +28,19 @@ from types import MappingProxyType
 import crc32c as _crc32c
 import numpy as np
 
-from fastckpt.info import TensorInfo
 from fastckpt._native.mapped import MappedFile
-from fastckpt.formats.contract import tensor_not_found
+from fastckpt._native.tftable import decode_entry, decode_string_tensor, mask_crc
 from fastckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     FormatError,
     NotZeroCopyWarning,
 )
+from fastckpt.formats.contract import ReaderMapping, tensor_not_found
 from fastckpt.formats.tf import dtypes as _dt
-from fastckpt._native.tftable import decode_entry, decode_string_tensor, mask_crc
 from fastckpt.formats.tf.proto import decode_checkpoint_state, decode_header
 from fastckpt.formats.tf.table import IndexTable
+from fastckpt.info import TensorInfo
 
 __all__ = ["CheckpointReader", "TFTensorInfo", "resolve_prefix", "latest_checkpoint", "read_checkpoint_state",
            "data_filename", "encode_tensor_name_slice"]
@@ -240,7 +239,7 @@ def _encode_name(name: str) -> bytes:
     return name.encode("utf-8", "surrogateescape")
 
 
-class CheckpointReader(Mapping):
+class CheckpointReader(ReaderMapping):
     """A TensorFlow v2 checkpoint opened for reading.
 
     ``path`` is a prefix (``dir/ckpt-1``), its ``.index`` file, or a directory
@@ -276,10 +275,6 @@ class CheckpointReader(Mapping):
 
     format = "tensorflow"
     metadata = None  # the reader contract's metadata: a tensor bundle has none
-
-    # A file handle: equal only to itself (Mapping's value comparison would compare arrays).
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
 
     def __init__(self, path, *, verify: bool = True, backend: str = "mmap", copy_on_write: bool = False):
         self.prefix = resolve_prefix(path)
@@ -376,12 +371,6 @@ class CheckpointReader(Mapping):
     def path(self) -> str:
         """The checkpoint prefix (the reader contract's ``path``)."""
         return self.prefix
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         if self._closed:

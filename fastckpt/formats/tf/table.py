@@ -20,7 +20,6 @@ import bisect
 
 import crc32c as _crc32c
 
-from fastckpt.errors import FormatError
 from fastckpt._native.tftable import (
     BLOCK_TRAILER_SIZE,
     FOOTER_SIZE,
@@ -32,6 +31,7 @@ from fastckpt._native.tftable import (
     mask_crc,
     read_block,
 )
+from fastckpt.errors import FormatError
 from fastckpt.formats.tf.proto import encode_varint
 
 __all__ = ["IndexTable", "TableBuilder", "shortest_separator", "short_successor"]

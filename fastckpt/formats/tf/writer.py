@@ -33,9 +33,9 @@ from pathlib import Path
 import crc32c as _crc32c
 import numpy as np
 
+from fastckpt._native.tftable import mask_crc
 from fastckpt.formats.atomic import atomic_write
 from fastckpt.formats.tf import dtypes as _dt
-from fastckpt._native.tftable import mask_crc
 from fastckpt.formats.tf.proto import (
     BundleHeader,
     GraphNode,
