@@ -1,31 +1,84 @@
 """``fastckpt verify DIR``: check a training checkpoint, or a directory of them, without loading it.
 
-The checks, their arguments and the report are :mod:`fastckpt.train.verify`'s;
-this module puts them on the command line.
+For one checkpoint (a directory holding ``manifest.json``) it checks the
+manifest (format, schema version, required keys), that every listed file
+exists with its recorded size and sha256, that the weights and optimizer
+trees and their ``ALIAS(...)`` entries resolve, and that ``extra.json``
+decodes (:func:`fastckpt.train.verify_checkpoint`). For a directory of
+``step-<N>`` checkpoints (a :class:`~fastckpt.train.CheckpointManager`
+directory) it checks each one and lists leftovers of interrupted saves. It
+prints one line per problem and exits 1 when there is any, 0 otherwise.
 
->>> import argparse
->>> parser = add_parser(argparse.ArgumentParser().add_subparsers())
->>> args = parser.parse_args(["--no-hash", "runs/exp1"])
->>> args.directory, args.no_hash, args.quiet
-('runs/exp1', True, False)
+>>> import tempfile, os
+>>> from fastckpt.train import TinyLM, save_checkpoint
+>>> out = os.path.join(tempfile.mkdtemp(), "c")
+>>> _ = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, None, out, step=0)
+>>> from fastckpt.cli import main
+>>> main(["verify", "--quiet", out])
+0
 """
 
 from __future__ import annotations
 
+import argparse
+import re
+import sys
+from pathlib import Path
+
+
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = "check a training checkpoint's manifest, file sizes and sha256 hashes"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def add_parser(subparsers):
-    from fastckpt.train.verify import configure
-
     parser = subparsers.add_parser("verify", help=HELP, description=HELP)
-    configure(parser)
+    _arguments(parser)
     return parser
 
 
-def run(args) -> int:
-    from fastckpt.train.verify import run
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", help="a checkpoint directory, or a directory of step-<N> checkpoints")
+    parser.add_argument("--no-hash", action="store_true", help="check sizes and structure only, skip the sha256 of each file")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
 
-    return run(args)
+
+def _verify_one(path: Path, hashes: bool, quiet: bool, out) -> int:
+    from fastckpt.train.checkpoint import read_manifest, verify_checkpoint
+
+    problems = verify_checkpoint(path, hashes=hashes)
+    if problems:
+        print(f"FAIL {path}", file=out)
+        for p in problems:
+            print(f"  - {p}", file=out)
+        return 1
+    if not quiet:
+        m = read_manifest(path)
+        print(f"OK   {path}  step={m['step']} epoch={m['epoch']} weights_sha256={m['weights_sha256']}"
+              f"{'' if hashes else ' (hashes not checked)'}", file=out)
+    return 0
+
+
+def run(args: argparse.Namespace, out=None) -> int:
+    from fastckpt.train.format import MANIFEST_FILE
+
+    out = out or sys.stdout
+    d = Path(args.directory)
+    if not d.is_dir():
+        print(f"FAIL {d}: no such directory", file=out)
+        return 1
+    if (d / MANIFEST_FILE).exists():
+        return _verify_one(d, not args.no_hash, args.quiet, out)
+    steps = sorted((int(m.group(1)), e) for e in d.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir())
+    if not steps:
+        print(f"FAIL {d}: neither a checkpoint ({MANIFEST_FILE} missing) nor a directory of step-<N> checkpoints", file=out)
+        return 1
+    status = 0
+    for _, path in steps:
+        status |= _verify_one(path, not args.no_hash, args.quiet, out)
+    partials = sorted(e.name for e in d.iterdir() if e.name.endswith(".partial"))
+    if partials and not args.quiet:
+        print(f"note: {len(partials)} leftover(s) of interrupted saves or deletions (removed by the next save "
+              f"once their process is gone): {', '.join(partials)}", file=out)
+    return status

@@ -1,4 +1,4 @@
-"""Training-state checkpoints that resume byte for byte: the directory format, save, load, apply.
+"""Training-state checkpoints that resume byte for byte: save, load, apply, verify (the format: ``train.format``).
 
 A checkpoint holds the five state machines of a training run — the model
 weights, the optimizer, the learning-rate scheduler, the data iterator and the
