@@ -15,7 +15,7 @@ and prints median times and ratios as markdown tables, for
   into buffers already allocated; ``np.load`` + a new ``cl.Buffer`` per tensor.
 
 Paths are timed round-robin (:func:`fastckpt.bench.timing.round_robin`: one
-run of each per round in shuffled order, ``--repeat`` rounds, each run after a
+run of each per round in the same order, ``--repeat`` rounds, each run after a
 collection and 5 ms of idle) so that changes in machine load hit them alike.
 Per-tensor baselines enqueue non-blocking copies and wait once at the end
 (the fastest way to issue them); the row marked "blocking" is the common
@@ -161,7 +161,11 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
         return out
 
     paths[NPLOAD] = npload
-    timings = round_robin(paths, repeat, max_runs={NPLOAD: NPLOAD_RUNS}, settle=SETTLE)
+    # The same order every round (seed=None): the paths that allocate new device buffers (no pool, np.load) are
+    # timed after the same neighbours each round, which keeps their figures comparable from one version to the next
+    # (in shuffled order the unpooled 512 MiB load measured 280 ms instead of 45-80 ms on pocl, its time depending
+    # on which path had run just before it).
+    timings = round_robin(paths, repeat, max_runs={NPLOAD: NPLOAD_RUNS}, settle=SETTLE, seed=None)
     rows = [(label, timing.median) for label, timing in timings.items()]
     del one, flat
 

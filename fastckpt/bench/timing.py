@@ -58,7 +58,7 @@ def summarize(samples: Iterable[float]) -> Timing:
 def round_robin(paths: Mapping[str, Callable[[], object]], repeat: int, *, warmup: int = 1,
                 prepare: Mapping[str, Callable[[], object]] | None = None,
                 max_runs: Mapping[str, int] | None = None, settle: float = 0.0, sync: bool = False,
-                time_release: bool = True, seed: int = 0) -> dict[str, Timing]:
+                time_release: bool = True, seed: int | None = 0) -> dict[str, Timing]:
     """Time every path ``repeat`` times, one run of each per round; returns ``{name: Timing}`` in ``paths``' order.
 
     On a shared machine the load changes over seconds. Taking the paths in turn
@@ -66,7 +66,8 @@ def round_robin(paths: Mapping[str, Callable[[], object]], repeat: int, *, warmu
     to back would favour whichever ran in a quiet moment; so the ratios between
     paths stay meaningful. The order is shuffled every round (``random.Random(seed)``)
     because some costs land on whatever runs next (the blocks of a large file
-    removed by one path are freed while the next path writes).
+    removed by one path are freed while the next path writes); ``seed=None``
+    keeps the order of ``paths`` in every round.
 
     Before the timed rounds every path runs ``warmup`` times untimed (page cache,
     compiled kernels, imports, pools). Before each run, untimed and in this order:
@@ -101,7 +102,7 @@ def round_robin(paths: Mapping[str, Callable[[], object]], repeat: int, *, warmu
             fn()
     times: dict[str, list[float]] = {name: [] for name in paths}
     order = list(paths.items())
-    shuffle = random.Random(seed).shuffle
+    shuffle = random.Random(seed).shuffle if seed is not None else _nothing_to
     for round_number in range(repeat):
         shuffle(order)
         for name, fn in order:
@@ -126,6 +127,10 @@ def round_robin(paths: Mapping[str, Callable[[], object]], repeat: int, *, warmu
 
 
 def _nothing() -> None:
+    pass
+
+
+def _nothing_to(order: list) -> None:
     pass
 
 
