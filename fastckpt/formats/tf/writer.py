@@ -390,7 +390,7 @@ def save(directory, tensors, *, name: str = "ckpt", max_to_keep: int | None = No
     >>> d = tempfile.mkdtemp()
     >>> os.path.basename(save(d, {"w": np.zeros(2)})), os.path.basename(save(d, {"w": np.ones(2)}))
     ('ckpt-1', 'ckpt-2')
-    >>> print(open(os.path.join(d, "checkpoint")).read(), end="")
+    >>> print(Path(d, "checkpoint").read_text(), end="")
     model_checkpoint_path: "ckpt-2"
     all_model_checkpoint_paths: "ckpt-1"
     all_model_checkpoint_paths: "ckpt-2"
