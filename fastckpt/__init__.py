@@ -31,7 +31,7 @@ from fastckpt.errors import (
     TensorNotFoundError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # name -> module that defines it; resolved on first access (PEP 562).
 _LAZY = {

@@ -13,7 +13,7 @@ and then adds that suite's options (see :mod:`fastckpt.bench`).
 >>> sorted(COMMANDS)
 ['bench', 'convert', 'demo', 'inspect', 'verify']
 >>> main(["--version"])  # doctest: +SKIP
-fastckpt 0.1.0
+fastckpt 0.2.0
 """
 
 from __future__ import annotations
