@@ -45,6 +45,8 @@ _LAZY = {
     "save_npz": "fastckpt.formats.npz",
     "NpzWriter": "fastckpt.formats.npz",
     "save_safetensors": "fastckpt.formats.safetensors",
+    "save_sharded": "fastckpt.formats.hfsharded",
+    "HFShardedDirectory": "fastckpt.formats.hfsharded",
     "load_file": "fastckpt.device.load",
     "LoadedTensors": "fastckpt.device.load",
     "PersistentBufferPool": "fastckpt.device.pool",

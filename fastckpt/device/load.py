@@ -17,7 +17,12 @@ Paths a tensor can take (``LoadedTensors.report.paths``):
   (per 16 MiB of it).
   Regions are split where a gap between tensors exceeds ``MERGE_GAP`` bytes
   (copying the gap would cost more than another command) or where one device
-  allocation (``max_mem_alloc_size``) cannot hold more.
+  allocation (``max_mem_alloc_size``) cannot hold more. A reader over several
+  mapped files that offers ``parts()`` (the Hugging Face sharded directory,
+  see :mod:`fastckpt.formats.contract`) gets one arena for all its files: one
+  lease of the sum of the files' regions (each starting at a multiple of
+  ``PART_ALIGN`` bytes), and one copy per file region (per 16 MiB of it) into
+  its slice; a second arena starts only where one allocation cannot hold more.
 - ``"zero-copy"`` (``zero_copy=True``, devices sharing host memory, such as
   pocl and integrated GPUs): a ``USE_HOST_PTR`` buffer over a copy-on-write
   mapping of the file. Nothing is copied or allocated; kernel writes stay in
@@ -26,18 +31,19 @@ Paths a tensor can take (``LoadedTensors.report.paths``):
   runtime need not copy), which any mapping allows when that alignment
   divides the page size.
 - ``"buffer"``: without a pool, a buffer of exactly the tensor's size per
-  tensor, one copy each.
+  tensor, one copy each (from its own file's mapping, for a reader with
+  ``parts()``).
 - ``"decoded"``: compressed (DEFLATE) members and Fortran-ordered arrays are
   decoded on the host and copied one by one; a :class:`NotZeroCopyWarning`
   says which. Every tensor of a reader that is not one mapped file (a
   TensorFlow checkpoint, a training-checkpoint directory, any other object of
-  the reader contract :class:`~fastckpt.formats.contract.TensorReader`) takes this
-  path too: its ``host(name)`` array is copied.
+  the reader contract :class:`~fastckpt.formats.contract.TensorReader` without
+  ``parts()``) takes this path too: its ``host(name)`` array is copied.
 - ``"empty"``: a tensor with no bytes (a view of length 0).
 
-Each path is one function (``_load_zero_copy``, ``_load_arenas``,
-``_load_buffers``, ``_load_decoded``, ``_load_empty``) that ``load_file`` calls
-in that order. Files written by ``np.savez`` can leave arena views starting
+Each path is one function (``_load_zero_copy``, ``_load_arenas`` or, for a
+reader with ``parts()``, ``_load_part_arenas``, ``_load_buffers``,
+``_load_decoded``, ``_load_empty``) that ``load_file`` calls in that order. Files written by ``np.savez`` can leave arena views starting
 mid-element; :func:`realign` moves those into one more pooled arena.
 
 SAFETY (keep-alive): a non-blocking copy reads the mapping after
@@ -74,7 +80,7 @@ from fastckpt.formats.contract import TensorReader
 from fastckpt.formats.reader import TensorFile
 
 __all__ = ["load_file", "realign", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP",
-           "COPY_CHUNK"]
+           "COPY_CHUNK", "PART_ALIGN"]
 
 # Regions are copied in commands of at most this many bytes (into one arena). On pocl a single huge
 # copy runs about 3x slower than the same bytes in 8-16 MiB commands (measured: 512 MiB in 210 ms as
@@ -84,6 +90,10 @@ COPY_CHUNK = 16 * 1024 * 1024
 # Largest gap between two payloads copied along with them rather than split into a second command:
 # about what the device copies in the time one extra command costs (~45 us at ~12 GB/s on pocl).
 MERGE_GAP = 512 * 1024
+
+# Where each file's region starts in the one arena of a reader with parts(): a multiple of this many bytes (the
+# alignment of fastckpt's safetensors data sections), so every tensor keeps the alignment it has in its file.
+PART_ALIGN = 4096
 
 
 @dataclass
@@ -291,25 +301,41 @@ class _Plan:
     """What to load from one open reader for one ``names`` selection: computed once per reader and reused.
 
     A mapped file (:class:`~fastckpt.formats.reader.TensorFile`) is planned by payload offset, for region copies;
-    any other reader of the contract has every tensor decoded through ``host(name)``, in ``keys()`` order.
+    a reader with ``parts()`` likewise, file by file (``parts``: ``[(mapped file, infos by offset)]``); any other
+    reader of the contract has every tensor decoded through ``host(name)``, in ``keys()`` order.
     """
 
-    __slots__ = ("mapped", "selected", "names", "direct", "decoded", "empty", "skipped", "_arena")
+    __slots__ = ("mapped", "parts", "selected", "names", "direct", "decoded", "empty", "skipped", "_arena")
 
     def __init__(self, tf, names):
         self.mapped = isinstance(tf, TensorFile)
+        parts = None if self.mapped else _parts_of(tf)
         self.selected, self.skipped = _select(tf, names, self.mapped)
         self.names = tuple(i.name for i in self.selected)
         self.direct, self.decoded, self.empty = [], [], []
+        self.parts = None
+        if parts is not None:
+            part_of = {name: number for number, (_file, part_names) in enumerate(parts) for name in part_names}
+            by_part: list[list] = [[] for _ in parts]
         for info in self.selected:
             if not self.mapped:
-                (self.empty if info.size == 0 else self.decoded).append(info)
+                if info.size == 0:
+                    self.empty.append(info)
+                elif parts is not None and info.name in part_of and info.compression is None \
+                        and not info.fortran_order:
+                    by_part[part_of[info.name]].append(info)
+                    self.direct.append(info)
+                else:
+                    self.decoded.append(info)
             elif info.compression is not None or info.fortran_order:
                 self.decoded.append(info)
             elif info.nbytes == 0:
                 self.empty.append(info)
             else:
                 self.direct.append(info)
+        if parts is not None:
+            self.parts = [(file.mapped, sorted(infos, key=lambda i: i.offset))
+                          for (file, _names), infos in zip(parts, by_part) if infos]
         self._arena = None
 
     def arena(self, limit) -> tuple:
@@ -324,6 +350,47 @@ class _Plan:
             paths = None if self.decoded or self.empty else MappingProxyType(dict.fromkeys(index, "arena"))
             arena = self._arena = (limit, regions, index, paths)
         return arena[1:]
+
+    def part_arenas(self, limit) -> tuple:
+        """``(arenas, name index, report paths or None)`` for a reader with ``parts()``, cached per limit.
+
+        ``arenas`` is ``[(size, [(mapped file, start, end, slice offset), ...]), ...]``: the regions of every file
+        (``plan_regions`` of each), packed in file order into as few arenas as one allocation (``limit``) allows,
+        each at a multiple of ``PART_ALIGN``; the index numbers the regions in that order, across arenas.
+        """
+        arena = self._arena
+        if arena is None or arena[0] != limit:
+            arenas: list[tuple[int, list]] = []
+            slices: list = []
+            index: dict = {}
+            size = number = 0
+            for mapped, infos in self.parts:
+                for start, end, group in plan_regions(infos, limit):
+                    at = -(-size // PART_ALIGN) * PART_ALIGN
+                    if slices and limit is not None and at + (end - start) > limit:
+                        arenas.append((size, slices))
+                        slices, at = [], 0
+                    for info in group:
+                        index[info.name] = (number, info)
+                    slices.append((mapped, start, end, at))
+                    size = at + (end - start)
+                    number += 1
+            if slices:
+                arenas.append((size, slices))
+            paths = None if self.decoded or self.empty else MappingProxyType(dict.fromkeys(index, "arena"))
+            arena = self._arena = (limit, arenas, index, paths)
+        return arena[1:]
+
+
+def _parts_of(reader) -> list | None:
+    """The reader's ``parts()`` as ``[(TensorFile, names)]``, or None when it has none (or they are not mapped files)."""
+    method = getattr(reader, "parts", None)
+    if not callable(method):
+        return None
+    parts = list(method())
+    if not all(isinstance(file, TensorFile) for file, _names in parts):
+        return None
+    return parts
 
 
 # Plans of open files, keyed by id(file) and the selection; dropped when the file object goes.
@@ -395,7 +462,11 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     (:class:`~fastckpt.formats.contract.TensorReader`: a
     :class:`fastckpt.tf.CheckpointReader`, a
     :class:`fastckpt.train.directory.CheckpointDirectory`, ...). A mapped NPZ or
-    safetensors file takes the one-copy paths below; any other reader's
+    safetensors file takes the one-copy paths below, and so does a reader over
+    several mapped files that offers ``parts()`` (a Hugging Face sharded
+    directory, :class:`~fastckpt.formats.hfsharded.HFShardedDirectory`: with a
+    pool, all its files go into one arena, one copy per file region;
+    ``zero_copy`` does not apply to it); any other reader's
     tensors are read with its ``host(name)`` and copied one by one (the
     ``"decoded"`` path, with a :class:`~fastckpt.errors.NotZeroCopyWarning`),
     in its ``keys()`` order; its string tensors (TensorFlow's object graph, for
@@ -434,12 +505,22 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         t_plan = load.t_alloc = time.perf_counter()
         try:
             direct = plan.direct
-            if zero_copy and direct and _load_zero_copy(load, direct, limit):
+            if zero_copy and direct and plan.parts is not None:
+                load.note(f"{tf.path}: zero_copy=True works on one mapped file, and this {tf.format} reader has "
+                          f"{len(plan.parts)}; the tensors are copied instead")
+            elif zero_copy and direct and _load_zero_copy(load, direct, limit):
                 direct = []
             if direct and pool is not None:
-                _load_arenas(load, plan, limit)
+                if plan.parts is not None:
+                    _load_part_arenas(load, plan, limit)
+                else:
+                    _load_arenas(load, plan, limit)
             elif direct:
-                _load_buffers(load, direct)
+                if plan.parts is not None:
+                    for mapped, infos in plan.parts:
+                        _load_buffers(load, infos, mapped)
+                else:
+                    _load_buffers(load, direct)
             if plan.decoded:
                 _load_decoded(load, plan.decoded)
             if plan.empty:
@@ -585,10 +666,8 @@ def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
     The tensors are views made on access (:meth:`LoadedTensors.__getitem__`), so this costs the same for
     10 tensors or 10,000.
     """
-    import pyopencl as cl
-
     regions, load.index, arena_paths = plan.arena(limit)
-    report, queue, mapped, blocking = load.report, load.queue, load.mapped, load.blocking
+    report, mapped = load.report, load.mapped
     report.regions = len(regions)
     arenas = []
     for start, end, _group in regions:
@@ -597,36 +676,70 @@ def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         arenas.append(lease)
     load.t_alloc = time.perf_counter()
     for (start, end, _group), lease in zip(regions, arenas):
-        source_view = mapped.view(start, end - start, "tensor data region")
-        chunk_events = []
-        for lo in range(0, end - start, COPY_CHUNK):
-            hi = min(lo + COPY_CHUNK, end - start)
-            chunk_events.append(cl.enqueue_copy(queue, lease.buffer, source_view[lo:hi], dst_offset=lo,
-                                                is_blocking=False))
-        load.events.extend(chunk_events)
-        report.copies += len(chunk_events)
-        report.bytes_copied += end - start
-        event = chunk_events[0]
-        if len(chunk_events) > 1 and not blocking:
-            # One event for the whole region, also on out-of-order queues.
-            event = cl.enqueue_marker(queue, wait_for=chunk_events)
-        if load.first_buffer is None:
-            load.first_buffer = lease.buffer
-        # Views are made on access (LoadedTensors.__getitem__); a pending copy travels with them.
-        # SAFETY: while the copy may run, the region entry keeps source_view (and so the mapping) alive.
-        load.regions.append([lease.buffer, start, lease, None if blocking else event,
-                             None if blocking else source_view])
+        _copy_region(load, mapped, start, end, lease, 0)
     if arena_paths is not None:
         load.paths = arena_paths
     else:
         load.paths.update(dict.fromkeys((i.name for i in plan.direct), "arena"))
 
 
-def _load_buffers(load: _Load, direct: list) -> None:
-    """``"buffer"`` (no pool): a buffer of exactly each tensor's size, filled by one copy each."""
+def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
+    """``"arena"`` for a reader with ``parts()``: one pooled arena for every file's region (more only where one
+    allocation cannot hold them all), each region copied into its slice by one ``enqueue_copy`` per ``COPY_CHUNK``.
+    """
+    arenas, load.index, arena_paths = plan.part_arenas(limit)
+    report = load.report
+    report.regions = sum(len(slices) for _size, slices in arenas)
+    leases = []
+    for size, _slices in arenas:
+        lease = _lease(load.pool.arena, size, report)
+        load.leases.append(lease)
+        leases.append(lease)
+    load.t_alloc = time.perf_counter()
+    for (_size, slices), lease in zip(arenas, leases):
+        for mapped, start, end, at in slices:
+            _copy_region(load, mapped, start, end, lease, at)
+    if arena_paths is not None:
+        load.paths = arena_paths
+    else:
+        load.paths.update(dict.fromkeys((i.name for i in plan.direct), "arena"))
+
+
+def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int) -> None:
+    """Copy bytes ``[start, end)`` of ``mapped`` to byte ``at`` of the lease's buffer, one command per ``COPY_CHUNK``,
+    and record the region for the views (``LoadedTensors.__getitem__``: a tensor at file offset ``o`` of it is at
+    ``o - (start - at)`` in the buffer)."""
     import pyopencl as cl
 
-    report, queue, mapped, blocking = load.report, load.queue, load.mapped, load.blocking
+    queue, report, blocking = load.queue, load.report, load.blocking
+    source_view = mapped.view(start, end - start, "tensor data region")
+    chunk_events = []
+    for lo in range(0, end - start, COPY_CHUNK):
+        hi = min(lo + COPY_CHUNK, end - start)
+        chunk_events.append(cl.enqueue_copy(queue, lease.buffer, source_view[lo:hi], dst_offset=at + lo,
+                                            is_blocking=False))
+    load.events.extend(chunk_events)
+    report.copies += len(chunk_events)
+    report.bytes_copied += end - start
+    event = chunk_events[0]
+    if len(chunk_events) > 1 and not blocking:
+        # One event for the whole region, also on out-of-order queues.
+        event = cl.enqueue_marker(queue, wait_for=chunk_events)
+    if load.first_buffer is None:
+        load.first_buffer = lease.buffer
+    # Views are made on access (LoadedTensors.__getitem__); a pending copy travels with them.
+    # SAFETY: while the copy may run, the region entry keeps source_view (and so the mapping) alive.
+    load.regions.append([lease.buffer, start - at, lease, None if blocking else event,
+                         None if blocking else source_view])
+
+
+def _load_buffers(load: _Load, direct: list, mapped=None) -> None:
+    """``"buffer"`` (no pool): a buffer of exactly each tensor's size, filled by one copy each (from ``mapped``,
+    by default the loaded file's mapping)."""
+    import pyopencl as cl
+
+    report, queue, blocking = load.report, load.queue, load.blocking
+    mapped = load.mapped if mapped is None else mapped
     tensors, paths, events = load.tensors, load.paths, load.events
     ctx = queue.context
     rw = cl.mem_flags.READ_WRITE
@@ -656,7 +769,7 @@ def _load_decoded(load: _Load, decoded: list) -> None:
 
     tf, pool, report, queue, blocking = load.tf, load.pool, load.report, load.queue, load.blocking
     shown = ", ".join(repr(i.name) for i in decoded[:5]) + (", ..." if len(decoded) > 5 else "")
-    if load.mapped is None:
+    if load.mapped is None and not all(i.compression or i.fortran_order for i in decoded):
         load.note(f"{tf.path}: the {len(decoded)} tensor(s) of this {tf.format} reader were read through its host() "
                   f"and copied one by one ({shown}); only a mapped NPZ or safetensors file is loaded with one copy "
                   "(fastckpt convert writes one)")

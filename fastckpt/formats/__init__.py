@@ -7,6 +7,9 @@
 * :mod:`~fastckpt.formats.npz`, :mod:`~fastckpt.formats.safetensors`,
   :mod:`~fastckpt.formats.tf` - each format's reader, writer and byte-level
   specification;
+* :mod:`~fastckpt.formats.hfsharded` - Hugging Face sharded safetensors
+  directories (``model.safetensors.index.json``): the spec, ``save_sharded``
+  and the reader;
 * :mod:`~fastckpt.formats.atomic` - temporary file, fsync, rename, directory
   fsync;
 * :mod:`~fastckpt.formats.convert` - any format to any other.

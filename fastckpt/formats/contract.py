@@ -2,8 +2,9 @@
 
 :func:`fastckpt.open` returns an object of this contract for an NPZ or
 safetensors file (:class:`~fastckpt.formats.reader.TensorFile`), a TensorFlow
-checkpoint (:class:`~fastckpt.tf.CheckpointReader`) and a training-checkpoint
-directory (:class:`~fastckpt.train.directory.CheckpointDirectory`);
+checkpoint (:class:`~fastckpt.tf.CheckpointReader`), a training-checkpoint
+directory (:class:`~fastckpt.train.directory.CheckpointDirectory`) and a
+Hugging Face safetensors directory (:class:`~fastckpt.formats.hfsharded.HFShardedDirectory`);
 :func:`~fastckpt.device.load.load_file` and :func:`~fastckpt.io.serialization.load_model`
 accept any object of it. A reader implements the contract by having these
 members (:class:`TensorReader` is a ``runtime_checkable`` Protocol, so
@@ -48,6 +49,15 @@ members (:class:`TensorReader` is a ``runtime_checkable`` Protocol, so
 The built-in readers are also read-only :class:`~collections.abc.Mapping`
 objects name -> array (``reader[name]``), but the contract asks only for the
 members above.
+
+One member is optional: a reader over several mapped files (the Hugging Face
+sharded directory, :class:`~fastckpt.formats.hfsharded.HFShardedDirectory`)
+may offer ``parts()``, a sequence of ``(TensorFile, names)`` pairs: each of
+its mapped NPZ or safetensors files (:class:`~fastckpt.formats.reader.TensorFile`)
+and the reader's names of the tensors stored there, whose ``info(name)``
+locates the payload in that file. :func:`~fastckpt.device.load.load_file` then
+copies every file's tensor region straight from its mapping (all of them into
+one pooled arena) instead of reading each tensor through ``host``.
 
 >>> import fastckpt, numpy as np, tempfile, os
 >>> p = os.path.join(tempfile.mkdtemp(), "m.npz")

@@ -1,0 +1,684 @@
+"""Hugging Face sharded safetensors: the directory layout, fastckpt's writer and its reader.
+
+Layout
+======
+
+A checkpoint in this layout is a directory that holds either
+
+- one safetensors file, ``model.safetensors``, and no index: the layout
+  transformers and huggingface_hub write when every tensor fits in one
+  shard; or
+- ``N >= 2`` safetensors files, the shards ``model-00001-of-0000N.safetensors``
+  to ``model-0000N-of-0000N.safetensors``, and the index
+  ``model.safetensors.index.json``.
+
+``model`` is the prefix (transformers writes ``model``, diffusers
+``diffusion_pytorch_model``). Shards are numbered from 1; both numbers are
+written in decimal, zero-padded to 5 digits (wider only past 99999 shards).
+The directory may hold other files (``config.json``, tokenizer files), which
+the layout ignores.
+
+Shards
+------
+Each shard is an ordinary safetensors file (``docs/formats/safetensors.md``)
+that can be read on its own. Every tensor of the checkpoint is stored in
+exactly one shard.
+
+Index
+-----
+``model.safetensors.index.json`` is one JSON object, in UTF-8::
+
+    {
+      "metadata": {
+        "total_size": 76
+      },
+      "weight_map": {
+        "embed.weight": "model-00001-of-00002.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors"
+      }
+    }
+
+``"weight_map"`` (required)
+    An object mapping the name of every tensor of the checkpoint to the name
+    of the shard that holds it. A shard name MUST be a plain file name in the
+    index's own directory: not empty, not ``.`` or ``..``, and without ``/``,
+    ``\\`` or NUL.
+
+``"metadata"`` (optional, MAY be null)
+    An object. ``"total_size"`` is the sum of the byte sizes of the tensors
+    (``product(shape) * itemsize``: the shards' data sections), not of the
+    files. transformers writes ``total_size`` only (some versions add
+    ``total_parameters``); other keys are free-form.
+
+Other top-level keys are ignored. No object in the index may repeat a key,
+and ``NaN``, ``Infinity`` and ``-Infinity`` MUST NOT appear.
+
+How fastckpt reads it
+=====================
+``HFShardedDirectory`` (what ``fastckpt.open(directory)`` returns for such a
+directory) reads ``model.safetensors`` when the directory has one, as
+transformers does, else ``model.safetensors.index.json``; given the path of an
+index file instead, it reads that index (any prefix) and finds the shards
+beside it.
+
+Opening
+    Every shard the index names is opened when the directory is (mapped,
+    its header parsed), so every error below is raised by the open, never by
+    a later read: a shard that does not exist is a
+    :class:`~fastckpt.errors.CheckpointNotFoundError`; an index that is not
+    UTF-8 JSON of the shape above, a shard name that could leave the
+    directory, a shard that is not a valid safetensors file (truncated,
+    damaged) and a tensor the index puts in a shard that does not hold it are
+    each a :class:`~fastckpt.errors.FormatError` naming the file. Symbolic
+    links in the directory are followed (the Hugging Face cache's snapshot
+    directories are links into its blob store).
+
+Tensors the index does not list
+    A tensor stored in a shard but absent from the weight map is not part of
+    the checkpoint: it is left out of ``keys()``, listed in ``unlisted`` and
+    named in a :class:`~fastckpt.errors.FastCkptWarning` at open. (transformers
+    loads every tensor of each shard file, so such a directory means different
+    things to different readers; fastckpt follows the index.) A file the
+    index does not name is not opened at all.
+
+total_size
+    Compared with the sum of the listed tensors' sizes; a difference (or a
+    value that is not an integer) is a :class:`~fastckpt.errors.FastCkptWarning`,
+    not an error: the Hugging Face loaders never read it, and writers differ
+    in what they count.
+
+Names and order
+    Tensor names are the weight map's keys. ``keys()`` goes file after file,
+    in the order each file first appears in the weight map, and within a file
+    in weight map order. ``info(name).offset`` is within the tensor's shard.
+
+Metadata
+    The index's ``"metadata"`` as ``dict[str, str]``: strings as they are,
+    integers in decimal (``total_size``), any other value as compact JSON;
+    None when the index has none. In the one-file layout, the file's
+    ``__metadata__``.
+
+What fastckpt's writer does
+===========================
+:func:`save_sharded` fixes what the layout leaves open:
+
+Splitting
+    Tensors are put into shards in the order given, greedily: a tensor joins
+    the current shard while the shard's tensor bytes stay at most
+    ``max_shard_size``, else it starts the next shard; a tensor larger than
+    ``max_shard_size`` gets a shard of its own. A tensor is never split.
+    Only tensor bytes count: each file is larger by its header and the
+    padding that aligns its data section. (huggingface_hub also gives an
+    oversized tensor a shard of its own, but keeps filling the shard it had
+    open after it, so its shards can hold the tensors out of order.)
+
+max_shard_size
+    An int (bytes) or a string as transformers and huggingface_hub accept
+    it: a number, then a unit: ``B``; ``KB``, ``MB``, ``GB``, ``TB``
+    (powers of 1000: ``"5GB"`` is 5 * 10**9 bytes); ``KiB``, ``MiB``,
+    ``GiB``, ``TiB`` (powers of 1024). The prefix letter may be of either
+    case; the final ``B`` must be upper case, since transformers reads a
+    lower case ``b`` as bits and huggingface_hub as bytes. The default is
+    5 GiB (5 * 2**30 bytes); transformers' default is ``"5GB"``: pass that
+    for its split.
+
+Shards
+    Written by :func:`~fastckpt.formats.safetensors.save_safetensors` (data
+    section aligned, deterministic header), each with ``metadata`` as its
+    ``__metadata__`` (none when ``metadata`` is None). transformers refuses a
+    file that has ``__metadata__`` without a ``"format"`` of ``"pt"``,
+    ``"tf"``, ``"flax"`` or ``"mlx"``: pass ``metadata={"format": "pt"}``
+    for ``from_pretrained``. With one shard the file is ``model.safetensors``
+    and no index is written, as transformers does.
+
+Index
+    ``{"metadata": {"total_size": T, ...}, "weight_map": {...}}``: the
+    metadata is ``total_size`` followed by the keys of ``metadata`` (sorted;
+    ``"total_size"`` is reserved), the weight map lists the tensors in the
+    order given. JSON indented by 2 spaces, ASCII only (``\\u`` escapes),
+    one final newline.
+
+Atomicity
+    The shards are written into a hidden staging folder in the directory
+    (``.model.<pid>.<random>.partial``), each through the atomic writer and
+    fsynced. Then the commit: the previous save's entry points
+    (``model.safetensors.index.json``, and ``model.safetensors`` when writing
+    several shards) are removed, the shards are renamed into the directory,
+    the directory is fsynced, and the index is written last, itself through
+    the atomic writer. Shards of a previous save that the new one did not
+    overwrite are removed after that. So at every instant the directory
+    either has no entry point or one naming complete, fsynced files of one
+    save; an index never names a missing, partial or foreign file. A crash or
+    an error before the commit leaves the previous checkpoint untouched (the
+    next save with the same prefix removes the staging folder of a dead
+    writer); one during the commit (renames and a small index write) leaves
+    no checkpoint rather than a mixed one. ``fsync=False`` skips the fsyncs:
+    still atomic for readers, not durable across power loss. One writer per
+    directory and prefix at a time.
+
+Example
+=======
+
+>>> import fastckpt, numpy as np, tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> files = save_sharded(d, {"embed.weight": np.ones((4, 4), np.float32),
+...                          "lm_head.weight": np.zeros((3,), np.float32)}, max_shard_size=64)
+>>> files
+['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+>>> with fastckpt.open(d) as r:
+...     r.format, list(r.keys()), r.metadata, r.host("lm_head.weight").tolist()
+('hf-sharded', ['embed.weight', 'lm_head.weight'], {'total_size': '76'}, [0.0, 0.0, 0.0])
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import numbers
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
+from fastckpt.formats.atomic import _partial_path, atomic_write, fsync_directory, remove_stale_partials
+from fastckpt.formats.contract import ReaderMapping, tensor_not_found
+from fastckpt.formats.reader import TensorFile, open_file
+from fastckpt.formats.safetensors import DEFAULT_ALIGNMENT, _checked_metadata, dtype_to_safetensors, save_safetensors
+from fastckpt.info import TensorInfo
+
+__all__ = ["save_sharded", "HFShardedDirectory", "read_index", "plan_shards", "shard_names", "parse_size",
+           "DEFAULT_MAX_SHARD_SIZE", "INDEX_NAME", "SINGLE_NAME"]
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_INDEX_SUFFIX = ".safetensors.index.json"
+
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a size string as transformers and huggingface_hub accept it (``"5GB"``, ``"500MiB"``).
+
+    ``KB``/``MB``/``GB``/``TB`` are powers of 1000, ``KiB``/``MiB``/``GiB``/``TiB``
+    powers of 1024, ``B`` bytes; the number may have a fraction (rounded down
+    to whole bytes). The prefix letter may be of either case, the final ``B``
+    must be upper case (transformers reads ``"5Gb"`` as bits, huggingface_hub
+    as bytes: refused rather than guessed). The result must be at least 1.
+
+    >>> parse_size("5GB"), parse_size("5GiB"), parse_size("1.5kB"), parse_size(4096)
+    (5000000000, 5368709120, 1500, 4096)
+    >>> parse_size("5Gb")
+    Traceback (most recent call last):
+    ...
+    ValueError: max_shard_size '5Gb': a lower-case 'b' means bits to transformers and bytes to huggingface_hub; write 'B' (bytes)
+    """
+    if isinstance(size, bool) or not isinstance(size, (numbers.Integral, str)):
+        raise TypeError(f"max_shard_size must be an int (bytes) or a string such as '5GB', got {size!r}")
+    if not isinstance(size, str):
+        value = int(size)
+    else:
+        match = _SIZE.fullmatch(size)
+        unit = match.group(2) if match else ""
+        if unit.endswith("b"):
+            raise ValueError(f"max_shard_size {size!r}: a lower-case 'b' means bits to transformers and bytes to "
+                             "huggingface_hub; write 'B' (bytes)")
+        multiplier = _UNITS.get(unit[:-1].upper()) if unit.endswith("B") else None
+        if match is None or multiplier is None:
+            raise ValueError(f"max_shard_size {size!r}: expected an int or a number followed by B, KB, MB, GB, TB "
+                             "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), as in '5GB'")
+        number = match.group(1)
+        if "." in number:
+            whole, _, fraction = number.partition(".")
+            value = (int(whole or "0") * 10**len(fraction) + int(fraction or "0")) * multiplier // 10**len(fraction)
+        else:
+            value = int(number) * multiplier
+    if value < 1:
+        raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r}")
+    return value
+
+
+def _check_prefix(prefix) -> str:
+    if type(prefix) is not str or not _plain_name(prefix):
+        raise ValueError(f"prefix must be a plain, non-empty file name (no '/', '\\\\', NUL, '.' or '..'), "
+                         f"got {prefix!r}")
+    return prefix
+
+
+def _plain_name(name: str) -> bool:
+    """True for a file name that stays in its directory: not empty, '.' or '..', no separator, no NUL."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\x00")
+
+
+def _tensor_nbytes(name, value) -> int:
+    """The stored size of one tensor, checking (as the writer will) that safetensors can hold it."""
+    if type(name) is not str:
+        raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
+    if name == "__metadata__":
+        raise ValueError("'__metadata__' is reserved by the safetensors format; pass metadata= instead")
+    arr = value if type(value) is np.ndarray else np.asarray(value)
+    try:
+        dtype_to_safetensors(arr.dtype)
+    except TypeError as e:
+        raise TypeError(f"tensor {name!r}: {e}") from None
+    return arr.nbytes
+
+
+def plan_shards(tensors: Mapping[str, Any], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[list[str]]:
+    """The tensor names of each shard :func:`save_sharded` writes: greedy, in the order given, never splitting one.
+
+    A tensor joins the current shard while its tensor bytes stay at most
+    ``max_shard_size`` (see :func:`parse_size`), else starts the next; a larger
+    tensor gets a shard of its own. No tensors: one empty shard.
+
+    >>> import numpy as np
+    >>> t = {n: np.zeros(k, np.uint8) for n, k in [("a", 6), ("b", 6), ("c", 2), ("big", 20), ("d", 1)]}
+    >>> plan_shards(t, 10)
+    [['a'], ['b', 'c'], ['big'], ['d']]
+    """
+    return _split(tensors, parse_size(max_shard_size))[0]
+
+
+def _split(tensors: Mapping[str, Any], limit: int) -> tuple[list[list[str]], int]:
+    """``(shards, total tensor bytes)``: :func:`plan_shards` and what the index's ``total_size`` says."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of name to array, got {type(tensors).__name__}")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    size = total = 0
+    for name, value in tensors.items():
+        nbytes = _tensor_nbytes(name, value)
+        total += nbytes
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+        if size > limit:  # an oversized tensor alone: close its shard at once
+            shards.append(current)
+            current, size = [], 0
+    if current or not shards:
+        shards.append(current)
+    return shards, total
+
+
+def shard_names(count: int, prefix: str = "model") -> list[str]:
+    """The file names of ``count`` shards: ``<prefix>.safetensors`` for one, else numbered from 1.
+
+    >>> shard_names(1), shard_names(2, "diffusion_pytorch_model")
+    (['model.safetensors'], ['diffusion_pytorch_model-00001-of-00002.safetensors', 'diffusion_pytorch_model-00002-of-00002.safetensors'])
+    """
+    _check_prefix(prefix)
+    if count == 1:
+        return [f"{prefix}.safetensors"]
+    return [f"{prefix}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+
+
+def _index_bytes(weight_map: dict[str, str], total_size: int, metadata: dict[str, str] | None) -> bytes:
+    index = {"metadata": {"total_size": total_size, **(metadata or {})}, "weight_map": weight_map}
+    return (json.dumps(index, indent=2, ensure_ascii=True) + "\n").encode("ascii")
+
+
+def save_sharded(
+    directory: str | os.PathLike,
+    tensors: Mapping[str, Any],
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+    prefix: str = "model",
+    fsync: bool = True,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> list[str]:
+    """Write ``tensors`` (name -> array-like) into ``directory`` as Hugging Face sharded safetensors, atomically.
+
+    The module docstring specifies the result: shards filled greedily in the
+    order given up to ``max_shard_size`` tensor bytes (an int, or a string
+    such as ``"5GB"`` or ``"2GiB"``: :func:`parse_size`), each written with
+    :func:`~fastckpt.formats.safetensors.save_safetensors` (``alignment``,
+    ``metadata`` as every file's ``__metadata__``), then the index
+    ``<prefix>.safetensors.index.json`` last, its metadata ``total_size`` plus
+    ``metadata``; one shard is ``<prefix>.safetensors`` with no index. A
+    crash never leaves an index naming missing or partial files (the module
+    docstring's Atomicity says exactly what a crash leaves). The directory is
+    created if needed; its other files are kept, except the files of a
+    previous save with the same prefix. Returns the names of the files
+    written, the index last.
+
+    Raises ``TypeError`` for a dtype safetensors cannot store or metadata that
+    is not str -> str, ``ValueError`` for a bad size or prefix, or metadata
+    with the reserved key ``"total_size"``; nothing is changed then.
+
+    >>> import fastckpt, numpy as np, tempfile, json, os
+    >>> d = tempfile.mkdtemp()
+    >>> save_sharded(d, {"a": np.zeros(8, np.float32), "b": np.ones(8, np.float32)}, max_shard_size="32B",
+    ...              metadata={"format": "pt"})
+    ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+    >>> with open(os.path.join(d, "model.safetensors.index.json")) as f:
+    ...     json.load(f)
+    {'metadata': {'total_size': 64, 'format': 'pt'}, 'weight_map': {'a': 'model-00001-of-00002.safetensors', 'b': 'model-00002-of-00002.safetensors'}}
+    >>> save_sharded(d, {"a": np.zeros(8, np.float32)})   # one shard: replaces the two above
+    ['model.safetensors']
+    >>> sorted(os.listdir(d))
+    ['model.safetensors']
+    """
+    _check_prefix(prefix)
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of name to array, got {type(tensors).__name__}")
+    user = _checked_metadata(metadata)
+    if user is not None and "total_size" in user:
+        raise ValueError("metadata key 'total_size' is reserved: the index's total_size is computed")
+    shards, total = _split(tensors, parse_size(max_shard_size))
+    names = shard_names(len(shards), prefix)
+    index_name = f"{prefix}{_INDEX_SUFFIX}"
+    single = len(names) == 1
+    weight_map = {tensor: file for shard, file in zip(shards, names) for tensor in shard}
+    index = None if single else _index_bytes(weight_map, total, user)
+
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    staging_of = os.path.join(directory, prefix)
+    remove_stale_partials(staging_of)  # staging folders of writers that died
+    staging = _partial_path(staging_of)
+    os.mkdir(staging)
+    try:
+        for shard, file in zip(shards, names):
+            save_safetensors(os.path.join(staging, file), {name: tensors[name] for name in shard}, user,
+                             alignment=alignment, fsync=fsync)
+        # The commit. First no entry point, then the shards, then the index: never an index over other files.
+        entry_points = [index_name] if single else [index_name, f"{prefix}.safetensors"]
+        if _remove(directory, entry_points) and fsync:
+            fsync_directory(directory)
+        for file in names:
+            os.replace(os.path.join(staging, file), os.path.join(directory, file))
+        if fsync:
+            fsync_directory(directory)
+        if index is not None:
+            with atomic_write(os.path.join(directory, index_name), fsync=fsync) as f:
+                f.write(index)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    stale = re.compile(re.escape(prefix) + r"-\d{5,}-of-\d{5,}\.safetensors")
+    with os.scandir(directory) as entries:
+        leftovers = [e.name for e in entries if stale.fullmatch(e.name) and e.name not in names]
+    if _remove(directory, leftovers) and fsync:
+        fsync_directory(directory)
+    return names + ([index_name] if index is not None else [])
+
+
+def _remove(directory: str, files: list[str]) -> bool:
+    """Unlink those of ``files`` that exist in ``directory``; True if any did."""
+    removed = False
+    for file in files:
+        try:
+            os.unlink(os.path.join(directory, file))
+            removed = True
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+def _unique_keys(pairs: list) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen[key] = value
+    return seen
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_index(path: str | os.PathLike) -> tuple[dict[str, str], dict | None]:
+    """``(weight_map, metadata)`` of an index file, checked: tensor name -> shard file name, and the raw
+    ``"metadata"`` object (None when absent or null).
+
+    Raises :class:`~fastckpt.errors.FormatError` naming the file for anything
+    the module docstring's Index section forbids (not UTF-8 JSON, no weight
+    map, a value that is not a string, a shard name that could leave the
+    directory, a repeated key).
+
+    >>> import os, tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "model.safetensors.index.json")
+    >>> _ = open(p, "w").write('{"metadata": {"total_size": 4}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}')
+    >>> read_index(p)
+    ({'w': 'model-00001-of-00001.safetensors'}, {'total_size': 4})
+    >>> _ = open(p, "w").write('{"weight_map": {"w": "../secret.safetensors"}}')
+    >>> read_index(p)
+    Traceback (most recent call last):
+    ...
+    fastckpt.errors.FormatError: ...: the weight map puts tensor 'w' in '../secret.safetensors', which is not a plain file name in the index's directory (no '/', '\\\\', NUL, '.' or '..')
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: the index is not UTF-8 (byte {e.start}: {e.reason})") from None
+    try:
+        index = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+    except _RepeatedKey as e:
+        raise FormatError(f"{path}: the index repeats the key {e.args[0]!r} in one object") from None
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{path}: the index is not JSON: {e.msg} at line {e.lineno} column {e.colno} "
+                          f"(char {e.pos})") from None
+    except ValueError as e:
+        raise FormatError(f"{path}: the index is not JSON: {e}") from None
+    if not isinstance(index, dict):
+        raise FormatError(f"{path}: the index must be a JSON object, got {type(index).__name__}")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        found = "no 'weight_map'" if "weight_map" not in index else f"a {type(weight_map).__name__}"
+        raise FormatError(f"{path}: the index needs a 'weight_map' object (tensor name -> shard file), found {found}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise FormatError(f"{path}: the weight map puts tensor {name!r} in {file!r}, not a file name (a string)")
+        if not _plain_name(file):
+            raise FormatError(f"{path}: the weight map puts tensor {name!r} in {file!r}, which is not a plain file "
+                              "name in the index's directory (no '/', '\\\\', NUL, '.' or '..')")
+    metadata = index.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise FormatError(f"{path}: the index's 'metadata' must be an object or null, got {type(metadata).__name__}")
+    return weight_map, metadata
+
+
+def _metadata_strings(metadata: dict) -> dict[str, str]:
+    out = {}
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            out[key] = value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out[key] = str(value)
+        else:
+            out[key] = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return out
+
+
+def _shown(names, limit: int = 5) -> str:
+    names = list(names)
+    return ", ".join(map(repr, names[:limit])) + (", ..." if len(names) > limit else "")
+
+
+class HFShardedDirectory(ReaderMapping):
+    """A Hugging Face safetensors checkpoint directory (sharded, or one ``model.safetensors``) as one reader.
+
+    Obtain one with :func:`fastckpt.open` on the directory, or construct it
+    with a directory or the path of an index file (any prefix:
+    ``diffusion_pytorch_model.safetensors.index.json``) and the options of
+    :func:`fastckpt.open`. It implements the reader contract
+    (:class:`~fastckpt.formats.contract.TensorReader`); the module docstring
+    says what it checks and refuses. Every shard is opened (mapped, header
+    parsed) by the constructor:
+
+    - tensor names are the weight map's, file after file (each file where the
+      weight map first names it), each file's in weight map order;
+      ``info(name).offset`` is within the tensor's own file;
+    - ``host(name)`` is the shard's zero-copy, read-only view;
+    - ``metadata``: the index's metadata as ``dict[str, str]`` (``total_size``
+      in decimal), or the one file's ``__metadata__``;
+    - ``files``: shard file name -> :class:`~fastckpt.formats.reader.TensorFile`,
+      in that order; ``parts()``: ``(file, names)`` pairs, what
+      :func:`~fastckpt.device.load.load_file` copies into one pooled arena;
+    - ``weight_map`` (name -> file), ``total_size`` (the index's, or None),
+      ``index_path`` (None for one file), ``unlisted`` (file -> tensors it
+      holds that the index does not list), ``close()``.
+
+    >>> import fastckpt, numpy as np, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save_sharded(d, {"b": np.arange(4, dtype=np.int32), "a": np.ones(2, np.float16)}, max_shard_size=8)
+    >>> with fastckpt.open(d) as r:
+    ...     list(r), list(r.files), r.info("a").offset, r.host("b").tolist(), r.total_size
+    (['b', 'a'], ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'], 4096, [0, 1, 2, 3], 20)
+    """
+
+    format = "hf-sharded"
+
+    def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
+                 max_header_size: int | None = None):
+        self.path = os.fspath(path)
+        self._closed = False
+        self.files: dict[str, TensorFile] = {}
+        self.unlisted: dict[str, list[str]] = {}
+        options = {"backend": backend, "copy_on_write": copy_on_write, "max_header_size": max_header_size}
+        try:
+            self._open(options)
+        except BaseException:
+            self.close()
+            raise
+        self._parts = tuple((self.files[file], tuple(names)) for file, names in self._by_file.items())
+
+    def _open(self, options: dict) -> None:
+        if os.path.isdir(self.path):
+            self.directory = self.path
+            single = os.path.join(self.path, SINGLE_NAME)
+            if os.path.isfile(single):
+                self._open_single(single, options)
+                return
+            self.index_path = os.path.join(self.path, INDEX_NAME)
+            if not os.path.isfile(self.index_path):
+                raise CheckpointNotFoundError(
+                    errno.ENOENT, f"{os.strerror(errno.ENOENT)}: a Hugging Face safetensors directory needs "
+                                  f"{SINGLE_NAME} or {INDEX_NAME}", self.path)
+        else:
+            self.directory = os.path.dirname(self.path) or "."
+            self.index_path = self.path
+            if not os.path.exists(self.path):
+                raise CheckpointNotFoundError(errno.ENOENT, f"{os.strerror(errno.ENOENT)}: no index file", self.path)
+        where = self.index_path
+        weight_map, raw_metadata = read_index(where)
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        infos: dict[str, TensorInfo] = {}
+        for file, names in by_file.items():
+            full = os.path.join(self.directory, file)
+            try:
+                f = open_file(full, **options)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    errno.ENOENT, f"{where}: the index puts {len(names)} tensor(s) ({_shown(names)}) in {file!r}, "
+                                  "which does not exist", full) from None
+            self.files[file] = f
+            if f.format != "safetensors":
+                raise FormatError(f"{full}: a shard must be a safetensors file, this one is {f.format}")
+            for name in names:
+                info = f.infos.get(name)
+                if info is None:
+                    raise FormatError(f"{where}: the index puts tensor {name!r} in {file!r}, which holds no such "
+                                      f"tensor ({tensor_not_found(full, name, f.infos).args[0]})")
+                infos[name] = info
+            if len(f.infos) > len(names):
+                listed = set(names)
+                self.unlisted[file] = [n for n in f.infos if n not in listed]
+        if self.unlisted:
+            count = sum(map(len, self.unlisted.values()))
+            shown = "; ".join(f"{file}: {_shown(names)}" for file, names in self.unlisted.items())
+            warnings.warn(FastCkptWarning(
+                f"{where}: {count} tensor(s) stored in the shards are not in the index and are left out ({shown})"),
+                stacklevel=4)
+        self.weight_map: Mapping[str, str] = MappingProxyType(weight_map)
+        self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
+        self._by_file = by_file
+        self.metadata = None if raw_metadata is None else _metadata_strings(raw_metadata)
+        total = None if raw_metadata is None else raw_metadata.get("total_size")
+        self.total_size = total if isinstance(total, int) and not isinstance(total, bool) else None
+        actual = sum(i.nbytes for i in infos.values())
+        if raw_metadata is not None and "total_size" in raw_metadata and self.total_size != actual:
+            warnings.warn(FastCkptWarning(
+                f"{where}: the index's total_size is {total!r}, but its tensors hold {actual} bytes; "
+                "the index is read as it is (total_size is informative only)"), stacklevel=4)
+
+    def _open_single(self, single: str, options: dict) -> None:
+        f = self.files[SINGLE_NAME] = open_file(single, **options)
+        if f.format != "safetensors":
+            raise FormatError(f"{single}: must be a safetensors file, this one is {f.format}")
+        self.index_path = None
+        self.infos = f.infos
+        self.weight_map = MappingProxyType(dict.fromkeys(f.infos, SINGLE_NAME))
+        self._by_file = {SINGLE_NAME: list(f.infos)}
+        self.metadata = f.metadata
+        self.total_size = None
+
+    # -- data ------------------------------------------------------------------------------------
+    def host(self, name: str) -> np.ndarray:
+        """The tensor as a zero-copy, read-only numpy view of its shard's mapping (a copy with ``backend="pread"``).
+
+        >>> import numpy as np, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> _ = save_sharded(d, {"w": np.eye(2, dtype=np.float32)})
+        >>> HFShardedDirectory(d).host("w").tolist()
+        [[1.0, 0.0], [0.0, 1.0]]
+        """
+        try:
+            file = self.weight_map[name]
+        except (KeyError, TypeError):
+            raise tensor_not_found(self.path, name, self.infos) from None
+        return self.files[file].host(name)
+
+    def parts(self) -> tuple[tuple[TensorFile, tuple[str, ...]], ...]:
+        """``(file, names)`` for each shard: its :class:`~fastckpt.formats.reader.TensorFile` and the reader's
+        tensors stored in it (their ``info(name).offset`` is within that file), in ``keys()`` order.
+
+        :func:`~fastckpt.device.load.load_file` copies each file's region into one pooled arena through this.
+
+        >>> import numpy as np, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> _ = save_sharded(d, {"a": np.zeros(4, np.uint8), "b": np.zeros(4, np.uint8)}, max_shard_size=4)
+        >>> [(f.path.rsplit("/", 1)[1], names) for f, names in HFShardedDirectory(d).parts()]
+        [('model-00001-of-00002.safetensors', ('a',)), ('model-00002-of-00002.safetensors', ('b',))]
+        """
+        return self._parts
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every shard (idempotent); views already made stay valid."""
+        for f in self.files.values():
+            f.close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "<Closed fastckpt.HFShardedDirectory>"
+        return f"<fastckpt.HFShardedDirectory {self.path!r} files={len(self.files)} tensors={len(self)}>"
