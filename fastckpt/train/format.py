@@ -131,6 +131,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
+from fastckpt.formats.hashing import sha256_file
 from fastckpt.state import TRAIN_TREE, decode, encode
 from fastckpt.state.codec import INLINE, TensorRefs
 
@@ -249,22 +250,6 @@ def _canonical_hash(obj: Any) -> str:
 
 
 # -- hashes and integrity ----------------------------------------------------------------------------
-def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
-    """``(hex sha256, size)`` of a file (e.g. ``sha256_file("ckpt/weights.safetensors")``).
-
-    Hashes a read-only mapping in one call (hashlib releases the GIL), which
-    saves the copy a ``read()`` into a buffer would make; right after a save
-    the pages are in the page cache.
-    """
-    from fastckpt._native.mapped import MappedFile
-
-    size = os.path.getsize(path)
-    if size == 0:
-        return hashlib.sha256(b"").hexdigest(), 0
-    with MappedFile(path) as m:
-        return hashlib.sha256(m.view(0, m.size)).hexdigest(), m.size
-
-
 def _table_metadata(table: ArrayTable, tree: str, fmt: str) -> dict[str, str]:
     meta = {"fastckpt.format": fmt, "fastckpt.schema_version": SCHEMA_VERSION, "fastckpt.tree": tree}
     for name, target in table.aliases.items():
