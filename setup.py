@@ -14,7 +14,7 @@ COMPILER_DIRECTIVES = {
 
 
 EXTENSIONS = ["_native.mapped", "_native.gather", "_native.safetensors", "_native.tftable", "_native.npy",
-              "_native.npz"]
+              "_native.npz", "_native.idindex"]
 
 
 def ext(name: str) -> Extension:

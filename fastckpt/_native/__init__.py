@@ -8,7 +8,8 @@
 * ``npy`` - the ``.npy`` header parser;
 * ``npz`` - the ZIP container (central directory, local headers, ZIP64);
 * ``safetensors`` - the safetensors header parser;
-* ``tftable`` - TensorFlow's SSTable blocks (the ``.index`` file).
+* ``tftable`` - TensorFlow's SSTable blocks (the ``.index`` file);
+* ``idindex`` - the open-addressing index of :class:`fastckpt.sharded.HashTable` (int64 id -> row).
 
 Everything above this floor imports these modules through the formats
 (:mod:`fastckpt.formats`); none of them imports anything of fastckpt but

@@ -1,0 +1,246 @@
+"""An open-addressing hash index: int64 id -> int64 row number (the index of :mod:`fastckpt.sharded.hashtable`).
+
+Linear probing over a power-of-two bucket array (each bucket a key and a row; row ``-1`` marks it empty), the
+ids mixed by splitmix64's finalizer, at most 70% full (it doubles before a call could pass that), deletion by
+backward shift (no tombstones, so lookups never slow down). Every call takes whole arrays and loops in C; the
+caller keeps the rows themselves (the index only numbers them). The loops hold the GIL on purpose: the buckets
+are freed and replaced as the index grows, so a loop that ran beside another thread's call could read freed
+memory; holding the GIL, a table misused from two threads gives wrong answers, never a crash.
+
+>>> import numpy as np
+>>> index = IdIndex()
+>>> rows = np.empty(3, np.int64)
+>>> index.upsert(np.array([7, -(2**63), 7]), rows, 0)  # ids -> rows, new ids numbered from 0: returns how many new
+2
+>>> rows.tolist()
+[0, 1, 0]
+>>> index.find(np.array([7, 5]), rows[:2]), rows[:2].tolist()  # returns how many are missing (row -1)
+(1, [0, -1])
+>>> keep = np.empty(3, np.uint8)
+>>> last_occurrence(np.array([0, 1, 0]), keep, 2), keep.tolist()  # repeats, and which occurrence is the last
+(1, [0, 1, 1])
+"""
+
+from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memset
+
+DEF _MIN_BUCKETS = 16
+# Grow when more than _LOAD_NUM / _LOAD_DEN of the buckets would be full.
+DEF _LOAD_NUM = 7
+DEF _LOAD_DEN = 10
+
+
+cdef inline uint64_t _mix(int64_t key) noexcept nogil:
+    cdef uint64_t x = <uint64_t>key
+    x ^= x >> 30
+    x *= 0xBF58476D1CE4E5B9ULL
+    x ^= x >> 27
+    x *= 0x94D049BB133111EBULL
+    x ^= x >> 31
+    return x
+
+
+cdef Py_ssize_t _buckets_for(Py_ssize_t count) noexcept:
+    """The fewest buckets (a power of two) that hold ``count`` ids within the load limit."""
+    cdef Py_ssize_t buckets = _MIN_BUCKETS
+    while buckets * _LOAD_NUM < count * _LOAD_DEN:
+        buckets *= 2
+    return buckets
+
+
+cdef class IdIndex:
+    """A set of distinct int64 ids, each with the row number the caller gave it.
+
+    ``len(index)`` is the number of ids; ``nbytes`` the memory of the buckets.
+    """
+
+    cdef int64_t* _keys
+    cdef int64_t* _rows
+    cdef Py_ssize_t _buckets  # a power of two
+    cdef Py_ssize_t _count
+
+    def __cinit__(self, Py_ssize_t capacity=0):
+        self._keys = NULL
+        self._rows = NULL
+        self._count = 0
+        self._allocate(_buckets_for(capacity))
+
+    def __dealloc__(self):
+        free(self._keys)
+        free(self._rows)
+
+    cdef int _allocate(self, Py_ssize_t buckets) except -1:
+        """Empty buckets (the old ones freed: the caller re-inserts their entries first where it keeps them)."""
+        cdef int64_t* keys = <int64_t*>malloc(buckets * sizeof(int64_t))
+        cdef int64_t* rows = <int64_t*>malloc(buckets * sizeof(int64_t))
+        if keys == NULL or rows == NULL:
+            free(keys)
+            free(rows)
+            raise MemoryError(f"IdIndex: cannot allocate {buckets} buckets")
+        memset(rows, 0xFF, buckets * sizeof(int64_t))  # every row -1: empty
+        free(self._keys)
+        free(self._rows)
+        self._keys = keys
+        self._rows = rows
+        self._buckets = buckets
+        self._count = 0
+        return 0
+
+    cdef int _reserve(self, Py_ssize_t count) except -1:
+        """Buckets enough for ``count`` ids within the load limit, the entries kept."""
+        if count * _LOAD_DEN <= self._buckets * _LOAD_NUM:
+            return 0
+        cdef int64_t* old_keys = self._keys
+        cdef int64_t* old_rows = self._rows
+        cdef Py_ssize_t old_buckets = self._buckets, old_count = self._count, i
+        self._keys = NULL
+        self._rows = NULL
+        try:
+            self._allocate(_buckets_for(count))
+        except MemoryError:
+            self._keys, self._rows, self._buckets, self._count = old_keys, old_rows, old_buckets, old_count
+            raise
+        for i in range(old_buckets):
+            if old_rows[i] >= 0:
+                self._put(old_keys[i], old_rows[i])
+        free(old_keys)
+        free(old_rows)
+        return 0
+
+    cdef inline Py_ssize_t _slot(self, int64_t key) noexcept nogil:
+        """The bucket holding ``key``, or the empty bucket where it would go."""
+        cdef Py_ssize_t mask = self._buckets - 1
+        cdef Py_ssize_t i = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
+        while self._rows[i] >= 0 and self._keys[i] != key:
+            i = (i + 1) & mask
+        return i
+
+    cdef inline void _put(self, int64_t key, int64_t row) noexcept nogil:
+        cdef Py_ssize_t i = self._slot(key)
+        if self._rows[i] < 0:
+            self._count += 1
+            self._keys[i] = key
+        self._rows[i] = row
+
+    cdef inline void _remove_at(self, Py_ssize_t i) noexcept nogil:
+        """Empty bucket ``i``, shifting back the entries after it that probed past it."""
+        cdef Py_ssize_t mask = self._buckets - 1
+        cdef Py_ssize_t j = i, home
+        while True:
+            j = (j + 1) & mask
+            if self._rows[j] < 0:
+                break
+            home = <Py_ssize_t>(_mix(self._keys[j]) & <uint64_t>mask)
+            # The entry at j may move to i only if its home is not cyclically within (i, j].
+            if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
+                continue
+            self._keys[i] = self._keys[j]
+            self._rows[i] = self._rows[j]
+            i = j
+        self._rows[i] = -1
+        self._count -= 1
+
+    def __len__(self):
+        return self._count
+
+    @property
+    def nbytes(self):
+        """Bytes of the buckets."""
+        return self._buckets * 2 * sizeof(int64_t)
+
+    def clear(self, Py_ssize_t capacity=0):
+        """Remove every id (buckets sized for ``capacity`` ids)."""
+        self._allocate(_buckets_for(capacity))
+
+    def reserve(self, Py_ssize_t count):
+        """Make room for ``count`` ids in all, so that inserting up to that many does not rehash."""
+        self._reserve(count)
+
+    def find(self, const int64_t[::1] keys, int64_t[::1] rows):
+        """``rows[i]`` = the row of ``keys[i]``, or -1 where it is absent; returns how many are absent."""
+        if rows.shape[0] != keys.shape[0]:
+            raise ValueError(f"find: {keys.shape[0]} keys but {rows.shape[0]} rows")
+        cdef Py_ssize_t n = keys.shape[0], i, missing = 0
+        cdef int64_t row
+        for i in range(n):
+            row = self._rows[self._slot(keys[i])]
+            rows[i] = row
+            if row < 0:
+                missing += 1
+        return missing
+
+    def upsert(self, const int64_t[::1] keys, int64_t[::1] rows, int64_t next_row):
+        """``rows[i]`` = the row of ``keys[i]``; an absent id is added with the row ``next_row + (new ids before
+        it)``. A repeated id gets the same row each time. Returns how many ids were added (rows ``next_row`` on)."""
+        if rows.shape[0] != keys.shape[0]:
+            raise ValueError(f"upsert: {keys.shape[0]} keys but {rows.shape[0]} rows")
+        if next_row < 0:
+            raise ValueError(f"upsert: next_row must be >= 0, got {next_row}")
+        cdef Py_ssize_t n = keys.shape[0], i, at
+        cdef int64_t added = 0
+        self._reserve(self._count + n)  # the worst case, all new: no rehash inside the loop
+        for i in range(n):
+            at = self._slot(keys[i])
+            if self._rows[at] < 0:
+                self._keys[at] = keys[i]
+                self._rows[at] = next_row + added
+                self._count += 1
+                added += 1
+            rows[i] = self._rows[at]
+        return added
+
+    def remove(self, const int64_t[::1] keys, int64_t[::1] rows):
+        """Remove ``keys``: ``rows[i]`` = the row ``keys[i]`` had, or -1 where it was absent (or a repeat).
+        Returns how many were removed."""
+        if rows.shape[0] != keys.shape[0]:
+            raise ValueError(f"remove: {keys.shape[0]} keys but {rows.shape[0]} rows")
+        cdef Py_ssize_t n = keys.shape[0], i, at, removed = 0
+        for i in range(n):
+            at = self._slot(keys[i])
+            rows[i] = self._rows[at]
+            if self._rows[at] >= 0:
+                self._remove_at(at)
+                removed += 1
+        return removed
+
+    def assign(self, const int64_t[::1] keys, const int64_t[::1] rows):
+        """Give ids already present new rows (``rows[i]`` to ``keys[i]``); raises ``KeyError`` at an absent one."""
+        if rows.shape[0] != keys.shape[0]:
+            raise ValueError(f"assign: {keys.shape[0]} keys but {rows.shape[0]} rows")
+        cdef Py_ssize_t n = keys.shape[0], i, at, bad = -1
+        for i in range(n):
+            at = self._slot(keys[i])
+            if self._rows[at] < 0:
+                bad = i
+                break
+            self._rows[at] = rows[i]
+        if bad >= 0:
+            raise KeyError(f"assign: id {keys[bad]} is not in the index")
+
+
+def last_occurrence(const int64_t[::1] rows, uint8_t[::1] keep, int64_t row_count):
+    """``keep[i]`` = 1 where ``rows[i]`` does not occur again after ``i``, else 0 (every row in
+    ``[0, row_count)``); returns how many are repeats (the zeros)."""
+    if keep.shape[0] != rows.shape[0]:
+        raise ValueError(f"last_occurrence: {rows.shape[0]} rows but {keep.shape[0]} flags")
+    cdef Py_ssize_t n = rows.shape[0], i
+    cdef int64_t row, repeats = 0, bad = -1
+    cdef uint8_t* seen = <uint8_t*>calloc(<size_t>(row_count // 8 + 1), 1)
+    if seen == NULL:
+        raise MemoryError(f"last_occurrence: cannot allocate {row_count // 8 + 1} bytes")
+    for i in range(n - 1, -1, -1):
+        row = rows[i]
+        if row < 0 or row >= row_count:
+            bad = i
+            break
+        if seen[row >> 3] & (1 << (row & 7)):
+            keep[i] = 0
+            repeats += 1
+        else:
+            seen[row >> 3] |= <uint8_t>(1 << (row & 7))
+            keep[i] = 1
+    free(seen)
+    if bad >= 0:
+        raise ValueError(f"last_occurrence: row {rows[bad]} at {bad} is outside [0, {row_count})")
+    return repeats

@@ -1,0 +1,636 @@
+"""A sparse embedding table for recommendation models: int64 id -> one row of ``dim`` values.
+
+Each id also owns one row in every optimizer *slot* (Adam's ``"m"`` and ``"v"``, say): the slot rows follow
+their ids through inserts, deletes, exports and imports.
+
+>>> import numpy as np
+>>> from fastckpt.sharded.hashtable import HashTable
+>>> table = HashTable(dim=2, slots=("m", "v"), name="user")
+>>> table.insert([42, -7], [[1.0, 2.0], [3.0, 4.0]])
+>>> table.lookup([-7, 42])
+array([[3., 4.],
+       [1., 2.]], dtype=float32)
+>>> table.update([42], [[5.0, 6.0]], slots={"m": [[0.5, 0.5]]})
+>>> table.lookup_slot("m", [42, -7])
+array([[0.5, 0.5],
+       [0. , 0. ]], dtype=float32)
+>>> ids, values, slots = table.export()
+>>> ids
+array([-7, 42])
+>>> HashTable.from_export(ids, values, slots) == table
+True
+
+How it is stored: the rows in ``(capacity, dim)`` arrays (values, then one per slot) and the ids in an int64
+array, all in the order the ids arrived, with spare capacity at the end; an open-addressing hash index
+(:class:`fastckpt._native.idindex.IdIndex`, in Cython) maps each id to its row. Every call works on
+whole arrays, with no Python object per id; for m ids given to a table of n:
+
+* ``lookup``, ``lookup_slot``, ``update``, ``__contains__``: O(m) (one probe each);
+* ``insert`` / ``import_``: O(m) amortized (new rows are appended; present ids are overwritten in place);
+* ``delete``: O(m) (the last rows move into the holes);
+* ``export`` / ``ids()``: a plain copy while the rows are in ascending id order (after an import of sorted ids,
+  for one, or inserts of ascending ids), else one sort of the ids (O(n log n)) and a gather of the rows.
+
+A table is not safe for concurrent use: give each thread its own, or hold a lock around each call that changes it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from fastckpt._native.idindex import IdIndex, last_occurrence
+from fastckpt.errors import FastCkptError
+
+__all__ = ["HashTable", "MissingIdsError"]
+
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+_SHOWN = 8  # missing ids named in an error message
+_SMALL_SORT = 1 << 15  # below this many ids a plain stable argsort is as fast as the packed sort
+_CHUNK_ROWS = 1 << 16  # rows compared at a time by __eq__ (bounds its temporary memory)
+
+
+class MissingIdsError(FastCkptError, KeyError):
+    """Ids that a :class:`HashTable` does not hold (``update``, ``lookup``, ``lookup_slot``).
+
+    ``ids`` holds the first missing ids (up to 8, in the order given), ``count`` how many distinct ids are missing.
+
+    >>> err = MissingIdsError([3, 9], 2, "user")
+    >>> isinstance(err, KeyError), err.count
+    (True, 2)
+    >>> str(err)
+    "2 ids not in hashtable 'user': [3, 9]"
+    """
+
+    def __init__(self, ids, count: int, table: str | None = None):
+        self.ids = [int(i) for i in ids]
+        self.count = int(count)
+        where = "the hashtable" if table is None else f"hashtable {table!r}"
+        first = "" if self.count <= len(self.ids) else f", the first {len(self.ids)}"
+        noun = "id" if self.count == 1 else "ids"
+        super().__init__(f"{self.count} {noun} not in {where}{first}: {self.ids}")
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
+        return str(self.args[0])
+
+
+def _check_dtype(dtype) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt.kind in "biufc" or (dt.kind == "V" and dt.fields is None and dt.type.__module__.startswith("ml_dtypes")):
+        return dt
+    raise TypeError(f"HashTable dtype must be a numeric dtype (bool, integer, float, complex or an ml_dtypes type), "
+                    f"got {dt}")
+
+
+def _ids_from_objects(ids, what: str) -> np.ndarray:
+    """Python ints (some beyond int64, so numpy made floats or objects of them): checked one by one."""
+    out = []
+    for value in ids:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{what} must be integers (int64), got the bool {value!r}")
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{what} must be integers (int64), got {value!r} ({type(value).__name__})") from None
+        if not _INT64_MIN <= number <= _INT64_MAX:
+            raise ValueError(f"{what} must fit in int64 [{_INT64_MIN}, {_INT64_MAX}], got {number}")
+        out.append(number)
+    return np.array(out, dtype=np.int64)
+
+
+def _as_ids(ids, what: str = "ids") -> np.ndarray:
+    """``ids`` as a 1-D C-contiguous int64 array (the caller's own array where it already is one: never stored)."""
+    array = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if array.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D array of ids, got shape {array.shape}")
+    if array.size == 0:
+        return np.empty(0, np.int64)
+    kind = array.dtype.kind
+    if kind == "i":
+        return np.ascontiguousarray(array, dtype=np.int64)
+    if kind == "u":
+        if array.dtype.itemsize == 8:
+            big = array > np.uint64(_INT64_MAX)
+            if big.any():
+                raise ValueError(f"{what} must fit in int64 [{_INT64_MIN}, {_INT64_MAX}], got {array[big][0]} "
+                                 f"({int(big.sum())} ids beyond)")
+        return np.ascontiguousarray(array, dtype=np.int64)
+    if kind == "O" or (kind == "f" and not isinstance(ids, np.ndarray)):
+        return _ids_from_objects(ids, what)  # Python ints, some beyond int64 (or not ints at all)
+    raise TypeError(f"{what} must be integers (int64), got an array of {array.dtype}")
+
+
+def _sort_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids[order], order)`` where ``order`` is a *stable* argsort of ``ids`` (equal ids keep their order).
+
+    numpy's ``np.sort`` of 64-bit keys is about twice as fast as its ``argsort``: the id (less its minimum, shifted
+    right where the span needs it) and its index are packed into one uint64 key and sorted. Where the shift made
+    different ids equal, those runs (rare unless the ids cluster) are sorted again by (id, index).
+    """
+    m = len(ids)
+    if m < _SMALL_SORT:
+        order = np.argsort(ids, kind="stable")
+        return ids[order], order
+    low = int(ids.min())
+    span = int(ids.max()) - low
+    index_bits = (m - 1).bit_length()
+    shift = max(0, span.bit_length() - (64 - index_bits))
+    key = ids.view(np.uint64) - np.uint64(low & 0xFFFF_FFFF_FFFF_FFFF)  # wraps mod 2**64: the exact offset
+    if shift:
+        key >>= np.uint64(shift)
+    key <<= np.uint64(index_bits)
+    key |= np.arange(m, dtype=np.uint64)
+    key.sort()
+    order = (key & np.uint64((1 << index_bits) - 1)).astype(np.intp)
+    ordered = ids[order]
+    if shift:
+        high = key >> np.uint64(index_bits)
+        tie = high[1:] == high[:-1]
+        if tie.any():
+            at = np.flatnonzero(tie)
+            in_run = np.zeros(m, bool)
+            in_run[at] = True
+            in_run[at + 1] = True
+            sub = np.flatnonzero(in_run)
+            run = np.cumsum(np.concatenate(([True], ~tie[sub[:-1]])))  # label of each run of tied keys
+            again = np.lexsort((order[sub], ordered[sub], run))
+            order[sub] = order[sub][again]
+            ordered[sub] = ordered[sub][again]
+    return ordered, order
+
+
+def _take(source: np.ndarray, index: np.ndarray | None) -> np.ndarray:
+    return source if index is None else np.take(source, index, axis=0, mode="clip")
+
+
+def _increasing(ids: np.ndarray) -> bool:
+    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
+class HashTable:
+    """A sparse table: int64 id -> a row of ``dim`` values of ``dtype``, plus one row per optimizer slot.
+
+    ``dim`` (>= 1) and ``dtype`` (any numeric dtype) fix each row; ``slots`` names the optimizer slots (rows of the
+    same shape and dtype that follow their ids); ``name`` is for messages and savers only.
+
+    Values given to any method are cast to ``dtype`` where numpy casts them within their kind (``float64`` ->
+    ``float32``, ``int`` -> ``float``); a cast across kinds (``float`` into an integer table) is a ``TypeError``.
+    Every method checks all its arguments before it changes anything.
+
+    >>> t = HashTable(4, dtype=np.float16, slots=["m"], name="item")
+    >>> t
+    HashTable(dim=4, dtype=float16, slots=('m',), name='item', len=0)
+    >>> len(t), t.nbytes
+    (0, 0)
+    """
+
+    __hash__ = None  # mutable
+
+    def __init__(self, dim: int, dtype=np.float32, slots: Iterable[str] = (), name: str | None = None):
+        try:
+            dim = operator.index(dim)
+        except TypeError:
+            raise TypeError(f"HashTable dim must be an int, got {dim!r}") from None
+        if dim < 1:
+            raise ValueError(f"HashTable dim must be >= 1, got {dim}")
+        if isinstance(slots, (str, bytes)):
+            raise TypeError(f"HashTable slots must be an iterable of names, got the single string {slots!r} "
+                            f"(write ({slots!r},))")
+        slots = tuple(slots)
+        for slot in slots:
+            if not isinstance(slot, str) or not slot:
+                raise TypeError(f"HashTable slot names must be non-empty strings, got {slot!r}")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"HashTable slot names must be distinct, got {slots}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"HashTable name must be a string or None, got {name!r}")
+        self._dim = dim
+        self._dtype = _check_dtype(dtype)
+        self._slots = slots
+        self.name = name
+        self._n = 0
+        self._index = IdIndex()
+        self._sorted = True  # rows in ascending id order: export and ids() copy them as they are
+        self._allocate(0)
+
+    # -- attributes --------------------------------------------------------------------------------------------
+
+    @property
+    def dim(self) -> int:
+        """Values per row.
+
+        >>> HashTable(8).dim
+        8
+        """
+        return self._dim
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the values and the slots.
+
+        >>> HashTable(8).dtype
+        dtype('float32')
+        """
+        return self._dtype
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """The optimizer slot names, in the order given.
+
+        >>> HashTable(8, slots=["m", "v"]).slots
+        ('m', 'v')
+        """
+        return self._slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the ids, the values and the slots (spare capacity and the hash index not counted).
+
+        >>> t = HashTable(2, slots=("m",)); t.insert([1, 2, 3], np.zeros((3, 2)))
+        >>> t.nbytes  # 3 ids * 8 + 2 arrays * 3 rows * 2 values * 4 bytes
+        72
+        """
+        return self._n * (8 + self._dim * self._dtype.itemsize * (1 + len(self._slots)))
+
+    def __len__(self) -> int:
+        """How many ids the table holds.
+
+        >>> t = HashTable(1); t.insert([5, 5, 6], [[1], [2], [3]]); len(t)
+        2
+        """
+        return self._n
+
+    def __contains__(self, id) -> bool:
+        """Whether the table holds ``id`` (anything that is not an int64 integer is never in it).
+
+        >>> t = HashTable(1); t.insert([-(2**63)], [[0.0]])
+        >>> -(2**63) in t, 0 in t, 2**64 in t, "x" in t
+        (True, False, False, False)
+        """
+        if isinstance(id, (bool, np.bool_)):
+            return False
+        try:
+            key = operator.index(id)
+        except TypeError:
+            return False
+        if not _INT64_MIN <= key <= _INT64_MAX or not self._n:
+            return False
+        return not self._index.find(np.array([key], np.int64), np.empty(1, np.int64))
+
+    def __repr__(self) -> str:
+        return (f"HashTable(dim={self._dim}, dtype={self._dtype}, slots={self._slots}, name={self.name!r}, "
+                f"len={self._n})")
+
+    # -- storage -----------------------------------------------------------------------------------------------
+
+    def _allocate(self, capacity: int) -> None:
+        """New, empty buffers of ``capacity`` rows (the old contents are dropped)."""
+        self._ids = np.empty(capacity, np.int64)
+        self._values = np.empty((capacity, self._dim), self._dtype)
+        self._slot_values = {s: np.empty((capacity, self._dim), self._dtype) for s in self._slots}
+
+    def _arrays(self) -> list[np.ndarray]:
+        return [self._ids, self._values, *self._slot_values.values()]
+
+    def _reserve(self, rows: int) -> None:
+        """Capacity for ``rows`` rows, keeping the contents (grows by half at least, so appends are amortized)."""
+        capacity = len(self._ids)
+        if rows <= capacity:
+            return
+        self._resize(max(rows, capacity + capacity // 2, 16))
+
+    def _resize(self, capacity: int) -> None:
+        """Buffers of ``capacity`` rows (at least the rows held), keeping the contents."""
+        n = self._n
+        old = self._arrays()
+        self._allocate(capacity)
+        for new, was in zip(self._arrays(), old):
+            new[:n] = was[:n]
+
+    def _shrink(self) -> None:
+        """Give back memory once the rows held fill less than a quarter of the capacity."""
+        if len(self._ids) > 4 * self._n + 64:
+            self._resize(self._n + self._n // 2)
+
+    # -- checking arguments ------------------------------------------------------------------------------------
+
+    def _rows(self, values, m: int, what: str) -> np.ndarray:
+        array = np.asarray(values)
+        if array.dtype != self._dtype:
+            kind = array.dtype.kind
+            if (kind not in "biufcV" or array.dtype.fields is not None
+                    or not np.can_cast(array.dtype, self._dtype, "same_kind")):
+                raise TypeError(f"{what} must be numbers castable to the table's {self._dtype} (within their kind), "
+                                f"got {array.dtype}")
+        if array.shape != (m, self._dim) and not (m == 0 and array.shape == (0,)):
+            raise ValueError(f"{what} must have shape ({m}, {self._dim}) (one row of dim {self._dim} for each of "
+                             f"the {m} ids), got {array.shape}")
+        return array.reshape(m, self._dim)
+
+    def _slot_rows(self, slots: Mapping[str, Any] | None, m: int) -> dict[str, np.ndarray]:
+        if slots is None:
+            return {}
+        if not isinstance(slots, Mapping):
+            raise TypeError(f"slots must be a mapping of slot name -> rows, got {type(slots).__name__}")
+        unknown = [s for s in slots if s not in self._slot_values]
+        if unknown:
+            raise KeyError(f"unknown slots {unknown}: this table's slots are {self._slots}")
+        return {s: self._rows(rows, m, f"slot {s!r}") for s, rows in slots.items()}
+
+    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """``(rows, missing)``: the row of each id (-1 where absent), and how many are absent."""
+        rows = np.empty(len(ids), np.int64)
+        missing = self._index.find(ids, rows) if self._n else len(ids)
+        if not self._n:
+            rows.fill(-1)
+        return rows, missing
+
+    def _missing(self, ids: np.ndarray, found: np.ndarray) -> MissingIdsError:
+        missing = ids[~found]
+        _, first = np.unique(missing, return_index=True)
+        return MissingIdsError(missing[np.sort(first)[:_SHOWN]], len(first), self.name)
+
+    @staticmethod
+    def _last(rows: np.ndarray, row_count: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(rows, source)`` with only the last occurrence of each row kept (``source`` is None: all kept)."""
+        if len(rows) < 2:
+            return rows, None
+        keep = np.empty(len(rows), np.uint8)
+        if not last_occurrence(rows, keep, row_count):
+            return rows, None
+        source = np.flatnonzero(keep)
+        return rows[source], source
+
+    # -- writing -----------------------------------------------------------------------------------------------
+
+    def insert(self, ids, values, slots: Mapping[str, Any] | None = None) -> None:
+        """Upsert: new ids are added, ids already present are overwritten.
+
+        ``values`` is ``(len(ids), dim)``; ``slots`` maps some of the slot names to rows of the same shape. The
+        slot rows of new ids that ``slots`` does not give are zeros; those of present ids are kept. Where an id is
+        repeated within one call, its last occurrence wins.
+
+        >>> t = HashTable(1, slots=("m",))
+        >>> t.insert([7, 3, 7], [[1.0], [2.0], [9.0]], slots={"m": [[1.0], [1.0], [1.0]]})
+        >>> t.lookup([3, 7]).ravel().tolist(), t.lookup_slot("m", [3, 7]).ravel().tolist()
+        ([2.0, 9.0], [1.0, 1.0])
+        >>> t.insert([3, 4], [[5.0], [6.0]])  # 3 overwritten (its slot row kept), 4 new (slot row zeros)
+        >>> t.lookup([3, 4]).ravel().tolist(), t.lookup_slot("m", [3, 4]).ravel().tolist()
+        ([5.0, 6.0], [1.0, 0.0])
+        """
+        ids = _as_ids(ids)
+        values = self._rows(values, len(ids), "values")
+        self._upsert(ids, values, self._slot_rows(slots, len(ids)))
+
+    def update(self, ids, values, slots: Mapping[str, Any] | None = None) -> None:
+        """Overwrite the rows (and the slot rows given) of ids the table holds already.
+
+        Every id must be present: otherwise a ``KeyError`` (:class:`MissingIdsError`) names up to 8 of the missing
+        ids and how many there are, and the table is left unchanged. A repeated id: its last occurrence wins.
+
+        >>> t = HashTable(1); t.insert([1, 2], [[0.0], [0.0]])
+        >>> t.update([2], [[4.0]]); t.lookup([1, 2]).ravel().tolist()
+        [0.0, 4.0]
+        >>> t.update([2, 3, 5], np.zeros((3, 1)))
+        Traceback (most recent call last):
+        ...
+        fastckpt.sharded.hashtable.MissingIdsError: 2 ids not in the hashtable: [3, 5]
+        """
+        ids = _as_ids(ids)
+        values = self._rows(values, len(ids), "values")
+        slot_rows = self._slot_rows(slots, len(ids))
+        rows, missing = self._find(ids)
+        if missing:
+            raise self._missing(ids, rows >= 0)
+        rows, source = self._last(rows, self._n)
+        self._write_rows(rows, values, slot_rows, source)
+
+    def _write_rows(self, rows: np.ndarray, values: np.ndarray, slot_rows: dict, source: np.ndarray | None) -> None:
+        """Overwrite the table's ``rows`` with ``values[source]`` (and the same rows of the slots given)."""
+        if not len(rows):
+            return
+        self._values[rows] = _take(values, source)
+        for slot, given in slot_rows.items():
+            self._slot_values[slot][rows] = _take(given, source)
+
+    def _upsert(self, ids: np.ndarray, values: np.ndarray, slot_rows: dict) -> None:
+        m, n = len(ids), self._n
+        if not m:
+            return
+        rows = np.empty(m, np.int64)
+        added = self._index.upsert(ids, rows, n)  # new ids get rows n, n + 1, ... in the order they come
+        try:
+            self._reserve(n + added)
+        except BaseException:
+            self._index.remove(ids[rows >= n], np.empty(int(np.count_nonzero(rows >= n)), np.int64))
+            raise
+        end = n + added
+        if added == m:  # every id new, none repeated: rows n .. end - 1, in the order given
+            self._ids[n:end] = ids
+            self._values[n:end] = values
+            for slot, array in self._slot_values.items():
+                array[n:end] = slot_rows.get(slot, 0)
+        else:
+            rows, source = self._last(rows, end)
+            self._ids[rows] = _take(ids, source)
+            for slot, array in self._slot_values.items():
+                if slot not in slot_rows:
+                    array[n:end] = 0
+            self._write_rows(rows, values, slot_rows, source)
+        self._n = end
+        if added and self._sorted:
+            self._sorted = _increasing(self._ids[max(n - 1, 0):end])
+
+    def delete(self, ids) -> int:
+        """Remove the ids present (absent ones are ignored, repeats count once); returns how many were removed.
+
+        >>> t = HashTable(1); t.insert([1, 2, 3], np.zeros((3, 1)))
+        >>> t.delete([2, 2, 9]), t.ids()
+        (1, array([1, 3]))
+        """
+        ids = _as_ids(ids)
+        if not len(ids) or not self._n:
+            return 0
+        rows = np.empty(len(ids), np.int64)
+        removed = self._index.remove(ids, rows)
+        if not removed:
+            return 0
+        gone = rows[rows >= 0]  # distinct: a repeat found its id removed already
+        n, kept = self._n, self._n - removed
+        holes = np.sort(gone[gone < kept])
+        if len(holes):  # the rows held past the new end move into the holes below it
+            tail = np.ones(n - kept, bool)
+            tail[gone[gone >= kept] - kept] = False
+            moved = kept + np.flatnonzero(tail)
+            for array in self._arrays():
+                array[holes] = array[moved]
+            self._index.assign(self._ids[holes], holes)
+            self._sorted = False
+        self._n = kept
+        self._shrink()
+        return removed
+
+    # -- reading -----------------------------------------------------------------------------------------------
+
+    def _read(self, source: np.ndarray, ids, default) -> np.ndarray:
+        ids = _as_ids(ids)
+        if default is not None:
+            if np.ndim(default) != 0:
+                raise ValueError(f"default must be a scalar, got shape {np.shape(default)}")
+            kind = np.asarray(default).dtype
+            if kind != self._dtype and not np.can_cast(kind, self._dtype, "same_kind"):
+                raise TypeError(f"default must be castable to the table's {self._dtype}, got {default!r} ({kind})")
+        rows, missing = self._find(ids)
+        if not missing:
+            return np.take(source[: self._n], rows, axis=0)
+        found = rows >= 0
+        if default is None:
+            raise self._missing(ids, found)
+        out = np.empty((len(ids), self._dim), self._dtype)
+        out[found] = np.take(source[: self._n], rows[found], axis=0)
+        out[~found] = default
+        return out
+
+    def lookup(self, ids, default=None) -> np.ndarray:
+        """The rows of ``ids``, ``(len(ids), dim)``, a copy, in the order given.
+
+        A missing id is a ``KeyError`` (:class:`MissingIdsError`, naming up to 8), unless ``default`` is given:
+        a scalar that fills the rows of the missing ids.
+
+        >>> t = HashTable(2); t.insert([10], [[1.0, 2.0]])
+        >>> t.lookup([10, 11], default=-1.0)
+        array([[ 1.,  2.],
+               [-1., -1.]], dtype=float32)
+        """
+        return self._read(self._values, ids, default)
+
+    def lookup_slot(self, name: str, ids) -> np.ndarray:
+        """The rows of slot ``name`` for ``ids`` (a copy; missing ids as :meth:`lookup` without a default).
+
+        >>> t = HashTable(1, slots=("v",)); t.insert([1], [[0.0]], slots={"v": [[0.25]]})
+        >>> t.lookup_slot("v", [1])
+        array([[0.25]], dtype=float32)
+        """
+        if name not in self._slot_values:
+            raise KeyError(f"unknown slot {name!r}: this table's slots are {self._slots}")
+        return self._read(self._slot_values[name], ids, None)
+
+    def ids(self) -> np.ndarray:
+        """The ids held, sorted ascending (int64, a copy).
+
+        >>> t = HashTable(1); t.insert([3, -1, 2], np.zeros((3, 1))); t.ids()
+        array([-1,  2,  3])
+        """
+        ids = self._ids[: self._n]
+        return ids.copy() if self._sorted else np.sort(ids)
+
+    # -- bulk --------------------------------------------------------------------------------------------------
+
+    def export(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """``(ids, values, slots)``: the ids sorted ascending (int64), their rows ``(n, dim)`` in that order, and
+        ``{slot: (n, dim)}`` in the order of :attr:`slots`. C-contiguous copies.
+
+        >>> t = HashTable(1, slots=("m",)); t.insert([2, 1], [[20.0], [10.0]])
+        >>> ids, values, slots = t.export()
+        >>> ids.tolist(), values.ravel().tolist(), slots["m"].ravel().tolist()
+        ([1, 2], [10.0, 20.0], [0.0, 0.0])
+        """
+        n = self._n
+        if self._sorted:
+            return (self._ids[:n].copy(), self._values[:n].copy(),
+                    {slot: array[:n].copy() for slot, array in self._slot_values.items()})
+        ids, order = _sort_ids(self._ids[:n])
+        return (ids, np.take(self._values[:n], order, axis=0),
+                {slot: np.take(array[:n], order, axis=0) for slot, array in self._slot_values.items()})
+
+    def import_(self, ids, values, slots: Mapping[str, Any] | None = None, *, clear: bool = False) -> None:
+        """Bulk upsert, as :meth:`insert`; with ``clear=True`` the table holds exactly what is given afterwards.
+
+        Distinct ids are copied in as they come (one probe of the index each); ids sorted ascending (what
+        :meth:`export` gives) keep the table in order, so that the next export is a plain copy.
+
+        >>> t = HashTable(1); t.insert([1, 2], [[1.0], [2.0]])
+        >>> t.import_([5], [[5.0]], clear=True); t.ids()
+        array([5])
+        """
+        ids = _as_ids(ids)
+        values = self._rows(values, len(ids), "values")
+        slot_rows = self._slot_rows(slots, len(ids))
+        if clear:
+            self._index.clear(len(ids))
+            self._n = 0
+            self._sorted = True
+            if len(self._ids) > 2 * len(ids) + 64:  # give back the memory of a much larger table
+                self._allocate(0)
+        self._upsert(ids, values, slot_rows)
+
+    @classmethod
+    def from_export(cls, ids, values, slots: Mapping[str, Any] | None = None, *, name: str | None = None
+                    ) -> HashTable:
+        """A new table holding ``(ids, values, slots)``, as :meth:`export` returns them.
+
+        ``dim`` and ``dtype`` are those of ``values`` (2-D); the slot names those of ``slots``, in its order.
+
+        >>> t = HashTable.from_export(np.array([4, 8]), np.ones((2, 3), np.float64), {"m": np.zeros((2, 3))})
+        >>> t
+        HashTable(dim=3, dtype=float64, slots=('m',), name=None, len=2)
+        """
+        values = np.asarray(values)
+        if values.ndim != 2:
+            raise ValueError(f"values must be 2-D (ids, dim), got shape {values.shape}")
+        slots = dict(slots or {})
+        table = cls(values.shape[1], dtype=values.dtype, slots=tuple(slots), name=name)
+        table.import_(ids, values, slots)
+        return table
+
+    # -- comparison, pickling ----------------------------------------------------------------------------------
+
+    def __eq__(self, other) -> bool:
+        """Same dim, dtype and slots, and identical exported bytes (NaNs with the same bits are equal; the name is
+        not compared).
+
+        >>> a = HashTable(1); a.insert([1], [[np.nan]])
+        >>> b = HashTable(1, name="b"); b.insert([1], [[np.nan]])
+        >>> a == b, a == HashTable(2)
+        (True, False)
+        """
+        if not isinstance(other, HashTable):
+            return NotImplemented
+        if (self._dim, self._dtype, self._slots, self._n) != (other._dim, other._dtype, other._slots, other._n):
+            return False
+        n = self._n
+        if n == 0:
+            return True
+        rows, missing = other._find(self._ids[:n])
+        if missing:
+            return False
+        pairs = [(self._values, other._values)]
+        pairs += [(self._slot_values[s], other._slot_values[s]) for s in self._slots]
+        for start in range(0, n, _CHUNK_ROWS):
+            at = rows[start:start + _CHUNK_ROWS]
+            for mine, theirs in pairs:
+                a = mine[start:start + len(at)].view(np.uint8)
+                if not np.array_equal(a, np.take(theirs, at, axis=0).view(np.uint8)):
+                    return False
+        return True
+
+    def __reduce__(self):
+        ids, values, slots = self.export()
+        return _restore, (type(self), self._dim, self._dtype, self._slots, self.name, ids, values, slots)
+
+
+def _restore(cls, dim, dtype, slots, name, ids, values, slot_values) -> HashTable:
+    """Unpickle: a table from its exported state.
+
+    >>> import pickle
+    >>> t = HashTable(2, slots=("m",), name="e"); t.insert([3], [[1.0, 2.0]])
+    >>> pickle.loads(pickle.dumps(t)) == t
+    True
+    """
+    table = cls(dim, dtype=dtype, slots=slots, name=name)
+    table.import_(ids, values, slot_values)
+    return table

@@ -1,0 +1,467 @@
+"""fastckpt.sharded.hashtable.HashTable against a reference model (a dict id -> rows), and its errors."""
+
+from __future__ import annotations
+
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fastckpt.sharded.hashtable import _SMALL_SORT, HashTable, MissingIdsError, _sort_ids
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+EXTREMES = [I64_MIN, I64_MIN + 1, -1, 0, 1, I64_MAX - 1, I64_MAX]
+
+
+class Model:
+    """The reference: a dict id -> (value row, {slot: row}), with the table's documented semantics."""
+
+    def __init__(self, dim, slots):
+        self.dim, self.slots, self.rows = dim, slots, {}
+
+    def insert(self, ids, values, slots):
+        for i, id_ in enumerate(ids.tolist()):
+            old = self.rows.get(id_)
+            slot_rows = dict(old[1]) if old else {s: np.zeros(self.dim, np.float32) for s in self.slots}
+            slot_rows.update({s: rows[i].astype(np.float32) for s, rows in slots.items()})
+            self.rows[id_] = (values[i].astype(np.float32), slot_rows)
+
+    def export(self):
+        ids = sorted(self.rows)
+        values = np.array([self.rows[i][0] for i in ids], np.float32).reshape(len(ids), self.dim)
+        slots = {s: np.array([self.rows[i][1][s] for i in ids], np.float32).reshape(len(ids), self.dim)
+                 for s in self.slots}
+        return np.array(ids, np.int64), values, slots
+
+
+def assert_same(table, model):
+    ids, values, slots = table.export()
+    want_ids, want_values, want_slots = model.export()
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(values, want_values)
+    assert list(slots) == list(model.slots)
+    for s in model.slots:
+        np.testing.assert_array_equal(slots[s], want_slots[s])
+    assert len(table) == len(model.rows)
+
+
+def random_ids(rng, pool, size):
+    return rng.choice(pool, size=size) if size else np.empty(0, np.int64)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_sequences_match_a_dict_model(seed):
+    rng = np.random.default_rng(seed)
+    dim, slot_names = int(rng.integers(1, 5)), ("m", "v")[: int(rng.integers(0, 3))]
+    table, model = HashTable(dim, slots=slot_names), Model(dim, slot_names)
+    pool = np.concatenate([np.array(EXTREMES, np.int64), rng.integers(-50, 50, 60),
+                           rng.integers(I64_MIN, I64_MAX, 40, dtype=np.int64, endpoint=True)])
+    for _ in range(120):
+        op = rng.choice(["insert", "insert", "update", "delete", "lookup"])
+        size = int(rng.integers(0, 40))
+        ids = random_ids(rng, pool, size)
+        if op == "insert":
+            if rng.random() < 0.3 and len(model.rows):  # ids beyond the largest: the append path
+                top = max(model.rows)
+                ids = np.unique(rng.integers(top, I64_MAX, size, dtype=np.int64, endpoint=True)) if top < I64_MAX \
+                    else ids
+            values = rng.standard_normal((len(ids), dim)).astype(np.float32)
+            given = {s: rng.standard_normal((len(ids), dim)) for s in slot_names if rng.random() < 0.5}
+            table.insert(ids, values, slots=given)
+            model.insert(ids, values, given)
+        elif op == "update":
+            values = rng.standard_normal((len(ids), dim)).astype(np.float32)
+            given = {s: rng.standard_normal((len(ids), dim)) for s in slot_names if rng.random() < 0.5}
+            if all(i in model.rows for i in ids.tolist()):
+                table.update(ids, values, slots=given)
+                model.insert(ids, values, given)
+            else:
+                before = table.export()
+                with pytest.raises(KeyError):
+                    table.update(ids, values, slots=given)
+                after = table.export()
+                np.testing.assert_array_equal(before[0], after[0])
+                np.testing.assert_array_equal(before[1], after[1])
+        elif op == "delete":
+            want = len(set(ids.tolist()) & set(model.rows))
+            assert table.delete(ids) == want
+            for i in ids.tolist():
+                model.rows.pop(i, None)
+        else:
+            present = np.array([i for i in ids.tolist() if i in model.rows], np.int64)
+            got = table.lookup(present)
+            assert got.shape == (len(present), dim)
+            for row, i in zip(got, present.tolist()):
+                np.testing.assert_array_equal(row, model.rows[i][0])
+            for s in slot_names:
+                for row, i in zip(table.lookup_slot(s, present), present.tolist()):
+                    np.testing.assert_array_equal(row, model.rows[i][1][s])
+            filled = table.lookup(ids, default=7.5)
+            for row, i in zip(filled, ids.tolist()):
+                np.testing.assert_array_equal(row, model.rows[i][0] if i in model.rows else np.full(dim, 7.5))
+        assert_same(table, model)
+    for i in pool.tolist():
+        assert (i in table) == (i in model.rows)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_large_batches_with_repeats_keep_the_last_occurrence(seed):
+    # Above _SMALL_SORT the ids are sorted by the packed-key path; repeats must still resolve to the last one.
+    rng = np.random.default_rng(100 + seed)
+    n = _SMALL_SORT + 5000
+    pools = [rng.integers(-3000, 3000, n), rng.integers(I64_MIN, I64_MAX, n // 2, dtype=np.int64, endpoint=True)]
+    ids = rng.choice(np.concatenate(pools), n)
+    values = np.arange(n, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    table = HashTable(2, slots=("m",))
+    table.insert(ids, values, slots={"m": -values})
+    last = {}
+    for i, id_ in enumerate(ids.tolist()):
+        last[id_] = i
+    want_ids = np.array(sorted(last), np.int64)
+    got_ids, got_values, got_slots = table.export()
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(got_values[:, 0], [last[i] for i in want_ids.tolist()])
+    np.testing.assert_array_equal(got_slots["m"][:, 1], [-last[i] for i in want_ids.tolist()])
+    # A second large batch, half present, half new, merged in.
+    more = np.concatenate([rng.choice(want_ids, n // 2), rng.integers(I64_MIN, I64_MAX, n // 2, dtype=np.int64)])
+    table.insert(more, np.full((n, 2), -1.0))
+    assert set(table.ids().tolist()) == set(last) | set(more.tolist())
+    np.testing.assert_array_equal(table.lookup(more), np.full((n, 2), -1.0, np.float32))
+    untouched = np.setdiff1d(want_ids, more)
+    np.testing.assert_array_equal(table.lookup(untouched)[:, 0], [last[i] for i in untouched.tolist()])
+    np.testing.assert_array_equal(table.lookup_slot("m", untouched)[:, 0], [-last[i] for i in untouched.tolist()])
+
+
+@pytest.mark.parametrize("kind", ["full range", "small span", "two clusters", "one value", "extremes", "sorted"])
+def test_sort_ids_is_a_stable_argsort(kind):
+    rng = np.random.default_rng(7)
+    n = _SMALL_SORT + 1234
+    if kind == "full range":
+        ids = rng.integers(I64_MIN, I64_MAX, n, dtype=np.int64, endpoint=True)
+        ids[::10] = ids[5]  # repeats
+    elif kind == "small span":
+        ids = rng.integers(-100, 100, n)
+    elif kind == "two clusters":  # a span that needs a shift, with dense runs that tie on the shifted key
+        ids = np.concatenate([rng.integers(-(2**62), -(2**62) + 5000, n // 2),
+                              rng.integers(2**62, 2**62 + 5000, n - n // 2)])
+    elif kind == "one value":
+        ids = np.full(n, I64_MIN)
+    elif kind == "extremes":
+        ids = rng.choice(np.array(EXTREMES, np.int64), n)
+    else:
+        ids = np.arange(n) * 3 - n
+    ids = ids.astype(np.int64)
+    ordered, order = _sort_ids(ids)
+    want = np.argsort(ids, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(ordered, ids[want])
+
+
+def test_negative_huge_and_repeated_ids():
+    table = HashTable(1)
+    ids = np.array([I64_MAX, I64_MIN, 0, -1, I64_MAX, I64_MIN + 1, -1], np.int64)
+    table.insert(ids, np.arange(7, dtype=np.float32)[:, None])
+    assert table.ids().tolist() == [I64_MIN, I64_MIN + 1, -1, 0, I64_MAX]
+    assert table.lookup([I64_MAX, -1, I64_MIN]).ravel().tolist() == [4.0, 6.0, 1.0]
+    table.update([I64_MIN, I64_MIN], [[10.0], [11.0]])
+    assert table.lookup([I64_MIN]).item() == 11.0
+    # Python ints at the edges, and uint64 ids that fit.
+    assert table.lookup([2**63 - 1, -(2**63)]).ravel().tolist() == [4.0, 11.0]
+    assert table.lookup(np.array([0, 2**63 - 1], np.uint64)).ravel().tolist() == [2.0, 4.0]
+    assert I64_MAX in table and I64_MIN in table and np.int64(-1) in table
+    assert 2**63 not in table and -(2**63) - 1 not in table and 1.5 not in table and True not in table
+    assert table.delete([I64_MAX, I64_MAX, 12345]) == 1
+    assert I64_MAX not in table and len(table) == 4
+
+
+def test_slots_follow_their_ids_through_merges_and_deletes():
+    table = HashTable(2, slots=("m", "v"))
+    table.insert([10, 30], [[1, 1], [3, 3]], slots={"m": [[10, 10], [30, 30]], "v": [[-10, -10], [-30, -30]]})
+    table.insert([20, 5, 40], [[2, 2], [0.5, 0.5], [4, 4]], slots={"v": [[-20, -20], [-5, -5], [-40, -40]]})
+    table.delete([30])
+    table.insert([25], [[2.5, 2.5]], slots={"m": [[25, 25]]})
+    ids, values, slots = table.export()
+    assert ids.tolist() == [5, 10, 20, 25, 40]
+    assert values[:, 0].tolist() == [0.5, 1, 2, 2.5, 4]
+    assert slots["m"][:, 1].tolist() == [0, 10, 0, 25, 0]
+    assert slots["v"][:, 0].tolist() == [-5, -10, -20, 0, -40]
+    table.update([40, 5], [[9, 9], [8, 8]], slots={"m": [[1, 2], [3, 4]]})
+    assert table.lookup_slot("m", [5, 40]).tolist() == [[3, 4], [1, 2]]
+    assert table.lookup_slot("v", [5, 40]).tolist() == [[-5, -5], [-40, -40]]
+
+
+def test_export_is_sorted_exact_and_copied():
+    table = HashTable(3, dtype=np.float64, slots=("m",))
+    rng = np.random.default_rng(3)
+    ids = rng.permutation(np.arange(-500, 500, 7))
+    values = rng.standard_normal((len(ids), 3))
+    table.insert(ids, values)
+    got_ids, got_values, got_slots = table.export()
+    order = np.argsort(ids)
+    np.testing.assert_array_equal(got_ids, ids[order])
+    assert got_values.tobytes() == values[order].tobytes()
+    for array in (got_ids, got_values, got_slots["m"]):
+        assert array.flags.c_contiguous and array.flags.owndata and array.flags.writeable
+    assert got_ids.dtype == np.int64 and got_values.dtype == np.float64 and got_slots["m"].shape == (len(ids), 3)
+    got_values[:] = 0
+    got_ids[:] = 0
+    np.testing.assert_array_equal(table.lookup(ids), values)
+    looked = table.lookup(ids[:3])
+    looked[:] = 0
+    np.testing.assert_array_equal(table.lookup(ids[:3]), values[:3])
+    ids_copy = table.ids()
+    ids_copy[:] = 0
+    assert table.ids().tolist() == sorted(ids.tolist())
+
+
+def test_import_and_from_export_round_trip():
+    rng = np.random.default_rng(5)
+    table = HashTable(4, dtype=np.float16, slots=("m", "v"), name="emb")
+    ids = rng.integers(I64_MIN, I64_MAX, 300, dtype=np.int64)
+    table.insert(ids, rng.standard_normal((300, 4)), slots={"m": rng.random((300, 4)), "v": rng.random((300, 4))})
+    exported = table.export()
+    copy = HashTable.from_export(*exported, name="copy")
+    assert copy == table and copy.name == "copy" and copy.dtype == np.float16 and copy.slots == ("m", "v")
+    other = HashTable(4, dtype=np.float16, slots=("m", "v"))
+    other.import_(*exported)
+    assert other == table
+    # import_ is an upsert; clear=True replaces the contents.
+    other.import_([1, 2], np.ones((2, 4)), {"m": np.full((2, 4), 2.0)})
+    assert len(other) == 302 and other.lookup_slot("v", [1]).tolist() == [[0, 0, 0, 0]]
+    other.import_(exported[0][:10], exported[1][:10], {s: a[:10] for s, a in exported[2].items()}, clear=True)
+    assert other.ids().tolist() == exported[0][:10].tolist()
+    np.testing.assert_array_equal(other.lookup_slot("m", exported[0][:10]), exported[2]["m"][:10])
+    other.import_([], np.empty((0, 4)), clear=True)
+    assert len(other) == 0 and other == HashTable(4, dtype=np.float16, slots=("m", "v"))
+    # Unsorted ids with repeats import too (the last occurrence wins).
+    back = HashTable.from_export([3, 1, 3], [[1.0], [2.0], [3.0]])
+    assert back.export()[0].tolist() == [1, 3] and back.lookup([3]).item() == 3.0 and back.dtype == np.float64
+    assert pickle.loads(pickle.dumps(table)) == table
+
+
+def test_empty_tables_and_empty_id_arrays():
+    table = HashTable(3, slots=("m",))
+    ids, values, slots = table.export()
+    assert ids.shape == (0,) and ids.dtype == np.int64 and values.shape == (0, 3) and slots["m"].shape == (0, 3)
+    assert table.lookup([]).shape == (0, 3) and table.lookup_slot("m", np.empty(0, np.int64)).shape == (0, 3)
+    assert table.lookup([1, 2], default=0).tolist() == [[0, 0, 0], [0, 0, 0]]
+    assert table.delete([]) == 0 and table.delete([1]) == 0
+    table.insert([], np.empty((0, 3)))
+    table.update([], np.empty((0, 3)))
+    table.insert(np.array([], np.int64), [])
+    assert len(table) == 0 and table.nbytes == 0 and 0 not in table
+    assert table == HashTable.from_export(ids, values, slots) and table.ids().shape == (0,)
+    with pytest.raises(KeyError):
+        table.lookup([0])
+    table.insert([1], [[1, 2, 3]])
+    assert table.delete([1]) == 1 and len(table) == 0 and table.lookup([]).shape == (0, 3)
+
+
+def test_lookup_of_many_unsorted_ids_and_defaults():
+    rng = np.random.default_rng(11)
+    table = HashTable(2, dtype=np.int32)
+    ids = rng.integers(-(10**12), 10**12, 2000)
+    ids = np.unique(ids)
+    table.insert(ids, np.stack([ids % 1000, ids % 7], axis=1))
+    query = rng.permutation(np.concatenate([ids, ids[:100]]))
+    np.testing.assert_array_equal(table.lookup(query), np.stack([query % 1000, query % 7], axis=1))
+    with_missing = np.concatenate([query, [10**13, -(10**13)]])
+    got = table.lookup(with_missing, default=-1)
+    assert got.dtype == np.int32 and got[-2:].tolist() == [[-1, -1], [-1, -1]]
+    with pytest.raises(TypeError, match="default"):
+        table.lookup(query, default=0.5)  # a float into an int32 table
+    with pytest.raises(ValueError, match="scalar"):
+        table.lookup(query, default=[1, 2])
+
+
+def test_missing_ids_name_up_to_eight_and_how_many():
+    table = HashTable(1)
+    table.insert([1, 2, 3], np.zeros((3, 1)))
+    with pytest.raises(KeyError) as caught:
+        table.update([1, 50, 40, 50, 2, 41, 42, 43, 44, 45, 46, 47, 48], np.ones((13, 1)))
+    err = caught.value
+    assert isinstance(err, MissingIdsError)
+    assert err.ids == [50, 40, 41, 42, 43, 44, 45, 46] and err.count == 10
+    assert str(err) == "10 ids not in the hashtable, the first 8: [50, 40, 41, 42, 43, 44, 45, 46]"
+    assert table.lookup([1, 2, 3]).ravel().tolist() == [0, 0, 0]  # unchanged
+    with pytest.raises(KeyError, match=r"1 id not in hashtable 'emb': \[9\]"):
+        HashTable.from_export([1], [[0.0]], name="emb").lookup([1, 9])
+    with pytest.raises(KeyError, match=r"\[9\]"):
+        HashTable(1, slots=("m",)).lookup_slot("m", [9])
+
+
+def test_argument_errors():
+    table = HashTable(2, slots=("m",))
+    table.insert([1], [[1, 1]])
+    with pytest.raises(ValueError, match=r"shape \(2, 2\).*got \(2, 3\)"):
+        table.insert([1, 2], np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"shape \(3, 2\).*got \(2, 2\)"):
+        table.insert([1, 2, 3], np.zeros((2, 2)))  # lengths differ
+    with pytest.raises(ValueError, match=r"slot 'm' must have shape \(1, 2\)"):
+        table.insert([5], np.zeros((1, 2)), slots={"m": np.zeros((2, 2))})
+    with pytest.raises(KeyError, match="unknown slots \\['x'\\]"):
+        table.insert([5], np.zeros((1, 2)), slots={"x": np.zeros((1, 2))})
+    with pytest.raises(KeyError, match="unknown slot 'v'"):
+        table.lookup_slot("v", [1])
+    with pytest.raises(TypeError, match="mapping"):
+        table.insert([5], np.zeros((1, 2)), slots=[np.zeros((1, 2))])
+    with pytest.raises(TypeError, match="complex128"):
+        table.insert([5], np.zeros((1, 2), complex))
+    with pytest.raises(TypeError, match="<U1"):
+        table.insert([5], [["a", "b"]])
+    with pytest.raises(TypeError, match="integers.*float64"):
+        table.insert(np.array([1.0]), np.zeros((1, 2)))
+    with pytest.raises(TypeError, match="1.5"):
+        table.lookup([1, 1.5])
+    with pytest.raises(TypeError, match="bool"):
+        table.lookup(np.array([True]))
+    with pytest.raises(ValueError, match="int64"):
+        table.lookup(np.array([2**63], np.uint64))
+    with pytest.raises(ValueError, match=str(2**63)):
+        table.insert([1, 2**63], np.zeros((2, 2)))
+    with pytest.raises(ValueError, match=str(-(2**63) - 1)):
+        table.delete([-(2**63) - 1])
+    assert table.lookup(np.array([1], dtype=object)).tolist() == [[1, 1]]  # Python ints in an object array
+    with pytest.raises(TypeError, match="bool"):
+        table.lookup(np.array([1, True], dtype=object))
+    with pytest.raises(ValueError, match="1-D"):
+        table.lookup([[1]])
+    with pytest.raises(ValueError, match="1-D"):
+        table.lookup(1)
+    int_table = HashTable(1, dtype=np.int8)
+    with pytest.raises(TypeError, match="int8"):
+        int_table.insert([1], [[0.5]])
+    assert len(table) == 1 and len(int_table) == 0  # nothing changed by a refused call
+    with pytest.raises(ValueError, match="dim"):
+        HashTable(0)
+    with pytest.raises(TypeError, match="dim"):
+        HashTable(2.0)
+    with pytest.raises(TypeError, match="single string"):
+        HashTable(2, slots="m")
+    with pytest.raises(TypeError, match="slot names"):
+        HashTable(2, slots=("m", ""))
+    with pytest.raises(TypeError, match="name"):
+        HashTable(2, name=1)
+    with pytest.raises(ValueError, match="distinct"):
+        HashTable(2, slots=("m", "m"))
+    with pytest.raises(TypeError, match="numeric"):
+        HashTable(2, dtype=object)
+    with pytest.raises(ValueError, match="2-D"):
+        HashTable.from_export([1], [1.0])
+
+
+def test_values_cast_within_their_kind():
+    table = HashTable(2)
+    table.insert(np.array([3], np.uint8), np.array([[1.5, 2.5]], np.float64))
+    table.insert(np.array([4], np.int16), np.array([[1, 2]], np.int64))
+    table.insert([5], np.array([[True, False]]))
+    assert table.lookup([3, 4, 5]).tolist() == [[1.5, 2.5], [1, 2], [1, 0]]
+    bf16 = HashTable(2, dtype=ml_dtypes.bfloat16)
+    bf16.insert([1], [[1.0, 2.0]])
+    assert bf16.lookup([1]).astype(np.float32).tolist() == [[1.0, 2.0]]
+
+
+def test_equality_nbytes_and_repr():
+    a = HashTable(2, slots=("m",), name="a")
+    b = HashTable(2, slots=("m",), name="b")
+    assert a == b
+    a.insert([1, 2], [[1, 2], [3, 4]])
+    assert a != b
+    b.insert([2, 1], [[3, 4], [1, 2]])
+    assert a == b
+    b.update([1], [[1, 2]], slots={"m": [[0, 1e-30]]})
+    assert a != b
+    assert a != HashTable(2, slots=("v",)) and a != HashTable(2, dtype=np.float64, slots=("m",))
+    assert (a == 3) is False
+    values = np.array([[1, 2], [3, 4]], np.float32)
+    negative_zero = HashTable.from_export([1, 2], values, {"m": [[-0.0, 0], [0, 0]]})
+    assert negative_zero != HashTable.from_export([1, 2], values, {"m": [[0.0, 0], [0, 0]]})  # bytes differ
+    assert a.nbytes == 2 * 8 + 2 * (2 * 2 * 4)
+    assert repr(a) == "HashTable(dim=2, dtype=float32, slots=('m',), name='a', len=2)"
+    with pytest.raises(TypeError):
+        hash(a)
+
+
+def test_delete_moves_rows_and_gives_back_memory():
+    rng = np.random.default_rng(21)
+    ids = rng.permutation(np.arange(-3000, 3000, 3))
+    table = HashTable(2, slots=("m",))
+    table.insert(ids, np.stack([ids, -ids], axis=1), slots={"m": np.stack([ids * 2, ids], axis=1)})
+    gone = rng.choice(ids, 1900, replace=False)
+    assert table.delete(np.concatenate([gone, gone[:10], [10**15]])) == 1900
+    left = np.setdiff1d(ids, gone)
+    assert len(table) == len(left) and table.ids().tolist() == left.tolist()
+    np.testing.assert_array_equal(table.lookup(left), np.stack([left, -left], axis=1))
+    np.testing.assert_array_equal(table.lookup_slot("m", left), np.stack([left * 2, left], axis=1))
+    assert len(table._ids) < 4 * len(table) + 64  # the capacity shrank with the table
+    assert not any(i in table for i in gone[:50].tolist())
+    table.insert(gone[:5], np.zeros((5, 2)))  # re-inserted: slot rows start at zero again
+    assert table.lookup_slot("m", gone[:5]).tolist() == [[0, 0]] * 5
+
+
+def test_a_failed_insert_leaves_the_table_as_it_was(monkeypatch):
+    table = HashTable(1)
+    table.insert([1, 2], [[1.0], [2.0]])
+
+    def no_memory(rows):
+        raise MemoryError("test")
+
+    monkeypatch.setattr(table, "_reserve", no_memory)
+    with pytest.raises(MemoryError):
+        table.insert([2, 3, 4], [[20.0], [3.0], [4.0]])
+    monkeypatch.undo()
+    assert len(table) == 2 and 3 not in table and table.lookup([1, 2]).ravel().tolist() == [1.0, 2.0]
+    table.insert([3, 4], [[3.0], [4.0]])
+    assert table.ids().tolist() == [1, 2, 3, 4] and table.lookup([4, 3]).ravel().tolist() == [4.0, 3.0]
+
+
+def test_tables_with_the_same_length_but_other_ids_differ():
+    a = HashTable.from_export([1, 2], np.zeros((2, 1)))
+    assert a != HashTable.from_export([1, 3], np.zeros((2, 1)))
+    b = HashTable(1, dtype=np.float64)
+    b.insert([2, 1], np.zeros((2, 1)))  # other insertion order, same contents
+    assert a == b and b == a
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_id_index_against_a_dict(seed):
+    from fastckpt._native.idindex import IdIndex, last_occurrence
+
+    rng = np.random.default_rng(seed)
+    index, model, next_row = IdIndex(), {}, 0
+    pool = np.concatenate([np.array(EXTREMES, np.int64), rng.integers(I64_MIN, I64_MAX, 3000, dtype=np.int64)])
+    for _ in range(60):
+        keys = rng.choice(pool, int(rng.integers(0, 400)))
+        rows = np.empty(len(keys), np.int64)
+        if rng.random() < 0.6:
+            before = next_row
+            added = index.upsert(keys, rows, next_row)
+            want = []
+            for k in keys.tolist():
+                if k not in model:
+                    model[k] = next_row
+                    next_row += 1
+                want.append(model[k])
+            assert added == next_row - before and rows.tolist() == want
+        else:
+            removed = index.remove(keys, rows)
+            want = [model.pop(k, -1) for k in keys.tolist()]
+            assert rows.tolist() == want and removed == sum(r >= 0 for r in want)
+        assert len(index) == len(model)
+        probe = rng.choice(pool, 500)
+        found = np.empty(500, np.int64)
+        assert index.find(probe, found) == sum(k not in model for k in probe.tolist())
+        assert found.tolist() == [model.get(k, -1) for k in probe.tolist()]
+    keys = np.array(list(model), np.int64)
+    index.assign(keys, np.arange(len(keys)))
+    found = np.empty(len(keys), np.int64)
+    assert index.find(keys, found) == 0 and found.tolist() == list(range(len(keys)))
+    with pytest.raises(KeyError):
+        index.assign(np.array([I64_MIN + 12345], np.int64), np.array([0], np.int64))
+    keep = np.empty(4, np.uint8)
+    assert last_occurrence(np.array([3, 1, 3, 3]), keep, 4) == 2 and keep.tolist() == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="outside"):
+        last_occurrence(np.array([0, 4]), np.empty(2, np.uint8), 4)
+    index.clear()
+    assert len(index) == 0 and index.find(keys[:3], found[:3]) == min(3, len(keys))
