@@ -19,7 +19,7 @@ FLOORS = [
     ("formats and state", {"formats", "state"}),
     ("device", {"device"}),
     ("faces", {"nn", "stateful", "tf"}),
-    ("faces built on faces", {"io", "train"}),
+    ("faces built on faces", {"io", "train", "sharded"}),
     ("benchmarks", {"bench"}),
     ("commands", {"cli"}),
 ]

@@ -53,6 +53,9 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
             }
             for i in f.infos.values()
         ]
+        if hasattr(f, "hashtables"):  # a sharded checkpoint: its tables, with their id counts
+            d["hashtables"] = f.hashtables()
+            d["world_size"] = f.manifest["world_size"]
         return d
 
 
@@ -70,6 +73,8 @@ def _tf_describer(path: str):
 
 def _format_table(d: dict) -> str:
     lines = [f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors"]
+    for name, t in d.get("hashtables", {}).items():
+        lines.append(f"hashtable {name}: {t['ids']} ids x {t['dim']} {t['dtype']}, slots {t['slots']}")
     if d.get("metadata"):
         lines.append("metadata: " + json.dumps(d["metadata"], ensure_ascii=False))
     rows = [("name", "dtype", "shape", "offset", "nbytes", "align")]

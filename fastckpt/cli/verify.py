@@ -1,4 +1,4 @@
-"""``fastckpt verify DIR``: check a training checkpoint, or a directory of them, without loading it.
+"""``fastckpt verify DIR``: check a training or sharded checkpoint, or a directory of them, without loading it.
 
 For one checkpoint (a directory holding ``manifest.json``) it checks the
 manifest (format, schema version, required keys), that every listed file
@@ -7,7 +7,9 @@ trees and their ``ALIAS(...)`` entries resolve, and that ``extra.json``
 decodes (:func:`fastckpt.train.verify_checkpoint`). For a directory of
 ``step-<N>`` checkpoints (a :class:`~fastckpt.train.CheckpointManager`
 directory) it checks each one and lists leftovers of interrupted saves. It
-prints one line per problem and exits 1 when there is any, 0 otherwise.
+prints one line per problem and exits 1 when there is any, 0 otherwise. A
+sharded checkpoint (:mod:`fastckpt.sharded`) is checked against its manifest:
+every file's size and sha256, and the index, key and description files.
 
 >>> import tempfile, os
 >>> from fastckpt.train import TinyLM, save_checkpoint
@@ -28,7 +30,7 @@ from pathlib import Path
 
 __all__ = ["HELP", "add_parser", "run"]
 
-HELP = "check a training checkpoint's manifest, file sizes and sha256 hashes"
+HELP = "check a training or sharded checkpoint's manifest, file sizes and sha256 hashes"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -60,7 +62,29 @@ def _verify_one(path: Path, hashes: bool, quiet: bool, out) -> int:
     return 0
 
 
+def _verify_sharded(path: Path, hashes: bool, quiet: bool, out) -> int:
+    from fastckpt.errors import FastCkptError
+    from fastckpt.sharded.reader import CheckpointReader
+
+    try:
+        with CheckpointReader(path) as reader:
+            problems = reader.verify() if hashes else []
+            m = reader.manifest
+    except (FastCkptError, OSError) as exc:
+        problems = [str(exc)]
+    if problems:
+        print(f"FAIL {path}", file=out)
+        for p in problems:
+            print(f"  - {p}", file=out)
+        return 1
+    if not quiet:
+        print(f"OK   {path}  sharded: world_size={m['world_size']} parallel={m['parallel']} "
+              f"files={len(m['files'])}{'' if hashes else ' (hashes not checked)'}", file=out)
+    return 0
+
+
 def run(args: argparse.Namespace, out=None) -> int:
+    from fastckpt.sharded.format import DESCRIPTION_FILE
     from fastckpt.train.format import MANIFEST_FILE
 
     out = out or sys.stdout
@@ -68,6 +92,8 @@ def run(args: argparse.Namespace, out=None) -> int:
     if not d.is_dir():
         print(f"FAIL {d}: no such directory", file=out)
         return 1
+    if (d / DESCRIPTION_FILE).exists():
+        return _verify_sharded(d, not args.no_hash, args.quiet, out)
     if (d / MANIFEST_FILE).exists():
         return _verify_one(d, not args.no_hash, args.quiet, out)
     steps = sorted((int(m.group(1)), e) for e in d.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir())

@@ -14,6 +14,9 @@ contract in :mod:`fastckpt.formats.contract` (``keys()``, ``infos``, ``info(name
 - a training-checkpoint directory written by :mod:`fastckpt.train` (it has a
   ``manifest.json``): a :class:`~fastckpt.train.directory.CheckpointDirectory` over its tensor files,
   tensors named ``"<file stem>/<tensor name>"`` (``"weights/fc1.weight"``);
+- a Hugging Face safetensors directory (``model.safetensors.index.json`` and its
+  shards, or one ``model.safetensors``): a
+  :class:`~fastckpt.formats.hfsharded.HFShardedDirectory`, tensors named as in the index;
 - whatever an opener added with :func:`register_opener` accepts (checked
   first: the sharded-checkpoint directory plugs in there).
 
@@ -244,7 +247,9 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
 
     In this order: a path an opener added with :func:`register_opener`
     accepts; a directory: a :mod:`fastckpt.train` checkpoint (``manifest.json``)
-    as a :class:`~fastckpt.train.directory.CheckpointDirectory` (a kind of
+    as a :class:`~fastckpt.train.directory.CheckpointDirectory`, a Hugging Face
+    safetensors directory (``model.safetensors.index.json`` or ``model.safetensors``)
+    as a :class:`~fastckpt.formats.hfsharded.HFShardedDirectory` (kinds of
     :data:`DIRECTORY_READERS`), a TensorFlow checkpoint (its
     ``checkpoint`` state file, else its only ``*.index``) as a
     :class:`fastckpt.tf.CheckpointReader`; a file: a TensorFlow ``.index`` or
@@ -304,6 +309,7 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
             return _open_tf(prefix, **options)
         raise CheckpointNotFoundError(
             f"{p}: a directory fastckpt.open cannot read: expected a fastckpt.train checkpoint (manifest.json), "
+            "a Hugging Face safetensors directory (model.safetensors.index.json or model.safetensors), "
             "a TensorFlow checkpoint (a 'checkpoint' state file or one *.index file), or a directory a "
             "fastckpt.formats.reader.register_opener opener accepts")
     if _is_tf_file(p):
@@ -314,7 +320,12 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
 # Directory kinds of the floors above, by the file that marks them: marker -> "module:reader class". They are
 # named, not imported, so this floor imports nothing above it; a directory of the kind imports its reader when
 # first opened. Each reader takes (path, backend=, copy_on_write=, max_header_size=) and implements the contract.
-DIRECTORY_READERS = {"manifest.json": "fastckpt.train.directory:CheckpointDirectory"}
+# fastckpt.formats.hfsharded is on this floor but is named here all the same, so that opening a file never imports it.
+# A Hugging Face directory with both markers is read from model.safetensors, as transformers does (the reader decides).
+DIRECTORY_READERS = {"torch_rank_weights_embs_table_multi_shard.json": "fastckpt.sharded.reader:CheckpointReader",
+                     "manifest.json": "fastckpt.train.directory:CheckpointDirectory",
+                     "model.safetensors.index.json": "fastckpt.formats.hfsharded:HFShardedDirectory",
+                     "model.safetensors": "fastckpt.formats.hfsharded:HFShardedDirectory"}
 
 
 def _directory_reader(path: str):

@@ -1,0 +1,40 @@
+"""``fastckpt reshard SRC DST --shards M``: rewrite a sharded checkpoint as saved by M ranks.
+
+>>> import argparse
+>>> parser = add_parser(argparse.ArgumentParser().add_subparsers())
+>>> args = parser.parse_args(["ckpt/a", "ckpt/b", "--shards", "3"])
+>>> args.src, args.dst, args.shards, args.parallel
+('ckpt/a', 'ckpt/b', 3, None)
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["HELP", "add_parser", "run"]
+
+HELP = "rewrite a sharded checkpoint for another number of ranks (ids by id mod M, dense rows split again)"
+
+
+def add_parser(subparsers):
+    parser = subparsers.add_parser("reshard", help=HELP, description=HELP)
+    parser.add_argument("src", help="a sharded checkpoint directory")
+    parser.add_argument("dst", help="where to write the resharded checkpoint")
+    parser.add_argument("--shards", type=int, required=True, metavar="M", help="the number of ranks to write for")
+    parser.add_argument("--parallel", type=int, default=None, metavar="P",
+                        help="files per rank (default: the source's)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
+    return parser
+
+
+def run(args) -> int:
+    from fastckpt.errors import FastCkptError
+    from fastckpt.sharded.reshard import reshard
+
+    try:
+        out = reshard(args.src, args.dst, args.shards, parallel=args.parallel, overwrite=args.overwrite)
+    except (FastCkptError, OSError, ValueError, RuntimeError) as exc:
+        print(f"fastckpt reshard: {exc}", file=sys.stderr)
+        return 1
+    print(f"{out}: {args.shards} shards")
+    return 0

@@ -1,0 +1,29 @@
+"""Sharded checkpoints: many ranks save one checkpoint in parallel, any number of ranks load it.
+
+The API of RecIS's serializer:
+
+* :class:`Saver` - ``Saver(shard_index, shard_num, parallel, path, hashtables, tensors, filter_func).save()``;
+* :class:`Loader` - ``Loader(checkpoint_path, hashtables, tensors, parallel, filter_func).load()``, resharding
+  a checkpoint of N ranks onto M;
+* :class:`CheckpointReader` - ``tensor_names()``, ``tensor_shape(name)``, ``tensor_dtype(name)``,
+  ``read_tensor(name)``;
+* :class:`HashTable` - a sparse table id -> row, with optimizer slots that follow their ids;
+* :func:`split_sparse_dense_state_dict`.
+
+The directory layout is specified in :mod:`fastckpt.sharded.format`; ranks are coordinated by an engine of
+:mod:`fastckpt.sharded.engine` (MPI through mpi4py, threads, or none for one rank).
+
+>>> import numpy as np, tempfile, os
+>>> from fastckpt.sharded import CheckpointReader, HashTable, Saver
+>>> out = os.path.join(tempfile.mkdtemp(), "ckpt")
+>>> _ = Saver(path=out, parallel=1, tensors={"w": np.ones((2, 2), np.float32)}).save()
+>>> CheckpointReader(out).read_tensor("w").sum()
+np.float32(4.0)
+"""
+
+from fastckpt.sharded.hashtable import HashTable
+from fastckpt.sharded.loader import Loader
+from fastckpt.sharded.reader import CheckpointReader
+from fastckpt.sharded.saver import Saver, WriteBlock, split_sparse_dense_state_dict
+
+__all__ = ["Saver", "Loader", "CheckpointReader", "HashTable", "WriteBlock", "split_sparse_dense_state_dict"]

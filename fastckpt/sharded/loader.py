@@ -1,0 +1,183 @@
+"""``Loader``: this rank's share of a sharded checkpoint, on any number of ranks (resharding N -> M).
+
+A checkpoint saved by N ranks loads on M ranks exactly, for any N, M >= 1:
+
+* hashtables: every id goes to the rank its *owner rule* names (default
+  ``id mod M``, non-negative for negative ids too; pass ``owner(ids, M) ->
+  ranks`` for another), its embedding row and slot rows with it. Each rank
+  reads the id parts, then only the rows it owns (zero-copy views of the
+  mapped files: the other rows' pages are never read).
+* dense tensors: ``dense="replicated"`` (default, as in data parallel
+  training) gives every rank the whole tensor; ``dense="rows"`` gives rank
+  ``j`` rows ``[j*R//M, (j+1)*R//M)``. Either way only the parts overlapping
+  those rows are read.
+
+``filter_func`` receives the load information (a dict ``{"tensors": {name:
+{"dtype", "shape", "rows"}}, "hashtables": {name: {"dim", "dtype", "slots",
+"ids"}}}`` for everything this Loader would load) and returns it with the
+entries to skip removed.
+
+>>> import numpy as np, tempfile, os
+>>> from fastckpt.sharded import HashTable, Saver
+>>> out = os.path.join(tempfile.mkdtemp(), "c")
+>>> t = HashTable(dim=1); t.insert(np.arange(6), np.arange(6, dtype=np.float32)[:, None])
+>>> _ = Saver(path=out, parallel=1, hashtables={"emb": t}).save()
+>>> mine = {"emb": HashTable(dim=1)}
+>>> _ = Loader(out, hashtables=mine, shard_index=1, shard_num=2).load()
+>>> mine["emb"].ids().tolist()                    # rank 1 of 2 owns the odd ids
+[1, 3, 5]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import difflib
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+from fastckpt.sharded.format import rows_of
+from fastckpt.sharded.hashtable import HashTable
+from fastckpt.sharded.reader import CheckpointReader
+
+__all__ = ["Loader", "owner_mod"]
+
+
+def owner_mod(ids: np.ndarray, shard_num: int) -> np.ndarray:
+    """The default owner rule: ``id mod shard_num`` (numpy's ``%``: non-negative for negative ids).
+
+    >>> owner_mod(np.array([-3, 0, 5]), 4).tolist()
+    [1, 0, 1]
+    """
+    return np.mod(ids, shard_num)
+
+
+class Loader:
+    """Load this rank's share of a sharded checkpoint into ``hashtables`` and ``tensors`` (see the module docs).
+
+    ``hashtables`` maps names to :class:`HashTable` objects to fill (their
+    contents are replaced; dim and dtype must match the checkpoint, their
+    slots must be among the checkpoint's); empty or None: every table of the
+    checkpoint is loaded into a new ``HashTable`` added to the dict.
+    ``tensors`` maps names to arrays: an array of the right shape and dtype is
+    filled in place, anything else is replaced; empty or None: every dense
+    tensor is loaded. ``shard_index`` / ``shard_num`` say which rank of how
+    many this is (default: 0 of 1, the whole checkpoint).
+    """
+
+    def __init__(self, checkpoint_path: str, hashtables: dict | None = None, tensors: dict | None = None,
+                 parallel: int = 16, filter_func: Callable[[dict], dict] = lambda info: info, *,
+                 shard_index: int = 0, shard_num: int = 1,
+                 owner: Callable[[np.ndarray, int], np.ndarray] = owner_mod, dense: str = "replicated"):
+        if type(shard_num) is not int or shard_num < 1 or type(shard_index) is not int \
+                or not 0 <= shard_index < shard_num:
+            raise ValueError(f"shard_index {shard_index!r} of shard_num {shard_num!r}: need 0 <= index < num")
+        if dense not in ("replicated", "rows"):
+            raise ValueError(f"dense must be 'replicated' or 'rows', got {dense!r}")
+        if type(parallel) is not int or parallel < 1:
+            raise ValueError(f"parallel must be a positive int, got {parallel!r}")
+        self.checkpoint_path = os.fspath(checkpoint_path)
+        self.hashtables = hashtables if hashtables is not None else {}
+        self.tensors = tensors if tensors is not None else {}
+        self.parallel, self.filter_func = parallel, filter_func
+        self.shard_index, self.shard_num, self.owner, self.dense = shard_index, shard_num, owner, dense
+
+    def load_info(self, reader: CheckpointReader) -> dict[str, Any]:
+        """What :meth:`load` would load from ``reader``, before ``filter_func``."""
+        tables = reader.hashtables()
+        wanted_tables = list(self.hashtables) or list(tables)
+        dense = reader.manifest.get("tensors", {})
+        wanted_dense = list(self.tensors) or list(dense)
+        for name in wanted_tables:
+            if name not in tables:
+                raise KeyError(self._unknown(reader, "hashtable", name, tables))
+        for name in wanted_dense:
+            if name not in dense:
+                raise KeyError(self._unknown(reader, "dense tensor", name, dense))
+        info: dict[str, Any] = {"tensors": {}, "hashtables": {}}
+        for name in wanted_dense:
+            shape = list(dense[name]["shape"])
+            if not shape:
+                rows = (0, 0)  # a 0-d tensor: every rank gets it whole
+            elif self.dense == "replicated":
+                rows = (0, shape[0])
+            else:
+                rows = rows_of(self.shard_index, self.shard_num, shape[0])
+            info["tensors"][name] = {"dtype": dense[name]["dtype"], "shape": shape, "rows": list(rows)}
+        for name in wanted_tables:
+            info["hashtables"][name] = dict(tables[name])
+        return info
+
+    @staticmethod
+    def _unknown(reader, what: str, name: str, known) -> str:
+        close = difflib.get_close_matches(name, list(known), n=3)
+        return (f"{reader.path}: the checkpoint has no {what} {name!r}" + (f"; close matches: {close}" if close else
+                                                                            f"; it has {sorted(known)[:8]}"))
+
+    def load(self) -> tuple[dict, dict]:
+        """Read and fill; returns ``(hashtables, tensors)``, the dicts given (or made)."""
+        with CheckpointReader(self.checkpoint_path) as reader:
+            info = self.filter_func(self.load_info(reader))
+            jobs = [(self._load_dense, name, entry) for name, entry in info.get("tensors", {}).items()]
+            jobs += [(self._load_table, name, entry) for name, entry in info.get("hashtables", {}).items()]
+            with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(jobs)))) as pool:
+                for future in [pool.submit(fn, reader, name, entry) for fn, name, entry in jobs]:
+                    future.result()
+        return self.hashtables, self.tensors
+
+    def _load_dense(self, reader: CheckpointReader, name: str, entry: dict) -> None:
+        start, end = entry["rows"]
+        shape = tuple(entry["shape"])
+        dtype = reader.tensor_dtype(name)
+        if not shape:
+            out = np.array(reader.host(reader.part_names(name)[0]))
+        else:
+            out = np.empty((end - start, *shape[1:]), dtype)
+            for key in reader.part_names(name):
+                d = reader.descriptions[key]
+                p_start = d["row_start"]
+                p_end = p_start + d["shape"][0]
+                lo, hi = max(start, p_start), min(end, p_end)
+                if lo < hi:
+                    out[lo - start:hi - start] = reader.host(key)[lo - p_start:hi - p_start]
+        target = self.tensors.get(name)
+        if isinstance(target, np.ndarray) and target.shape == out.shape and target.dtype == out.dtype \
+                and target.flags.writeable:
+            target[...] = out
+        else:
+            self.tensors[name] = out
+
+    def _load_table(self, reader: CheckpointReader, name: str, entry: dict) -> None:
+        slots = list(entry["slots"])
+        table = self.hashtables.get(name)
+        if table is None:
+            table = self.hashtables[name] = HashTable(entry["dim"], dtype=reader.tensor_dtype(f"{name}.embedding"),
+                                                      slots=slots, name=name)
+        if table.dim != entry["dim"] or np.dtype(table.dtype).name != entry["dtype"]:
+            raise ValueError(f"{reader.path}: hashtable {name!r} is dim {entry['dim']} {entry['dtype']} in the "
+                             f"checkpoint, the table given is dim {table.dim} {np.dtype(table.dtype).name}")
+        missing = sorted(set(table.slots) - set(slots))
+        if missing:
+            raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
+                             f"(it has {slots})")
+        ids_parts, value_parts = [], []
+        slot_parts: dict[str, list] = {s: [] for s in table.slots}
+        for id_key, value_key in zip(reader.part_names(f"{name}.id"), reader.part_names(f"{name}.embedding")):
+            ids = reader.host(id_key)
+            if len(ids) == 0:
+                continue
+            ranks = np.asarray(self.owner(ids, self.shard_num))
+            if ranks.shape != ids.shape:
+                raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
+            mine = np.flatnonzero(ranks == self.shard_index)
+            ids_parts.append(ids[mine])
+            value_parts.append(reader.host(value_key)[mine])
+            suffix = id_key[len(f"{name}.id"):]
+            for slot in table.slots:
+                slot_parts[slot].append(reader.host(f"{name}.{slot}{suffix}")[mine])
+        dim = table.dim
+        ids = np.concatenate(ids_parts) if ids_parts else np.empty(0, np.int64)
+        values = np.concatenate(value_parts) if value_parts else np.empty((0, dim), table.dtype)
+        slot_values = {s: (np.concatenate(p) if p else np.empty((0, dim), table.dtype)) for s, p in slot_parts.items()}
+        table.import_(ids, values, slot_values, clear=True)

@@ -1,0 +1,62 @@
+"""Rewrite a sharded checkpoint for another number of ranks (``fastckpt reshard SRC DST --shards M``).
+
+Loading already reshards (a :class:`~fastckpt.sharded.Loader` on M ranks reads
+a checkpoint of N); this writes the M-rank layout to disk, so that later loads
+read each part whole. Every new rank's share is loaded and saved in this
+process, the M ranks running as threads.
+
+>>> import numpy as np, tempfile, os
+>>> from fastckpt.sharded import CheckpointReader, HashTable, Saver
+>>> d = tempfile.mkdtemp(); t = HashTable(dim=1); t.insert(np.arange(5), np.zeros((5, 1), np.float32))
+>>> _ = Saver(path=os.path.join(d, "a"), parallel=1, hashtables={"emb": t}).save()
+>>> _ = reshard(os.path.join(d, "a"), os.path.join(d, "b"), shards=2, parallel=1)
+>>> CheckpointReader(os.path.join(d, "b")).manifest["world_size"]
+2
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from fastckpt.sharded.engine import ThreadEngine
+from fastckpt.sharded.loader import Loader
+from fastckpt.sharded.reader import CheckpointReader
+from fastckpt.sharded.saver import Saver
+
+__all__ = ["reshard"]
+
+
+def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, parallel: int | None = None,
+            overwrite: bool = False, timeout: float = 600.0) -> str:
+    """Write the checkpoint at ``src`` again at ``dst`` as saved by ``shards`` ranks; returns ``dst``.
+
+    ``parallel`` (files per rank) defaults to the source's. Hashtable ids go
+    to the rank ``id mod shards``; dense tensors are split by rows as a
+    ``shards``-rank save splits them. The result holds exactly the source's
+    values.
+    """
+    if type(shards) is not int or shards < 1:
+        raise ValueError(f"shards must be a positive int, got {shards!r}")
+    with CheckpointReader(src) as reader:
+        parallel = reader.manifest["parallel"] if parallel is None else parallel
+    engines = ThreadEngine.group(shards)
+    errors: list = [None] * shards
+
+    def run(rank: int) -> None:
+        try:
+            tables, tensors = Loader(os.fspath(src), shard_index=rank, shard_num=shards).load()
+            Saver(shard_index=rank, shard_num=shards, parallel=parallel, path=os.fspath(dst), hashtables=tables,
+                  tensors=tensors, engine=engines[rank], timeout=timeout, overwrite=overwrite).save()
+        except BaseException as exc:  # noqa: BLE001 - reported below, the first one raised
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"fastckpt-reshard-{r}") for r in range(shards)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return os.fspath(dst)

@@ -1,0 +1,393 @@
+"""``Saver``: every rank writes its shard of the state, rank 0 commits the checkpoint.
+
+The directory layout is specified in :mod:`fastckpt.sharded.format`. Each
+rank passes the full value of every dense tensor (replicated, as in data
+parallel training) and its own hashtables (the ids it owns); rank ``i`` of
+``n`` writes rows ``[i*R//n, (i+1)*R//n)`` of each dense tensor and all rows
+of its hashtables, spread over ``parallel`` files written by as many threads
+(the writer releases the GIL in ``writev``).
+
+``filter_func`` receives the rank's list of :class:`WriteBlock` (one per
+stored tensor, before anything is written) and returns the blocks to write:
+it may drop blocks, not add or change them, and must keep or drop a
+hashtable's id, embedding and slot blocks together.
+
+>>> import numpy as np, tempfile, os
+>>> from fastckpt.sharded import HashTable, Saver
+>>> table = HashTable(dim=2, slots=("m",))
+>>> table.insert(np.array([5, -1]), np.ones((2, 2), np.float32))
+>>> out = os.path.join(tempfile.mkdtemp(), "ckpt")
+>>> os.path.basename(Saver(path=out, parallel=2, hashtables={"emb": table}, tensors={"w": np.eye(2)}).save())
+'ckpt'
+>>> sorted(os.listdir(out))[:3]
+['index.json', 'manifest.json', 'model-00000-000.safetensors']
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from fastckpt.formats.atomic import _partial_name, _pid_alive, _swap_in, fsync_directory
+from fastckpt.formats.hashing import sha256_file
+from fastckpt.formats.safetensors import save_safetensors
+from fastckpt.sharded.format import (
+    DESCRIPTION_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    TENSORKEY_FILE,
+    dumps,
+    part_key,
+    rows_of,
+    tensor_file_name,
+)
+from fastckpt.sharded.hashtable import HashTable
+from fastckpt.state import as_numpy
+
+__all__ = ["Saver", "WriteBlock", "split_sparse_dense_state_dict"]
+
+_SUFFIX = ".partial"
+# Staging directories this process made for saves that failed: removed by the next save (rank 0).
+_failed_staging: set[str] = set()
+_failed_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class WriteBlock:
+    """One tensor a rank is about to write: its stored key, the original name, its kind and the array.
+
+    ``kind`` is ``"dense"``, ``"id"``, ``"embedding"`` or ``"slot"``; ``table`` names the hashtable of the
+    last three; ``description`` is the entry the description file will hold.
+    """
+
+    key: str
+    tensor: str
+    kind: str
+    array: np.ndarray
+    table: str | None
+    description: dict
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+
+def split_sparse_dense_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict, dict]:
+    """``(sparse, dense)``: the :class:`HashTable` values of ``state_dict``, and every other value.
+
+    >>> sparse, dense = split_sparse_dense_state_dict({"emb": HashTable(dim=4), "w": np.zeros(2)})
+    >>> list(sparse), list(dense)
+    (['emb'], ['w'])
+    """
+    sparse, dense = {}, {}
+    for name, value in state_dict.items():
+        (sparse if isinstance(value, HashTable) else dense)[name] = value
+    return sparse, dense
+
+
+def _dense_items(tensors) -> list[tuple[str, Any]]:
+    if tensors is None:
+        return []
+    if isinstance(tensors, Mapping):
+        return list(tensors.items())
+    items = list(tensors)
+    if not all(isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str) for t in items):
+        raise TypeError("tensors must be a dict name -> array, or a list of (name, array) pairs")
+    return items
+
+
+def _check_name(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"{what} name {name!r} must be a non-empty str without '/' (stored keys add '/part_i_n')")
+    return name
+
+
+def _dimension(shape: tuple) -> int:
+    return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
+
+
+class Saver:
+    """Save this rank's shard of a sharded checkpoint (see the module docs); :meth:`save` does the work.
+
+    ``engine`` (a :class:`fastckpt.sharded.engine.Engine`) coordinates the
+    ranks; by default :func:`~fastckpt.sharded.engine.default_engine` picks one
+    (none is needed for ``shard_num=1``; MPI when run under ``mpiexec``).
+    ``timeout`` bounds every wait for the other ranks. An existing checkpoint
+    at ``path`` is an error unless ``overwrite=True``.
+
+    >>> import numpy as np, tempfile, os
+    >>> out = os.path.join(tempfile.mkdtemp(), "c")
+    >>> Saver(path=out, parallel=1, tensors=[("bias", np.arange(3.0))]).save() == out
+    True
+    """
+
+    def __init__(self, shard_index: int = 0, shard_num: int = 1, parallel: int = 8, path: str = ".",
+                 hashtables: dict | None = None, tensors: list | dict | None = None,
+                 filter_func: Callable[[list], list] = lambda blocks: blocks, *, engine=None,
+                 timeout: float = 600.0, overwrite: bool = False):
+        if type(shard_num) is not int or shard_num < 1:
+            raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
+        if type(shard_index) is not int or not 0 <= shard_index < shard_num:
+            raise ValueError(f"shard_index must be an int in [0, {shard_num}), got {shard_index!r}")
+        if type(parallel) is not int or not 1 <= parallel <= 999:
+            raise ValueError(f"parallel must be an int from 1 to 999, got {parallel!r}")
+        self.shard_index, self.shard_num, self.parallel = shard_index, shard_num, parallel
+        self.path = os.fspath(path)
+        self.hashtables = dict(hashtables or {})
+        for name, table in self.hashtables.items():
+            _check_name(name, "hashtable")
+            if not isinstance(table, HashTable):
+                raise TypeError(f"hashtables[{name!r}] is a {type(table).__name__}, not a fastckpt HashTable")
+        self.tensors = _dense_items(tensors)
+        for name, _ in self.tensors:
+            _check_name(name, "tensor")
+        clash = {n for n, _ in self.tensors} & {f"{t}.{r}" for t, tab in self.hashtables.items()
+                                                for r in ("id", "embedding", *tab.slots)}
+        if clash:
+            raise ValueError(f"dense tensor names {sorted(clash)} clash with hashtable tensor names")
+        self.filter_func = filter_func
+        self.engine = engine
+        self.timeout = timeout
+        self.overwrite = overwrite
+
+    # -- the blocks this rank writes ------------------------------------------------------------------
+    def blocks(self) -> list[WriteBlock]:
+        """This rank's write blocks before ``filter_func``: its rows of every dense tensor, its hashtables.
+
+        >>> [b.key for b in Saver(tensors={"w": np.zeros((4, 2))}, shard_index=1, shard_num=2).blocks()]
+        ['w/part_1_2']
+        """
+        i, n = self.shard_index, self.shard_num
+        out = []
+        for name, value in self.tensors:
+            array = as_numpy(value)
+            if array is None:
+                raise TypeError(f"tensors[{name!r}] is a {type(value).__name__}, not an array")
+            if array.dtype.hasobject:
+                raise TypeError(f"tensors[{name!r}] is an object array; nothing is pickled")
+            if array.ndim == 0:
+                if i != 0:
+                    continue
+                part, (start, pi, pn) = array, (0, 0, 1)
+            else:
+                start, end = rows_of(i, n, array.shape[0])
+                part, pi, pn = array[start:end], i, n
+            key = part_key(name, pi, pn)
+            out.append(WriteBlock(key, name, "dense", part, None, {
+                "name": key, "dense": True, "dimension": _dimension(array.shape), "dtype": array.dtype.name,
+                "shape": list(part.shape), "is_hashmap": False, "tensor": name, "part": [pi, pn],
+                "row_start": start, "global_shape": list(array.shape)}))
+        for table_name, table in self.hashtables.items():
+            ids, values, slots = table.export()
+            id_key = part_key(f"{table_name}.id", i, n)
+            value_key = part_key(f"{table_name}.embedding", i, n)
+            roles = [("id", f"{table_name}.id", ids, None), ("embedding", f"{table_name}.embedding", values, None)]
+            roles += [("slot", f"{table_name}.{slot}", slots[slot], slot) for slot in table.slots]
+            for role, tensor, array, slot in roles:
+                key = part_key(tensor, i, n)
+                desc = {"name": key, "dense": False, "dimension": 1 if role == "id" else table.dim,
+                        "dtype": array.dtype.name, "shape": list(array.shape), "is_hashmap": True,
+                        "hashmap_key": id_key, "hashmap_value": value_key, "tensor": tensor, "part": [i, n],
+                        "table": table_name, "role": role}
+                if slot is not None:
+                    desc["slot"] = slot
+                out.append(WriteBlock(key, tensor, "slot" if slot else role, array, table_name, desc))
+        return out
+
+    def _filtered(self) -> list[WriteBlock]:
+        blocks = self.blocks()
+        kept = self.filter_func(list(blocks))
+        known = {id(b) for b in blocks}
+        if not isinstance(kept, list) or any(id(b) not in known for b in kept):
+            raise TypeError("filter_func must return a list of the WriteBlocks it was given (it may only drop some)")
+        tables = {}
+        for b in blocks:
+            if b.table is not None:
+                tables.setdefault(b.table, []).append(any(b is k for k in kept))
+        torn = sorted(t for t, flags in tables.items() if any(flags) and not all(flags))
+        if torn:
+            raise ValueError(f"filter_func kept some but not all blocks of hashtables {torn}: keep or drop a "
+                             "table's id, embedding and slot blocks together")
+        return kept
+
+    # -- writing --------------------------------------------------------------------------------------
+    def _write_files(self, staging: Path, blocks: list[WriteBlock]) -> dict:
+        files: list[list[WriteBlock]] = [[] for _ in range(self.parallel)]
+        loads = [0] * self.parallel
+        for block in sorted(blocks, key=lambda b: (-b.nbytes, b.key)):  # largest first onto the lightest file
+            k = loads.index(min(loads))
+            files[k].append(block)
+            loads[k] += block.nbytes
+        names = [tensor_file_name(self.shard_index, k) for k in range(self.parallel)]
+
+        def write(k: int) -> tuple[str, dict]:
+            path = staging / names[k]
+            save_safetensors(path, {b.key: b.array for b in files[k]}, {"fastckpt.format": FORMAT})
+            digest, size = sha256_file(path)
+            return names[k], {"size": size, "sha256": digest}
+
+        with concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-shard") as pool:
+            written = dict(pool.map(write, range(self.parallel)))
+        block_index = {b.key: self.shard_index * self.parallel + k for k in range(self.parallel) for b in files[k]}
+        tables = {}
+        for name, table in self.hashtables.items():
+            if any(b.table == name for b in blocks):
+                tables[name] = {"dim": table.dim, "dtype": np.dtype(table.dtype).name, "slots": list(table.slots),
+                                "ids": len(table)}
+        return {"rank": self.shard_index, "shard_num": self.shard_num, "parallel": self.parallel,
+                "files": written, "block_index": block_index,
+                "tensorkey": {b.key: b.tensor for b in blocks},
+                "descriptions": {b.key: b.description for b in blocks}, "tables": tables}
+
+    def save(self) -> str:
+        """Write this rank's files; on rank 0 also commit the checkpoint. Returns the checkpoint's path.
+
+        Every rank of the save must call it. A rank that does not report
+        within ``timeout`` makes rank 0 raise
+        :class:`~fastckpt.sharded.engine.BarrierTimeoutError` naming it; the
+        staging directory is then removed and no checkpoint appears.
+        """
+        from fastckpt.sharded.engine import default_engine
+
+        engine = self.engine if self.engine is not None else default_engine(self.shard_index, self.shard_num)
+        if (engine.rank, engine.size) != (self.shard_index, self.shard_num):
+            raise ValueError(f"the engine is rank {engine.rank} of {engine.size}, but this Saver is shard "
+                             f"{self.shard_index} of {self.shard_num}")
+        final = Path(self.path).absolute()
+        root = engine.rank == 0
+        start: dict = {}
+        if root:
+            try:
+                start = {"staging": os.fspath(self._begin(final))}
+            except Exception as exc:
+                start = {"error": f"{type(exc).__name__}: {exc}"}
+        try:
+            start = engine.broadcast(start, root=0, timeout=self.timeout)
+        except BaseException:
+            if root and "staging" in start:  # a rank did not even start: nothing may stay behind
+                self._abandon(Path(start["staging"]))
+            raise
+        if "error" in start:
+            raise RuntimeError(f"sharded save to {final}: rank 0 could not start it: {start['error']}")
+        staging = Path(start["staging"])
+        error = None
+        try:
+            report = self._write_files(staging, self._filtered())
+        except Exception as exc:
+            report, error = {"error": f"rank {self.shard_index}: {type(exc).__name__}: {exc}"}, exc
+        try:
+            reports = engine.gather(report, root=0, timeout=self.timeout)
+        except BaseException:
+            if root:  # a rank did not report: no checkpoint, nothing left behind
+                self._abandon(staging)
+            raise
+        commit_error = None
+        if root:
+            try:
+                failed = [r["error"] for r in reports if "error" in r]
+                if failed:
+                    raise RuntimeError("; ".join(failed))
+                self._commit(staging, final, reports)
+                status = {"ok": True}
+            except BaseException as exc:
+                self._abandon(staging)
+                status, commit_error = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, exc
+            engine.broadcast(status, root=0, timeout=self.timeout)
+        else:
+            status = engine.broadcast(None, root=0, timeout=self.timeout)
+        if error is not None:
+            raise error
+        if commit_error is not None:
+            raise commit_error
+        if not status["ok"]:
+            raise RuntimeError(f"sharded save to {final} failed on rank 0: {status['error']}")
+        return str(Path(self.path))
+
+    def _begin(self, final: Path) -> Path:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _sweep(final.parent)
+        if final.exists() and not self.overwrite:
+            raise FileExistsError(f"{final}: already exists; pass overwrite=True to replace it")
+        staging = _partial_name(final)
+        staging.mkdir()
+        return staging
+
+    @staticmethod
+    def _abandon(staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+        if staging.exists():
+            with _failed_lock:
+                _failed_staging.add(os.fspath(staging))
+
+    def _commit(self, staging: Path, final: Path, reports: list[dict]) -> None:
+        files, block_index, tensorkey, descriptions, tables = {}, {}, {}, {}, {}
+        for r in reports:
+            if (r["shard_num"], r["parallel"]) != (self.shard_num, self.parallel):
+                raise ValueError(f"rank {r['rank']} saved with shard_num {r['shard_num']} and parallel "
+                                 f"{r['parallel']}; rank 0 with {self.shard_num} and {self.parallel}")
+            files.update(r["files"])
+            block_index.update(r["block_index"])
+            tensorkey.update(r["tensorkey"])
+            descriptions.update(r["descriptions"])
+            for name, t in r["tables"].items():
+                if name in tables and {k: v for k, v in tables[name].items() if k != "ids"} != \
+                        {k: v for k, v in t.items() if k != "ids"}:
+                    raise ValueError(f"hashtable {name!r} differs between ranks (dim, dtype or slots)")
+                tables.setdefault(name, {**t, "ids": 0})["ids"] += t["ids"]
+        dense = {}
+        for desc in descriptions.values():
+            if desc["dense"]:
+                dense[desc["tensor"]] = {"dtype": desc["dtype"], "shape": desc["global_shape"]}
+        file_index = {tensor_file_name(r, k): r * self.parallel + k
+                      for r in range(self.shard_num) for k in range(self.parallel)}
+        for name, content in ((INDEX_FILE, {"block_index": block_index, "file_index": file_index}),
+                              (TENSORKEY_FILE, tensorkey), (DESCRIPTION_FILE, descriptions)):
+            data = dumps(content)
+            _write_synced(staging / name, data)
+            files[name] = {"size": len(data), "sha256": sha256_file(staging / name)[0]}
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": self.shard_num,
+                    "parallel": self.parallel, "files": files, "tensors": dense, "hashtables": tables}
+        _write_synced(staging / MANIFEST_FILE, dumps(manifest))
+        fsync_directory(staging)
+        if final.exists() and not self.overwrite:
+            raise FileExistsError(f"{final}: appeared during the save; pass overwrite=True to replace it")
+        _swap_in(staging, final)
+        fsync_directory(final.parent)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sweep(parent: Path) -> None:
+    """Remove staging directories of failed saves: this process's, and any whose process is gone."""
+    with _failed_lock:
+        for path in list(_failed_staging):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                _failed_staging.discard(path)
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(".") and name.endswith(_SUFFIX) and entry.is_dir(follow_symlinks=False)):
+            continue
+        parts = name[: -len(_SUFFIX)].rsplit(".", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue
+        if not _pid_alive(int(parts[1])):
+            shutil.rmtree(entry.path, ignore_errors=True)
