@@ -322,7 +322,7 @@ def test_cli_inspect_verify_and_reshard(tmp_path, capsys):
     save_ranks(tmp_path / "c", 4)
     assert main(["inspect", str(tmp_path / "c"), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["format"] == "fastckpt.sharded" and d["world_size"] == 4
+    assert d["format"] == "fastckpt.sharded" and d["world_size"] == 4 and len(d["files"]) == 4 * 2 + 3
     assert d["hashtables"]["emb"]["ids"] == len(global_ids())
     assert "emb.id/part_3_4" in [t["name"] for t in d["tensors"]]
     assert main(["verify", str(tmp_path / "c")]) == 0
@@ -341,3 +341,23 @@ def test_cli_inspect_verify_and_reshard(tmp_path, capsys):
     (tmp_path / "c" / "model-00002-001.safetensors").write_bytes(b"x")
     assert main(["verify", str(tmp_path / "c")]) == 1
     assert "model-00002-001.safetensors" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, damage, message", [
+    (MANIFEST_FILE, lambda t: t.replace('"fastckpt.sharded"', '"other"'), "'format' is 'other'"),
+    (MANIFEST_FILE, lambda t: t[: len(t) // 2], "manifest.json: not valid JSON"),
+    (MANIFEST_FILE, lambda t: t.replace('"format_version": 1', '"format_version": 9'), "format version 9 is newer"),
+    (TENSORKEY_FILE, lambda t: t.replace('"w"', '"v"', 1), "disagree"),
+    (TENSORKEY_FILE, lambda t: "[]", "tensorkey.json: expected a JSON object"),
+    (DESCRIPTION_FILE, lambda t: t[:-3], "not valid JSON"),
+    (DESCRIPTION_FILE, lambda t: t.replace('"shape": [\n   5,\n   4\n  ]', '"shape": [\n   6,\n   4\n  ]', 1),
+     "the description says"),
+    (INDEX_FILE, lambda t: t.replace('"model-00001-000.safetensors": 1', '"model-00001-000.safetensors": 7'),
+     "file_index"),
+])
+def test_damaged_metadata_files_are_named(tmp_path, name, damage, message):
+    save_ranks(tmp_path / "c", 2, parallel=1)
+    path = tmp_path / "c" / name
+    path.write_text(damage(path.read_text()))
+    with pytest.raises(FormatError, match=message):
+        CheckpointReader(tmp_path / "c")

@@ -56,6 +56,7 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
         if hasattr(f, "hashtables"):  # a sharded checkpoint: its tables, with their id counts
             d["hashtables"] = f.hashtables()
             d["world_size"] = f.manifest["world_size"]
+            d["files"] = {name: entry["size"] for name, entry in sorted(f.manifest["files"].items())}
         return d
 
 
@@ -73,6 +74,8 @@ def _tf_describer(path: str):
 
 def _format_table(d: dict) -> str:
     lines = [f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors"]
+    if "files" in d:
+        lines.append(f"{len(d['files'])} files, {sum(d['files'].values())} bytes, world size {d['world_size']}")
     for name, t in d.get("hashtables", {}).items():
         lines.append(f"hashtable {name}: {t['ids']} ids x {t['dim']} {t['dtype']}, slots {t['slots']}")
     if d.get("metadata"):
