@@ -79,7 +79,7 @@ import numpy as np
 from fastckpt.errors import TensorNotFoundError
 from fastckpt.info import TensorInfo
 
-__all__ = ["TensorReader", "ReaderMapping", "tensor_not_found"]
+__all__ = ["TensorReader", "ReaderMapping", "MultiFileReader", "tensor_not_found"]
 
 
 @runtime_checkable
@@ -182,3 +182,27 @@ class ReaderMapping(MappingABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class MultiFileReader(ReaderMapping):
+    """A reader over several open files (``files``: name -> file): closing it closes them all.
+
+    >>> class Two(MultiFileReader):
+    ...     path, infos, files, _closed = "two", {}, {}, False
+    >>> r = Two(); r.close(); r.closed
+    True
+    """
+
+    files: Mapping[str, Any]
+    _closed: bool
+
+    def close(self) -> None:
+        """Close every file (idempotent); views already made stay valid."""
+        for f in self.files.values():
+            f.close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._closed

@@ -187,7 +187,7 @@ import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
 from fastckpt.formats.atomic import _partial_path, atomic_write, fsync_directory, remove_stale_partials
-from fastckpt.formats.contract import ReaderMapping, tensor_not_found
+from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.formats.safetensors import DEFAULT_ALIGNMENT, _checked_metadata, dtype_to_safetensors, save_safetensors
 from fastckpt.info import TensorInfo
@@ -516,7 +516,7 @@ def _shown(names, limit: int = 5) -> str:
     return ", ".join(map(repr, names[:limit])) + (", ..." if len(names) > limit else "")
 
 
-class HFShardedDirectory(ReaderMapping):
+class HFShardedDirectory(MultiFileReader):
     """A Hugging Face safetensors checkpoint directory (sharded, or one ``model.safetensors``) as one reader.
 
     Obtain one with :func:`fastckpt.open` on the directory, or construct it
@@ -667,17 +667,6 @@ class HFShardedDirectory(ReaderMapping):
         return self._parts
 
     # -- lifetime --------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Close every shard (idempotent); views already made stay valid."""
-        for f in self.files.values():
-            f.close()
-        self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` has run."""
-        return self._closed
-
     def __repr__(self) -> str:
         if self._closed:
             return "<Closed fastckpt.HFShardedDirectory>"

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import difflib
 import os
-import threading
 from types import MappingProxyType
 from typing import Mapping
 
 import numpy as np
 
 from fastckpt.errors import FormatError, IntegrityError, TensorNotFoundError
-from fastckpt.formats.contract import ReaderMapping
+from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.hashing import sha256_file
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo
@@ -57,7 +56,7 @@ def _dtype(name: str, where: str) -> np.dtype:
         return np.dtype(ext)
 
 
-class CheckpointReader(ReaderMapping):
+class CheckpointReader(MultiFileReader):
     """Read a sharded checkpoint directory (see the module docs).
 
     ``verify=True`` checks every file's size and sha256 against the manifest
@@ -76,8 +75,7 @@ class CheckpointReader(ReaderMapping):
         self._block_index = meta["index"]["block_index"]
         self._file_of_number = meta["index"]["files"]
         self._options = {"backend": backend, "copy_on_write": copy_on_write}
-        self._files: dict[str, TensorFile] = {}
-        self._lock = threading.Lock()
+        self.files: dict[str, TensorFile] = {}
         self._closed = False
         # Whole tensors: original name -> stored keys in part order.
         parts: dict[str, list[tuple[int, str]]] = {}
@@ -92,7 +90,7 @@ class CheckpointReader(ReaderMapping):
         try:
             for number in sorted(self._file_of_number):
                 name = self._file_of_number[number]
-                f = self._files[name] = open_file(os.path.join(self.path, name), **self._options)
+                f = self.files[name] = open_file(os.path.join(self.path, name), **self._options)
                 expected = {k for k, n in self._block_index.items() if n == number}
                 if set(f.infos) != expected:
                     raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ expected)[:4]} that "
@@ -179,7 +177,7 @@ class CheckpointReader(ReaderMapping):
             self._whole_name(key)  # raises, naming close matches
         if self._closed:
             raise ValueError(f"{self.path}: the reader is closed")
-        return self._files[self._file_of_number[self._block_index[key]]]
+        return self.files[self._file_of_number[self._block_index[key]]]
 
     def host(self, key: str) -> np.ndarray:
         """Stored part ``key`` as a zero-copy, read-only view of its mapped file."""
@@ -202,17 +200,6 @@ class CheckpointReader(ReaderMapping):
             if digest != entry["sha256"]:
                 problems.append(f"{name}: sha256 {digest[:16]}..., the manifest says {entry['sha256'][:16]}...")
         return problems
-
-    def close(self) -> None:
-        """Close every mapped file (idempotent); views already taken stay valid."""
-        with self._lock:
-            for f in self._files.values():
-                f.close()
-            self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def __repr__(self) -> str:
         return (f"<fastckpt.sharded.CheckpointReader {self.path!r} world_size={self.manifest['world_size']} "

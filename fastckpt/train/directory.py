@@ -20,7 +20,7 @@ from typing import Mapping
 
 import numpy as np
 
-from fastckpt.formats.contract import ReaderMapping, tensor_not_found
+from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo, from_checked_fields
 from fastckpt.train.format import read_manifest
@@ -28,7 +28,7 @@ from fastckpt.train.format import read_manifest
 __all__ = ["CheckpointDirectory"]
 
 
-class CheckpointDirectory(ReaderMapping):
+class CheckpointDirectory(MultiFileReader):
     """A :mod:`fastckpt.train` checkpoint directory as one reader: the tensors of all its tensor files.
 
     Obtain one with :func:`fastckpt.open` (or construct it with the options of
@@ -99,17 +99,6 @@ class CheckpointDirectory(ReaderMapping):
         except KeyError:
             raise tensor_not_found(self.path, name, self.infos) from None
         return f.host(inner)
-
-    def close(self) -> None:
-        """Close every file (idempotent); views already made stay valid."""
-        for f in self.files.values():
-            f.close()
-        self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` has run."""
-        return self._closed
 
     def __repr__(self) -> str:
         if self._closed:
