@@ -87,7 +87,7 @@ def test_formatting_helpers():
 # ------------------------------------------------------------------ one way to start
 
 def test_every_suite_has_configure_run_and_a_docstring():
-    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful"}
+    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded"}
     for name, module_name in SUITES.items():
         module = importlib.import_module(module_name)
         assert callable(module.configure) and callable(module.run), name
@@ -188,3 +188,21 @@ def test_stateful_suite(capsys):
         "checkpoint load+apply"]
     assert lines[0].endswith("batches/s of 256") and lines[3].endswith("us per call")
     assert lines[-1].endswith(" ms") and "1 MiB array state" in lines[-1]
+
+
+def test_sharded_suite(tmp_path, capsys):
+    assert main(["bench", "--suite", "sharded", "--quick", "--ids", "3000", "--dense-mib", "0.25",
+                 "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Sharded state: ") and "a table of 3,000 ids x 8 float32 with Adam m, v" in out
+    header = "| ranks | parallel | files | {} | GB/s | {} | GB/s | ratio | ratio of bests | >= 0.85x |"
+    assert header.format("raw write + fsync", "Saver.save") in out
+    assert header.format("raw read", "Loader.load") in out
+    pairs = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 3  # save, load, memory
+    rows = _first_cells(out)
+    assert "saved by 4, loaded on 3 (all 3 shares)" in rows and "HashTable.import_() into a new table" in rows
+    targets = out.split("### targets")[1].strip().splitlines()
+    assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 5 + [False]
+    assert targets[-1] == "- (--quick sizes: the targets are stated for the full sizes)"
+    assert list(tmp_path.iterdir()) == [], "its files are removed"

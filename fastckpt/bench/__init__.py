@@ -17,7 +17,10 @@ Every suite is started the same way::
 * ``train`` (:mod:`fastckpt.bench.train`): training checkpoint saves (sync and
   async) against a raw write + fsync, and verified loads;
 * ``stateful`` (:mod:`fastckpt.bench.stateful`): reader throughput, state
-  capture and checkpoint save/load of :mod:`fastckpt.stateful`.
+  capture and checkpoint save/load of :mod:`fastckpt.stateful`;
+* ``sharded`` (:mod:`fastckpt.bench.sharded`): sharded saves and loads of
+  :mod:`fastckpt.sharded` (ranks as threads) against raw writes and reads of
+  the same bytes, resharding, ``HashTable`` export/import, peak memory.
 
 ``python -m fastckpt bench --suite SUITE --help`` lists a suite's options. Each
 suite module provides ``configure(parser)`` (its options) and ``run(args)``
@@ -26,7 +29,7 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
 >>> sorted(SUITES)
-['device', 'formats', 'model', 'stateful', 'tf', 'train']
+['device', 'formats', 'model', 'sharded', 'stateful', 'tf', 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -46,6 +49,7 @@ SUITES = {
     "tf": "fastckpt.bench.tf",
     "train": "fastckpt.bench.train",
     "stateful": "fastckpt.bench.stateful",
+    "sharded": "fastckpt.bench.sharded",
 }
 DEFAULT_SUITE = "device"
 

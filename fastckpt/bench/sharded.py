@@ -1,0 +1,693 @@
+"""The ``sharded`` suite: sharded saves and loads (ranks as threads) against raw writes and reads of the same bytes.
+
+``python -m fastckpt bench --suite sharded [--ids N] [--dim D] [--dense-mib M] [--ranks 1,2,4]
+[--parallel 1,2,4] [--repeat R] [--reshard 4,3] [--dir DIR] [--quick]`` builds the state of a
+recommendation model, in one process:
+
+* a :class:`~fastckpt.sharded.HashTable` of ``--ids`` ids (default 8,000,000; unique int64 ids spread over
+  the whole range) x ``--dim`` (default 48) float32 values, with Adam slots ``m`` and ``v``, split over the
+  ranks by ``id mod ranks`` (one table per rank, as each training rank holds its own ids);
+* dense tensors of ``--dense-mib`` MiB in all (default 256): four float32 matrices of 1024 columns,
+  replicated on every rank as in data parallel training, each rank saving its rows of them.
+
+It prints the state's total bytes, then measures:
+
+1. **save and load, for every ranks x parallel** (``--ranks`` x ``--parallel``): ``ranks`` ranks as threads
+   of this process (:meth:`~fastckpt.sharded.engine.ThreadEngine.group`), each calling
+   :meth:`Saver(...).save() <fastckpt.sharded.Saver.save>` with ``parallel`` writer threads, to a new
+   directory every run; and every rank's share loaded back, ``ranks`` threads each calling
+   :meth:`Loader(..., shard_index=i, shard_num=ranks, dense="rows").load() <fastckpt.sharded.Loader.load>`
+   into a new, empty table (``dense="rows"``: each rank reads its rows of the dense tensors, so that the
+   ranks together load each byte of the state once). The baselines move the same bytes with the same
+   number of files and threads (``ranks * parallel``): *raw write + fsync* writes, per file, exactly the
+   arrays the saver puts in it (the rank's ids, values, m, v and its rows of the dense tensors, spread over
+   the files the way the saver spreads them: largest first onto the lightest file) with plain
+   ``open(path, "wb").write(memoryview)`` and ``os.fsync``, to new files every run; *raw read* reads files
+   of those same bytes back with ``readinto`` into new buffers. Throughput is the state's bytes over the
+   wall time of all ranks together; the ratio is fastckpt's throughput over the raw one (target >= 0.85x).
+   The saver does more than the raw write: it copies each table out (:meth:`HashTable.export`), hashes
+   every file (sha256, for the manifest), writes the JSON files and renames the directory into place;
+   the loader maps the files, gathers each rank's rows and builds its hash index.
+2. **resharding** (``--reshard 4,3``): one checkpoint saved by 4 ranks, loaded on 3 ranks (all 3 shares)
+   against the same checkpoint loaded on 4 ranks (all 4 shares); target: at most 1.3x the time.
+3. **HashTable.export() and import_()** of the whole table (one rank's table with ``ranks=1``), import into a
+   new table: GB/s (target >= 1 GB/s).
+4. **peak memory** of one save and one load per ranks x parallel (the runs that write the checkpoint and
+   warm the page cache before the timed rounds): the growth of the process's peak resident set (Linux
+   ``VmHWM``, reset before each run by writing ``5`` to ``/proc/self/clear_refs``, less ``VmRSS`` before the
+   run), divided by the number of ranks, since the ranks are threads of one process. ``VmHWM`` counts the
+   pages of the mapped checkpoint files a load touches (page cache, not the process's own memory), so the
+   peak of ``RssAnon`` (the process's own memory, sampled every 5 ms) is given beside it. A load's growth
+   includes the share it loads (kept until the peak is read), a save's the copies ``export`` makes.
+
+Timed paths run round-robin (:func:`fastckpt.bench.timing.round_robin`): every path once per round in a
+shuffled order, ``--repeat`` rounds (medians reported), each run after a garbage collection, an
+``os.sync()`` and 0.1 s of idle; the previous run's output is removed untimed (``prepare``). Loads read
+files just written (page cache warm, as a restart on the same machine finds them). There is no separate
+warm-up round: the save and the load that measure memory, untimed, come first. The GB in GB/s are 10^9
+bytes. On a shared machine the figures move with the load: the load average is printed with them.
+
+``--quick`` (20,000 ids x 8, 1 MiB dense, ranks 1,2, parallel 1,2, one round) runs in seconds, for smoke
+tests; explicit options override it.
+
+>>> results = measure(ids=2000, dim=4, dense_mib=0.25, ranks=(1, 2), parallel=(1,), repeat=1, reshard=(2, 1))
+>>> [(c["ranks"], c["parallel"]) for c in results["configs"]]
+[(1, 1), (2, 1)]
+>>> "| ranks | parallel | files |" in report(results)
+True
+>>> from fastckpt.cli import main
+>>> main(["bench", "--suite", "sharded", "--quick"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import itertools
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastckpt.bench.timing import format_duration, format_ratio, round_robin, table_lines
+from fastckpt.sharded import HashTable, Loader, Saver
+from fastckpt.sharded.engine import ThreadEngine
+from fastckpt.sharded.format import rows_of
+
+__all__ = ["configure", "options", "run", "measure", "report", "table_ids", "dense_tensors", "rank_state",
+           "file_plan", "PeakMemory"]
+
+TABLE = "emb"
+SLOTS = ("m", "v")
+DENSE_MATRICES = 4
+DENSE_COLUMNS = 1024
+
+RAW_SAVE = "raw write + fsync"
+SAVE = "Saver.save"
+RAW_LOAD = "raw read"
+LOAD = "Loader.load"
+EXPORT = "HashTable.export()"
+IMPORT = "HashTable.import_() into a new table"
+
+TARGET_SAVE = 0.85  # fastckpt throughput / raw throughput, at least
+TARGET_LOAD = 0.85
+TARGET_RESHARD = 1.3  # N -> M load time / N -> N load time, at most
+TARGET_TABLE_GBPS = 1.0  # export and import, at least
+
+DEFAULTS = {"ids": 8_000_000, "dim": 48, "dense_mib": 256.0, "ranks": "1,2,4", "parallel": "1,2,4", "repeat": 3}
+QUICK = {"ids": 20_000, "dim": 8, "dense_mib": 1.0, "ranks": "1,2", "parallel": "1,2", "repeat": 1}
+TIMEOUT = 600.0  # seconds a rank waits for the others (a failed rank makes the others raise after this)
+SETTLE = 0.1
+
+
+# ------------------------------------------------------------------ the state
+
+def table_ids(n: int) -> np.ndarray:
+    """``n`` distinct int64 ids spread over ``[0, 2**63)``, ascending (a multiplicative hash of ``0..n-1``).
+
+    The multiplier is odd, so the ids are distinct, and ``id mod 2**k`` is ``i mod 2**k``: the ranks of a
+    power of two get the same number of ids.
+
+    >>> ids = table_ids(1000)
+    >>> len(np.unique(ids)), bool((np.diff(ids) > 0).all()), int(ids.min()) >= 0
+    (1000, True, True)
+    """
+    scrambled = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # wraps modulo 2**64
+    return np.sort((scrambled & np.uint64((1 << 63) - 1)).astype(np.int64))
+
+
+def dense_tensors(mib: float) -> dict[str, np.ndarray]:
+    """Four float32 matrices of 1024 columns, ``mib`` MiB in all (at least one row each).
+
+    >>> {name: a.shape for name, a in dense_tensors(1).items()}
+    {'dense0': (64, 1024), 'dense1': (64, 1024), 'dense2': (64, 1024), 'dense3': (64, 1024)}
+    """
+    rows = max(1, int(mib * 2**20 / 4 / DENSE_COLUMNS) // DENSE_MATRICES)
+    rng = np.random.default_rng(1)
+    out = {}
+    for k in range(DENSE_MATRICES):
+        out[f"dense{k}"] = array = np.empty((rows, DENSE_COLUMNS), np.float32)
+        rng.random(out=array, dtype=np.float32)
+    return out
+
+
+class RankState:
+    """One rank's table and the arrays it was built from: exactly the arrays its :class:`Saver` writes.
+
+    ``ids`` ascending, ``values`` and ``slots`` (``{"m": ..., "v": ...}``) their rows in that order, as
+    :meth:`HashTable.export` returns them; ``table`` the :class:`HashTable` holding them.
+    """
+
+    def __init__(self, ids: np.ndarray, values: np.ndarray, slots: dict[str, np.ndarray]):
+        self.ids, self.values, self.slots = ids, values, slots
+        self.table = HashTable.from_export(ids, values, slots, name=TABLE)
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return [self.ids, self.values, *self.slots.values()]
+
+
+def rank_state(ids: np.ndarray, dim: int, rank: int, ranks: int, seed: int = 0) -> RankState:
+    """Rank ``rank`` of ``ranks``: the ids with ``id mod ranks == rank``, random float32 rows and slots.
+
+    >>> s = rank_state(table_ids(100), 4, 1, 2)
+    >>> len(s.table), s.values.shape, sorted(s.slots), bool((s.ids % 2 == 1).all())
+    (50, (50, 4), ['m', 'v'], True)
+    """
+    mine = ids[np.mod(ids, ranks) == rank]
+    rng = np.random.default_rng([seed, ranks, rank])
+    rows = []
+    for _ in range(1 + len(SLOTS)):
+        rows.append(np.empty((len(mine), dim), np.float32))
+        rng.random(out=rows[-1], dtype=np.float32)
+    return RankState(mine, rows[0], dict(zip(SLOTS, rows[1:])))
+
+
+def _dense_rows(dense: dict[str, np.ndarray], rank: int, ranks: int) -> list[np.ndarray]:
+    out = []
+    for array in dense.values():
+        start, end = rows_of(rank, ranks, array.shape[0])
+        out.append(array[start:end])
+    return out
+
+
+def file_plan(arrays: list[np.ndarray], parallel: int) -> list[list[np.ndarray]]:
+    """Spread one rank's arrays over ``parallel`` files as the saver does: largest first onto the lightest file.
+
+    >>> [[a.size for a in f] for f in file_plan([np.zeros(5), np.zeros(3), np.zeros(4), np.zeros(1)], 2)]
+    [[5, 1], [4, 3]]
+    """
+    files: list[list[np.ndarray]] = [[] for _ in range(parallel)]
+    loads = [0] * parallel
+    for array in sorted(arrays, key=lambda a: -a.nbytes):  # sorted() is stable: ties keep their order
+        k = loads.index(min(loads))
+        files[k].append(array)
+        loads[k] += array.nbytes
+    return files
+
+
+# ------------------------------------------------------------------ the paths
+
+def _threads(n: int, fn: Callable[[int], Any]) -> list:
+    """``fn(0) .. fn(n-1)``, each in its own thread; the first error is raised once all have returned."""
+    with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="fastckpt-bench") as pool:
+        return list(pool.map(fn, range(n)))
+
+
+def _write_file(path: Path, arrays: list[np.ndarray]) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for array in arrays:
+            view = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            while view:  # a raw write may be short (Linux writes at most 2 GiB - 4 KiB a call)
+                view = view[f.write(view):]
+        os.fsync(f.fileno())
+
+
+def raw_save(directory: Path, files: list[list[np.ndarray]]) -> None:
+    """Write each file's arrays to ``directory/raw-NNNNN.bin`` and fsync it, one thread per file."""
+    directory.mkdir()
+    _threads(len(files), lambda k: _write_file(directory / f"raw-{k:05d}.bin", files[k]))
+
+
+def _read_file(path: Path) -> np.ndarray:
+    with open(path, "rb", buffering=0) as f:
+        out = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
+        view, done = memoryview(out), 0
+        while done < len(out):
+            got = f.readinto(view[done:])
+            if not got:
+                raise EOFError(f"{path}: ended after {done} of {len(out)} bytes")
+            done += got
+    return out
+
+
+def raw_load(directory: Path) -> list[np.ndarray]:
+    """Read every file of ``directory`` into a new buffer, one thread per file."""
+    paths = sorted(directory.iterdir())
+    return _threads(len(paths), lambda k: _read_file(paths[k]))
+
+
+def sharded_save(path: Path, states: list[RankState], dense: dict[str, np.ndarray], parallel: int) -> None:
+    """Every rank's :class:`Saver` ``.save()``, the ranks as threads (:meth:`ThreadEngine.group`)."""
+    ranks = len(states)
+    engines = ThreadEngine.group(ranks)
+
+    def save(rank: int) -> str:
+        return Saver(shard_index=rank, shard_num=ranks, parallel=parallel, path=str(path),
+                     hashtables={TABLE: states[rank].table}, tensors=dense, engine=engines[rank],
+                     timeout=TIMEOUT).save()
+
+    _threads(ranks, save)
+
+
+def sharded_load(path: Path, ranks: int, dim: int, parallel: int) -> list[tuple[dict, dict]]:
+    """Every rank's share, the ranks as threads: ``(hashtables, tensors)`` per rank, into new tables."""
+
+    def load(rank: int) -> tuple[dict, dict]:
+        tables = {TABLE: HashTable(dim, slots=SLOTS, name=TABLE)}
+        return Loader(str(path), hashtables=tables, tensors={}, parallel=parallel, shard_index=rank,
+                      shard_num=ranks, dense="rows").load()
+
+    return _threads(ranks, load)
+
+
+def _check_loaded(loaded: list[tuple[dict, dict]], states: list[RankState], dense: dict[str, np.ndarray]) -> None:
+    """The load gave each rank exactly its ids (the first and last rows compared) and, together, every dense row."""
+    for rank, ((tables, tensors), state) in enumerate(zip(loaded, states)):
+        table = tables[TABLE]
+        if not np.array_equal(table.ids(), state.ids):
+            raise AssertionError(f"rank {rank} loaded other ids than it saved")
+        ends = state.ids[[0, -1]] if len(state.ids) else state.ids
+        if len(ends) and not np.array_equal(table.lookup_slot("v", ends), state.slots["v"][[0, -1]]):
+            raise AssertionError(f"rank {rank} loaded other rows than it saved")
+        if set(tensors) != set(dense):
+            raise AssertionError(f"rank {rank} loaded dense tensors {sorted(tensors)}, not {sorted(dense)}")
+    for name, array in dense.items():
+        parts = [t[name] for _, t in loaded if len(t[name])]
+        rows = sum(len(part) for part in parts)
+        if rows != len(array) or not np.array_equal(parts[-1][-1], array[-1]):
+            raise AssertionError(f"the ranks loaded {rows} rows of {name!r}, not its {len(array)}")
+
+
+# ------------------------------------------------------------------ peak memory
+
+_STATUS = Path("/proc/self/status")
+
+
+def _status(*fields: str) -> dict[str, int] | None:
+    """Fields of ``/proc/self/status`` in bytes, or None where there is none."""
+    try:
+        text = _STATUS.read_text()
+    except OSError:
+        return None
+    out = {}
+    for name in fields:
+        found = re.search(rf"^{name}:\s+(\d+) kB", text, re.MULTILINE)
+        if found is None:
+            return None
+        out[name] = int(found.group(1)) * 1024
+    return out
+
+
+def _reset_high_water() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to VmRSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """The growth of the process's peak RSS (and of its sampled anonymous memory) over a ``with`` block.
+
+    ``growth``: ``VmHWM`` at the end less ``VmRSS`` at the start, the high-water mark reset at the start
+    (where it cannot be, less ``VmHWM`` at the start: a lower bound, ``reset`` False); ``anon_growth``: the
+    largest ``RssAnon`` sampled every 5 ms less the one at the start. None where ``/proc`` is not there.
+
+    >>> with PeakMemory() as peak:
+    ...     block = np.ones(2**25, np.uint8)
+    >>> peak.growth is None or peak.growth >= 2**24
+    True
+    """
+
+    growth: int | None = None
+    anon_growth: int | None = None
+    reset = False
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        self.reset = _reset_high_water()
+        self._start = _status("VmRSS", "VmHWM", "RssAnon")
+        self._stop = threading.Event()
+        self._anon_peak = self._start["RssAnon"] if self._start else 0
+        if self._start:
+            self._sampler = threading.Thread(target=self._sample, daemon=True, name="fastckpt-bench-rss")
+            self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            now = _status("RssAnon")
+            if now:
+                self._anon_peak = max(self._anon_peak, now["RssAnon"])
+
+    def __exit__(self, *exc) -> None:
+        end = _status("VmHWM", "RssAnon")
+        if self._start is None:
+            return
+        self._stop.set()
+        self._sampler.join()
+        if end is None:
+            return
+        before = self._start["VmRSS"] if self.reset else self._start["VmHWM"]
+        self.growth = max(0, end["VmHWM"] - before)
+        self.anon_growth = max(0, max(self._anon_peak, end["RssAnon"]) - self._start["RssAnon"])
+
+
+# ------------------------------------------------------------------ measuring
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir())
+
+
+def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], parallel: int, dim: int,
+            repeat: int) -> dict[str, Any]:
+    """One ranks x parallel: memory of a save and a load, then the four paths round-robin."""
+    ranks = len(states)
+    where = root / f"ranks{ranks}-parallel{parallel}"
+    where.mkdir()
+    files = [f for rank, s in enumerate(states) for f in file_plan(s.arrays + _dense_rows(dense, rank, ranks),
+                                                                     parallel)]
+    raw_reference, checkpoint = where / "raw-reference", where / "checkpoint"
+    raw_save(raw_reference, files)  # what the raw reads read: the same bytes in the same files, once
+    with PeakMemory() as save_peak:
+        sharded_save(checkpoint, states, dense, parallel)  # what the loads read
+    with PeakMemory() as load_peak:
+        loaded = sharded_load(checkpoint, ranks, dim, parallel)
+    _check_loaded(loaded, states, dense)
+    del loaded
+
+    counter = itertools.count()
+    current = {RAW_SAVE: where / "raw-0", SAVE: where / "save-0"}
+
+    def fresh(name: str) -> None:  # untimed: remove the previous run's output, name a new one
+        _remove(current[name])
+        current[name] = where / f"{'raw' if name == RAW_SAVE else 'save'}-{next(counter)}"
+
+    paths = {
+        RAW_SAVE: lambda: raw_save(current[RAW_SAVE], files),
+        SAVE: lambda: sharded_save(current[SAVE], states, dense, parallel),
+        RAW_LOAD: lambda: raw_load(raw_reference),
+        LOAD: lambda: sharded_load(checkpoint, ranks, dim, parallel),
+    }
+    timings = round_robin(paths, repeat, warmup=0, prepare={RAW_SAVE: lambda: fresh(RAW_SAVE),
+                                                            SAVE: lambda: fresh(SAVE)},
+                          sync=True, settle=SETTLE)
+    result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel,
+              "checkpoint_bytes": _directory_bytes(checkpoint), "timings": timings,
+              "save_peak": save_peak.growth, "save_anon": save_peak.anon_growth,
+              "load_peak": load_peak.growth, "load_anon": load_peak.anon_growth, "hwm_reset": save_peak.reset}
+    shutil.rmtree(where)
+    return result
+
+
+def _reshard(root: Path, states: list[RankState], dense: dict[str, np.ndarray], dst: int, parallel: int,
+             dim: int, repeat: int) -> dict[str, Any]:
+    src = len(states)
+    checkpoint = root / f"reshard-{src}"
+    sharded_save(checkpoint, states, dense, parallel)
+    same, other = f"{src} -> {src} ranks", f"{src} -> {dst} ranks"
+    timings = round_robin({same: lambda: sharded_load(checkpoint, src, dim, parallel),
+                           other: lambda: sharded_load(checkpoint, dst, dim, parallel)},
+                          repeat, sync=True, settle=SETTLE)
+    shutil.rmtree(checkpoint)
+    return {"src": src, "dst": dst, "parallel": parallel, "same": timings[same], "resharded": timings[other]}
+
+
+def _hashtable(state: RankState, dim: int, repeat: int) -> dict[str, Any]:
+    def import_new() -> HashTable:
+        table = HashTable(dim, slots=SLOTS, name=TABLE)
+        table.import_(state.ids, state.values, state.slots)
+        return table
+
+    timings = round_robin({EXPORT: state.table.export, IMPORT: import_new}, repeat, settle=SETTLE,
+                          time_release=False)
+    return {"bytes": state.table.nbytes, "ids": len(state.table), EXPORT: timings[EXPORT], IMPORT: timings[IMPORT]}
+
+
+def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: float = DEFAULTS["dense_mib"],
+            ranks=(1, 2, 4), parallel=(1, 2, 4), repeat: int = DEFAULTS["repeat"], reshard=(4, 3),
+            directory: str | None = None, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Build the state and time every case (see the module docs); returns what :func:`report` prints.
+
+    The ranks' tables are built for one ranks count at a time (then dropped), that count's configurations
+    measured, the resharding measured on the tables of ``reshard[0]`` ranks, export and import on the table
+    of one rank. ``log`` receives a line as each step starts.
+    """
+    ranks, parallel = list(ranks), list(parallel)
+    src, dst = reshard
+    all_ids = table_ids(ids)
+    dense = dense_tensors(dense_mib)
+    dense_bytes = sum(a.nbytes for a in dense.values())
+    table_bytes = ids * (8 + dim * 4 * (1 + len(SLOTS)))
+    results: dict[str, Any] = {"ids": ids, "dim": dim, "dense_bytes": dense_bytes, "table_bytes": table_bytes,
+                               "state_bytes": table_bytes + dense_bytes, "repeat": repeat, "configs": [],
+                               "load_before": _load_average()}
+    log(f"state: {results['state_bytes']:,} bytes ({results['state_bytes'] / 2**30:.2f} GiB)")
+    root = Path(tempfile.mkdtemp(prefix="fastckpt-sharded-bench-", dir=directory))
+    try:
+        for n in list(dict.fromkeys([*ranks, src, 1])):  # each ranks count once: its tables, then its cases
+            log(f"building the tables of {n} rank(s)")
+            states = [rank_state(all_ids, dim, rank, n) for rank in range(n)]
+            if n in ranks:
+                for p in parallel:
+                    log(f"ranks {n}, parallel {p}")
+                    results["configs"].append(_config(root, states, dense, p, dim, repeat))
+            if n == src:
+                log(f"resharding {src} -> {dst}")
+                results["reshard"] = _reshard(root, states, dense, dst, max(parallel), dim, repeat)
+            if n == 1:
+                log("HashTable export / import")
+                results["hashtable"] = _hashtable(states[0], dim, repeat)
+            del states
+            gc.collect()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results["load_after"] = _load_average()
+    return results
+
+
+def _load_average() -> str:
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+# ------------------------------------------------------------------ reporting
+
+def _gbps(nbytes: float, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f}"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _mib(nbytes: float | None) -> str:
+    if nbytes is None:
+        return "n/a"
+    return f"{nbytes / 2**20:,.0f} MiB" if nbytes >= 100 * 2**20 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _throughput_table(results: dict, raw: str, ours: str, target: float) -> list[str]:
+    nbytes = results["state_bytes"]
+    rows = []
+    for c in results["configs"]:
+        t_raw, t_ours = c["timings"][raw], c["timings"][ours]
+        ratio = t_raw.median / t_ours.median
+        rows.append([c["ranks"], c["parallel"], c["files"], format_duration(t_raw.median), _gbps(nbytes, t_raw.median),
+                     format_duration(t_ours.median), _gbps(nbytes, t_ours.median), format_ratio(ratio),
+                     format_ratio(t_raw.best / t_ours.best), _met(ratio >= target)])
+    return table_lines(["ranks", "parallel", "files", raw, "GB/s", ours, "GB/s", "ratio", "ratio of bests",
+                        f">= {target:.2f}x"], rows, "rrrrrrrrrl")
+
+
+def _memory_table(results: dict) -> list[str]:
+    rows = []
+    for c in results["configs"]:
+        n, share = c["ranks"], results["state_bytes"] / c["ranks"]
+        row = [n, c["parallel"]]
+        for peak, anon in ((c["save_peak"], c["save_anon"]), (c["load_peak"], c["load_anon"])):
+            per_rank = None if peak is None else peak / n
+            row += [_mib(peak), _mib(per_rank), "n/a" if per_rank is None else f"{per_rank / share:.2f}x",
+                    _mib(None if anon is None else anon / n)]
+        rows.append(row)
+    return table_lines(["ranks", "parallel", "save: peak RSS growth", "per rank", "per rank / rank's share",
+                        "anon peak per rank", "load: peak RSS growth", "per rank", "per rank / rank's share",
+                        "anon peak per rank"], rows, "rrrrrrrrrr")
+
+
+def _summary(results: dict, raw: str, ours: str, target: float, what: str) -> str:
+    ratios = [(c["timings"][raw].median / c["timings"][ours].median, c) for c in results["configs"]]
+    met = sum(r >= target for r, _ in ratios)
+    worst, c = min(ratios, key=lambda x: x[0])
+    best, b = max(ratios, key=lambda x: x[0])
+    return (f"- {_met(met == len(ratios))}: {what} throughput >= {target:.2f}x the raw one: met in {met} of "
+            f"{len(ratios)} (worst {format_ratio(worst)} at ranks {c['ranks']}, parallel {c['parallel']}; best "
+            f"{format_ratio(best)} at ranks {b['ranks']}, parallel {b['parallel']})")
+
+
+def report(results: dict, quick: bool = False) -> str:
+    """The results of :func:`measure` as markdown: the state, the tables, then the targets met or missed.
+
+    >>> from fastckpt.bench.timing import Timing
+    >>> t = Timing(1.0, 1.0)
+    >>> timings = {RAW_SAVE: t, SAVE: Timing(1.25, 1.2), RAW_LOAD: Timing(0.5, 0.5), LOAD: Timing(0.5, 0.4)}
+    >>> config = {"ranks": 2, "parallel": 1, "files": 2, "checkpoint_bytes": 2**30 + 4096, "timings": timings,
+    ...           "save_peak": 2**29, "save_anon": 2**29, "load_peak": 2**30, "load_anon": 2**29, "hwm_reset": True}
+    >>> results = {"ids": 1000, "dim": 4, "dense_bytes": 2**29, "table_bytes": 2**29, "state_bytes": 2**30,
+    ...            "repeat": 3, "configs": [config], "load_before": "1.00", "load_after": "1.00"}
+    >>> text = report(results)
+    >>> text.splitlines()[0]
+    'Sharded state: 1,073,741,824 bytes (1.00 GiB): a table of 1,000 ids x 4 float32 with Adam m, v (512 MiB) + ...'
+    >>> [line for line in text.splitlines() if line.startswith("| 2 | 1 | 2 |")][0]
+    '| 2 | 1 | 2 | 1.000 s | 1.07 | 1.250 s | 0.86 | 0.80x | 0.83x | MISSED |'
+    """
+    r = results
+    state = (f"Sharded state: {r['state_bytes']:,} bytes ({r['state_bytes'] / 2**30:.2f} GiB): a table of "
+             f"{r['ids']:,} ids x {r['dim']} float32 with Adam m, v ({_mib(r['table_bytes'])}) + dense "
+             f"{_mib(r['dense_bytes'])}")
+    how = (f"{os.cpu_count()} CPUs; load average (1, 5, 15 min) {r['load_before']} before, {r['load_after']} "
+           f"after. Medians of {r['repeat']} round-robin run(s); GB/s = state bytes / wall time of all ranks "
+           "(10^9 bytes); ratio = fastckpt GB/s / raw GB/s (of the medians; the target is judged on it), "
+           "ratio of bests: of the shortest runs.")
+    lines = [state, "", how, ""]
+    if r["configs"]:
+        c = r["configs"][0]
+        disk = (f"A checkpoint's files hold {c['checkpoint_bytes']:,} bytes ({c['ranks']} rank(s), parallel "
+                f"{c['parallel']}: payload, safetensors headers and 4096-byte alignment, JSON files): "
+                f"{100 * (c['checkpoint_bytes'] / r['state_bytes'] - 1):.2f}% more than the raw files.")
+        save = ("### save: ranks as threads, Saver.save() each (new directory every run) vs. the same bytes "
+                "written to as many new files by as many threads, fsynced")
+        load = ("### load: every rank's share (Loader, dense='rows', into new tables) vs. readinto of files of "
+                "the same bytes by as many threads; page cache warm")
+        lines += [disk, "", save, "", *_throughput_table(r, RAW_SAVE, SAVE, TARGET_SAVE), "",
+                  load, "", *_throughput_table(r, RAW_LOAD, LOAD, TARGET_LOAD), ""]
+    if "reshard" in r:
+        s = r["reshard"]
+        nbytes = r["state_bytes"]
+        rows = []
+        for loaded_on, timing in ((s["src"], s["same"]), (s["dst"], s["resharded"])):
+            rows.append([f"saved by {s['src']}, loaded on {loaded_on} (all {loaded_on} shares)",
+                         format_duration(timing.median), _gbps(nbytes, timing.median),
+                         format_ratio(timing.median / s["same"].median)])
+        title = f"### resharding (checkpoint saved with parallel {s['parallel']}, loads with parallel {s['parallel']})"
+        lines += [title, "", *table_lines(["load", "median", "GB/s", "vs. same ranks"], rows, "lrrr"), ""]
+    if "hashtable" in r:
+        h = r["hashtable"]
+        rows = [[name, format_duration(h[name].median), _gbps(h["bytes"], h[name].median)] for name in (EXPORT, IMPORT)]
+        lines += [f"### HashTable bulk copies: {h['ids']:,} ids, {_mib(h['bytes'])} (ids, values, m, v)", "",
+                  *table_lines(["call", "median", "GB/s"], rows, "lrr"), ""]
+    if r["configs"]:
+        reset = all(c["hwm_reset"] for c in r["configs"])
+        hwm = ("VmHWM reset before the run (/proc/self/clear_refs), less VmRSS before it" if reset else
+               "VmHWM after less VmHWM before (it could not be reset: a lower bound)")
+        title = ("### peak memory of one save and one load (the ranks are threads of one process: the "
+                 "process's growth is divided by the ranks)")
+        method = (f"Peak RSS growth: {hwm}; it counts the mapped checkpoint pages a load touches (page cache). "
+                  "Anon: the peak of RssAnon (the process's own memory) sampled every 5 ms, less RssAnon before. "
+                  "A load's growth includes the share it loaded; a rank's share is the state's bytes / ranks.")
+        lines += [title, "", method, "", *_memory_table(r), ""]
+    lines += ["### targets", ""]
+    if r["configs"]:
+        lines += [_summary(r, RAW_SAVE, SAVE, TARGET_SAVE, "save"), _summary(r, RAW_LOAD, LOAD, TARGET_LOAD, "load")]
+    if "reshard" in r:
+        s = r["reshard"]
+        ratio = s["resharded"].median / s["same"].median
+        lines.append(f"- {_met(ratio <= TARGET_RESHARD)}: loading a checkpoint of {s['src']} ranks on {s['dst']} "
+                     f"takes <= {TARGET_RESHARD}x the time on {s['src']}: {format_ratio(ratio)}")
+    if "hashtable" in r:
+        h = r["hashtable"]
+        for name in (EXPORT, IMPORT):
+            gbps = h["bytes"] / h[name].median / 1e9
+            lines.append(f"- {_met(gbps >= TARGET_TABLE_GBPS)}: {name} >= {TARGET_TABLE_GBPS:g} GB/s: {gbps:.2f} GB/s")
+    if quick:
+        lines.append("- (--quick sizes: the targets are stated for the full sizes)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the command line
+
+def _counts(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``: positive ints, each once, in the order given.
+
+    >>> _counts("4, 2,4")
+    [4, 2]
+    """
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"expected positive integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"expected positive integers separated by commas, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def configure(parser) -> None:
+    """Add the sharded suite's options to ``parser`` (an :class:`argparse.ArgumentParser`).
+
+    Sizes left out take the defaults, or with ``--quick`` the quick sizes (:func:`options`).
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> configure(parser)
+    >>> args = parser.parse_args(["--ids", "2_000_000", "--ranks", "1,4"])
+    >>> args.ids, args.ranks, args.dim
+    (2000000, '1,4', None)
+    """
+    parser.add_argument("--ids", type=int, default=None,
+                        help=f"ids in the hashtable (default {DEFAULTS['ids']:_}; --quick {QUICK['ids']:_})")
+    parser.add_argument("--dim", type=int, default=None,
+                        help=f"values per id (default {DEFAULTS['dim']}; --quick {QUICK['dim']})")
+    parser.add_argument("--dense-mib", type=float, default=None,
+                        help=f"dense tensors in MiB (default {DEFAULTS['dense_mib']:g}; "
+                             f"--quick {QUICK['dense_mib']:g})")
+    parser.add_argument("--ranks", default=None,
+                        help=f"rank counts, comma-separated (default {DEFAULTS['ranks']}; --quick {QUICK['ranks']})")
+    parser.add_argument("--parallel", default=None,
+                        help=f"writer threads per rank, comma-separated (default {DEFAULTS['parallel']}; "
+                             f"--quick {QUICK['parallel']})")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help=f"timed rounds; medians are reported (default {DEFAULTS['repeat']}; "
+                             f"--quick {QUICK['repeat']})")
+    parser.add_argument("--reshard", default="4,3", help="ranks that save, ranks that load (default 4,3)")
+    parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for smoke tests)")
+
+
+def options(args) -> dict[str, Any]:
+    """The keyword arguments of :func:`measure` that parsed options ask for.
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(); configure(parser)
+    >>> o = options(parser.parse_args(["--quick", "--ids", "500"]))
+    >>> o["ids"], o["dim"], o["ranks"], o["reshard"]
+    (500, 8, [1, 2], (4, 3))
+    """
+    base = QUICK if args.quick else DEFAULTS
+    pick = {name: base[name] if getattr(args, name) is None else getattr(args, name) for name in base}
+    if pick["ids"] < 1 or pick["dim"] < 1 or pick["dense_mib"] <= 0 or pick["repeat"] < 1:
+        raise SystemExit("--ids, --dim and --repeat must be at least 1, --dense-mib above 0")
+    reshard = _counts(args.reshard)
+    if len(reshard) != 2:
+        raise SystemExit(f"--reshard takes two different rank counts (saving, loading), got {args.reshard!r}")
+    return {"ids": pick["ids"], "dim": pick["dim"], "dense_mib": pick["dense_mib"],
+            "ranks": _counts(str(pick["ranks"])), "parallel": _counts(str(pick["parallel"])),
+            "repeat": pick["repeat"], "reshard": tuple(reshard), "directory": args.dir}
+
+
+def run(args) -> int:
+    """Run the sharded suite with parsed options; prints the state's size, the tables and the targets, returns 0.
+
+    >>> from fastckpt.cli import main
+    >>> main(["bench", "--suite", "sharded", "--ids", "2_000_000"])  # doctest: +SKIP
+    """
+    results = measure(**options(args), log=lambda line: print(f"[sharded] {line}", file=sys.stderr, flush=True))
+    print(report(results, quick=args.quick))
+    return 0
