@@ -161,8 +161,9 @@ class Loader:
         if missing:
             raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
                              f"(it has {slots})")
-        ids_parts, value_parts = [], []
-        slot_parts: dict[str, list] = {s: [] for s in table.slots}
+        # First the ids of every part and which of them this rank owns; then one gather of those rows from each
+        # part's mapped views straight into arrays of the final size (no concatenation), handed to the table.
+        picks = []
         for id_key, value_key in zip(reader.part_names(f"{name}.id"), reader.part_names(f"{name}.embedding")):
             ids = reader.host(id_key)
             if len(ids) == 0:
@@ -171,13 +172,19 @@ class Loader:
             if ranks.shape != ids.shape:
                 raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
             mine = np.flatnonzero(ranks == self.shard_index)
-            ids_parts.append(ids[mine])
-            value_parts.append(reader.host(value_key)[mine])
-            suffix = id_key[len(f"{name}.id"):]
-            for slot in table.slots:
-                slot_parts[slot].append(reader.host(f"{name}.{slot}{suffix}")[mine])
-        dim = table.dim
-        ids = np.concatenate(ids_parts) if ids_parts else np.empty(0, np.int64)
-        values = np.concatenate(value_parts) if value_parts else np.empty((0, dim), table.dtype)
-        slot_values = {s: (np.concatenate(p) if p else np.empty((0, dim), table.dtype)) for s, p in slot_parts.items()}
-        table.import_(ids, values, slot_values, clear=True)
+            if len(mine):
+                picks.append((ids, value_key, id_key[len(f"{name}.id"):], mine))
+        total = sum(len(mine) for *_, mine in picks)
+        dim, dtype = table.dim, np.dtype(table.dtype)
+        ids_out = np.empty(total, np.int64)
+        values_out = np.empty((total, dim), dtype)
+        slots_out = {slot: np.empty((total, dim), dtype) for slot in table.slots}
+        at = 0
+        for ids, value_key, suffix, mine in picks:
+            end = at + len(mine)
+            np.take(ids, mine, out=ids_out[at:end])
+            np.take(reader.host(value_key), mine, axis=0, out=values_out[at:end])
+            for slot, out in slots_out.items():
+                np.take(reader.host(f"{name}.{slot}{suffix}"), mine, axis=0, out=out[at:end])
+            at = end
+        table.import_(ids_out, values_out, slots_out, clear=True)
