@@ -74,7 +74,7 @@ def _tf_describer(path: str):
 
 def _format_table(d: dict) -> str:
     lines = [f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors"]
-    if "files" in d:
+    if "world_size" in d:  # a sharded checkpoint: its files and their sizes
         lines.append(f"{len(d['files'])} files, {sum(d['files'].values())} bytes, world size {d['world_size']}")
     for name, t in d.get("hashtables", {}).items():
         lines.append(f"hashtable {name}: {t['ids']} ids x {t['dim']} {t['dtype']}, slots {t['slots']}")
