@@ -259,8 +259,8 @@ def test_corrupted_and_truncated_files_are_named(tmp_path):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with CheckpointReader(tmp_path / "c") as r:
-        assert r.verify() == [f"model-00001-000.safetensors: sha256 {_sha(path)[:16]}..., the manifest says "
-                              f"{json.loads((tmp_path / 'c' / MANIFEST_FILE).read_text())['files'][path.name]['sha256'][:16]}..."]
+        assert r.verify() == [f"model-00001-000.safetensors: BLAKE3 {_hash(path)[:16]}..., the manifest says "
+                              f"{json.loads((tmp_path / 'c' / MANIFEST_FILE).read_text())['files'][path.name]['blake3'][:16]}..."]
     path.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(FormatError, match="model-00001-000.safetensors"):
         CheckpointReader(tmp_path / "c")
@@ -269,10 +269,10 @@ def test_corrupted_and_truncated_files_are_named(tmp_path):
         CheckpointReader(tmp_path / "c")
 
 
-def _sha(path) -> str:
-    import hashlib
+def _hash(path) -> str:
+    import blake3
 
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return blake3.blake3(path.read_bytes()).hexdigest()
 
 
 def test_an_existing_checkpoint_is_replaced_only_when_asked(tmp_path):

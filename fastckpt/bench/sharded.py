@@ -26,7 +26,7 @@ It prints the state's total bytes, then measures:
    of those same bytes back with ``readinto`` into new buffers. Throughput is the state's bytes over the
    wall time of all ranks together; the ratio is fastckpt's throughput over the raw one (target >= 0.85x).
    The saver does more than the raw write: it copies each table out (:meth:`HashTable.export`), hashes
-   every file (sha256, for the manifest), writes the JSON files and renames the directory into place;
+   every file (BLAKE3, for the manifest), writes the JSON files and renames the directory into place;
    the loader maps the files, gathers each rank's rows and builds its hash index.
 2. **resharding** (``--reshard 4,3``): one checkpoint saved by 4 ranks, loaded on 3 ranks (all 3 shares)
    against the same checkpoint loaded on 4 ranks (all 4 shares); target: at most 1.3x the time.

@@ -9,7 +9,7 @@ decodes (:func:`fastckpt.train.verify_checkpoint`). For a directory of
 directory) it checks each one and lists leftovers of interrupted saves. It
 prints one line per problem and exits 1 when there is any, 0 otherwise. A
 sharded checkpoint (:mod:`fastckpt.sharded`) is checked against its manifest:
-every file's size and sha256, and the index, key and description files.
+every file's size and BLAKE3 hash, and the index, key and description files.
 
 >>> import tempfile, os
 >>> from fastckpt.train import TinyLM, save_checkpoint
@@ -42,7 +42,7 @@ def add_parser(subparsers):
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="a checkpoint directory, or a directory of step-<N> checkpoints")
-    parser.add_argument("--no-hash", action="store_true", help="check sizes and structure only, skip the sha256 of each file")
+    parser.add_argument("--no-hash", action="store_true", help="check sizes and structure only, skip each file's hash")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
 
 

@@ -22,8 +22,8 @@ Tensor files
       ``NAME/part_0_1``);
     * a hashtable ``T`` (ids -> rows of ``dim`` values, optimizer slots that
       follow their ids) stores rank ``i``'s rows as ``T.id/part_i_n`` (int64,
-      shape ``[k]``, ascending), ``T.embedding/part_i_n`` (shape ``[k, dim]``,
-      row ``r`` belongs to id ``r``) and one ``T.SLOT/part_i_n`` per slot
+      shape ``[k]``, distinct, in the table's row order), ``T.embedding/part_i_n``
+      (shape ``[k, dim]``, row ``r`` belongs to id ``r``) and one ``T.SLOT/part_i_n`` per slot
       (same shape and order as the embedding).
 
 ``index.json``
@@ -50,7 +50,7 @@ Tensor files
 
 ``manifest.json`` (written last: its presence is the commit)
     ``{"format": "fastckpt.sharded", "format_version": 1, "world_size": n,
-    "parallel": p, "files": {file name: {"size": bytes, "sha256": hex}},
+    "parallel": p, "files": {file name: {"size": bytes, "blake3": hex}},
     "tensors": {name: {"dtype", "shape"}}, "hashtables": {T: {"dim", "dtype",
     "slots", "ids"}}}``. ``files`` lists every other file of the directory
     (the tensor files and the three JSON files above).
@@ -68,7 +68,8 @@ Writing
 
 Reading
     Readers check the manifest (format, version), that every file it lists
-    exists with its size (and, on request, its sha256), and that the three
+    exists with its size (and, on request, its BLAKE3 hash: 32 bytes, 64 hex
+    digits, of the whole file), and that the three
     JSON files agree with each other.
 
 >>> part_key("w", 1, 4), rows_of(1, 4, 10), parse_part_key("T.id/part_2_3")
@@ -196,8 +197,8 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
     for name, entry in files.items():
         _expect("/" not in name and "\\" not in name and name not in (".", ".."), where,
                 f"file name {name!r} is not a plain name in the directory")
-        _expect(isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("sha256"), str),
-                where, f"files[{name!r}] must be {{'size': int, 'sha256': str}}, got {entry!r}")
+        _expect(isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("blake3"), str),
+                where, f"files[{name!r}] must be {{'size': int, 'blake3': str}}, got {entry!r}")
     expected_files = {tensor_file_name(r, k) for r in range(manifest["world_size"]) for k in range(manifest["parallel"])}
     missing = sorted(expected_files - set(files))
     _expect(not missing, where, f"lists no entry for the tensor files {missing[:4]} (world_size "

@@ -530,6 +530,23 @@ class HashTable:
 
     # -- bulk --------------------------------------------------------------------------------------------------
 
+    def rows(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """``(ids, values, slots)`` as read-only views of the table's own storage, in its row order (not sorted).
+
+        No copy: for writers that only read them before the table changes next (any insert, update, delete
+        or import may move or overwrite the rows they show). :meth:`export` gives sorted copies.
+
+        >>> t = HashTable(1); t.insert([2, 1], [[20.0], [10.0]])
+        >>> ids, values, _ = t.rows()
+        >>> ids.tolist(), values.ravel().tolist(), ids.flags.writeable
+        ([2, 1], [20.0, 10.0], False)
+        """
+        n = self._n
+        views = [self._ids[:n], self._values[:n], *(array[:n] for array in self._slot_values.values())]
+        for view in views:
+            view.flags.writeable = False
+        return views[0], views[1], dict(zip(self._slot_values, views[2:]))
+
     def export(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """``(ids, values, slots)``: the ids sorted ascending (int64), their rows ``(n, dim)`` in that order, and
         ``{slot: (n, dim)}`` in the order of :attr:`slots`. C-contiguous copies.

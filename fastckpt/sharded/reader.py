@@ -36,7 +36,7 @@ import numpy as np
 
 from fastckpt.errors import FormatError, IntegrityError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
-from fastckpt.formats.hashing import sha256_file
+from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import FORMAT, INDEX_FILE, read_metadata
@@ -59,7 +59,7 @@ def _dtype(name: str, where: str) -> np.dtype:
 class CheckpointReader(MultiFileReader):
     """Read a sharded checkpoint directory (see the module docs).
 
-    ``verify=True`` checks every file's size and sha256 against the manifest
+    ``verify=True`` checks every file's size and BLAKE3 hash against the manifest
     first (:meth:`verify` does it on demand).
     """
 
@@ -184,7 +184,7 @@ class CheckpointReader(MultiFileReader):
         return self.file_of(key).host(key)
 
     def verify(self) -> list[str]:
-        """Every problem with the files' sizes and sha256 hashes against the manifest (empty: all good)."""
+        """Every problem with the files' sizes and BLAKE3 hashes against the manifest (empty: all good)."""
         problems = []
         for name, entry in sorted(self.manifest["files"].items()):
             path = os.path.join(self.path, name)
@@ -196,9 +196,9 @@ class CheckpointReader(MultiFileReader):
             if size != entry["size"]:
                 problems.append(f"{name}: {size} bytes, the manifest says {entry['size']}")
                 continue
-            digest, _ = sha256_file(path)
-            if digest != entry["sha256"]:
-                problems.append(f"{name}: sha256 {digest[:16]}..., the manifest says {entry['sha256'][:16]}...")
+            digest, _ = blake3_file(path)
+            if digest != entry["blake3"]:
+                problems.append(f"{name}: BLAKE3 {digest[:16]}..., the manifest says {entry['blake3'][:16]}...")
         return problems
 
     def __repr__(self) -> str:

@@ -4,8 +4,10 @@ The directory layout is specified in :mod:`fastckpt.sharded.format`. Each
 rank passes the full value of every dense tensor (replicated, as in data
 parallel training) and its own hashtables (the ids it owns); rank ``i`` of
 ``n`` writes rows ``[i*R//n, (i+1)*R//n)`` of each dense tensor and all rows
-of its hashtables, spread over ``parallel`` files written by as many threads
-(the writer releases the GIL in ``writev``).
+of its hashtables (straight from their storage, in their row order, no copy:
+do not change the tables or arrays while ``save()`` runs), spread over
+``parallel`` files written by as many threads (the writer releases the GIL in
+``writev``).
 
 ``filter_func`` receives the rank's list of :class:`WriteBlock` (one per
 stored tensor, before anything is written) and returns the blocks to write:
@@ -36,7 +38,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fastckpt.formats.atomic import _partial_name, _pid_alive, _swap_in, fsync_directory
-from fastckpt.formats.hashing import sha256_file
+from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.sharded.format import (
     DESCRIPTION_FILE,
@@ -187,7 +189,7 @@ class Saver:
                 "shape": list(part.shape), "is_hashmap": False, "tensor": name, "part": [pi, pn],
                 "row_start": start, "global_shape": list(array.shape)}))
         for table_name, table in self.hashtables.items():
-            ids, values, slots = table.export()
+            ids, values, slots = table.rows()  # views of the table's storage: written without a copy
             id_key = part_key(f"{table_name}.id", i, n)
             value_key = part_key(f"{table_name}.embedding", i, n)
             roles = [("id", f"{table_name}.id", ids, None), ("embedding", f"{table_name}.embedding", values, None)]
@@ -232,8 +234,8 @@ class Saver:
         def write(k: int) -> tuple[str, dict]:
             path = staging / names[k]
             save_safetensors(path, {b.key: b.array for b in files[k]}, {"fastckpt.format": FORMAT})
-            digest, size = sha256_file(path)
-            return names[k], {"size": size, "sha256": digest}
+            digest, size = blake3_file(path)
+            return names[k], {"size": size, "blake3": digest}
 
         with concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-shard") as pool:
             written = dict(pool.map(write, range(self.parallel)))
@@ -353,7 +355,7 @@ class Saver:
                               (TENSORKEY_FILE, tensorkey), (DESCRIPTION_FILE, descriptions)):
             data = dumps(content)
             _write_synced(staging / name, data)
-            files[name] = {"size": len(data), "sha256": sha256_file(staging / name)[0]}
+            files[name] = {"size": len(data), "blake3": blake3_file(staging / name)[0]}
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": self.shard_num,
                     "parallel": self.parallel, "files": files, "tensors": dense, "hashtables": tables}
         _write_synced(staging / MANIFEST_FILE, dumps(manifest))
