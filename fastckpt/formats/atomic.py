@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["atomic_write", "atomic_directory", "fsync_directory", "remove_stale_partials"]
+__all__ = ["atomic_write", "atomic_directory", "fsync_directory", "remove_stale_partials", "remove_stale_partials_in"]
 
 _SUFFIX = ".partial"
 # Small writes (headers, many small tensors) gather into one write() per 256 KiB; a write at least this
@@ -72,8 +72,23 @@ def remove_stale_partials(final: str | os.PathLike) -> list[Path]:
     ['.w.bin.999999999.ab12cd34.partial']
     """
     head, name = os.path.split(os.fspath(final))
-    parent = head or "."
-    prefix = f".{name}."
+    return _remove_stale(head or ".", name)
+
+
+def remove_stale_partials_in(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries of any name in ``directory`` left by writers that no longer run.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> (d / ".a.999999999.ab12cd34.partial").mkdir(); (d / ".b.bin.999999999.00ff00ff.partial").mkdir()
+    >>> sorted(p.name for p in remove_stale_partials_in(d))
+    ['.a.999999999.ab12cd34.partial', '.b.bin.999999999.00ff00ff.partial']
+    """
+    return _remove_stale(os.fspath(directory), None)
+
+
+def _remove_stale(parent: str, name: str | None) -> list[Path]:
+    """Remove ``.NAME.PID.HEX.partial`` entries of ``parent`` whose PID is gone (of one NAME, or of any)."""
     removed = []
     try:
         entries = os.scandir(parent)  # one directory read, no stat per entry
@@ -82,12 +97,12 @@ def remove_stale_partials(final: str | os.PathLike) -> list[Path]:
     with entries:
         for entry in entries:
             entry_name = entry.name
-            if not (entry_name.startswith(prefix) and entry_name.endswith(_SUFFIX)):
+            if not (entry_name.startswith(".") and entry_name.endswith(_SUFFIX)):
                 continue
-            middle = entry_name[len(prefix) : -len(_SUFFIX)].split(".")
-            if len(middle) != 2 or not middle[0].isdigit():
+            parts = entry_name[1 : -len(_SUFFIX)].rsplit(".", 2)
+            if len(parts) != 3 or not parts[1].isdigit() or (name is not None and parts[0] != name):
                 continue
-            if _pid_alive(int(middle[0])):
+            if _pid_alive(int(parts[1])):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from fastckpt.formats.atomic import _partial_name, _pid_alive, _swap_in, fsync_directory
+from fastckpt.formats.atomic import _partial_name, _swap_in, fsync_directory, remove_stale_partials_in
 from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.sharded.format import (
@@ -57,7 +57,6 @@ from fastckpt.state import as_numpy
 
 __all__ = ["Saver", "WriteBlock", "split_sparse_dense_state_dict"]
 
-_SUFFIX = ".partial"
 # Staging directories this process made for saves that failed: removed by the next save (rank 0).
 _failed_staging: set[str] = set()
 _failed_lock = threading.Lock()
@@ -211,10 +210,11 @@ class Saver:
         known = {id(b) for b in blocks}
         if not isinstance(kept, list) or any(id(b) not in known for b in kept):
             raise TypeError("filter_func must return a list of the WriteBlocks it was given (it may only drop some)")
+        kept_ids = {id(b) for b in kept}
         tables = {}
         for b in blocks:
             if b.table is not None:
-                tables.setdefault(b.table, []).append(any(b is k for k in kept))
+                tables.setdefault(b.table, []).append(id(b) in kept_ids)
         torn = sorted(t for t, flags in tables.items() if any(flags) and not all(flags))
         if torn:
             raise ValueError(f"filter_func kept some but not all blocks of hashtables {torn}: keep or drop a "
@@ -380,16 +380,4 @@ def _sweep(parent: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.exists(path):
                 _failed_staging.discard(path)
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return
-    for entry in entries:
-        name = entry.name
-        if not (name.startswith(".") and name.endswith(_SUFFIX) and entry.is_dir(follow_symlinks=False)):
-            continue
-        parts = name[: -len(_SUFFIX)].rsplit(".", 2)
-        if len(parts) != 3 or not parts[1].isdigit():
-            continue
-        if not _pid_alive(int(parts[1])):
-            shutil.rmtree(entry.path, ignore_errors=True)
+    remove_stale_partials_in(parent)
