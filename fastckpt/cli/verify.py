@@ -50,15 +50,22 @@ def _verify_one(path: Path, hashes: bool, quiet: bool, out) -> int:
     from fastckpt.train.checkpoint import read_manifest, verify_checkpoint
 
     problems = verify_checkpoint(path, hashes=hashes)
+    if problems or quiet:
+        return _report(path, problems, "", out)
+    m = read_manifest(path)
+    return _report(path, [], f"step={m['step']} epoch={m['epoch']} weights_sha256={m['weights_sha256']}"
+                             f"{'' if hashes else ' (hashes not checked)'}", out)
+
+
+def _report(path: Path, problems: list[str], ok: str, out) -> int:
+    """``FAIL`` and one line per problem (1), else ``OK`` with ``ok`` when it says something (0)."""
     if problems:
         print(f"FAIL {path}", file=out)
         for p in problems:
             print(f"  - {p}", file=out)
         return 1
-    if not quiet:
-        m = read_manifest(path)
-        print(f"OK   {path}  step={m['step']} epoch={m['epoch']} weights_sha256={m['weights_sha256']}"
-              f"{'' if hashes else ' (hashes not checked)'}", file=out)
+    if ok:
+        print(f"OK   {path}  {ok}", file=out)
     return 0
 
 
@@ -72,15 +79,10 @@ def _verify_sharded(path: Path, hashes: bool, quiet: bool, out) -> int:
             m = reader.manifest
     except (FastCkptError, OSError) as exc:
         problems = [str(exc)]
-    if problems:
-        print(f"FAIL {path}", file=out)
-        for p in problems:
-            print(f"  - {p}", file=out)
-        return 1
-    if not quiet:
-        print(f"OK   {path}  sharded: world_size={m['world_size']} parallel={m['parallel']} "
-              f"files={len(m['files'])}{'' if hashes else ' (hashes not checked)'}", file=out)
-    return 0
+    if problems or quiet:
+        return _report(path, problems, "", out)
+    return _report(path, [], f"sharded: world_size={m['world_size']} parallel={m['parallel']} "
+                             f"files={len(m['files'])}{'' if hashes else ' (hashes not checked)'}", out)
 
 
 def run(args: argparse.Namespace, out=None) -> int:
