@@ -102,7 +102,7 @@ def round_robin(paths: Mapping[str, Callable[[], object]], repeat: int, *, warmu
             fn()
     times: dict[str, list[float]] = {name: [] for name in paths}
     order = list(paths.items())
-    shuffle = random.Random(seed).shuffle if seed is not None else _nothing_to
+    shuffle = random.Random(seed).shuffle if seed is not None else _nothing
     for round_number in range(repeat):
         shuffle(order)
         for name, fn in order:
@@ -126,11 +126,7 @@ def round_robin(paths: Mapping[str, Callable[[], object]], repeat: int, *, warmu
     return {name: summarize(samples) for name, samples in times.items()}
 
 
-def _nothing() -> None:
-    pass
-
-
-def _nothing_to(order: list) -> None:
+def _nothing(*_) -> None:
     pass
 
 
