@@ -465,3 +465,31 @@ def test_the_id_index_against_a_dict(seed):
         last_occurrence(np.array([0, 4]), np.empty(2, np.uint8), 4)
     index.clear()
     assert len(index) == 0 and index.find(keys[:3], found[:3]) == min(3, len(keys))
+
+
+def test_adopt_takes_the_arrays_as_storage_and_checks_them_first():
+    t = HashTable(2, slots=("m",))
+    t.insert([9], [[9.0, 9.0]])
+    ids = np.array([5, -3, I64_MAX])
+    values = np.arange(6, dtype=np.float32).reshape(3, 2)
+    m = -values
+    t.adopt(ids, values, {"m": m})
+    assert t.ids().tolist() == [-3, 5, I64_MAX] and 9 not in t
+    assert t.lookup([I64_MAX, 5]).tolist() == [[4.0, 5.0], [0.0, 1.0]]
+    assert t.lookup_slot("m", [-3]).tolist() == [[-2.0, -3.0]]
+    assert np.shares_memory(t.rows()[1], values) and np.shares_memory(t.rows()[2]["m"], m)  # no copy
+    t.insert([7], [[7.0, 7.0]])  # grows past the adopted arrays
+    assert t.lookup([7, 5]).tolist() == [[7.0, 7.0], [0.0, 1.0]] and len(t) == 4
+
+    before = HashTable.from_export(*t.export())
+    bad = [
+        (ValueError, "distinct", (np.array([1, 1]), np.zeros((2, 2), np.float32), {"m": np.zeros((2, 2), np.float32)})),
+        (ValueError, "every slot", (np.array([1]), np.zeros((1, 2), np.float32), {})),
+        (TypeError, "int64", (np.array([1], np.int32), z := np.zeros((1, 2), np.float32), {"m": z.copy()})),
+        (TypeError, "values", (np.array([1]), np.zeros((1, 2), np.float64), {"m": np.zeros((1, 2), np.float32)})),
+        (TypeError, "slot 'm'", (np.array([1]), np.zeros((1, 2), np.float32), {"m": np.zeros((2, 2), np.float32)})),
+    ]
+    for error, message, args in bad:
+        with pytest.raises(error, match=message):
+            t.adopt(*args)
+        assert t == before  # unchanged

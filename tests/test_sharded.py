@@ -361,3 +361,24 @@ def test_damaged_metadata_files_are_named(tmp_path, name, damage, message):
     path.write_text(damage(path.read_text()))
     with pytest.raises(FormatError, match=message):
         CheckpointReader(tmp_path / "c")
+
+
+def test_an_id_saved_by_two_ranks_is_named_on_load(tmp_path):
+    engines = ThreadEngine.group(2)
+    results = [None, None]
+
+    def run(r):
+        t = HashTable(1, name="emb")
+        t.insert([4, 10 + r], [[float(r)], [1.0]])
+        results[r] = Saver(shard_index=r, shard_num=2, parallel=1, path=str(tmp_path / "c"),
+                           hashtables={"emb": t}, engine=engines[r], timeout=30).save()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [str(tmp_path / "c")] * 2
+    with pytest.raises(FormatError, match=r"hashtable 'emb': the ids must be distinct \(1 repeated\) across "
+                                          r"its id parts \['emb.id/part_0_2', 'emb.id/part_1_2'\] \(each id must be"):
+        Loader(str(tmp_path / "c")).load()

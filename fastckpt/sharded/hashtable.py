@@ -585,6 +585,41 @@ class HashTable:
                 self._allocate(0)
         self._upsert(ids, values, slot_rows)
 
+    def adopt(self, ids: np.ndarray, values: np.ndarray, slots: Mapping[str, np.ndarray] | None = None) -> None:
+        """Replace the contents with ``(ids, values, slots)``, taking the arrays themselves as storage (no copy).
+
+        For loaders that build fresh arrays of a table's rows: the table owns them afterwards (do not use them
+        elsewhere). ``ids`` must be distinct int64, ``values`` and every slot C-contiguous, writeable
+        ``(len(ids), dim)`` arrays of the table's dtype, and ``slots`` must give every slot of the table.
+        Anything else raises before the table changes.
+
+        >>> t = HashTable(1, slots=("m",))
+        >>> ids, values = np.array([3, 1]), np.array([[3.0], [1.0]], np.float32)
+        >>> t.adopt(ids, values, {"m": np.zeros((2, 1), np.float32)})
+        >>> t.lookup([1]).tolist(), np.shares_memory(t.rows()[1], values)
+        ([[1.0]], True)
+        """
+        slots = dict(slots or {})
+        if set(slots) != set(self._slots):
+            raise ValueError(f"adopt needs every slot of the table {self._slots}, got {tuple(slots)}")
+        if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1
+                and ids.flags.c_contiguous and ids.flags.writeable):
+            raise TypeError("adopt: ids must be a writeable, C-contiguous 1-D int64 array")
+        m = len(ids)
+        for what, array in (("values", values), *((f"slot {s!r}", a) for s, a in slots.items())):
+            if not (isinstance(array, np.ndarray) and array.dtype == self._dtype and array.shape == (m, self._dim)
+                    and array.flags.c_contiguous and array.flags.writeable):
+                raise TypeError(f"adopt: {what} must be a writeable, C-contiguous ({m}, {self._dim}) array of "
+                                f"{self._dtype}")
+        index = IdIndex(m)
+        rows = np.empty(m, np.int64)
+        if m and index.upsert(ids, rows, 0) != m:
+            raise ValueError(f"adopt: the ids must be distinct ({m - len(np.unique(ids))} repeated)")
+        self._index, self._n = index, m
+        self._ids, self._values = ids, values
+        self._slot_values = {s: slots[s] for s in self._slots}
+        self._sorted = _increasing(ids)
+
     @classmethod
     def from_export(cls, ids, values, slots: Mapping[str, Any] | None = None, *, name: str | None = None
                     ) -> HashTable:

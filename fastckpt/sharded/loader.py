@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fastckpt.errors import FormatError
 from fastckpt.sharded.format import rows_of
 from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.reader import CheckpointReader
@@ -162,7 +163,8 @@ class Loader:
             raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
                              f"(it has {slots})")
         # First the ids of every part and which of them this rank owns; then one gather of those rows from each
-        # part's mapped views straight into arrays of the final size (no concatenation), handed to the table.
+        # part's mapped views straight into arrays of the final size (no concatenation), which the table adopts
+        # as its storage (no copy).
         picks = []
         for id_key, value_key in zip(reader.part_names(f"{name}.id"), reader.part_names(f"{name}.embedding")):
             ids = reader.host(id_key)
@@ -187,4 +189,10 @@ class Loader:
             for slot, out in slots_out.items():
                 np.take(reader.host(f"{name}.{slot}{suffix}"), mine, axis=0, out=out[at:end])
             at = end
-        table.import_(ids_out, values_out, slots_out, clear=True)
+        try:
+            table.adopt(ids_out, values_out, slots_out)
+        except ValueError as exc:
+            what = str(exc).removeprefix("adopt: ")
+            raise FormatError(f"{reader.path}: hashtable {name!r}: {what} across its id parts "
+                              f"{reader.part_names(f'{name}.id')} (each id must be saved by one rank only)"
+                              ) from None
