@@ -31,6 +31,12 @@ whole arrays, with no Python object per id; for m ids given to a table of n:
 * ``export`` / ``ids()``: a plain copy while the rows are in ascending id order (after an import of sorted ids,
   for one, or inserts of ascending ids), else one sort of the ids (O(n log n)) and a gather of the rows.
 
+Changes are tracked for incremental checkpoints: every call that writes rows marks them in a per-row byte
+(moved with its row) and every delete appends the ids removed, in the same vectorized call. :meth:`changes` gives
+the ids written and deleted since the table last matched a committed checkpoint (its :attr:`base`);
+:meth:`mark_clean` starts counting again, and a sharded save or load calls it once its checkpoint is committed
+or loaded (a failed save leaves the changes as they were).
+
 A table is not safe for concurrent use: give each thread its own, or hold a lock around each call that changes it.
 """
 
@@ -215,6 +221,8 @@ class HashTable:
         self._n = 0
         self._index = IdIndex()
         self._sorted = True  # rows in ascending id order: export and ids() copy them as they are
+        self._base = None  # the checkpoint the table matched, less the changes tracked since (None: none)
+        self._deleted: list[np.ndarray] = []  # ids removed since then, in chunks (repeats, re-inserted ids kept)
         self._allocate(0)
 
     # -- attributes --------------------------------------------------------------------------------------------
@@ -290,11 +298,12 @@ class HashTable:
     def _allocate(self, capacity: int) -> None:
         """New, empty buffers of ``capacity`` rows (the old contents are dropped)."""
         self._ids = np.empty(capacity, np.int64)
+        self._changed = np.zeros(capacity, np.uint8)  # 1: the row was written since the base
         self._values = np.empty((capacity, self._dim), self._dtype)
         self._slot_values = {s: np.empty((capacity, self._dim), self._dtype) for s in self._slots}
 
     def _arrays(self) -> list[np.ndarray]:
-        return [self._ids, self._values, *self._slot_values.values()]
+        return [self._ids, self._changed, self._values, *self._slot_values.values()]
 
     def _reserve(self, rows: int) -> None:
         """Capacity for ``rows`` rows, keeping the contents (grows by half at least, so appends are amortized)."""
@@ -408,6 +417,7 @@ class HashTable:
             raise self._missing(ids, rows >= 0)
         rows, source = self._last(rows, self._n)
         self._write_rows(rows, values, slot_rows, source)
+        self._changed[rows] = 1
 
     def _write_rows(self, rows: np.ndarray, values: np.ndarray, slot_rows: dict, source: np.ndarray | None) -> None:
         """Overwrite the table's ``rows`` with ``values[source]`` (and the same rows of the slots given)."""
@@ -431,6 +441,7 @@ class HashTable:
         end = n + added
         if added == m:  # every id new, none repeated: rows n .. end - 1, in the order given
             self._ids[n:end] = ids
+            self._changed[n:end] = 1
             self._values[n:end] = values
             for slot, array in self._slot_values.items():
                 array[n:end] = slot_rows.get(slot, 0)
@@ -441,6 +452,7 @@ class HashTable:
                 if slot not in slot_rows:
                     array[n:end] = 0
             self._write_rows(rows, values, slot_rows, source)
+            self._changed[rows] = 1
         self._n = end
         if added and self._sorted:
             self._sorted = _increasing(self._ids[max(n - 1, 0):end])
@@ -460,6 +472,7 @@ class HashTable:
         if not removed:
             return 0
         gone = rows[rows >= 0]  # distinct: a repeat found its id removed already
+        self._deleted.append(self._ids[gone])
         n, kept = self._n, self._n - removed
         holes = np.sort(gone[gone < kept])
         if len(holes):  # the rows held past the new end move into the holes below it
@@ -581,6 +594,7 @@ class HashTable:
             self._index.clear(len(ids))
             self._n = 0
             self._sorted = True
+            self._base, self._deleted = None, []  # every row changes: only a full save records it
             if len(self._ids) > 2 * len(ids) + 64:  # give back the memory of a much larger table
                 self._allocate(0)
         self._upsert(ids, values, slot_rows)
@@ -617,8 +631,67 @@ class HashTable:
             raise ValueError(f"adopt: the ids must be distinct ({m - len(np.unique(ids))} repeated)")
         self._index, self._n = index, m
         self._ids, self._values = ids, values
+        self._changed = np.zeros(m, np.uint8)
         self._slot_values = {s: slots[s] for s in self._slots}
         self._sorted = _increasing(ids)
+        self._base, self._deleted = None, []  # the loader that adopts says which checkpoint this is (mark_clean)
+
+    # -- change tracking ---------------------------------------------------------------------------------------
+
+    @property
+    def base(self):
+        """The checkpoint the table matched when tracking last started (:meth:`mark_clean`), or None.
+
+        None means no checkpoint holds the table's earlier state (a new table, or one replaced by
+        ``import_(clear=True)`` or :meth:`adopt`): only a full save can record it.
+
+        >>> t = HashTable(1); t.base is None
+        True
+        >>> t.mark_clean(("ckpt/step-1", "ab12")); t.base
+        ('ckpt/step-1', 'ab12')
+        """
+        return self._base
+
+    def changed_rows(self) -> np.ndarray:
+        """The rows (positions in :meth:`rows`' order) written since :meth:`mark_clean`, ascending.
+
+        >>> t = HashTable(1); t.insert([5, 6], [[0.0], [0.0]]); t.mark_clean(None); t.update([6], [[1.0]])
+        >>> t.changed_rows().tolist()
+        [1]
+        """
+        return np.flatnonzero(self._changed[: self._n])
+
+    def changes(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(written, deleted)``: the ids inserted or updated since :meth:`mark_clean` (the table holds them; in
+        row order), and the ids deleted since then that it does not hold now (sorted, distinct).
+
+        >>> t = HashTable(1); t.insert([1, 2, 3], np.zeros((3, 1))); t.mark_clean(None)
+        >>> t.update([2], [[1.0]]); _ = t.delete([1, 3]); t.insert([3], [[3.0]])
+        >>> [a.tolist() for a in t.changes()]
+        [[2, 3], [1]]
+        """
+        written = self._ids[: self._n][self.changed_rows()]
+        if not self._deleted:
+            return written, np.empty(0, np.int64)
+        deleted = np.unique(np.concatenate(self._deleted))
+        if self._n:
+            found = np.empty(len(deleted), np.int64)
+            self._index.find(deleted, found)
+            deleted = deleted[found < 0]  # re-inserted since: written, not deleted
+        return written, deleted
+
+    def mark_clean(self, base) -> None:
+        """Start tracking changes afresh: the table now matches checkpoint ``base`` (any value naming it; a sharded
+        save passes ``(path, manifest hash)``). Savers and loaders call it; call it yourself only to forget changes.
+
+        >>> t = HashTable(1); t.insert([1], [[0.0]]); len(t.changes()[0])
+        1
+        >>> t.mark_clean("x"); len(t.changes()[0]), t.base
+        (0, 'x')
+        """
+        self._changed[: self._n] = 0
+        self._deleted = []
+        self._base = base
 
     @classmethod
     def from_export(cls, ids, values, slots: Mapping[str, Any] | None = None, *, name: str | None = None
