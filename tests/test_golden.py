@@ -336,7 +336,20 @@ SHARDED_TENSORS = {"w": _arange(np.float32, (5, 2)) / 4, "step": np.array(9, np.
 
 
 def _write_sharded(out: Path) -> None:
-    _save_sharded(out / "full", [_sharded_tables(0), _sharded_tables(1)], SHARDED_TENSORS, parallel=2)
+    tables = [_sharded_tables(0), _sharded_tables(1)]
+    _save_sharded(out / "full", tables, SHARDED_TENSORS, parallel=2)
+    _change_sharded(tables)
+    from fastckpt.sharded import DeltaPolicy
+
+    _save_sharded(out / "delta", tables, SHARDED_TENSORS, parallel=2, incremental=DeltaPolicy(max_fraction=1.0))
+
+
+def _change_sharded(tables: list[dict]) -> None:
+    """What happens between the full checkpoint and the delta: an update, a delete, an insert, a re-insert."""
+    tables[0]["emb"].update([7], [[0.25, 0.5, 0.75]], slots={"m": [[1.0, 2.0, 3.0]]})
+    tables[1]["emb"].delete([-5, 2**63 - 1])
+    tables[1]["emb"].insert([-5, 99], [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])
+    tables[0]["small"].delete([3])
 
 
 CASES = {
@@ -469,12 +482,16 @@ def test_golden_tf_checkpoints_read_back():
         assert r.object_graph() is not None
 
 
-def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks():
+@pytest.mark.parametrize("checkpoint", ["full", "delta"])
+def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(checkpoint):
     from fastckpt.sharded import HashTable, Loader
 
     saved = [_sharded_tables(0), _sharded_tables(1)]
+    if checkpoint == "delta":
+        _change_sharded(saved)
     for shards in (1, 3):
-        got = [Loader(str(GOLDEN / "sharded" / "full"), shard_index=r, shard_num=shards).load() for r in range(shards)]
+        got = [Loader(str(GOLDEN / "sharded" / checkpoint), shard_index=r, shard_num=shards).load()
+               for r in range(shards)]
         for name in ("emb", "small"):
             merged = HashTable(saved[0][name].dim, saved[0][name].dtype, slots=saved[0][name].slots)
             for tables, _ in got:

@@ -212,7 +212,7 @@ def test_filters_drop_blocks_on_save_and_entries_on_load(tmp_path):
     assert tables == {} and "bias" in tensors
     torn = [lambda blocks: [b for b in blocks if b.kind != "slot"]] * 2
     results = save_ranks(tmp_path / "d", 2, filter_funcs=torn)
-    assert all(isinstance(e, ValueError) and "keep or drop a table's id, embedding and slot blocks together"
+    assert all(isinstance(e, ValueError) and "keep or drop a table's id, embedding, slot and deleted blocks together"
                in str(e) for e in results)
     assert not (tmp_path / "d").exists()
 
@@ -310,7 +310,7 @@ def test_docs_carry_the_same_format_spec_as_the_module():
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "formats" / "sharded.md").read_text(encoding="utf-8")
-    spec = fmt.__doc__[fmt.__doc__.index("Sharded checkpoint format, version 1"):fmt.__doc__.index("\n>>>")]
+    spec = fmt.__doc__[fmt.__doc__.index("Sharded checkpoint format, versions 1 and 2"):fmt.__doc__.index("\n>>>")]
     block = docs[docs.index("```text\n") + len("```text\n"):].rsplit("\n```", 1)[0]
     assert block == spec.rstrip("\n")
 

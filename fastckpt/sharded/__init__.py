@@ -8,7 +8,9 @@ The API of RecIS's serializer:
 * :class:`CheckpointReader` - ``tensor_names()``, ``tensor_shape(name)``, ``tensor_dtype(name)``,
   ``read_tensor(name)``;
 * :class:`HashTable` - a sparse table id -> row, with optimizer slots that follow their ids;
-* :func:`split_sparse_dense_state_dict`.
+* :func:`split_sparse_dense_state_dict`;
+* incremental checkpoints: ``Saver(..., incremental=True)`` (or a :class:`DeltaPolicy`) writes only what
+  changed since the tables' last checkpoint; :mod:`fastckpt.sharded.chain` follows, folds and prunes chains.
 
 The directory layout is specified in :mod:`fastckpt.sharded.format`; ranks are coordinated by an engine of
 :mod:`fastckpt.sharded.engine` (MPI through mpi4py, threads, or none for one rank).
@@ -24,6 +26,7 @@ np.float32(4.0)
 from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.loader import Loader
 from fastckpt.sharded.reader import CheckpointReader
-from fastckpt.sharded.saver import Saver, WriteBlock, split_sparse_dense_state_dict
+from fastckpt.sharded.saver import DeltaPolicy, Saver, WriteBlock, split_sparse_dense_state_dict
 
-__all__ = ["Saver", "Loader", "CheckpointReader", "HashTable", "WriteBlock", "split_sparse_dense_state_dict"]
+__all__ = ["Saver", "Loader", "CheckpointReader", "HashTable", "WriteBlock", "DeltaPolicy",
+           "split_sparse_dense_state_dict"]

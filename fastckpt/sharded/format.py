@@ -4,8 +4,12 @@ A checkpoint saved by ``world_size`` ranks, each writing ``parallel`` files,
 is one directory. Every JSON file below is UTF-8, ``json.dumps(obj, indent=1,
 sort_keys=True, ensure_ascii=False)`` followed by one newline.
 
-Sharded checkpoint format, version 1
-====================================
+Sharded checkpoint format, versions 1 and 2
+===========================================
+
+Version 1 is the full checkpoint described first; version 2 adds delta
+checkpoints (below). A full checkpoint is still written as version 1, byte for
+byte, so every reader of version 1 reads it; only a delta says version 2.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -24,7 +28,10 @@ Tensor files
       follow their ids) stores rank ``i``'s rows as ``T.id/part_i_n`` (int64,
       shape ``[k]``, distinct, in the table's row order), ``T.embedding/part_i_n``
       (shape ``[k, dim]``, row ``r`` belongs to id ``r``) and one ``T.SLOT/part_i_n`` per slot
-      (same shape and order as the embedding).
+      (same shape and order as the embedding);
+    * in a delta checkpoint, also ``T.deleted/part_i_n`` (int64, shape
+      ``[d]``, ascending, distinct): the ids rank ``i`` deleted since the
+      base (see below).
 
 ``index.json``
     ``{"block_index": {stored key: file number}, "file_index": {file name:
@@ -45,8 +52,8 @@ Tensor files
     ``hashmap_value`` (the stored keys of its id and embedding parts); and
     fastckpt's additions: ``tensor`` (the original name), ``part`` (``[i,
     n]``), for a dense part ``row_start`` and ``global_shape``, for a
-    hashtable's tensors ``table`` and ``role`` (``"id"``, ``"embedding"`` or
-    ``"slot"``, with ``slot`` naming it).
+    hashtable's tensors ``table`` and ``role`` (``"id"``, ``"embedding"``,
+    ``"slot"`` with ``slot`` naming it, or in a delta ``"deleted"``).
 
 ``manifest.json`` (written last: its presence is the commit)
     ``{"format": "fastckpt.sharded", "format_version": 1, "world_size": n,
@@ -72,6 +79,36 @@ Reading
     digits, of the whole file), and that the three
     JSON files agree with each other.
 
+Delta checkpoints (version 2)
+    A delta holds what changed since another committed checkpoint, its
+    *base* (full or itself a delta). The layout is that of a full checkpoint,
+    and its ``manifest.json`` has ``"format_version": 2`` and three more keys:
+    ``"kind": "delta"`` (a manifest without ``kind`` is a full checkpoint),
+    ``"base": {"path": P, "manifest_blake3": H}`` (``P`` the base directory
+    relative to the delta's own directory, ``/``-separated, e.g.
+    ``"../step-100"``; ``H`` the BLAKE3 of the base's ``manifest.json``
+    bytes) and ``"chain_length"`` (1 on a full base, the base's plus 1 on a
+    delta). Each ``hashtables`` entry adds ``"written"`` and ``"deleted"``
+    (how many ids the delta stores in each way); its ``"ids"`` counts the ids
+    the table holds after the delta.
+
+    A table's ``T.id``, ``T.embedding`` and slot parts hold only the rows
+    inserted or updated since the base (the whole row and every slot row),
+    and ``T.deleted`` the ids deleted since the base and absent at the save.
+    An id is in at most one rank's parts and never both written and deleted.
+    Dense tensors are stored whole, as in a full checkpoint.
+
+    The state at a delta is its base's state with, for each table of the
+    delta's manifest, the deleted ids removed and then the written rows
+    upserted; the state at a full checkpoint is its content. Readers follow
+    ``base`` links to a full checkpoint and check each one: the directory
+    exists, is a committed checkpoint, and its ``manifest.json`` hashes to
+    ``manifest_blake3`` (otherwise the error names the link). Dense tensors
+    come from the head of the chain alone. A delta is readable only with its
+    whole chain: tools that remove checkpoints keep every base a kept
+    checkpoint needs, and ``fastckpt compact`` folds a chain into one full
+    checkpoint.
+
 >>> part_key("w", 1, 4), rows_of(1, 4, 10), parse_part_key("T.id/part_2_3")
 ('w/part_1_4', (2, 5), ('T.id', 2, 3))
 """
@@ -86,17 +123,19 @@ from typing import Any
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "INDEX_FILE", "TENSORKEY_FILE", "DESCRIPTION_FILE", "MANIFEST_FILE",
+    "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "INDEX_FILE", "TENSORKEY_FILE", "DESCRIPTION_FILE", "MANIFEST_FILE",
     "tensor_file_name", "part_key", "parse_part_key", "rows_of", "dumps", "read_metadata",
 ]
 
 FORMAT = "fastckpt.sharded"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version read; full checkpoints are written as FULL_VERSION
+FULL_VERSION = 1
+DELTA_VERSION = 2
 INDEX_FILE = "index.json"
 TENSORKEY_FILE = "tensorkey.json"
 DESCRIPTION_FILE = "torch_rank_weights_embs_table_multi_shard.json"
 MANIFEST_FILE = "manifest.json"
-ROLES = ("id", "embedding", "slot")
+ROLES = ("id", "embedding", "slot", "deleted")
 
 _PART = re.compile(r"^(?P<name>.+)/part_(?P<i>\d+)_(?P<n>\d+)$")
 _FILE = re.compile(r"^model-(\d{5})-(\d{3})\.safetensors$")
@@ -205,6 +244,17 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
                                 f"{manifest['world_size']} x parallel {manifest['parallel']} files expected)")
     for name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE):
         _expect(name in files, where, f"lists no entry for {name}")
+    kind = manifest.get("kind", "full")
+    _expect(kind in ("full", "delta"), where, f"'kind' must be 'delta' (or absent: a full checkpoint), got {kind!r}")
+    if kind == "delta":
+        base = manifest.get("base")
+        _expect(version >= DELTA_VERSION, where, f"a delta checkpoint needs format_version {DELTA_VERSION}, "
+                                                 f"got {version}")
+        _expect(isinstance(base, dict) and isinstance(base.get("path"), str) and base["path"]
+                and isinstance(base.get("manifest_blake3"), str), where,
+                f"'base' must be {{'path': str, 'manifest_blake3': str}}, got {base!r}")
+        _expect(type(manifest.get("chain_length")) is int and manifest["chain_length"] >= 1, where,
+                f"'chain_length' must be a positive integer, got {manifest.get('chain_length')!r}")
 
     index = _load_json(d, INDEX_FILE)
     iwhere = os.path.join(d, INDEX_FILE)

@@ -31,6 +31,7 @@ entries to skip removed.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import difflib
 import os
 from typing import Any, Callable
@@ -38,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fastckpt.errors import FormatError
+from fastckpt.sharded.chain import manifest_digest, resolve_chain
 from fastckpt.sharded.format import rows_of
 from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.reader import CheckpointReader
@@ -117,14 +119,26 @@ class Loader:
                                                                             f"; it has {sorted(known)[:8]}"))
 
     def load(self) -> tuple[dict, dict]:
-        """Read and fill; returns ``(hashtables, tensors)``, the dicts given (or made)."""
-        with CheckpointReader(self.checkpoint_path) as reader:
-            info = self.filter_func(self.load_info(reader))
-            jobs = [(self._load_dense, name, entry) for name, entry in info.get("tensors", {}).items()]
-            jobs += [(self._load_table, name, entry) for name, entry in info.get("hashtables", {}).items()]
+        """Read and fill; returns ``(hashtables, tensors)``, the dicts given (or made).
+
+        The head of a chain of deltas loads as its full base with every delta applied in order (see
+        :mod:`fastckpt.sharded.chain`); a broken link raises :class:`~fastckpt.sharded.chain.BrokenChainError`
+        before anything is filled. Each table loaded is marked clean against this checkpoint, so that an
+        incremental save after it stores only what changes from here.
+        """
+        chain = resolve_chain(self.checkpoint_path)
+        with contextlib.ExitStack() as stack:
+            readers = [stack.enter_context(CheckpointReader(path)) for path, _ in chain]
+            head = readers[-1]
+            info = self.filter_func(self.load_info(head))
+            jobs = [(self._load_dense, head, name, entry) for name, entry in info.get("tensors", {}).items()]
+            jobs += [(self._load_table, readers, name, entry) for name, entry in info.get("hashtables", {}).items()]
             with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(jobs)))) as pool:
-                for future in [pool.submit(fn, reader, name, entry) for fn, name, entry in jobs]:
+                for future in [pool.submit(*job) for job in jobs]:
                     future.result()
+        token = (chain[-1][0], manifest_digest(chain[-1][0]))
+        for name in info.get("hashtables", {}):
+            self.hashtables[name].mark_clean(token)
         return self.hashtables, self.tensors
 
     def _load_dense(self, reader: CheckpointReader, name: str, entry: dict) -> None:
@@ -149,7 +163,40 @@ class Loader:
         else:
             self.tensors[name] = out
 
-    def _load_table(self, reader: CheckpointReader, name: str, entry: dict) -> None:
+    def _owned(self, reader: CheckpointReader, tensor: str) -> list[tuple[np.ndarray, str, np.ndarray]]:
+        """``[(ids, part suffix, positions this rank owns)]`` for each non-empty part of ``tensor`` (int64 ids)."""
+        out = []
+        for key in reader.part_names(tensor):
+            ids = reader.host(key)
+            if len(ids) == 0:
+                continue
+            ranks = np.asarray(self.owner(ids, self.shard_num))
+            if ranks.shape != ids.shape:
+                raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
+            mine = np.flatnonzero(ranks == self.shard_index)
+            if len(mine):
+                out.append((ids, key[len(tensor):], mine))
+        return out
+
+    def _load_table(self, readers: list[CheckpointReader], name: str, entry: dict) -> None:
+        """The table as of the chain's head: its full base, then every delta in order."""
+        self._load_full_table(readers[0], name, entry)
+        for reader in readers[1:]:
+            self._apply_delta(reader, name)
+
+    def _apply_delta(self, reader: CheckpointReader, name: str) -> None:
+        """Remove the ids the delta deleted, then upsert the rows it wrote (those this rank owns)."""
+        table = self.hashtables[name]
+        if name not in reader.hashtables():
+            raise FormatError(f"{reader.path}: this delta of the chain holds no hashtable {name!r}, which its head "
+                              f"{self.checkpoint_path} does; the chain is inconsistent")
+        for ids, _, mine in self._owned(reader, f"{name}.deleted"):
+            table.delete(ids[mine])
+        for ids, suffix, mine in self._owned(reader, f"{name}.id"):
+            slots = {slot: np.take(reader.host(f"{name}.{slot}{suffix}"), mine, axis=0) for slot in table.slots}
+            table.insert(ids[mine], np.take(reader.host(f"{name}.embedding{suffix}"), mine, axis=0), slots)
+
+    def _load_full_table(self, reader: CheckpointReader, name: str, entry: dict) -> None:
         slots = list(entry["slots"])
         table = self.hashtables.get(name)
         if table is None:
@@ -165,27 +212,17 @@ class Loader:
         # First the ids of every part and which of them this rank owns; then one gather of those rows from each
         # part's mapped views straight into arrays of the final size (no concatenation), which the table adopts
         # as its storage (no copy).
-        picks = []
-        for id_key, value_key in zip(reader.part_names(f"{name}.id"), reader.part_names(f"{name}.embedding")):
-            ids = reader.host(id_key)
-            if len(ids) == 0:
-                continue
-            ranks = np.asarray(self.owner(ids, self.shard_num))
-            if ranks.shape != ids.shape:
-                raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
-            mine = np.flatnonzero(ranks == self.shard_index)
-            if len(mine):
-                picks.append((ids, value_key, id_key[len(f"{name}.id"):], mine))
+        picks = self._owned(reader, f"{name}.id")
         total = sum(len(mine) for *_, mine in picks)
         dim, dtype = table.dim, np.dtype(table.dtype)
         ids_out = np.empty(total, np.int64)
         values_out = np.empty((total, dim), dtype)
         slots_out = {slot: np.empty((total, dim), dtype) for slot in table.slots}
         at = 0
-        for ids, value_key, suffix, mine in picks:
+        for ids, suffix, mine in picks:
             end = at + len(mine)
             np.take(ids, mine, out=ids_out[at:end])
-            np.take(reader.host(value_key), mine, axis=0, out=values_out[at:end])
+            np.take(reader.host(f"{name}.embedding{suffix}"), mine, axis=0, out=values_out[at:end])
             for slot, out in slots_out.items():
                 np.take(reader.host(f"{name}.{slot}{suffix}"), mine, axis=0, out=out[at:end])
             at = end

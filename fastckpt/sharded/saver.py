@@ -12,7 +12,18 @@ do not change the tables or arrays while ``save()`` runs), spread over
 ``filter_func`` receives the rank's list of :class:`WriteBlock` (one per
 stored tensor, before anything is written) and returns the blocks to write:
 it may drop blocks, not add or change them, and must keep or drop a
-hashtable's id, embedding and slot blocks together.
+hashtable's id, embedding, slot (and deleted) blocks together.
+
+``incremental=True`` (or a :class:`DeltaPolicy`) saves a *delta* where it
+can: only the table rows written and the ids deleted since the tables'
+:attr:`~fastckpt.sharded.hashtable.HashTable.base` checkpoint, with dense
+tensors whole. Rank 0 decides for all ranks, before anything is written: a
+delta needs every rank's tables to share one committed base whose manifest
+is unchanged, a chain no longer than ``DeltaPolicy.max_chain`` and a size at
+most ``DeltaPolicy.max_fraction`` of a full save's; otherwise the save is
+full. :attr:`Saver.kind` says which it was. Every committed save (full or
+delta) marks its tables clean (``HashTable.mark_clean``); a failed one leaves
+their changes tracked.
 
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.sharded import HashTable, Saver
@@ -35,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import blake3
 import numpy as np
 
 from fastckpt.formats.atomic import _partial_name, _swap_in, fsync_directory, remove_stale_partials_in
@@ -42,8 +54,9 @@ from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.sharded.format import (
     DESCRIPTION_FILE,
+    DELTA_VERSION,
     FORMAT,
-    FORMAT_VERSION,
+    FULL_VERSION,
     INDEX_FILE,
     MANIFEST_FILE,
     TENSORKEY_FILE,
@@ -55,7 +68,7 @@ from fastckpt.sharded.format import (
 from fastckpt.sharded.hashtable import HashTable
 from fastckpt.state import as_numpy
 
-__all__ = ["Saver", "WriteBlock", "split_sparse_dense_state_dict"]
+__all__ = ["Saver", "WriteBlock", "DeltaPolicy", "split_sparse_dense_state_dict"]
 
 # Staging directories this process made for saves that failed: removed by the next save (rank 0).
 _failed_staging: set[str] = set()
@@ -63,11 +76,33 @@ _failed_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
+class DeltaPolicy:
+    """When an incremental :class:`Saver` writes a delta, and when a full checkpoint instead.
+
+    ``max_chain``: deltas in a row before a full checkpoint (a restore reads at most this many deltas after
+    its full base); ``max_fraction``: a full checkpoint whenever the delta would store more than this fraction
+    of a full save's bytes.
+
+    >>> DeltaPolicy()
+    DeltaPolicy(max_chain=10, max_fraction=0.5)
+    """
+
+    max_chain: int = 10
+    max_fraction: float = 0.5
+
+    def __post_init__(self):
+        if type(self.max_chain) is not int or self.max_chain < 1:
+            raise ValueError(f"max_chain must be a positive int, got {self.max_chain!r}")
+        if not 0 < self.max_fraction <= 1:
+            raise ValueError(f"max_fraction must be in (0, 1], got {self.max_fraction!r}")
+
+
+@dataclass(frozen=True)
 class WriteBlock:
     """One tensor a rank is about to write: its stored key, the original name, its kind and the array.
 
-    ``kind`` is ``"dense"``, ``"id"``, ``"embedding"`` or ``"slot"``; ``table`` names the hashtable of the
-    last three; ``description`` is the entry the description file will hold.
+    ``kind`` is ``"dense"``, ``"id"``, ``"embedding"``, ``"slot"`` or (in a delta) ``"deleted"``; ``table``
+    names the hashtable of the last four; ``description`` is the entry the description file will hold.
     """
 
     key: str
@@ -134,7 +169,7 @@ class Saver:
     def __init__(self, shard_index: int = 0, shard_num: int = 1, parallel: int = 8, path: str = ".",
                  hashtables: dict | None = None, tensors: list | dict | None = None,
                  filter_func: Callable[[list], list] = lambda blocks: blocks, *, engine=None,
-                 timeout: float = 600.0, overwrite: bool = False):
+                 timeout: float = 600.0, overwrite: bool = False, incremental: bool | DeltaPolicy = False):
         if type(shard_num) is not int or shard_num < 1:
             raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
         if type(shard_index) is not int or not 0 <= shard_index < shard_num:
@@ -159,6 +194,11 @@ class Saver:
         self.engine = engine
         self.timeout = timeout
         self.overwrite = overwrite
+        if not isinstance(incremental, (bool, DeltaPolicy)):
+            raise TypeError(f"incremental must be a bool or a DeltaPolicy, got {incremental!r}")
+        self.policy = DeltaPolicy() if incremental is True else (incremental or None)
+        self.kind = "full"  # what the last save() wrote (or will write): "full" or "delta"
+        self._changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> (changed rows, deleted ids)
 
     # -- the blocks this rank writes ------------------------------------------------------------------
     def blocks(self) -> list[WriteBlock]:
@@ -193,9 +233,13 @@ class Saver:
             value_key = part_key(f"{table_name}.embedding", i, n)
             roles = [("id", f"{table_name}.id", ids, None), ("embedding", f"{table_name}.embedding", values, None)]
             roles += [("slot", f"{table_name}.{slot}", slots[slot], slot) for slot in table.slots]
+            if self.kind == "delta":  # only the rows written since the base (gathered), and the ids deleted
+                rows, deleted = self._changes[table_name]
+                roles = [(role, tensor, np.take(array, rows, axis=0), slot) for role, tensor, array, slot in roles]
+                roles.append(("deleted", f"{table_name}.deleted", deleted, None))
             for role, tensor, array, slot in roles:
                 key = part_key(tensor, i, n)
-                desc = {"name": key, "dense": False, "dimension": 1 if role == "id" else table.dim,
+                desc = {"name": key, "dense": False, "dimension": 1 if role in ("id", "deleted") else table.dim,
                         "dtype": array.dtype.name, "shape": list(array.shape), "is_hashmap": True,
                         "hashmap_key": id_key, "hashmap_value": value_key, "tensor": tensor, "part": [i, n],
                         "table": table_name, "role": role}
@@ -218,7 +262,7 @@ class Saver:
         torn = sorted(t for t, flags in tables.items() if any(flags) and not all(flags))
         if torn:
             raise ValueError(f"filter_func kept some but not all blocks of hashtables {torn}: keep or drop a "
-                             "table's id, embedding and slot blocks together")
+                             "table's id, embedding, slot and deleted blocks together")
         return kept
 
     # -- writing --------------------------------------------------------------------------------------
@@ -245,6 +289,9 @@ class Saver:
             if any(b.table == name for b in blocks):
                 tables[name] = {"dim": table.dim, "dtype": np.dtype(table.dtype).name, "slots": list(table.slots),
                                 "ids": len(table)}
+                if self.kind == "delta":
+                    rows, deleted = self._changes[name]
+                    tables[name].update(written=len(rows), deleted=len(deleted))
         return {"rank": self.shard_index, "shard_num": self.shard_num, "parallel": self.parallel,
                 "files": written, "block_index": block_index,
                 "tensorkey": {b.key: b.tensor for b in blocks},
@@ -281,6 +328,15 @@ class Saver:
         if "error" in start:
             raise RuntimeError(f"sharded save to {final}: rank 0 could not start it: {start['error']}")
         staging = Path(start["staging"])
+        self.kind, plan = "full", {"kind": "full"}
+        if self.policy is not None:
+            try:
+                plan = self._agree_on_kind(engine, final)
+            except BaseException:
+                if root:
+                    self._abandon(staging)
+                raise
+            self.kind = plan["kind"]
         error = None
         try:
             report = self._write_files(staging, self._filtered())
@@ -298,8 +354,7 @@ class Saver:
                 failed = [r["error"] for r in reports if "error" in r]
                 if failed:
                     raise RuntimeError("; ".join(failed))
-                self._commit(staging, final, reports)
-                status = {"ok": True}
+                status = {"ok": True, "manifest_blake3": self._commit(staging, final, reports, plan)}
             except BaseException as exc:
                 self._abandon(staging)
                 status, commit_error = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, exc
@@ -312,7 +367,58 @@ class Saver:
             raise commit_error
         if not status["ok"]:
             raise RuntimeError(f"sharded save to {final} failed on rank 0: {status['error']}")
+        for name in report["tables"]:  # committed: the tables now match this checkpoint
+            self.hashtables[name].mark_clean((os.path.abspath(final), status["manifest_blake3"]))
+        self._changes = {}
         return str(Path(self.path))
+
+    # -- full or delta --------------------------------------------------------------------------------
+    def _agree_on_kind(self, engine, final: Path) -> dict:
+        """Every rank proposes (its tables' common base, delta and full bytes); rank 0 decides for all."""
+        bases = {table.base for table in self.hashtables.values()}
+        base = bases.pop() if len(bases) == 1 else None
+        row_bytes = {n: 8 + t.dim * t.dtype.itemsize * (1 + len(t.slots)) for n, t in self.hashtables.items()}
+        dense = sum(as_numpy(v).nbytes for _, v in self.tensors if as_numpy(v) is not None) // self.shard_num
+        self._changes = {}
+        delta = full = dense
+        if base is not None:
+            for name, table in self.hashtables.items():
+                rows, deleted = table.changed_rows(), table.changes()[1]
+                self._changes[name] = (rows, deleted)
+                delta += len(rows) * row_bytes[name] + 8 * len(deleted)
+                full += len(table) * row_bytes[name]
+        proposal = {"base": None if base is None else list(base), "delta_bytes": delta, "full_bytes": full}
+        proposals = engine.gather(proposal, root=0, timeout=self.timeout)
+        plan = None
+        if engine.rank == 0:
+            try:
+                plan = self._plan(final, proposals)
+            except Exception as exc:  # noqa: BLE001 - no usable base: a full save, which needs none
+                plan = {"kind": "full", "reason": f"{type(exc).__name__}: {exc}"}
+        return engine.broadcast(plan, root=0, timeout=self.timeout)
+
+    def _plan(self, final: Path, proposals: list[dict]) -> dict:
+        from fastckpt.sharded.chain import manifest_digest, relative_base, resolve_chain
+
+        bases = {tuple(p["base"]) if p["base"] else None for p in proposals}
+        if len(bases) != 1 or None in bases:
+            return {"kind": "full", "reason": "the ranks' tables do not all match one committed checkpoint"}
+        base_path, digest = bases.pop()
+        delta, full = sum(p["delta_bytes"] for p in proposals), sum(p["full_bytes"] for p in proposals)
+        if delta > self.policy.max_fraction * full:
+            return {"kind": "full", "reason": f"the delta ({delta} bytes) exceeds {self.policy.max_fraction} of a "
+                                              f"full save ({full} bytes)"}
+        if manifest_digest(base_path) != digest:
+            return {"kind": "full", "reason": f"{base_path} changed since the tables were saved or loaded"}
+        chain = resolve_chain(base_path)
+        if any(Path(path) == final for path, _ in chain):
+            return {"kind": "full", "reason": f"{final} is in the chain of its own base"}
+        length = chain[-1][1].get("chain_length", 0) + 1
+        if length > self.policy.max_chain:
+            return {"kind": "full", "reason": f"the chain would hold {length} deltas (max_chain "
+                                              f"{self.policy.max_chain})"}
+        return {"kind": "delta", "base": {"path": relative_base(final, base_path), "manifest_blake3": digest},
+                "chain_length": length}
 
     def _begin(self, final: Path) -> Path:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -330,7 +436,8 @@ class Saver:
             with _failed_lock:
                 _failed_staging.add(os.fspath(staging))
 
-    def _commit(self, staging: Path, final: Path, reports: list[dict]) -> None:
+    def _commit(self, staging: Path, final: Path, reports: list[dict], plan: dict) -> str:
+        """Write the metadata and the manifest, rename into place; returns the manifest's BLAKE3."""
         files, block_index, tensorkey, descriptions, tables = {}, {}, {}, {}, {}
         for r in reports:
             if (r["shard_num"], r["parallel"]) != (self.shard_num, self.parallel):
@@ -341,10 +448,14 @@ class Saver:
             tensorkey.update(r["tensorkey"])
             descriptions.update(r["descriptions"])
             for name, t in r["tables"].items():
-                if name in tables and {k: v for k, v in tables[name].items() if k != "ids"} != \
-                        {k: v for k, v in t.items() if k != "ids"}:
+                counts = ("ids", "written", "deleted")
+                if name in tables and {k: v for k, v in tables[name].items() if k not in counts} != \
+                        {k: v for k, v in t.items() if k not in counts}:
                     raise ValueError(f"hashtable {name!r} differs between ranks (dim, dtype or slots)")
-                tables.setdefault(name, {**t, "ids": 0})["ids"] += t["ids"]
+                entry = tables.setdefault(name, {**t, **{k: 0 for k in counts if k in t}})
+                for key in counts:
+                    if key in t:
+                        entry[key] += t[key]
         dense = {}
         for desc in descriptions.values():
             if desc["dense"]:
@@ -356,14 +467,19 @@ class Saver:
             data = dumps(content)
             _write_synced(staging / name, data)
             files[name] = {"size": len(data), "blake3": blake3_file(staging / name)[0]}
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": self.shard_num,
+        manifest = {"format": FORMAT, "format_version": FULL_VERSION, "world_size": self.shard_num,
                     "parallel": self.parallel, "files": files, "tensors": dense, "hashtables": tables}
-        _write_synced(staging / MANIFEST_FILE, dumps(manifest))
+        if plan["kind"] == "delta":
+            manifest.update(format_version=DELTA_VERSION, kind="delta", base=plan["base"],
+                            chain_length=plan["chain_length"])
+        data = dumps(manifest)
+        _write_synced(staging / MANIFEST_FILE, data)
         fsync_directory(staging)
         if final.exists() and not self.overwrite:
             raise FileExistsError(f"{final}: appeared during the save; pass overwrite=True to replace it")
         _swap_in(staging, final)
         fsync_directory(final.parent)
+        return blake3.blake3(data).hexdigest()
 
 
 def _write_synced(path: Path, data: bytes) -> None:
