@@ -11,7 +11,7 @@ arguments depend on the command line takes it too, as
 and then adds that suite's options (see :mod:`fastckpt.bench`).
 
 >>> sorted(COMMANDS)
-['bench', 'convert', 'demo', 'inspect', 'reshard', 'verify']
+['bench', 'compact', 'convert', 'demo', 'inspect', 'reshard', 'verify']
 >>> main(["--version"])  # doctest: +SKIP
 fastckpt 0.2.0
 """
@@ -22,13 +22,13 @@ import argparse
 import sys
 from inspect import signature
 
-from fastckpt.cli import bench, convert, demo, inspect, reshard, verify
+from fastckpt.cli import bench, compact, convert, demo, inspect, reshard, verify
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 # sub-command -> its module (HELP, add_parser(subparsers), run(args)), in the order `fastckpt --help` lists them
-COMMANDS = {"demo": demo, "inspect": inspect, "convert": convert, "reshard": reshard, "bench": bench,
-            "verify": verify}
+COMMANDS = {"demo": demo, "inspect": inspect, "convert": convert, "reshard": reshard, "compact": compact,
+            "bench": bench, "verify": verify}
 
 
 def build_parser(command: str | None = None, argv: list[str] | None = None) -> argparse.ArgumentParser:

@@ -57,6 +57,10 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
             d["hashtables"] = f.hashtables()
             d["world_size"] = f.manifest["world_size"]
             d["files"] = {name: entry["size"] for name, entry in sorted(f.manifest["files"].items())}
+            d["kind"] = f.manifest.get("kind", "full")
+            if d["kind"] == "delta":  # what it holds is applied on its base
+                d["base"] = f.manifest["base"]["path"]
+                d["chain_length"] = f.manifest["chain_length"]
         return d
 
 
@@ -76,8 +80,11 @@ def _format_table(d: dict) -> str:
     lines = [f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors"]
     if "world_size" in d:  # a sharded checkpoint: its files and their sizes
         lines.append(f"{len(d['files'])} files, {sum(d['files'].values())} bytes, world size {d['world_size']}")
+    if d.get("kind") == "delta":
+        lines.append(f"delta {d['chain_length']} of a chain, on base {d['base']}")
     for name, t in d.get("hashtables", {}).items():
-        lines.append(f"hashtable {name}: {t['ids']} ids x {t['dim']} {t['dtype']}, slots {t['slots']}")
+        change = f" ({t['written']} written, {t['deleted']} deleted since the base)" if "written" in t else ""
+        lines.append(f"hashtable {name}: {t['ids']} ids x {t['dim']} {t['dtype']}, slots {t['slots']}{change}")
     if d.get("metadata"):
         lines.append("metadata: " + json.dumps(d["metadata"], ensure_ascii=False))
     rows = [("name", "dtype", "shape", "offset", "nbytes", "align")]

@@ -70,18 +70,25 @@ def _report(path: Path, problems: list[str], ok: str, out) -> int:
 
 
 def _verify_sharded(path: Path, hashes: bool, quiet: bool, out) -> int:
+    """A sharded checkpoint, and for a delta every checkpoint of its chain (the links and their files)."""
     from fastckpt.errors import FastCkptError
+    from fastckpt.sharded.chain import resolve_chain
     from fastckpt.sharded.reader import CheckpointReader
 
+    problems, chain = [], []
     try:
-        with CheckpointReader(path) as reader:
-            problems = reader.verify() if hashes else []
-            m = reader.manifest
+        chain = resolve_chain(path)
+        for link, _ in chain:
+            with CheckpointReader(link) as reader:
+                where = "" if Path(link) == path.absolute() else f"{link}: "
+                problems += [where + p for p in (reader.verify() if hashes else [])]
     except (FastCkptError, OSError) as exc:
-        problems = [str(exc)]
+        problems.append(str(exc))
     if problems or quiet:
         return _report(path, problems, "", out)
-    return _report(path, [], f"sharded: world_size={m['world_size']} parallel={m['parallel']} "
+    m = chain[-1][1]
+    kind = f" delta on a chain of {len(chain)} checkpoints" if len(chain) > 1 else ""
+    return _report(path, [], f"sharded{kind}: world_size={m['world_size']} parallel={m['parallel']} "
                              f"files={len(m['files'])}{'' if hashes else ' (hashes not checked)'}", out)
 
 
