@@ -27,7 +27,6 @@ import re
 import sys
 from pathlib import Path
 
-
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = "check a training or sharded checkpoint's manifest, file sizes and sha256 hashes"

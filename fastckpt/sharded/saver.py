@@ -53,8 +53,8 @@ from fastckpt.formats.atomic import _partial_name, _swap_in, fsync_directory, re
 from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.sharded.format import (
-    DESCRIPTION_FILE,
     DELTA_VERSION,
+    DESCRIPTION_FILE,
     FORMAT,
     FULL_VERSION,
     INDEX_FILE,
