@@ -87,7 +87,7 @@ def test_formatting_helpers():
 # ------------------------------------------------------------------ one way to start
 
 def test_every_suite_has_configure_run_and_a_docstring():
-    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded"}
+    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded", "incremental"}
     for name, module_name in SUITES.items():
         module = importlib.import_module(module_name)
         assert callable(module.configure) and callable(module.run), name
@@ -205,4 +205,18 @@ def test_sharded_suite(tmp_path, capsys):
     targets = out.split("### targets")[1].strip().splitlines()
     assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 5 + [False]
     assert targets[-1] == "- (--quick sizes: the targets are stated for the full sizes)"
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+def test_incremental_suite(tmp_path, capsys):
+    assert main(["bench", "--suite", "incremental", "--quick", "--ids", "4000", "--deltas", "2",
+                 "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Incremental checkpoints: a table of 4,000 ids x 8 float32 with Adam m, v")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 1") and "%" in line]
+    assert [r[0] for r in rows] == ["| 1%", "| 10%"] and all(r[7] == "2" for r in rows)
+    full_bytes, delta_bytes = (int(rows[0][i].replace(",", "")) for i in (1, 2))
+    assert 0 < delta_bytes < full_bytes  # a delta at 1% touched stores less than a full save
+    targets = out.split("### targets")[1].strip().splitlines()
+    assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 4 + [False]
     assert list(tmp_path.iterdir()) == [], "its files are removed"

@@ -20,7 +20,10 @@ Every suite is started the same way::
   capture and checkpoint save/load of :mod:`fastckpt.stateful`;
 * ``sharded`` (:mod:`fastckpt.bench.sharded`): sharded saves and loads of
   :mod:`fastckpt.sharded` (ranks as threads) against raw writes and reads of
-  the same bytes, resharding, ``HashTable`` export/import, peak memory.
+  the same bytes, resharding, ``HashTable`` export/import, peak memory;
+* ``incremental`` (:mod:`fastckpt.bench.incremental`): delta checkpoints of a
+  sparse table against full saves (bytes, time) and chain restores against
+  full restores.
 
 ``python -m fastckpt bench --suite SUITE --help`` lists a suite's options. Each
 suite module provides ``configure(parser)`` (its options) and ``run(args)``
@@ -29,7 +32,7 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
 >>> sorted(SUITES)
-['device', 'formats', 'model', 'sharded', 'stateful', 'tf', 'train']
+['device', 'formats', 'incremental', 'model', 'sharded', 'stateful', 'tf', 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -50,6 +53,7 @@ SUITES = {
     "train": "fastckpt.bench.train",
     "stateful": "fastckpt.bench.stateful",
     "sharded": "fastckpt.bench.sharded",
+    "incremental": "fastckpt.bench.incremental",
 }
 DEFAULT_SUITE = "device"
 
