@@ -493,3 +493,19 @@ def test_adopt_takes_the_arrays_as_storage_and_checks_them_first():
         with pytest.raises(error, match=message):
             t.adopt(*args)
         assert t == before  # unchanged
+
+
+def test_adopt_with_spare_rows_fills_them_before_growing():
+    ids = np.empty(10, np.int64)
+    values = np.empty((10, 1), np.float32)
+    ids[:3], values[:3] = [4, 5, 6], [[4.0], [5.0], [6.0]]
+    t = HashTable(1)
+    t.adopt(ids, values, rows=3)
+    assert len(t) == 3 and t.ids().tolist() == [4, 5, 6] and len(t.changes()[0]) == 0
+    t.insert(np.arange(100, 107), np.ones((7, 1)))  # fills the 7 spare rows in place
+    assert np.shares_memory(t.rows()[1], values) and len(t) == 10
+    assert sorted(t.changes()[0].tolist()) == list(range(100, 107))
+    t.insert([1000], [[2.0]])  # now it grows
+    assert not np.shares_memory(t.rows()[1], values) and t.lookup([5, 1000]).ravel().tolist() == [5.0, 2.0]
+    with pytest.raises(ValueError, match=r"rows must be in \[0, 10\]"):
+        HashTable(1).adopt(ids, values, rows=11)

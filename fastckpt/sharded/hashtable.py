@@ -599,12 +599,15 @@ class HashTable:
                 self._allocate(0)
         self._upsert(ids, values, slot_rows)
 
-    def adopt(self, ids: np.ndarray, values: np.ndarray, slots: Mapping[str, np.ndarray] | None = None) -> None:
+    def adopt(self, ids: np.ndarray, values: np.ndarray, slots: Mapping[str, np.ndarray] | None = None, *,
+              rows: int | None = None) -> None:
         """Replace the contents with ``(ids, values, slots)``, taking the arrays themselves as storage (no copy).
 
         For loaders that build fresh arrays of a table's rows: the table owns them afterwards (do not use them
         elsewhere). ``ids`` must be distinct int64, ``values`` and every slot C-contiguous, writeable
         ``(len(ids), dim)`` arrays of the table's dtype, and ``slots`` must give every slot of the table.
+        With ``rows`` only the first ``rows`` ids and rows are the table's; the rest is spare capacity, which
+        later inserts fill before the arrays grow (uninitialized ``np.empty`` rows cost no memory until used).
         Anything else raises before the table changes.
 
         >>> t = HashTable(1, slots=("m",))
@@ -619,21 +622,24 @@ class HashTable:
         if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1
                 and ids.flags.c_contiguous and ids.flags.writeable):
             raise TypeError("adopt: ids must be a writeable, C-contiguous 1-D int64 array")
-        m = len(ids)
+        capacity = len(ids)
+        m = capacity if rows is None else operator.index(rows)
+        if not 0 <= m <= capacity:
+            raise ValueError(f"adopt: rows must be in [0, {capacity}], got {rows!r}")
         for what, array in (("values", values), *((f"slot {s!r}", a) for s, a in slots.items())):
-            if not (isinstance(array, np.ndarray) and array.dtype == self._dtype and array.shape == (m, self._dim)
-                    and array.flags.c_contiguous and array.flags.writeable):
-                raise TypeError(f"adopt: {what} must be a writeable, C-contiguous ({m}, {self._dim}) array of "
-                                f"{self._dtype}")
+            if not (isinstance(array, np.ndarray) and array.dtype == self._dtype
+                    and array.shape == (capacity, self._dim) and array.flags.c_contiguous and array.flags.writeable):
+                raise TypeError(f"adopt: {what} must be a writeable, C-contiguous ({capacity}, {self._dim}) array "
+                                f"of {self._dtype}")
         index = IdIndex(m)
-        rows = np.empty(m, np.int64)
-        if m and index.upsert(ids, rows, 0) != m:
-            raise ValueError(f"adopt: the ids must be distinct ({m - len(np.unique(ids))} repeated)")
+        where = np.empty(m, np.int64)
+        if m and index.upsert(ids[:m], where, 0) != m:
+            raise ValueError(f"adopt: the ids must be distinct ({m - len(np.unique(ids[:m]))} repeated)")
         self._index, self._n = index, m
         self._ids, self._values = ids, values
-        self._changed = np.zeros(m, np.uint8)
+        self._changed = np.zeros(capacity, np.uint8)
         self._slot_values = {s: slots[s] for s in self._slots}
-        self._sorted = _increasing(ids)
+        self._sorted = _increasing(ids[:m])
         self._base, self._deleted = None, []  # the loader that adopts says which checkpoint this is (mark_clean)
 
     # -- change tracking ---------------------------------------------------------------------------------------
