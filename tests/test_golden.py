@@ -342,6 +342,7 @@ def _write_sharded(out: Path) -> None:
     from fastckpt.sharded import DeltaPolicy
 
     _save_sharded(out / "delta", tables, SHARDED_TENSORS, parallel=2, incremental=DeltaPolicy(max_fraction=1.0))
+    _save_sharded(out / "quantized", tables, SHARDED_TENSORS, parallel=1, quantize="int8")  # no codec: fixed bytes
 
 
 def _change_sharded(tables: list[dict]) -> None:
@@ -503,3 +504,20 @@ def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(checkpoint):
         for _, tensors in got:
             for name, value in SHARDED_TENSORS.items():
                 assert tensors[name].dtype == value.dtype and tensors[name].tobytes() == value.tobytes()
+
+
+def test_golden_quantized_sharded_checkpoint_loads_within_its_bound():
+    from fastckpt.sharded import CheckpointReader, Loader
+
+    saved = [_sharded_tables(0), _sharded_tables(1)]
+    _change_sharded(saved)
+    path = GOLDEN / "sharded" / "quantized"
+    bound = CheckpointReader(path).manifest["hashtables"]["emb"]["encoding"]["max_abs_error"]
+    loader = Loader(str(path), allow_lossy=True)
+    tables, _ = loader.load()
+    assert loader.error_bounds["emb"] == bound > 0
+    for part in saved:
+        ids = part["emb"].ids()
+        for got, want in ((tables["emb"].lookup(ids), part["emb"].lookup(ids)),
+                          *((tables["emb"].lookup_slot(s, ids), part["emb"].lookup_slot(s, ids)) for s in ("m", "v"))):
+            assert np.abs(got - want).max() <= bound

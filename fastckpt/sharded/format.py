@@ -8,8 +8,9 @@ Sharded checkpoint format, versions 1 and 2
 ===========================================
 
 Version 1 is the full checkpoint described first; version 2 adds delta
-checkpoints (below). A full checkpoint is still written as version 1, byte for
-byte, so every reader of version 1 reads it; only a delta says version 2.
+checkpoints and encoded tables (below). A full checkpoint without encoding is
+still written as version 1, byte for byte, so every reader of version 1 reads
+it; only a delta or an encoded checkpoint says version 2.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -108,6 +109,35 @@ Delta checkpoints (version 2)
     whole chain: tools that remove checkpoints keep every base a kept
     checkpoint needs, and ``fastckpt compact`` folds a chain into one full
     checkpoint.
+
+Encoded tables (version 2)
+    A save with compression or quantization (opt-in, never the default)
+    stores each tensor of a hashtable (``T.id``, ``T.embedding``, slots,
+    ``T.deleted``) as a 1-D ``uint8`` tensor whose description has
+    ``"dtype": "uint8"``, ``"shape": [stored bytes]`` and ``"encoding":
+    {"transform", "codec", "shuffle", "dtype", "shape", "payload_nbytes"}``
+    (``dtype`` and ``shape`` those of the tensor it holds). The rows of each
+    part are then in ascending id order. The *payload* (``payload_nbytes``
+    bytes) is, by ``transform``:
+
+    * ``"delta"`` (ids): the first id, then each id less the one before it,
+      every value a little-endian uint64 (arithmetic modulo 2**64);
+    * ``null`` (values): the rows' little-endian bytes;
+    * ``"int8"`` / ``"int16"`` (values, lossy): ``n`` float32 scales, then
+      ``n * dim`` int8 / int16 ``q``, all little-endian; row ``r`` holds
+      ``float32(q[r]) * scale[r]`` cast to ``dtype``; ``scale[r] =
+      max|x[r]| / 127`` (or ``/ 32767``) and ``q = round(x / scale)`` (0 for
+      a row of zeros).
+
+    With ``"shuffle": k > 1`` the payload's bytes are regrouped: byte ``j``
+    of every ``k``-byte element, for ``j = 0 .. k-1``. ``"codec"`` is
+    ``"zstd"`` (one Zstandard frame), ``"lz4"`` (one LZ4 frame) or ``null``
+    (the payload as is). The manifest's table entry adds ``"encoding":
+    {"compression", "quantize", "max_abs_error"}``: the largest absolute
+    difference between any stored value and the value it restores to (0.0
+    when lossless); a quantized checkpoint's manifest also has ``"lossy":
+    true``, and readers load it only when asked to (it is for serving, not
+    for resuming training).
 
 >>> part_key("w", 1, 4), rows_of(1, 4, 10), parse_part_key("T.id/part_2_3")
 ('w/part_1_4', (2, 5), ('T.id', 2, 3))
@@ -282,6 +312,14 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
         _expect(isinstance(desc, dict) and desc.get("name") == key and isinstance(desc.get("shape"), list)
                 and isinstance(desc.get("dtype"), str) and isinstance(desc.get("part"), list), dwhere,
                 f"entry {key!r} must hold at least name (the key itself), dtype, shape and part")
+        if "encoding" in desc:
+            enc = desc["encoding"]
+            _expect(version >= DELTA_VERSION, where, f"encoded tensors need format_version {DELTA_VERSION}, got "
+                                                     f"{version}")
+            _expect(isinstance(enc, dict) and isinstance(enc.get("shape"), list) and isinstance(enc.get("dtype"), str)
+                    and desc["dtype"] == "uint8" and len(desc["shape"]) == 1, dwhere,
+                    f"entry {key!r}: an encoded tensor is stored as 1-D uint8 and its encoding names the shape and "
+                    f"dtype it holds, got dtype {desc['dtype']!r}, shape {desc['shape']}, encoding {enc!r}")
         parsed = parse_part_key(key)
         _expect(parsed is not None and parsed[0] == tensorkey[key] == desc.get("tensor")
                 and [parsed[1], parsed[2]] == desc["part"], dwhere,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import difflib
+import logging
 import os
 from typing import Any, Callable
 
@@ -45,6 +46,8 @@ from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.reader import CheckpointReader
 
 __all__ = ["Loader", "owner_mod"]
+
+_log = logging.getLogger(__name__)
 
 
 def _read_part(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
@@ -97,7 +100,8 @@ class Loader:
     def __init__(self, checkpoint_path: str, hashtables: dict | None = None, tensors: dict | None = None,
                  parallel: int = 16, filter_func: Callable[[dict], dict] = lambda info: info, *,
                  shard_index: int = 0, shard_num: int = 1,
-                 owner: Callable[[np.ndarray, int], np.ndarray] = owner_mod, dense: str = "replicated"):
+                 owner: Callable[[np.ndarray, int], np.ndarray] = owner_mod, dense: str = "replicated",
+                 allow_lossy: bool = False):
         if type(shard_num) is not int or shard_num < 1 or type(shard_index) is not int \
                 or not 0 <= shard_index < shard_num:
             raise ValueError(f"shard_index {shard_index!r} of shard_num {shard_num!r}: need 0 <= index < num")
@@ -110,6 +114,25 @@ class Loader:
         self.tensors = tensors if tensors is not None else {}
         self.parallel, self.filter_func = parallel, filter_func
         self.shard_index, self.shard_num, self.owner, self.dense = shard_index, shard_num, owner, dense
+        self.allow_lossy = allow_lossy
+        self.error_bounds: dict[str, float] = {}  # table -> largest absolute error of a lossy load
+
+    def _check_lossy(self, chain: list[tuple[str, dict]]) -> None:
+        """Quantized links restore approximate values: only with ``allow_lossy=True``, their bounds recorded."""
+        bounds: dict[str, float] = {}
+        for path, manifest in chain:
+            for name, entry in manifest.get("hashtables", {}).items():
+                encoding = entry.get("encoding") or {}
+                if encoding.get("quantize"):
+                    bounds[name] = max(bounds.get(name, 0.0), float(encoding.get("max_abs_error", float("inf"))))
+                    if not self.allow_lossy:
+                        raise FormatError(
+                            f"{path}: hashtable {name!r} is quantized ({encoding['quantize']}, values off by up "
+                            f"to {encoding.get('max_abs_error')}): a checkpoint for serving, not for resuming "
+                            "training; pass allow_lossy=True to load it anyway")
+        self.error_bounds = bounds
+        if bounds:
+            _log.info("%s: lossy load, largest absolute error per table: %s", self.checkpoint_path, bounds)
 
     def load_info(self, reader: CheckpointReader) -> dict[str, Any]:
         """What :meth:`load` would load from ``reader``, before ``filter_func``."""
@@ -152,6 +175,7 @@ class Loader:
         incremental save after it stores only what changes from here.
         """
         chain = resolve_chain(self.checkpoint_path)
+        self._check_lossy(chain)
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(CheckpointReader(path)) for path, _ in chain]
             head = readers[-1]
@@ -192,7 +216,7 @@ class Loader:
         """``[(ids, part suffix, positions this rank owns)]`` for each non-empty part of ``tensor`` (int64 ids)."""
         out = []
         for key in reader.part_names(tensor):
-            ids = reader.host(key)
+            ids = reader.array(key)
             if len(ids) == 0:
                 continue
             ranks = np.asarray(self.owner(ids, self.shard_num))
@@ -219,8 +243,8 @@ class Loader:
         for ids, _, mine in self._owned(reader, f"{name}.deleted"):
             table.delete(ids[mine])
         for ids, suffix, mine in self._owned(reader, f"{name}.id"):
-            slots = {slot: np.take(reader.host(f"{name}.{slot}{suffix}"), mine, axis=0) for slot in table.slots}
-            table.insert(ids[mine], np.take(reader.host(f"{name}.embedding{suffix}"), mine, axis=0), slots)
+            slots = {slot: np.take(reader.array(f"{name}.{slot}{suffix}"), mine, axis=0) for slot in table.slots}
+            table.insert(ids[mine], np.take(reader.array(f"{name}.embedding{suffix}"), mine, axis=0), slots)
 
     def _load_full_table(self, reader: CheckpointReader, name: str, entry: dict, headroom: int = 0) -> None:
         """The table of a full checkpoint: this rank's rows gathered into new arrays that the table adopts.
@@ -259,11 +283,14 @@ class Loader:
             if len(mine) == len(ids):  # the whole part: read its bytes into place, as a plain read would
                 ids_out[at:end] = ids
                 for key, out in targets:
-                    _read_part(reader, key, out[at:end])
+                    if "encoding" in reader.descriptions[key]:
+                        out[at:end] = reader.array(key)
+                    else:
+                        _read_part(reader, key, out[at:end])
             else:
                 np.take(ids, mine, out=ids_out[at:end])
                 for key, out in targets:
-                    np.take(reader.host(key), mine, axis=0, out=out[at:end])
+                    np.take(reader.array(key), mine, axis=0, out=out[at:end])
             at = end
         try:
             table.adopt(ids_out, values_out, slots_out, rows=total)

@@ -121,37 +121,54 @@ class CheckpointReader(MultiFileReader):
         """The stored keys of ``name``'s parts, in rank order."""
         return list(self._parts[self._whole_name(name)])
 
+    def _shape(self, key: str) -> list:
+        """A stored part's shape as the tensor it holds (an encoded part's decoded shape)."""
+        d = self.descriptions[key]
+        return d["encoding"]["shape"] if "encoding" in d else d["shape"]
+
     def tensor_shape(self, name: str) -> tuple:
         """The shape of a whole tensor (parts stacked on their first axis) or of one stored part."""
         if name in self._block_index:
-            return tuple(self.descriptions[name]["shape"])
+            return tuple(self._shape(name))
         keys = self._parts[self._whole_name(name)]
         first = self.descriptions[keys[0]]
         if first.get("global_shape") is not None:
             return tuple(first["global_shape"])
-        rows = sum(self.descriptions[k]["shape"][0] for k in keys)
-        return (rows, *first["shape"][1:])
+        rows = sum(self._shape(k)[0] for k in keys)
+        return (rows, *self._shape(keys[0])[1:])
 
     def tensor_dtype(self, name: str) -> np.dtype:
         """The numpy dtype of a whole tensor or of one stored part."""
         key = name if name in self._block_index else self._parts[self._whole_name(name)][0]
-        return self.infos[key].dtype
+        encoding = self.descriptions[key].get("encoding")
+        return self.infos[key].dtype if encoding is None else _dtype(encoding["dtype"], f"{self.path}: {key}")
+
+    def array(self, key: str) -> np.ndarray:
+        """Stored part ``key`` as the tensor it holds: the mapped view, or for an encoded part (compressed or
+        quantized, :mod:`fastckpt.sharded.codec`) a new array decoded from it."""
+        encoding = self.descriptions[key].get("encoding") if key in self._block_index else None
+        if encoding is None:
+            return self.host(key)
+        from fastckpt.sharded.codec import decode
+
+        return decode(self.host(key), encoding, f"{self.file_of(key).path}: tensor {key!r}")
 
     def read_tensor(self, name: str) -> np.ndarray:
-        """A whole tensor (a new array, its parts joined in rank order) or one stored part (a read-only view).
+        """A whole tensor (a new array, its parts joined in rank order) or one stored part (a read-only view, or
+        a new array where the part is encoded).
 
         An unknown name raises :class:`~fastckpt.errors.TensorNotFoundError`
         (a ``KeyError``) naming the closest names.
         """
         if name in self._block_index:
-            return self.host(name)
+            return self.array(name)
         keys = self._parts[self._whole_name(name)]
         if len(keys) == 1 and self.descriptions[keys[0]].get("global_shape") == self.descriptions[keys[0]]["shape"]:
             return np.array(self.host(keys[0]))
         out = np.empty(self.tensor_shape(name), self.tensor_dtype(name))
         start = 0
         for key in keys:
-            part = self.host(key)
+            part = self.array(key)
             stop = start + (part.shape[0] if part.ndim else 1)
             out[start:stop] = part
             start = stop

@@ -25,6 +25,14 @@ full. :attr:`Saver.kind` says which it was. Every committed save (full or
 delta) marks its tables clean (``HashTable.mark_clean``); a failed one leaves
 their changes tracked.
 
+``compression="zstd"`` or ``"lz4"`` stores the hashtables compactly and
+losslessly (ids sorted and delta-coded, bytes shuffled, then the codec);
+``quantize="int8"`` or ``"int16"`` stores their values row-wise quantized,
+for serving: the manifest records the largest error, loaders refuse it unless
+``allow_lossy=True``, and such a save is always full and leaves the tables'
+changes tracked (it is never a base). Both are opt-in: see
+:mod:`fastckpt.sharded.codec`.
+
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.sharded import HashTable, Saver
 >>> table = HashTable(dim=2, slots=("m",))
@@ -52,6 +60,7 @@ import numpy as np
 from fastckpt.formats.atomic import _partial_name, _swap_in, fsync_directory, remove_stale_partials_in
 from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.safetensors import save_safetensors
+from fastckpt.sharded.codec import check_options, encode_ids, encode_values
 from fastckpt.sharded.format import (
     DELTA_VERSION,
     DESCRIPTION_FILE,
@@ -65,7 +74,7 @@ from fastckpt.sharded.format import (
     rows_of,
     tensor_file_name,
 )
-from fastckpt.sharded.hashtable import HashTable
+from fastckpt.sharded.hashtable import HashTable, _sort_ids
 from fastckpt.state import as_numpy
 
 __all__ = ["Saver", "WriteBlock", "DeltaPolicy", "split_sparse_dense_state_dict"]
@@ -169,7 +178,8 @@ class Saver:
     def __init__(self, shard_index: int = 0, shard_num: int = 1, parallel: int = 8, path: str = ".",
                  hashtables: dict | None = None, tensors: list | dict | None = None,
                  filter_func: Callable[[list], list] = lambda blocks: blocks, *, engine=None,
-                 timeout: float = 600.0, overwrite: bool = False, incremental: bool | DeltaPolicy = False):
+                 timeout: float = 600.0, overwrite: bool = False, incremental: bool | DeltaPolicy = False,
+                 compression: str | None = None, quantize: str | None = None):
         if type(shard_num) is not int or shard_num < 1:
             raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
         if type(shard_index) is not int or not 0 <= shard_index < shard_num:
@@ -197,7 +207,12 @@ class Saver:
         if not isinstance(incremental, (bool, DeltaPolicy)):
             raise TypeError(f"incremental must be a bool or a DeltaPolicy, got {incremental!r}")
         self.policy = DeltaPolicy() if incremental is True else (incremental or None)
+        check_options(compression, quantize)
+        self.compression, self.quantize = compression, quantize
+        if quantize is not None:
+            self.policy = None  # a lossy checkpoint is never a base: always full, the tables' changes kept
         self.kind = "full"  # what the last save() wrote (or will write): "full" or "delta"
+        self._errors: dict[str, float] = {}  # table -> largest absolute error of its quantized rows
         self._changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> (changed rows, deleted ids)
 
     # -- the blocks this rank writes ------------------------------------------------------------------
@@ -237,7 +252,10 @@ class Saver:
                 rows, deleted = self._changes[table_name]
                 roles = [(role, tensor, np.take(array, rows, axis=0), slot) for role, tensor, array, slot in roles]
                 roles.append(("deleted", f"{table_name}.deleted", deleted, None))
-            for role, tensor, array, slot in roles:
+            encodings = [None] * len(roles)
+            if self.compression is not None or self.quantize is not None:
+                roles, encodings = self._encoded(table_name, roles)
+            for (role, tensor, array, slot), encoding in zip(roles, encodings):
                 key = part_key(tensor, i, n)
                 desc = {"name": key, "dense": False, "dimension": 1 if role in ("id", "deleted") else table.dim,
                         "dtype": array.dtype.name, "shape": list(array.shape), "is_hashmap": True,
@@ -245,8 +263,33 @@ class Saver:
                         "table": table_name, "role": role}
                 if slot is not None:
                     desc["slot"] = slot
+                if encoding is not None:
+                    desc["encoding"] = encoding
                 out.append(WriteBlock(key, tensor, "slot" if slot else role, array, table_name, desc))
         return out
+
+    def _encoded(self, table_name: str, roles: list[tuple]) -> tuple[list[tuple], list[dict]]:
+        """The table's tensors encoded (:mod:`fastckpt.sharded.codec`): rows sorted by id, then each tensor
+        compressed (and its values quantized), one tensor per thread."""
+        ids = np.asarray(roles[0][2])
+        sorted_ids, order = _sort_ids(ids) if len(ids) else (ids, np.empty(0, np.intp))
+
+        def encode(item):
+            role, _, array, _ = item
+            if role == "id":
+                return (*encode_ids(sorted_ids, self.compression), 0.0)
+            if role == "deleted":
+                return (*encode_ids(np.asarray(array), self.compression), 0.0)
+            return encode_values(np.take(array, order, axis=0), self.compression, self.quantize)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-encode") as pool:
+                results = list(pool.map(encode, roles))
+        except ValueError as exc:
+            raise ValueError(f"hashtable {table_name!r}: {exc}") from None
+        self._errors[table_name] = max((error for *_, error in results), default=0.0)
+        return ([(role, tensor, stored, slot) for (role, tensor, _, slot), (stored, *_) in zip(roles, results)],
+                [encoding for _, encoding, _ in results])
 
     def _filtered(self) -> list[WriteBlock]:
         blocks = self.blocks()
@@ -292,6 +335,9 @@ class Saver:
                 if self.kind == "delta":
                     rows, deleted = self._changes[name]
                     tables[name].update(written=len(rows), deleted=len(deleted))
+                if self.compression is not None or self.quantize is not None:
+                    tables[name]["encoding"] = {"compression": self.compression, "quantize": self.quantize,
+                                                "max_abs_error": self._errors.get(name, 0.0)}
         return {"rank": self.shard_index, "shard_num": self.shard_num, "parallel": self.parallel,
                 "files": written, "block_index": block_index,
                 "tensorkey": {b.key: b.tensor for b in blocks},
@@ -367,7 +413,7 @@ class Saver:
             raise commit_error
         if not status["ok"]:
             raise RuntimeError(f"sharded save to {final} failed on rank 0: {status['error']}")
-        for name in report["tables"]:  # committed: the tables now match this checkpoint
+        for name in report["tables"] if self.quantize is None else ():  # committed: the tables match it now
             self.hashtables[name].mark_clean((os.path.abspath(final), status["manifest_blake3"]))
         self._changes = {}
         return str(Path(self.path))
@@ -448,14 +494,17 @@ class Saver:
             tensorkey.update(r["tensorkey"])
             descriptions.update(r["descriptions"])
             for name, t in r["tables"].items():
-                counts = ("ids", "written", "deleted")
+                counts = ("ids", "written", "deleted", "encoding")
                 if name in tables and {k: v for k, v in tables[name].items() if k not in counts} != \
                         {k: v for k, v in t.items() if k not in counts}:
                     raise ValueError(f"hashtable {name!r} differs between ranks (dim, dtype or slots)")
-                entry = tables.setdefault(name, {**t, **{k: 0 for k in counts if k in t}})
-                for key in counts:
+                entry = tables.setdefault(name, {**t, **{k: 0 for k in counts[:3] if k in t}})
+                for key in counts[:3]:
                     if key in t:
                         entry[key] += t[key]
+                if "encoding" in t:  # the largest error of any rank
+                    entry["encoding"] = {**t["encoding"], "max_abs_error": max(
+                        entry["encoding"]["max_abs_error"], t["encoding"]["max_abs_error"])}
         dense = {}
         for desc in descriptions.values():
             if desc["dense"]:
@@ -472,6 +521,10 @@ class Saver:
         if plan["kind"] == "delta":
             manifest.update(format_version=DELTA_VERSION, kind="delta", base=plan["base"],
                             chain_length=plan["chain_length"])
+        if any("encoding" in t for t in tables.values()):
+            manifest["format_version"] = DELTA_VERSION
+            if self.quantize is not None:
+                manifest["lossy"] = True
         data = dumps(manifest)
         _write_synced(staging / MANIFEST_FILE, data)
         fsync_directory(staging)
