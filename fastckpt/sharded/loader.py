@@ -203,7 +203,9 @@ class Loader:
                 p_start = d["row_start"]
                 p_end = p_start + d["shape"][0]
                 lo, hi = max(start, p_start), min(end, p_end)
-                if lo < hi:
+                if (lo, hi) == (p_start, p_end) and hi > lo:  # the whole part: read into place
+                    _read_part(reader, key, out[lo - start:hi - start])
+                elif lo < hi:
                     out[lo - start:hi - start] = reader.host(key)[lo - p_start:hi - p_start]
         target = self.tensors.get(name)
         if isinstance(target, np.ndarray) and target.shape == out.shape and target.dtype == out.dtype \
