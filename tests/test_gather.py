@@ -193,3 +193,26 @@ def test_ctrl_c_during_a_blocked_write_raises_keyboard_interrupt():
             os.close(r)
         except OSError:  # the watchdog closed it
             pass
+
+
+def test_a_hasher_sees_every_byte_in_file_order(tmp_path):
+    import hashlib
+
+    import blake3
+
+    from fastckpt.formats.hashing import blake3_file
+
+    hashers = {"blake3": (blake3.blake3(), blake3.blake3), "sha256": (hashlib.sha256(), hashlib.sha256)}
+    for name, (hasher, new) in hashers.items():
+        path = tmp_path / f"{name}.bin"
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with GatherWriter(descriptor, hasher) as out:
+            out.write(b"head")
+            out.write_zeros(70_000)  # more than one zero block
+            for i in range(1500):  # more than one writev
+                out.write(np.full(5, i, np.int64))
+            out.write(np.full(20 << 20, 3, np.uint8))
+        os.close(descriptor)
+        data = path.read_bytes()
+        assert hasher.hexdigest() == new(data).hexdigest()
+    assert hashers["blake3"][0].hexdigest() == blake3_file(tmp_path / "blake3.bin")[0]

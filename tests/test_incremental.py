@@ -188,10 +188,10 @@ def test_a_failed_delta_save_keeps_the_changes_and_the_previous_head(tmp_path, m
 
     real = saver_module.save_safetensors
 
-    def crash_on_rank_1(path, tensors, metadata):
+    def crash_on_rank_1(path, tensors, metadata, **options):
         if "model-00001" in str(path):
             raise OSError(28, "No space left on device")
-        return real(path, tensors, metadata)
+        return real(path, tensors, metadata, **options)
 
     monkeypatch.setattr(saver_module, "save_safetensors", crash_on_rank_1)
     with pytest.raises((OSError, RuntimeError), match="No space left"):  # rank 0 reports rank 1's error

@@ -1,4 +1,4 @@
-# Gathered zero-copy writes (see _gather.pyx).
+# Gathered zero-copy writes (see gather.pyx).
 cdef extern from "<sys/uio.h>" nogil:
     struct iovec:
         void* iov_base
@@ -13,6 +13,7 @@ cdef class GatherWriter:
     cdef Py_buffer* _views
     cdef iovec* _iov
     cdef list _keep
+    cdef object _hasher
     cdef void _release(self) noexcept
     cpdef write(self, obj)
     cpdef write_zeros(self, Py_ssize_t n)

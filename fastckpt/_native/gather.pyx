@@ -10,6 +10,10 @@ change a queued array's bytes. Partial writes (a signal, a
 2 GiB call limit) are resumed where they stopped; errors raise ``OSError``
 with the errno.
 
+With ``hasher`` (anything with ``update(buffer)``: a ``blake3.blake3()`` or
+``hashlib.sha256()`` object) every byte is also hashed, in file order, from
+the buffers as they are written: a file's hash without reading it back.
+
 The writer owns the file position from the descriptor's current offset:
 anything written to the descriptor some other way must be flushed before the
 writer is used, and the writer flushed before anything else writes.
@@ -26,6 +30,10 @@ b'head tail'
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.memoryview cimport PyMemoryView_FromMemory
+
+cdef extern from "Python.h":
+    int PyBUF_READ
 from libc.errno cimport EINTR, errno
 from libc.string cimport memset
 
@@ -58,8 +66,9 @@ cdef class GatherWriter:
     what is pending on an exception.
     """
 
-    def __cinit__(self, int fd):
+    def __cinit__(self, int fd, hasher=None):
         self._fd = fd
+        self._hasher = hasher
         self._count = 0
         self._pending = 0
         self._written = 0
@@ -146,6 +155,9 @@ cdef class GatherWriter:
         for i in range(count):
             self._iov[i].iov_base = self._views[i].buf
             self._iov[i].iov_len = <size_t>self._views[i].len
+        if self._hasher is not None:  # the bytes about to go out, in order (read-only views, no copy)
+            for i in range(count):
+                self._hasher.update(PyMemoryView_FromMemory(<char*>self._views[i].buf, self._views[i].len, PyBUF_READ))
         try:
             while start < count:
                 with nogil:

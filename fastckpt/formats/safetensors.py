@@ -367,6 +367,7 @@ def save_safetensors(
     *,
     alignment: int = DEFAULT_ALIGNMENT,
     fsync: bool = True,
+    hasher=None,
 ) -> None:
     """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
 
@@ -376,7 +377,9 @@ def save_safetensors(
     converted). ``metadata`` must map str to str. Each tensor's bytes go
     straight from its buffer to the file; a non-contiguous or big-endian
     tensor is copied, one at a time. ``fsync=False`` skips the fsyncs (still
-    atomic for readers, not durable across power loss).
+    atomic for readers, not durable across power loss). ``hasher`` (an object
+    with ``update``, e.g. ``blake3.blake3()``) receives every byte of the file
+    in order as it is written, so the file's hash needs no second read.
 
     Raises ``TypeError`` for a dtype safetensors cannot store (object,
     strings, complex128, ...) or non-string metadata, naming the tensor or key.
@@ -397,6 +400,6 @@ def save_safetensors(
         _check_unique(plan)
     plan.sort()  # dtype rank descending, then name: the reference writer's order
     prefix = _header_bytes(plan, checked_metadata, alignment)
-    with atomic_write(path, fsync=fsync) as f, GatherWriter(f.fileno()) as out:
+    with atomic_write(path, fsync=fsync) as f, GatherWriter(f.fileno(), hasher) as out:
         out.write(prefix)
         write_tensors(out, plan, _DIRECT_DTYPES, partial(_write_tensor, out))

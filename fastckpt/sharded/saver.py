@@ -58,7 +58,6 @@ import blake3
 import numpy as np
 
 from fastckpt.formats.atomic import _partial_name, _swap_in, fsync_directory, remove_stale_partials_in
-from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.sharded.codec import check_options, encode_ids, encode_values
 from fastckpt.sharded.format import (
@@ -320,9 +319,9 @@ class Saver:
 
         def write(k: int) -> tuple[str, dict]:
             path = staging / names[k]
-            save_safetensors(path, {b.key: b.array for b in files[k]}, {"fastckpt.format": FORMAT})
-            digest, size = blake3_file(path)
-            return names[k], {"size": size, "blake3": digest}
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)  # fed the bytes as they are written
+            save_safetensors(path, {b.key: b.array for b in files[k]}, {"fastckpt.format": FORMAT}, hasher=hasher)
+            return names[k], {"size": os.path.getsize(path), "blake3": hasher.hexdigest()}
 
         with concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-shard") as pool:
             written = dict(pool.map(write, range(self.parallel)))
@@ -515,7 +514,7 @@ class Saver:
                               (TENSORKEY_FILE, tensorkey), (DESCRIPTION_FILE, descriptions)):
             data = dumps(content)
             _write_synced(staging / name, data)
-            files[name] = {"size": len(data), "blake3": blake3_file(staging / name)[0]}
+            files[name] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
         manifest = {"format": FORMAT, "format_version": FULL_VERSION, "world_size": self.shard_num,
                     "parallel": self.parallel, "files": files, "tensors": dense, "hashtables": tables}
         if plan["kind"] == "delta":
