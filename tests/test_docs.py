@@ -1,0 +1,149 @@
+"""Every Python block in ``docs/`` runs as written, tested the way the README's blocks are (tests/test_readme.py).
+
+For each page, its ```python blocks run in order, in one namespace, in a fresh scratch directory. A block that is
+only a fragment (it uses names that only the prose defines) says so on the line just before it, with
+``<!-- fragment: why -->``; it is skipped, and the fragments are few (``test_fragments_are_few`` lists them).
+Output shown in a comment (``print(seen)   # 50``) is checked below, so that it stays true.
+
+docs/which-call.md maps tasks to calls: every ``fastckpt.…`` name on it must exist and every command must run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+
+# A python block, with the fragment comment on the line directly before it when there is one.
+BLOCK = re.compile(r"(?:^<!--[ \t]*fragment:[ \t]*(?P<why>[^\n]*?)[ \t]*-->\n)?^```python\n(?P<code>.*?)^```",
+                   re.S | re.M)
+
+# A page whose blocks use these needs the OpenCL device (pocl in CI): it gets the `device` marker.
+USES_DEVICE = re.compile(r"\bfastckpt\.(device|nn)\b|\bload_file\b|\bload_model\b")
+
+MAX_FRAGMENTS = 3
+
+# Lines the blocks print, as their comments show them: each must be a whole line of the page's output.
+EXPECTED_OUTPUT = {
+    "checkpointable.md": ["['conv1/weight', 'conv1/bias', 'fc/[0]/weight', 'fc/[0]/bias']", "run/ckpt-3",
+                          "[6. 9.] 0 0"],
+    "device.md": ["2 2 1"],
+    "model-files.md": ["(32, 10)", "ndarray (784, 256) 1000"],
+    "reading.md": ["safetensors 1 {'step': '100'}", "hf-sharded 2"],
+    "stateful.md": ["50", "2", "True"],
+    "training-checkpoints.md": ["[500, 800, 900, 1000]", "True"],
+    "formats/sharded.md": ["1000 16.0", "delta"],
+}
+
+def python_blocks(text: str) -> list[tuple[str, str | None]]:
+    """``(code, why)`` for each ```python block, in order; ``why`` is the fragment's reason, or None."""
+    return [(m.group("code"), m.group("why")) for m in BLOCK.finditer(text)]
+
+
+def page_blocks(page: str) -> list[tuple[str, str | None]]:
+    return python_blocks((DOCS / page).read_text(encoding="utf-8"))
+
+
+def test_the_block_pattern_finds_every_block_and_every_fragment_mark():
+    for page in PAGES:
+        text = (DOCS / page).read_text(encoding="utf-8")
+        blocks = python_blocks(text)
+        assert len(blocks) == text.count("```python"), page
+        marks = len(re.findall(r"<!--\s*fragment:", text))
+        assert marks == sum(why is not None for _, why in blocks), f"docs/{page}: a fragment mark not just before a block"
+    assert python_blocks("<!-- fragment: uses x -->\n```python\nx\n```\n\n```python\ny = 1\n```\n") == [
+        ("x\n", "uses x"), ("y = 1\n", None)]
+
+
+def test_fragments_are_few():
+    found = [f"docs/{page} python block {i}: {why}"
+             for page in PAGES for i, (_, why) in enumerate(page_blocks(page)) if why is not None]
+    assert len(found) <= MAX_FRAGMENTS, "too many fragments in docs/; make these run instead:\n" + "\n".join(found)
+
+
+@pytest.fixture
+def fresh_registries(monkeypatch):
+    """Pages register things process-wide (a layer type, a stateful migration): they write into copies."""
+    import fastckpt.nn.factory as factory
+    import fastckpt.stateful.format as stateful_format
+
+    monkeypatch.setattr(factory, "_registry", dict(factory._registry))
+    monkeypatch.setattr(stateful_format, "_MIGRATIONS", dict(stateful_format._MIGRATIONS))
+
+
+def page_param(page: str):
+    uses_device = any(USES_DEVICE.search(code) for code, why in page_blocks(page) if why is None)
+    return pytest.param(page, marks=[pytest.mark.device] if uses_device else [])
+
+
+@pytest.mark.parametrize("page", [page_param(p) for p in PAGES])
+def test_docs_page_python_blocks_run(page, tmp_path, monkeypatch, capsys, fresh_registries):
+    blocks = page_blocks(page)
+    monkeypatch.chdir(tmp_path)
+    # The blocks run as a script would: in a module of their own (dataclasses look their module up).
+    module = types.ModuleType(f"docs_{re.sub(r'[^0-9A-Za-z]', '_', page)}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    for i, (code, why) in enumerate(blocks):
+        if why is not None:
+            continue  # a fragment, marked as one in the page
+        try:
+            exec(compile(code, f"docs/{page} python block {i}", "exec"), module.__dict__)
+        except Exception as exc:  # name the page and the block in the failure
+            raise AssertionError(f"docs/{page} python block {i} failed: {exc!r}\n{code}") from exc
+    lines = capsys.readouterr().out.splitlines()
+    for expected in EXPECTED_OUTPUT.get(page, []):
+        assert expected in lines, f"docs/{page}: no output line {expected!r}; the blocks printed:\n" + "\n".join(lines)
+
+
+# -- docs/which-call.md ----------------------------------------------------------------------------------------------
+
+def test_which_call_page_is_linked_from_the_index():
+    assert "(which-call.md)" in (DOCS / "index.md").read_text(encoding="utf-8")
+
+
+def resolve(dotted: str):
+    """The object a dotted name such as ``fastckpt.io.checkpoint.save_checkpoint`` names (its longest module prefix
+    imported, the rest looked up as attributes)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_every_name_on_the_which_call_page_exists():
+    text = (DOCS / "which-call.md").read_text(encoding="utf-8")
+    code = " ".join(re.findall(r"`([^`]+)`", text))
+    names = re.findall(r"\b(fastckpt(?:\.\w+)+)(\(?)", code)
+    assert len(names) >= 40
+    for dotted, call in names:
+        try:
+            obj = resolve(dotted)
+        except (ImportError, AttributeError) as exc:
+            raise AssertionError(f"docs/which-call.md names {dotted}, which does not exist: {exc!r}") from exc
+        if call:  # written as a call: a function or a class, not a module of that name
+            assert callable(obj) and not isinstance(obj, types.ModuleType), f"docs/which-call.md calls {dotted}()"
+
+
+def test_every_command_on_the_which_call_page_exists(capsys):
+    from fastckpt.cli import main
+
+    commands = set(re.findall(r"`fastckpt ([a-z]+)", (DOCS / "which-call.md").read_text(encoding="utf-8")))
+    assert commands == {"inspect", "convert", "reshard", "compact", "verify", "bench", "demo"}
+    for command in sorted(commands):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0, command
+        assert f"usage: fastckpt {command}" in capsys.readouterr().out
