@@ -665,7 +665,8 @@ class HashTable:
         >>> t.changed_rows().tolist()
         [1]
         """
-        return np.flatnonzero(self._changed[: self._n])
+        # Viewed as bool (the bytes are 0 or 1): numpy's nonzero is several times faster on bool than on uint8.
+        return np.flatnonzero(self._changed[: self._n].view(np.bool_))
 
     def changes(self) -> tuple[np.ndarray, np.ndarray]:
         """``(written, deleted)``: the ids inserted or updated since :meth:`mark_clean` (the table holds them; in
