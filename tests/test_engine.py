@@ -19,8 +19,7 @@ from importlib.util import find_spec
 import pytest
 
 from fastckpt.errors import FastCkptError
-from fastckpt.sharded.engine import (BarrierTimeoutError, Engine, EngineError, LocalEngine, ThreadEngine,
-                                     default_engine)
+from fastckpt.sharded.engine import BarrierTimeoutError, Engine, EngineError, LocalEngine, ThreadEngine, default_engine
 
 
 def run_ranks(engines, work):

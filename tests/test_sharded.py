@@ -306,8 +306,9 @@ def test_a_rank_that_never_arrives_is_named_and_the_next_save_works(tmp_path):
 
 
 def test_docs_carry_the_same_format_spec_as_the_module():
-    import fastckpt.sharded.format as fmt
     from pathlib import Path
+
+    import fastckpt.sharded.format as fmt
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "formats" / "sharded.md").read_text(encoding="utf-8")
     spec = fmt.__doc__[fmt.__doc__.index("Sharded checkpoint format, versions 1 and 2"):fmt.__doc__.index("\n>>>")]

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fastckpt.stateful.checkpoint as ckmod
 import fastckpt.stateful.format as fmtmod
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.state import STATEFUL_JSON
