@@ -14,7 +14,7 @@ COMPILER_DIRECTIVES = {
 
 
 EXTENSIONS = ["_native.mapped", "_native.gather", "_native.safetensors", "_native.tftable", "_native.npy",
-              "_native.npz", "_native.idindex"]
+              "_native.npz", "_native.idindex", "_native.tensorindex"]
 
 
 def ext(name: str) -> Extension:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastckpt._native.mapped import MappedFile
+from fastckpt._native.npz import read_npz_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,14 +117,20 @@ class Checker:
                     self.refused += 1
                     return
                 self.parsed += 1
+                table = read_npz_table(m)  # the columnar index: the same infos, in payload-offset order
+                assert table.info_list() == sorted(infos, key=lambda i: i.offset)
                 for info in infos:
                     assert 0 <= info.offset and info.offset + info.nbytes <= len(data), info
                     assert info.nbytes >= 0 and not info.dtype.hasobject
+                    view = table.view(info.name)
+                    assert view is None if backend == "pread" or info.compression else view is not None
                     try:
                         arr = read_member(m, info)
                     except (FormatError, IntegrityError):
                         continue
                     assert arr.shape == info.shape and arr.dtype == info.dtype
+                    if view is not None:
+                        assert view.shape == arr.shape and view.dtype == arr.dtype and view.tobytes() == arr.tobytes()
 
 
 CHECK = Checker()

@@ -295,6 +295,154 @@ def test_valid_hand_made_layouts_parse_exactly_long(backend, layout):
     _valid_layout_property(layout, backend)
 
 
+# -- the fast path against the checking parser -------------------------------------------------
+# read_safetensors_index first tries a parser of headers in the common shape (no escapes, short
+# integers, exactly dtype/shape/data_offsets); on anything else the checking parser runs. Both must
+# give the same result, or the same error, for any bytes.
+
+_WS = st.text(alphabet=" \t\n\r", max_size=2)
+_number = st.one_of(
+    st.integers(0, 70).map(str),
+    st.sampled_from(["0", "00", "01", "-0", "-1", "1.0", "1e1", "4E0", "999999999999999999", "1000000000000000000",
+                     "9223372036854775807", "9223372036854775808", "18446744073709551616", "true", "null", '"4"']),
+)
+
+
+def _one_in(n: int):
+    """True about once in ``n`` draws (hypothesis favours the ends of a range, so not ``integers(0, n - 1) == 0``)."""
+    return st.integers(0, n - 1).map(lambda v: v == n // 2)
+
+
+@st.composite
+def _common_shape_file(draw):
+    """Headers written token by token: the common shape, with whitespace, orders and tokens the fast path
+    must either parse exactly as the checking parser does, or leave to it."""
+    count = draw(st.integers(0, 4))
+    names = draw(st.lists(st.text(max_size=4), min_size=count, max_size=count, unique=True))
+    if names and draw(_one_in(10)):  # a name the fast path leaves alone, or a repeated one
+        names[-1] = draw(st.sampled_from(["__metadata__", names[0], "\\u0061", "\\", '"', "\n"]))
+    offset, entries, chunks = 0, [], []
+    for name in names:
+        dtype_name = draw(st.sampled_from(DTYPE_NAMES) if not draw(_one_in(30)) else st.sampled_from(["F4", "X"]))
+        shape = draw(st.lists(st.integers(0, 3), max_size=3))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE.get(dtype_name, 1)
+        begin, end = offset, offset + nbytes
+        if draw(_one_in(30)):
+            begin, end = draw(st.integers(0, 40)), draw(st.integers(0, 40))
+        offset += nbytes
+        chunks.append(b"\xab" * nbytes)
+        fields = [("dtype", f'"{dtype_name}"'),
+                  ("shape", "[" + ",".join(draw(_WS) + (draw(_number) if draw(_one_in(20)) else str(d)) + draw(_WS)
+                                           for d in shape) + "]"),
+                  ("data_offsets", f"[{draw(_WS)}{draw(_number) if draw(_one_in(20)) else begin}{draw(_WS)},"
+                                   f"{draw(_WS)}{end}{draw(_WS)}]")]
+        fields = draw(st.permutations(fields))
+        if draw(_one_in(30)):
+            fields = fields + [draw(st.sampled_from(fields))]  # a repeated key
+        if draw(_one_in(30)):
+            fields = fields[:-1]
+        body = ",".join(f'{draw(_WS)}"{k}"{draw(_WS)}:{draw(_WS)}{v}{draw(_WS)}' for k, v in fields)
+        quoted = json.dumps(name, ensure_ascii=draw(_one_in(5)))[1:-1]
+        entries.append(f'"{quoted}"{draw(_WS)}:{draw(_WS)}{{{body}}}')
+    if draw(st.booleans()):
+        pairs = draw(st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2))
+        meta = draw(st.sampled_from(["null", "{}", "[]", '{"k":1}', '{"k":"v","k":"w"}']
+                                    + [json.dumps(pairs, ensure_ascii=False)] * 5))
+        entries.insert(draw(st.integers(0, len(entries))), f'"__metadata__"{draw(_WS)}:{draw(_WS)}{meta}')
+    if entries and draw(_one_in(10)):
+        entries.append(draw(st.sampled_from(entries)))  # a repeated tensor
+    order = draw(st.permutations(range(len(entries))))
+    text = "{" + draw(_WS) + ("," + draw(_WS)).join(entries[i] for i in order) + draw(_WS) + "}"
+    if draw(_one_in(30)):
+        text = text[:-1] + draw(st.sampled_from(["}}", ",}", "} }", "]"]))
+    raw = text.encode("utf-8", "surrogatepass") + b" " * draw(st.integers(0, 3))
+    data = b"".join(chunks)
+    if draw(_one_in(10)):
+        data = data[: draw(st.integers(0, len(data)))] + draw(st.binary(max_size=3))
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _outcome(reader, path, backend):
+    try:
+        with MappedFile(path, backend=backend) as m:
+            return "parsed", reader(m)
+    except FormatError as e:
+        return "refused", str(e)
+
+
+def _array_or_error(call, *args):
+    try:
+        return call(*args)
+    except ValueError as e:
+        return str(e)
+
+
+def _fast_and_checking_agree(blob: bytes, backend: str) -> None:
+    """The fast path and the checking parser give equal results or the same message; the columnar
+    index holds the same infos and its views the same bytes."""
+    from fastckpt._native.safetensors import _read_index_checking, _read_table_fast_only, read_safetensors_table
+
+    path = _DIR / f"a{next(_COUNTER)}.safetensors"
+    path.write_bytes(blob)
+    try:
+        fast = _outcome(read_safetensors_index, path, backend)
+        checking = _outcome(_read_index_checking, path, backend)
+        assert fast == checking
+        event(fast[0])
+        only_fast = _outcome(_read_table_fast_only, path, backend)[1]  # an error of the fixed part, or None
+        only_fast = None if isinstance(only_fast, str) else only_fast
+        if only_fast is not None:
+            event("parsed by the fast path")
+            assert fast[0] == "parsed" and only_fast[0].info_list() == fast[1][0]
+        if fast[0] == "parsed":
+            infos, metadata, data_start = fast[1]
+            with MappedFile(path, backend=backend) as m:
+                index, table_metadata, table_start = read_safetensors_table(m)
+                assert (index.info_list(), table_metadata, table_start) == (infos, metadata, data_start)
+                assert list(index) == [i.name for i in infos]
+                for info in infos:
+                    view, general = _array_or_error(index.view, info.name), _array_or_error(read_tensor, m, info)
+                    if backend == "pread":
+                        assert view is None  # no view of a mapping: the general path reads a copy
+                        continue
+                    assert type(view) is type(general)
+                    if isinstance(view, str):  # numpy refuses some shapes (a 10**18 dimension beside a 0) alike
+                        assert view == general
+                        continue
+                    assert view.dtype == info.dtype and view.shape == info.shape and view.flags.c_contiguous
+                    assert view.tobytes() == general.tobytes() == blob[info.offset: info.offset + info.nbytes]
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@DEFAULT
+@given(blob=_common_shape_file())
+def test_fast_path_agrees_on_common_shape_headers(backend, blob):
+    _fast_and_checking_agree(blob, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@DEFAULT
+@given(seed_index=_seed, mutations=_mutations)
+def test_fast_path_agrees_on_mutated_files(backend, seed_index, mutations):
+    _fast_and_checking_agree(_mutate(SEEDS[seed_index], mutations), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@DEFAULT
+@given(blob=_structured_file())
+def test_fast_path_agrees_on_random_json_headers(backend, blob):
+    _fast_and_checking_agree(blob, backend)
+
+
+@pytest.mark.slow
+@LONG
+@given(blob=_common_shape_file())
+def test_fast_path_agrees_on_common_shape_headers_long(blob):
+    _fast_and_checking_agree(blob, "mmap")
+
+
 def teardown_module(module):
     for p in _DIR.iterdir():
         p.unlink()

@@ -8,6 +8,8 @@
 * ``npy`` - the ``.npy`` header parser;
 * ``npz`` - the ZIP container (central directory, local headers, ZIP64);
 * ``safetensors`` - the safetensors header parser;
+* ``tensorindex`` - ``TensorIndex``: a file's index in columns (offsets, dtypes,
+  shapes, names), ``TensorInfo`` objects made on access, numpy views made in one loop;
 * ``tftable`` - TensorFlow's SSTable blocks (the ``.index`` file);
 * ``idindex`` - the open-addressing index of :class:`fastckpt.sharded.HashTable` (int64 id -> row).
 

@@ -19,8 +19,9 @@ fastckpt can read; ``fastckpt.formats.safetensors`` re-exports it as
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
-from libc.stdint cimport int64_t, uint8_t, uint64_t
-from libc.string cimport memcpy
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.string cimport memcmp, memcpy
 
 cdef extern from "Python.h":
     ctypedef struct PyObject
@@ -39,6 +40,7 @@ import numpy as np
 from fastckpt.info import TensorInfo, from_checked_fields
 from fastckpt._native.gather cimport GatherWriter
 from fastckpt._native.mapped cimport MappedFile
+from fastckpt._native.tensorindex cimport VIEWABLE, TensorIndex
 from fastckpt.errors import FormatError
 
 cnp.import_array()
@@ -198,6 +200,297 @@ cdef object _utf8_error_offset(bytes raw, Py_ssize_t char_pos):
     return 8 + len(raw.decode("utf-8")[:char_pos].encode("utf-8"))
 
 
+# -- the fast path: headers in the common shape, without a Python dict per tensor ------------------
+# ``_parse_fast`` reads a header of the shape every known writer produces: no escapes in strings,
+# integers of at most 18 digits, each entry exactly dtype/shape/data_offsets. It accepts only headers
+# the checking parser below accepts and gives the same result; on anything else, a valid header of
+# another shape or a damaged one, it returns None and the checking parser runs (and raises the error).
+# tests/test_safetensors_fuzz.py compares the two on damaged headers.
+
+# The dtypes of TensorIndex dtype codes: NUMPY_DTYPES in its order.
+_INDEX_DTYPES = list(NUMPY_DTYPES.values())
+_CODE_NAMES = [name.encode() for name in NUMPY_DTYPES]  # keeps the bytes _CODE_NAME points into
+DEF _CODES = 19
+assert len(_CODE_NAMES) == _CODES
+cdef const char* _CODE_NAME[_CODES]
+cdef Py_ssize_t _CODE_LEN[_CODES]
+cdef int64_t _CODE_ITEMSIZE[_CODES]
+for _k in range(_CODES):
+    _CODE_NAME[_k] = _CODE_NAMES[_k]
+    _CODE_LEN[_k] = len(_CODE_NAMES[_k])
+    _CODE_ITEMSIZE[_k] = _INDEX_DTYPES[_k].itemsize
+
+_NOT_HANDLED = object()
+
+
+cdef struct _Cursor:
+    const uint8_t* q
+    Py_ssize_t n
+    Py_ssize_t i
+
+
+cdef inline void _ws(_Cursor* c) noexcept:
+    cdef uint8_t ch
+    while c.i < c.n:
+        ch = c.q[c.i]
+        if ch != 0x20 and ch != 0x0a and ch != 0x0d and ch != 0x09:
+            return
+        c.i += 1
+
+
+cdef inline bint _take(_Cursor* c, uint8_t ch) noexcept:
+    if c.i < c.n and c.q[c.i] == ch:
+        c.i += 1
+        return True
+    return False
+
+
+cdef inline bint _string(_Cursor* c, Py_ssize_t* start, Py_ssize_t* length) noexcept:
+    """A string without escapes or control characters: its bytes' span, cursor after it; False if not that."""
+    cdef uint8_t ch
+    if not _take(c, 0x22):
+        return False
+    start[0] = c.i
+    while c.i < c.n:
+        ch = c.q[c.i]
+        if ch == 0x22:
+            length[0] = c.i - start[0]
+            c.i += 1
+            return True
+        if ch == 0x5c or ch < 0x20:
+            return False
+        c.i += 1
+    return False
+
+
+cdef inline bint _integer(_Cursor* c, int64_t* value) noexcept:
+    """A JSON non-negative integer of at most 18 digits (below 2**63); False if not that."""
+    cdef int64_t v = 0
+    cdef int digits = 0
+    if c.i < c.n and c.q[c.i] == 0x30:  # "0"; a digit after it is not JSON, and fails at the next delimiter
+        c.i += 1
+        value[0] = 0
+        return True
+    while c.i < c.n and 0x30 <= c.q[c.i] <= 0x39:
+        digits += 1
+        if digits > 18:
+            return False
+        v = v * 10 + (c.q[c.i] - 0x30)
+        c.i += 1
+    value[0] = v
+    return digits > 0
+
+
+cdef object _text(_Cursor* c, Py_ssize_t start, Py_ssize_t length):
+    """The string at ``start`` as str, or None when it is not UTF-8."""
+    try:
+        return PyUnicode_DecodeUTF8(<const char*>c.q + start, length, NULL)
+    except UnicodeDecodeError:
+        return None
+
+
+cdef object _fast_metadata(_Cursor* c):
+    """``null`` -> None, an object of strings -> dict, anything else -> _NOT_HANDLED."""
+    cdef Py_ssize_t start, length, before
+    cdef dict out
+    if c.i + 4 <= c.n and memcmp(c.q + c.i, b"null", 4) == 0:
+        c.i += 4
+        return None
+    if not _take(c, 0x7b):
+        return _NOT_HANDLED
+    out = {}
+    _ws(c)
+    if _take(c, 0x7d):
+        return out
+    while True:
+        if not _string(c, &start, &length):
+            return _NOT_HANDLED
+        key = _text(c, start, length)
+        _ws(c)
+        if key is None or not _take(c, 0x3a):
+            return _NOT_HANDLED
+        _ws(c)
+        if not _string(c, &start, &length):
+            return _NOT_HANDLED
+        value = _text(c, start, length)
+        if value is None:
+            return _NOT_HANDLED
+        before = len(out)
+        out[key] = value
+        if len(out) == before:  # a repeated key
+            return _NOT_HANDLED
+        _ws(c)
+        if _take(c, 0x2c):
+            _ws(c)
+            continue
+        if _take(c, 0x7d):
+            return out
+        return _NOT_HANDLED
+
+
+cdef int _last_code = 0  # a file's tensors share a few dtypes: try the last one first
+
+
+cdef int _fast_entry(_Cursor* c, TensorIndex index, str name, Py_ssize_t name_at, Py_ssize_t name_len) except -1:
+    """One tensor entry, added to ``index`` with its data_offsets begin as offset and end as nbytes;
+    1 when it is not of the common shape (or the name is repeated)."""
+    global _last_code
+    cdef Py_ssize_t start, length
+    cdef int seen = 0, code = -1, k
+    cdef int64_t begin = 0, end = 0, dim
+    if not _take(c, 0x7b):
+        return 1
+    _ws(c)
+    while True:
+        if not _string(c, &start, &length):
+            return 1
+        _ws(c)
+        if not _take(c, 0x3a):
+            return 1
+        _ws(c)
+        if length == 5 and memcmp(c.q + start, b"dtype", 5) == 0:
+            if seen & 1 or not _string(c, &start, &length):
+                return 1
+            seen |= 1
+            if _CODE_LEN[_last_code] == length and memcmp(c.q + start, _CODE_NAME[_last_code], length) == 0:
+                code = _last_code
+            else:
+                for k in range(_CODES):
+                    if _CODE_LEN[k] == length and memcmp(c.q + start, _CODE_NAME[k], length) == 0:
+                        code = _last_code = k
+                        break
+                if code < 0:
+                    return 1
+        elif length == 5 and memcmp(c.q + start, b"shape", 5) == 0:
+            if seen & 2 or not _take(c, 0x5b):
+                return 1
+            seen |= 2
+            _ws(c)
+            if not _take(c, 0x5d):
+                while True:
+                    if not _integer(c, &dim):
+                        return 1
+                    index.add_dim(dim)
+                    _ws(c)
+                    if _take(c, 0x2c):
+                        _ws(c)
+                        continue
+                    if _take(c, 0x5d):
+                        break
+                    return 1
+        elif length == 12 and memcmp(c.q + start, b"data_offsets", 12) == 0:
+            if seen & 4 or not _take(c, 0x5b):
+                return 1
+            seen |= 4
+            _ws(c)
+            if not _integer(c, &begin):
+                return 1
+            _ws(c)
+            if not _take(c, 0x2c):
+                return 1
+            _ws(c)
+            if not _integer(c, &end):
+                return 1
+            _ws(c)
+            if not _take(c, 0x5d):
+                return 1
+        else:
+            return 1
+        _ws(c)
+        if _take(c, 0x2c):
+            _ws(c)
+            continue
+        if _take(c, 0x7d):
+            break
+        return 1
+    if seen != 7:
+        return 1
+    return index.add(name, <const char*>c.q + name_at, name_len, code, begin, end, VIEWABLE)
+
+
+cdef object _parse_fast(const uint8_t* q, Py_ssize_t n, MappedFile m, int64_t data_start, int64_t data_len):
+    """``(TensorIndex, metadata)`` of the ``n`` header bytes at ``q`` (up to the closing brace), or None."""
+    cdef _Cursor c
+    cdef Py_ssize_t start, length, i, k
+    cdef TensorIndex index = TensorIndex.__new__(TensorIndex)
+    cdef bint seen_metadata = False, in_order = True
+    cdef int64_t expected = 0, begin, end, count, dim, itemsize
+    c.q, c.n, c.i = q, n, 0
+    index._setup(m, _INDEX_DTYPES, TensorInfo)
+    metadata = None
+    if not _take(&c, 0x7b):
+        return None
+    _ws(&c)
+    if not _take(&c, 0x7d):
+        while True:
+            if not _string(&c, &start, &length):
+                return None
+            if length == 12 and memcmp(q + start, b"__metadata__", 12) == 0:
+                _ws(&c)
+                if seen_metadata or not _take(&c, 0x3a):
+                    return None
+                _ws(&c)
+                seen_metadata = True
+                metadata = _fast_metadata(&c)
+                if metadata is _NOT_HANDLED:
+                    return None
+            else:
+                name = _text(&c, start, length)
+                _ws(&c)
+                if name is None or not _take(&c, 0x3a):
+                    return None
+                _ws(&c)
+                if _fast_entry(&c, index, name, start, length):
+                    return None
+            _ws(&c)
+            if _take(&c, 0x2c):
+                _ws(&c)
+                continue
+            if _take(&c, 0x7d):
+                break
+            return None
+    if c.i != n:
+        return None
+
+    # The checks of the checking parser, in 64-bit; offsets hold data_offsets begin, nbytes the end.
+    for i in range(index.count):
+        if index.nbytes[i] < index.offsets[i]:
+            return None
+        if i and (index.offsets[i] < index.offsets[i - 1] or (
+                index.offsets[i] == index.offsets[i - 1] and index.nbytes[i] <= index.nbytes[i - 1])):
+            in_order = False
+    if not in_order:  # sorted by (begin, end), then name, as the checking parser sorts
+        keys = [(index.offsets[i], index.nbytes[i], index.names[i], i) for i in range(index.count)]
+        keys.sort()
+        index.reorder([key[3] for key in keys])
+    for i in range(index.count):
+        begin, end = index.offsets[i], index.nbytes[i]
+        if begin != expected or end > data_len:
+            return None
+        count = 1
+        for k in range(index.shape_at[i], index.shape_at[i + 1]):
+            dim = index.dims[k]
+            if dim != 0 and count > _INT64_MAX // dim:
+                return None
+            count *= dim
+        itemsize = _CODE_ITEMSIZE[index.dtype_codes[i]]
+        if count > _INT64_MAX // itemsize or end - begin != count * itemsize:
+            return None
+        index.offsets[i] = data_start + begin
+        index.nbytes[i] = end - begin
+        expected = end
+    if expected != data_len:
+        return None
+    index.finish()
+    return index, metadata
+
+
+cdef enum:  # which parsers _read_index runs
+    _CHECKING = 0
+    _FAST_THEN_CHECKING = 1
+    _FAST_ONLY = 2
+
+
 def read_safetensors_index(MappedFile m not None):
     """Parse and check the header of the safetensors file mapped by ``m``.
 
@@ -218,6 +511,44 @@ def read_safetensors_index(MappedFile m not None):
     >>> infos[0].name, infos[0].shape, infos[0].offset, infos[0].nbytes, meta, start
     ('w', (2, 3), 128, 24, None, 128)
     """
+    return _read_index(m, False, _FAST_THEN_CHECKING)
+
+
+def read_safetensors_table(MappedFile m not None):
+    """:func:`read_safetensors_index`, with the tensors as a columnar
+    :class:`~fastckpt._native.tensorindex.TensorIndex` (in data-offset order) instead of a list.
+
+    Returns ``(index, metadata, data_start)``. A header in the common shape
+    (no escapes in strings, integers below 10**18, tensors listed or not in
+    data order) is parsed here without a dict per tensor; any other header
+    goes through the same checks as :func:`read_safetensors_index` and raises
+    the same errors.
+
+    >>> import os, tempfile, numpy as np
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> from fastckpt.formats.safetensors import save_safetensors
+    >>> p = os.path.join(tempfile.mkdtemp(), "t.safetensors")
+    >>> save_safetensors(p, {"w": np.zeros((2, 3), np.float32)}, metadata={"k": "v"}, alignment=64)
+    >>> with MappedFile(p) as m:
+    ...     index, meta, start = read_safetensors_table(m)
+    ...     list(index), index["w"].offset, index.view("w").shape, meta, start
+    (['w'], 128, (2, 3), {'k': 'v'}, 128)
+    """
+    return _read_index(m, True, _FAST_THEN_CHECKING)
+
+
+def _read_index_checking(MappedFile m not None):
+    """:func:`read_safetensors_index` through the checking parser only (no fast path): the tests compare the two."""
+    return _read_index(m, False, _CHECKING)
+
+
+def _read_table_fast_only(MappedFile m not None):
+    """:func:`read_safetensors_table` through the fast path only: None where it leaves the header to the
+    checking parser (for the tests, which check which headers it takes)."""
+    return _read_index(m, True, _FAST_ONLY)
+
+
+cdef object _read_index(MappedFile m, bint table, int parsers):
     cdef str path = str(m.path)
     cdef int64_t size = m.size
     cdef const uint8_t* p
@@ -261,6 +592,12 @@ def read_safetensors_index(MappedFile m not None):
         raise FormatError(
             f"{path}: JSON header must end with '}}' followed only by spaces (0x20) as padding; byte at "
             f"offset {8 + j - 1} is 0x{p[j - 1]:02x} (header bytes [8, {data_start}))")
+    fast = _parse_fast(p, j, m, data_start, data_len) if parsers != _CHECKING else None
+    if fast is not None:
+        index, metadata = fast
+        return (index if table else index.info_list()), metadata, data_start
+    if parsers == _FAST_ONLY:
+        return None
     raw = (<const char*>p)[:j]  # a copy: span() memory is only valid until the next span() call
 
     # -- JSON ----------------------------------------------------------------------------------
@@ -390,6 +727,8 @@ def read_safetensors_index(MappedFile m not None):
             f"{path}: the tensors end at absolute byte {data_start + expected_begin} but the file has {size} "
             f"bytes: {data_len - expected_begin} unexpected trailing bytes after the data section (the last "
             "data_offsets end must be the end of the file)")
+    if table:
+        return TensorIndex.from_infos(m, tensors), metadata, data_start
     return tensors, metadata, data_start
 
 

@@ -40,7 +40,7 @@ from fastckpt.formats.contract import ReaderMapping, tensor_not_found
 from fastckpt.formats.tf import dtypes as _dt
 from fastckpt.formats.tf.proto import decode_checkpoint_state, decode_header
 from fastckpt.formats.tf.table import IndexTable
-from fastckpt.info import TensorInfo
+from fastckpt.info import TensorInfo, from_checked_fields
 
 __all__ = ["CheckpointReader", "TFTensorInfo", "resolve_prefix", "latest_checkpoint", "read_checkpoint_state",
            "data_filename", "encode_tensor_name_slice"]
@@ -231,6 +231,21 @@ def _union_length(ranges) -> int:
     return total
 
 
+class _Entry:
+    """``"<index path>: entry <name!r>"``, the start of a bundle entry's error messages, formatted only when one is."""
+
+    __slots__ = ("index_path", "name")
+
+    def __init__(self, index_path: str, name: str):
+        self.index_path, self.name = index_path, name
+
+    def __str__(self) -> str:
+        return f"{self.index_path}: entry {self.name!r}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 def _decode_name(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
 
@@ -326,11 +341,11 @@ class CheckpointReader(ReaderMapping):
                               f"(bad_consumers={list(h.bad_consumers)})")
 
     def _make_info(self, name: str, value: bytes) -> TFTensorInfo:
-        what = f"{self.index_path}: entry {name!r}"
+        what = _Entry(self.index_path, name)  # formatted only for an error message
         dtype, shape, shard, offset, size, crc, slices = decode_entry(value, what)
         if shape is None:
             raise FormatError(f"{what}: shape has unknown rank (a stored tensor needs a full shape)")
-        if any(d < 0 for d in shape):
+        if shape and min(shape) < 0:
             raise FormatError(f"{what}: invalid shape {list(shape)} (negative dimension)")
         if dtype == _dt.DT_STRING:
             np_dtype = np.dtype(object)
@@ -348,9 +363,11 @@ class CheckpointReader(ReaderMapping):
             if dtype != _dt.DT_STRING and size != count * np_dtype.itemsize:
                 raise FormatError(f"{what}: invalid size in bundle entry: {size} bytes for shape {list(shape)} of "
                                   f"{_dt.tf_name(dtype)} (expected {count * np_dtype.itemsize})")
-        return TFTensorInfo(name, np_dtype, tuple(shape), offset if not slices else 0, size if not slices else 0,
-                            shard=shard, tf_dtype=dtype, crc32c=crc,
-                            slices=tuple(tuple(e) for e in slices))
+        # Checked above: the dataclass's __init__ would cost as much again, once per tensor.
+        return from_checked_fields(TFTensorInfo, {
+            "name": name, "dtype": np_dtype, "shape": tuple(shape), "offset": offset if not slices else 0,
+            "nbytes": size if not slices else 0, "fortran_order": False, "compression": None, "shard": shard,
+            "tf_dtype": dtype, "crc32c": crc, "slices": tuple(tuple(e) for e in slices) if slices else ()})
 
     # -- lifetime ------------------------------------------------------------------------------
 
