@@ -34,7 +34,8 @@ def run(args) -> int:
 
     try:
         links = len(resolve_chain(args.src))
-        out = compact(args.src, args.dst, shards=args.shards, parallel=args.parallel, overwrite=args.overwrite)
+        out = compact(args.src, args.dst, shards=args.shards, parallel=args.parallel, overwrite=args.overwrite,
+                      progress=sys.stderr.isatty())
     except (FastCkptError, OSError, ValueError, RuntimeError) as exc:
         print(f"fastckpt compact: {exc}", file=sys.stderr)
         return 1

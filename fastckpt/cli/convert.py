@@ -45,7 +45,7 @@ def run(args) -> int:
     try:
         summary = convert(args.src, args.dst, to=args.to, object_graph=args.object_graph,
                           skip_unsupported=args.skip_unsupported, force=args.force, num_shards=args.shards,
-                          data_alignment=args.alignment)
+                          data_alignment=args.alignment, progress=sys.stderr.isatty())
     except (FastCkptError, OSError, TypeError, ValueError) as exc:
         print(f"fastckpt convert: {exc}", file=sys.stderr)
         return 1

@@ -32,7 +32,8 @@ def run(args) -> int:
     from fastckpt.sharded.reshard import reshard
 
     try:
-        out = reshard(args.src, args.dst, args.shards, parallel=args.parallel, overwrite=args.overwrite)
+        out = reshard(args.src, args.dst, args.shards, parallel=args.parallel, overwrite=args.overwrite,
+                      progress=sys.stderr.isatty())
     except (FastCkptError, OSError, ValueError, RuntimeError) as exc:
         print(f"fastckpt reshard: {exc}", file=sys.stderr)
         return 1

@@ -62,6 +62,7 @@ finished when ``load_file`` returns.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -78,6 +79,9 @@ from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
 from fastckpt.formats.reader import TensorFile
+from fastckpt.progress import progress_from, requested
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["load_file", "realign", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP",
            "COPY_CHUNK", "PART_ALIGN"]
@@ -451,7 +455,7 @@ def _select(tf, names, by_offset: bool) -> tuple[list, list]:
 
 
 def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=None,
-              blocking: bool = True) -> LoadedTensors:
+              blocking: bool = True, progress=False) -> LoadedTensors:
     """Load the tensors of a tensor file, or of any reader of the contract, into device memory.
 
     ``source`` is a path (opened with :func:`fastckpt.open`) or an open reader:
@@ -480,7 +484,11 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     :class:`~fastckpt.errors.NotZeroCopyWarning` and a normal copy).
     ``names`` loads only those tensors. ``blocking=False`` returns while copies
     may still run: each tensor waits for its copy before it is read
-    (:meth:`LoadedTensors.wait` waits for all).
+    (:meth:`LoadedTensors.wait` waits for all). ``progress`` (``True`` for a
+    bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts
+    the tensors' bytes as their copies complete (as they are queued when
+    ``blocking=False``). Each load is logged at INFO on ``fastckpt.device.load``
+    (file, tensors, bytes, seconds, the paths taken and why any was slower).
 
     >>> import fastckpt, numpy as np, tempfile, os                     # doctest: +SKIP
     >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")          # doctest: +SKIP
@@ -502,6 +510,9 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                             tensors=len(plan.selected), file_reused=file_reused, skipped=list(plan.skipped))
         limit = _allocation_limit(queue.device, pool)
         load = _Load(queue, pool, tf, blocking, report)
+        if requested(progress):
+            load.progress = progress_from(progress, sum(_payload(i) for i in plan.selected),
+                                          f"load {os.path.basename(tf.path)}")
         t_plan = load.t_alloc = time.perf_counter()
         try:
             direct = plan.direct
@@ -525,6 +536,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                 _load_decoded(load, plan.decoded)
             if plan.empty:
                 _load_empty(load, plan.empty)
+            _report_pending(load)
             if blocking and load.events:
                 _wait_all(load.events)
                 load.events = []
@@ -538,6 +550,8 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             for lease in load.leases:
                 lease.release()
             raise
+        finally:
+            load.progress.close()
         t_end = time.perf_counter()
     finally:
         if opened:
@@ -551,6 +565,8 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         "copy": t_end - load.t_alloc,
         "total": t_end - t_start,
     }
+    if _log.isEnabledFor(logging.INFO):
+        _log_load(report)
     return LoadedTensors(load.tensors, report, load.leases, load.events, plan.names,
                          load.index if load.regions else None, load.regions, queue)
 
@@ -563,7 +579,7 @@ class _Load:
     """
 
     __slots__ = ("queue", "pool", "tf", "mapped", "blocking", "report", "tensors", "paths", "leases", "events",
-                 "regions", "index", "first_buffer", "t_alloc")
+                 "regions", "index", "first_buffer", "t_alloc", "progress", "pending")
 
     def __init__(self, queue, pool, tf, blocking: bool, report: LoadReport):
         self.queue = queue
@@ -580,12 +596,59 @@ class _Load:
         self.index: dict | None = None  # name -> (region number, TensorInfo) of the arena regions
         self.first_buffer = None  # what empty tensors point into
         self.t_alloc = 0.0  # when allocating ended and copying began (for report.timings)
+        self.progress = _NO_PROGRESS  # load_file's progress=, when asked for
+        self.pending = None  # (event, bytes, tensor name): a copy reported once the next one is queued
 
     def note(self, message: str) -> None:
         """Record and warn that tensors took a slower path than asked for; called by a strategy function."""
         self.report.warnings.append(message)
         # 4: past note, the strategy function and load_file, to load_file's caller.
         warnings.warn(NotZeroCopyWarning(message), stacklevel=4)
+
+
+_NO_PROGRESS = progress_from(False, None, "")
+
+
+def _payload(info) -> int:
+    """A tensor's bytes in device memory (``info.nbytes`` is the stored, maybe compressed, length)."""
+    return info.size * info.dtype.itemsize
+
+
+def _reported(load: _Load, event, nbytes: int, item: str) -> None:
+    """Count ``nbytes`` (``item`` the last tensor in them) once the copy ``event`` has completed.
+
+    A blocking load waits for each copy only after the next is queued, so the device always has one to run;
+    ``blocking=False`` counts them as they are queued.
+    """
+    if not load.blocking or event is None:
+        load.progress.advance(nbytes, item)
+        return
+    pending, load.pending = load.pending, (event, nbytes, item)
+    if pending is not None:
+        pending[0].wait()
+        load.progress.advance(pending[1], pending[2])
+
+
+def _report_pending(load: _Load) -> None:
+    pending, load.pending = load.pending, None
+    if pending is not None:
+        pending[0].wait()
+        load.progress.advance(pending[1], pending[2])
+
+
+def _log_load(report: LoadReport) -> None:
+    paths: dict = {}
+    for path in report.paths.values():
+        paths[path] = paths.get(path, 0) + 1
+    taken = ", ".join(f"{count} {path}" for path, count in paths.items()) or "nothing"
+    fallbacks = "".join(f"; fallback: {w}" for w in report.warnings)
+    _log.info("loaded %s (%s): %d tensors, %d bytes copied in %.3f s, mode %s, paths: %s%s", report.path,
+              report.format, report.tensors, report.bytes_copied, report.timings["total"], report.mode, taken,
+              fallbacks)
+    _log.debug("load of %s: %d regions, %d copies, pool %d hits / %d misses, %d bytes allocated, file reused: %s, "
+               "timings %s, skipped %s", report.path, report.regions, report.copies, report.pool_hits,
+               report.pool_misses, report.bytes_allocated, report.file_reused,
+               {k: round(v, 6) for k, v in report.timings.items()}, report.skipped)
 
 
 def _queue_for(queue, pool):
@@ -656,6 +719,8 @@ def _load_zero_copy(load: _Load, direct: list, limit: int) -> bool:
         for info in group:
             tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, info.offset - astart, queue, None)
             paths[info.name] = "zero-copy"
+        if load.progress.enabled:  # nothing to copy: the region is there as soon as its buffer is
+            load.progress.advance(sum(_payload(i) for i in group), group[-1].name)
     load.report.regions = len(regions)
     return True
 
@@ -675,8 +740,8 @@ def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         load.leases.append(lease)
         arenas.append(lease)
     load.t_alloc = time.perf_counter()
-    for (start, end, _group), lease in zip(regions, arenas):
-        _copy_region(load, mapped, start, end, lease, 0)
+    for (start, end, group), lease in zip(regions, arenas):
+        _copy_region(load, mapped, start, end, lease, 0, group)
     if arena_paths is not None:
         load.paths = arena_paths
     else:
@@ -696,28 +761,39 @@ def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         load.leases.append(lease)
         leases.append(lease)
     load.t_alloc = time.perf_counter()
+    infos_of = {id(mapped): infos for mapped, infos in plan.parts} if load.progress.enabled else None
     for (_size, slices), lease in zip(arenas, leases):
         for mapped, start, end, at in slices:
-            _copy_region(load, mapped, start, end, lease, at)
+            group = None if infos_of is None else [i for i in infos_of[id(mapped)] if start <= i.offset < end]
+            _copy_region(load, mapped, start, end, lease, at, group)
     if arena_paths is not None:
         load.paths = arena_paths
     else:
         load.paths.update(dict.fromkeys((i.name for i in plan.direct), "arena"))
 
 
-def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int) -> None:
+def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, group=None) -> None:
     """Copy bytes ``[start, end)`` of ``mapped`` to byte ``at`` of the lease's buffer, one command per ``COPY_CHUNK``,
     and record the region for the views (``LoadedTensors.__getitem__``: a tensor at file offset ``o`` of it is at
-    ``o - (start - at)`` in the buffer)."""
+    ``o - (start - at)`` in the buffer). With progress on, ``group`` (the region's tensors by offset) is counted
+    tensor by tensor as the commands that end them complete."""
     import pyopencl as cl
 
     queue, report, blocking = load.queue, load.report, load.blocking
     source_view = mapped.view(start, end - start, "tensor data region")
     chunk_events = []
+    counted = 0  # group[:counted] are reported
     for lo in range(0, end - start, COPY_CHUNK):
         hi = min(lo + COPY_CHUNK, end - start)
         chunk_events.append(cl.enqueue_copy(queue, lease.buffer, source_view[lo:hi], dst_offset=at + lo,
                                             is_blocking=False))
+        if load.progress.enabled and group:
+            first = counted
+            while counted < len(group) and group[counted].offset + group[counted].nbytes <= start + hi:
+                counted += 1
+            if counted > first:
+                _reported(load, chunk_events[-1], sum(_payload(i) for i in group[first:counted]),
+                          group[counted - 1].name)
     load.events.extend(chunk_events)
     report.copies += len(chunk_events)
     report.bytes_copied += end - start
@@ -751,6 +827,8 @@ def _load_buffers(load: _Load, direct: list, mapped=None) -> None:
         events.append(event)
         report.copies += 1
         report.bytes_copied += info.nbytes
+        if load.progress.enabled:
+            _reported(load, event, info.nbytes, info.name)
         if load.first_buffer is None:
             load.first_buffer = buffer
         t = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
@@ -790,6 +868,7 @@ def _load_decoded(load: _Load, decoded: list) -> None:
             buffer, owner = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, max(nbytes, 1)), None
             report.bytes_allocated += max(nbytes, 1)
         t = Tensor(buffer, host.shape, host.dtype, queue=queue, owner=owner)
+        event = None
         if nbytes:
             event = cl.enqueue_copy(queue, buffer, host.reshape(-1).view(np.uint8), is_blocking=False)
             load.events.append(event)
@@ -798,6 +877,8 @@ def _load_decoded(load: _Load, decoded: list) -> None:
             if not blocking:
                 # SAFETY: the copy reads the decoded host array after enqueue_copy returns; the tensor keeps it.
                 t._event, t._keepalive = event, host
+        if load.progress.enabled:
+            _reported(load, event, nbytes, info.name)
         if load.first_buffer is None:
             load.first_buffer = buffer
         load.tensors[info.name] = t

@@ -29,10 +29,16 @@ allows it:
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 
+from fastckpt.progress import progress_from
+
 __all__ = ["convert", "destination_format"]
+
+_log = logging.getLogger(__name__)
 
 FORMATS = ("tf", "safetensors", "npz")
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -74,6 +80,11 @@ class _Source:
         self.reader.close()
 
 
+def _payload_nbytes(info) -> int:
+    """A tensor's bytes as a writer counts them (``info.nbytes`` is the stored, maybe compressed, length)."""
+    return info.size * info.dtype.itemsize
+
+
 def _exists(dst: str, fmt: str) -> bool:
     if fmt == "tf":
         return os.path.exists(dst + ".index")
@@ -81,7 +92,8 @@ def _exists(dst: str, fmt: str) -> bool:
 
 
 def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip_unsupported: bool = False,
-            force: bool = False, num_shards: int = 1, data_alignment: int = 1, fsync: bool = True) -> dict:
+            force: bool = False, num_shards: int = 1, data_alignment: int = 1, fsync: bool = True,
+            progress=False) -> dict:
     """Copy every tensor of ``src`` into a new file or checkpoint ``dst``; returns a summary dict.
 
     The summary has ``source`` / ``destination`` (formats), ``path`` (what was
@@ -91,8 +103,11 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
     checkpoint cannot hold) and ``needs_object_graph`` (object-based keys were
     written without a graph, which ``tf.train.Checkpoint.restore`` needs).
     ``object_graph``, ``num_shards`` and
-    ``data_alignment`` apply to TensorFlow destinations.
+    ``data_alignment`` apply to TensorFlow destinations. ``progress`` (``True``
+    for a bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`)
+    counts the tensors' bytes as they are written.
     """
+    started = time.perf_counter()
     fmt = destination_format(dst, to)
     dst = os.fspath(dst)
     if fmt == "tf" and dst.endswith(".index"):
@@ -119,28 +134,36 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
                                      "checkpoint")
             else:
                 names.append(name)
+        sizes = {name: _payload_nbytes(source.reader.info(name)) for name in names}
+        report = progress_from(progress, sum(sizes.values()), f"convert to {fmt}")
         if fmt == "tf":
             from fastckpt.formats.tf.writer import CheckpointWriter
 
             if source.metadata:
                 dropped.append("metadata")
             with CheckpointWriter(dst, num_shards=num_shards, data_alignment=data_alignment,
-                                  object_graph=object_graph, fsync=fsync) as writer:
+                                  object_graph=object_graph, fsync=fsync) as writer, report:
                 for name in names:
                     writer.add(name, source.array(name))
+                    report.advance(sizes[name], name)
         else:
             import fastckpt
 
             tensors = {name: source.array(name) for name in names}  # zero-copy views of the source
-            if fmt == "safetensors":
-                fastckpt.save_safetensors(dst, tensors, metadata=source.metadata or None, fsync=fsync)
-            else:
-                if source.metadata:
-                    dropped.append("metadata")
-                fastckpt.save_npz(dst, tensors, fsync=fsync)
+            with report:
+                if fmt == "safetensors":
+                    fastckpt.save_safetensors(dst, tensors, metadata=source.metadata or None, fsync=fsync,
+                                              progress=report)
+                else:
+                    if source.metadata:
+                        dropped.append("metadata")
+                    fastckpt.save_npz(dst, tensors, fsync=fsync, progress=report)
         # Object-style keys without a graph restore nothing in tf.train.Checkpoint.restore, silently.
         needs_graph = (fmt == "tf" and not object_graph and OBJECT_GRAPH_KEY not in names
                        and any("/.ATTRIBUTES/" in n for n in names))
+        _log.info("converted %s (%s) to %s (%s): %d tensors, %d bytes in %.3f s%s", source.path, source.format, dst,
+                  fmt, len(names), sum(sizes.values()), time.perf_counter() - started,
+                  f", left out: {', '.join(skipped + dropped)}" if skipped or dropped else "")
         return {"source": source.format, "destination": fmt, "path": dst, "tensors": len(names),
                 "skipped": skipped, "dropped": dropped, "needs_object_graph": needs_graph}
     finally:

@@ -162,15 +162,17 @@ def prune(directory: str | os.PathLike, keep_last: int) -> list[str]:
 
 
 def compact(src: str | os.PathLike, dst: str | os.PathLike, *, shards: int | None = None,
-            parallel: int | None = None, overwrite: bool = False, timeout: float = 600.0) -> str:
+            parallel: int | None = None, overwrite: bool = False, timeout: float = 600.0, progress=False) -> str:
     """Write the state at ``src`` (a full checkpoint or the head of a chain) as one full checkpoint at ``dst``.
 
     ``shards`` and ``parallel`` default to the head's. Returns ``dst``. The result holds exactly the chain's state
-    (tables, slots and dense tensors); it needs no other checkpoint.
+    (tables, slots and dense tensors); it needs no other checkpoint. ``progress`` is
+    :func:`~fastckpt.sharded.reshard.reshard`'s.
     """
     from fastckpt.sharded.reshard import reshard
 
     head = read_metadata(src)["manifest"]
     resolve_chain(src)  # a broken chain is named before anything is written
     return reshard(src, dst, head["world_size"] if shards is None else shards,
-                   parallel=head["parallel"] if parallel is None else parallel, overwrite=overwrite, timeout=timeout)
+                   parallel=head["parallel"] if parallel is None else parallel, overwrite=overwrite, timeout=timeout,
+                   progress=progress)

@@ -39,6 +39,7 @@ from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo
+from fastckpt.progress import progress_from
 from fastckpt.sharded.format import FORMAT, INDEX_FILE, read_metadata
 
 __all__ = ["CheckpointReader"]
@@ -200,23 +201,33 @@ class CheckpointReader(MultiFileReader):
         """Stored part ``key`` as a zero-copy, read-only view of its mapped file."""
         return self.file_of(key).host(key)
 
-    def verify(self) -> list[str]:
-        """Every problem with the files' sizes and BLAKE3 hashes against the manifest (empty: all good)."""
+    def verify(self, *, progress=False) -> list[str]:
+        """Every problem with the files' sizes and BLAKE3 hashes against the manifest (empty: all good).
+
+        ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
+        :mod:`fastckpt.progress`) counts the files' bytes (the manifest's sizes)
+        as each file is checked.
+        """
         problems = []
-        for name, entry in sorted(self.manifest["files"].items()):
-            path = os.path.join(self.path, name)
-            try:
-                size = os.path.getsize(path)
-            except OSError as exc:
-                problems.append(f"{name}: {exc.strerror or exc}")
-                continue
-            if size != entry["size"]:
-                problems.append(f"{name}: {size} bytes, the manifest says {entry['size']}")
-                continue
-            digest, _ = blake3_file(path)
-            if digest != entry["blake3"]:
-                problems.append(f"{name}: BLAKE3 {digest[:16]}..., the manifest says {entry['blake3'][:16]}...")
+        files = sorted(self.manifest["files"].items())
+        with progress_from(progress, sum(entry["size"] for _, entry in files), "verify") as report:
+            for name, entry in files:
+                problems += self._verify_file(name, entry)
+                report.advance(entry["size"], name)
         return problems
+
+    def _verify_file(self, name: str, entry: dict) -> list[str]:
+        path = os.path.join(self.path, name)
+        try:
+            size = os.path.getsize(path)
+        except OSError as exc:
+            return [f"{name}: {exc.strerror or exc}"]
+        if size != entry["size"]:
+            return [f"{name}: {size} bytes, the manifest says {entry['size']}"]
+        digest, _ = blake3_file(path)
+        if digest != entry["blake3"]:
+            return [f"{name}: BLAKE3 {digest[:16]}..., the manifest says {entry['blake3'][:16]}..."]
+        return []
 
     def __repr__(self) -> str:
         return (f"<fastckpt.sharded.CheckpointReader {self.path!r} world_size={self.manifest['world_size']} "

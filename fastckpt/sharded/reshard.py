@@ -16,47 +16,73 @@ process, the M ranks running as threads.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 
+from fastckpt.progress import progress_from, requested
 from fastckpt.sharded.engine import ThreadEngine
 from fastckpt.sharded.loader import Loader
 from fastckpt.sharded.reader import CheckpointReader
 from fastckpt.sharded.saver import Saver
 
+_log = logging.getLogger(__name__)
+
 __all__ = ["reshard"]
 
 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, parallel: int | None = None,
-            overwrite: bool = False, timeout: float = 600.0) -> str:
+            overwrite: bool = False, timeout: float = 600.0, progress=False) -> str:
     """Write the checkpoint at ``src`` again at ``dst`` as saved by ``shards`` ranks; returns ``dst``.
 
     ``parallel`` (files per rank) defaults to the source's. Hashtable ids go
     to the rank ``id mod shards``; dense tensors are split by rows as a
     ``shards``-rank save splits them. The result holds exactly the source's
-    values.
+    values. ``progress`` (``True`` for a bar, or ``callback(done, total,
+    item)``: :mod:`fastckpt.progress`) counts the bytes of tensors written to
+    ``dst`` by every rank; it starts once every rank has loaded its share.
     """
+    started = time.perf_counter()
     if type(shards) is not int or shards < 1:
         raise ValueError(f"shards must be a positive int, got {shards!r}")
     with CheckpointReader(src) as reader:
         parallel = reader.manifest["parallel"] if parallel is None else parallel
     engines = ThreadEngine.group(shards)
     errors: list = [None] * shards
+    # With progress: every rank tells what it will write, then one report over all of it is made.
+    loaded = threading.Barrier(shards) if requested(progress) else None
+    sizes = [0] * shards
+    report: list = []
 
     def run(rank: int) -> None:
         try:
             tables, tensors = Loader(os.fspath(src), shard_index=rank, shard_num=shards).load()
-            Saver(shard_index=rank, shard_num=shards, parallel=parallel, path=os.fspath(dst), hashtables=tables,
-                  tensors=tensors, engine=engines[rank], timeout=timeout, overwrite=overwrite).save()
+            saver = Saver(shard_index=rank, shard_num=shards, parallel=parallel, path=os.fspath(dst),
+                          hashtables=tables, tensors=tensors, engine=engines[rank], timeout=timeout,
+                          overwrite=overwrite)
+            if loaded is not None:
+                sizes[rank] = sum(block.nbytes for block in saver.blocks())
+                if loaded.wait(timeout) == 0:
+                    report.append(progress_from(progress, sum(sizes), f"reshard to {shards}"))
+                loaded.wait(timeout)
+                saver.progress = report[0]
+            saver.save()
         except BaseException as exc:  # noqa: BLE001 - reported below, the first one raised
             errors[rank] = exc
+            if loaded is not None:
+                loaded.abort()  # the other ranks stop waiting for this one
 
     threads = [threading.Thread(target=run, args=(r,), name=f"fastckpt-reshard-{r}") for r in range(shards)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for exc in errors:
-        if exc is not None:
-            raise exc
+    for bar in report:
+        bar.close()
+    # A rank that failed made the others' waits fail: raise its error, not theirs.
+    for exc in sorted((e for e in errors if e is not None), key=lambda e: isinstance(e, threading.BrokenBarrierError)):
+        raise exc
+    _log.info("resharded %s into %s: %d shards, %d files per rank, in %.3f s", os.fspath(src), os.fspath(dst), shards,
+              parallel, time.perf_counter() - started)
     return os.fspath(dst)
