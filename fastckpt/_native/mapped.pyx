@@ -25,6 +25,9 @@ closes the file: the descriptor is closed only when the last read in flight
 has finished (closing it earlier would let a new ``open`` reuse its number,
 and the read would return another file's bytes).
 
+``MappedFile.from_buffer(data)`` serves bytes held in memory (``fastckpt``'s
+``load_bytes``): the same API over a private, page-aligned copy of them.
+
 ``identity`` is what ``fstat`` said of the file when it was opened; a cache
 compares it with ``os.stat(path)`` to learn whether the path still names the
 same, unchanged file (see ``fastckpt.device.pool.OpenFiles``).
@@ -35,7 +38,7 @@ Every read goes through ``span()``, which checks ``0 <= offset`` and
 the byte range and the file size.
 """
 
-from cpython.buffer cimport PyBUF_WRITABLE
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject, PyTypeObject
@@ -45,7 +48,7 @@ cimport numpy as cnp
 from libc.errno cimport EINTR, errno
 from libc.stdint cimport uint8_t, uintptr_t
 from libc.stdlib cimport free
-from libc.string cimport strerror
+from libc.string cimport memcpy, strerror
 
 import os
 
@@ -219,6 +222,35 @@ cdef class MappedFile:
             if fd >= 0:
                 os.close(fd)
         self._closed = False
+
+    @staticmethod
+    def from_buffer(data, path="<bytes>"):
+        """A handle over a private copy of the bytes of ``data`` (``bytes``, ``bytearray``, a contiguous ``memoryview``).
+
+        The parsers read it as they read a file (``path`` names it in their
+        error messages). The copy is page-aligned and writable (``backend`` is
+        ``"memory"``, ``copy_on_write`` True), so arrays viewed in it are aligned,
+        writable and independent of ``data``; they keep the copy alive.
+
+        >>> m = MappedFile.from_buffer(bytearray(b"hello world"))
+        >>> bytes(m.view(6, 5)), m.address % 4096, m
+        (b'world', 0, <MappedFile '<bytes>' size=11 backend='memory' copy_on_write>)
+        """
+        cdef Py_buffer source
+        cdef MappedFile m = MappedFile.__new__(MappedFile)
+        PyObject_GetBuffer(data, &source, PyBUF_SIMPLE)  # BufferError for non-contiguous data
+        try:
+            m._block = _aligned_block(source.len)
+            if source.len:
+                memcpy(m._block.ptr, source.buf, <size_t>source.len)
+            m.size = source.len
+        finally:
+            PyBuffer_Release(&source)
+        m.path = path
+        m.backend = "memory"
+        m.copy_on_write = True
+        m._closed = False
+        return m
 
     def __dealloc__(self):
         if self._fd >= 0:

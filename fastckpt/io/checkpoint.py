@@ -60,6 +60,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from fastckpt.arrays import as_numpy
 from fastckpt.errors import FormatError
 from fastckpt.state import PARAM_SIDECAR, decode, encode
 from fastckpt.state.codec import NumberedArrays
@@ -106,12 +107,10 @@ def _to_host(value, where: str) -> np.ndarray:
 
     if isinstance(value, Tensor):
         return value.to_host()
-    if isinstance(value, np.ndarray):
-        host = value
-    elif hasattr(value, "to_host"):  # netcl and other device tensors
-        host = np.asarray(value.to_host())
-    else:
-        raise TypeError(f"{where}: expected a fastckpt Tensor or numpy array, got {type(value).__name__}")
+    host = as_numpy(value)  # netcl and other device tensors (to_host), DLPack, __array__, buffers
+    if host is None:
+        raise TypeError(f"{where}: expected a fastckpt Tensor or an array (numpy, DLPack, __array__, a buffer), "
+                        f"got {type(value).__name__}")
     if host.dtype.hasobject:
         raise TypeError(f"{where}: object arrays cannot be stored (nothing is ever pickled)")
     return host

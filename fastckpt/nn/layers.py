@@ -212,6 +212,7 @@ class BatchNorm2d(Module):
     """
 
     _state_names = ("gamma", "beta", "running_mean", "running_var")
+    _buffer_names = ("running_mean", "running_var")  # as netcl: state_dict() has them, parameters() not
 
     def __init__(self, queue=None, num_features: int = None, momentum: float = 0.1, eps: float = 1e-5):
         c = _positive_int("BatchNorm2d", "num_features", num_features)

@@ -205,14 +205,25 @@ class Module:
     """Base class of fastckpt layers.
 
     Subclasses list their array state in ``_state_names`` (attribute names holding a
-    :class:`Tensor`, or ``None`` for an absent optional tensor such as a disabled bias)
-    and implement :meth:`forward`. Only eval-mode forward passes exist.
+    :class:`Tensor`, or ``None`` for an absent optional tensor such as a disabled bias),
+    the buffers among them (state that is not a parameter, such as running statistics) in
+    ``_buffer_names``, and implement :meth:`forward`. Only eval-mode forward passes exist:
+    ``training`` is always False, :meth:`eval` and ``train(False)`` return the module as
+    netcl's do, and ``train(True)`` raises ``NotImplementedError``.
 
-    >>> class Scale(Module):                       # doctest: +SKIP
+    >>> class Scale(Module):
     ...     _state_names = ("factor",)
+    >>> layer = Scale()
+    >>> layer.eval() is layer, layer.training
+    (True, False)
+    >>> layer.train()
+    Traceback (most recent call last):
+    ...
+    NotImplementedError: Scale is inference-only: fastckpt's layers have no training mode, so train(True) cannot be honoured. Call model.eval() or model.train(False) (they return the model, as netcl's do); to train, build or load the model with netcl, which reads the same .netcl files
     """
 
     _state_names: tuple[str, ...] = ()
+    _buffer_names: tuple[str, ...] = ()
     queue = None
 
     # -- state ---------------------------------------------------------------------------------
@@ -226,8 +237,13 @@ class Module:
         return out
 
     def parameters(self) -> list[Tensor]:
-        """The state tensors as a list (what ``save_params`` / ``save_checkpoint`` take)."""
-        return list(self.named_tensors().values())
+        """The parameters, as netcl lists them: every state tensor except the buffers, in state order.
+
+        What ``save_params`` / ``save_checkpoint`` take, in netcl's order, so parameter
+        checkpoints written by either library load into the other's model.
+        BatchNorm's running statistics are buffers: in :meth:`state_dict`, not here.
+        """
+        return [t for key, t in self.named_tensors().items() if key not in self._buffer_names]
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Host copies of the state tensors, keyed as in the model file.
@@ -293,6 +309,43 @@ class Module:
             if tensor.dtype != dtype:
                 setattr(self, key, Tensor.from_host(tensor.queue, tensor.to_host().astype(dtype)))
         return self
+
+    # -- mode (netcl's interface) -----------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """Always False: fastckpt's layers run the eval-mode forward pass only.
+
+        Assigning it is ``train(value)``: False is accepted, True raises.
+        """
+        return False
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self.train(mode)
+
+    def train(self, mode: bool = True) -> "Module":
+        """netcl's mode switch: ``train(False)`` returns ``self``; ``train(True)`` raises ``NotImplementedError``.
+
+        fastckpt's layers are inference-only (no dropout, no batch statistics,
+        no gradients), so a training mode would be a silent lie.
+        """
+        if mode:
+            raise NotImplementedError(
+                f"{self._mode_name()} is inference-only: fastckpt's layers have no training mode, so train(True) "
+                "cannot be honoured. Call model.eval() or model.train(False) (they return the model, as netcl's "
+                "do); to train, build or load the model with netcl, which reads the same .netcl files")
+        return self
+
+    def eval(self) -> "Module":
+        """Put the module in eval mode (what it always is) and return it, as netcl's ``eval()`` does.
+
+        >>> Module().eval().training
+        False
+        """
+        return self.train(False)
+
+    def _mode_name(self) -> str:
+        return type(self).__name__
 
     # -- running -------------------------------------------------------------------------------
     def forward(self, x) -> Tensor:
@@ -395,6 +448,22 @@ class Sequential(Module):
         for layer in self.layers:
             layer.astype(dtype)
         return self
+
+    def parameters(self) -> list[Tensor]:
+        """Every layer's parameters, layer by layer (netcl's order; no buffers)."""
+        return [tensor for layer in self.layers for tensor in layer.parameters()]
+
+    def train(self, mode: bool = True) -> "Sequential":
+        """``train(False)`` puts every layer in eval mode and returns ``self``; ``train(True)`` raises."""
+        if mode:
+            return super().train(True)
+        for layer in self.layers:
+            layer.train(False)
+        return self
+
+    def _mode_name(self) -> str:
+        kinds = ", ".join(dict.fromkeys(type(layer).__name__ for layer in self.layers))
+        return f"Sequential({kinds})" if kinds else "Sequential()"
 
     def forward(self, x) -> Tensor:
         for layer in self.layers:

@@ -1,9 +1,10 @@
 """Arrays inside state trees: from any framework to numpy, and the tagged base64 form JSON states carry.
 
-A state value is an array when :func:`as_numpy` says so: a numpy array, an
-object with ``to_host()`` (a fastckpt or netcl device tensor), a DLPack
-producer (PyTorch, JAX, CuPy) or anything with ``__array__``. Where no tensor
-file takes it, an array is written inline as one JSON object::
+A state value is an array when :func:`as_numpy` (:mod:`fastckpt.arrays`) says so: a
+numpy array, an object with ``to_host()`` (a fastckpt or netcl device tensor), a
+DLPack producer (PyTorch, JAX, CuPy), anything with ``__array__`` or the buffer
+protocol (``array.array``). Where no tensor file takes it, an array is written
+inline as one JSON object::
 
     {"__ndarray__": "<base64 of the C-order bytes>", "dtype": D, "shape": [n, ...]}
 
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import math
 from typing import Any
 
 import numpy as np
 
+from fastckpt.arrays import as_numpy
 from fastckpt.errors import FormatError
 
 __all__ = ["ARRAY_TAG", "as_numpy", "dtype_token", "parse_dtype", "encode_array", "decode_array"]
@@ -37,36 +38,6 @@ ARRAY_TAG = "__ndarray__"
 _ARRAY_KEYS = frozenset((ARRAY_TAG, "dtype", "shape"))
 # Kinds whose bytes mean the same on every machine given dtype.str (byte order included).
 _PLAIN_KINDS = frozenset("biufcSU")
-
-
-def as_numpy(value: Any) -> np.ndarray | None:
-    """``value`` as an ndarray when it is array-like (ndarray, ``to_host()``, DLPack, ``__array__``), else None.
-
-    Zero-copy where the source allows (CPU DLPack, numpy views).
-
-    >>> as_numpy([1, 2]) is None, as_numpy(np.zeros(2)).shape
-    (True, (2,))
-    """
-    if isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, (np.generic, str, bytes, int, float, bool, list, tuple, dict)) or value is None:
-        return None
-    if hasattr(value, "to_host"):
-        return np.asarray(value.to_host())
-    if hasattr(value, "__dlpack__"):
-        tensor = value.detach() if hasattr(value, "detach") else value
-        try:
-            return np.from_dlpack(tensor)
-        except (TypeError, RuntimeError, BufferError, ValueError):
-            if hasattr(tensor, "cpu"):  # a device tensor: one copy to host
-                tensor = tensor.cpu()
-                with contextlib.suppress(TypeError, RuntimeError, BufferError, ValueError):
-                    return np.from_dlpack(tensor)
-            return np.asarray(tensor)
-    if hasattr(value, "__array__"):
-        return np.asarray(value)
-    return None
-
 
 
 def _ml_dtype(name: str) -> np.dtype | None:

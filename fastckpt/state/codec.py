@@ -18,6 +18,8 @@ numpy scalar               ``{"__scalar__":     its Python value (``.item()``; b
                            {dtype, data}}``     str); other kinds refused
 tuple                      ``{"__tuple__": []}``  a list               a list
 bytes                      refused              ``{"__bytes__": b64}``  refused
+bytearray, memoryview      an array (uint8      ``{"__bytes__": b64}``  an array (uint8
+                           for raw bytes)                               for raw bytes)
 dict, str keys             object (keys may     object; keys           object; key
                            not start ``__``)    ``__ndarray__``,        ``__fastckpt_array__``
                                                 ``__bytes__``,          refused
@@ -228,7 +230,9 @@ class _Encoder:
         if isinstance(value, (bytes, bytearray, memoryview)):
             if d.tag_bytes:
                 return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
-            raise self.refusal(value, path)
+            if isinstance(value, bytes):
+                raise self.refusal(value, path)
+            # Where bytes are refused, a bytearray or memoryview is a buffer: an array, uint8 for raw bytes.
         array = as_numpy(value)
         if array is None:
             raise self.refusal(value, path)
