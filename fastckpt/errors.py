@@ -54,7 +54,10 @@ class IntegrityError(FastCkptError, ValueError):
 
 
 class ChecksumMismatchError(IntegrityError, FormatError):
-    """A block or tensor whose stored checksum (TensorFlow's masked CRC32C) does not match its bytes.
+    """A block or tensor whose stored checksum does not match its bytes.
+
+    The checksum is TensorFlow's masked CRC32C, or an NPZ member's CRC-32
+    (``load_model(..., verify=True)``).
 
     It is both an :class:`IntegrityError` (stored bytes were changed) and a
     :class:`FormatError` (the file is not a valid checkpoint), so either

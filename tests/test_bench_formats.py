@@ -31,3 +31,9 @@ def test_durable_rows_are_compared_with_the_durable_raw_write():
     assert "| raw + fsync | 4.000 s | 2.000 s | raw | 2.00x | 2.00x |" in table
     assert "| save, no fsync | 3.000 s | 1.000 s | raw | 1.50x | 1.00x |" in table
     assert "| save (atomic, fsync) | 6.000 s | 6.000 s | raw + fsync | 1.50x | 3.00x |" in table
+
+
+def test_many_small_tensors_case():
+    # The case the NPZ alignment policy is for: 10,000 float32 tensors of 1 KiB (1000 with --quick).
+    assert bench_formats.CASES["c"] == ("10,000 tensors of 1 KiB", 10_000, 256)
+    assert bench_formats.QUICK["c"] == ("1000 tensors of 1 KiB", 1000, 256)

@@ -14,6 +14,12 @@ carry, 0-d, empty, Fortran-ordered and big-endian arrays, tied weights, and
 state trees holding tuples, big integers, non-finite floats, bytes, numpy
 scalars and non-string keys, so that a change to a shared codec shows here.
 
+Files of earlier format versions are kept: ``train-schema-1.0`` holds
+training checkpoints with sha256 manifests, which the tests below load and
+verify; ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
+payload on a page, the default before the ``"auto"`` alignment policy),
+still written byte for byte by ``alignment=4096`` and read back below.
+
 Two kinds of values are facts about the machine or the moment, not about the
 inputs: a training manifest's ``created_utc``, ``versions``, ``git_commit`` and
 ``hardware``. For ``manifest.json`` the test checks that the file is exactly
@@ -74,11 +80,24 @@ def npz_only_set() -> dict[str, np.ndarray]:
     }
 
 
+def mixed_size_set() -> dict[str, np.ndarray]:
+    """Payloads on both sides of the "auto" policy's 64 KiB line: 4096-aligned from 65536 bytes, 64 below."""
+    return {
+        "small": _arange(np.float32, (3,)),
+        "below": _arange(np.uint8, (65535,)),
+        "at": _arange(np.float32, (128, 128)),  # 65536 bytes
+        "after": _arange(np.int16, (5,)),
+    }
+
+
 def _write_npz(out: Path) -> None:
     import fastckpt
 
-    fastckpt.save_npz(out / "tensors.npz", npz_only_set())
+    fastckpt.save_npz(out / "tensors.npz", npz_only_set())  # alignment="auto"
     fastckpt.save_npz(out / "tensors-align64.npz", npz_only_set(), alignment=64)
+    # The default layout of writer 1 (before "auto"): every payload on a page.
+    fastckpt.save_npz(out / "tensors-align4096.npz", npz_only_set(), alignment=4096)
+    fastckpt.save_npz(out / "mixed-sizes.npz", mixed_size_set())  # alignment="auto", both sides of 64 KiB
 
 
 def _write_safetensors(out: Path) -> None:
@@ -427,6 +446,8 @@ def test_written_bytes_equal_the_golden_files(case, tmp_path, monkeypatch, reque
 
 
 @pytest.mark.parametrize("name, expected", [("tensors.npz", npz_only_set), ("tensors-align64.npz", npz_only_set),
+                                            ("tensors-align4096.npz", npz_only_set),
+                                            ("mixed-sizes.npz", mixed_size_set),
                                             ("tensors.safetensors", tensor_set),
                                             ("tensors-align8.safetensors", tensor_set)])
 def test_golden_tensor_files_read_back(name, expected):
@@ -442,10 +463,11 @@ def test_golden_tensor_files_read_back(name, expected):
             assert got.shape == value.shape and got.tobytes(order="A") == value.astype(got.dtype).tobytes(order="A"), key
 
 
-def test_golden_training_checkpoints_load():
+@pytest.mark.parametrize("folder", ["train", "train-schema-1.0"])
+def test_golden_training_checkpoints_load(folder):
     from fastckpt.train import load_checkpoint
 
-    state = load_checkpoint(GOLDEN / "train" / "corners", verify=False)
+    state = load_checkpoint(GOLDEN / folder / "corners", verify=True)
     w = state.model_weights
     assert w["head"]["weight"] is w["embed"]["weight"]
     assert w["counter"] == 2**70 and w["groups"][0]["ids"] == (1, 2, 3) and w["groups"][1]["lr"] == float("inf")
@@ -453,8 +475,33 @@ def test_golden_training_checkpoints_load():
     assert w["by_id"][0] == "zero" and np.isnan(w["by_id"][1][1]) and np.signbit(w["by_id"][1][0])
     assert w["bias"].dtype == ml_dtypes.bfloat16 and w["__private"] == 1
     assert state.step == 2**40 and state.metrics == {"acc": 0.5, "ok": True}
-    tiny = load_checkpoint(GOLDEN / "train" / "tinylm", verify=False)
+    tiny = load_checkpoint(GOLDEN / folder / "tinylm", verify=True)
     assert tiny.step == 3 and set(tiny.optim_state) >= {"state", "param_groups"} or tiny.optim_state is not None
+
+
+@pytest.mark.parametrize("name", ["corners", "tinylm"])
+def test_golden_schema_1_0_training_checkpoints_still_verify(name, tmp_path):
+    # Schema 1.0 (sha256 entries, weights_sha256): written by earlier releases, verified with sha256.
+    import hashlib
+
+    from fastckpt.train import read_manifest, verify_checkpoint, weights_digest
+
+    old = GOLDEN / "train-schema-1.0" / name
+    m = read_manifest(old)
+    weights = (old / "weights.safetensors").read_bytes()
+    assert m["schema_version"] == "1.0" and all(set(e) == {"sha256", "bytes"} for e in m["files"].values())
+    assert weights_digest(m) == "sha256:" + hashlib.sha256(weights).hexdigest()
+    assert verify_checkpoint(old) == []
+    # The tensor files did not change with schema 2.0: the same bytes as the current golden checkpoint.
+    assert weights == (GOLDEN / "train" / name / "weights.safetensors").read_bytes()
+    damaged = tmp_path / name
+    shutil.copytree(old, damaged)
+    data = bytearray(weights)
+    data[-1] ^= 1
+    (damaged / "weights.safetensors").write_bytes(bytes(data))
+    [problem] = verify_checkpoint(damaged)
+    assert problem == (f"{damaged / 'weights.safetensors'}: sha256 mismatch: the manifest expects "
+                       f"{m['weights_sha256']}, the file has {hashlib.sha256(bytes(data)).hexdigest()}")
 
 
 def test_golden_stateful_file_loads():

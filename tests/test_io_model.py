@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import secrets
+import warnings
 import zipfile
 
 import numpy as np
@@ -251,6 +252,51 @@ def test_compressed_file_and_bytes_metadata_load(tmp_path, queue, rng):
     with pytest.warns(fastckpt.NotZeroCopyWarning):
         model = load_model(path)
     assert_same_state(model, state)
+
+
+# -- verify=True: the members' CRC-32 ----------------------------------------------------------------
+@pytest.mark.parametrize("compressed", [False, True], ids=["stored", "deflate"])
+def test_verify_checks_every_member_crc_and_names_the_tensor(tmp_path, queue, rng, compressed):
+    from fastckpt.errors import ChecksumMismatchError, IntegrityError
+
+    config = [linear(5, 3), {"type": "ReLU", "args": {}}, linear(3, 2)]
+    model = nn.build_sequential(queue, config)
+    state = randomize(model, rng)
+    path = tmp_path / "m.netcl"
+    if compressed:  # np.savez_compressed: DEFLATE members, inflated and checked
+        netcl_style_file(path, state, {"type": "Sequential", "config": config}, compressed=True)
+    else:
+        save_model(model, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastckpt.NotZeroCopyWarning)
+        assert_same_state(load_model(path, verify=True), state)
+        with fastckpt.open(path) as f:
+            info = f.info("2:weight")
+        data = bytearray(path.read_bytes())
+        if compressed:  # the recorded CRC-32 in its central directory entry (a changed stream fails to inflate)
+            data[data.rfind(b"2:weight.npy") - 46 + 16] ^= 0x01
+        else:
+            data[info.offset + info.nbytes - 1] ^= 0x01  # the last stored byte of that tensor
+        path.write_bytes(bytes(data))
+        with pytest.raises(ChecksumMismatchError) as err:
+            load_model(path, verify=True)
+        msg = str(err.value)
+        assert msg.startswith(f"{path}: member '2:weight.npy'") and "(tensor '2:weight')" in msg
+        assert "CRC-32" in msg and "verify=False" in msg and isinstance(err.value, IntegrityError)
+        if not compressed:  # unverified, the damaged bytes load as they are (stored members are not checked)
+            got = load_model(path).state_dict()["2:weight"]
+            assert got.tobytes() != state["2:weight"].tobytes()
+            assert got.tobytes()[:-1] == state["2:weight"].tobytes()[:-1]
+
+
+def test_verify_needs_a_file_with_member_checksums(tmp_path, queue, rng):
+    config = [linear(5, 3)]
+    state = randomize(nn.build_sequential(queue, config), rng)
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {**state, META_KEY: np.frombuffer(b"x", np.uint8)})
+    expected = r"m.safetensors: verify=True checks the CRC-32 of NPZ members, and this safetensors file keeps none"
+    with fastckpt.open(path) as f, pytest.raises(ValueError, match=expected):
+        load_model(f, verify=True)
 
 
 def test_legacy_two_file_layout(tmp_path, queue, rng):

@@ -198,6 +198,66 @@ def test_every_payload_is_aligned(tmp_path, alignment):
         assert zf.testzip() is None  # every CRC checks out
 
 
+# The "auto" policy: payloads of 64 KiB or more at multiples of 4096, smaller ones at multiples of 64.
+AUTO_SIZES = {"empty": 0, "one": 1, "kib": 1024, "below": 65535, "at": 65536, "mib": 1 << 20, "tail": 100}
+
+
+def _auto_arrays():
+    return {k: random_array("|u1", (n,), seed=i) for i, (k, n) in enumerate(AUTO_SIZES.items())}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_alignment_pads_to_a_page_only_from_64_kib(tmp_path, backend):
+    arrs = _auto_arrays()
+    path = tmp_path / "auto.npz"
+    save_npz(path, arrs)  # the default is "auto"
+    got, infos = read_all(path, backend)
+    offsets = {i.name: i.offset for i in infos}
+    for name, n in AUTO_SIZES.items():
+        boundary = 4096 if n >= 65536 else 64
+        assert offsets[name] % boundary == 0, (name, offsets[name])
+    # Each small payload sits right after the previous member: less than 64 bytes of padding, not a page.
+    assert offsets["one"] - offsets["empty"] == 192 and offsets["kib"] - offsets["one"] == 192
+    assert offsets["below"] - offsets["kib"] == 1024 + 192 and offsets["at"] % 4096 == 0
+    data = path.read_bytes()
+    for info in infos:  # the zipalign field names the member's own alignment
+        field = data.rfind(b"\x35\xd9", 0, info.offset - 128)
+        assert struct.unpack_from("<H", data, field + 4)[0] == (4096 if AUTO_SIZES[info.name] >= 65536 else 64)
+    assert all(same(got[k], v) for k, v in arrs.items())
+    assert all(not got[k].flags.owndata for k in arrs if arrs[k].size)  # viewed in place, not copied
+    with np.load(path) as z:
+        assert all(same(z[k], v) for k, v in arrs.items())
+    with zipfile.ZipFile(path) as zf:
+        assert zf.testzip() is None
+
+
+def test_auto_is_the_default_and_4096_gives_the_earlier_layout(tmp_path):
+    arrs = _auto_arrays()
+    save_npz(tmp_path / "default.npz", arrs)
+    save_npz(tmp_path / "auto.npz", arrs, alignment="auto")
+    save_npz(tmp_path / "page.npz", arrs, alignment=4096)
+    assert (tmp_path / "default.npz").read_bytes() == (tmp_path / "auto.npz").read_bytes()
+    _, page = read_all(tmp_path / "page.npz")
+    assert all(i.offset % 4096 == 0 for i in page)
+    # Only large payloads: "auto" writes exactly the page-aligned layout.
+    large = {k: v for k, v in arrs.items() if v.nbytes >= 65536}
+    save_npz(tmp_path / "large-auto.npz", large)
+    save_npz(tmp_path / "large-page.npz", large, alignment=4096)
+    assert (tmp_path / "large-auto.npz").read_bytes() == (tmp_path / "large-page.npz").read_bytes()
+
+
+def test_auto_keeps_many_small_tensors_lean(tmp_path):
+    arrs = {f"t{i:04d}": np.full(256, i, np.float32) for i in range(1000)}  # 1000 x 1 KiB
+    save_npz(tmp_path / "auto.npz", arrs, fsync=False)
+    save_npz(tmp_path / "page.npz", arrs, alignment=4096, fsync=False)
+    # Per member: local header 30 + "t0000.npy" 9 + zipalign field 6 + 19 bytes of padding + .npy header 128
+    # + 1024 of payload = 1216; then the central directory (46 + 9 per member) and the 22-byte end record.
+    assert os.path.getsize(tmp_path / "auto.npz") == 1000 * (1216 + 55) + 22
+    assert os.path.getsize(tmp_path / "page.npz") == 1000 * 4096 + 1024 + 1000 * 55 + 22
+    got, infos = read_all(tmp_path / "auto.npz")
+    assert [i.offset for i in infos[:3]] == [192, 1408, 2624] and all(same(got[k], v) for k, v in arrs.items())
+
+
 def test_alignment_1_writes_no_padding_field(tmp_path):
     path = tmp_path / "a.npz"
     save_npz(path, {"x": np.arange(3, dtype=np.int8)}, alignment=1)
@@ -208,7 +268,7 @@ def test_alignment_1_writes_no_padding_field(tmp_path):
 
 @pytest.mark.parametrize("alignment", [0, 3, 96, 65536, 2**15 + 1, "64"])
 def test_bad_alignment_is_refused(tmp_path, alignment):
-    with pytest.raises(ValueError, match="alignment must be a power of two"):
+    with pytest.raises(ValueError, match="alignment must be 'auto' or a power of two from 1 to 32768, got"):
         save_npz(tmp_path / "a.npz", {}, alignment=alignment)
 
 
@@ -1032,7 +1092,7 @@ def test_real_zip64_member_over_2_gib(tmp_path):
     with MappedFile(path) as m:
         infos = read_npz_index(m)
         assert [(i.name, i.nbytes) for i in infos] == [("small", 24), ("big", size), ("after", 32)]
-        assert all(i.offset % 4096 == 0 for i in infos)
+        assert infos[1].offset % 4096 == 0 and all(i.offset % 64 == 0 for i in infos)  # "auto": small ones at 64
         for info in infos:
             verify_member(m, info)
         assert same(read_member(m, infos[2]), np.arange(4))

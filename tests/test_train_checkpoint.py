@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from unittest import mock
 
+import blake3
 import ml_dtypes
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from fastckpt.train.checkpoint import (
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
+    weights_digest,
 )
 from fastckpt.train.reference.selfcheck import (
     MACHINES,
@@ -263,7 +265,7 @@ def _replace_file(directory: Path, name: str, data: bytes) -> None:
     """Write ``name`` and record its new size and hash in the manifest, as a forger would."""
     (directory / name).write_bytes(data)
     manifest = json.loads((directory / MANIFEST_FILE).read_text())
-    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest["files"][name] = {"blake3": blake3.blake3(data).hexdigest(), "bytes": len(data)}
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
@@ -418,7 +420,7 @@ def test_interrupted_overwrite_keeps_previous_checkpoint(tmp_path, fail_at, monk
     with mock.patch("os.replace", side_effect=flaky), pytest.raises(KeyboardInterrupt):
         save(new, out, 2)
     state = load_checkpoint(out)  # the old checkpoint, whole and verified
-    assert state.step == 0 and state.manifest["weights_sha256"] == old_digest
+    assert state.step == 0 and state.manifest["weights_digest"] == old_digest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "count"]
 
 
@@ -452,23 +454,68 @@ def test_empty_existing_directory_is_used(tmp_path):
 
 
 # -- integrity ----------------------------------------------------------------------------------
+HASHES = {"blake3": lambda data: blake3.blake3(data).hexdigest(),
+          "sha256": lambda data: hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("algorithm", sorted(HASHES))
 @pytest.mark.parametrize("where", [-2, 12], ids=["payload", "header"])
 @pytest.mark.parametrize("name", [WEIGHTS_FILE, OPTIM_FILE, EXTRA_FILE])
-def test_hash_mismatch_detected(tmp_path, name, where):
+def test_hash_mismatch_detected(tmp_path, name, where, algorithm):
     live = build_fresh(1)
-    save(live, tmp_path / "c", 0)
+    save(live, tmp_path / "c", 0, hash=algorithm)
     path = tmp_path / "c" / name
     data = bytearray(path.read_bytes())
     data[where] ^= 0x01  # one bit: in the data section or the JSON header / text
     path.write_bytes(bytes(data))
-    expected = read_manifest(tmp_path / "c")["files"][name]["sha256"]
+    expected = read_manifest(tmp_path / "c")["files"][name][algorithm]
     with pytest.raises(IntegrityError) as err:
         load_checkpoint(tmp_path / "c")
     msg = str(err.value)
-    assert name in msg and expected in msg and __import__("hashlib").sha256(bytes(data)).hexdigest() in msg
+    assert f"{name}: {algorithm} mismatch" in msg and expected in msg and HASHES[algorithm](bytes(data)) in msg
     assert "verify=False" in msg
     problems = verify_checkpoint(tmp_path / "c")
-    assert len(problems) == 1 and name in problems[0]
+    assert len(problems) == 1 and f"{name}: {algorithm} mismatch" in problems[0]
+
+
+@pytest.mark.parametrize("algorithm", sorted(HASHES))
+def test_every_file_is_hashed_as_written_with_the_chosen_algorithm(tmp_path, algorithm, monkeypatch):
+    from fastckpt.formats import hashing
+
+    def no_reading_back(*args):
+        raise AssertionError("a file was read back to hash it")
+
+    monkeypatch.setattr(hashing, "sha256_file", no_reading_back)
+    monkeypatch.setattr(hashing, "blake3_file", no_reading_back)
+    digest = save(build_fresh(1), tmp_path / "c", 0, hash=algorithm)
+    monkeypatch.undo()
+    m = read_manifest(tmp_path / "c")
+    assert m["schema_version"] == "2.0" and set(m["files"]) == {WEIGHTS_FILE, OPTIM_FILE, EXTRA_FILE}
+    for name, entry in m["files"].items():
+        data = (tmp_path / "c" / name).read_bytes()
+        assert entry == {algorithm: HASHES[algorithm](data), "bytes": len(data)}, name
+    weights = (tmp_path / "c" / WEIGHTS_FILE).read_bytes()
+    assert digest == m["weights_digest"] == f"{algorithm}:{HASHES[algorithm](weights)}"
+    assert weights_digest(m) == digest and verify_checkpoint(tmp_path / "c") == []
+
+
+def test_unknown_hash_is_refused(tmp_path):
+    expected = r"hash='md5': training checkpoints hash their files with one of 'blake3', 'sha256'"
+    with pytest.raises(ValueError, match=expected):
+        save(build_fresh(1), tmp_path / "c", 0, hash="md5")
+    assert not (tmp_path / "c").exists()
+
+
+def test_entry_with_an_unknown_algorithm_is_a_format_error(tmp_path):
+    save(build_fresh(1), tmp_path / "c", 0)
+    path = tmp_path / "c" / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    entry = manifest["files"][EXTRA_FILE]
+    manifest["files"][EXTRA_FILE] = {"xxh3": entry["blake3"], "bytes": entry["bytes"]}
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match=r"files entry 'extra.json' .* expects one hash, keyed by its algorithm "
+                                          r"\('blake3' or 'sha256'\)"):
+        load_checkpoint(tmp_path / "c")
 
 
 def test_hashing_may_start_after_the_files_are_closed(tmp_path, monkeypatch):
@@ -501,7 +548,7 @@ def test_hashing_may_start_after_the_files_are_closed(tmp_path, monkeypatch):
     path.write_bytes(bytes(data))
     closed.clear()
     all_closed.clear()
-    with pytest.raises(IntegrityError, match=f"{OPTIM_FILE}: sha256 mismatch"):
+    with pytest.raises(IntegrityError, match=f"{OPTIM_FILE}: blake3 mismatch"):
         load_checkpoint(tmp_path / "c")
 
 
@@ -533,7 +580,7 @@ def test_missing_manifest_is_not_a_checkpoint(tmp_path):
         load_checkpoint(tmp_path / "nothing")
 
 
-@pytest.mark.parametrize("version, ok", [("1.0", True), ("1.9", True), ("2.0", False), ("0.1", False), (1, False)])
+@pytest.mark.parametrize("version, ok", [("2.0", True), ("2.9", True), ("3.0", False), ("0.1", False), (1, False)])
 def test_schema_version_checked(tmp_path, version, ok):
     save(build_fresh(1), tmp_path / "c", 0)
     path = tmp_path / "c" / MANIFEST_FILE
@@ -554,7 +601,8 @@ def test_manifest_contents(tmp_path):
                              extra_metrics={"loss": np.float32(2.5), "acc": 0.5}, seed=1,
                              config={"lr": 0.01, "layers": [1, 2]})
     m = read_manifest(tmp_path / "c")
-    assert m["weights_sha256"] == digest == __import__("hashlib").sha256((tmp_path / "c" / WEIGHTS_FILE).read_bytes()).hexdigest()
+    weights = (tmp_path / "c" / WEIGHTS_FILE).read_bytes()
+    assert m["weights_digest"] == digest == "blake3:" + blake3.blake3(weights).hexdigest()
     assert set(m["files"]) == {WEIGHTS_FILE, OPTIM_FILE, EXTRA_FILE}
     for name, entry in m["files"].items():
         assert entry["bytes"] == (tmp_path / "c" / name).stat().st_size

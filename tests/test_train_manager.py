@@ -417,19 +417,29 @@ def _verify(args):
     return main(["verify", *args])
 
 
-def test_verify_command_ok_and_fail(tmp_path, capsys):
-    mgr = CheckpointManager(tmp_path)
-    save_steps(mgr, [1, 2])
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_verify_command_ok_and_fail(tmp_path, capsys, algorithm):
+    mgr = CheckpointManager(tmp_path, hash=algorithm)
+    save_steps(mgr, [1, 2], blocking=False)  # the asynchronous saver hashes with the manager's algorithm too
+    digest = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())["weights_digest"]
+    assert digest.startswith(f"{algorithm}:")
     assert _verify([str(tmp_path / "step-00000001")]) == 0
-    assert "OK" in capsys.readouterr().out
+    assert f"step=1 epoch=0 weights={digest}" in capsys.readouterr().out
     path = tmp_path / "step-00000002" / "optim.safetensors"
     data = bytearray(path.read_bytes())
     data[-3] ^= 1  # in the data section: only the hash can notice
     path.write_bytes(bytes(data))
     assert _verify([str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "OK" in out and "FAIL" in out and "optim.safetensors: sha256 mismatch" in out
+    assert "OK" in out and "FAIL" in out and f"optim.safetensors: {algorithm} mismatch" in out
     assert _verify(["--no-hash", str(tmp_path)]) == 0
+
+
+def test_verify_command_help_names_the_hashes(capsys):
+    with pytest.raises(SystemExit):
+        _verify(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "file sizes and file hashes (BLAKE3, or sha256 where the manifest names it)" in help_text
 
 
 def test_verify_command_reports_missing_manifest_and_files(tmp_path, capsys):

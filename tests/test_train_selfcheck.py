@@ -16,7 +16,7 @@ def test_selfcheck_writes_the_seed_fields(tmp_path):
     assert results["byte_equivalent_state_machines"] == list(selfcheck.MACHINES)
     assert results["all_byte_equal"] and results["continuation_test_passed"]
     assert results["weight_tying_preserved"] and results["atomic_write_resilient"]
-    assert results["manifest_schema_version"] == "1.0"
+    assert results["manifest_schema_version"] == "2.0"
     assert abs(results["weights_file_size_bytes"] - results["expected_size_bytes_no_tying"]) < 4096
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest == checkpoint.read_manifest(tmp_path / "checkpoint")

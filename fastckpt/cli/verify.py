@@ -2,9 +2,10 @@
 
 For one checkpoint (a directory holding ``manifest.json``) it checks the
 manifest (format, schema version, required keys), that every listed file
-exists with its recorded size and sha256, that the weights and optimizer
-trees and their ``ALIAS(...)`` entries resolve, and that ``extra.json``
-decodes (:func:`fastckpt.train.verify_checkpoint`). For a directory of
+exists with its recorded size and hash (BLAKE3, or sha256 where the
+manifest names it: saves with ``hash="sha256"`` and checkpoints of schema
+1.0), that the weights and optimizer trees and their ``ALIAS(...)`` entries
+resolve, and that ``extra.json`` decodes (:func:`fastckpt.train.verify_checkpoint`). For a directory of
 ``step-<N>`` checkpoints (a :class:`~fastckpt.train.CheckpointManager`
 directory) it checks each one and lists leftovers of interrupted saves. It
 prints one line per problem and exits 1 when there is any, 0 otherwise. A
@@ -29,7 +30,8 @@ from pathlib import Path
 
 __all__ = ["HELP", "add_parser", "run"]
 
-HELP = "check a training or sharded checkpoint's manifest, file sizes and sha256 hashes"
+HELP = ("check a training or sharded checkpoint's manifest, file sizes and file hashes "
+        "(BLAKE3, or sha256 where the manifest names it)")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -46,13 +48,13 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verify_one(path: Path, hashes: bool, quiet: bool, out) -> int:
-    from fastckpt.train.checkpoint import read_manifest, verify_checkpoint
+    from fastckpt.train.checkpoint import read_manifest, verify_checkpoint, weights_digest
 
-    problems = verify_checkpoint(path, hashes=hashes)
+    problems = verify_checkpoint(path, hashes=hashes, progress=sys.stderr.isatty())
     if problems or quiet:
         return _report(path, problems, "", out)
     m = read_manifest(path)
-    return _report(path, [], f"step={m['step']} epoch={m['epoch']} weights_sha256={m['weights_sha256']}"
+    return _report(path, [], f"step={m['step']} epoch={m['epoch']} weights={weights_digest(m)}"
                              f"{'' if hashes else ' (hashes not checked)'}", out)
 
 
@@ -80,7 +82,7 @@ def _verify_sharded(path: Path, hashes: bool, quiet: bool, out) -> int:
         for link, _ in chain:
             with CheckpointReader(link) as reader:
                 where = "" if Path(link) == path.absolute() else f"{link}: "
-                problems += [where + p for p in (reader.verify() if hashes else [])]
+                problems += [where + p for p in (reader.verify(progress=sys.stderr.isatty()) if hashes else [])]
     except (FastCkptError, OSError) as exc:
         problems.append(str(exc))
     if problems or quiet:

@@ -24,6 +24,7 @@ _LAZY = {
     "apply_checkpoint": "fastckpt.train.checkpoint",
     "verify_checkpoint": "fastckpt.train.checkpoint",
     "read_manifest": "fastckpt.train.checkpoint",
+    "weights_digest": "fastckpt.train.checkpoint",
     "CheckpointState": "fastckpt.train.checkpoint",
     "CheckpointManager": "fastckpt.train.manager",
     "SaveHandle": "fastckpt.train.asyncsave",

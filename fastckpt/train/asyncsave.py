@@ -26,8 +26,8 @@ frees it.
 >>> saver = AsyncCheckpointer()
 >>> handle = saver.save(os.path.join(tempfile.mkdtemp(), "c"), model, opt, step=5)
 >>> model.embed.weight.data[:] = 0          # safe: the snapshot was taken already
->>> len(handle.wait())
-64
+>>> handle.wait()[:7]                        # the checkpoint's digest, "blake3:<hex>"
+'blake3:'
 >>> saver.close()
 """
 
@@ -41,7 +41,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fastckpt.train.checkpoint import write_snapshot
+from fastckpt.train.checkpoint import check_hash, write_snapshot
+from fastckpt.train.format import DEFAULT_HASH
 from fastckpt.train.snapshot import take_snapshot
 
 __all__ = ["SaveHandle", "AsyncCheckpointer", "StagingPool"]
@@ -117,14 +118,14 @@ class StagingPool:
 
 
 class SaveHandle:
-    """A background save: ``wait()`` returns the weights sha256 or raises the save's error.
+    """A background save: ``wait()`` returns the checkpoint's digest or raises the save's error.
 
     >>> import tempfile, os
     >>> from fastckpt.train import TinyLM
     >>> with AsyncCheckpointer() as saver:
     ...     handle = saver.save(os.path.join(tempfile.mkdtemp(), "c"), TinyLM(vocab=8, dim=4, hidden=8), step=1)
-    ...     len(handle.wait()), handle.done(), handle.step
-    (64, True, 1)
+    ...     handle.wait()[:7], handle.done(), handle.step
+    ('blake3:', True, 1)
     """
 
     def __init__(self, future: concurrent.futures.Future, path: Path, step: int) -> None:
@@ -138,7 +139,7 @@ class SaveHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until the checkpoint is on disk; returns its weights sha256, or raises the save's error."""
+        """Block until the checkpoint is on disk; returns its digest (``"blake3:<hex>"``) or raises the save's error."""
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -165,6 +166,7 @@ class AsyncCheckpointer:
 
     ``before_write`` and ``after_write`` callables run in the background
     thread around the write (the manager records and prunes there).
+    ``hash`` is the file hash of the manifests (``"blake3"`` or ``"sha256"``).
 
     >>> import tempfile, os
     >>> from fastckpt.train import TinyLM
@@ -176,8 +178,9 @@ class AsyncCheckpointer:
     (True, True)
     """
 
-    def __init__(self, *, fsync: bool = True) -> None:
+    def __init__(self, *, fsync: bool = True, hash: str = DEFAULT_HASH) -> None:
         self.fsync = fsync
+        self.hash = check_hash(hash)
         self.pool = StagingPool()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-async-save")
         self._last: SaveHandle | None = None
@@ -193,7 +196,7 @@ class AsyncCheckpointer:
             raise exc
 
     def wait(self) -> str | None:
-        """Wait for the save in flight; raise its error unless already raised. Returns its sha256 (or None)."""
+        """Wait for the save in flight; raise its error unless already raised. Returns its digest (or None)."""
         with self._lock:
             self._settle_previous()
             last = self._last
@@ -204,8 +207,11 @@ class AsyncCheckpointer:
              metrics: dict | None = None, scaler: Any = None, seed: int | None = None, config: Any = None,
              data_manifest: Any = None, overwrite: bool = True,
              before_write: Callable[[], None] | None = None,
-             after_write: Callable[[], None] | None = None) -> SaveHandle:
-        """Snapshot every state now and write it to ``out_dir`` in the background; see the module docstring."""
+             after_write: Callable[[], None] | None = None, progress=False) -> SaveHandle:
+        """Snapshot every state now and write it to ``out_dir`` in the background; see the module docstring.
+
+        ``progress`` (:mod:`fastckpt.progress`) reports the write from the background thread.
+        """
         with self._lock:
             self._settle_previous()
             snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
@@ -218,7 +224,8 @@ class AsyncCheckpointer:
                 try:
                     if before_write is not None:
                         before_write()
-                    digest = write_snapshot(snap, path, overwrite=overwrite, fsync=self.fsync)
+                    digest = write_snapshot(snap, path, overwrite=overwrite, fsync=self.fsync, hash=self.hash,
+                                            progress=progress)
                     if after_write is not None:
                         after_write()
                     return digest

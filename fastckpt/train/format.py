@@ -6,7 +6,7 @@ training RNG — plus, optionally, a dynamic loss scaler, so that a run restored
 from it continues with exactly the losses the uninterrupted run would have
 produced.
 
-Directory format, schema version 1.0
+Directory format, schema version 2.0
 ====================================
 A checkpoint is one directory. It MUST contain these regular files and MAY
 contain no others that matter (readers MUST ignore unknown files):
@@ -32,7 +32,8 @@ contain no others that matter (readers MUST ignore unknown files):
       Arrays that merely overlap are stored separately.
     * ``__metadata__`` (all values strings) MUST hold
       ``"fastckpt.format": "fastckpt.train.weights"``,
-      ``"fastckpt.schema_version": "1.0"`` and ``"fastckpt.tree"``: the state
+      ``"fastckpt.schema_version": "1.0"`` (the layout of this file, unchanged
+      since schema 1.0) and ``"fastckpt.tree"``: the state
       dict as JSON in the *tree encoding* below, each array replaced by
       ``{"__tensor__": "<name>"}``. Metadata keys starting with ``fastckpt.``
       are reserved; a tensor name MUST NOT start with ``fastckpt.``.
@@ -59,9 +60,9 @@ contain no others that matter (readers MUST ignore unknown files):
     key                  value
     ==================== ===========================================================
     format               ``"fastckpt.train.checkpoint"``
-    schema_version       ``"1.0"``: ``"<major>.<minor>"``. Readers MUST refuse
-                         another major version and SHOULD read a higher minor
-                         (ignoring keys they do not know).
+    schema_version       ``"2.0"``: ``"<major>.<minor>"``. Readers MUST refuse
+                         a major version they do not know and SHOULD read a
+                         higher minor (ignoring keys they do not know).
     step, epoch          integers given to the save
     metrics              object: the metrics given to the save (tree encoding;
                          numpy numbers are stored as plain JSON numbers)
@@ -79,15 +80,35 @@ contain no others that matter (readers MUST ignore unknown files):
     git_commit           ``git rev-parse HEAD`` of the working directory (or
                          ``$FASTCKPT_GIT_COMMIT``), or null
     hardware             object: ``machine``, ``system``, ``processor``, ``cpu_count``
-    weights_sha256       lowercase hex sha256 of ``weights.safetensors``: the
-                         checkpoint's identity (returned by the save)
+    weights_digest       ``"<algorithm>:<hex>"``: the hash of
+                         ``weights.safetensors`` as its ``files`` entry gives it
+                         (``"blake3:9c1e..."``): the checkpoint's identity,
+                         returned by the save
     files                object: for every other file of the checkpoint, its
-                         name -> ``{"sha256": "<hex>", "bytes": <size>}``
+                         name -> ``{"<algorithm>": "<hex>", "bytes": <size>}``
     ==================== ===========================================================
 
+    ``<algorithm>`` is ``blake3`` (the default: BLAKE3 with its default 32-byte
+    output) or ``sha256`` (``save_checkpoint(..., hash="sha256")``); ``<hex>``
+    is the lowercase hex hash of the whole file, as the one key next to
+    ``bytes``. fastckpt writes every entry of a manifest with the same
+    algorithm, each hash computed from the bytes as they are written (never
+    by reading the file back); readers check each entry with the algorithm it
+    names.
+
     A checkpoint without a parseable ``manifest.json`` is incomplete and MUST
-    NOT be loaded. A loader SHOULD verify every listed file's size and sha256
-    before using it (``load_checkpoint`` does unless ``verify=False``).
+    NOT be loaded. A loader SHOULD verify every listed file's size and hash
+    before using it (``load_checkpoint`` does unless ``verify=False``), with
+    the algorithm the entry names; a reader that does not know an entry's
+    algorithm MUST refuse to verify it (it may still load with verification
+    off).
+
+    *Schema 1.0* (written by earlier fastckpt releases; still read and verified):
+    the same directory, except that the manifest has ``weights_sha256`` (the
+    lowercase hex sha256 of ``weights.safetensors``) instead of
+    ``weights_digest``, and every ``files`` entry is ``{"sha256": "<hex>",
+    "bytes": <size>}``. ``weights.safetensors``, ``optim.safetensors`` and
+    ``extra.json`` are the same in both schemas, and say ``"1.0"``.
 
 Tree encoding (JSON-safe, exact)
 --------------------------------
@@ -131,16 +152,19 @@ from typing import Any, Callable
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
-from fastckpt.formats.hashing import sha256_file
+from fastckpt.formats.hashing import HASH_ALGORITHMS, hash_buffer, hash_file, sha256_file
 from fastckpt.state import TRAIN_TREE, decode, encode
 from fastckpt.state.codec import INLINE, TensorRefs
 
 __all__ = [
     "SCHEMA_VERSION", "CHECKPOINT_FORMAT", "WEIGHTS_FILE", "OPTIM_FILE", "EXTRA_FILE", "MANIFEST_FILE", "ALIGNMENT",
-    "ArrayTable", "encode_tree", "decode_tree", "read_manifest", "sha256_file",
+    "ArrayTable", "encode_tree", "decode_tree", "read_manifest", "file_hash", "weights_digest", "sha256_file",
 ]
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "2.0"
+# The tensor files and extra.json have not changed since schema 1.0 and still say so.
+FILE_SCHEMA_VERSION = "1.0"
+DEFAULT_HASH = HASH_ALGORITHMS[0]
 CHECKPOINT_FORMAT = "fastckpt.train.checkpoint"
 WEIGHTS_FILE = "weights.safetensors"
 OPTIM_FILE = "optim.safetensors"
@@ -153,6 +177,7 @@ ALIGNMENT = 64
 _ALIAS = re.compile(r"^ALIAS\((.*)\)$", re.DOTALL)
 _MAX_SAFE_INT = 2**53
 _MAX_MANIFEST_BYTES = 64 << 20
+_READ_MAJORS = ("1", "2")  # schema 1.0: sha256 entries and weights_sha256
 
 
 def _view_key(arr: np.ndarray) -> tuple | None:
@@ -251,7 +276,7 @@ def _canonical_hash(obj: Any) -> str:
 
 # -- hashes and integrity ----------------------------------------------------------------------------
 def _table_metadata(table: ArrayTable, tree: str, fmt: str) -> dict[str, str]:
-    meta = {"fastckpt.format": fmt, "fastckpt.schema_version": SCHEMA_VERSION, "fastckpt.tree": tree}
+    meta = {"fastckpt.format": fmt, "fastckpt.schema_version": FILE_SCHEMA_VERSION, "fastckpt.tree": tree}
     for name, target in table.aliases.items():
         meta[name] = f"ALIAS({target})"
     return meta
@@ -268,7 +293,7 @@ def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
     >>> from fastckpt.train import TinyLM, save_checkpoint
     >>> out = os.path.join(tempfile.mkdtemp(), "c")
     >>> digest = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, None, out, step=7)
-    >>> m = read_manifest(out); m["step"], m["weights_sha256"] == digest, sorted(m["files"])
+    >>> m = read_manifest(out); m["step"], m["weights_digest"] == digest, sorted(m["files"])
     (7, True, ['extra.json', 'weights.safetensors'])
     """
     d = Path(in_dir)
@@ -291,20 +316,54 @@ def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
         raise FormatError(f"{path}: 'format' is {got!r}, expected {CHECKPOINT_FORMAT!r}")
     version = manifest.get("schema_version")
     major = str(version).split(".")[0]
-    if not isinstance(version, str) or major != SCHEMA_VERSION.split(".")[0]:
+    if not isinstance(version, str) or major not in _READ_MAJORS:
         raise FormatError(
-            f"{path}: schema_version {version!r} is not readable by this fastckpt (reads {SCHEMA_VERSION.split('.')[0]}.x); "
-            "upgrade fastckpt to load it"
+            f"{path}: schema_version {version!r} is not readable by this fastckpt (reads "
+            f"{', '.join(m + '.x' for m in _READ_MAJORS)}); upgrade fastckpt to load it"
         )
-    missing = [k for k in ("step", "epoch", "files", "weights_sha256") if k not in manifest]
+    digest_key = "weights_sha256" if major == "1" else "weights_digest"
+    missing = [k for k in ("step", "epoch", "files", digest_key) if k not in manifest]
     files = manifest.get("files")
     if missing or not isinstance(files, dict) or WEIGHTS_FILE not in files or EXTRA_FILE not in files:
         raise FormatError(f"{path}: incomplete manifest (missing {missing or 'file entries for ' + WEIGHTS_FILE + '/' + EXTRA_FILE})")
+    algorithms = ("sha256",) if major == "1" else HASH_ALGORITHMS
     for name, entry in files.items():
         if (not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not isinstance(entry, dict)
-                or not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("bytes"), int)):
+                or not isinstance(entry.get("bytes"), int)):
             raise FormatError(f"{path}: malformed files entry {name!r}: {entry!r}")
+        named = [a for a in algorithms if a in entry]
+        if len(named) != 1 or not isinstance(entry[named[0]], str):
+            raise FormatError(
+                f"{path}: files entry {name!r} is {entry!r}; schema {version} expects one hash, "
+                f"keyed by its algorithm ({' or '.join(repr(a) for a in algorithms)}), next to 'bytes' "
+                "(a checkpoint written by a newer fastckpt? upgrade fastckpt to read it)")
     return manifest
+
+
+def file_hash(entry: dict[str, Any]) -> tuple[str, str]:
+    """``(algorithm, hex)`` of one ``files`` entry of a manifest that :func:`read_manifest` accepted.
+
+    >>> file_hash({"blake3": "af13", "bytes": 3})
+    ('blake3', 'af13')
+    """
+    for algorithm in HASH_ALGORITHMS:
+        if algorithm in entry:
+            return algorithm, entry[algorithm]
+    raise FormatError(f"files entry {entry!r} names none of the hash algorithms {HASH_ALGORITHMS}")
+
+
+def weights_digest(manifest: dict[str, Any]) -> str:
+    """The checkpoint's identity, ``"<algorithm>:<hex>"`` of ``weights.safetensors``, for either schema.
+
+    Schema 2 stores it as ``weights_digest``; for a schema 1.0 manifest it is
+    ``"sha256:" + weights_sha256``. ``save_checkpoint`` returns the same string.
+
+    >>> weights_digest({"schema_version": "1.0", "weights_sha256": "ab12"})
+    'sha256:ab12'
+    """
+    if str(manifest.get("schema_version", "")).split(".")[0] == "1":
+        return "sha256:" + manifest["weights_sha256"]
+    return manifest["weights_digest"]
 
 
 def _check_file(d: Path, name: str, entry: dict[str, Any], hashes: bool) -> str | None:
@@ -316,9 +375,10 @@ def _check_file(d: Path, name: str, entry: dict[str, Any], hashes: bool) -> str 
     if size != entry["bytes"]:
         return f"{path}: {size} bytes, the manifest says {entry['bytes']} (file truncated or replaced?)"
     if hashes:
-        digest, _ = sha256_file(path)
-        if digest != entry["sha256"]:
-            return f"{path}: sha256 mismatch: the manifest expects {entry['sha256']}, the file has {digest}"
+        algorithm, expected = file_hash(entry)
+        digest, _ = hash_file(path, algorithm)
+        if digest != expected:
+            return f"{path}: {algorithm} mismatch: the manifest expects {expected}, the file has {digest}"
     return None
 
 
@@ -326,10 +386,14 @@ def _check_view(path: Path, view: memoryview, entry: dict[str, Any], hashes: boo
     size = view.nbytes
     if size != entry["bytes"]:
         return f"{path}: {size} bytes, the manifest says {entry['bytes']} (file truncated or replaced?)"
-    if hashes and size:
-        digest = hashlib.sha256(view).hexdigest()
-        if digest != entry["sha256"]:
-            return f"{path}: sha256 mismatch: the manifest expects {entry['sha256']}, the file has {digest}"
+    if hashes:
+        # One call over the whole mapping: BLAKE3 spreads it over the cores, without the GIL, but
+        # leaves one to the thread copying the tensors out meanwhile (on few cores, hashing on all
+        # of them slows that copy more than it speeds the hash).
+        algorithm, expected = file_hash(entry)
+        digest = hash_buffer(view, algorithm, spare_cores=1)
+        if digest != expected:
+            return f"{path}: {algorithm} mismatch: the manifest expects {expected}, the file has {digest}"
     return None
 
 

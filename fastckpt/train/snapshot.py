@@ -29,7 +29,15 @@ import numpy as np
 
 from fastckpt.state import load_state
 from fastckpt.state import state_of as _protocol_state_of
-from fastckpt.train.format import CHECKPOINT_FORMAT, SCHEMA_VERSION, ArrayTable, _canonical_hash, _dumps, encode_tree
+from fastckpt.train.format import (
+    CHECKPOINT_FORMAT,
+    FILE_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    ArrayTable,
+    _canonical_hash,
+    _dumps,
+    encode_tree,
+)
 
 __all__ = ["Snapshot", "take_snapshot", "state_of", "restore_into"]
 
@@ -122,7 +130,7 @@ def take_snapshot(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, tr
     # Python state is serialized now: later mutation by the trainer cannot reach the checkpoint.
     extra = {
         "format": "fastckpt.train.extra",
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": FILE_SCHEMA_VERSION,
         "scheduler": encode_tree(state_of(scheduler), None, "scheduler"),
         "data_iter": encode_tree(state_of(data_iter), None, "data_iter"),
         "train_rng": encode_tree(state_of(train_rng), None, "train_rng"),
