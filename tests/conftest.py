@@ -41,3 +41,16 @@ def pool(device):
     from fastckpt.device.pool import PersistentBufferPool
 
     return PersistentBufferPool(device.context, device.queue)
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 API on loopback for the whole session (moto's server, s3fs the client; ``tests/_s3.py``):
+    ``s3.storage_options`` reach it, ``s3.url("name")`` is a fresh key prefix in its bucket."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    import _s3
+
+    server = _s3.start()
+    yield server
+    server.server.stop()

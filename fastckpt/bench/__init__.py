@@ -23,7 +23,9 @@ Every suite is started the same way::
   the same bytes, resharding, ``HashTable`` export/import, peak memory;
 * ``incremental`` (:mod:`fastckpt.bench.incremental`): delta checkpoints of a
   sparse table against full saves (bytes, time) and chain restores against
-  full restores.
+  full restores;
+* ``s3`` (:mod:`fastckpt.bench.s3`): a safetensors file saved to and loaded
+  from S3 (moto's server on loopback) against s3fs's own ``put``/``get``.
 
 ``python -m fastckpt bench --suite SUITE --help`` lists a suite's options. Each
 suite module provides ``configure(parser)`` (its options) and ``run(args)``
@@ -32,7 +34,7 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
 >>> sorted(SUITES)
-['device', 'formats', 'incremental', 'model', 'sharded', 'stateful', 'tf', 'train']
+['device', 'formats', 'incremental', 'model', 's3', 'sharded', 'stateful', 'tf', 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -54,6 +56,7 @@ SUITES = {
     "stateful": "fastckpt.bench.stateful",
     "sharded": "fastckpt.bench.sharded",
     "incremental": "fastckpt.bench.incremental",
+    "s3": "fastckpt.bench.s3",
 }
 DEFAULT_SUITE = "device"
 

@@ -1,0 +1,154 @@
+"""The ``s3`` suite: a safetensors file saved to and loaded from S3 by fastckpt, against s3fs's own transfers.
+
+Run ``python -m fastckpt bench --suite s3`` (``--quick`` for 16 MiB instead of 512 MiB; needs the test extra:
+``pip install 'fastckpt[test]'``, for moto's server and s3fs). It starts moto's S3 server on a free port of
+127.0.0.1 (nothing leaves the machine), then times, round-robin (:func:`fastckpt.bench.timing.round_robin`):
+
+* ``fastckpt.save_safetensors("s3://...")`` of the tensors (the local writer to a temporary file, then one
+  atomic upload) against ``S3FileSystem.put_file`` of a file holding the same bytes;
+* ``fastckpt.open("s3://...")`` of every tensor (the index, then parallel 16 MiB ranged reads into a mapped
+  temporary file) against ``S3FileSystem.get_file`` of the same object to a local file.
+
+It prints a markdown table with both times and their ratio, and whether each meets the target (fastckpt at
+most 1.2x s3fs's time). The server holds the objects in memory; they are removed at the end.
+
+>>> from fastckpt.bench.timing import Timing
+>>> fake = {"nbytes": 2**20, "timings": {"save fastckpt": Timing(1.1, 1.0), "save s3fs": Timing(1.0, 1.0),
+...                                      "load fastckpt": Timing(0.5, 0.5), "load s3fs": Timing(1.0, 1.0)}}
+>>> print("\\n".join(report(fake)[2:6]))
+| operation | fastckpt (median) | s3fs put/get (median) | ratio | <= 1.2x |
+|---|---:|---:|---:|---|
+| save | 1.100 s | 1.000 s | 1.10x | yes |
+| load | 500.00 ms | 1.000 s | 0.50x | yes |
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import numpy as np
+
+from fastckpt.bench.timing import format_duration, format_ratio, format_size, round_robin, table_lines
+
+__all__ = ["configure", "run", "measure", "report", "TARGET"]
+
+TARGET = 1.2
+DEFAULT_MIB = 512
+QUICK_MIB = 16
+_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _server():
+    """moto's S3 server on a free loopback port; returns ``(server, storage_options)``."""
+    try:
+        import boto3
+        import s3fs  # noqa: F401 - the client under test
+        from moto.server import ThreadedMotoServer
+    except ImportError as e:
+        raise SystemExit(f"the s3 suite needs moto's server and s3fs ({e}): pip install 'fastckpt[test]'") from None
+    for name, value in _CREDENTIALS.items():
+        os.environ.setdefault(name, value)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
+    options = {"key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
+               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return server, options
+
+
+def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
+    """Time the four paths; returns ``{"nbytes", "timings": {name: Timing}}``."""
+    import fastckpt
+    from fastckpt.formats import remote
+    from fastckpt.formats.safetensors import save_safetensors
+
+    rows = max(1, int(mib * 2**20) // (4 * 4096))
+    tensors = {f"layer{i}.weight": np.random.default_rng(i).random((max(1, rows // 4), 4096), np.float32)
+               for i in range(4)}
+    server, options = _server()
+    try:
+        fs, _ = remote.filesystem("s3://bench", options)
+        with tempfile.TemporaryDirectory(prefix="fastckpt-bench-s3-") as tmp:
+            local = os.path.join(tmp, "model.safetensors")
+            save_safetensors(local, tensors, fsync=False)
+            nbytes = os.path.getsize(local)
+            ours, theirs = "s3://bench/fastckpt.safetensors", "s3://bench/s3fs.safetensors"
+            save_safetensors(ours, tensors, storage_options=options)
+            fs.put_file(local, theirs)
+            downloaded = os.path.join(tmp, "downloaded.safetensors")
+
+            def load_all():
+                with fastckpt.open(ours, storage_options=options) as f:
+                    return sum(f.host(name).nbytes for name in f.keys())
+
+            paths = {
+                "save fastckpt": lambda: save_safetensors(ours, tensors, storage_options=options),
+                "save s3fs": lambda: fs.put_file(local, theirs),
+                "load fastckpt": load_all,
+                "load s3fs": lambda: fs.get_file(theirs, downloaded),
+            }
+            timings = round_robin(paths, repeats, prepare={"load s3fs": lambda: _remove(downloaded)})
+            fs.rm([ours, theirs])
+    finally:
+        server.stop()
+    return {"nbytes": nbytes, "timings": timings}
+
+
+def _remove(path: str) -> None:
+    if os.path.exists(path):
+        os.remove(path)
+
+
+def report(result: dict, *, quick: bool = False) -> list[str]:
+    """The suite's markdown lines for ``result`` (from :func:`measure`)."""
+    t, nbytes = result["timings"], result["nbytes"]
+    lines = [f"S3 (moto's server on loopback, s3fs as the client): one safetensors file of {format_size(nbytes)}", ""]
+    rows, verdicts = [], []
+    for op, ours, theirs in (("save", "save fastckpt", "save s3fs"), ("load", "load fastckpt", "load s3fs")):
+        ratio = t[ours].median / t[theirs].median
+        rows.append([op, format_duration(t[ours].median), format_duration(t[theirs].median), format_ratio(ratio),
+                     "yes" if ratio <= TARGET else "no"])
+        verdicts.append(f"- {'met' if ratio <= TARGET else 'MISSED'}: {op} within {TARGET}x of s3fs "
+                        f"({format_ratio(ratio)})")
+    lines += table_lines(["operation", "fastckpt (median)", "s3fs put/get (median)", "ratio", f"<= {TARGET}x"],
+                         rows, "lrrrl")
+    lines += ["", "### targets", *verdicts]
+    if quick:
+        lines.append("- (--quick sizes: the targets are stated for the full size)")
+    return lines
+
+
+def configure(parser) -> None:
+    """Add the s3 suite's options to ``parser`` (an :class:`argparse.ArgumentParser`).
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> configure(parser)
+    >>> args = parser.parse_args(["--quick"]); args.quick, args.mib, args.repeats
+    (True, 512.0, 3)
+    """
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_MIB} MiB instead of --mib, one round")
+    parser.add_argument("--mib", type=float, default=float(DEFAULT_MIB),
+                        help=f"size of the safetensors file in MiB (default {DEFAULT_MIB})")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of each path (default 3; --quick: 1)")
+
+
+def run(args) -> int:
+    """Run the s3 suite with parsed options; prints the table, returns 0.
+
+    >>> from fastckpt.cli import main
+    >>> main(["bench", "--suite", "s3", "--quick"])  # doctest: +ELLIPSIS
+    S3 (moto's server on loopback, s3fs as the client): one safetensors file of 16 MiB
+    ...
+    0
+    """
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    mib, repeats = (QUICK_MIB, 1) if args.quick else (args.mib, args.repeats)
+    print("\n".join(report(measure(mib=mib, repeats=repeats), quick=args.quick)))
+    return 0
