@@ -18,6 +18,7 @@ Heavy modules (pyopencl above all) are imported only when first used.
 from __future__ import annotations
 
 import importlib
+import logging
 
 from fastckpt.errors import (
     CheckpointNotFoundError,
@@ -33,6 +34,10 @@ from fastckpt.errors import (
 
 __version__ = "0.2.0"
 
+# Silent unless the application configures logging: records of every load and save go to the
+# "fastckpt" logger's children (INFO: one per file or checkpoint; DEBUG: the details).
+logging.getLogger("fastckpt").addHandler(logging.NullHandler())
+
 # name -> module that defines it; resolved on first access (PEP 562).
 _LAZY = {
     "open": "fastckpt.formats.reader",
@@ -46,6 +51,8 @@ _LAZY = {
     "NpzWriter": "fastckpt.formats.npz",
     "save_safetensors": "fastckpt.formats.safetensors",
     "save_sharded": "fastckpt.formats.hfsharded",
+    "save_bytes": "fastckpt.formats.inmemory",
+    "load_bytes": "fastckpt.formats.inmemory",
     "HFShardedDirectory": "fastckpt.formats.hfsharded",
     "load_file": "fastckpt.device.load",
     "LoadedTensors": "fastckpt.device.load",

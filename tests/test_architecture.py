@@ -14,7 +14,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "fastckpt"
 
 FLOORS = [
-    ("base types", {"errors", "info"}),
+    ("base types", {"errors", "info", "progress", "arrays"}),
     ("native core", {"_native"}),
     ("formats and state", {"formats", "state"}),
     ("device", {"device"}),

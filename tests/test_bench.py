@@ -87,7 +87,7 @@ def test_formatting_helpers():
 # ------------------------------------------------------------------ one way to start
 
 def test_every_suite_has_configure_run_and_a_docstring():
-    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded", "incremental"}
+    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded", "incremental", "s3"}
     for name, module_name in SUITES.items():
         module = importlib.import_module(module_name)
         assert callable(module.configure) and callable(module.run), name
@@ -137,10 +137,11 @@ def test_formats_suite_tables(tmp_path):
                   "np.load(npz) + every member", "safetensors.safe_open(numpy) + get_tensor",
                   "raw sequential write", "raw sequential write + fsync",
                   "raw sequential write, Python's default buffer", "raw gathered write (os.writev, 1024 arrays a call)",
-                  "raw write of the NPZ file's bytes, 4096-byte padding included",
+                  "raw write of the NPZ file's bytes, padding included",
                   "fastckpt.save_safetensors, no fsync", "fastckpt.save_safetensors (atomic, fsync)",
                   "fastckpt.save_npz, no fsync", "fastckpt.save_npz (atomic, fsync)",
-                  "fastckpt.save_npz(alignment=64), no fsync", "safetensors.numpy.save_file"):
+                  "fastckpt.save_npz(alignment=64), no fsync", "fastckpt.save_npz(alignment=4096), no fsync",
+                  "safetensors.numpy.save_file"):
         assert label in rows, label
 
 
@@ -175,8 +176,21 @@ def test_train_suite(tmp_path, capsys):
     assert _first_cells(out)[1:] == ["raw write + fsync (floor)", "save_checkpoint (sync)",
                                      "async save: trainer blocked, first", "async save: trainer blocked, steady",
                                      "async save: until durable", "load_checkpoint(verify=True)",
-                                     "load_checkpoint(verify=False)"]
+                                     "load_checkpoint(verify=True), sha256", "load_checkpoint(verify=False)",
+                                     "verified load vs unverified load"]
+    assert re.search(r"\| verified load vs unverified load \| -?[0-9.]+ \|  \| [0-9.]+x \(BLAKE3; target <= 1.3x\), "
+                     r"sha256: [0-9.]+x \|", out)
     assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+def test_train_suite_quick_is_small():
+    import argparse
+
+    from fastckpt.bench import train
+
+    parser = argparse.ArgumentParser()
+    train.configure(parser)
+    assert parser.parse_args(["--quick"]).quick and (train.QUICK_MIB, train.QUICK_RUNS) == (8, 3)
 
 
 def test_stateful_suite(capsys):
@@ -220,3 +234,15 @@ def test_incremental_suite(tmp_path, capsys):
     targets = out.split("### targets")[1].strip().splitlines()
     assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 4 + [False]
     assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+def test_s3_suite(capsys):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    assert main(["bench", "--suite", "s3", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("S3 (moto's server on loopback, s3fs as the client): one safetensors file of 16 MiB")
+    assert "| operation | fastckpt (median) | s3fs put/get (median) | ratio | <= 1.2x |" in out
+    assert _first_cells(out)[1:] == ["save", "load"]
+    targets = out.split("### targets")[1].strip().splitlines()
+    assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True, True, False]

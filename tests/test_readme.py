@@ -36,3 +36,4 @@ def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "[] []" in out and "[10, 20]" in out
     assert "['dense/kernel']" in out
+    assert "(256008, 256008)" in out and "['embed.weight', 'step']" in out

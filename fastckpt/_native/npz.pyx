@@ -17,6 +17,7 @@ offsets are compared as Python integers, which cannot overflow.
 
 cimport numpy as cnp
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+cimport cython
 from cpython.unicode cimport PyUnicode_AsASCIIString
 from libc.string cimport memcmp, memcpy, memset
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -35,12 +36,13 @@ from fastckpt._native.gather cimport GatherWriter
 from fastckpt.info import TensorInfo, from_checked_fields
 from fastckpt._native.mapped cimport MappedFile
 from fastckpt._native.npy cimport npy_total_length, parse_npy
+from fastckpt._native.tensorindex cimport DEFLATE, FORTRAN_ORDER, VIEWABLE, TensorIndex
 from fastckpt._native.npy import MAX_HEADER_SIZE
 from fastckpt.errors import FormatError, NotZeroCopyWarning
 
 cnp.import_array()
 
-__all__ = ["read_npz_index", "NpzTensorInfo", "member_name_problem"]
+__all__ = ["read_npz_index", "read_npz_table", "NpzTensorInfo", "member_name_problem"]
 
 # The first read of a stored member: it covers most .npy headers (numpy pads them to a multiple
 # of 64 bytes, usually 128); a longer one takes a second read.
@@ -176,6 +178,7 @@ cdef tuple _find_end_records(MappedFile m):
     return cd_offset, cd_size, count, cd_end
 
 
+@cython.no_gc  # holds only strings and an int: never part of a cycle, and one per member need not be traversed
 cdef class _Where:
     """Names a member for error messages; formatted only when a message is built (most never are)."""
 
@@ -404,16 +407,53 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
     >>> [(i.name, i.shape, str(i.dtype)) for i in read_npz_index(MappedFile(p))]
     [('w', (3,), 'float64')]
     """
+    return _read_npz(m, max_header_size).info_list()
+
+
+def read_npz_table(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
+    """:func:`read_npz_index`, as a columnar :class:`~fastckpt._native.tensorindex.TensorIndex` in payload-offset
+    order (the infos, :class:`NpzTensorInfo`, are made when asked for).
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.npz"); np.savez(p, w=np.arange(3.0), b=np.ones((1, 2), "<i2"))
+    >>> index = read_npz_table(MappedFile(p))
+    >>> list(index), index["b"].shape, index["b"].header_nbytes, index.view("w").tolist()
+    (['w', 'b'], (1, 2), 128, [0.0, 1.0, 2.0])
+    """
+    cdef TensorIndex index = _read_npz(m, max_header_size)
+    cdef Py_ssize_t i
+    cdef bint in_order = True
+    for i in range(1, index.count):
+        if index.offsets[i] < index.offsets[i - 1]:
+            in_order = False
+            break
+    if not in_order:  # a stable sort by offset, as TensorFile sorts a list of infos
+        index.reorder(sorted(range(index.count), key=lambda i: index.offsets[i]))
+    return index
+
+
+_NPZ_EXTRA_FIELDS = ("crc32", "member_nbytes", "header_nbytes")
+_INT64_MAX = 0x7FFFFFFFFFFFFFFF
+
+
+cdef TensorIndex _read_npz(MappedFile m, max_header_size):
+    """The members of the archive mapped by ``m`` as a TensorIndex of NpzTensorInfo, in central-directory order."""
     cdef const uint8_t* p
     cdef Py_ssize_t local
     cdef Py_ssize_t nlen, elen
     # SAFETY: the span() pointers below point into this block; holding it keeps the mapping alive
     # should another thread close m while the parse runs Python code.
     cdef object keep_mapping = m._block
+    cdef TensorIndex index = TensorIndex.__new__(TensorIndex)
+    cdef dict codes = {}
+    cdef bint fits
+    cdef uint8_t index_flags
+    cdef bytes utf8
     path = m.path
     cd_offset, cd_size, count, cd_end = _find_end_records(m)
     entries = _read_central_directory(m, cd_offset, cd_size, count)
-    infos = []
+    index._setup(m, [], NpzTensorInfo, _NPZ_EXTRA_FIELDS)
     ranges = []  # (local header offset, data end, name): the byte range each member owns
     members = []
     compressed = 0
@@ -463,22 +503,43 @@ def read_npz_index(MappedFile m, *, max_header_size=MAX_HEADER_SIZE):
             raise FormatError(f"{what}: shape {shape} of {dtype} needs {expected} payload bytes, the member holds "
                               f"{payload} after its {header_nbytes}-byte npy header")
         key = name[:len(name) - 4]  # wraparound is off: no negative indices
-        if method == METHOD_STORED:
-            infos.append(from_checked_fields(NpzTensorInfo, {
-                "name": key, "dtype": dtype, "shape": shape, "offset": data_start + header_nbytes,
-                "nbytes": expected, "fortran_order": fortran_order, "compression": None,
-                "crc32": crc, "member_nbytes": usize, "header_nbytes": header_nbytes}))
-        else:
+        code = codes.get(dtype)
+        if code is None:
+            code = codes[dtype] = len(index.dtypes)
+            index.dtypes.append(dtype)
+        # Columns hold values below 2**63 (a larger dimension, possible beside a 0, or the declared size of a
+        # DEFLATE member keeps its info object).
+        fits = len(shape) <= 32 and usize <= _INT64_MAX and all(d <= _INT64_MAX for d in shape)
+        if fits:
+            for d in shape:
+                index.add_dim(d)
+        index_flags = FORTRAN_ORDER if fortran_order else 0
+        if method != METHOD_STORED:
             compressed += 1
-            infos.append(from_checked_fields(NpzTensorInfo, {
-                "name": key, "dtype": dtype, "shape": shape, "offset": data_start, "nbytes": csize,
-                "fortran_order": fortran_order, "compression": "deflate",
+            index_flags |= DEFLATE
+        elif fits and not dtype.hasobject:
+            index_flags |= VIEWABLE  # expected == product(shape) * itemsize, checked above
+        utf8 = key.encode("utf-8", "surrogatepass")
+        stored = method == METHOD_STORED
+        if index.add(key, utf8, len(utf8), code, data_start + header_nbytes if stored else data_start,
+                     expected if stored else csize, index_flags):
+            raise FormatError(f"{path}: member {name!r} appears twice")  # the central directory refuses this first
+        index.extras[(index.count - 1) * 3] = crc
+        index.extras[(index.count - 1) * 3 + 1] = usize if fits else 0
+        index.extras[(index.count - 1) * 3 + 2] = header_nbytes
+        if not fits:
+            index.keep_info(from_checked_fields(NpzTensorInfo, {
+                "name": key, "dtype": dtype, "shape": shape,
+                "offset": data_start + header_nbytes if method == METHOD_STORED else data_start,
+                "nbytes": expected if method == METHOD_STORED else csize, "fortran_order": fortran_order,
+                "compression": None if method == METHOD_STORED else "deflate",
                 "crc32": crc, "member_nbytes": usize, "header_nbytes": header_nbytes}))
+    index.finish()
     if compressed:
-        warnings.warn(f"{path}: {compressed} of {len(infos)} members are compressed; they will be inflated on read, "
+        warnings.warn(f"{path}: {compressed} of {index.count} members are compressed; they will be inflated on read, "
                       "not viewed in place (re-save with fastckpt.save_npz for zero-copy reads)",
                       NotZeroCopyWarning, stacklevel=_user_stacklevel())
-    return infos
+    return index
 
 
 # -- writing: member records ------------------------------------------------------------------------
@@ -539,14 +600,19 @@ cdef class MemberWriter:
     ``large_payload(out, payload, crc) -> crc``, which computes their CRC
     while writing them; their local headers get the CRC later, from
     ``crc_patches`` (file offset, crc). Values above ``zip64_limit`` go to
-    zip64 fields. ``broken`` is set while a member is being written, and stays
-    set if writing it failed.
+    zip64 fields. With ``small_alignment``, payloads of fewer than
+    ``small_below`` bytes are aligned to it instead (the ``"auto"`` policy of
+    the spec: padding to a page costs a small member more than it saves).
+    ``broken`` is set while a member is being written, and stays set if
+    writing it failed.
     """
     cdef GatherWriter _out
     cdef readonly int64_t pos
     cdef int64_t _zip64_limit
     cdef int64_t _large_min
     cdef Py_ssize_t _alignment
+    cdef Py_ssize_t _small_alignment
+    cdef int64_t _small_below
     cdef set _names
     cdef dict _headers
     cdef readonly list central
@@ -555,12 +621,17 @@ cdef class MemberWriter:
     cdef readonly bint broken
 
     def __init__(self, GatherWriter out not None, Py_ssize_t alignment, int64_t zip64_limit, crc32, npy_header,
-                 large_payload, int64_t large_min):
-        if alignment < 1 or alignment > 0x8000 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two from 1 to 32768, got {alignment}")
+                 large_payload, int64_t large_min, Py_ssize_t small_alignment=0, int64_t small_below=0):
+        if small_alignment == 0:
+            small_alignment = alignment
+        for value in (alignment, small_alignment):
+            if value < 1 or value > 0x8000 or value & (value - 1):
+                raise ValueError(f"alignment must be a power of two from 1 to 32768, got {value}")
         self._out = out
         self.pos = 0
         self._alignment = alignment
+        self._small_alignment = small_alignment
+        self._small_below = small_below
         self._zip64_limit = zip64_limit
         self._large_min = large_min
         self._names = set()
@@ -572,8 +643,8 @@ cdef class MemberWriter:
         self._large_payload = large_payload
         self.broken = False
 
-    def add_items(self, items, bint batch):
-        """``add(name, np.asarray(array))`` for each ``(name, array)`` pair of ``items``, in order.
+    def add_items(self, items, bint batch, as_array):
+        """``add(name, as_array(array))`` for each ``(name, array)`` pair of ``items``, in order.
 
         Queued arrays must not change before they are written, and the caller's
         code may change them: a generator refilling one buffer, an
@@ -589,7 +660,7 @@ cdef class MemberWriter:
                 raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
             if type(array) is not np.ndarray:
                 self._out.flush()
-                array = np.asarray(array)
+                array = as_array(array)
             self.add(name, array)
             if not batch:
                 self._out.flush()
@@ -605,6 +676,7 @@ cdef class MemberWriter:
         cdef uint32_t crc, size32
         cdef uint8_t* p
         cdef int kind
+        cdef Py_ssize_t alignment
         if type(name) is not str:
             if not isinstance(name, str):
                 raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
@@ -652,8 +724,9 @@ cdef class MemberWriter:
         version = VERSION_ZIP64 if zip64_size or zip64_offset else VERSION
         extra_len = 20 if zip64_size else 0
         header_start = local_offset + LOCAL_SIZE + name_len + extra_len
-        if self._alignment > 1:
-            pad = -(header_start + 6 + len(header)) % self._alignment  # the field's own 6 bytes, then the header
+        alignment = self._alignment if nbytes >= self._small_below else self._small_alignment
+        if alignment > 1:
+            pad = -(header_start + 6 + len(header)) % alignment  # the field's own 6 bytes, then the header
             extra_len += 6 + pad
             header_start += 6 + pad
         size32 = 0xFFFFFFFF if zip64_size else <uint32_t>size
@@ -689,10 +762,10 @@ cdef class MemberWriter:
             _put64(p + at + 4, <uint64_t>size)
             _put64(p + at + 12, <uint64_t>size)
             at += 20
-        if self._alignment > 1:
+        if alignment > 1:
             _put16(p + at, ALIGN_EXTRA_ID)
             _put16(p + at + 2, <uint16_t>(2 + pad))
-            _put16(p + at + 4, <uint16_t>self._alignment)
+            _put16(p + at + 4, <uint16_t>alignment)
             at += 6
         if inline_tail:
             memset(p + at, 0, pad)

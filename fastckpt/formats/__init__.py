@@ -12,6 +12,9 @@
   and the reader;
 * :mod:`~fastckpt.formats.atomic` - temporary file, fsync, rename, directory
   fsync;
+* :mod:`~fastckpt.formats.remote` - URLs (``s3://``, ``memory://``, any
+  fsspec filesystem): atomic uploads, the manifest-last commit of checkpoint
+  prefixes, ranged reads of tensor files;
 * :mod:`~fastckpt.formats.convert` - any format to any other.
 
 A new format plugs in here: a reader implementing the contract, an opener

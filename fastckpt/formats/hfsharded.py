@@ -174,10 +174,12 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import numbers
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -185,12 +187,16 @@ from typing import Any
 
 import numpy as np
 
+from fastckpt.arrays import to_numpy
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
 from fastckpt.formats.atomic import _partial_path, atomic_write, fsync_directory, remove_stale_partials
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.formats.safetensors import DEFAULT_ALIGNMENT, _checked_metadata, dtype_to_safetensors, save_safetensors
 from fastckpt.info import TensorInfo
+from fastckpt.progress import progress_from
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["save_sharded", "HFShardedDirectory", "read_index", "plan_shards", "shard_names", "parse_size",
            "DEFAULT_MAX_SHARD_SIZE", "INDEX_NAME", "SINGLE_NAME"]
@@ -264,7 +270,7 @@ def _tensor_nbytes(name, value) -> int:
         raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
     if name == "__metadata__":
         raise ValueError("'__metadata__' is reserved by the safetensors format; pass metadata= instead")
-    arr = value if type(value) is np.ndarray else np.asarray(value)
+    arr = value if type(value) is np.ndarray else to_numpy(value)
     try:
         dtype_to_safetensors(arr.dtype)
     except TypeError as e:
@@ -336,6 +342,7 @@ def save_sharded(
     prefix: str = "model",
     fsync: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
+    progress=False,
 ) -> list[str]:
     """Write ``tensors`` (name -> array-like) into ``directory`` as Hugging Face sharded safetensors, atomically.
 
@@ -350,7 +357,9 @@ def save_sharded(
     docstring's Atomicity says exactly what a crash leaves). The directory is
     created if needed; its other files are kept, except the files of a
     previous save with the same prefix. Returns the names of the files
-    written, the index last.
+    written, the index last. ``progress`` (``True`` for a bar, or
+    ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts the
+    tensors' bytes over all shards.
 
     Raises ``TypeError`` for a dtype safetensors cannot store or metadata that
     is not str -> str, ``ValueError`` for a bad size or prefix, or metadata
@@ -388,10 +397,12 @@ def save_sharded(
     remove_stale_partials(staging_of)  # staging folders of writers that died
     staging = _partial_path(staging_of)
     os.mkdir(staging)
+    started = time.perf_counter()
     try:
-        for shard, file in zip(shards, names):
-            save_safetensors(os.path.join(staging, file), {name: tensors[name] for name in shard}, user,
-                             alignment=alignment, fsync=fsync)
+        with progress_from(progress, total, "save sharded") as report:
+            for shard, file in zip(shards, names):
+                save_safetensors(os.path.join(staging, file), {name: tensors[name] for name in shard}, user,
+                                 alignment=alignment, fsync=fsync, progress=report)
         # The commit. First no entry point, then the shards, then the index: never an index over other files.
         entry_points = [index_name] if single else [index_name, f"{prefix}.safetensors"]
         if _remove(directory, entry_points) and fsync:
@@ -410,6 +421,8 @@ def save_sharded(
         leftovers = [e.name for e in entries if stale.fullmatch(e.name) and e.name not in names]
     if _remove(directory, leftovers) and fsync:
         fsync_directory(directory)
+    _log.info("saved %s: %d tensors, %d tensor bytes in %d files in %.3f s", directory, len(weight_map), total,
+              len(names), time.perf_counter() - started)
     return names + ([index_name] if index is not None else [])
 
 

@@ -45,12 +45,35 @@ set and no data descriptor follows the data.
 zip64 extra field (only when the member's size needs zip64): id 0x0001 (2
 bytes), length 16 (2), uncompressed size (8), compressed size (8).
 
-Alignment extra field (zipalign style, always last, absent when
-``alignment=1``): id 0xD935 (2 bytes), length ``2 + k`` (2), the alignment as
-a uint16 (2), then ``k`` zero bytes. ``k`` is the smallest count that puts the
-first byte of the array payload (not of the ``.npy`` member) at a multiple of
-the alignment. ZIP readers skip the local extra field, so the padding is
-invisible to them; ``np.load`` and netcl 0.4.4 read such files.
+Alignment extra field (zipalign style, always last, absent when the
+member's alignment is 1): id 0xD935 (2 bytes), length ``2 + k`` (2), the
+member's alignment as a uint16 (2), then ``k`` zero bytes. ``k`` is the
+smallest count that puts the first byte of the array payload (not of the
+``.npy`` member) at a multiple of the alignment. ZIP readers skip the local
+extra field, so the padding is invisible to them; ``np.load`` and netcl 0.4.4
+read such files.
+
+Alignment policy. Each member's alignment is chosen by the writer's
+``alignment`` argument:
+
+- ``"auto"`` (the default): a payload of 65536 bytes (64 KiB) or more is
+  aligned to 4096 (a page: it can be mapped, and handed to a device, in
+  place); a smaller one, the empty payload included, to 64 (a cache line),
+  because padding a 1 KiB payload to a page would quadruple the file and the
+  time to write it. 64 is a multiple of every numeric item size (1 to 16
+  bytes), so fastckpt's reader still views such payloads in place.
+- an int (a power of two from 1 to 32768): every payload at that multiple.
+
+Writer versions. The file records none; both read the same way.
+
+- Writer 1 (fastckpt releases before the ``"auto"`` policy): default
+  alignment 4096 for every payload. ``alignment=4096`` still writes exactly
+  these bytes.
+- Writer 2 (current): default ``"auto"``. Files whose payloads are all 64 KiB
+  or more are byte for byte those of writer 1.
+
+A reader MUST NOT assume either policy: it takes each payload's offset from
+the member's records (the field's alignment value is informative only).
 
 The member data is a ``.npy`` file, format 1.0 exactly as
 ``numpy.lib.format.write_array_header_1_0`` writes it:
@@ -158,8 +181,10 @@ on read (that would read every byte); ``verify_member`` checks it.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import time
 import zlib
 from collections.abc import Mapping
 from typing import Iterable, Union
@@ -170,12 +195,17 @@ from fastckpt._native.gather import GatherWriter
 from fastckpt._native.mapped import MappedFile
 from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_length, parse_npy_header
 from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
+from fastckpt.arrays import to_numpy
 from fastckpt.errors import FormatError, IntegrityError
 from fastckpt.formats.atomic import atomic_write
+from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
+from fastckpt.progress import progress_from, requested
 
 __all__ = [
     "save_npz",
+    "save_bytes",
+    "load_bytes",
     "NpzWriter",
     "read_member",
     "verify_member",
@@ -185,10 +215,17 @@ __all__ = [
     "NpzTensorInfo",
 ]
 
+_log = logging.getLogger(__name__)
+
 # Values above this go to zip64 fields, as Python's zipfile decides (its ZIP64_LIMIT).
 _ZIP64_LIMIT = (1 << 31) - 1
 _ZIP_FILECOUNT_LIMIT = 0xFFFF
 _MAX_ALIGNMENT = 1 << 15  # the zipalign field stores it as a uint16
+# The "auto" alignment policy (the spec's): pages for payloads worth mapping, cache lines for the rest.
+AUTO_ALIGNMENT = "auto"
+_AUTO_LARGE_ALIGNMENT = 4096
+_AUTO_SMALL_ALIGNMENT = 64
+_AUTO_SMALL_BELOW = 64 << 10
 # ZIP's CRC-32 (not crc32c). zlib-ng's is about 4x faster than the zlib Python links against.
 try:
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -283,9 +320,10 @@ class NpzWriter:
     non-contiguous array is copied once), and are written before ``add()``
     returns, so the caller may reuse the array at once. On an
     exception inside the ``with`` block nothing is left behind and an existing
-    file at ``path`` is untouched. ``alignment`` (a power of two up to 32768)
-    is the boundary of every array payload; ``fsync=False`` skips the fsyncs
-    (still atomic, not durable).
+    file at ``path`` is untouched. ``alignment`` is ``"auto"`` (payloads of
+    64 KiB or more at multiples of 4096, smaller ones of 64: the policy of the
+    module's spec) or a power of two up to 32768, the boundary of every array
+    payload; ``fsync=False`` skips the fsyncs (still atomic, not durable).
 
     >>> import tempfile, os, numpy as np
     >>> path = os.path.join(tempfile.mkdtemp(), "w.npz")
@@ -295,9 +333,8 @@ class NpzWriter:
     (0, [0.0, 1.0, 2.0, 3.0])
     """
 
-    def __init__(self, path: str | os.PathLike, *, alignment: int = 4096, fsync: bool = True):
-        if not isinstance(alignment, int) or alignment < 1 or alignment > _MAX_ALIGNMENT or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two from 1 to {_MAX_ALIGNMENT}, got {alignment!r}")
+    def __init__(self, path: str | os.PathLike, *, alignment: int | str = "auto", fsync: bool = True):
+        self._policy = alignment_policy(alignment)
         self.path = os.fspath(path)
         self.alignment = alignment
         self.fsync = fsync
@@ -314,8 +351,9 @@ class NpzWriter:
         self._file = self._context.__enter__()
         # Every byte goes through the gather writer, straight from the arrays' buffers.
         self._out = GatherWriter(self._file.fileno())
-        self._members = MemberWriter(self._out, self.alignment, _ZIP64_LIMIT, _crc32, npy_header,
-                                     _large_payload, _LARGE_PAYLOAD)
+        large, small, small_below = self._policy
+        self._members = MemberWriter(self._out, large, _ZIP64_LIMIT, _crc32, npy_header,
+                                     _large_payload, _LARGE_PAYLOAD, small_alignment=small, small_below=small_below)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -341,10 +379,11 @@ class NpzWriter:
     def add(self, name: str, array) -> NpzTensorInfo:
         """Write ``array`` as member ``<name>.npy``; return where its payload landed.
 
-        ``array`` is anything ``np.asarray`` accepts. Fortran-ordered arrays are
+        ``array`` is anything ``np.asarray`` accepts, or an array-like of
+        :func:`fastckpt.arrays.as_numpy` (DLPack, buffers). Fortran-ordered arrays are
         stored in Fortran order (``fortran_order`` True), as numpy does.
         """
-        arr = np.asarray(array)
+        arr = to_numpy(array)
         header_start, header, payload_nbytes, fortran_order, crc = self._add(name, arr)
         self._out.flush()  # the caller may change or reuse the array once add() returns
         return NpzTensorInfo(name, arr.dtype, arr.shape, header_start + len(header), payload_nbytes, fortran_order,
@@ -382,6 +421,24 @@ class NpzWriter:
             _pwrite_all(fd, struct.pack("<I", crc), position)
 
 
+def alignment_policy(alignment: int | str) -> tuple[int, int, int]:
+    """``(alignment, small_alignment, small_below)`` of the writer's ``alignment`` argument.
+
+    Payloads of fewer than ``small_below`` bytes go to multiples of
+    ``small_alignment``, the others to multiples of ``alignment``.
+
+    >>> alignment_policy("auto"), alignment_policy(4096)
+    ((4096, 64, 65536), (4096, 4096, 0))
+    """
+    if alignment == AUTO_ALIGNMENT:
+        return _AUTO_LARGE_ALIGNMENT, _AUTO_SMALL_ALIGNMENT, _AUTO_SMALL_BELOW
+    if (type(alignment) is not int or alignment < 1 or alignment > _MAX_ALIGNMENT
+            or alignment & (alignment - 1)):
+        raise ValueError(f"alignment must be {AUTO_ALIGNMENT!r} or a power of two from 1 to {_MAX_ALIGNMENT}, "
+                         f"got {alignment!r}")
+    return alignment, alignment, 0
+
+
 def _large_payload(out: GatherWriter, payload: np.ndarray, crc: int) -> int:
     """Write a large payload piece by piece, each checksummed just before; return the CRC-32."""
     view = memoryview(payload.reshape(-1).view(np.uint8))  # C-contiguous, so a view of its bytes (0-d too)
@@ -401,14 +458,23 @@ def _pwrite_all(fd: int, data: bytes, position: int) -> None:
         view, position = view[written:], position + written
 
 
-def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int = 4096, fsync: bool = True) -> None:
+def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | str = "auto", fsync: bool = True,
+             progress=False, storage_options: dict | None = None) -> None:
     """Save arrays as an aligned, uncompressed NPZ that ``np.load`` and netcl read; atomically.
 
     ``tensors`` is a mapping name -> array-like, or an iterable of ``(name,
     array)`` pairs (consumed once, so a generator can produce each array just
     before it is written). Every payload starts at a multiple of
-    ``alignment`` bytes, so readers can view it in place. Equal input gives an
-    identical file. The byte layout is this module's docstring.
+    ``alignment`` bytes, so readers can view it in place: by default
+    (``"auto"``) 4096 for payloads of 64 KiB or more and 64 for smaller ones,
+    which keeps many small tensors from quadrupling the file; an int fixes
+    one alignment for all (``4096``: the layout of earlier releases). Equal
+    input gives an identical file. The byte layout is this module's docstring. ``progress``
+    (``True`` for a bar, or ``callback(done, total, item)``:
+    :mod:`fastckpt.progress`) counts the arrays' bytes as each is written; its
+    total is ``None`` for an iterable of pairs. ``path`` may be a URL
+    (``s3://...``, any fsspec URL, with ``storage_options``): written locally,
+    then uploaded in one atomic upload (:mod:`fastckpt.formats.remote`).
 
     >>> import tempfile, os, numpy as np
     >>> path = os.path.join(tempfile.mkdtemp(), "model.npz")
@@ -417,10 +483,49 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int = 4
     ...     z["w"].tolist(), int(z["step"])
     ([[1.0, 0.0], [0.0, 1.0]], 7)
     """
+    if is_url(path):  # object storage and remote filesystems: fastckpt.formats.remote
+        return save_file(path, lambda local: save_npz(local, tensors, alignment=alignment, fsync=False,
+                                                      progress=progress), "upload.npz", storage_options)
+    if storage_options is not None:
+        raise ValueError(f"storage_options is for URLs (s3://...), not the local path {os.fspath(path)!r}")
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    with NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
+    batch = type(tensors) is dict
+    started = time.perf_counter()
+    total = None
+    if requested(progress) and isinstance(tensors, Mapping):
+        total = sum(_payload_nbytes(a) for a in tensors.values())
+    with progress_from(progress, total, "save npz") as report, \
+            NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
+        if report.enabled:  # each array written (not only queued) before it is reported
+            items, batch = _reporting(items, report), False
         # A dict's own iteration runs no caller code, so its arrays can be queued and written together.
-        writer._members.add_items(items, type(tensors) is dict)
+        writer._members.add_items(items, batch, to_numpy)
+        count = len(writer._members.central)
+    if _log.isEnabledFor(logging.INFO):
+        _log.info("saved %s: %d tensors, %d bytes in %.3f s", os.fspath(path), count, os.stat(path).st_size,
+                  time.perf_counter() - started)
+
+
+def _payload_nbytes(value) -> int:
+    nbytes = getattr(value, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else to_numpy(value).nbytes
+
+
+def _reporting(items, report):
+    """``items``, reporting each pair's bytes once the writer asks for the next (it has written this one)."""
+    last = None
+    for item in items:
+        if last is not None:
+            report.advance(_payload_nbytes(last[1]), last[0])
+        try:
+            name, value = item
+        except (TypeError, ValueError):
+            yield item  # the writer refuses it, naming it
+            return
+        last = (name, value)
+        yield last
+    if last is not None:
+        report.advance(_payload_nbytes(last[1]), last[0])
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -534,3 +639,45 @@ def verify_member(m: MappedFile, info: NpzTensorInfo) -> None:
     if crc != info.crc32:
         raise IntegrityError(f"{m.path}: member {info.name + '.npy'!r} (data at offset {start}): CRC-32 is "
                              f"0x{crc:08x}, the central directory says 0x{info.crc32:08x}: the file is damaged")
+
+
+# -- bytes in memory -----------------------------------------------------------------------------
+
+
+def save_bytes(tensors: TensorsArg, *, alignment: int | str = "auto") -> bytes:
+    """The bytes :func:`save_npz` writes for ``tensors``, as ``bytes``, without a file to keep.
+
+    Byte for byte the file's bytes (:mod:`fastckpt.formats.inmemory` says
+    how); ``np.load(io.BytesIO(data))`` and :func:`load_bytes` read them.
+
+    >>> import io
+    >>> data = save_bytes({"w": np.arange(3, dtype=np.int16)}, alignment=64)
+    >>> len(data), data[:4], np.load(io.BytesIO(data))["w"].tolist()
+    (271, b'PK\\x03\\x04', [0, 1, 2])
+    """
+    from fastckpt.formats.inmemory import written_bytes
+
+    return written_bytes(lambda path: save_npz(path, tensors, alignment=alignment, fsync=False), tensors)
+
+
+def load_bytes(data, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str, np.ndarray]:
+    """The arrays of NPZ bytes (``bytes``, ``bytearray``, a ``memoryview``): name -> array, in archive order.
+
+    Any archive ``np.savez`` or ``np.savez_compressed`` writes; parsed by the
+    file reader's parser, with every check of this module's spec. The arrays
+    are writable and independent of ``data``. Bad bytes raise
+    :class:`~fastckpt.errors.FormatError` naming the member and offset;
+    safetensors bytes are refused, naming
+    :func:`fastckpt.formats.safetensors.load_bytes`.
+
+    >>> import io
+    >>> buffer = io.BytesIO(); np.savez_compressed(buffer, a=np.arange(3))
+    >>> load_bytes(buffer.getvalue())["a"].tolist()
+    [0, 1, 2]
+    """
+    from fastckpt.formats.inmemory import expect_format, mapped_bytes, quietly_parsed
+
+    expect_format(data, "npz", "fastckpt.formats.npz")
+    with mapped_bytes(data) as m:
+        infos = quietly_parsed(lambda: read_npz_index(m, max_header_size=max_header_size))
+        return {info.name: read_member(m, info) for info in infos}

@@ -155,7 +155,9 @@ writes exactly these 66 bytes::
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -173,11 +175,18 @@ from fastckpt._native.safetensors import (
     unsupported_dtype_message,
     write_tensors,
 )
+from fastckpt.arrays import to_numpy
 from fastckpt.formats.atomic import atomic_write
+from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
+from fastckpt.progress import progress_from, requested
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "save_safetensors",
+    "save_bytes",
+    "load_bytes",
     "read_safetensors_index",
     "read_tensor",
     "dtype_from_safetensors",
@@ -298,7 +307,7 @@ def _as_array(name: str, value) -> np.ndarray:
     if isinstance(value, np.ma.MaskedArray):
         raise TypeError(f"tensor {name!r}: safetensors cannot store a mask; pass .filled(value) or .data")
     try:
-        return np.asarray(value)
+        return to_numpy(value)
     except Exception as e:
         if hasattr(e, "add_note"):  # Python >= 3.11
             e.add_note(f"while converting tensor {name!r} ({type(value).__name__}) to a numpy array")
@@ -368,6 +377,8 @@ def save_safetensors(
     alignment: int = DEFAULT_ALIGNMENT,
     fsync: bool = True,
     hasher=None,
+    progress=False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
 
@@ -380,9 +391,16 @@ def save_safetensors(
     atomic for readers, not durable across power loss). ``hasher`` (an object
     with ``update``, e.g. ``blake3.blake3()``) receives every byte of the file
     in order as it is written, so the file's hash needs no second read.
+    ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
+    :mod:`fastckpt.progress`) counts the tensors' bytes as they are written.
 
     Raises ``TypeError`` for a dtype safetensors cannot store (object,
     strings, complex128, ...) or non-string metadata, naming the tensor or key.
+
+    ``path`` may be a URL (``s3://bucket/model.safetensors``, any fsspec URL,
+    with ``storage_options`` for its filesystem): the same bytes are written
+    to a local temporary file, then uploaded in one atomic upload
+    (:mod:`fastckpt.formats.remote`).
 
     >>> import os, tempfile, numpy as np
     >>> p = os.path.join(tempfile.mkdtemp(), "model.safetensors")
@@ -390,6 +408,12 @@ def save_safetensors(
     >>> os.path.getsize(p)
     4112
     """
+    if is_url(path):  # object storage and remote filesystems: fastckpt.formats.remote
+        return save_file(path, partial(save_safetensors, tensors=tensors, metadata=metadata, alignment=alignment,
+                                       fsync=False, hasher=hasher, progress=progress), "upload.safetensors",
+                         storage_options)
+    if storage_options is not None:
+        raise ValueError(f"storage_options is for URLs (s3://...), not the local path {os.fspath(path)!r}")
     if type(alignment) is not int or alignment < 8 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 8, got {alignment!r}")
     if not isinstance(tensors, Mapping):
@@ -400,6 +424,78 @@ def save_safetensors(
         _check_unique(plan)
     plan.sort()  # dtype rank descending, then name: the reference writer's order
     prefix = _header_bytes(plan, checked_metadata, alignment)
-    with atomic_write(path, fsync=fsync) as f, GatherWriter(f.fileno(), hasher) as out:
+    count, started = len(plan), time.perf_counter()
+    total = sum(t[_NBYTES] for t in plan) if requested(progress) else None
+    with progress_from(progress, total, "save safetensors") as report, \
+            atomic_write(path, fsync=fsync) as f, GatherWriter(f.fileno(), hasher) as out:
         out.write(prefix)
-        write_tensors(out, plan, _DIRECT_DTYPES, partial(_write_tensor, out))
+        if report.enabled:
+            _write_reporting(out, plan, report)
+        else:
+            write_tensors(out, plan, _DIRECT_DTYPES, partial(_write_tensor, out))
+    _log.info("saved %s: %d tensors, %d bytes in %.3f s", os.fspath(path), count, out.written,
+              time.perf_counter() - started)
+
+
+# Bytes written between progress reports: the gather writer's own flush size, so reporting adds no
+# write calls to speak of.
+_REPORT_BYTES = 64 << 20
+
+
+def _write_reporting(out: GatherWriter, plan: list[tuple], report) -> None:
+    """``write_tensors`` in runs of about ``_REPORT_BYTES``, each written, then reported tensor by tensor."""
+    start = 0
+    while start < len(plan):
+        stop, run = start, 0
+        while stop < len(plan) and (stop == start or run + plan[stop][_NBYTES] <= _REPORT_BYTES):
+            run += plan[stop][_NBYTES]
+            stop += 1
+        done = [(t[_NAME], t[_NBYTES]) for t in plan[start:stop]]  # write_tensors empties the plan
+        write_tensors(out, plan[start:stop], _DIRECT_DTYPES, partial(_write_tensor, out))
+        out.flush()
+        plan[start:stop] = [None] * (stop - start)
+        for name, nbytes in done:
+            report.advance(nbytes, name)
+        start = stop
+
+
+# -- bytes in memory -----------------------------------------------------------------------------
+
+
+def save_bytes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *,
+               alignment: int = DEFAULT_ALIGNMENT) -> bytes:
+    """The bytes :func:`save_safetensors` writes for ``tensors`` and ``metadata``, as ``bytes``, without a file to keep.
+
+    Byte for byte the file's bytes (:mod:`fastckpt.formats.inmemory` says
+    how); read them back with :func:`load_bytes` or ``safetensors.numpy.load``.
+
+    >>> import numpy as np
+    >>> data = save_bytes({"a": np.array([1, 2], np.uint8)}, alignment=64)
+    >>> len(data), data[8:61], data[-2:]
+    (66, b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b'\\x01\\x02')
+    """
+    from fastckpt.formats.inmemory import written_bytes
+
+    return written_bytes(
+        lambda path: save_safetensors(path, tensors, metadata, alignment=alignment, fsync=False), tensors)
+
+
+def load_bytes(data) -> dict[str, np.ndarray]:
+    """The tensors of safetensors bytes (``bytes``, ``bytearray``, a ``memoryview``): name -> array, in data order.
+
+    Parsed by the file reader's parser, with every check of this module's
+    spec; the arrays are writable and independent of ``data``. Bad bytes
+    raise :class:`~fastckpt.errors.FormatError` naming the offset; NPZ bytes
+    are refused, naming :func:`fastckpt.formats.npz.load_bytes`.
+
+    >>> import numpy as np
+    >>> out = load_bytes(save_bytes({"w": np.arange(4, dtype=np.float32).reshape(2, 2)}))
+    >>> out["w"].tolist(), out["w"].flags.writeable
+    ([[0.0, 1.0], [2.0, 3.0]], True)
+    """
+    from fastckpt.formats.inmemory import expect_format, mapped_bytes
+
+    expect_format(data, "safetensors", "fastckpt.formats.safetensors")
+    with mapped_bytes(data) as m:
+        infos, _metadata, _data_start = read_safetensors_index(m)
+        return {info.name: read_tensor(m, info) for info in sorted(infos, key=lambda info: info.offset)}

@@ -123,6 +123,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 import warnings
@@ -132,12 +133,17 @@ from typing import Any
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
+from fastckpt.formats.remote import is_url
+from fastckpt.progress import progress_from, requested
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "save_model",
     "load_model",
     "model_metadata",
     "resolve_model_path",
+    "verify_members",
     "ModelLoadReport",
     "MissingWeightsWarning",
     "META_KEY",
@@ -207,12 +213,17 @@ def model_metadata(model) -> dict:
     return {"type": "Sequential", "config": config, "version": FORMAT_VERSION, "format": FORMAT_NAME}
 
 
-def save_model(model, path: str | os.PathLike, *, fsync: bool = True) -> None:
+def save_model(model, path: str | os.PathLike, *, fsync: bool = True, progress=False,
+               storage_options: dict | None = None) -> None:
     """Write ``model`` to one ``.netcl`` file at exactly ``path`` (atomic; parents created).
 
     Payloads are 4096-byte aligned; the same model always gives the same bytes.
     Layer types netcl cannot build (Embedding, user types) are saved with their own
-    config entries; netcl then refuses the file cleanly.
+    config entries; netcl then refuses the file cleanly. ``progress`` (``True``
+    for a bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`)
+    counts the weights' bytes as each is written. ``path`` may be a URL
+    (``s3://bucket/model.netcl``, any fsspec URL, with ``storage_options``):
+    the same bytes, uploaded in one atomic upload (:mod:`fastckpt.formats.remote`).
 
     >>> save_model(Sequential(Linear(None, 4, 2), ReLU()), "out/tiny.netcl")   # doctest: +SKIP
     """
@@ -228,12 +239,25 @@ def save_model(model, path: str | os.PathLike, *, fsync: bool = True) -> None:
     if META_KEY in named:  # cannot happen with "{i}:{k}" keys; guards user-built state names
         raise ValueError(f"a state key collides with {META_KEY!r}")
 
-    def entries():
+    started = time.perf_counter()
+    total = None
+    if requested(progress):  # known up front where every state tensor says its size (fastckpt Tensors do)
+        sizes = [getattr(tensor, "nbytes", None) for tensor in named.values()]
+        total = sum(sizes) if all(isinstance(n, int) for n in sizes) else None
+    written = [0]
+
+    def entries(report):
         for key, tensor in named.items():
-            yield key, tensor.to_host()  # one tensor on the host at a time
+            host = tensor.to_host()  # one tensor on the host at a time
+            yield key, host
+            written[0] += host.nbytes
+            report.advance(host.nbytes, key)  # asked for the next: this one is written
         yield META_KEY, np.array(text)
 
-    save_npz(os.fspath(path), entries(), alignment=4096, fsync=fsync)
+    with progress_from(progress, total, "save model") as report:
+        save_npz(os.fspath(path), entries(report), alignment=4096, fsync=fsync, storage_options=storage_options)
+    _log.info("saved model %s: %d weights, %d bytes in %.3f s", os.fspath(path), len(named), written[0],
+              time.perf_counter() - started)
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -325,6 +349,36 @@ def _read_metadata(layout: str, weights, json_path: str | None) -> tuple[str, di
     return weights.path, _decode_meta(weights.path, weights.host(META_KEY))
 
 
+def verify_members(reader) -> None:
+    """Check the CRC-32 of every member of an open NPZ reader; ``load_model(verify=True)`` runs it first.
+
+    Raises :class:`~fastckpt.errors.ChecksumMismatchError` naming the file and
+    the first tensor whose bytes do not match the CRC-32 the archive's central
+    directory records, and ``ValueError`` for a reader that is not an NPZ file
+    (its format keeps no such checksums).
+
+    >>> import tempfile, os, numpy as np, fastckpt
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.npz"); fastckpt.save_npz(p, {"w": np.ones(3)})
+    >>> with fastckpt.open(p) as f:
+    ...     verify_members(f)
+    """
+    from fastckpt.errors import ChecksumMismatchError, IntegrityError
+    from fastckpt.formats.npz import NpzTensorInfo, verify_member
+
+    mapped = getattr(reader, "mapped", None)
+    infos = list(reader.infos.values())
+    if mapped is None or not all(isinstance(i, NpzTensorInfo) for i in infos):
+        kind = getattr(reader, "format", type(reader).__name__)
+        raise ValueError(f"{reader.path}: verify=True checks the CRC-32 of NPZ members, and this {kind} file keeps "
+                         "none; load it with verify=False")
+    for info in infos:
+        try:
+            verify_member(mapped, info)
+        except IntegrityError as exc:
+            raise ChecksumMismatchError(f"{exc} (tensor {info.name!r}); restore the file from a copy, or pass "
+                                        "verify=False to load it anyway") from None
+
+
 def _materialize_missing(queue, model, entries) -> None:
     """Give weights the file lacked their seeded initial values: rebuild those layers normally."""
     from fastckpt.nn import build_layer
@@ -337,7 +391,8 @@ def _materialize_missing(queue, model, entries) -> None:
                 setattr(layer, key, getattr(fresh, key))
 
 
-def load_model(path, queue=None, pool=None, *, strict: bool = True):
+def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool = False, progress=False,
+               storage_options: dict | None = None):
     """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair), or from an open reader.
 
     ``path`` is resolved as in :func:`resolve_model_path`; it may also be an open
@@ -358,6 +413,15 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
     :class:`MissingWeightsWarning` and ``model.load_report.missing_keys``). Entries the
     model does not have raise ``KeyError`` unless ``strict=False``. A shape mismatch
     raises ``ValueError`` naming the key and both shapes. The stored dtype is kept.
+    ``verify=True`` first checks every NPZ member's CRC-32 against the ZIP
+    central directory (reading every byte once; stored members are otherwise
+    viewed without it) and raises :class:`~fastckpt.errors.ChecksumMismatchError`
+    naming the file and the tensor that fails, before anything reaches the
+    device; a reader without such checksums (safetensors, TensorFlow) is a
+    ``ValueError``. ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
+    :mod:`fastckpt.progress`) counts the weights' bytes as they reach the device.
+    A URL (``s3://bucket/model.netcl``, with ``storage_options``) names one
+    ``.netcl`` file, fetched with parallel ranged reads (:mod:`fastckpt.formats.remote`).
 
     >>> model = load_model("mnist_mlp.netcl", pool=pool)       # doctest: +SKIP
     >>> model.load_report.file_report.copies                   # doctest: +SKIP
@@ -369,7 +433,9 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
     from fastckpt.nn.module import TensorSpec
 
     t0 = time.perf_counter()
-    if isinstance(path, (str, os.PathLike)):
+    if is_url(path):  # one .netcl file in object storage (fastckpt.formats.remote)
+        layout, weights_path, json_path, source = "single-file", path, None, None
+    elif isinstance(path, (str, os.PathLike)):
         layout, weights_path, json_path = resolve_model_path(path)
         source = None
     elif isinstance(path, TensorReader):
@@ -384,7 +450,10 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
 
         queue = default().queue
 
-    with fastckpt.open(weights_path) if source is None else contextlib.nullcontext(source) as tf:
+    with fastckpt.open(weights_path, storage_options=storage_options) if source is None \
+            else contextlib.nullcontext(source) as tf:
+        if verify:
+            verify_members(tf)
         meta_path, meta = _read_metadata(layout, tf, json_path)
         version, config = _check_meta(meta_path, meta, layout)
         try:
@@ -415,7 +484,7 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
 
         # With a pool: one copy into one arena. Without: one exact-size buffer per weight, the copies
         # queued back to back and waited for once.
-        loaded = load_file(tf, queue, pool=pool, names=wanted)
+        loaded = load_file(tf, queue, pool=pool, names=wanted, progress=progress)
         report.file_report = loaded.report
         state = dict(loaded)
         if pool is not None:
@@ -432,4 +501,7 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True):
             f"built (seeded) values: {shown}; see model.load_report"), stacklevel=2)
     report.seconds = time.perf_counter() - t0
     model.load_report = report
+    _log.info("loaded model %s (%s): %d weights, %d bytes in %.3f s, %d missing, %d unexpected", weights_path, layout,
+              len(wanted), report.file_report.bytes_copied, report.seconds, len(report.missing_keys),
+              len(report.unexpected_keys))
     return model

@@ -35,11 +35,14 @@ import contextlib
 import difflib
 import logging
 import os
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from fastckpt.errors import FormatError
+from fastckpt.formats.remote import is_url
+from fastckpt.progress import progress_from
 from fastckpt.sharded.chain import manifest_digest, resolve_chain
 from fastckpt.sharded.format import rows_of
 from fastckpt.sharded.hashtable import HashTable
@@ -75,6 +78,18 @@ def _read_part(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
         os.close(fd)
 
 
+def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
+    """The bytes ``tensor``'s parts take in the files of ``readers`` (0 where one has no such tensor)."""
+    total = 0
+    for reader in readers:
+        try:
+            keys = reader.part_names(tensor)
+        except KeyError:
+            continue
+        total += sum(reader.infos[key].nbytes for key in keys)
+    return total
+
+
 def owner_mod(ids: np.ndarray, shard_num: int) -> np.ndarray:
     """The default owner rule: ``id mod shard_num`` (numpy's ``%``: non-negative for negative ids).
 
@@ -94,14 +109,18 @@ class Loader:
     ``tensors`` maps names to arrays: an array of the right shape and dtype is
     filled in place, anything else is replaced; empty or None: every dense
     tensor is loaded. ``shard_index`` / ``shard_num`` say which rank of how
-    many this is (default: 0 of 1, the whole checkpoint).
+    many this is (default: 0 of 1, the whole checkpoint). ``progress``
+    (``True`` for a bar, or ``callback(done, total, item)``:
+    :mod:`fastckpt.progress`) counts the stored bytes of each tensor and table
+    loaded (over the whole chain, whichever rows this rank keeps), each counted
+    when it is filled.
     """
 
     def __init__(self, checkpoint_path: str, hashtables: dict | None = None, tensors: dict | None = None,
                  parallel: int = 16, filter_func: Callable[[dict], dict] = lambda info: info, *,
                  shard_index: int = 0, shard_num: int = 1,
                  owner: Callable[[np.ndarray, int], np.ndarray] = owner_mod, dense: str = "replicated",
-                 allow_lossy: bool = False):
+                 allow_lossy: bool = False, progress=False, storage_options: dict | None = None):
         if type(shard_num) is not int or shard_num < 1 or type(shard_index) is not int \
                 or not 0 <= shard_index < shard_num:
             raise ValueError(f"shard_index {shard_index!r} of shard_num {shard_num!r}: need 0 <= index < num")
@@ -110,11 +129,13 @@ class Loader:
         if type(parallel) is not int or parallel < 1:
             raise ValueError(f"parallel must be a positive int, got {parallel!r}")
         self.checkpoint_path = os.fspath(checkpoint_path)
+        self.storage_options = storage_options  # for a URL (s3://...): fastckpt.sharded.remote
         self.hashtables = hashtables if hashtables is not None else {}
         self.tensors = tensors if tensors is not None else {}
         self.parallel, self.filter_func = parallel, filter_func
         self.shard_index, self.shard_num, self.owner, self.dense = shard_index, shard_num, owner, dense
         self.allow_lossy = allow_lossy
+        self.progress = progress
         self.error_bounds: dict[str, float] = {}  # table -> largest absolute error of a lossy load
 
     def _check_lossy(self, chain: list[tuple[str, dict]]) -> None:
@@ -172,22 +193,43 @@ class Loader:
         The head of a chain of deltas loads as its full base with every delta applied in order (see
         :mod:`fastckpt.sharded.chain`); a broken link raises :class:`~fastckpt.sharded.chain.BrokenChainError`
         before anything is filled. Each table loaded is marked clean against this checkpoint, so that an
-        incremental save after it stores only what changes from here.
+        incremental save after it stores only what changes from here. A URL
+        (``s3://...``) is downloaded first (:func:`fastckpt.sharded.remote.load`).
         """
+        if is_url(self.checkpoint_path):  # object storage and remote filesystems
+            from fastckpt.sharded import remote
+
+            return remote.load(self)
+        started = time.perf_counter()
         chain = resolve_chain(self.checkpoint_path)
         self._check_lossy(chain)
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(CheckpointReader(path)) for path, _ in chain]
             head = readers[-1]
             info = self.filter_func(self.load_info(head))
-            jobs = [(self._load_dense, head, name, entry) for name, entry in info.get("tensors", {}).items()]
-            jobs += [(self._load_table, readers, name, entry) for name, entry in info.get("hashtables", {}).items()]
+            jobs = [(name, _stored_nbytes([head], name), self._load_dense, head, name, entry)
+                    for name, entry in info.get("tensors", {}).items()]
+            for name, entry in info.get("hashtables", {}).items():
+                given = self.hashtables.get(name)
+                parts = ["id", "embedding", "deleted", *getattr(given, "slots", entry["slots"])]
+                jobs.append((name, sum(_stored_nbytes(readers, f"{name}.{part}") for part in parts),
+                             self._load_table, readers, name, entry))
+            nbytes = sum(job[1] for job in jobs)
+            report = stack.enter_context(progress_from(self.progress, nbytes, f"load rank {self.shard_index}"))
+
+            def run(item: str, stored: int, fill, *args) -> None:
+                fill(*args)
+                report.advance(stored, item)
+
             with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(jobs)))) as pool:
-                for future in [pool.submit(*job) for job in jobs]:
+                for future in [pool.submit(run, *job) for job in jobs]:
                     future.result()
         token = (chain[-1][0], manifest_digest(chain[-1][0]))
         for name in info.get("hashtables", {}):
             self.hashtables[name].mark_clean(token)
+        _log.info("loaded %s (rank %d of %d, %d checkpoints in the chain): %d tensors, %d hashtables, %d stored "
+                  "bytes in %.3f s", self.checkpoint_path, self.shard_index, self.shard_num, len(chain),
+                  len(info.get("tensors", {})), len(info.get("hashtables", {})), nbytes, time.perf_counter() - started)
         return self.hashtables, self.tensors
 
     def _load_dense(self, reader: CheckpointReader, name: str, entry: dict) -> None:
@@ -245,8 +287,12 @@ class Loader:
         for ids, _, mine in self._owned(reader, f"{name}.deleted"):
             table.delete(ids[mine])
         for ids, suffix, mine in self._owned(reader, f"{name}.id"):
-            slots = {slot: np.take(reader.array(f"{name}.{slot}{suffix}"), mine, axis=0) for slot in table.slots}
-            table.insert(ids[mine], np.take(reader.array(f"{name}.embedding{suffix}"), mine, axis=0), slots)
+            if len(mine) == len(ids):  # the whole part: the table copies the rows from the mapped views
+                pick = lambda part: reader.array(f"{name}.{part}{suffix}")  # noqa: E731
+            else:
+                pick = lambda part: np.take(reader.array(f"{name}.{part}{suffix}"), mine, axis=0)  # noqa: E731
+            table.insert(ids[mine] if len(mine) < len(ids) else ids, pick("embedding"),
+                         {slot: pick(slot) for slot in table.slots})
 
     def _load_full_table(self, reader: CheckpointReader, name: str, entry: dict, headroom: int = 0) -> None:
         """The table of a full checkpoint: this rank's rows gathered into new arrays that the table adopts.

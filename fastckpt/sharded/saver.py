@@ -47,9 +47,11 @@ changes tracked (it is never a base). Both are opt-in: see
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -58,7 +60,9 @@ import blake3
 import numpy as np
 
 from fastckpt.formats.atomic import _partial_name, _swap_in, fsync_directory, remove_stale_partials_in
+from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
+from fastckpt.progress import progress_from
 from fastckpt.sharded.codec import check_options, encode_ids, encode_values
 from fastckpt.sharded.format import (
     DELTA_VERSION,
@@ -77,6 +81,8 @@ from fastckpt.sharded.hashtable import HashTable, _sort_ids
 from fastckpt.state import as_numpy
 
 __all__ = ["Saver", "WriteBlock", "DeltaPolicy", "split_sparse_dense_state_dict"]
+
+_log = logging.getLogger(__name__)
 
 # Staging directories this process made for saves that failed: removed by the next save (rank 0).
 _failed_staging: set[str] = set()
@@ -166,7 +172,9 @@ class Saver:
     ranks; by default :func:`~fastckpt.sharded.engine.default_engine` picks one
     (none is needed for ``shard_num=1``; MPI when run under ``mpiexec``).
     ``timeout`` bounds every wait for the other ranks. An existing checkpoint
-    at ``path`` is an error unless ``overwrite=True``.
+    at ``path`` is an error unless ``overwrite=True``. ``progress`` (``True``
+    for a bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`)
+    counts the bytes of this rank's tensors as its writer threads write them.
 
     >>> import numpy as np, tempfile, os
     >>> out = os.path.join(tempfile.mkdtemp(), "c")
@@ -178,7 +186,8 @@ class Saver:
                  hashtables: dict | None = None, tensors: list | dict | None = None,
                  filter_func: Callable[[list], list] = lambda blocks: blocks, *, engine=None,
                  timeout: float = 600.0, overwrite: bool = False, incremental: bool | DeltaPolicy = False,
-                 compression: str | None = None, quantize: str | None = None):
+                 compression: str | None = None, quantize: str | None = None, progress=False,
+                 storage_options: dict | None = None):
         if type(shard_num) is not int or shard_num < 1:
             raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
         if type(shard_index) is not int or not 0 <= shard_index < shard_num:
@@ -187,6 +196,7 @@ class Saver:
             raise ValueError(f"parallel must be an int from 1 to 999, got {parallel!r}")
         self.shard_index, self.shard_num, self.parallel = shard_index, shard_num, parallel
         self.path = os.fspath(path)
+        self.storage_options = storage_options  # for a URL path (s3://...): fastckpt.sharded.remote
         self.hashtables = dict(hashtables or {})
         for name, table in self.hashtables.items():
             _check_name(name, "hashtable")
@@ -208,6 +218,7 @@ class Saver:
         self.policy = DeltaPolicy() if incremental is True else (incremental or None)
         check_options(compression, quantize)
         self.compression, self.quantize = compression, quantize
+        self.progress = progress
         if quantize is not None:
             self.policy = None  # a lossy checkpoint is never a base: always full, the tables' changes kept
         self.kind = "full"  # what the last save() wrote (or will write): "full" or "delta"
@@ -320,10 +331,12 @@ class Saver:
         def write(k: int) -> tuple[str, dict]:
             path = staging / names[k]
             hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)  # fed the bytes as they are written
-            save_safetensors(path, {b.key: b.array for b in files[k]}, {"fastckpt.format": FORMAT}, hasher=hasher)
+            save_safetensors(path, {b.key: b.array for b in files[k]}, {"fastckpt.format": FORMAT}, hasher=hasher,
+                             progress=report)
             return names[k], {"size": os.path.getsize(path), "blake3": hasher.hexdigest()}
 
-        with concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-shard") as pool:
+        with progress_from(self.progress, sum(loads), f"save rank {self.shard_index}") as report, \
+                concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-shard") as pool:
             written = dict(pool.map(write, range(self.parallel)))
         block_index = {b.key: self.shard_index * self.parallel + k for k in range(self.parallel) for b in files[k]}
         tables = {}
@@ -348,10 +361,16 @@ class Saver:
         Every rank of the save must call it. A rank that does not report
         within ``timeout`` makes rank 0 raise
         :class:`~fastckpt.sharded.engine.BarrierTimeoutError` naming it; the
-        staging directory is then removed and no checkpoint appears.
+        staging directory is then removed and no checkpoint appears. A URL
+        path (``s3://...``) is saved by :func:`fastckpt.sharded.remote.save`.
         """
+        if is_url(self.path):  # object storage and remote filesystems
+            from fastckpt.sharded import remote
+
+            return remote.save(self)
         from fastckpt.sharded.engine import default_engine
 
+        started = time.perf_counter()
         engine = self.engine if self.engine is not None else default_engine(self.shard_index, self.shard_num)
         if (engine.rank, engine.size) != (self.shard_index, self.shard_num):
             raise ValueError(f"the engine is rank {engine.rank} of {engine.size}, but this Saver is shard "
@@ -415,6 +434,9 @@ class Saver:
         for name in report["tables"] if self.quantize is None else ():  # committed: the tables match it now
             self.hashtables[name].mark_clean((os.path.abspath(final), status["manifest_blake3"]))
         self._changes = {}
+        _log.info("saved %s (rank %d of %d, %s): %d files, %d bytes in %.3f s", final, self.shard_index,
+                  self.shard_num, self.kind, len(report["files"]), sum(f["size"] for f in report["files"].values()),
+                  time.perf_counter() - started)
         return str(Path(self.path))
 
     # -- full or delta --------------------------------------------------------------------------------

@@ -33,15 +33,20 @@ Example
 >>> out = os.path.join(tempfile.mkdtemp(), "ckpt")
 >>> digest = save_checkpoint(model, opt, sched, data, rng, out, step=0, epoch=0, extra_metrics={"loss": 2.5})
 >>> state = load_checkpoint(out)
->>> state.manifest["weights_sha256"] == digest, state.model_weights["lm_head.weight"] is state.model_weights["embed.weight"]
+>>> w = state.model_weights
+>>> state.manifest["weights_digest"] == digest, w["lm_head.weight"] is w["embed.weight"]
 (True, True)
+>>> digest.startswith("blake3:")
+True
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +54,12 @@ from typing import Any
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory
+from fastckpt.formats.hashing import HASH_ALGORITHMS, new_hasher
+from fastckpt.formats.remote import is_url
+from fastckpt.progress import progress_from
 from fastckpt.train.format import (
     ALIGNMENT,
+    DEFAULT_HASH,
     EXTRA_FILE,
     MANIFEST_FILE,
     OPTIM_FILE,
@@ -63,8 +72,9 @@ from fastckpt.train.format import (
     _TensorSource,
     _walk_refs,
     decode_tree,
+    file_hash,
     read_manifest,
-    sha256_file,
+    weights_digest,
 )
 from fastckpt.train.snapshot import Snapshot, restore_into, take_snapshot
 
@@ -76,7 +86,10 @@ __all__ = [
     "apply_checkpoint",
     "read_manifest",
     "verify_checkpoint",
+    "weights_digest",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,8 +112,18 @@ def _existing_is_replaceable(out: Path) -> bool:
     return not names or MANIFEST_FILE in names
 
 
-def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: bool, fsync: bool = True) -> str:
-    """Write ``snap`` as a checkpoint directory at ``out_dir`` (atomically); returns the weights sha256."""
+def check_hash(hash: str) -> str:
+    """``hash`` when it names a file hash a manifest may use (``"blake3"``, ``"sha256"``), else ValueError."""
+    if hash not in HASH_ALGORITHMS:
+        raise ValueError(f"hash={hash!r}: training checkpoints hash their files with one of "
+                         f"{', '.join(repr(a) for a in HASH_ALGORITHMS)} ({DEFAULT_HASH!r} is the default)")
+    return hash
+
+
+def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: bool, fsync: bool = True,
+                   hash: str = DEFAULT_HASH, progress=False) -> str:
+    """Write ``snap`` as a checkpoint directory at ``out_dir`` (atomically); returns the weights' ``"<hash>:<hex>"``."""
+    check_hash(hash)
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: a checkpoint already exists here; pass overwrite=True to replace it")
@@ -109,78 +132,102 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
             f"{out}: exists and is not a fastckpt checkpoint (no {MANIFEST_FILE}); refusing to replace it — "
             "choose an empty or new directory"
         )
-    digest = _write_directory(snap, out, fsync)
+    started = time.perf_counter()
+    tables = [t for t in (snap.weights, snap.optim) if t is not None]
+    nbytes = sum(a.nbytes for t in tables for a in t.tensors.values())
+    with progress_from(progress, nbytes, "save checkpoint") as report:
+        digest = _write_directory(snap, out, fsync, hash, report)
     if fsync:
         fsync_directory(out.parent)
+    _log.info("saved checkpoint %s: step %s, %d tensors, %d bytes in %.3f s", out, snap.manifest.get("step"),
+              sum(len(t.tensors) for t in tables), nbytes, time.perf_counter() - started)
     return digest
 
 
-def _write_directory(snap: Snapshot, out: Path, fsync: bool) -> str:
+def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=False) -> str:
     from fastckpt.formats.safetensors import save_safetensors
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fastckpt-save") as pool, \
             atomic_directory(out, fsync=False, overwrite=True) as tmp:
-        hashes: dict[str, concurrent.futures.Future] = {}
+        files: dict[str, dict] = {}
         syncs: list[concurrent.futures.Future] = []
 
-        def finished(name: str) -> None:
-            # Hash and fsync each file in the background while the next one is written.
-            hashes[name] = pool.submit(sha256_file, tmp / name)
+        def finished(name: str, hasher) -> None:
+            # The hash was taken from the bytes as they were written; fsync in the background
+            # while the next file is written.
+            files[name] = {hash: hasher.hexdigest(), "bytes": (tmp / name).stat().st_size}
             if fsync:
                 syncs.append(pool.submit(_fsync_file, tmp / name))
 
-        save_safetensors(tmp / WEIGHTS_FILE, snap.weights.tensors,
-                         _table_metadata(snap.weights, snap.weights_tree, "fastckpt.train.weights"),
-                         alignment=ALIGNMENT, fsync=False)
-        finished(WEIGHTS_FILE)
-        if snap.optim is not None:
-            save_safetensors(tmp / OPTIM_FILE, snap.optim.tensors,
-                             _table_metadata(snap.optim, snap.optim_tree, "fastckpt.train.optim"),
-                             alignment=ALIGNMENT, fsync=False)
-            finished(OPTIM_FILE)
+        for name, table, tree, fmt in ((WEIGHTS_FILE, snap.weights, snap.weights_tree, "fastckpt.train.weights"),
+                                       (OPTIM_FILE, snap.optim, snap.optim_tree, "fastckpt.train.optim")):
+            if table is None:
+                continue
+            hasher = new_hasher(hash)
+            save_safetensors(tmp / name, table.tensors, _table_metadata(table, tree, fmt), alignment=ALIGNMENT,
+                             fsync=False, hasher=hasher, progress=report)
+            finished(name, hasher)
+        hasher = new_hasher(hash)
+        hasher.update(snap.extra_json)
         with atomic_write(tmp / EXTRA_FILE, fsync=False) as f:
             f.write(snap.extra_json)
-        finished(EXTRA_FILE)
-        files = {}
-        for name, fut in hashes.items():
-            digest, size = fut.result()
-            files[name] = {"sha256": digest, "bytes": size}
+        finished(EXTRA_FILE, hasher)
         for fut in syncs:
             fut.result()
-        manifest = dict(snap.manifest, weights_sha256=files[WEIGHTS_FILE]["sha256"], files=files)
+        digest = f"{hash}:{files[WEIGHTS_FILE][hash]}"
+        manifest = dict(snap.manifest, weights_digest=digest, files=files)
         # The manifest goes last: its presence marks the directory complete (atomic_write fsyncs
         # it and the temporary directory when fsync is on).
         with atomic_write(tmp / MANIFEST_FILE, fsync=fsync) as f:
             f.write(json.dumps(manifest, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8"))
-    return files[WEIGHTS_FILE]["sha256"]
+    return digest
 
 
 def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, train_rng: Any,
                     out_dir: str | os.PathLike, step: int, epoch: int = 0,
                     extra_metrics: Mapping[str, Any] | None = None, *, scaler: Any = None,
                     seed: int | None = None, config: Any = None, data_manifest: Any = None,
-                    overwrite: bool = True, fsync: bool = True) -> str:
-    """Save the whole training state to the directory ``out_dir``; returns the sha256 of ``weights.safetensors``.
+                    overwrite: bool = True, fsync: bool = True, hash: str = DEFAULT_HASH, progress=False,
+                    storage_options: dict | None = None) -> str:
+    """Save the whole training state to the directory ``out_dir``; returns the checkpoint's digest.
+
+    The digest is ``"<hash>:<hex>"``, the hash of ``weights.safetensors``
+    (``"blake3:9c1e..."``), as the manifest's ``weights_digest`` records it.
+    Every file is hashed with ``hash`` (``"blake3"``, the default, or
+    ``"sha256"``) from its bytes as they are written, never read back.
 
     Any of ``optimizer``, ``scheduler``, ``data_iter``, ``train_rng`` and
     ``scaler`` may be None. Objects follow the ``state_dict()`` /
     ``load_state_dict()`` protocol (a ``numpy.random.Generator`` is saved
     through ``bit_generator.state``); arrays may be numpy arrays, fastckpt
-    Tensors (``to_host()``), PyTorch tensors or anything with DLPack or
-    ``__array__``. ``config`` and ``data_manifest`` (JSON-like) are hashed into
+    Tensors (``to_host()``), PyTorch tensors or anything with DLPack,
+    ``__array__`` or the buffer protocol (:mod:`fastckpt.arrays`). ``config`` and ``data_manifest`` (JSON-like) are hashed into
     the manifest. An existing checkpoint at ``out_dir`` is replaced, after the
     new one is complete, unless ``overwrite=False``; a directory that is not
-    a checkpoint is never replaced.
+    a checkpoint is never replaced. ``progress`` (``True`` for a bar, or
+    ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts the
+    arrays' bytes as they are written. ``out_dir`` may be a URL
+    (``s3://bucket/run/step-10``, with ``storage_options``): the same files,
+    uploaded with the manifest last (:mod:`fastckpt.train.remote`).
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.train import TinyLM, SGD
     >>> m = TinyLM(vocab=8, dim=4, hidden=8); out = os.path.join(tempfile.mkdtemp(), "c")
-    >>> len(save_checkpoint(m, SGD(m.parameters(), lr=0.1), None, None, None, out, step=1))
-    64
+    >>> digest = save_checkpoint(m, SGD(m.parameters(), lr=0.1), None, None, None, out, step=1)
+    >>> digest[:7], len(digest)
+    ('blake3:', 71)
+    >>> save_checkpoint(m, None, None, None, None, out, step=1, hash="sha256")[:7]
+    'sha256:'
     """
+    check_hash(hash)
     snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
                          metrics=extra_metrics, scaler=scaler, seed=seed, config=config, data_manifest=data_manifest)
-    return write_snapshot(snap, out_dir, overwrite=overwrite, fsync=fsync)
+    if is_url(out_dir):  # object storage and remote filesystems: fastckpt.train.remote
+        from fastckpt.train import remote
+
+        return remote.write_snapshot(snap, out_dir, overwrite=overwrite, hash=hash, progress=progress,
+                                     storage_options=storage_options)
+    return write_snapshot(snap, out_dir, overwrite=overwrite, fsync=fsync, hash=hash, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,13 +266,18 @@ class CheckpointState:
         return decode_tree(self.manifest.get("metrics", {}), None, "manifest metrics")
 
 
-def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> CheckpointState:
+def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True, progress=False,
+                    storage_options: dict | None = None) -> CheckpointState:
     """Read a checkpoint directory: manifest first, then every file, hashes checked unless ``verify=False``.
 
     Raises :class:`~fastckpt.errors.CheckpointNotFoundError` for a missing or
     incomplete checkpoint, :class:`~fastckpt.errors.FormatError` for a bad
     manifest or file, :class:`~fastckpt.errors.IntegrityError` (naming the
-    file, the expected and the actual hash) when a file changed.
+    file, the expected and the actual hash) when a file changed. ``progress``
+    (``True`` for a bar, or ``callback(done, total, item)``:
+    :mod:`fastckpt.progress`) counts the arrays' bytes as they are copied out.
+    A URL (with ``storage_options``) is downloaded first, in parallel
+    (:mod:`fastckpt.train.remote`); an uncommitted one (no manifest) is not found.
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.train import TinyLM
@@ -234,10 +286,16 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
     >>> load_checkpoint(out).step
     3
     """
+    if is_url(in_dir):  # object storage and remote filesystems: fastckpt.train.remote
+        from fastckpt.train import remote
+
+        return remote.load_checkpoint(in_dir, verify=verify, progress=progress, storage_options=storage_options)
+    started = time.perf_counter()
     d = Path(in_dir)
     manifest = read_manifest(d)
     files = manifest["files"]
     tables = {WEIGHTS_FILE: "fastckpt.train.weights", OPTIM_FILE: "fastckpt.train.optim"}
+    report = None
     decoded: dict[str, Any] = {}
     extra: Any = None
     read_error: BaseException | None = None
@@ -263,9 +321,12 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
             checks.append(pool.submit(_check_file, d, name, entry, verify))
         try:
             if read_error is None:
+                report = progress_from(progress, sum(i.nbytes for src in sources.values()
+                                                     for i in src.file.infos.values()), "load checkpoint")
                 for name, src in sources.items():
                     try:
-                        decoded[name] = decode_tree(src.tree(), src, str(src.path))
+                        decoded[name] = decode_tree(src.tree(), _counted(src, report) if report.enabled else src,
+                                                    str(src.path))
                     except RecursionError:
                         raise FormatError(f"{src.path}: the state tree is nested too deeply") from None
                 extra_path = d / EXTRA_FILE
@@ -278,6 +339,8 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
         finally:
             for src in sources.values():
                 src.close()  # the views handed to the hashing threads stay valid
+            if report is not None:
+                report.close()
         problems = [p for p in (f.result() for f in checks) if p]
     weights = decoded.get(WEIGHTS_FILE)
     optim = decoded.get(OPTIM_FILE)
@@ -288,6 +351,9 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
     if not isinstance(extra, dict) or extra.get("format") != "fastckpt.train.extra":
         raise FormatError(f"{d / EXTRA_FILE}: not a fastckpt extra.json ('format' is {extra.get('format') if isinstance(extra, dict) else None!r})")
     ex = lambda key: decode_tree(extra.get(key), None, f"{d / EXTRA_FILE}[{key!r}]")  # noqa: E731
+    _log.info("loaded checkpoint %s: step %s, %d files, %d bytes in %.3f s%s", d, manifest.get("step"), len(files),
+              sum(e.get("bytes", 0) for e in files.values()), time.perf_counter() - started,
+              "" if verify else ", hashes not checked")
     return CheckpointState(
         model_weights=weights,
         optim_state=optim,
@@ -298,6 +364,18 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True) -> Checkp
         scaler_state=ex("scaler"),
         path=d,
     )
+
+
+def _counted(src, report):
+    """``src`` as a tensor sink that reports each stored tensor's bytes when it is first copied out."""
+    def tensor(name: str):
+        target = src.resolve(name)
+        new = target not in src.cache
+        arr = src(name)
+        if new:
+            report.advance(arr.nbytes, target)
+        return arr
+    return tensor
 
 
 def apply_checkpoint(state: CheckpointState, model: Any, optimizer: Any = None, scheduler: Any = None,
@@ -332,11 +410,15 @@ def apply_checkpoint(state: CheckpointState, model: Any, optimizer: Any = None, 
 # ---------------------------------------------------------------------------------------------
 # Verification without loading
 # ---------------------------------------------------------------------------------------------
-def verify_checkpoint(in_dir: str | os.PathLike, *, hashes: bool = True) -> list[str]:
+def verify_checkpoint(in_dir: str | os.PathLike, *, hashes: bool = True, progress=False) -> list[str]:
     """Every problem found in a checkpoint directory, as sentences naming the file (empty: all good).
 
     Checks the manifest, every listed file's size and (unless ``hashes=False``)
-    sha256, and that the safetensors trees and aliases resolve.
+    hash, with the algorithm its entry names (BLAKE3, or sha256 in
+    checkpoints saved with ``hash="sha256"`` and in those of schema 1.0), and
+    that the safetensors trees and aliases resolve. ``progress`` (``True`` for
+    a bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`)
+    counts the files' bytes (the manifest's sizes) as each file is checked.
 
     >>> import tempfile, os
     >>> from fastckpt.train import TinyLM
@@ -352,13 +434,18 @@ def verify_checkpoint(in_dir: str | os.PathLike, *, hashes: bool = True) -> list
         return [str(e)]
     problems = []
     files = manifest["files"]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(files))) as pool:
-        for p in pool.map(lambda item: _check_file(d, item[0], item[1], hashes), files.items()):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(files))) as pool, \
+            progress_from(progress, sum(e.get("bytes", 0) for e in files.values()), "verify checkpoint") as report:
+        for (name, entry), p in zip(files.items(),
+                                    pool.map(lambda item: _check_file(d, item[0], item[1], hashes), files.items())):
+            report.advance(entry.get("bytes", 0), name)
             if p:
                 problems.append(p)
-    if files[WEIGHTS_FILE]["sha256"] != manifest["weights_sha256"]:
-        problems.append(f"{d / MANIFEST_FILE}: weights_sha256 {manifest['weights_sha256']} differs from the files "
-                        f"entry of {WEIGHTS_FILE} ({files[WEIGHTS_FILE]['sha256']})")
+    algorithm, weights_hex = file_hash(files[WEIGHTS_FILE])
+    if weights_digest(manifest) != f"{algorithm}:{weights_hex}":
+        key = "weights_digest" if "weights_digest" in manifest else "weights_sha256"
+        problems.append(f"{d / MANIFEST_FILE}: {key} {manifest[key]} differs from the files entry of {WEIGHTS_FILE} "
+                        f"({algorithm}:{weights_hex})")
     if problems:
         return problems
     for name, fmt in ((WEIGHTS_FILE, "fastckpt.train.weights"), (OPTIM_FILE, "fastckpt.train.optim")):

@@ -32,7 +32,15 @@ Retention (policies compose: a checkpoint survives if *any* policy keeps it)
       is kept;
     * with no policy at all, every checkpoint is kept.
 
+Hashes
+    Every file is hashed as it is written, with ``hash`` (``"blake3"``, the
+    default, or ``"sha256"``); see :mod:`fastckpt.train.format`.
+
 One manager writes to a directory at a time; any number may read it.
+
+A URL (``CheckpointManager("s3://bucket/run", storage_options=...)``) gives a
+:class:`~fastckpt.train.remote.RemoteCheckpointManager`: the same steps and
+retention over prefixes whose manifest, uploaded last, commits them.
 
 >>> import numpy as np, tempfile
 >>> from fastckpt.train import TinyLM, SGD
@@ -61,14 +69,17 @@ import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials
+from fastckpt.formats.remote import is_url
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
 from fastckpt.train.checkpoint import (
     CheckpointState,
     apply_checkpoint,
+    check_hash,
     load_checkpoint,
     read_manifest,
     write_snapshot,
 )
+from fastckpt.train.format import DEFAULT_HASH
 from fastckpt.train.snapshot import take_snapshot
 
 __all__ = ["CheckpointManager"]
@@ -92,8 +103,16 @@ class CheckpointManager:
     ([2, 3], 3, 'step-00000003')
     """
 
+    def __new__(cls, directory: str | os.PathLike = "", *args, **kwargs):
+        if cls is CheckpointManager and is_url(directory):  # step prefixes in object storage
+            from fastckpt.train.remote import RemoteCheckpointManager
+
+            return RemoteCheckpointManager(directory, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
-                 keep_best: tuple | None = None, keep_every_n_steps: int | None = None, fsync: bool = True) -> None:
+                 keep_best: tuple | None = None, keep_every_n_steps: int | None = None, fsync: bool = True,
+                 hash: str = DEFAULT_HASH) -> None:
         if max_to_keep is not None and (type(max_to_keep) is not int or max_to_keep < 1):
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         if keep_every_n_steps is not None and (type(keep_every_n_steps) is not int or keep_every_n_steps < 1):
@@ -111,6 +130,7 @@ class CheckpointManager:
         self.keep_best = keep_best
         self.keep_every_n_steps = keep_every_n_steps
         self.fsync = fsync
+        self.hash = check_hash(hash)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._saver: AsyncCheckpointer | None = None
         self._lock = threading.RLock()  # the record and deletions; the background thread takes it too
@@ -262,14 +282,17 @@ class CheckpointManager:
     def save(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
              train_rng: Any = None, *, epoch: int = 0, metrics: dict | None = None, scaler: Any = None,
              blocking: bool = True, overwrite: bool = False, seed: int | None = None, config: Any = None,
-             data_manifest: Any = None) -> str | SaveHandle:
-        """Save ``step``; returns the weights sha256, or with ``blocking=False`` a :class:`SaveHandle`.
+             data_manifest: Any = None, progress=False) -> str | SaveHandle:
+        """Save ``step``; returns the checkpoint's digest (``"blake3:<hex>"``), or (non-blocking) a :class:`SaveHandle`.
 
         Waits for a save still in flight first (raising its error, and saving
         nothing, if it failed and nobody has seen the error yet). Non-blocking saves return
         once every state is copied; the trainer may then change everything.
         Retention runs after each successful save. An existing ``step`` is an
-        error unless ``overwrite=True``.
+        error unless ``overwrite=True``. ``progress`` (``True`` for a bar, or
+        ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts the
+        arrays' bytes as they are written (from the background thread when
+        ``blocking=False``).
         """
         path = self.path_for(step)
         if self._saver is not None:
@@ -282,19 +305,20 @@ class CheckpointManager:
         if blocking:
             snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, **kwargs)
             self._record_intent(path.name)
-            digest = write_snapshot(snap, path, overwrite=overwrite, fsync=self.fsync)
+            digest = write_snapshot(snap, path, overwrite=overwrite, fsync=self.fsync, hash=self.hash,
+                                    progress=progress)
             self._manifests.pop(path.name, None)
             self._apply_retention()
             return digest
         if self._saver is None:
-            self._saver = AsyncCheckpointer(fsync=self.fsync)
+            self._saver = AsyncCheckpointer(fsync=self.fsync, hash=self.hash)
 
         def before() -> None:
             self._record_intent(path.name)
             self._manifests.pop(path.name, None)
 
         return self._saver.save(path, model, optimizer, scheduler, data_iter, train_rng, overwrite=overwrite,
-                                before_write=before, after_write=self._apply_retention, **kwargs)
+                                before_write=before, after_write=self._apply_retention, progress=progress, **kwargs)
 
     def wait(self) -> None:
         """Wait for a save in flight; raises its error if it failed (once)."""
@@ -303,15 +327,20 @@ class CheckpointManager:
 
     # -- restoring -----------------------------------------------------------------------------------
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
-                train_rng: Any = None, *, scaler: Any = None, verify: bool = True) -> CheckpointState:
-        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects."""
+                train_rng: Any = None, *, scaler: Any = None, verify: bool = True,
+                progress=False) -> CheckpointState:
+        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects.
+
+        ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
+        :mod:`fastckpt.progress`) counts the arrays' bytes as they are read.
+        """
         self.wait()
         complete = self._complete()
         if step not in complete:
             raise CheckpointNotFoundError(
                 f"{self.directory}: no complete checkpoint for step {step} (complete steps: {sorted(complete)})"
             )
-        state = load_checkpoint(complete[step], verify=verify)
+        state = load_checkpoint(complete[step], verify=verify, progress=progress)
         apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
         return state
 

@@ -34,6 +34,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from fastckpt._native.tftable import mask_crc
+from fastckpt.arrays import to_numpy
 from fastckpt.formats.atomic import atomic_write
 from fastckpt.formats.tf import dtypes as _dt
 from fastckpt.formats.tf.proto import (
@@ -126,7 +127,7 @@ def _as_array(name: str, value) -> np.ndarray:
         arr = np.empty((), dtype=object)
         arr[()] = value
         return arr
-    arr = np.asarray(value)
+    arr = to_numpy(value)
     if arr.dtype.kind == "V" and arr.dtype.names is not None:
         raise TypeError(f"tensor {name!r}: structured arrays cannot be stored in a TensorFlow checkpoint")
     return arr
