@@ -87,7 +87,8 @@ def test_formatting_helpers():
 # ------------------------------------------------------------------ one way to start
 
 def test_every_suite_has_configure_run_and_a_docstring():
-    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded", "incremental", "s3"}
+    assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded", "incremental", "s3",
+                           "memory"}
     for name, module_name in SUITES.items():
         module = importlib.import_module(module_name)
         assert callable(module.configure) and callable(module.run), name
@@ -246,3 +247,17 @@ def test_s3_suite(capsys):
     assert _first_cells(out)[1:] == ["save", "load"]
     targets = out.split("### targets")[1].strip().splitlines()
     assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True, True, False]
+
+
+@pytest.mark.device
+def test_memory_suite(capsys):
+    assert main(["bench", "--suite", "memory", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Memory: 64 MiB of float32 in 8 tensors, device ")
+    assert "| call | peak RSS growth | above the arrays | anon growth | above the arrays |" in out
+    assert _first_cells(out)[1:4] == ["save_safetensors (atomic, fsync)", "save_npz (atomic, fsync)",
+                                      "load_file, new pool"]
+    assert "| warm |" in out and "| cold |" in out
+    targets = out.split("### targets")[1].strip().splitlines()
+    assert all(line.split(":")[0] in ("- met", "- MISSED") for line in targets[:-1]), targets
+    assert targets[-1] == "- (--quick sizes: the targets are stated for 2 GiB)"

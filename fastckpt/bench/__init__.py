@@ -34,7 +34,7 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
 >>> sorted(SUITES)
-['device', 'formats', 'incremental', 'model', 's3', 'sharded', 'stateful', 'tf', 'train']
+['device', 'formats', 'incremental', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -57,6 +57,7 @@ SUITES = {
     "sharded": "fastckpt.bench.sharded",
     "incremental": "fastckpt.bench.incremental",
     "s3": "fastckpt.bench.s3",
+    "memory": "fastckpt.bench.memory",
 }
 DEFAULT_SUITE = "device"
 

@@ -23,11 +23,15 @@ from __future__ import annotations
 import gc
 import os
 import random
+import re
 import statistics
+import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
-__all__ = ["Timing", "round_robin", "summarize", "format_duration", "format_size", "format_ratio", "table_lines"]
+__all__ = ["Timing", "round_robin", "summarize", "format_duration", "format_size", "format_ratio", "table_lines",
+           "PeakMemory"]
 
 
 class Timing(NamedTuple):
@@ -177,3 +181,80 @@ def table_lines(header: Sequence[str], rows: Iterable[Sequence[object]], align: 
 
 def _row(cells: Sequence[object]) -> str:
     return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+# ------------------------------------------------------------------ peak memory
+
+_STATUS = Path("/proc/self/status")
+
+
+def _status(*fields: str) -> dict[str, int] | None:
+    """Fields of ``/proc/self/status`` in bytes, or None where there is none."""
+    try:
+        text = _STATUS.read_text()
+    except OSError:
+        return None
+    out = {}
+    for name in fields:
+        found = re.search(rf"^{name}:\s+(\d+) kB", text, re.MULTILINE)
+        if found is None:
+            return None
+        out[name] = int(found.group(1)) * 1024
+    return out
+
+
+def _reset_high_water() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to VmRSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """The growth of the process's peak RSS (and of its sampled anonymous memory) over a ``with`` block.
+
+    ``growth``: ``VmHWM`` at the end less ``VmRSS`` at the start, the high-water mark reset at the start
+    (where it cannot be, less ``VmHWM`` at the start: a lower bound, ``reset`` False); ``anon_growth``: the
+    largest ``RssAnon`` sampled every 5 ms less the one at the start. None where ``/proc`` is not there.
+
+    >>> import numpy as np
+    >>> with PeakMemory() as peak:
+    ...     block = np.ones(2**25, np.uint8)
+    >>> peak.growth is None or isinstance(peak.growth, int)  # how much depends on the allocator's reuse
+    True
+    """
+
+    growth: int | None = None
+    anon_growth: int | None = None
+    reset = False
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        self.reset = _reset_high_water()
+        self._start = _status("VmRSS", "VmHWM", "RssAnon")
+        self._stop = threading.Event()
+        self._anon_peak = self._start["RssAnon"] if self._start else 0
+        if self._start:
+            self._sampler = threading.Thread(target=self._sample, daemon=True, name="fastckpt-bench-rss")
+            self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            now = _status("RssAnon")
+            if now:
+                self._anon_peak = max(self._anon_peak, now["RssAnon"])
+
+    def __exit__(self, *exc) -> None:
+        end = _status("VmHWM", "RssAnon")
+        if self._start is None:
+            return
+        self._stop.set()
+        self._sampler.join()
+        if end is None:
+            return
+        before = self._start["VmRSS"] if self.reset else self._start["VmHWM"]
+        self.growth = max(0, end["VmHWM"] - before)
+        self.anon_growth = max(0, max(self._anon_peak, end["RssAnon"]) - self._start["RssAnon"])

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 __all__ = ["HELP", "add_parser", "run"]
 
-HELP = ("benchmark suites (--suite device|formats|model|tf|train|stateful|sharded|incremental|s3; default device: "
-        "file-to-device loads) against the usual ways; markdown tables")
+HELP = ("benchmark suites (--suite device|formats|model|tf|train|stateful|sharded|incremental|s3|memory; "
+        "default device: file-to-device loads) against the usual ways; markdown tables")
 
 
 def add_parser(subparsers, argv: list[str] | None = None):
