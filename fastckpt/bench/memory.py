@@ -15,7 +15,8 @@ figures are shown less the arrays' bytes: what the load costs beyond the tensors
 at most 64 MiB above the arrays for the save and for the load, read on the anonymous column (the RSS column
 also counts the page cache pages of the mapped file that the copy reads).
 
-Then a warm load (page cache full, file open in the pool) beside a cold one: before each cold run the pool
+Then a warm load (page cache full, file open in the pool) beside a cold one, and a cold plain read of the
+file into a preallocated buffer (the disk's own pace): before each cold run the pool
 forgets the file (a mapped page cannot be dropped) and its pages are dropped with
 ``os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)`` after an ``os.sync()``.
 
@@ -105,7 +106,13 @@ def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3, directory: str | None
             gc.collect()
             _drop_from_page_cache(st_path)
 
-        timings = round_robin({"warm": load, "cold": load}, repeats, prepare={"cold": evict})
+        def raw_read():  # the disk's own pace: the file read once into a preallocated buffer
+            with open(st_path, "rb", buffering=0) as f:
+                f.readinto(sink)
+
+        sink = bytearray(os.path.getsize(st_path))
+        timings = round_robin({"warm": load, "cold": load, "cold raw read": raw_read}, repeats,
+                              prepare={"cold": evict, "cold raw read": evict})
     return {"nbytes": nbytes, "tensors": len(tensors), "device": dev.name, "rows": rows, "timings": timings}
 
 
@@ -129,14 +136,17 @@ def report(result: dict, *, quick: bool = False) -> list[str]:
                             f"{format_size(TARGET_BYTES)}: {_size(above_anon)}")
     lines += table_lines(["call", "peak RSS growth", "above the arrays", "anon growth", "above the arrays"],
                          rows, "lrrrr")
-    warm, cold = result["timings"]["warm"], result["timings"]["cold"]
+    warm, cold, raw = (result["timings"].get(k) for k in ("warm", "cold", "cold raw read"))
     lines += ["", "load_file(path, queue, pool=pool) with the pool warm: the file's pages in the page cache (warm), "
                   "and dropped from it with posix_fadvise(DONTNEED) before each run (cold)", ""]
     lines += table_lines(["page cache", "median", "best", "GB/s (median)", "vs warm"],
                          [["warm", format_duration(warm.median), format_duration(warm.best),
                            f"{nbytes / warm.median / 1e9:.2f}", "1.00x"],
                           ["cold", format_duration(cold.median), format_duration(cold.best),
-                           f"{nbytes / cold.median / 1e9:.2f}", format_ratio(cold.median / warm.median)]],
+                           f"{nbytes / cold.median / 1e9:.2f}", format_ratio(cold.median / warm.median)]]
+                         + ([["cold raw read of the file (readinto)", format_duration(raw.median),
+                              format_duration(raw.best), f"{nbytes / raw.median / 1e9:.2f}",
+                              format_ratio(raw.median / warm.median)]] if raw is not None else []),
                          "lrrrr")
     lines += ["", "### targets", *verdicts]
     if quick:
