@@ -401,8 +401,9 @@ class NpzWriter:
     def _finish(self) -> None:
         out, members = self._out, self._members
         cd_offset = members.pos
-        out.write(b"".join(members.central))
-        cd_size = sum(len(e) for e in members.central)
+        directory = b"".join(members.central)
+        out.write(directory)
+        cd_size = len(directory)
         count = len(members.central)
         if count >= _ZIP_FILECOUNT_LIMIT or cd_offset > _ZIP64_LIMIT or cd_size > _ZIP64_LIMIT:
             zip64_offset = cd_offset + cd_size
