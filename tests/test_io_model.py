@@ -18,7 +18,7 @@ import fastckpt
 import fastckpt.nn as nn
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
 from fastckpt.io import load_model, save_model
-from fastckpt.io.serialization import META_KEY, MissingWeightsWarning
+from fastckpt.io.serialization import META_KEY, MissingWeightsWarning, model_metadata
 
 pytestmark = pytest.mark.device
 
@@ -487,6 +487,84 @@ def test_reloading_a_realigned_np_savez_file_through_one_pool_allocates_nothing(
     assert second.load_report.file_report.pool_misses == 0
     assert_same_state(second, state)
     assert second(x).to_host().tobytes() == expected.tobytes()
+
+
+def count_calls(monkeypatch, name):
+    """Count the calls of fastckpt.nn's ``name`` made through the package (load_model looks it up there)."""
+    calls = []
+    original = getattr(nn, name)
+    monkeypatch.setattr(nn, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def test_reload_through_a_pool_reuses_the_open_file_and_its_plan(tmp_path, device, rng, monkeypatch):
+    from fastckpt.device.pool import PersistentBufferPool
+
+    config = [CONV, BN, FLAT, linear(144, 16), {"type": "ReLU"}, linear(16, 16), linear(16, 16)]
+    state = randomize(nn.build_sequential(device.queue, config), rng)
+    partial = {k: v for k, v in state.items() if k != "6:bias"}  # one weight missing: seeded on every load
+    netcl_style_file(tmp_path / "r.netcl", partial, {"type": "Sequential", "config": config})
+    seeded_bias = nn.build_sequential(device.queue, config).state_dict()["6:bias"]
+    normalize = count_calls(monkeypatch, "normalize_config")
+    pool = PersistentBufferPool(device.context, device.queue)
+    models = []
+    for _ in range(3):
+        with pytest.warns(MissingWeightsWarning, match=r"\['6:bias'\]"):
+            models.append(load_model(tmp_path / "r.netcl", pool=pool))
+    assert len(normalize) == 1, "the reloads used the plan of the first load"
+    assert [m.load_report.file_report.file_reused for m in models] == [False, True, True]
+    first, second, third = models
+    for model in models:
+        assert model.load_report.missing_keys == ["6:bias"] and model.load_report.realigned_keys
+        assert_same_state(model, {**partial, "6:bias": seeded_bias})
+        assert [nn.layer_to_config(layer) for layer in model] == [{"args": {}, **entry} for entry in config]
+    # New layer objects every time, and layers of equal configs hold their own weights.
+    assert all(a is not b and a.__dict__ is not b.__dict__ for a, b in zip(first, second))
+    assert second[5] is not second[6] and second[5].weight is not second[6].weight
+    x = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    assert first(x).to_host().tobytes() == third(x).to_host().tobytes()
+
+
+def test_reload_through_a_pool_sees_a_replaced_or_rewritten_file(tmp_path, device, rng):
+    from fastckpt.device.pool import PersistentBufferPool
+
+    pool = PersistentBufferPool(device.context, device.queue)
+    path = tmp_path / "m.netcl"
+    a = nn.build_sequential(device.queue, [linear(3, 4), {"type": "ReLU"}])
+    state_a = randomize(a, rng)
+    save_model(a, path)
+    assert_same_state(load_model(path, pool=pool), state_a)
+    b = nn.build_sequential(device.queue, [linear(5, 2), {"type": "Tanh"}, linear(2, 2, bias=False)])
+    state_b = randomize(b, rng)
+    save_model(b, path)  # replaced: a new inode
+    loaded = load_model(path, pool=pool)
+    assert not loaded.load_report.file_report.file_reused
+    assert [type(layer).__name__ for layer in loaded] == ["Linear", "Tanh", "Linear"]
+    assert_same_state(loaded, state_b)
+    state_c = {k: v + 1 for k, v in state_b.items()}
+    netcl_style_file(path, state_c, model_metadata(b))  # rewritten in place: the same inode
+    loaded = load_model(path, pool=pool)
+    assert not loaded.load_report.file_report.file_reused
+    assert_same_state(loaded, state_c)
+
+
+def test_reload_after_a_layer_type_is_registered_plans_again(tmp_path, device, rng, monkeypatch):
+    from fastckpt.device.pool import PersistentBufferPool
+
+    model = nn.build_sequential(device.queue, [linear(3, 2)])
+    state = randomize(model, rng)
+    save_model(model, tmp_path / "m.netcl")
+    pool = PersistentBufferPool(device.context, device.queue)
+    normalize = count_calls(monkeypatch, "normalize_config")
+    load_model(tmp_path / "m.netcl", pool=pool)
+    load_model(tmp_path / "m.netcl", pool=pool)
+    assert len(normalize) == 1
+    nn.register_layer("Unrelated", nn.ReLU)
+    try:
+        assert_same_state(load_model(tmp_path / "m.netcl", pool=pool), state)
+    finally:
+        nn.unregister_layer("Unrelated")
+    assert len(normalize) == 2, "a registration since the first load: the config is read and built again"
 
 
 def test_user_layer_type_saves_and_loads(tmp_path, queue, rng):

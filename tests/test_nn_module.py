@@ -191,3 +191,60 @@ def test_user_layer_types_register_build_and_describe(queue, scale_registered):
 def test_unregistered_layer_cannot_be_described(queue):
     with pytest.raises(ValueError, match="unsupported layer type Scale"):
         nn.layer_to_config(Scale(queue, 2))
+
+
+# -- blueprints: the layers of a config, made again for every load -------------------------------------
+def test_blueprint_copies_built_in_layers_with_placeholders(queue):
+    entries = nn.normalize_config(CNN_CONFIG + [CNN_CONFIG[-1]])
+    blueprint = nn.LayerBlueprint(queue, entries)
+    assert blueprint.reusable and blueprint.current
+    first, second = blueprint.make(), blueprint.make()
+    assert [nn.layer_to_config(layer) for layer in first] == entries
+    assert all(a is not b and type(a) is type(b) for a, b in zip(first, second))
+    assert all(t.buffer is None and t.dtype == np.float32 for layer in first for t in layer.named_tensors().values())
+    assert first[1].running_var.shape == (4,) and first[5].weight.shape == (12, 8)
+    # Equal entries are built once: their copies start from the same placeholders.
+    assert first[5] is not first[6] and first[5].weight is first[6].weight
+    first[5].weight = Tensor(None, (12, 8), np.float32)  # what a load does: the copy's own attribute
+    assert second[5].weight is second[6].weight and first[6].weight is second[6].weight
+
+
+def test_blueprint_keeps_int_and_float_args_apart(queue):
+    entries = nn.normalize_config([{"type": "Linear", "args": {"in_features": 16, "out_features": 2}},
+                                   {"type": "Linear", "args": {"in_features": 16.0, "out_features": 2}}])
+    with pytest.raises(ValueError, match=r"config\[1\] \(Linear\).*in_features must be an int >= 1, got 16.0"):
+        nn.LayerBlueprint(queue, entries)
+
+
+def test_blueprint_builds_user_types_and_shared_values_anew(queue):
+    built = []
+
+    def scale(queue=None, features=1):
+        built.append(features)
+        return Scale(queue, features)
+
+    nn.register_layer("Counted", scale, queue_required=True)
+    try:
+        entries = nn.normalize_config([{"type": "Counted", "args": {"features": 2}}, {"type": "ReLU"}])
+        blueprint = nn.LayerBlueprint(queue, entries)
+        assert not blueprint.reusable and built == []
+        first, second = blueprint.make(), blueprint.make()
+        assert built == [2, 2] and first[0] is not second[0] and first[1] is not second[1]
+    finally:
+        nn.unregister_layer("Counted")
+    # A Dropout seed given as a list would be one list shared by every copy: such a layer is built anew, and the
+    # blueprint is not kept for another load.
+    seeded = nn.LayerBlueprint(queue, nn.normalize_config([{"type": "Dropout", "args": {"p": 0.5, "seed": [1, 2]}}]))
+    assert not seeded.reusable
+    a, b = seeded.make()[0], seeded.make()[0]
+    assert a is not b and a.seed == b.seed == [1, 2]
+
+
+def test_blueprint_is_stale_once_the_registry_changes(queue):
+    blueprint = nn.LayerBlueprint(queue, nn.normalize_config([{"type": "ReLU"}]))
+    assert blueprint.current
+    nn.register_layer("Temporary", nn.ReLU)
+    assert not blueprint.current
+    nn.unregister_layer("Temporary")
+    assert not blueprint.current, "removing it again does not make the blueprint current: it is rebuilt"
+    assert nn.LayerBlueprint(queue, nn.normalize_config([{"type": "ReLU"}])).current

@@ -14,9 +14,16 @@ it has read before), the median wall time of:
   ``cl.Buffer(COPY_HOST_PTR)`` per array (what netcl 0.4.4 does, minus its
   model rebuild);
 - ``safetensors + enqueue_copy``: ``safetensors.numpy.load_file`` of the same
-  tensors, then one buffer and one blocking ``enqueue_copy`` per tensor.
+  tensors, then one buffer and one blocking ``enqueue_copy`` per tensor;
+- ``one copy of the bytes``: one blocking ``enqueue_copy`` of all the weights'
+  bytes from one numpy array in RAM into one buffer allocated before (the bound
+  a load of those bytes cannot beat).
 
 Only fastckpt's rows rebuild a model object; the baselines only produce buffers.
+After the table come the targets, each met or MISSED: the 400 small layers load
+through a warm pool in at most 1.5 ms; the MLP's warm load takes at most 1.15x
+one copy of its bytes; a first load through a new pool takes at most 1.3x a load
+without a pool (both models).
 The methods of one model are timed round-robin (:func:`fastckpt.bench.timing.round_robin`,
 ``--repeats`` rounds, one untimed warm-up run each); what a method returns is
 dropped after its clock stops.
@@ -43,6 +50,11 @@ NEW_POOL = "fastckpt load_model, new pool"
 NO_POOL = "fastckpt load_model, no pool"
 NPLOAD = "np.load + new buffers"
 SAFETENSORS = "safetensors + enqueue_copy"
+ONE_COPY = "one copy of the bytes"
+
+SMALL_WARM_MAX = 1.5e-3  # seconds: 400 small layers through a warm pool
+WARM_OVER_COPY_MAX = 1.15  # the MLP's warm load against one copy of its bytes
+NEW_POOL_OVER_NO_POOL_MAX = 1.3  # a first load through a new pool against a load without one
 
 
 def _make_model(queue, kind: str):
@@ -75,6 +87,7 @@ def measure(repeats: int = 7, directory: str | None = None) -> str:
     dev = default()
     ctx, queue = dev.context, dev.queue
     rows = []
+    verdicts = []
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         for kind, label in (("mlp", "MLP, 8 layers"), ("many", "400 small layers")):
             model = _make_model(queue, kind)
@@ -85,7 +98,9 @@ def measure(repeats: int = 7, directory: str | None = None) -> str:
             if st_save is not None:
                 st_save(state, st_path)
             mib = sum(v.nbytes for v in state.values()) / 2**20
-            del model
+            flat = np.concatenate([v.reshape(-1).view(np.uint8) for v in state.values()])
+            one = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, flat.nbytes)
+            del model, state
 
             warm_pool = PersistentBufferPool(ctx, queue)
             load_model(path, pool=warm_pool)  # the arena now exists; its model is dropped at once
@@ -121,21 +136,53 @@ def measure(repeats: int = 7, directory: str | None = None) -> str:
                     bufs.append(b)
                 return bufs
 
+            def one_copy(one=one, flat=flat):
+                cl.enqueue_copy(queue, one, flat, is_blocking=True)
+
             methods = {WARM: fastckpt_warm, NEW_POOL: fastckpt_new_pool, NO_POOL: fastckpt_no_pool,
                        NPLOAD: np_load_buffers}
             if st_load is not None:
                 methods[SAFETENSORS] = safetensors_copy
+            methods[ONE_COPY] = one_copy
             # warm-up run first (page cache, kernels, imports); results dropped untimed, as a loaded model is
             # what is measured, not its release
             timings = round_robin(methods, repeats, time_release=False)
             rows += [(label, f"{mib:.1f}", method, timing.median * 1e3) for method, timing in timings.items()]
             assert warm_pool.stats.misses == 1, warm_pool.stats  # warm loads never allocated
+            verdicts += _verdicts(kind, label, {method: timing.median for method, timing in timings.items()})
+            del one, flat
 
     base = {label: ms for label, _, m, ms in rows if m == NPLOAD}
     body = [[label, mib, method, f"{ms:.2f}", f"{base[label] / ms:.1f}x"] for label, mib, method, ms in rows]
     lines = [f"Device: {dev.name}; median of {repeats} runs, page cache warm.", "",
-             *table_lines(["model", "MiB", "method", "median ms", "vs np.load"], body, "lrlrr")]
+             *table_lines(["model", "MiB", "method", "median ms", "vs np.load"], body, "lrlrr"),
+             "", "### targets", "", *verdicts]
     return "\n".join(lines)
+
+
+def _verdicts(kind: str, label: str, t: dict) -> list[str]:
+    """The target lines of one model (medians in seconds), each ``- met: ...`` or ``- MISSED: ...``.
+
+    >>> for line in _verdicts("many", "400 small layers", {WARM: 1e-3, NEW_POOL: 6e-3, NO_POOL: 4e-3}):
+    ...     print(line)
+    - met: 400 small layers, pool warm <= 1.5 ms: 1.00 ms
+    - MISSED: 400 small layers, new pool <= 1.3x no pool: 1.50x (6.00 ms / 4.00 ms)
+    """
+    out = []
+
+    def line(ok: bool, text: str) -> None:
+        out.append(f"- {'met' if ok else 'MISSED'}: {text}")
+
+    if kind == "many":
+        line(t[WARM] <= SMALL_WARM_MAX, f"{label}, pool warm <= {SMALL_WARM_MAX * 1e3:.1f} ms: {t[WARM] * 1e3:.2f} ms")
+    else:
+        r = t[WARM] / t[ONE_COPY]
+        line(r <= WARM_OVER_COPY_MAX, f"{label}, pool warm <= {WARM_OVER_COPY_MAX:.2f}x one copy of its bytes: "
+                                      f"{r:.2f}x ({t[WARM] * 1e3:.2f} ms / {t[ONE_COPY] * 1e3:.2f} ms)")
+    r = t[NEW_POOL] / t[NO_POOL]
+    line(r <= NEW_POOL_OVER_NO_POOL_MAX, f"{label}, new pool <= {NEW_POOL_OVER_NO_POOL_MAX:.1f}x no pool: {r:.2f}x "
+                                         f"({t[NEW_POOL] * 1e3:.2f} ms / {t[NO_POOL] * 1e3:.2f} ms)")
+    return out
 
 
 def configure(parser) -> None:
@@ -152,7 +199,7 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    """Run the model suite with parsed options; prints the markdown table, returns 0.
+    """Run the model suite with parsed options; prints the markdown table and the targets, returns 0.
 
     >>> from fastckpt.cli import main
     >>> main(["bench", "--suite", "model", "--repeats", "1"])  # doctest: +SKIP

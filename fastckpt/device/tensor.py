@@ -64,7 +64,7 @@ class Tensor:
     def __init__(self, buffer, shape, dtype, *, offset: int = 0, queue=None, event=None, keepalive: Any = None, owner: Any = None):
         self.buffer = buffer
         self.offset = int(offset)
-        self.shape = tuple(int(s) for s in shape)
+        self.shape = tuple(map(int, shape))
         self.dtype = np.dtype(dtype)
         self.queue = queue
         self._event = event

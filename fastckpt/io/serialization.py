@@ -125,8 +125,10 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -379,16 +381,97 @@ def verify_members(reader) -> None:
                                         "verify=False to load it anyway") from None
 
 
-def _materialize_missing(queue, model, entries) -> None:
-    """Give weights the file lacked their seeded initial values: rebuild those layers normally."""
+def _materialize_missing(queue, model, entries, indices) -> None:
+    """Give weights the file lacked their seeded initial values: rebuild those layers (``indices``) normally."""
     from fastckpt.nn import build_layer
 
-    for i, layer in enumerate(model.layers):
+    for i in indices:
+        layer = model.layers[i]
         placeholders = [k for k, t in layer.named_tensors().items() if t.buffer is None]
         if placeholders:
             fresh = build_layer(queue, entries[i], index=i)
             for key in placeholders:
                 setattr(layer, key, getattr(fresh, key))
+
+
+class _Recipe:
+    """What :func:`load_model` works out from a file before reading its weights: kept per open file and reused.
+
+    ``writes`` is ``[(layer index, state key, tensor name, shape or None)]``: where each loaded tensor goes, with
+    the model's shape where the stored one differs by size-1 dimensions (bound as a view of that shape).
+    """
+
+    __slots__ = ("meta_path", "version", "entries", "blueprint", "writes", "missing", "unexpected", "wanted",
+                 "missing_layers")
+
+    def __init__(self, meta_path, version, entries, blueprint, model, tf, path):
+        from fastckpt.nn.module import TensorSpec
+
+        self.meta_path, self.version, self.entries, self.blueprint = meta_path, version, entries, blueprint
+        # Validate against the index only (shapes from the file's headers): nothing is read or copied yet.
+        infos = {name: info for name, info in tf.infos.items() if name != META_KEY}
+        plan = model._plan_load({name: TensorSpec(tuple(info.shape), info.dtype) for name, info in infos.items()})
+        if plan.errors:
+            raise ValueError(f"{path}: state_dict shape mismatch (nothing was loaded): " + "; ".join(plan.errors))
+        self.writes = []
+        for module, key, spec, full_key in plan.writes:
+            shape = getattr(module, key).shape
+            self.writes.append((int(full_key.partition(":")[0]), key, full_key,
+                                None if tuple(spec.shape) == shape else shape))
+        self.missing = list(plan.missing)
+        self.unexpected = list(plan.unexpected)
+        unexpected = set(plan.unexpected)
+        self.wanted = tuple(name for name in infos if name not in unexpected)
+        self.missing_layers = sorted({int(key.partition(":")[0]) for key in plan.missing})
+
+
+# Recipes of open files, keyed by id(file); an entry is dropped with its file (a pool keeps a file open only
+# while os.stat shows it unchanged, see fastckpt.device.pool.OpenFiles, so a recipe is never older than its file).
+_recipes: dict[int, tuple] = {}
+_recipes_lock = threading.Lock()
+
+
+def _cached_recipe(tf, queue) -> _Recipe | None:
+    entry = _recipes.get(id(tf))
+    if entry is None or entry[0]() is not tf or entry[1] is not queue or not entry[2].blueprint.current:
+        return None
+    return entry[2]
+
+
+def _keep_recipe(tf, queue, recipe: _Recipe) -> None:
+    """Keep ``recipe`` for later loads of the read-only mapped file ``tf`` into the same queue."""
+    from fastckpt.formats.reader import TensorFile
+
+    # A copy-on-write mapping may have been written through (a zero-copy load): its metadata is not the file's.
+    if not isinstance(tf, TensorFile) or tf.mapped.copy_on_write or not recipe.blueprint.reusable:
+        return
+    key = id(tf)
+
+    def forget(ref, key=key):
+        with _recipes_lock:
+            if _recipes.get(key, (None,))[0] is ref:
+                del _recipes[key]
+
+    with _recipes_lock:
+        _recipes[key] = (weakref.ref(tf, forget), queue, recipe)
+
+
+def _bind(model, writes, tensors) -> bool:
+    """Make each loaded tensor (every copy finished) the parameter ``writes`` names; True when a view starts
+    mid-element (it needs :func:`~fastckpt.device.load.realign`)."""
+    from fastckpt.device.tensor import Tensor
+
+    layers = model.layers
+    odd = False
+    for index, key, name, shape in writes:
+        value = tensors[name]
+        if value.offset % value.dtype.itemsize:
+            odd = True
+        if shape is not None:
+            # SAFETY: the view shares value's buffer; owner keeps value (and its arena lease) alive.
+            value = Tensor(value.buffer, shape, value.dtype, offset=value.offset, queue=value.queue, owner=value)
+        setattr(layers[index], key, value)
+    return odd
 
 
 def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool = False, progress=False,
@@ -406,8 +489,13 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
     ``queue`` defaults to ``pool.queue``, else :func:`fastckpt.device.default`'s. With
     ``pool`` (a :class:`fastckpt.device.pool.PersistentBufferPool`) all weights land in one
     pooled arena with one copy and become the parameters directly; loading again through
-    the same pool allocates nothing. Without a pool, each weight gets its own exact-size
-    buffer, copied from the mapped file.
+    the same pool allocates nothing. The pool also keeps the file open while ``os.stat``
+    shows it unchanged (:class:`~fastckpt.device.pool.OpenFiles`), and with it what was
+    worked out from the file: the validated config, the layers' blueprint
+    (:class:`fastckpt.nn.LayerBlueprint`) and where each weight goes; a reload then only
+    copies the layers and binds each weight to its view of the arena (a changed file, or a
+    layer type registered since, is read and planned anew). Without a pool, each weight
+    gets its own exact-size buffer, copied from the mapped file.
 
     Missing weights keep their freshly built values and are reported (a
     :class:`MissingWeightsWarning` and ``model.load_report.missing_keys``). Entries the
@@ -429,8 +517,8 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
     """
     import fastckpt
     from fastckpt.formats.contract import TensorReader
-    from fastckpt.nn import Sequential, build_layer, deferred_init, normalize_config
-    from fastckpt.nn.module import TensorSpec
+    from fastckpt.formats.reader import TensorFile
+    from fastckpt.nn import LayerBlueprint, Sequential, normalize_config
 
     t0 = time.perf_counter()
     if is_url(path):  # one .netcl file in object storage (fastckpt.formats.remote)
@@ -450,49 +538,70 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
 
         queue = default().queue
 
-    with fastckpt.open(weights_path, storage_options=storage_options) if source is None \
-            else contextlib.nullcontext(source) as tf:
+    # A pool keeps the files loaded through it open (mapped, index parsed) while os.stat shows them unchanged;
+    # a model reloaded from one then reuses its recipe (_Recipe) too.
+    files = getattr(pool, "files", None) if source is None and storage_options is None and not is_url(path) else None
+    reused = False
+    if source is not None:
+        opened = contextlib.nullcontext(source)
+    elif files is not None:
+        source = files.get(weights_path)
+        reused = source is not None
+        if source is None:
+            source = fastckpt.open(weights_path)
+        if reused or (isinstance(source, TensorFile) and files.put(weights_path, source)):
+            opened = contextlib.nullcontext(source)  # the pool's now: left open for the next load
+        else:
+            opened = source  # closed after this load
+    else:
+        opened = fastckpt.open(weights_path, storage_options=storage_options)
+    with opened as tf:
         if verify:
             verify_members(tf)
-        meta_path, meta = _read_metadata(layout, tf, json_path)
-        version, config = _check_meta(meta_path, meta, layout)
-        try:
-            entries = normalize_config(config)
-            with deferred_init():  # built-in layers get placeholders: no random init, no allocation
-                model = Sequential(*(build_layer(queue, e, index=i) for i, e in enumerate(entries)))
-        except ValueError as exc:
-            raise FormatError(f"{meta_path}: cannot rebuild the model: {exc}") from None
-        report = ModelLoadReport(path=weights_path, layout=layout, version=version, pooled=pool is not None)
-
-        # Validate against the index only (shapes from the file's headers): nothing is read or copied yet.
-        infos = {name: info for name, info in tf.infos.items() if name != META_KEY}
-        specs = {name: TensorSpec(tuple(info.shape), info.dtype) for name, info in infos.items()}
-        plan = model._plan_load(specs)
-        if plan.errors:
-            raise ValueError(f"{weights_path}: state_dict shape mismatch (nothing was loaded): " + "; ".join(plan.errors))
-        if plan.unexpected and strict:
-            shown = plan.unexpected[:10] + (["..."] if len(plan.unexpected) > 10 else [])
+        recipe = _cached_recipe(tf, queue) if layout == "single-file" else None
+        if recipe is None:
+            meta_path, meta = _read_metadata(layout, tf, json_path)
+            version, config = _check_meta(meta_path, meta, layout)
+            try:
+                entries = normalize_config(config)
+                # Built-in layers get placeholders (no random init, no allocation), equal entries built once.
+                blueprint = LayerBlueprint(queue, entries)
+                model = Sequential(blueprint.make())
+            except ValueError as exc:
+                raise FormatError(f"{meta_path}: cannot rebuild the model: {exc}") from None
+            recipe = _Recipe(meta_path, version, entries, blueprint, model, tf, weights_path)
+            if layout == "single-file":
+                _keep_recipe(tf, queue, recipe)
+        else:
+            model = Sequential(recipe.blueprint.make())
+        report = ModelLoadReport(path=weights_path, layout=layout, version=recipe.version, pooled=pool is not None)
+        if recipe.unexpected and strict:
+            shown = recipe.unexpected[:10] + (["..."] if len(recipe.unexpected) > 10 else [])
             raise KeyError(
-                f"{weights_path}: {len(plan.unexpected)} entries match no model weight: {shown}; "
+                f"{weights_path}: {len(recipe.unexpected)} entries match no model weight: {shown}; "
                 "pass strict=False to ignore them"
             )
-        report.missing_keys = list(plan.missing)
-        report.unexpected_keys = list(plan.unexpected)
-        wanted = [name for name in infos if name not in set(plan.unexpected)]
+        report.missing_keys = list(recipe.missing)
+        report.unexpected_keys = list(recipe.unexpected)
 
         from fastckpt.device.load import load_file, realign
 
         # With a pool: one copy into one arena. Without: one exact-size buffer per weight, the copies
         # queued back to back and waited for once.
-        loaded = load_file(tf, queue, pool=pool, names=wanted, progress=progress)
+        loaded = load_file(tf, queue, pool=pool, names=recipe.wanted, progress=progress)
+        if reused:
+            loaded.report.file_reused = True
         report.file_report = loaded.report
-        state = dict(loaded)
-        if pool is not None:
-            report.realigned_keys = realign(state, queue, pool, loaded.report)
+        loaded.wait()  # a no-op after this blocking load; the views made now carry no pending copy
         # The plan was validated against the index; the loaded tensors have exactly those shapes.
-        for module, key, _spec, full_key in plan.writes:
-            module._apply(key, state[full_key])
-        _materialize_missing(queue, model, entries)
+        if _bind(model, recipe.writes, loaded) and pool is not None:
+            # Views starting mid-element (np.savez files): kernels index elements, so they move to an aligned arena.
+            state = dict(loaded)
+            report.realigned_keys = realign(state, queue, pool, loaded.report)
+            moved = set(report.realigned_keys)
+            _bind(model, [w for w in recipe.writes if w[2] in moved], state)
+        if recipe.missing_layers:
+            _materialize_missing(queue, model, recipe.entries, recipe.missing_layers)
 
     if report.missing_keys:
         shown = report.missing_keys[:10] + (["..."] if len(report.missing_keys) > 10 else [])
@@ -502,6 +611,6 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
     report.seconds = time.perf_counter() - t0
     model.load_report = report
     _log.info("loaded model %s (%s): %d weights, %d bytes in %.3f s, %d missing, %d unexpected", weights_path, layout,
-              len(wanted), report.file_report.bytes_copied, report.seconds, len(report.missing_keys),
+              len(recipe.wanted), report.file_report.bytes_copied, report.seconds, len(report.missing_keys),
               len(report.unexpected_keys))
     return model

@@ -9,6 +9,7 @@
 
 from fastckpt.nn.factory import (
     NETCL_TYPES,
+    LayerBlueprint,
     LayerSpec,
     build_layer,
     build_sequential,
@@ -60,6 +61,7 @@ __all__ = [
     "Flatten",
     "Embedding",
     "LayerSpec",
+    "LayerBlueprint",
     "register_layer",
     "unregister_layer",
     "registered_types",
