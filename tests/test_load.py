@@ -15,7 +15,7 @@ import pytest
 from _device_data import DTYPES, sample
 
 import fastckpt
-from fastckpt.device.load import MERGE_GAP, LoadedTensors, load_file, plan_regions
+from fastckpt.device.load import MERGE_GAP, STAGING_BUFFERS, STAGING_ROUND, LoadedTensors, load_file, plan_regions
 from fastckpt.device.pool import PersistentBufferPool
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.info import TensorInfo
@@ -619,6 +619,289 @@ def test_threads_loading_through_one_pool(tmp_path, dev, pool):
     assert s.buffers_in_use == 0 and s.allocations <= 4 * 3, s
 
 
+# -- staging through pinned buffers (the discrete-GPU path, forced on pocl) -----------------------------------------
+def odd_sized(n: int, seed: int = 0) -> dict:
+    """``n`` uint8/float32/float64 tensors of odd lengths: unpadded, their payloads land at every offset mod 8."""
+    dtypes = (np.uint8, np.float32, np.float64)
+    return {f"t{i:05d}": sample(dtypes[i % 3], ((seed + 7 * i) % 23 + 1,), seed=seed + i) for i in range(n)}
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("use_pool", [True, False])
+def test_staged_load_of_many_chunks_is_exact(tmp_path, dev, pool, use_pool, blocking):
+    path = tmp_path / "m.safetensors"
+    tensors = {"lead": np.arange(3, dtype=np.uint8),
+               **{f"w{i}": sample(np.float64, (1000 + 37 * i,), seed=i) for i in range(5)}}  # ~42 KB
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool if use_pool else None, staging=3001, blocking=blocking)
+    report = loaded.report
+    assert report.staging_chunk == 3001
+    region = sum(a.nbytes for a in tensors.values())
+    assert report.bytes_copied == region
+    if use_pool:
+        # One region, copied a chunk at a time (one command per chunk, the last one short).
+        assert report.copies == -(-region // 3001)
+        assert set(report.paths.values()) == {"arena"}
+    else:
+        # A command per piece: a tensor straddling a chunk boundary is two.
+        pieces = len({*range(0, region, 3001)} | set(np.cumsum([0] + [a.nbytes for a in tensors.values()])[:-1]))
+        assert report.copies == pieces
+        assert set(report.paths.values()) == {"buffer"}
+    if not blocking:
+        assert all(t.pending for t in loaded.values())
+        assert all(t._keepalive is not None for t in loaded.values()), "the staging buffers are kept"
+    check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("use_pool", [True, False])
+def test_staged_load_of_many_small_tensors_packs_them_into_chunks(tmp_path, dev, pool, use_pool):
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(3000)
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool if use_pool else None, staging=1 << 12)
+    assert loaded.report.staging_chunk == 4096
+    check_exact(loaded, path, tensors)
+    assert list(loaded) == list(tensors)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("use_pool", [True, False])
+def test_a_tensor_straddling_chunks_arrives_whole(tmp_path, dev, pool, use_pool):
+    path = tmp_path / "m.safetensors"
+    # 5 bytes, then 10,001 bytes across three 4 KiB chunks (starting 5 bytes in), then 3 bytes.
+    tensors = {"a": sample(np.uint8, (5,), 1), "b": sample(np.uint8, (10_001,), 2), "c": sample(np.uint8, (3,), 3)}
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool if use_pool else None, staging=4096)
+    assert loaded.report.copies == (3 if use_pool else 1 + 3 + 1)  # "b": 4091 + 4096 + 1814 bytes
+    for name, want in tensors.items():
+        assert loaded[name].to_host().tobytes() == want.tobytes(), name
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("writer", ["npz", "np.savez"])
+def test_staged_npz_with_odd_offsets_and_empty_tensors(tmp_path, dev, pool, writer):
+    path = tmp_path / "m.npz"
+    tensors = {**odd_sized(40, seed=5), "empty": np.zeros((0, 3), np.float32), "scalar": np.array(7, np.int16)}
+    write(writer, path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool, staging=1000)
+    assert loaded.report.paths["empty"] == "empty" and loaded.report.staging_chunk == 1000
+    check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
+def test_the_pool_reuses_its_staging_buffers(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(200)
+    write_raw_safetensors(path, tensors)
+    first = load_file(path, dev.queue, pool=pool, staging=True)
+    chunk = first.report.staging_chunk
+    assert chunk == STAGING_ROUND  # a load smaller than one chunk gets buffers of its own size, rounded up
+    s = pool.stats
+    assert (s.staging_allocations, s.staging_bytes) == (STAGING_BUFFERS, STAGING_BUFFERS * chunk)
+    check_exact(first, path, tensors)
+    for _ in range(3):
+        again = load_file(path, dev.queue, pool=pool, staging=True)
+        check_exact(again, path, tensors)
+    s = pool.stats
+    assert (s.staging_allocations, s.staging_bytes) == (STAGING_BUFFERS, STAGING_BUFFERS * chunk), "nothing new"
+    smaller = load_file(path, dev.queue, pool=pool, staging=1000)  # a smaller chunk fits the held buffers
+    assert smaller.report.staging_chunk == 1000 and pool.stats.staging_allocations == STAGING_BUFFERS
+    check_exact(smaller, path, tensors)
+    pool.clear()
+    assert pool.stats.staging_bytes == 0
+
+
+@pytest.mark.device
+def test_staging_buffers_leased_from_the_pool_are_pinned_and_mapped(dev, pool):
+    with pool.staging(dev.queue, 1 << 16, 3) as stage:
+        assert (stage.count, stage.chunk, stage.nbytes, stage.hit) == (3, 1 << 16, 3 << 16, False)
+        assert all(h.dtype == np.uint8 and h.shape == (1 << 16,) and h.flags.writeable for h in stage.hosts)
+        stage.hosts[2][:4] = [1, 2, 3, 4]
+    again = pool.staging(dev.queue, 1 << 10, 3)
+    assert again is stage and again.hit and bytes(again.hosts[2][:4]) == b"\x01\x02\x03\x04"
+    assert pool.staging(dev.queue, 1 << 10, 2) is not stage, "a set of another count is not shared"
+    with pytest.raises(ValueError, match="above 0"):
+        pool.staging(dev.queue, 0)
+
+
+@pytest.mark.device
+def test_a_non_blocking_staged_load_then_another_through_the_same_buffers(tmp_path, dev, pool):
+    paths, models = [], []
+    for i in range(2):
+        p = tmp_path / f"m{i}.safetensors"
+        models.append({f"w{k}": sample(np.float32, (3000 + k,), seed=10 * i + k) for k in range(8)})
+        write_raw_safetensors(p, models[-1])
+        paths.append(p)
+    # 2 KiB chunks: each load cycles through the two buffers many times; the second load must wait for the
+    # first one's copies before it overwrites a buffer they read.
+    first = load_file(paths[0], dev.queue, pool=pool, staging=2048, blocking=False)
+    second = load_file(paths[1], dev.queue, pool=pool, staging=2048, blocking=False)
+    assert pool.stats.staging_allocations == STAGING_BUFFERS
+    check_exact(second, paths[1], models[1])
+    check_exact(first, paths[0], models[0])
+
+
+@pytest.mark.device
+def test_large_staged_chunks_are_filled_by_several_threads(tmp_path, dev, pool, monkeypatch):
+    import fastckpt.device.load as load_mod
+
+    monkeypatch.setattr(load_mod, "_FILL_THREADS", 3)
+    monkeypatch.setattr(load_mod, "_FILL_SPLIT", 1 << 20)
+    seen = []
+    real = load_mod._fill
+    monkeypatch.setattr(load_mod, "_fill", lambda dst, src: (seen.append(src.nbytes), real(dst, src)))
+    path = tmp_path / "m.safetensors"
+    tensors = {"big": sample(np.uint8, (5 << 20,), 1), "tail": sample(np.uint8, (12_345,), 2)}
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool, staging=4 << 20)
+    assert seen == [4 << 20, (1 << 20) + 12_345]  # the first over 3 threads (1 MiB at least each), then one
+    assert load_mod._filler is not None
+    check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
+def test_staged_progress_counts_every_byte_once(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(50)
+    write_raw_safetensors(path, tensors)
+    calls = []
+    loaded = load_file(path, dev.queue, pool=pool, staging=256, progress=lambda d, t, item: calls.append((d, t)))
+    total = sum(a.nbytes for a in tensors.values())
+    assert calls[-1] == (total, total) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+    check_exact(loaded, path, tensors)
+
+
+def test_staging_follows_host_unified_memory_unless_forced():
+    from types import SimpleNamespace
+
+    from fastckpt.device.load import STAGING_CHUNK, _staging_chunk
+
+    discrete, unified = SimpleNamespace(host_unified_memory=False), SimpleNamespace(host_unified_memory=True)
+    assert [_staging_chunk(None, discrete), _staging_chunk(None, unified)] == [STAGING_CHUNK, 0]
+    assert [_staging_chunk(True, unified), _staging_chunk(False, discrete), _staging_chunk(5000, unified)] == [
+        STAGING_CHUNK, 0, 5000]
+    for bad in (0, -1, 1.5, "64MiB"):
+        with pytest.raises(ValueError, match="staging must be None"):
+            _staging_chunk(bad, discrete)
+
+
+@pytest.mark.device
+def test_default_load_on_pocl_is_not_staged(tmp_path, dev, pool):
+    assert dev.queue.device.host_unified_memory
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, model(3), fsync=False)
+    assert load_file(path, dev.queue, pool=pool).report.staging_chunk == 0
+    assert pool.stats.staging_allocations == 0
+
+
+
+@pytest.mark.device
+def test_threads_staging_through_one_pool(tmp_path, dev, pool):
+    import pyopencl as cl
+
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"m{i}.safetensors"
+        write_raw_safetensors(p, odd_sized(300, seed=i))
+        paths.append(p)
+    errors = []
+
+    def worker(k):
+        queue = cl.CommandQueue(dev.context)
+        try:
+            for r in range(5):
+                i = (k + r) % 3
+                loaded = load_file(paths[i], queue, pool=pool, staging=1024, blocking=r % 2 == 0)
+                for name, want in odd_sized(300, seed=i).items():
+                    if loaded[name].to_host().tobytes() != want.tobytes():
+                        errors.append((k, r, name))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    # Every set came back; the pool keeps STAGING_KEEP of them (sets beyond are let go) and counts what it keeps.
+    from fastckpt.device.pool import STAGING_KEEP
+
+    idle = pool._staging
+    assert 1 <= len(idle) <= STAGING_KEEP and pool.stats.staging_bytes == sum(stage.nbytes for stage in idle)
+    assert all(stage.chunk == 1024 and stage.count == STAGING_BUFFERS for stage in idle)
+
+# -- planning a whole file from the index's columns ----------------------------------------------------------------
+@pytest.mark.device
+def test_a_file_of_many_tensors_loads_exactly_and_views_are_made_on_access(tmp_path, dev, pool):
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(20_000)
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool)
+    assert loaded.report.copies == 1 and loaded.report.tensors == len(loaded) == 20_000
+    assert list(loaded) == list(tensors) and loaded._tensors == {}
+    assert "t19999" in loaded and "t20000" not in loaded and 3 not in loaded
+    raw = file_bytes(path)
+    with fastckpt.open(path) as tf:
+        for name in ("t00000", "t00001", "t12345", "t19999"):
+            info = tf.info(name)
+            got = loaded[name]
+            assert got.shape == info.shape and got.dtype == info.dtype
+            assert got.to_host().tobytes() == raw[info.offset:info.offset + info.nbytes] == tensors[name].tobytes()
+    assert loaded["t12345"] is loaded["t12345"]
+    with pytest.raises(TensorNotFoundError, match="no tensor named 't20000' was loaded"):
+        loaded["t20000"]
+    assert loaded.report.paths["t00007"] == "arena" and len(loaded.report.paths) == 20_000
+
+
+
+@pytest.mark.device
+def test_an_index_out_of_offset_order_is_planned_by_offset(tmp_path, dev, pool):
+    from fastckpt._native.tensorindex import TensorIndex
+
+    from fastckpt.formats.reader import TensorFile
+
+    path = tmp_path / "m.safetensors"
+    tensors = {"a": sample(np.float32, (3, 2), 1), "z": np.zeros((0, 2), np.float32), "b": sample(np.int16, (5,), 2),
+               "c": sample(np.float64, (), 3), "d": sample(np.uint8, (2, 1, 3), 4)}
+    write_raw_safetensors(path, tensors)
+    with fastckpt.open(path) as tf:
+        backwards = [tf.infos[name] for name in reversed(list(tf.infos))]
+        shuffled = TensorFile(tf.mapped, "safetensors", TensorIndex.from_infos(tf.mapped, backwards), None)
+        assert list(shuffled.infos) == ["d", "c", "b", "z", "a"]
+        loaded = load_file(shuffled, dev.queue, pool=pool)
+        assert list(loaded) == ["a", "b", "z", "c", "d"]  # by offset ("z", empty, at b's offset: a stable sort)
+        assert loaded.report.copies == 1 and loaded.report.paths["z"] == "empty"
+        check_exact(loaded, path, tensors)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("limit", [None, 64, 1000, 5000])
+def test_regions_from_columns_equal_plan_regions(seed, limit):
+    from fastckpt.device.load import _column_regions
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    sizes = rng.integers(1, 60, n)
+    gaps = np.where(rng.random(n) < 0.1, MERGE_GAP + rng.integers(-2, 3, n), rng.integers(0, 40, n))
+    offsets = np.cumsum(gaps + np.concatenate([[0], sizes[:-1]]))
+    infos = [info(f"t{k}", int(o), int(s)) for k, (o, s) in enumerate(zip(offsets, sizes))]
+    want = plan_regions(infos, limit=limit)
+    got = _column_regions(offsets.astype(np.int64), sizes.astype(np.int64), limit, lambda k: f"t{k}")
+    assert [(s, e, [i.name for i in infos[g]]) for s, e, g in got] == [(s, e, [i.name for i in g]) for s, e, g in want]
+
+
+def test_regions_from_columns_leave_overlaps_to_plan_regions_and_name_a_tensor_too_large():
+    from fastckpt.device.load import _column_regions
+
+    assert _column_regions(np.array([0, 50]), np.array([100, 10]), None, str) is None
+    assert _column_regions(np.array([], np.int64), np.array([], np.int64), None, str) == []
+    with pytest.raises(ValueError, match="'t1' has 2000 bytes, more than one device allocation"):
+        _column_regions(np.array([0, 10]), np.array([10, 2000]), 1000, lambda k: f"t{k}")
+
+
 # -- planning (no device) ------------------------------------------------------------------------
 def info(name, offset, nbytes):
     return TensorInfo(name, np.dtype("u1"), (nbytes,), offset, nbytes)
@@ -665,4 +948,16 @@ def test_bench_command_runs_and_reports_zero_repeat_misses(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| bound: enqueue_copy per tensor" in out and "safetensors safe_open" in out
     assert "(b) repeated pooled loads: 0 pool misses" in out and "values exact: True" in out
+    assert os.listdir(tmp_path) == [], "fixtures are removed"
+
+
+@pytest.mark.device
+def test_bench_case_of_many_tensors_states_its_target(tmp_path, capsys):
+    from fastckpt.cli import main
+
+    assert main(["bench", "--quick", "--repeat", "1", "--case", "c", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| index: fastckpt.open + hosts() |" in out and "| one enqueue_copy of the data region" in out
+    assert "(c) first pooled load <= 2x the index time + one region copy: " in out
+    assert "(c) repeated pooled loads: 0 pool misses" in out and "values exact: True" in out
     assert os.listdir(tmp_path) == [], "fixtures are removed"

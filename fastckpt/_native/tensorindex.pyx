@@ -49,6 +49,11 @@ from fastckpt.info import TensorInfo
 _new = object.__new__
 _set = object.__setattr__
 
+# The bits of the ``flags`` column that :meth:`TensorIndex.columns` returns (tensorindex.pxd).
+FLAG_FORTRAN_ORDER = FORTRAN_ORDER
+FLAG_DEFLATE = DEFLATE
+FLAG_VIEWABLE = VIEWABLE
+
 cnp.import_array()
 
 cdef extern from "Python.h":
@@ -494,6 +499,57 @@ cdef class TensorIndex:
                 arr = fallback(name)
             out[name] = arr
         return out
+
+    def columns(self):
+        """The index's columns, copied into numpy arrays (index order): a dict of
+
+        ``offsets``, ``nbytes`` (int64: each payload's absolute offset and stored
+        length), ``flags`` (uint8: the bits ``FLAG_FORTRAN_ORDER``, ``FLAG_DEFLATE``,
+        ``FLAG_VIEWABLE``), ``dtype_codes`` (int32, numbering ``dtypes``, a list of
+        numpy dtypes), ``shape_at`` (int64, one more than the tensors) and ``dims``
+        (intp): tensor ``i``'s shape is ``dims[shape_at[i]:shape_at[i + 1]]``.
+        Where ``FLAG_VIEWABLE`` is not set, offset and length are 0 and the shape
+        may be missing: ask the info (``index[name]``). A load plans 100,000
+        tensors from these without a ``TensorInfo`` for any, and without holding
+        the index (or its mapping) afterwards.
+
+        >>> import os, tempfile
+        >>> from fastckpt._native.mapped import MappedFile
+        >>> from fastckpt.info import TensorInfo
+        >>> p = os.path.join(tempfile.mkdtemp(), "raw.bin")
+        >>> with open(p, "wb") as f:
+        ...     _ = f.write(bytes(16))
+        >>> index = TensorIndex.from_infos(MappedFile(p), [TensorInfo("a", np.dtype("<i2"), (3,), 2, 6),
+        ...                                                TensorInfo("b", np.dtype("u1"), (2, 2), 8, 4)])
+        >>> c = index.columns()
+        >>> [c[k].tolist() for k in ("offsets", "nbytes", "flags", "dtype_codes", "shape_at", "dims")]
+        [[2, 8], [6, 4], [4, 4], [0, 1], [0, 1, 3], [3, 2, 2]]
+        >>> c["dtypes"]
+        [dtype('int16'), dtype('uint8')]
+        """
+        cdef Py_ssize_t n = self.count
+        offsets = np.empty(n, np.int64)
+        nbytes = np.empty(n, np.int64)
+        flags = np.empty(n, np.uint8)
+        codes = np.empty(n, np.int32)
+        shape_at = np.empty(n + 1, np.int64)
+        dims = np.empty(self.dims_count, np.intp)
+        cdef int64_t[::1] o = offsets
+        cdef int64_t[::1] b = nbytes
+        cdef uint8_t[::1] f = flags
+        cdef int32_t[::1] c = codes
+        cdef int64_t[::1] at = shape_at
+        cdef cnp.npy_intp[::1] d = dims
+        if n:
+            memcpy(&o[0], self.offsets, <size_t>n * sizeof(int64_t))
+            memcpy(&b[0], self.nbytes, <size_t>n * sizeof(int64_t))
+            memcpy(&f[0], self.flags, <size_t>n * sizeof(uint8_t))
+            memcpy(&c[0], self.dtype_codes, <size_t>n * sizeof(int32_t))
+        memcpy(&at[0], self.shape_at, <size_t>(n + 1) * sizeof(int64_t))
+        if self.dims_count:
+            memcpy(&d[0], self.dims, <size_t>self.dims_count * sizeof(cnp.npy_intp))
+        return {"offsets": offsets, "nbytes": nbytes, "flags": flags, "dtype_codes": codes, "shape_at": shape_at,
+                "dims": dims, "dtypes": list(self.dtypes)}
 
     def info_list(self):
         """Every ``TensorInfo``, in index order."""

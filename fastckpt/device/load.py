@@ -41,6 +41,18 @@ Paths a tensor can take (``LoadedTensors.report.paths``):
   ``parts()``) takes this path too: its ``host(name)`` array is copied.
 - ``"empty"``: a tensor with no bytes (a view of length 0).
 
+**Staging** (``staging=``; by default on devices whose ``host_unified_memory``
+is false, discrete GPUs): the ``"arena"`` and ``"buffer"`` copies do not read
+the mapping, which is pageable memory a driver must copy again before its DMA
+engine can read it; the host fills pinned staging buffers (``ALLOC_HOST_PTR``,
+``STAGING_BUFFERS`` of ``STAGING_CHUNK`` bytes, mapped once and kept by the
+pool between loads, see :class:`~fastckpt.device.pool.StagingBuffers`) from
+the mapping, and each full buffer is copied to the device with non-blocking
+commands while the host fills the other one (and the kernel reads the next
+chunk of the file ahead, ``madvise(WILLNEED)``); a buffer is refilled once
+the copies last sent from it have finished. The paths and the bytes are the
+same; ``report.staging_chunk`` says it happened.
+
 Each path is one function (``_load_zero_copy``, ``_load_arenas`` or, for a
 reader with ``parts()``, ``_load_part_arenas``, ``_load_buffers``,
 ``_load_decoded``, ``_load_empty``) that ``load_file`` calls in that order. Files written by ``np.savez`` can leave arena views starting
@@ -62,6 +74,8 @@ finished when ``load_file`` returns.
 
 from __future__ import annotations
 
+import bisect
+import concurrent.futures
 import logging
 import os
 import threading
@@ -71,10 +85,12 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
+from fastckpt._native.tensorindex import FLAG_DEFLATE, FLAG_FORTRAN_ORDER, FLAG_VIEWABLE
+from fastckpt.device.pool import StagingBuffers
 from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
@@ -84,7 +100,7 @@ from fastckpt.progress import progress_from, requested
 _log = logging.getLogger(__name__)
 
 __all__ = ["load_file", "realign", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP",
-           "COPY_CHUNK", "PART_ALIGN"]
+           "COPY_CHUNK", "PART_ALIGN", "STAGING_CHUNK", "STAGING_BUFFERS"]
 
 # Regions are copied in commands of at most this many bytes (into one arena). On pocl a single huge
 # copy runs about 3x slower than the same bytes in 8-16 MiB commands (measured: 512 MiB in 210 ms as
@@ -99,6 +115,18 @@ MERGE_GAP = 512 * 1024
 # alignment of fastckpt's safetensors data sections), so every tensor keeps the alignment it has in its file.
 PART_ALIGN = 4096
 
+# Staged copies (devices that do not share host memory): the size of one pinned staging buffer, and how many a load
+# cycles through (two: one is filled while the other is copied). A load smaller than one chunk gets buffers of its
+# own size, rounded up to STAGING_ROUND bytes.
+STAGING_CHUNK = 64 * 1024 * 1024
+STAGING_BUFFERS = 2
+STAGING_ROUND = 1024 * 1024
+
+# A staging buffer is filled by up to this many threads, each copying at least _FILL_SPLIT bytes: one core reading
+# page-cache pages (a fault per page on a fresh mapping) stays well below what a PCIe link carries.
+_FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
+_FILL_SPLIT = 8 * 1024 * 1024
+
 
 @dataclass
 class LoadReport:
@@ -107,8 +135,10 @@ class LoadReport:
     ``mode`` is ``"pool"``, ``"per-tensor"`` or ``"zero-copy"``; ``paths`` maps
     each tensor to its path (see the module docstring); ``skipped`` lists the
     string tensors left out (they have no device form); ``file_reused`` says
-    the pool still had the file open (mapped, index parsed); ``timings`` holds
-    seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
+    the pool still had the file open (mapped, index parsed); ``staging_chunk``
+    is the size of the pinned staging buffers the copies went through (0: none,
+    see ``load_file``'s ``staging``); ``timings`` holds seconds for ``open``,
+    ``plan``, ``allocate``, ``copy`` and ``total``.
 
     >>> report = load_file("model.safetensors", pool=pool).report    # doctest: +SKIP
     >>> report.mode, report.copies, report.pool_misses, report.file_reused  # doctest: +SKIP
@@ -130,6 +160,7 @@ class LoadReport:
     skipped: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    staging_chunk: int = 0
 
 
 class LoadedTensors(Mapping):
@@ -153,7 +184,8 @@ class LoadedTensors(Mapping):
         self._leases = leases
         self._events = events
         self._names = names
-        self._index = index or {}  # name -> (region number, TensorInfo), for views made on access
+        # name -> (region number, TensorInfo) through .get (a dict or a _ColumnIndex), for views made on access
+        self._index = index or {}
         self._regions = regions or []  # [buffer, region start, lease, pending event, source view]
         self._queue = queue
 
@@ -166,10 +198,13 @@ class LoadedTensors(Mapping):
         if t is not None:
             return t
         try:
-            number, info = self._index[name]
-        except (KeyError, TypeError):
+            entry = self._index.get(name)
+        except TypeError:  # an unhashable name
+            entry = None
+        if entry is None:
             raise TensorNotFoundError(f"{self.report.path}: no tensor named {name!r} was loaded "
-                                      f"({len(self._names)} loaded)") from None
+                                      f"({len(self._names)} loaded)")
+        number, info = entry
         buffer, start, lease, event, keep = self._regions[number]
         t = Tensor._make(buffer, info.shape, info.dtype, info.offset - start, self._queue, lease)
         if event is not None:
@@ -273,6 +308,94 @@ def plan_regions(infos: Iterable, limit: int | None, merge_gap: int = MERGE_GAP)
     return regions
 
 
+def _column_regions(offsets: np.ndarray, nbytes: np.ndarray, limit: int | None, name_of) -> list | None:
+    """:func:`plan_regions` over columns: ``[(start, end, slice of the tensors)]`` for payloads sorted by offset
+    (``offsets``, ``nbytes``: int64, none empty); ``name_of(k)`` names tensor ``k`` in an error.
+
+    None where payloads overlap (:func:`plan_regions` then decides). Without overlaps a region's end is its last
+    payload's end, so the splits are where a gap exceeds ``MERGE_GAP`` and, greedily, where a region would exceed
+    ``limit``: the regions ``plan_regions`` makes.
+
+    >>> [(s, e, g) for s, e, g in _column_regions(np.array([100, 104, 120]), np.array([4, 4, 4]), 16, str)]
+    [(100, 108, slice(0, 2, None)), (120, 124, slice(2, 3, None))]
+    """
+    n = len(offsets)
+    if n == 0:
+        return []
+    ends = offsets + nbytes
+    if n > 1 and (offsets[1:] < ends[:-1]).any():
+        return None
+    bounds = [0, *(np.flatnonzero(offsets[1:] - ends[:-1] > MERGE_GAP) + 1).tolist(), n]
+    regions = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        start, end = int(offsets[lo]), int(ends[hi - 1])
+        if limit is None or end - start <= limit:
+            regions.append((start, end, slice(lo, hi)))
+            continue
+        big = np.flatnonzero(nbytes[lo:hi] > limit)
+        if big.size:
+            k = lo + int(big[0])
+            raise ValueError(
+                f"tensor {name_of(k)!r} has {int(nbytes[k])} bytes, more than one device allocation may hold "
+                f"(max_mem_alloc_size = {limit}); it cannot be loaded on this device"
+            )
+        while lo < hi:  # as many payloads as fit in one allocation, then the next region
+            start = int(offsets[lo])
+            cut = lo + int(np.searchsorted(ends[lo:hi], start + limit, side="right"))
+            regions.append((start, int(ends[cut - 1]), slice(lo, cut)))
+            lo = cut
+    return regions
+
+
+class _ColumnView(NamedTuple):
+    """What a view is made from: the tensor's shape, dtype and payload offset (a ``TensorInfo`` has them too)."""
+
+    shape: tuple
+    dtype: np.dtype
+    offset: int
+
+
+class _ColumnIndex:
+    """name -> ``(region number, shape/dtype/offset)`` for the arena views of a plan made from the columns, on access.
+
+    Nothing per tensor is built at load time: the name -> position dict is made at the first look-up, the shape and
+    dtype come from copies of the index's columns (this holds no reference to the index, so it never keeps the file
+    mapped), and a payload's region is the last one starting at or before its offset (regions are disjoint, by
+    offset). Tensors that are not in an arena (decoded, empty) are not found here; the load made those already.
+    """
+
+    __slots__ = ("names", "order", "offsets", "direct", "columns", "odd", "starts", "positions")
+
+    def __init__(self, names: tuple, order, offsets, direct, columns: dict, odd: dict, starts: list):
+        self.names = names  # by offset
+        self.order = order  # index position of each name (None: the same)
+        self.offsets = offsets  # by offset
+        self.direct = direct  # by offset: copied into an arena
+        self.columns = columns  # TensorIndex.columns(), in index order (dtype codes and shapes used)
+        self.odd = odd  # name -> TensorInfo where the columns hold no shape
+        self.starts = starts
+        self.positions = None
+
+    def get(self, name, default=None):
+        positions = self.positions
+        if positions is None:
+            positions = self.positions = dict(zip(self.names, range(len(self.names))))
+        k = positions.get(name)
+        if k is None or not self.direct[k]:
+            return default
+        view = self.odd.get(name)
+        if view is None:
+            i = k if self.order is None else int(self.order[k])
+            c = self.columns
+            at = c["shape_at"]
+            view = _ColumnView(tuple(c["dims"][at[i]:at[i + 1]].tolist()), c["dtypes"][c["dtype_codes"][i]],
+                               int(self.offsets[k]))
+        return bisect.bisect_right(self.starts, view.offset) - 1, view
+
+    def __contains__(self, name) -> bool:
+        return self.get(name) is not None
+
+
 def _wait_all(events) -> None:
     import pyopencl as cl
 
@@ -304,20 +427,30 @@ def _open(source, copy_on_write: bool, pool=None):
 class _Plan:
     """What to load from one open reader for one ``names`` selection: computed once per reader and reused.
 
-    A mapped file (:class:`~fastckpt.formats.reader.TensorFile`) is planned by payload offset, for region copies;
-    a reader with ``parts()`` likewise, file by file (``parts``: ``[(mapped file, infos by offset)]``); any other
-    reader of the contract has every tensor decoded through ``host(name)``, in ``keys()`` order.
+    A mapped file (:class:`~fastckpt.formats.reader.TensorFile`) is planned by payload offset, for region copies:
+    a whole file from its index's columns (numpy arrays of offsets and lengths; a ``TensorInfo`` is made only for
+    the few tensors that are not copied whole, and for the others when a view is asked for), a selection from its
+    infos. A reader with ``parts()`` is planned likewise, file by file (``parts``: ``[(mapped file, infos by
+    offset)]``); any other reader of the contract has every tensor decoded through ``host(name)``, in ``keys()``
+    order.
     """
 
-    __slots__ = ("mapped", "parts", "selected", "names", "direct", "decoded", "empty", "skipped", "_arena")
+    __slots__ = ("mapped", "parts", "selected", "count", "names", "_direct", "decoded", "empty", "skipped", "_arena",
+                 "_infos", "_direct_offsets", "_direct_nbytes", "_direct_at", "_payload", "_columns")
 
     def __init__(self, tf, names):
         self.mapped = isinstance(tf, TensorFile)
+        self.parts = None
+        self._arena = None
+        self._infos = None  # the file's columnar index, for a plan made from its columns
+        self._payload = None
+        if self.mapped and names is None and hasattr(tf.infos, "columns") and self._from_columns(tf.infos):
+            return
         parts = None if self.mapped else _parts_of(tf)
         self.selected, self.skipped = _select(tf, names, self.mapped)
+        self.count = len(self.selected)
         self.names = tuple(i.name for i in self.selected)
-        self.direct, self.decoded, self.empty = [], [], []
-        self.parts = None
+        self._direct, self.decoded, self.empty = [], [], []
         if parts is not None:
             part_of = {name: number for number, (_file, part_names) in enumerate(parts) for name in part_names}
             by_part: list[list] = [[] for _ in parts]
@@ -328,7 +461,7 @@ class _Plan:
                 elif parts is not None and info.name in part_of and info.compression is None \
                         and not info.fortran_order:
                     by_part[part_of[info.name]].append(info)
-                    self.direct.append(info)
+                    self._direct.append(info)
                 else:
                     self.decoded.append(info)
             elif info.compression is not None or info.fortran_order:
@@ -336,22 +469,108 @@ class _Plan:
             elif info.nbytes == 0:
                 self.empty.append(info)
             else:
-                self.direct.append(info)
+                self._direct.append(info)
         if parts is not None:
             self.parts = [(file.mapped, sorted(infos, key=lambda i: i.offset))
                           for (file, _names), infos in zip(parts, by_part) if infos]
-        self._arena = None
+
+    def _from_columns(self, infos) -> bool:
+        """Plan every tensor of a mapped file from the columns of its index (``TensorIndex.columns``).
+
+        The same plan as the general one (tensors by offset, a stable sort; compressed and Fortran-ordered ones
+        decoded, empty ones empty, the rest copied), without a ``TensorInfo`` per tensor. False, with nothing set,
+        where an offset does not fit the columns (the general plan then decides).
+        """
+        columns = infos.columns()
+        offsets, nbytes, flags = columns["offsets"], columns["nbytes"], columns["flags"]
+        all_names = list(infos)
+        viewable = (flags & FLAG_VIEWABLE) != 0
+        payload = int(nbytes[viewable].sum())  # viewable: the stored length is size * itemsize
+        odd = {}  # name -> TensorInfo where the columns are left empty (compressed members, odd shapes)
+        for i in np.flatnonzero(~viewable).tolist():
+            info = odd[all_names[i]] = infos[all_names[i]]
+            if not (0 <= info.offset < 1 << 62 and 0 <= info.nbytes < 1 << 62):
+                return False
+            offsets[i], nbytes[i] = info.offset, info.nbytes
+            payload += _payload(info)
+        order = None
+        if len(offsets) > 1 and (offsets[1:] < offsets[:-1]).any():
+            order = np.argsort(offsets, kind="stable")  # regions need file order
+            offsets, nbytes, flags = offsets[order], nbytes[order], flags[order]
+            all_names = [all_names[i] for i in order.tolist()]
+        decoded = (flags & (FLAG_DEFLATE | FLAG_FORTRAN_ORDER)) != 0
+        empty = ~decoded & (nbytes == 0)
+        direct = ~(decoded | empty)
+        self._infos = infos
+        self._columns = (order, offsets, direct, columns, odd)
+        self.selected, self.skipped = None, []
+        self.count = len(all_names)
+        self.names = tuple(all_names)
+        self.decoded = [infos[all_names[k]] for k in np.flatnonzero(decoded).tolist()]
+        self.empty = [infos[all_names[k]] for k in np.flatnonzero(empty).tolist()]
+        self._direct = None  # the infos, made when a path needs them (see direct)
+        self._direct_at = None if direct.all() else np.flatnonzero(direct)  # positions in names; None: all
+        self._direct_offsets = offsets if self._direct_at is None else offsets[self._direct_at]
+        self._direct_nbytes = nbytes if self._direct_at is None else nbytes[self._direct_at]
+        self._payload = payload
+        return True
+
+    @property
+    def direct(self) -> list:
+        """The infos of the tensors copied from a mapping, by offset (made here for a plan from the columns)."""
+        direct = self._direct
+        if direct is None:
+            at = range(self.count) if self._direct_at is None else self._direct_at.tolist()
+            infos, names = self._infos, self.names
+            direct = self._direct = [infos[names[k]] for k in at]
+        return direct
+
+    @property
+    def n_direct(self) -> int:
+        return len(self._direct_offsets) if self._infos is not None else len(self._direct)
+
+    def direct_names(self) -> list:
+        if self._infos is not None:
+            return list(self.names) if self._direct_at is None else [self.names[k] for k in self._direct_at.tolist()]
+        return [i.name for i in self._direct]
+
+    def direct_bytes(self) -> int:
+        """The stored bytes of the tensors copied from a mapping."""
+        if self._infos is not None:
+            return int(self._direct_nbytes.sum())
+        return sum(i.nbytes for i in self._direct)
+
+    def payload_bytes(self) -> int:
+        """Bytes of every selected tensor in device memory (what progress counts)."""
+        if self._payload is None:
+            self._payload = sum(_payload(i) for i in self.selected)
+        return self._payload
+
+    def group(self, group) -> list:
+        """A region's infos: the region's own list, or the slice of ``direct`` that a plan from the columns names."""
+        return self.direct[group] if isinstance(group, slice) else group
 
     def arena(self, limit) -> tuple:
         """``(regions, name index, report paths or None)`` for pooled arenas, cached per allocation limit.
 
+        ``regions`` is ``[(start, end, group)]``; ``group`` is the region's infos, or (a plan from the columns) the
+        slice of ``direct`` holding them (see :meth:`group`), and the index then a :class:`_ColumnIndex`.
         Replaced as one tuple, so threads loading through pools with different limits never mix parts.
         """
         arena = self._arena
         if arena is None or arena[0] != limit:
-            regions = plan_regions(self.direct, limit)
-            index = {info.name: (number, info) for number, (_, _, group) in enumerate(regions) for info in group}
-            paths = None if self.decoded or self.empty else MappingProxyType(dict.fromkeys(index, "arena"))
+            regions = None
+            if self._infos is not None:
+                regions = _column_regions(self._direct_offsets, self._direct_nbytes, limit,
+                                          lambda k: self.direct_names()[k])
+            if regions is None:
+                regions = plan_regions(self.direct, limit)
+                index = {info.name: (number, info) for number, (_, _, group) in enumerate(regions) for info in group}
+                names = index
+            else:
+                index = _ColumnIndex(self.names, *self._columns, [start for start, _end, _group in regions])
+                names = self.names
+            paths = None if self.decoded or self.empty else MappingProxyType(dict.fromkeys(names, "arena"))
             arena = self._arena = (limit, regions, index, paths)
         return arena[1:]
 
@@ -455,7 +674,7 @@ def _select(tf, names, by_offset: bool) -> tuple[list, list]:
 
 
 def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=None,
-              blocking: bool = True, progress=False) -> LoadedTensors:
+              blocking: bool = True, progress=False, staging: bool | int | None = None) -> LoadedTensors:
     """Load the tensors of a tensor file, or of any reader of the contract, into device memory.
 
     ``source`` is a path (opened with :func:`fastckpt.open`) or an open reader:
@@ -487,8 +706,17 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     (:meth:`LoadedTensors.wait` waits for all). ``progress`` (``True`` for a
     bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts
     the tensors' bytes as their copies complete (as they are queued when
-    ``blocking=False``). Each load is logged at INFO on ``fastckpt.device.load``
-    (file, tensors, bytes, seconds, the paths taken and why any was slower).
+    ``blocking=False``). ``staging`` says whether the copies from a mapping go
+    through pinned staging buffers (``ALLOC_HOST_PTR``, ``STAGING_BUFFERS`` of
+    ``STAGING_CHUNK`` bytes, or of the load's size rounded up to
+    ``STAGING_ROUND`` when smaller; kept by the pool for the next load), one
+    filled from the file while the other is copied to the device: ``None``
+    (the default) on devices whose ``host_unified_memory`` is false (discrete
+    GPUs), ``True``/``False`` force it either way, an int forces it with
+    chunks of that many bytes (``report.staging_chunk`` says what was used).
+    Decoded tensors are copied from their host arrays, never staged. Each
+    load is logged at INFO on ``fastckpt.device.load`` (file, tensors, bytes,
+    seconds, the paths taken and why any was slower).
 
     >>> import fastckpt, numpy as np, tempfile, os                     # doctest: +SKIP
     >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors")          # doctest: +SKIP
@@ -498,6 +726,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     """
     t_start = time.perf_counter()
     queue = _queue_for(queue, pool)
+    chunk = _staging_chunk(staging, queue.device)
     if isinstance(names, str):
         raise TypeError("names must be a list of tensor names, not a single string")
     if names is not None:
@@ -507,20 +736,25 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
         t_open = time.perf_counter()
         plan = _plan_for(tf, names)
         report = LoadReport(path=tf.path, format=tf.format, mode="pool" if pool is not None else "per-tensor",
-                            tensors=len(plan.selected), file_reused=file_reused, skipped=list(plan.skipped))
+                            tensors=plan.count, file_reused=file_reused, skipped=list(plan.skipped))
         limit = _allocation_limit(queue.device, pool)
         load = _Load(queue, pool, tf, blocking, report)
         if requested(progress):
-            load.progress = progress_from(progress, sum(_payload(i) for i in plan.selected),
+            load.progress = progress_from(progress, plan.payload_bytes(),
                                           f"load {os.path.basename(tf.path)}")
         t_plan = load.t_alloc = time.perf_counter()
         try:
-            direct = plan.direct
+            direct = plan.n_direct > 0
             if zero_copy and direct and plan.parts is not None:
                 load.note(f"{tf.path}: zero_copy=True works on one mapped file, and this {tf.format} reader has "
                           f"{len(plan.parts)}; the tensors are copied instead")
-            elif zero_copy and direct and _load_zero_copy(load, direct, limit):
-                direct = []
+            elif zero_copy and direct and _load_zero_copy(load, plan.direct, limit):
+                direct = False
+            if direct and chunk:
+                # A load smaller than one chunk is staged through buffers of its own size (pinning costs per byte).
+                chunk = min(chunk, -(-max(plan.direct_bytes(), 1) // STAGING_ROUND) * STAGING_ROUND)
+                load.stager = _Stager(load, chunk)
+                report.staging_chunk = chunk
             if direct and pool is not None:
                 if plan.parts is not None:
                     _load_part_arenas(load, plan, limit)
@@ -531,7 +765,9 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                     for mapped, infos in plan.parts:
                         _load_buffers(load, infos, mapped)
                 else:
-                    _load_buffers(load, direct)
+                    _load_buffers(load, plan.direct)
+            if load.stager is not None:
+                load.stager.finish()
             if plan.decoded:
                 _load_decoded(load, plan.decoded)
             if plan.empty:
@@ -551,6 +787,8 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                 lease.release()
             raise
         finally:
+            if load.stager is not None:
+                load.stager.close()  # after the error path waited for the copies reading the staging buffers
             load.progress.close()
         t_end = time.perf_counter()
     finally:
@@ -579,7 +817,7 @@ class _Load:
     """
 
     __slots__ = ("queue", "pool", "tf", "mapped", "blocking", "report", "tensors", "paths", "leases", "events",
-                 "regions", "index", "first_buffer", "t_alloc", "progress", "pending")
+                 "regions", "index", "first_buffer", "t_alloc", "progress", "pending", "stager")
 
     def __init__(self, queue, pool, tf, blocking: bool, report: LoadReport):
         self.queue = queue
@@ -598,6 +836,7 @@ class _Load:
         self.t_alloc = 0.0  # when allocating ended and copying began (for report.timings)
         self.progress = _NO_PROGRESS  # load_file's progress=, when asked for
         self.pending = None  # (event, bytes, tensor name): a copy reported once the next one is queued
+        self.stager = None  # the _Stager that copies from mappings go through, when staged
 
     def note(self, message: str) -> None:
         """Record and warn that tensors took a slower path than asked for; called by a strategy function."""
@@ -740,12 +979,13 @@ def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         load.leases.append(lease)
         arenas.append(lease)
     load.t_alloc = time.perf_counter()
+    progress = load.progress.enabled
     for (start, end, group), lease in zip(regions, arenas):
-        _copy_region(load, mapped, start, end, lease, 0, group)
+        _copy_region(load, mapped, start, end, lease, 0, plan.group(group) if progress else None)
     if arena_paths is not None:
         load.paths = arena_paths
     else:
-        load.paths.update(dict.fromkeys((i.name for i in plan.direct), "arena"))
+        load.paths.update(dict.fromkeys(plan.direct_names(), "arena"))
 
 
 def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
@@ -769,7 +1009,7 @@ def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
     if arena_paths is not None:
         load.paths = arena_paths
     else:
-        load.paths.update(dict.fromkeys((i.name for i in plan.direct), "arena"))
+        load.paths.update(dict.fromkeys(plan.direct_names(), "arena"))
 
 
 def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, group=None) -> None:
@@ -781,6 +1021,11 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
 
     queue, report, blocking = load.queue, load.report, load.blocking
     source_view = mapped.view(start, end - start, "tensor data region")
+    if load.first_buffer is None:
+        load.first_buffer = lease.buffer
+    if load.stager is not None:
+        _stage_region(load, mapped, start, end, lease, at, group, source_view)
+        return
     chunk_events = []
     counted = 0  # group[:counted] are reported
     for lo in range(0, end - start, COPY_CHUNK):
@@ -801,12 +1046,47 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
     if len(chunk_events) > 1 and not blocking:
         # One event for the whole region, also on out-of-order queues.
         event = cl.enqueue_marker(queue, wait_for=chunk_events)
-    if load.first_buffer is None:
-        load.first_buffer = lease.buffer
     # Views are made on access (LoadedTensors.__getitem__); a pending copy travels with them.
     # SAFETY: while the copy may run, the region entry keeps source_view (and so the mapping) alive.
     load.regions.append([lease.buffer, start - at, lease, None if blocking else event,
                          None if blocking else source_view])
+
+
+def _stage_region(load: _Load, mapped, start: int, end: int, lease, at: int, group, source_view) -> None:
+    """:func:`_copy_region` through the load's staging buffers: the region in pieces of one staging chunk, the kernel
+    asked to read the next piece from the file while this one is copied to pinned memory."""
+    stager, length = load.stager, end - start
+    source = np.frombuffer(source_view, np.uint8)
+    step = stager.chunk
+    counted = 0  # group[:counted] are reported
+    for lo in range(0, length, step):
+        hi = min(lo + step, length)
+        if hi < length:
+            _read_ahead(mapped, start + hi, min(step, length - hi))
+        done = None
+        if load.progress.enabled and group:
+            first = counted
+            while counted < len(group) and group[counted].offset + group[counted].nbytes <= start + hi:
+                counted += 1
+            if counted > first:
+                done = (sum(_payload(i) for i in group[first:counted]), group[counted - 1].name)
+        stager.add(source[lo:hi], lease.buffer, at + lo, done)
+    load.report.bytes_copied += length
+    # The copies read pinned memory, never the mapping: no source view to keep; a non-blocking load gets one event
+    # for all of them (_Stager.finish).
+    region = [lease.buffer, start - at, lease, None, None]
+    if not load.blocking:
+        stager.regions.append(region)
+    load.regions.append(region)
+
+
+def _read_ahead(mapped, offset: int, length: int) -> None:
+    """Ask the kernel to read ``length`` bytes at ``offset`` of the mapping now (``madvise(WILLNEED)``), so that the
+    disk works while the host copies the previous piece; advice only, so a failure changes nothing."""
+    try:
+        mapped.advise("willneed", offset, length)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _load_buffers(load: _Load, direct: list, mapped=None) -> None:
@@ -819,10 +1099,22 @@ def _load_buffers(load: _Load, direct: list, mapped=None) -> None:
     tensors, paths, events = load.tensors, load.paths, load.events
     ctx = queue.context
     rw = cl.mem_flags.READ_WRITE
+    stager = load.stager
     for info in direct:
         buffer = cl.Buffer(ctx, rw, info.nbytes)
         report.bytes_allocated += info.nbytes
         source_view = mapped.view(info.offset, info.nbytes, f"tensor {info.name!r}")
+        if stager is not None:
+            stager.add(np.frombuffer(source_view, np.uint8), buffer, 0,
+                       (info.nbytes, info.name) if load.progress.enabled else None)
+            report.bytes_copied += info.nbytes
+            if load.first_buffer is None:
+                load.first_buffer = buffer
+            t = tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
+            if not blocking:
+                stager.tensors.append(t)  # _Stager.finish gives it the event of the staged copies
+            paths[info.name] = "buffer"
+            continue
         event = cl.enqueue_copy(queue, buffer, source_view, is_blocking=False)
         events.append(event)
         report.copies += 1
@@ -940,3 +1232,141 @@ def _zero_copy_obstacle(device, mapped) -> str | None:
     if mapped.address is None:
         return f"the file is not memory-mapped (backend={mapped.backend!r})"
     return None
+
+
+def _staging_chunk(staging, device) -> int:
+    """The staging chunk in bytes that ``load_file``'s ``staging`` asks for on ``device``; 0 for none."""
+    if staging is None:
+        try:
+            unified = bool(device.host_unified_memory)
+        except Exception:  # a runtime that no longer answers the (OpenCL 2.0-deprecated) query: assume discrete
+            unified = False
+        return 0 if unified else STAGING_CHUNK
+    if isinstance(staging, bool):
+        return STAGING_CHUNK if staging else 0
+    if isinstance(staging, int) and staging > 0:
+        return staging
+    raise ValueError(f"staging must be None (stage where the device does not share host memory), True, False or a "
+                     f"chunk size in bytes above 0, got {staging!r}")
+
+
+class _Stager:
+    """The copies of one load from host memory to device buffers, through pinned staging buffers, double-buffered.
+
+    :meth:`add` copies bytes into the current staging buffer and notes where they go. When the buffer is full it is
+    sent (one non-blocking ``enqueue_copy`` per destination, from its pinned memory) and the next buffer is filled
+    while those copies run, as soon as the copies last sent from *that* buffer have finished (their events; a
+    previous load's too, for buffers from a pool). The staging buffers come from the pool (returned by
+    :meth:`close`, with the events of copies still reading them) or, without one, are made for this load.
+    """
+
+    __slots__ = ("load", "stage", "chunk", "slot", "used", "pieces", "done", "regions", "tensors")
+
+    def __init__(self, load: _Load, chunk: int):
+        self.load = load
+        if load.pool is not None:
+            self.stage = load.pool.staging(load.queue, chunk, STAGING_BUFFERS)
+        else:
+            self.stage = StagingBuffers.allocate(load.queue, chunk, STAGING_BUFFERS)
+        self.chunk = chunk
+        self.slot = 0
+        self.used = 0  # bytes filled in the current buffer
+        self.pieces: list = []  # (device buffer, its offset, offset in the staging buffer, bytes) of the current one
+        self.done: list = []  # (bytes, tensor name) for progress, counted once the current buffer's copies complete
+        self.regions: list = []  # arena regions of a non-blocking load, given the final event by finish()
+        self.tensors: list = []  # tensors of a non-blocking load, likewise
+        self._take(0)
+
+    def _take(self, slot: int) -> None:
+        """Wait for the copies last sent from staging buffer ``slot``: it is about to be overwritten."""
+        pending = self.stage.pending[slot]
+        if pending:
+            _wait_all(pending)
+        self.stage.pending[slot] = None
+
+    def add(self, source: np.ndarray, buffer, at: int, done=None) -> None:
+        """Stage the bytes ``source`` (uint8) for ``buffer`` at byte ``at``; ``done`` (bytes, tensor name) is counted
+        as progress once the copy carrying the last of them has completed."""
+        n = len(source)
+        pos = 0
+        while pos < n:
+            if self.used == self.chunk:
+                self._send(switch=True)
+            take = min(self.chunk - self.used, n - pos)
+            _fill(self.stage.hosts[self.slot][self.used:self.used + take], source[pos:pos + take])
+            self.pieces.append((buffer, at + pos, self.used, take))
+            self.used += take
+            pos += take
+        if done is not None:
+            self.done.append(done)
+
+    def _send(self, switch: bool) -> None:
+        """Copy the current staging buffer's pieces to the device (non-blocking); with ``switch``, go on to the
+        next buffer once the copies last sent from it have finished."""
+        import pyopencl as cl
+
+        load, host = self.load, self.stage.hosts[self.slot]
+        events = []
+        for buffer, at, offset, nbytes in self.pieces:
+            # SAFETY: the copy reads pinned memory after enqueue_copy returns; pyopencl's NannyEvent keeps the array
+            # (and so the mapped buffer) alive, and nothing writes there before _take has waited for this event.
+            event = cl.enqueue_copy(load.queue, buffer, host[offset:offset + nbytes], dst_offset=at,
+                                    is_blocking=False)
+            events.append(event)
+            load.events.append(event)
+        self.stage.pending[self.slot] = events
+        load.report.copies += len(events)
+        if self.done and load.progress.enabled:
+            last = events[-1] if len(events) == 1 else cl.enqueue_marker(load.queue, wait_for=events)
+            _reported(load, last, sum(nbytes for nbytes, _name in self.done), self.done[-1][1])
+        self.pieces, self.done, self.used = [], [], 0
+        if switch:
+            self.slot = (self.slot + 1) % len(self.stage.hosts)
+            self._take(self.slot)
+
+    def finish(self) -> None:
+        """Send what is staged; a non-blocking load's staged tensors and regions get one event covering all their
+        copies (a marker: it completes when every command queued before it has)."""
+        if self.pieces:
+            self._send(switch=False)
+        if not self.load.blocking and (self.regions or self.tensors):
+            import pyopencl as cl
+
+            event = cl.enqueue_marker(self.load.queue)
+            for region in self.regions:
+                region[3], region[4] = event, self.stage
+            for t in self.tensors:
+                t._event, t._keepalive = event, self.stage
+
+    def close(self) -> None:
+        """Return the staging buffers to the pool (their pending events go with them); idempotent."""
+        stage, self.stage = self.stage, None
+        if stage is not None:
+            stage.release()
+
+
+_filler: concurrent.futures.ThreadPoolExecutor | None = None
+_filler_lock = threading.Lock()
+
+
+def _fill(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)`` (flat uint8); a large copy is split over up to ``_FILL_THREADS`` threads (numpy
+    releases the GIL while it copies)."""
+    global _filler
+    n = src.nbytes
+    parts = min(_FILL_THREADS, n // _FILL_SPLIT)
+    if parts < 2:
+        np.copyto(dst, src)
+        return
+    with _filler_lock:
+        if _filler is None:
+            _filler = concurrent.futures.ThreadPoolExecutor(max_workers=_FILL_THREADS - 1,
+                                                            thread_name_prefix="fastckpt-stage-fill")
+    step = -(-n // parts)
+    futures = [_filler.submit(np.copyto, dst[lo:lo + step], src[lo:lo + step]) for lo in range(step, n, step)]
+    try:
+        np.copyto(dst[:step], src[:step])
+    finally:
+        concurrent.futures.wait(futures)  # never return while another thread still writes into dst
+    for future in futures:
+        future.result()

@@ -22,6 +22,12 @@ allocator protocol are plain ``pyopencl.Buffer`` objects, which cannot carry
 weak references; the pool notices that they were dropped by their reference
 count, at its next miss, :meth:`~PersistentBufferPool.collect` or ``stats``.
 
+Staging buffers: for devices that do not share host memory a load copies
+through pinned host buffers (:class:`StagingBuffers`, leased with
+:meth:`PersistentBufferPool.staging`); the pool keeps the last sets returned
+(``STAGING_KEEP``), mapped, so the next load pins and maps nothing. They are
+host memory: ``max_bytes`` does not count them; ``stats.staging_bytes`` does.
+
 Files: a pool also keeps the last few files loaded through it open
 (:class:`OpenFiles`, revalidated with ``os.stat`` on every load), so a reload
 neither parses the index nor maps the file again.
@@ -61,13 +67,16 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "OpenFiles", "size_class", "arena_size"]
+__all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "OpenFiles", "StagingBuffers", "size_class",
+           "arena_size", "STAGING_KEEP"]
 
 MIN_CLASS = 256
 # An idle buffer serves a single-buffer request up to this factor above its size class (borrowing from
 # the next two classes), and an arena request up to twice the region.
 _CLASS_SLACK = 1.25
 _ARENA_SLACK = 2.0
+# Idle sets of staging buffers a pool keeps (the smallest go first): one per thread loading at once is typical.
+STAGING_KEEP = 2
 
 # OpenCL status codes meaning "no memory for this allocation" (possibly only for now).
 _OOM_CODES = {-4, -5, -6}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY
@@ -124,7 +133,9 @@ class PoolStats:
     allocation; ``allocations`` and ``bytes_allocated`` count device
     allocations ever made; ``evictions`` counts idle buffers freed to respect
     ``max_bytes`` or after a failed allocation; ``bytes_held`` is what the pool
-    owns now (``bytes_in_use`` + ``bytes_idle``).
+    owns now (``bytes_in_use`` + ``bytes_idle``). ``staging_allocations``
+    counts pinned staging buffers ever allocated, ``staging_bytes`` the pinned
+    host memory the pool's staging buffers hold now (idle or leased).
 
     >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
     >>> pool.allocate(1000).release(); pool.allocate(1000).hit
@@ -145,6 +156,8 @@ class PoolStats:
     buffers_held: int
     buffers_in_use: int
     max_bytes: int | None
+    staging_allocations: int = 0
+    staging_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -247,13 +260,10 @@ class PersistentBufferPool:
         self.max_alloc_size = max_alloc_size
         # Offsets of sub-buffers must be multiples of this (bytes); arenas are sized in multiples of it.
         self.base_align = max((int(d.mem_base_addr_align) // 8 for d in devices), default=1) or 1
-        if allocator is None:
-            import pyopencl as cl
+        if allocator is None:  # cl.Buffer; on a CPU device, large ones on huge pages (a new arena fills 4x faster)
+            from fastckpt.device.hugepages import buffer_allocator
 
-            flags = cl.mem_flags.READ_WRITE
-
-            def allocator(nbytes, _ctx=context, _flags=flags, _Buffer=cl.Buffer):
-                return _Buffer(_ctx, _flags, nbytes)
+            allocator = buffer_allocator(context, queue)
 
         self._allocator = allocator
         self.files = OpenFiles(keep_files)
@@ -268,6 +278,9 @@ class PersistentBufferPool:
         self._bytes_held = 0
         self._bytes_in_use = 0
         self._buffers_in_use = 0
+        self._staging: list[StagingBuffers] = []  # idle sets, oldest first
+        self._staging_allocations = 0
+        self._staging_bytes = 0
 
     # -- locking and deferred returns ------------------------------------------------------------
     def _acquire(self) -> None:
@@ -383,6 +396,49 @@ class PersistentBufferPool:
         finally:
             self._release_lock()
         return buffer
+
+    def staging(self, queue, chunk: int, count: int = 2) -> "StagingBuffers":
+        """A lease on ``count`` pinned staging buffers of at least ``chunk`` bytes: an idle set when one fits
+        (the smallest), else a new one (:meth:`StagingBuffers.allocate`, outside the pool's lock: pinning takes
+        a while). ``lease.hit`` says which; :meth:`StagingBuffers.release` returns it.
+
+        >>> from fastckpt.device import default                                    # doctest: +SKIP
+        >>> dev = default(); pool = PersistentBufferPool(dev.context, dev.queue)  # doctest: +SKIP
+        >>> pool.staging(dev.queue, 1 << 20).release()                             # doctest: +SKIP
+        >>> pool.staging(dev.queue, 1 << 20).hit, pool.stats.staging_allocations   # doctest: +SKIP
+        (True, 2)
+        """
+        chunk = _check_size(chunk)
+        if chunk < 1 or count < 1:
+            raise ValueError(f"staging buffers need a chunk and a count above 0, got chunk={chunk}, count={count}")
+        self._acquire()
+        try:
+            fits = [i for i, stage in enumerate(self._staging) if stage.count == count and stage.chunk >= chunk]
+            if fits:
+                stage = self._staging.pop(min(fits, key=lambda i: self._staging[i].chunk))
+                stage.hit, stage._pool = True, self
+                return stage
+        finally:
+            self._release_lock()
+        stage = StagingBuffers.allocate(queue, chunk, count)
+        self._acquire()
+        try:
+            self._staging_allocations += count
+            self._staging_bytes += stage.nbytes
+        finally:
+            self._release_lock()
+        stage._pool = self
+        return stage
+
+    def _return_staging(self, stage: "StagingBuffers") -> None:
+        self._acquire()
+        try:
+            self._staging.append(stage)
+            while len(self._staging) > STAGING_KEEP:
+                smallest = min(range(len(self._staging)), key=lambda i: self._staging[i].chunk)
+                self._staging_bytes -= self._staging.pop(smallest).nbytes  # freed once its pending copies are done
+        finally:
+            self._release_lock()
 
     def _request(self, nbytes: int, need: int, limit: int, alloc: int) -> PoolBuffer:
         if self.max_alloc_size is not None and need > self.max_alloc_size:
@@ -507,7 +563,8 @@ class PersistentBufferPool:
         """Free all idle memory, after taking back dropped ``pool(nbytes)`` buffers; returns bytes freed.
 
         Leases and protocol buffers still in use keep their memory; they are cached again when
-        returned. The files kept open for reloads are forgotten too.
+        returned. The files kept open for reloads and the idle staging buffers are let go too (the
+        bytes returned count device memory only).
 
         >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
         >>> pool.allocate(1000).release(); pool.clear()
@@ -516,6 +573,9 @@ class PersistentBufferPool:
         self.files.clear()
         self._acquire()
         try:
+            for stage in self._staging:
+                self._staging_bytes -= stage.nbytes
+            self._staging = []
             self._sweep()
             return self._free_all_idle()
         finally:
@@ -540,6 +600,8 @@ class PersistentBufferPool:
                 buffers_held=len(self._idle) + self._buffers_in_use,
                 buffers_in_use=self._buffers_in_use,
                 max_bytes=self.max_bytes,
+                staging_allocations=self._staging_allocations,
+                staging_bytes=self._staging_bytes,
             )
         finally:
             self._release_lock()
@@ -554,6 +616,85 @@ def _check_size(nbytes) -> int:
     if n < 0:
         raise ValueError(f"cannot allocate a negative number of bytes ({nbytes!r})")
     return n
+
+
+class StagingBuffers:
+    """Pinned host memory that copies to a device which does not share host memory are staged through.
+
+    ``count`` buffers of ``chunk`` bytes, allocated with ``ALLOC_HOST_PTR`` (memory
+    the driver pins, so its DMA engine reads it directly) and each mapped once for
+    writing: ``hosts[i]`` is buffer ``i`` as a flat uint8 array. The host fills
+    ``hosts[i]`` and passes it, as host memory, to ``enqueue_copy`` into device
+    buffers; the buffer objects themselves never reach a device command, so
+    keeping them mapped is allowed. ``pending[i]`` holds the events of the copies
+    last sent from buffer ``i``: whoever writes into it next waits for them first
+    (a previous non-blocking load may still be copying). Leased from a pool
+    (:meth:`PersistentBufferPool.staging`) and returned with :meth:`release`;
+    made without a pool by :meth:`allocate` and simply dropped (each array holds
+    its mapping, and the mapping its buffer, until no pending copy reads it).
+
+    >>> from fastckpt.device import default                             # doctest: +SKIP
+    >>> stage = StagingBuffers.allocate(default().queue, 1 << 20)      # doctest: +SKIP
+    >>> stage.count, stage.chunk, stage.hosts[0].dtype, stage.nbytes    # doctest: +SKIP
+    (2, 1048576, dtype('uint8'), 2097152)
+    """
+
+    __slots__ = ("chunk", "buffers", "hosts", "pending", "hit", "_pool")
+
+    def __init__(self, chunk: int, buffers: list, hosts: list):
+        self.chunk = chunk
+        self.buffers = buffers
+        self.hosts = hosts
+        self.pending: list = [None] * len(hosts)
+        self.hit = False
+        self._pool = None
+
+    @property
+    def count(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunk * len(self.hosts)
+
+    @classmethod
+    def allocate(cls, queue, chunk: int, count: int = 2) -> "StagingBuffers":
+        """``count`` new pinned buffers of ``chunk`` bytes in ``queue``'s context, mapped (through ``queue``) for
+        writing. ``MemoryError`` when the driver cannot pin that much."""
+        import numpy as np
+        import pyopencl as cl
+
+        flags = cl.mem_flags.READ_WRITE | cl.mem_flags.ALLOC_HOST_PTR
+        buffers, hosts = [], []
+        try:
+            for _ in range(count):
+                buffer = cl.Buffer(queue.context, flags, chunk)
+                host, _event = cl.enqueue_map_buffer(queue, buffer, cl.map_flags.WRITE, 0, (chunk,), np.uint8,
+                                                     is_blocking=True)
+                buffers.append(buffer)
+                hosts.append(host)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            raise MemoryError(
+                f"could not allocate {count} pinned staging buffers of {chunk} bytes ({exc}); load with smaller "
+                "chunks (load_file(..., staging=8 << 20)) or without staging (staging=False)") from exc
+        return cls(chunk, buffers, hosts)
+
+    def release(self) -> None:
+        """Return the buffers to the pool they were leased from (with their pending events). Idempotent."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._return_staging(self)
+
+    def __enter__(self) -> "StagingBuffers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<StagingBuffers {self.count} x {self.chunk} bytes{' hit' if self.hit else ''}>"
 
 
 class OpenFiles:
