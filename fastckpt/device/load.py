@@ -417,7 +417,8 @@ def _open(source, copy_on_write: bool, pool=None):
             # Only mapped files are kept: their identity is the one file a stat can check.
             return tf, not (isinstance(tf, TensorFile) and pool.files.put(source, tf)), False
         return reader.open(source, copy_on_write=copy_on_write), True, False
-    if not isinstance(source, TensorReader):
+    # TensorFile first: a runtime Protocol check costs ~15 us, a class check ~0.05 us (a model load makes one).
+    if not isinstance(source, TensorFile) and not isinstance(source, TensorReader):
         raise TypeError(f"load_file needs a path or an open fastckpt.TensorFile or other reader of the contract "
                         f"fastckpt.formats.contract.TensorReader, got {type(source).__name__}")
     if copy_on_write and isinstance(source, TensorFile) and not source.mapped.copy_on_write:
