@@ -180,7 +180,7 @@ def bench_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str, rep
     # on which path had run just before it).
     timings = round_robin(paths, repeat, max_runs={NPLOAD: NPLOAD_RUNS}, settle=SETTLE, seed=None)
     rows = [(label, timing.median) for label, timing in timings.items()]
-    del one, flat
+    one = flat = None  # freed now (rebound, not deleted: the timed path above still names them)
 
     stats = pool.stats
     facts = {"repeat_misses": stats.misses - misses_before, "pool_bytes_allocated": stats.bytes_allocated,
