@@ -423,3 +423,72 @@ def test_sharded_uncommitted_prefix_is_refused_and_replaced():
         from fastckpt.sharded import Saver
 
         Saver(path=url, incremental=True).save()
+
+
+# ------------------------------------------------------------------ what a save may remove
+
+def test_a_save_never_empties_a_prefix_that_is_not_a_checkpoint():
+    from fastckpt.train import save_checkpoint
+
+    model, opt, rng = _train_objects()
+    root = _memory_url("run")
+    fs, path = remote.filesystem(root)
+    fs.pipe({f"{path}/step-1/manifest.json": b"{}", f"{path}/data/important.bin": b"keep me"})
+    with pytest.raises(FileExistsError, match=r"holds 2 objects but no manifest.json .*refusing to replace it"):
+        save_checkpoint(model, opt, None, None, rng, root, step=1, overwrite=True)
+    assert fs.cat_file(f"{path}/data/important.bin") == b"keep me" and fs.exists(f"{path}/step-1/manifest.json")
+    failures = [r for r in _sharded_save(root, 1) if isinstance(r, BaseException)]
+    assert len(failures) == 1 and "refusing to replace it" in str(failures[0])
+    assert fs.cat_file(f"{path}/data/important.bin") == b"keep me"
+
+
+def test_replacing_a_committed_checkpoint_removes_only_its_files():
+    from fastckpt.train import load_checkpoint, save_checkpoint
+
+    model, opt, rng = _train_objects()
+    url = _memory_url("step-1")
+    save_checkpoint(model, opt, None, None, rng, url, step=1)
+    fs, path = remote.filesystem(url)
+    fs.pipe_file(f"{path}/README.txt", b"a note beside the checkpoint")
+    save_checkpoint(model, opt, None, None, rng, url, step=2, overwrite=True)
+    assert load_checkpoint(url).step == 2
+    assert fs.cat_file(f"{path}/README.txt") == b"a note beside the checkpoint"
+
+
+def test_a_key_that_climbs_out_of_the_download_is_refused(tmp_path):
+    from fastckpt.train import load_checkpoint
+
+    url = _memory_url("evil")
+    fs, path = remote.filesystem(url)
+    fs.pipe({f"{path}/manifest.json": b"{}", f"{path}/../evil/../../escaped.txt": b"x"})
+    found = fs.find(path, withdirs=False)
+    if not any(".." in k for k in found):
+        pytest.skip("this fsspec version normalizes '..' in memory:// keys")
+    with pytest.raises(FormatError, match="not a plain relative name"):
+        load_checkpoint(url)
+
+
+def test_retention_is_skipped_not_guessed_when_a_manifest_cannot_be_read(monkeypatch, caplog):
+    from fastckpt.train import CheckpointManager
+    from fastckpt.train.remote import RemoteCheckpointManager
+
+    model, _, _ = _train_objects()
+    root = _memory_url("run")
+    mgr = CheckpointManager(root, max_to_keep=1, keep_best=("loss", "min", 1))
+    mgr.save(1, model, metrics={"loss": 0.1})
+    mgr.save(2, model, metrics={"loss": 0.5})
+    assert mgr.all_steps() == [1, 2]  # the best and the newest
+
+    def flaky(self, url):
+        raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr(RemoteCheckpointManager, "_manifest", flaky)
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        mgr.save(3, model, metrics={"loss": 0.9})
+    assert mgr.all_steps() == [1, 2, 3]  # nothing deleted on a guess; the best (step 1) is still there
+    assert "retention skipped this time" in caplog.text
+
+
+def test_chained_urls_are_urls():
+    assert remote.is_url("simplecache::s3://bucket/key") and remote.is_url("simplecache::memory://x")
+    assert not remote.is_url("./dir::name") and not remote.is_url("a::b")

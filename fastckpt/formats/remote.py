@@ -63,6 +63,8 @@ __all__ = ["is_url", "filesystem", "join", "put_file", "put_directory", "clear",
            "committed_prefixes", "remove_uncommitted", "save_file", "local_copy", "open", "RemoteTensorFile"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+# fsspec's chained URLs: "simplecache::s3://bucket/key", "zip://inner::s3://bucket/archive.zip".
+_CHAINED = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*(::|://)")
 # Stores on which one upload of an object is atomic (the object appears whole when it completes) and a rename
 # would be a copy: files go straight to their final key there.
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "wasb", "wasbs"})
@@ -75,11 +77,17 @@ _HEAD = 64 << 10
 def is_url(path) -> bool:
     """True when ``path`` is a URL for fsspec (``scheme://...``, any scheme but ``file``), not a local path.
 
+    fsspec's chained URLs (``simplecache::s3://bucket/key``) are URLs too.
+
     >>> is_url("s3://bucket/model.safetensors"), is_url("memory://x"), is_url("file:///tmp/x"), is_url("/tmp/x")
     (True, True, False, False)
+    >>> is_url("simplecache::memory://x"), is_url("./a::b")
+    (True, False)
     """
     if not isinstance(path, str):
         return False
+    if "::" in path and _CHAINED.match(path) and "://" in path:
+        return True
     m = _URL.match(path)
     return m is not None and m.group(1).lower() != "file"
 
@@ -128,6 +136,28 @@ def _upload_failed(url: str, what: str, exc: BaseException, left: str) -> OSErro
 
 # -- writes ----------------------------------------------------------------------------------------
 
+def _put_whole(fs, local: str, path: str) -> None:
+    """Upload ``local`` to ``path`` so that it appears whole: one upload on an object store, else a temporary key
+    and a move (a store that renames would otherwise show a half-written object)."""
+    if _is_object_store(fs):
+        fs.put_file(local, path)
+        return
+    staged = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        fs.put_file(local, staged)
+        fs.mv(staged, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm(staged)
+        raise
+
+
+def _checkpoint_file(rel: str) -> bool:
+    """True for a key (relative to a checkpoint's prefix) that a fastckpt checkpoint writes: a ``.safetensors`` or
+    ``.json`` file at its top level. Replacing or cleaning a prefix removes these and nothing else."""
+    return "/" not in rel and rel.endswith((".safetensors", ".json"))
+
+
 def put_file(local: str | os.PathLike, url: str, storage_options: dict | None = None) -> None:
     """Upload the local file ``local`` to ``url`` so that readers see the old object or the new one whole.
 
@@ -140,15 +170,9 @@ def put_file(local: str | os.PathLike, url: str, storage_options: dict | None = 
     b'bytes'
     """
     fs, path = filesystem(url, storage_options)
-    staged = path if _is_object_store(fs) else f"{path}.tmp-{uuid.uuid4().hex}"
     try:
-        fs.put_file(os.fspath(local), staged)
-        if staged != path:
-            fs.mv(staged, path)
+        _put_whole(fs, os.fspath(local), path)
     except Exception as e:
-        if staged != path:
-            with contextlib.suppress(Exception):
-                fs.rm(staged)
         raise _upload_failed(url, f"{os.path.getsize(local)} bytes", e,
                              "Readers still see the previous object there, if there was one") from e
     fs.invalidate_cache(path)
@@ -215,54 +239,88 @@ def put_directory(local: str | os.PathLike, url: str, marker: str = "manifest.js
     local = os.fspath(local)
     names = _files_under(local) if files is None else sorted(files)
     data = [n for n in names if n != marker]
+    if replace:
+        _uncommit(fs, path, marker, url)  # FileExistsError for a prefix that holds something else
     try:
-        if replace:
-            _uncommit(fs, path, marker)
         if data:
             fs.put([os.path.join(local, n) for n in data], [f"{path}/{n}" for n in data])
         if commit:
-            fs.put_file(os.path.join(local, marker), f"{path}/{marker}")
+            fs.invalidate_cache(path)
+            present = {k.strip("/")[len(path.strip("/")) + 1:] for k in fs.find(path, withdirs=False)}
+            lost = sorted(set(data) - present)
+            if lost:  # another writer removed them meanwhile: never commit a checkpoint without its files
+                raise FileNotFoundError(f"{len(lost)} uploaded files are gone from the prefix: {lost[:4]}")
+            _put_whole(fs, os.path.join(local, marker), f"{path}/{marker}")
     except Exception as e:
         total = sum(os.path.getsize(os.path.join(local, n)) for n in names)
         raise _upload_failed(url, f"{len(names)} files ({total} bytes)", e,
                              f"The prefix holds no {marker}: uncommitted, so no reader takes it (a manager's "
-                             "latest() is still the previous checkpoint) and the next save removes it") from e
+                             "latest() is still its previous checkpoint; a checkpoint that was at this URL itself "
+                             "was removed by this overwrite) and the next save removes it") from e
     finally:
         fs.invalidate_cache(path)
 
 
 def clear(url: str, marker: str = "manifest.json", storage_options: dict | None = None) -> None:
-    """Remove everything under the prefix ``url``, its ``marker`` first (so no reader takes a half-deleted
-    checkpoint).
+    """Remove the checkpoint at the prefix ``url``: its ``marker`` first (so no reader takes a half-deleted
+    checkpoint), then its files (``.safetensors`` and ``.json`` at the top level), nothing else. A prefix that
+    holds other objects and no ``marker`` is not a checkpoint: ``FileExistsError``, and nothing is removed.
 
     >>> fs, _ = filesystem("memory://doc/old")
-    >>> fs.pipe({"/doc/old/manifest.json": b"{}", "/doc/old/a.bin": b"a"})
-    >>> clear("memory://doc/old"); fs.exists("/doc/old/a.bin")
-    False
+    >>> fs.pipe({"/doc/old/manifest.json": b"{}", "/doc/old/a.safetensors": b"a", "/doc/old/notes.txt": b"n"})
+    >>> clear("memory://doc/old"); fs.exists("/doc/old/a.safetensors"), fs.exists("/doc/old/notes.txt")
+    (False, True)
+    >>> clear("memory://doc/old")
+    Traceback (most recent call last):
+    ...
+    FileExistsError: memory://doc/old: holds 1 objects but no manifest.json (not a fastckpt checkpoint, e.g. ['notes.txt']); refusing to replace it: save to a prefix of its own
     """
     fs, path = filesystem(url, storage_options)
-    _uncommit(fs, path.rstrip("/"), marker)
+    _uncommit(fs, path.rstrip("/"), marker, url)
 
 
-def _uncommit(fs, path: str, marker: str) -> None:
+def _keys_under(fs, path: str) -> list[str]:
+    """The keys below ``path``, relative to it."""
     fs.invalidate_cache(path)
-    if fs.isfile(f"{path}/{marker}"):
+    try:
+        keys = fs.find(path, withdirs=False)
+    except FileNotFoundError:
+        return []
+    base = path.strip("/") + "/"
+    return sorted(k.strip("/")[len(base):] for k in keys if k.strip("/").startswith(base))
+
+
+def _uncommit(fs, path: str, marker: str, url: str) -> None:
+    """Make ``path`` ready for a new checkpoint: its marker removed first (no reader takes the old one from then
+    on), then the checkpoint files under it (:func:`_checkpoint_file`), nothing else.
+
+    A prefix that holds objects but no ``marker`` is refused unless they are all checkpoint files (a save that
+    did not commit): a URL given by mistake (a run's root, a dataset) must never be emptied."""
+    keys = _keys_under(fs, path)
+    if marker not in keys and any(not _checkpoint_file(k) for k in keys):
+        others = [k for k in keys if not _checkpoint_file(k)]
+        raise FileExistsError(f"{url}: holds {len(keys)} objects but no {marker} (not a fastckpt checkpoint, e.g. "
+                              f"{others[:3]}); refusing to replace it: save to a prefix of its own")
+    if marker in keys:
         fs.rm_file(f"{path}/{marker}")  # from here on no reader takes the old checkpoint
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    doomed = [f"{path}/{k}" for k in keys if k != marker and _checkpoint_file(k)]
+    if doomed:
+        fs.rm(doomed)
     fs.invalidate_cache(path)
 
 
 def remove_uncommitted(url: str, marker: str = "manifest.json", storage_options: dict | None = None, *,
                        select: Callable[[str], bool] = lambda name: True) -> list[str]:
-    """Remove every prefix directly under ``url`` that has files but no ``marker``: saves that never committed.
+    """Remove every prefix directly under ``url`` that has checkpoint files but no ``marker``: saves that never
+    committed. A prefix holding anything else is left alone.
 
     Returns the URLs removed; only prefixes whose name ``select`` accepts are considered (the manager passes
     its ``step-<N>`` names, so nothing else under the URL is touched). Only one writer may save under ``url``
     at a time (another writer's save in progress is uncommitted too).
 
     >>> fs, _ = filesystem("memory://doc/run")
-    >>> fs.pipe({"/doc/run/step-1/manifest.json": b"{}", "/doc/run/step-2/data.bin": b"half"})
+    >>> fs.pipe({"/doc/run/step-1/manifest.json": b"{}", "/doc/run/step-2/weights.safetensors": b"half",
+    ...          "/doc/run/step-3/notes.txt": b"mine"})
     >>> remove_uncommitted("memory://doc/run")
     ['memory://doc/run/step-2']
     """
@@ -271,8 +329,10 @@ def remove_uncommitted(url: str, marker: str = "manifest.json", storage_options:
     removed = []
     for name, is_committed in _prefixes(fs, path, marker).items():
         if not is_committed and select(name):
-            fs.rm(f"{path}/{name}", recursive=True)
-            removed.append(join(url, name))
+            keys = _keys_under(fs, f"{path}/{name}")
+            if keys and all(_checkpoint_file(k) for k in keys):  # a save that did not commit; nothing else
+                fs.rm([f"{path}/{name}/{k}" for k in keys])
+                removed.append(join(url, name))
     fs.invalidate_cache(path)
     return removed
 
@@ -334,6 +394,9 @@ def get_directory(url: str, local: str | os.PathLike, marker: str = "manifest.js
     sizes = {}
     for key, entry in listing.items():
         rel = key.strip("/")[len(base):]
+        if any(part in ("", ".", "..") for part in rel.split("/")):
+            raise FormatError(f"{url}: the object key {key!r} is not a plain relative name (an empty, '.' or '..' "
+                              "part): refusing to download it outside the local copy")
         sizes[rel] = int(entry.get("size") or 0)
     if marker not in sizes:
         what = "nothing there" if not sizes else f"{len(sizes)} files but no {marker!r}: a save that did not commit"

@@ -25,6 +25,7 @@ checked as for a local checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import tempfile
@@ -38,6 +39,8 @@ from fastckpt.formats import remote
 from fastckpt.train.format import DEFAULT_HASH, MANIFEST_FILE
 
 __all__ = ["write_snapshot", "load_checkpoint", "RemoteCheckpointManager"]
+
+_log = logging.getLogger(__name__)
 
 RECORD_FILE = ".fastckpt-manager.json"
 RECORD_FORMAT = "fastckpt.train.manager"
@@ -173,10 +176,12 @@ class RemoteCheckpointManager:
         fs.pipe_file(f"{path.rstrip('/')}/{RECORD_FILE}", body)  # one PUT: atomic on an object store
 
     def _manifest(self, url: str) -> dict:
+        """The manifest at ``url``; ``{}`` (no metrics) only when it is missing or not JSON. Any other failure to
+        read it (a dropped connection) raises, so that retention never ranks a checkpoint it could not read."""
         fs, path = remote.filesystem(url, self.storage_options)
         try:
             return json.loads(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST_FILE}").decode("utf-8"))
-        except (OSError, ValueError):
+        except (FileNotFoundError, ValueError):
             return {}
 
     def _metric(self, manifest: dict) -> float | None:
@@ -197,10 +202,8 @@ class RemoteCheckpointManager:
         managed = {s: u for s, u in self._complete().items() if u.rsplit("/", 1)[1] in recorded}
         doomed = self._to_delete(managed)
         fs, _ = self._fs()
-        for step in doomed:
-            _, path = remote.filesystem(managed[step], self.storage_options)
-            fs.rm_file(f"{path.rstrip('/')}/{MANIFEST_FILE}")  # uncommitted from here on
-            fs.rm(path.rstrip("/"), recursive=True)
+        for step in doomed:  # the manifest first (uncommitted from then on), then the checkpoint's files only
+            remote.clear(managed[step], MANIFEST_FILE, self.storage_options)
         gone = {managed[s].rsplit("/", 1)[1] for s in doomed}
         kept = [n for n in names if n not in gone]
         if kept != names:
@@ -231,7 +234,11 @@ class RemoteCheckpointManager:
             self._write_record(names + [name])  # before the write, so no checkpoint is ever unrecorded
         digest = write_snapshot(snap, url, overwrite=True, hash=self.hash, progress=progress,
                                 storage_options=self.storage_options)
-        self._apply_retention()
+        try:
+            self._apply_retention()
+        except OSError as e:  # the step is committed; a store that failed to answer must not delete by guesswork
+            _log.warning("%s: step %d saved; retention skipped this time (the store failed: %s)", self.directory,
+                         step, e)
         return digest
 
     def wait(self) -> None:
