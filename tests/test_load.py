@@ -691,6 +691,27 @@ def test_staged_npz_with_odd_offsets_and_empty_tensors(tmp_path, dev, pool, writ
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("staging", [False, True], ids=["direct", "staged"])
+def test_a_dropped_load_gives_its_arena_back_without_the_cycle_collector(tmp_path, dev, pool, staging):
+    import gc
+
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(50)
+    write_raw_safetensors(path, tensors)
+    gc.collect()
+    gc.disable()  # only reference counting: no cycle may hold a load's leases
+    try:
+        for _ in range(3):
+            loaded = load_file(path, dev.queue, pool=pool, staging=staging)
+            check_exact(loaded, path, tensors)
+            del loaded
+            assert pool.stats.bytes_in_use == 0
+    finally:
+        gc.enable()
+    assert pool.stats.misses == 1  # the first load allocated; the others reused its arena
+
+
+@pytest.mark.device
 def test_the_pool_reuses_its_staging_buffers(tmp_path, dev, pool):
     path = tmp_path / "m.safetensors"
     tensors = odd_sized(200)

@@ -90,8 +90,11 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
         device = queue.device
         if not (device.type & cl.device_type.CPU) or not device.host_unified_memory:
             return False
+        # A queue of its own: a blocking map on the caller's queue would wait behind every command already queued
+        # there (a non-blocking load's copies), and the pool calls this holding its lock.
+        private = cl.CommandQueue(queue.context, device)
         # WRITE_INVALIDATE_REGION: the runtime need not copy anything in; a CPU device returns the buffer itself.
-        view, _event = cl.enqueue_map_buffer(queue, buffer, cl.map_flags.WRITE_INVALIDATE_REGION, 0, (nbytes,),
+        view, _event = cl.enqueue_map_buffer(private, buffer, cl.map_flags.WRITE_INVALIDATE_REGION, 0, (nbytes,),
                                              np.uint8, is_blocking=True)
         try:
             address = view.__array_interface__["data"][0]
@@ -99,8 +102,8 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
             end = (address + nbytes) // _PAGE * _PAGE
             ok = end > start and _madvise()(start, end - start, _MADV_HUGEPAGE) == 0
         finally:
-            # Waited for: on an out-of-order queue the first copy into the buffer must not overlap the unmap.
-            view.base.release(queue).wait()
+            # Waited for: the first copy into the buffer (on the caller's queue) must not overlap the unmap.
+            view.base.release(private).wait()
         return ok
     except Exception as exc:  # a hint only: the buffer works the same without it
         if _out_of_memory(exc):  # the map made the runtime allocate: let the pool free idle buffers and retry

@@ -1035,6 +1035,7 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
         hi = min(lo + COPY_CHUNK, end - start)
         chunk_events.append(cl.enqueue_copy(queue, lease.buffer, source_view[lo:hi], dst_offset=at + lo,
                                             is_blocking=False))
+        load.events.append(chunk_events[-1])  # at once: an error below (a progress callback) still waits for it
         if load.progress.enabled and group:
             first = counted
             while counted < len(group) and group[counted].offset + group[counted].nbytes <= start + hi:
@@ -1042,7 +1043,6 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
             if counted > first:
                 _reported(load, chunk_events[-1], sum(_payload(i) for i in group[first:counted]),
                           group[counted - 1].name)
-    load.events.extend(chunk_events)
     report.copies += len(chunk_events)
     report.bytes_copied += end - start
     event = chunk_events[0]
@@ -1342,8 +1342,13 @@ class _Stager:
                 t._event, t._keepalive = event, self.stage
 
     def close(self) -> None:
-        """Return the staging buffers to the pool (their pending events go with them); idempotent."""
+        """Return the staging buffers to the pool (their pending events go with them); idempotent.
+
+        It also lets go of the load: the load holds its stager, and a cycle between them would keep the load's
+        arena leases (shared with its LoadedTensors) until the cycle collector ran, so that a pooled reload
+        would allocate a new arena instead of reusing the one given back."""
         stage, self.stage = self.stage, None
+        self.load = None
         if stage is not None:
             stage.release()
 
