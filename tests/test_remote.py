@@ -492,3 +492,20 @@ def test_retention_is_skipped_not_guessed_when_a_manifest_cannot_be_read(monkeyp
 def test_chained_urls_are_urls():
     assert remote.is_url("simplecache::s3://bucket/key") and remote.is_url("simplecache::memory://x")
     assert not remote.is_url("./dir::name") and not remote.is_url("a::b")
+
+
+def test_a_damaged_remote_checkpoint_is_named_by_its_url():
+    from fastckpt.errors import IntegrityError
+    from fastckpt.train import load_checkpoint, save_checkpoint
+
+    model, _, _ = _train_objects()
+    url = _memory_url("step-1")
+    save_checkpoint(model, None, None, None, None, url, step=1)
+    fs, path = remote.filesystem(url)
+    damaged = bytearray(fs.cat_file(f"{path}/weights.safetensors"))
+    damaged[-1] ^= 1
+    fs.pipe_file(f"{path}/weights.safetensors", bytes(damaged))
+    with pytest.raises(IntegrityError) as err:
+        load_checkpoint(url)
+    assert str(err.value).startswith(f"{url}/weights.safetensors: blake3 mismatch")
+    assert "fastckpt-down-" not in str(err.value)

@@ -462,6 +462,8 @@ def _pwrite_all(fd: int, data: bytes, position: int) -> None:
 def local_copy(url: str, marker: str = "manifest.json", storage_options: dict | None = None) -> Iterator[str]:
     """A temporary local directory holding the committed checkpoint prefix ``url``; removed on leaving.
 
+    An error raised inside names ``url`` where it named the temporary directory (which is gone by then).
+
     >>> fs, _ = filesystem("memory://doc/lc")
     >>> fs.pipe({"/doc/lc/manifest.json": b"{}"})
     >>> with local_copy("memory://doc/lc") as d:
@@ -472,6 +474,10 @@ def local_copy(url: str, marker: str = "manifest.json", storage_options: dict | 
     try:
         get_directory(url, tmp, marker, storage_options)
         yield tmp
+    except Exception as e:
+        if e.args and isinstance(e.args[0], str) and tmp in e.args[0]:
+            e.args = (e.args[0].replace(tmp, url.rstrip("/")), *e.args[1:])
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
