@@ -509,3 +509,23 @@ def test_a_damaged_remote_checkpoint_is_named_by_its_url():
         load_checkpoint(url)
     assert str(err.value).startswith(f"{url}/weights.safetensors: blake3 mismatch")
     assert "fastckpt-down-" not in str(err.value)
+
+
+def test_an_object_replaced_between_ranged_reads_is_refused_not_mixed(monkeypatch):
+    n = 1 << 16
+    url = _memory_url("torn.safetensors")
+    fastckpt.save_safetensors(url, {"pad": np.zeros(n, np.float32), "a": np.zeros(n, np.float32)})
+    fs, _ = remote.filesystem(url)
+    real, calls = type(fs).cat_ranges, []
+
+    def replaced_after_the_index(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the index is read; another writer replaces the object before the payload is
+            fastckpt.save_safetensors(url, {"pad": np.full(n, 7, np.float32), "a": np.full(n, 9, np.float32)})
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat_ranges", replaced_after_the_index)
+    with pytest.raises(OSError, match="the object changed while it was being read in ranges"):
+        fastckpt.open(url, names=["a"])
+    with fastckpt.open(url, names=["a"]) as f:  # read again: the new object, whole
+        assert np.unique(f.host("a")).tolist() == [9.0]

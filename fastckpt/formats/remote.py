@@ -507,6 +507,7 @@ def open(url: str, *, storage_options: dict | None = None, names: Iterable[str] 
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{url}: no such object (expected an NPZ or safetensors file)") from None
     size = int(info.get("size") or 0)
+    identity = _identity(info)
     if info.get("type") == "directory":
         raise CheckpointNotFoundError(f"{url}: a prefix, not one tensor file; fastckpt.open reads one NPZ or "
                                       "safetensors file from a URL (checkpoints: fastckpt.train.load_checkpoint(url), "
@@ -549,6 +550,7 @@ def open(url: str, *, storage_options: dict | None = None, names: Iterable[str] 
                 wanted = _select(index, url, names)
             spans = sorted((i.offset, i.offset + i.nbytes) for i in wanted)
             _fetch_into(fs, url, [(path, local, _missing(_merged(spans), have))])
+            _check_unchanged(fs, path, url, identity)  # the ranges came from several requests: one object?
             # Mapped once every byte it serves is in place.
             whole = open_file(local, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
         except FormatError as e:  # name the URL, not the local copy
@@ -653,6 +655,24 @@ def _fetch_npz_index(fs, url: str, path: str, local: str, size: int, head_end: i
     prefixes = _merged([(s, min(e, s + _HEAD)) for s, e in zip(starts, ends)])
     _fetch_into(fs, url, [(path, local, _missing(prefixes, have))])
     return have + prefixes
+
+
+# What the store says of an object that changes when the object is replaced (the first ones it reports).
+_IDENTITY_KEYS = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime", "created", "size")
+
+
+def _identity(info: dict) -> tuple:
+    return tuple((k, str(info[k])) for k in _IDENTITY_KEYS if info.get(k) is not None)
+
+
+def _check_unchanged(fs, path: str, url: str, identity: tuple) -> None:
+    """Raise when the object at ``path`` is not the one ``identity`` describes (it was replaced while its ranges
+    were being read, so the bytes read may mix two objects)."""
+    fs.invalidate_cache(path)
+    now = _identity(fs.info(path))
+    if now != identity:
+        raise OSError(f"{url}: the object changed while it was being read in ranges ({dict(identity)} at the "
+                      f"start, {dict(now)} at the end); nothing read is used: open it again")
 
 
 class RemoteTensorFile(TensorFile):
