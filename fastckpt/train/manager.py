@@ -198,7 +198,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint's directory, or None."""
+        """The newest complete checkpoint's directory (its URL for a manager of a URL), or None."""
         complete = self._complete()
         return complete[max(complete)] if complete else None
 

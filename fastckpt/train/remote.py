@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import tempfile
 from pathlib import Path
@@ -37,6 +36,7 @@ import numpy as np
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats import remote
 from fastckpt.train.format import DEFAULT_HASH, MANIFEST_FILE
+from fastckpt.train.manager import CheckpointManager
 
 __all__ = ["write_snapshot", "load_checkpoint", "RemoteCheckpointManager"]
 
@@ -106,7 +106,6 @@ class RemoteCheckpointManager:
                  keep_every_n_steps: int | None = None, fsync: bool = True, hash: str = DEFAULT_HASH,
                  storage_options: dict | None = None) -> None:
         from fastckpt.train.checkpoint import check_hash
-        from fastckpt.train.manager import CheckpointManager
 
         # The local manager checks and normalises the retention options; its directory is not used.
         with tempfile.TemporaryDirectory(prefix="fastckpt-options-") as tmp:
@@ -136,19 +135,16 @@ class RemoteCheckpointManager:
                     found[step] = remote.join(self.directory, name)
         return found
 
-    def all_steps(self) -> list[int]:
-        """Steps of every committed checkpoint under the URL, ascending."""
-        return sorted(self._complete())
-
-    def latest_step(self) -> int | None:
-        """The newest committed checkpoint's step, or None."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
-
-    def latest(self) -> str | None:
-        """The newest committed checkpoint's URL, or None."""
-        complete = self._complete()
-        return complete[max(complete)] if complete else None
+    # The local manager's discovery, retention policy and lifetime, over this class's _complete, _manifest,
+    # wait and restore: the same steps and the same choices; only the storage differs.
+    all_steps = CheckpointManager.all_steps
+    latest_step = CheckpointManager.latest_step
+    latest = CheckpointManager.latest
+    _metric = CheckpointManager._metric
+    _to_delete = CheckpointManager._to_delete
+    restore_latest = CheckpointManager.restore_latest
+    __enter__ = CheckpointManager.__enter__
+    __exit__ = CheckpointManager.__exit__
 
     # -- the record and retention -------------------------------------------------------------------
     def _fs(self):
@@ -183,18 +179,6 @@ class RemoteCheckpointManager:
             return json.loads(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST_FILE}").decode("utf-8"))
         except (FileNotFoundError, ValueError):
             return {}
-
-    def _metric(self, manifest: dict) -> float | None:
-        value = manifest.get("metrics", {}).get(self.keep_best[0])
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None
-        return float(value)
-
-    def _to_delete(self, managed: dict[int, str]) -> list[int]:
-        from fastckpt.train.manager import CheckpointManager
-
-        # The local manager's policy, reading manifests through self._manifest.
-        return CheckpointManager._to_delete(self, managed)
 
     def _apply_retention(self) -> list[int]:
         names = self._read_record()
@@ -258,22 +242,8 @@ class RemoteCheckpointManager:
         apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
         return state
 
-    def restore_latest(self, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
-                       train_rng: Any = None, *, scaler: Any = None, verify: bool = True):
-        """Restore the newest committed checkpoint into the objects; None (nothing changed) when there is none."""
-        step = self.latest_step()
-        if step is None:
-            return None
-        return self.restore(step, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, verify=verify)
-
     def close(self) -> None:
         """Nothing to release; kept for the local manager's interface."""
-
-    def __enter__(self) -> "RemoteCheckpointManager":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<CheckpointManager {self.directory!r} steps={self.all_steps()}>"
