@@ -84,6 +84,8 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
     import numpy as np
     import pyopencl as cl
 
+    from fastckpt.device.pool import _is_oom  # the pool's test: the errors after which it frees idle buffers
+
     if nbytes < HUGE_MIN or queue is None or not huge_pages_available():
         return False
     try:
@@ -106,21 +108,10 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
             view.base.release(private).wait()
         return ok
     except Exception as exc:  # a hint only: the buffer works the same without it
-        if _out_of_memory(exc):  # the map made the runtime allocate: let the pool free idle buffers and retry
+        if _is_oom(exc):  # the map made the runtime allocate: let the pool free idle buffers and retry
             raise
         return False
 
-
-def _out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
-        return True
-    code = getattr(exc, "code", None)
-    if code is None and exc.args:
-        code = getattr(exc.args[0], "code", None)
-    try:
-        return int(code) in (-4, -5, -6)  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY
-    except (TypeError, ValueError):
-        return False
 
 
 def buffer_allocator(context, queue=None):
