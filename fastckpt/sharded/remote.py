@@ -90,15 +90,7 @@ def save(saver) -> str:
             status = engine.broadcast(None, root=0, timeout=saver.timeout)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if error is not None:
-        raise error
-    if commit_error is not None:
-        raise commit_error
-    if not status["ok"]:
-        raise RuntimeError(f"sharded save to {url} failed on rank 0: {status['error']}")
-    for name in report["tables"] if saver.quantize is None else ():  # committed: the tables match it now
-        saver.hashtables[name].mark_clean((url, status["manifest_blake3"]))
-    saver._changes = {}
+    saver._settle(error, commit_error, status, report, url, url)
     return saver.path
 
 

@@ -425,21 +425,27 @@ class Saver:
             engine.broadcast(status, root=0, timeout=self.timeout)
         else:
             status = engine.broadcast(None, root=0, timeout=self.timeout)
-        if error is not None:
-            raise error
-        if commit_error is not None:
-            raise commit_error
-        if not status["ok"]:
-            raise RuntimeError(f"sharded save to {final} failed on rank 0: {status['error']}")
-        for name in report["tables"] if self.quantize is None else ():  # committed: the tables match it now
-            self.hashtables[name].mark_clean((os.path.abspath(final), status["manifest_blake3"]))
-        self._changes = {}
+        self._settle(error, commit_error, status, report, final, os.path.abspath(final))
         _log.info("saved %s (rank %d of %d, %s): %d files, %d bytes in %.3f s", final, self.shard_index,
                   self.shard_num, self.kind, len(report["files"]), sum(f["size"] for f in report["files"].values()),
                   time.perf_counter() - started)
         return str(Path(self.path))
 
     # -- full or delta --------------------------------------------------------------------------------
+    def _settle(self, error, commit_error, status: dict, report: dict, where, base: str) -> None:
+        """After rank 0 broadcast ``status``: raise this rank's own error, rank 0's commit error, or rank 0's failure
+        as every rank sees it (in that order); else mark this rank's tables clean against the committed checkpoint
+        (``base``: its path or URL, and the manifest's BLAKE3) and forget the changes saved."""
+        if error is not None:
+            raise error
+        if commit_error is not None:
+            raise commit_error
+        if not status["ok"]:
+            raise RuntimeError(f"sharded save to {where} failed on rank 0: {status['error']}")
+        for name in report["tables"] if self.quantize is None else ():  # committed: the tables match it now
+            self.hashtables[name].mark_clean((base, status["manifest_blake3"]))
+        self._changes = {}
+
     def _agree_on_kind(self, engine, final: Path) -> dict:
         """Every rank proposes (its tables' common base, delta and full bytes); rank 0 decides for all."""
         bases = {table.base for table in self.hashtables.values()}
