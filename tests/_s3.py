@@ -8,17 +8,15 @@ upload off in the middle (the interrupted-upload fault test).
 
 from __future__ import annotations
 
-import logging
-import os
 import socket
 import struct
 import threading
 import uuid
 from dataclasses import dataclass, field
 
+from fastckpt.bench.s3 import start_server, storage_options
+
 BUCKET = "fastckpt-tests"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @dataclass
@@ -43,25 +41,13 @@ class S3:
 
 
 def options_for(endpoint_url: str) -> dict:
-    return {"key": CREDENTIALS["AWS_ACCESS_KEY_ID"], "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-            "client_kwargs": {"endpoint_url": endpoint_url, "region_name": "us-east-1"}}
+    return storage_options(endpoint_url)
 
 
 def start() -> S3:
     """Start the server on a free loopback port, create the bucket; the caller stops ``result.server``."""
-    from moto.server import ThreadedMotoServer
-
-    for name, value in CREDENTIALS.items():
-        os.environ.setdefault(name, value)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    s3 = S3(f"http://{host}:{port}", server=server)
-    import boto3  # moto's own dependency; s3fs's mkdir sends a location constraint moto refuses for us-east-1
-
-    boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    return s3
+    server, endpoint = start_server(BUCKET)
+    return S3(endpoint, server=server)
 
 
 class DroppingProxy:

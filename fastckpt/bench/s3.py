@@ -32,33 +32,51 @@ import numpy as np
 
 from fastckpt.bench.timing import format_duration, format_ratio, format_size, round_robin, table_lines
 
-__all__ = ["configure", "run", "measure", "report", "TARGET"]
+__all__ = ["configure", "run", "measure", "report", "start_server", "storage_options", "TARGET"]
 
 TARGET = 1.2
 DEFAULT_MIB = 512
 QUICK_MIB = 16
-_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+# Dummy credentials: the server accepts any; boto3 and s3fs need some.
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def _server():
-    """moto's S3 server on a free loopback port; returns ``(server, storage_options)``."""
-    try:
-        import boto3
-        import s3fs  # noqa: F401 - the client under test
-        from moto.server import ThreadedMotoServer
-    except ImportError as e:
-        raise SystemExit(f"the s3 suite needs moto's server and s3fs ({e}): pip install 'fastckpt[test]'") from None
-    for name, value in _CREDENTIALS.items():
+def storage_options(endpoint_url: str) -> dict:
+    """The ``storage_options`` that point s3fs (through fastckpt's remote calls) at the server at ``endpoint_url``.
+
+    >>> storage_options("http://127.0.0.1:5000")["client_kwargs"]
+    {'endpoint_url': 'http://127.0.0.1:5000', 'region_name': 'us-east-1'}
+    """
+    return {"key": CREDENTIALS["AWS_ACCESS_KEY_ID"], "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            "client_kwargs": {"endpoint_url": endpoint_url, "region_name": "us-east-1"}}
+
+
+def start_server(bucket: str):
+    """moto's S3 server on a free loopback port with ``bucket`` made; returns ``(server, endpoint_url)``, the caller
+    stops ``server``. (Also the test suite's server: tests/_s3.py.)"""
+    import boto3  # moto's own dependency; s3fs's mkdir sends a location constraint moto refuses for us-east-1
+    from moto.server import ThreadedMotoServer
+
+    for name, value in CREDENTIALS.items():
         os.environ.setdefault(name, value)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
-    options = {"key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
-               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-    return server, options
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return server, endpoint
+
+
+def _server():
+    """The suite's server; returns ``(server, storage_options)``."""
+    try:
+        import s3fs  # noqa: F401 - the client under test
+
+        server, endpoint = start_server("bench")
+    except ImportError as e:
+        raise SystemExit(f"the s3 suite needs moto's server and s3fs ({e}): pip install 'fastckpt[test]'") from None
+    return server, storage_options(endpoint)
 
 
 def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
