@@ -1,6 +1,19 @@
 # Declarations shared by the Cython parsers: they read a file through
 # MappedFile.span(), which bounds-checks every request.
+from cpython.object cimport PyObject, PyTypeObject
 from libc.stdint cimport uint8_t
+
+cimport numpy as cnp
+
+
+# numpy's array constructor over memory it does not own (the views of mapped.pyx and tensorindex.pyx), declared
+# with raw pointers: the call steals a reference to ``descr``, which callers take by hand.
+cdef extern from "numpy/arrayobject.h":
+    ctypedef struct _Descr "PyArray_Descr":
+        pass
+    object _new_array "PyArray_NewFromDescr" (PyTypeObject* subtype, _Descr* descr, int nd,
+                                             cnp.npy_intp* dims, cnp.npy_intp* strides, void* data,
+                                             int flags, PyObject* obj)
 
 
 cdef class _Block:

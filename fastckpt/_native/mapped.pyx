@@ -61,14 +61,6 @@ cnp.import_array()
 cdef extern from *:
     Py_ssize_t PY_SSIZE_T_MAX
 
-cdef extern from "numpy/arrayobject.h":
-    ctypedef struct _Descr "PyArray_Descr":
-        pass
-    # Declared here with raw pointers: the call steals a reference to ``descr`` (taken by hand below).
-    object _new_array "PyArray_NewFromDescr" (PyTypeObject* subtype, _Descr* descr, int nd,
-                                             cnp.npy_intp* dims, cnp.npy_intp* strides, void* data,
-                                             int flags, PyObject* obj)
-
 DEF _MAX_DIMS = 32  # numpy 1.x's NPY_MAXDIMS; numpy 2 allows 64, no tensor file needs more
 
 

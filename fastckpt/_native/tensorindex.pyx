@@ -43,7 +43,7 @@ cimport numpy as cnp
 
 import numpy as np
 
-from fastckpt._native.mapped cimport MappedFile, _Block
+from fastckpt._native.mapped cimport MappedFile, _Block, _Descr, _new_array
 from fastckpt.info import TensorInfo
 
 _new = object.__new__
@@ -59,14 +59,6 @@ cnp.import_array()
 cdef extern from "Python.h":
     dict _PyDict_NewPresized(Py_ssize_t minused)  # room for minused items without resizing
     const char* PyUnicode_AsUTF8AndSize(object text, Py_ssize_t* size) except NULL  # no copy for ASCII text
-
-cdef extern from "numpy/arrayobject.h":
-    ctypedef struct _Descr "PyArray_Descr":
-        pass
-    # Raw pointers: the call steals a reference to ``descr`` (taken by hand below).
-    object _new_array "PyArray_NewFromDescr" (PyTypeObject* subtype, _Descr* descr, int nd,
-                                             cnp.npy_intp* dims, cnp.npy_intp* strides, void* data,
-                                             int flags, PyObject* obj)
 
 DEF _MAX_DIMS = 32  # as MappedFile.array: more dimensions take its path, which says why not
 
