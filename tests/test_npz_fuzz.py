@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastckpt._native.mapped import MappedFile
-from fastckpt._native.npz import read_npz_table
+from fastckpt._native.npz import _read_npz_checking, _read_npz_fast_only, read_npz_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +34,23 @@ ARRAYS = {
 }
 
 
+def _zip_of(path, arrays: dict, raw_names: dict = {}) -> None:
+    """A stored ZIP of .npy members written by zipfile; ``raw_names`` then replaces ASCII names' bytes in place
+    with others of the same length (e.g. cp437 bytes, which zipfile would not write unflagged)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, arr in arrays.items():
+            buf = io.BytesIO()
+            np.save(buf, arr)
+            z.writestr(name, buf.getvalue())
+    data = Path(path).read_bytes()
+    for name, raw in raw_names.items():
+        assert len(name) == len(raw) and name.isascii()
+        data = data.replace(name.encode(), raw)
+    Path(path).write_bytes(data)
+
+
 def _corpus() -> dict[str, bytes]:
     """Small valid archives of every kind the reader meets."""
     out = {}
@@ -47,6 +64,10 @@ def _corpus() -> dict[str, bytes]:
         build("fastckpt-64", lambda p: save_npz(p, ARRAYS, alignment=64))
         build("savez", lambda p: np.savez(p, **ARRAYS))
         build("savez_compressed", lambda p: np.savez_compressed(p, **ARRAYS))
+        # names the fast path reads (UTF-8, a ':' past the drive-letter place), and a cp437 name it leaves to the
+        # checking parser
+        build("utf8-names", lambda p: np.savez(p, **{"é/ü": ARRAYS["w"], "a/b:c": ARRAYS["b"]}))
+        build("cp437-name", lambda p: _zip_of(p, {"Ex.npy": ARRAYS["w"]}, {"Ex.npy": b"\x82x.npy"}))
         limits = npz._ZIP64_LIMIT, npz._ZIP_FILECOUNT_LIMIT
         npz._ZIP64_LIMIT = npz._ZIP_FILECOUNT_LIMIT = 0  # every zip64 structure, in a small file
         try:
@@ -94,6 +115,13 @@ def random_archive(draw):
     return body
 
 
+def _outcome(read, m):
+    try:
+        return "parsed", read(m)
+    except FormatError as e:
+        return "refused", str(e)
+
+
 class Checker:
     """Writes each example to a fresh inode (so views of an earlier mapping never see a truncated file) and
     checks the outcome."""
@@ -103,6 +131,7 @@ class Checker:
         self.path = self.dir / "x.npz"
         self.parsed = 0
         self.refused = 0
+        self.fast = 0  # archives the fast path parsed (equal to the checking parser's infos)
 
     def __call__(self, data: bytes, backend: str) -> None:
         tmp = self.dir / "x.tmp"
@@ -111,11 +140,18 @@ class Checker:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with MappedFile(self.path, backend=backend) as m:
+                checking = _outcome(_read_npz_checking, m)
                 try:
                     infos = read_npz_index(m)
-                except FormatError:
+                except FormatError as e:
+                    assert checking == ("refused", str(e))  # the fast path leaves every refusal to the checking parser
                     self.refused += 1
                     return
+                assert checking == ("parsed", infos)
+                fast = _outcome(_read_npz_fast_only, m)
+                if fast[0] == "parsed" and fast[1] is not None:
+                    assert fast[1] == infos
+                    self.fast += 1
                 self.parsed += 1
                 table = read_npz_table(m)  # the columnar index: the same infos, in payload-offset order
                 assert table.info_list() == sorted(infos, key=lambda i: i.offset)
@@ -223,9 +259,29 @@ def test_mutated_npy_headers_long(data):
 def test_corpus_parses_before_mutation():
     # The properties above only mean something if the unmutated corpus parses.
     for name, data in CORPUS.items():
-        before = CHECK.parsed
+        before, fast = CHECK.parsed, CHECK.fast
         CHECK(data, "mmap")
         assert CHECK.parsed == before + 1, name
+        # the fast path takes every stored archive with plain names, and leaves the rest to the checking parser
+        assert CHECK.fast == fast + (name not in ("savez_compressed", "cp437-name")), name
     buf = io.BytesIO()
     np.save(buf, np.zeros((3, 4), [("a", "<f4"), (("t", "n"), ">i2", (2,))]))
     assert parse_npy_header(buf.getvalue())[1] == (3, 4)
+    with MappedFile(_write(CORPUS["cp437-name"])) as m:
+        assert [i.name for i in read_npz_index(m)] == ["éx"]
+
+
+@pytest.mark.parametrize("name", ["é:x.npy", "a/../b.npy", "C:x.npy", "/x.npy", "x.npz", "a\\b.npy"])
+def test_names_the_checking_parser_refuses_are_refused_alike(tmp_path, name):
+    path = tmp_path / "n.npz"
+    _zip_of(path, {name: ARRAYS["w"]})
+    with MappedFile(path) as m:
+        assert _read_npz_fast_only(m) is None
+        refused = _outcome(read_npz_index, m)
+        assert refused[0] == "refused" and refused == _outcome(_read_npz_checking, m)
+
+
+def _write(data: bytes) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="npz-fuzz-")) / "x.npz"
+    path.write_bytes(data)
+    return path
