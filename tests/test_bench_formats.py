@@ -19,6 +19,17 @@ def test_quick_run_reports_every_path(capsys, tmp_path):
     assert out.count("| 1.00x | 1.00x |") >= 2
 
 
+def test_open_cases_time_every_format_against_its_peer(capsys, tmp_path):
+    assert main(["bench", "--suite", "formats", "--quick", "--repeat", "1", "--case", "f", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for title in ("safetensors", "NPZ", "TensorFlow checkpoint"):
+        assert f"### {title}, open + host arrays of many small tensors: (f) 1000 tensors of 16 B" in out
+    for label in ("fastckpt.open + hosts() (one native loop)", "np.load + every member",
+                  "fastckpt.open + hosts() (CRC32C checked)", "CheckpointReader(verify=False) + hosts()"):
+        assert re.search(rf"\| {re.escape(label)} \| [0-9.]+ m?s \| [0-9.]+ m?s \| [0-9.]+x \| [0-9.]+x \|", out), label
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the fixtures are removed
+
+
 def test_markdown_table_divides_by_the_base_row():
     table = bench_formats.markdown_table("t", [("a", (2.0, 1.0)), ("b", (4.0, 3.0))], "a")
     assert "| b | 4.000 s | 3.000 s | 2.00x | 3.00x |" in table

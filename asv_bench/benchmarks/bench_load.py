@@ -69,6 +69,29 @@ class TimeOpen(_Files):
         fastckpt.open(paths[fmt, layout]).close()
 
 
+class OpenManySmall:
+    """Open + a host view of every tensor of a file of 10,000 tensors of 16 bytes: the index is the cost."""
+
+    params = (["safetensors", "npz", "tensorflow"],)
+    param_names = ["format"]
+    N = 10_000
+
+    def setup_cache(self):
+        from fastckpt.tf import write_checkpoint
+
+        tensors = {f"layers.{i}.weight": np.full(4, i, np.float32) for i in range(self.N)}
+        paths = {"tensorflow": os.path.abspath("many-tf/ckpt")}
+        write_checkpoint(paths["tensorflow"], tensors)
+        for fmt in ("safetensors", "npz"):
+            paths[fmt] = os.path.abspath(f"many.{fmt}")
+            _write(paths[fmt], fmt, tensors)
+        return paths
+
+    def time_open_hosts(self, paths, fmt):
+        with fastckpt.open(paths[fmt]) as f:
+            f.hosts()
+
+
 class LoadPooled(_Files):
     """Open + load through a warm pool: one copy, no allocation."""
 

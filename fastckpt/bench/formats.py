@@ -10,11 +10,14 @@ best times and ratios as markdown tables for
 * opening a file and producing a host array of every tensor: fastckpt (NPZ and
   safetensors files; ``host`` per tensor, and the bulk ``hosts()``), ``np.load``
   of the NPZ, ``safetensors.safe_open(framework="numpy")``;
-* open only, for many tiny tensors (16 bytes each), where the index is the
-  cost: (d) 100,000, (e) 10,000 and (f) 1000 tensors (the same with
-  ``--quick``), safetensors files, fastckpt against ``safe_open``. Targets:
-  at most 60 ms, 6 ms and 0.8 ms (the best run), at least 8x faster than
-  ``safe_open`` for (d);
+* open + every host view, for many tiny tensors (16 bytes each), where the
+  index is the cost: (d) 100,000, (e) 10,000 and (f) 1000 tensors (the same
+  with ``--quick``), one table per format: safetensors (against
+  ``safe_open``), NPZ (against ``np.load``, up to 10,000 tensors: it takes
+  ~50 us a member) and a TensorFlow checkpoint (against
+  ``tf.train.load_checkpoint`` + ``get_tensor`` when TensorFlow is installed;
+  fastckpt with and without its CRC32C check of each tensor). Targets: at
+  most 60 ms, 6 ms and 0.8 ms, at least 8x faster than ``safe_open`` for (d);
 * saving: fastckpt (NPZ, safetensors; with and without fsync) against a raw
   sequential write of the same bytes (with and without fsync) and
   ``safetensors.numpy.save_file``. Every save writes a new file: the previous
@@ -234,6 +237,15 @@ def _open_fastckpt_bulk(path: str):
     return run
 
 
+def _open_tf_unverified(prefix: str):
+    def run():
+        from fastckpt.tf import CheckpointReader
+
+        with CheckpointReader(prefix, verify=False) as f:
+            return f.hosts()
+    return run
+
+
 def _safe_open_peer(path: str):
     """``safe_open(framework="numpy")`` + ``get_tensor`` of every tensor, or None without the safetensors package."""
     try:
@@ -247,23 +259,79 @@ def _safe_open_peer(path: str):
     return run
 
 
-def bench_open_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> str:
-    """Time opening a safetensors file of ``n`` float32 tensors of ``elems`` elements and viewing every tensor.
+# np.load of an NPZ takes ~50 us a member: it joins the open cases up to this many tensors.
+NP_LOAD_MAX_TENSORS = 10_000
 
-    >>> print(bench_open_case("8 tensors of 16 B", 8, 4, ".", 1))  # doctest: +SKIP
+
+def bench_open_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> list:
+    """Time opening a file of ``n`` float32 tensors of ``elems`` elements and viewing every tensor, one table per
+    format: safetensors (against ``safe_open``), NPZ (against ``np.load``, up to ``NP_LOAD_MAX_TENSORS``) and a
+    TensorFlow checkpoint (against ``tf.train.load_checkpoint``, when TensorFlow is installed).
+
+    >>> print("\\n\\n".join(bench_open_case("8 tensors of 16 B", 8, 4, ".", 1)))  # doctest: +SKIP
     """
     import fastckpt
+    from fastckpt.tf import write_checkpoint
 
-    path = os.path.join(tmp, f"open-{n}.safetensors")
-    fastckpt.save_safetensors(path, {f"layers.{i}.weight": np.full(elems, i, np.float32) for i in range(n)},
-                              fsync=False)
-    paths = {"fastckpt.open + host views": _open_fastckpt(path),
-             "fastckpt.open + hosts() (one native loop)": _open_fastckpt_bulk(path)}
-    if _safe_open_peer(path) is not None:
-        paths["safetensors.safe_open(numpy) + get_tensor"] = _safe_open_peer(path)
+    tensors = {f"layers.{i}.weight": np.full(elems, i, np.float32) for i in range(n)}
+    st_path = os.path.join(tmp, f"open-{n}.safetensors")
+    npz_path = os.path.join(tmp, f"open-{n}.npz")
+    tf_prefix = os.path.join(tmp, f"open-{n}-tf", "ckpt")
+    fastckpt.save_safetensors(st_path, tensors, fsync=False)
+    fastckpt.save_npz(npz_path, tensors, fsync=False)
+    write_checkpoint(tf_prefix, tensors)
+    del tensors
+    tables = []
+    paths = {"fastckpt.open + host views": _open_fastckpt(st_path),
+             "fastckpt.open + hosts() (one native loop)": _open_fastckpt_bulk(st_path)}
+    if _safe_open_peer(st_path) is not None:
+        paths["safetensors.safe_open(numpy) + get_tensor"] = _safe_open_peer(st_path)
     rows = list(round_robin(paths, repeat).items())
-    _remove(path)
-    return markdown_table(f"open + host arrays of many small tensors: {label}", rows, "fastckpt.open + host views")
+    tables.append(markdown_table(f"safetensors, open + host arrays of many small tensors: {label}", rows,
+                                 "fastckpt.open + host views"))
+
+    paths = {"fastckpt.open + host views": _open_fastckpt(npz_path),
+             "fastckpt.open + hosts() (one native loop)": _open_fastckpt_bulk(npz_path)}
+    if n <= NP_LOAD_MAX_TENSORS:
+        paths["np.load + every member"] = _np_load_peer(npz_path)
+    rows = list(round_robin(paths, repeat).items())
+    tables.append(markdown_table(f"NPZ, open + host arrays of many small tensors: {label}", rows,
+                                 "fastckpt.open + host views"))
+
+    paths = {"fastckpt.open + host views (CRC32C checked)": _open_fastckpt(tf_prefix),
+             "fastckpt.open + hosts() (CRC32C checked)": _open_fastckpt_bulk(tf_prefix),
+             "CheckpointReader(verify=False) + hosts()": _open_tf_unverified(tf_prefix)}
+    if _tensorflow_peer(tf_prefix) is not None:
+        paths["tf.train.load_checkpoint + get_tensor"] = _tensorflow_peer(tf_prefix)
+    rows = list(round_robin(paths, repeat).items())
+    tables.append(markdown_table(f"TensorFlow checkpoint, open + host arrays of many small tensors: {label}", rows,
+                                 "fastckpt.open + host views (CRC32C checked)"))
+    for path in (st_path, npz_path):
+        _remove(path)
+    import shutil
+
+    shutil.rmtree(os.path.dirname(tf_prefix), ignore_errors=True)
+    return tables
+
+
+def _np_load_peer(path: str):
+    def run():
+        with np.load(path, allow_pickle=False) as z:
+            return [z[k] for k in z.files]
+    return run
+
+
+def _tensorflow_peer(prefix: str):
+    """TensorFlow's own reader of every tensor, or None without TensorFlow."""
+    try:
+        import tensorflow as tf
+    except ImportError:  # optional baseline
+        return None
+
+    def run():
+        reader = tf.train.load_checkpoint(prefix)
+        return [reader.get_tensor(k) for k in reader.get_variable_to_shape_map()]
+    return run
 
 
 def _remove(path: str) -> None:
@@ -302,7 +370,8 @@ def run(args) -> int:
         for key in args.case or sorted({**cases, **OPEN_CASES}):
             if key in OPEN_CASES:
                 label, n, elems = OPEN_CASES[key]
-                print(bench_open_case(f"({key}) {label}", n, elems, tmp, args.repeat), end="\n\n")
+                for table in bench_open_case(f"({key}) {label}", n, elems, tmp, args.repeat):
+                    print(table, end="\n\n")
                 sys.stdout.flush()
                 continue
             label, n, elems = cases[key]
