@@ -18,6 +18,7 @@ from fastckpt._native.mapped import MappedFile
 
 import fastckpt.formats.npz as npz
 from fastckpt import FormatError, IntegrityError, NotZeroCopyWarning
+from fastckpt import open as fastckpt_open
 from fastckpt.formats.npz import (
     NpzWriter,
     npy_header,
@@ -349,12 +350,48 @@ def test_object_arrays_are_refused(tmp_path, arr):
 
 @pytest.mark.parametrize("name,problem", [
     ("../x", r"'\.\.' path component"), ("a/../../x", r"'\.\.'"), ("/abs", "absolute"), ("C:x", "absolute"),
-    ("a\\b", "backslash"), ("a\x00b", "NUL"),
+    ("a\\b", "backslash"), ("a\x00b", "NUL"), ("é/../x", r"'\.\.'"), ("é:x", "absolute"), ("x/..\\", "backslash"),
 ])
 def test_bad_names_are_refused(tmp_path, name, problem):
     with pytest.raises(ValueError, match=problem):
         save_npz(tmp_path / "n.npz", {name: np.zeros(1)})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["..", "a/..", "a..b/c", "...", "ab:c", "1:y", "é", "a/./b", ""])
+def test_names_near_the_rules_are_written_and_read_back(tmp_path, name):
+    save_npz(tmp_path / "n.npz", {name: np.arange(3)})
+    with np.load(tmp_path / "n.npz") as z:
+        assert z.files == [name] and z[name].tolist() == [0, 1, 2]
+
+
+def test_a_dict_of_str_names_is_not_checked_name_by_name_but_a_later_add_is(tmp_path):
+    from fastckpt._native.gather import GatherWriter
+    from fastckpt._native.npz import MemberWriter
+
+    import fastckpt.formats.npz as npz_module
+
+    with open(tmp_path / "m.bin", "wb") as f:
+        out = GatherWriter(f.fileno())
+        members = MemberWriter(out, 64, npz_module._ZIP64_LIMIT, npz_module._crc32, npz_module.npy_header,
+                               npz_module._large_payload, npz_module._LARGE_PAYLOAD)
+        tensors = {"a": np.zeros(1), "b": np.ones(2)}
+        members.add_items(tensors.items(), True, np.asarray, tensors)
+        with pytest.raises(ValueError, match="'b' given twice"):
+            members.add("b", np.zeros(1))
+        members.add("c", np.zeros(1))
+        assert members.count == 3
+        out.flush()
+
+
+def test_consecutive_arrays_of_one_dtype_get_each_their_own_header(tmp_path):
+    arrays = [np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32), np.zeros((3, 2), np.float32).T,
+              np.zeros((3, 2), np.float32), np.zeros(6, np.float32), np.zeros((6, 1, 1), np.float32)]
+    save_npz(tmp_path / "h.npz", {f"t{i}": a for i, a in enumerate(arrays)})
+    with np.load(tmp_path / "h.npz") as z:
+        assert [z[f"t{i}"].shape for i in range(len(arrays))] == [a.shape for a in arrays]
+    with fastckpt_open(tmp_path / "h.npz") as f:
+        assert [f.info(f"t{i}").fortran_order for i in range(len(arrays))] == [False, False, True, False, False, False]
 
 
 def test_duplicate_and_non_string_names_are_refused(tmp_path):

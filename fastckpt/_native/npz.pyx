@@ -31,6 +31,11 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object text)
+    const char* PyUnicode_AsUTF8AndSize(object text, Py_ssize_t* size) except NULL
+    object PyMemoryView_FromMemory(char* mem, Py_ssize_t size, int flags)
+    int PyByteArray_Resize(object array, Py_ssize_t size) except -1
+    char* PyByteArray_AS_STRING(object array)
+    int PyBUF_READ
     object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
     object PyUnicode_DecodeASCII(const char* s, Py_ssize_t size, const char* errors)
 
@@ -826,6 +831,32 @@ cdef str _member_problem(str member):
     return None
 
 
+cdef inline bint _is_plain_key(const uint8_t* s, Py_ssize_t n) noexcept nogil:
+    """True if member ``<s>.npy`` (``s``: ASCII) surely passes _member_problem; False: let it decide."""
+    cdef Py_ssize_t i
+    cdef Py_ssize_t seg = 0
+    if n > 0 and s[0] == b'/':
+        return False
+    if n > 1 and s[1] == b':':
+        return False
+    for i in range(n):  # the last component gets ".npy", so only earlier ones can be ".."
+        if s[i] == b'/':
+            if i - seg == 2 and s[seg] == b'.' and s[seg + 1] == b'.':
+                return False
+            seg = i + 1
+        elif s[i] == 0 or s[i] == b'\\':
+            return False
+    return True
+
+
+cdef int _check_key(str name) except -1:
+    member = name + ".npy"
+    problem = _member_problem(member)
+    if problem is not None:
+        raise ValueError(f"tensor name {name!r}: member {member!r}: {problem}; readers refuse such ZIP member names")
+    return 0
+
+
 cdef class MemberWriter:
     """The members of an NPZ being written: each one's local record and payload go to ``out``.
 
@@ -853,8 +884,17 @@ cdef class MemberWriter:
     cdef Py_ssize_t _small_alignment
     cdef int64_t _small_below
     cdef set _names
+    cdef dict _deferred_names    # add_items' unique_names, not yet in _names
     cdef dict _headers
-    cdef readonly list central
+    # the header of the last member, by its dtype object, dimensions and order: a model's consecutive tensors
+    # often share one, and comparing these costs less than the dict lookup by (dtype, shape, order)
+    cdef object _last_descr
+    cdef int _last_ndim
+    cdef bint _last_fortran
+    cdef cnp.npy_intp _last_dims[32]
+    cdef tuple _last_header
+    cdef bytearray _central      # the central-directory records, in member order
+    cdef readonly Py_ssize_t count
     cdef readonly list crc_patches
     cdef object _crc32, _npy_header, _large_payload
     cdef readonly bint broken
@@ -875,15 +915,22 @@ cdef class MemberWriter:
         self._large_min = large_min
         self._names = set()
         self._headers = {}
-        self.central = []
+        self._last_descr = None
+        self._last_header = None
+        self._central = bytearray()
+        self.count = 0
         self.crc_patches = []
         self._crc32 = crc32
         self._npy_header = npy_header
         self._large_payload = large_payload
         self.broken = False
 
-    def add_items(self, items, bint batch, as_array):
+    def add_items(self, items, bint batch, as_array, dict unique_names=None):
         """``add(name, as_array(array))`` for each ``(name, array)`` pair of ``items``, in order.
+
+        ``unique_names``: a dict whose keys are exactly the names ``items``
+        gives, each an exact ``str`` (so distinct): the names are then not
+        checked for repeats one by one (later ``add`` calls still are).
 
         Queued arrays must not change before they are written, and the caller's
         code may change them: a generator refilling one buffer, an
@@ -892,47 +939,71 @@ cdef class MemberWriter:
         queue is written first. ``batch`` is for items that only a dict's own
         iteration produces.
         """
+        cdef bint check_names = unique_names is None or (self.count > 0 or self._deferred_names is not None)
+        if not check_names:
+            self._deferred_names = unique_names  # joins _names if add() is called again
         for item in items:
             try:
                 name, array = item
             except (TypeError, ValueError):
                 raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
-            if type(array) is not np.ndarray:
+            if not cnp.PyArray_CheckExact(array):
                 self._out.flush()
                 array = as_array(array)
-            self.add(name, array)
+            self._add(name, <cnp.ndarray?>array, False, check_names)
             if not batch:
                 self._out.flush()
 
     def add(self, name, cnp.ndarray arr not None):
         """Write one member; return (header_start, npy header, payload bytes, fortran_order, crc)."""
-        cdef bytes raw_name, header, record, central
+        return self._add(name, arr, True, True)
+
+    @property
+    def central_directory(self):
+        """The central-directory records of the members written so far, in order (``count`` of them)."""
+        return bytes(self._central)
+
+    cdef object _add(self, name, cnp.ndarray arr, bint report, bint check_name):
+        """``add``; the tuple it returns is built only when ``report``; ``check_name`` False: the name is known
+        to be new (add_items' ``unique_names``)."""
+        cdef bytes raw_name = None, header, record
+        cdef const char* utf8
+        cdef Py_ssize_t utf8_len
+        cdef tuple known
         cdef uint32_t header_crc
         cdef uint16_t flags = 0, version
         cdef int64_t nbytes, size, local_offset, header_start, pad = 0
-        cdef Py_ssize_t name_len, extra_len, cd_extra_len, at
+        cdef Py_ssize_t name_len, extra_len, cd_extra_len, at, ndim
         cdef bint zip64_size, zip64_offset, fortran_order, inline_tail
         cdef uint32_t crc, size32
         cdef uint8_t* p
         cdef int kind
         cdef Py_ssize_t alignment
+        if arr is None:
+            raise TypeError("expected a numpy array, got None")
         if type(name) is not str:
             if not isinstance(name, str):
                 raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
             name = str(name)  # np.str_, StrEnum: stored (and read back) as the plain text
-        member = <str>name + ".npy"
-        problem = _member_problem(member)  # the reader's own rule, so that it reads back what we write
-        if problem is not None:
-            raise ValueError(f"tensor name {name!r}: member {member!r}: {problem}; readers refuse such ZIP member names")
-        if PyUnicode_IS_ASCII(member):
-            raw_name = PyUnicode_AsASCIIString(member)
+        # The reader's own rule (_member_problem), so that it reads back what we write: checked in C for an
+        # ASCII name, by _member_problem itself where that check has doubts (it is conservative) or for others.
+        if PyUnicode_IS_ASCII(name):
+            utf8 = PyUnicode_AsUTF8AndSize(name, &utf8_len)  # an ASCII str's own bytes: no copy
+            if not _is_plain_key(<const uint8_t*>utf8, utf8_len):
+                _check_key(name)
         else:
-            raw_name, flags = member.encode("utf-8"), FLAG_UTF8  # fails on lone surrogates, as it should
-        name_len = len(raw_name)
+            _check_key(name)
+            raw_name, flags = (<str>name).encode("utf-8"), FLAG_UTF8  # fails on lone surrogates, as it should
+            utf8, utf8_len = PyBytes_AS_STRING(raw_name), len(raw_name)
+        name_len = utf8_len + 4  # the member is "<name>.npy"
         if name_len > 0xFFFF:
             raise ValueError(f"tensor name of {name_len} bytes is too long for a ZIP member name (65531 at most)")
-        if name in self._names:
-            raise ValueError(f"tensor name {name!r} given twice; NPZ member names must be unique")
+        if check_name:
+            if self._deferred_names is not None:
+                self._names.update(self._deferred_names)
+                self._deferred_names = None
+            if name in self._names:
+                raise ValueError(f"tensor name {name!r} given twice; NPZ member names must be unique")
 
         # The payload: the array's own bytes in C order, or, for a Fortran-ordered array, those of its
         # transpose (numpy's fortran_order); any other layout is copied once.
@@ -942,14 +1013,24 @@ cdef class MemberWriter:
             data, fortran_order = arr.T, True
         else:
             data, fortran_order = np.ascontiguousarray(arr), False
-        key = ((<object>arr).dtype, (<object>arr).shape, fortran_order)
-        known = self._headers.get(key)
-        if known is None:  # a model's tensors share a few headers; building one costs ~20 µs
-            try:
-                header = self._npy_header(*key)
-            except ValueError as e:
-                raise ValueError(f"tensor {name!r}: {e}") from None
-            known = self._headers[key] = (header, self._crc32(header))
+        ndim = cnp.PyArray_NDIM(arr)
+        descr = <object>cnp.PyArray_DESCR(arr)
+        if (descr is self._last_descr and ndim == self._last_ndim and fortran_order == self._last_fortran and
+                memcmp(cnp.PyArray_DIMS(arr), self._last_dims, ndim * sizeof(cnp.npy_intp)) == 0):
+            known = self._last_header
+        else:
+            key = (descr, (<object>arr).shape, fortran_order)
+            known = self._headers.get(key)
+            if known is None:  # a model's tensors share a few headers; building one costs ~20 µs
+                try:
+                    header = self._npy_header(*key)
+                except ValueError as e:
+                    raise ValueError(f"tensor {name!r}: {e}") from None
+                known = self._headers[key] = (header, self._crc32(header))
+            if ndim <= 32 and not cnp.PyDataType_HASFIELDS(<cnp.dtype>descr):  # field names can be renamed in place
+                self._last_descr, self._last_ndim, self._last_fortran, self._last_header = (
+                    descr, ndim, fortran_order, known)
+                memcpy(self._last_dims, cnp.PyArray_DIMS(arr), ndim * sizeof(cnp.npy_intp))
         header, header_crc = known
         kind = cnp.PyArray_TYPE(<cnp.ndarray>data)
         if kind == cnp.NPY_DATETIME or kind == cnp.NPY_TIMEDELTA:  # older numpy will not export these
@@ -974,7 +1055,9 @@ cdef class MemberWriter:
         large = nbytes >= self._large_min
         # The member's CRC covers its .npy header and payload; the local header gets it now, or later
         # (crc_patches) for a large payload, whose CRC is computed while it is written.
-        crc = header_crc if large else self._crc32(data, header_crc)
+        # (a memoryview of the bytes: numpy's own buffer export would describe the dtype first)
+        crc = header_crc if large else self._crc32(PyMemoryView_FromMemory(
+            <char*>cnp.PyArray_DATA(<cnp.ndarray>data), nbytes, PyBUF_READ), header_crc)
         # The local record up to the alignment field's padding: the padding comes from the writer's
         # zeros and the .npy header is the cached object, so neither is built again for every member.
         # Short padding is copied into the record with the .npy header (one buffer instead of three).
@@ -993,7 +1076,8 @@ cdef class MemberWriter:
         _put32(p + 22, size32)
         _put16(p + 26, <uint16_t>name_len)
         _put16(p + 28, <uint16_t>extra_len)
-        memcpy(p + LOCAL_SIZE, PyBytes_AS_STRING(raw_name), name_len)
+        memcpy(p + LOCAL_SIZE, utf8, utf8_len)
+        memcpy(p + LOCAL_SIZE + utf8_len, b".npy", 4)
         at = LOCAL_SIZE + name_len
         if zip64_size:
             _put16(p + at, ZIP64_EXTRA_ID)
@@ -1023,8 +1107,9 @@ cdef class MemberWriter:
         cd_extra_len = (16 if zip64_size else 0) + (8 if zip64_offset else 0)
         if cd_extra_len:
             cd_extra_len += 4
-        central = PyBytes_FromStringAndSize(NULL, CENTRAL_SIZE + name_len + cd_extra_len)
-        p = <uint8_t*>PyBytes_AS_STRING(central)
+        at = len(self._central)
+        PyByteArray_Resize(self._central, at + CENTRAL_SIZE + name_len + cd_extra_len)  # grows geometrically
+        p = <uint8_t*>PyByteArray_AS_STRING(self._central) + at
         _put32(p, SIG_CENTRAL)
         _put16(p + 4, MADE_BY_UNIX | version)
         _put16(p + 6, version)
@@ -1042,7 +1127,8 @@ cdef class MemberWriter:
         _put16(p + 36, 0)  # internal attributes
         _put32(p + 38, EXTERNAL_ATTR)
         _put32(p + 42, 0xFFFFFFFF if zip64_offset else <uint32_t>local_offset)
-        memcpy(p + CENTRAL_SIZE, PyBytes_AS_STRING(raw_name), name_len)
+        memcpy(p + CENTRAL_SIZE, utf8, utf8_len)
+        memcpy(p + CENTRAL_SIZE + utf8_len, b".npy", 4)
         at = CENTRAL_SIZE + name_len
         if cd_extra_len:
             _put16(p + at, ZIP64_EXTRA_ID)
@@ -1054,8 +1140,11 @@ cdef class MemberWriter:
                 at += 16
             if zip64_offset:
                 _put64(p + at, <uint64_t>local_offset)
-        self.central.append(central)
+        self.count += 1
         self.pos = header_start + size
-        self._names.add(name)
+        if check_name:
+            self._names.add(name)
         self.broken = False  # only now: a member written but missing from the index would be lost
-        return header_start, header, nbytes, fortran_order, crc
+        if report:
+            return header_start, header, nbytes, fortran_order, crc
+        return None

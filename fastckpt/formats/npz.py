@@ -401,10 +401,10 @@ class NpzWriter:
     def _finish(self) -> None:
         out, members = self._out, self._members
         cd_offset = members.pos
-        directory = b"".join(members.central)
+        directory = members.central_directory
         out.write(directory)
         cd_size = len(directory)
-        count = len(members.central)
+        count = members.count
         if count >= _ZIP_FILECOUNT_LIMIT or cd_offset > _ZIP64_LIMIT or cd_size > _ZIP64_LIMIT:
             zip64_offset = cd_offset + cd_size
             out.write(_ZIP64_EOCD.pack(_SIG_ZIP64_EOCD, _ZIP64_EOCD.size - 12, _VERSION_ZIP64, _VERSION_ZIP64, 0, 0,
@@ -499,9 +499,11 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | s
             NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
         if report.enabled:  # each array written (not only queued) before it is reported
             items, batch = _reporting(items, report), False
-        # A dict's own iteration runs no caller code, so its arrays can be queued and written together.
-        writer._members.add_items(items, batch, to_numpy)
-        count = len(writer._members.central)
+        # A dict's own iteration runs no caller code, so its arrays can be queued and written together; keys
+        # that are all exact str are distinct names, so they need no check for repeats one by one.
+        unique = tensors if batch and all(type(k) is str for k in tensors) else None
+        writer._members.add_items(items, batch, to_numpy, unique)
+        count = writer._members.count
     if _log.isEnabledFor(logging.INFO):
         _log.info("saved %s: %d tensors, %d bytes in %.3f s", os.fspath(path), count, os.stat(path).st_size,
                   time.perf_counter() - started)
