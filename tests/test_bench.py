@@ -152,15 +152,22 @@ def test_model_suite(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "median of 1 runs, page cache warm." in out
     assert "| model | MiB | method | median ms | vs np.load |" in out
-    methods = [line.split(" | ")[2] for line in out.splitlines() if line.startswith(("| MLP", "| 400"))]
+    main_table, fresh_table = out.split("### first load in a new process (1 processes per method)", 1)
+    methods = [line.split(" | ")[2] for line in main_table.splitlines() if line.startswith(("| MLP", "| 400"))]
     assert methods == ["fastckpt load_model, pool warm", "fastckpt load_model, new pool",
                        "fastckpt load_model, no pool", "np.load + new buffers", "safetensors + enqueue_copy",
                        "one copy of the bytes"] * 2
+    fresh = [line.split(" | ")[:2] for line in fresh_table.split("### targets")[0].splitlines()
+             if line.startswith(("| MLP", "| 400"))]
+    assert fresh == [[f"| {model}", f"fastckpt load_model, {method}"]
+                     for model in ("MLP, 8 layers", "400 small layers") for method in ("new pool", "no pool")]
     targets = [re.sub(r": [0-9.]+x? .*|: [0-9.]+ ms$", "", line.split(": ", 1)[1])
                for line in out.split("### targets", 1)[1].splitlines() if line.startswith(("- met: ", "- MISSED: "))]
     assert targets == ["MLP, 8 layers, pool warm <= 1.15x one copy of its bytes",
                        "MLP, 8 layers, new pool <= 1.3x no pool",
-                       "400 small layers, pool warm <= 1.5 ms", "400 small layers, new pool <= 1.3x no pool"]
+                       "400 small layers, pool warm <= 1.5 ms", "400 small layers, new pool <= 1.3x no pool",
+                       "MLP, 8 layers, first load in a new process, new pool <= 1.3x no pool",
+                       "400 small layers, first load in a new process, new pool <= 1.3x no pool"]
 
 
 def test_tf_suite_leaves_the_tensorflow_row_out_without_tensorflow(tmp_path, capsys, monkeypatch):
