@@ -12,12 +12,22 @@ bounds or loop forever. Every failure is a :class:`fastckpt.errors.FormatError`
 naming the file, the block and the byte offset.
 """
 
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from cpython.mem cimport PyMem_Free
+from cpython.ref cimport Py_INCREF
+from cpython.object cimport PyTypeObject
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy
 
-from fastckpt._native.mapped cimport MappedFile
+cimport numpy as cnp
+
+from fastckpt._native.mapped cimport MappedFile, _Block, _Descr, _new_array
+from fastckpt._native.tensorindex cimport VIEWABLE, TensorIndex
+
+import weakref
 
 import cramjam
 import crc32c as _crc32c
+import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, FormatError
 
@@ -33,6 +43,79 @@ MASK_DELTA = 0xA282EAD8
 _SNAPPY_MAX_RATIO = 22
 
 cdef uint32_t _MASK_DELTA = 0xA282EAD8u
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <stddef.h>
+    #include <string.h>
+    /* CRC32C (Castagnoli, reflected 0x82F63B78), as the crc32c package computes it: SSE4.2 where the CPU
+       has it, else slicing-by-8 tables. */
+    static uint32_t fastckpt_crc32c_table[8][256];
+    static int fastckpt_crc32c_hw = 0;
+    static void fastckpt_crc32c_init(void) {
+        uint32_t i, c;
+        int k;
+        for (i = 0; i < 256; i++) {
+            c = i;
+            for (k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+            fastckpt_crc32c_table[0][i] = c;
+        }
+        for (i = 0; i < 256; i++)
+            for (k = 1; k < 8; k++)
+                fastckpt_crc32c_table[k][i] = (fastckpt_crc32c_table[k - 1][i] >> 8)
+                    ^ fastckpt_crc32c_table[0][fastckpt_crc32c_table[k - 1][i] & 0xFF];
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+        __builtin_cpu_init();
+        fastckpt_crc32c_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+    #endif
+    }
+    static uint32_t fastckpt_crc32c_sw(uint32_t crc, const uint8_t* p, size_t n) {
+        uint32_t (*t)[256] = fastckpt_crc32c_table;
+        crc = ~crc;
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        while (n >= 8) {
+            uint64_t w;
+            uint32_t hi;
+            memcpy(&w, p, 8);
+            crc ^= (uint32_t)w;
+            hi = (uint32_t)(w >> 32);
+            crc = t[7][crc & 0xFF] ^ t[6][(crc >> 8) & 0xFF] ^ t[5][(crc >> 16) & 0xFF] ^ t[4][crc >> 24]
+                ^ t[3][hi & 0xFF] ^ t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
+            p += 8;
+            n -= 8;
+        }
+    #endif
+        while (n--) crc = t[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+        return ~crc;
+    }
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __attribute__((target("sse4.2"))) static uint32_t fastckpt_crc32c_sse(uint32_t crc, const uint8_t* p, size_t n) {
+        uint64_t c = (uint32_t)~crc;
+        uint32_t c32;
+        while (n >= 8) {
+            uint64_t w;
+            memcpy(&w, p, 8);
+            c = __builtin_ia32_crc32di(c, w);
+            p += 8;
+            n -= 8;
+        }
+        c32 = (uint32_t)c;
+        while (n--) c32 = __builtin_ia32_crc32qi(c32, *p++);
+        return ~c32;
+    }
+    #endif
+    static uint32_t fastckpt_crc32c(uint32_t crc, const uint8_t* p, size_t n) {
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+        if (fastckpt_crc32c_hw) return fastckpt_crc32c_sse(crc, p, n);
+    #endif
+        return fastckpt_crc32c_sw(crc, p, n);
+    }
+    """
+    void fastckpt_crc32c_init() noexcept nogil
+    uint32_t fastckpt_crc32c(uint32_t crc, const uint8_t* p, size_t n) noexcept nogil
+
+fastckpt_crc32c_init()
 
 
 cpdef uint32_t mask_crc(uint32_t crc):
@@ -298,14 +381,25 @@ def read_block(MappedFile mapped, uint64_t offset, uint64_t size, what, bint ver
     The trailer's masked CRC32C covers the stored bytes and the type byte and
     is checked unless ``verify`` is false. Type 1 blocks are Snappy-decompressed.
     """
+    return _read_block(mapped, offset, size, what, verify, True)
+
+
+cdef object _read_block(MappedFile mapped, uint64_t offset, uint64_t size, what, bint verify, bint copy):
+    """``read_block``; with ``copy`` false, an uncompressed block of a mapped file is a memoryview of the
+    mapping."""
+    cdef const uint8_t[::1] raw_view
     if offset > <uint64_t>mapped.size or size > <uint64_t>mapped.size:
         raise FormatError(f"{mapped.path}: {what} at offset {offset} with {size} bytes lies outside the file "
                           f"({mapped.size} bytes)")
-    raw = mapped.read(<Py_ssize_t>offset, <Py_ssize_t>size + BLOCK_TRAILER_SIZE, what)
+    if copy:
+        raw = mapped.read(<Py_ssize_t>offset, <Py_ssize_t>size + BLOCK_TRAILER_SIZE, what)
+    else:
+        raw = mapped.view(<Py_ssize_t>offset, <Py_ssize_t>size + BLOCK_TRAILER_SIZE, what)
     kind = raw[size]
     if verify:
         stored = int.from_bytes(raw[size + 1:size + 5], "little")
-        actual = mask_crc(_crc32c.crc32c(raw[:size + 1]))
+        raw_view = raw
+        actual = mask_crc(fastckpt_crc32c(0, &raw_view[0], <size_t>size + 1))
         if stored != actual:
             raise ChecksumMismatchError(
                 f"{mapped.path}: {what} at offset {offset}: block checksum mismatch (stored {stored:#010x}, "
@@ -561,3 +655,579 @@ def decode_string_tensor(data, Py_ssize_t count, what="string tensor", bint veri
         out.append(piece)
         pos += <Py_ssize_t>length
     return out, (mask_crc(crc) if verify else None)
+
+
+# -- the columnar bundle index -----------------------------------------------------------------
+#
+# read_bundle_index walks every data block of an opened IndexTable and decodes each BundleEntryProto
+# straight into the columns of a BundleIndex (a TensorIndex whose infos are TFTensorInfo, made on
+# access). Only the common entry (a listed, numeric, checksummed tensor) takes the native path; any
+# other entry, and any entry the native decoder does not accept as is, goes through the reader's own
+# per-entry decoder, which gives it the same info or raises the same error as ever.
+
+cnp.import_array()
+
+cdef extern from "Python.h":
+    str _decode_utf8 "PyUnicode_DecodeUTF8" (const char* s, Py_ssize_t size, const char* errors)
+
+
+DEF _MAX_DIMS = 32  # as TensorIndex and MappedFile.array
+DEF _DTYPE_TABLE = 128  # DataType values the native path knows (a larger one takes the per-entry path)
+_BUNDLE_EXTRA_FIELDS = ("shard", "tf_dtype", "crc32c")
+# A payload from this size on is checksummed by the crc32c package (several streams at once) rather than here.
+_LARGE_CRC = 1 << 16
+_new = object.__new__
+_set = object.__setattr__
+
+
+def crc32c_of(data, uint32_t crc=0):
+    """The CRC32C of ``data`` (a bytes-like object) continuing from ``crc``, as ``crc32c.crc32c`` computes it;
+    the checksum the bundle index verifies views with.
+
+    >>> hex(crc32c_of(b"123456789"))
+    '0xe3069283'
+    """
+    cdef const uint8_t[::1] buf = _as_view(data)
+    if buf.shape[0] == 0:
+        return crc
+    return fastckpt_crc32c(crc, &buf[0], <size_t>buf.shape[0])
+
+
+cdef inline int _rv(const uint8_t* p, Py_ssize_t end, Py_ssize_t* pos, int max_bytes, uint64_t* out) noexcept nogil:
+    """``_varint`` without its errors: 1 with the value (``pos`` advanced), 0 where ``_varint`` would raise."""
+    cdef uint64_t result = 0
+    cdef int shift = 0
+    cdef int count = 0
+    cdef uint8_t b
+    cdef Py_ssize_t at = pos[0]
+    while True:
+        if at >= end or count >= max_bytes:
+            return 0
+        b = p[at]
+        at += 1
+        count += 1
+        if shift == 63 and (b & 0x7E):
+            return 0
+        result |= (<uint64_t>(b & 0x7F)) << shift
+        if not (b & 0x80):
+            break
+        shift += 7
+    if max_bytes == 5 and result > 0xFFFFFFFFu:
+        return 0
+    pos[0] = at
+    out[0] = result
+    return 1
+
+
+cdef inline int _skip(const uint8_t* p, Py_ssize_t end, Py_ssize_t* pos, uint64_t wire) noexcept nogil:
+    """``_skip_field`` without its errors: 1 with ``pos`` past the field, 0 where it would raise."""
+    cdef uint64_t length
+    if wire == 0:
+        return _rv(p, end, pos, 10, &length)
+    if wire == 1:
+        if end - pos[0] < 8:
+            return 0
+        pos[0] += 8
+        return 1
+    if wire == 2:
+        if not _rv(p, end, pos, 10, &length) or length > <uint64_t>(end - pos[0]):
+            return 0
+        pos[0] += <Py_ssize_t>length
+        return 1
+    if wire == 5:
+        if end - pos[0] < 4:
+            return 0
+        pos[0] += 4
+        return 1
+    return 0
+
+
+cdef struct _Plain:
+    int64_t dtype
+    int64_t shard
+    int64_t offset
+    int64_t size
+    uint32_t crc
+    int ndims
+    int64_t dims[_MAX_DIMS]
+
+
+cdef int _plain_shape(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, _Plain* e) noexcept nogil:
+    """``_decode_shape`` for a known shape of at most 32 non-negative dimensions; 0 for anything else."""
+    cdef uint64_t tag, value, length
+    cdef Py_ssize_t dim_end
+    cdef int64_t size
+    e.ndims = 0
+    while pos < end:
+        if not _rv(p, end, &pos, 10, &tag):
+            return 0
+        if (tag >> 3) == 2:
+            if (tag & 7) != 2 or not _rv(p, end, &pos, 10, &length) or length > <uint64_t>(end - pos):
+                return 0
+            dim_end = pos + <Py_ssize_t>length
+            size = 0
+            while pos < dim_end:
+                if not _rv(p, dim_end, &pos, 10, &tag):
+                    return 0
+                if (tag >> 3) == 1 and (tag & 7) == 0:
+                    if not _rv(p, dim_end, &pos, 10, &value):
+                        return 0
+                    size = <int64_t>value
+                elif not _skip(p, dim_end, &pos, tag & 7):
+                    return 0
+            if size < 0 or e.ndims == _MAX_DIMS:
+                return 0
+            e.dims[e.ndims] = size
+            e.ndims += 1
+        elif (tag >> 3) == 3 and (tag & 7) == 0:
+            if not _rv(p, end, &pos, 10, &value) or value != 0:  # unknown rank
+                return 0
+        elif not _skip(p, end, &pos, tag & 7):
+            return 0
+    return 1
+
+
+cdef int _plain_entry(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, _Plain* e) noexcept nogil:
+    """``decode_entry`` for an entry without slices, with a crc32c and a shape ``_plain_shape`` takes; 0 (leave it
+    to ``decode_entry``) for anything else. Fields are taken as ``decode_entry`` takes them: any order, the last
+    one wins, unknown ones skipped."""
+    cdef uint64_t tag, value, length
+    cdef uint64_t field, wire
+    cdef bint has_crc = False
+    e.dtype = e.shard = e.offset = e.size = 0
+    e.ndims = 0
+    while pos < end:
+        if not _rv(p, end, &pos, 10, &tag):
+            return 0
+        field = tag >> 3
+        wire = tag & 7
+        if field == 1 and wire == 0:
+            if not _rv(p, end, &pos, 10, &value):
+                return 0
+            e.dtype = <int64_t>value
+        elif field == 2:
+            if wire != 2 or not _rv(p, end, &pos, 10, &length) or length > <uint64_t>(end - pos):
+                return 0
+            if not _plain_shape(p, pos, pos + <Py_ssize_t>length, e):
+                return 0
+            pos += <Py_ssize_t>length
+        elif field == 3 and wire == 0:
+            if not _rv(p, end, &pos, 10, &value):
+                return 0
+            e.shard = <int64_t>value
+        elif field == 4 and wire == 0:
+            if not _rv(p, end, &pos, 10, &value):
+                return 0
+            e.offset = <int64_t>value
+        elif field == 5 and wire == 0:
+            if not _rv(p, end, &pos, 10, &value):
+                return 0
+            e.size = <int64_t>value
+        elif field == 6:
+            if wire != 5 or end - pos < 4:
+                return 0
+            e.crc = (<uint32_t>p[pos]) | (<uint32_t>p[pos + 1] << 8) | (<uint32_t>p[pos + 2] << 16) | (
+                <uint32_t>p[pos + 3] << 24)
+            has_crc = True
+            pos += 4
+        elif field == 7:  # a slice: a partitioned variable
+            return 0
+        elif not _skip(p, end, &pos, wire):
+            return 0
+    return has_crc
+
+
+cdef inline int _key_cmp(const char* a, Py_ssize_t na, const char* b, Py_ssize_t nb) noexcept nogil:
+    cdef int c = 0
+    if na and nb:
+        c = memcmp(a, b, <size_t>(na if na < nb else nb))
+    if c:
+        return c
+    return (na > nb) - (na < nb)
+
+
+cdef extern from "string.h":
+    int memcmp(const void* a, const void* b, size_t n) nogil
+
+
+cdef class _Keys:
+    """The keys and value locations of a table's entries, in table order (C arrays, freed with the object)."""
+    cdef char* arena
+    cdef Py_ssize_t arena_count, arena_capacity
+    cdef int64_t* key_at
+    cdef int64_t* key_len
+    cdef int64_t* value_at
+    cdef int64_t* value_len
+    cdef int32_t* block
+    cdef Py_ssize_t count, capacity
+
+    def __cinit__(self):
+        self.arena = NULL
+        self.key_at = self.key_len = self.value_at = self.value_len = NULL
+        self.block = NULL
+        self.arena_count = self.arena_capacity = self.count = self.capacity = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.arena)
+        PyMem_Free(self.key_at)
+        PyMem_Free(self.key_len)
+        PyMem_Free(self.value_at)
+        PyMem_Free(self.value_len)
+        PyMem_Free(self.block)
+
+    cdef int grow(self, Py_ssize_t key_bytes) except -1:
+        """Room for one more entry whose key has ``key_bytes`` bytes."""
+        cdef Py_ssize_t want
+        if self.count == self.capacity:
+            want = max(2 * self.capacity, 1024)
+            self.key_at = <int64_t*>_realloc(self.key_at, want, sizeof(int64_t))
+            self.key_len = <int64_t*>_realloc(self.key_len, want, sizeof(int64_t))
+            self.value_at = <int64_t*>_realloc(self.value_at, want, sizeof(int64_t))
+            self.value_len = <int64_t*>_realloc(self.value_len, want, sizeof(int64_t))
+            self.block = <int32_t*>_realloc(self.block, want, sizeof(int32_t))
+            self.capacity = want
+        if key_bytes > self.arena_capacity - self.arena_count:
+            want = max(2 * self.arena_capacity, self.arena_count + key_bytes, 4096)
+            self.arena = <char*>_realloc(self.arena, want, 1)
+            self.arena_capacity = want
+        return 0
+
+    cdef bytes key(self, Py_ssize_t j):
+        return self.arena[self.key_at[j]:self.key_at[j] + self.key_len[j]]
+
+
+from cpython.mem cimport PyMem_Realloc
+
+
+cdef void* _realloc(void* block, Py_ssize_t count, size_t item) except NULL:
+    cdef void* p
+    if count > (<Py_ssize_t>0x7FFFFFFFFFFFFFFF) // <Py_ssize_t>item // 2:
+        raise MemoryError("the bundle index is too large")
+    p = PyMem_Realloc(block, <size_t>count * item)
+    if p == NULL:
+        raise MemoryError()
+    return p
+
+
+cdef int _walk_block(_Keys keys, const uint8_t[::1] buf, int32_t block_no, object what) except -1:
+    """``decode_block`` of one data block into ``keys``: the same checks and messages, no object per entry."""
+    cdef uint32_t num_restarts
+    cdef Py_ssize_t restarts_start = _restarts_start(buf, &num_restarts, what)
+    cdef const uint8_t* p = &buf[0]  # a block has at least its 4-byte restart count
+    cdef Py_ssize_t pos = 0, entry_at
+    cdef uint64_t shared, non_shared, value_len
+    cdef int64_t prev_at = 0, prev_len = 0  # the block's previous key; none yet
+    cdef Py_ssize_t at
+    while pos < restarts_start:
+        entry_at = pos
+        if not (_rv(p, restarts_start, &pos, 5, &shared) and _rv(p, restarts_start, &pos, 5, &non_shared)
+                and _rv(p, restarts_start, &pos, 5, &value_len)):
+            pos = entry_at  # _varint says why
+            _varint(buf, restarts_start, &pos, 5, &shared, what)
+            _varint(buf, restarts_start, &pos, 5, &non_shared, what)
+            _varint(buf, restarts_start, &pos, 5, &value_len, what)
+            raise AssertionError(f"{what}: entry at byte {entry_at}: varints decoded only on the second try")
+        if shared > <uint64_t>prev_len:
+            raise FormatError(f"{what}: entry at byte {entry_at} shares {shared} bytes with a previous key "
+                              f"of {prev_len} bytes")
+        if non_shared + value_len > <uint64_t>(restarts_start - pos):
+            raise FormatError(f"{what}: entry at byte {entry_at} needs {non_shared + value_len} bytes of key and "
+                              f"value but only {restarts_start - pos} remain before the restart array")
+        keys.grow(<Py_ssize_t>(shared + non_shared))
+        at = keys.arena_count
+        if shared:
+            memcpy(keys.arena + at, keys.arena + prev_at, <size_t>shared)
+        if non_shared:
+            memcpy(keys.arena + at + <Py_ssize_t>shared, p + pos, <size_t>non_shared)
+        pos += <Py_ssize_t>non_shared
+        keys.key_at[keys.count] = at
+        keys.key_len[keys.count] = <int64_t>(shared + non_shared)
+        keys.value_at[keys.count] = pos
+        keys.value_len[keys.count] = <int64_t>value_len
+        keys.block[keys.count] = block_no
+        keys.count += 1
+        keys.arena_count = at + <Py_ssize_t>(shared + non_shared)
+        prev_at, prev_len = at, <int64_t>(shared + non_shared)
+        pos += <Py_ssize_t>value_len
+    return 0
+
+
+cdef bytes _value(_Keys keys, list blocks, Py_ssize_t j):
+    """The value of entry ``j``."""
+    cdef Py_ssize_t at = keys.value_at[j]
+    return bytes(blocks[keys.block[j]][at:at + keys.value_len[j]])
+
+
+cdef class _ShardRef:
+    """A shard number and its mapping, swapped in as one object (threads that view tensors of different
+    shards never pair one's number with the other's file)."""
+    cdef int64_t shard
+    cdef MappedFile file
+
+
+cdef class BundleIndex(TensorIndex):
+    """The listed tensors of a TensorFlow bundle: a :class:`~fastckpt._native.tensorindex.TensorIndex` whose infos
+    are ``TFTensorInfo`` (made on access) and whose views come from each tensor's data shard, checksummed when
+    the reader verifies.
+
+    Made by :func:`read_bundle_index`; it is ``CheckpointReader.infos``.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.tf import CheckpointReader, write_checkpoint
+    >>> prefix = os.path.join(tempfile.mkdtemp(), "m")
+    >>> write_checkpoint(prefix, {"w": np.arange(3, dtype=np.int16)})
+    >>> with CheckpointReader(prefix) as reader:
+    ...     index = reader.infos
+    ...     type(index).__name__, index["w"].shard, index["w"].crc32c == reader.info("w").crc32c, index.view("w")
+    ('BundleIndex', 0, True, array([0, 1, 2], dtype=int16))
+    """
+    cdef object _shard_of   # a weak reference to the reader's method shard number -> MappedFile
+    cdef bint _verify
+    cdef _ShardRef _cached  # the shard of the last view, or None
+
+    cdef object info_at(self, Py_ssize_t i):
+        cdef Py_ssize_t k
+        cdef int64_t* extra
+        info = self._infos[i]
+        if info is None:
+            extra = self.extras + 3 * i
+            info = _new(self.info_type)  # fastckpt.info.from_checked_fields, as the reader's per-entry path
+            _set(info, "__dict__", {
+                "name": self.names[i], "dtype": self.dtypes[self.dtype_codes[i]],
+                "shape": tuple([self.dims[k] for k in range(self.shape_at[i], self.shape_at[i + 1])]),
+                "offset": self.offsets[i], "nbytes": self.nbytes[i], "fortran_order": False, "compression": None,
+                "shard": extra[0], "tf_dtype": extra[1], "crc32c": extra[2], "slices": ()})
+            self._infos[i] = info
+        return info
+
+    cdef object view_at(self, Py_ssize_t i):
+        """The view of tensor ``i`` over its shard's mapping (checksummed when verifying), or None where the
+        reader's general path must read it (and says why, if anything is wrong)."""
+        cdef int64_t shard = self.extras[3 * i]
+        cdef MappedFile m
+        cdef _ShardRef ref = self._cached
+        cdef _Block block
+        cdef int64_t offset = self.offsets[i]
+        cdef int64_t nbytes = self.nbytes[i]
+        cdef int64_t start = self.shape_at[i]
+        cdef int nd = <int>(self.shape_at[i + 1] - start)
+        cdef int array_flags
+        cdef uint32_t crc
+        if not (self.flags[i] & VIEWABLE) or nd > _MAX_DIMS:
+            return None
+        if ref is None or ref.shard != shard:
+            shard_of = self._shard_of()
+            if shard_of is None:
+                return None
+            ref = _ShardRef.__new__(_ShardRef)
+            ref.shard = shard
+            ref.file = shard_of(shard)  # raises as reading would: missing shard, closed reader
+            self._cached = ref
+        m = ref.file
+        block = m._block  # None once closed, and for the pread backend
+        if block is None or block.ptr == NULL:
+            return None
+        if offset < 0 or nbytes < 0 or offset > block.size or nbytes > block.size - offset:
+            return None
+        if self._verify:
+            if nbytes >= _LARGE_CRC:
+                crc = _crc32c.crc32c(memoryview(block)[offset:offset + nbytes])
+            else:
+                crc = fastckpt_crc32c(0, block.ptr + offset, <size_t>nbytes)
+            if mask_crc(crc) != <uint32_t>self.extras[3 * i + 2]:
+                return None  # the general path raises ChecksumMismatchError
+        dtype = self.dtypes[self.dtype_codes[i]]
+        array_flags = cnp.NPY_ARRAY_C_CONTIGUOUS
+        if block.writable:
+            array_flags |= cnp.NPY_ARRAY_WRITEABLE
+        # SAFETY: the array points into the mapping, checked above to hold its nbytes (product of dims times
+        # itemsize, checked by read_bundle_index); its base holds the block that owns the mapping, so the
+        # pages stay mapped for as long as the array (or any view of it) lives.
+        Py_INCREF(dtype)  # PyArray_NewFromDescr steals a reference to the descriptor
+        arr = _new_array(<PyTypeObject*>np.ndarray, <_Descr*>dtype, nd, self.dims + start, NULL,
+                         <void*>(block.ptr + offset), array_flags, NULL)
+        cnp.set_array_base(arr, block)
+        return arr
+
+    def forget_shards(self):
+        """Drop the shard mapping kept for the last view (the reader calls this when it closes)."""
+        self._cached = None
+
+    def shape_lists(self):
+        """``{name: list(shape)}`` of every tensor, in index order, without making its info.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.tf import CheckpointReader, write_checkpoint
+        >>> prefix = os.path.join(tempfile.mkdtemp(), "m")
+        >>> write_checkpoint(prefix, {"a": np.zeros((2, 3)), "b": np.float32(1)})
+        >>> with CheckpointReader(prefix) as reader:
+        ...     reader.infos.shape_lists()
+        {'a': [2, 3], 'b': []}
+        """
+        cdef dict out = {}
+        cdef Py_ssize_t i, k
+        for i in range(self.count):
+            info = self._infos[i]
+            if info is None:
+                out[self.names[i]] = [self.dims[k] for k in range(self.shape_at[i], self.shape_at[i + 1])]
+            else:
+                out[self.names[i]] = list(info.shape)
+        return out
+
+    def __repr__(self):
+        return f"<BundleIndex of {self.count} tensors>"
+
+
+def read_bundle_index(table, str index_path, header_of, make_info, shard_of, dict numpy_dtypes, info_type,
+                      bint verify):
+    """Walk every data block of ``table`` (an opened ``IndexTable`` of the bundle index ``index_path``) into
+    columns.
+
+    ``header_of(value)`` decodes and checks the header entry (the first, under
+    the empty key) and returns the header; ``make_info(name, value)`` is the
+    reader's per-entry decoder, used for hidden entries (keys starting with
+    ``\\x00``), strings, partitioned variables and anything unusual;
+    ``shard_of(shard)`` returns a shard's ``MappedFile`` (the index holds a
+    weak reference to it); ``numpy_dtypes`` maps DataType values to numpy dtypes.
+    Blocks are checked as ``IndexTable.items`` checks them (trailer checksums,
+    structure, strictly increasing keys), with the same messages, and every
+    entry as ``make_info`` checks it.
+
+    Returns ``(index, hidden, header, names)``: a :class:`BundleIndex` of the
+    listed tensors in table order, ``{key bytes: info}`` of the hidden entries,
+    the header and the list of listed names (``CheckpointReader`` opens a
+    checkpoint with it).
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.tf import CheckpointReader, write_checkpoint
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> from fastckpt.formats.tf import dtypes
+    >>> from fastckpt.formats.tf.table import IndexTable
+    >>> prefix = os.path.join(tempfile.mkdtemp(), "m")
+    >>> write_checkpoint(prefix, {"w": np.zeros((2, 3), np.float32), "s": np.array([b"x"], dtype=object)})
+    >>> reader = CheckpointReader(prefix)
+    >>> with MappedFile(prefix + ".index") as mapped:
+    ...     index, hidden, header, names = read_bundle_index(
+    ...         IndexTable(mapped), prefix + ".index", reader._read_header, reader._make_info, reader._shard,
+    ...         dtypes._NUMPY, type(reader.info("w")), True)
+    >>> names, index["w"].shape, index["w"].nbytes, index["s"].dtype, hidden, header.num_shards
+    (['s', 'w'], (2, 3), 24, dtype('O'), {}, 1)
+    >>> index.view("w").shape, index.view("s")  # a string tensor is read by the reader's general path
+    ((2, 3), None)
+    >>> reader.close()
+    """
+    cdef _Keys keys = _Keys()
+    cdef list blocks = []
+    cdef Py_ssize_t i, j, n_blocks = len(table.block_handles)
+    cdef Py_ssize_t first_of_block, table_size
+    cdef const uint8_t[::1] buf
+    cdef const uint8_t* p = NULL
+    cdef BundleIndex index
+    cdef _Plain e
+    cdef int32_t code_of[_DTYPE_TABLE]
+    cdef int64_t itemsize_of[_DTYPE_TABLE]
+    cdef int64_t max_shard, n_items
+    cdef int64_t i64_max = 0x7FFFFFFFFFFFFFFF
+    cdef int32_t code, block_no
+    cdef bint ascii, fits, big_endian
+    cdef int k
+    cdef Py_ssize_t name_len
+    cdef const char* name_ptr
+    cdef dict hidden = {}
+    cdef dict codes = {}
+    cdef str name
+    cdef bytes utf8
+    path = table.path
+    for i in range(n_blocks):  # IndexTable.items, without a tuple per entry
+        off, size = table.block_handles[i]
+        data = _read_block(table.mapped, off, size, f"data block {i}", table.verify, False)  # IndexTable.block
+        blocks.append(data)
+        first_of_block = keys.count
+        _walk_block(keys, _as_view(data), <int32_t>i, f"{path}: data block {i} at offset {off}")
+        for j in range(max(first_of_block, 1), keys.count):
+            if _key_cmp(keys.arena + keys.key_at[j], keys.key_len[j], keys.arena + keys.key_at[j - 1],
+                        keys.key_len[j - 1]) <= 0:
+                raise FormatError(f"{path}: data block {i}: key {keys.key(j)!r} does not sort after "
+                                  f"{keys.key(j - 1)!r} (keys must be strictly increasing)")
+
+    if keys.count == 0 or keys.key_len[0] != 0:
+        raise FormatError(f"{index_path}: the first key must be the empty header key, got "
+                          f"{keys.key(0) if keys.count else None!r} (not a tensor bundle?)")
+    header = header_of(_value(keys, blocks, 0))
+    max_shard = max(header.num_shards, 1) if -2**63 <= header.num_shards < 2**63 else 2**63 - 1
+    big_endian = bool(header.big_endian)
+
+    index = BundleIndex.__new__(BundleIndex)
+    index._setup(None, [], info_type, _BUNDLE_EXTRA_FIELDS)
+    index._shard_of = weakref.WeakMethod(shard_of)
+    index._verify = verify
+    for k in range(_DTYPE_TABLE):
+        code_of[k] = -1
+        itemsize_of[k] = 0
+    for enum, dtype in numpy_dtypes.items():
+        if 0 <= enum < _DTYPE_TABLE and not dtype.hasobject:
+            code_of[enum] = len(index.dtypes)
+            itemsize_of[enum] = dtype.itemsize
+            index.dtypes.append(dtype)
+            codes.setdefault(dtype, code_of[enum])
+    index.reserve(keys.count, keys.count)
+    table_size = 32
+    while table_size < 2 * (keys.count + 1):
+        table_size *= 2
+    index._index_names(table_size)  # the name table at its final size: no rehash on the way
+
+    block_no = -1
+    for j in range(1, keys.count):
+        if keys.block[j] != block_no:
+            block_no = keys.block[j]
+            buf = _as_view(blocks[block_no])
+            p = &buf[0]
+        name_ptr = keys.arena + keys.key_at[j]
+        name_len = keys.key_len[j]
+        name = _decode_utf8(name_ptr, name_len, "surrogateescape")
+        if name_len and name_ptr[0] == 0:  # a hidden entry: a slice of a partitioned variable
+            hidden[keys.key(j)] = make_info(name, _value(keys, blocks, j))
+            continue
+        ascii = True
+        for k in range(name_len):
+            if <uint8_t>name_ptr[k] >= 0x80:
+                ascii = False
+                break
+        utf8 = None if ascii else name.encode("utf-8", "surrogatepass")  # what TensorIndex.position hashes
+        fits = _plain_entry(p, keys.value_at[j], keys.value_at[j] + keys.value_len[j], &e) and (
+            0 <= e.dtype < _DTYPE_TABLE and code_of[e.dtype] >= 0 and 0 <= e.shard < max_shard
+            and e.offset >= 0 and e.size >= 0)
+        if fits:  # size == count * itemsize, with no partial product past 2**63 (as MappedFile.array needs)
+            n_items = itemsize_of[e.dtype]
+            for k in range(e.ndims):
+                if e.dims[k] != 0 and n_items > i64_max // e.dims[k]:
+                    fits = False
+                    break
+                n_items *= e.dims[k]
+            fits = fits and n_items == e.size
+        if fits:
+            for k in range(e.ndims):
+                index.add_dim(<cnp.npy_intp>e.dims[k])
+            if index.add(name, name_ptr if ascii else <const char*>utf8, name_len if ascii else len(utf8),
+                         code_of[e.dtype], e.offset, e.size,
+                         VIEWABLE if not (big_endian and itemsize_of[e.dtype] > 1) else 0):
+                raise FormatError(f"{path}: tensor {name!r} is listed twice")  # keys increase: never
+            index.extras[3 * index.count - 3] = e.shard
+            index.extras[3 * index.count - 2] = e.dtype
+            index.extras[3 * index.count - 1] = e.crc
+            continue
+        info = make_info(name, _value(keys, blocks, j))  # the per-entry path: its errors, or an info kept as made
+        code = codes.get(info.dtype, -1)
+        if code < 0:
+            code = codes[info.dtype] = len(index.dtypes)
+            index.dtypes.append(info.dtype)
+        if utf8 is None:
+            utf8 = name_ptr[:name_len]
+        if index.add(name, utf8, len(utf8), code, 0, 0, 0):
+            raise FormatError(f"{path}: tensor {name!r} is listed twice")
+        index.extras[3 * index.count - 3] = info.shard
+        index.extras[3 * index.count - 2] = info.tf_dtype
+        index.extras[3 * index.count - 1] = -1 if info.crc32c is None else info.crc32c
+        index.keep_info(info)
+    index.finish()
+    return index, hidden, header, index.names

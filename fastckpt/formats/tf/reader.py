@@ -21,15 +21,15 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 import crc32c as _crc32c
 import numpy as np
 
 from fastckpt._native.mapped import MappedFile
-from fastckpt._native.tftable import decode_entry, decode_string_tensor, mask_crc
+from fastckpt._native.tftable import decode_entry, decode_string_tensor, mask_crc, read_bundle_index
 from fastckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -246,10 +246,6 @@ class _Entry:
         return format(str(self), spec)
 
 
-def _decode_name(key: bytes) -> str:
-    return key.decode("utf-8", "surrogateescape")
-
-
 def _encode_name(name: str) -> bytes:
     return name.encode("utf-8", "surrogateescape")
 
@@ -304,29 +300,26 @@ class CheckpointReader(ReaderMapping):
         self._shard_lock = threading.Lock()  # two threads reading one new shard map it once
         with MappedFile(self.index_path, advise=False) as mapped:
             table = IndexTable(mapped)
-            items = table.items()
             self.num_data_blocks = len(table.block_handles)
-        if not items or items[0][0] != b"":
-            first = items[0][0] if items else None
-            raise FormatError(f"{self.index_path}: the first key must be the empty header key, got {first!r} "
-                              "(not a tensor bundle?)")
-        self.header = decode_header(items[0][1], f"{self.index_path}: header entry")
-        self._check_version()
-        self._entries: dict = {}
-        listed: dict = {}
-        for key, value in items[1:]:
-            name = _decode_name(key)
-            info = self._make_info(name, value)
-            self._entries[key] = info
-            if not key.startswith(b"\x00"):
-                listed[name] = info
-        self._names = names = list(listed)
-        self._infos = MappingProxyType(listed)
+            # Every entry decoded into the columns of one index, in one native loop: a TFTensorInfo is
+            # made when asked for (hidden slice entries, strings and anything unusual go through
+            # _make_info, which also gives every error message).
+            index, self._entries, self.header, names = read_bundle_index(
+                table, self.index_path, self._read_header, self._make_info, self._shard, _dt._NUMPY, TFTensorInfo,
+                verify)
+        self._names = names
+        self._infos = index
+        self._view = index.view  # bound once: host() is called once per tensor
         num_shards = self.header.num_shards
         if num_shards < 0 or num_shards > INT32_MAX or (num_shards == 0 and names):
             raise FormatError(f"{self.index_path}: header says num_shards={num_shards} (an int32 of at least 1 "
                               "when there are tensors)")
         self.num_shards = num_shards
+
+    def _read_header(self, value: bytes):
+        self.header = decode_header(value, f"{self.index_path}: header entry")
+        self._check_version()
+        return self.header
 
     def _check_version(self) -> None:
         h = self.header
@@ -378,6 +371,7 @@ class CheckpointReader(ReaderMapping):
                 shard.close()
             self._shards = {}
             self._closed = True
+            self._infos.forget_shards()
 
     @property
     def closed(self) -> bool:
@@ -409,8 +403,12 @@ class CheckpointReader(ReaderMapping):
         return info
 
     @property
-    def infos(self) -> "MappingProxyType[str, TFTensorInfo]":
-        """Read-only mapping name -> :class:`TFTensorInfo` of every listed tensor, in name (index) order."""
+    def infos(self) -> "Mapping[str, TFTensorInfo]":
+        """Read-only mapping name -> :class:`TFTensorInfo` of every listed tensor, in name (index) order.
+
+        A :class:`~fastckpt._native.tftable.BundleIndex`: the entries are held in
+        columns and each info is made on first access.
+        """
         return self._infos
 
     def has_tensor(self, name: str) -> bool:
@@ -427,7 +425,7 @@ class CheckpointReader(ReaderMapping):
 
     def variable_to_shape_map(self) -> dict:
         """``{name: list(shape)}``, like TensorFlow's ``get_variable_to_shape_map``."""
-        return {n: list(info.shape) for n, info in self._infos.items()}
+        return self._infos.shape_lists()
 
     def __iter__(self):
         return iter(self.tensor_names())
@@ -471,6 +469,9 @@ class CheckpointReader(ReaderMapping):
         big-endian tensors and partitioned variables come back as new arrays,
         without :meth:`read_tensor`'s warning; strings as ``object`` arrays of ``bytes``.
         """
+        view = self._view(name)  # straight from the index's columns (checksummed), where the tensor allows
+        if view is not None:
+            return view
         info = self.info(name)
         copy = bool(info.slices) or (self.header.big_endian and info.dtype.itemsize > 1)
         return self.read_tensor(name, copy=copy)
@@ -488,6 +489,10 @@ class CheckpointReader(ReaderMapping):
         unknown name and :class:`~fastckpt.errors.ChecksumMismatchError` when
         the stored CRC32C does not match (``verify=False`` skips the check).
         """
+        if not copy:
+            view = self._view(name)
+            if view is not None:
+                return view
         info = self.info(name)
         if info.slices:
             if not copy:
@@ -495,6 +500,25 @@ class CheckpointReader(ReaderMapping):
                               "array (pass copy=True to silence this)", NotZeroCopyWarning, stacklevel=2)
             return self._assemble(info)
         return self._read_entry(info, copy=copy, stacklevel=3)
+
+    def hosts(self, names=None) -> dict:
+        """``{name: host(name)}`` for every tensor in index order (``names=None``) or for ``names``.
+
+        The views are made in one native loop over the index, each from its
+        shard's mapping and checked against its CRC32C when the reader verifies;
+        tensors that need more (strings, big-endian bytes, partitioned
+        variables, a damaged payload) go through :meth:`host`, which copies or
+        raises as it does. Unknown names raise as :meth:`host` does.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.tf import write_checkpoint
+        >>> prefix = os.path.join(tempfile.mkdtemp(), "m")
+        >>> write_checkpoint(prefix, {"b": np.arange(2, dtype=np.int8), "a": np.ones(1, np.float32)})
+        >>> with CheckpointReader(prefix) as r:
+        ...     {k: v.tolist() for k, v in r.hosts().items()}, list(r.hosts(["b"]))
+        ({'a': [1.0], 'b': [0, 1]}, ['b'])
+        """
+        return self._infos.views(names, self.host)
 
     def _read_entry(self, info: TFTensorInfo, *, copy: bool, stacklevel: int) -> np.ndarray:
         mapped = self._shard(info.shard)
