@@ -40,6 +40,7 @@ cdef extern from "Python.h":
     object PyUnicode_DecodeASCII(const char* s, Py_ssize_t size, const char* errors)
 
 import dataclasses
+import itertools
 import sys
 import warnings
 import zlib
@@ -197,9 +198,9 @@ cdef class _Where:
     """Names a member for error messages; formatted only when a message is built (most never are)."""
 
     cdef object path, name, kind
-    cdef Py_ssize_t offset
+    cdef object offset  # a Python int: a damaged zip64 field may hold any 64-bit value
 
-    def __cinit__(self, path, name, kind, Py_ssize_t offset):
+    def __cinit__(self, path, name, kind, offset):
         self.path = path
         self.name = name
         self.kind = kind
@@ -929,8 +930,10 @@ cdef class MemberWriter:
         """``add(name, as_array(array))`` for each ``(name, array)`` pair of ``items``, in order.
 
         ``unique_names``: a dict whose keys are exactly the names ``items``
-        gives, each an exact ``str`` (so distinct): the names are then not
-        checked for repeats one by one (later ``add`` calls still are).
+        gives, each an exact ``str``, and whose values are exact numpy arrays
+        (so no caller code runs while it is iterated, and the names are
+        distinct): the names are then not checked for repeats one by one
+        (later ``add`` calls still are).
 
         Queued arrays must not change before they are written, and the caller's
         code may change them: a generator refilling one buffer, an
@@ -940,19 +943,33 @@ cdef class MemberWriter:
         iteration produces.
         """
         cdef bint check_names = unique_names is None or (self.count > 0 or self._deferred_names is not None)
-        if not check_names:
-            self._deferred_names = unique_names  # joins _names if add() is called again
+        cdef Py_ssize_t first = self.count
+        if check_names:
+            self._add_items(items, batch, as_array, True)
+            return
+        try:
+            self._add_items(items, batch, as_array, False)
+        except BaseException:
+            # the names written so far, in the dict's order, are taken; the others stay free
+            self._names.update(itertools.islice(unique_names, self.count - first))
+            raise
+        self._deferred_names = unique_names  # joins _names if add() is called again
+
+    cdef int _add_items(self, items, bint batch, as_array, bint check_names) except -1:
         for item in items:
             try:
                 name, array = item
             except (TypeError, ValueError):
                 raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
             if not cnp.PyArray_CheckExact(array):
+                if not check_names:
+                    raise TypeError(f"unique_names promised exact numpy arrays; {name!r} is {type(array).__name__}")
                 self._out.flush()
                 array = as_array(array)
             self._add(name, <cnp.ndarray?>array, False, check_names)
             if not batch:
                 self._out.flush()
+        return 0
 
     def add(self, name, cnp.ndarray arr not None):
         """Write one member; return (header_start, npy header, payload bytes, fortran_order, crc)."""

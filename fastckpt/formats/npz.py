@@ -499,9 +499,11 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | s
             NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
         if report.enabled:  # each array written (not only queued) before it is reported
             items, batch = _reporting(items, report), False
-        # A dict's own iteration runs no caller code, so its arrays can be queued and written together; keys
-        # that are all exact str are distinct names, so they need no check for repeats one by one.
-        unique = tensors if batch and all(type(k) is str for k in tensors) else None
+        # A dict's own iteration runs no caller code, so its arrays can be queued and written together. Where
+        # its keys are all exact str and its values exact arrays, no caller code runs at all while it is written
+        # (no __array__ to convert), so the keys stay what they were: distinct names, not checked one by one.
+        unique = tensors if batch and all(type(k) is str and type(v) is np.ndarray
+                                          for k, v in tensors.items()) else None
         writer._members.add_items(items, batch, to_numpy, unique)
         count = writer._members.count
     if _log.isEnabledFor(logging.INFO):
