@@ -384,6 +384,19 @@ def test_a_dict_of_str_names_is_not_checked_name_by_name_but_a_later_add_is(tmp_
         out.flush()
 
 
+def test_the_c_crc32_writes_the_bytes_the_python_crc32_writes(tmp_path, monkeypatch):
+    rng = np.random.default_rng(5)
+    arrays = {f"t{i}": rng.integers(0, 255, size=int(n), dtype=np.uint8) for i, n in
+              enumerate([0, 1, 3, 63, 64, 65, 1000, 4095, 70_000, *rng.integers(0, 9000, size=40)])}
+    assert npz._ZNG_CRC32 != 0  # zlib-ng's C crc32 is found, so the default below takes it
+    save_npz(tmp_path / "c.npz", arrays)
+    monkeypatch.setattr(npz, "_ZNG_CRC32", 0)
+    save_npz(tmp_path / "python.npz", arrays)
+    assert (tmp_path / "c.npz").read_bytes() == (tmp_path / "python.npz").read_bytes()
+    with zipfile.ZipFile(tmp_path / "c.npz") as z:
+        assert z.testzip() is None
+
+
 def test_consecutive_arrays_of_one_dtype_get_each_their_own_header(tmp_path):
     arrays = [np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32), np.zeros((3, 2), np.float32).T,
               np.zeros((3, 2), np.float32), np.zeros(6, np.float32), np.zeros((6, 1, 1), np.float32)]

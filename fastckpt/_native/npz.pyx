@@ -858,6 +858,9 @@ cdef int _check_key(str name) except -1:
     return 0
 
 
+ctypedef uint32_t (*_crc32_fn)(uint32_t crc, const uint8_t* data, uint32_t length) noexcept nogil
+
+
 cdef class MemberWriter:
     """The members of an NPZ being written: each one's local record and payload go to ``out``.
 
@@ -875,7 +878,9 @@ cdef class MemberWriter:
     ``small_below`` bytes are aligned to it instead (the ``"auto"`` policy of
     the spec: padding to a page costs a small member more than it saves).
     ``broken`` is set while a member is being written, and stays set if
-    writing it failed.
+    writing it failed. ``crc32_address``, where not 0, is the address of a C
+    function computing what ``crc32`` does (zlib-ng's ``zng_crc32``: ``crc``,
+    pointer, 32-bit length), called directly for payloads below ``large_min``.
     """
     cdef GatherWriter _out
     cdef readonly int64_t pos
@@ -898,10 +903,12 @@ cdef class MemberWriter:
     cdef readonly Py_ssize_t count
     cdef readonly list crc_patches
     cdef object _crc32, _npy_header, _large_payload
+    cdef _crc32_fn _c_crc32  # zlib-ng's zng_crc32 where given (crc32_address), for payloads below large_min
     cdef readonly bint broken
 
     def __init__(self, GatherWriter out not None, Py_ssize_t alignment, int64_t zip64_limit, crc32, npy_header,
-                 large_payload, int64_t large_min, Py_ssize_t small_alignment=0, int64_t small_below=0):
+                 large_payload, int64_t large_min, Py_ssize_t small_alignment=0, int64_t small_below=0,
+                 size_t crc32_address=0):
         if small_alignment == 0:
             small_alignment = alignment
         for value in (alignment, small_alignment):
@@ -924,6 +931,7 @@ cdef class MemberWriter:
         self._crc32 = crc32
         self._npy_header = npy_header
         self._large_payload = large_payload
+        self._c_crc32 = <_crc32_fn>crc32_address if crc32_address and large_min <= 0xFFFFFFFF else NULL
         self.broken = False
 
     def add_items(self, items, bint batch, as_array, dict unique_names=None):
@@ -1072,9 +1080,13 @@ cdef class MemberWriter:
         large = nbytes >= self._large_min
         # The member's CRC covers its .npy header and payload; the local header gets it now, or later
         # (crc_patches) for a large payload, whose CRC is computed while it is written.
-        # (a memoryview of the bytes: numpy's own buffer export would describe the dtype first)
-        crc = header_crc if large else self._crc32(PyMemoryView_FromMemory(
-            <char*>cnp.PyArray_DATA(<cnp.ndarray>data), nbytes, PyBUF_READ), header_crc)
+        if large:
+            crc = header_crc
+        elif self._c_crc32 != NULL:  # nbytes < large_min <= 2**32 - 1: a uint32 length
+            crc = self._c_crc32(header_crc, <const uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>data), <uint32_t>nbytes)
+        else:  # (a memoryview of the bytes: numpy's own buffer export would describe the dtype first)
+            crc = self._crc32(PyMemoryView_FromMemory(<char*>cnp.PyArray_DATA(<cnp.ndarray>data), nbytes,
+                                                      PyBUF_READ), header_crc)
         # The local record up to the alignment field's padding: the padding comes from the writer's
         # zeros and the .npy header is the cached object, so neither is built again for every member.
         # Short padding is copied into the record with the .npy header (one buffer instead of three).

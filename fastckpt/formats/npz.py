@@ -231,6 +231,33 @@ try:
     from zlib_ng.zlib_ng import crc32 as _crc32
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct without it
     _crc32 = zlib.crc32
+
+
+def _zng_crc32_address() -> int:
+    """The address of ``zng_crc32`` (zlib-ng's C API) in the ``zlib_ng`` extension, or 0 where it is not there.
+
+    The writer calls it from C for small members, where calling ``_crc32`` from Python costs more than the
+    checksum of a 1 KiB payload; it is used only if it gives the CRC-32 check value of b"123456789".
+
+    >>> _zng_crc32_address() > 0
+    True
+    """
+    try:
+        import ctypes
+
+        import zlib_ng.zlib_ng as module
+
+        function = ctypes.CDLL(module.__file__).zng_crc32
+    except (ImportError, OSError, AttributeError):  # pragma: no cover - another build of zlib-ng
+        return 0
+    function.restype = ctypes.c_uint32
+    function.argtypes = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_uint32]
+    if function(0, b"123456789", 9) != 0xCBF43926:  # pragma: no cover - not the function we know
+        return 0
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
+_ZNG_CRC32 = _zng_crc32_address()
 # Payloads at least this large go out in _CRC_PIECE pieces, each checksummed just before it is
 # written (the kernel then copies it from the CPU cache); their local headers get the CRC when the
 # archive is finished. A helper thread checksumming while the main thread writes was measured 2-3x
@@ -353,7 +380,8 @@ class NpzWriter:
         self._out = GatherWriter(self._file.fileno())
         large, small, small_below = self._policy
         self._members = MemberWriter(self._out, large, _ZIP64_LIMIT, _crc32, npy_header,
-                                     _large_payload, _LARGE_PAYLOAD, small_alignment=small, small_below=small_below)
+                                     _large_payload, _LARGE_PAYLOAD, small_alignment=small, small_below=small_below,
+                                     crc32_address=_ZNG_CRC32)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
