@@ -11,6 +11,13 @@ cdef enum:
     VIEWABLE = 4        # the parser vouches: nbytes == product(shape) * itemsize, no overflow, dtype of plain bytes
 
 
+from fastckpt._native.mapped cimport _Block
+
+
+cdef object view_in_block(_Block block, object dtype, int nd, cnp.npy_intp* dims, int64_t offset,
+                          bint fortran_order)
+
+
 cdef class TensorIndex:
     cdef readonly MappedFile mapped
     cdef readonly object info_type

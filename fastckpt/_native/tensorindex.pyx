@@ -102,6 +102,22 @@ cdef bytes _utf8_of(str name):
     return name.encode("utf-8", "surrogatepass")
 
 
+cdef object view_in_block(_Block block, object dtype, int nd, cnp.npy_intp* dims, int64_t offset,
+                          bint fortran_order):
+    """An array of ``dtype`` and shape ``dims[:nd]`` over ``block``'s bytes from ``offset``, writable where the
+    mapping is. The caller has checked that the block holds the array's bytes there."""
+    cdef int array_flags = cnp.NPY_ARRAY_F_CONTIGUOUS if fortran_order else cnp.NPY_ARRAY_C_CONTIGUOUS
+    if block.writable:
+        array_flags |= cnp.NPY_ARRAY_WRITEABLE
+    # SAFETY: the array points into the mapping, which the caller checked holds its bytes; its base holds the
+    # block that owns the mapping, so the pages stay mapped for as long as the array (or any view of it) lives.
+    Py_INCREF(dtype)  # PyArray_NewFromDescr steals a reference to the descriptor
+    arr = _new_array(<PyTypeObject*>np.ndarray, <_Descr*>dtype, nd, dims, NULL, <void*>(block.ptr + offset),
+                     array_flags, NULL)
+    cnp.set_array_base(arr, block)
+    return arr
+
+
 cdef class TensorIndex:
     """The columns of a tensor file's index; a read-only mapping name -> ``TensorInfo`` made on access.
 
@@ -423,23 +439,14 @@ cdef class TensorIndex:
         cdef int64_t nbytes = self.nbytes[i]
         cdef int64_t start = self.shape_at[i]
         cdef int nd = <int>(self.shape_at[i + 1] - start)
-        cdef int array_flags
         if block is None or block.ptr == NULL or not (f & VIEWABLE) or nd > _MAX_DIMS:
             return None
         if offset < 0 or nbytes < 0 or offset > block.size or nbytes > block.size - offset:
             return None
-        dtype = self.dtypes[self.dtype_codes[i]]
-        array_flags = cnp.NPY_ARRAY_F_CONTIGUOUS if f & FORTRAN_ORDER else cnp.NPY_ARRAY_C_CONTIGUOUS
-        if block.writable:
-            array_flags |= cnp.NPY_ARRAY_WRITEABLE
-        # SAFETY: the array points into the mapping, checked above to hold its nbytes (product of dims times
-        # itemsize, vouched for by the parser); its base holds the block that owns the mapping, so the pages
-        # stay mapped for as long as the array (or any view of it) lives.
-        Py_INCREF(dtype)  # PyArray_NewFromDescr steals a reference to the descriptor
-        arr = _new_array(<PyTypeObject*>np.ndarray, <_Descr*>dtype, nd, self.dims + start, NULL,
-                         <void*>(block.ptr + offset), array_flags, NULL)
-        cnp.set_array_base(arr, block)
-        return arr
+        # SAFETY: checked above: the mapping holds the tensor's nbytes (product of dims times itemsize, vouched
+        # for by the parser)
+        return view_in_block(block, self.dtypes[self.dtype_codes[i]], nd, self.dims + start, offset,
+                             f & FORTRAN_ORDER)
 
     cdef object info_at(self, Py_ssize_t i):
         cdef Py_ssize_t k
