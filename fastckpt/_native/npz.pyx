@@ -456,7 +456,6 @@ cdef inline bint _is_plain_member_name(const uint8_t* s, Py_ssize_t n) noexcept 
     """True if the name bytes pass every rule of _member_problem without doubt: no NUL, no backslash, not
     absolute, no ``..`` component, ending in ``.npy``. False only means "let the checking parser decide"."""
     cdef Py_ssize_t i
-    cdef Py_ssize_t seg = 0  # start of the current '/'-separated component
     if n < 4 or s[0] == b'/':
         return False
     if s[n - 4] != b'.' or s[n - 3] != b'n' or s[n - 2] != b'p' or s[n - 1] != b'y':
@@ -466,9 +465,17 @@ cdef inline bint _is_plain_member_name(const uint8_t* s, Py_ssize_t n) noexcept 
     i = 1 if s[0] < 0x80 else 2 if s[0] < 0xE0 else 3 if s[0] < 0xF0 else 4
     if s[i] == b':':
         return False
+    return _plain_components(s, n, True)
+
+
+cdef inline bint _plain_components(const uint8_t* s, Py_ssize_t n, bint last_too) noexcept nogil:
+    """No NUL, no backslash and no ``..`` component among the '/'-separated components of ``s[:n]`` (the last
+    one checked for ``..`` only if ``last_too``)."""
+    cdef Py_ssize_t i
+    cdef Py_ssize_t seg = 0  # start of the current component
     for i in range(n + 1):
         if i == n or s[i] == b'/':
-            if i - seg == 2 and s[seg] == b'.' and s[seg + 1] == b'.':
+            if (i < n or last_too) and i - seg == 2 and s[seg] == b'.' and s[seg + 1] == b'.':
                 return False
             seg = i + 1
         elif s[i] == 0 or s[i] == b'\\':
@@ -834,20 +841,11 @@ cdef str _member_problem(str member):
 
 cdef inline bint _is_plain_key(const uint8_t* s, Py_ssize_t n) noexcept nogil:
     """True if member ``<s>.npy`` (``s``: ASCII) surely passes _member_problem; False: let it decide."""
-    cdef Py_ssize_t i
-    cdef Py_ssize_t seg = 0
     if n > 0 and s[0] == b'/':
         return False
     if n > 1 and s[1] == b':':
         return False
-    for i in range(n):  # the last component gets ".npy", so only earlier ones can be ".."
-        if s[i] == b'/':
-            if i - seg == 2 and s[seg] == b'.' and s[seg + 1] == b'.':
-                return False
-            seg = i + 1
-        elif s[i] == 0 or s[i] == b'\\':
-            return False
-    return True
+    return _plain_components(s, n, False)  # the last component gets ".npy": it cannot be ".."
 
 
 cdef int _check_key(str name) except -1:

@@ -13,15 +13,13 @@ naming the file, the block and the byte offset.
 """
 
 from cpython.mem cimport PyMem_Free
-from cpython.ref cimport Py_INCREF
-from cpython.object cimport PyTypeObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 cimport numpy as cnp
 
-from fastckpt._native.mapped cimport MappedFile, _Block, _Descr, _new_array
-from fastckpt._native.tensorindex cimport VIEWABLE, TensorIndex
+from fastckpt._native.mapped cimport MappedFile, _Block
+from fastckpt._native.tensorindex cimport VIEWABLE, TensorIndex, view_in_block
 
 import weakref
 
@@ -137,32 +135,58 @@ cpdef uint32_t unmask_crc(uint32_t masked):
     return (rot >> 17) | (rot << 15)
 
 
-cdef int _varint(const uint8_t[::1] buf, Py_ssize_t end, Py_ssize_t* pos, int max_bytes,
-                 uint64_t* out, object what) except -1:
-    """Decode a LEB128 varint at ``pos[0]`` (advancing it) that must end before ``end``."""
+cdef inline int _rv(const uint8_t* p, Py_ssize_t end, Py_ssize_t* pos, int max_bytes, uint64_t* out) noexcept nogil:
+    """``_varint`` without its errors: 1 with the value (``pos`` advanced), 0 where ``_varint`` would raise."""
     cdef uint64_t result = 0
     cdef int shift = 0
     cdef int count = 0
     cdef uint8_t b
-    cdef Py_ssize_t start = pos[0]
+    cdef Py_ssize_t at = pos[0]
     while True:
-        if pos[0] >= end:
-            raise FormatError(f"{what}: truncated varint at byte {start} (the data ends at byte {end})")
-        if count >= max_bytes:
-            raise FormatError(f"{what}: varint at byte {start} is longer than {max_bytes} bytes")
-        b = buf[pos[0]]
-        pos[0] += 1
+        if at >= end or count >= max_bytes:
+            return 0
+        b = p[at]
+        at += 1
         count += 1
         if shift == 63 and (b & 0x7E):
-            raise FormatError(f"{what}: varint at byte {start} overflows 64 bits")
+            return 0
         result |= (<uint64_t>(b & 0x7F)) << shift
         if not (b & 0x80):
             break
         shift += 7
     if max_bytes == 5 and result > 0xFFFFFFFFu:
-        raise FormatError(f"{what}: varint32 at byte {start} overflows 32 bits")
+        return 0
+    pos[0] = at
     out[0] = result
-    return 0
+    return 1
+
+
+cdef int _varint(const uint8_t[::1] buf, Py_ssize_t end, Py_ssize_t* pos, int max_bytes,
+                 uint64_t* out, object what) except -1:
+    """Decode a LEB128 varint at ``pos[0]`` (advancing it) that must end before ``end``: ``_rv``, and where it
+    refuses the bytes, an error saying why."""
+    cdef Py_ssize_t start = pos[0]
+    cdef Py_ssize_t at = start
+    cdef int count = 0
+    cdef uint8_t b
+    if end > buf.shape[0]:
+        end = buf.shape[0]
+    if start < 0:
+        raise FormatError(f"{what}: varint at byte {start}, before the start of the data")
+    if start < end and _rv(&buf[0], end, pos, max_bytes, out):
+        return 0
+    while True:  # the bytes again, for the reason
+        if at >= end:
+            raise FormatError(f"{what}: truncated varint at byte {start} (the data ends at byte {end})")
+        if count >= max_bytes:
+            raise FormatError(f"{what}: varint at byte {start} is longer than {max_bytes} bytes")
+        b = buf[at]
+        at += 1
+        count += 1
+        if count == 10 and (b & 0x7E):  # the 10th byte holds bit 63 only
+            raise FormatError(f"{what}: varint at byte {start} overflows 64 bits")
+        if not (b & 0x80):
+            raise FormatError(f"{what}: varint32 at byte {start} overflows 32 bits")
 
 
 cdef inline uint32_t _fixed32(const uint8_t[::1] buf, Py_ssize_t at):
@@ -693,32 +717,6 @@ def crc32c_of(data, uint32_t crc=0):
     return fastckpt_crc32c(crc, &buf[0], <size_t>buf.shape[0])
 
 
-cdef inline int _rv(const uint8_t* p, Py_ssize_t end, Py_ssize_t* pos, int max_bytes, uint64_t* out) noexcept nogil:
-    """``_varint`` without its errors: 1 with the value (``pos`` advanced), 0 where ``_varint`` would raise."""
-    cdef uint64_t result = 0
-    cdef int shift = 0
-    cdef int count = 0
-    cdef uint8_t b
-    cdef Py_ssize_t at = pos[0]
-    while True:
-        if at >= end or count >= max_bytes:
-            return 0
-        b = p[at]
-        at += 1
-        count += 1
-        if shift == 63 and (b & 0x7E):
-            return 0
-        result |= (<uint64_t>(b & 0x7F)) << shift
-        if not (b & 0x80):
-            break
-        shift += 7
-    if max_bytes == 5 and result > 0xFFFFFFFFu:
-        return 0
-    pos[0] = at
-    out[0] = result
-    return 1
-
-
 cdef inline int _skip(const uint8_t* p, Py_ssize_t end, Py_ssize_t* pos, uint64_t wire) noexcept nogil:
     """``_skip_field`` without its errors: 1 with ``pos`` past the field, 0 where it would raise."""
     cdef uint64_t length
@@ -1011,7 +1009,6 @@ cdef class BundleIndex(TensorIndex):
         cdef int64_t nbytes = self.nbytes[i]
         cdef int64_t start = self.shape_at[i]
         cdef int nd = <int>(self.shape_at[i + 1] - start)
-        cdef int array_flags
         cdef uint32_t crc
         if not (self.flags[i] & VIEWABLE) or nd > _MAX_DIMS:
             return None
@@ -1036,18 +1033,9 @@ cdef class BundleIndex(TensorIndex):
                 crc = fastckpt_crc32c(0, block.ptr + offset, <size_t>nbytes)
             if mask_crc(crc) != <uint32_t>self.extras[3 * i + 2]:
                 return None  # the general path raises ChecksumMismatchError
-        dtype = self.dtypes[self.dtype_codes[i]]
-        array_flags = cnp.NPY_ARRAY_C_CONTIGUOUS
-        if block.writable:
-            array_flags |= cnp.NPY_ARRAY_WRITEABLE
-        # SAFETY: the array points into the mapping, checked above to hold its nbytes (product of dims times
-        # itemsize, checked by read_bundle_index); its base holds the block that owns the mapping, so the
-        # pages stay mapped for as long as the array (or any view of it) lives.
-        Py_INCREF(dtype)  # PyArray_NewFromDescr steals a reference to the descriptor
-        arr = _new_array(<PyTypeObject*>np.ndarray, <_Descr*>dtype, nd, self.dims + start, NULL,
-                         <void*>(block.ptr + offset), array_flags, NULL)
-        cnp.set_array_base(arr, block)
-        return arr
+        # SAFETY: checked above: the shard's mapping holds the tensor's nbytes (product of dims times itemsize,
+        # checked by read_bundle_index)
+        return view_in_block(block, self.dtypes[self.dtype_codes[i]], nd, self.dims + start, offset, False)
 
     def forget_shards(self):
         """Drop the shard mapping kept for the last view (the reader calls this when it closes)."""
