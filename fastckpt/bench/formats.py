@@ -281,31 +281,24 @@ def bench_open_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> li
     fastckpt.save_npz(npz_path, tensors, fsync=False)
     write_checkpoint(tf_prefix, tensors)
     del tensors
+    base = "fastckpt.open + host views"
+    st_paths = {base: _open_fastckpt(st_path),
+                "fastckpt.open + hosts() (one native loop)": _open_fastckpt_bulk(st_path),
+                "safetensors.safe_open(numpy) + get_tensor": _safe_open_peer(st_path)}
+    npz_paths = {base: _open_fastckpt(npz_path),
+                 "fastckpt.open + hosts() (one native loop)": _open_fastckpt_bulk(npz_path),
+                 "np.load + every member": _np_load_peer(npz_path) if n <= NP_LOAD_MAX_TENSORS else None}
+    tf_base = "fastckpt.open + host views (CRC32C checked)"
+    tf_paths = {tf_base: _open_fastckpt(tf_prefix),
+                "fastckpt.open + hosts() (CRC32C checked)": _open_fastckpt_bulk(tf_prefix),
+                "CheckpointReader(verify=False) + hosts()": _open_tf_unverified(tf_prefix),
+                "tf.train.load_checkpoint + get_tensor": _tensorflow_peer(tf_prefix)}
     tables = []
-    paths = {"fastckpt.open + host views": _open_fastckpt(st_path),
-             "fastckpt.open + hosts() (one native loop)": _open_fastckpt_bulk(st_path)}
-    if _safe_open_peer(st_path) is not None:
-        paths["safetensors.safe_open(numpy) + get_tensor"] = _safe_open_peer(st_path)
-    rows = list(round_robin(paths, repeat).items())
-    tables.append(markdown_table(f"safetensors, open + host arrays of many small tensors: {label}", rows,
-                                 "fastckpt.open + host views"))
-
-    paths = {"fastckpt.open + host views": _open_fastckpt(npz_path),
-             "fastckpt.open + hosts() (one native loop)": _open_fastckpt_bulk(npz_path)}
-    if n <= NP_LOAD_MAX_TENSORS:
-        paths["np.load + every member"] = _np_load_peer(npz_path)
-    rows = list(round_robin(paths, repeat).items())
-    tables.append(markdown_table(f"NPZ, open + host arrays of many small tensors: {label}", rows,
-                                 "fastckpt.open + host views"))
-
-    paths = {"fastckpt.open + host views (CRC32C checked)": _open_fastckpt(tf_prefix),
-             "fastckpt.open + hosts() (CRC32C checked)": _open_fastckpt_bulk(tf_prefix),
-             "CheckpointReader(verify=False) + hosts()": _open_tf_unverified(tf_prefix)}
-    if _tensorflow_peer(tf_prefix) is not None:
-        paths["tf.train.load_checkpoint + get_tensor"] = _tensorflow_peer(tf_prefix)
-    rows = list(round_robin(paths, repeat).items())
-    tables.append(markdown_table(f"TensorFlow checkpoint, open + host arrays of many small tensors: {label}", rows,
-                                 "fastckpt.open + host views (CRC32C checked)"))
+    for title, paths, base_row in (("safetensors", st_paths, base), ("NPZ", npz_paths, base),
+                                   ("TensorFlow checkpoint", tf_paths, tf_base)):
+        paths = {row: run for row, run in paths.items() if run is not None}  # baselines not installed: left out
+        rows = list(round_robin(paths, repeat).items())
+        tables.append(markdown_table(f"{title}, open + host arrays of many small tensors: {label}", rows, base_row))
     for path in (st_path, npz_path):
         _remove(path)
     import shutil
