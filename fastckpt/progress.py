@@ -33,11 +33,43 @@ first byte is written.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
 import sys
 import threading
 from typing import Any, Callable, Union
 
-__all__ = ["Progress", "progress_from", "requested", "ProgressArg"]
+__all__ = ["Progress", "progress_from", "requested", "ProgressArg", "part_of_a_save", "file_log_level"]
+
+# True while the file saves of this thread (context) are parts of a larger save (see part_of_a_save).
+_PART_OF_A_SAVE = contextvars.ContextVar("fastckpt_part_of_a_save", default=False)
+
+
+@contextlib.contextmanager
+def part_of_a_save():
+    """Inside, the tensor-file saves of this thread are parts of a larger save (a training or sharded
+    checkpoint, a sharded Hugging Face directory) that logs its own INFO line: theirs go to DEBUG, so the
+    ``fastckpt`` log at INFO shows one line per save the caller made, not the temporary files it is made of.
+    (A new thread starts outside; the larger save enters it in each thread it writes from.)
+
+    >>> import logging
+    >>> file_log_level() == logging.INFO
+    True
+    >>> with part_of_a_save():
+    ...     file_log_level() == logging.DEBUG
+    True
+    """
+    token = _PART_OF_A_SAVE.set(True)
+    try:
+        yield
+    finally:
+        _PART_OF_A_SAVE.reset(token)
+
+
+def file_log_level() -> int:
+    """The level of a tensor-file save's log line: INFO, or DEBUG inside :func:`part_of_a_save`."""
+    return logging.DEBUG if _PART_OF_A_SAVE.get() else logging.INFO
 
 ProgressArg = Union[bool, None, Callable[[int, "int | None", "str | None"], Any], "Progress"]
 

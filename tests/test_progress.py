@@ -380,6 +380,32 @@ def test_a_training_checkpoint_load_is_logged(tmp_path, caplog):
     assert record.getMessage().startswith(f"loaded checkpoint {tmp_path / 'c'}: step 4, 3 files, {files} bytes in ")
 
 
+def test_a_checkpoint_save_logs_one_info_line_and_its_files_at_debug(tmp_path, caplog):
+    from fastckpt.sharded import HashTable, Saver
+    from fastckpt.train import save_checkpoint
+
+    model, opt, _ = _training_state()
+    table = HashTable(dim=2)
+    table.insert(np.arange(4), np.ones((4, 2), np.float32))
+    saves = {
+        "fastckpt.train.checkpoint": lambda: save_checkpoint(model, opt, None, None, None, tmp_path / "c", step=4),
+        "fastckpt.sharded.saver": lambda: Saver(path=tmp_path / "s", parallel=2, hashtables={"t": table}).save(),
+        "fastckpt.formats.hfsharded": lambda: fastckpt.save_sharded(tmp_path / "hf", TENSORS, max_shard_size=64),
+    }
+    for logger, save in saves.items():
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="fastckpt"):
+            save()
+        assert [r.name for r in _records(caplog)] == [logger], logger  # one INFO line: the save the caller made
+        files = [r for r in caplog.records if r.levelno == logging.DEBUG and r.getMessage().startswith("saved ")
+                 and r.name == "fastckpt.formats.safetensors"]
+        assert len(files) >= 2, logger  # the files it is made of, at DEBUG
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastckpt"):  # outside a larger save, a file save is INFO again
+        fastckpt.save_safetensors(tmp_path / "alone.safetensors", TENSORS)
+    assert [r.name for r in _records(caplog)] == ["fastckpt.formats.safetensors"]
+
+
 def test_progress_objects_repr():
     assert repr(progress_from(False, 1, "x")) == "<Progress off>"
     p = progress_from(lambda *a: None, None, "x")

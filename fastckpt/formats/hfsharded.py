@@ -194,7 +194,7 @@ from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.formats.safetensors import DEFAULT_ALIGNMENT, _checked_metadata, dtype_to_safetensors, save_safetensors
 from fastckpt.info import TensorInfo
-from fastckpt.progress import progress_from
+from fastckpt.progress import part_of_a_save, progress_from
 
 _log = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ def save_sharded(
     os.mkdir(staging)
     started = time.perf_counter()
     try:
-        with progress_from(progress, total, "save sharded") as report:
+        with progress_from(progress, total, "save sharded") as report, part_of_a_save():
             for shard, file in zip(shards, names):
                 save_safetensors(os.path.join(staging, file), {name: tensors[name] for name in shard}, user,
                                  alignment=alignment, fsync=fsync, progress=report)

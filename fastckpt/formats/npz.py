@@ -200,7 +200,7 @@ from fastckpt.errors import FormatError, IntegrityError
 from fastckpt.formats.atomic import atomic_write
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
-from fastckpt.progress import progress_from, requested
+from fastckpt.progress import file_log_level, progress_from, requested
 
 __all__ = [
     "save_npz",
@@ -534,9 +534,10 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | s
                                           for k, v in tensors.items()) else None
         writer._members.add_items(items, batch, to_numpy, unique)
         count = writer._members.count
-    if _log.isEnabledFor(logging.INFO):
-        _log.info("saved %s: %d tensors, %d bytes in %.3f s", os.fspath(path), count, os.stat(path).st_size,
-                  time.perf_counter() - started)
+    level = file_log_level()
+    if _log.isEnabledFor(level):
+        _log.log(level, "saved %s: %d tensors, %d bytes in %.3f s", os.fspath(path), count, os.stat(path).st_size,
+                 time.perf_counter() - started)
 
 
 def _payload_nbytes(value) -> int:

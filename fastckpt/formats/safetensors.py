@@ -179,7 +179,7 @@ from fastckpt.arrays import to_numpy
 from fastckpt.formats.atomic import atomic_write
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
-from fastckpt.progress import progress_from, requested
+from fastckpt.progress import file_log_level, progress_from, requested
 
 _log = logging.getLogger(__name__)
 
@@ -433,8 +433,8 @@ def save_safetensors(
             _write_reporting(out, plan, report)
         else:
             write_tensors(out, plan, _DIRECT_DTYPES, partial(_write_tensor, out))
-    _log.info("saved %s: %d tensors, %d bytes in %.3f s", os.fspath(path), count, out.written,
-              time.perf_counter() - started)
+    _log.log(file_log_level(), "saved %s: %d tensors, %d bytes in %.3f s", os.fspath(path), count, out.written,
+             time.perf_counter() - started)
 
 
 # Bytes written between progress reports: the gather writer's own flush size, so reporting adds no

@@ -62,7 +62,7 @@ import numpy as np
 from fastckpt.formats.atomic import _partial_name, _swap_in, fsync_directory, remove_stale_partials_in
 from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
-from fastckpt.progress import progress_from
+from fastckpt.progress import part_of_a_save, progress_from
 from fastckpt.sharded.codec import check_options, encode_ids, encode_values
 from fastckpt.sharded.format import (
     DELTA_VERSION,
@@ -331,8 +331,9 @@ class Saver:
         def write(k: int) -> tuple[str, dict]:
             path = staging / names[k]
             hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)  # fed the bytes as they are written
-            save_safetensors(path, {b.key: b.array for b in files[k]}, {"fastckpt.format": FORMAT}, hasher=hasher,
-                             progress=report)
+            with part_of_a_save():  # the rank logs its own line
+                save_safetensors(path, {b.key: b.array for b in files[k]}, {"fastckpt.format": FORMAT},
+                                 hasher=hasher, progress=report)
             return names[k], {"size": os.path.getsize(path), "blake3": hasher.hexdigest()}
 
         with progress_from(self.progress, sum(loads), f"save rank {self.shard_index}") as report, \

@@ -56,7 +56,7 @@ from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory
 from fastckpt.formats.hashing import HASH_ALGORITHMS, new_hasher
 from fastckpt.formats.remote import is_url
-from fastckpt.progress import progress_from
+from fastckpt.progress import part_of_a_save, progress_from
 from fastckpt.train.format import (
     ALIGNMENT,
     DEFAULT_HASH,
@@ -164,8 +164,9 @@ def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=F
             if table is None:
                 continue
             hasher = new_hasher(hash)
-            save_safetensors(tmp / name, table.tensors, _table_metadata(table, tree, fmt), alignment=ALIGNMENT,
-                             fsync=False, hasher=hasher, progress=report)
+            with part_of_a_save():  # this save logs its own line
+                save_safetensors(tmp / name, table.tensors, _table_metadata(table, tree, fmt), alignment=ALIGNMENT,
+                                 fsync=False, hasher=hasher, progress=report)
             finished(name, hasher)
         hasher = new_hasher(hash)
         hasher.update(snap.extra_json)
