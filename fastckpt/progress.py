@@ -68,7 +68,12 @@ def part_of_a_save():
 
 
 def file_log_level() -> int:
-    """The level of a tensor-file save's log line: INFO, or DEBUG inside :func:`part_of_a_save`."""
+    """The level of a tensor-file save's log line: INFO, or DEBUG inside :func:`part_of_a_save`.
+
+    >>> import logging
+    >>> logging.getLevelName(file_log_level())
+    'INFO'
+    """
     return logging.DEBUG if _PART_OF_A_SAVE.get() else logging.INFO
 
 ProgressArg = Union[bool, None, Callable[[int, "int | None", "str | None"], Any], "Progress"]
