@@ -286,3 +286,43 @@ def test_object_graph_refuses_optimizer_slots(tmp_path):
 def test_reader_accepts_pathlike_and_writer_returns_nothing(tmp_path):
     assert write_checkpoint(Path(tmp_path) / "c", {"w": np.zeros(1)}) is None
     assert CheckpointReader(Path(tmp_path) / "c").tensor_names() == ["w"]
+
+
+# -- the entry encoder built in C ------------------------------------------------------------------
+
+def _python_entry(dtype, shape, shard, offset, size, crc):
+    """BundleEntryProto by the Python field encoders alone (what encode_entry wrote before the C path)."""
+    from fastckpt.formats.tf import proto
+
+    out = bytearray(proto._int_field(1, dtype))
+    out += proto._len_field(2, proto.encode_shape(shape))
+    out += proto._int_field(3, shard) + proto._int_field(4, offset) + proto._int_field(5, size)
+    return bytes(out + proto._tag(6, 5) + crc.to_bytes(4, "little"))
+
+
+_U64 = [0, 1, 127, 128, 16383, 16384, 2**31, 2**32 - 1, 2**63 - 1, 2**64 - 1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_entry_encoder_writes_the_python_encoders_bytes(seed):
+    import random
+
+    from fastckpt._native.tftable import encode_plain_entry
+
+    from fastckpt.formats.tf.proto import encode_entry
+
+    rng = random.Random(seed)
+
+    def pick():
+        return rng.choice(_U64) if rng.random() < 0.5 else rng.randrange(0, 2 ** rng.randrange(1, 64))
+
+    for _ in range(5000):
+        args = (pick() % 2**32, tuple(pick() for _ in range(rng.randrange(0, 9))), pick(), pick(), pick(),
+                rng.randrange(0, 2**32))
+        assert encode_plain_entry(*args) == _python_entry(*args), args
+    # the most dimensions it takes; beyond them, and negative values, the Python encoder writes the entry
+    assert encode_plain_entry(1, tuple(range(64)), 0, 0, 0, 5) == _python_entry(1, tuple(range(64)), 0, 0, 0, 5)
+    with pytest.raises(ValueError):
+        encode_plain_entry(1, tuple(range(65)), 0, 0, 0, 5)
+    for shape in (tuple(range(65)), (2, -1)):
+        assert encode_entry(1, shape, offset=3, size=4, crc32c=7) == _python_entry(1, shape, 0, 3, 4, 7)

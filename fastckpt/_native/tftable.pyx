@@ -536,6 +536,69 @@ cdef list _decode_slice(const uint8_t[::1] buf, Py_ssize_t pos, Py_ssize_t end, 
     return extents
 
 
+cdef inline Py_ssize_t _put_varint(uint8_t* out, uint64_t value) noexcept nogil:
+    cdef Py_ssize_t n = 0
+    while value >= 0x80:
+        out[n] = <uint8_t>((value & 0x7F) | 0x80)
+        value >>= 7
+        n += 1
+    out[n] = <uint8_t>value
+    return n + 1
+
+
+def encode_plain_entry(uint64_t dtype, shape, uint64_t shard_id, uint64_t offset, uint64_t size, uint32_t crc32c):
+    """The BundleEntryProto of a tensor without slices, with a checksum: the bytes
+    ``fastckpt.formats.tf.proto.encode_entry`` writes for it (TensorFlow's field order, zeros omitted), built
+    in C. Values must be non-negative; shapes of at most 64 dimensions (else ``ValueError``: the Python
+    encoder takes the rest).
+
+    >>> encode_plain_entry(1, (2, 3), 0, 195, 24, 0x173DDBC0).hex(" ")
+    '08 01 12 08 12 02 08 02 12 02 08 03 20 c3 01 28 18 35 c0 db 3d 17'
+    """
+    cdef uint8_t buf[64 * 13 + 64]
+    cdef uint8_t dim_buf[64 * 13]
+    cdef Py_ssize_t n = 0, m = 0, ndim
+    cdef uint64_t d
+    cdef uint8_t dn
+    ndim = len(shape)
+    if ndim > 64:
+        raise ValueError(f"{ndim} dimensions: more than this encoder takes")
+    for value in shape:
+        d = value  # OverflowError for a negative dimension: the caller's encoder takes it
+        dim_buf[m] = 0x12  # dim: field 2, length-delimited
+        if d == 0:
+            dim_buf[m + 1] = 0
+            m += 2
+        else:
+            dim_buf[m + 2] = 0x08  # size: field 1, varint
+            dn = <uint8_t>(1 + _put_varint(dim_buf + m + 3, d))
+            dim_buf[m + 1] = dn
+            m += 2 + dn
+    if dtype:
+        buf[n] = 0x08
+        n += 1 + _put_varint(buf + n + 1, dtype)
+    buf[n] = 0x12  # shape: field 2, length-delimited
+    n += 1 + _put_varint(buf + n + 1, <uint64_t>m)
+    memcpy(buf + n, dim_buf, <size_t>m)
+    n += m
+    if shard_id:
+        buf[n] = 0x18
+        n += 1 + _put_varint(buf + n + 1, shard_id)
+    if offset:
+        buf[n] = 0x20
+        n += 1 + _put_varint(buf + n + 1, offset)
+    if size:
+        buf[n] = 0x28
+        n += 1 + _put_varint(buf + n + 1, size)
+    buf[n] = 0x35  # crc32c: field 6, fixed32
+    buf[n + 1] = <uint8_t>crc32c
+    buf[n + 2] = <uint8_t>(crc32c >> 8)
+    buf[n + 3] = <uint8_t>(crc32c >> 16)
+    buf[n + 4] = <uint8_t>(crc32c >> 24)
+    n += 5
+    return (<char*>buf)[:n]
+
+
 def decode_entry(data, what="bundle entry"):
     """Decode a ``BundleEntryProto``.
 

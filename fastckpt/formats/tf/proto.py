@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from fastckpt._native.tftable import decode_varint, iter_fields
+from fastckpt._native.tftable import decode_varint, encode_plain_entry, iter_fields
 from fastckpt.errors import FormatError
 
 __all__ = [
@@ -101,6 +101,11 @@ def encode_entry(dtype: int, shape, *, shard_id: int = 0, offset: int = 0, size:
     >>> encode_entry(1, (2, 3), offset=195, size=24, crc32c=0x173DDBC0).hex(" ")
     '08 01 12 08 12 02 08 02 12 02 08 03 20 c3 01 28 18 35 c0 db 3d 17'
     """
+    if not slices and crc32c is not None:  # the common entry, built in C (the same bytes)
+        try:
+            return encode_plain_entry(dtype, shape, shard_id, offset, size, crc32c)
+        except (OverflowError, ValueError, TypeError):
+            pass  # negative values (two's complement), many dimensions: below
     out = bytearray(_int_field(1, dtype))
     out += _len_field(2, encode_shape(shape))
     out += _int_field(3, shard_id) + _int_field(4, offset) + _int_field(5, size)
