@@ -49,7 +49,8 @@ _PART_OF_A_SAVE = contextvars.ContextVar("fastckpt_part_of_a_save", default=Fals
 @contextlib.contextmanager
 def part_of_a_save():
     """Inside, the tensor-file saves of this thread are parts of a larger save (a training or sharded
-    checkpoint, a sharded Hugging Face directory) that logs its own INFO line: theirs go to DEBUG, so the
+    checkpoint, a sharded Hugging Face directory, a model file, a conversion) that logs its own INFO line:
+    theirs go to DEBUG, so the
     ``fastckpt`` log at INFO shows one line per save the caller made, not the temporary files it is made of.
     (A new thread starts outside; the larger save enters it in each thread it writes from.)
 

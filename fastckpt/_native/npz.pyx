@@ -25,7 +25,6 @@ offsets are compared as Python integers, which cannot overflow.
 cimport numpy as cnp
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 cimport cython
-from cpython.unicode cimport PyUnicode_AsASCIIString
 from libc.string cimport memcmp, memcpy, memset
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
@@ -864,8 +863,8 @@ cdef class MemberWriter:
 
     ``add(name, array)`` writes member ``<name>.npy`` at the current position
     (``pos``) with its payload aligned to ``alignment``, and keeps its
-    central-directory record in ``central``; ``fastckpt.formats.npz.NpzWriter`` writes
-    those and the end records. The byte layout is the spec in
+    central-directory record (``central_directory``: the records of the ``count``
+    members so far); ``fastckpt.formats.npz.NpzWriter`` writes those and the end records. The byte layout is the spec in
     ``fastckpt/formats/npz.py``. ``crc32(data, value)`` is ZIP's CRC-32,
     ``npy_header(dtype, shape, fortran_order)`` builds ``.npy`` headers, and
     payloads of at least ``large_min`` bytes go through
@@ -983,7 +982,20 @@ cdef class MemberWriter:
 
     @property
     def central_directory(self):
-        """The central-directory records of the members written so far, in order (``count`` of them)."""
+        """The central-directory records of the members written so far, in order (``count`` of them).
+
+        >>> import os, tempfile, numpy as np
+        >>> from fastckpt._native.gather import GatherWriter
+        >>> import fastckpt.formats.npz as npz
+        >>> with open(os.path.join(tempfile.mkdtemp(), "m.bin"), "wb") as f:
+        ...     out = GatherWriter(f.fileno())
+        ...     members = MemberWriter(out, 64, npz._ZIP64_LIMIT, npz._crc32, npz.npy_header, npz._large_payload,
+        ...                            npz._LARGE_PAYLOAD)
+        ...     _ = members.add("w", np.zeros(2))
+        ...     out.flush()
+        >>> members.count, len(members.central_directory), members.central_directory[:4]
+        (1, 51, b'PK\\x01\\x02')
+        """
         return bytes(self._central)
 
     cdef object _add(self, name, cnp.ndarray arr, bint report, bint check_name):
@@ -1002,8 +1014,6 @@ cdef class MemberWriter:
         cdef uint8_t* p
         cdef int kind
         cdef Py_ssize_t alignment
-        if arr is None:
-            raise TypeError("expected a numpy array, got None")
         if type(name) is not str:
             if not isinstance(name, str):
                 raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")

@@ -12,9 +12,9 @@ bounds or loop forever. Every failure is a :class:`fastckpt.errors.FormatError`
 naming the file, the block and the byte offset.
 """
 
-from cpython.mem cimport PyMem_Free
+from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 cimport numpy as cnp
 
@@ -25,7 +25,6 @@ import weakref
 
 import cramjam
 import crc32c as _crc32c
-import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, FormatError
 
@@ -907,10 +906,6 @@ cdef inline int _key_cmp(const char* a, Py_ssize_t na, const char* b, Py_ssize_t
     return (na > nb) - (na < nb)
 
 
-cdef extern from "string.h":
-    int memcmp(const void* a, const void* b, size_t n) nogil
-
-
 cdef class _Keys:
     """The keys and value locations of a table's entries, in table order (C arrays, freed with the object)."""
     cdef char* arena
@@ -957,16 +952,15 @@ cdef class _Keys:
         return self.arena[self.key_at[j]:self.key_at[j] + self.key_len[j]]
 
 
-from cpython.mem cimport PyMem_Realloc
-
 
 cdef void* _realloc(void* block, Py_ssize_t count, size_t item) except NULL:
     cdef void* p
     if count > (<Py_ssize_t>0x7FFFFFFFFFFFFFFF) // <Py_ssize_t>item // 2:
-        raise MemoryError("the bundle index is too large")
+        raise MemoryError(f"a bundle index of {count} entries is more than this machine can address")
     p = PyMem_Realloc(block, <size_t>count * item)
     if p == NULL:
-        raise MemoryError()
+        raise MemoryError(f"could not allocate {count * item} bytes for the columns of a bundle index of {count} "
+                          "entries")
     return p
 
 
@@ -1101,7 +1095,20 @@ cdef class BundleIndex(TensorIndex):
         return view_in_block(block, self.dtypes[self.dtype_codes[i]], nd, self.dims + start, offset, False)
 
     def forget_shards(self):
-        """Drop the shard mapping kept for the last view (the reader calls this when it closes)."""
+        """Drop the shard mapping kept for the last view (the reader calls this when it closes).
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.tf import CheckpointReader, write_checkpoint
+        >>> prefix = os.path.join(tempfile.mkdtemp(), "m")
+        >>> write_checkpoint(prefix, {"w": np.arange(3, dtype=np.int16)})
+        >>> reader = CheckpointReader(prefix)
+        >>> reader.infos.view("w").tolist()
+        [0, 1, 2]
+        >>> reader.infos.forget_shards()   # the next view maps its shard again through the reader
+        >>> reader.infos.view("w").tolist()
+        [0, 1, 2]
+        >>> reader.close()
+        """
         self._cached = None
 
     def shape_lists(self):

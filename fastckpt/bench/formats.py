@@ -238,6 +238,7 @@ def _open_fastckpt_bulk(path: str):
 
 
 def _open_tf_unverified(prefix: str):
+    """``CheckpointReader(prefix, verify=False)`` + ``hosts()``: the TensorFlow views without their CRC32C check."""
     def run():
         from fastckpt.tf import CheckpointReader
 
@@ -308,6 +309,7 @@ def bench_open_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> li
 
 
 def _np_load_peer(path: str):
+    """``np.load`` + every member of the NPZ at ``path``: numpy's own reader, the NPZ baseline."""
     def run():
         with np.load(path, allow_pickle=False) as z:
             return [z[k] for k in z.files]

@@ -34,7 +34,7 @@ import os
 import time
 from pathlib import Path
 
-from fastckpt.progress import progress_from
+from fastckpt.progress import part_of_a_save, progress_from
 
 __all__ = ["convert", "destination_format"]
 
@@ -150,7 +150,7 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
             import fastckpt
 
             tensors = {name: source.array(name) for name in names}  # zero-copy views of the source
-            with report:
+            with report, part_of_a_save():  # the conversion logs its own line
                 if fmt == "safetensors":
                     fastckpt.save_safetensors(dst, tensors, metadata=source.metadata or None, fsync=fsync,
                                               progress=report)

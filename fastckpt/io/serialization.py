@@ -136,7 +136,7 @@ import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
 from fastckpt.formats.remote import is_url
-from fastckpt.progress import progress_from, requested
+from fastckpt.progress import part_of_a_save, progress_from, requested
 
 _log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ def save_model(model, path: str | os.PathLike, *, fsync: bool = True, progress=F
             report.advance(host.nbytes, key)  # asked for the next: this one is written
         yield META_KEY, np.array(text)
 
-    with progress_from(progress, total, "save model") as report:
+    with progress_from(progress, total, "save model") as report, part_of_a_save():  # this save logs its own line
         save_npz(os.fspath(path), entries(report), alignment=4096, fsync=fsync, storage_options=storage_options)
     _log.info("saved model %s: %d weights, %d bytes in %.3f s", os.fspath(path), len(named), written[0],
               time.perf_counter() - started)
