@@ -36,16 +36,11 @@ __all__ = ["save", "load"]
 
 def save(saver) -> str:
     """Run :meth:`fastckpt.sharded.Saver.save` for a URL (see the module docstring); returns the URL."""
-    from fastckpt.sharded.engine import default_engine
-
     url, options = saver.path.rstrip("/"), saver.storage_options
     if saver.policy is not None:
         raise ValueError(f"{url}: incremental saves need a local directory (a delta names its base by path); "
                          "save full checkpoints to a URL (incremental=False)")
-    engine = saver.engine if saver.engine is not None else default_engine(saver.shard_index, saver.shard_num)
-    if (engine.rank, engine.size) != (saver.shard_index, saver.shard_num):
-        raise ValueError(f"the engine is rank {engine.rank} of {engine.size}, but this Saver is shard "
-                         f"{saver.shard_index} of {saver.shard_num}")
+    engine = saver._engine()
     root = engine.rank == 0
     start: dict = {}
     if root:
@@ -71,23 +66,16 @@ def save(saver) -> str:
                                  commit=False)
         except Exception as exc:
             report, error = {"error": f"rank {saver.shard_index}: {type(exc).__name__}: {exc}"}, exc
-        reports = engine.gather(report, root=0, timeout=saver.timeout)  # every rank has uploaded (or failed)
-        commit_error = None
-        if root:
-            try:
-                failed = [r["error"] for r in reports if "error" in r]
-                if failed:
-                    raise RuntimeError("; ".join(failed))
-                final = tmp / "final"
-                digest = saver._commit(staging, final, reports, {"kind": "full"})
-                remote.put_directory(final, url, MANIFEST_FILE, options, replace=False,
-                                     files=[INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE, MANIFEST_FILE])
-                status = {"ok": True, "manifest_blake3": digest}
-            except BaseException as exc:
-                status, commit_error = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, exc
-            engine.broadcast(status, root=0, timeout=saver.timeout)
-        else:
-            status = engine.broadcast(None, root=0, timeout=saver.timeout)
+
+        def commit(reports: list) -> str:  # every rank has uploaded: the metadata, the manifest last
+            final = tmp / "final"
+            digest = saver._commit(staging, final, reports, {"kind": "full"})
+            remote.put_directory(final, url, MANIFEST_FILE, options, replace=False,
+                                 files=[INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE, MANIFEST_FILE])
+            return digest
+
+        # an uncommitted prefix is left for the next save to remove
+        status, commit_error = saver._commit_on_root(engine, report, commit)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     saver._settle(error, commit_error, status, report, url, url)

@@ -369,13 +369,8 @@ class Saver:
             from fastckpt.sharded import remote
 
             return remote.save(self)
-        from fastckpt.sharded.engine import default_engine
-
         started = time.perf_counter()
-        engine = self.engine if self.engine is not None else default_engine(self.shard_index, self.shard_num)
-        if (engine.rank, engine.size) != (self.shard_index, self.shard_num):
-            raise ValueError(f"the engine is rank {engine.rank} of {engine.size}, but this Saver is shard "
-                             f"{self.shard_index} of {self.shard_num}")
+        engine = self._engine()
         final = Path(self.path).absolute()
         root = engine.rank == 0
         start: dict = {}
@@ -407,30 +402,54 @@ class Saver:
             report = self._write_files(staging, self._filtered())
         except Exception as exc:
             report, error = {"error": f"rank {self.shard_index}: {type(exc).__name__}: {exc}"}, exc
-        try:
-            reports = engine.gather(report, root=0, timeout=self.timeout)
-        except BaseException:
-            if root:  # a rank did not report: no checkpoint, nothing left behind
-                self._abandon(staging)
-            raise
-        commit_error = None
-        if root:
-            try:
-                failed = [r["error"] for r in reports if "error" in r]
-                if failed:
-                    raise RuntimeError("; ".join(failed))
-                status = {"ok": True, "manifest_blake3": self._commit(staging, final, reports, plan)}
-            except BaseException as exc:
-                self._abandon(staging)
-                status, commit_error = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, exc
-            engine.broadcast(status, root=0, timeout=self.timeout)
-        else:
-            status = engine.broadcast(None, root=0, timeout=self.timeout)
+        # a rank that did not report, failed, or a failed commit: no checkpoint, nothing left behind
+        status, commit_error = self._commit_on_root(engine, report,
+                                                    lambda reports: self._commit(staging, final, reports, plan),
+                                                    abandon=lambda: self._abandon(staging))
         self._settle(error, commit_error, status, report, final, os.path.abspath(final))
         _log.info("saved %s (rank %d of %d, %s): %d files, %d bytes in %.3f s", final, self.shard_index,
                   self.shard_num, self.kind, len(report["files"]), sum(f["size"] for f in report["files"].values()),
                   time.perf_counter() - started)
         return str(Path(self.path))
+
+    def _engine(self):
+        """The engine of this save (the one given, else the default for ``shard_index`` of ``shard_num``),
+        checked to be that rank of that many."""
+        from fastckpt.sharded.engine import default_engine
+
+        engine = self.engine if self.engine is not None else default_engine(self.shard_index, self.shard_num)
+        if (engine.rank, engine.size) != (self.shard_index, self.shard_num):
+            raise ValueError(f"the engine is rank {engine.rank} of {engine.size}, but this Saver is shard "
+                             f"{self.shard_index} of {self.shard_num}")
+        return engine
+
+    def _commit_on_root(self, engine, report: dict, commit, abandon=None) -> tuple[dict, BaseException | None]:
+        """Gather every rank's ``report`` on rank 0, which runs ``commit(reports)`` (it returns the manifest's
+        BLAKE3) unless a rank reported an error, and tell every rank how that went. Returns ``(status,
+        commit_error)``: rank 0's status as every rank receives it, and on rank 0 the commit's exception, if any.
+        ``abandon()`` runs on rank 0 where the save fails there: a rank that never reports (the gather raises),
+        a failed rank, a failed commit."""
+        root = engine.rank == 0
+        try:
+            reports = engine.gather(report, root=0, timeout=self.timeout)
+        except BaseException:
+            if root and abandon is not None:
+                abandon()
+            raise
+        if not root:
+            return engine.broadcast(None, root=0, timeout=self.timeout), None
+        commit_error = None
+        try:
+            failed = [r["error"] for r in reports if "error" in r]
+            if failed:
+                raise RuntimeError("; ".join(failed))
+            status = {"ok": True, "manifest_blake3": commit(reports)}
+        except BaseException as exc:
+            if abandon is not None:
+                abandon()
+            status, commit_error = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, exc
+        engine.broadcast(status, root=0, timeout=self.timeout)
+        return status, commit_error
 
     # -- full or delta --------------------------------------------------------------------------------
     def _settle(self, error, commit_error, status: dict, report: dict, where, base: str) -> None:
