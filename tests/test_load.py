@@ -6,13 +6,13 @@ import gc
 import hashlib
 import json
 import os
-import threading
 import warnings
 
 import ml_dtypes
 import numpy as np
 import pytest
 from _device_data import DTYPES, sample
+from _threads import run_in_threads
 
 import fastckpt
 from fastckpt.device.load import MERGE_GAP, STAGING_BUFFERS, STAGING_ROUND, LoadedTensors, load_file, plan_regions
@@ -598,21 +598,14 @@ def test_threads_loading_through_one_pool(tmp_path, dev, pool):
 
     def worker(k):
         queue = cl.CommandQueue(dev.context)  # a queue per thread, as real loaders use
-        try:
-            for r in range(6):
-                i = (k + r) % 3
-                loaded = load_file(paths[i], queue, pool=pool)
-                for name, want in model(10 + i).items():
-                    if loaded[name].to_host().tobytes() != want.tobytes():
-                        errors.append((k, r, name))
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for r in range(6):
+            i = (k + r) % 3
+            loaded = load_file(paths[i], queue, pool=pool)
+            for name, want in model(10 + i).items():
+                if loaded[name].to_host().tobytes() != want.tobytes():
+                    errors.append((k, r, name))
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors += run_in_threads(worker, 4)
     gc.collect()
     assert not errors
     s = pool.stats
@@ -831,21 +824,14 @@ def test_threads_staging_through_one_pool(tmp_path, dev, pool):
 
     def worker(k):
         queue = cl.CommandQueue(dev.context)
-        try:
-            for r in range(5):
-                i = (k + r) % 3
-                loaded = load_file(paths[i], queue, pool=pool, staging=1024, blocking=r % 2 == 0)
-                for name, want in odd_sized(300, seed=i).items():
-                    if loaded[name].to_host().tobytes() != want.tobytes():
-                        errors.append((k, r, name))
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for r in range(5):
+            i = (k + r) % 3
+            loaded = load_file(paths[i], queue, pool=pool, staging=1024, blocking=r % 2 == 0)
+            for name, want in odd_sized(300, seed=i).items():
+                if loaded[name].to_host().tobytes() != want.tobytes():
+                    errors.append((k, r, name))
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors += run_in_threads(worker, 4)
     assert not errors
     # Every set came back; the pool keeps STAGING_KEEP of them (sets beyond are let go) and counts what it keeps.
     from fastckpt.device.pool import STAGING_KEEP

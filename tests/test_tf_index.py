@@ -17,6 +17,7 @@ import crc32c
 import ml_dtypes
 import numpy as np
 import pytest
+from _threads import run_in_threads
 from fastckpt._native.mapped import MappedFile
 from fastckpt._native.tftable import BundleIndex, crc32c_of, mask_crc
 from hypothesis import HealthCheck, given, settings
@@ -492,29 +493,21 @@ def test_threads_viewing_several_shards_get_each_tensor_from_its_own_shard(tmp_p
     tensors = {f"t{i:03d}": np.full(3, i, np.int32) for i in range(300)}
     prefix = str(tmp_path / "s")
     write_checkpoint(prefix, tensors, num_shards=4, fsync=False)
-    errors = []
     with CheckpointReader(prefix) as reader:
         names = reader.tensor_names()
         assert len({reader.info(n).shard for n in names}) == 4
         barrier = threading.Barrier(6)
 
         def run(k):
-            try:
-                barrier.wait()
-                for _ in range(5):
-                    order = names[k::2] + names[1 - k % 2::2]
-                    for name in order:
-                        assert reader.host(name).tolist() == [int(name[1:])] * 3
-                    views = reader.hosts(order[::-1])
-                    assert all(v.tolist() == [int(n[1:])] * 3 for n, v in views.items())
-            except Exception as exc:  # reported below
-                errors.append(exc)
+            barrier.wait()
+            for _ in range(5):
+                order = names[k::2] + names[1 - k % 2::2]
+                for name in order:
+                    assert reader.host(name).tolist() == [int(name[1:])] * 3
+                views = reader.hosts(order[::-1])
+                assert all(v.tolist() == [int(n[1:])] * 3 for n, v in views.items())
 
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = run_in_threads(run, 6)
     assert errors == []
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 import pytest
+from _threads import run_in_threads
 from fastckpt._native.mapped import MappedFile
 from fastckpt._native.tftable import crc32c_of
 from test_tf_index import _bundle, _crc, _fix_checksums, _old_host, _old_open, _outcome, check_same
@@ -156,26 +157,19 @@ def test_two_threads_hosts_on_three_shards(tmp_path, verify, length):
         barrier = threading.Barrier(2)
 
         def run(k):
-            try:
-                barrier.wait()
-                for rep in range(300 if length < 100 else 40):
-                    order = names if (rep + k) % 2 else names[::-1]
-                    got = reader.hosts() if rep % 3 else reader.hosts(order)
-                    for n in order:
-                        if not np.array_equal(got[n], tensors[n]):
-                            errors.append((k, rep, n, got[n][:3].tolist()))
-                            return
-            except Exception as exc:  # reported below
-                errors.append(exc)
+            barrier.wait()
+            for rep in range(300 if length < 100 else 40):
+                order = names if (rep + k) % 2 else names[::-1]
+                got = reader.hosts() if rep % 3 else reader.hosts(order)
+                for n in order:
+                    if not np.array_equal(got[n], tensors[n]):
+                        errors.append((k, rep, n, got[n][:3].tolist()))
+                        return
 
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
         old_interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            errors += run_in_threads(run, 2)
         finally:
             sys.setswitchinterval(old_interval)
     assert errors == []
