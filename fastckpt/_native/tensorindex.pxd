@@ -50,6 +50,7 @@ cdef class TensorIndex:
     cdef int keep_info(self, object info) except -1
     cdef int reserve(self, Py_ssize_t tensors, Py_ssize_t dims) except -1
     cdef int add_dim(self, cnp.npy_intp dim) except -1
+    cdef Py_ssize_t _probe(self, uint64_t h, const char* utf8, Py_ssize_t n, Py_ssize_t* slot) noexcept
     cdef int add(self, str name, const char* utf8, Py_ssize_t utf8_len, int32_t dtype_code, int64_t offset,
                  int64_t nbytes, uint8_t flags) except -1
     cdef int _index_names(self, Py_ssize_t size) except -1

@@ -232,26 +232,36 @@ cdef class TensorIndex:
             table[slot] = (self.hashes[i] & _TAG) | <uint64_t>(i + 1)
         return 0
 
+    cdef Py_ssize_t _probe(self, uint64_t h, const char* utf8, Py_ssize_t n, Py_ssize_t* slot) noexcept:
+        """The position of the name of hash ``h`` and UTF-8 bytes ``utf8[:n]``, or -1 when it is not in; ``slot``
+        gets its slot in the name table, or the empty slot where it would go."""
+        cdef uint64_t entry
+        cdef Py_ssize_t j
+        cdef Py_ssize_t s = <Py_ssize_t>(h & <uint64_t>self.table_mask)
+        while self.table[s]:
+            entry = self.table[s]
+            j = <Py_ssize_t>(entry & _POSITION) - 1
+            if (entry & _TAG) == (h & _TAG) and self.name_len[j] == n and memcmp(
+                    self.name_bytes + self.name_start[j], utf8, <size_t>n) == 0:
+                slot[0] = s
+                return j
+            s = (s + 1) & self.table_mask
+        slot[0] = s
+        return -1
+
     cdef int add(self, str name, const char* utf8, Py_ssize_t utf8_len, int32_t dtype_code, int64_t offset,
                  int64_t nbytes, uint8_t flags) except -1:
         """Add a tensor (``utf8``: its name's UTF-8 bytes) whose dimensions ``add_dim`` gave; 1 (and nothing
         added) when ``name`` is already in."""
         cdef uint64_t h = _hash(utf8, utf8_len)
-        cdef uint64_t entry
-        cdef Py_ssize_t slot, j, want
+        cdef Py_ssize_t slot, want
         if self.count >= 0x7FFFFFFE:
             raise MemoryError("a tensor index holds fewer than 2**31 tensors")
         if 2 * (self.count + 1) > self.table_mask + 1:
             self._index_names(2 * (self.table_mask + 1))
-        slot = <Py_ssize_t>(h & <uint64_t>self.table_mask)
-        while self.table[slot]:
-            entry = self.table[slot]
-            j = <Py_ssize_t>(entry & _POSITION) - 1
-            if (entry & _TAG) == (h & _TAG) and self.name_len[j] == utf8_len and memcmp(
-                    self.name_bytes + self.name_start[j], utf8, <size_t>utf8_len) == 0:
-                self.dims_count = self.shape_at[self.count]  # drop the dimensions given for it
-                return 1
-            slot = (slot + 1) & self.table_mask
+        if self._probe(h, utf8, utf8_len, &slot) >= 0:
+            self.dims_count = self.shape_at[self.count]  # drop the dimensions given for it
+            return 1
         if self.count == self.capacity:
             self.reserve(1, 0)
         if utf8_len > self.name_bytes_capacity - self.name_bytes_count:
@@ -410,8 +420,7 @@ cdef class TensorIndex:
     cdef Py_ssize_t position(self, object name) except -2:
         """The position of ``name``, or -1 when it is not in (or not a str at all)."""
         cdef const char* utf8
-        cdef Py_ssize_t n, slot, j
-        cdef uint64_t h, entry
+        cdef Py_ssize_t n, slot
         if not isinstance(name, str):
             return -1
         try:
@@ -419,16 +428,7 @@ cdef class TensorIndex:
         except UnicodeEncodeError:  # a lone surrogate
             encoded = _utf8_of(name)
             utf8, n = encoded, len(encoded)
-        h = _hash(utf8, n)
-        slot = <Py_ssize_t>(h & <uint64_t>self.table_mask)
-        while self.table[slot]:
-            entry = self.table[slot]
-            j = <Py_ssize_t>(entry & _POSITION) - 1
-            if (entry & _TAG) == (h & _TAG) and self.name_len[j] == n and memcmp(
-                    self.name_bytes + self.name_start[j], utf8, <size_t>n) == 0:
-                return j
-            slot = (slot + 1) & self.table_mask
-        return -1
+        return self._probe(_hash(utf8, n), utf8, n, &slot)
 
     cdef object view_at(self, Py_ssize_t i):
         """The array of tensor ``i`` over the mapping, or None where the general path must make it."""
