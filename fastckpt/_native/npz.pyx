@@ -887,7 +887,7 @@ cdef class MemberWriter:
     cdef Py_ssize_t _small_alignment
     cdef int64_t _small_below
     cdef set _names
-    cdef dict _deferred_names    # add_items' unique_names, not yet in _names
+    cdef list _deferred_names    # names add_items wrote without recording them in _names
     cdef dict _headers
     # the header of the last member, by its dtype object, dimensions and order: a model's consecutive tensors
     # often share one, and comparing these costs less than the dict lookup by (dtype, shape, order)
@@ -934,11 +934,12 @@ cdef class MemberWriter:
     def add_items(self, items, bint batch, as_array, dict unique_names=None):
         """``add(name, as_array(array))`` for each ``(name, array)`` pair of ``items``, in order.
 
-        ``unique_names``: a dict whose keys are exactly the names ``items``
-        gives, each an exact ``str``, and whose values are exact numpy arrays
-        (so no caller code runs while it is iterated, and the names are
-        distinct): the names are then not checked for repeats one by one
-        (later ``add`` calls still are).
+        ``unique_names``: the dict whose ``items()`` ``items`` is. Its keys are
+        distinct as long as no caller code runs, so while every name is an
+        exact ``str`` and every value an exact numpy array (nothing to
+        convert), the names are not checked for repeats one by one; from the
+        first that is not (before its conversion runs), the names written are
+        recorded and the rest checked. Later ``add`` calls are always checked.
 
         Queued arrays must not change before they are written, and the caller's
         code may change them: a generator refilling one buffer, an
@@ -947,34 +948,32 @@ cdef class MemberWriter:
         queue is written first. ``batch`` is for items that only a dict's own
         iteration produces.
         """
-        cdef bint check_names = unique_names is None or (self.count > 0 or self._deferred_names is not None)
+        cdef dict unchecked = unique_names if self.count == 0 and self._deferred_names is None else None
         cdef Py_ssize_t first = self.count
-        if check_names:
-            self._add_items(items, batch, as_array, True)
-            return
         try:
-            self._add_items(items, batch, as_array, False)
+            for item in items:
+                try:
+                    name, array = item
+                except (TypeError, ValueError):
+                    raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item "
+                                    f"{item!r}") from None
+                if unchecked is not None and (type(name) is not str or not cnp.PyArray_CheckExact(array)):
+                    # caller code may run from here on (a conversion, a str subclass's methods): the names so
+                    # far, in the dict's order, are recorded now, and the rest are checked
+                    self._names.update(itertools.islice(unchecked, self.count - first))
+                    unchecked = None
+                if not cnp.PyArray_CheckExact(array):
+                    self._out.flush()
+                    array = as_array(array)
+                self._add(name, <cnp.ndarray?>array, False, unchecked is None)
+                if not batch:
+                    self._out.flush()
         except BaseException:
-            # the names written so far, in the dict's order, are taken; the others stay free
-            self._names.update(itertools.islice(unique_names, self.count - first))
+            if unchecked is not None:  # the names written are taken; the others stay free
+                self._names.update(itertools.islice(unchecked, self.count - first))
             raise
-        self._deferred_names = unique_names  # joins _names if add() is called again
-
-    cdef int _add_items(self, items, bint batch, as_array, bint check_names) except -1:
-        for item in items:
-            try:
-                name, array = item
-            except (TypeError, ValueError):
-                raise TypeError(f"tensors must be a mapping or an iterable of (name, array) pairs; got item {item!r}") from None
-            if not cnp.PyArray_CheckExact(array):
-                if not check_names:
-                    raise TypeError(f"unique_names promised exact numpy arrays; {name!r} is {type(array).__name__}")
-                self._out.flush()
-                array = as_array(array)
-            self._add(name, <cnp.ndarray?>array, False, check_names)
-            if not batch:
-                self._out.flush()
-        return 0
+        if unchecked is not None:
+            self._deferred_names = list(unchecked)  # every name of the dict: joins _names if add() is called again
 
     def add(self, name, cnp.ndarray arr not None):
         """Write one member; return (header_start, npy header, payload bytes, fortran_order, crc)."""

@@ -527,12 +527,9 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | s
             NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
         if report.enabled:  # each array written (not only queued) before it is reported
             items, batch = _reporting(items, report), False
-        # A dict's own iteration runs no caller code, so its arrays can be queued and written together. Where
-        # its keys are all exact str and its values exact arrays, no caller code runs at all while it is written
-        # (no __array__ to convert), so the keys stay what they were: distinct names, not checked one by one.
-        unique = tensors if batch and all(type(k) is str and type(v) is np.ndarray
-                                          for k, v in tensors.items()) else None
-        writer._members.add_items(items, batch, to_numpy, unique)
+        # A dict's own iteration runs no caller code, so its arrays can be queued and written together, and its
+        # keys need no check for repeats one by one while no caller code runs (see MemberWriter.add_items).
+        writer._members.add_items(items, batch, to_numpy, tensors if batch else None)
         count = writer._members.count
     level = file_log_level()
     if _log.isEnabledFor(level):
