@@ -21,6 +21,15 @@ cdef class _Block:
     cdef Py_ssize_t size
     cdef bint is_mmap
     cdef bint writable
+    cdef int guard_slot        # the SIGBUS guard's table slot while guards > 0, else -1
+    cdef Py_ssize_t guards     # guards open over the mapping (MappedFile.guard)
+    cdef Py_ssize_t fault_offset  # the first byte a guarded read found gone from the file, else -1
+
+
+# The truncation guard of MappedFile.guard() for native loops that read a mapping: enter, read, exit (which
+# raises FormatError where the file was truncated under the reads).
+cdef int guard_enter(_Block b, object path, object what, bint reinstall=*) except -1
+cdef int guard_exit(_Block b, object path, object what) except -1
 
 
 cdef class MappedFile:

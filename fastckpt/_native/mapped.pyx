@@ -14,8 +14,12 @@ Lifetime rules (the same discipline as h5py's handles):
   needs no Python and so is safe at interpreter shutdown).
 - The mapping pins the file's inode. A file *replaced* on disk (written to a
   temporary and renamed, as every fastckpt writer does) leaves existing views
-  untouched. Truncating a mapped file in place is undefined (the kernel sends
-  SIGBUS on access past the new end); fastckpt never does it.
+  untouched. A file truncated in place makes the kernel send SIGBUS on access
+  past its new end; fastckpt never truncates, and every copy it makes out of a
+  mapping runs under ``guard()``, which turns that into a ``FormatError``
+  ("truncated or replaced while reading"). Views handed out are plain mapped
+  memory: after such a truncation, reading one kills the process as any
+  mapping would (``backend="pread"`` hands out copies instead).
 
 ``backend="pread"`` serves filesystems that cannot map (some network and FUSE
 filesystems): the same API, but each ``view()`` reads its bytes into a fresh
@@ -94,6 +98,125 @@ cdef extern from "<fcntl.h>" nogil:
     int O_CLOEXEC
 
 
+
+# The truncation guard (see MappedFile.guard): a SIGBUS handler that, for a fault inside a mapping some thread
+# is reading under a guard, maps a zero page over the faulting page, records the first faulting address and
+# returns, so the copy (numpy's, BLAKE3's threads', the OpenCL runtime's) runs to its end and the guard's exit
+# raises. Patching rather than jumping out (sigsetjmp/siglongjmp) is what reaches copies made by threads that
+# fastckpt does not own; the handler touches only this table (lock-free, fixed size) and the mmap syscall.
+cdef extern from *:
+    """
+    #include <signal.h>
+    #include <stdint.h>
+    #include <string.h>
+    #include <sys/mman.h>
+    #include <unistd.h>
+
+    #define FC_GUARD_SLOTS 1024
+    typedef struct { uintptr_t start, end, fault; int prot; int active; } fc_guard_slot;
+    static fc_guard_slot fc_guard_slots[FC_GUARD_SLOTS];
+    static struct sigaction fc_guard_previous;
+    static uintptr_t fc_guard_page = 4096;
+    static int fc_guard_installed = 0;
+    static volatile sig_atomic_t fc_guard_chained = 0;
+
+    static void fc_guard_handler(int sig, siginfo_t *info, void *context) {
+        uintptr_t addr = (uintptr_t)info->si_addr;
+        int i;
+        if (info->si_code > 0) {  /* a fault, not a kill() */
+            for (i = 0; i < FC_GUARD_SLOTS; i++) {
+                fc_guard_slot *s = &fc_guard_slots[i];
+                if (__atomic_load_n(&s->active, __ATOMIC_ACQUIRE) && addr >= s->start && addr < s->end) {
+                    uintptr_t page = addr & ~(fc_guard_page - 1);
+                    uintptr_t end = (s->end + fc_guard_page - 1) & ~(fc_guard_page - 1);
+                    uintptr_t none = 0;
+                    /* A truncation takes every page from here to the end: patch them all at once rather than
+                       take one signal per page (the mapping is dead from now on anyway). */
+                    if (mmap((void *)page, end - page, s->prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+                             -1, 0) == MAP_FAILED)
+                        break;  /* cannot patch: die as an unguarded fault would */
+                    __atomic_compare_exchange_n(&s->fault, &none, addr, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+                    return;  /* the access runs again and reads zeros */
+                }
+            }
+        }
+        /* Not ours: give the signal to whoever handled it before (the default action kills the process, as
+           without fastckpt). The fault happens again on return and goes there; a sent signal is sent again.
+           Back here a second time (faulthandler, enabled after this handler, restores it and raises again once
+           it has written its report): end as the default action does, rather than pass it round forever. */
+        if (fc_guard_chained) {
+            struct sigaction dfl;
+            memset(&dfl, 0, sizeof dfl);
+            dfl.sa_handler = SIG_DFL;
+            sigemptyset(&dfl.sa_mask);
+            sigaction(SIGBUS, &dfl, NULL);
+            raise(SIGBUS);
+            return;
+        }
+        fc_guard_chained = 1;
+        sigaction(SIGBUS, &fc_guard_previous, NULL);
+        if (info->si_code <= 0)
+            raise(SIGBUS);
+    }
+
+    /* Installs the handler unless it is the current one (faulthandler, enabled later, may have replaced it). */
+    static int fc_guard_install(void) {
+        struct sigaction current, mine;
+        if (sigaction(SIGBUS, NULL, &current) != 0)
+            return -1;
+        if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == fc_guard_handler)
+            return 0;
+        memset(&mine, 0, sizeof mine);
+        mine.sa_sigaction = fc_guard_handler;
+        mine.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        sigemptyset(&mine.sa_mask);
+        fc_guard_page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        fc_guard_previous = current;
+        if (sigaction(SIGBUS, &mine, NULL) != 0)
+            return -1;
+        fc_guard_installed = 1;
+        return 0;
+    }
+
+    /* fc_guard_install the first time only: for native loops that open a guard per tensor, where a system
+       call each would cost more than the read (MappedFile.guard() checks every time). */
+    static int fc_guard_ensure(void) {
+        return fc_guard_installed ? 0 : fc_guard_install();
+    }
+
+    /* A free slot for [start, end), or -1 when every slot is taken. Called with the GIL held. */
+    static int fc_guard_claim(uintptr_t start, uintptr_t end, int prot) {
+        int i;
+        for (i = 0; i < FC_GUARD_SLOTS; i++) {
+            fc_guard_slot *s = &fc_guard_slots[i];
+            if (!__atomic_load_n(&s->active, __ATOMIC_ACQUIRE)) {
+                s->start = start; s->end = end; s->prot = prot;
+                __atomic_store_n(&s->fault, 0, __ATOMIC_RELAXED);
+                __atomic_store_n(&s->active, 1, __ATOMIC_RELEASE);
+                return i;
+            }
+        }
+        return -1;
+    }
+
+    static uintptr_t fc_guard_fault(int i) {
+        return __atomic_load_n(&fc_guard_slots[i].fault, __ATOMIC_ACQUIRE);
+    }
+
+    /* Frees the slot; returns the first faulting address seen in it (0: none). */
+    static uintptr_t fc_guard_release(int i) {
+        uintptr_t fault;
+        __atomic_store_n(&fc_guard_slots[i].active, 0, __ATOMIC_RELEASE);
+        fault = __atomic_load_n(&fc_guard_slots[i].fault, __ATOMIC_ACQUIRE);
+        return fault;
+    }
+    """
+    int fc_guard_install() nogil
+    int fc_guard_ensure() nogil
+    int fc_guard_claim(uintptr_t start, uintptr_t end, int prot) nogil
+    uintptr_t fc_guard_fault(int i) nogil
+    uintptr_t fc_guard_release(int i) nogil
+
 cdef uint8_t _EMPTY[1]
 
 _ADVICE = {
@@ -115,9 +238,15 @@ cdef class _Block:
         self.size = 0
         self.is_mmap = False
         self.writable = False
+        self.guard_slot = -1
+        self.guards = 0
+        self.fault_offset = -1
 
     def __dealloc__(self):
         # No Python here: this may run at interpreter shutdown.
+        if self.guard_slot >= 0:  # a guard still open (its object leaked in a cycle): free the slot first
+            fc_guard_release(self.guard_slot)
+            self.guard_slot = -1
         if self.ptr != NULL:
             if self.is_mmap:
                 munmap(self.ptr, <size_t>self.size)
@@ -142,6 +271,95 @@ cdef class _Block:
 
     def __releasebuffer__(self, Py_buffer* buf):
         pass
+
+
+cdef int guard_enter(_Block b, object path, object what, bint reinstall=False) except -1:
+    """Open a guard over ``b`` (see :meth:`MappedFile.guard`); raises at once if the mapping already met a truncation.
+
+    A no-op for memory that is not a file's mapping (what ``from_buffer`` holds). The SIGBUS handler is
+    installed the first time; ``reinstall`` checks with a system call that it still is (``faulthandler.enable()``
+    may have replaced it since): ``MappedFile.guard()`` does, native loops that guard each tensor do not."""
+    if not b.is_mmap or b.ptr == NULL:
+        return 0
+    if b.fault_offset >= 0:
+        _raise_truncated(path, b, what)
+    if b.guards == 0:
+        if (fc_guard_install() if reinstall else fc_guard_ensure()) != 0:
+            e = errno
+            raise OSError(e, f"cannot install the SIGBUS handler: {strerror(e).decode()}")
+        b.guard_slot = fc_guard_claim(<uintptr_t>b.ptr, <uintptr_t>b.ptr + <uintptr_t>b.size,
+                                      PROT_READ | (PROT_WRITE if b.writable else 0))
+        # With every slot taken (1,024 mappings read at once) the reads go unguarded, as before.
+    b.guards += 1
+    return 0
+
+
+cdef int guard_poll(_Block b, object path, object what) except -1:
+    """Raise if a read under the open guards of ``b`` has met a truncated file."""
+    cdef uintptr_t fault
+    if b.guard_slot >= 0 and b.fault_offset < 0:
+        fault = fc_guard_fault(b.guard_slot)
+        if fault != 0:
+            b.fault_offset = <Py_ssize_t>(fault - <uintptr_t>b.ptr)
+    if b.fault_offset >= 0:
+        _raise_truncated(path, b, what)
+    return 0
+
+
+cdef int guard_exit(_Block b, object path, object what) except -1:
+    """Close a guard that :func:`guard_enter` opened; raises if a read under it met a truncated file."""
+    cdef uintptr_t fault = 0
+    if not b.is_mmap or b.ptr == NULL:
+        return 0
+    b.guards -= 1
+    if b.guard_slot >= 0:
+        fault = fc_guard_release(b.guard_slot) if b.guards == 0 else fc_guard_fault(b.guard_slot)
+        if b.guards == 0:
+            b.guard_slot = -1
+    if fault != 0 and b.fault_offset < 0:
+        b.fault_offset = <Py_ssize_t>(fault - <uintptr_t>b.ptr)
+    if b.fault_offset >= 0:
+        _raise_truncated(path, b, what)
+    return 0
+
+
+cdef class _Guard:
+    """What :meth:`MappedFile.guard` returns: a context manager over one mapping (a no-op without one)."""
+
+    cdef _Block _block
+    cdef object _path
+    cdef object _what
+    cdef bint _entered
+
+    def __enter__(self):
+        if self._block is not None:
+            guard_enter(self._block, self._path, self._what, True)
+            self._entered = True
+        return self
+
+    def check(self):
+        """Raise now if a read under this guard has met a truncated file (work that must not finish on zeros,
+        a write about to commit, polls it)."""
+        if self._block is not None:
+            guard_poll(self._block, self._path, self._what)
+
+    def __exit__(self, *exc):
+        if self._entered:
+            self._entered = False
+            guard_exit(self._block, self._path, self._what)
+        return False
+
+
+cdef int _raise_truncated(object path, _Block block, object what) except -1:
+    try:
+        now = f"now has {os.stat(path).st_size} bytes"
+    except OSError as e:
+        now = f"is gone ({e.strerror})"
+    raise FormatError(
+        f"{path}: the file was truncated or replaced while reading {what} (or its storage failed): byte "
+        f"{block.fault_offset} of its {block.size}-byte mapping is no longer in the file, which {now}. Open it "
+        "again once whatever writes it has finished (fastckpt's writers replace files by rename, which never "
+        "does this); on a filesystem where files change under a reader, open it with backend='pread'")
 
 
 cdef _Block _aligned_block(Py_ssize_t size):
@@ -371,9 +589,17 @@ cdef class MappedFile:
         b'hello'
         """
         cdef bytes out
+        cdef _Block block
         self._check(offset, length, what)
         if self._block is not None:
-            return (<const char*>self._block.ptr)[offset:offset + length] if length else b""
+            if not length:
+                return b""
+            block = self._block
+            guard_enter(block, self.path, what)  # within a parse's guard: a counter, no system call
+            try:
+                return (<const char*>block.ptr)[offset:offset + length]
+            finally:
+                guard_exit(block, self.path, what)
         # Straight into the result, not through span()'s shared scratch buffer: read() may run in
         # several threads at once.
         out = PyBytes_FromStringAndSize(NULL, length)
@@ -457,6 +683,37 @@ cdef class MappedFile:
                          flags, NULL)
         cnp.set_array_base(arr, block)
         return arr
+
+    def guard(self, what="the file"):
+        """A context manager under which reads of the mapping that meet a truncated file raise, instead of
+        killing the process with SIGBUS.
+
+        Every copy fastckpt makes out of a mapping (host copies, device loads, staging fills, hashing,
+        conversions) runs under it, in whichever thread makes the copy: a page that is no longer in the file
+        reads as zeros and, on leaving the block, :class:`~fastckpt.errors.FormatError` names the file and
+        says it was "truncated or replaced while reading" ``what``. The mapping remembers it: every later
+        guard over it raises at once (its pages from the first missing one on now read as zeros, so no later
+        read of the mapping can be trusted). Views handed out stay plain
+        mapped memory: reading one outside a guard after the file shrank is SIGBUS, as for any mapping
+        (``backend="pread"`` makes copies instead). A no-op for the pread and memory backends. Guards nest
+        and may be held by several threads at once.
+
+        >>> import tempfile, os
+        >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 8192); os.close(fd)
+        >>> m = MappedFile(p)
+        >>> with m.guard("the test bytes"):
+        ...     os.truncate(p, 0)
+        ...     _ = bytes(m.view(4096, 16))
+        Traceback (most recent call last):
+        ...
+        fastckpt.errors.FormatError: ...: the file was truncated or replaced while reading the test bytes (or its storage failed): ...
+        """
+        cdef _Guard g = _Guard.__new__(_Guard)
+        if self._block is not None and self._block.is_mmap and self._block.ptr != NULL:
+            g._block = self._block
+        g._path = self.path
+        g._what = what
+        return g
 
     def advise(self, kind, Py_ssize_t offset=0, length=None):
         """Pass ``madvise`` advice (``"sequential"``, ``"willneed"``, ``"random"``, ``"dontneed"``, ``"normal"``)
