@@ -18,7 +18,7 @@ from libc.string cimport memcmp, memcpy
 
 cimport numpy as cnp
 
-from fastckpt._native.mapped cimport MappedFile, _Block
+from fastckpt._native.mapped cimport MappedFile, _Block, guard_enter, guard_exit
 from fastckpt._native.tensorindex cimport VIEWABLE, TensorIndex, view_in_block
 
 import weakref
@@ -1084,10 +1084,15 @@ cdef class BundleIndex(TensorIndex):
         if offset < 0 or nbytes < 0 or offset > block.size or nbytes > block.size - offset:
             return None
         if self._verify:
-            if nbytes >= _LARGE_CRC:
-                crc = _crc32c.crc32c(memoryview(block)[offset:offset + nbytes])
-            else:
-                crc = fastckpt_crc32c(0, block.ptr + offset, <size_t>nbytes)
+            # The checksum reads the mapping: a shard truncated under it is a FormatError, not SIGBUS.
+            guard_enter(block, m.path, self.names[i])
+            try:
+                if nbytes >= _LARGE_CRC:
+                    crc = _crc32c.crc32c(memoryview(block)[offset:offset + nbytes])
+                else:
+                    crc = fastckpt_crc32c(0, block.ptr + offset, <size_t>nbytes)
+            finally:
+                guard_exit(block, m.path, self.names[i])
             if mask_crc(crc) != <uint32_t>self.extras[3 * i + 2]:
                 return None  # the general path raises ChecksumMismatchError
         # SAFETY: checked above: the shard's mapping holds the tensor's nbytes (product of dims times itemsize,

@@ -94,7 +94,7 @@ from fastckpt.device.pool import StagingBuffers
 from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
-from fastckpt.formats.reader import TensorFile
+from fastckpt.formats.reader import TensorFile, guard
 from fastckpt.progress import progress_from, requested
 
 _log = logging.getLogger(__name__)
@@ -706,7 +706,10 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     :class:`~fastckpt.errors.NotZeroCopyWarning` and a normal copy).
     ``names`` loads only those tensors. ``blocking=False`` returns while copies
     may still run: each tensor waits for its copy before it is read
-    (:meth:`LoadedTensors.wait` waits for all). ``progress`` (``True`` for a
+    (:meth:`LoadedTensors.wait` waits for all; copies still running after
+    ``load_file`` returns read the mapping unguarded, so a file truncated
+    then is SIGBUS, as for any mapping: ``blocking=True``, ``staging=True``
+    or ``backend="pread"`` files avoid it). ``progress`` (``True`` for a
     bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts
     the tensors' bytes as their copies complete (as they are queued when
     ``blocking=False``). ``staging`` says whether the copies from a mapping go
@@ -746,6 +749,9 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             load.progress = progress_from(progress, plan.payload_bytes(),
                                           f"load {os.path.basename(tf.path)}")
         t_plan = load.t_alloc = time.perf_counter()
+        # Every copy out of the mappings below (staging fills, the runtime's copies, decoded host arrays) runs
+        # under MappedFile.guard: a file truncated under the load is a FormatError, not SIGBUS.
+        reading = guard(tf, "it into device memory")
         try:
             direct = plan.n_direct > 0
             if zero_copy and direct and plan.parts is not None:
@@ -779,6 +785,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             if blocking and load.events:
                 _wait_all(load.events)
                 load.events = []
+            reading.close()  # raises here, where the leases are still released below, if a file was truncated
         except BaseException:
             # Never leave a copy reading memory we are about to drop, nor a lease marked in use.
             if load.events:
@@ -793,6 +800,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             if load.stager is not None:
                 load.stager.close()  # after the error path waited for the copies reading the staging buffers
             load.progress.close()
+            reading.close()
         t_end = time.perf_counter()
     finally:
         if opened:

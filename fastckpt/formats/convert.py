@@ -29,12 +29,14 @@ allows it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from pathlib import Path
 
-from fastckpt.progress import part_of_a_save, progress_from
+from fastckpt.formats.reader import mappings_of
+from fastckpt.progress import Progress, part_of_a_save, progress_from
 
 __all__ = ["convert", "destination_format"]
 
@@ -78,6 +80,39 @@ class _Source:
 
     def close(self):
         self.reader.close()
+
+
+class _Checked(Progress):
+    """A progress report that first polls the source's guards (``MappedFile.guard``), then counts into ``user``."""
+
+    __slots__ = ("_user", "_forwarded", "_guards")
+
+    def __init__(self, total: int, user: Progress) -> None:
+        super().__init__(total, callback=self._check)
+        self._user = user
+        self._forwarded = 0
+        self._guards: list = []
+
+    @contextlib.contextmanager
+    def checking(self, guards: list):
+        self._guards = guards
+        try:
+            yield self
+        finally:
+            self._guards = []
+
+    def _check(self, done: int, total, item) -> None:
+        for guard in self._guards:
+            guard.check()
+        self._user.advance(done - self._forwarded, item)
+        self._forwarded = done
+
+
+@contextlib.contextmanager
+def reading(reader, what: str):
+    """Every mapping of ``reader`` under ``MappedFile.guard``; yields the guards (their ``check()`` polls them)."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(m.guard(what)) for m in mappings_of(reader)]
 
 
 def _payload_nbytes(info) -> int:
@@ -135,14 +170,19 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
             else:
                 names.append(name)
         sizes = {name: _payload_nbytes(source.reader.info(name)) for name in names}
-        report = progress_from(progress, sum(sizes.values()), f"convert to {fmt}")
+        user_report = progress_from(progress, sum(sizes.values()), f"convert to {fmt}")
+        # The writers copy the source's views: a source file truncated under them is a FormatError, not SIGBUS
+        # (MappedFile.guard), and polled after every tensor written, so that no file made of the zeros the
+        # missing pages read as is ever committed.
+        report = _Checked(sum(sizes.values()), user_report)
         if fmt == "tf":
             from fastckpt.formats.tf.writer import CheckpointWriter
 
             if source.metadata:
                 dropped.append("metadata")
-            with CheckpointWriter(dst, num_shards=num_shards, data_alignment=data_alignment,
-                                  object_graph=object_graph, fsync=fsync) as writer, report:
+            with reading(source.reader, "its tensors to convert them") as guards, report.checking(guards), \
+                    CheckpointWriter(dst, num_shards=num_shards, data_alignment=data_alignment,
+                                     object_graph=object_graph, fsync=fsync) as writer, user_report:
                 for name in names:
                     writer.add(name, source.array(name))
                     report.advance(sizes[name], name)
@@ -150,7 +190,8 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
             import fastckpt
 
             tensors = {name: source.array(name) for name in names}  # zero-copy views of the source
-            with report, part_of_a_save():  # the conversion logs its own line
+            with reading(source.reader, "its tensors to convert them") as guards, report.checking(guards), \
+                    user_report, part_of_a_save():  # the conversion logs its own line
                 if fmt == "safetensors":
                     fastckpt.save_safetensors(dst, tensors, metadata=source.metadata or None, fsync=fsync,
                                               progress=report)

@@ -96,14 +96,15 @@ def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
 
     Hashes a read-only mapping in one call (hashlib releases the GIL), which
     saves the copy a ``read()`` into a buffer would make; right after a save
-    the pages are in the page cache.
+    the pages are in the page cache. A file truncated meanwhile is a
+    :class:`~fastckpt.errors.FormatError` (``MappedFile.guard``), not SIGBUS.
     """
     from fastckpt._native.mapped import MappedFile
 
     size = os.path.getsize(path)
     if size == 0:
         return hashlib.sha256(b"").hexdigest(), 0
-    with MappedFile(path) as m:
+    with MappedFile(path) as m, m.guard("it for its sha256"):
         return hashlib.sha256(m.view(0, m.size)).hexdigest(), m.size
 
 
@@ -122,5 +123,5 @@ def blake3_file(path: str | os.PathLike) -> tuple[str, int]:
     size = os.path.getsize(path)
     if size == 0:
         return blake3.blake3(b"").hexdigest(), 0
-    with MappedFile(path) as m:
+    with MappedFile(path) as m, m.guard("it for its BLAKE3"):
         return blake3.blake3(m.view(0, m.size), max_threads=blake3.blake3.AUTO).hexdigest(), m.size

@@ -586,7 +586,8 @@ def read_member(m: MappedFile, info: TensorInfo) -> np.ndarray:
         return m.array(info.offset, info.dtype, info.shape, order=order, what=f"tensor {info.name!r}")
     if info.compression != "deflate":
         raise FormatError(f"{m.path}: tensor {info.name!r}: unknown compression {info.compression!r}")
-    return _inflate_member(m, info, order)
+    with m.guard(f"member {info.name + '.npy'!r}"):
+        return _inflate_member(m, info, order)
 
 
 def _inflate_member(m: MappedFile, info: TensorInfo, order: str) -> np.ndarray:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import contextlib
 import re
 import stat
 import threading
@@ -47,7 +48,7 @@ from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.info import TensorInfo
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
-           "DIRECTORY_READERS"]
+           "DIRECTORY_READERS", "guard", "mappings_of"]
 
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
 
@@ -181,27 +182,69 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     _check_max_header_size(max_header_size)
     mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write)
     try:
-        head = mapped.read(0, min(9, mapped.size), "format magic")
-        fmt = detect_format(head)
-        if fmt == "npz":
-            from fastckpt._native.npz import read_npz_table
-
-            kw = {} if max_header_size is None else {"max_header_size": max_header_size}
-            infos, metadata = read_npz_table(mapped, **kw), None
-        elif fmt == "safetensors":
-            from fastckpt._native.safetensors import read_safetensors_table
-
-            infos, metadata, _data_start = read_safetensors_table(mapped)
-        else:
-            raise FormatError(
-                f"{mapped.path}: not an NPZ (ZIP) or safetensors file: first bytes are {head!r} "
-                "(expected b'PK\\x03\\x04' for NPZ, or an 8-byte little-endian header length followed by '{' "
-                "for safetensors)"
-            )
+        with mapped.guard("its index"):
+            return _parse(mapped, max_header_size)
     except BaseException:
         mapped.close()
         raise
+
+
+def _parse(mapped: MappedFile, max_header_size: int | None) -> TensorFile:
+    head = mapped.read(0, min(9, mapped.size), "format magic")
+    fmt = detect_format(head)
+    if fmt == "npz":
+        from fastckpt._native.npz import read_npz_table
+
+        kw = {} if max_header_size is None else {"max_header_size": max_header_size}
+        infos, metadata = read_npz_table(mapped, **kw), None
+    elif fmt == "safetensors":
+        from fastckpt._native.safetensors import read_safetensors_table
+
+        infos, metadata, _data_start = read_safetensors_table(mapped)
+    else:
+        raise FormatError(
+            f"{mapped.path}: not an NPZ (ZIP) or safetensors file: first bytes are {head!r} "
+            "(expected b'PK\\x03\\x04' for NPZ, or an 8-byte little-endian header length followed by '{' "
+            "for safetensors)"
+        )
     return TensorFile(mapped, fmt, infos, metadata)
+
+
+def mappings_of(reader) -> list:
+    """The :class:`~fastckpt._native.mapped.MappedFile` handles a reader copies tensors out of: its ``mapped``
+    file, and those of the readers in its ``files`` (a training-checkpoint or Hugging Face directory).
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(1)})
+    >>> with fastckpt.open(p) as f:
+    ...     [m.path == p for m in mappings_of(f)]
+    [True]
+    """
+    mapped = getattr(reader, "mapped", None)
+    if callable(getattr(mapped, "guard", None)):
+        return [mapped]
+    files = getattr(reader, "files", None)
+    if isinstance(files, dict):
+        return [m for f in files.values() for m in mappings_of(f)]
+    return []
+
+
+def guard(reader, what: str) -> contextlib.ExitStack:
+    """:meth:`MappedFile.guard <fastckpt._native.mapped.MappedFile.guard>` over every mapping of ``reader``
+    (:func:`mappings_of`): copies made of its tensors inside the block raise
+    :class:`~fastckpt.errors.FormatError` where a file was truncated under them, never SIGBUS.
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(2)})
+    >>> with fastckpt.open(p) as f, guard(f, "a copy"):
+    ...     np.array(f.host("a")).tolist()
+    [1.0, 1.0]
+    """
+    stack = contextlib.ExitStack()
+    with stack:
+        for mapped in mappings_of(reader):
+            stack.enter_context(mapped.guard(what))
+        return stack.pop_all()
 
 
 def _check_max_header_size(max_header_size) -> None:

@@ -62,6 +62,7 @@ import numpy as np
 
 from fastckpt.arrays import as_numpy
 from fastckpt.errors import FormatError
+from fastckpt.formats.reader import guard
 from fastckpt.state import PARAM_SIDECAR, decode, encode
 from fastckpt.state.codec import NumberedArrays
 
@@ -198,7 +199,7 @@ def load_params(queue, params: Iterable, path, names=None) -> list[str]:
         from fastckpt.errors import CheckpointNotFoundError
 
         raise CheckpointNotFoundError(f"no parameter file at {p!r} (tried {p!r} and {target!r})")
-    with fastckpt.open(target) as tf:
+    with fastckpt.open(target) as tf, guard(tf, "the parameters"):
         _check_params(target, tf, params, names)
         for name, param in zip(names, params):
             _write_param(param, tf.host(name))
@@ -327,7 +328,7 @@ def load_checkpoint(queue, params: Iterable, path, names=None) -> dict:
         from fastckpt.errors import CheckpointNotFoundError
 
         raise CheckpointNotFoundError(f"no checkpoint at {os.fspath(path)!r}: {npz_path!r} does not exist")
-    with fastckpt.open(npz_path) as tf:
+    with fastckpt.open(npz_path) as tf, guard(tf, "the checkpoint"):
         state: dict = {}
         if os.path.isfile(json_path):
             try:

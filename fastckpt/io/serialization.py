@@ -135,6 +135,7 @@ from typing import Any
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
+from fastckpt.formats.reader import guard
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import part_of_a_save, progress_from, requested
 
@@ -348,7 +349,8 @@ def _read_metadata(layout: str, weights, json_path: str | None) -> tuple[str, di
             f"{len(weights.infos)} entries). A raw parameter NPZ is read with fastckpt.io.checkpoint.load_params; "
             "a legacy export is the pair X.json + X.npz, loaded by passing X"
         )
-    return weights.path, _decode_meta(weights.path, weights.host(META_KEY))
+    with guard(weights, "its metadata"):
+        return weights.path, _decode_meta(weights.path, weights.host(META_KEY))
 
 
 def verify_members(reader) -> None:
@@ -373,12 +375,13 @@ def verify_members(reader) -> None:
         kind = getattr(reader, "format", type(reader).__name__)
         raise ValueError(f"{reader.path}: verify=True checks the CRC-32 of NPZ members, and this {kind} file keeps "
                          "none; load it with verify=False")
-    for info in infos:
-        try:
-            verify_member(mapped, info)
-        except IntegrityError as exc:
-            raise ChecksumMismatchError(f"{exc} (tensor {info.name!r}); restore the file from a copy, or pass "
-                                        "verify=False to load it anyway") from None
+    with mapped.guard("its members for their CRC-32"):
+        for info in infos:
+            try:
+                verify_member(mapped, info)
+            except IntegrityError as exc:
+                raise ChecksumMismatchError(f"{exc} (tensor {info.name!r}); restore the file from a copy, or pass "
+                                            "verify=False to load it anyway") from None
 
 
 def _materialize_missing(queue, model, entries, indices) -> None:

@@ -317,7 +317,8 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True, progress=
                     # the mapping alive until the hashing thread drops it; a view requested after
                     # close() would raise instead.
                     mapped = sources[name].file.mapped
-                    checks.append(pool.submit(_check_view, sources[name].path, mapped.view(0, mapped.size), entry, verify))
+                    checks.append(pool.submit(_check_view, sources[name].path, mapped.view(0, mapped.size), entry, verify,
+                                              mapped.guard("it for its hash")))
                     continue
             checks.append(pool.submit(_check_file, d, name, entry, verify))
         try:

@@ -382,7 +382,12 @@ def _check_file(d: Path, name: str, entry: dict[str, Any], hashes: bool) -> str 
     return None
 
 
-def _check_view(path: Path, view: memoryview, entry: dict[str, Any], hashes: bool) -> str | None:
+def _check_view(path: Path, view: memoryview, entry: dict[str, Any], hashes: bool, guard) -> str | None:
+    with guard:  # the mapping's guard (MappedFile.guard): a file truncated under the hash is a FormatError
+        return _check_mapped_view(path, view, entry, hashes)
+
+
+def _check_mapped_view(path: Path, view: memoryview, entry: dict[str, Any], hashes: bool) -> str | None:
     size = view.nbytes
     if size != entry["bytes"]:
         return f"{path}: {size} bytes, the manifest says {entry['bytes']} (file truncated or replaced?)"
@@ -441,7 +446,8 @@ class _TensorSource:
         arr = self.cache.get(target)
         if arr is None:
             # A private writable copy: the mapped view is read-only and shares the page cache.
-            arr = self.cache[target] = np.array(self.file.host(target), copy=True)
+            with self.file.mapped.guard(f"tensor {target!r}"):
+                arr = self.cache[target] = np.array(self.file.host(target), copy=True)
         return arr
 
     def close(self) -> None:

@@ -523,6 +523,10 @@ class CheckpointReader(ReaderMapping):
     def _read_entry(self, info: TFTensorInfo, *, copy: bool, stacklevel: int) -> np.ndarray:
         mapped = self._shard(info.shard)
         what = f"tensor {info.name!r}"
+        with mapped.guard(what):  # the checksum and the copies read the mapping: a truncation is a FormatError
+            return self._read_mapped(mapped, info, what, copy, stacklevel + 1)
+
+    def _read_mapped(self, mapped, info: TFTensorInfo, what: str, copy: bool, stacklevel: int) -> np.ndarray:
         if info.tf_dtype == _dt.DT_STRING:
             payload = mapped.view(info.offset, info.nbytes, what)
             values, crc = decode_string_tensor(payload, info.size, f"{mapped.path}: {what}", self.verify)
@@ -599,7 +603,8 @@ class CheckpointReader(ReaderMapping):
         out = np.zeros(info.shape, dtype=info.dtype)
         covered = np.zeros(info.shape, dtype=bool)
         for index, part in parts:
-            out[index] = self._read_entry(part, copy=False, stacklevel=4)
+            with self._shard(part.shard).guard(f"slice {part.name!r}"):
+                out[index] = self._read_entry(part, copy=False, stacklevel=4)
             covered[index] = True
         if not covered.all():
             raise FormatError(f"{self.prefix}: the slices of partitioned variable {info.name!r} do not cover its "
