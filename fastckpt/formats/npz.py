@@ -562,6 +562,9 @@ def _reporting(items, report):
 # -- reading -------------------------------------------------------------------------------------
 
 _INFLATE_PIECE = 1 << 20
+# Inflated bytes per decompress call: big enough that the input a call leaves over (copied by zlib into
+# unconsumed_tail, at most _INFLATE_PIECE) costs little beside them, small beside any member worth measuring.
+_INFLATE_OUT = 16 << 20
 # DEFLATE cannot expand more than about 1032:1; a larger declared size is refused before allocating it.
 _DEFLATE_MAX_RATIO = 1040
 
@@ -618,12 +621,17 @@ def _inflate_member(m: MappedFile, info: TensorInfo, order: str) -> np.ndarray:
             data = m.view(pos, n, what)
             pos += n
         else:
-            raise FormatError(f"{what}: DEFLATE stream ends after {info.nbytes} compressed bytes without its final "
-                              f"block; inflated {produced} of {total} bytes (truncated?)")
+            data = b""  # every input byte is in: zlib may still hold output that the size limit held back
         try:
-            chunk = z.decompress(data, total - produced + 1)  # one byte more than expected reveals a longer stream
+            # At most _INFLATE_OUT bytes a call (one byte more than expected reveals a longer stream): a member
+            # that compresses 1000:1 would otherwise inflate whole into one bytes object and be copied from it,
+            # a peak of 3x the member; so the peak is the destination array and one piece.
+            chunk = z.decompress(data, min(_INFLATE_OUT, total - produced + 1))
         except zlib.error as e:
             raise FormatError(f"{what}: corrupt DEFLATE stream ({e})") from None
+        if not chunk and not data and not z.eof:
+            raise FormatError(f"{what}: DEFLATE stream ends after {info.nbytes} compressed bytes without its final "
+                              f"block; inflated {produced} of {total} bytes (truncated?)")
         if produced + len(chunk) > total:
             raise FormatError(f"{what}: inflates to more than the {total} bytes its header and shape declare")
         crc = _crc32(chunk, crc)
@@ -633,7 +641,7 @@ def _inflate_member(m: MappedFile, info: TensorInfo, order: str) -> np.ndarray:
         rest = len(chunk) - into_header
         if rest:
             at = produced + into_header - header_nbytes
-            dest[at:at + rest] = chunk[into_header:]
+            dest[at:at + rest] = memoryview(chunk)[into_header:]
         produced += len(chunk)
     if produced != total:
         raise FormatError(f"{what}: inflates to {produced} bytes; its header and shape declare {total}")
