@@ -255,17 +255,23 @@ cdef bytes _entry_key(const uint8_t[::1] buf, Py_ssize_t restarts_start, Py_ssiz
     return key
 
 
-def decode_block(data, what="block"):
+def decode_block(data, what="block", Py_ssize_t max_key_bytes=-1):
     """Parse one uncompressed block into ``(keys, values, restarts)``.
 
     ``keys`` and ``values`` are lists of ``bytes`` in stored order, ``restarts``
     the list of restart offsets. Every entry's shared prefix must fit the
     previous key and every length must fit the block; the restart array must
     fit too. Restart *offsets* are not required to point at entries (iteration
-    does not use them; :func:`block_seek` checks them when it does).
+    does not use them; :func:`block_seek` checks them when it does). With
+    ``max_key_bytes`` >= 0, keys that decode to more bytes in all are a
+    :class:`~fastckpt.errors.FormatError` (see ``KEY_EXPANSION``).
 
     >>> decode_block(bytes.fromhex("00010061" "00000000" "01000000"))
     ([b'a'], [b''], [0])
+    >>> decode_block(bytes.fromhex("00010061" "01010062" "00000000" "01000000"), "b", max_key_bytes=2)
+    Traceback (most recent call last):
+    ...
+    fastckpt.errors.FormatError: b: the keys of the first 2 entries decode to more than 2 bytes (entry at byte 4 has a key of 2 bytes...
     """
     cdef const uint8_t[::1] buf = _as_view(data)
     cdef Py_ssize_t restarts_start, pos, i
@@ -276,12 +282,17 @@ def decode_block(data, what="block"):
     cdef list restarts = []
     cdef bytes prev = _EMPTY
     cdef bytes key
+    cdef Py_ssize_t key_bytes = 0, entry_at
     restarts_start = _restarts_start(buf, &num_restarts, what)
     for i in range(num_restarts):
         restarts.append(_fixed32(buf, restarts_start + 4 * i))
     pos = 0
     while pos < restarts_start:
+        entry_at = pos
         key = _entry_key(buf, restarts_start, &pos, prev, &value_len, what)
+        key_bytes += len(key)
+        if max_key_bytes >= 0 and key_bytes > max_key_bytes:
+            _too_many_key_bytes(what, len(keys) + 1, max_key_bytes, entry_at, len(key))
         keys.append(key)
         values.append(bytes(buf[pos:pos + <Py_ssize_t>value_len]))
         pos += <Py_ssize_t>value_len
@@ -916,8 +927,12 @@ cdef class _Keys:
     cdef int64_t* value_len
     cdef int32_t* block
     cdef Py_ssize_t count, capacity
+    cdef Py_ssize_t max_key_bytes  # the most the keys may decode to (KEY_EXPANSION), checked by _walk_block
+    cdef Py_ssize_t index_size
 
     def __cinit__(self):
+        self.max_key_bytes = 0x7FFFFFFFFFFFFFFF
+        self.index_size = 0
         self.arena = NULL
         self.key_at = self.key_len = self.value_at = self.value_len = NULL
         self.block = NULL
@@ -964,6 +979,34 @@ cdef void* _realloc(void* block, Py_ssize_t count, size_t item) except NULL:
     return p
 
 
+# The keys of an index may decode to at most KEY_EXPANSION times its size (plus KEY_BYTES_FLOOR): keys that share
+# a prefix with the one before are stored as their new bytes only, so an index of n keys each one byte longer
+# than the last would decode to n**2 / 2 bytes (held several times over, as keys, names and infos); TensorFlow
+# stores a whole key every 16 entries, which keeps real indexes well below 16x (the reference files: <= 2x).
+KEY_EXPANSION = 64
+KEY_BYTES_FLOOR = 1 << 20
+
+
+def max_key_bytes(Py_ssize_t index_size):
+    """The most bytes the keys of a ``index_size``-byte index may decode to: ``KEY_EXPANSION`` times it, plus
+    ``KEY_BYTES_FLOOR``.
+
+    >>> max_key_bytes(1000) == 64 * 1000 + (1 << 20)
+    True
+    """
+    return KEY_EXPANSION * index_size + KEY_BYTES_FLOOR
+
+
+cdef int _too_many_key_bytes(what, Py_ssize_t count, Py_ssize_t limit, Py_ssize_t entry_at,
+                             uint64_t key_len) except -1:
+    raise FormatError(
+        f"{what}: the keys of the first {count} entries decode to more than {limit} bytes (entry at byte "
+        f"{entry_at} has a key of {key_len} bytes, most of them repeated from the key before): not an index "
+        f"TensorFlow writes (a whole key every 16 entries keeps its keys within 16x the index's size; the limit is "
+        f"{KEY_EXPANSION}x plus {KEY_BYTES_FLOOR} bytes), refused rather than decoded into memory quadratic in "
+        "the index's size")
+
+
 cdef int _walk_block(_Keys keys, const uint8_t[::1] buf, int32_t block_no, object what) except -1:
     """``decode_block`` of one data block into ``keys``: the same checks and messages, no object per entry."""
     cdef uint32_t num_restarts
@@ -988,6 +1031,8 @@ cdef int _walk_block(_Keys keys, const uint8_t[::1] buf, int32_t block_no, objec
         if non_shared + value_len > <uint64_t>(restarts_start - pos):
             raise FormatError(f"{what}: entry at byte {entry_at} needs {non_shared + value_len} bytes of key and "
                               f"value but only {restarts_start - pos} remain before the restart array")
+        if shared + non_shared > <uint64_t>(keys.max_key_bytes - keys.arena_count):
+            _too_many_key_bytes(what, keys.count + 1, keys.max_key_bytes, entry_at, shared + non_shared)
         keys.grow(<Py_ssize_t>(shared + non_shared))
         at = keys.arena_count
         if shared:
@@ -1201,6 +1246,8 @@ def read_bundle_index(table, str index_path, header_of, make_info, shard_of, dic
     cdef str name
     cdef bytes utf8
     path = table.path
+    keys.index_size = table.mapped.size
+    keys.max_key_bytes = max_key_bytes(keys.index_size)
     for i in range(n_blocks):  # IndexTable.items, without a tuple per entry
         off, size = table.block_handles[i]
         data = _read_block(table.mapped, off, size, f"data block {i}", table.verify, False)  # IndexTable.block

@@ -29,6 +29,7 @@ from fastckpt._native.tftable import (
     decode_footer,
     decode_handle,
     mask_crc,
+    max_key_bytes,
     read_block,
 )
 from fastckpt.errors import FormatError
@@ -69,7 +70,10 @@ class IndexTable:
         # means no byte of the file goes unchecked.
         read_block(mapped, meta_off, meta_size, "metaindex block", verify)
         index = read_block(mapped, index_off, index_size, "index block", verify)
-        keys, values, _ = decode_block(index, f"{self.path}: index block at offset {index_off}")
+        # Keys decode to at most max_key_bytes(size) in all, index and data blocks together: keys that each
+        # repeat the one before are stored in linear space but would decode to quadratic memory.
+        self.key_budget = max_key_bytes(mapped.size)
+        keys, values, _ = decode_block(index, f"{self.path}: index block at offset {index_off}", self.key_budget)
         self.index_keys = keys
         self.block_handles = []
         for i, (key, value) in enumerate(zip(keys, values)):
@@ -91,11 +95,15 @@ class IndexTable:
         return keys, values
 
     def items(self) -> list:
-        """Every ``(key, value)`` in table order; keys must be strictly increasing across the table."""
+        """Every ``(key, value)`` in table order; keys must be strictly increasing across the table, and decode to
+        at most ``max_key_bytes`` of the index's size in all."""
         out = []
         prev = None
+        budget = self.key_budget
         for i in range(len(self.block_handles)):
-            keys, values = self.block_entries(i)
+            off, _ = self.block_handles[i]
+            keys, values, _ = decode_block(self.block(i), f"{self.path}: data block {i} at offset {off}", budget)
+            budget -= sum(map(len, keys))
             for key, value in zip(keys, values):
                 if prev is not None and key <= prev:
                     raise FormatError(f"{self.path}: data block {i}: key {key!r} does not sort after {prev!r} "
