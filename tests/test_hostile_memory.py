@@ -35,11 +35,12 @@ PREFIX_KEYS = '''
     from fastckpt.formats.tf.proto import BundleHeader, encode_entry, encode_header
     from fastckpt.formats.tf import table
     from fastckpt.formats.tf.table import TableBuilder
+    from fastckpt._native.mapped import MappedFile
     from fastckpt.tf import CheckpointReader
 
     table._shared_prefix = lambda a, b: len(a) if b.startswith(a) else 0  # what these keys share, in C time
 
-    prefix, n = os.path.join(sys.argv[1], "m"), int(sys.argv[2])
+    prefix, n, walk = os.path.join(sys.argv[1], "m"), int(sys.argv[2]), sys.argv[3]
     open(prefix + ".data-00000-of-00001", "wb").write(bytes(4))
     value = encode_entry(1, (1,), offset=0, size=4, crc32c=mask_crc(crc32c.crc32c(bytes(4))))
     with open(prefix + ".index", "wb") as f:  # one block, one restart: every key shares all of the one before
@@ -50,8 +51,12 @@ PREFIX_KEYS = '''
         b.finish()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
-        with CheckpointReader(prefix) as r:
-            outcome = f"opened {len(r.keys())}"
+        if walk == "reader":  # the bundle index CheckpointReader builds
+            with CheckpointReader(prefix) as r:
+                outcome = f"opened {len(r.keys())}"
+        else:  # the Python-level table walk (IndexTable.items: `fastckpt inspect`, the fuzzers)
+            with MappedFile(prefix + ".index") as m:
+                outcome = f"opened {len(table.IndexTable(m).items())}"
     except FormatError as e:
         outcome = f"FormatError {e}"
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
@@ -60,7 +65,7 @@ PREFIX_KEYS = '''
 
 
 def test_tf_index_of_keys_that_each_extend_the_last_is_refused_in_linear_memory(tmp_path):
-    grew_mib, index_size, outcome = _run(PREFIX_KEYS, tmp_path, 20000).split(" ", 2)
+    grew_mib, index_size, outcome = _run(PREFIX_KEYS, tmp_path, 20000, "reader").split(" ", 2)
     assert int(index_size) < 500_000
     assert outcome.startswith("FormatError "), outcome
     assert f"{tmp_path}" in outcome and "quadratic" in outcome and "entry at byte" in outcome, outcome
@@ -69,7 +74,7 @@ def test_tf_index_of_keys_that_each_extend_the_last_is_refused_in_linear_memory(
 
 def test_tf_index_of_a_thousand_extending_keys_still_opens(tmp_path):
     # 1,000 keys of up to 1,000 bytes: 0.5 MB of keys from a 20 KB index, within the 64x + 1 MiB allowance.
-    grew_mib, _, outcome = _run(PREFIX_KEYS, tmp_path, 1000).split(" ", 2)
+    grew_mib, _, outcome = _run(PREFIX_KEYS, tmp_path, 1000, "reader").split(" ", 2)
     assert outcome.strip() == "opened 1000"
     assert int(grew_mib) < 64
 
@@ -102,12 +107,8 @@ def test_deflate_member_inflates_with_a_peak_of_about_the_member(tmp_path):
 
 
 def test_index_table_items_refuse_keys_past_the_budget(tmp_path):
-    # The Python-level table walk (IndexTable.items, what `fastckpt inspect` and the fuzzers use) keeps one
-    # budget across its blocks: 4,000 keys of up to 4,000 bytes (8 MB) from an 80 KB index exceed 64x + 1 MiB.
-    out = _run(PREFIX_KEYS.replace("with CheckpointReader(prefix) as r:\n            outcome = f\"opened {len(r.keys())}\"",
-                                   "from fastckpt._native.mapped import MappedFile\n"
-                                   "        with MappedFile(prefix + '.index') as m:\n"
-                                   "            outcome = f\"opened {len(table.IndexTable(m).items())}\""),
-               tmp_path, 4000)
-    grew_mib, _, outcome = out.split(" ", 2)
+    # IndexTable.items keeps one budget across its blocks: 4,000 keys of up to 4,000 bytes (8 MB) from an 80 KB
+    # index exceed 64x + 1 MiB.
+    grew_mib, _, outcome = _run(PREFIX_KEYS, tmp_path, 4000, "table").split(" ", 2)
     assert outcome.startswith("FormatError ") and "data block 0" in outcome and "quadratic" in outcome, outcome
+    assert int(grew_mib) < 64

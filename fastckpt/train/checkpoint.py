@@ -317,8 +317,8 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True, progress=
                     # the mapping alive until the hashing thread drops it; a view requested after
                     # close() would raise instead.
                     mapped = sources[name].file.mapped
-                    checks.append(pool.submit(_check_view, sources[name].path, mapped.view(0, mapped.size), entry, verify,
-                                              mapped.guard("it for its hash")))
+                    checks.append(pool.submit(_check_view, sources[name].path, mapped.view(0, mapped.size), entry,
+                                              verify, mapped.guard("it for its hash")))
                     continue
             checks.append(pool.submit(_check_file, d, name, entry, verify))
         try:
@@ -327,8 +327,9 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True, progress=
                                                      for i in src.file.infos.values()), "load checkpoint")
                 for name, src in sources.items():
                     try:
-                        decoded[name] = decode_tree(src.tree(), _counted(src, report) if report.enabled else src,
-                                                    str(src.path))
+                        with src.file.mapped.guard("its tensors"):  # a truncated file: FormatError, not SIGBUS
+                            decoded[name] = decode_tree(src.tree(), _counted(src, report) if report.enabled else src,
+                                                        str(src.path))
                     except RecursionError:
                         raise FormatError(f"{src.path}: the state tree is nested too deeply") from None
                 extra_path = d / EXTRA_FILE

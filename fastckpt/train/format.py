@@ -445,9 +445,9 @@ class _TensorSource:
         target = self.resolve(name)
         arr = self.cache.get(target)
         if arr is None:
-            # A private writable copy: the mapped view is read-only and shares the page cache.
-            with self.file.mapped.guard(f"tensor {target!r}"):
-                arr = self.cache[target] = np.array(self.file.host(target), copy=True)
+            # A private writable copy: the mapped view is read-only and shares the page cache. The caller holds
+            # the mapping's guard (MappedFile.guard) over the copies, one for all of them.
+            arr = self.cache[target] = np.array(self.file.host(target), copy=True)
         return arr
 
     def close(self) -> None:
