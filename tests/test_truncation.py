@@ -187,6 +187,22 @@ CASES = {
         AFTER_OPEN.append(p)
         load_model(p, q, verify=True)
     ''',
+    "load_file-tf-unverified": '''
+        q = device_queue()
+        from fastckpt.tf import CheckpointReader, write_checkpoint
+        write_checkpoint(os.path.join(d, "ckpt"), TENSORS)
+        TARGET.extend(os.path.join(d, n) for n in os.listdir(d) if ".data-" in n)
+        with CheckpointReader(os.path.join(d, "ckpt"), verify=False) as r:
+            fastckpt.load_file(r, q)
+    ''',
+    "convert-tf-unverified-to-safetensors": '''
+        from fastckpt.formats.convert import convert
+        from fastckpt.tf import write_checkpoint
+        write_checkpoint(os.path.join(d, "ckpt"), TENSORS)
+        TARGET.extend(os.path.join(d, n) for n in os.listdir(d) if ".data-" in n)
+        tf_reader_mod.CheckpointReader.__init__.__kwdefaults__["verify"] = False
+        convert(os.path.join(d, "ckpt"), os.path.join(d, "out.safetensors"))
+    ''',
     "pread-backend-host": '''
         p = os.path.join(d, "m.safetensors"); fastckpt.save_safetensors(p, TENSORS)
         TARGET.append(p)

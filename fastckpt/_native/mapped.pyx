@@ -49,7 +49,7 @@ from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_INCREF
 
 cimport numpy as cnp
-from libc.errno cimport EINTR, errno
+from libc.errno cimport EFAULT, EINTR, errno
 from libc.stdint cimport uint8_t, uintptr_t
 from libc.stdlib cimport free
 from libc.string cimport memcpy, strerror
@@ -343,11 +343,24 @@ cdef class _Guard:
         if self._block is not None:
             guard_poll(self._block, self._path, self._what)
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        cdef _Block b = self._block
         if self._entered:
             self._entered = False
-            guard_exit(self._block, self._path, self._what)
+            if (isinstance(exc, OSError) and exc.errno == EFAULT and b.fault_offset < 0
+                    and _size_now(self._path) < b.size):
+                # A system call handed the mapping (writev of its views) met the truncation: the kernel says
+                # EFAULT instead of sending SIGBUS. The same FormatError, and the mapping remembers it.
+                b.fault_offset = _size_now(self._path)
+            guard_exit(b, self._path, self._what)
         return False
+
+
+cdef Py_ssize_t _size_now(object path):
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 cdef int _raise_truncated(object path, _Block block, object what) except -1:

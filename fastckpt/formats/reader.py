@@ -211,8 +211,9 @@ def _parse(mapped: MappedFile, max_header_size: int | None) -> TensorFile:
 
 
 def mappings_of(reader) -> list:
-    """The :class:`~fastckpt._native.mapped.MappedFile` handles a reader copies tensors out of: its ``mapped``
-    file, and those of the readers in its ``files`` (a training-checkpoint or Hugging Face directory).
+    """The :class:`~fastckpt._native.mapped.MappedFile` handles a reader copies tensors out of: what its
+    ``mappings()`` returns (a TensorFlow checkpoint's data shards), its ``mapped`` file, or those of the readers
+    in its ``files`` (a training-checkpoint or Hugging Face directory).
 
     >>> import fastckpt, numpy as np, tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(1)})
@@ -220,6 +221,9 @@ def mappings_of(reader) -> list:
     ...     [m.path == p for m in mappings_of(f)]
     [True]
     """
+    mappings = getattr(reader, "mappings", None)  # a TensorFlow checkpoint's data shards
+    if callable(mappings):
+        return list(mappings())
     mapped = getattr(reader, "mapped", None)
     if callable(getattr(mapped, "guard", None)):
         return [mapped]

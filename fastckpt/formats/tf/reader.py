@@ -362,6 +362,21 @@ class CheckpointReader(ReaderMapping):
             "nbytes": size if not slices else 0, "fortran_order": False, "compression": None, "shard": shard,
             "tf_dtype": dtype, "crc32c": crc, "slices": tuple(tuple(e) for e in slices) if slices else ()})
 
+    def mappings(self) -> list:
+        """The data shards that hold this checkpoint's tensors, as :class:`MappedFile` handles (opened now if
+        not yet): what a copy of its views reads, for :func:`fastckpt.formats.reader.guard`.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.tf import write_checkpoint
+        >>> prefix = os.path.join(tempfile.mkdtemp(), "m"); write_checkpoint(prefix, {"w": np.ones(2)})
+        >>> with CheckpointReader(prefix) as r:
+        ...     [os.path.basename(m.path) for m in r.mappings()]
+        ['m.data-00000-of-00001']
+        """
+        shards = {info.shard for info in self.infos.values() if not info.slices}
+        shards.update(entry.shard for entry in self._entries.values())
+        return [self._shard(shard) for shard in sorted(shards)]
+
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
