@@ -174,8 +174,9 @@ correctly) and SHOULD say when it has to copy instead of viewing in place.
 Local header sizes are ignored (numpy writes 0xFFFFFFFF there); sizes come
 from the central directory and the data starts after the local header's own
 name and extra field. DEFLATE members are inflated on read (a
-``NotZeroCopyWarning`` says so once per file); their CRC-32 and size are
-checked then. Stored members are viewed in place and their CRC is not checked
+``NotZeroCopyWarning`` says so once per file) straight into their array, 16
+MiB at a time, so reading one peaks at about its size; their CRC-32 and size
+are checked then. Stored members are viewed in place and their CRC is not checked
 on read (that would read every byte); ``verify_member`` checks it.
 """
 

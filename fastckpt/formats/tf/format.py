@@ -78,6 +78,14 @@ restart is offset 0. TensorFlow's point lookup binary-searches the restarts
 (``00000000 01000000 00 c0f2a1b0`` with its trailer); TensorFlow never reads
 it, the reader checks its trailer.
 
+Because a key is stored as what it adds to the one before, an index whose
+keys each extend the previous one is linear in size but quadratic when
+decoded. fastckpt's reader refuses (``FormatError``, naming the entry) an
+index whose keys decode to more than 64 times its size plus 1 MiB
+(``fastckpt._native.tftable.max_key_bytes``), index and data blocks
+together. TensorFlow's writer stores a whole key every 16 entries, which
+keeps its indexes under 16 times (the reference indexes: at most 2 times).
+
 2.5 Keys are compared as unsigned bytes (memcmp, then length) and MUST be
 strictly increasing across the whole table. A data block is closed once its
 size estimate ``len(entries) + 4 * len(restarts) + 4`` reaches 262144 bytes.
