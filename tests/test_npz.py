@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _writing import RefilledBuffer, file_size_limit
+from fastckpt.formats.atomic import _owner
 from fastckpt._native.mapped import MappedFile
 
 import fastckpt.formats.npz as npz
@@ -478,7 +479,7 @@ def test_writer_must_be_entered_and_is_single_use(tmp_path):
 
 
 def test_stale_temporary_of_a_dead_writer_is_removed(tmp_path):
-    stale = tmp_path / ".model.npz.999999999.0badf00d.partial"
+    stale = tmp_path / f".model.npz.{_owner()}.999999999.0badf00d.partial"
     stale.write_bytes(b"PK\x03\x04half a file")
     save_npz(tmp_path / "model.npz", {"a": np.ones(2)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.npz"]
