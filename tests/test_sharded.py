@@ -278,8 +278,9 @@ def _hash(path) -> str:
 def test_an_existing_checkpoint_is_replaced_only_when_asked(tmp_path):
     save_ranks(tmp_path / "c", 1)
     result = Saver(path=str(tmp_path / "c"), parallel=1, tensors={"x": np.ones(2)})
-    with pytest.raises(RuntimeError, match="already exists; pass overwrite=True"):
+    with pytest.raises(FileExistsError, match="pass overwrite=True to replace it") as failure:
         result.save()
+    assert failure.value.filename == str(tmp_path / "c")  # a FileExistsError naming the target, not a RuntimeError
     Saver(path=str(tmp_path / "c"), parallel=1, tensors={"x": np.ones(2)}, overwrite=True).save()
     assert CheckpointReader(tmp_path / "c").tensor_names() == ["x"]
 
