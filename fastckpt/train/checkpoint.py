@@ -226,7 +226,7 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
     >>> digest = save_checkpoint(m, SGD(m.parameters(), lr=0.1), None, None, None, out, step=1)
     >>> digest[:7], len(digest)
     ('blake3:', 71)
-    >>> save_checkpoint(m, None, None, None, None, out, step=1, hash="sha256")[:7]
+    >>> save_checkpoint(m, None, None, None, None, out, step=1, hash="sha256", overwrite=True)[:7]
     'sha256:'
     """
     check_hash(hash)
