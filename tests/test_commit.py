@@ -150,15 +150,15 @@ def test_two_sharded_saves_of_one_step_without_overwrite_one_commits(tmp_path, m
 
 
 def test_two_hf_sharded_saves_without_overwrite_one_commits(tmp_path, monkeypatch):
-    real = hfsharded._commit_new
+    real = hfsharded._commit
     theirs = {"a": np.full(300, 2.0, np.float32), "b": np.full(300, 2.0, np.float32)}
 
     def other_commits_first(*args, **kwargs):
-        monkeypatch.setattr(hfsharded, "_commit_new", real)
+        monkeypatch.setattr(hfsharded, "_commit", real)
         hfsharded.save_sharded(tmp_path, theirs, max_shard_size=1500)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hfsharded, "_commit_new", other_commits_first)
+    monkeypatch.setattr(hfsharded, "_commit", other_commits_first)
     with pytest.raises(FileExistsError):
         hfsharded.save_sharded(tmp_path, {"a": np.ones(300, np.float32), "b": np.ones(300, np.float32)},
                                max_shard_size=1500, overwrite=False)

@@ -463,6 +463,23 @@ def _swap_in(tmp: Path, final: Path, *, overwrite: bool = True) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _staging_directory(final: Path, overwrite: bool, sweep) -> Path:
+    """A new temporary directory beside ``final`` (parents made, ``sweep()`` run first); an existing ``final``
+    is ``FileExistsError`` unless ``overwrite``. An ``OSError`` names ``final``."""
+    staging = None
+    try:
+        _make_parent(os.fspath(final.parent), os.fspath(final))
+        sweep()
+        if os.path.lexists(final) and not overwrite:
+            raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
+                                  os.fspath(final))
+        staging = _partial_name(final)
+        staging.mkdir()
+    except OSError as e:
+        raise _naming_target(e, os.fspath(final), None if staging is None else os.fspath(staging)) from None
+    return staging
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes ``path`` when the block succeeds.
@@ -483,17 +500,7 @@ def atomic_directory(path: str | os.PathLike, *, fsync: bool = True, overwrite: 
     ['a.txt']
     """
     final = Path(path)
-    tmp = None
-    try:
-        _make_parent(os.fspath(final.parent), os.fspath(final))
-        remove_stale_partials(final)
-        if os.path.lexists(final) and not overwrite:
-            raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
-                                  os.fspath(final))
-        tmp = _partial_name(final)
-        tmp.mkdir()
-    except OSError as e:
-        raise _naming_target(e, os.fspath(final), None if tmp is None else os.fspath(tmp)) from None
+    tmp = _staging_directory(final, overwrite, lambda: remove_stale_partials(final))
     try:
         yield tmp
         if fsync:

@@ -431,10 +431,7 @@ def save_sharded(
             for shard, file in zip(shards, names):
                 save_safetensors(os.path.join(staging, file), {name: tensors[name] for name in shard}, user,
                                  alignment=alignment, fsync=fsync, progress=report, overwrite=True)
-        if overwrite:
-            _commit_replacing(directory, staging, names, prefix, index_name, index, single, fsync)
-        else:
-            _commit_new(directory, staging, names, index_name, index, fsync)
+        _commit(directory, staging, names, prefix, index_name, index, single, fsync, overwrite)
     except BaseException as e:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -456,45 +453,31 @@ def save_sharded(
     return names + ([index_name] if index is not None else [])
 
 
-def _commit_replacing(directory: str, staging: str, names: list[str], prefix: str, index_name: str,
-                      index: bytes | None, single: bool, fsync: bool) -> None:
-    """First no entry point, then the shards, then the index: never an index over other files."""
-    entry_points = [index_name] if single else [index_name, f"{prefix}.safetensors"]
-    if _remove(directory, entry_points) and fsync:
-        fsync_directory(directory)
+def _commit(directory: str, staging: str, names: list[str], prefix: str, index_name: str, index: bytes | None,
+            single: bool, fsync: bool, overwrite: bool) -> None:
+    """Move the shards from ``staging`` into ``directory``, then write the index: never an index over other files.
+
+    With ``overwrite`` the previous save's entry points go first and the renames replace; without it every rename
+    refuses an existing name (``FileExistsError``). Either way a failure takes back the shards already moved:
+    no entry point names them.
+    """
+    if overwrite:
+        entry_points = [index_name] if single else [index_name, f"{prefix}.safetensors"]
+        if _remove(directory, entry_points) and fsync:
+            fsync_directory(directory)
+    move = os.replace if overwrite else rename_noreplace
     moved = []
     try:
         for file in names:
-            os.replace(os.path.join(staging, file), os.path.join(directory, file))
+            move(os.path.join(staging, file), os.path.join(directory, file))
             moved.append(file)
         if fsync:
             fsync_directory(directory)
         if index is not None:
-            with atomic_write(os.path.join(directory, index_name), fsync=fsync, overwrite=True) as f:
+            with atomic_write(os.path.join(directory, index_name), fsync=fsync, overwrite=overwrite) as f:
                 f.write(index)
     except BaseException:
-        _remove(directory, moved)  # no entry point names them: a failed save leaves none of its files
-        raise
-
-
-def _commit_new(directory: str, staging: str, names: list[str], index_name: str, index: bytes | None,
-                fsync: bool) -> None:
-    """The shards, then the index, each by a no-replace rename; on a name taken meanwhile, the moved shards
-    are taken back out and the ``FileExistsError`` raised."""
-    moved = []
-    try:
-        for file in names:
-            rename_noreplace(os.path.join(staging, file), os.path.join(directory, file))
-            moved.append(file)
-        if fsync:
-            fsync_directory(directory)
-        if index is not None:
-            with atomic_write(os.path.join(directory, index_name), fsync=fsync, overwrite=False) as f:
-                f.write(index)
-    except BaseException:
-        for file in moved:  # ours: no other writer renames onto a name that exists
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, file))
+        _remove(directory, moved)
         raise
 
 

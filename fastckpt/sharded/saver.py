@@ -47,7 +47,6 @@ changes tracked (it is never a base). Both are opt-in: see
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import logging
 import os
 import shutil
@@ -61,9 +60,8 @@ import blake3
 import numpy as np
 
 from fastckpt.formats.atomic import (
-    _make_parent,
     _naming_target,
-    _partial_name,
+    _staging_directory,
     _swap_in,
     fsync_directory,
     remove_stale_partials_in,
@@ -72,6 +70,8 @@ from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.progress import part_of_a_save, progress_from
 from fastckpt.sharded.codec import check_options, encode_ids, encode_values
+from fastckpt.sharded.engine import error_info as _error_info
+from fastckpt.sharded.engine import raise_from_root as _raise_from_root
 from fastckpt.sharded.format import (
     DELTA_VERSION,
     DESCRIPTION_FILE,
@@ -527,18 +527,7 @@ class Saver:
                 "chain_length": length}
 
     def _begin(self, final: Path) -> Path:
-        staging = None
-        try:
-            _make_parent(os.fspath(final.parent), os.fspath(final))
-            _sweep(final.parent)
-            if os.path.lexists(final) and not self.overwrite:
-                raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
-                                      os.fspath(final))
-            staging = _partial_name(final)
-            staging.mkdir()
-        except OSError as e:
-            raise _naming_target(e, os.fspath(final), None if staging is None else os.fspath(staging)) from None
-        return staging
+        return _staging_directory(final, self.overwrite, lambda: _sweep(final.parent))
 
     @staticmethod
     def _abandon(staging: Path) -> None:
@@ -598,24 +587,6 @@ class Saver:
         _swap_in(staging, final, overwrite=self.overwrite)
         fsync_directory(final.parent)
         return blake3.blake3(data).hexdigest()
-
-
-def _error_info(exc: BaseException) -> dict:
-    """``exc`` as rank 0 broadcasts it: its text, and for an ``OSError`` its errno and path, so that every rank
-    raises the same kind (:func:`_raise_from_root`)."""
-    info = {"error": f"{type(exc).__name__}: {exc}"}
-    if isinstance(exc, OSError) and exc.errno is not None:
-        info.update(errno=exc.errno, strerror=exc.strerror or os.strerror(exc.errno),
-                    filename=None if exc.filename is None else os.fspath(exc.filename))
-    return info
-
-
-def _raise_from_root(info: dict, what: str) -> None:
-    """Raise rank 0's failure on another rank: an ``OSError`` of the same errno (``FileExistsError`` stays one)
-    naming the same path, anything else a ``RuntimeError``."""
-    if "errno" in info:
-        raise OSError(info["errno"], f"{info['strerror']} ({what})", info["filename"])
-    raise RuntimeError(f"{what}: {info['error']}")
 
 
 def _write_synced(path: Path, data: bytes) -> None:
