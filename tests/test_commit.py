@@ -18,6 +18,7 @@ import fastckpt
 from fastckpt.formats import atomic as _atomic
 from fastckpt.formats import hfsharded
 from fastckpt.formats.atomic import atomic_directory, atomic_write, remove_stale_partials, remove_stale_partials_in
+from fastckpt.formats.tf.writer import write_checkpoint
 from fastckpt.sharded import CheckpointReader, Saver
 from fastckpt.sharded.chain import prune
 from fastckpt.train import CheckpointManager, load_checkpoint, save_checkpoint
@@ -173,6 +174,21 @@ def test_overwrite_true_still_replaces_in_one_step(tmp_path):
     save_checkpoint(_Model(2.0), None, None, None, None, target, step=1, overwrite=True)
     assert load_checkpoint(target).model_weights["w"].tolist() == [2.0] * 4
     assert os.listdir(tmp_path) == ["step-1"]
+
+
+@pytest.mark.parametrize("write", [
+    lambda p, v: fastckpt.save_npz(p, {"a": v}),
+    lambda p, v: fastckpt.save_safetensors(p, {"a": v}),
+    lambda p, v: fastckpt.save_sharded(p, {"a": v}),
+    lambda p, v: write_checkpoint(p, {"a": v}),
+    lambda p, v: save_checkpoint(_Model(v[0]), None, None, None, None, p, step=1),
+], ids=["npz", "safetensors", "hf-sharded", "tf", "train"])
+def test_left_out_overwrite_warns_at_the_callers_line_and_still_replaces(tmp_path, write):
+    target = tmp_path / "m"
+    write(target, np.zeros(2, np.float32))
+    with pytest.warns(FutureWarning, match="exists and is replaced because overwrite= was not given") as record:
+        write(target, np.ones(2, np.float32))
+    assert [w.filename for w in record if w.category is FutureWarning] == [__file__]
 
 
 def test_left_out_overwrite_replaces_with_a_future_warning_as_0_2_did(tmp_path):
