@@ -19,7 +19,9 @@ import pytest
 import fastckpt
 from fastckpt.formats.hfsharded import save_sharded
 from fastckpt.formats.tf.writer import write_checkpoint
+from fastckpt.io.checkpoint import save_params
 from fastckpt.sharded import Saver
+from fastckpt.stateful import Checkpoint
 from fastckpt.train import CheckpointManager, save_checkpoint
 
 from _writing import file_size_limit
@@ -50,7 +52,15 @@ WRITERS = {
     "manager": (lambda p: CheckpointManager(p).save(1, _Model()), "dir"),
     "manager-async": (lambda p: CheckpointManager(p).save(1, _Model(), blocking=False).wait(), "dir"),
     "sharded": (lambda p: Saver(path=p, parallel=1, tensors={"w": _values()}).save(), "dir"),
+    "io-params": (lambda p: save_params([_values()], p, names=["w"]), "prefix"),  # writes <p>.npz
+    "stateful": (lambda p: _stateful_save(p), "file"),
 }
+
+
+def _stateful_save(path):
+    checkpoint = Checkpoint()
+    checkpoint.set_state("blob", "x" * 300_000)
+    checkpoint.save(path)
 
 
 def _names_the_target(error: OSError, target: str, kind: str) -> bool:
