@@ -125,46 +125,54 @@ def test_disk_full_names_the_target_and_leaves_nothing(tiny_filesystem, writer):
     assert _leftovers(tiny_filesystem, writer) == []
 
 
-# A child that saves once as root (so that every module a save imports is loaded), then becomes nobody and
-# writes into a directory root owns.
+# One child for every writer: it saves once as root into a scratch directory (so that every module a save
+# imports is loaded), becomes nobody, and then writes into a directory root owns; one JSON line per writer.
 AS_NOBODY = textwrap.dedent(r"""
     import json, os, shutil, sys, tempfile
-    sys.path.insert(0, sys.argv[3])
+    sys.path.insert(0, sys.argv[2])
     import test_writer_errors as t
-    write, kind = t.WRITERS[sys.argv[1]]
     scratch = tempfile.mkdtemp()
-    write(os.path.join(scratch, "model"))
+    for name, (write, kind) in t.WRITERS.items():
+        write(os.path.join(scratch, name))
     shutil.rmtree(scratch)
     os.setgid(65534); os.setuid(65534)
-    try:
-        write(sys.argv[2])
-    except OSError as e:
-        print(json.dumps({"type": type(e).__name__, "errno": e.errno, "filename": os.fspath(e.filename),
-                          "text": str(e)}))
-    else:
-        print(json.dumps(None))
+    errors = {}
+    for name, (write, kind) in t.WRITERS.items():
+        try:
+            write(os.path.join(sys.argv[1], name))
+            errors[name] = None
+        except OSError as e:
+            errors[name] = {"type": type(e).__name__, "errno": e.errno, "filename": os.fspath(e.filename)}
+    print(json.dumps(errors))
 """)
 
 
-@pytest.mark.parametrize("writer", sorted(WRITERS))
-def test_permission_denied_names_the_target(request, writer):
+@pytest.fixture(scope="module")
+def permission_errors():
+    """``(locked directory, writer -> the error it raised as nobody)``."""
     if os.geteuid() != 0:
         pytest.skip("the child drops root's privileges to meet a real EACCES")
-    _, kind = WRITERS[writer]
     locked = Path(tempfile.mkdtemp(prefix="fastckpt-locked-"))  # outside pytest's 0700 folder: nobody reaches it
-    request.addfinalizer(lambda: shutil.rmtree(locked, ignore_errors=True))
     os.chmod(locked, 0o755)  # root's: nobody may not create anything in it
-    target = str(locked / "model")
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OPENBLAS_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", AS_NOBODY, writer, target, str(Path(__file__).parent)],
-                          capture_output=True, text=True, env=env, timeout=120, cwd="/")
-    assert done.returncode == 0, done.stderr
-    error = json.loads(done.stdout.splitlines()[-1])
+    try:
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OPENBLAS_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, "-c", AS_NOBODY, str(locked), str(Path(__file__).parent)],
+                              capture_output=True, text=True, env=env, timeout=300, cwd="/")
+        assert done.returncode == 0, done.stderr
+        yield locked, json.loads(done.stdout.splitlines()[-1]), sorted(os.listdir(locked))
+    finally:
+        shutil.rmtree(locked, ignore_errors=True)
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_permission_denied_names_the_target(permission_errors, writer):
+    locked, errors, left = permission_errors
+    _, kind = WRITERS[writer]
+    error = errors[writer]
     assert error is not None and error["type"] == "PermissionError" and error["errno"] == 13, error
-    failure = PermissionError(13, "", error["filename"])
-    assert _names_the_target(failure, target, kind), error
-    assert os.listdir(locked) == []
+    assert _names_the_target(PermissionError(13, "", error["filename"]), str(locked / writer), kind), error
+    assert left == []
 
 
 @pytest.mark.parametrize("writer", sorted(WRITERS))
