@@ -185,7 +185,7 @@ def test_one_shard_is_model_safetensors_without_an_index(tmp_path):
         for name, want in tensors.items():
             assert_exact(r.host(name), want)
     # no metadata: no __metadata__ in the file
-    save_sharded(tmp_path, tensors)
+    save_sharded(tmp_path, tensors, overwrite=True)
     with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
         assert f.metadata() is None
 
@@ -552,7 +552,7 @@ def test_failed_save_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypa
 
     monkeypatch.setattr(hfsharded, "save_safetensors", failing)
     with pytest.raises(OSError, match="No space"):
-        save_sharded(tmp_path, model(2), max_shard_size=3000)
+        save_sharded(tmp_path, model(2), max_shard_size=3000, overwrite=True)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # staging folder gone too
     state = entry_state(tmp_path)
     assert set(state) == set(old) and all(np.array_equal(state[n], old[n]) for n in old)
@@ -572,7 +572,7 @@ def test_failure_during_the_commit_leaves_no_checkpoint_never_a_mixed_one(tmp_pa
 
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="Input/output"):
-        save_sharded(tmp_path, model(2), max_shard_size=3000)
+        save_sharded(tmp_path, model(2), max_shard_size=3000, overwrite=True)
     monkeypatch.undo()
     assert not (tmp_path / INDEX_NAME).exists()
     assert entry_state(tmp_path) is None
@@ -589,13 +589,13 @@ def test_saving_over_a_previous_save_removes_its_files_and_keeps_others(tmp_path
     files3 = save_sharded(tmp_path, big, max_shard_size=2000)
     assert len(files3) > 4
     # fewer shards: the old extra shards go
-    files2 = save_sharded(tmp_path, big, max_shard_size=6000)
+    files2 = save_sharded(tmp_path, big, max_shard_size=6000, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == sorted(files2 + ["config.json"])
     # one shard: the index and every numbered shard go
-    assert save_sharded(tmp_path, big, max_shard_size=10**9) == ["model.safetensors"]
+    assert save_sharded(tmp_path, big, max_shard_size=10**9, overwrite=True) == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
     # sharded again: model.safetensors goes (it would win over the index)
-    files = save_sharded(tmp_path, big, max_shard_size=3000)
+    files = save_sharded(tmp_path, big, max_shard_size=3000, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == sorted(files + ["config.json"])
     # another prefix is another checkpoint: left alone
     save_sharded(tmp_path, {"x": np.zeros(2)}, prefix="other")

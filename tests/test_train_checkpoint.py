@@ -44,6 +44,7 @@ SCHEDULERS = ["step", "cosine", "plateau"]
 
 
 def save(objs, out, step, **kw):
+    kw.setdefault("overwrite", True)  # these tests replace on purpose
     return save_checkpoint(*objs.save_args(), out, step=step, epoch=objs.data_iter.epoch, extra_metrics={},
                            scaler=objs.scaler, **kw)
 
@@ -663,7 +664,8 @@ def test_hostile_deep_tree_is_a_format_error(tmp_path):
     path = tmp_path / "c" / WEIGHTS_FILE
     deep = "[" * 100000 + "]" * 100000
     fc.save_safetensors(path, {"w": np.zeros(1, np.float32)},
-                        {"fastckpt.format": "fastckpt.train.weights", "fastckpt.tree": deep}, alignment=64)
+                        {"fastckpt.format": "fastckpt.train.weights", "fastckpt.tree": deep}, alignment=64,
+                        overwrite=True)
     manifest_path = tmp_path / "c" / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][WEIGHTS_FILE]["bytes"] = path.stat().st_size
