@@ -14,7 +14,7 @@ def test_atomic_write_replaces_only_on_success(tmp_path):
         f.write(b"one")
     assert target.read_bytes() == b"one"
     with pytest.raises(RuntimeError, match="boom"):
-        with atomic_write(target) as f:
+        with atomic_write(target, overwrite=True) as f:
             f.write(b"two, half written")
             raise RuntimeError("boom")
     assert target.read_bytes() == b"one"
@@ -29,10 +29,11 @@ def test_failed_rename_leaves_previous_file_and_no_temporary(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="No space left on device"):
-        with atomic_write(target) as f:
+    with pytest.raises(OSError, match="No space left on device") as failure:
+        with atomic_write(target, overwrite=True) as f:
             f.write(b"new")
     monkeypatch.undo()
+    assert failure.value.filename == str(target)  # the target, never only the temporary
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
 
@@ -41,7 +42,7 @@ def test_an_open_reader_keeps_the_replaced_file_whole(tmp_path):
     target = tmp_path / "f.bin"
     target.write_bytes(b"old")
     with open(target, "rb") as reader:
-        with atomic_write(target) as f:
+        with atomic_write(target, overwrite=True) as f:
             f.write(b"new")
         assert target.read_bytes() == b"new"
         assert reader.read() == b"old"
@@ -53,9 +54,10 @@ def test_a_file_never_replaces_a_directory(tmp_path):
     target = tmp_path / "d"
     target.mkdir()
     (target / "keep").write_bytes(b"k")
-    with pytest.raises(IsADirectoryError):
-        with atomic_write(target) as f:
+    with pytest.raises(IsADirectoryError) as failure:
+        with atomic_write(target, overwrite=True) as f:
             f.write(b"new")
+    assert failure.value.filename == str(target)
     assert (target / "keep").read_bytes() == b"k"
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
 
@@ -65,7 +67,7 @@ def test_a_symlink_is_replaced_not_followed(tmp_path):
     elsewhere.write_bytes(b"theirs")
     target = tmp_path / "f.bin"
     target.symlink_to(elsewhere)
-    with atomic_write(target) as f:
+    with atomic_write(target, overwrite=True) as f:
         f.write(b"new")
     assert not target.is_symlink() and target.read_bytes() == b"new"
     assert elsewhere.read_bytes() == b"theirs"
@@ -74,9 +76,10 @@ def test_a_symlink_is_replaced_not_followed(tmp_path):
 
 def test_stale_partials_of_dead_writers_are_removed_live_ones_kept(tmp_path):
     target = tmp_path / "f.bin"
-    dead = tmp_path / ".f.bin.999999999.00000000.partial"
-    live = tmp_path / f".f.bin.{os.getpid()}.11111111.partial"
-    other = tmp_path / ".g.bin.999999999.00000000.partial"
+    me = _atomic._owner()
+    dead = tmp_path / f".f.bin.{me}.999999999.00000000.partial"
+    live = tmp_path / f".f.bin.{me}.{os.getpid()}.11111111.partial"
+    other = tmp_path / f".g.bin.{me}.999999999.00000000.partial"
     for p in (dead, live, other):
         p.write_bytes(b"x")
     assert remove_stale_partials(target) == [dead]
@@ -93,7 +96,7 @@ def test_atomic_directory_appears_whole(tmp_path):
     with atomic_directory(target) as d:
         (d / "a").write_bytes(b"1")
     assert (target / "a").read_bytes() == b"1"
-    with pytest.raises(FileExistsError, match=r"ckpt: already exists; pass overwrite=True"):
+    with pytest.raises(FileExistsError, match=r"File exists; pass overwrite=True to replace it: '.*ckpt'"):
         with atomic_directory(target):
             pass
     with atomic_directory(target, overwrite=True) as d:

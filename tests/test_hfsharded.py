@@ -26,6 +26,8 @@ from fastckpt.formats.hfsharded import (
     save_sharded,
     shard_names,
 )
+from fastckpt.formats import atomic as _atomic
+from fastckpt.formats.atomic import _owner
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from safetensors import safe_open  # noqa: E402
@@ -183,7 +185,7 @@ def test_one_shard_is_model_safetensors_without_an_index(tmp_path):
         for name, want in tensors.items():
             assert_exact(r.host(name), want)
     # no metadata: no __metadata__ in the file
-    save_sharded(tmp_path, tensors)
+    save_sharded(tmp_path, tensors, overwrite=True)
     with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
         assert f.metadata() is None
 
@@ -525,8 +527,14 @@ def test_index_is_written_last_after_every_shard_is_in_place(tmp_path, monkeypat
 
     tensors = model()
     monkeypatch.setattr(os, "replace", spy)
+    # A first save commits by no-replace renames (the atomic module's, which atomic_write calls too).
+    monkeypatch.setattr(hfsharded, "rename_noreplace", spy)
+    monkeypatch.setattr(_atomic, "rename_noreplace", spy)
     files = save_sharded(tmp_path, tensors, max_shard_size=3000, fsync=False)
     assert replaced == files  # the shards in order, then the index
+    replaced.clear()
+    files = save_sharded(tmp_path, model(1), max_shard_size=3000, fsync=False, overwrite=True)
+    assert replaced == files  # a replacement: the same order
 
 
 def test_failed_save_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypatch):
@@ -544,7 +552,7 @@ def test_failed_save_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypa
 
     monkeypatch.setattr(hfsharded, "save_safetensors", failing)
     with pytest.raises(OSError, match="No space"):
-        save_sharded(tmp_path, model(2), max_shard_size=3000)
+        save_sharded(tmp_path, model(2), max_shard_size=3000, overwrite=True)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # staging folder gone too
     state = entry_state(tmp_path)
     assert set(state) == set(old) and all(np.array_equal(state[n], old[n]) for n in old)
@@ -564,14 +572,14 @@ def test_failure_during_the_commit_leaves_no_checkpoint_never_a_mixed_one(tmp_pa
 
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="Input/output"):
-        save_sharded(tmp_path, model(2), max_shard_size=3000)
+        save_sharded(tmp_path, model(2), max_shard_size=3000, overwrite=True)
     monkeypatch.undo()
     assert not (tmp_path / INDEX_NAME).exists()
     assert entry_state(tmp_path) is None
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
-    # the next save succeeds and cleans up
+    # the next save succeeds and cleans up (the old checkpoint's shards are still there: overwrite=True)
     tensors = model(3)
-    save_sharded(tmp_path, tensors, max_shard_size=3000)
+    save_sharded(tmp_path, tensors, max_shard_size=3000, overwrite=True)
     assert set(entry_state(tmp_path)) == set(tensors)
 
 
@@ -581,13 +589,13 @@ def test_saving_over_a_previous_save_removes_its_files_and_keeps_others(tmp_path
     files3 = save_sharded(tmp_path, big, max_shard_size=2000)
     assert len(files3) > 4
     # fewer shards: the old extra shards go
-    files2 = save_sharded(tmp_path, big, max_shard_size=6000)
+    files2 = save_sharded(tmp_path, big, max_shard_size=6000, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == sorted(files2 + ["config.json"])
     # one shard: the index and every numbered shard go
-    assert save_sharded(tmp_path, big, max_shard_size=10**9) == ["model.safetensors"]
+    assert save_sharded(tmp_path, big, max_shard_size=10**9, overwrite=True) == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
     # sharded again: model.safetensors goes (it would win over the index)
-    files = save_sharded(tmp_path, big, max_shard_size=3000)
+    files = save_sharded(tmp_path, big, max_shard_size=3000, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == sorted(files + ["config.json"])
     # another prefix is another checkpoint: left alone
     save_sharded(tmp_path, {"x": np.zeros(2)}, prefix="other")
@@ -597,7 +605,7 @@ def test_saving_over_a_previous_save_removes_its_files_and_keeps_others(tmp_path
 
 
 def test_a_dead_writers_staging_folder_is_removed(tmp_path):
-    stale = tmp_path / ".model.999999999.0badf00d.partial"
+    stale = tmp_path / f".model.{_owner()}.999999999.0badf00d.partial"
     stale.mkdir()
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"half")
     save_sharded(tmp_path, model(), max_shard_size=3000)

@@ -362,7 +362,7 @@ def test_open_on_a_manager_directory_without_checkpoints_says_so(tmp_path):
     for step in manager.all_steps():
         shutil.rmtree(manager.path_for(step))
     manager.close()
-    assert sorted(os.listdir(tmp_path / "run")) == [".fastckpt-manager.json"]
+    assert sorted(os.listdir(tmp_path / "run")) == [".fastckpt-manager.json", ".fastckpt-manager.lock"]
     assert _open_error(tmp_path / "run") == (
         f"{tmp_path / 'run'}: a directory fastckpt.open cannot read: it is a fastckpt.train.CheckpointManager "
         f"directory that holds no checkpoint yet: save one with "

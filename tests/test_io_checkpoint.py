@@ -220,7 +220,8 @@ def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monk
 
         monkeypatch.setattr(atomic.os, "replace", replace)
     with pytest.raises((RuntimeError, OSError), match="device lost|No space left"):
-        save_checkpoint(other, tmp_path / "ck", optim_state={"m": [np.zeros(2), np.zeros(3)]}, config={"step": 2})
+        save_checkpoint(other, tmp_path / "ck", optim_state={"m": [np.zeros(2), np.zeros(3)]}, config={"step": 2},
+                        overwrite=True)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ck.json", "ck.npz"]
     assert all((tmp_path / n).read_bytes() == b for n, b in before.items())
@@ -234,7 +235,7 @@ def test_new_pair_replaces_an_old_one_and_leaves_no_temporaries(tmp_path, queue,
     params, _ = make_params(queue, rng)
     save_checkpoint(params, tmp_path / "ck", config={"step": 1})
     other, hosts = make_params(queue, rng)
-    save_checkpoint(other, tmp_path / "ck", config={"step": 2})
+    save_checkpoint(other, tmp_path / "ck", config={"step": 2}, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["ck.json", "ck.npz"]
     fresh = blank_params(queue)
     assert load_checkpoint(queue, fresh, tmp_path / "ck")["config"] == {"step": 2}

@@ -174,7 +174,7 @@ def test_failed_save_leaves_the_old_file_untouched(tmp_path, queue):
     save_model(nn.Sequential(nn.ReLU()), path)
     old = path.read_bytes()
     with pytest.raises(ValueError, match="layer 1: unsupported layer type Odd"):
-        save_model(nn.Sequential(nn.ReLU(), Odd()), path)
+        save_model(nn.Sequential(nn.ReLU(), Odd()), path, overwrite=True)
     assert path.read_bytes() == old
     assert sorted(os.listdir(tmp_path)) == ["m.netcl"]
 
@@ -201,7 +201,7 @@ def test_error_while_streaming_leaves_the_old_file_untouched(tmp_path, queue):
         save_model(nn.Sequential(nn.ReLU()), path)
         old = path.read_bytes()
         with pytest.raises(RuntimeError, match="device lost"):
-            save_model(nn.Sequential(Half()), path)
+            save_model(nn.Sequential(Half()), path, overwrite=True)
         assert path.read_bytes() == old
         assert sorted(os.listdir(tmp_path)) == ["m.netcl"]
     finally:
@@ -536,7 +536,7 @@ def test_reload_through_a_pool_sees_a_replaced_or_rewritten_file(tmp_path, devic
     assert_same_state(load_model(path, pool=pool), state_a)
     b = nn.build_sequential(device.queue, [linear(5, 2), {"type": "Tanh"}, linear(2, 2, bias=False)])
     state_b = randomize(b, rng)
-    save_model(b, path)  # replaced: a new inode
+    save_model(b, path, overwrite=True)  # replaced: a new inode
     loaded = load_model(path, pool=pool)
     assert not loaded.load_report.file_report.file_reused
     assert [type(layer).__name__ for layer in loaded] == ["Linear", "Tanh", "Linear"]

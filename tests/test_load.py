@@ -311,7 +311,7 @@ def test_a_replaced_file_is_opened_anew(tmp_path, dev, pool):
     path = tmp_path / "m.safetensors"
     fastckpt.save_safetensors(path, model(21), fsync=False)
     old = load_file(path, dev.queue, pool=pool)["layer3.w"]
-    fastckpt.save_safetensors(path, model(22), fsync=False)  # same shapes, new inode
+    fastckpt.save_safetensors(path, model(22), fsync=False, overwrite=True)  # same shapes, new inode
     loaded = load_file(path, dev.queue, pool=pool)
     assert not loaded.report.file_reused
     check_exact(loaded, path, model(22))

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _writing import RefilledBuffer, file_size_limit
+from fastckpt.formats.atomic import _owner
 from fastckpt._native.mapped import MappedFile
 
 import fastckpt.formats.npz as npz
@@ -429,7 +430,7 @@ def test_failure_mid_save_leaves_old_file_and_no_temporary(tmp_path):
     save_npz(path, {"old": np.arange(3)})
     before = path.read_bytes()
     with pytest.raises(RuntimeError, match="cannot produce"):
-        save_npz(path, {"a": np.ones(1000), "b": Exploding(), "c": np.ones(3)})
+        save_npz(path, {"a": np.ones(1000), "b": Exploding(), "c": np.ones(3)}, overwrite=True)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.npz"]
 
@@ -478,7 +479,7 @@ def test_writer_must_be_entered_and_is_single_use(tmp_path):
 
 
 def test_stale_temporary_of_a_dead_writer_is_removed(tmp_path):
-    stale = tmp_path / ".model.npz.999999999.0badf00d.partial"
+    stale = tmp_path / f".model.npz.{_owner()}.999999999.0badf00d.partial"
     stale.write_bytes(b"PK\x03\x04half a file")
     save_npz(tmp_path / "model.npz", {"a": np.ones(2)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.npz"]
@@ -1120,7 +1121,7 @@ def test_saving_over_a_mapped_file_leaves_its_views_intact(tmp_path):
     with MappedFile(path) as m:
         [info] = read_npz_index(m)
         view = read_member(m, info)
-        save_npz(path, {"w": np.zeros(1000, dtype=np.int64)})  # a new inode replaces the old name
+        save_npz(path, {"w": np.zeros(1000, dtype=np.int64)}, overwrite=True)  # a new inode replaces the old name
         assert same(view, np.arange(1000, dtype=np.int64))
     got, _ = read_all(path)
     assert same(got["w"], np.zeros(1000, dtype=np.int64))

@@ -445,7 +445,7 @@ def test_a_write_the_kernel_refuses_leaves_the_previous_file_and_no_temporary(tm
     before = path.read_bytes()
     with file_size_limit(1 << 20):  # a short write, then EFBIG, as on a full disk
         with pytest.raises(OSError) as info:
-            save_safetensors(path, {f"t{i}": np.full(1 << 16, i, np.float64) for i in range(4)})
+            save_safetensors(path, {f"t{i}": np.full(1 << 16, i, np.float64) for i in range(4)}, overwrite=True)
     assert info.value.errno == errno.EFBIG
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.safetensors"]
@@ -456,7 +456,7 @@ def test_failed_save_keeps_the_previous_file_intact(tmp_path):
     save_safetensors(path, {"a": np.arange(10, dtype=np.int32)})
     before = path.read_bytes()
     with pytest.raises(RuntimeError, match="source went away"):
-        save_safetensors(path, {"a": np.ones(1 << 16, np.float64), "z": _FailsOnSecondConversion()})
+        save_safetensors(path, {"a": np.ones(1 << 16, np.float64), "z": _FailsOnSecondConversion()}, overwrite=True)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.safetensors"]
 
@@ -470,7 +470,7 @@ def test_saving_over_a_mapped_file_leaves_old_views_intact(tmp_path):
         infos, _, _ = read_safetensors_index(m)
         view = read_tensor(m, infos[0])
         new = sample(np.float32, (256, 256), seed=2)
-        save_safetensors(path, {"w": new, "extra": np.ones(10)})
+        save_safetensors(path, {"w": new, "extra": np.ones(10)}, overwrite=True)
         assert_exact(view, old)
     got, _, _ = load(path)
     assert_exact(got["w"], new)
@@ -483,7 +483,7 @@ def test_saving_the_views_of_a_file_back_over_it_reproduces_it(tmp_path):
     before = path.read_bytes()
     with MappedFile(path) as m:
         infos, metadata, _ = read_safetensors_index(m)
-        save_safetensors(path, {i.name: read_tensor(m, i) for i in infos}, metadata)
+        save_safetensors(path, {i.name: read_tensor(m, i) for i in infos}, metadata, overwrite=True)
     assert path.read_bytes() == before
 
 
@@ -721,7 +721,7 @@ def test_any_mapping_gives_the_bytes_a_dict_gives(tmp_path):
     save_safetensors(tmp_path / "dict.safetensors", tensors)
     expected = (tmp_path / "dict.safetensors").read_bytes()
     for mapping in (MappingProxyType(tensors), _ItemsMapping(tensors.items())):
-        save_safetensors(tmp_path / "other.safetensors", mapping)
+        save_safetensors(tmp_path / "other.safetensors", mapping, overwrite=True)
         assert (tmp_path / "other.safetensors").read_bytes() == expected
 
 

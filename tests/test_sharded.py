@@ -278,10 +278,19 @@ def _hash(path) -> str:
 def test_an_existing_checkpoint_is_replaced_only_when_asked(tmp_path):
     save_ranks(tmp_path / "c", 1)
     result = Saver(path=str(tmp_path / "c"), parallel=1, tensors={"x": np.ones(2)})
-    with pytest.raises(RuntimeError, match="already exists; pass overwrite=True"):
+    with pytest.raises(FileExistsError, match="pass overwrite=True to replace it") as failure:
         result.save()
+    assert failure.value.filename == str(tmp_path / "c")  # a FileExistsError naming the target, not a RuntimeError
     Saver(path=str(tmp_path / "c"), parallel=1, tensors={"x": np.ones(2)}, overwrite=True).save()
     assert CheckpointReader(tmp_path / "c").tensor_names() == ["x"]
+
+
+def test_every_rank_of_a_save_over_an_existing_checkpoint_raises_file_exists_naming_it(tmp_path):
+    save_ranks(tmp_path / "c", 3)
+    results = save_ranks(tmp_path / "c", 3)
+    assert [type(r) for r in results] == [FileExistsError] * 3, results
+    assert [r.filename for r in results] == [str(tmp_path / "c")] * 3
+    assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
 def test_a_rank_that_fails_leaves_no_checkpoint_and_no_staging(tmp_path):

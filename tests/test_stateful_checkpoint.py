@@ -642,7 +642,7 @@ def test_load_without_a_match_raises_file_not_found(tmp_path):
 def test_pattern_without_seq_names_one_file_that_is_replaced(tmp_path):
     path = str(tmp_path / "latest.json")
     assert one_state_checkpoint(1).save(path) == path
-    assert one_state_checkpoint(2).save(path) == path
+    assert one_state_checkpoint(2).save(path, overwrite=True) == path
     ckpt = Checkpoint()
     ckpt.load(path)
     ckpt.register(op := Counter(), "n")
@@ -713,7 +713,7 @@ def test_a_failed_save_leaves_the_previous_file_and_no_temporary(tmp_path, monke
 
     monkeypatch.setattr(os, "fsync", no_space)
     with pytest.raises(OSError, match="No space left"):
-        one_state_checkpoint(2).save(path)
+        one_state_checkpoint(2).save(path, overwrite=True)
     monkeypatch.undo()
     assert open(path, "rb").read() == before
     assert [p.name for p in tmp_path.iterdir()] == ["latest.json"]

@@ -113,12 +113,27 @@ def test_tf_to_tf_keeps_strings_and_can_shard(tmp_path):
             assert a[name].tolist() == b[name].tolist()
 
 
-def test_existing_destination_needs_force(tmp_path):
+def test_existing_destination_needs_overwrite(tmp_path):
     write_checkpoint(tmp_path / "src", {"w": np.zeros(1)})
     convert(tmp_path / "src", tmp_path / "w.npz")
-    with pytest.raises(FileExistsError, match="--force"):
+    with pytest.raises(FileExistsError, match="--overwrite"):
         convert(tmp_path / "src", tmp_path / "w.npz")
-    convert(tmp_path / "src", tmp_path / "w.npz", force=True)
+    convert(tmp_path / "src", tmp_path / "w.npz", overwrite=True)
+    with pytest.warns(DeprecationWarning, match=r"force=\.\.\.\) is deprecated: pass overwrite="):
+        convert(tmp_path / "src", tmp_path / "w.npz", force=True)  # 0.2's spelling still replaces
+
+
+def test_cli_convert_overwrite_flag_and_its_deprecated_alias(tmp_path, capsys):
+    from fastckpt.cli import main
+
+    write_checkpoint(tmp_path / "src", {"w": np.zeros(1)})
+    out = str(tmp_path / "w.npz")
+    assert main(["convert", str(tmp_path / "src"), out]) == 0
+    assert main(["convert", str(tmp_path / "src"), out]) == 1
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "src"), out, "--overwrite"]) == 0
+    assert main(["convert", str(tmp_path / "src"), out, "--force"]) == 0
+    assert "--force is deprecated, use --overwrite" in capsys.readouterr().err
 
 
 def test_destination_dtype_limits_surface_as_errors(tmp_path):

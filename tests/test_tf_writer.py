@@ -170,7 +170,7 @@ def test_failed_write_leaves_nothing_and_keeps_the_old_checkpoint(tmp_path):
         raise RuntimeError("interrupted")
 
     with pytest.raises(RuntimeError, match="interrupted"):
-        write_checkpoint(tmp_path / "c", tensors())
+        write_checkpoint(tmp_path / "c", tensors(), overwrite=True)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
@@ -192,7 +192,7 @@ def test_a_write_that_fails_midway_poisons_the_writer(tmp_path):
     write_checkpoint(tmp_path / "c", {"w": np.ones(2)})
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with pytest.raises(RuntimeError, match="an add\\(\\) failed while writing; the checkpoint was not written"):
-        with CheckpointWriter(tmp_path / "c") as writer:
+        with CheckpointWriter(tmp_path / "c", overwrite=True) as writer:
             writer.add("a", np.arange(4, dtype=np.float32))
             writer._files[0] = _FailingFile(writer._files[0])
             with pytest.raises(OSError, match="No space left"):
@@ -214,7 +214,7 @@ def test_an_index_that_cannot_be_built_keeps_the_old_data_files(tmp_path, monkey
 
     monkeypatch.setattr(writer_module, "TableBuilder", BrokenBuilder)
     with pytest.raises(MemoryError, match="index"):
-        write_checkpoint(tmp_path / "c", {"w": np.zeros(2)})
+        write_checkpoint(tmp_path / "c", {"w": np.zeros(2)}, overwrite=True)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 

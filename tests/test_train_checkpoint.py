@@ -37,12 +37,14 @@ from fastckpt.train.reference.selfcheck import (
     train_n_steps,
     unique_param_bytes,
 )
+from fastckpt.formats.atomic import _owner
 
 OPTIMIZERS = ["sgd", "adam", "adamw"]
 SCHEDULERS = ["step", "cosine", "plateau"]
 
 
 def save(objs, out, step, **kw):
+    kw.setdefault("overwrite", True)  # these tests replace on purpose
     return save_checkpoint(*objs.save_args(), out, step=step, epoch=objs.data_iter.epoch, extra_metrics={},
                            scaler=objs.scaler, **kw)
 
@@ -399,10 +401,11 @@ def test_interrupted_overwrite_keeps_previous_checkpoint(tmp_path, fail_at, monk
     # Fail each rename of a save in turn: weights, optim, extra, manifest, then the two directory
     # renames of a replacement (the old one aside, the new one in). Where renameat2 can exchange
     # the directories no second rename exists; this test takes the two-rename path everywhere.
+    # A new directory is committed by a no-replace rename, not os.replace: 4 in a first save.
     from fastckpt.formats import atomic as _atomic
 
     monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
-    assert _count_replaces(tmp_path) == 5
+    assert _count_replaces(tmp_path) == 4
     old = build_fresh(3)
     out = tmp_path / "ckpt"
     old_digest = save(old, out, 0)
@@ -426,7 +429,7 @@ def test_interrupted_overwrite_keeps_previous_checkpoint(tmp_path, fail_at, monk
 
 def test_leftover_of_a_dead_process_is_cleaned_by_next_save(tmp_path):
     live = build_fresh(3)
-    stale = tmp_path / ".ckpt.999999999.deadbeef.partial"
+    stale = tmp_path / f".ckpt.{_owner()}.999999999.deadbeef.partial"
     stale.mkdir()
     (stale / WEIGHTS_FILE).write_bytes(b"half a file")
     save(live, tmp_path / "ckpt", 0)
@@ -661,7 +664,8 @@ def test_hostile_deep_tree_is_a_format_error(tmp_path):
     path = tmp_path / "c" / WEIGHTS_FILE
     deep = "[" * 100000 + "]" * 100000
     fc.save_safetensors(path, {"w": np.zeros(1, np.float32)},
-                        {"fastckpt.format": "fastckpt.train.weights", "fastckpt.tree": deep}, alignment=64)
+                        {"fastckpt.format": "fastckpt.train.weights", "fastckpt.tree": deep}, alignment=64,
+                        overwrite=True)
     manifest_path = tmp_path / "c" / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][WEIGHTS_FILE]["bytes"] = path.stat().st_size

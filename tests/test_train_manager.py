@@ -17,11 +17,12 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from fastckpt.formats.atomic import _owner
 from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from fastckpt.train import asyncsave
 from fastckpt.train.asyncsave import AsyncCheckpointer, StagingPool
 from fastckpt.train.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
-from fastckpt.train.manager import RECORD_FILE, CheckpointManager
+from fastckpt.train.manager import LOCK_FILE, RECORD_FILE, CheckpointManager
 from fastckpt.train.reference.selfcheck import (
     build_fresh,
     byte_equal,
@@ -61,7 +62,8 @@ def test_retention_keeps_exactly_what_the_policy_says(tmp_path, policy, survivor
     mgr = CheckpointManager(tmp_path, **policy)
     save_steps(mgr, range(1, 11), LOSSES)
     assert mgr.all_steps() == survivors
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([RECORD_FILE] + [f"step-{s:08d}" for s in survivors])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([LOCK_FILE, RECORD_FILE] +
+                                                                [f"step-{s:08d}" for s in survivors])
     record = json.loads((tmp_path / RECORD_FILE).read_text())["written"]
     assert record == [f"step-{s:08d}" for s in survivors]
 
@@ -156,9 +158,9 @@ def test_bad_policy_arguments(tmp_path, kwargs, match):
 
 
 def test_stale_partials_swept_by_a_new_manager(tmp_path):
-    (tmp_path / ".step-00000005.999999999.0badc0de.partial").mkdir()
-    (tmp_path / ".step-00000006.999999999.0badc0de.partial").mkdir()
-    live = tmp_path / f".step-00000007.{os.getpid()}.0badc0de.partial"  # a live writer's: kept
+    (tmp_path / f".step-00000005.{_owner()}.999999999.0badc0de.partial").mkdir()
+    (tmp_path / f".step-00000006.{_owner()}.999999999.0badc0de.partial").mkdir()
+    live = tmp_path / f".step-00000007.{_owner()}.{os.getpid()}.0badc0de.partial"  # a live writer's: kept
     live.mkdir()
     CheckpointManager(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
@@ -299,19 +301,30 @@ objs = build_fresh(1)
 mgr = CheckpointManager(directory, max_to_keep=1)
 mgr.save(1, *objs.save_args(), scaler=objs.scaler)
 train_n_steps(objs, 1)
-real_replace, renames = os.replace, []
-def replace_or_die(src, dst):
+import fastckpt.formats.atomic as atomic
+real_replace, real_noreplace, renames, inside = os.replace, atomic.rename_noreplace, [], []
+def die_at(dst):
     renames.append(dst)
     if len(renames) == crash_at:
         os.kill(os.getpid(), signal.SIGKILL)
+def replace_or_die(src, dst):
+    if not inside:  # not the fallback inside a no-replace rename: that counts once
+        die_at(dst)
     return real_replace(src, dst)
-os.replace = replace_or_die
+def noreplace_or_die(src, dst):
+    die_at(dst)
+    inside.append(dst)
+    try:
+        return real_noreplace(src, dst)
+    finally:
+        inside.pop()
+os.replace, atomic.rename_noreplace = replace_or_die, noreplace_or_die
 mgr.save(2, *objs.save_args(), scaler=objs.scaler, blocking=mode == "blocking")
 mgr.close()
 print(len(renames), flush=True)
 """
 # The renames of that save, in order: the manager's record, weights, optim, extra, manifest, the
-# directory itself; then retention: step 1 moved aside, the record again.
+# directory itself (a no-replace rename); then retention: step 1 moved aside, the record again.
 RENAMES = ["record", "weights", "optim", "extra", "manifest", "directory", "retention", "record-after-delete"]
 DIRECTORY_RENAME = RENAMES.index("directory") + 1
 
@@ -345,7 +358,7 @@ def test_kill_9_before_each_rename_of_a_save(tmp_path, crash_at, mode):
     # The directory stays usable: the next save, and retention of what the dead process wrote.
     mgr.save(3, *build_fresh(1).save_args())
     assert mgr.all_steps() == [3]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD_FILE, "step-00000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([LOCK_FILE, RECORD_FILE, "step-00000003"])
 
 
 # Resumes from the latest checkpoint and saves every step until killed; prints each step whose save

@@ -50,7 +50,7 @@ def test_npz_writer_output_is_a_valid_zip_numpy_reads(tmp_path, tensors, alignme
     if zip64:  # every zip64 structure, in a small file
         npz._ZIP64_LIMIT = npz._ZIP_FILECOUNT_LIMIT = 0
     try:
-        save_npz(path, tensors, alignment=alignment)
+        save_npz(path, tensors, alignment=alignment, overwrite=True)
     finally:
         npz._ZIP64_LIMIT, npz._ZIP_FILECOUNT_LIMIT = limits
     data = path.read_bytes()
@@ -80,7 +80,7 @@ _st_dtypes = st.sampled_from(["<f4", "<f2", "<i8", "|b1", "<c8", "|u1", ">f8", "
        alignment=st.sampled_from([8, 64, 4096]))
 def test_safetensors_header_is_json_dumps_and_the_reference_reads_the_data(tmp_path, tensors, metadata, alignment):
     path = tmp_path / "f.safetensors"
-    save_safetensors(path, tensors, metadata, alignment=alignment)
+    save_safetensors(path, tensors, metadata, alignment=alignment, overwrite=True)
     data = path.read_bytes()
     n = int.from_bytes(data[:8], "little")
     order = sorted(tensors, key=lambda k: (-_rank(tensors[k].dtype), k))

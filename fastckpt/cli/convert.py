@@ -13,6 +13,7 @@ summary, with what was left out on stderr.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from fastckpt.formats.convert import FORMATS, convert
@@ -32,7 +33,8 @@ def add_parser(subparsers):
                              "that tf.train.Checkpoint.restore works")
     parser.add_argument("--skip-unsupported", action="store_true",
                         help="leave out string tensors the destination cannot hold (instead of failing)")
-    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--force", action="store_true", help=argparse.SUPPRESS)  # 0.2's spelling of --overwrite
     parser.add_argument("--shards", type=int, default=1, help="TensorFlow destination: number of data files")
     parser.add_argument("--alignment", type=int, default=1,
                         help="TensorFlow destination: start every tensor at a multiple of this many bytes")
@@ -42,9 +44,12 @@ def add_parser(subparsers):
 def run(args) -> int:
     from fastckpt.errors import FastCkptError
 
+    if args.force:
+        print("fastckpt convert: --force is deprecated, use --overwrite", file=sys.stderr)
     try:
         summary = convert(args.src, args.dst, to=args.to, object_graph=args.object_graph,
-                          skip_unsupported=args.skip_unsupported, force=args.force, num_shards=args.shards,
+                          skip_unsupported=args.skip_unsupported, overwrite=args.overwrite or args.force,
+                          num_shards=args.shards,
                           data_alignment=args.alignment, progress=sys.stderr.isatty())
     except (FastCkptError, OSError, TypeError, ValueError) as exc:
         print(f"fastckpt convert: {exc}", file=sys.stderr)

@@ -1,20 +1,41 @@
 """Atomic, durable writes of files and directories.
 
-A reader must never see a half-written file under its final name, and a crash
-must never destroy the previous good copy. Every save in fastckpt therefore:
+A reader must never see a half-written file under its final name, a crash
+must never destroy the previous good copy, and a writer that did not ask to
+replace a commit never does. Every save in fastckpt therefore:
 
-1. writes to a temporary name in the *same* directory
-   (``.<name>.<pid>.<random>.partial``), so that the rename below stays on one
-   filesystem;
+1. writes to a temporary name in the *same* directory, so that the rename
+   below stays on one filesystem:
+   ``.<name>.@<host>~<pid namespace>.<pid>.<random>.partial``;
 2. flushes and ``fsync``\\ s the temporary file (or every file of a temporary
    directory);
-3. ``os.replace``\\ s it onto the final name (atomic on POSIX);
+3. renames it onto the final name: with ``overwrite=False`` by a rename that
+   refuses an existing name in the same atomic step (Linux's
+   ``renameat2(RENAME_NOREPLACE)``; elsewhere ``link`` + ``unlink`` for a
+   file, and for a directory an exclusive ``mkdir`` of the name, then the
+   rename over that empty placeholder: :func:`rename_noreplace`), so of two writers racing for one name exactly one
+   commits and the other gets :class:`FileExistsError` naming the target;
+   with ``overwrite=True`` by ``os.replace`` (a file) or
+   ``renameat2(RENAME_EXCHANGE)`` (a directory: the two trade places at once);
 4. ``fsync``\\ s the parent directory, so that the rename itself is durable.
 
 On any exception the temporary is removed and the final name is untouched.
-A temporary left behind by a process that died (``kill -9``, power loss) is
-removed by the next save of the same target, but only when the process that
-made it is gone, so two live writers never delete each other's work.
+An ``OSError`` (``EACCES``, ``ENOSPC``, ``EFBIG``, ``EISDIR``, ``ENOTDIR``,
+...) names the target path; the temporary appears only in the message's detail.
+
+Leftovers (sweeps)
+    A temporary left behind by a process that died (``kill -9``, power loss)
+    is removed by a later save into the same directory. The owner part of the
+    name (host name, and the inode of the writer's pid namespace) decides how:
+    a temporary of *this* host and pid namespace is removed once its pid is
+    gone; one of another host or pid namespace (a filesystem shared over NFS
+    or Lustre, a container) cannot be checked for life, so it is removed only
+    when nothing in it changed for :data:`STALE_AFTER` seconds (one hour by
+    default; the environment variable ``FASTCKPT_STALE_AFTER`` sets it). The
+    pid-only names of fastckpt 0.2 (``.<name>.<pid>.<random>.partial``) say
+    nothing of their host and fall under the same age limit. A sweep never
+    follows a symbolic link: a link named like a temporary is unlinked, never
+    its target.
 """
 
 from __future__ import annotations
@@ -24,16 +45,42 @@ import ctypes
 import errno
 import functools
 import os
+import re
 import shutil
+import socket
+import time
+import warnings
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["atomic_write", "atomic_directory", "fsync_directory", "remove_stale_partials", "remove_stale_partials_in"]
+__all__ = ["atomic_write", "atomic_directory", "fsync_directory", "remove_stale_partials", "remove_stale_partials_in",
+           "rename_noreplace", "resolve_overwrite", "STALE_AFTER"]
 
 _SUFFIX = ".partial"
 # Small writes (headers, many small tensors) gather into one write() per 256 KiB; a write at least this
 # large goes straight to the file without a copy.
 _WRITE_BUFFER = 256 << 10
+
+#: Seconds without a change after which a sweep removes a temporary it cannot check for life (another
+#: host's or pid namespace's, or a 0.2 name). Long enough for any save that keeps writing: a sharded
+#: staging directory's age is that of its newest file, and every shard file changes as it is written.
+STALE_AFTER: float = float(os.environ.get("FASTCKPT_STALE_AFTER", 3600))
+
+
+@functools.lru_cache(maxsize=4)
+def _owner_for(pid: int) -> str:
+    """``@<host>~<pid namespace inode>``: who may check this process's pids for life (cached per pid: a fork
+    keeps host and namespace, and ``unshare`` needs a fork to take effect)."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname() or "unknown")[:64]
+    try:
+        namespace = f"~{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc (macOS, BSD): one pid namespace per host
+        namespace = ""
+    return f"@{host}{namespace}"
+
+
+def _owner() -> str:
+    return _owner_for(os.getpid())
 
 
 def _partial_name(final: Path) -> Path:
@@ -41,9 +88,27 @@ def _partial_name(final: Path) -> Path:
 
 
 def _partial_path(final: str) -> str:
-    """The temporary name of ``final`` for this process: same directory, hidden, ours by pid."""
+    """The temporary name of ``final`` for this process: same directory, hidden, ours by host, pid namespace and pid."""
     head, name = os.path.split(final)
-    return os.path.join(head, f".{name}.{os.getpid()}.{os.urandom(4).hex()}{_SUFFIX}")
+    return os.path.join(head, f".{name}.{_owner()}.{os.getpid()}.{os.urandom(4).hex()}{_SUFFIX}")
+
+
+def _parse_partial(entry_name: str) -> tuple[str, str | None, int] | None:
+    """``(name, owner, pid)`` of a temporary's file name (owner None for a 0.2 name), or None if it is none."""
+    if not (entry_name.startswith(".") and entry_name.endswith(_SUFFIX)):
+        return None
+    core = entry_name[1 : -len(_SUFFIX)]
+    parts = core.rsplit(".", 3)
+    if len(parts) == 4 and parts[1].startswith("@") and parts[2].isdigit() and _is_hex(parts[3]):
+        return parts[0], parts[1], int(parts[2])
+    parts = core.rsplit(".", 2)
+    if len(parts) == 3 and parts[1].isdigit() and _is_hex(parts[2]):
+        return parts[0], None, int(parts[1])
+    return None
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and all(c in "0123456789abcdef" for c in text)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -58,37 +123,65 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_partials(final: str | os.PathLike) -> list[Path]:
+def _newest_change(path: str) -> float:
+    """The newest ``mtime`` of ``path`` and, for a directory, of anything inside it; links are not followed."""
+    newest = os.lstat(path).st_mtime
+    if os.path.isdir(path) and not os.path.islink(path):
+        for root, dirs, files in os.walk(path, followlinks=False):
+            for name in dirs + files:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    return newest
+
+
+def _is_stale(path: str, owner: str | None, pid: int, stale_after: float) -> bool:
+    if owner == _owner():
+        return not _pid_alive(pid)
+    try:
+        return time.time() - _newest_change(path) > stale_after
+    except FileNotFoundError:
+        return False
+
+
+def remove_stale_partials(final: str | os.PathLike, *, stale_after: float | None = None) -> list[Path]:
     """Remove temporaries of ``final`` left by writers that no longer run.
 
     Returns the paths removed. Temporaries of this process, or of any live
-    process, are kept.
+    process of this host and pid namespace, are kept; those of other hosts
+    (or of 0.2, which named no host) only once unchanged for ``stale_after``
+    seconds (default :data:`STALE_AFTER`, one hour). Symbolic links are
+    removed as links, never followed.
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())
-    >>> (d / ".w.bin.999999999.ab12cd34.partial").write_bytes(b"half")
+    >>> dead = d / f".w.bin.{_owner()}.999999999.ab12cd34.partial"
+    >>> dead.write_bytes(b"half")
     4
-    >>> [p.name for p in remove_stale_partials(d / "w.bin")]
-    ['.w.bin.999999999.ab12cd34.partial']
+    >>> remove_stale_partials(d / "w.bin") == [dead]
+    True
     """
     head, name = os.path.split(os.fspath(final))
-    return _remove_stale(head or ".", name)
+    return _remove_stale(head or ".", name, stale_after)
 
 
-def remove_stale_partials_in(directory: str | os.PathLike) -> list[Path]:
+def remove_stale_partials_in(directory: str | os.PathLike, *, stale_after: float | None = None) -> list[Path]:
     """Remove the temporaries of any name in ``directory`` left by writers that no longer run.
+
+    The rules of :func:`remove_stale_partials`, for every name at once.
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())
-    >>> (d / ".a.999999999.ab12cd34.partial").mkdir(); (d / ".b.bin.999999999.00ff00ff.partial").mkdir()
-    >>> sorted(p.name for p in remove_stale_partials_in(d))
-    ['.a.999999999.ab12cd34.partial', '.b.bin.999999999.00ff00ff.partial']
+    >>> (d / f".a.{_owner()}.999999999.ab12cd34.partial").mkdir()
+    >>> (d / ".b.bin.@elsewhere.999999999.00ff00ff.partial").mkdir()   # another host's: kept for an hour
+    >>> [p.name.split(".")[1] for p in remove_stale_partials_in(d)]
+    ['a']
     """
-    return _remove_stale(os.fspath(directory), None)
+    return _remove_stale(os.fspath(directory), None, stale_after)
 
 
-def _remove_stale(parent: str, name: str | None) -> list[Path]:
-    """Remove ``.NAME.PID.HEX.partial`` entries of ``parent`` whose PID is gone (of one NAME, or of any)."""
+def _remove_stale(parent: str, name: str | None, stale_after: float | None) -> list[Path]:
+    """Remove the stale temporaries of ``parent`` (of one NAME, or of any)."""
+    stale_after = STALE_AFTER if stale_after is None else stale_after
     removed = []
     try:
         entries = os.scandir(parent)  # one directory read, no stat per entry
@@ -96,21 +189,84 @@ def _remove_stale(parent: str, name: str | None) -> list[Path]:
         return removed
     with entries:
         for entry in entries:
-            entry_name = entry.name
-            if not (entry_name.startswith(".") and entry_name.endswith(_SUFFIX)):
+            parsed = _parse_partial(entry.name)
+            if parsed is None or (name is not None and parsed[0] != name):
                 continue
-            parts = entry_name[1 : -len(_SUFFIX)].rsplit(".", 2)
-            if len(parts) != 3 or not parts[1].isdigit() or (name is not None and parts[0] != name):
-                continue
-            if _pid_alive(int(parts[1])):
+            if not _is_stale(entry.path, parsed[1], parsed[2], stale_after):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
-            else:
+            else:  # a file, or a link: the link itself goes, never what it points to
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
             removed.append(Path(entry.path))
     return removed
+
+
+def resolve_overwrite(overwrite: bool | None, target: str | os.PathLike, exists: bool, *, stacklevel: int = 3) -> bool:
+    """The ``overwrite=`` a writer acts on, for writers whose 0.2 default was to replace.
+
+    Every writer's documented default is ``overwrite=False`` (an existing
+    target is refused, so no save silently destroys another). Writers that
+    replaced in 0.2 take ``overwrite=None`` meanwhile: an existing target is
+    still replaced, with a :class:`FutureWarning` saying to pass
+    ``overwrite=True``; a target that does not exist yet is then committed
+    with ``overwrite=False``, so a save that found nothing never replaces
+    what another writer commits meanwhile.
+
+    >>> resolve_overwrite(None, "absent.bin", exists=False), resolve_overwrite(True, "x", exists=True)
+    (False, True)
+    """
+    if overwrite is None:
+        if exists:
+            warnings.warn(f"{os.fspath(target)}: exists and is replaced because overwrite= was not given; fastckpt "
+                          "0.4 refuses it by default (overwrite=False): pass overwrite=True to keep replacing it",
+                          FutureWarning, stacklevel=stacklevel)
+        return exists
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    return overwrite
+
+
+def _naming_target(exc: OSError, final: str, tmp: str | None, *, inside: bool = False) -> OSError:
+    """``exc`` with the target as its file name, the temporary only in the detail.
+
+    An error that already names another path (a source file read during the
+    save) is returned as it is. ``inside``: ``tmp`` is a staging directory and
+    the error may name a file within it, which is then named under ``final``.
+    """
+    name = exc.filename
+    if exc.errno is None:
+        return exc
+    if name is None:
+        target = final
+    elif tmp is not None and os.fspath(name) == tmp:
+        target = final
+    elif inside and tmp is not None and os.fspath(name).startswith(tmp + os.sep):
+        target = os.path.join(final, os.path.relpath(os.fspath(name), tmp))
+    else:
+        return exc
+    detail = exc.strerror or os.strerror(exc.errno)
+    if tmp is not None:
+        detail += f" (written through the temporary {os.path.basename(tmp)!r})"
+    try:
+        renamed = type(exc)(exc.errno, detail, target)
+    except TypeError:
+        renamed = OSError(exc.errno, detail, target)
+    renamed.__cause__ = exc.__cause__
+    renamed.__traceback__ = exc.__traceback__
+    return renamed
+
+
+def _make_parent(parent: str, final: str) -> None:
+    """Create ``final``'s parent directory; an ancestor that is a file is ``NotADirectoryError`` naming ``final``."""
+    if os.path.isdir(parent):
+        return
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # makedirs reports a file in the way as either
+        raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)}: a part of the parent path "
+                                 "is a file, not a directory", final) from None
 
 
 def fsync_directory(path: str | os.PathLike) -> None:
@@ -127,11 +283,15 @@ def fsync_directory(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[bytes]]:
-    """Open a temporary file that replaces ``path`` atomically when the block succeeds.
+def atomic_write(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool = False) -> Iterator[IO[bytes]]:
+    """Open a temporary file that becomes ``path`` atomically when the block succeeds.
 
-    ``fsync=False`` skips both fsyncs (faster, still atomic against readers, not
-    durable against power loss). Parent directories are created.
+    An existing ``path`` is an error (:class:`FileExistsError` naming it, at
+    the start, or at the commit where another writer got there first) unless
+    ``overwrite=True``, which replaces it in one step. ``fsync=False`` skips
+    both fsyncs (faster, still atomic against readers, not durable against
+    power loss). Parent directories are created. An ``OSError`` names
+    ``path``, with the temporary as detail.
 
     >>> import tempfile, pathlib
     >>> target = pathlib.Path(tempfile.mkdtemp()) / "out.bin"
@@ -139,31 +299,51 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[
     ...     _ = f.write(b"payload")
     >>> target.read_bytes()
     b'payload'
+    >>> with atomic_write(target, overwrite=True) as f:
+    ...     _ = f.write(b"second")
+    >>> target.read_bytes()
+    b'second'
     """
     final = os.fspath(path)
     parent = os.path.dirname(final) or "."
-    if not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)
-    remove_stale_partials(final)
-    tmp = _partial_path(final)
-    f = open(tmp, "xb", buffering=_WRITE_BUFFER)
+    tmp = None
+    try:
+        _make_parent(parent, final)
+        if not overwrite and os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
+                                  final)
+        if os.path.isdir(final) and not os.path.islink(final):
+            raise IsADirectoryError(errno.EISDIR, f"{os.strerror(errno.EISDIR)}; a file never replaces a directory",
+                                    final)
+        remove_stale_partials(final)
+        tmp = _partial_path(final)
+        f = open(tmp, "xb", buffering=_WRITE_BUFFER)
+    except OSError as e:
+        raise _naming_target(e, final, tmp) from None
     try:
         yield f
         f.flush()
         if fsync:
             os.fsync(f.fileno())
         f.close()
-        os.replace(tmp, final)
-    except BaseException:
-        f.close()
+        if overwrite:
+            os.replace(tmp, final)
+        else:
+            rename_noreplace(tmp, final)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # close() flushes, and fails again where the write did
+            f.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _naming_target(e, final, tmp) from None
         raise
     if fsync:
         fsync_directory(parent)
 
 
 _AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
@@ -180,31 +360,96 @@ def _renameat2():
     return fn
 
 
-def _exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """Swap two existing paths in one atomic step; False where the system or filesystem cannot."""
+def _renameat2_flags(a: str | os.PathLike, b: str | os.PathLike, flags: int) -> bool:
+    """``renameat2(a, b, flags)``: True if done, False where the system or filesystem cannot; else OSError."""
     fn = _renameat2()
     if fn is None:
         return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
+    if err == errno.EEXIST:
+        raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)} (another writer committed it first); "
+                              "pass overwrite=True to replace it", os.fspath(b))
     raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
 
 
-def _swap_in(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` onto ``final``; an existing ``final`` directory is replaced.
+def _exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two existing paths in one atomic step; False where the system or filesystem cannot."""
+    return _renameat2_flags(a, b, _RENAME_EXCHANGE)
 
-    Where Linux's ``renameat2(RENAME_EXCHANGE)`` works, the two directories trade
-    places in one atomic step, so ``final`` always names a complete directory,
-    even if the process dies right after; the old one, now under the temporary
-    name, is then removed (or swept as a dead writer's leftover). Elsewhere the
-    old one is moved aside first, and put back if the second rename fails.
+
+def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists, in one atomic step: :class:`FileExistsError` naming ``dst``.
+
+    Linux's ``renameat2(RENAME_NOREPLACE)`` where the kernel and filesystem
+    have it. Elsewhere (NFS, macOS, older kernels) the claim on ``dst`` is an
+    operation that fails on an existing name: a file is hard-linked to
+    ``dst`` and ``src`` unlinked; a directory (or a file on a filesystem
+    without hard links) first creates ``dst`` empty with ``O_EXCL`` or
+    ``mkdir``, then renames ``src`` over that placeholder. Of two writers
+    racing for ``dst`` exactly one wins either way; during the fallback's two
+    steps a reader can see an empty ``dst``, never a partial one.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "a").write_text("1"), (d / "b").write_text("2")
+    >>> rename_noreplace(d / "a", d / "c"); sorted(p.name for p in d.iterdir())
+    ['b', 'c']
+    >>> rename_noreplace(d / "c", d / "b")
+    Traceback (most recent call last):
+    FileExistsError: [Errno 17] File exists (another writer committed it first); pass overwrite=True to replace it: '...b'
     """
-    if not final.exists():
-        os.replace(tmp, final)
+    if _renameat2_flags(src, dst, _RENAME_NOREPLACE):
         return
+    exists = FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)} (another writer committed it first); "
+                             "pass overwrite=True to replace it", os.fspath(dst))
+    is_dir = os.path.isdir(src) and not os.path.islink(src)
+    if not is_dir:
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except FileExistsError:
+            raise exists from None
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+                raise
+        else:
+            os.unlink(src)
+            return
+    try:  # the placeholder: creating it is the exclusive claim
+        if is_dir:
+            os.mkdir(dst)
+        else:
+            os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        raise exists from None
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            (os.rmdir if is_dir else os.unlink)(dst)
+        raise
+
+
+def _swap_in(tmp: Path, final: Path, *, overwrite: bool = True) -> None:
+    """Rename the directory ``tmp`` onto ``final``; an existing ``final`` is replaced only with ``overwrite``.
+
+    A ``final`` that does not exist is taken by a no-replace rename, so of two
+    writers racing for it exactly one wins. An existing one, with
+    ``overwrite``: where Linux's ``renameat2(RENAME_EXCHANGE)`` works, the two
+    directories trade places in one atomic step, so ``final`` always names a
+    complete directory, even if the process dies right after; the old one, now
+    under the temporary name, is then removed (or swept as a dead writer's
+    leftover). Elsewhere the old one is moved aside first, and put back if the
+    second rename fails.
+    """
+    try:
+        rename_noreplace(tmp, final)
+        return
+    except FileExistsError:
+        if not overwrite:
+            raise
     if _exchange(tmp, final):
         shutil.rmtree(tmp, ignore_errors=True)
         return
@@ -218,13 +463,34 @@ def _swap_in(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _staging_directory(final: Path, overwrite: bool, sweep) -> Path:
+    """A new temporary directory beside ``final`` (parents made, ``sweep()`` run first); an existing ``final``
+    is ``FileExistsError`` unless ``overwrite``. An ``OSError`` names ``final``."""
+    staging = None
+    try:
+        _make_parent(os.fspath(final.parent), os.fspath(final))
+        sweep()
+        if os.path.lexists(final) and not overwrite:
+            raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
+                                  os.fspath(final))
+        staging = _partial_name(final)
+        staging.mkdir()
+    except OSError as e:
+        raise _naming_target(e, os.fspath(final), None if staging is None else os.fspath(staging)) from None
+    return staging
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes ``path`` when the block succeeds.
 
-    Everything written inside is fsynced before the rename. An existing ``path``
-    is an error unless ``overwrite=True`` (then the old directory is replaced
-    after the new one is complete).
+    Everything written inside is fsynced before the rename. An existing
+    ``path`` is an error unless ``overwrite=True`` (then the old directory is
+    replaced after the new one is complete): checked at the start, and again
+    by the commit's no-replace rename, so a writer that finds ``path`` taken
+    by another writer meanwhile raises :class:`FileExistsError` naming it and
+    leaves no temporary. An ``OSError`` from inside names the file under
+    ``path``, with the temporary as detail.
 
     >>> import tempfile, pathlib
     >>> target = pathlib.Path(tempfile.mkdtemp()) / "step-1"
@@ -234,12 +500,7 @@ def atomic_directory(path: str | os.PathLike, *, fsync: bool = True, overwrite: 
     ['a.txt']
     """
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(final)
-    if final.exists() and not overwrite:
-        raise FileExistsError(f"{final}: already exists; pass overwrite=True to replace it")
-    tmp = _partial_name(final)
-    tmp.mkdir()
+    tmp = _staging_directory(final, overwrite, lambda: remove_stale_partials(final))
     try:
         yield tmp
         if fsync:
@@ -251,9 +512,11 @@ def atomic_directory(path: str | os.PathLike, *, fsync: bool = True, overwrite: 
                     finally:
                         os.close(fd)
                 fsync_directory(root)
-        _swap_in(tmp, final)
-    except BaseException:
+        _swap_in(tmp, final, overwrite=overwrite)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _naming_target(e, os.fspath(final), os.fspath(tmp), inside=True) from None
         raise
     if fsync:
         fsync_directory(final.parent)

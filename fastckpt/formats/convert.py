@@ -15,7 +15,8 @@ allows it:
   ``_CHECKPOINTABLE_OBJECT_GRAPH`` is bookkeeping, not a value: it is always
   left out of safetensors/NPZ (and said so); converting back with
   ``--object-graph`` rebuilds one from the ``.../.ATTRIBUTES/...`` keys;
-- a destination that exists needs ``--force``;
+- a destination that exists needs ``--overwrite`` (``overwrite=True``;
+  ``--force``/``force=`` are its deprecated spellings);
 - dtypes the destination lacks (complex128 in safetensors, bfloat16 in NPZ)
   fail with the destination writer's message.
 
@@ -33,6 +34,7 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from pathlib import Path
 
 from fastckpt.formats.reader import mappings_of
@@ -127,8 +129,8 @@ def _exists(dst: str, fmt: str) -> bool:
 
 
 def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip_unsupported: bool = False,
-            force: bool = False, num_shards: int = 1, data_alignment: int = 1, fsync: bool = True,
-            progress=False) -> dict:
+            overwrite: bool = False, num_shards: int = 1, data_alignment: int = 1, fsync: bool = True,
+            progress=False, force: bool | None = None) -> dict:
     """Copy every tensor of ``src`` into a new file or checkpoint ``dst``; returns a summary dict.
 
     The summary has ``source`` / ``destination`` (formats), ``path`` (what was
@@ -140,16 +142,22 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
     ``object_graph``, ``num_shards`` and
     ``data_alignment`` apply to TensorFlow destinations. ``progress`` (``True``
     for a bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`)
-    counts the tensors' bytes as they are written.
+    counts the tensors' bytes as they are written. An existing ``dst`` is
+    replaced only with ``overwrite=True`` (``force=`` is its deprecated
+    spelling); no writer's file committed meanwhile is replaced without it.
     """
+    if force is not None:
+        warnings.warn("convert(force=...) is deprecated: pass overwrite=... (the one keyword of every writer)",
+                      DeprecationWarning, stacklevel=2)
+        overwrite = overwrite or bool(force)
     started = time.perf_counter()
     fmt = destination_format(dst, to)
     dst = os.fspath(dst)
     if fmt == "tf" and dst.endswith(".index"):
         dst = dst[: -len(".index")]
-    if _exists(dst, fmt) and not force:
-        raise FileExistsError(f"{dst}{'.index' if fmt == 'tf' else ''} already exists; pass --force (force=True) "
-                              "to replace it")
+    if _exists(dst, fmt) and not overwrite:
+        raise FileExistsError(f"{dst}{'.index' if fmt == 'tf' else ''} already exists; pass --overwrite "
+                              "(overwrite=True) to replace it")
     source = _Source(src)
     try:
         dropped, skipped, names = [], [], []
@@ -182,7 +190,8 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
                 dropped.append("metadata")
             with reading(source.reader, "its tensors to convert them") as guards, report.checking(guards), \
                     CheckpointWriter(dst, num_shards=num_shards, data_alignment=data_alignment,
-                                     object_graph=object_graph, fsync=fsync) as writer, user_report:
+                                     object_graph=object_graph, fsync=fsync, overwrite=overwrite) as writer, \
+                    user_report:
                 for name in names:
                     writer.add(name, source.array(name))
                     report.advance(sizes[name], name)
@@ -194,11 +203,11 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
                     user_report, part_of_a_save():  # the conversion logs its own line
                 if fmt == "safetensors":
                     fastckpt.save_safetensors(dst, tensors, metadata=source.metadata or None, fsync=fsync,
-                                              progress=report)
+                                              progress=report, overwrite=overwrite)
                 else:
                     if source.metadata:
                         dropped.append("metadata")
-                    fastckpt.save_npz(dst, tensors, fsync=fsync, progress=report)
+                    fastckpt.save_npz(dst, tensors, fsync=fsync, progress=report, overwrite=overwrite)
         # Object-style keys without a graph restore nothing in tf.train.Checkpoint.restore, silently.
         needs_graph = (fmt == "tf" and not object_graph and OBJECT_GRAPH_KEY not in names
                        and any("/.ATTRIBUTES/" in n for n in names))

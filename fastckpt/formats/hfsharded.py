@@ -140,21 +140,26 @@ Index
 
 Atomicity
     The shards are written into a hidden staging folder in the directory
-    (``.model.<pid>.<random>.partial``), each through the atomic writer and
-    fsynced. Then the commit: the previous save's entry points
-    (``model.safetensors.index.json``, and ``model.safetensors`` when writing
-    several shards) are removed, the shards are renamed into the directory,
-    the directory is fsynced, and the index is written last, itself through
-    the atomic writer. Shards of a previous save that the new one did not
-    overwrite are removed after that. So at every instant the directory
+    (``.model.@<host>~<ns>.<pid>.<random>.partial``), each through the atomic
+    writer and fsynced. Then the commit. With ``overwrite=True``: the
+    previous save's entry points (``model.safetensors.index.json``, and
+    ``model.safetensors`` when writing several shards) are removed, the
+    shards are renamed into the directory, the directory is fsynced, and the
+    index is written last, itself through the atomic writer; shards of a
+    previous save that the new one did not overwrite are removed after that.
+    With ``overwrite=False`` an existing entry point is refused
+    (``FileExistsError`` naming it) and every rename refuses an existing name,
+    so a checkpoint another writer commits meanwhile is never replaced: the
+    shards this save already moved are taken back, and nothing of it stays
+    (nor the directory, if the save created it). So at every instant the directory
     either has no entry point or one naming complete, fsynced files of one
     save; an index never names a missing, partial or foreign file. A crash or
     an error before the commit leaves the previous checkpoint untouched (the
     next save with the same prefix removes the staging folder of a dead
     writer); one during the commit (renames and a small index write) leaves
     no checkpoint rather than a mixed one. ``fsync=False`` skips the fsyncs:
-    still atomic for readers, not durable across power loss. One writer per
-    directory and prefix at a time.
+    still atomic for readers, not durable across power loss. With
+    ``overwrite=True``, one writer per directory and prefix at a time.
 
 Example
 =======
@@ -172,6 +177,7 @@ Example
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -189,7 +195,16 @@ import numpy as np
 
 from fastckpt.arrays import to_numpy
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
-from fastckpt.formats.atomic import _partial_path, atomic_write, fsync_directory, remove_stale_partials
+from fastckpt.formats.atomic import (
+    _make_parent,
+    _naming_target,
+    _partial_path,
+    atomic_write,
+    fsync_directory,
+    remove_stale_partials,
+    rename_noreplace,
+    resolve_overwrite,
+)
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.formats.safetensors import DEFAULT_ALIGNMENT, _checked_metadata, dtype_to_safetensors, save_safetensors
@@ -343,6 +358,7 @@ def save_sharded(
     fsync: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
     progress=False,
+    overwrite: bool | None = None,
 ) -> list[str]:
     """Write ``tensors`` (name -> array-like) into ``directory`` as Hugging Face sharded safetensors, atomically.
 
@@ -359,7 +375,11 @@ def save_sharded(
     previous save with the same prefix. Returns the names of the files
     written, the index last. ``progress`` (``True`` for a bar, or
     ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts the
-    tensors' bytes over all shards.
+    tensors' bytes over all shards. A previous save with the same prefix is
+    replaced only with ``overwrite=True`` (left out, it is still replaced,
+    with a ``FutureWarning``: docs/overwrite.md). An ``OSError`` names the
+    file under ``directory`` (the staging folder only as detail); a failed
+    save leaves nothing it created.
 
     Raises ``TypeError`` for a dtype safetensors cannot store or metadata that
     is not str -> str, ``ValueError`` for a bad size or prefix, or metadata
@@ -373,7 +393,7 @@ def save_sharded(
     >>> with open(os.path.join(d, "model.safetensors.index.json")) as f:
     ...     json.load(f)
     {'metadata': {'total_size': 64, 'format': 'pt'}, 'weight_map': {'a': 'model-00001-of-00002.safetensors', 'b': 'model-00002-of-00002.safetensors'}}
-    >>> save_sharded(d, {"a": np.zeros(8, np.float32)})   # one shard: replaces the two above
+    >>> save_sharded(d, {"a": np.zeros(8, np.float32)}, overwrite=True)   # one shard: replaces the two above
     ['model.safetensors']
     >>> sorted(os.listdir(d))
     ['model.safetensors']
@@ -392,38 +412,73 @@ def save_sharded(
     index = None if single else _index_bytes(weight_map, total, user)
 
     directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    staging_of = os.path.join(directory, prefix)
-    remove_stale_partials(staging_of)  # staging folders of writers that died
-    staging = _partial_path(staging_of)
-    os.mkdir(staging)
+    previous = [p for p in (os.path.join(directory, index_name), os.path.join(directory, f"{prefix}.safetensors"))
+                if os.path.lexists(p)]
+    overwrite = resolve_overwrite(overwrite, previous[0] if previous else directory, bool(previous))
+    if previous and not overwrite:
+        raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}: a checkpoint with prefix {prefix!r} is "
+                              "saved here; pass overwrite=True to replace it", previous[0])
+    created = not os.path.isdir(directory)
+    staging = None
     started = time.perf_counter()
     try:
+        _make_parent(directory, directory)
+        staging_of = os.path.join(directory, prefix)
+        remove_stale_partials(staging_of)  # staging folders of writers that died
+        staging = _partial_path(staging_of)
+        os.mkdir(staging)
         with progress_from(progress, total, "save sharded") as report, part_of_a_save():
             for shard, file in zip(shards, names):
                 save_safetensors(os.path.join(staging, file), {name: tensors[name] for name in shard}, user,
-                                 alignment=alignment, fsync=fsync, progress=report)
-        # The commit. First no entry point, then the shards, then the index: never an index over other files.
-        entry_points = [index_name] if single else [index_name, f"{prefix}.safetensors"]
-        if _remove(directory, entry_points) and fsync:
+                                 alignment=alignment, fsync=fsync, progress=report, overwrite=True)
+        _commit(directory, staging, names, prefix, index_name, index, single, fsync, overwrite)
+    except BaseException as e:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if created:  # a directory this save made, empty again: it goes too
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        if isinstance(e, OSError):
+            raise _naming_target(e, directory, staging, inside=True) from None
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    if overwrite:  # the replaced save's other shards (without overwrite, such names may be another writer's)
+        stale = re.compile(re.escape(prefix) + r"-\d{5,}-of-\d{5,}\.safetensors")
+        with os.scandir(directory) as entries:
+            leftovers = [e.name for e in entries if stale.fullmatch(e.name) and e.name not in names]
+        if _remove(directory, leftovers) and fsync:
             fsync_directory(directory)
-        for file in names:
-            os.replace(os.path.join(staging, file), os.path.join(directory, file))
-        if fsync:
-            fsync_directory(directory)
-        if index is not None:
-            with atomic_write(os.path.join(directory, index_name), fsync=fsync) as f:
-                f.write(index)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    stale = re.compile(re.escape(prefix) + r"-\d{5,}-of-\d{5,}\.safetensors")
-    with os.scandir(directory) as entries:
-        leftovers = [e.name for e in entries if stale.fullmatch(e.name) and e.name not in names]
-    if _remove(directory, leftovers) and fsync:
-        fsync_directory(directory)
     _log.info("saved %s: %d tensors, %d tensor bytes in %d files in %.3f s", directory, len(weight_map), total,
               len(names), time.perf_counter() - started)
     return names + ([index_name] if index is not None else [])
+
+
+def _commit(directory: str, staging: str, names: list[str], prefix: str, index_name: str, index: bytes | None,
+            single: bool, fsync: bool, overwrite: bool) -> None:
+    """Move the shards from ``staging`` into ``directory``, then write the index: never an index over other files.
+
+    With ``overwrite`` the previous save's entry points go first and the renames replace; without it every rename
+    refuses an existing name (``FileExistsError``). Either way a failure takes back the shards already moved:
+    no entry point names them.
+    """
+    if overwrite:
+        entry_points = [index_name] if single else [index_name, f"{prefix}.safetensors"]
+        if _remove(directory, entry_points) and fsync:
+            fsync_directory(directory)
+    move = os.replace if overwrite else rename_noreplace
+    moved = []
+    try:
+        for file in names:
+            move(os.path.join(staging, file), os.path.join(directory, file))
+            moved.append(file)
+        if fsync:
+            fsync_directory(directory)
+        if index is not None:
+            with atomic_write(os.path.join(directory, index_name), fsync=fsync, overwrite=overwrite) as f:
+                f.write(index)
+    except BaseException:
+        _remove(directory, moved)
+        raise
 
 
 def _remove(directory: str, files: list[str]) -> bool:

@@ -198,7 +198,7 @@ from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_le
 from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
 from fastckpt.arrays import to_numpy
 from fastckpt.errors import FormatError, IntegrityError
-from fastckpt.formats.atomic import atomic_write
+from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import file_log_level, progress_from, requested
@@ -352,6 +352,8 @@ class NpzWriter:
     64 KiB or more at multiples of 4096, smaller ones of 64: the policy of the
     module's spec) or a power of two up to 32768, the boundary of every array
     payload; ``fsync=False`` skips the fsyncs (still atomic, not durable).
+    An existing file at ``path`` is replaced only with ``overwrite=True``
+    (left out: replaced with a ``FutureWarning``, docs/overwrite.md).
 
     >>> import tempfile, os, numpy as np
     >>> path = os.path.join(tempfile.mkdtemp(), "w.npz")
@@ -361,9 +363,11 @@ class NpzWriter:
     (0, [0.0, 1.0, 2.0, 3.0])
     """
 
-    def __init__(self, path: str | os.PathLike, *, alignment: int | str = "auto", fsync: bool = True):
+    def __init__(self, path: str | os.PathLike, *, alignment: int | str = "auto", fsync: bool = True,
+                 overwrite: bool | None = None, _stacklevel: int = 2):
         self._policy = alignment_policy(alignment)
         self.path = os.fspath(path)
+        self.overwrite = resolve_overwrite(overwrite, self.path, os.path.lexists(self.path), stacklevel=_stacklevel + 1)
         self.alignment = alignment
         self.fsync = fsync
         self._context = None
@@ -375,7 +379,7 @@ class NpzWriter:
     def __enter__(self) -> "NpzWriter":
         if self._context is not None or self._done:
             raise RuntimeError("an NpzWriter is entered once")
-        self._context = atomic_write(self.path, fsync=self.fsync)
+        self._context = atomic_write(self.path, fsync=self.fsync, overwrite=self.overwrite)
         self._file = self._context.__enter__()
         # Every byte goes through the gather writer, straight from the arrays' buffers.
         self._out = GatherWriter(self._file.fileno())
@@ -489,7 +493,7 @@ def _pwrite_all(fd: int, data: bytes, position: int) -> None:
 
 
 def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | str = "auto", fsync: bool = True,
-             progress=False, storage_options: dict | None = None) -> None:
+             progress=False, storage_options: dict | None = None, overwrite: bool | None = None) -> None:
     """Save arrays as an aligned, uncompressed NPZ that ``np.load`` and netcl read; atomically.
 
     ``tensors`` is a mapping name -> array-like, or an iterable of ``(name,
@@ -505,6 +509,9 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | s
     total is ``None`` for an iterable of pairs. ``path`` may be a URL
     (``s3://...``, any fsspec URL, with ``storage_options``): written locally,
     then uploaded in one atomic upload (:mod:`fastckpt.formats.remote`).
+    An existing file at ``path`` is replaced only with ``overwrite=True``
+    (left out: replaced with a ``FutureWarning``, docs/overwrite.md); an
+    ``OSError`` names ``path``.
 
     >>> import tempfile, os, numpy as np
     >>> path = os.path.join(tempfile.mkdtemp(), "model.npz")
@@ -525,7 +532,7 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | s
     if requested(progress) and isinstance(tensors, Mapping):
         total = sum(_payload_nbytes(a) for a in tensors.values())
     with progress_from(progress, total, "save npz") as report, \
-            NpzWriter(path, alignment=alignment, fsync=fsync) as writer:
+            NpzWriter(path, alignment=alignment, fsync=fsync, overwrite=overwrite, _stacklevel=3) as writer:
         if report.enabled:  # each array written (not only queued) before it is reported
             items, batch = _reporting(items, report), False
         # A dict's own iteration runs no caller code, so its arrays can be queued and written together, and its

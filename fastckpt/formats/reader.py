@@ -436,7 +436,8 @@ def _what_directory_is(path: str) -> str:
                 f"({', '.join(n for _, n in steps[:3])}{', ...' if len(steps) > 3 else ''}): open one checkpoint, "
                 f"as fastckpt.open({latest!r}) (the latest), or restore with "
                 f"CheckpointManager({path!r}).restore_latest(model, ...)")
-    if names == [".fastckpt-manager.json"]:  # fastckpt.train.manager's record: a manager that kept no checkpoint
+    if ".fastckpt-manager.json" in names and set(names) <= {".fastckpt-manager.json", ".fastckpt-manager.lock"}:
+        # fastckpt.train.manager's record (and the lock of its changes): a manager that kept no checkpoint
         return ("it is a fastckpt.train.CheckpointManager directory that holds no checkpoint yet: save one with "
                 f"CheckpointManager({path!r}).save(step, model, ...)")
     inner = [n for n, d in found if d and any(os.path.isfile(os.path.join(path, n, m)) for m in DIRECTORY_READERS)]

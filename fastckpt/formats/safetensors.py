@@ -176,7 +176,7 @@ from fastckpt._native.safetensors import (
     write_tensors,
 )
 from fastckpt.arrays import to_numpy
-from fastckpt.formats.atomic import atomic_write
+from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import file_log_level, progress_from, requested
@@ -379,6 +379,7 @@ def save_safetensors(
     hasher=None,
     progress=False,
     storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool | None = None,
 ) -> None:
     """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
 
@@ -393,6 +394,10 @@ def save_safetensors(
     in order as it is written, so the file's hash needs no second read.
     ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
     :mod:`fastckpt.progress`) counts the tensors' bytes as they are written.
+    An existing file at ``path`` is replaced only with ``overwrite=True``
+    (left out, it is still replaced, with a ``FutureWarning``: see
+    docs/overwrite.md); another writer's file committed meanwhile is never
+    replaced without it. An ``OSError`` names ``path``.
 
     Raises ``TypeError`` for a dtype safetensors cannot store (object,
     strings, complex128, ...) or non-string metadata, naming the tensor or key.
@@ -424,10 +429,11 @@ def save_safetensors(
         _check_unique(plan)
     plan.sort()  # dtype rank descending, then name: the reference writer's order
     prefix = _header_bytes(plan, checked_metadata, alignment)
+    overwrite = resolve_overwrite(overwrite, path, os.path.lexists(path))
     count, started = len(plan), time.perf_counter()
     total = sum(t[_NBYTES] for t in plan) if requested(progress) else None
     with progress_from(progress, total, "save safetensors") as report, \
-            atomic_write(path, fsync=fsync) as f, GatherWriter(f.fileno(), hasher) as out:
+            atomic_write(path, fsync=fsync, overwrite=overwrite) as f, GatherWriter(f.fileno(), hasher) as out:
         out.write(prefix)
         if report.enabled:
             _write_reporting(out, plan, report)

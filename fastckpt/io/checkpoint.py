@@ -129,23 +129,28 @@ def _dtype_of(param):
         return None
 
 
-def save_params(params: Iterable, path, names=None, *, fsync: bool = True) -> str:
+def save_params(params: Iterable, path, names=None, *, fsync: bool = True, overwrite: bool | None = None) -> str:
     """Write ``params`` (Tensors or arrays) to a raw NPZ; returns the path written.
+
+    An existing file is replaced only with ``overwrite=True`` (left out:
+    replaced with a ``FutureWarning``, docs/overwrite.md).
 
     >>> save_params(model.parameters(), "raw/iter_1000.npz", names=["fc1.weight", "fc1.bias"])  # doctest: +SKIP
     'raw/iter_1000.npz'
     """
+    from fastckpt.formats.atomic import resolve_overwrite
     from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
     names = _names(params, names)
     target = _npz_path(path)
+    overwrite = resolve_overwrite(overwrite, target, os.path.lexists(target))
 
     def entries():
         for i, (name, param) in enumerate(zip(names, params)):
             yield name, _to_host(param, f"params[{i}] ({name!r})")
 
-    save_npz(target, entries(), alignment=4096, fsync=fsync)
+    save_npz(target, entries(), alignment=4096, fsync=fsync, overwrite=overwrite)
     return target
 
 
@@ -223,13 +228,16 @@ def _restore(doc: dict, tf) -> Any:
 
 
 def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names=None, *,
-                    fsync: bool = True) -> tuple[str, str]:
+                    fsync: bool = True, overwrite: bool | None = None) -> tuple[str, str]:
     """Write ``<path>.npz`` (parameters and state arrays) and ``<path>.json``; returns both paths.
+
+    An existing pair is replaced only with ``overwrite=True`` (left out:
+    replaced with a ``FutureWarning``, docs/overwrite.md).
 
     >>> save_checkpoint(params, "ckpt/run.v1", optim_state={"velocity": [v0]}, config={"step": 3})  # doctest: +SKIP
     ('ckpt/run.v1.npz', 'ckpt/run.v1.json')
     """
-    from fastckpt.formats.atomic import atomic_write
+    from fastckpt.formats.atomic import atomic_write, resolve_overwrite
     from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
@@ -256,19 +264,21 @@ def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names
         yield from arrays
 
     npz_path, json_path = base + ".npz", base + ".json"
+    exists = os.path.lexists(npz_path) or os.path.lexists(json_path)
+    overwrite = resolve_overwrite(overwrite, npz_path if os.path.lexists(npz_path) else json_path, exists)
     # The pair is replaced NPZ first, JSON second. The JSON is written out (and fsynced) before the NPZ is
     # touched, and the old NPZ is kept aside until the JSON's rename is done, so an error at any step
     # leaves the old pair as it was, never a new NPZ beside an old JSON.
     old_npz = None
     npz_replaced = False
     try:
-        with atomic_write(json_path, fsync=fsync) as f:
+        with atomic_write(json_path, fsync=fsync, overwrite=overwrite) as f:
             f.write(text.encode("utf-8"))
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
             old_npz = _keep_aside(npz_path)
-            save_npz(npz_path, entries(), alignment=4096, fsync=fsync)
+            save_npz(npz_path, entries(), alignment=4096, fsync=fsync, overwrite=overwrite)
             npz_replaced = True
     except BaseException:
         if npz_replaced:

@@ -217,7 +217,7 @@ def model_metadata(model) -> dict:
 
 
 def save_model(model, path: str | os.PathLike, *, fsync: bool = True, progress=False,
-               storage_options: dict | None = None) -> None:
+               storage_options: dict | None = None, overwrite: bool | None = None) -> None:
     """Write ``model`` to one ``.netcl`` file at exactly ``path`` (atomic; parents created).
 
     Payloads are 4096-byte aligned; the same model always gives the same bytes.
@@ -227,10 +227,17 @@ def save_model(model, path: str | os.PathLike, *, fsync: bool = True, progress=F
     counts the weights' bytes as each is written. ``path`` may be a URL
     (``s3://bucket/model.netcl``, any fsspec URL, with ``storage_options``):
     the same bytes, uploaded in one atomic upload (:mod:`fastckpt.formats.remote`).
+    An existing file at ``path`` is replaced only with ``overwrite=True``
+    (left out: replaced with a ``FutureWarning``, docs/overwrite.md).
 
     >>> save_model(Sequential(Linear(None, 4, 2), ReLU()), "out/tiny.netcl")   # doctest: +SKIP
     """
+    from fastckpt.formats.atomic import resolve_overwrite
     from fastckpt.formats.npz import save_npz
+    from fastckpt.formats.remote import is_url
+
+    if not is_url(path):
+        overwrite = resolve_overwrite(overwrite, path, os.path.lexists(path))
 
     meta = model_metadata(model)
     try:  # before anything is written: a config that JSON cannot hold leaves no file
@@ -258,7 +265,8 @@ def save_model(model, path: str | os.PathLike, *, fsync: bool = True, progress=F
         yield META_KEY, np.array(text)
 
     with progress_from(progress, total, "save model") as report, part_of_a_save():  # this save logs its own line
-        save_npz(os.fspath(path), entries(report), alignment=4096, fsync=fsync, storage_options=storage_options)
+        save_npz(os.fspath(path), entries(report), alignment=4096, fsync=fsync, storage_options=storage_options,
+                 overwrite=overwrite)
     _log.info("saved model %s: %d weights, %d bytes in %.3f s", os.fspath(path), len(named), written[0],
               time.perf_counter() - started)
 

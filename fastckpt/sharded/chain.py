@@ -110,7 +110,7 @@ def resolve_chain(path: str | os.PathLike) -> list[tuple[str, dict]]:
 
 def checkpoints(directory: str | os.PathLike) -> list[str]:
     """The committed sharded checkpoints directly in ``directory``, oldest commit first (``manifest.json``'s
-    modification time, then the name).
+    modification time, then the name). A symbolic link to a checkpoint elsewhere is not one of them.
 
     >>> import tempfile; checkpoints(tempfile.mkdtemp())
     []
@@ -119,7 +119,7 @@ def checkpoints(directory: str | os.PathLike) -> list[str]:
     with os.scandir(os.fspath(directory)) as it:
         for entry in it:
             manifest = os.path.join(entry.path, MANIFEST_FILE)
-            if entry.is_dir() and not entry.name.startswith(".") and os.path.isfile(manifest):
+            if entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".") and os.path.isfile(manifest):
                 try:
                     if read_metadata(entry.path)["manifest"]["format"] == FORMAT:
                         found.append((os.stat(manifest).st_mtime_ns, entry.name, os.path.abspath(entry.path)))
@@ -142,15 +142,20 @@ def prune(directory: str | os.PathLike, keep_last: int) -> list[str]:
 
     A checkpoint is uncommitted first (its ``manifest.json`` removed and the directory synced), then deleted,
     so a crash part-way never leaves something that reads as a checkpoint. A kept checkpoint whose chain is
-    broken raises :class:`BrokenChainError` and nothing is removed.
+    broken raises :class:`BrokenChainError` and nothing is removed. Symbolic links are never followed: a link
+    in ``directory`` is no checkpoint of it (what it points to is never touched), and a checkpoint a kept chain
+    reaches through a link is kept.
+
+    >>> import tempfile; prune(tempfile.mkdtemp(), keep_last=1)
+    []
     """
     if type(keep_last) is not int or keep_last < 1:
         raise ValueError(f"keep_last must be a positive int, got {keep_last!r}")
     found = checkpoints(directory)
-    keep = needed(found[-keep_last:])
+    keep = {os.path.realpath(path) for path in needed(found[-keep_last:])}
     removed = []
     for path in found:
-        if path in keep:
+        if os.path.realpath(path) in keep or os.path.islink(path):  # a link swapped in since the listing: never
             continue
         os.unlink(os.path.join(path, MANIFEST_FILE))
         fsync_directory(path)

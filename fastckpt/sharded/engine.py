@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
@@ -61,6 +62,33 @@ __all__ = [
 
 #: Seconds that ``broadcast`` and ``gather`` wait for the other ranks unless told otherwise.
 DEFAULT_TIMEOUT = 600.0
+
+
+def error_info(exc: BaseException) -> dict:
+    """``exc`` as rank 0 broadcasts it: its text, and for an ``OSError`` its errno and path, so that every rank
+    raises the same kind (:func:`raise_from_root`).
+
+    >>> error_info(FileExistsError(17, "File exists", "/ckpt/step-1"))["filename"]
+    '/ckpt/step-1'
+    """
+    info = {"error": f"{type(exc).__name__}: {exc}"}
+    if isinstance(exc, OSError) and exc.errno is not None:
+        info.update(errno=exc.errno, strerror=exc.strerror or os.strerror(exc.errno),
+                    filename=None if exc.filename is None else os.fspath(exc.filename))
+    return info
+
+
+def raise_from_root(info: dict, what: str) -> None:
+    """Raise rank 0's failure on another rank: an ``OSError`` of the same errno (``FileExistsError`` stays one)
+    naming the same path, anything else a ``RuntimeError``.
+
+    >>> raise_from_root(error_info(FileExistsError(17, "File exists", "/c")), "save to /c")
+    Traceback (most recent call last):
+    FileExistsError: [Errno 17] File exists (save to /c): '/c'
+    """
+    if "errno" in info:
+        raise OSError(info["errno"], f"{info['strerror']} ({what})", info["filename"])
+    raise RuntimeError(f"{what}: {info['error']}")
 
 
 class BarrierTimeoutError(FastCkptError, TimeoutError):

@@ -24,11 +24,14 @@ Incremental (delta) saves need a local directory: a delta names its base by path
 
 from __future__ import annotations
 
+import errno
 import shutil
 import tempfile
 from pathlib import Path
 
 from fastckpt.formats import remote
+from fastckpt.sharded.engine import error_info as _error_info
+from fastckpt.sharded.engine import raise_from_root as _raise_from_root
 from fastckpt.sharded.format import DESCRIPTION_FILE, INDEX_FILE, MANIFEST_FILE, TENSORKEY_FILE
 
 __all__ = ["save", "load"]
@@ -43,17 +46,20 @@ def save(saver) -> str:
     engine = saver._engine()
     root = engine.rank == 0
     start: dict = {}
+    start_error = None
     if root:
         try:
             if not saver.overwrite and remote.committed(url, MANIFEST_FILE, options):
-                raise FileExistsError(f"{url}: already exists; pass overwrite=True to replace it")
+                raise FileExistsError(errno.EEXIST, "already exists; pass overwrite=True to replace it", url)
             remote.clear(url, MANIFEST_FILE, options)  # an old checkpoint, or a save that never committed
             start = {"ok": True}
         except Exception as exc:
-            start = {"error": f"{type(exc).__name__}: {exc}"}
+            start, start_error = _error_info(exc), exc
     start = engine.broadcast(start, root=0, timeout=saver.timeout)
     if "error" in start:
-        raise RuntimeError(f"sharded save to {url}: rank 0 could not start it: {start['error']}")
+        if start_error is not None:
+            raise start_error  # rank 0's own: FileExistsError stays FileExistsError
+        _raise_from_root(start, f"sharded save to {url}: rank 0 could not start it")
     saver.kind = "full"
     tmp = Path(tempfile.mkdtemp(prefix="fastckpt-shard-"))
     try:

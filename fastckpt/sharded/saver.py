@@ -59,11 +59,19 @@ from typing import Any, Callable, Mapping
 import blake3
 import numpy as np
 
-from fastckpt.formats.atomic import _partial_name, _swap_in, fsync_directory, remove_stale_partials_in
+from fastckpt.formats.atomic import (
+    _naming_target,
+    _staging_directory,
+    _swap_in,
+    fsync_directory,
+    remove_stale_partials_in,
+)
 from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.progress import part_of_a_save, progress_from
 from fastckpt.sharded.codec import check_options, encode_ids, encode_values
+from fastckpt.sharded.engine import error_info as _error_info
+from fastckpt.sharded.engine import raise_from_root as _raise_from_root
 from fastckpt.sharded.format import (
     DELTA_VERSION,
     DESCRIPTION_FILE,
@@ -374,11 +382,12 @@ class Saver:
         final = Path(self.path).absolute()
         root = engine.rank == 0
         start: dict = {}
+        start_error = None
         if root:
             try:
                 start = {"staging": os.fspath(self._begin(final))}
             except Exception as exc:
-                start = {"error": f"{type(exc).__name__}: {exc}"}
+                start, start_error = _error_info(exc), exc
         try:
             start = engine.broadcast(start, root=0, timeout=self.timeout)
         except BaseException:
@@ -386,7 +395,9 @@ class Saver:
                 self._abandon(Path(start["staging"]))
             raise
         if "error" in start:
-            raise RuntimeError(f"sharded save to {final}: rank 0 could not start it: {start['error']}")
+            if start_error is not None:
+                raise start_error  # rank 0's own: FileExistsError stays FileExistsError
+            _raise_from_root(start, f"sharded save to {final}: rank 0 could not start it")
         staging = Path(start["staging"])
         self.kind, plan = "full", {"kind": "full"}
         if self.policy is not None:
@@ -401,6 +412,8 @@ class Saver:
         try:
             report = self._write_files(staging, self._filtered())
         except Exception as exc:
+            if isinstance(exc, OSError):  # the checkpoint's path, the staging directory only as detail
+                exc = _naming_target(exc, os.fspath(final), os.fspath(staging), inside=True)
             report, error = {"error": f"rank {self.shard_index}: {type(exc).__name__}: {exc}"}, exc
         # a rank that did not report, failed, or a failed commit: no checkpoint, nothing left behind
         status, commit_error = self._commit_on_root(engine, report,
@@ -447,7 +460,7 @@ class Saver:
         except BaseException as exc:
             if abandon is not None:
                 abandon()
-            status, commit_error = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, exc
+            status, commit_error = {"ok": False, **_error_info(exc)}, exc
         engine.broadcast(status, root=0, timeout=self.timeout)
         return status, commit_error
 
@@ -461,7 +474,7 @@ class Saver:
         if commit_error is not None:
             raise commit_error
         if not status["ok"]:
-            raise RuntimeError(f"sharded save to {where} failed on rank 0: {status['error']}")
+            _raise_from_root(status, f"sharded save to {where} failed on rank 0")
         for name in report["tables"] if self.quantize is None else ():  # committed: the tables match it now
             self.hashtables[name].mark_clean((base, status["manifest_blake3"]))
         self._changes = {}
@@ -514,13 +527,7 @@ class Saver:
                 "chain_length": length}
 
     def _begin(self, final: Path) -> Path:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        _sweep(final.parent)
-        if final.exists() and not self.overwrite:
-            raise FileExistsError(f"{final}: already exists; pass overwrite=True to replace it")
-        staging = _partial_name(final)
-        staging.mkdir()
-        return staging
+        return _staging_directory(final, self.overwrite, lambda: _sweep(final.parent))
 
     @staticmethod
     def _abandon(staging: Path) -> None:
@@ -575,9 +582,9 @@ class Saver:
         data = dumps(manifest)
         _write_synced(staging / MANIFEST_FILE, data)
         fsync_directory(staging)
-        if final.exists() and not self.overwrite:
-            raise FileExistsError(f"{final}: appeared during the save; pass overwrite=True to replace it")
-        _swap_in(staging, final)
+        # Without overwrite a no-replace rename: a checkpoint another writer committed meanwhile stays, and
+        # this save raises FileExistsError naming it.
+        _swap_in(staging, final, overwrite=self.overwrite)
         fsync_directory(final.parent)
         return blake3.blake3(data).hexdigest()
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fastckpt.errors import CheckpointNotFoundError, FastCkptError, FormatError
-from fastckpt.formats.atomic import atomic_write
+from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.state import STATEFUL_JSON, StateObject, accessors, dumps
 from fastckpt.state import decode as _decode
 from fastckpt.state import encode as _encode_state
@@ -468,18 +468,21 @@ class Checkpoint:
         self._source = source
 
     # ----------------------------------------------------------------- files
-    def save(self, pattern: str | os.PathLike, *, keep: int | None = None, fsync: bool = True) -> str:
+    def save(self, pattern: str | os.PathLike, *, keep: int | None = None, fsync: bool = True,
+             overwrite: bool | None = None) -> str:
         """Write :meth:`serialize`'s text to a new file; returns its path.
 
         ``pattern`` is a file name with an optional ``{seq}`` placeholder
         (format specs such as ``{seq:04d}`` are honoured); ``{seq}`` becomes
         one more than the highest number on disk (0 for the first), so
-        existing files are never overwritten. Without ``{seq}`` the one file
-        is replaced. The write is atomic. ``keep=N`` then deletes the oldest
-        files of this pattern that this Checkpoint wrote, so that N of them
-        remain; files it did not write (or that were replaced or rewritten
-        since) are never touched. The next number comes from listing the
-        directory, so one process at a time may save to a pattern. Raises
+        existing files are never overwritten: a number another process
+        takes meanwhile is refused by the commit's no-replace rename, and the
+        save takes the next one. Without ``{seq}`` the one file is replaced
+        only with ``overwrite=True`` (left out: replaced with a
+        ``FutureWarning``, docs/overwrite.md). The write is atomic. ``keep=N``
+        then deletes the oldest files of this pattern that this Checkpoint
+        wrote, so that N of them remain; files it did not write (or that were
+        replaced or rewritten since) are never touched. Raises
         ``RuntimeError`` if there are no states.
 
         >>> import tempfile, os
@@ -495,12 +498,21 @@ class Checkpoint:
         parsed = _Pattern(pattern)
         text = self.serialize() + "\n"
         if parsed.has_seq:
-            existing = parsed.existing()
-            path = parsed.path(max(existing) + 1 if existing else 0)
+            for attempt in range(100):
+                existing = parsed.existing()
+                path = parsed.path(max(existing) + 1 if existing else 0)
+                try:
+                    with atomic_write(path, fsync=fsync, overwrite=False) as f:
+                        f.write(text.encode("ascii"))
+                    break
+                except FileExistsError:  # another writer took this number first: the next one
+                    if attempt == 99:
+                        raise
         else:
             path = parsed.path()
-        with atomic_write(path, fsync=fsync) as f:
-            f.write(text.encode("ascii"))
+            overwrite = resolve_overwrite(overwrite, path, os.path.lexists(path))
+            with atomic_write(path, fsync=fsync, overwrite=overwrite) as f:
+                f.write(text.encode("ascii"))
         written = self._written.setdefault(parsed.text, [])
         written[:] = [(p, ident) for p, ident in written if p != path]
         written.append((path, _identity(os.stat(path))))

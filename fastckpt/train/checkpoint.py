@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory
+from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory, resolve_overwrite
 from fastckpt.formats.hashing import HASH_ALGORITHMS, new_hasher
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import part_of_a_save, progress_from
@@ -122,7 +122,13 @@ def check_hash(hash: str) -> str:
 
 def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: bool, fsync: bool = True,
                    hash: str = DEFAULT_HASH, progress=False) -> str:
-    """Write ``snap`` as a checkpoint directory at ``out_dir`` (atomically); returns the weights' ``"<hash>:<hex>"``."""
+    """Write ``snap`` as a checkpoint directory at ``out_dir`` (atomically); returns the weights' ``"<hash>:<hex>"``.
+
+    With ``overwrite=False`` an existing ``out_dir`` is refused, at the start
+    and again by the commit's no-replace rename (:mod:`fastckpt.formats.atomic`),
+    so a checkpoint another writer commits meanwhile is never replaced: this
+    save raises :class:`FileExistsError` naming ``out_dir`` and leaves nothing.
+    """
     check_hash(hash)
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -136,7 +142,7 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
     tables = [t for t in (snap.weights, snap.optim) if t is not None]
     nbytes = sum(a.nbytes for t in tables for a in t.tensors.values())
     with progress_from(progress, nbytes, "save checkpoint") as report:
-        digest = _write_directory(snap, out, fsync, hash, report)
+        digest = _write_directory(snap, out, fsync, hash, report, overwrite)
     if fsync:
         fsync_directory(out.parent)
     _log.info("saved checkpoint %s: step %s, %d tensors, %d bytes in %.3f s", out, snap.manifest.get("step"),
@@ -144,11 +150,11 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
     return digest
 
 
-def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=False) -> str:
+def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=False, overwrite: bool = False) -> str:
     from fastckpt.formats.safetensors import save_safetensors
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fastckpt-save") as pool, \
-            atomic_directory(out, fsync=False, overwrite=True) as tmp:
+            atomic_directory(out, fsync=False, overwrite=overwrite) as tmp:
         files: dict[str, dict] = {}
         syncs: list[concurrent.futures.Future] = []
 
@@ -165,12 +171,13 @@ def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=F
                 continue
             hasher = new_hasher(hash)
             with part_of_a_save():  # this save logs its own line
+                # overwrite=True inside the staging directory: it is this save's alone.
                 save_safetensors(tmp / name, table.tensors, _table_metadata(table, tree, fmt), alignment=ALIGNMENT,
-                                 fsync=False, hasher=hasher, progress=report)
+                                 fsync=False, hasher=hasher, progress=report, overwrite=True)
             finished(name, hasher)
         hasher = new_hasher(hash)
         hasher.update(snap.extra_json)
-        with atomic_write(tmp / EXTRA_FILE, fsync=False) as f:
+        with atomic_write(tmp / EXTRA_FILE, fsync=False, overwrite=True) as f:
             f.write(snap.extra_json)
         finished(EXTRA_FILE, hasher)
         for fut in syncs:
@@ -179,7 +186,7 @@ def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=F
         manifest = dict(snap.manifest, weights_digest=digest, files=files)
         # The manifest goes last: its presence marks the directory complete (atomic_write fsyncs
         # it and the temporary directory when fsync is on).
-        with atomic_write(tmp / MANIFEST_FILE, fsync=fsync) as f:
+        with atomic_write(tmp / MANIFEST_FILE, fsync=fsync, overwrite=True) as f:
             f.write(json.dumps(manifest, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8"))
     return digest
 
@@ -188,7 +195,7 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
                     out_dir: str | os.PathLike, step: int, epoch: int = 0,
                     extra_metrics: Mapping[str, Any] | None = None, *, scaler: Any = None,
                     seed: int | None = None, config: Any = None, data_manifest: Any = None,
-                    overwrite: bool = True, fsync: bool = True, hash: str = DEFAULT_HASH, progress=False,
+                    overwrite: bool | None = None, fsync: bool = True, hash: str = DEFAULT_HASH, progress=False,
                     storage_options: dict | None = None) -> str:
     """Save the whole training state to the directory ``out_dir``; returns the checkpoint's digest.
 
@@ -204,8 +211,10 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
     Tensors (``to_host()``), PyTorch tensors or anything with DLPack,
     ``__array__`` or the buffer protocol (:mod:`fastckpt.arrays`). ``config`` and ``data_manifest`` (JSON-like) are hashed into
     the manifest. An existing checkpoint at ``out_dir`` is replaced, after the
-    new one is complete, unless ``overwrite=False``; a directory that is not
-    a checkpoint is never replaced. ``progress`` (``True`` for a bar, or
+    new one is complete, only with ``overwrite=True`` (left out, it is still
+    replaced, with a ``FutureWarning``: docs/overwrite.md); a directory that
+    is not a checkpoint is never replaced, nor one that another writer
+    commits while this one writes unless ``overwrite=True``. ``progress`` (``True`` for a bar, or
     ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts the
     arrays' bytes as they are written. ``out_dir`` may be a URL
     (``s3://bucket/run/step-10``, with ``storage_options``): the same files,
@@ -217,10 +226,14 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
     >>> digest = save_checkpoint(m, SGD(m.parameters(), lr=0.1), None, None, None, out, step=1)
     >>> digest[:7], len(digest)
     ('blake3:', 71)
-    >>> save_checkpoint(m, None, None, None, None, out, step=1, hash="sha256")[:7]
+    >>> save_checkpoint(m, None, None, None, None, out, step=1, hash="sha256", overwrite=True)[:7]
     'sha256:'
     """
     check_hash(hash)
+    if not is_url(out_dir):
+        overwrite = resolve_overwrite(overwrite, out_dir, os.path.lexists(out_dir))
+    elif overwrite is None:
+        overwrite = True  # 0.2's default; an upload's commit is its manifest (fastckpt.train.remote)
     snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
                          metrics=extra_metrics, scaler=scaler, seed=seed, config=config, data_manifest=data_manifest)
     if is_url(out_dir):  # object storage and remote filesystems: fastckpt.train.remote

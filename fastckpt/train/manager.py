@@ -9,15 +9,20 @@ What counts as a checkpoint
     files all exist with their recorded sizes. Directories appear only by an
     atomic rename once complete, so a save cut short (even by ``kill -9``)
     leaves nothing that :meth:`latest` returns; its temporary
-    (``.step-<N>.<pid>.<hex>.partial``) is removed by the next manager or
-    save once that process is gone. ``latest()`` does not hash files;
+    (``.step-<N>.@<host>~<ns>.<pid>.<hex>.partial``) is removed by the next
+    manager or save once that process is gone (another host's only after
+    :data:`fastckpt.formats.atomic.STALE_AFTER`, an hour). ``latest()`` does not hash files;
     ``restore_latest`` does (``verify=True``).
 
 What it deletes
     Only checkpoints it wrote. Before writing ``step-<N>`` it records the name
     in ``directory/.fastckpt-manager.json`` (written atomically); retention
     considers only recorded checkpoints, so checkpoints copied in by hand or
-    written by other tools are never deleted. A checkpoint is deleted by
+    written by other tools are never deleted. Every change of the record is
+    a read-modify-write under an exclusive ``flock`` of
+    ``directory/.fastckpt-manager.lock``, so any number of managers (threads,
+    processes, hosts on NFS) on one directory lose no name; a name leaves the
+    record only when its checkpoint is deleted. A checkpoint is deleted by
     renaming it to a temporary name first and then removing it, so an
     interrupted deletion never leaves a half-deleted ``step-<N>``.
 
@@ -36,7 +41,9 @@ Hashes
     Every file is hashed as it is written, with ``hash`` (``"blake3"``, the
     default, or ``"sha256"``); see :mod:`fastckpt.train.format`.
 
-One manager writes to a directory at a time; any number may read it.
+Two managers saving the same step: the first to commit wins, the other gets
+:class:`FileExistsError` naming the step's directory (unless it passed
+``overwrite=True``) and leaves nothing behind.
 
 A URL (``CheckpointManager("s3://bucket/run", storage_options=...)``) gives a
 :class:`~fastckpt.train.remote.RemoteCheckpointManager`: the same steps and
@@ -56,6 +63,7 @@ retention over prefixes whose manifest, uploaded last, commits them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -63,12 +71,12 @@ import re
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials
+from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials_in
 from fastckpt.formats.remote import is_url
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
 from fastckpt.train.checkpoint import (
@@ -85,9 +93,9 @@ from fastckpt.train.snapshot import take_snapshot
 __all__ = ["CheckpointManager"]
 
 RECORD_FILE = ".fastckpt-manager.json"
+LOCK_FILE = ".fastckpt-manager.lock"
 RECORD_FORMAT = "fastckpt.train.manager"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_PARTIAL = re.compile(r"^\.(.+)\.(\d+)\.([0-9a-f]+)\.partial$")
 
 
 class CheckpointManager:
@@ -145,13 +153,23 @@ class CheckpointManager:
         return self.directory / f"step-{int(step):08d}"
 
     def _sweep_partials(self) -> None:
-        finals = set()
-        for entry in self.directory.iterdir():
-            m = _PARTIAL.match(entry.name)
-            if m:
-                finals.add(m.group(1))
-        for name in finals:
-            remove_stale_partials(self.directory / name)
+        remove_stale_partials_in(self.directory)
+
+    @contextlib.contextmanager
+    def _record_lock(self) -> Iterator[None]:
+        """This manager's threads, then every manager of the directory (an ``flock`` of :data:`LOCK_FILE`)."""
+        with self._lock:
+            try:
+                import fcntl
+            except ImportError:  # no fcntl (Windows): one manager per directory
+                yield
+                return
+            fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # and with it the lock
 
     def _manifest(self, path: Path) -> dict | None:
         """The manifest of a complete checkpoint at ``path``, else None (sizes checked on every call)."""
@@ -221,11 +239,11 @@ class CheckpointManager:
 
     def _write_record(self, names: list[str]) -> None:
         body = json.dumps({"format": RECORD_FORMAT, "version": 1, "written": names}, indent=1).encode("utf-8")
-        with atomic_write(self.directory / RECORD_FILE, fsync=self.fsync) as f:
+        with atomic_write(self.directory / RECORD_FILE, fsync=self.fsync, overwrite=True) as f:
             f.write(body)
 
     def _record_intent(self, name: str) -> None:
-        with self._lock:
+        with self._record_lock():
             names = self._read_record()
             if name not in names:
                 # Recorded before the write, so a checkpoint can never exist unrecorded and leak.
@@ -258,7 +276,7 @@ class CheckpointManager:
         return [s for s in steps if s not in keep]
 
     def _apply_retention(self) -> list[int]:
-        with self._lock:
+        with self._record_lock():
             names = self._read_record()
             recorded = set(names)
             complete = self._complete()
@@ -273,7 +291,9 @@ class CheckpointManager:
                 self._manifests.pop(path.name, None)
                 shutil.rmtree(trash, ignore_errors=True)
             gone = {managed[s].name for s in doomed}
-            kept = [n for n in names if n not in gone and (self.directory / n).exists()]
+            # A recorded name whose directory does not exist yet may be another manager's save in flight:
+            # it stays, or that checkpoint would never be pruned.
+            kept = [n for n in names if n not in gone]
             if kept != names:
                 self._write_record(kept)
             return doomed

@@ -25,6 +25,7 @@ succeeds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import re
@@ -35,7 +36,7 @@ import numpy as np
 
 from fastckpt._native.tftable import mask_crc
 from fastckpt.arrays import to_numpy
-from fastckpt.formats.atomic import atomic_write
+from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.formats.tf import dtypes as _dt
 from fastckpt.formats.tf.proto import (
     BundleHeader,
@@ -168,7 +169,11 @@ class CheckpointWriter:
     ``add(..., shard=i)`` picks one, otherwise the emptiest shard is used.
     ``data_alignment`` pads after each tensor with zeros so that every tensor
     starts at a multiple of it (TensorFlow's default and ours is 1: packed).
-    Leaving the ``with`` block by an exception discards everything.
+    Leaving the ``with`` block by an exception discards everything. An
+    existing checkpoint at ``prefix`` (its ``.index``) is replaced only with
+    ``overwrite=True`` (left out: replaced with a ``FutureWarning``,
+    docs/overwrite.md); without it no file of another writer's checkpoint
+    committed meanwhile is replaced either.
 
     >>> import numpy as np, tempfile, os
     >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -180,7 +185,7 @@ class CheckpointWriter:
     """
 
     def __init__(self, prefix, *, num_shards: int = 1, data_alignment: int = 1, object_graph: bool = False,
-                 save_counter: int = 1, fsync: bool = True):
+                 save_counter: int = 1, fsync: bool = True, overwrite: bool | None = None, _stacklevel: int = 2):
         if num_shards < 1:
             raise ValueError(f"num_shards must be at least 1, got {num_shards}")
         if data_alignment < 1:
@@ -191,6 +196,11 @@ class CheckpointWriter:
         self.object_graph = object_graph
         self.save_counter = save_counter
         self.fsync = fsync
+        self.overwrite = resolve_overwrite(overwrite, self.prefix + ".index", os.path.lexists(self.prefix + ".index"),
+                                           stacklevel=_stacklevel + 1)
+        if not self.overwrite and os.path.lexists(self.prefix + ".index"):
+            raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
+                                  self.prefix + ".index")
         self._entries: dict = {}  # key bytes -> (key str, encoded BundleEntryProto fields)
         self._paths: dict = {}  # key -> (object path, attribute) when object_graph
         self._offsets = [0] * num_shards
@@ -201,7 +211,8 @@ class CheckpointWriter:
         try:
             for shard in range(num_shards):
                 self._files.append(self._stack.enter_context(
-                    atomic_write(data_filename(self.prefix, shard, num_shards), fsync=fsync)))
+                    atomic_write(data_filename(self.prefix, shard, num_shards), fsync=fsync,
+                                 overwrite=self.overwrite)))
         except BaseException:
             self._stack.close()
             raise
@@ -338,7 +349,7 @@ class CheckpointWriter:
             raise
         self._done = True
         self._stack.close()  # data files are complete and renamed before the index exists
-        with atomic_write(self.prefix + ".index", fsync=self.fsync) as f:
+        with atomic_write(self.prefix + ".index", fsync=self.fsync, overwrite=self.overwrite) as f:
             f.write(index.getbuffer())
 
     def abort(self, exc_type=None, exc=None, tb=None) -> None:
@@ -352,12 +363,13 @@ class CheckpointWriter:
 
 
 def write_checkpoint(prefix, tensors, *, num_shards: int = 1, data_alignment: int = 1, object_graph: bool = False,
-                     fsync: bool = True) -> None:
+                     fsync: bool = True, overwrite: bool | None = None) -> None:
     """Write ``tensors`` (a mapping of name to array-like) as a TensorFlow checkpoint at ``prefix``.
 
     See :class:`CheckpointWriter` for the options. TensorFlow reads the result
     with ``tf.train.load_checkpoint(prefix)``; with ``object_graph=True`` also
-    with ``tf.train.Checkpoint.restore``.
+    with ``tf.train.Checkpoint.restore``. An existing checkpoint at ``prefix``
+    is replaced only with ``overwrite=True`` (docs/overwrite.md).
 
     >>> import numpy as np, tempfile, os
     >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt-1")
@@ -367,7 +379,7 @@ def write_checkpoint(prefix, tensors, *, num_shards: int = 1, data_alignment: in
     """
     items = tensors.items() if hasattr(tensors, "items") else tensors
     with CheckpointWriter(prefix, num_shards=num_shards, data_alignment=data_alignment,
-                          object_graph=object_graph, fsync=fsync) as writer:
+                          object_graph=object_graph, fsync=fsync, overwrite=overwrite, _stacklevel=3) as writer:
         for name, value in items:
             writer.add(name, value)
 
@@ -410,14 +422,14 @@ def save(directory, tensors, *, name: str = "ckpt", max_to_keep: int | None = No
     prefix = str(directory / rel)
     items = tensors.items() if hasattr(tensors, "items") else tensors
     with CheckpointWriter(prefix, num_shards=num_shards, data_alignment=data_alignment, object_graph=object_graph,
-                          save_counter=number, fsync=fsync) as writer:
+                          save_counter=number, fsync=fsync, overwrite=False) as writer:
         for tensor_name, value in items:
             writer.add(tensor_name, value)
     kept = [p for p in kept if p != rel] + [rel]
     removed = []
     if max_to_keep is not None and max_to_keep > 0 and len(kept) > max_to_keep:
         removed, kept = kept[:-max_to_keep], kept[-max_to_keep:]
-    with atomic_write(state_path, fsync=fsync) as f:
+    with atomic_write(state_path, fsync=fsync, overwrite=True) as f:
         f.write(encode_checkpoint_state(rel, kept).encode("utf-8"))
     for old in removed:  # after the state file no longer names them
         old_prefix = old if os.path.isabs(old) else str(directory / old)

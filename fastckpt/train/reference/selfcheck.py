@@ -248,9 +248,9 @@ def run_selfcheck(out_dir: str | os.PathLike) -> dict[str, Any]:
     }
     if rt["differences"]:
         results["differences"] = rt["differences"]
-    with atomic_write(out / "roundtrip_results.json") as f:
+    with atomic_write(out / "roundtrip_results.json", overwrite=True) as f:
         f.write((json.dumps(results, indent=2) + "\n").encode("utf-8"))
-    with atomic_write(out / "manifest.json") as f:
+    with atomic_write(out / "manifest.json", overwrite=True) as f:
         f.write((json.dumps(rt["manifest"], indent=1) + "\n").encode("utf-8"))
     return results
 
