@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from fastckpt.cli._words import plural
+
 __all__ = ["HELP", "describe", "add_parser", "run"]
 
 HELP = "list a file's tensors, dtypes, shapes, offsets, alignment and metadata"
@@ -77,7 +79,9 @@ def _tf_describer(path: str):
 
 
 def _format_table(d: dict) -> str:
-    lines = [f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors"]
+    lines = [f"{d['path']}: {d['format']}, {plural(len(d['tensors']), 'tensor')}"]
+    for name, why in d.get("skipped", {}).items():  # opaque TensorFlow entries: not tensors, listed
+        lines.append(f"skipped {name}: {why}")
     if "world_size" in d:  # a sharded checkpoint: its files and their sizes
         lines.append(f"{len(d['files'])} files, {sum(d['files'].values())} bytes, world size {d['world_size']}")
     if d.get("kind") == "delta":

@@ -153,7 +153,7 @@ def cannot_hold(fmt: str, dtype) -> str | None:
     """Why format ``fmt`` cannot store ``dtype`` (its writer's own words), or None when it can.
 
     >>> import numpy as np
-    >>> cannot_hold("npz", np.dtype("<U3")), cannot_hold("safetensors", np.dtype("<U3"))[:38]
+    >>> cannot_hold("npz", np.dtype("<U3")), cannot_hold("safetensors", np.dtype("<U3"))[:39]
     (None, 'dtype <U3 has no safetensors equivalent')
     """
     import numpy as np
