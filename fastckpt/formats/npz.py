@@ -88,7 +88,11 @@ The member data is a ``.npy`` file, format 1.0 exactly as
 - the array's bytes in C order, or in Fortran order when ``fortran_order`` is
   True. ``descr`` is the dtype's string (``'<f4'``, ``'>i8'``, ``'<U7'``,
   ``'|S3'``, ``'<M8[ns]'`` ...) or, for a structured dtype, its ``descr``
-  list.
+  list. The ``ml_dtypes`` types (bfloat16, the float8 types, int4 ...), for
+  which numpy writes a lossy ``'<V2'``, are written under their ml_dtypes name
+  (``'bfloat16'``, ``'float8_e4m3fn'``): ``np.load`` reads such a member once
+  ``ml_dtypes`` is imported, fastckpt's reader always (it imports ml_dtypes
+  when a member names one). Files without them are unchanged.
 
 Format 2.0 (a uint32 header length; version bytes ``\\x02\\x00``) is used only
 when the header does not fit in 65535 bytes, and 3.0 (uint32 length, UTF-8
@@ -321,6 +325,10 @@ def _descr_of(dtype: np.dtype):
                          "pickles: convert the array to a numeric or fixed-width string dtype first")
     if not getattr(type(dtype), "_legacy", True):
         raise ValueError(f"dtype {dtype} has no .npy descr (numpy would pickle it)")
+    if dtype.type.__module__ == "ml_dtypes":
+        # .npy has no descr for these (numpy writes '<V2', which reads back as raw bytes): the ml_dtypes name,
+        # which np.load reads once ml_dtypes is imported, and fastckpt's reader always.
+        return dtype.name
     descr = dtype.descr if dtype.names is not None else dtype.str
     try:
         back = _descr_to_dtype(descr, "")
