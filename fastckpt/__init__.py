@@ -59,6 +59,7 @@ _LAZY = {
     "PersistentBufferPool": "fastckpt.device.pool",
     "Tensor": "fastckpt.device.tensor",
     "CheckpointManager": "fastckpt.train.manager",
+    "to_torch": "fastckpt.arrays",
 }
 
 __all__ = [
