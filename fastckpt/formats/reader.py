@@ -30,6 +30,7 @@ contract in :mod:`fastckpt.formats.contract` (``keys()``, ``infos``, ``info(name
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
@@ -183,6 +184,12 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     try:
         head = mapped.read(0, min(9, mapped.size), "format magic")
         fmt = detect_format(head)
+        if fmt != "safetensors":  # a torch pickle or Keras file: say so, not what the NPZ parser makes of it
+            from fastckpt.formats.foreign import SNIFF_BYTES, foreign_file_error
+
+            foreign = foreign_file_error(mapped.path, mapped.read(0, min(SNIFF_BYTES, mapped.size), "format magic"))
+            if foreign is not None:
+                raise foreign
         if fmt == "npz":
             from fastckpt._native.npz import read_npz_table
 
@@ -314,6 +321,10 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
     ('tensorflow', ['dense/kernel'], [[1.0, 0.0], [0.0, 1.0]])
     """
     _check_max_header_size(max_header_size)
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        raise TypeError(f"fastckpt.open takes a path (str or os.PathLike), not {type(path).__name__} "
+                        f"({len(path)} bytes, starting {bytes(path[:12])!r}): for a file's bytes held in memory, "
+                        "use fastckpt.load_bytes(data); for a path given as bytes, pass os.fsdecode(path)")
     p = os.fspath(path)
     if "://" in p:  # object storage and remote filesystems
         from fastckpt.formats import remote
@@ -345,7 +356,15 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
         prefix = _tf_prefix_in(p)
         if prefix is not None:
             return _open_tf(prefix, **options)
+        from fastckpt.formats.foreign import foreign_directory_error
+
+        with contextlib.suppress(OSError):
+            foreign = foreign_directory_error(p, os.listdir(p))
+            if foreign is not None:
+                raise foreign
         raise CheckpointNotFoundError(f"{p}: a directory fastckpt.open cannot read: {_what_directory_is(p)}")
+    if p.endswith(HF_INDEX_SUFFIX):  # what hf_hub_download returns for a sharded model: its directory's index
+        return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])(p, **options)
     if _is_tf_file(p):
         return _open_tf(p, **options)
     return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
@@ -361,6 +380,8 @@ DIRECTORY_READERS = {"torch_rank_weights_embs_table_multi_shard.json": "fastckpt
                      "model.safetensors.index.json": "fastckpt.formats.hfsharded:HFShardedDirectory",
                      "model.safetensors": "fastckpt.formats.hfsharded:HFShardedDirectory"}
 
+
+HF_INDEX_SUFFIX = ".safetensors.index.json"
 
 _OPENABLE = ("fastckpt.open reads a fastckpt.train checkpoint (manifest.json), a Hugging Face safetensors "
              "directory (model.safetensors.index.json or model.safetensors), a TensorFlow checkpoint (a "
@@ -407,11 +428,21 @@ def _what_directory_is(path: str) -> str:
     return f"it holds {shown}, none of them a tensor file or checkpoint marker. {_OPENABLE}"
 
 
+def _named_reader(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _directory_reader(path: str):
     for marker, target in DIRECTORY_READERS.items():
         if os.path.isfile(os.path.join(path, marker)):
-            module, _, name = target.partition(":")
-            return getattr(importlib.import_module(module), name)
+            return _named_reader(target)
+    try:  # any other prefix's Hugging Face index (diffusers' diffusion_pytorch_model, save_sharded(prefix=...))
+        with os.scandir(path) as entries:
+            if any(e.name.endswith(HF_INDEX_SUFFIX) and e.is_file() for e in entries):
+                return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])
+    except OSError:
+        pass
     return None
 
 
