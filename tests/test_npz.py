@@ -1297,3 +1297,25 @@ def test_large_payloads_get_their_crc_in_the_local_header_too(tmp_path, monkeypa
             (local_crc,) = struct.unpack_from("<I", data, info.header_offset + 14)
             member = z.read(info)
             assert local_crc == info.CRC == zlib.crc32(member), info.filename
+
+
+# -- numpy.savez's calling form ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda p, a: save_npz(p, a, a, name=a),
+     "save_npz(path, tensors) takes one mapping of name -> array, not numpy.savez's savez(file, *arrays, **named) "
+     "(got 2 array(s) by position and keyword(s) 'name'): write save_npz(path, {'arr_0': <array 0>, "
+     "'arr_1': <array 1>, 'name': name}) for the names np.savez would give"),
+    (lambda p, a: save_npz(p, a),
+     "save_npz(path, tensors) takes one mapping of name -> array, not numpy.savez's savez(file, *arrays, **named) "
+     "(got 1 array(s) by position): write save_npz(path, {'arr_0': <array 0>}) for the names np.savez would give"),
+    (lambda p, a: save_npz(p, {"a": a}, fsinc=False),
+     "save_npz() got unknown keyword(s) 'fsinc': the options are alignment, fsync, progress and storage_options; "
+     "arrays go in the tensors mapping"),
+])
+def test_the_savez_form_is_refused_with_the_mapping_to_write(tmp_path, call, message):
+    with pytest.raises(TypeError) as caught:
+        call(tmp_path / "s.npz", np.ones((2, 2)))
+    assert str(caught.value) == message
+    assert not (tmp_path / "s.npz").exists()

@@ -143,3 +143,13 @@ def test_an_opaque_entry_is_skipped_and_the_rest_opens(tmp_path, capsys, enum, k
     assert out[1].startswith(f"skipped iterator/.ATTRIBUTES/ITERATOR_STATE: {kind}: ")
     assert main(["convert", prefix, str(tmp_path / "w2.npz")]) == 0
     assert f"skipped iterator/.ATTRIBUTES/ITERATOR_STATE: {kind}: " in capsys.readouterr().err
+
+
+def test_the_old_proto_import_path_still_names_the_object_graph_types(tmp_path):
+    from fastckpt.tf import proto
+
+    write_checkpoint(tmp_path / "g", {"model/w/.ATTRIBUTES/VARIABLE_VALUE": np.ones(2, np.float32)},
+                     object_graph=True)
+    with CheckpointReader(tmp_path / "g") as r:
+        assert isinstance(r.object_graph(), proto.ObjectGraph)
+    assert proto.GraphNode is fastckpt.formats.tf.proto.GraphNode
