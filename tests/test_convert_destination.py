@@ -14,7 +14,8 @@ from fastckpt.errors import DestinationError
 from fastckpt.formats.convert import convert, destination_format
 from fastckpt.tf import CheckpointReader, write_checkpoint
 
-CHOICES = "choose DST.safetensors, DST.npz, or a TensorFlow checkpoint prefix with --to tf"
+CHOICES = ("name a .safetensors or .npz file, or a TensorFlow checkpoint prefix such as out/ckpt-1 with --to tf "
+           "(to='tf')")
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_an_unstated_or_contradicted_format_is_an_error_and_nothing_is_written(t
 def test_a_directory_destination_is_an_error(tmp_path, src, to, trailing_slash):
     out = tmp_path / "outdir"
     out.mkdir()
-    with pytest.raises(DestinationError, match="is a directory; name the file to write inside it"):
+    with pytest.raises(DestinationError, match="is a directory; inside it, name a .safetensors or .npz file"):
         convert(src, str(out) + ("/" if trailing_slash else ""), to=to)
     assert _listing(out) == []  # no hidden outdir/.index, outdir/.data-...
 
@@ -88,8 +89,8 @@ def test_the_command_prints_the_error_and_writes_nothing(tmp_path, src, capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3
     assert err[0].endswith("model.safetensor: .safetensor is not .safetensors (one letter short), not a format "
-                           f"convert writes; {CHOICES} (to='tf'), e.g. out/ckpt-1 --to tf")
-    assert f"outdir/: is a directory; name the file to write inside it: {CHOICES[7:]}" in err[1]
+                           f"convert writes; {CHOICES}")
+    assert err[1].endswith(f"outdir/: is a directory; inside it, {CHOICES}")
     assert err[2].endswith("x.npz: the suffix .npz names npz but --to (to=) says safetensors; rename the destination "
                            "or drop --to")
     assert all(line.startswith("fastckpt convert: ") for line in err)

@@ -49,6 +49,13 @@ def test_the_index_path_opens_its_directory(tmp_path, prefix, capsys):
         _same(_values(f))
 
 
+@pytest.mark.parametrize("prefix", ["model", "diffusion_pytorch_model"])
+def test_load_file_takes_the_index_path(tmp_path, queue, prefix):
+    index = _sharded(tmp_path / "hf", prefix)
+    loaded = fastckpt.load_file(index, queue)
+    _same({name: loaded[name].to_host() for name in loaded})
+
+
 def test_two_prefixes_in_one_directory_are_named(tmp_path):
     _sharded(tmp_path / "hf", "a")
     _sharded(tmp_path / "hf", "b")

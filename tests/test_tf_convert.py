@@ -122,10 +122,18 @@ def test_existing_destination_needs_force(tmp_path):
 
 
 def test_destination_dtype_limits_surface_as_errors(tmp_path):
-    write_checkpoint(tmp_path / "src", {"b": np.zeros(2, ml_dtypes.bfloat16)})
-    with pytest.raises(ValueError, match="bfloat16"):
-        convert(tmp_path / "src", tmp_path / "b.npz")
-    assert not (tmp_path / "b.npz").exists()
+    write_checkpoint(tmp_path / "src", {"z": np.zeros(2, np.complex128)})
+    with pytest.raises(ValueError, match="complex128"):
+        convert(tmp_path / "src", tmp_path / "z.safetensors")
+    assert not (tmp_path / "z.safetensors").exists()
+
+
+def test_bfloat16_is_kept_by_npz(tmp_path):
+    b = np.arange(3, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    write_checkpoint(tmp_path / "src", {"b": b})
+    convert(tmp_path / "src", tmp_path / "b.npz")
+    with fastckpt.open(tmp_path / "b.npz") as f:
+        assert f.host("b").dtype == b.dtype and f.host("b").tobytes() == b.tobytes()
 
 
 def test_safetensors_metadata_is_kept_or_reported(tmp_path):

@@ -153,3 +153,13 @@ def test_the_old_proto_import_path_still_names_the_object_graph_types(tmp_path):
     with CheckpointReader(tmp_path / "g") as r:
         assert isinstance(r.object_graph(), proto.ObjectGraph)
     assert proto.GraphNode is fastckpt.formats.tf.proto.GraphNode
+
+
+def test_the_safetensors_writer_names_a_quantized_type(tmp_path):
+    q = np.zeros(2, np.int8).view([("qint8", "i1")])
+    with pytest.raises(TypeError, match=r"tensor 'q': dtype \[\('qint8', 'i1'\)\] has no safetensors equivalent "
+                                        r"\(TensorFlow's qint8, which safetensors has not: "
+                                        r"store a.view\(a.dtype\[0\]\)"):
+        fastckpt.save_safetensors(tmp_path / "q.safetensors", {"q": q})
+    assert not (tmp_path / "q.safetensors").exists()
+    assert q.view(q.dtype[0]).dtype == np.int8  # the way out the message names works

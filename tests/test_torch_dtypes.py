@@ -66,8 +66,16 @@ def _write_read_hf_sharded(tmp_path, tensors):
         return {n: np.array(f.host(n)) for n in f.keys()}
 
 
+def _write_read_sharded(tmp_path, tensors):
+    from fastckpt.sharded import CheckpointReader, Saver
+
+    Saver(path=str(tmp_path / "sharded"), parallel=1, tensors=tensors).save()
+    reader = CheckpointReader(str(tmp_path / "sharded"))
+    return {n: np.array(reader.read_tensor(n)) for n in reader.tensor_names()}
+
+
 WRITERS = {"safetensors": _write_read_safetensors, "npz": _write_read_npz, "tf": _write_read_tf,
-           "hf_sharded": _write_read_hf_sharded}
+           "hf_sharded": _write_read_hf_sharded, "sharded": _write_read_sharded}
 
 
 @pytest.mark.parametrize("writer", sorted(WRITERS))
@@ -93,6 +101,7 @@ def test_a_training_checkpoint_of_a_bfloat16_module_resumes_bit_for_bit(tmp_path
         assert b.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_a_training_checkpoint_names_the_tensor_it_cannot_store(tmp_path):
     from fastckpt.train import save_checkpoint
 

@@ -71,8 +71,8 @@ FOREIGN_SUFFIXES = {
     ".msgpack": "names a Flax msgpack file", ".json": "names a JSON file", ".npy": "names a single .npy array",
     ".safetensor": "is not .safetensors (one letter short)",
 }
-_CHOICES = ("DST.safetensors, DST.npz, or a TensorFlow checkpoint prefix with --to tf (to='tf'), "
-            "e.g. out/ckpt-1 --to tf")
+_CHOICES = ("name a .safetensors or .npz file, or a TensorFlow checkpoint prefix such as out/ckpt-1 with --to tf "
+            "(to='tf')")
 
 
 def destination_format(dst, to: str | None = None) -> str:
@@ -88,10 +88,10 @@ def destination_format(dst, to: str | None = None) -> str:
 
     >>> destination_format("model.safetensors"), destination_format("out/ckpt-3", "tf"), destination_format("a.npz")
     ('safetensors', 'tf', 'npz')
-    >>> destination_format("model.pt")
+    >>> destination_format("model.pt")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    fastckpt.errors.DestinationError: model.pt: .pt names a torch pickle, not a format convert writes; choose DST.safetensors, DST.npz, or a TensorFlow checkpoint prefix with --to tf (to='tf'), e.g. out/ckpt-1 --to tf
+    fastckpt.errors.DestinationError: model.pt: .pt names a torch pickle, not a format convert writes; name a ...
     """
     from fastckpt.errors import DestinationError
 
@@ -99,7 +99,7 @@ def destination_format(dst, to: str | None = None) -> str:
         raise DestinationError(f"unknown destination format {to!r}; choose one of {', '.join(FORMATS)}")
     text = os.fspath(dst)
     if text.endswith(("/", os.sep)) or os.path.isdir(text):
-        raise DestinationError(f"{text}: is a directory; name the file to write inside it: {_CHOICES}")
+        raise DestinationError(f"{text}: is a directory; inside it, {_CHOICES}")
     suffix = Path(text).suffix.lower()
     named = SUFFIXES.get(suffix)
     if named is not None:
@@ -109,11 +109,11 @@ def destination_format(dst, to: str | None = None) -> str:
         return named
     if suffix in FOREIGN_SUFFIXES:
         raise DestinationError(f"{text}: {suffix} {FOREIGN_SUFFIXES[suffix]}, not a format convert writes; "
-                               f"choose {_CHOICES}")
+                               f"{_CHOICES}")
     if to is not None:
         return to
     what = f"unknown suffix {suffix!r}" if suffix else "no suffix"
-    raise DestinationError(f"{text}: {what}, so the destination format is not known; choose {_CHOICES}")
+    raise DestinationError(f"{text}: {what}, so the destination format is not known; {_CHOICES}")
 
 
 class _Source:
