@@ -23,6 +23,7 @@ import logging
 from fastckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    DestinationError,
     FastCkptError,
     FastCkptWarning,
     FormatError,
@@ -70,6 +71,7 @@ __all__ = [
     "RestoreMismatchError",
     "TensorNotFoundError",
     "CheckpointNotFoundError",
+    "DestinationError",
     "FastCkptWarning",
     "NotZeroCopyWarning",
     *_LAZY,

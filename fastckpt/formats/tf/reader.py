@@ -275,7 +275,9 @@ class CheckpointReader(ReaderMapping):
     from tensor name to array (``items()``, ``get()`` ...; ``reader[name]`` is
     :meth:`read_tensor`). Names are in index (byte) order. Slice entries of
     partitioned variables are hidden; the variable itself is listed and
-    :meth:`read_tensor` assembles it.
+    :meth:`read_tensor` assembles it. Opaque entries (DT_VARIANT: a ``tf.data``
+    iterator's state; DT_RESOURCE) are not listed either: ``skipped`` maps
+    each one's name to why, and the tensors beside them read as usual.
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.tf import write_checkpoint
