@@ -130,3 +130,16 @@ def test_to_tf_with_an_index_suffix_writes_the_prefix(tmp_path, src):
     assert summary["path"] == str(tmp_path / "ckpt-2")
     with CheckpointReader(tmp_path / "ckpt-2") as r:
         assert list(r) == ["w"]
+
+
+def test_skip_unsupported_on_a_model_file_written_by_save_model(tmp_path, device):
+    from fastckpt.io.serialization import save_model
+    from fastckpt.nn import Linear, ReLU, Sequential
+
+    save_model(Sequential(Linear(None, 4, 2), ReLU()), tmp_path / "tiny.netcl")
+    with fastckpt.open(tmp_path / "tiny.netcl") as f:
+        assert f.info("__netcl_meta__").dtype.kind == "U"
+    summary = convert(tmp_path / "tiny.netcl", tmp_path / "tiny.safetensors", skip_unsupported=True)
+    assert summary["skipped"] == ["__netcl_meta__"] and summary["tensors"] == 2
+    with fastckpt.open(tmp_path / "tiny.safetensors") as f, fastckpt.open(tmp_path / "tiny.netcl") as g:
+        assert {n: f.host(n).tobytes() for n in f} == {n: g.host(n).tobytes() for n in ("0:weight", "0:bias")}
