@@ -177,3 +177,11 @@ def test_open_of_bytes_says_to_use_load_bytes():
                                         r"fastckpt.load_bytes\(data\)"):
         fastckpt.open(data)
     assert fastckpt.load_bytes(data)["w"].tolist() == [1.0, 1.0]
+
+
+def test_load_bytes_of_a_torch_file_says_what_it_is(tmp_path):
+    data = _torch_zip(tmp_path / "m.pt").read_bytes()
+    with pytest.raises(FormatError, match=r"^<bytes>: this is a torch pickle .* fastckpt never unpickles"):
+        fastckpt.load_bytes(data)
+    with pytest.raises(FormatError, match=r"^<bytes>: this is a torch pickle"):
+        fastckpt.load_bytes(memoryview(b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."))

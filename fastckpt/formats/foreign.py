@@ -32,10 +32,11 @@ _TORCH_MEMBER_ENDS = (b"/data.pkl", b"/.format_version", b"/byteorder", b"/versi
 
 
 def _torch_pickle(path: str) -> str:
+    source = "model.pt" if path.startswith("<") else path  # bytes in memory ("<bytes>"): written to a file first
     return (f"{path}: this is a torch pickle (torch.save, pytorch_model.bin): fastckpt never unpickles (loading a "
             "pickle can run any code). To get to safetensors, where you trust the file: python -c \"import torch; "
             "from safetensors.torch import save_file; "
-            f"save_file(torch.load({path!r}, weights_only=True), 'model.safetensors')\" (for a training checkpoint, "
+            f"save_file(torch.load({source!r}, weights_only=True), 'model.safetensors')\" (for a training checkpoint, "
             "save its state_dict entry; shared tensors need .clone() first), then open model.safetensors")
 
 
