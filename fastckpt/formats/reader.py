@@ -184,22 +184,21 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     try:
         head = mapped.read(0, min(9, mapped.size), "format magic")
         fmt = detect_format(head)
-        if fmt != "safetensors":  # a torch pickle or Keras file: say so, not what the NPZ parser makes of it
-            from fastckpt.formats.foreign import SNIFF_BYTES, foreign_file_error
-
-            foreign = foreign_file_error(mapped.path, mapped.read(0, min(SNIFF_BYTES, mapped.size), "format magic"))
-            if foreign is not None:
-                raise foreign
         if fmt == "npz":
             from fastckpt._native.npz import read_npz_table
 
             kw = {} if max_header_size is None else {"max_header_size": max_header_size}
-            infos, metadata = read_npz_table(mapped, **kw), None
+            try:
+                infos, metadata = read_npz_table(mapped, **kw), None
+            except FormatError:
+                _raise_if_foreign(mapped)  # a torch or Keras ZIP: say so, not what the NPZ parser makes of it
+                raise
         elif fmt == "safetensors":
             from fastckpt._native.safetensors import read_safetensors_table
 
             infos, metadata, _data_start = read_safetensors_table(mapped)
         else:
+            _raise_if_foreign(mapped)  # a pickle, an HDF5 file
             raise FormatError(
                 f"{mapped.path}: not an NPZ (ZIP) or safetensors file: first bytes are {head!r} "
                 "(expected b'PK\\x03\\x04' for NPZ, or an 8-byte little-endian header length followed by '{' "
@@ -209,6 +208,16 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
         mapped.close()
         raise
     return TensorFile(mapped, fmt, infos, metadata)
+
+
+def _raise_if_foreign(mapped: MappedFile) -> None:
+    """Raise what :mod:`fastckpt.formats.foreign` says of another tool's file (only once parsing has failed, so
+    that a good file never pays for the look)."""
+    from fastckpt.formats.foreign import SNIFF_BYTES, foreign_file_error
+
+    foreign = foreign_file_error(mapped.path, mapped.read(0, min(SNIFF_BYTES, mapped.size), "format magic"))
+    if foreign is not None:
+        raise foreign from None
 
 
 def _check_max_header_size(max_header_size) -> None:
