@@ -91,6 +91,9 @@ def test_quantized_as_ints_records_the_types_and_tensorflow_gets_them_back(tmp_p
     with fastckpt.open(tmp_path / "q.npz") as f:
         assert {n: f.host(n).dtype for n in f} == {n: np.dtype(form) for n, (_, form) in QTYPES.items()}
     convert(tmp_path / "q", tmp_path / "direct.npz")
+    assert main(["inspect", str(tmp_path / "direct.npz")]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows == {n: n for n in QTYPES}
     with fastckpt.open(tmp_path / "direct.npz") as f, np.load(tmp_path / "direct.npz") as z:
         for name in QTYPES:
             assert f.host(name).dtype == z[name].dtype == values[name].dtype

@@ -30,6 +30,8 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
     >>> d["format"], d["tensors"][0]["name"], d["tensors"][0]["offset"] % 4096
     ('safetensors', 'w', 0)
     """
+    from fastckpt.formats.tf.dtypes import quantized_name
+
     path = os.fspath(path)
     tf_describe = _tf_describer(path)
     if tf_describe is not None:
@@ -45,7 +47,7 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
         d["tensors"] = [
             {
                 "name": i.name,
-                "dtype": str(i.dtype),
+                "dtype": quantized_name(i.dtype) or str(i.dtype),  # TensorFlow's qint8 ... by name
                 "shape": list(i.shape),
                 "offset": i.offset,
                 "nbytes": i.nbytes,
