@@ -105,6 +105,12 @@ def test_verify_a_file(tmp_path, capsys):
     assert "CRC-32 is 0x" in capsys.readouterr().out
     assert main(["verify", str(tmp_path / "missing.npz")]) == 1
     assert capsys.readouterr().out == f"FAIL {tmp_path / 'missing.npz'}: no such file or directory\n"
+    from fastckpt.tf import write_checkpoint
+
+    write_checkpoint(tmp_path / "tf" / "ckpt-1", {"w": np.arange(3, dtype=np.int64)})
+    for path in (tmp_path / "tf" / "ckpt-1", tmp_path / "tf" / "ckpt-1.index", tmp_path / "tf"):
+        assert main(["verify", str(path)]) == 0
+        assert capsys.readouterr().out == f"OK   {path}  tensorflow: 1 tensor, every tensor's CRC32C checked\n"
 
 
 # -- other tools' files ---------------------------------------------------------------------------------------------

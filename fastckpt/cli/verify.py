@@ -188,6 +188,8 @@ def run(args: argparse.Namespace, out=None) -> int:
         return _verify_sharded(d, not args.no_hash, args.quiet, out)
     if (d / MANIFEST_FILE).exists():
         return _verify_one(d, not args.no_hash, args.quiet, out)
+    if (d / "checkpoint").is_file() or any(d.glob("*.index")):  # a TensorFlow checkpoint's directory
+        return _verify_file(d, not args.no_hash, args.quiet, out)
     steps = sorted((int(m.group(1)), e) for e in d.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir())
     if not steps:
         print(f"FAIL {d}: neither a checkpoint ({MANIFEST_FILE} missing) nor a directory of step-<N> checkpoints", file=out)
