@@ -23,6 +23,7 @@ import logging
 from fastckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    DestinationError,
     FastCkptError,
     FastCkptWarning,
     FormatError,
@@ -59,6 +60,7 @@ _LAZY = {
     "PersistentBufferPool": "fastckpt.device.pool",
     "Tensor": "fastckpt.device.tensor",
     "CheckpointManager": "fastckpt.train.manager",
+    "to_torch": "fastckpt.arrays",
 }
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "RestoreMismatchError",
     "TensorNotFoundError",
     "CheckpointNotFoundError",
+    "DestinationError",
     "FastCkptWarning",
     "NotZeroCopyWarning",
     *_LAZY,

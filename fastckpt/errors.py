@@ -21,6 +21,7 @@ __all__ = [
     "IntegrityError",
     "ChecksumMismatchError",
     "RestoreMismatchError",
+    "DestinationError",
     "FastCkptWarning",
     "NotZeroCopyWarning",
 ]
@@ -81,6 +82,14 @@ class RestoreMismatchError(FastCkptError, ValueError):
     def __init__(self, message: str, result=None):
         super().__init__(message)
         self.result = result
+
+
+class DestinationError(FastCkptError, ValueError):
+    """A destination whose format is not stated: an unknown suffix, a directory, or a suffix that contradicts ``to``.
+
+    Raised before anything is written (``fastckpt convert``: see
+    :func:`fastckpt.formats.convert.destination_format`).
+    """
 
 
 class FastCkptWarning(UserWarning):

@@ -44,7 +44,7 @@ def test_inspect_table_and_error_exit(tmp_path, capsys):
     fastckpt.save_npz(path, {"w": np.zeros((2, 3), np.float16)})
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "npz, 1 tensors" in out and "float16" in out and "2x3" in out
+    assert "npz, 1 tensor\n" in out and "float16" in out and "2x3" in out
     bad = tmp_path / "bad.bin"
     bad.write_bytes(b"nope")
     assert main(["inspect", str(bad)]) == 1

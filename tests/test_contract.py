@@ -316,7 +316,7 @@ def test_load_model_takes_an_open_reader(tmp_path, device):
     # the same model as a TensorFlow checkpoint: its weights go through host()
     from fastckpt.formats.convert import convert
 
-    convert(tmp_path / "m.netcl", tmp_path / "tf" / "m")
+    convert(tmp_path / "m.netcl", tmp_path / "tf" / "m", to="tf")
     with fastckpt.open(tmp_path / "tf" / "m") as reader, pytest.warns(NotZeroCopyWarning):
         again = load_model(reader, device.queue)
     assert {k: t.to_host().tobytes() for k, t in again.named_tensors().items()} == {

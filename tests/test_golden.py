@@ -49,6 +49,19 @@ def _arange(dtype, shape, start=1):
     return (np.arange(start, start + n) % 97).astype(dtype).reshape(shape)
 
 
+def ml_dtypes_set() -> dict[str, np.ndarray]:
+    """The ml_dtypes types fastckpt's NPZ names in the .npy header."""
+    return {"bf16": _arange(ml_dtypes.bfloat16, (2, 3)), "f8": _arange(ml_dtypes.float8_e4m3fn, (4,)),
+            "i4": (_arange(np.int8, (5,)) % 8).astype(ml_dtypes.int4)}
+
+
+def quantized_set() -> dict[str, np.ndarray]:
+    """TensorFlow's quantized types in their numpy form, a one-field structured dtype."""
+    return {name: _arange(np.dtype(base), (2, 2)).view([(name, base)])
+            for name, base in (("qint8", "i1"), ("quint8", "u1"), ("qint16", "<i2"), ("quint16", "<u2"),
+                               ("qint32", "<i4"))}
+
+
 def tensor_set() -> dict[str, np.ndarray]:
     """Arrays of every layout the tensor-file writers handle, with fixed values."""
     return {
@@ -98,6 +111,7 @@ def _write_npz(out: Path) -> None:
     # The default layout of writer 1 (before "auto"): every payload on a page.
     fastckpt.save_npz(out / "tensors-align4096.npz", npz_only_set(), alignment=4096)
     fastckpt.save_npz(out / "mixed-sizes.npz", mixed_size_set())  # alignment="auto", both sides of 64 KiB
+    fastckpt.save_npz(out / "ml-dtypes.npz", ml_dtypes_set())  # descr: the ml_dtypes name
 
 
 def _write_safetensors(out: Path) -> None:
@@ -294,6 +308,7 @@ def _write_tf(out: Path) -> None:
                                                   "model/dense/bias": tensors["dense/bias"],
                                                   "optimizer/iter": np.int64(3)}, object_graph=True)
     write_checkpoint(out / "sharded" / "model", tensors, num_shards=2, data_alignment=64)
+    write_checkpoint(out / "quantized" / "model", quantized_set())
     with CheckpointWriter(out / "writer" / "model", data_alignment=8) as w:
         w.add("b", _arange(np.int32, (3,)))
         w.add("a", "text", shard=0)
@@ -447,7 +462,7 @@ def test_written_bytes_equal_the_golden_files(case, tmp_path, monkeypatch, reque
 
 @pytest.mark.parametrize("name, expected", [("tensors.npz", npz_only_set), ("tensors-align64.npz", npz_only_set),
                                             ("tensors-align4096.npz", npz_only_set),
-                                            ("mixed-sizes.npz", mixed_size_set),
+                                            ("mixed-sizes.npz", mixed_size_set), ("ml-dtypes.npz", ml_dtypes_set),
                                             ("tensors.safetensors", tensor_set),
                                             ("tensors-align8.safetensors", tensor_set)])
 def test_golden_tensor_files_read_back(name, expected):
@@ -528,6 +543,10 @@ def test_golden_tf_checkpoints_read_back():
         assert r.read_tensor("words").tolist() == [b"alpha", b"", "βeta".encode()]
     with CheckpointReader(GOLDEN / "tf" / "objects" / "ckpt-1") as r:
         assert r.object_graph() is not None
+    with CheckpointReader(GOLDEN / "tf" / "quantized" / "model") as r:
+        for name, value in quantized_set().items():
+            assert r.info(name).tf_dtype_name == name
+            assert r.read_tensor(name).dtype == value.dtype and r.read_tensor(name).tobytes() == value.tobytes()
 
 
 @pytest.mark.parametrize("checkpoint", ["full", "delta"])

@@ -488,7 +488,7 @@ def test_shard_that_is_not_safetensors(sharded):
 
 
 def test_no_checkpoint_in_the_directory(tmp_path):
-    with pytest.raises(CheckpointNotFoundError, match="model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(CheckpointNotFoundError, match="model.safetensors, model.safetensors.index.json or one PREFIX.safetensors.index.json"):
         HFShardedDirectory(tmp_path)
     with pytest.raises(CheckpointNotFoundError, match="Hugging Face"):
         fastckpt.open(tmp_path)

@@ -4,6 +4,8 @@ import errno
 import io
 import os
 import struct
+import subprocess
+import sys
 import tracemalloc
 import warnings
 import zipfile
@@ -324,12 +326,21 @@ def test_non_ascii_names_are_utf8_flagged(tmp_path):
 
 # -- dtypes and names that the writer refuses ---------------------------------------------------
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "int4"])
-def test_ml_dtypes_are_refused_because_npy_would_write_void(tmp_path, dtype):
-    arr = np.zeros(3, getattr(ml_dtypes, dtype))
-    with pytest.raises(ValueError, match=r"tensor 'w'.*cannot be stored in \.npy.*reads back as.*view\(np\.uint16\)"):
-        save_npz(tmp_path / "b.npz", {"w": arr})
-    assert not (tmp_path / "b.npz").exists()
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "int4", "uint4"])
+def test_ml_dtypes_are_stored_under_their_name_and_read_back_as_themselves(tmp_path, dtype):
+    arr = np.arange(-3, 4, dtype=np.float32).astype(getattr(ml_dtypes, dtype))
+    save_npz(tmp_path / "b.npz", {"w": arr})
+    with zipfile.ZipFile(tmp_path / "b.npz") as z:
+        header = z.read("w.npy")[:128]
+    assert f"{{'descr': '{dtype}', 'fortran_order': False, 'shape': (7,), }}".encode() in header
+    got, _ = read_all(tmp_path / "b.npz")
+    assert got["w"].dtype == arr.dtype and got["w"].tobytes() == arr.tobytes()
+    # a fresh process: fastckpt's reader imports ml_dtypes itself; np.load reads it once ml_dtypes is imported
+    code = (f"import fastckpt, numpy as np\nwith fastckpt.open({str(tmp_path / 'b.npz')!r}) as f: "
+            f"print(f.host('w').dtype)\nwith np.load({str(tmp_path / 'b.npz')!r}) as z: print(z['w'].dtype)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.split() == [dtype, dtype], done.stderr
 
 
 def test_bfloat16_round_trips_as_its_uint16_bits(tmp_path):
@@ -1287,3 +1298,25 @@ def test_large_payloads_get_their_crc_in_the_local_header_too(tmp_path, monkeypa
             (local_crc,) = struct.unpack_from("<I", data, info.header_offset + 14)
             member = z.read(info)
             assert local_crc == info.CRC == zlib.crc32(member), info.filename
+
+
+# -- numpy.savez's calling form ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda p, a: save_npz(p, a, a, name=a),
+     "save_npz(path, tensors) takes one mapping of name -> array, not numpy.savez's savez(file, *arrays, **named) "
+     "(got 2 array(s) by position and keyword(s) 'name'): write save_npz(path, {'arr_0': <array 0>, "
+     "'arr_1': <array 1>, 'name': name}) for the names np.savez would give"),
+    (lambda p, a: save_npz(p, a),
+     "save_npz(path, tensors) takes one mapping of name -> array, not numpy.savez's savez(file, *arrays, **named) "
+     "(got 1 array(s) by position): write save_npz(path, {'arr_0': <array 0>}) for the names np.savez would give"),
+    (lambda p, a: save_npz(p, {"a": a}, fsinc=False),
+     "save_npz() got unknown keyword(s) 'fsinc': the options are alignment, fsync, progress and storage_options; "
+     "arrays go in the tensors mapping"),
+])
+def test_the_savez_form_is_refused_with_the_mapping_to_write(tmp_path, call, message):
+    with pytest.raises(TypeError) as caught:
+        call(tmp_path / "s.npz", np.ones((2, 2)))
+    assert str(caught.value) == message
+    assert not (tmp_path / "s.npz").exists()

@@ -49,7 +49,7 @@ def _same(a: dict, b: dict):
 def test_round_trip_through_every_format(tmp_path, first, second):
     src = str(tmp_path / "src")
     write_checkpoint(src, NUMERIC)
-    ext = {"safetensors": ".safetensors", "npz": ".npz", "tf": ""}
+    ext = {"safetensors": ".safetensors", "npz": ".npz", "tf": ".index"}
     mid = str(tmp_path / f"mid{ext[first]}")
     out = str(tmp_path / f"out{ext[second]}")
     assert convert(src, mid)["destination"] == first
@@ -59,7 +59,7 @@ def test_round_trip_through_every_format(tmp_path, first, second):
 
 def test_destination_format():
     assert destination_format("x.SAFETENSORS") == "safetensors"
-    assert destination_format("x.bin", "npz") == "npz"
+    assert destination_format("x.weights", "npz") == "npz"
     with pytest.raises(ValueError, match="unknown destination format"):
         destination_format("x", "onnx")
 
@@ -83,8 +83,8 @@ def test_tensorflow_fixture_to_safetensors_drops_only_the_object_graph(tmp_path)
 def test_back_to_tensorflow_rebuilds_the_object_graph(tmp_path):
     src = DATA / EXPECTED["object_based"]["prefix"]
     convert(src, tmp_path / "a.safetensors", skip_unsupported=True)
-    assert convert(tmp_path / "a.safetensors", tmp_path / "plain")["needs_object_graph"]
-    summary = convert(tmp_path / "a.safetensors", tmp_path / "back", object_graph=True)
+    assert convert(tmp_path / "a.safetensors", tmp_path / "plain", to="tf")["needs_object_graph"]
+    summary = convert(tmp_path / "a.safetensors", tmp_path / "back", to="tf", object_graph=True)
     assert not summary["needs_object_graph"]
     with CheckpointReader(tmp_path / "back") as reader:
         graph = reader.object_graph()
@@ -137,10 +137,18 @@ def test_cli_convert_overwrite_flag_and_its_deprecated_alias(tmp_path, capsys):
 
 
 def test_destination_dtype_limits_surface_as_errors(tmp_path):
-    write_checkpoint(tmp_path / "src", {"b": np.zeros(2, ml_dtypes.bfloat16)})
-    with pytest.raises(ValueError, match="bfloat16"):
-        convert(tmp_path / "src", tmp_path / "b.npz")
-    assert not (tmp_path / "b.npz").exists()
+    write_checkpoint(tmp_path / "src", {"z": np.zeros(2, np.complex128)})
+    with pytest.raises(ValueError, match="complex128"):
+        convert(tmp_path / "src", tmp_path / "z.safetensors")
+    assert not (tmp_path / "z.safetensors").exists()
+
+
+def test_bfloat16_is_kept_by_npz(tmp_path):
+    b = np.arange(3, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    write_checkpoint(tmp_path / "src", {"b": b})
+    convert(tmp_path / "src", tmp_path / "b.npz")
+    with fastckpt.open(tmp_path / "b.npz") as f:
+        assert f.host("b").dtype == b.dtype and f.host("b").tobytes() == b.tobytes()
 
 
 def test_safetensors_metadata_is_kept_or_reported(tmp_path):
@@ -148,7 +156,7 @@ def test_safetensors_metadata_is_kept_or_reported(tmp_path):
     convert(tmp_path / "m.safetensors", tmp_path / "m2.safetensors")
     with fastckpt.open(tmp_path / "m2.safetensors") as f:
         assert f.metadata == {"step": "3"}
-    assert convert(tmp_path / "m.safetensors", tmp_path / "ck")["dropped"] == ["metadata"]
+    assert convert(tmp_path / "m.safetensors", tmp_path / "ck", to="tf")["dropped"] == ["metadata"]
 
 
 def test_cli(tmp_path, capsys):
@@ -157,7 +165,7 @@ def test_cli(tmp_path, capsys):
     assert "--skip-unsupported" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "o.safetensors"), "--skip-unsupported"]) == 0
     captured = capsys.readouterr()
-    assert "1 tensors" in captured.out and "skipped string tensor: s" in captured.err
+    assert captured.out.endswith(": 1 tensor\n") and "skipped s: a string tensor" in captured.err
     assert main(["convert", str(tmp_path / "o.safetensors"), str(tmp_path / "o"), "--to", "tf", "--shards", "2"]) == 0
     assert CheckpointReader(tmp_path / "o")["w"].tolist() == [0, 1, 2, 3]
     assert main(["inspect", str(tmp_path / "o")]) == 0

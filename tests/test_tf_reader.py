@@ -335,7 +335,6 @@ def test_version_checks(tmp_path, header, match):
     (encode_entry(1, (2, 3), size=20), "invalid size"),
     (encode_entry(1, (-1, 3), size=0), "negative dimension"),
     (encode_entry(1, (2,), shard_id=3, size=8), "shard_id 3"),
-    (encode_entry(20, (1,), size=4), "resource"),
     (encode_entry(99, (1,), size=4), "DataType\\(99\\)"),
 ])
 def test_bad_entries(tmp_path, entry, match):

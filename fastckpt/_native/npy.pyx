@@ -206,6 +206,22 @@ def _checked_header_values(dict header, where):
     return header["descr"], fortran_order, shape
 
 
+def _ml_dtype(str descr):
+    """The ml_dtypes type named ``descr`` (``"bfloat16"``, ``"float8_e4m3fn"`` ...: the descr fastckpt writes for
+    them), else None. ml_dtypes registers its names with numpy only once imported, so it is imported here, when a
+    file names one, not for every file."""
+    import ml_dtypes
+
+    dtype = getattr(ml_dtypes, descr, None)
+    if dtype is None or not isinstance(dtype, type) or not descr.replace("_", "").isalnum():
+        return None
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    return dtype if dtype.type.__module__ == "ml_dtypes" and dtype.name == descr else None
+
+
 def _descr_to_dtype(descr, where, int depth=0):
     """numpy.lib.format.descr_to_dtype over a validated literal, with every failure a FormatError."""
     if depth > MAX_LITERAL_DEPTH:
@@ -214,7 +230,9 @@ def _descr_to_dtype(descr, where, int depth=0):
         try:
             dtype = np.dtype(descr)
         except Exception as e:  # numpy raises TypeError, ValueError or others for junk strings
-            raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} is not a numpy dtype ({e})") from None
+            dtype = _ml_dtype(descr)
+            if dtype is None:
+                raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} is not a numpy dtype ({e})") from None
     elif type(descr) is list:
         names, formats, titles, offsets = [], [], [], []
         offset = 0

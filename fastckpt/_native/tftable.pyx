@@ -1194,7 +1194,8 @@ def read_bundle_index(table, str index_path, header_of, make_info, shard_of, dic
     ``header_of(value)`` decodes and checks the header entry (the first, under
     the empty key) and returns the header; ``make_info(name, value)`` is the
     reader's per-entry decoder, used for hidden entries (keys starting with
-    ``\\x00``), strings, partitioned variables and anything unusual;
+    ``\\x00``), strings, partitioned variables and anything unusual (it returns
+    None for an entry that is left out of the index: an opaque variant);
     ``shard_of(shard)`` returns a shard's ``MappedFile`` (the index holds a
     weak reference to it); ``numpy_dtypes`` maps DataType values to numpy dtypes.
     Blocks are checked as ``IndexTable.items`` checks them (trailer checksums,
@@ -1296,7 +1297,9 @@ def read_bundle_index(table, str index_path, header_of, make_info, shard_of, dic
         name_len = keys.key_len[j]
         name = _decode_utf8(name_ptr, name_len, "surrogateescape")
         if name_len and name_ptr[0] == 0:  # a hidden entry: a slice of a partitioned variable
-            hidden[keys.key(j)] = make_info(name, _value(keys, blocks, j))
+            info = make_info(name, _value(keys, blocks, j))
+            if info is not None:
+                hidden[keys.key(j)] = info
             continue
         ascii = True
         for k in range(name_len):
@@ -1327,6 +1330,8 @@ def read_bundle_index(table, str index_path, header_of, make_info, shard_of, dic
             index.extras[3 * index.count - 1] = e.crc
             continue
         info = make_info(name, _value(keys, blocks, j))  # the per-entry path: its errors, or an info kept as made
+        if info is None:  # an opaque entry (a tf.data iterator's variant ...): make_info listed it as skipped
+            continue
         code = codes.get(info.dtype, -1)
         if code < 0:
             code = codes[info.dtype] = len(index.dtypes)

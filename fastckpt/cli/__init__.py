@@ -19,12 +19,16 @@ fastckpt 0.2.0
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 from inspect import signature
 
 from fastckpt.cli import bench, compact, convert, demo, inspect, reshard, verify
 
 __all__ = ["COMMANDS", "build_parser", "main"]
+
+_python_showwarning = warnings.showwarning
 
 # sub-command -> its module (HELP, add_parser(subparsers), run(args)), in the order `fastckpt --help` lists them
 COMMANDS = {"demo": demo, "inspect": inspect, "convert": convert, "reshard": reshard, "compact": compact,
@@ -59,7 +63,13 @@ def build_parser(command: str | None = None, argv: list[str] | None = None) -> a
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``fastckpt`` command line with ``argv`` (default: ``sys.argv[1:]``)."""
+    """Run the ``fastckpt`` command line with ``argv`` (default: ``sys.argv[1:]``).
+
+    fastckpt's own warnings (a compressed NPZ member copied instead of mapped
+    ...) print as one ``fastckpt: warning: ...`` line on stderr, without
+    Python's file and line; output cut short by its reader (``fastckpt
+    inspect m.npz | head -1``) ends the command quietly, as ``head`` expects.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None, argv)
@@ -67,4 +77,25 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            status = int(args._run(args) or 0)
+            sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        except BrokenPipeError:
+            # The reader has gone: later writes (and the exit's flush) must not fail again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe closed
+    return status
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """fastckpt's warnings as a command's one line; anything else as Python prints it."""
+    from fastckpt.errors import FastCkptWarning
+
+    if not issubclass(category, FastCkptWarning):
+        _python_showwarning(message, category, filename, lineno, file, line)
+        return
+    print(f"fastckpt: warning: {message}", file=file or sys.stderr)

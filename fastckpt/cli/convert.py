@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fastckpt.cli._words import plural
 from fastckpt.formats.convert import FORMATS, convert
 
 __all__ = ["HELP", "add_parser", "run"]
@@ -27,12 +28,18 @@ def add_parser(subparsers):
     parser = subparsers.add_parser("convert", help=HELP, description=HELP)
     parser.add_argument("src", help="a TensorFlow checkpoint (prefix, .index or directory), .safetensors or .npz file")
     parser.add_argument("dst", help="the file to write, or a TensorFlow checkpoint prefix such as out/ckpt-1")
-    parser.add_argument("--to", choices=FORMATS, help="destination format (default: from DST's suffix, else tf)")
+    parser.add_argument("--to", choices=FORMATS,
+                        help="destination format (default: from DST's suffix: .safetensors, .npz, .index; a "
+                             "TensorFlow prefix such as out/ckpt-1 needs --to tf)")
     parser.add_argument("--object-graph", action="store_true",
                         help="TensorFlow destination: store object-based keys and a _CHECKPOINTABLE_OBJECT_GRAPH so "
                              "that tf.train.Checkpoint.restore works")
     parser.add_argument("--skip-unsupported", action="store_true",
-                        help="leave out string tensors the destination cannot hold (instead of failing)")
+                        help="leave out every tensor the destination cannot hold: strings, dtypes it lacks "
+                             "(instead of failing)")
+    parser.add_argument("--quantized-as-ints", action="store_true",
+                        help="safetensors destination: store TensorFlow qint8/quint8/... tensors as their integers, "
+                             "each type recorded in the metadata (a conversion back to tf restores it)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--force", action="store_true", help=argparse.SUPPRESS)  # 0.2's spelling of --overwrite
     parser.add_argument("--shards", type=int, default=1, help="TensorFlow destination: number of data files")
@@ -48,20 +55,23 @@ def run(args) -> int:
         print("fastckpt convert: --force is deprecated, use --overwrite", file=sys.stderr)
     try:
         summary = convert(args.src, args.dst, to=args.to, object_graph=args.object_graph,
-                          skip_unsupported=args.skip_unsupported, overwrite=args.overwrite or args.force,
-                          num_shards=args.shards,
+                          skip_unsupported=args.skip_unsupported, quantized_as_ints=args.quantized_as_ints,
+                          overwrite=args.overwrite or args.force, num_shards=args.shards,
                           data_alignment=args.alignment, progress=sys.stderr.isatty())
     except (FastCkptError, OSError, TypeError, ValueError) as exc:
         print(f"fastckpt convert: {exc}", file=sys.stderr)
         return 1
     print(f"{args.src} ({summary['source']}) -> {summary['path']} ({summary['destination']}): "
-          f"{summary['tensors']} tensors")
+          f"{plural(summary['tensors'], 'tensor')}")
     for name in summary["dropped"]:
         what = "metadata (a TensorFlow checkpoint/NPZ has no place for it)" if name == "metadata" else \
             f"{name} (bookkeeping; --object-graph rebuilds it when converting back to tf)"
         print(f"  left out: {what}", file=sys.stderr)
     for name in summary["skipped"]:
-        print(f"  skipped string tensor: {name}", file=sys.stderr)
+        print(f"  skipped {name}: {summary['reasons'].get(name, 'not supported by the destination')}", file=sys.stderr)
+    for name, qname in summary["quantized"].items():
+        how = "stored as integers, type in the metadata" if summary["destination"] == "safetensors" else "restored"
+        print(f"  {qname}: {name} ({how})", file=sys.stderr)
     if summary["needs_object_graph"]:
         print("  note: the keys are object-based (.../.ATTRIBUTES/...) but no object graph was written; "
               "tf.train.Checkpoint.restore needs one: convert again with --object-graph", file=sys.stderr)

@@ -14,6 +14,8 @@ import os
 import tempfile
 import time
 
+from fastckpt.cli._words import plural
+
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = "try each capability once on the default device (files, model, training, TF, sharded), with timings"
@@ -120,7 +122,7 @@ def _model_demo(tmp: str, hidden: int) -> None:
 
     warm_ms, numpy_ms = _median_ms(pooled), _median_ms(numpy_buffers)
     print(f"model file   saved MLP 784-{hidden}-{hidden}-10 ({os.path.getsize(path) / 2**20:.1f} MiB) as .netcl "
-          f"in {save_ms:.1f} ms; load_model through a pool: first {first_ms:.1f} ms ({copies} copy), then "
+          f"in {save_ms:.1f} ms; load_model through a pool: first {first_ms:.1f} ms ({plural(copies, 'copy')}), then "
           f"{warm_ms:.2f} ms median (pool allocations since the first load: {pool.stats.misses - misses}); "
           f"np.load + new buffers: {numpy_ms:.2f} ms; forward output bytes identical after the round trip: {same}")
 

@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from fastckpt.cli._words import plural
+
 __all__ = ["HELP", "describe", "add_parser", "run"]
 
 HELP = "list a file's tensors, dtypes, shapes, offsets, alignment and metadata"
@@ -28,6 +30,8 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
     >>> d["format"], d["tensors"][0]["name"], d["tensors"][0]["offset"] % 4096
     ('safetensors', 'w', 0)
     """
+    from fastckpt.formats.tf.dtypes import quantized_name
+
     path = os.fspath(path)
     tf_describe = _tf_describer(path)
     if tf_describe is not None:
@@ -43,7 +47,7 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
         d["tensors"] = [
             {
                 "name": i.name,
-                "dtype": str(i.dtype),
+                "dtype": quantized_name(i.dtype) or str(i.dtype),  # TensorFlow's qint8 ... by name
                 "shape": list(i.shape),
                 "offset": i.offset,
                 "nbytes": i.nbytes,
@@ -77,7 +81,9 @@ def _tf_describer(path: str):
 
 
 def _format_table(d: dict) -> str:
-    lines = [f"{d['path']}: {d['format']}, {len(d['tensors'])} tensors"]
+    lines = [f"{d['path']}: {d['format']}, {plural(len(d['tensors']), 'tensor')}"]
+    for name, why in d.get("skipped", {}).items():  # opaque TensorFlow entries: not tensors, listed
+        lines.append(f"skipped {name}: {why}")
     if "world_size" in d:  # a sharded checkpoint: its files and their sizes
         lines.append(f"{len(d['files'])} files, {sum(d['files'].values())} bytes, world size {d['world_size']}")
     if d.get("kind") == "delta":

@@ -1,4 +1,4 @@
-"""``fastckpt verify DIR``: check a training or sharded checkpoint, or a directory of them, without loading it.
+"""``fastckpt verify PATH``: check a checkpoint, a directory of them, or a tensor file, without loading it.
 
 For one checkpoint (a directory holding ``manifest.json``) it checks the
 manifest (format, schema version, required keys), that every listed file
@@ -11,6 +11,12 @@ directory) it checks each one and lists leftovers of interrupted saves. It
 prints one line per problem and exits 1 when there is any, 0 otherwise. A
 sharded checkpoint (:mod:`fastckpt.sharded`) is checked against its manifest:
 every file's size and BLAKE3 hash, and the index, key and description files.
+A Hugging Face safetensors directory (or the path of its index) is checked
+shard by shard: every header parses, every file ends where its header's data
+section ends, every name of the index is in the shard it names, and no shard
+holds tensors the index leaves out. One tensor file is checked as
+:func:`fastckpt.open` checks it, and then by the checksums its format carries
+(NPZ: each member's CRC-32; a TensorFlow checkpoint: each tensor's CRC32C).
 
 >>> import tempfile, os
 >>> from fastckpt.train import TinyLM, save_checkpoint
@@ -28,10 +34,12 @@ import re
 import sys
 from pathlib import Path
 
+from fastckpt.cli._words import plural
+
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = ("check a training or sharded checkpoint's manifest, file sizes and file hashes "
-        "(BLAKE3, or sha256 where the manifest names it)")
+        "(BLAKE3, or sha256 where the manifest names it), a Hugging Face directory or a tensor file")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -42,7 +50,8 @@ def add_parser(subparsers):
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="a checkpoint directory, or a directory of step-<N> checkpoints")
+    parser.add_argument("directory", help="a checkpoint directory, a directory of step-<N> checkpoints, a Hugging "
+                                          "Face safetensors directory or index, or one tensor file")
     parser.add_argument("--no-hash", action="store_true", help="check sizes and structure only, skip each file's hash")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
 
@@ -93,19 +102,94 @@ def _verify_sharded(path: Path, hashes: bool, quiet: bool, out) -> int:
                              f"files={len(m['files'])}{'' if hashes else ' (hashes not checked)'}", out)
 
 
+_HF_MARKERS = ("model.safetensors", "model.safetensors.index.json")
+_HF_INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def _opened(path: Path, problems: list[str]):
+    """``fastckpt.open(path)``, its warnings (tensors the index leaves out, a wrong total_size) added to
+    ``problems``; None, the error added, when it does not open."""
+    import warnings
+
+    import fastckpt
+    from fastckpt.errors import FastCkptError, FastCkptWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FastCkptWarning)
+        try:
+            reader = fastckpt.open(path)
+        except (FastCkptError, OSError) as exc:
+            reader = None
+            problems.append(str(exc))
+    problems += [str(w.message) for w in caught if issubclass(w.category, FastCkptWarning)]
+    return reader
+
+
+def _verify_hf(path: Path, quiet: bool, out) -> int:
+    """A Hugging Face safetensors directory (or its index file): every shard's header and size, the index's names."""
+    problems: list[str] = []
+    reader = _opened(path, problems)
+    if reader is None:
+        return _report(path, problems, "", out)
+    with reader:  # opening parsed every shard's header and checked its size against it
+        summary = (f"hugging face safetensors: {plural(len(reader.files), 'file')}, "
+                   f"{plural(len(reader.infos), 'tensor')} "
+                   f"({reader.index_path or 'one file'}); headers, sizes and the index's names checked "
+                   "(safetensors stores no checksums)")
+    return _report(path, problems, "" if quiet else summary, out)
+
+
+def _verify_file(path: Path, hashes: bool, quiet: bool, out) -> int:
+    """One tensor file: what ``fastckpt.open`` checks, then the checksums the format carries (NPZ's CRC-32 per
+    member, TensorFlow's CRC32C per tensor) unless ``--no-hash``."""
+    from fastckpt.errors import FastCkptError
+
+    if path.name.endswith(_HF_INDEX_SUFFIX):
+        return _verify_hf(path, quiet, out)
+    problems: list[str] = []
+    reader = _opened(path, problems)
+    if reader is None:
+        return _report(path, problems, "", out)
+    checked = "header and sizes checked"
+    with reader:
+        try:
+            if reader.format == "npz" and hashes:
+                from fastckpt.formats.npz import verify_member
+
+                for info in reader.infos.values():
+                    verify_member(reader.mapped, info)
+                checked = "every member's CRC-32 checked"
+            elif reader.format == "tensorflow" and hashes:
+                for name in reader.keys():
+                    reader.read_tensor(name)  # checks the tensor's CRC32C
+                checked = "every tensor's CRC32C checked"
+            elif reader.format == "safetensors":
+                checked += " (safetensors stores no checksums)"
+        except (FastCkptError, OSError) as exc:
+            problems.append(str(exc))
+        summary = f"{reader.format}: {plural(len(reader.keys()), 'tensor')}, {checked}"
+    return _report(path, problems, "" if quiet else summary, out)
+
+
 def run(args: argparse.Namespace, out=None) -> int:
     from fastckpt.sharded.format import DESCRIPTION_FILE
     from fastckpt.train.format import MANIFEST_FILE
 
     out = out or sys.stdout
     d = Path(args.directory)
+    if d.is_file() or (not d.exists() and Path(str(d) + ".index").is_file()):
+        return _verify_file(d, not args.no_hash, args.quiet, out)
     if not d.is_dir():
-        print(f"FAIL {d}: no such directory", file=out)
+        print(f"FAIL {d}: no such file or directory", file=out)
         return 1
+    if any((d / marker).is_file() for marker in _HF_MARKERS) or any(d.glob(f"*{_HF_INDEX_SUFFIX}")):
+        return _verify_hf(d, args.quiet, out)
     if (d / DESCRIPTION_FILE).exists():
         return _verify_sharded(d, not args.no_hash, args.quiet, out)
     if (d / MANIFEST_FILE).exists():
         return _verify_one(d, not args.no_hash, args.quiet, out)
+    if (d / "checkpoint").is_file() or any(d.glob("*.index")):  # a TensorFlow checkpoint's directory
+        return _verify_file(d, not args.no_hash, args.quiet, out)
     steps = sorted((int(m.group(1)), e) for e in d.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir())
     if not steps:
         print(f"FAIL {d}: neither a checkpoint ({MANIFEST_FILE} missing) nor a directory of step-<N> checkpoints", file=out)

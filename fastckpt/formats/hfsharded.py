@@ -57,8 +57,12 @@ How fastckpt reads it
 =====================
 ``HFShardedDirectory`` (what ``fastckpt.open(directory)`` returns for such a
 directory) reads ``model.safetensors`` when the directory has one, as
-transformers does, else ``model.safetensors.index.json``; given the path of an
-index file instead, it reads that index (any prefix) and finds the shards
+transformers does, else ``model.safetensors.index.json``, else the
+directory's one ``PREFIX.safetensors.index.json`` (diffusers'
+``diffusion_pytorch_model``, or ``save_sharded(prefix=...)``; two or more are
+an error naming them); given the path of an index file instead (what
+``hf_hub_download`` returns: ``fastckpt.open``, ``load_file``, ``inspect`` and
+``convert`` take it), it reads that index (any prefix) and finds the shards
 beside it.
 
 Opening
@@ -584,6 +588,23 @@ def _shown(names, limit: int = 5) -> str:
     return ", ".join(map(repr, names[:limit])) + (", ..." if len(names) > limit else "")
 
 
+def _only_index_in(directory: str) -> str:
+    """The directory's one ``PREFIX.safetensors.index.json`` (diffusers' ``diffusion_pytorch_model``, a
+    ``save_sharded(prefix=...)``), for a directory without ``model.safetensors`` or its index."""
+    try:
+        found = sorted(e.name for e in os.scandir(directory) if e.name.endswith(_INDEX_SUFFIX) and e.is_file())
+    except OSError:
+        found = []
+    if len(found) == 1:
+        return os.path.join(directory, found[0])
+    if found:
+        raise FormatError(f"{directory}: holds {len(found)} Hugging Face indexes ({', '.join(found)}); open the one "
+                          f"meant by its path: fastckpt.open({os.path.join(directory, found[0])!r})")
+    raise CheckpointNotFoundError(
+        errno.ENOENT, f"{os.strerror(errno.ENOENT)}: a Hugging Face safetensors directory needs {SINGLE_NAME}, "
+                      f"{INDEX_NAME} or one PREFIX{_INDEX_SUFFIX}", directory)
+
+
 class HFShardedDirectory(MultiFileReader):
     """A Hugging Face safetensors checkpoint directory (sharded, or one ``model.safetensors``) as one reader.
 
@@ -641,9 +662,7 @@ class HFShardedDirectory(MultiFileReader):
                 return
             self.index_path = os.path.join(self.path, INDEX_NAME)
             if not os.path.isfile(self.index_path):
-                raise CheckpointNotFoundError(
-                    errno.ENOENT, f"{os.strerror(errno.ENOENT)}: a Hugging Face safetensors directory needs "
-                                  f"{SINGLE_NAME} or {INDEX_NAME}", self.path)
+                self.index_path = _only_index_in(self.path)
         else:
             self.directory = os.path.dirname(self.path) or "."
             self.index_path = self.path

@@ -56,10 +56,17 @@ def detect_bytes_format(data) -> str:
     ...
     fastckpt.errors.FormatError: <bytes>: not safetensors or NPZ bytes: the 5 bytes at offset 0 are b'hello' (expected an 8-byte little-endian header length and '{' at offset 8 for safetensors, or b'PK\\x03\\x04' for NPZ)
     """
+    from fastckpt.formats.foreign import SNIFF_BYTES, foreign_file_error
+
     with memoryview(data) as view:
-        head = bytes(view[:9]) if view.ndim == 1 and view.itemsize == 1 else bytes(view.cast("B")[:9])
+        flat = view if view.ndim == 1 and view.itemsize == 1 else view.cast("B")
+        head = bytes(flat[:9])
         size = view.nbytes
-    fmt = detect_format(head)
+        fmt = detect_format(head)
+        # a torch pickle or Keras file's bytes: say so, not what the NPZ or safetensors parser makes of them
+        foreign = foreign_file_error(BYTES_PATH, bytes(flat[:SNIFF_BYTES])) if fmt != "safetensors" else None
+    if foreign is not None:
+        raise foreign
     if fmt is None:
         raise FormatError(
             f"{BYTES_PATH}: not safetensors or NPZ bytes: the {min(size, 9)} bytes at offset 0 are {head!r} "

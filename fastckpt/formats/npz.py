@@ -88,7 +88,11 @@ The member data is a ``.npy`` file, format 1.0 exactly as
 - the array's bytes in C order, or in Fortran order when ``fortran_order`` is
   True. ``descr`` is the dtype's string (``'<f4'``, ``'>i8'``, ``'<U7'``,
   ``'|S3'``, ``'<M8[ns]'`` ...) or, for a structured dtype, its ``descr``
-  list.
+  list. The ``ml_dtypes`` types (bfloat16, the float8 types, int4 ...), for
+  which numpy writes a lossy ``'<V2'``, are written under their ml_dtypes name
+  (``'bfloat16'``, ``'float8_e4m3fn'``): ``np.load`` reads such a member once
+  ``ml_dtypes`` is imported, fastckpt's reader always (it imports ml_dtypes
+  when a member names one). Files without them are unchanged.
 
 Format 2.0 (a uint32 header length; version bytes ``\\x02\\x00``) is used only
 when the header does not fit in 65535 bytes, and 3.0 (uint32 length, UTF-8
@@ -188,7 +192,7 @@ import struct
 import time
 import zlib
 from collections.abc import Mapping
-from typing import Iterable, Union
+from typing import Any, Iterable, Union
 
 import numpy as np
 
@@ -196,7 +200,7 @@ from fastckpt._native.gather import GatherWriter
 from fastckpt._native.mapped import MappedFile
 from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_length, parse_npy_header
 from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
-from fastckpt.arrays import to_numpy
+from fastckpt.arrays import as_numpy, to_numpy
 from fastckpt.errors import FormatError, IntegrityError
 from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
@@ -322,6 +326,10 @@ def _descr_of(dtype: np.dtype):
                          "pickles: convert the array to a numeric or fixed-width string dtype first")
     if not getattr(type(dtype), "_legacy", True):
         raise ValueError(f"dtype {dtype} has no .npy descr (numpy would pickle it)")
+    if dtype.type.__module__ == "ml_dtypes":
+        # .npy has no descr for these (numpy writes '<V2', which reads back as raw bytes): the ml_dtypes name,
+        # which np.load reads once ml_dtypes is imported, and fastckpt's reader always.
+        return dtype.name
     descr = dtype.descr if dtype.names is not None else dtype.str
     try:
         back = _descr_to_dtype(descr, "")
@@ -492,8 +500,25 @@ def _pwrite_all(fd: int, data: bytes, position: int) -> None:
         view, position = view[written:], position + written
 
 
-def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | str = "auto", fsync: bool = True,
-             progress=False, storage_options: dict | None = None, overwrite: bool | None = None) -> None:
+def _refuse_savez_form(tensors, arrays: tuple, named: dict) -> None:
+    positional = [tensors, *arrays] if as_numpy(tensors) is not None else list(arrays)
+    if not positional:
+        raise TypeError(f"save_npz() got unknown keyword(s) {', '.join(map(repr, named))}: the options are "
+                        "alignment, fsync, progress, storage_options and overwrite; arrays go in the tensors mapping")
+    entries = [f"'arr_{i}': <array {i}>" for i in range(len(positional))] + [f"{k!r}: {k}" for k in named]
+    got = []
+    if positional:
+        got.append(f"{len(positional)} array(s) by position")
+    if named:
+        got.append(f"keyword(s) {', '.join(map(repr, named))}")
+    raise TypeError(f"save_npz(path, tensors) takes one mapping of name -> array, not numpy.savez's "
+                    f"savez(file, *arrays, **named) (got {' and '.join(got)}): write "
+                    f"save_npz(path, {{{', '.join(entries)}}}) for the names np.savez would give")
+
+
+def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignment: int | str = "auto",
+             fsync: bool = True, progress=False, storage_options: dict | None = None, overwrite: bool | None = None,
+             **named: Any) -> None:
     """Save arrays as an aligned, uncompressed NPZ that ``np.load`` and netcl read; atomically.
 
     ``tensors`` is a mapping name -> array-like, or an iterable of ``(name,
@@ -519,7 +544,14 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *, alignment: int | s
     >>> with np.load(path) as z:
     ...     z["w"].tolist(), int(z["step"])
     ([[1.0, 0.0], [0.0, 1.0]], 7)
+
+    numpy's ``savez(file, *arrays, **named)`` form is refused with the
+    mapping to write instead (``arrays`` and ``named`` exist only for that
+    message): a keyword there would be an array's name, so a misspelt option
+    (``fsinc=False``) would be stored as an array without a word.
     """
+    if arrays or named or as_numpy(tensors) is not None:
+        _refuse_savez_form(tensors, arrays, named)
     if is_url(path):  # object storage and remote filesystems: fastckpt.formats.remote
         return save_file(path, lambda local: save_npz(local, tensors, alignment=alignment, fsync=False,
                                                       progress=progress), "upload.npz", storage_options)

@@ -30,6 +30,7 @@ contract in :mod:`fastckpt.formats.contract` (``keys()``, ``infos``, ``info(name
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
@@ -196,12 +197,17 @@ def _parse(mapped: MappedFile, max_header_size: int | None) -> TensorFile:
         from fastckpt._native.npz import read_npz_table
 
         kw = {} if max_header_size is None else {"max_header_size": max_header_size}
-        infos, metadata = read_npz_table(mapped, **kw), None
+        try:
+            infos, metadata = read_npz_table(mapped, **kw), None
+        except FormatError:
+            _raise_if_foreign(mapped)  # a torch or Keras ZIP: say so, not what the NPZ parser makes of it
+            raise
     elif fmt == "safetensors":
         from fastckpt._native.safetensors import read_safetensors_table
 
         infos, metadata, _data_start = read_safetensors_table(mapped)
     else:
+        _raise_if_foreign(mapped)  # a pickle, an HDF5 file
         raise FormatError(
             f"{mapped.path}: not an NPZ (ZIP) or safetensors file: first bytes are {head!r} "
             "(expected b'PK\\x03\\x04' for NPZ, or an 8-byte little-endian header length followed by '{' "
@@ -249,6 +255,16 @@ def guard(reader, what: str) -> contextlib.ExitStack:
         for mapped in mappings_of(reader):
             stack.enter_context(mapped.guard(what))
         return stack.pop_all()
+
+
+def _raise_if_foreign(mapped: MappedFile) -> None:
+    """Raise what :mod:`fastckpt.formats.foreign` says of another tool's file (only once parsing has failed, so
+    that a good file never pays for the look)."""
+    from fastckpt.formats.foreign import SNIFF_BYTES, foreign_file_error
+
+    foreign = foreign_file_error(mapped.path, mapped.read(0, min(SNIFF_BYTES, mapped.size), "format magic"))
+    if foreign is not None:
+        raise foreign from None
 
 
 def _check_max_header_size(max_header_size) -> None:
@@ -361,6 +377,10 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
     ('tensorflow', ['dense/kernel'], [[1.0, 0.0], [0.0, 1.0]])
     """
     _check_max_header_size(max_header_size)
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        raise TypeError(f"fastckpt.open takes a path (str or os.PathLike), not {type(path).__name__} "
+                        f"({len(path)} bytes, starting {bytes(path[:12])!r}): for a file's bytes held in memory, "
+                        "use fastckpt.load_bytes(data); for a path given as bytes, pass os.fsdecode(path)")
     p = os.fspath(path)
     if "://" in p:  # object storage and remote filesystems
         from fastckpt.formats import remote
@@ -392,7 +412,15 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
         prefix = _tf_prefix_in(p)
         if prefix is not None:
             return _open_tf(prefix, **options)
+        from fastckpt.formats.foreign import foreign_directory_error
+
+        with contextlib.suppress(OSError):
+            foreign = foreign_directory_error(p, os.listdir(p))
+            if foreign is not None:
+                raise foreign
         raise CheckpointNotFoundError(f"{p}: a directory fastckpt.open cannot read: {_what_directory_is(p)}")
+    if p.endswith(HF_INDEX_SUFFIX):  # what hf_hub_download returns for a sharded model: its directory's index
+        return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])(p, **options)
     if _is_tf_file(p):
         return _open_tf(p, **options)
     return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
@@ -408,6 +436,8 @@ DIRECTORY_READERS = {"torch_rank_weights_embs_table_multi_shard.json": "fastckpt
                      "model.safetensors.index.json": "fastckpt.formats.hfsharded:HFShardedDirectory",
                      "model.safetensors": "fastckpt.formats.hfsharded:HFShardedDirectory"}
 
+
+HF_INDEX_SUFFIX = ".safetensors.index.json"
 
 _OPENABLE = ("fastckpt.open reads a fastckpt.train checkpoint (manifest.json), a Hugging Face safetensors "
              "directory (model.safetensors.index.json or model.safetensors), a TensorFlow checkpoint (a "
@@ -455,11 +485,21 @@ def _what_directory_is(path: str) -> str:
     return f"it holds {shown}, none of them a tensor file or checkpoint marker. {_OPENABLE}"
 
 
+def _named_reader(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _directory_reader(path: str):
     for marker, target in DIRECTORY_READERS.items():
         if os.path.isfile(os.path.join(path, marker)):
-            module, _, name = target.partition(":")
-            return getattr(importlib.import_module(module), name)
+            return _named_reader(target)
+    try:  # any other prefix's Hugging Face index (diffusers' diffusion_pytorch_model, save_sharded(prefix=...))
+        with os.scandir(path) as entries:
+            if any(e.name.endswith(HF_INDEX_SUFFIX) and e.is_file() for e in entries):
+                return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])
+    except OSError:
+        pass
     return None
 
 

@@ -220,6 +220,12 @@ def dtype_from_safetensors(name: str) -> np.dtype:
         raise ValueError(unsupported_dtype_message(name)) from None
 
 
+def _tf_quantized(dtype: np.dtype) -> str | None:
+    from fastckpt.formats.tf.dtypes import quantized_name
+
+    return quantized_name(dtype)
+
+
 def dtype_to_safetensors(dtype: Any) -> str:
     """The safetensors dtype string for a numpy dtype (either byte order).
 
@@ -242,6 +248,9 @@ def dtype_to_safetensors(dtype: Any) -> str:
         hint = "safetensors has only C64: convert with .astype(np.complex64), or save real and imaginary parts"
     elif dt.kind == "f":
         hint = "convert with .astype(np.float64)"
+    elif dt.fields is not None and _tf_quantized(dt):
+        hint = (f"TensorFlow's {_tf_quantized(dt)}, which safetensors has not: store a.view(a.dtype[0]) and record "
+                "the type, as fastckpt convert --quantized-as-ints does, or keep it in a TensorFlow checkpoint or NPZ")
     elif dt.kind in "OUSTMm" or dt.fields is not None:
         hint = "safetensors holds numeric tensors only; put strings in metadata, split structured arrays into fields"
     else:

@@ -233,7 +233,13 @@ class _Encoder:
             if isinstance(value, bytes):
                 raise self.refusal(value, path)
             # Where bytes are refused, a bytearray or memoryview is a buffer: an array, uint8 for raw bytes.
-        array = as_numpy(value)
+        try:
+            array = as_numpy(value)
+        except (TypeError, ValueError, RuntimeError, BufferError) as exc:  # a framework dtype numpy has not
+            dtype = getattr(value, "dtype", None)
+            raise TypeError(f"{self.where(path)}: {type(value).__name__} of dtype {dtype} cannot be stored ({exc}); "
+                            "convert it to a dtype numpy or ml_dtypes has (bfloat16, float8 and float16 are kept "
+                            "as they are)") from exc
         if array is None:
             raise self.refusal(value, path)
         if array.dtype.hasobject:

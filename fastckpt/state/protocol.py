@@ -176,11 +176,11 @@ def _is_torch(obj: Any) -> bool:
 
 
 def _to_torch(state: Any) -> Any:
-    import torch
+    from fastckpt.arrays import to_torch  # ml_dtypes arrays (bfloat16, float8) too, where from_numpy refuses them
 
     def convert(value: Any) -> Any:
         if isinstance(value, np.ndarray):
-            return torch.from_numpy(value)
+            return to_torch(value)
         if isinstance(value, dict):
             return type(value)((k, convert(v)) for k, v in value.items())
         if isinstance(value, (list, tuple)):

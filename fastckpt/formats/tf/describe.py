@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from fastckpt.errors import CheckpointNotFoundError
+from fastckpt.formats.tf import dtypes as _dt
 from fastckpt.formats.tf.reader import CheckpointReader, data_filename, resolve_prefix
 
 __all__ = ["describe", "is_tf_checkpoint"]
@@ -52,7 +53,10 @@ def describe(path, *, verify: bool = False) -> dict:
     of dicts with ``name``, ``dtype`` (numpy), ``tf_dtype``, ``shape``,
     ``shard``, ``file``, ``offset``, ``nbytes``, ``alignment`` (largest power
     of two up to 4096 dividing the offset), ``crc32c`` (masked, as stored) and,
-    for partitioned variables, ``slices``), and ``total_bytes``.
+    for partitioned variables, ``slices``; a quantized tensor's ``dtype`` is
+    its TensorFlow name, ``qint8`` ...), ``skipped`` (name -> why, for the
+    opaque entries left out: a ``tf.data`` iterator's DT_VARIANT ...) and
+    ``total_bytes``.
     ``verify=True`` also reads every tensor and checks its checksum.
     """
     with CheckpointReader(resolve_prefix(path), verify=verify) as reader:
@@ -67,7 +71,7 @@ def describe(path, *, verify: bool = False) -> dict:
         for info in infos:
             entry = {
                 "name": info.name,
-                "dtype": "object" if info.dtype.kind == "O" else str(info.dtype),
+                "dtype": "object" if info.dtype.kind == "O" else _dt.quantized_name(info.dtype) or str(info.dtype),
                 "tf_dtype": info.tf_dtype_name,
                 "shape": list(info.shape),
                 "shard": info.shard,
@@ -99,5 +103,6 @@ def describe(path, *, verify: bool = False) -> dict:
             "data_blocks": reader.num_data_blocks,
             "object_graph": reader.has_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"),
             "tensors": tensors,
+            "skipped": dict(reader.skipped),
             "total_bytes": total,
         }

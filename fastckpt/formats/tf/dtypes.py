@@ -1,8 +1,11 @@
 """TensorFlow ``DataType`` enum values and the numpy dtypes their checkpoint bytes decode to.
 
 Numbers from ``tensorflow/core/framework/types.proto``. Quantized types
-(``DT_QINT8`` ...) are stored as their plain integer type; reading them gives
-that integer dtype, and writing an integer array always uses the plain type.
+(``DT_QINT8`` ...) are stored as their plain integer type's bytes and read as
+TensorFlow's own numpy form of them: a one-field structured dtype named for
+the type (``np.dtype([("qint8", "i1")])``, what ``tf.qint8.as_numpy_dtype``
+is), so the type survives a read and a write; a plain integer array is always
+written as the plain type.
 bfloat16 and the 8/4/2-bit types come from ``ml_dtypes`` (one byte per element
 in memory and on disk for the sub-byte integers, as TensorFlow stores them).
 
@@ -19,7 +22,8 @@ import numpy as np
 
 from fastckpt.errors import FormatError
 
-__all__ = ["DT_STRING", "DT_VARIANT", "DT_RESOURCE", "TF_NAMES", "numpy_dtype", "tf_dtype", "tf_name"]
+__all__ = ["DT_STRING", "DT_VARIANT", "DT_RESOURCE", "TF_NAMES", "QUANTIZED", "numpy_dtype", "tf_dtype", "tf_name",
+           "quantized_name", "quantized_dtype"]
 
 DT_INVALID = 0
 DT_FLOAT = 1
@@ -67,12 +71,12 @@ _NUMPY = {
     DT_COMPLEX64: np.dtype("<c8"),
     DT_INT64: np.dtype("<i8"),
     DT_BOOL: np.dtype("?"),
-    DT_QINT8: np.dtype("i1"),
-    DT_QUINT8: np.dtype("u1"),
-    DT_QINT32: np.dtype("<i4"),
+    DT_QINT8: np.dtype([("qint8", "i1")]),
+    DT_QUINT8: np.dtype([("quint8", "u1")]),
+    DT_QINT32: np.dtype([("qint32", "<i4")]),
     DT_BFLOAT16: np.dtype(ml_dtypes.bfloat16),
-    DT_QINT16: np.dtype("<i2"),
-    DT_QUINT16: np.dtype("<u2"),
+    DT_QINT16: np.dtype([("qint16", "<i2")]),
+    DT_QUINT16: np.dtype([("quint16", "<u2")]),
     DT_UINT16: np.dtype("<u2"),
     DT_COMPLEX128: np.dtype("<c16"),
     DT_HALF: np.dtype("<f2"),
@@ -106,11 +110,37 @@ TF_NAMES = {
     DT_UINT4: "uint4", DT_INT2: "int2", DT_UINT2: "uint2", DT_FLOAT4_E2M1FN: "float4_e2m1fn",
 }
 
-# numpy dtype (native order) -> enum, for writing; quantized types never win over the plain ones.
+# The quantized types: TensorFlow's numpy form of each (a structured dtype whose one field is the plain integer).
+QUANTIZED = {TF_NAMES[e]: _NUMPY[e] for e in (DT_QINT8, DT_QUINT8, DT_QINT16, DT_QUINT16, DT_QINT32)}
+
+# numpy dtype (native order) -> enum, for writing; a plain integer is never written as a quantized type.
 _FROM_NUMPY = {}
 for _enum, _dt in _NUMPY.items():
-    if _enum not in (DT_QINT8, DT_QUINT8, DT_QINT32, DT_QINT16, DT_QUINT16):
-        _FROM_NUMPY.setdefault(_dt.newbyteorder("="), _enum)
+    _FROM_NUMPY.setdefault(_dt.newbyteorder("="), _enum)
+
+
+def quantized_name(dtype) -> str | None:
+    """``"qint8"`` ... when ``dtype`` is TensorFlow's numpy form of a quantized type, else None.
+
+    >>> quantized_name(np.dtype([("qint8", "i1")])), quantized_name(np.int8)
+    ('qint8', None)
+    """
+    dt = np.dtype(dtype)
+    if dt.names is None or len(dt.names) != 1 or dt.names[0] not in QUANTIZED:
+        return None
+    return dt.names[0] if dt.newbyteorder("=") == QUANTIZED[dt.names[0]].newbyteorder("=") else None
+
+
+def quantized_dtype(name: str) -> np.dtype:
+    """TensorFlow's numpy form of the quantized type ``name`` (``ValueError`` naming the choices otherwise).
+
+    >>> quantized_dtype("quint8")
+    dtype([('quint8', 'u1')])
+    """
+    try:
+        return QUANTIZED[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"{name!r} is not a TensorFlow quantized type; choose one of {', '.join(QUANTIZED)}") from None
 
 
 def tf_name(enum: int) -> str:

@@ -155,9 +155,13 @@ Object-based checkpoints (``tf.train.Checkpoint``) use keys
 23 uint64, 24 float8_e5m2, 25 float8_e4m3fn, 26 float8_e4m3fnuz,
 27 float8_e4m3b11fnuz, 28 float8_e5m2fnuz, 29 int4, 30 uint4, 31 int2,
 32 uint2, 33 float4_e2m1fn (24-33: one byte per element, from the enum;
-not checked against TensorFlow-written files). Quantized types read as their
-integer type. 20 (resource), 21 (variant) and values >= 100 (references) are
-refused.
+not checked against TensorFlow-written files). Quantized types (11, 12, 13,
+15, 16) are stored as their integer type's bytes and read as TensorFlow's numpy
+form, a one-field structured dtype named for the type (``[("qint8", "i1")]``);
+a writer MUST store such a dtype under its quantized DataType and a plain
+integer under the plain one. 20 (resource) and 21 (variant: a ``tf.data``
+iterator's state ...) are opaque: the reader lists them as skipped (name and
+why) and never reads their bytes; values >= 100 (references) are refused.
 
 4. Data shards
 --------------

@@ -51,6 +51,13 @@ BUNDLE_MIN_PRODUCER = 0  # kTensorBundleMinProducer
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
 
+# DataType values whose stored bytes are opaque (serialized C++ objects): listed in ``skipped``, never read.
+_OPAQUE = {
+    _dt.DT_VARIANT: "an opaque value (a tf.data iterator's state, a TensorList ...), readable only by TensorFlow",
+    _dt.DT_RESOURCE: "a resource handle, readable only by TensorFlow",
+}
+
+
 def data_filename(prefix, shard: int, num_shards: int) -> str:
     """``<prefix>.data-%05d-of-%05d``, the name of one data shard.
 
@@ -268,7 +275,9 @@ class CheckpointReader(ReaderMapping):
     from tensor name to array (``items()``, ``get()`` ...; ``reader[name]`` is
     :meth:`read_tensor`). Names are in index (byte) order. Slice entries of
     partitioned variables are hidden; the variable itself is listed and
-    :meth:`read_tensor` assembles it.
+    :meth:`read_tensor` assembles it. Opaque entries (DT_VARIANT: a ``tf.data``
+    iterator's state; DT_RESOURCE) are not listed either: ``skipped`` maps
+    each one's name to why, and the tensors beside them read as usual.
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.tf import write_checkpoint
@@ -298,6 +307,9 @@ class CheckpointReader(ReaderMapping):
         self._backend = backend
         self._copy_on_write = copy_on_write
         self._shard_lock = threading.Lock()  # two threads reading one new shard map it once
+        # Entries left out of the listing, name -> why: opaque values (a tf.data iterator's DT_VARIANT, a
+        # DT_RESOURCE) have no bytes fastckpt can give meaning to, and must not block the tensors beside them.
+        self.skipped: dict = {}
         with MappedFile(self.index_path, advise=False) as mapped:
             table = IndexTable(mapped)
             self.num_data_blocks = len(table.block_handles)
@@ -340,6 +352,10 @@ class CheckpointReader(ReaderMapping):
             raise FormatError(f"{what}: shape has unknown rank (a stored tensor needs a full shape)")
         if shape and min(shape) < 0:
             raise FormatError(f"{what}: invalid shape {list(shape)} (negative dimension)")
+        if dtype in _OPAQUE:
+            if not name.startswith("\x00"):
+                self.skipped[name] = f"{_dt.tf_name(dtype)}: {_OPAQUE[dtype]}"
+            return None
         if dtype == _dt.DT_STRING:
             np_dtype = np.dtype(object)
         else:
