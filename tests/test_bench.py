@@ -114,6 +114,7 @@ def test_the_suite_is_read_first_and_picks_the_options():
 
 # ------------------------------------------------------------------ every suite at its quickest
 
+@pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device
 def test_device_suite(tmp_path, capsys):
     from fastckpt.bench import device
@@ -128,6 +129,7 @@ def test_device_suite(tmp_path, capsys):
     assert "### targets" in out and "(b) repeated pooled loads: 0 pool misses" in out
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_formats_suite_tables(tmp_path):
     from fastckpt.bench import formats
 
@@ -146,6 +148,7 @@ def test_formats_suite_tables(tmp_path):
         assert label in rows, label
 
 
+@pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device
 def test_model_suite(tmp_path, capsys):
     assert main(["bench", "--suite", "model", "--repeats", "1", "--dir", str(tmp_path)]) == 0
@@ -218,6 +221,7 @@ def test_stateful_suite(capsys):
     assert lines[-1].endswith(" ms") and "1 MiB array state" in lines[-1]
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_sharded_suite(tmp_path, capsys):
     assert main(["bench", "--suite", "sharded", "--quick", "--ids", "3000", "--dense-mib", "0.25",
                  "--dir", str(tmp_path)]) == 0
@@ -236,6 +240,7 @@ def test_sharded_suite(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_incremental_suite(tmp_path, capsys):
     assert main(["bench", "--suite", "incremental", "--quick", "--ids", "4000", "--deltas", "2",
                  "--dir", str(tmp_path)]) == 0
@@ -250,6 +255,7 @@ def test_incremental_suite(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_s3_suite(capsys):
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
@@ -262,6 +268,7 @@ def test_s3_suite(capsys):
     assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True, True, False]
 
 
+@pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device
 def test_memory_suite(capsys):
     assert main(["bench", "--suite", "memory", "--quick"]) == 0
