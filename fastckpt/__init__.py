@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import TYPE_CHECKING
 
 from fastckpt.errors import (
     CheckpointNotFoundError,
@@ -60,6 +61,21 @@ _LAZY = {
     "Tensor": "fastckpt.device.tensor",
     "CheckpointManager": "fastckpt.train.manager",
 }
+
+if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: re-exported)
+    from fastckpt._native.mapped import MappedFile as MappedFile
+    from fastckpt.device.load import LoadedTensors as LoadedTensors, load_file as load_file
+    from fastckpt.device.pool import PersistentBufferPool as PersistentBufferPool
+    from fastckpt.device.tensor import Tensor as Tensor
+    from fastckpt.formats.contract import TensorReader as TensorReader
+    from fastckpt.formats.hfsharded import HFShardedDirectory as HFShardedDirectory, save_sharded as save_sharded
+    from fastckpt.formats.inmemory import load_bytes as load_bytes, save_bytes as save_bytes
+    from fastckpt.formats.npz import NpzWriter as NpzWriter, save_npz as save_npz
+    from fastckpt.formats.reader import TensorFile as TensorFile, open as open, register_opener as register_opener  # noqa: A004
+    from fastckpt.formats.safetensors import save_safetensors as save_safetensors
+    from fastckpt.info import TensorInfo as TensorInfo
+    from fastckpt.train.directory import CheckpointDirectory as CheckpointDirectory
+    from fastckpt.train.manager import CheckpointManager as CheckpointManager
 
 __all__ = [
     "FastCkptError",

@@ -77,7 +77,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 from collections.abc import Mapping as MappingABC
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -85,6 +85,8 @@ from fastckpt.errors import TensorNotFoundError
 from fastckpt.info import TensorInfo
 
 __all__ = ["TensorReader", "ReaderMapping", "MultiFileReader", "tensor_not_found"]
+
+_Reader = TypeVar("_Reader", bound="TensorReader")
 
 
 @runtime_checkable
@@ -122,9 +124,9 @@ class TensorReader(Protocol):
     def close(self) -> None:
         """Release the source's files; idempotent."""
 
-    def __enter__(self) -> Any: ...
+    def __enter__(self: _Reader) -> _Reader: ...
 
-    def __exit__(self, *exc) -> Any: ...
+    def __exit__(self, *exc: object) -> bool | None: ...
 
 
 def tensor_not_found(where: str, name: object, names: Iterable[str]) -> TensorNotFoundError:

@@ -130,13 +130,16 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import part_of_a_save, progress_from, requested
+
+if TYPE_CHECKING:
+    from fastckpt.nn import Sequential
 
 _log = logging.getLogger(__name__)
 
@@ -475,7 +478,7 @@ def _bind(model, writes, tensors) -> bool:
 
 
 def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool = False, progress=False,
-               storage_options: dict | None = None):
+               storage_options: dict | None = None) -> Sequential:
     """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair), or from an open reader.
 
     ``path`` is resolved as in :func:`resolve_model_path`; it may also be an open
