@@ -6,6 +6,7 @@ promises and prints its table with the same rows and columns; the figures themse
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import re
 import sys
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from fastckpt.bench import SUITES, suite_of, timing
+from fastckpt.bench import SUITES, configure, suite_of, timing
 from fastckpt.cli import main
 
 
@@ -108,8 +109,16 @@ def test_the_suite_is_read_first_and_picks_the_options():
     with pytest.raises(SystemExit) as bad_suite:
         main(["bench", "--suite", "nope"])
     assert bad_suite.value.code == 2
-    with pytest.raises(SystemExit):  # --quick is the device suite's, not the model suite's
-        main(["bench", "--suite", "model", "--quick"])
+    with pytest.raises(SystemExit):  # --case is the device suite's, not the model suite's
+        main(["bench", "--suite", "model", "--case", "b"])
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_every_suite_has_a_quick_run(suite):
+    # `bench --suite S --quick` is the smoke run of every suite (the slow tests below run each one)
+    parser = argparse.ArgumentParser()
+    configure(parser, ["--suite", suite, "--quick"])
+    assert parser.parse_args(["--suite", suite, "--quick"]).quick is True
 
 
 # ------------------------------------------------------------------ every suite at its quickest
