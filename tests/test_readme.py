@@ -37,3 +37,19 @@ def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     assert "[] []" in out and "[10, 20]" in out
     assert "['dense/kernel']" in out
     assert "(256008, 256008)" in out and "['embed.weight', 'step']" in out
+
+
+@pytest.mark.device
+def test_readme_examples_run_twice_in_one_directory(tmp_path, monkeypatch, capsys):
+    # A reader trying the examples again, in the directory the first run filled, gets the same results.
+    monkeypatch.chdir(tmp_path)
+    blocks = python_blocks(README.read_text())
+    for run in (1, 2):
+        namespace: dict = {}
+        for i, block in enumerate(blocks):
+            try:
+                exec(compile(block, f"README.md python block {i}", "exec"), namespace)
+            except Exception as exc:  # name the run and the block in the failure
+                raise AssertionError(f"README python block {i} failed on run {run}: {exc!r}\n{block}") from exc
+        out = capsys.readouterr().out
+        assert "[10, 20]" in out and "(256008, 256008)" in out, f"run {run}"
