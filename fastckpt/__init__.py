@@ -1,9 +1,10 @@
-"""fastckpt: fast, exact checkpoints.
+"""fastckpt: fast, exact checkpoints. Which call do I want? docs/which-call.md: one row per task.
 
-Zero-copy readers for NPZ, safetensors and TensorFlow checkpoints behind one
-contract (``fastckpt.open`` opens any of them, and training-checkpoint
-directories; :class:`fastckpt.formats.contract.TensorReader`), aligned and atomic
-writers, and one-copy loads of whole files into OpenCL device memory.
+The usual calls, all directly under ``fastckpt``: ``open(path)`` reads any tensor file (safetensors, NPZ,
+``.netcl``, TensorFlow checkpoint, HF sharded or training-checkpoint directory) with one contract;
+``save_safetensors``, ``save_npz``, ``save_sharded`` write atomically; ``load_file(path, queue, pool=...)``
+loads into OpenCL device memory; ``CheckpointManager(directory)`` keeps training checkpoints. The
+commands: ``python -m fastckpt --help``.
 
 >>> import fastckpt, numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -11,8 +12,6 @@ writers, and one-copy loads of whole files into OpenCL device memory.
 >>> with fastckpt.open(path) as f:
 ...     f.host("w").tolist()
 [0.0, 1.0, 2.0, 3.0]
-
-Heavy modules (pyopencl above all) are imported only when first used.
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from fastckpt.errors import (
 )
 
 __version__ = "0.2.0"
+
+# Heavy modules (pyopencl above all) are imported only when first used: the names of _LAZY below.
 
 # Silent unless the application configures logging: records of every load and save go to the
 # "fastckpt" logger's children (INFO: one per file or checkpoint; DEBUG: the details).
