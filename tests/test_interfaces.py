@@ -469,7 +469,7 @@ def test_netcl_code_runs_unchanged_on_a_loaded_model(queue, tmp_path):
 def test_device_entry_points_take_a_pathlib_path(queue, tmp_path):
     from fastckpt.device.load import load_file
     from fastckpt.io import load_model, save_model
-    from fastckpt.io.checkpoint import load_checkpoint, load_params, save_checkpoint, save_params
+    from fastckpt.io.checkpoint import load_netcl_checkpoint, load_params, save_netcl_checkpoint, save_params
 
     model = _model(queue)
     save_model(model, tmp_path / "m.netcl")
@@ -477,8 +477,8 @@ def test_device_entry_points_take_a_pathlib_path(queue, tmp_path):
     assert list(loaded.state_dict()) == list(model.state_dict())
     save_params(model.parameters(), tmp_path / "p.npz")
     assert load_params(queue, loaded.parameters(), tmp_path / "p.npz") == ["p0", "p1", "p2", "p3", "p4"]
-    save_checkpoint(model.parameters(), tmp_path / "ck", config={"step": 1})
-    assert load_checkpoint(queue, loaded.parameters(), tmp_path / "ck")["config"] == {"step": 1}
+    save_netcl_checkpoint(model.parameters(), tmp_path / "ck", config={"step": 1})
+    assert load_netcl_checkpoint(queue, loaded.parameters(), tmp_path / "ck")["config"] == {"step": 1}
     fastckpt.save_npz(tmp_path / "a.npz", T)
     _check(load_file(tmp_path / "a.npz", queue)["w"].to_host(), T["w"])
     assert os.path.isfile(tmp_path / "ck.json")
