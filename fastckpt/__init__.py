@@ -2,9 +2,9 @@
 
 The usual calls, all directly under ``fastckpt``: ``open(path)`` reads any tensor file (safetensors, NPZ,
 ``.netcl``, TensorFlow checkpoint, HF sharded or training-checkpoint directory) with one contract;
-``save_safetensors``, ``save_npz``, ``save_sharded`` write atomically; ``load_file(path, queue, pool=...)``
-loads into OpenCL device memory; ``CheckpointManager(directory)`` keeps training checkpoints. The
-commands: ``python -m fastckpt --help``.
+``save_safetensors``, ``save_npz``, ``save_sharded`` and ``save_tree`` (nested dicts) write atomically;
+``load_file(path, queue, pool=...)`` loads into OpenCL device memory; ``CheckpointManager(directory)``
+keeps training checkpoints. The commands: ``python -m fastckpt --help``.
 
 >>> import fastckpt, numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -53,6 +53,8 @@ _LAZY = {
     "NpzWriter": "fastckpt.formats.npz",
     "save_safetensors": "fastckpt.formats.safetensors",
     "save_sharded": "fastckpt.formats.hfsharded",
+    "save_tree": "fastckpt.formats.tree",
+    "load_tree": "fastckpt.formats.tree",
     "save_bytes": "fastckpt.formats.inmemory",
     "load_bytes": "fastckpt.formats.inmemory",
     "HFShardedDirectory": "fastckpt.formats.hfsharded",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: r
     from fastckpt.formats.npz import NpzWriter as NpzWriter, save_npz as save_npz
     from fastckpt.formats.reader import TensorFile as TensorFile, open as open, register_opener as register_opener  # noqa: A004
     from fastckpt.formats.safetensors import save_safetensors as save_safetensors
+    from fastckpt.formats.tree import load_tree as load_tree, save_tree as save_tree
     from fastckpt.info import TensorInfo as TensorInfo
     from fastckpt.train.directory import CheckpointDirectory as CheckpointDirectory
     from fastckpt.train.manager import CheckpointManager as CheckpointManager

@@ -16,6 +16,7 @@ from fastckpt import MappedFile, TensorInfo, TensorReader
 from fastckpt.device.load import LoadedTensors
 from fastckpt.device.pool import PersistentBufferPool
 from fastckpt.device.tensor import Tensor
+from fastckpt.formats.tree import ArrayTree
 from fastckpt.io import load_model, save_model
 from fastckpt.nn import Sequential
 from fastckpt.train import CheckpointManager, CheckpointState, load_checkpoint
@@ -26,6 +27,12 @@ assert_type(fastckpt.save_safetensors("m.safetensors", tensors, metadata={"k": "
 assert_type(fastckpt.save_npz("m.npz", tensors), None)
 assert_type(fastckpt.save_bytes(tensors), bytes)
 assert_type(fastckpt.load_bytes(b""), dict[str, np.ndarray])
+assert_type(fastckpt.save_tree("t.safetensors", {"params": {"w": tensors["w"]}}), None)
+tree = fastckpt.load_tree("t.safetensors")
+assert_type(tree, ArrayTree)
+branch = tree["params"]
+if isinstance(branch, dict):
+    assert_type(branch, ArrayTree)
 
 with fastckpt.open("m.safetensors") as f:
     assert_type(f, TensorReader)
