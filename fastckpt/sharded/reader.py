@@ -112,8 +112,7 @@ class CheckpointReader(MultiFileReader):
         if verify:
             problems = self.verify()
             if problems:
-                raise IntegrityError(f"{self.path}: {problems[0]}" + (f" (and {len(problems) - 1} more)"
-                                                                      if len(problems) > 1 else ""))
+                raise IntegrityError.of(self.path, problems)
 
     # -- RecIS's API ----------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:

@@ -77,8 +77,7 @@ class CheckpointDirectory(MultiFileReader):
 
             problems = verify_checkpoint(self.path)
             if problems:
-                raise IntegrityError(f"{self.path}: {problems[0]}" + (f" (and {len(problems) - 1} more)"
-                                                                      if len(problems) > 1 else ""))
+                raise IntegrityError.of(self.path, problems)
         self.files: dict[str, TensorFile] = {}
         infos: dict[str, TensorInfo] = {}
         where: dict[str, tuple] = {}
