@@ -87,6 +87,7 @@ from fastckpt.info import TensorInfo
 __all__ = ["TensorReader", "ReaderMapping", "MultiFileReader", "tensor_not_found"]
 
 _Reader = TypeVar("_Reader", bound="TensorReader")
+_Mapping = TypeVar("_Mapping", bound="ReaderMapping")
 
 
 @runtime_checkable
@@ -204,10 +205,10 @@ class ReaderMapping(MappingABC):
     def __contains__(self, name: object) -> bool:
         return name in self.infos
 
-    def __enter__(self):
+    def __enter__(self: _Mapping) -> _Mapping:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -19,6 +19,7 @@ from fastckpt.device.tensor import Tensor
 from fastckpt.formats.tree import ArrayTree
 from fastckpt.io import load_model, save_model
 from fastckpt.nn import Sequential
+from fastckpt.tf import CheckpointReader, write_checkpoint
 from fastckpt.train import CheckpointManager, CheckpointState, load_checkpoint
 
 tensors: dict[str, np.ndarray] = {"w": np.zeros(3, np.float32)}
@@ -43,6 +44,16 @@ with fastckpt.open("m.safetensors") as f:
     assert_type(f.metadata, dict[str, str] | None)
     assert_type(f.info("w").shape, tuple[int, ...])
     assert_type(f.info("w").offset, int)
+
+assert_type(fastckpt.save_sharded("hf", tensors), list[str])
+with fastckpt.HFShardedDirectory("hf") as shards:
+    assert_type(shards, fastckpt.HFShardedDirectory)
+    assert_type(shards.host("w"), np.ndarray)
+write_checkpoint("tf/model", tensors)
+with CheckpointReader("tf/model") as tf_reader:
+    assert_type(tf_reader, CheckpointReader)
+    assert_type(tf_reader.tensor_names(), list[str])
+    assert_type(tf_reader.read_tensor("w"), np.ndarray)
 
 reader = fastckpt.open("m.npz")
 assert_type(reader, TensorReader)
