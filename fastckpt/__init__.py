@@ -1,9 +1,10 @@
-"""fastckpt: fast, exact checkpoints.
+"""fastckpt: fast, exact checkpoints. Which call do I want? docs/which-call.md: one row per task.
 
-Zero-copy readers for NPZ, safetensors and TensorFlow checkpoints behind one
-contract (``fastckpt.open`` opens any of them, and training-checkpoint
-directories; :class:`fastckpt.formats.contract.TensorReader`), aligned and atomic
-writers, and one-copy loads of whole files into OpenCL device memory.
+The usual calls, all directly under ``fastckpt``: ``open(path)`` reads any tensor file (safetensors, NPZ,
+``.netcl``, TensorFlow checkpoint, HF sharded or training-checkpoint directory) with one contract;
+``save_safetensors``, ``save_npz``, ``save_sharded`` and ``save_tree`` (nested dicts) write atomically;
+``load_file(path, queue, pool=...)`` loads into OpenCL device memory; ``CheckpointManager(directory)``
+keeps training checkpoints. The commands: ``python -m fastckpt --help``.
 
 >>> import fastckpt, numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -11,14 +12,13 @@ writers, and one-copy loads of whole files into OpenCL device memory.
 >>> with fastckpt.open(path) as f:
 ...     f.host("w").tolist()
 [0.0, 1.0, 2.0, 3.0]
-
-Heavy modules (pyopencl above all) are imported only when first used.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from typing import TYPE_CHECKING
 
 from fastckpt.errors import (
     CheckpointNotFoundError,
@@ -34,6 +34,8 @@ from fastckpt.errors import (
 )
 
 __version__ = "0.2.0"
+
+# Heavy modules (pyopencl above all) are imported only when first used: the names of _LAZY below.
 
 # Silent unless the application configures logging: records of every load and save go to the
 # "fastckpt" logger's children (INFO: one per file or checkpoint; DEBUG: the details).
@@ -52,6 +54,8 @@ _LAZY = {
     "NpzWriter": "fastckpt.formats.npz",
     "save_safetensors": "fastckpt.formats.safetensors",
     "save_sharded": "fastckpt.formats.hfsharded",
+    "save_tree": "fastckpt.formats.tree",
+    "load_tree": "fastckpt.formats.tree",
     "save_bytes": "fastckpt.formats.inmemory",
     "load_bytes": "fastckpt.formats.inmemory",
     "HFShardedDirectory": "fastckpt.formats.hfsharded",
@@ -62,6 +66,22 @@ _LAZY = {
     "CheckpointManager": "fastckpt.train.manager",
     "to_torch": "fastckpt.arrays",
 }
+
+if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: re-exported)
+    from fastckpt._native.mapped import MappedFile as MappedFile
+    from fastckpt.device.load import LoadedTensors as LoadedTensors, load_file as load_file
+    from fastckpt.device.pool import PersistentBufferPool as PersistentBufferPool
+    from fastckpt.device.tensor import Tensor as Tensor
+    from fastckpt.formats.contract import TensorReader as TensorReader
+    from fastckpt.formats.hfsharded import HFShardedDirectory as HFShardedDirectory, save_sharded as save_sharded
+    from fastckpt.formats.inmemory import load_bytes as load_bytes, save_bytes as save_bytes
+    from fastckpt.formats.npz import NpzWriter as NpzWriter, save_npz as save_npz
+    from fastckpt.formats.reader import TensorFile as TensorFile, open as open, register_opener as register_opener  # noqa: A004
+    from fastckpt.formats.safetensors import save_safetensors as save_safetensors
+    from fastckpt.formats.tree import load_tree as load_tree, save_tree as save_tree
+    from fastckpt.info import TensorInfo as TensorInfo
+    from fastckpt.train.directory import CheckpointDirectory as CheckpointDirectory
+    from fastckpt.train.manager import CheckpointManager as CheckpointManager
 
 __all__ = [
     "FastCkptError",

@@ -26,6 +26,7 @@ take anything numpy takes, convert them with :func:`to_numpy`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -111,9 +112,15 @@ def to_numpy(value: Any) -> np.ndarray:
     ``bytes`` and ``str`` (fixed-width text). Whether the result's dtype can be
     stored is the writer's to say.
 
+    A dict is refused (nested state goes through :func:`fastckpt.save_tree`),
+    where numpy would make an array of one Python object of it.
+
     >>> to_numpy([[1, 2]]).shape, to_numpy(bytearray(b"ab")).tolist(), to_numpy(b"ab").dtype
     ((1, 2), [97, 98], dtype('S2'))
     """
+    if isinstance(value, Mapping):
+        raise TypeError(f"a {type(value).__name__} is not an array: nested dicts of arrays (JAX/Flax/Orbax state) "
+                        "are saved by fastckpt.save_tree(path, tree), under '/'-joined names")
     array = as_numpy(value)
     return np.asarray(value) if array is None else array
 

@@ -53,6 +53,15 @@ class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
 class IntegrityError(FastCkptError, ValueError):
     """Stored bytes fail their checksum or hash: the file was changed or damaged."""
 
+    @classmethod
+    def of(cls, where: str, problems: list[str]) -> IntegrityError:
+        """The error for a check's list of problems: the first, and how many more.
+
+        >>> str(IntegrityError.of("ckpt", ["a.bin: 3 bytes, the manifest says 4", "b.bin: missing"]))
+        'ckpt: a.bin: 3 bytes, the manifest says 4 (and 1 more)'
+        """
+        return cls(f"{where}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
 
 class ChecksumMismatchError(IntegrityError, FormatError):
     """A block or tensor whose stored checksum does not match its bytes.

@@ -46,7 +46,7 @@ class TensorInfo:
 
     name: str
     dtype: np.dtype
-    shape: tuple
+    shape: tuple[int, ...]
     offset: int
     nbytes: int
     fortran_order: bool = False

@@ -20,6 +20,15 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.device)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: no error where xdist is not loaded
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts) starts a worker per core for the whole suite only: a run naming its files or
+    tests would spend more time starting workers, each importing numpy and pyopencl, than it saves."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return 0
+    return None  # xdist's own count: one per core
+
+
 @pytest.fixture(scope="module")
 def device():
     """The default device (``fastckpt.device.default()``: a GPU if there is one, else the CPU through pocl)."""

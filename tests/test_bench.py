@@ -6,6 +6,7 @@ promises and prints its table with the same rows and columns; the figures themse
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import re
 import sys
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from fastckpt.bench import SUITES, suite_of, timing
+from fastckpt.bench import SUITES, configure, suite_of, timing
 from fastckpt.cli import main
 
 
@@ -108,12 +109,21 @@ def test_the_suite_is_read_first_and_picks_the_options():
     with pytest.raises(SystemExit) as bad_suite:
         main(["bench", "--suite", "nope"])
     assert bad_suite.value.code == 2
-    with pytest.raises(SystemExit):  # --quick is the device suite's, not the model suite's
-        main(["bench", "--suite", "model", "--quick"])
+    with pytest.raises(SystemExit):  # --case is the device suite's, not the model suite's
+        main(["bench", "--suite", "model", "--case", "b"])
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_every_suite_has_a_quick_run(suite):
+    # `bench --suite S --quick` is the smoke run of every suite (the slow tests below run each one)
+    parser = argparse.ArgumentParser()
+    configure(parser, ["--suite", suite, "--quick"])
+    assert parser.parse_args(["--suite", suite, "--quick"]).quick is True
 
 
 # ------------------------------------------------------------------ every suite at its quickest
 
+@pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device
 def test_device_suite(tmp_path, capsys):
     from fastckpt.bench import device
@@ -128,6 +138,7 @@ def test_device_suite(tmp_path, capsys):
     assert "### targets" in out and "(b) repeated pooled loads: 0 pool misses" in out
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_formats_suite_tables(tmp_path):
     from fastckpt.bench import formats
 
@@ -146,6 +157,7 @@ def test_formats_suite_tables(tmp_path):
         assert label in rows, label
 
 
+@pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device
 def test_model_suite(tmp_path, capsys):
     assert main(["bench", "--suite", "model", "--repeats", "1", "--dir", str(tmp_path)]) == 0
@@ -218,6 +230,7 @@ def test_stateful_suite(capsys):
     assert lines[-1].endswith(" ms") and "1 MiB array state" in lines[-1]
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_sharded_suite(tmp_path, capsys):
     assert main(["bench", "--suite", "sharded", "--quick", "--ids", "3000", "--dense-mib", "0.25",
                  "--dir", str(tmp_path)]) == 0
@@ -236,6 +249,7 @@ def test_sharded_suite(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_incremental_suite(tmp_path, capsys):
     assert main(["bench", "--suite", "incremental", "--quick", "--ids", "4000", "--deltas", "2",
                  "--dir", str(tmp_path)]) == 0
@@ -250,6 +264,7 @@ def test_incremental_suite(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_s3_suite(capsys):
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
@@ -262,6 +277,7 @@ def test_s3_suite(capsys):
     assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True, True, False]
 
 
+@pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device
 def test_memory_suite(capsys):
     assert main(["bench", "--suite", "memory", "--quick"]) == 0

@@ -2,10 +2,13 @@
 
 import re
 
+import pytest
+
 from fastckpt.bench import formats as bench_formats
 from fastckpt.cli import main
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_quick_run_reports_every_path(capsys, tmp_path):
     assert main(["bench", "--suite", "formats", "--quick", "--repeat", "1", "--case", "b", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -19,6 +22,7 @@ def test_quick_run_reports_every_path(capsys, tmp_path):
     assert out.count("| 1.00x | 1.00x |") >= 2
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_open_cases_time_every_format_against_its_peer(capsys, tmp_path):
     assert main(["bench", "--suite", "formats", "--quick", "--repeat", "1", "--case", "f", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

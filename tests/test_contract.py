@@ -13,7 +13,8 @@ import pytest
 
 import fastckpt
 from fastckpt import CheckpointDirectory, TensorReader
-from fastckpt.errors import CheckpointNotFoundError, FormatError, NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.errors import (CheckpointNotFoundError, FormatError, IntegrityError, NotZeroCopyWarning,
+                             TensorNotFoundError)
 from fastckpt.formats.reader import register_opener, unregister_opener
 from fastckpt.tf import CheckpointReader, save, write_checkpoint
 
@@ -190,8 +191,11 @@ def test_training_directory_that_fails_to_open_closes_what_it_opened(tmp_path, m
         return opened[-1]
 
     monkeypatch.setattr(directory, "open_file", recording)
-    with pytest.raises(FormatError, match="optim.safetensors"):
+    with pytest.raises(IntegrityError, match="optim.safetensors"):  # its size and hash, before any file opens
         fastckpt.open(out)
+    assert opened == []
+    with pytest.raises(FormatError, match="optim.safetensors"):
+        directory.CheckpointDirectory(out, verify=False)
     assert len(opened) == 1 and opened[0].closed
 
 

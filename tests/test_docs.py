@@ -149,3 +149,16 @@ def test_every_command_on_the_which_call_page_exists(capsys):
             main([command, "--help"])
         assert exit_.value.code == 0, command
         assert f"usage: fastckpt {command}" in capsys.readouterr().out
+
+
+def test_help_of_the_package_starts_with_a_short_pointer_to_which_call():
+    # help(fastckpt) opened with a 15-line overview and never named the page that answers "which call?".
+    import pydoc
+
+    import fastckpt
+
+    doc = fastckpt.__doc__
+    assert "docs/which-call.md" in doc.splitlines()[0]
+    assert (Path(__file__).resolve().parents[1] / "docs" / "which-call.md").is_file()
+    assert len(doc.split(">>>")[0].strip().splitlines()) <= 8  # the prose before the example
+    assert "docs/which-call.md" in pydoc.render_doc(fastckpt, renderer=pydoc.plaintext)[:300]  # in its first lines

@@ -37,6 +37,8 @@ def _modules() -> list[str]:
 
 
 MODULES = _modules()
+# The benchmark modules' examples run (small) benchmarks: smoke runs, in the slow set with the suites' own tests.
+CASES = [pytest.param(name, marks=pytest.mark.slow) if name.startswith("fastckpt.bench.") else name for name in MODULES]
 
 
 def _required_imports() -> set[str]:
@@ -69,7 +71,7 @@ def _examples_in_source(name: str) -> int:
                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
 
 
-@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("name", CASES)
 def test_docstring_examples(name, tmp_path, monkeypatch):
     if name.rpartition(".")[2] == "__main__":
         # Importing a __main__ module runs the command line and exits, so its examples could never run here.

@@ -134,7 +134,7 @@ def _write_netcl_model(out: Path, queue) -> None:
 
 
 def _write_netcl_params(out: Path) -> None:
-    from fastckpt.io.checkpoint import save_checkpoint, save_params
+    from fastckpt.io.checkpoint import save_netcl_checkpoint, save_params
 
     params = [_arange(np.float32, (3, 2)), _arange(np.float16, (2,)), np.array(1.5, np.float64)]
     save_params(params, out / "params.npz")
@@ -150,7 +150,7 @@ def _write_netcl_params(out: Path) -> None:
         "nothing": None,
     }
     config = {"step": 1000, "sizes": [3, 2], "table": _arange(np.int32, (2, 2)), "nan": float("nan")}
-    save_checkpoint(params, out / "ckpt" / "run.v1", optim_state=optim_state, config=config)
+    save_netcl_checkpoint(params, out / "ckpt" / "run.v1", optim_state=optim_state, config=config)
 
 
 class TrainCorner:

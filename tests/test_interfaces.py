@@ -4,6 +4,7 @@ paths, ``fastckpt.open`` on a directory it cannot read, and netcl's module API (
 from __future__ import annotations
 
 import array
+import importlib
 import os
 import re
 import shutil
@@ -469,7 +470,7 @@ def test_netcl_code_runs_unchanged_on_a_loaded_model(queue, tmp_path):
 def test_device_entry_points_take_a_pathlib_path(queue, tmp_path):
     from fastckpt.device.load import load_file
     from fastckpt.io import load_model, save_model
-    from fastckpt.io.checkpoint import load_checkpoint, load_params, save_checkpoint, save_params
+    from fastckpt.io.checkpoint import load_netcl_checkpoint, load_params, save_netcl_checkpoint, save_params
 
     model = _model(queue)
     save_model(model, tmp_path / "m.netcl")
@@ -477,8 +478,47 @@ def test_device_entry_points_take_a_pathlib_path(queue, tmp_path):
     assert list(loaded.state_dict()) == list(model.state_dict())
     save_params(model.parameters(), tmp_path / "p.npz")
     assert load_params(queue, loaded.parameters(), tmp_path / "p.npz") == ["p0", "p1", "p2", "p3", "p4"]
-    save_checkpoint(model.parameters(), tmp_path / "ck", config={"step": 1})
-    assert load_checkpoint(queue, loaded.parameters(), tmp_path / "ck")["config"] == {"step": 1}
+    save_netcl_checkpoint(model.parameters(), tmp_path / "ck", config={"step": 1})
+    assert load_netcl_checkpoint(queue, loaded.parameters(), tmp_path / "ck")["config"] == {"step": 1}
     fastckpt.save_npz(tmp_path / "a.npz", T)
     _check(load_file(tmp_path / "a.npz", queue)["w"].to_host(), T["w"])
     assert os.path.isfile(tmp_path / "ck.json")
+
+
+@pytest.mark.parametrize("loader", ["fastckpt.train.checkpoint.load_checkpoint", "fastckpt.train.remote.load_checkpoint",
+                                    "fastckpt.train.manager.CheckpointManager.restore",
+                                    "fastckpt.train.manager.CheckpointManager.restore_latest",
+                                    "fastckpt.train.directory.CheckpointDirectory",
+                                    "fastckpt.sharded.reader.CheckpointReader", "fastckpt.sharded.loader.Loader"])
+def test_every_loader_of_a_checkpoint_with_a_manifest_checks_it_by_default(loader):
+    # One default for one keyword: the sharded reader and loader did not check their manifest unless asked.
+    import inspect
+
+    module, _, name = loader.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError:
+        module, _, cls = module.rpartition(".")
+        target = getattr(getattr(importlib.import_module(module), cls), name)
+    assert inspect.signature(target).parameters["verify"].default is True
+
+
+def test_a_changed_file_is_refused_by_open_and_the_sharded_loader_unless_told(tmp_path):
+    from fastckpt.errors import IntegrityError
+    from fastckpt.sharded import Loader, Saver
+    from fastckpt.train import save_checkpoint
+
+    save_checkpoint(_Model({"w": np.arange(4.0)}), None, None, None, None, tmp_path / "t", step=1)
+    Saver(path=str(tmp_path / "s"), parallel=1, tensors={"w": np.arange(4.0)}).save()
+    for directory, pattern in ((tmp_path / "t", "weights.safetensors"), (tmp_path / "s", "*.safetensors")):
+        changed = next(directory.glob(pattern))
+        data = bytearray(changed.read_bytes())
+        data[-1] ^= 1  # a payload byte: every header still parses
+        changed.write_bytes(bytes(data))
+        with pytest.raises(IntegrityError, match=changed.name):
+            fastckpt.open(directory)
+    with pytest.raises(IntegrityError, match="safetensors"):
+        Loader(str(tmp_path / "s"), tensors={"w": np.zeros(4)}).load()
+    out = {"w": np.zeros(4)}
+    Loader(str(tmp_path / "s"), tensors=out, verify=False).load()
+    assert out["w"][:3].tolist() == [0.0, 1.0, 2.0]

@@ -1,4 +1,5 @@
-"""fastckpt.io.checkpoint: save_params/load_params and save_checkpoint/load_checkpoint, with netcl's traps fixed."""
+"""fastckpt.io.checkpoint: save_params/load_params and save_netcl_checkpoint/load_netcl_checkpoint, with netcl's
+traps fixed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytest.importorskip("pyopencl")
 
 from fastckpt.device.tensor import Tensor
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.io.checkpoint import ARRAY_REF_KEY, load_checkpoint, load_params, save_checkpoint, save_params
+from fastckpt.io.checkpoint import ARRAY_REF_KEY, load_netcl_checkpoint, load_params, save_netcl_checkpoint, save_params
 
 pytestmark = pytest.mark.device
 
@@ -110,18 +111,18 @@ def test_numpy_arrays_work_as_params(tmp_path, rng):
 # -- checkpoints --------------------------------------------------------------------------------------
 def test_dotted_path_keeps_its_suffix(tmp_path, queue, rng):
     params, hosts = make_params(queue, rng)
-    paths = save_checkpoint(params, tmp_path / "run.v1", config={"step": 3})
+    paths = save_netcl_checkpoint(params, tmp_path / "run.v1", config={"step": 3})
     assert paths == (str(tmp_path / "run.v1.npz"), str(tmp_path / "run.v1.json"))
     assert sorted(os.listdir(tmp_path)) == ["run.v1.json", "run.v1.npz"]
     fresh = blank_params(queue)
-    assert load_checkpoint(queue, fresh, tmp_path / "run.v1") == {"optim_state": {}, "config": {"step": 3}}
+    assert load_netcl_checkpoint(queue, fresh, tmp_path / "run.v1") == {"optim_state": {}, "config": {"step": 3}}
     assert_params(fresh, hosts)
 
 
 def test_json_without_arrays_is_exactly_netcls(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
     optim, config = {"lr": 0.001, "betas": [0.9, 0.999]}, {"step": 1000, "scheduler": {"best": 0.5}}
-    save_checkpoint(params, tmp_path / "c", optim_state=optim, config=config)
+    save_netcl_checkpoint(params, tmp_path / "c", optim_state=optim, config=config)
     assert (tmp_path / "c.json").read_text() == json.dumps({"optim_state": optim, "config": config})
     with np.load(tmp_path / "c.npz") as z:
         assert z.files == ["p0", "p1", "p2"]
@@ -134,7 +135,7 @@ def test_optimizer_moments_are_stored_as_array_references(tmp_path, queue, rng):
     rng_state = np.random.RandomState(5).get_state()
     optim = {"t": 12, "moments": moments, "sgd": {"velocity": velocity}, "scale": np.float32(1024.0)}
     config = {"step": 12, "numpy_rng": rng_state, "lr_history": np.linspace(0, 1, 5)}
-    save_checkpoint(params, tmp_path / "adam", optim_state=optim, config=config, names=["w", "b", "k"])
+    save_netcl_checkpoint(params, tmp_path / "adam", optim_state=optim, config=config, names=["w", "b", "k"])
 
     doc = json.loads((tmp_path / "adam.json").read_text())
     assert doc["optim_state"]["moments"][0][0] == {ARRAY_REF_KEY: "optim_state.0"}
@@ -143,7 +144,7 @@ def test_optimizer_moments_are_stored_as_array_references(tmp_path, queue, rng):
     assert doc["config"]["numpy_rng"][1] == {ARRAY_REF_KEY: "config.0"}
 
     fresh = blank_params(queue)
-    state = load_checkpoint(queue, fresh, tmp_path / "adam", names=["w", "b", "k"])
+    state = load_netcl_checkpoint(queue, fresh, tmp_path / "adam", names=["w", "b", "k"])
     assert_params(fresh, hosts)
     got = state["optim_state"]
     assert got["t"] == 12
@@ -168,11 +169,11 @@ def test_optimizer_moments_are_stored_as_array_references(tmp_path, queue, rng):
 )
 def test_unstorable_state_writes_nothing(tmp_path, queue, rng, optim, config, error, match):
     params, hosts = make_params(queue, rng)
-    save_checkpoint(params, tmp_path / "ck", config={"step": 1})
+    save_netcl_checkpoint(params, tmp_path / "ck", config={"step": 1})
     before = {n: (tmp_path / n).read_bytes() for n in ("ck.npz", "ck.json")}
     other, _ = make_params(queue, rng)
     with pytest.raises(error, match=match):
-        save_checkpoint(other, tmp_path / "ck", optim_state=optim, config=config)
+        save_netcl_checkpoint(other, tmp_path / "ck", optim_state=optim, config=config)
     assert sorted(os.listdir(tmp_path)) == ["ck.json", "ck.npz"]
     assert all((tmp_path / n).read_bytes() == b for n, b in before.items())
 
@@ -182,15 +183,15 @@ def test_circular_state_is_named_and_writes_nothing(tmp_path, queue, rng):
     loop: list = []
     loop.append(loop)
     with pytest.raises(ValueError, match=r"optim_state\['loop'\]\[0\]: the state contains a reference cycle"):
-        save_checkpoint(params, tmp_path / "ck", optim_state={"loop": loop})
+        save_netcl_checkpoint(params, tmp_path / "ck", optim_state={"loop": loop})
     assert os.listdir(tmp_path) == []
 
 
 def test_shared_but_not_circular_state_is_stored_twice(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
     shared = [1, 2]
-    save_checkpoint(params, tmp_path / "ck", config={"a": shared, "b": shared})
-    assert load_checkpoint(queue, params, tmp_path / "ck")["config"] == {"a": [1, 2], "b": [1, 2]}
+    save_netcl_checkpoint(params, tmp_path / "ck", config={"a": shared, "b": shared})
+    assert load_netcl_checkpoint(queue, params, tmp_path / "ck")["config"] == {"a": [1, 2], "b": [1, 2]}
 
 
 @pytest.mark.parametrize("fail_at", ["param", "npz_replace", "json_replace"])
@@ -198,7 +199,7 @@ def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monk
     import fastckpt.formats.atomic as atomic
 
     params, hosts = make_params(queue, rng)
-    save_checkpoint(params, tmp_path / "ck", optim_state={"m": [np.ones(2)]}, config={"step": 1})
+    save_netcl_checkpoint(params, tmp_path / "ck", optim_state={"m": [np.ones(2)]}, config={"step": 1})
     before = {n: (tmp_path / n).read_bytes() for n in ("ck.npz", "ck.json")}
     other, _ = make_params(queue, rng)
     if fail_at == "param":
@@ -220,25 +221,25 @@ def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monk
 
         monkeypatch.setattr(atomic.os, "replace", replace)
     with pytest.raises((RuntimeError, OSError), match="device lost|No space left"):
-        save_checkpoint(other, tmp_path / "ck", optim_state={"m": [np.zeros(2), np.zeros(3)]}, config={"step": 2},
-                        overwrite=True)
+        save_netcl_checkpoint(other, tmp_path / "ck", optim_state={"m": [np.zeros(2), np.zeros(3)]},
+                              config={"step": 2}, overwrite=True)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ck.json", "ck.npz"]
     assert all((tmp_path / n).read_bytes() == b for n, b in before.items())
     fresh = blank_params(queue)
-    state = load_checkpoint(queue, fresh, tmp_path / "ck")
+    state = load_netcl_checkpoint(queue, fresh, tmp_path / "ck")
     assert state["config"] == {"step": 1} and state["optim_state"]["m"][0].tobytes() == np.ones(2).tobytes()
     assert_params(fresh, hosts)
 
 
 def test_new_pair_replaces_an_old_one_and_leaves_no_temporaries(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
-    save_checkpoint(params, tmp_path / "ck", config={"step": 1})
+    save_netcl_checkpoint(params, tmp_path / "ck", config={"step": 1})
     other, hosts = make_params(queue, rng)
-    save_checkpoint(other, tmp_path / "ck", config={"step": 2}, overwrite=True)
+    save_netcl_checkpoint(other, tmp_path / "ck", config={"step": 2}, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["ck.json", "ck.npz"]
     fresh = blank_params(queue)
-    assert load_checkpoint(queue, fresh, tmp_path / "ck")["config"] == {"step": 2}
+    assert load_netcl_checkpoint(queue, fresh, tmp_path / "ck")["config"] == {"step": 2}
     assert_params(fresh, hosts)
 
 
@@ -252,27 +253,28 @@ def test_deeply_nested_sidecar_is_a_format_error(tmp_path, queue, rng, nesting):
     room = sys.getrecursionlimit() - len(inspect.stack())
     depth = room * 3 // 4 if nesting.startswith("parses") else 100_000
     params, _ = make_params(queue, rng)
-    save_checkpoint(params, tmp_path / "ck")
+    save_netcl_checkpoint(params, tmp_path / "ck")
     (tmp_path / "ck.json").write_text('{"config": ' + "[" * depth + "]" * depth + "}")
     fresh = blank_params(queue)
     message = "nests too deeply to restore" if nesting.startswith("parses") else "is not valid JSON"
     with pytest.raises(FormatError, match=f"ck.json: checkpoint sidecar {message}"):
-        load_checkpoint(queue, fresh, tmp_path / "ck")
+        load_netcl_checkpoint(queue, fresh, tmp_path / "ck")
     assert all((p.to_host() == 7).all() for p in fresh)
 
 
 def test_sidecar_that_is_not_an_object_is_a_format_error(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
-    save_checkpoint(params, tmp_path / "ck")
+    save_netcl_checkpoint(params, tmp_path / "ck")
     (tmp_path / "ck.json").write_text("[1, 2]")
     with pytest.raises(FormatError, match=r"ck.json: checkpoint sidecar must be a JSON object .*got list"):
-        load_checkpoint(queue, blank_params(queue), tmp_path / "ck")
+        load_netcl_checkpoint(queue, blank_params(queue), tmp_path / "ck")
 
 
 def test_param_names_colliding_with_state_arrays_are_refused(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
     with pytest.raises(ValueError, match=r"\['optim_state.0'\] collide"):
-        save_checkpoint(params, tmp_path / "ck", optim_state={"m": np.zeros(1)}, names=["optim_state.0", "b", "c"])
+        save_netcl_checkpoint(params, tmp_path / "ck", optim_state={"m": np.zeros(1)},
+                              names=["optim_state.0", "b", "c"])
     assert os.listdir(tmp_path) == []
 
 
@@ -280,22 +282,38 @@ def test_checkpoint_without_sidecar_returns_empty_dict(tmp_path, queue, rng):
     params, hosts = make_params(queue, rng)
     save_params(params, tmp_path / "only")
     fresh = blank_params(queue)
-    assert load_checkpoint(queue, fresh, tmp_path / "only") == {}
+    assert load_netcl_checkpoint(queue, fresh, tmp_path / "only") == {}
     assert_params(fresh, hosts)
 
 
 def test_dangling_reference_is_a_format_error_before_any_write(tmp_path, queue, rng):
     params, _ = make_params(queue, rng)
-    save_checkpoint(params, tmp_path / "ck")
+    save_netcl_checkpoint(params, tmp_path / "ck")
     (tmp_path / "ck.json").write_text(json.dumps({"optim_state": {"m": {ARRAY_REF_KEY: "optim_state.4"}}, "config": {}}))
     fresh = blank_params(queue)
     with pytest.raises(FormatError, match=r"state\['optim_state'\]\['m'\] refers to array 'optim_state.4'"):
-        load_checkpoint(queue, fresh, tmp_path / "ck")
+        load_netcl_checkpoint(queue, fresh, tmp_path / "ck")
     assert all((p.to_host() == 7).all() for p in fresh)
 
 
 def test_missing_checkpoint(tmp_path, queue):
     with pytest.raises(CheckpointNotFoundError, match="ck.npz' does not exist"):
-        load_checkpoint(queue, [], tmp_path / "ck")
+        load_netcl_checkpoint(queue, [], tmp_path / "ck")
     with pytest.raises(CheckpointNotFoundError, match="no parameter file"):
         load_params(queue, [], tmp_path / "ck")
+
+
+def test_the_netcl_names_still_work_and_say_what_they_are_now(tmp_path, queue, rng):
+    # fastckpt.train.load_checkpoint reads a training checkpoint; the netcl pair has its own names now.
+    import fastckpt.io.checkpoint as io_checkpoint
+
+    params, hosts = make_params(queue, rng)
+    with pytest.warns(DeprecationWarning, match=r"save_checkpoint is now save_netcl_checkpoint .*fastckpt 0\.4"):
+        paths = io_checkpoint.save_checkpoint(params, tmp_path / "ck", config={"step": 1})
+    assert paths == (str(tmp_path / "ck.npz"), str(tmp_path / "ck.json"))
+    fresh = blank_params(queue)
+    with pytest.warns(DeprecationWarning, match=r"load_checkpoint is now load_netcl_checkpoint"):
+        state = io_checkpoint.load_checkpoint(queue, fresh, tmp_path / "ck")
+    assert state == {"optim_state": {}, "config": {"step": 1}}
+    assert_params(fresh, hosts)
+    assert "save_checkpoint" not in io_checkpoint.__all__ and "load_checkpoint" not in io_checkpoint.__all__

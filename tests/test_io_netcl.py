@@ -14,7 +14,7 @@ netcl_io = pytest.importorskip("netcl.io")
 import fastckpt.nn as nn
 from fastckpt.device.tensor import Tensor
 from fastckpt.io import load_model, save_model
-from fastckpt.io.checkpoint import load_checkpoint, save_checkpoint
+from fastckpt.io.checkpoint import load_netcl_checkpoint, save_netcl_checkpoint
 
 pytestmark = pytest.mark.device
 
@@ -130,7 +130,8 @@ def test_checkpoints_cross_both_ways(tmp_path, netcl_queue, rng):
     optim = {"t": 3, "moments": [(hosts[0] * 2, hosts[0] * 3), (hosts[1] * 2, hosts[1] * 3)]}
 
     # fastckpt writes (with array references), netcl reads the params and the JSON
-    save_checkpoint([Tensor.from_host(q, h) for h in hosts], tmp_path / "ours", optim_state=optim, config={"step": 3})
+    save_netcl_checkpoint([Tensor.from_host(q, h) for h in hosts], tmp_path / "ours", optim_state=optim,
+                          config={"step": 3})
     theirs = [NetclTensor.from_host(netcl_queue, np.zeros_like(h)) for h in hosts]
     meta = netcl_ckpt.load_checkpoint(netcl_queue, theirs, str(tmp_path / "ours"))
     assert all(t.to_host().tobytes() == h.tobytes() for t, h in zip(theirs, hosts))
@@ -140,6 +141,6 @@ def test_checkpoints_cross_both_ways(tmp_path, netcl_queue, rng):
     netcl_ckpt.save_checkpoint([NetclTensor.from_host(netcl_queue, h) for h in hosts], str(tmp_path / "theirs"),
                                config={"lr": 0.01})
     fresh = [Tensor.from_host(q, np.zeros_like(h)) for h in hosts]
-    assert load_checkpoint(q, fresh, tmp_path / "theirs") == {"optim_state": {}, "config": {"lr": 0.01}}
+    assert load_netcl_checkpoint(q, fresh, tmp_path / "theirs") == {"optim_state": {}, "config": {"lr": 0.01}}
     assert all(t.to_host().tobytes() == h.tobytes() for t, h in zip(fresh, hosts))
     assert json.loads((tmp_path / "theirs.json").read_text()) == {"optim_state": {}, "config": {"lr": 0.01}}

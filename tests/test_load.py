@@ -947,6 +947,7 @@ def test_importing_load_and_pool_keeps_pyopencl_out():
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
 
 
+@pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device
 def test_bench_command_runs_and_reports_zero_repeat_misses(tmp_path, capsys):
     from fastckpt.cli import main
@@ -958,6 +959,7 @@ def test_bench_command_runs_and_reports_zero_repeat_misses(tmp_path, capsys):
     assert os.listdir(tmp_path) == [], "fixtures are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device
 def test_bench_case_of_many_tensors_states_its_target(tmp_path, capsys):
     from fastckpt.cli import main

@@ -21,7 +21,8 @@ from fastckpt import FormatError
 from fastckpt.formats.safetensors import dtype_to_safetensors, read_safetensors_index, read_tensor, save_safetensors
 
 BACKENDS = ["mmap", "pread"]
-DEFAULT = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A short fuzz in the default run; the *_long tests (-m slow) run 5000 inputs each.
+DEFAULT = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LONG = settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 DTYPE_NAMES = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fastckpt
-from fastckpt.errors import CheckpointNotFoundError, FormatError, TensorNotFoundError
+from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError, TensorNotFoundError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver, split_sparse_dense_state_dict
 from fastckpt.sharded.engine import BarrierTimeoutError, ThreadEngine
 from fastckpt.sharded.format import DESCRIPTION_FILE, INDEX_FILE, MANIFEST_FILE, TENSORKEY_FILE
@@ -258,7 +258,9 @@ def test_corrupted_and_truncated_files_are_named(tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with CheckpointReader(tmp_path / "c") as r:
+    with pytest.raises(IntegrityError, match="model-00001-000.safetensors: BLAKE3"):  # checked by default
+        CheckpointReader(tmp_path / "c")
+    with CheckpointReader(tmp_path / "c", verify=False) as r:
         assert r.verify() == [f"model-00001-000.safetensors: BLAKE3 {_hash(path)[:16]}..., the manifest says "
                               f"{json.loads((tmp_path / 'c' / MANIFEST_FILE).read_text())['files'][path.name]['blake3'][:16]}..."]
     path.write_bytes(bytes(data[: len(data) // 2]))

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fastckpt.errors import FormatError
+from fastckpt.errors import FormatError, IntegrityError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver
 from fastckpt.sharded.codec import check_options, decode, encode_ids, encode_values
 from fastckpt.sharded.engine import ThreadEngine
@@ -160,8 +160,10 @@ def test_damaged_compressed_data_is_named(tmp_path):
     with open(path, "r+b") as fh:
         fh.seek(offset + 40)
         fh.write(b"\xff" * 64)
-    with pytest.raises(FormatError, match=r"model-00000-00\d\.safetensors: tensor 'emb.embedding/part_0_1': .*"):
+    with pytest.raises(IntegrityError, match=r"model-00000-00\d\.safetensors: BLAKE3"):  # the manifest, first
         Loader(str(tmp_path / "c")).load()
+    with pytest.raises(FormatError, match=r"model-00000-00\d\.safetensors: tensor 'emb.embedding/part_0_1': .*"):
+        Loader(str(tmp_path / "c"), verify=False).load()  # the codec's own check
 
 
 def test_the_codec_round_trips_and_checks_sizes():

@@ -844,6 +844,7 @@ def test_docs_carry_the_same_format_spec_as_the_module():
     assert block == spec
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_benchmark_runs_every_case():
     import fastckpt.bench.stateful as bench
 

@@ -672,3 +672,18 @@ def test_hostile_deep_tree_is_a_format_error(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(FormatError, match="nested too deeply"):
         load_checkpoint(tmp_path / "c", verify=False)
+
+
+def test_a_loaded_state_repr_is_a_short_summary(tmp_path):
+    # It printed every array (91,142 characters for a small model); now where it is from and how much it holds.
+    from fastckpt.train import AdamW, TinyLM
+
+    lm = TinyLM(vocab=256, dim=64, hidden=256, seed=0)
+    opt = AdamW(lm.parameters(), lr=1e-2)
+    save_checkpoint(lm, opt, None, None, None, tmp_path / "c", step=7, extra_metrics={"loss": 1.5})
+    state = load_checkpoint(tmp_path / "c")
+    text = repr(state)
+    assert len(text) < 300, text
+    assert text.startswith("CheckpointState(step=7, epoch=0, path=") and str(tmp_path / "c") in text
+    weights = {id(v): v.nbytes for v in state.model_weights.values()}  # tied weights count once
+    assert f"model_weights {len(weights)}" in text and "metrics={'loss': 1.5}" in text

@@ -16,7 +16,9 @@ from fastckpt import open as open_tensors
 from fastckpt.formats.npz import save_npz
 from fastckpt.formats.safetensors import save_safetensors
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# The default run keeps a short fuzz; the *_long tests (-m slow) run the same properties on many more inputs.
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+LONG = settings(SETTINGS, max_examples=1500)
 
 # Names: any text a ZIP member or JSON key can hold, including characters that need escaping.
 _name_chars = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00/\\")
@@ -41,9 +43,12 @@ def _arrays(draw, dtypes=_dtypes):
     return arr
 
 
+_NPZ_CASES = given(tensors=st.dictionaries(_names, _arrays(), max_size=6),
+                   alignment=st.sampled_from([1, 8, 64, 4096, 32768]), zip64=st.booleans())
+
+
 @SETTINGS
-@given(tensors=st.dictionaries(_names, _arrays(), max_size=6), alignment=st.sampled_from([1, 8, 64, 4096, 32768]),
-       zip64=st.booleans())
+@_NPZ_CASES
 def test_npz_writer_output_is_a_valid_zip_numpy_reads(tmp_path, tensors, alignment, zip64):
     path = tmp_path / "f.npz"
     limits = npz._ZIP64_LIMIT, npz._ZIP_FILECOUNT_LIMIT
@@ -73,11 +78,15 @@ def test_npz_writer_output_is_a_valid_zip_numpy_reads(tmp_path, tensors, alignme
 _st_dtypes = st.sampled_from(["<f4", "<f2", "<i8", "|b1", "<c8", "|u1", ">f8", ">i2", "<u4", "|i1"])
 
 
+_SAFETENSORS_CASES = given(
+    tensors=st.dictionaries(st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
+                            .filter(lambda n: n != "__metadata__"), _arrays(_st_dtypes), max_size=6),
+    metadata=st.none() | st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3),
+    alignment=st.sampled_from([8, 64, 4096]))
+
+
 @SETTINGS
-@given(tensors=st.dictionaries(st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
-                               .filter(lambda n: n != "__metadata__"), _arrays(_st_dtypes), max_size=6),
-       metadata=st.none() | st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3),
-       alignment=st.sampled_from([8, 64, 4096]))
+@_SAFETENSORS_CASES
 def test_safetensors_header_is_json_dumps_and_the_reference_reads_the_data(tmp_path, tensors, metadata, alignment):
     path = tmp_path / "f.safetensors"
     save_safetensors(path, tensors, metadata, alignment=alignment, overwrite=True)
@@ -115,3 +124,19 @@ def test_npz_writer_refuses_names_readers_refuse(tmp_path, name):
     with pytest.raises(ValueError, match="readers refuse such ZIP member names"):
         save_npz(tmp_path / "f.npz", {name: np.zeros(1)})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@LONG
+@_NPZ_CASES
+def test_npz_writer_output_is_a_valid_zip_numpy_reads_long(tmp_path, tensors, alignment, zip64):
+    test_npz_writer_output_is_a_valid_zip_numpy_reads.hypothesis.inner_test(tmp_path, tensors, alignment, zip64)
+
+
+@pytest.mark.slow
+@LONG
+@_SAFETENSORS_CASES
+def test_safetensors_header_is_json_dumps_and_the_reference_reads_the_data_long(tmp_path, tensors, metadata,
+                                                                                  alignment):
+    test_safetensors_header_is_json_dumps_and_the_reference_reads_the_data.hypothesis.inner_test(
+        tmp_path, tensors, metadata, alignment)

@@ -37,7 +37,8 @@ The methods of one model are timed round-robin (:func:`fastckpt.bench.timing.rou
 ``--repeats`` rounds, one untimed warm-up run each); what a method returns is
 dropped after its clock stops.
 
-Run: ``python -m fastckpt bench --suite model [--repeats 7]``; prints a markdown table.
+Run: ``python -m fastckpt bench --suite model [--repeats 7]``; prints a markdown table (``--quick``: one run
+and one new process per method, a smoke run of seconds).
 
 >>> from fastckpt.cli import main
 >>> main(["bench", "--suite", "model", "--repeats", "1"])  # doctest: +SKIP
@@ -252,16 +253,34 @@ def _verdicts(kind: str, label: str, t: dict) -> list[str]:
     return out
 
 
+REPEATS, QUICK_REPEATS = 7, 1
+
+
+def repeats_of(args) -> int:
+    """The runs per method that parsed options ask for: ``--repeats``, else 1 with ``--quick``, else 7.
+
+    >>> import argparse
+    >>> repeats_of(argparse.Namespace(repeats=None, quick=True)), repeats_of(argparse.Namespace(repeats=5, quick=True))
+    (1, 5)
+    """
+    if args.repeats is not None:
+        return args.repeats
+    return QUICK_REPEATS if args.quick else REPEATS
+
+
 def configure(parser) -> None:
     """Add the model suite's options to ``parser`` (an :class:`argparse.ArgumentParser`).
 
     >>> import argparse
     >>> parser = argparse.ArgumentParser()
     >>> configure(parser)
-    >>> parser.parse_args([]).repeats
-    7
+    >>> parser.parse_args([]).repeats, repeats_of(parser.parse_args([])), repeats_of(parser.parse_args(["--quick"]))
+    (None, 7, 1)
     """
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs per method (median reported)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_REPEATS} runs and new processes per method instead of {REPEATS} (seconds)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed runs per method, median reported (default {REPEATS}; --quick {QUICK_REPEATS})")
     parser.add_argument("--dir", default=None, help="directory for the temporary files (default: system temp)")
 
 
@@ -271,7 +290,8 @@ def run(args) -> int:
     >>> from fastckpt.cli import main
     >>> main(["bench", "--suite", "model", "--repeats", "1"])  # doctest: +SKIP
     """
-    if args.repeats < 1:
+    repeats = repeats_of(args)
+    if repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    print(measure(args.repeats, args.dir))
+    print(measure(repeats, args.dir))
     return 0

@@ -1,7 +1,7 @@
 """The ``tf`` suite: read every tensor of a TensorFlow checkpoint, fastckpt against TensorFlow itself.
 
-Run ``python -m fastckpt bench --suite tf`` (``--help`` for sizes). It writes a
-checkpoint of ``--tensors`` float32 tensors totalling ``--mib`` MiB (plus one
+Run ``python -m fastckpt bench --suite tf`` (``--help`` for sizes; ``--quick``: 16 MiB in 16 tensors, 2 runs).
+It writes a checkpoint of ``--tensors`` float32 tensors totalling ``--mib`` MiB (plus one
 of an eighth of that size), reads it once to warm the page cache, then times,
 in this one process, the median of ``--runs`` full reads, the cases taken
 round-robin (:func:`fastckpt.bench.timing.round_robin`):
@@ -118,6 +118,10 @@ def format_table(rows: list, tensors: int, runs: int) -> str:
     return "\n".join(lines)
 
 
+DEFAULTS = {"mib": 512, "tensors": 64, "runs": 5}
+QUICK = {"mib": 16, "tensors": 16, "runs": 2}
+
+
 def configure(parser) -> None:
     """Add the tf suite's options to ``parser`` (an :class:`argparse.ArgumentParser`).
 
@@ -127,9 +131,12 @@ def configure(parser) -> None:
     >>> parser.parse_args(["--mib", "8"]).mib
     8
     """
-    parser.add_argument("--mib", type=int, default=512, help="checkpoint size in MiB (default 512)")
-    parser.add_argument("--tensors", type=int, default=64, help="number of tensors (default 64)")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per case; the median is shown (default 5)")
+    parser.add_argument("--quick", action="store_true",
+                        help="16 MiB in 16 tensors, 2 runs per case (seconds; options given still count)")
+    parser.add_argument("--mib", type=int, default=None, help="checkpoint size in MiB (default 512; --quick 16)")
+    parser.add_argument("--tensors", type=int, default=None, help="number of tensors (default 64; --quick 16)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="timed runs per case; the median is shown (default 5; --quick 2)")
     parser.add_argument("--dir", default=None, help="where to write the temporary checkpoints (default: the temp dir)")
     parser.add_argument("--no-tensorflow", action="store_true", help="skip the TensorFlow row")
 
@@ -140,9 +147,10 @@ def run(args) -> int:
     >>> from fastckpt.cli import main
     >>> main(["bench", "--suite", "tf", "--mib", "1", "--tensors", "4", "--runs", "1"])  # doctest: +SKIP
     """
-    if args.runs < 1:
+    sizes = QUICK if args.quick else DEFAULTS
+    mib, tensors, runs = (sizes[k] if getattr(args, k) is None else getattr(args, k) for k in ("mib", "tensors", "runs"))
+    if runs < 1:
         raise SystemExit("--runs must be at least 1")
-    rows = measure(mib=args.mib, tensors=args.tensors, runs=args.runs, directory=args.dir,
-                   use_tensorflow=not args.no_tensorflow)
-    print(format_table(rows, args.tensors, args.runs))
+    rows = measure(mib=mib, tensors=tensors, runs=runs, directory=args.dir, use_tensorflow=not args.no_tensorflow)
+    print(format_table(rows, tensors, runs))
     return 0

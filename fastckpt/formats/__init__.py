@@ -15,7 +15,9 @@
 * :mod:`~fastckpt.formats.remote` - URLs (``s3://``, ``memory://``, any
   fsspec filesystem): atomic uploads, the manifest-last commit of checkpoint
   prefixes, ranged reads of tensor files;
-* :mod:`~fastckpt.formats.convert` - any format to any other.
+* :mod:`~fastckpt.formats.convert` - any format to any other;
+* :mod:`~fastckpt.formats.tree` - nested dicts of arrays (``save_tree`` /
+  ``load_tree``) under ``/``-joined tensor names.
 
 A new format plugs in here: a reader implementing the contract, an opener
 registered with :func:`fastckpt.formats.reader.register_opener` (or a magic

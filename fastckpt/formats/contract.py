@@ -77,7 +77,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 from collections.abc import Mapping as MappingABC
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -85,6 +85,9 @@ from fastckpt.errors import TensorNotFoundError
 from fastckpt.info import TensorInfo
 
 __all__ = ["TensorReader", "ReaderMapping", "MultiFileReader", "tensor_not_found"]
+
+_Reader = TypeVar("_Reader", bound="TensorReader")
+_Mapping = TypeVar("_Mapping", bound="ReaderMapping")
 
 
 @runtime_checkable
@@ -122,9 +125,9 @@ class TensorReader(Protocol):
     def close(self) -> None:
         """Release the source's files; idempotent."""
 
-    def __enter__(self) -> Any: ...
+    def __enter__(self: _Reader) -> _Reader: ...
 
-    def __exit__(self, *exc) -> Any: ...
+    def __exit__(self, *exc: object) -> bool | None: ...
 
 
 def tensor_not_found(where: str, name: object, names: Iterable[str]) -> TensorNotFoundError:
@@ -202,10 +205,10 @@ class ReaderMapping(MappingABC):
     def __contains__(self, name: object) -> bool:
         return name in self.infos
 
-    def __enter__(self):
+    def __enter__(self: _Mapping) -> _Mapping:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -6,7 +6,7 @@ Files
   unless ``path`` already ends with it). Entries are named ``p0 .. pN`` in
   ``params`` order, or by ``names``. Payloads are 4096-byte aligned, dtypes are
   kept as held.
-- ``save_checkpoint(params, path, optim_state, config)`` writes ``<path>.npz``
+- ``save_netcl_checkpoint(params, path, optim_state, config)`` writes ``<path>.npz``
   (the parameters, plus any arrays found inside ``optim_state``/``config``) and
   ``<path>.json``: ``{"optim_state": {...}, "config": {...}}``. The suffix is
   *appended*, never substituted: ``run.v1`` gives ``run.v1.npz`` and
@@ -40,11 +40,15 @@ NPZ first, and an error at any step (a parameter that cannot be read, a full
 disk, a failed rename) leaves the previous pair exactly as it was. Only a crash
 between the two renames can leave the new NPZ beside the previous JSON.
 
->>> from fastckpt.io.checkpoint import save_checkpoint, load_checkpoint    # doctest: +SKIP
->>> save_checkpoint(model.parameters(), "ckpt/iter_1000",
+Names: netcl calls this pair ``save_checkpoint`` / ``load_checkpoint``, which in fastckpt are the training-state
+checkpoints of :mod:`fastckpt.train`; here they are ``save_netcl_checkpoint`` / ``load_netcl_checkpoint``. The
+netcl spellings still work in 0.3 with a ``DeprecationWarning`` and go in 0.4.
+
+>>> from fastckpt.io.checkpoint import save_netcl_checkpoint, load_netcl_checkpoint    # doctest: +SKIP
+>>> save_netcl_checkpoint(model.parameters(), "ckpt/iter_1000",
 ...                 optim_state={"t": 10, "moments": [(m0, v0), (m1, v1)]},
 ...                 config={"lr": 1e-3, "step": 1000})                     # doctest: +SKIP
->>> state = load_checkpoint(queue, model.parameters(), "ckpt/iter_1000")   # doctest: +SKIP
+>>> state = load_netcl_checkpoint(queue, model.parameters(), "ckpt/iter_1000")   # doctest: +SKIP
 >>> state["optim_state"]["moments"][0][0].dtype                            # doctest: +SKIP
 dtype('float32')
 """
@@ -52,9 +56,11 @@ dtype('float32')
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -66,7 +72,7 @@ from fastckpt.formats.reader import guard
 from fastckpt.state import PARAM_SIDECAR, decode, encode
 from fastckpt.state.codec import NumberedArrays
 
-__all__ = ["save_params", "load_params", "save_checkpoint", "load_checkpoint", "ARRAY_REF_KEY"]
+__all__ = ["save_params", "load_params", "save_netcl_checkpoint", "load_netcl_checkpoint", "ARRAY_REF_KEY"]
 
 ARRAY_REF_KEY = "__fastckpt_array__"
 
@@ -227,14 +233,15 @@ def _restore(doc: dict, tf) -> Any:
     return decode(doc, PARAM_SIDECAR, array, where=f"{tf.path}: state")
 
 
-def save_checkpoint(params: Iterable, path, optim_state=None, config=None, names=None, *,
-                    fsync: bool = True, overwrite: bool | None = None) -> tuple[str, str]:
+def save_netcl_checkpoint(params: Iterable, path, optim_state=None, config=None, names=None, *,
+                          fsync: bool = True, overwrite: bool | None = None) -> tuple[str, str]:
     """Write ``<path>.npz`` (parameters and state arrays) and ``<path>.json``; returns both paths.
 
     An existing pair is replaced only with ``overwrite=True`` (left out:
     replaced with a ``FutureWarning``, docs/overwrite.md).
 
-    >>> save_checkpoint(params, "ckpt/run.v1", optim_state={"velocity": [v0]}, config={"step": 3})  # doctest: +SKIP
+    >>> save_netcl_checkpoint(params, "ckpt/run.v1", optim_state={"velocity": [v0]},
+    ...                       config={"step": 3})  # doctest: +SKIP
     ('ckpt/run.v1.npz', 'ckpt/run.v1.json')
     """
     from fastckpt.formats.atomic import atomic_write, resolve_overwrite
@@ -318,13 +325,13 @@ def _keep_aside(path: str) -> str | None:
     return aside
 
 
-def load_checkpoint(queue, params: Iterable, path, names=None) -> dict:
+def load_netcl_checkpoint(queue, params: Iterable, path, names=None) -> dict:
     """Fill ``params`` from ``<path>.npz`` and return the sidecar ``{"optim_state", "config"}`` (``{}`` without one).
 
     Array references in the JSON come back as numpy arrays. The JSON and every reference
     are checked before any parameter is written.
 
-    >>> state = load_checkpoint(queue, model.parameters(), "ckpt/iter_1000")   # doctest: +SKIP
+    >>> state = load_netcl_checkpoint(queue, model.parameters(), "ckpt/iter_1000")   # doctest: +SKIP
     >>> state["config"]["step"]                                                 # doctest: +SKIP
     1000
     """
@@ -357,3 +364,25 @@ def load_checkpoint(queue, params: Iterable, path, names=None) -> dict:
         for name, param in zip(names, params):
             _write_param(param, tf.host(name))
     return state
+
+
+def _renamed(new, old: str):
+    """``new`` under its netcl name ``old``, with a DeprecationWarning at each call, until 0.4."""
+    @functools.wraps(new)
+    def call(*args, **kwargs):
+        warnings.warn(f"fastckpt.io.checkpoint.{old} is now {new.__name__} (fastckpt.train.{old} is the "
+                      f"training-state checkpoint); the old name goes in fastckpt 0.4", DeprecationWarning,
+                      stacklevel=2)
+        return new(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = old
+    call.__doc__ = f"""Deprecated netcl spelling of :func:`{new.__name__}`: the same call, with a DeprecationWarning.
+
+    >>> {old}(...)  # doctest: +SKIP
+    DeprecationWarning: fastckpt.io.checkpoint.{old} is now {new.__name__} ...
+    """
+    return call
+
+
+save_checkpoint = _renamed(save_netcl_checkpoint, "save_checkpoint")
+load_checkpoint = _renamed(load_netcl_checkpoint, "load_checkpoint")

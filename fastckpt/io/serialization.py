@@ -130,7 +130,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -138,6 +138,9 @@ from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatErro
 from fastckpt.formats.reader import guard
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import part_of_a_save, progress_from, requested
+
+if TYPE_CHECKING:
+    from fastckpt.nn import Sequential
 
 _log = logging.getLogger(__name__)
 
@@ -486,7 +489,7 @@ def _bind(model, writes, tensors) -> bool:
 
 
 def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool = False, progress=False,
-               storage_options: dict | None = None):
+               storage_options: dict | None = None) -> Sequential:
     """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair), or from an open reader.
 
     ``path`` is resolved as in :func:`resolve_model_path`; it may also be an open

@@ -113,14 +113,18 @@ class Loader:
     (``True`` for a bar, or ``callback(done, total, item)``:
     :mod:`fastckpt.progress`) counts the stored bytes of each tensor and table
     loaded (over the whole chain, whichever rows this rank keeps), each counted
-    when it is filled.
+    when it is filled. ``verify`` (default True, as for every loader of a
+    checkpoint with a manifest) checks every file of every checkpoint of the
+    chain against its manifest's size and BLAKE3 before a byte is placed;
+    ``verify=False`` skips that for speed.
     """
 
     def __init__(self, checkpoint_path: str, hashtables: dict | None = None, tensors: dict | None = None,
                  parallel: int = 16, filter_func: Callable[[dict], dict] = lambda info: info, *,
                  shard_index: int = 0, shard_num: int = 1,
                  owner: Callable[[np.ndarray, int], np.ndarray] = owner_mod, dense: str = "replicated",
-                 allow_lossy: bool = False, progress=False, storage_options: dict | None = None):
+                 allow_lossy: bool = False, progress=False, storage_options: dict | None = None,
+                 verify: bool = True):
         if type(shard_num) is not int or shard_num < 1 or type(shard_index) is not int \
                 or not 0 <= shard_index < shard_num:
             raise ValueError(f"shard_index {shard_index!r} of shard_num {shard_num!r}: need 0 <= index < num")
@@ -136,6 +140,7 @@ class Loader:
         self.shard_index, self.shard_num, self.owner, self.dense = shard_index, shard_num, owner, dense
         self.allow_lossy = allow_lossy
         self.progress = progress
+        self.verify = verify  # every file's size and BLAKE3 against its manifest, each checkpoint of the chain
         self.error_bounds: dict[str, float] = {}  # table -> largest absolute error of a lossy load
 
     def _check_lossy(self, chain: list[tuple[str, dict]]) -> None:
@@ -204,7 +209,7 @@ class Loader:
         chain = resolve_chain(self.checkpoint_path)
         self._check_lossy(chain)
         with contextlib.ExitStack() as stack:
-            readers = [stack.enter_context(CheckpointReader(path)) for path, _ in chain]
+            readers = [stack.enter_context(CheckpointReader(path, verify=self.verify)) for path, _ in chain]
             head = readers[-1]
             info = self.filter_func(self.load_info(head))
             jobs = [(name, _stored_nbytes([head], name), self._load_dense, head, name, entry)

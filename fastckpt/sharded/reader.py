@@ -60,13 +60,15 @@ def _dtype(name: str, where: str) -> np.dtype:
 class CheckpointReader(MultiFileReader):
     """Read a sharded checkpoint directory (see the module docs).
 
-    ``verify=True`` checks every file's size and BLAKE3 hash against the manifest
-    first (:meth:`verify` does it on demand).
+    ``verify=True`` (the default, as for every loader of a checkpoint with a
+    manifest) checks every file's size and BLAKE3 hash against the manifest
+    first, and raises :class:`~fastckpt.errors.IntegrityError` naming the file;
+    ``verify=False`` skips that for speed (:meth:`verify` does it on demand).
     """
 
     format = FORMAT
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = False, backend: str = "mmap",
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True, backend: str = "mmap",
                  copy_on_write: bool = False, max_header_size: int | None = None):
         self.path = os.fspath(path)
         meta = read_metadata(self.path)
@@ -110,8 +112,7 @@ class CheckpointReader(MultiFileReader):
         if verify:
             problems = self.verify()
             if problems:
-                raise IntegrityError(f"{self.path}: {problems[0]}" + (f" (and {len(problems) - 1} more)"
-                                                                      if len(problems) > 1 else ""))
+                raise IntegrityError.of(self.path, problems)
 
     # -- RecIS's API ----------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:

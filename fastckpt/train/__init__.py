@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 # name -> defining module; imported on first use.
 _LAZY = {
@@ -41,6 +42,28 @@ _LAZY = {
     "TinyLM": "fastckpt.train.reference.model",
     "train_step": "fastckpt.train.reference.model",
 }
+
+if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: re-exported)
+    from fastckpt.train.asyncsave import SaveHandle as SaveHandle, AsyncCheckpointer as AsyncCheckpointer
+    from fastckpt.train.checkpoint import (
+        save_checkpoint as save_checkpoint,
+        load_checkpoint as load_checkpoint,
+        apply_checkpoint as apply_checkpoint,
+        verify_checkpoint as verify_checkpoint,
+        read_manifest as read_manifest,
+        weights_digest as weights_digest,
+        CheckpointState as CheckpointState,
+    )
+    from fastckpt.train.manager import CheckpointManager as CheckpointManager
+    from fastckpt.train.reference.data import ShuffledTokenBatches as ShuffledTokenBatches
+    from fastckpt.train.reference.model import Parameter as Parameter, TinyLM as TinyLM, train_step as train_step
+    from fastckpt.train.reference.optim import SGD as SGD, Adam as Adam, AdamW as AdamW
+    from fastckpt.train.reference.scaler import GradScaler as GradScaler
+    from fastckpt.train.reference.sched import (
+        StepLR as StepLR,
+        CosineWarmupLR as CosineWarmupLR,
+        ReduceLROnPlateau as ReduceLROnPlateau,
+    )
 
 __all__ = list(_LAZY)
 

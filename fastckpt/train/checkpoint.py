@@ -46,6 +46,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import reprlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -246,8 +247,31 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
+_STATE_FIELDS = ("model_weights", "optim_state", "scheduler_state", "data_iter_state", "train_rng_state",
+                 "scaler_state")
+
+
+def _arrays_in(value: Any) -> tuple[int, int]:
+    """(arrays, bytes) anywhere inside ``value``'s dicts, lists and tuples; an array tied under two names counts
+    once."""
+    seen: set[int] = set()
+    count = nbytes = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "nbytes") and hasattr(item, "dtype") and id(item) not in seen:
+            seen.add(id(item))
+            count += 1
+            nbytes += int(item.nbytes)
+    return count, nbytes
+
+
 # ---------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(repr=False)
 class CheckpointState:
     """Everything :func:`load_checkpoint` read, ready for :func:`apply_checkpoint`.
 
@@ -266,6 +290,24 @@ class CheckpointState:
     manifest: dict[str, Any]
     scaler_state: Any = None
     path: Path | None = field(default=None, compare=False)
+
+    def __repr__(self) -> str:
+        """Where the state came from and how much it holds, never the arrays (a model's repr ran to 91,142
+        characters).
+
+        >>> import numpy as np
+        >>> CheckpointState({"w": np.zeros((2, 3), np.float32)}, {"m": [np.zeros(6, np.float32)]}, None, None, None,
+        ...                 {"step": 3, "epoch": 0})
+        CheckpointState(step=3, epoch=0, path=None, 2 arrays of 48 bytes: model_weights 1, optim_state 1)
+        """
+        counts = {name: _arrays_in(getattr(self, name)) for name in _STATE_FIELDS}
+        total = sum(n for n, _ in counts.values())
+        nbytes = sum(b for _, b in counts.values())
+        held = ", ".join(f"{name} {n}" for name, (n, _) in counts.items() if n)
+        metrics = reprlib.repr(self.metrics) if self.manifest.get("metrics") else None
+        return (f"CheckpointState(step={self.manifest.get('step')!r}, epoch={self.manifest.get('epoch')!r}, "
+                f"path={None if self.path is None else str(self.path)!r}, {total} arrays of {nbytes:,} bytes"
+                + (f": {held}" if held else "") + (f", metrics={metrics}" if metrics else "") + ")")
 
     @property
     def step(self) -> int:

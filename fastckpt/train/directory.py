@@ -20,6 +20,7 @@ from typing import Mapping
 
 import numpy as np
 
+from fastckpt.errors import IntegrityError
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo, from_checked_fields
@@ -48,9 +49,13 @@ class CheckpointDirectory(MultiFileReader):
     - ``manifest`` is the parsed ``manifest.json``;
     - ``close()`` closes every file.
 
-    Only the tensors are read: the manifest's hashes are not checked here
-    (:func:`fastckpt.train.verify_checkpoint` does), and the optimizer, scheduler,
-    data and RNG states are restored by :func:`fastckpt.train.load_checkpoint`.
+    Every file's size and hash are checked against the manifest first
+    (:func:`fastckpt.train.verify_checkpoint`), as every loader of a checkpoint
+    with a manifest does by default: a mismatch raises
+    :class:`~fastckpt.errors.IntegrityError` naming the file; ``verify=False``
+    skips the check for speed. Only the tensors are read: the optimizer,
+    scheduler, data and RNG states are restored by
+    :func:`fastckpt.train.load_checkpoint`.
 
     >>> import fastckpt, tempfile, os
     >>> from fastckpt.train import TinyLM, save_checkpoint
@@ -64,9 +69,15 @@ class CheckpointDirectory(MultiFileReader):
     format = "fastckpt.train.checkpoint"
 
     def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
-                 max_header_size: int | None = None):
+                 max_header_size: int | None = None, verify: bool = True):
         self.path = os.fspath(path)
         self.manifest = read_manifest(self.path)
+        if verify:
+            from fastckpt.train.checkpoint import verify_checkpoint
+
+            problems = verify_checkpoint(self.path)
+            if problems:
+                raise IntegrityError.of(self.path, problems)
         self.files: dict[str, TensorFile] = {}
         infos: dict[str, TensorInfo] = {}
         where: dict[str, tuple] = {}

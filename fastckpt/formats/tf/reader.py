@@ -422,7 +422,7 @@ class CheckpointReader(ReaderMapping):
 
     # -- listing -------------------------------------------------------------------------------
 
-    def tensor_names(self) -> list:
+    def tensor_names(self) -> list[str]:
         """Every tensor name in byte order, without hidden partition slices (object graph included)."""
         return list(self._names)
 
