@@ -47,7 +47,7 @@ def _base():
 
 class DeltaSave(Slow):
     """A delta save of the table after touching 1% of it (the same rows every sample: the table is rebuilt as the
-    base saved it, marked clean against the base, then touched with one seed)."""
+    base saved it, marked clean against the base, then touched with one seed), and a full save of it."""
 
     def setup(self):
         self.root, exported, base = _base()
@@ -59,6 +59,10 @@ class DeltaSave(Slow):
 
     def time_delta_save(self):
         _save(self.out, self.table)
+
+    def time_full_save(self):
+        """The same table saved whole (what the delta's time is compared with: the suite's target is 5%)."""
+        Saver(path=str(self.out), parallel=PARALLEL, hashtables={TABLE: self.table}).save()
 
     def track_delta_bytes_over_full(self):
         """The delta's bytes / the full base's (1% touched: about 1%; the suite's target is at most 3%)."""
