@@ -2,7 +2,8 @@
 # Benchmark a base commit and this checkout with asv, then print only the benchmarks that got slower.
 #
 #   tools/asv-check.sh [BASE]     BASE defaults to HEAD^ (the parent); the checkout as it is (uncommitted
-#                                 changes included) is compared with it. Exit 1 when something got slower.
+#                                 changes included; with BASE=HEAD, those alone) is compared with it.
+#                                 Exit 1 when something got slower.
 #   tools/asv-check.sh --noise    the checkout against itself, twice: every ratio is this machine's noise.
 #
 # Environment: ASV_FACTOR (default 4.5: a time that grew by more, beyond the spread of its samples, is
@@ -21,7 +22,10 @@ bench=(); [ -n "${ASV_BENCH:-}" ] && bench=(-b "$ASV_BENCH")
 noise=0
 if [ "${1:-}" = "--noise" ]; then noise=1; shift; fi
 base=$(git -C "$root" rev-parse --verify "${1:-HEAD^}^{commit}")
-head=$(git -C "$root" rev-parse --verify "HEAD^{commit}")
+# asv keys results by commit: uncommitted changes get one of their own (git stash create: a commit object of
+# the working tree that no branch or stash points to), so that BASE may be HEAD itself.
+head=$(git -C "$root" stash create 2>/dev/null || true)
+[ -n "$head" ] || head=$(git -C "$root" rev-parse --verify "HEAD^{commit}")
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/asv-check.XXXXXX")
 cleanup() {
@@ -57,7 +61,7 @@ if [ "$noise" = 1 ]; then
     run "$root" "$base" "first run of the checkout"
     run "$root" "$head" "second run of the checkout"
 else
-    [ "$base" != "$head" ] || { echo "asv: BASE is HEAD; commit the change or name an older BASE" >&2; exit 2; }
+    [ "$base" != "$head" ] || { echo "asv: the checkout is BASE, unchanged: nothing to compare" >&2; exit 2; }
     git -C "$root" worktree add --detach -q "$tmp/base" "$base"
     if git -C "$root" diff --quiet "$base" -- fastckpt/_native setup.py; then
         cp "$root"/fastckpt/_native/*.so "$tmp/base/fastckpt/_native/"
