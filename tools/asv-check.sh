@@ -6,9 +6,10 @@
 #                                 Exit 1 when something got slower.
 #   tools/asv-check.sh --noise    the checkout against itself, twice: every ratio is this machine's noise.
 #
-# Environment: ASV_FACTOR (default 4.5: a time that grew by more, beyond the spread of its samples, is
-# reported; two runs of one commit on the shared 2-core development machine differed by up to 4.17x, see
-# the README's development section; memory is held to 1.2x and exact counts to any change),
+# Environment: ASV_FACTOR (default 4.5: a time that grew by more, and significantly by asv's statistics, is
+# reported; runs of the same code on the shared 2-core development machine differed by up to 4.60x, by
+# 3.14x where significant: see the README's development section; memory is held to 1.2x and exact counts
+# to any change),
 # ASV_BENCH (a regular expression: only those benchmarks), ASV_KEEP=1 (keep the results directory).
 #
 # asv runs with --python=same on the Python that runs this script: the base is checked out into a
