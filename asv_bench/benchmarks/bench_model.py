@@ -17,16 +17,12 @@ import os
 
 import numpy as np
 
+from .common import device as _device
+
 MODELS = {
     "mlp": [{"type": "Linear", "args": {"in_features": 1448, "out_features": 1448, "bias": True}}] * 8,
     "many": [{"type": "Linear", "args": {"in_features": 16, "out_features": 16, "bias": True}}] * 400,
 }
-
-
-def _device():
-    from fastckpt.device import default
-
-    return default()
 
 
 class _Models:

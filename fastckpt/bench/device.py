@@ -43,6 +43,7 @@ from typing import Callable
 
 import numpy as np
 
+from fastckpt.bench.formats import random_tensors, save_as
 from fastckpt.bench.timing import format_duration, format_size, round_robin, table_lines
 
 __all__ = ["configure", "run", "bench_case", "bench_many_case"]
@@ -83,10 +84,9 @@ def _table(title: str, rows: list[tuple[str, float]], nbytes: int, base: str) ->
 def _fixtures(tmp: str, key: str, n: int, elems: int, fmt: str) -> tuple[dict, str, str, str]:
     import fastckpt
 
-    rng = np.random.default_rng(0)
-    tensors = {f"t{i:04d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
+    tensors = random_tensors(n, elems)
     main_path = os.path.join(tmp, f"{key}.{fmt}")
-    (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(main_path, tensors, fsync=False)
+    save_as(main_path, fmt, tensors)
     st_path = main_path if fmt == "safetensors" else os.path.join(tmp, f"{key}.safetensors")
     if st_path != main_path:
         fastckpt.save_safetensors(st_path, tensors, fsync=False)
@@ -210,10 +210,9 @@ def bench_many_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str
     from fastckpt.device.pool import PersistentBufferPool
 
     queue, ctx = dev.queue, dev.context
-    rng = np.random.default_rng(0)
-    tensors = {f"t{i:06d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
+    tensors = random_tensors(n, elems, digits=6)
     path = os.path.join(tmp, f"{key}.{fmt}")
-    (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(path, tensors, fsync=False)
+    save_as(path, fmt, tensors)
     with fastckpt.open(path) as tf:
         start, end = tf.data_region
     region = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max(end - start, 1))

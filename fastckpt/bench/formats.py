@@ -54,7 +54,7 @@ import numpy as np
 
 from fastckpt.bench.timing import Timing, format_duration, format_ratio, round_robin, table_lines
 
-__all__ = ["configure", "run", "bench_case", "bench_open_case", "markdown_table"]
+__all__ = ["configure", "run", "bench_case", "bench_open_case", "markdown_table", "random_tensors", "save_as"]
 
 CASES = {"a": ("512 MiB in 64 tensors", 64, 2**21), "b": ("1000 tensors of 4 KiB", 1000, 1024),
          "c": ("10,000 tensors of 1 KiB", 10_000, 256)}
@@ -116,9 +116,25 @@ def markdown_table(title: str, rows: list[tuple[str, Timing | tuple[float, float
     return "\n".join([f"### {title}", "", *head])
 
 
-def _tensors(n: int, elems: int) -> dict[str, np.ndarray]:
+def random_tensors(n: int, elems: int, digits: int = 4) -> dict[str, np.ndarray]:
+    """``n`` float32 tensors of ``elems`` normal random values (seeded), named ``t0000``.. (``digits`` wide): the
+    fixtures of the formats and device suites and of the asv suite.
+
+    >>> t = random_tensors(3, 2); list(t), t["t0001"].dtype
+    (['t0000', 't0001', 't0002'], dtype('float32'))
+    """
     rng = np.random.default_rng(0)
-    return {f"t{i:04d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
+    return {f"t{i:0{digits}d}": rng.standard_normal(elems, dtype=np.float32) for i in range(n)}
+
+
+def save_as(path: str, fmt: str, tensors: dict[str, np.ndarray], *, fsync: bool = False) -> None:
+    """Save ``tensors`` at ``path`` with fastckpt's writer of ``fmt`` (``"safetensors"`` or ``"npz"``).
+
+    >>> import tempfile; p = os.path.join(tempfile.mkdtemp(), "m.npz"); save_as(p, "npz", random_tensors(1, 2))
+    """
+    import fastckpt
+
+    (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(path, tensors, fsync=fsync)
 
 
 # The buffer fastckpt.formats.atomic.atomic_write gives writers that do not gather (_WRITE_BUFFER).
@@ -166,7 +182,7 @@ def bench_case(label: str, n: int, elems: int, tmp: str, repeat: int) -> str:
     """
     import fastckpt
 
-    tensors = _tensors(n, elems)
+    tensors = random_tensors(n, elems)
     st_path = os.path.join(tmp, "m.safetensors")
     npz_path = os.path.join(tmp, "m.npz")
     fastckpt.save_safetensors(st_path, tensors)

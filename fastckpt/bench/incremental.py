@@ -41,12 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt.bench.sharded import SLOTS, TABLE, table_ids
+from fastckpt.bench.sharded import SLOTS, TABLE, directory_bytes, table_ids
 from fastckpt.bench.timing import format_duration, format_ratio, round_robin, summarize, table_lines
 from fastckpt.sharded import DeltaPolicy, HashTable, Loader, Saver
 from fastckpt.sharded.chain import manifest_digest
 
-__all__ = ["configure", "options", "run", "measure", "report"]
+__all__ = ["configure", "options", "run", "measure", "report", "build_table", "touch"]
 
 DEFAULTS = {"ids": 8_000_000, "dim": 48, "fractions": "0.01,0.1", "deltas": 10, "repeat": 3, "parallel": 4}
 QUICK = {"ids": 20_000, "dim": 8, "fractions": "0.01,0.1", "deltas": 3, "repeat": 1, "parallel": 2}
@@ -59,7 +59,13 @@ RESTORE_CHAIN = "restore base + deltas"
 RESTORE_FULL = "restore a full checkpoint"
 
 
-def _table(ids: int, dim: int, seed: int = 0) -> HashTable:
+def build_table(ids: int, dim: int, seed: int = 0) -> HashTable:
+    """One rank's table: ``ids`` ids (:func:`~fastckpt.bench.sharded.table_ids`) x ``dim`` random float32 values,
+    Adam slots ``m`` and ``v`` derived from them (also the asv suite's fixture).
+
+    >>> t = build_table(100, 4); len(t), t.dim
+    (100, 4)
+    """
     rng = np.random.default_rng(seed)
     keys = table_ids(ids)
     values = rng.random((ids, dim), dtype=np.float32)
@@ -90,10 +96,6 @@ def touch(table: HashTable, fraction: float, rng: np.random.Generator) -> int:
     return n + 2 * churn
 
 
-def _bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir())
-
-
 def _quiet() -> None:
     gc.collect()
     os.sync()
@@ -114,7 +116,7 @@ def _chain(root: Path, table: HashTable, fraction: float, deltas: int, parallel:
     base = root / f"base-{tag}"
     saver = Saver(path=str(base), parallel=parallel, hashtables={TABLE: table}, incremental=policy)
     first_full = _timed(saver.save)
-    full_bytes = _bytes(base)
+    full_bytes = directory_bytes(base)
     delta_times, full_times, delta_bytes, touched = [], [], [], 0
     head = base
     for k in range(1, deltas + 1):
@@ -124,7 +126,7 @@ def _chain(root: Path, table: HashTable, fraction: float, deltas: int, parallel:
         delta_times.append(_timed(saver.save))
         if saver.kind != "delta":
             raise RuntimeError(f"save {k} of the chain was {saver.kind}, not a delta")
-        delta_bytes.append(_bytes(head))
+        delta_bytes.append(directory_bytes(head))
         full = root / f"full-{tag}"
         shutil.rmtree(full, ignore_errors=True)
         full_times.append(_timed(Saver(path=str(full), parallel=parallel, hashtables={TABLE: table}).save))
@@ -144,7 +146,7 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], fractions=(0
     root = Path(tempfile.mkdtemp(prefix="fastckpt-bench-incremental-", dir=directory))
     try:
         for i, fraction in enumerate(fractions):
-            table = _table(ids, dim)
+            table = build_table(ids, dim)
             results["table_bytes"] = table.nbytes
             run = _chain(root, table, fraction, deltas, parallel, seed=1 + i, log=log)
 

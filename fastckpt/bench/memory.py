@@ -41,7 +41,7 @@ import numpy as np
 
 from fastckpt.bench.timing import PeakMemory, format_duration, format_ratio, format_size, round_robin, table_lines
 
-__all__ = ["configure", "run", "measure", "report", "TARGET_BYTES"]
+__all__ = ["configure", "run", "measure", "report", "state", "TARGET_BYTES"]
 
 TARGET_BYTES = 64 * 2**20
 DEFAULT_MIB = 2048
@@ -49,7 +49,13 @@ QUICK_MIB = 64
 TENSOR_BYTES = 64 * 2**20
 
 
-def _state(mib: float) -> dict[str, np.ndarray]:
+def state(mib: float) -> dict[str, np.ndarray]:
+    """About ``mib`` MiB of random float32 in tensors of at most 64 MiB, at least 8 of them below 512 MiB (the
+    suite's state, and the asv suite's).
+
+    >>> {name: a.nbytes for name, a in state(1).items()}["layer7.weight"]
+    131072
+    """
     total = int(mib * 2**20)
     per = min(TENSOR_BYTES, max(4, total // 8))
     count = max(1, total // per)
@@ -74,7 +80,7 @@ def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3, directory: str | None
     from fastckpt.device.load import load_file
     from fastckpt.device.pool import PersistentBufferPool
 
-    tensors = _state(mib)
+    tensors = state(mib)
     nbytes = sum(a.nbytes for a in tensors.values())
     dev = default()
     rows = []

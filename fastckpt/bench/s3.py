@@ -32,7 +32,7 @@ import numpy as np
 
 from fastckpt.bench.timing import format_duration, format_ratio, format_size, round_robin, table_lines
 
-__all__ = ["configure", "run", "measure", "report", "start_server", "storage_options", "TARGET"]
+__all__ = ["configure", "run", "measure", "report", "start_server", "storage_options", "make_tensors", "TARGET"]
 
 TARGET = 1.2
 DEFAULT_MIB = 512
@@ -68,6 +68,17 @@ def start_server(bucket: str):
     return server, endpoint
 
 
+def make_tensors(mib: float) -> dict[str, np.ndarray]:
+    """Four float32 matrices of 4096 columns, ``mib`` MiB in all (the suite's file, and the asv suite's).
+
+    >>> {name: a.shape for name, a in make_tensors(1).items()}["layer0.weight"]
+    (16, 4096)
+    """
+    rows = max(1, int(mib * 2**20) // (4 * 4096))
+    return {f"layer{i}.weight": np.random.default_rng(i).random((max(1, rows // 4), 4096), np.float32)
+            for i in range(4)}
+
+
 def _server():
     """The suite's server; returns ``(server, storage_options)``."""
     try:
@@ -85,9 +96,7 @@ def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
     from fastckpt.formats import remote
     from fastckpt.formats.safetensors import save_safetensors
 
-    rows = max(1, int(mib * 2**20) // (4 * 4096))
-    tensors = {f"layer{i}.weight": np.random.default_rng(i).random((max(1, rows // 4), 4096), np.float32)
-               for i in range(4)}
+    tensors = make_tensors(mib)
     server, options = _server()
     try:
         fs, _ = remote.filesystem("s3://bench", options)

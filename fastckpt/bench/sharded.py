@@ -80,7 +80,7 @@ from fastckpt.sharded.engine import ThreadEngine
 from fastckpt.sharded.format import rows_of
 
 __all__ = ["configure", "options", "run", "measure", "report", "table_ids", "dense_tensors", "rank_state",
-           "file_plan", "PeakMemory"]
+           "file_plan", "PeakMemory", "sharded_save", "sharded_load", "directory_bytes"]
 
 TABLE = "emb"
 SLOTS = ("m", "v")
@@ -283,7 +283,12 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _directory_bytes(path: Path) -> int:
+def directory_bytes(path: Path) -> int:
+    """The bytes of the files directly in ``path`` (a checkpoint's files, written flat).
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp()); _ = (d / "a").write_bytes(b"abc"); directory_bytes(d)
+    3
+    """
     return sum(p.stat().st_size for p in path.iterdir())
 
 
@@ -321,7 +326,7 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
                                                             SAVE: lambda: fresh(SAVE)},
                           sync=True, settle=SETTLE)
     result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel,
-              "checkpoint_bytes": _directory_bytes(checkpoint), "timings": timings,
+              "checkpoint_bytes": directory_bytes(checkpoint), "timings": timings,
               "save_peak": save_peak.growth, "save_anon": save_peak.anon_growth,
               "load_peak": load_peak.growth, "load_anon": load_peak.anon_growth, "hwm_reset": save_peak.reset}
     shutil.rmtree(where)

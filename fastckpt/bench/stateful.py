@@ -24,13 +24,67 @@ import numpy as np
 from fastckpt.bench.timing import round_robin
 from fastckpt.stateful import RNG, ArrayReader, Checkpoint
 
-__all__ = ["configure", "run", "measure"]
+__all__ = ["configure", "run", "measure", "make_data", "ArrayState", "make_checkpoint", "restore_checkpoint"]
+
+
+def make_data(samples: int) -> dict[str, np.ndarray]:
+    """The suite's data set: ``x`` (``samples`` x 16 float32) and ``y`` (``samples`` ints).
+
+    >>> {k: v.shape for k, v in make_data(10).items()}
+    {'x': (10, 16), 'y': (10,)}
+    """
+    return {"x": np.arange(samples * 16, dtype=np.float32).reshape(samples, 16), "y": np.arange(samples)}
+
+
+class ArrayState:
+    """A stateful object of one float32 array of ``mib`` MiB (a model's parameters, as a checkpoint sees them).
+
+    >>> ArrayState(1).state_dict()["w"].nbytes
+    1048576
+    """
+
+    def __init__(self, mib: int = 1):
+        self.w = np.ones(mib * 2**18, dtype=np.float32)
+
+    def state_dict(self):
+        return {"w": self.w}
+
+    def load_state_dict(self, state):
+        self.w = state["w"]
+
+
+def make_checkpoint(data: dict[str, np.ndarray], mib: int, batch: int = 256) -> tuple[Checkpoint, ArrayReader]:
+    """A :class:`Checkpoint` of a reader of ``data`` one batch into its epoch, an MT19937 :class:`RNG` and an
+    :class:`ArrayState` of ``mib`` MiB (registered as ``reader``, ``rng``, ``params``); returns it and the reader.
+
+    >>> ckpt, reader = make_checkpoint(make_data(1000), 1)
+    >>> reader.get_state() is not None
+    True
+    """
+    reader = ArrayReader(data, enable_checkpointing=True)
+    next(reader.next_epoch(batch_size=batch))
+    ckpt = Checkpoint()
+    ckpt.register(reader, "reader")
+    ckpt.register(RNG(seed=0, bit_generator="MT19937"), "rng")
+    ckpt.register(ArrayState(mib), "params")
+    return ckpt, reader
+
+
+def restore_checkpoint(pattern: str, data: dict[str, np.ndarray]) -> Checkpoint:
+    """Load the newest checkpoint saved with ``pattern`` and apply it to a new reader of ``data``, a new
+    :class:`RNG` and a new :class:`ArrayState`; returns the loaded :class:`Checkpoint`."""
+    other = Checkpoint()
+    other.load(pattern)
+    other.register(ArrayReader(data), "reader")
+    other.register(RNG(bit_generator="MT19937"), "rng")
+    other.register(ArrayState(), "params")
+    return other
 
 
 def measure(*, quick: bool = False, repeats: int = 3) -> dict[str, tuple[float, str]]:
     """Measure every case; returns ``{case: (seconds, unit-rate text)}`` from each case's best run."""
     samples = 5_000 if quick else 200_000
-    data = {"x": np.arange(samples * 16, dtype=np.float32).reshape(samples, 16), "y": np.arange(samples)}
+    data = make_data(samples)
     batch = 256
     batches = -(-samples // batch)
     n = 200 if quick else 2000
@@ -48,31 +102,15 @@ def measure(*, quick: bool = False, repeats: int = 3) -> dict[str, tuple[float, 
 
         paths[label] = epoch
 
-    reader = ArrayReader(data, enable_checkpointing=True)
-    next(reader.next_epoch(batch_size=batch))
+    mib = 1 if quick else 8
+    ckpt, reader = make_checkpoint(data, mib, batch)
     paths["reader get_state"] = lambda: [reader.get_state() for _ in range(n)]
 
     rng = RNG(seed=0, bit_generator="MT19937")
     paths["MT19937 get_state+str"] = lambda: [str(rng.get_state()) for _ in range(n)]
 
-    class Params:
-        def __init__(self):
-            self.w = np.ones((1 if quick else 8) * 2**18, dtype=np.float32)  # 1 MiB or 8 MiB
-
-        def state_dict(self):
-            return {"w": self.w}
-
-        def load_state_dict(self, state):
-            self.w = state["w"]
-
-    params = Params()
-    mib = params.w.nbytes / 2**20
     with tempfile.TemporaryDirectory() as tmp:
         pattern = str(Path(tmp) / "ckpt_{seq:06d}.json")
-        ckpt = Checkpoint()
-        ckpt.register(reader, "reader")
-        ckpt.register(rng, "rng")
-        ckpt.register(params, "params")
 
         def save(fsync):
             ckpt.collect()
@@ -82,12 +120,7 @@ def measure(*, quick: bool = False, repeats: int = 3) -> dict[str, tuple[float, 
             paths[f"checkpoint collect+save fsync={fsync}"] = functools.partial(save, fsync)
 
         def load():
-            other = Checkpoint()
-            other.load(pattern)
-            fresh = ArrayReader(data)
-            other.register(fresh, "reader")
-            other.register(RNG(bit_generator="MT19937"), "rng")
-            other.register(Params(), "params")
+            restore_checkpoint(pattern, data)
 
         paths["checkpoint load+apply"] = load  # the warm-up round saves before any load: a checkpoint exists
         best = {label: timing.best for label, timing in round_robin(paths, repeats).items()}

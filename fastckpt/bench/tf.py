@@ -34,19 +34,28 @@ from fastckpt.bench.timing import round_robin, table_lines
 from fastckpt.formats.tf.reader import CheckpointReader
 from fastckpt.formats.tf.writer import write_checkpoint
 
-__all__ = ["configure", "run", "measure", "format_table"]
+__all__ = ["configure", "run", "measure", "format_table", "make_checkpoint", "read_all"]
 
 
-def _make(directory: str, name: str, mib: int, tensors: int) -> str:
+def make_checkpoint(directory: str, name: str, mib: float, tensors: int) -> str:
+    """Write ``directory/name``: a TensorFlow checkpoint of ``tensors`` float32 tensors, ``mib`` MiB in all; returns
+    its prefix (also the asv suite's fixture).
+
+    >>> import tempfile
+    >>> read_all(make_checkpoint(tempfile.mkdtemp(), "c", 1, 4), verify=True, copy=False)
+    1048576
+    """
     prefix = os.path.join(directory, name)
-    per = mib * 2**20 // tensors // 4
+    per = int(mib * 2**20) // tensors // 4
     rng = np.random.default_rng(0)
     block = rng.standard_normal(per, dtype=np.float32)
     write_checkpoint(prefix, ((f"layer_{i:03d}/kernel", block + np.float32(i)) for i in range(tensors)), fsync=False)
     return prefix
 
 
-def _fastckpt_read(prefix: str, *, verify: bool, copy: bool) -> int:
+def read_all(prefix: str, *, verify: bool, copy: bool) -> int:
+    """Read every tensor of the checkpoint at ``prefix`` with :class:`CheckpointReader` (CRC32C checked with
+    ``verify``, copies with ``copy``); returns the bytes read."""
     total = 0
     with CheckpointReader(prefix, verify=verify) as reader:
         for name in reader.tensor_names():
@@ -75,16 +84,16 @@ def measure(*, mib: int = 512, tensors: int = 64, runs: int = 5, directory: str 
     work = tempfile.mkdtemp(prefix="fastckpt-tf-bench-", dir=directory)
     try:
         small_mib = max(1, mib // 8)
-        big = _make(work, "big", mib, tensors)
-        small = _make(work, "small", small_mib, tensors)
+        big = make_checkpoint(work, "big", mib, tensors)
+        small = make_checkpoint(work, "small", small_mib, tensors)
         for prefix in (big, small):
-            _fastckpt_read(prefix, verify=True, copy=False)  # page cache warm for everyone
+            read_all(prefix, verify=True, copy=False)  # page cache warm for everyone
         cases = [
-            ("fastckpt, verified, zero-copy", mib, lambda: _fastckpt_read(big, verify=True, copy=False)),
-            ("fastckpt, verified, copies", mib, lambda: _fastckpt_read(big, verify=True, copy=True)),
-            ("fastckpt, verify=False (zero-copy)", mib, lambda: _fastckpt_read(big, verify=False, copy=False)),
+            ("fastckpt, verified, zero-copy", mib, lambda: read_all(big, verify=True, copy=False)),
+            ("fastckpt, verified, copies", mib, lambda: read_all(big, verify=True, copy=True)),
+            ("fastckpt, verify=False (zero-copy)", mib, lambda: read_all(big, verify=False, copy=False)),
             ("fastckpt, verify=False (zero-copy)", small_mib,
-             lambda: _fastckpt_read(small, verify=False, copy=False)),
+             lambda: read_all(small, verify=False, copy=False)),
         ]
         if tf is not None:
             cases.append(("TensorFlow load_checkpoint + get_tensor (verifies)", mib,

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Benchmark a base commit and this checkout with asv, then print only the benchmarks that got slower.
+#
+#   tools/asv-check.sh [BASE]     BASE defaults to HEAD^ (the parent); the checkout as it is (uncommitted
+#                                 changes included; with BASE=HEAD, those alone) is compared with it.
+#                                 Exit 1 when something got slower.
+#   tools/asv-check.sh --noise    the checkout against itself, twice: every ratio is this machine's noise.
+#
+# Environment: ASV_FACTOR (default 4.5: a time that grew by more, and significantly by asv's statistics, is
+# reported; runs of the same code on the shared 2-core development machine differed by up to 4.60x, by
+# 3.14x where significant: see the README's development section; memory is held to 1.2x and exact counts
+# to any change),
+# ASV_BENCH (a regular expression: only those benchmarks), ASV_KEEP=1 (keep the results directory).
+#
+# asv runs with --python=same on the Python that runs this script: the base is checked out into a
+# temporary git worktree (its compiled extensions copied from this checkout when its native sources are
+# the same, else built there) and put first on asv's path with ASV_PYTHONPATH (asv drops PYTHONPATH).
+# Both runs write to a temporary results directory, so old results never enter the comparison.
+set -euo pipefail
+root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+factor=${ASV_FACTOR:-4.5}
+bench=(); [ -n "${ASV_BENCH:-}" ] && bench=(-b "$ASV_BENCH")
+noise=0
+if [ "${1:-}" = "--noise" ]; then noise=1; shift; fi
+base=$(git -C "$root" rev-parse --verify "${1:-HEAD^}^{commit}")
+# asv keys results by commit: uncommitted changes get one of their own (git stash create: a commit object of
+# the working tree that no branch or stash points to), so that BASE may be HEAD itself.
+head=$(git -C "$root" stash create 2>/dev/null || true)
+[ -n "$head" ] || head=$(git -C "$root" rev-parse --verify "HEAD^{commit}")
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/asv-check.XXXXXX")
+cleanup() {
+    git -C "$root" worktree remove --force "$tmp/base" 2>/dev/null || true
+    if [ "${ASV_KEEP:-0}" = 1 ]; then echo "results kept in $tmp/results" >&2; else rm -rf "$tmp"; fi
+}
+trap cleanup EXIT
+
+# One configuration for both runs: the results go to $tmp, the benchmarks are this checkout's.
+python3 - "$root/asv_bench/asv.conf.json" "$tmp" "$root" > "$tmp/asv.conf.json" <<'EOF'
+import json, sys
+conf = json.load(open(sys.argv[1]))
+conf.update(repo=sys.argv[3], benchmark_dir=sys.argv[3] + "/asv_bench/benchmarks",
+            results_dir=sys.argv[2] + "/results", html_dir=sys.argv[2] + "/html", env_dir=sys.argv[2] + "/env")
+json.dump(conf, sys.stdout, indent=1)
+EOF
+asv machine --yes --config "$tmp/asv.conf.json" > /dev/null
+
+run() {  # run SOURCE_TREE COMMIT_LABEL NAME
+    echo "asv: benchmarking $3 ($(git -C "$root" log -1 --format='%h %s' "$2" | cut -c1-80))" >&2
+    if ! ASV_PYTHONPATH="$1" asv run --config "$tmp/asv.conf.json" --python=same --set-commit-hash="$2" \
+            "${bench[@]}" > "$tmp/$3.log" 2>&1 || grep -q "failed$" "$tmp/$3.log"; then
+        grep -B2 -A20 "failed$\|Error" "$tmp/$3.log" | tail -40 >&2
+        echo "asv: the $3 run failed (log: $tmp/$3.log); where the checkout's benchmarks use something the base" \
+             "lacks (a new builder in fastckpt.bench), name a later BASE" >&2
+        ASV_KEEP=1
+        exit 2
+    fi
+}
+
+if [ "$noise" = 1 ]; then
+    # The same code twice under two labels (asv keys results by commit): any difference is noise.
+    run "$root" "$base" "first run of the checkout"
+    run "$root" "$head" "second run of the checkout"
+else
+    [ "$base" != "$head" ] || { echo "asv: the checkout is BASE, unchanged: nothing to compare" >&2; exit 2; }
+    git -C "$root" worktree add --detach -q "$tmp/base" "$base"
+    if git -C "$root" diff --quiet "$base" -- fastckpt/_native setup.py; then
+        cp "$root"/fastckpt/_native/*.so "$tmp/base/fastckpt/_native/"
+    else
+        (cd "$tmp/base" && python3 setup.py build_ext --inplace -j 2 > "$tmp/build.log" 2>&1)
+    fi
+    run "$tmp/base" "$base" "base"
+    run "$root" "$head" "checkout"
+fi
+
+# asv compare marks a ratio above the factor (and, with statistics, beyond the runs' spread) with "+" (worse)
+# and a benchmark that ran before and fails now with "!"; "-" (better) and unchanged rows are left out.
+# Three factors: times get $factor (this machine's noise); memory (peakmem_, *_peak_growth) 1.2 (a copy of
+# a benchmark's state is 1.5x and more); exact counts (the other track_: copies, misses, bytes) any change.
+compare() {  # compare FACTOR [--no-stats] -> the rows asv marks worse or failed
+    asv compare --config "$tmp/asv.conf.json" --factor "$@" --sort ratio --only-changed "$base" "$head" \
+        | grep -E '^\| +[+!] ' || true
+}
+if [ "$noise" = 1 ]; then
+    asv compare --config "$tmp/asv.conf.json" --factor 1.0 --no-stats --sort ratio "$base" "$head"
+    exit 0
+fi
+slower=$( { compare "$factor" | grep -E '\.time_'
+            compare 1.2 --no-stats | grep -E '\.peakmem_|_peak_growth'
+            compare 1.001 --no-stats | grep -E '\.track_' | grep -v '_peak_growth'; } || true)
+against=$(git -C "$root" log -1 --format=%h "$base")
+if [ -z "$slower" ]; then
+    echo "asv: nothing got slower against $against (times by more than ${factor}x, memory 1.2x, counts at all)"
+    exit 0
+fi
+echo "asv: worse than $against (times by more than ${factor}x, memory 1.2x, counts at all):"
+echo "| Change   | Before | After | Ratio | Benchmark (Parameter) |"
+echo "$slower"
+exit 1
