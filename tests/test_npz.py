@@ -1312,7 +1312,7 @@ def test_large_payloads_get_their_crc_in_the_local_header_too(tmp_path, monkeypa
      "save_npz(path, tensors) takes one mapping of name -> array, not numpy.savez's savez(file, *arrays, **named) "
      "(got 1 array(s) by position): write save_npz(path, {'arr_0': <array 0>}) for the names np.savez would give"),
     (lambda p, a: save_npz(p, {"a": a}, fsinc=False),
-     "save_npz() got unknown keyword(s) 'fsinc': the options are alignment, fsync, progress and storage_options; "
+     "save_npz() got unknown keyword(s) 'fsinc': the options are alignment, fsync, progress, storage_options and overwrite; "
      "arrays go in the tensors mapping"),
 ])
 def test_the_savez_form_is_refused_with_the_mapping_to_write(tmp_path, call, message):
