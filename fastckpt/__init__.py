@@ -69,6 +69,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: re-exported)
     from fastckpt._native.mapped import MappedFile as MappedFile
+    from fastckpt.arrays import to_torch as to_torch
     from fastckpt.device.load import LoadedTensors as LoadedTensors, load_file as load_file
     from fastckpt.device.pool import PersistentBufferPool as PersistentBufferPool
     from fastckpt.device.tensor import Tensor as Tensor
