@@ -15,7 +15,8 @@ from _device_data import DTYPES, sample
 from _threads import run_in_threads
 
 import fastckpt
-from fastckpt.device.load import MERGE_GAP, STAGING_BUFFERS, STAGING_ROUND, LoadedTensors, load_file, plan_regions
+from fastckpt.device.load import MERGE_GAP, LoadedTensors, load_file, plan_regions
+from fastckpt.device.staging import STAGING_ROUND
 from fastckpt.device.pool import PersistentBufferPool
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.info import TensorInfo
@@ -710,18 +711,19 @@ def test_the_pool_reuses_its_staging_buffers(tmp_path, dev, pool):
     tensors = odd_sized(200)
     write_raw_safetensors(path, tensors)
     first = load_file(path, dev.queue, pool=pool, staging=True)
-    chunk = first.report.staging_chunk
+    chunk, buffers = first.report.staging_chunk, first.report.staging_buffers
     assert chunk == STAGING_ROUND  # a load smaller than one chunk gets buffers of its own size, rounded up
+    assert buffers == 1, "one chunk holds the whole load"
     s = pool.stats
-    assert (s.staging_allocations, s.staging_bytes) == (STAGING_BUFFERS, STAGING_BUFFERS * chunk)
+    assert (s.staging_allocations, s.staging_bytes) == (buffers, buffers * chunk)
     check_exact(first, path, tensors)
     for _ in range(3):
         again = load_file(path, dev.queue, pool=pool, staging=True)
         check_exact(again, path, tensors)
     s = pool.stats
-    assert (s.staging_allocations, s.staging_bytes) == (STAGING_BUFFERS, STAGING_BUFFERS * chunk), "nothing new"
-    smaller = load_file(path, dev.queue, pool=pool, staging=1000)  # a smaller chunk fits the held buffers
-    assert smaller.report.staging_chunk == 1000 and pool.stats.staging_allocations == STAGING_BUFFERS
+    assert (s.staging_allocations, s.staging_bytes) == (buffers, buffers * chunk), "nothing new"
+    smaller = load_file(path, dev.queue, pool=pool, staging=True)  # the same chunk again, from the held set
+    assert smaller.report.staging_chunk == chunk and pool.stats.staging_allocations == buffers
     check_exact(smaller, path, tensors)
     pool.clear()
     assert pool.stats.staging_bytes == 0
@@ -735,7 +737,9 @@ def test_staging_buffers_leased_from_the_pool_are_pinned_and_mapped(dev, pool):
         stage.hosts[2][:4] = [1, 2, 3, 4]
     again = pool.staging(dev.queue, 1 << 10, 3)
     assert again is stage and again.hit and bytes(again.hosts[2][:4]) == b"\x01\x02\x03\x04"
-    assert pool.staging(dev.queue, 1 << 10, 2) is not stage, "a set of another count is not shared"
+    assert pool.staging(dev.queue, 1 << 10, 4) is not stage, "a set of fewer buffers does not serve more"
+    again.release()
+    assert pool.staging(dev.queue, 1 << 10, 2) is stage, "a set of more buffers serves fewer"
     with pytest.raises(ValueError, match="above 0"):
         pool.staging(dev.queue, 0)
 
@@ -752,27 +756,110 @@ def test_a_non_blocking_staged_load_then_another_through_the_same_buffers(tmp_pa
     # first one's copies before it overwrites a buffer they read.
     first = load_file(paths[0], dev.queue, pool=pool, staging=2048, blocking=False)
     second = load_file(paths[1], dev.queue, pool=pool, staging=2048, blocking=False)
-    assert pool.stats.staging_allocations == STAGING_BUFFERS
+    assert pool.stats.staging_allocations == first.report.staging_buffers == second.report.staging_buffers
     check_exact(second, paths[1], models[1])
     check_exact(first, paths[0], models[0])
 
 
 @pytest.mark.device
 def test_large_staged_chunks_are_filled_by_several_threads(tmp_path, dev, pool, monkeypatch):
-    import fastckpt.device.load as load_mod
+    import threading
 
-    monkeypatch.setattr(load_mod, "_FILL_THREADS", 3)
-    monkeypatch.setattr(load_mod, "_FILL_SPLIT", 1 << 20)
-    seen = []
-    real = load_mod._fill
-    monkeypatch.setattr(load_mod, "_fill", lambda dst, src: (seen.append(src.nbytes), real(dst, src)))
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "_cpus", lambda: 3)
+    monkeypatch.setattr(staging, "FILL_SPLIT", 1 << 20)
+    seen, names = [], set()
+    real = staging.fill
+
+    def fill(pending, pairs):
+        seen.append(sum(src.nbytes for _dst, src in pairs))
+        names.add(threading.current_thread().name)
+        real(pending, pairs)
+
+    monkeypatch.setattr(staging, "fill", fill)
     path = tmp_path / "m.safetensors"
     tensors = {"big": sample(np.uint8, (5 << 20,), 1), "tail": sample(np.uint8, (12_345,), 2)}
     write_raw_safetensors(path, tensors)
     loaded = load_file(path, dev.queue, pool=pool, staging=4 << 20)
-    assert seen == [4 << 20, (1 << 20) + 12_345]  # the first over 3 threads (1 MiB at least each), then one
-    assert load_mod._filler is not None
+    assert loaded.report.fill_threads == 3 and loaded.report.staging_buffers == 2  # 2 batches: 2 buffers suffice
+    # 1 MiB parts (a quarter of a chunk): four for the first chunk, two for the second (1 MiB + 12,345 bytes).
+    assert sorted(seen) == [12_345] + [1 << 20] * 5
+    assert all(name.startswith("fastckpt-stage-fill") for name in names)
     check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
+def test_the_fill_runs_ahead_of_the_copies_across_the_staging_buffers(tmp_path, dev, pool, monkeypatch):
+    # One fill thread (the caller's), so the order is fixed: with N buffers, batches 0..N-1 are filled before batch 0
+    # is sent, and batch k + N is filled right after batch k is sent, waiting only for that batch's copies.
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "_cpus", lambda: 1)
+    steps = []
+    real_fill, real_send = staging.fill, staging.Stager._send
+
+    def fill(pending, pairs):
+        steps.append(("fill", pairs[0][0].ctypes.data, None if pending is None else tuple(map(id, pending))))
+        real_fill(pending, pairs)
+
+    def send(self, slot, batch):
+        event = real_send(self, slot, batch)
+        steps.append(("send", self.stage.hosts[slot].ctypes.data, tuple(map(id, self.stage.pending[slot]))))
+        return event
+
+    monkeypatch.setattr(staging, "fill", fill)
+    monkeypatch.setattr(staging.Stager, "_send", send)
+    path = tmp_path / "m.safetensors"
+    tensors = {"w": sample(np.uint8, (10 * 4096 - 7,), 3)}
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool, staging=4096)
+    check_exact(loaded, path, tensors)
+    n = loaded.report.staging_buffers
+    assert n == 3  # one thread: one buffer filling, one being copied, one ready
+    kinds = [kind for kind, _, _ in steps]
+    assert kinds == ["fill"] * n + ["send", "fill"] * (10 - n) + ["send"] * n
+    sends = [(at, events) for kind, at, events in steps if kind == "send"]
+    fills = [(at, events) for kind, at, events in steps if kind == "fill"]
+    for k, (at, events) in enumerate(fills):
+        assert at == sends[k][0], "batch k is sent from the buffer it was filled into"
+        if k >= n:
+            assert at == sends[k - n][0] and events == sends[k - n][1], "it waits for that buffer's copies only"
+
+
+def test_staging_shape_follows_the_machine_and_the_load():
+    from fastckpt.device.staging import FILL_SPLIT, MAX_FILL_THREADS, staging_shape
+
+    mib = 1 << 20
+    assert staging_shape(4096 * mib, 64 * mib, cpus=16) == (64 * mib, 6, 16)
+    assert staging_shape(4096 * mib, 64 * mib, cpus=64).threads == MAX_FILL_THREADS
+    assert staging_shape(4096 * mib, 64 * mib, cpus=2) == (64 * mib, 3, 2)
+    assert staging_shape(3 * FILL_SPLIT, 64 * mib, cpus=16) == (64 * mib, 1, 3)  # one batch: one buffer
+    assert staging_shape(100, 4096, cpus=16) == (4096, 1, 1)
+    assert staging_shape(4096 * mib, 64 * mib, cpus=16, max_bytes=200 * mib).buffers == 3
+    assert staging_shape(4096 * mib, 64 * mib, cpus=16, max_bytes=0).buffers == 2  # two at least
+
+
+@pytest.mark.device
+def test_the_pool_bounds_and_counts_its_pinned_staging_memory(tmp_path, dev):
+    chunk = 4096
+    pool = PersistentBufferPool(dev.context, dev.queue, max_staging_bytes=2 * chunk)
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(3000)
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool, staging=chunk)
+    assert loaded.report.staging_buffers == 2, "sized to the bound"
+    check_exact(loaded, path, tensors)
+    s = pool.stats
+    assert (s.staging_bytes, s.max_staging_bytes) == (2 * chunk, 2 * chunk)
+    held = pool.staging(dev.queue, chunk, 2)  # leased: counted
+    other = pool.staging(dev.queue, chunk, 2)  # a second set while the first is out: counted, then let go
+    assert pool.stats.staging_bytes == 4 * chunk
+    other.release()
+    held.release()
+    assert pool.stats.staging_bytes <= 2 * chunk and len(pool._staging) == 1
+    with pytest.raises(ValueError, match="max_staging_bytes"):
+        PersistentBufferPool(dev.context, dev.queue, max_staging_bytes=-1)
 
 
 @pytest.mark.device
@@ -790,7 +877,8 @@ def test_staged_progress_counts_every_byte_once(tmp_path, dev, pool):
 def test_staging_follows_host_unified_memory_unless_forced():
     from types import SimpleNamespace
 
-    from fastckpt.device.load import STAGING_CHUNK, _staging_chunk
+    from fastckpt.device.staging import STAGING_CHUNK
+    from fastckpt.device.staging import staging_chunk as _staging_chunk
 
     discrete, unified = SimpleNamespace(host_unified_memory=False), SimpleNamespace(host_unified_memory=True)
     assert [_staging_chunk(None, discrete), _staging_chunk(None, unified)] == [STAGING_CHUNK, 0]
@@ -838,7 +926,7 @@ def test_threads_staging_through_one_pool(tmp_path, dev, pool):
 
     idle = pool._staging
     assert 1 <= len(idle) <= STAGING_KEEP and pool.stats.staging_bytes == sum(stage.nbytes for stage in idle)
-    assert all(stage.chunk == 1024 and stage.count == STAGING_BUFFERS for stage in idle)
+    assert all(stage.chunk == 1024 and stage.count >= 2 for stage in idle)
 
 # -- planning a whole file from the index's columns ----------------------------------------------------------------
 @pytest.mark.device
