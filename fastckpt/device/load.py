@@ -356,7 +356,7 @@ class _ColumnIndex:
     offset). Tensors that are not in an arena (decoded, empty) are not found here; the load made those already.
     """
 
-    __slots__ = ("names", "order", "offsets", "direct", "columns", "odd", "starts", "positions")
+    __slots__ = ("names", "order", "offsets", "direct", "columns", "odd", "starts", "positions", "made")
 
     def __init__(self, names: tuple, order, offsets, direct, columns: dict, odd: dict, starts: list):
         self.names = names  # by offset
@@ -367,8 +367,15 @@ class _ColumnIndex:
         self.odd = odd  # name -> TensorInfo where the columns hold no shape
         self.starts = starts
         self.positions = None
+        self.made: dict = {}  # name -> (region number, _ColumnView), for the tensors viewed so far
 
     def get(self, name, default=None):
+        # An entry made once is kept (this index lives as long as the plan, across the loads of one open file):
+        # reading the columns costs ~2 us a tensor in numpy scalar indexing, more than the view itself, so a warm
+        # load's views cost a dict look-up each.
+        entry = self.made.get(name)
+        if entry is not None:
+            return entry
         positions = self.positions
         if positions is None:
             positions = self.positions = dict(zip(self.names, range(len(self.names))))
@@ -382,7 +389,8 @@ class _ColumnIndex:
             at = c["shape_at"]
             view = _ColumnView(tuple(c["dims"][at[i]:at[i + 1]].tolist()), c["dtypes"][c["dtype_codes"][i]],
                                int(self.offsets[k]))
-        return bisect.bisect_right(self.starts, view.offset) - 1, view
+        entry = self.made[name] = (bisect.bisect_right(self.starts, view.offset) - 1, view)
+        return entry
 
     def __contains__(self, name) -> bool:
         return self.get(name) is not None
