@@ -85,6 +85,13 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(scope="module")
+def device_kind():
+    """The first kind present: the device of a test that asks for one only while it runs (``getfixturevalue``),
+    which collection cannot parametrize; every other test is parametrized over ``device_kinds()`` instead."""
+    return device_kinds()[0]
+
+
+@pytest.fixture(scope="module")
 def device(device_kind):
     """A device of each kind present (``fastckpt.device.default(kind)``), one after the other."""
     pytest.importorskip("pyopencl")
