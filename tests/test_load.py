@@ -773,12 +773,13 @@ def test_large_staged_chunks_are_filled_by_several_threads(tmp_path, dev, pool, 
 
     monkeypatch.setattr(staging, "_cpus", lambda: 3)
     monkeypatch.setattr(staging, "FILL_SPLIT", 1 << 20)
-    seen, names = [], set()
+    seen, names, files = [], set(), set()
     real = staging.fill
 
     def fill(pending, pairs):
-        seen.append(sum(src.nbytes for _dst, src in pairs))
+        seen.append(sum(src.nbytes for _dst, src, _file in pairs))
         names.add(threading.current_thread().name)
+        files.update(file is not None for _dst, _src, file in pairs)
         real(pending, pairs)
 
     monkeypatch.setattr(staging, "fill", fill)
@@ -790,7 +791,53 @@ def test_large_staged_chunks_are_filled_by_several_threads(tmp_path, dev, pool, 
     # 1 MiB parts (a quarter of a chunk): four for the first chunk, two for the second (1 MiB + 12,345 bytes).
     assert sorted(seen) == [12_345] + [1 << 20] * 5
     assert all(name.startswith("fastckpt-stage-fill") for name in names)
+    assert files == {True}, "read from the file (preadv), not copied out of the mapping"
     check_exact(loaded, path, tensors)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("read", ["preadv", "mmap"])
+@pytest.mark.parametrize("use_pool", [True, False], ids=["pool", "no-pool"])
+def test_staged_bytes_are_the_same_read_from_the_file_or_the_mapping(tmp_path, dev, pool, monkeypatch, read,
+                                                                     use_pool):
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "READ", read)
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(500, seed=3)
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool if use_pool else None, staging=4096)
+    check_exact(loaded, path, tensors)
+
+
+def test_a_short_read_into_a_staging_buffer_names_the_file_and_offset(tmp_path):
+    from fastckpt.device.staging import _read_into
+
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(100)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dst = np.zeros(60, np.uint8)
+        _read_into(dst[:40], fd, 60, str(path))
+        assert dst[:40].tolist() == list(range(60, 100))
+        with pytest.raises(OSError, match=r"short.bin: the file ended at byte 100 while 20 more bytes"):
+            _read_into(dst, fd, 60, str(path))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.device
+def test_a_file_replaced_since_it_was_mapped_is_copied_from_the_mapping(tmp_path, dev, pool):
+    # The path now names another file: reading it would load other bytes than the mapping's index describes.
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(50)
+    write_raw_safetensors(path, tensors)
+    with fastckpt.open(path) as tf:
+        write_raw_safetensors(tmp_path / "new", odd_sized(50, seed=9))
+        os.replace(tmp_path / "new", path)  # a new file under the same name; the mapping keeps the old one
+        loaded = load_file(tf, dev.queue, pool=pool, staging=True)
+        for name, want in tensors.items():
+            assert loaded[name].to_host().tobytes() == want.tobytes(), name
 
 
 @pytest.mark.device

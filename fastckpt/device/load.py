@@ -1067,14 +1067,17 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
 
 
 def _stage_region(load: _Load, mapped, start: int, end: int, lease, at: int, group, source_view) -> None:
-    """:func:`_copy_region` through the load's staging buffers (:mod:`fastckpt.device.staging`), the kernel asked to
-    read the region from the file ahead of the fill (``madvise(WILLNEED)``: advice, so a failure changes nothing)."""
+    """:func:`_copy_region` through the load's staging buffers (:mod:`fastckpt.device.staging`, which reads the bytes
+    from the file where it can), the kernel asked to read the region ahead of the fill (``madvise(WILLNEED)``: advice,
+    so a failure changes nothing)."""
     try:
         mapped.advise("willneed", start, end - start)
     except (OSError, ValueError, AttributeError):
         pass
     marks = () if not group else [(i.offset + i.nbytes - start, _payload(i), i.name) for i in group]
-    load.stager.add(np.frombuffer(source_view, np.uint8), lease.buffer, at, marks)
+    fd = load.stager.file(mapped)
+    load.stager.add(np.frombuffer(source_view, np.uint8), lease.buffer, at, marks,
+                    None if fd is None else (fd, start, mapped.path))
     load.report.bytes_copied += end - start
     # The copies read pinned memory, never the mapping: no source view to keep; a non-blocking load gets one event
     # for all of them (Stager.finish).
@@ -1100,8 +1103,10 @@ def _load_buffers(load: _Load, direct: list, mapped=None) -> None:
         report.bytes_allocated += info.nbytes
         source_view = mapped.view(info.offset, info.nbytes, f"tensor {info.name!r}")
         if stager is not None:
+            fd = stager.file(mapped)
             stager.add(np.frombuffer(source_view, np.uint8), buffer, 0,
-                       ((info.nbytes, info.nbytes, info.name),) if load.progress.enabled else ())
+                       ((info.nbytes, info.nbytes, info.name),) if load.progress.enabled else (),
+                       None if fd is None else (fd, info.offset, mapped.path))
             report.bytes_copied += info.nbytes
             if load.first_buffer is None:
                 load.first_buffer = buffer

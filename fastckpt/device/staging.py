@@ -28,6 +28,20 @@ least each, ``MAX_FILL_THREADS`` at most); buffers enough to hold what the
 threads fill at once plus the two being copied, never more than the load needs
 nor more than the pool's ``max_staging_bytes`` allow.
 
+The bytes of a mapped file are read into the staging buffers with ``preadv``
+on a descriptor of the same file (:meth:`Stager.file`: the path opened again,
+used only when ``fstat`` shows the file the mapping was made of), not copied
+out of the mapping, whose pages would each be faulted in. Measured on pocl with
+staging forced (256 MiB, 4 MiB chunks, 2 fill threads, a shared 2-core host,
+medians of 5-6 runs, three sessions): from a cold page cache
+(``posix_fadvise(DONTNEED)`` before each run) ``preadv`` 161-334 ms against
+375-613 ms from a fresh mapping; warm 62, 149 and 381 ms against 168, 243 and
+181 ms. (On a 16-core H100 host, copies from a fresh mapping were faster warm:
+52 GB/s against 38 on 12 threads, ``../shared/reference/gpu-notes.md``; the GPU
+check, ``tools/gpu-check.sh``, measures the staged load there.) ``READ`` =
+``"mmap"`` copies from the mapping instead. A short read (a file truncated
+under the load) is an ``OSError`` naming the file and offset.
+
 The bytes are the same as an unstaged copy's; only the route differs.
 
 >>> staging_shape(4 << 30, STAGING_CHUNK, cpus=16)        # 4 GiB on 16 cores
@@ -63,6 +77,9 @@ PART_OF_CHUNK = 4
 # Host fill rates into pinned memory on a 16-core host (4 GiB from the page cache): 9.9 GB/s on one thread, 27 on 4,
 # 40 on 8, 52 on 12 (gpu-notes): a PCIe 5 x16 link (~55 GB/s) needs a dozen or more.
 MAX_FILL_THREADS = 16
+# How the bytes of a mapped file reach the staging buffers: "preadv" (read from the file) or "mmap" (copied out of
+# the mapping). See the module docstring for the measurement.
+READ = "preadv"
 
 
 class Shape(NamedTuple):
@@ -145,12 +162,28 @@ def _wait_events(events) -> None:
 
 
 def fill(pending, pairs) -> None:
-    """Wait for ``pending`` (the copies last sent from the staging buffer about to be overwritten), then copy each
-    ``(destination, source)`` pair of flat uint8 arrays. One fill task; runs on a fill thread or the caller's."""
+    """Wait for ``pending`` (the copies last sent from the staging buffer about to be overwritten), then fill each
+    ``(destination, source, file)`` of flat uint8 arrays: read from ``file`` (``(descriptor, offset, path)``) where
+    there is one, else copied from ``source``. One fill task; runs on a fill thread or the caller's."""
     if pending:
         _wait_events(pending)
-    for dst, src in pairs:
-        np.copyto(dst, src)
+    for dst, src, file in pairs:
+        if file is None:
+            np.copyto(dst, src)
+        else:
+            _read_into(dst, *file)
+
+
+def _read_into(dst: np.ndarray, fd: int, offset: int, path: str) -> None:
+    """Fill ``dst`` with the file's bytes at ``offset`` (``preadv``, retried after a short read)."""
+    view = memoryview(dst)
+    done, n = 0, len(dst)
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OSError(f"{path}: the file ended at byte {offset + done} while {n - done} more bytes of tensor "
+                          f"data were read from there (was it truncated during the load?)")
+        done += got
 
 
 class Stager:
@@ -163,7 +196,7 @@ class Stager:
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "batches", "current", "used",
-                 "stream", "marks", "copies", "regions", "tensors")
+                 "stream", "marks", "copies", "regions", "tensors", "files")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
                  reported: Callable | None = None):
@@ -185,14 +218,37 @@ class Stager:
         self.copies = 0
         self.regions: list = []  # arena regions of a non-blocking load, given the final event by finish()
         self.tensors: list = []  # tensors of a non-blocking load, likewise
+        self.files: dict = {}  # id(mapping) -> (descriptor or None, the mapping), see file()
 
     @property
     def chunk(self) -> int:
         return self.shape.chunk
 
-    def add(self, source: np.ndarray, buffer, at: int, marks=()) -> None:
+    def file(self, mapped):
+        """A descriptor of the file ``mapped`` (a :class:`~fastckpt._native.mapped.MappedFile`) maps, to read its
+        bytes with ``preadv``: its path opened again, kept for this load; None where that is not the same file
+        (``fstat`` differs from the mapping's ``identity``), cannot be opened, or ``READ`` is ``"mmap"``."""
+        entry = self.files.get(id(mapped))
+        if entry is None:
+            fd = None
+            identity = getattr(mapped, "identity", None)
+            if READ != "mmap" and identity is not None:
+                try:
+                    fd = os.open(mapped.path, os.O_RDONLY | os.O_CLOEXEC)
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(identity):
+                        os.close(fd)
+                        fd = None
+                except (OSError, TypeError, ValueError):
+                    fd = None
+            entry = self.files[id(mapped)] = (fd, mapped)  # the mapping kept: its id stays its own
+        return entry[0]
+
+    def add(self, source: np.ndarray, buffer, at: int, marks=(), file=None) -> None:
         """Stage the bytes ``source`` (flat uint8) for ``buffer`` at byte ``at``. ``marks`` are ``(end, bytes,
-        name)`` for progress: the tensor ``name`` (``bytes`` in device memory) ends at ``source[end - 1]``."""
+        name)`` for progress: the tensor ``name`` (``bytes`` in device memory) ends at ``source[end - 1]``.
+        ``file`` is ``(descriptor, offset, path)`` where the same bytes are in a file (see :meth:`file`): they
+        are read from there."""
         base = self.stream
         n = len(source)
         pos = 0
@@ -202,7 +258,8 @@ class Stager:
                 self.batches.append(self.current)
                 self.current, self.used = [], 0
             take = min(chunk - self.used, n - pos)
-            self.current.append((source[pos:pos + take], buffer, at + pos, self.used))
+            where = None if file is None else (file[0], file[1] + pos, file[2])
+            self.current.append((source[pos:pos + take], buffer, at + pos, self.used, where))
             self.used += take
             pos += take
         self.stream += n
@@ -213,11 +270,12 @@ class Stager:
         """The batch's copies into ``host`` as fill tasks: lists of (destination, source) of about one part each."""
         part = max(FILL_SPLIT, self.shape.chunk // PART_OF_CHUNK)
         tasks, task, size = [], [], 0
-        for source, _buffer, _at, offset in batch:
+        for source, _buffer, _at, offset, file in batch:
             n, lo = len(source), 0
             while lo < n:
                 take = min(part - size, n - lo)
-                task.append((host[offset + lo:offset + lo + take], source[lo:lo + take]))
+                task.append((host[offset + lo:offset + lo + take], source[lo:lo + take],
+                             None if file is None else (file[0], file[1] + lo, file[2])))
                 size += take
                 lo += take
                 if size == part:
@@ -288,7 +346,7 @@ class Stager:
 
         host = self.stage.hosts[slot]
         events = []
-        for source, buffer, at, offset in batch:
+        for source, buffer, at, offset, _file in batch:
             # SAFETY: the copy reads pinned memory after enqueue_copy returns; pyopencl's NannyEvent keeps the array
             # (and so the mapped buffer) alive, and no fill writes there before it has waited for this event.
             event = cl.enqueue_copy(self.queue, buffer, host[offset:offset + len(source)], dst_offset=at,
@@ -305,5 +363,9 @@ class Stager:
         """Return the staging buffers to the pool (their pending events go with them); idempotent."""
         stage, self.stage = self.stage, None
         self.reported = None  # the load's bound method: no cycle through the load once it is done
+        files, self.files = self.files, {}
+        for fd, _mapped in files.values():
+            if fd is not None:
+                os.close(fd)  # every fill has finished: finish() waits for them, also on an error
         if stage is not None:
             stage.release()
