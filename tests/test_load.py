@@ -878,6 +878,21 @@ def test_the_fill_runs_ahead_of_the_copies_across_the_staging_buffers(tmp_path, 
             assert at == sends[k - n][0] and events == sends[k - n][1], "it waits for that buffer's copies only"
 
 
+@pytest.mark.device
+def test_a_load_of_a_few_chunks_is_staged_in_four_batches_at_least(tmp_path, dev, pool):
+    from fastckpt.device.staging import MIN_BATCHES
+
+    path = tmp_path / "m.safetensors"
+    tensors = {"w": sample(np.uint8, (6 << 20,), 4), "b": sample(np.uint8, (1000,), 5)}
+    write_raw_safetensors(path, tensors)
+    loaded = load_file(path, dev.queue, pool=pool, staging=True)
+    assert loaded.report.staging_chunk == 1 << 20 and loaded.report.copies == 7 >= MIN_BATCHES
+    check_exact(loaded, path, tensors)
+    named = load_file(path, dev.queue, pool=pool, staging=8 << 20)  # a chunk the caller names is kept
+    assert named.report.staging_chunk == 7 << 20 and named.report.copies == 1
+    check_exact(named, path, tensors)
+
+
 def test_staging_shape_follows_the_machine_and_the_load():
     from fastckpt.device.staging import FILL_SPLIT, MAX_FILL_THREADS, staging_shape
 

@@ -90,7 +90,7 @@ import numpy as np
 
 from fastckpt._native.tensorindex import FLAG_DEFLATE, FLAG_FORTRAN_ORDER, FLAG_VIEWABLE
 from fastckpt.device.context import shares_host_memory
-from fastckpt.device.staging import STAGING_CHUNK, STAGING_ROUND, Stager, staging_chunk, staging_shape
+from fastckpt.device.staging import MIN_BATCHES, STAGING_CHUNK, STAGING_ROUND, Stager, staging_chunk, staging_shape
 from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
@@ -753,7 +753,8 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             elif zero_copy and direct and _load_zero_copy(load, plan.direct, limit):
                 direct = False
             if direct and chunk:
-                load.stager = _stager(load, plan.direct_bytes(), chunk)
+                load.stager = _stager(load, plan.direct_bytes(), chunk, explicit=not isinstance(staging, bool)
+                                      and isinstance(staging, int))
             if direct and pool is not None:
                 if plan.parts is not None:
                     _load_part_arenas(load, plan, limit)
@@ -924,11 +925,16 @@ def _lease(request, nbytes: int, report: LoadReport | None):
     return lease
 
 
-def _stager(load: _Load, total: int, chunk: int) -> Stager:
+def _stager(load: _Load, total: int, chunk: int, explicit: bool = False) -> Stager:
     """The :class:`~fastckpt.device.staging.Stager` for ``total`` bytes of copies from mappings in chunks of ``chunk``
-    bytes (a load smaller than one chunk gets buffers of its own size: pinning costs per byte), its shape chosen
-    from the machine (:func:`~fastckpt.device.staging.staging_shape`) and written into the report."""
-    chunk = min(chunk, -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND)
+    bytes (a load smaller than one chunk gets buffers of its own size: pinning costs per byte; unless the caller
+    named the chunk, a load of ``MIN_BATCHES`` chunks of ``STAGING_ROUND`` bytes or more is cut into that many
+    batches at least, so that copies to the device overlap the fill), its shape chosen from the machine
+    (:func:`~fastckpt.device.staging.staging_shape`) and written into the report."""
+    limit = -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND
+    if not explicit and total >= MIN_BATCHES * STAGING_ROUND:
+        limit = total // (MIN_BATCHES * STAGING_ROUND) * STAGING_ROUND
+    chunk = min(chunk, limit)
     pool = load.pool
     shape = staging_shape(total, chunk, max_bytes=getattr(pool, "max_staging_bytes", None))
     reported = functools.partial(_reported, load) if load.progress.enabled else None

@@ -62,13 +62,16 @@ import numpy as np
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
 
-__all__ = ["Stager", "Shape", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND", "FILL_SPLIT",
-           "MAX_FILL_THREADS"]
+__all__ = ["Stager", "Shape", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND", "MIN_BATCHES",
+           "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
 STAGING_CHUNK = 64 * 1024 * 1024
 STAGING_ROUND = 1024 * 1024
+# A load of up to MIN_BATCHES chunks goes in MIN_BATCHES smaller ones (STAGING_ROUND bytes at least): in one batch the
+# copy to the device could only start once the whole fill had ended.
+MIN_BATCHES = 4
 
 # One fill task copies at least this many bytes (a smaller one costs more in hand-over than the copy gains), and a
 # staging chunk is filled in parts of PART_OF_CHUNK of it, so that several threads share one buffer.
