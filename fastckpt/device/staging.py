@@ -33,14 +33,18 @@ on a descriptor of the same file (:meth:`Stager.file`: the path opened again,
 used only when ``fstat`` shows the file the mapping was made of), not copied
 out of the mapping, whose pages would each be faulted in. Measured on pocl with
 staging forced (256 MiB, 4 MiB chunks, 2 fill threads, a shared 2-core host,
-medians of 5-6 runs, three sessions): from a cold page cache
-(``posix_fadvise(DONTNEED)`` before each run) ``preadv`` 161-334 ms against
-375-613 ms from a fresh mapping; warm 62, 149 and 381 ms against 168, 243 and
-181 ms. (On a 16-core H100 host, copies from a fresh mapping were faster warm:
-52 GB/s against 38 on 12 threads, ``../shared/reference/gpu-notes.md``; the GPU
-check, ``tools/gpu-check.sh``, measures the staged load there.) ``READ`` =
-``"mmap"`` copies from the mapping instead. A short read (a file truncated
-under the load) is an ``OSError`` naming the file and offset.
+medians of 5-6 runs, four sessions): from a cold page cache
+(``posix_fadvise(DONTNEED)`` before each run, a fresh mapping) ``preadv``
+161-334 ms against 333-613 ms copying from the mapping; warm, fresh mapping, 62,
+86, 149 and 381 ms against 168, 99, 243 and 181 ms; warm through a pool that
+keeps the file mapped, 89 against 85 ms. Choosing per part by whether the page
+cache holds it (``mincore``, one page every 4 MiB) measured no better than
+``preadv`` alone (217 ms cold, 109-111 ms warm) and was dropped. (On a 16-core
+H100 host copies from a fresh mapping were faster warm, 52 GB/s against 38 on
+12 threads, ``../shared/reference/gpu-notes.md``; ``tools/gpu-check.sh``
+measures the staged load there.) ``READ`` = ``"mmap"`` copies from the mapping
+instead. A short read (a file truncated under the load) is an ``OSError``
+naming the file and offset.
 
 The bytes are the same as an unstaged copy's; only the route differs.
 
