@@ -893,6 +893,37 @@ def test_a_load_of_a_few_chunks_is_staged_in_four_batches_at_least(tmp_path, dev
     check_exact(named, path, tensors)
 
 
+@pytest.mark.device
+def test_threads_staging_loads_of_different_sizes_use_their_own_fill_threads(tmp_path, dev, pool, monkeypatch):
+    # Each size gets another thread count, so the loads ask for fill-thread pools of different sizes at once.
+    import pyopencl as cl
+
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "FILL_SPLIT", 64 << 10)
+    monkeypatch.setattr(staging, "_cpus", lambda: 8)
+    paths, models = [], []
+    for i, n in enumerate((150_000, 300_000, 600_000)):
+        models.append({"w": sample(np.uint8, (n,), i), "v": sample(np.float32, (1000 + i,), i)})
+        paths.append(tmp_path / f"m{i}.safetensors")
+        write_raw_safetensors(paths[-1], models[-1])
+    errors, threads = [], set()
+
+    def worker(k):
+        queue = cl.CommandQueue(dev.context)
+        for r in range(6):
+            i = (k + r) % 3
+            loaded = load_file(paths[i], queue, pool=pool, staging=32 << 10)
+            threads.add(loaded.report.fill_threads)
+            for name, want in models[i].items():
+                if loaded[name].to_host().tobytes() != want.tobytes():
+                    errors.append((k, r, name))
+
+    errors += run_in_threads(worker, 3)
+    assert not errors
+    assert threads == {2, 4, 8}
+
+
 def test_staging_shape_follows_the_machine_and_the_load():
     from fastckpt.device.staging import FILL_SPLIT, MAX_FILL_THREADS, staging_shape
 

@@ -143,23 +143,19 @@ def staging_chunk(staging, device) -> int:
                      f"chunk size in bytes above 0, got {staging!r}")
 
 
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-_executor_threads = 0
-_executor_lock = threading.Lock()
+_executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_executors_lock = threading.Lock()
 
 
 def _fillers(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process's fill threads, at least ``threads`` of them (grown, never shrunk)."""
-    global _executor, _executor_threads
-    with _executor_lock:
-        if _executor is None or _executor_threads < threads:
-            old = _executor
-            _executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads,
-                                                              thread_name_prefix="fastckpt-stage-fill")
-            _executor_threads = threads
-            if old is not None:
-                old.shutdown(wait=False)  # its queued work still runs; new work goes to the larger one
-        return _executor
+    """The process's ``threads`` fill threads (one pool per count, kept: loads on other threads may be using a pool
+    while another count is asked for, so none is ever shut down; a pool starts its threads as work arrives)."""
+    with _executors_lock:
+        executor = _executors.get(threads)
+        if executor is None:
+            executor = _executors[threads] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix="fastckpt-stage-fill")
+        return executor
 
 
 def _wait_events(events) -> None:
