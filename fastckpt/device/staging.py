@@ -213,7 +213,8 @@ class Stager:
         self.events = events  # the load's list: every copy is recorded there at once
         self.blocking = blocking
         self.reported = reported
-        self.batches: list = []  # full batches: [(source, device buffer, its offset, offset in the chunk)]
+        # full batches: [(source, device buffer, its offset, offset in the chunk, (descriptor, offset, path) or None)]
+        self.batches: list = []
         self.current: list = []
         self.used = 0  # bytes in the current batch
         self.stream = 0  # bytes added so far
@@ -270,7 +271,8 @@ class Stager:
             self.marks.extend((base + end, nbytes, name) for end, nbytes, name in marks)
 
     def _parts(self, batch: list, host: np.ndarray) -> list:
-        """The batch's copies into ``host`` as fill tasks: lists of (destination, source) of about one part each."""
+        """The batch's copies into ``host`` as fill tasks: lists of ``(destination, source, file)`` (see :func:`fill`)
+        of about one part each."""
         part = max(FILL_SPLIT, self.shape.chunk // PART_OF_CHUNK)
         tasks, task, size = [], [], 0
         for source, _buffer, _at, offset, file in batch:
