@@ -276,8 +276,9 @@ def bench_many_case(key: str, label: str, n: int, elems: int, fmt: str, tmp: str
 
 def host_to_device_bounds(dev, nbytes: int, source: np.ndarray) -> dict[str, Callable[[], None]]:
     """``{label: run}`` for the bounds a load of ``nbytes`` is measured against on ``dev``: one pinned buffer
-    (``ALLOC_HOST_PTR``, mapped, holding the bytes of ``source``, repeated) copied to device buffers of ``nbytes`` in all,
-    in ``BOUND_CHUNK`` commands (what a discrete device's DMA engine carries), and the same from pageable RAM.
+    (``ALLOC_HOST_PTR``, mapped, holding the bytes of ``source``, repeated) copied to device buffers of ``nbytes``
+    in all, in ``BOUND_CHUNK`` commands (what a discrete device's DMA engine carries), and the same from pageable
+    RAM.
 
     >>> from fastckpt.device import default
     >>> runs = host_to_device_bounds(default(), 1 << 20, np.zeros(1 << 20, np.uint8))  # doctest: +SKIP
