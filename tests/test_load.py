@@ -802,7 +802,7 @@ def test_large_staged_chunks_are_filled_by_several_threads(tmp_path, dev, pool, 
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("read", ["preadv", "mmap"])
+@pytest.mark.parametrize("read", ["auto", "preadv", "mmap"])
 @pytest.mark.parametrize("use_pool", [True, False], ids=["pool", "no-pool"])
 def test_staged_bytes_are_the_same_read_from_the_file_or_the_mapping(tmp_path, dev, pool, monkeypatch, read,
                                                                      use_pool):
@@ -814,6 +814,36 @@ def test_staged_bytes_are_the_same_read_from_the_file_or_the_mapping(tmp_path, d
     write_raw_safetensors(path, tensors)
     loaded = load_file(path, dev.queue, pool=pool if use_pool else None, staging=4096)
     check_exact(loaded, path, tensors)
+    again = load_file(path, dev.queue, pool=pool if use_pool else None, staging=4096)  # a kept file, with a pool
+    check_exact(again, path, tensors)
+
+
+@pytest.mark.device
+def test_staging_reads_a_file_it_mapped_itself_and_copies_from_a_mapping_open_before(tmp_path, dev, pool,
+                                                                                    monkeypatch):
+    from fastckpt.device import staging
+
+    routes = []
+    real = staging.fill
+
+    def fill(pending, pairs):
+        routes.extend("read" if file is not None else "copy" for _dst, _src, file in pairs)
+        real(pending, pairs)
+
+    monkeypatch.setattr(staging, "fill", fill)
+    path = tmp_path / "m.safetensors"
+    tensors = odd_sized(100)
+    write_raw_safetensors(path, tensors)
+    for source, want in ((path, "read"), (path, "copy"), (None, "copy")):  # opened; kept by the pool; the caller's
+        routes.clear()
+        if source is None:
+            with fastckpt.open(path) as tf:
+                loaded = load_file(tf, dev.queue, pool=pool, staging=True)
+                check_exact(loaded, path, tensors)
+        else:
+            loaded = load_file(source, dev.queue, pool=pool, staging=True)
+            check_exact(loaded, path, tensors)
+        assert set(routes) == {want}, (source, routes)
 
 
 def test_a_short_read_into_a_staging_buffer_names_the_file_and_offset(tmp_path):
@@ -833,8 +863,11 @@ def test_a_short_read_into_a_staging_buffer_names_the_file_and_offset(tmp_path):
 
 
 @pytest.mark.device
-def test_a_file_replaced_since_it_was_mapped_is_copied_from_the_mapping(tmp_path, dev, pool):
+def test_a_file_replaced_since_it_was_mapped_is_copied_from_the_mapping(tmp_path, dev, pool, monkeypatch):
     # The path now names another file: reading it would load other bytes than the mapping's index describes.
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "READ", "preadv")  # read wherever the file is the mapped one
     path = tmp_path / "m.safetensors"
     tensors = odd_sized(50)
     write_raw_safetensors(path, tensors)

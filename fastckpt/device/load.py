@@ -755,6 +755,8 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             if direct and chunk:
                 load.stager = _stager(load, plan.direct_bytes(), chunk, explicit=not isinstance(staging, bool)
                                       and isinstance(staging, int))
+                # A mapping this load made has none of its pages mapped yet: reading the file beats faulting them.
+                load.stager.fresh = isinstance(source, (str, os.PathLike)) and not file_reused
             if direct and pool is not None:
                 if plan.parts is not None:
                     _load_part_arenas(load, plan, limit)

@@ -28,23 +28,25 @@ least each, ``MAX_FILL_THREADS`` at most); buffers enough to hold what the
 threads fill at once plus the two being copied, never more than the load needs
 nor more than the pool's ``max_staging_bytes`` allow.
 
-The bytes of a mapped file are read into the staging buffers with ``preadv``
-on a descriptor of the same file (:meth:`Stager.file`: the path opened again,
-used only when ``fstat`` shows the file the mapping was made of), not copied
-out of the mapping, whose pages would each be faulted in. Measured on pocl with
-staging forced (256 MiB, 4 MiB chunks, 2 fill threads, a shared 2-core host,
-medians of 5-6 runs, four sessions): from a cold page cache
-(``posix_fadvise(DONTNEED)`` before each run, a fresh mapping) ``preadv``
-161-334 ms against 333-613 ms copying from the mapping; warm, fresh mapping, 62,
-86, 149 and 381 ms against 168, 99, 243 and 181 ms; warm through a pool that
-keeps the file mapped, 89 against 85 ms. Choosing per part by whether the page
-cache holds it (``mincore``, one page every 4 MiB) measured no better than
-``preadv`` alone (217 ms cold, 109-111 ms warm) and was dropped. (On a 16-core
-H100 host copies from a fresh mapping were faster warm, 52 GB/s against 38 on
-12 threads, ``../shared/reference/gpu-notes.md``; ``tools/gpu-check.sh``
-measures the staged load there.) ``READ`` = ``"mmap"`` copies from the mapping
-instead. A short read (a file truncated under the load) is an ``OSError``
-naming the file and offset.
+Where the load mapped the file itself (a path, not kept open by the pool), its
+bytes are read into the staging buffers with ``preadv`` on a descriptor of the
+same file (:meth:`Stager.file`: the path opened again, used only when ``fstat``
+shows the file the mapping was made of), not copied out of the new mapping,
+whose pages would each be faulted in; a mapping that was open before (a file
+the pool kept, a reader the caller passed) is copied from, its pages mapped by
+earlier loads. Measured on pocl with staging forced (256 MiB, 2 fill threads, a
+shared 2-core host, medians of 5-7 runs): from a cold page cache
+(``posix_fadvise(DONTNEED)`` before each run, a fresh mapping) ``preadv`` 169-288
+ms against 333-613 ms copying from the mapping in 4 MiB chunks and 7.9 s in 64
+MiB ones (pieces that large defeat the kernel's readahead); warm, fresh
+mapping, 86-107 ms against 99-134 ms; warm through a pool that keeps the file
+mapped, ``preadv`` 92-94 ms against 49-63 ms copying (on a quiet host; on a
+16-core H100 host, too, copies from a mapping beat ``preadv`` warm, 52 GB/s
+against 38 on 12 threads, ``../shared/reference/gpu-notes.md``). Choosing per
+part by asking the page cache (``mincore``) measured no better and was
+dropped. ``READ`` = ``"preadv"`` or ``"mmap"`` takes one route for every load.
+A short read (a file truncated under the load) is an ``OSError`` naming the
+file and offset.
 
 The bytes are the same as an unstaged copy's; only the route differs.
 
@@ -84,9 +86,10 @@ PART_OF_CHUNK = 4
 # Host fill rates into pinned memory on a 16-core host (4 GiB from the page cache): 9.9 GB/s on one thread, 27 on 4,
 # 40 on 8, 52 on 12 (gpu-notes): a PCIe 5 x16 link (~55 GB/s) needs a dozen or more.
 MAX_FILL_THREADS = 16
-# How the bytes of a mapped file reach the staging buffers: "preadv" (read from the file) or "mmap" (copied out of
-# the mapping). See the module docstring for the measurement.
-READ = "preadv"
+# How the bytes of a mapped file reach the staging buffers: "auto" (read from the file where the load made the
+# mapping, Stager.fresh; copied out of a mapping that was open before, a pool's kept file or a caller's), "preadv"
+# (always read) or "mmap" (always copied). See the module docstring for the measurements.
+READ = "auto"
 
 
 class Shape(NamedTuple):
@@ -199,7 +202,7 @@ class Stager:
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "batches", "current", "used",
-                 "stream", "marks", "copies", "regions", "tensors", "files")
+                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
                  reported: Callable | None = None):
@@ -223,6 +226,7 @@ class Stager:
         self.regions: list = []  # arena regions of a non-blocking load, given the final event by finish()
         self.tensors: list = []  # tensors of a non-blocking load, likewise
         self.files: dict = {}  # id(mapping) -> (descriptor or None, the mapping), see file()
+        self.fresh = False  # the load made its mappings (see READ)
 
     @property
     def chunk(self) -> int:
@@ -231,12 +235,15 @@ class Stager:
     def file(self, mapped):
         """A descriptor of the file ``mapped`` (a :class:`~fastckpt._native.mapped.MappedFile`) maps, to read its
         bytes with ``preadv``: its path opened again, kept for this load; None where that is not the same file
-        (``fstat`` differs from the mapping's ``identity``), cannot be opened, or ``READ`` is ``"mmap"``."""
+        (``fstat`` differs from the mapping's ``identity``), cannot be opened, or ``READ`` says to copy from the
+        mapping."""
+        if READ == "mmap" or (READ == "auto" and not self.fresh):
+            return None
         entry = self.files.get(id(mapped))
         if entry is None:
             fd = None
             identity = getattr(mapped, "identity", None)
-            if READ != "mmap" and identity is not None:
+            if identity is not None:
                 try:
                     fd = os.open(mapped.path, os.O_RDONLY | os.O_CLOEXEC)
                     st = os.fstat(fd)
