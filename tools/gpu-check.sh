@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, one command on a machine with a GPU: make fastckpt importable there with an OpenCL GPU platform,
-# run the device tests on every device present, run the GPU benchmark cases, and print one table (exactness, GB/s,
-# share of the pinned bound measured on that GPU).
+# run the device tests on every device present, run the GPU benchmark cases (the device suite's 4 GiB and 1000 x
+# 4 KiB cases, the model suite), and print one table (exactness, GB/s, share of the pinned bound measured on that
+# GPU) with every target met or missed.
 #
 #   tools/gpu-check.sh [--quick] [WHEELS_DIR]
 #       --quick      the small sizes of the benchmark cases (seconds), for trying the script itself
@@ -111,10 +112,17 @@ echo "== benchmarks (device suite, cases d and b, on the GPU)"
 # shellcheck disable=SC2086
 "$PY" -m fastckpt bench --suite device --device "$KIND" --case d --case b --repeat 5 $QUICK | tee "$OUT/bench.md"
 
+echo "== benchmarks (model suite: the 64 MiB MLP and 400 small layers, on the default device)"
+if [ -z "$QUICK" ]; then
+    FASTCKPT_DEVICE="$KIND" "$PY" -m fastckpt bench --suite model --repeats 5 | tee "$OUT/model.md"
+else
+    FASTCKPT_DEVICE="$KIND" "$PY" -m fastckpt bench --suite model --repeats 1 | tee "$OUT/model.md"
+fi
+
 echo
 echo "== summary"
 cat "$OUT/device.txt"
 echo "device tests: $tests_line"
 awk '/^### \(d\)/{on=1} on&&/^$/&&seen{exit} on{print; if (/^\|/) seen=1}' "$OUT/bench.md"
-grep -E "^- (met|MISSED)" "$OUT/bench.md" || true
+grep -hE "^- (met|MISSED)" "$OUT/bench.md" "$OUT/model.md" || true
 exit "$tests_rc"
