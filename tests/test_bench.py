@@ -138,6 +138,23 @@ def test_device_suite(tmp_path, capsys):
     assert "### targets" in out and "(b) repeated pooled loads: 0 pool misses" in out
 
 
+@pytest.mark.device
+def test_device_suite_large_case_measures_the_pinned_bound_and_reads_every_load_back(tmp_path, device):
+    from fastckpt.bench import device as suite
+
+    text, facts = suite.bench_large_case("d", "4 x 256 KiB", 4, 1 << 16, "safetensors", str(tmp_path), 1, device)
+    rows = {name: (gbs, share, exact) for name, _t, gbs, share, exact in facts["rows"]}
+    staged = suite.LARGE_UNSTAGED if facts["discrete"] else suite.LARGE_STAGED
+    assert set(rows) >= {suite.PINNED_BOUND, suite.PAGEABLE, suite.LARGE_WARM, staged, suite.LARGE_NEW,
+                         suite.LARGE_NOPOOL}
+    assert rows[suite.PINNED_BOUND][1] == 1.0 and rows[suite.PINNED_BOUND][2] is None
+    assert all(exact for name, (_gbs, _share, exact) in rows.items() if name not in (suite.PINNED_BOUND,
+                                                                                    suite.PAGEABLE))
+    assert facts["exact"] and facts["staging"][0] > 0  # the staged row (forced where not the default) was staged
+    assert "| path | median | GB/s | share of the pinned bound | exact |" in text
+    assert "d" not in suite.DEFAULT_CASES, "4 GiB only when asked for"
+
+
 @pytest.mark.slow  # a benchmark smoke run
 def test_formats_suite_tables(tmp_path):
     from fastckpt.bench import formats

@@ -52,16 +52,17 @@ def test_env_override_is_checked(monkeypatch, fresh_cache):
         device_mod.default("auto")
 
 
-# Kept local, not conftest's `device`: these tests check the CPU (pocl) device itself, whatever default() would pick.
+# conftest's `device` (each kind present) under the name these tests use.
 @pytest.fixture(scope="module")
-def dev():
-    return device_mod.default("cpu")
+def dev(device):
+    return device
 
 
 @pytest.mark.device
-def test_default_cpu_is_a_working_pocl_device(dev):
+def test_default_cpu_is_a_working_pocl_device(cpu_device):
     import pyopencl as cl
 
+    dev = cpu_device
     assert dev.kind == "cpu" and dev.device.type & cl.device_type.CPU
     assert dev is device_mod.default("cpu"), "cached"
     assert dev.host_unified_memory

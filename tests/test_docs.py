@@ -34,7 +34,7 @@ MAX_FRAGMENTS = 3
 EXPECTED_OUTPUT = {
     "checkpointable.md": ["['conv1/weight', 'conv1/bias', 'fc/[0]/weight', 'fc/[0]/bias']", "run/ckpt-3",
                           "[6. 9.] 0 0"],
-    "device.md": ["2 2 1"],
+    "device.md": ["2 1"],
     "model-files.md": ["(32, 10)", "ndarray (784, 256) 1000"],
     "remote.md": ["safetensors ['bias'] {'step': '100'}", "[8.0, 9.0, 10.0, 11.0]",
                   "[20, 30] memory://docs/run-b/step-00000030", "[1, 3, 5]", "[30, 50] False"],

@@ -433,13 +433,10 @@ def test_a_file_changed_between_open_and_keep_is_never_kept(tmp_path, change):
 
 
 # -- on a real device ----------------------------------------------------------------------------
-# Kept local, not conftest's `device`: a different device kind. These tests were written against the CPU device
-# (pocl) and stay on it; default() would pick a GPU where there is one.
+# conftest's `device` (each kind present) under the name these tests use.
 @pytest.fixture(scope="module")
-def dev():
-    from fastckpt.device import default
-
-    return default("cpu")
+def dev(device):
+    return device
 
 
 @pytest.mark.device

@@ -164,8 +164,11 @@ def test_convert_reports_every_tensor(tmp_path, to):
 # -- device loads and model files ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("staging", [False, True, 4096], ids=["direct", "staged", "staged-4KiB"])
 @pytest.mark.parametrize("how", ["buffers", "pool", "zero_copy", "not_blocking"])
-def test_load_file_reports_every_tensor(tmp_path, queue, pool, how, monkeypatch):
+def test_load_file_reports_every_tensor(tmp_path, queue, pool, how, staging, monkeypatch):
+    # Staged (the default on a discrete GPU) the tensors share staging buffers, and each is still reported on its
+    # own: once reported only the last tensor of each buffer ("scalar"), as on a discrete GPU.
     from fastckpt.device import load
 
     monkeypatch.setattr(load, "COPY_CHUNK", 4096)  # several commands per region
@@ -175,10 +178,11 @@ def test_load_file_reports_every_tensor(tmp_path, queue, pool, how, monkeypatch)
     kwargs = {"pool": {"pool": pool}, "zero_copy": {"zero_copy": True}, "not_blocking": {"blocking": False}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fastckpt.NotZeroCopyWarning)  # zero-copy falls back where it cannot
-        loaded = load.load_file(path, queue, progress=calls, **kwargs.get(how, {}))
+        loaded = load.load_file(path, queue, progress=calls, staging=staging, **kwargs.get(how, {}))
+    assert bool(loaded.report.staging_chunk) == (bool(staging) and loaded.report.mode != "zero-copy")
     items = calls.check(PAYLOAD)
     assert set(items) <= set(TENSORS) - {"empty"}
-    if how in ("buffers", "not_blocking"):  # one copy per tensor, each reported
+    if how in ("buffers", "not_blocking") or loaded.report.staging_chunk:  # each tensor reported
         assert sorted(items) == sorted(set(TENSORS) - {"empty"})
     for name, value in TENSORS.items():
         np.testing.assert_array_equal(loaded[name].to_host(), value)

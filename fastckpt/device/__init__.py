@@ -9,7 +9,9 @@
   device memory (arenas) kept between loads;
 * :mod:`fastckpt.device.load` - :func:`~fastckpt.device.load.load_file`, one
   function per strategy (zero-copy, arenas, buffers, decoded), and
-  :func:`~fastckpt.device.load.realign`.
+  :func:`~fastckpt.device.load.realign`;
+* :mod:`fastckpt.device.staging` - the staged copies of a load to a device
+  that does not share host memory (pinned buffers filled ahead of the copies).
 
 Only the context's names are imported here (pyopencl itself is imported on
 first use); the other modules load when asked for.

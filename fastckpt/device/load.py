@@ -44,14 +44,13 @@ Paths a tensor can take (``LoadedTensors.report.paths``):
 **Staging** (``staging=``; by default on devices whose ``host_unified_memory``
 is false, discrete GPUs): the ``"arena"`` and ``"buffer"`` copies do not read
 the mapping, which is pageable memory a driver must copy again before its DMA
-engine can read it; the host fills pinned staging buffers (``ALLOC_HOST_PTR``,
-``STAGING_BUFFERS`` of ``STAGING_CHUNK`` bytes, mapped once and kept by the
-pool between loads, see :class:`~fastckpt.device.pool.StagingBuffers`) from
-the mapping, and each full buffer is copied to the device with non-blocking
-commands while the host fills the other one (and the kernel reads the next
-chunk of the file ahead, ``madvise(WILLNEED)``); a buffer is refilled once
-the copies last sent from it have finished. The paths and the bytes are the
-same; ``report.staging_chunk`` says it happened.
+engine can read it; threads fill pinned staging buffers (``ALLOC_HOST_PTR``,
+``STAGING_CHUNK`` bytes each, mapped once and kept by the pool between loads,
+see :class:`~fastckpt.device.pool.StagingBuffers`) from the mapping, running
+ahead of the non-blocking copies that send each full buffer to the device
+(:mod:`fastckpt.device.staging`, which also says how many threads and buffers
+a load uses). The paths and the bytes are the same;
+``report.staging_chunk`` says it happened.
 
 Each path is one function (``_load_zero_copy``, ``_load_arenas`` or, for a
 reader with ``parts()``, ``_load_part_arenas``, ``_load_buffers``,
@@ -75,7 +74,7 @@ finished when ``load_file`` returns.
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -90,7 +89,8 @@ from typing import Iterable, Iterator, NamedTuple
 import numpy as np
 
 from fastckpt._native.tensorindex import FLAG_DEFLATE, FLAG_FORTRAN_ORDER, FLAG_VIEWABLE
-from fastckpt.device.pool import StagingBuffers
+from fastckpt.device.context import shares_host_memory
+from fastckpt.device.staging import MIN_BATCHES, STAGING_CHUNK, STAGING_ROUND, Stager, staging_chunk, staging_shape
 from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
@@ -100,7 +100,7 @@ from fastckpt.progress import progress_from, requested
 _log = logging.getLogger(__name__)
 
 __all__ = ["load_file", "realign", "LoadedTensors", "LoadReport", "plan_regions", "MERGE_GAP",
-           "COPY_CHUNK", "PART_ALIGN", "STAGING_CHUNK", "STAGING_BUFFERS"]
+           "COPY_CHUNK", "PART_ALIGN", "STAGING_CHUNK"]
 
 # Regions are copied in commands of at most this many bytes (into one arena). On pocl a single huge
 # copy runs about 3x slower than the same bytes in 4-16 MiB commands (measured: 512 MiB in 210 ms as
@@ -117,19 +117,6 @@ MERGE_GAP = 512 * 1024
 # alignment of fastckpt's safetensors data sections), so every tensor keeps the alignment it has in its file.
 PART_ALIGN = 4096
 
-# Staged copies (devices that do not share host memory): the size of one pinned staging buffer, and how many a load
-# cycles through (two: one is filled while the other is copied). A load smaller than one chunk gets buffers of its
-# own size, rounded up to STAGING_ROUND bytes.
-STAGING_CHUNK = 64 * 1024 * 1024
-STAGING_BUFFERS = 2
-STAGING_ROUND = 1024 * 1024
-
-# A staging buffer is filled by up to this many threads, each copying at least _FILL_SPLIT bytes: one core reading
-# page-cache pages (a fault per page on a fresh mapping) stays well below what a PCIe link carries.
-_FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
-_FILL_SPLIT = 8 * 1024 * 1024
-
-
 @dataclass
 class LoadReport:
     """What one :func:`load_file` call did.
@@ -139,7 +126,8 @@ class LoadReport:
     string tensors left out (they have no device form); ``file_reused`` says
     the pool still had the file open (mapped, index parsed); ``staging_chunk``
     is the size of the pinned staging buffers the copies went through (0: none,
-    see ``load_file``'s ``staging``); ``timings`` holds seconds for ``open``,
+    see ``load_file``'s ``staging``), ``staging_buffers`` how many, ``fill_threads``
+    how many threads filled them (:mod:`fastckpt.device.staging`); ``timings`` holds seconds for ``open``,
     ``plan``, ``allocate``, ``copy`` and ``total``.
 
     >>> report = load_file("model.safetensors", pool=pool).report    # doctest: +SKIP
@@ -163,6 +151,8 @@ class LoadReport:
     warnings: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     staging_chunk: int = 0
+    staging_buffers: int = 0
+    fill_threads: int = 0
 
 
 class LoadedTensors(Mapping):
@@ -366,7 +356,7 @@ class _ColumnIndex:
     offset). Tensors that are not in an arena (decoded, empty) are not found here; the load made those already.
     """
 
-    __slots__ = ("names", "order", "offsets", "direct", "columns", "odd", "starts", "positions")
+    __slots__ = ("names", "order", "offsets", "direct", "columns", "odd", "starts", "positions", "made")
 
     def __init__(self, names: tuple, order, offsets, direct, columns: dict, odd: dict, starts: list):
         self.names = names  # by offset
@@ -377,8 +367,15 @@ class _ColumnIndex:
         self.odd = odd  # name -> TensorInfo where the columns hold no shape
         self.starts = starts
         self.positions = None
+        self.made: dict = {}  # name -> (region number, _ColumnView), for the tensors viewed so far
 
     def get(self, name, default=None):
+        # An entry made once is kept (this index lives as long as the plan, across the loads of one open file):
+        # reading the columns costs ~2 us a tensor in numpy scalar indexing, more than the view itself, so a warm
+        # load's views cost a dict look-up each.
+        entry = self.made.get(name)
+        if entry is not None:
+            return entry
         positions = self.positions
         if positions is None:
             positions = self.positions = dict(zip(self.names, range(len(self.names))))
@@ -392,7 +389,8 @@ class _ColumnIndex:
             at = c["shape_at"]
             view = _ColumnView(tuple(c["dims"][at[i]:at[i + 1]].tolist()), c["dtypes"][c["dtype_codes"][i]],
                                int(self.offsets[k]))
-        return bisect.bisect_right(self.starts, view.offset) - 1, view
+        entry = self.made[name] = (bisect.bisect_right(self.starts, view.offset) - 1, view)
+        return entry
 
     def __contains__(self, name) -> bool:
         return self.get(name) is not None
@@ -713,10 +711,11 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts
     the tensors' bytes as their copies complete (as they are queued when
     ``blocking=False``). ``staging`` says whether the copies from a mapping go
-    through pinned staging buffers (``ALLOC_HOST_PTR``, ``STAGING_BUFFERS`` of
-    ``STAGING_CHUNK`` bytes, or of the load's size rounded up to
-    ``STAGING_ROUND`` when smaller; kept by the pool for the next load), one
-    filled from the file while the other is copied to the device: ``None``
+    through pinned staging buffers (``ALLOC_HOST_PTR``, of ``STAGING_CHUNK``
+    bytes, or of the load's size rounded up to ``STAGING_ROUND`` when smaller;
+    kept by the pool for the next load), filled from the file by several
+    threads ahead of the copies to the device
+    (:mod:`fastckpt.device.staging`): ``None``
     (the default) on devices whose ``host_unified_memory`` is false (discrete
     GPUs), ``True``/``False`` force it either way, an int forces it with
     chunks of that many bytes (``report.staging_chunk`` says what was used).
@@ -732,7 +731,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
     """
     t_start = time.perf_counter()
     queue = _queue_for(queue, pool)
-    chunk = _staging_chunk(staging, queue.device)
+    chunk = staging_chunk(staging, queue.device)
     if isinstance(names, str):
         raise TypeError("names must be a list of tensor names, not a single string")
     if names is not None:
@@ -760,10 +759,10 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             elif zero_copy and direct and _load_zero_copy(load, plan.direct, limit):
                 direct = False
             if direct and chunk:
-                # A load smaller than one chunk is staged through buffers of its own size (pinning costs per byte).
-                chunk = min(chunk, -(-max(plan.direct_bytes(), 1) // STAGING_ROUND) * STAGING_ROUND)
-                load.stager = _Stager(load, chunk)
-                report.staging_chunk = chunk
+                load.stager = _stager(load, plan.direct_bytes(), chunk, explicit=not isinstance(staging, bool)
+                                      and isinstance(staging, int))
+                # A mapping this load made has none of its pages mapped yet: reading the file beats faulting them.
+                load.stager.fresh = isinstance(source, (str, os.PathLike)) and not file_reused
             if direct and pool is not None:
                 if plan.parts is not None:
                     _load_part_arenas(load, plan, limit)
@@ -777,6 +776,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
                     _load_buffers(load, plan.direct)
             if load.stager is not None:
                 load.stager.finish()
+                report.copies += load.stager.copies
             if plan.decoded:
                 _load_decoded(load, plan.decoded)
             if plan.empty:
@@ -847,7 +847,7 @@ class _Load:
         self.t_alloc = 0.0  # when allocating ended and copying began (for report.timings)
         self.progress = _NO_PROGRESS  # load_file's progress=, when asked for
         self.pending = None  # (event, bytes, tensor name): a copy reported once the next one is queued
-        self.stager = None  # the _Stager that copies from mappings go through, when staged
+        self.stager = None  # the Stager that copies from mappings go through, when staged
 
     def note(self, message: str) -> None:
         """Record and warn that tensors took a slower path than asked for; called by a strategy function."""
@@ -933,6 +933,25 @@ def _lease(request, nbytes: int, report: LoadReport | None):
             report.pool_misses += 1
             report.bytes_allocated += lease.size
     return lease
+
+
+def _stager(load: _Load, total: int, chunk: int, explicit: bool = False) -> Stager:
+    """The :class:`~fastckpt.device.staging.Stager` for ``total`` bytes of copies from mappings in chunks of ``chunk``
+    bytes (a load smaller than one chunk gets buffers of its own size: pinning costs per byte; unless the caller
+    named the chunk, a load of ``MIN_BATCHES`` chunks of ``STAGING_ROUND`` bytes or more is cut into that many
+    batches at least, so that copies to the device overlap the fill), its shape chosen from the machine
+    (:func:`~fastckpt.device.staging.staging_shape`) and written into the report."""
+    limit = -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND
+    if not explicit and total >= MIN_BATCHES * STAGING_ROUND:
+        limit = total // (MIN_BATCHES * STAGING_ROUND) * STAGING_ROUND
+    chunk = min(chunk, limit)
+    pool = load.pool
+    shape = staging_shape(total, chunk, max_bytes=getattr(pool, "max_staging_bytes", None))
+    reported = functools.partial(_reported, load) if load.progress.enabled else None
+    stager = Stager(load.queue, pool, shape, load.events, load.blocking, reported)
+    report = load.report
+    report.staging_chunk, report.staging_buffers, report.fill_threads = shape.chunk, stager.stage.count, shape.threads
+    return stager
 
 
 def _load_zero_copy(load: _Load, direct: list, limit: int) -> bool:
@@ -1064,40 +1083,24 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
 
 
 def _stage_region(load: _Load, mapped, start: int, end: int, lease, at: int, group, source_view) -> None:
-    """:func:`_copy_region` through the load's staging buffers: the region in pieces of one staging chunk, the kernel
-    asked to read the next piece from the file while this one is copied to pinned memory."""
-    stager, length = load.stager, end - start
-    source = np.frombuffer(source_view, np.uint8)
-    step = stager.chunk
-    counted = 0  # group[:counted] are reported
-    for lo in range(0, length, step):
-        hi = min(lo + step, length)
-        if hi < length:
-            _read_ahead(mapped, start + hi, min(step, length - hi))
-        done = None
-        if load.progress.enabled and group:
-            first = counted
-            while counted < len(group) and group[counted].offset + group[counted].nbytes <= start + hi:
-                counted += 1
-            if counted > first:
-                done = (sum(_payload(i) for i in group[first:counted]), group[counted - 1].name)
-        stager.add(source[lo:hi], lease.buffer, at + lo, done)
-    load.report.bytes_copied += length
-    # The copies read pinned memory, never the mapping: no source view to keep; a non-blocking load gets one event
-    # for all of them (_Stager.finish).
-    region = [lease.buffer, start - at, lease, None, None]
-    if not load.blocking:
-        stager.regions.append(region)
-    load.regions.append(region)
-
-
-def _read_ahead(mapped, offset: int, length: int) -> None:
-    """Ask the kernel to read ``length`` bytes at ``offset`` of the mapping now (``madvise(WILLNEED)``), so that the
-    disk works while the host copies the previous piece; advice only, so a failure changes nothing."""
+    """:func:`_copy_region` through the load's staging buffers (:mod:`fastckpt.device.staging`, which reads the bytes
+    from the file where it can), the kernel asked to read the region ahead of the fill (``madvise(WILLNEED)``: advice,
+    so a failure changes nothing)."""
     try:
-        mapped.advise("willneed", offset, length)
+        mapped.advise("willneed", start, end - start)
     except (OSError, ValueError, AttributeError):
         pass
+    marks = () if not group else [(i.offset + i.nbytes - start, _payload(i), i.name) for i in group]
+    fd = load.stager.file(mapped)
+    load.stager.add(np.frombuffer(source_view, np.uint8), lease.buffer, at, marks,
+                    None if fd is None else (fd, start, mapped.path))
+    load.report.bytes_copied += end - start
+    # The copies read pinned memory, never the mapping: no source view to keep; a non-blocking load gets one event
+    # for all of them (Stager.finish).
+    region = [lease.buffer, start - at, lease, None, None]
+    if not load.blocking:
+        load.stager.regions.append(region)
+    load.regions.append(region)
 
 
 def _load_buffers(load: _Load, direct: list, mapped=None) -> None:
@@ -1116,14 +1119,16 @@ def _load_buffers(load: _Load, direct: list, mapped=None) -> None:
         report.bytes_allocated += info.nbytes
         source_view = mapped.view(info.offset, info.nbytes, f"tensor {info.name!r}")
         if stager is not None:
+            fd = stager.file(mapped)
             stager.add(np.frombuffer(source_view, np.uint8), buffer, 0,
-                       (info.nbytes, info.name) if load.progress.enabled else None)
+                       ((info.nbytes, info.nbytes, info.name),) if load.progress.enabled else (),
+                       None if fd is None else (fd, info.offset, mapped.path))
             report.bytes_copied += info.nbytes
             if load.first_buffer is None:
                 load.first_buffer = buffer
             t = tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
             if not blocking:
-                stager.tensors.append(t)  # _Stager.finish gives it the event of the staged copies
+                stager.tensors.append(t)  # Stager.finish gives it the event of the staged copies
             paths[info.name] = "buffer"
             continue
         event = cl.enqueue_copy(queue, buffer, source_view, is_blocking=False)
@@ -1238,151 +1243,8 @@ def _base_align(device) -> int:
 
 def _zero_copy_obstacle(device, mapped) -> str | None:
     """Why a zero-copy load is impossible here, or None."""
-    if not device.host_unified_memory:
+    if not shares_host_memory(device):
         return f"the device {device.name.strip()!r} does not share host memory (host_unified_memory is false)"
     if mapped.address is None:
         return f"the file is not memory-mapped (backend={mapped.backend!r})"
     return None
-
-
-def _staging_chunk(staging, device) -> int:
-    """The staging chunk in bytes that ``load_file``'s ``staging`` asks for on ``device``; 0 for none."""
-    if staging is None:
-        try:
-            unified = bool(device.host_unified_memory)
-        except Exception:  # a runtime that no longer answers the (OpenCL 2.0-deprecated) query: assume discrete
-            unified = False
-        return 0 if unified else STAGING_CHUNK
-    if isinstance(staging, bool):
-        return STAGING_CHUNK if staging else 0
-    if isinstance(staging, int) and staging > 0:
-        return staging
-    raise ValueError(f"staging must be None (stage where the device does not share host memory), True, False or a "
-                     f"chunk size in bytes above 0, got {staging!r}")
-
-
-class _Stager:
-    """The copies of one load from host memory to device buffers, through pinned staging buffers, double-buffered.
-
-    :meth:`add` copies bytes into the current staging buffer and notes where they go. When the buffer is full it is
-    sent (one non-blocking ``enqueue_copy`` per destination, from its pinned memory) and the next buffer is filled
-    while those copies run, as soon as the copies last sent from *that* buffer have finished (their events; a
-    previous load's too, for buffers from a pool). The staging buffers come from the pool (returned by
-    :meth:`close`, with the events of copies still reading them) or, without one, are made for this load.
-    """
-
-    __slots__ = ("load", "stage", "chunk", "slot", "used", "pieces", "done", "regions", "tensors")
-
-    def __init__(self, load: _Load, chunk: int):
-        self.load = load
-        if load.pool is not None:
-            self.stage = load.pool.staging(load.queue, chunk, STAGING_BUFFERS)
-        else:
-            self.stage = StagingBuffers.allocate(load.queue, chunk, STAGING_BUFFERS)
-        self.chunk = chunk
-        self.slot = 0
-        self.used = 0  # bytes filled in the current buffer
-        self.pieces: list = []  # (device buffer, its offset, offset in the staging buffer, bytes) of the current one
-        self.done: list = []  # (bytes, tensor name) for progress, counted once the current buffer's copies complete
-        self.regions: list = []  # arena regions of a non-blocking load, given the final event by finish()
-        self.tensors: list = []  # tensors of a non-blocking load, likewise
-        self._take(0)
-
-    def _take(self, slot: int) -> None:
-        """Wait for the copies last sent from staging buffer ``slot``: it is about to be overwritten."""
-        pending = self.stage.pending[slot]
-        if pending:
-            _wait_all(pending)
-        self.stage.pending[slot] = None
-
-    def add(self, source: np.ndarray, buffer, at: int, done=None) -> None:
-        """Stage the bytes ``source`` (uint8) for ``buffer`` at byte ``at``; ``done`` (bytes, tensor name) is counted
-        as progress once the copy carrying the last of them has completed."""
-        n = len(source)
-        pos = 0
-        while pos < n:
-            if self.used == self.chunk:
-                self._send(switch=True)
-            take = min(self.chunk - self.used, n - pos)
-            _fill(self.stage.hosts[self.slot][self.used:self.used + take], source[pos:pos + take])
-            self.pieces.append((buffer, at + pos, self.used, take))
-            self.used += take
-            pos += take
-        if done is not None:
-            self.done.append(done)
-
-    def _send(self, switch: bool) -> None:
-        """Copy the current staging buffer's pieces to the device (non-blocking); with ``switch``, go on to the
-        next buffer once the copies last sent from it have finished."""
-        import pyopencl as cl
-
-        load, host = self.load, self.stage.hosts[self.slot]
-        events = []
-        for buffer, at, offset, nbytes in self.pieces:
-            # SAFETY: the copy reads pinned memory after enqueue_copy returns; pyopencl's NannyEvent keeps the array
-            # (and so the mapped buffer) alive, and nothing writes there before _take has waited for this event.
-            event = cl.enqueue_copy(load.queue, buffer, host[offset:offset + nbytes], dst_offset=at,
-                                    is_blocking=False)
-            events.append(event)
-            load.events.append(event)
-        self.stage.pending[self.slot] = events
-        load.report.copies += len(events)
-        if self.done and load.progress.enabled:
-            last = events[-1] if len(events) == 1 else cl.enqueue_marker(load.queue, wait_for=events)
-            _reported(load, last, sum(nbytes for nbytes, _name in self.done), self.done[-1][1])
-        self.pieces, self.done, self.used = [], [], 0
-        if switch:
-            self.slot = (self.slot + 1) % len(self.stage.hosts)
-            self._take(self.slot)
-
-    def finish(self) -> None:
-        """Send what is staged; a non-blocking load's staged tensors and regions get one event covering all their
-        copies (a marker: it completes when every command queued before it has)."""
-        if self.pieces:
-            self._send(switch=False)
-        if not self.load.blocking and (self.regions or self.tensors):
-            import pyopencl as cl
-
-            event = cl.enqueue_marker(self.load.queue)
-            for region in self.regions:
-                region[3], region[4] = event, self.stage
-            for t in self.tensors:
-                t._event, t._keepalive = event, self.stage
-
-    def close(self) -> None:
-        """Return the staging buffers to the pool (their pending events go with them); idempotent.
-
-        It also lets go of the load: the load holds its stager, and a cycle between them would keep the load's
-        arena leases (shared with its LoadedTensors) until the cycle collector ran, so that a pooled reload
-        would allocate a new arena instead of reusing the one given back."""
-        stage, self.stage = self.stage, None
-        self.load = None
-        if stage is not None:
-            stage.release()
-
-
-_filler: concurrent.futures.ThreadPoolExecutor | None = None
-_filler_lock = threading.Lock()
-
-
-def _fill(dst: np.ndarray, src: np.ndarray) -> None:
-    """``np.copyto(dst, src)`` (flat uint8); a large copy is split over up to ``_FILL_THREADS`` threads (numpy
-    releases the GIL while it copies)."""
-    global _filler
-    n = src.nbytes
-    parts = min(_FILL_THREADS, n // _FILL_SPLIT)
-    if parts < 2:
-        np.copyto(dst, src)
-        return
-    with _filler_lock:
-        if _filler is None:
-            _filler = concurrent.futures.ThreadPoolExecutor(max_workers=_FILL_THREADS - 1,
-                                                            thread_name_prefix="fastckpt-stage-fill")
-    step = -(-n // parts)
-    futures = [_filler.submit(np.copyto, dst[lo:lo + step], src[lo:lo + step]) for lo in range(step, n, step)]
-    try:
-        np.copyto(dst[:step], src[:step])
-    finally:
-        concurrent.futures.wait(futures)  # never return while another thread still writes into dst
-    for future in futures:
-        future.result()

@@ -26,7 +26,10 @@ Staging buffers: for devices that do not share host memory a load copies
 through pinned host buffers (:class:`StagingBuffers`, leased with
 :meth:`PersistentBufferPool.staging`); the pool keeps the last sets returned
 (``STAGING_KEEP``), mapped, so the next load pins and maps nothing. They are
-host memory: ``max_bytes`` does not count them; ``stats.staging_bytes`` does.
+pinned host memory: ``max_bytes`` does not count them; ``stats.staging_bytes``
+does (idle and leased sets), and ``max_staging_bytes`` bounds it: a staged load
+through the pool sizes its set to fit (two buffers at least), and idle sets
+beyond the bound are let go.
 
 Files: a pool also keeps the last few files loaded through it open
 (:class:`OpenFiles`, revalidated with ``os.stat`` on every load), so a reload
@@ -68,7 +71,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "OpenFiles", "StagingBuffers", "size_class",
-           "arena_size", "STAGING_KEEP"]
+           "arena_size", "STAGING_KEEP", "MAX_STAGING_BYTES"]
 
 MIN_CLASS = 256
 # An idle buffer serves a single-buffer request up to this factor above its size class (borrowing from
@@ -77,6 +80,9 @@ _CLASS_SLACK = 1.25
 _ARENA_SLACK = 2.0
 # Idle sets of staging buffers a pool keeps (the smallest go first): one per thread loading at once is typical.
 STAGING_KEEP = 2
+# Pinned host memory a pool's staging buffers may hold by default (see max_staging_bytes): a 16-core host fills six
+# 64 MiB buffers at once (fastckpt.device.staging.staging_shape), 384 MiB, which this leaves room for twice.
+MAX_STAGING_BYTES = 1 << 30
 
 # OpenCL status codes meaning "no memory for this allocation" (possibly only for now).
 _OOM_CODES = {-4, -5, -6}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY
@@ -135,7 +141,8 @@ class PoolStats:
     ``max_bytes`` or after a failed allocation; ``bytes_held`` is what the pool
     owns now (``bytes_in_use`` + ``bytes_idle``). ``staging_allocations``
     counts pinned staging buffers ever allocated, ``staging_bytes`` the pinned
-    host memory the pool's staging buffers hold now (idle or leased).
+    host memory the pool's staging buffers hold now (idle or leased), which
+    ``max_staging_bytes`` bounds.
 
     >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
     >>> pool.allocate(1000).release(); pool.allocate(1000).hit
@@ -158,6 +165,7 @@ class PoolStats:
     max_bytes: int | None
     staging_allocations: int = 0
     staging_bytes: int = 0
+    max_staging_bytes: int | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -228,8 +236,13 @@ class PersistentBufferPool:
     ``context`` is the pyopencl context to allocate in (read-write buffers);
     ``allocator`` replaces that with any callable ``nbytes -> buffer`` (used to
     test the bookkeeping without a device; the pool keeps sizes itself, so the
-    buffer can be any object). ``max_bytes`` bounds the memory held (None: no
-    bound but the device's). ``max_alloc_size`` is the largest single
+    buffer can be any object). ``max_bytes`` bounds the device memory held:
+    arenas and single buffers, idle and in use, counted at their allocated
+    (size-class) size (None: no bound but the device's); it does not count
+    pinned host memory. ``max_staging_bytes`` bounds that: the pinned staging
+    buffers of staged loads (:class:`StagingBuffers`), idle and leased, counted
+    in ``stats.staging_bytes`` (default ``MAX_STAGING_BYTES``, 1 GiB; None: only
+    ``STAGING_KEEP`` idle sets). ``max_alloc_size`` is the largest single
     allocation (default: the device's ``max_mem_alloc_size``; None without a
     context); loads split regions larger than it. ``keep_files`` is how many
     files loaded through the pool stay open (mapped, index parsed) for the next
@@ -246,7 +259,7 @@ class PersistentBufferPool:
 
     def __init__(self, context, queue=None, *, max_bytes: int | None = None,
                  allocator: Callable[[int], Any] | None = None, max_alloc_size: int | None = None,
-                 keep_files: int = 4):
+                 keep_files: int = 4, max_staging_bytes: int | None = MAX_STAGING_BYTES):
         if context is None and allocator is None:
             raise ValueError("PersistentBufferPool needs a pyopencl context, or an allocator=callable(nbytes)")
         if max_bytes is not None and max_bytes < 0:
@@ -254,6 +267,9 @@ class PersistentBufferPool:
         self.context = context
         self.queue = queue
         self.max_bytes = max_bytes
+        if max_staging_bytes is not None and max_staging_bytes < 0:
+            raise ValueError(f"max_staging_bytes must be >= 0 or None, got {max_staging_bytes!r}")
+        self.max_staging_bytes = max_staging_bytes
         devices = list(context.devices) if context is not None else []
         if max_alloc_size is None and devices:
             max_alloc_size = min(int(d.max_mem_alloc_size) for d in devices)
@@ -413,7 +429,8 @@ class PersistentBufferPool:
             raise ValueError(f"staging buffers need a chunk and a count above 0, got chunk={chunk}, count={count}")
         self._acquire()
         try:
-            fits = [i for i, stage in enumerate(self._staging) if stage.count == count and stage.chunk >= chunk]
+            # A set of more buffers serves too: a load uses every buffer of its set.
+            fits = [i for i, stage in enumerate(self._staging) if stage.count >= count and stage.chunk >= chunk]
             if fits:
                 stage = self._staging.pop(min(fits, key=lambda i: self._staging[i].chunk))
                 stage.hit, stage._pool = True, self
@@ -434,8 +451,10 @@ class PersistentBufferPool:
         self._acquire()
         try:
             self._staging.append(stage)
-            while len(self._staging) > STAGING_KEEP:
-                smallest = min(range(len(self._staging)), key=lambda i: self._staging[i].chunk)
+            bound = self.max_staging_bytes
+            while self._staging and (len(self._staging) > STAGING_KEEP
+                                     or (bound is not None and self._staging_bytes > bound)):
+                smallest = min(range(len(self._staging)), key=lambda i: self._staging[i].nbytes)
                 self._staging_bytes -= self._staging.pop(smallest).nbytes  # freed once its pending copies are done
         finally:
             self._release_lock()
@@ -602,6 +621,7 @@ class PersistentBufferPool:
                 max_bytes=self.max_bytes,
                 staging_allocations=self._staging_allocations,
                 staging_bytes=self._staging_bytes,
+                max_staging_bytes=self.max_staging_bytes,
             )
         finally:
             self._release_lock()

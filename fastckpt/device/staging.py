@@ -1,0 +1,383 @@
+"""Staged copies: host bytes to device buffers through pinned staging buffers, the fill running ahead of the copies.
+
+A device that does not share host memory (a discrete GPU: ``host_unified_memory``
+is false) copies from pageable memory, such as a file mapping, at a fraction of
+its link's speed: the driver copies the bytes again into pinned memory of its
+own before its DMA engine can read them. A staged load fills pinned buffers
+(``ALLOC_HOST_PTR``, mapped once and kept by the pool between loads, see
+:class:`~fastckpt.device.pool.StagingBuffers`) itself and sends each full one
+with non-blocking ``enqueue_copy`` commands.
+
+The bytes to stage are one stream: the pieces :meth:`Stager.add` was given,
+back to back, cut into *batches* of one staging chunk. Batch ``k`` is filled
+into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
+
+- fills are queued up to ``buffers - 1`` batches ahead of the batch being sent,
+  each batch in parts of at least ``FILL_SPLIT`` bytes on ``threads`` threads
+  (numpy releases the GIL while it copies), so several batches fill at once;
+- a part waits only for the copies last sent from *its own* staging buffer
+  (their events; a previous load's too, for buffers from a pool), never for the
+  batch before it;
+- the calling thread sends batch ``k`` as soon as its parts are filled, in
+  order, and reports progress (tensor by tensor, once the copy carrying the
+  last byte of a tensor has completed, see ``load_file``'s ``progress``).
+
+How many threads and buffers (:func:`staging_shape`): threads from the cores
+this process may run on and the load's size (a part of ``FILL_SPLIT`` bytes at
+least each, ``MAX_FILL_THREADS`` at most); buffers enough to hold what the
+threads fill at once plus the two being copied, never more than the load needs
+nor more than the pool's ``max_staging_bytes`` allow.
+
+Where the load mapped the file itself (a path, not kept open by the pool), its
+bytes are read into the staging buffers with ``preadv`` on a descriptor of the
+same file (:meth:`Stager.file`: the path opened again, used only when ``fstat``
+shows the file the mapping was made of), not copied out of the new mapping,
+whose pages would each be faulted in; a mapping that was open before (a file
+the pool kept, a reader the caller passed) is copied from, its pages mapped by
+earlier loads. Measured on pocl with staging forced (256 MiB, 2 fill threads, a
+shared 2-core host, medians of 5-7 runs): from a cold page cache
+(``posix_fadvise(DONTNEED)`` before each run, a fresh mapping) ``preadv`` 169-288
+ms against 333-613 ms copying from the mapping in 4 MiB chunks and 7.9 s in 64
+MiB ones (pieces that large defeat the kernel's readahead); warm, fresh
+mapping, 86-107 ms against 99-134 ms; warm through a pool that keeps the file
+mapped, ``preadv`` 92-94 ms against 49-63 ms copying (on a quiet host; on a
+16-core H100 host, too, copies from a mapping beat ``preadv`` warm, 52 GB/s
+against 38 on 12 threads, ``../shared/reference/gpu-notes.md``). Choosing per
+part by asking the page cache (``mincore``) measured no better and was
+dropped. ``READ`` = ``"preadv"`` or ``"mmap"`` takes one route for every load.
+A short read (a file truncated under the load) is an ``OSError`` naming the
+file and offset.
+
+The bytes are the same as an unstaged copy's; only the route differs.
+
+>>> staging_shape(4 << 30, STAGING_CHUNK, cpus=16)        # 4 GiB on 16 cores
+Shape(chunk=67108864, buffers=6, threads=16)
+>>> staging_shape(3 << 20, 3 << 20, cpus=16)              # a small load: one buffer, the caller's thread
+Shape(chunk=3145728, buffers=1, threads=1)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from fastckpt.device.context import shares_host_memory
+from fastckpt.device.pool import StagingBuffers
+
+__all__ = ["Stager", "Shape", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND", "MIN_BATCHES",
+           "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
+
+# The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
+# STAGING_ROUND bytes (pinning costs per byte).
+STAGING_CHUNK = 64 * 1024 * 1024
+STAGING_ROUND = 1024 * 1024
+# A load of up to MIN_BATCHES chunks goes in MIN_BATCHES smaller ones (STAGING_ROUND bytes at least): in one batch the
+# copy to the device could only start once the whole fill had ended.
+MIN_BATCHES = 4
+
+# One fill task copies at least this many bytes (a smaller one costs more in hand-over than the copy gains), and a
+# staging chunk is filled in parts of PART_OF_CHUNK of it, so that several threads share one buffer.
+FILL_SPLIT = 8 * 1024 * 1024
+PART_OF_CHUNK = 4
+# Host fill rates into pinned memory on a 16-core host (4 GiB from the page cache): 9.9 GB/s on one thread, 27 on 4,
+# 40 on 8, 52 on 12 (gpu-notes): a PCIe 5 x16 link (~55 GB/s) needs a dozen or more.
+MAX_FILL_THREADS = 16
+# How the bytes of a mapped file reach the staging buffers: "auto" (read from the file where the load made the
+# mapping, Stager.fresh; copied out of a mapping that was open before, a pool's kept file or a caller's), "preadv"
+# (always read) or "mmap" (always copied). See the module docstring for the measurements.
+READ = "auto"
+
+
+class Shape(NamedTuple):
+    """How one staged load runs: ``buffers`` pinned buffers of ``chunk`` bytes, filled by ``threads`` threads."""
+
+    chunk: int
+    buffers: int
+    threads: int
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def staging_shape(total: int, chunk: int, cpus: int | None = None, max_bytes: int | None = None) -> Shape:
+    """The :class:`Shape` of a staged load of ``total`` bytes with chunks of ``chunk`` bytes on ``cpus`` cores
+    (default: those this process may run on), using at most ``max_bytes`` of pinned memory (two buffers at least).
+
+    >>> staging_shape(256 << 20, 64 << 20, cpus=2)
+    Shape(chunk=67108864, buffers=3, threads=2)
+    >>> staging_shape(4 << 30, 64 << 20, cpus=16, max_bytes=128 << 20)
+    Shape(chunk=67108864, buffers=2, threads=16)
+    """
+    cpus = _cpus() if cpus is None else max(1, int(cpus))
+    batches = max(1, -(-total // chunk))
+    part = max(FILL_SPLIT, chunk // PART_OF_CHUNK)
+    threads = max(1, min(cpus, MAX_FILL_THREADS, total // FILL_SPLIT))
+    # What the threads fill at once (whole buffers), plus one being copied and one ready to go.
+    buffers = -(-threads * min(part, chunk) // chunk) + 2
+    if max_bytes is not None:
+        buffers = min(buffers, max(2, max_bytes // chunk))
+    return Shape(chunk, max(1, min(buffers, batches)), threads)
+
+
+def staging_chunk(staging, device) -> int:
+    """The staging chunk in bytes that ``load_file``'s ``staging`` asks for on ``device``; 0 for none.
+
+    >>> from types import SimpleNamespace
+    >>> staging_chunk(None, SimpleNamespace(host_unified_memory=False)) == STAGING_CHUNK
+    True
+    >>> staging_chunk(None, SimpleNamespace(host_unified_memory=True)), staging_chunk(5000, None)
+    (0, 5000)
+    """
+    if staging is None:
+        return 0 if shares_host_memory(device) else STAGING_CHUNK
+    if isinstance(staging, bool):
+        return STAGING_CHUNK if staging else 0
+    if isinstance(staging, int) and staging > 0:
+        return staging
+    raise ValueError(f"staging must be None (stage where the device does not share host memory), True, False or a "
+                     f"chunk size in bytes above 0, got {staging!r}")
+
+
+_executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_executors_lock = threading.Lock()
+
+
+def _fillers(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's ``threads`` fill threads (one pool per count, kept: loads on other threads may be using a pool
+    while another count is asked for, so none is ever shut down; a pool starts its threads as work arrives)."""
+    with _executors_lock:
+        executor = _executors.get(threads)
+        if executor is None:
+            executor = _executors[threads] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix="fastckpt-stage-fill")
+        return executor
+
+
+def _wait_events(events) -> None:
+    import pyopencl as cl
+
+    cl.wait_for_events(events)  # releases the GIL while it waits
+
+
+def fill(pending, pairs) -> None:
+    """Wait for ``pending`` (the copies last sent from the staging buffer about to be overwritten), then fill each
+    ``(destination, source, file)`` of flat uint8 arrays: read from ``file`` (``(descriptor, offset, path)``) where
+    there is one, else copied from ``source``. One fill task; runs on a fill thread or the caller's."""
+    if pending:
+        _wait_events(pending)
+    for dst, src, file in pairs:
+        if file is None:
+            np.copyto(dst, src)
+        else:
+            _read_into(dst, *file)
+
+
+def _read_into(dst: np.ndarray, fd: int, offset: int, path: str) -> None:
+    """Fill ``dst`` with the file's bytes at ``offset`` (``preadv``, retried after a short read)."""
+    view = memoryview(dst)
+    done, n = 0, len(dst)
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OSError(f"{path}: the file ended at byte {offset + done} while {n - done} more bytes of tensor "
+                          f"data were read from there (was it truncated during the load?)")
+        done += got
+
+
+class Stager:
+    """The staged copies of one load (see the module docstring).
+
+    ``add`` only records what goes where; ``finish`` fills and sends everything; ``close`` returns the staging
+    buffers (with the events of copies that may still read them) to the pool, or drops buffers made for this load.
+    ``reported(event, nbytes, name)`` is called, on the caller's thread and in order, for each tensor named in
+    ``add``'s ``marks``, with the event of the copy that carries its last byte.
+    """
+
+    __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "batches", "current", "used",
+                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh")
+
+    def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
+                 reported: Callable | None = None):
+        self.queue = queue
+        self.pool = pool
+        self.shape = shape
+        if pool is not None:
+            self.stage = pool.staging(queue, shape.chunk, shape.buffers)
+        else:
+            self.stage = StagingBuffers.allocate(queue, shape.chunk, shape.buffers)
+        self.events = events  # the load's list: every copy is recorded there at once
+        self.blocking = blocking
+        self.reported = reported
+        # full batches: [(source, device buffer, its offset, offset in the chunk, (descriptor, offset, path) or None)]
+        self.batches: list = []
+        self.current: list = []
+        self.used = 0  # bytes in the current batch
+        self.stream = 0  # bytes added so far
+        self.marks: list = []  # (stream position of a tensor's last byte + 1, bytes, name), for progress
+        self.copies = 0
+        self.regions: list = []  # arena regions of a non-blocking load, given the final event by finish()
+        self.tensors: list = []  # tensors of a non-blocking load, likewise
+        self.files: dict = {}  # id(mapping) -> (descriptor or None, the mapping), see file()
+        self.fresh = False  # the load made its mappings (see READ)
+
+    @property
+    def chunk(self) -> int:
+        return self.shape.chunk
+
+    def file(self, mapped):
+        """A descriptor of the file ``mapped`` (a :class:`~fastckpt._native.mapped.MappedFile`) maps, to read its
+        bytes with ``preadv``: its path opened again, kept for this load; None where that is not the same file
+        (``fstat`` differs from the mapping's ``identity``), cannot be opened, or ``READ`` says to copy from the
+        mapping."""
+        if READ == "mmap" or (READ == "auto" and not self.fresh):
+            return None
+        entry = self.files.get(id(mapped))
+        if entry is None:
+            fd = None
+            identity = getattr(mapped, "identity", None)
+            if identity is not None:
+                try:
+                    fd = os.open(mapped.path, os.O_RDONLY | os.O_CLOEXEC)
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(identity):
+                        os.close(fd)
+                        fd = None
+                except (OSError, TypeError, ValueError):
+                    fd = None
+            entry = self.files[id(mapped)] = (fd, mapped)  # the mapping kept: its id stays its own
+        return entry[0]
+
+    def add(self, source: np.ndarray, buffer, at: int, marks=(), file=None) -> None:
+        """Stage the bytes ``source`` (flat uint8) for ``buffer`` at byte ``at``. ``marks`` are ``(end, bytes,
+        name)`` for progress: the tensor ``name`` (``bytes`` in device memory) ends at ``source[end - 1]``.
+        ``file`` is ``(descriptor, offset, path)`` where the same bytes are in a file (see :meth:`file`): they
+        are read from there."""
+        base = self.stream
+        n = len(source)
+        pos = 0
+        chunk = self.shape.chunk
+        while pos < n:
+            if self.used == chunk:
+                self.batches.append(self.current)
+                self.current, self.used = [], 0
+            take = min(chunk - self.used, n - pos)
+            where = None if file is None else (file[0], file[1] + pos, file[2])
+            self.current.append((source[pos:pos + take], buffer, at + pos, self.used, where))
+            self.used += take
+            pos += take
+        self.stream += n
+        if self.reported is not None:
+            self.marks.extend((base + end, nbytes, name) for end, nbytes, name in marks)
+
+    def _parts(self, batch: list, host: np.ndarray) -> list:
+        """The batch's copies into ``host`` as fill tasks: lists of ``(destination, source, file)`` (see :func:`fill`)
+        of about one part each."""
+        part = max(FILL_SPLIT, self.shape.chunk // PART_OF_CHUNK)
+        tasks, task, size = [], [], 0
+        for source, _buffer, _at, offset, file in batch:
+            n, lo = len(source), 0
+            while lo < n:
+                take = min(part - size, n - lo)
+                task.append((host[offset + lo:offset + lo + take], source[lo:lo + take],
+                             None if file is None else (file[0], file[1] + lo, file[2])))
+                size += take
+                lo += take
+                if size == part:
+                    tasks.append(task)
+                    task, size = [], 0
+        if task:
+            tasks.append(task)
+        return tasks
+
+    def finish(self) -> None:
+        """Fill and send every batch (see the module docstring); a non-blocking load's staged tensors and regions
+        then get one event covering all their copies (a marker: it completes when every command queued before it
+        has)."""
+        if self.current:
+            self.batches.append(self.current)
+            self.current, self.used = [], 0
+        batches, self.batches = self.batches, []
+        stage = self.stage
+        count = stage.count
+        pool = None
+        if self.shape.threads > 1 and self.stream >= 2 * FILL_SPLIT:
+            pool = _fillers(self.shape.threads)
+        running: dict = {}  # batch number -> its fill futures
+        submitted = 0
+        mark = 0
+        try:
+            for k, batch in enumerate(batches):
+                while submitted < len(batches) and submitted < k + count:
+                    slot = submitted % count
+                    pending, stage.pending[slot] = stage.pending[slot], None
+                    tasks = self._parts(batches[submitted], stage.hosts[slot])
+                    if pool is None:
+                        for task in tasks:
+                            fill(pending, task)
+                            pending = None
+                        running[submitted] = ()
+                    else:
+                        running[submitted] = [pool.submit(fill, pending, task) for task in tasks]
+                    submitted += 1
+                futures = running.pop(k)
+                concurrent.futures.wait(futures)
+                for future in futures:
+                    future.result()
+                last = self._send(k % count, batch)
+                if self.marks:
+                    end = sum(len(p[0]) for p in batch) + (k * self.shape.chunk)
+                    while mark < len(self.marks) and self.marks[mark][0] <= end:
+                        _end, nbytes, name = self.marks[mark]
+                        self.reported(last, nbytes, name)
+                        mark += 1
+        finally:
+            # Never return while a fill thread still writes into a staging buffer.
+            for futures in running.values():
+                concurrent.futures.wait(futures)
+        if not self.blocking and (self.regions or self.tensors):
+            import pyopencl as cl
+
+            event = cl.enqueue_marker(self.queue)
+            for region in self.regions:
+                region[3], region[4] = event, stage
+            for t in self.tensors:
+                t._event, t._keepalive = event, stage
+
+    def _send(self, slot: int, batch: list):
+        """Copy a filled batch from staging buffer ``slot`` to its device buffers (non-blocking); the event of its
+        last copy, or of a marker after all of them where a tensor's bytes span several (progress)."""
+        import pyopencl as cl
+
+        host = self.stage.hosts[slot]
+        events = []
+        for source, buffer, at, offset, _file in batch:
+            # SAFETY: the copy reads pinned memory after enqueue_copy returns; pyopencl's NannyEvent keeps the array
+            # (and so the mapped buffer) alive, and no fill writes there before it has waited for this event.
+            event = cl.enqueue_copy(self.queue, buffer, host[offset:offset + len(source)], dst_offset=at,
+                                    is_blocking=False)
+            events.append(event)
+            self.events.append(event)
+        self.stage.pending[slot] = events
+        self.copies += len(events)
+        if self.marks and len(events) > 1:
+            return cl.enqueue_marker(self.queue, wait_for=events)
+        return events[-1]
+
+    def close(self) -> None:
+        """Return the staging buffers to the pool (their pending events go with them); idempotent."""
+        stage, self.stage = self.stage, None
+        self.reported = None  # the load's bound method: no cycle through the load once it is done
+        files, self.files = self.files, {}
+        for fd, _mapped in files.values():
+            if fd is not None:
+                os.close(fd)  # every fill has finished: finish() waits for them, also on an error
+        if stage is not None:
+            stage.release()
