@@ -420,7 +420,7 @@ def test_a_file_changed_between_open_and_keep_is_never_kept(tmp_path, change):
     fastckpt.save_safetensors(path, {"x": np.zeros(4, np.int32)}, fsync=False)
     tf = fastckpt.open(path)
     if change == "replace":  # same size, new inode
-        fastckpt.save_safetensors(path, {"x": np.ones(4, np.int32)}, fsync=False)
+        fastckpt.save_safetensors(path, {"x": np.ones(4, np.int32)}, fsync=False, overwrite=True)
     else:
         st = os.stat(path)
         with open(path, "r+b") as f:
