@@ -16,7 +16,8 @@ scalars and non-string keys, so that a change to a shared codec shows here.
 
 Files of earlier format versions are kept: ``train-schema-1.0`` holds
 training checkpoints with sha256 manifests, which the tests below load and
-verify; ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
+verify; ``sharded-0.2.0`` the sharded checkpoints of format versions 1 and 2
+(no checksum of the manifest), which load and verify with what they carry; ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
 payload on a page, the default before the ``"auto"`` alignment policy),
 still written byte for byte by ``alignment=4096`` and read back below.
 
@@ -530,15 +531,16 @@ def test_golden_tf_checkpoints_read_back():
         assert r.object_graph() is not None
 
 
+@pytest.mark.parametrize("folder", ["sharded", "sharded-0.2.0"])
 @pytest.mark.parametrize("checkpoint", ["full", "delta"])
-def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(checkpoint):
+def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(folder, checkpoint):
     from fastckpt.sharded import HashTable, Loader
 
     saved = [_sharded_tables(0), _sharded_tables(1)]
     if checkpoint == "delta":
         _change_sharded(saved)
     for shards in (1, 3):
-        got = [Loader(str(GOLDEN / "sharded" / checkpoint), shard_index=r, shard_num=shards).load()
+        got = [Loader(str(GOLDEN / folder / checkpoint), shard_index=r, shard_num=shards).load()
                for r in range(shards)]
         for name in ("emb", "small"):
             merged = HashTable(saved[0][name].dim, saved[0][name].dtype, slots=saved[0][name].slots)
@@ -553,12 +555,13 @@ def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(checkpoint):
                 assert tensors[name].dtype == value.dtype and tensors[name].tobytes() == value.tobytes()
 
 
-def test_golden_quantized_sharded_checkpoint_loads_within_its_bound():
+@pytest.mark.parametrize("folder", ["sharded", "sharded-0.2.0"])
+def test_golden_quantized_sharded_checkpoint_loads_within_its_bound(folder):
     from fastckpt.sharded import CheckpointReader, Loader
 
     saved = [_sharded_tables(0), _sharded_tables(1)]
     _change_sharded(saved)
-    path = GOLDEN / "sharded" / "quantized"
+    path = GOLDEN / folder / "quantized"
     bound = CheckpointReader(path).manifest["hashtables"]["emb"]["encoding"]["max_abs_error"]
     loader = Loader(str(path), allow_lossy=True)
     tables, _ = loader.load()
@@ -568,3 +571,25 @@ def test_golden_quantized_sharded_checkpoint_loads_within_its_bound():
         for got, want in ((tables["emb"].lookup(ids), part["emb"].lookup(ids)),
                           *((tables["emb"].lookup_slot(s, ids), part["emb"].lookup_slot(s, ids)) for s in ("m", "v"))):
             assert np.abs(got - want).max() <= bound
+
+
+@pytest.mark.parametrize("checkpoint, version", [("full", 1), ("delta", 2), ("quantized", 2)])
+def test_sharded_checkpoints_of_0_2_0_verify_with_what_they_carry(checkpoint, version):
+    """Format versions 1 and 2 carry no checksum of the manifest: their files are verified, and the reader and
+    ``fastckpt verify`` say what could not be checked."""
+    import io
+    from argparse import Namespace
+
+    from fastckpt.cli.verify import run
+    from fastckpt.sharded import CheckpointReader
+
+    path = GOLDEN / "sharded-0.2.0" / checkpoint
+    with CheckpointReader(path) as r:
+        assert r.manifest["format_version"] == version and r.verify() == []
+        assert r.unchecked == [f"manifest.json: format version {version} carries no checksum of its own (version 3 "
+                               "does); its values were checked against the other files only"]
+    with CheckpointReader(GOLDEN / "sharded" / checkpoint) as r:
+        assert r.manifest["format_version"] == 3 and r.unchecked == [] and "checksum" in r.manifest
+    out = io.StringIO()
+    assert run(Namespace(directory=str(path), no_hash=False, quiet=False), out) == 0
+    assert "not checked: manifest.json: format version" in out.getvalue()

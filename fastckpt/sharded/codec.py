@@ -40,6 +40,7 @@ import cramjam
 import numpy as np
 
 from fastckpt.errors import FormatError
+from fastckpt.sharded.format import dtype_of
 
 __all__ = ["CODECS", "QUANTIZE", "encode_ids", "encode_values", "decode", "check_options"]
 
@@ -138,9 +139,7 @@ def decode(stored: np.ndarray, encoding: dict, where: str = "encoded tensor") ->
     if transform == "delta":
         _expect(len(shape) == 1 and nbytes == 8 * shape[0], where, f"delta ids of shape {shape} in {nbytes} bytes")
         return np.cumsum(raw.view("<u8"), dtype=np.uint64).view(np.int64)  # wraps back to the ids
-    from fastckpt.sharded.reader import _dtype
-
-    dtype = _dtype(encoding.get("dtype", ""), where)
+    dtype = dtype_of(encoding.get("dtype", ""), where)
     _expect(len(shape) == 2, where, f"rows of shape {shape}: expected (rows, dim)")
     n, dim = shape
     if transform is None:

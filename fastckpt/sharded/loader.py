@@ -40,13 +40,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fastckpt.errors import FormatError
+from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
-from fastckpt.sharded.chain import manifest_digest, resolve_chain
+from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import rows_of
 from fastckpt.sharded.hashtable import HashTable
-from fastckpt.sharded.reader import CheckpointReader
+from fastckpt.sharded.reader import CheckpointChangedError, CheckpointReader
 
 __all__ = ["Loader", "owner_mod"]
 
@@ -90,6 +90,18 @@ def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
     return total
 
 
+def _check_one_commit(readers: list[CheckpointReader], chain: list[tuple[str, dict]]) -> None:
+    """The readers opened the manifests the chain was resolved on, and each delta's base is the reader before it."""
+    for i, (reader, (path, manifest)) in enumerate(zip(readers, chain)):
+        if reader.manifest != manifest:
+            raise CheckpointChangedError(f"{path}: its manifest.json changed between resolving the chain and opening "
+                                         "it (replaced by another save meanwhile): load again")
+        if i and reader.manifest["base"]["manifest_blake3"] != readers[i - 1].manifest_blake3:
+            raise CheckpointChangedError(f"{path}: its base {readers[i - 1].path} was replaced while the chain was "
+                                         "opened (its manifest.json is not the one the delta was saved on): load "
+                                         "again")
+
+
 def owner_mod(ids: np.ndarray, shard_num: int) -> np.ndarray:
     """The default owner rule: ``id mod shard_num`` (numpy's ``%``: non-negative for negative ids).
 
@@ -113,14 +125,18 @@ class Loader:
     (``True`` for a bar, or ``callback(done, total, item)``:
     :mod:`fastckpt.progress`) counts the stored bytes of each tensor and table
     loaded (over the whole chain, whichever rows this rank keeps), each counted
-    when it is filled.
+    when it is filled. ``verify=True`` (the default) checks every tensor file
+    the load reads, of every checkpoint of the chain, against its manifest's
+    BLAKE3 hash while the load reads it (:meth:`load`); ``verify=False`` skips
+    that (the metadata files, sizes and cross-checks are checked either way).
     """
 
     def __init__(self, checkpoint_path: str, hashtables: dict | None = None, tensors: dict | None = None,
                  parallel: int = 16, filter_func: Callable[[dict], dict] = lambda info: info, *,
                  shard_index: int = 0, shard_num: int = 1,
                  owner: Callable[[np.ndarray, int], np.ndarray] = owner_mod, dense: str = "replicated",
-                 allow_lossy: bool = False, progress=False, storage_options: dict | None = None):
+                 allow_lossy: bool = False, progress=False, storage_options: dict | None = None,
+                 verify: bool = True):
         if type(shard_num) is not int or shard_num < 1 or type(shard_index) is not int \
                 or not 0 <= shard_index < shard_num:
             raise ValueError(f"shard_index {shard_index!r} of shard_num {shard_num!r}: need 0 <= index < num")
@@ -135,6 +151,7 @@ class Loader:
         self.parallel, self.filter_func = parallel, filter_func
         self.shard_index, self.shard_num, self.owner, self.dense = shard_index, shard_num, owner, dense
         self.allow_lossy = allow_lossy
+        self.verify = bool(verify)
         self.progress = progress
         self.error_bounds: dict[str, float] = {}  # table -> largest absolute error of a lossy load
 
@@ -203,8 +220,10 @@ class Loader:
         started = time.perf_counter()
         chain = resolve_chain(self.checkpoint_path)
         self._check_lossy(chain)
+        results: dict[str, Any] = {}
         with contextlib.ExitStack() as stack:
-            readers = [stack.enter_context(CheckpointReader(path)) for path, _ in chain]
+            readers = [stack.enter_context(CheckpointReader(path, verify=False)) for path, _ in chain]
+            _check_one_commit(readers, chain)
             head = readers[-1]
             info = self.filter_func(self.load_info(head))
             jobs = [(name, _stored_nbytes([head], name), self._load_dense, head, name, entry)
@@ -216,21 +235,75 @@ class Loader:
                              self._load_table, readers, name, entry))
             nbytes = sum(job[1] for job in jobs)
             report = stack.enter_context(progress_from(self.progress, nbytes, f"load rank {self.shard_index}"))
+            # The files are hashed in the background, one at a time on every core (BLAKE3), while the jobs read.
+            hashing = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1, "fastckpt-verify"))
+            checks = [(reader, hashing.submit(reader.file_problem, name))
+                      for reader, name in (self._files_read(readers, info) if self.verify else ())]
 
             def run(item: str, stored: int, fill, *args) -> None:
-                fill(*args)
+                results[item] = fill(*args)
                 report.advance(stored, item)
 
+            error = None
             with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(jobs)))) as pool:
                 for future in [pool.submit(run, *job) for job in jobs]:
-                    future.result()
-        token = (chain[-1][0], manifest_digest(chain[-1][0]))
+                    try:
+                        future.result()
+                    except Exception as exc:  # noqa: BLE001 - a damaged file's own error comes first, below
+                        error = error or exc
+            problems = [(reader, p) for reader, p in ((r, c.result()) for r, c in checks) if p]
+            if problems:
+                reader, first = problems[0]
+                raise ChecksumMismatchError(f"{reader.path}: {first}" + (f" (and {len(problems) - 1} more files)"
+                                                                         if len(problems) > 1 else ""))
+            if error is not None:
+                raise error
+        # Every check passed: only now do the caller's arrays and tables change.
+        for name in info.get("tensors", {}):
+            out, target = results[name], self.tensors.get(name)
+            if isinstance(target, np.ndarray) and target.shape == out.shape and target.dtype == out.dtype \
+                    and target.flags.writeable:
+                target[...] = out
+            else:
+                self.tensors[name] = out
+        token = (chain[-1][0], readers[-1].manifest_blake3)
         for name in info.get("hashtables", {}):
+            table, given = results[name], self.hashtables.get(name)
+            if given is None:
+                self.hashtables[name] = table
+            else:
+                given._take_contents(table)
             self.hashtables[name].mark_clean(token)
         _log.info("loaded %s (rank %d of %d, %d checkpoints in the chain): %d tensors, %d hashtables, %d stored "
-                  "bytes in %.3f s", self.checkpoint_path, self.shard_index, self.shard_num, len(chain),
-                  len(info.get("tensors", {})), len(info.get("hashtables", {})), nbytes, time.perf_counter() - started)
+                  "bytes in %.3f s%s", self.checkpoint_path, self.shard_index, self.shard_num, len(chain),
+                  len(info.get("tensors", {})), len(info.get("hashtables", {})), nbytes, time.perf_counter() - started,
+                  "" if self.verify else ", hashes not checked")
         return self.hashtables, self.tensors
+
+    def _files_read(self, readers: list[CheckpointReader], info: dict) -> list[tuple[CheckpointReader, str]]:
+        """``[(reader, tensor file)]``: every file of the chain holding a part this load reads, in reading order."""
+        keys: list[tuple[CheckpointReader, str]] = []
+        head = readers[-1]
+        for name, entry in info.get("tensors", {}).items():
+            start, end = entry["rows"]
+            for key in head.part_names(name):
+                d = head.descriptions[key]
+                rows = d["shape"][0] if d["shape"] else 0
+                if not d["shape"] or (start < d["row_start"] + rows and d["row_start"] < end):
+                    keys.append((head, key))
+        for name, entry in info.get("hashtables", {}).items():
+            given = self.hashtables.get(name)
+            for reader in readers:
+                for part in ("id", "embedding", "deleted", *getattr(given, "slots", entry["slots"])):
+                    try:
+                        keys += [(reader, key) for key in reader.part_names(f"{name}.{part}")]
+                    except KeyError:
+                        continue
+        out: dict[tuple[int, str], tuple[CheckpointReader, str]] = {}
+        for reader, key in keys:
+            name = reader.file_of(key).path.rsplit(os.sep, 1)[-1]
+            out.setdefault((id(reader), name), (reader, name))
+        return list(out.values())
 
     def _load_dense(self, reader: CheckpointReader, name: str, entry: dict) -> None:
         start, end = entry["rows"]
@@ -249,12 +322,7 @@ class Loader:
                     _read_part(reader, key, out[lo - start:hi - start])
                 elif lo < hi:
                     out[lo - start:hi - start] = reader.host(key)[lo - p_start:hi - p_start]
-        target = self.tensors.get(name)
-        if isinstance(target, np.ndarray) and target.shape == out.shape and target.dtype == out.dtype \
-                and target.flags.writeable:
-            target[...] = out
-        else:
-            self.tensors[name] = out
+        return out
 
     def _owned(self, reader: CheckpointReader, tensor: str) -> list[tuple[np.ndarray, str, np.ndarray]]:
         """``[(ids, part suffix, positions this rank owns)]`` for each non-empty part of ``tensor`` (int64 ids)."""
@@ -271,16 +339,16 @@ class Loader:
                 out.append((ids, key[len(tensor):], mine))
         return out
 
-    def _load_table(self, readers: list[CheckpointReader], name: str, entry: dict) -> None:
-        """The table as of the chain's head: its full base, then every delta in order."""
+    def _load_table(self, readers: list[CheckpointReader], name: str, entry: dict) -> HashTable:
+        """The table as of the chain's head (a new table): its full base, then every delta in order."""
         written = sum(r.hashtables().get(name, {}).get("written", 0) for r in readers[1:])
-        self._load_full_table(readers[0], name, entry, headroom=written)
+        table = self._load_full_table(readers[0], name, entry, headroom=written)
         for reader in readers[1:]:
-            self._apply_delta(reader, name)
+            self._apply_delta(reader, name, table)
+        return table
 
-    def _apply_delta(self, reader: CheckpointReader, name: str) -> None:
+    def _apply_delta(self, reader: CheckpointReader, name: str, table: HashTable) -> None:
         """Remove the ids the delta deleted, then upsert the rows it wrote (those this rank owns)."""
-        table = self.hashtables[name]
         if name not in reader.hashtables():
             raise FormatError(f"{reader.path}: this delta of the chain holds no hashtable {name!r}, which its head "
                               f"{self.checkpoint_path} does; the chain is inconsistent")
@@ -301,17 +369,17 @@ class Loader:
         left as spare capacity, so that applying the deltas does not copy the whole table to grow it.
         """
         slots = list(entry["slots"])
-        table = self.hashtables.get(name)
-        if table is None:
-            table = self.hashtables[name] = HashTable(entry["dim"], dtype=reader.tensor_dtype(f"{name}.embedding"),
-                                                      slots=slots, name=name)
-        if table.dim != entry["dim"] or np.dtype(table.dtype).name != entry["dtype"]:
-            raise ValueError(f"{reader.path}: hashtable {name!r} is dim {entry['dim']} {entry['dtype']} in the "
-                             f"checkpoint, the table given is dim {table.dim} {np.dtype(table.dtype).name}")
-        missing = sorted(set(table.slots) - set(slots))
-        if missing:
-            raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
-                             f"(it has {slots})")
+        given = self.hashtables.get(name)
+        if given is not None:
+            if given.dim != entry["dim"] or np.dtype(given.dtype).name != entry["dtype"]:
+                raise ValueError(f"{reader.path}: hashtable {name!r} is dim {entry['dim']} {entry['dtype']} in the "
+                                 f"checkpoint, the table given is dim {given.dim} {np.dtype(given.dtype).name}")
+            missing = sorted(set(given.slots) - set(slots))
+            if missing:
+                raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
+                                 f"(it has {slots})")
+        table = HashTable(entry["dim"], dtype=reader.tensor_dtype(f"{name}.embedding"),
+                          slots=slots if given is None else given.slots, name=name)
         # First the ids of every part and which of them this rank owns; then one gather of those rows from each
         # part's mapped views straight into arrays of the final size (no concatenation), which the table adopts
         # as its storage (no copy).
@@ -347,3 +415,4 @@ class Loader:
             raise FormatError(f"{reader.path}: hashtable {name!r}: {what} across its id parts "
                               f"{reader.part_names(f'{name}.id')} (each id must be saved by one rank only)"
                               ) from None
+        return table
