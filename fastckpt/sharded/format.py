@@ -424,6 +424,7 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
             f"block_index, {TENSORKEY_FILE} and {DESCRIPTION_FILE} must name the same stored keys "
             f"(differences: {sorted(set(block_index) ^ set(descriptions) ^ set(tensorkey))[:4]})")
     for key, number in block_index.items():
+        _expect(isinstance(tensorkey[key], str), twhere, f"[{key!r}] must be the tensor's name, got {tensorkey[key]!r}")
         _expect(type(number) is int and number in by_number, iwhere,
                 f"block_index[{key!r}] is {number!r}, not a file number of file_index")
         _check_description(key, descriptions[key], tensorkey[key], dwhere, version)
