@@ -12,7 +12,8 @@ import pytest
 
 from fastckpt.errors import FormatError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver
-from fastckpt.sharded.chain import BrokenChainError, compact, manifest_digest, prune, resolve_chain
+from fastckpt.sharded.chain import BrokenChainError, manifest_digest, prune, resolve_chain
+from fastckpt.sharded.reshard import compact
 from fastckpt.sharded.engine import ThreadEngine
 from fastckpt.sharded.loader import owner_mod
 from fastckpt.sharded.saver import DeltaPolicy
