@@ -4,13 +4,14 @@ A checkpoint saved by ``world_size`` ranks, each writing ``parallel`` files,
 is one directory. Every JSON file below is UTF-8, ``json.dumps(obj, indent=1,
 sort_keys=True, ensure_ascii=False)`` followed by one newline.
 
-Sharded checkpoint format, versions 1 and 2
-===========================================
+Sharded checkpoint format, versions 1 to 3
+==========================================
 
 Version 1 is the full checkpoint described first; version 2 adds delta
-checkpoints and encoded tables (below). A full checkpoint without encoding is
-still written as version 1, byte for byte, so every reader of version 1 reads
-it; only a delta or an encoded checkpoint says version 2.
+checkpoints and encoded tables (below); version 3 adds the manifest's own
+checksum (``checksum``, below). Every save writes version 3, full or delta,
+encoded or not. fastckpt 0.2.0 wrote version 1 for a full checkpoint and 2
+for a delta or an encoded one; readers read all three.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -57,11 +58,17 @@ Tensor files
     ``"slot"`` with ``slot`` naming it, or in a delta ``"deleted"``).
 
 ``manifest.json`` (written last: its presence is the commit)
-    ``{"format": "fastckpt.sharded", "format_version": 1, "world_size": n,
+    ``{"format": "fastckpt.sharded", "format_version": 3, "world_size": n,
     "parallel": p, "files": {file name: {"size": bytes, "blake3": hex}},
     "tensors": {name: {"dtype", "shape"}}, "hashtables": {T: {"dim", "dtype",
-    "slots", "ids"}}}``. ``files`` lists every other file of the directory
-    (the tensor files and the three JSON files above).
+    "slots", "ids"}}, "checksum": {"blake3": hex}}``. ``files`` lists every
+    other file of the directory (the tensor files and the three JSON files
+    above): ``world_size * parallel + 3`` entries. ``checksum`` (version 3)
+    is the BLAKE3 of the bytes the manifest would have without it (the
+    layout above applied to the manifest less ``checksum``); with ``files``
+    recording every other file's size and hash, it covers the checkpoint's
+    metadata and, through the hashes, every byte. A manifest of version 1 or
+    2 has no ``checksum``.
 
 Writing
     Every rank writes its files into one staging directory
@@ -75,15 +82,39 @@ Writing
     parent once its process is gone.
 
 Reading
-    Readers check the manifest (format, version), that every file it lists
-    exists with its size (and, on request, its BLAKE3 hash: 32 bytes, 64 hex
-    digits, of the whole file), and that the three
-    JSON files agree with each other.
+    Readers open the checkpoint's directory once and every file relative to
+    it, so that all of them come from one commit: a tensor file that is not
+    the one of that directory (the checkpoint replaced or removed meanwhile)
+    or not of the size the manifest lists is an error saying the checkpoint
+    changed while it was opened. Before any byte of a tensor is placed they
+    check:
+
+    * the manifest: format, version, its ``checksum`` (version 3), every
+      value of the type given above, ``world_size * parallel + 3`` entries in
+      ``files`` (so that absurd counts fail before any name is made), each
+      named as a file of this checkpoint;
+    * the three JSON files: size and BLAKE3 (32 bytes, 64 hex digits, of the
+      whole file) against the manifest, then against each other;
+    * the descriptions against the manifest: the parts ``part_0_n`` ..
+      ``part_(n-1)_n`` of each dense tensor store its rows in rank order,
+      each row exactly once, with its ``global_shape`` and ``dtype``; each
+      table of ``hashtables``, and no other, has its id, embedding, slot (and
+      in a delta deleted) tensors in every part: ``[k]`` int64 ids, ``[k,
+      dim]`` rows of its dtype, ``[d]`` int64 deleted ids, and the parts'
+      counts add up to ``ids`` (in a delta to ``written`` and ``deleted``);
+    * each tensor file's safetensors header against the descriptions (the
+      keys the index places in it, their shapes and dtypes).
+
+    Loads then check every tensor file they read against its BLAKE3 (unless
+    asked not to); a reader of single tensors checks a file the first time
+    it reads a part of it. In versions 1 and 2 nothing checks the manifest's
+    own bytes: everything else is checked, and ``fastckpt verify`` says so.
 
 Delta checkpoints (version 2)
     A delta holds what changed since another committed checkpoint, its
     *base* (full or itself a delta). The layout is that of a full checkpoint,
-    and its ``manifest.json`` has ``"format_version": 2`` and three more keys:
+    and its ``manifest.json`` has a ``"format_version"`` of 2 or more and
+    three more keys:
     ``"kind": "delta"`` (a manifest without ``kind`` is a full checkpoint),
     ``"base": {"path": P, "manifest_blake3": H}`` (``P`` the base directory
     relative to the delta's own directory, ``/``-separated, e.g.
