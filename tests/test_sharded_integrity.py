@@ -250,3 +250,27 @@ def test_a_checkpoint_replaced_while_it_is_opened_is_named(chain, tmp_path, monk
     os.rename(str(full) + ".old", full)
     with pytest.raises(CheckpointChangedError, match="changed while it was opened"):
         Loader(str(full)).load()
+
+
+def test_readers_holding_a_file_hash_it_once_between_them(chain, tmp_path):
+    """Ranks run as threads (resharding) read every file's ids: while readers hold a file open, one hash serves all;
+    once the last closes, the next open hashes again (a file changed in between is seen)."""
+    import fastckpt.sharded.reader as reader_module
+
+    full, _ = _copy(chain, tmp_path)
+    calls = []
+    real = reader_module._shared_digest
+
+    def counting(identity, compute):
+        return real(identity, lambda: calls.append(identity) or compute())
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(reader_module, "_shared_digest", counting):
+        with CheckpointReader(full) as a, CheckpointReader(full) as b:
+            a.read_tensor("emb.id"), b.read_tensor("emb.id")
+            assert len(calls) == len(set(calls)) == len(a.verified_files()) == len(b.verified_files()) >= 2
+        with CheckpointReader(full) as c:
+            c.read_tensor("emb.id")
+            assert len(calls) == 2 * len(c.verified_files())
+    assert reader_module._digests == {}

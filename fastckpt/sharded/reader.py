@@ -27,6 +27,7 @@ bytes are read only when touched.
 
 from __future__ import annotations
 
+import concurrent.futures
 import difflib
 import os
 import threading
@@ -45,6 +46,49 @@ from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_
 __all__ = ["CheckpointReader", "CheckpointChangedError"]
 
 _HASH_CHUNK = 64 << 20  # the pread backend hashes in pieces of this size: no copy of a whole file in memory
+
+
+# Files hashed in this process, by what fstat said of them when opened (device, inode, size, mtime, ctime), while a
+# reader holds them open: the ranks of a load that run as threads of one process (resharding, benchmarks) each read
+# every file's ids, and hash each file once between them (a rank that asks while another hashes it waits for that
+# result). The entry goes when the last reader holding the file closes, so a later open hashes the file again.
+_digests: dict[tuple, list] = {}  # identity -> [readers holding it, Future of its hex BLAKE3 or None]
+_digests_lock = threading.Lock()
+
+
+def _hold(identity: tuple, count: int) -> None:
+    with _digests_lock:
+        entry = _digests.setdefault(identity, [0, None])
+        entry[0] += count
+        if entry[0] <= 0:
+            del _digests[identity]
+
+
+def _shared_digest(identity: tuple, compute) -> str:
+    """``compute()`` (a file's hex BLAKE3) once per file identity among the readers holding it, shared by
+    concurrent callers."""
+    with _digests_lock:
+        entry = _digests.get(identity)
+        if entry is None:  # not held (a reader that is closing): nothing to share
+            future, mine = None, True
+        else:
+            future, mine = entry[1], entry[1] is None
+            if mine:
+                future = entry[1] = concurrent.futures.Future()
+    if not mine:
+        return future.result()
+    try:
+        digest = compute()
+    except BaseException as exc:
+        if future is not None:
+            with _digests_lock:
+                if identity in _digests:
+                    _digests[identity][1] = None
+            future.set_exception(exc)
+        raise
+    if future is not None:
+        future.set_result(digest)
+    return digest
 
 
 class CheckpointChangedError(FormatError):
@@ -147,6 +191,16 @@ class CheckpointReader(MultiFileReader):
                                       f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
                 infos[key] = info
         self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
+        self._held = [f.mapped.identity for f in self.files.values()]
+        for identity in self._held:
+            _hold(identity, 1)
+
+    def close(self) -> None:
+        """Close every file (the views handed out stay valid)."""
+        held, self._held = getattr(self, "_held", []), []
+        for identity in held:
+            _hold(identity, -1)
+        super().close()
 
     # -- RecIS's API ----------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:
@@ -265,14 +319,18 @@ class CheckpointReader(MultiFileReader):
 
         f = self.files[name]
         entry = self.manifest["files"][name]
-        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        if self._options["backend"] == "mmap":
-            if f.mapped.size:
-                hasher.update(f.mapped.view(0, f.mapped.size))
-        else:
-            for offset in range(0, f.mapped.size, _HASH_CHUNK):
-                hasher.update(f.mapped.view(offset, min(_HASH_CHUNK, f.mapped.size - offset)))
-        digest = hasher.hexdigest()
+
+        def digest_of_file() -> str:
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            if self._options["backend"] == "mmap":
+                if f.mapped.size:
+                    hasher.update(f.mapped.view(0, f.mapped.size))
+            else:
+                for offset in range(0, f.mapped.size, _HASH_CHUNK):
+                    hasher.update(f.mapped.view(offset, min(_HASH_CHUNK, f.mapped.size - offset)))
+            return hasher.hexdigest()
+
+        digest = _shared_digest(f.mapped.identity, digest_of_file)
         if digest == entry["blake3"]:
             return None
         keys = sorted(f.infos)
