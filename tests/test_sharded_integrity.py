@@ -109,7 +109,8 @@ def test_read_tensor_checks_each_file_it_touches_once(chain, tmp_path):
         assert touched and set(touched) <= set(r.files)
         r.read_tensor("emb.id")
         assert r.verified_files() == sorted(r.files)  # every rank's id part: every file
-    name = CheckpointReader(full, verify=False).file_of("w/part_1_2").path
+    with CheckpointReader(full, verify=False) as r:
+        name = r.file_of("w/part_1_2").path
     data = bytearray(Path(name).read_bytes())
     data[-1] ^= 4
     Path(name).write_bytes(bytes(data))
@@ -273,4 +274,13 @@ def test_readers_holding_a_file_hash_it_once_between_them(chain, tmp_path):
         with CheckpointReader(full) as c:
             c.read_tensor("emb.id")
             assert len(calls) == 2 * len(c.verified_files())
-    assert reader_module._digests == {}
+            held = [f.mapped.identity for f in c.files.values()]
+            assert all(reader_module._digests[i][0] == 1 for i in held)  # c alone holds them
+    assert not set(held) & set(reader_module._digests)
+    leaked = CheckpointReader(full)
+    held = [f.mapped.identity for f in leaked.files.values()]
+    del leaked  # never closed: collected, it lets go too
+    import gc
+
+    gc.collect()
+    assert not set(held) & set(reader_module._digests)

@@ -78,6 +78,19 @@ def _read_part(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
         os.close(fd)
 
 
+def _copy_whole(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
+    """Stored part ``key`` whole into ``out``: its bytes read into place, or decoded where it is encoded."""
+    if "encoding" in reader.descriptions[key]:
+        out[...] = reader.array(key)
+    else:
+        _read_part(reader, key, out)
+
+
+def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.ndarray) -> None:
+    """Rows ``rows`` of stored part ``key`` into ``out``, gathered from the mapped view (or the decoded part)."""
+    np.take(reader.array(key), rows, axis=0, out=out)
+
+
 def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
     """The bytes ``tensor``'s parts take in the files of ``readers`` (0 where one has no such tensor)."""
     total = 0
@@ -331,6 +344,9 @@ class Loader:
             ids = reader.array(key)
             if len(ids) == 0:
                 continue
+            if self.shard_num == 1 and self.owner is owner_mod:  # one rank owns every id
+                out.append((ids, key[len(tensor):], np.arange(len(ids))))
+                continue
             ranks = np.asarray(self.owner(ids, self.shard_num))
             if ranks.shape != ids.shape:
                 raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
@@ -392,27 +408,30 @@ class Loader:
         values_out = np.empty((capacity, dim), dtype)
         slots_out = {slot: np.empty((capacity, dim), dtype) for slot in table.slots}
         at = 0
+        copies: list[tuple] = []  # the rows' copies, run on `parallel` threads while the table builds its index
         for ids, suffix, mine in picks:
             end = at + len(mine)
             targets = [(f"{name}.embedding{suffix}", values_out), *((f"{name}.{s}{suffix}", o) for s, o in
                                                                     slots_out.items())]
             if len(mine) == len(ids):  # the whole part: read its bytes into place, as a plain read would
                 ids_out[at:end] = ids
-                for key, out in targets:
-                    if "encoding" in reader.descriptions[key]:
-                        out[at:end] = reader.array(key)
-                    else:
-                        _read_part(reader, key, out[at:end])
+                copies += [(_copy_whole, reader, key, out[at:end]) for key, out in targets]
             else:
                 np.take(ids, mine, out=ids_out[at:end])
-                for key, out in targets:
-                    np.take(reader.array(key), mine, axis=0, out=out[at:end])
+                copies += [(_copy_rows, reader, key, mine, out[at:end]) for key, out in targets]
             at = end
-        try:
-            table.adopt(ids_out, values_out, slots_out, rows=total)
-        except ValueError as exc:
-            what = str(exc).removeprefix("adopt: ")
-            raise FormatError(f"{reader.path}: hashtable {name!r}: {what} across its id parts "
-                              f"{reader.part_names(f'{name}.id')} (each id must be saved by one rank only)"
-                              ) from None
+        with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(copies))),
+                                                   "fastckpt-rows") as pool:
+            futures = [pool.submit(*copy) for copy in copies]
+            error = None
+            try:
+                table.adopt(ids_out, values_out, slots_out, rows=total)  # reads the ids only, not the rows
+            except ValueError as exc:
+                what = str(exc).removeprefix("adopt: ")
+                error = FormatError(f"{reader.path}: hashtable {name!r}: {what} across its id parts "
+                                    f"{reader.part_names(f'{name}.id')} (each id must be saved by one rank only)")
+            for future in futures:
+                future.result()
+        if error is not None:
+            raise error
         return table

@@ -31,6 +31,7 @@ import concurrent.futures
 import difflib
 import os
 import threading
+import weakref
 from types import MappingProxyType
 from typing import Mapping
 
@@ -62,6 +63,11 @@ def _hold(identity: tuple, count: int) -> None:
         entry[0] += count
         if entry[0] <= 0:
             del _digests[identity]
+
+
+def _release(identities: list[tuple]) -> None:
+    for identity in identities:
+        _hold(identity, -1)
 
 
 def _shared_digest(identity: tuple, compute) -> str:
@@ -191,15 +197,17 @@ class CheckpointReader(MultiFileReader):
                                       f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
                 infos[key] = info
         self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
-        self._held = [f.mapped.identity for f in self.files.values()]
-        for identity in self._held:
+        held = [f.mapped.identity for f in self.files.values()]
+        for identity in held:
             _hold(identity, 1)
+        # Let go of the shared hashes on close(), or when a reader never closed is collected.
+        self._release = weakref.finalize(self, _release, held)
 
     def close(self) -> None:
         """Close every file (the views handed out stay valid)."""
-        held, self._held = getattr(self, "_held", []), []
-        for identity in held:
-            _hold(identity, -1)
+        release = getattr(self, "_release", None)
+        if release is not None:
+            release()
         super().close()
 
     # -- RecIS's API ----------------------------------------------------------------------------------
