@@ -328,28 +328,9 @@ def _sharded_tables(rank: int):
 
 
 def _save_sharded(path: Path, tables: list[dict], tensors: dict, parallel: int, **options) -> None:
-    import threading
+    from _sharded_edit import save_threads
 
-    from fastckpt.sharded import Saver
-    from fastckpt.sharded.engine import ThreadEngine
-
-    engines = ThreadEngine.group(len(tables))
-    errors = []
-
-    def run(rank):
-        try:
-            Saver(shard_index=rank, shard_num=len(tables), parallel=parallel, path=str(path), hashtables=tables[rank],
-                  tensors=tensors, engine=engines[rank], timeout=60, **options).save()
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(tables))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    save_threads(path, tables, tensors, parallel, **options)
 
 
 SHARDED_TENSORS = {"w": _arange(np.float32, (5, 2)) / 4, "step": np.array(9, np.int64), "b": _arange(ml_dtypes.bfloat16, (3,))}
