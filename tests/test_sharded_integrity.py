@@ -284,3 +284,26 @@ def test_readers_holding_a_file_hash_it_once_between_them(chain, tmp_path):
 
     gc.collect()
     assert not set(held) & set(reader_module._digests)
+
+
+def test_a_load_reads_the_commit_it_opened_when_the_directory_is_replaced_after(chain, tmp_path, monkeypatch):
+    """Once every file is open, a save with overwrite=True replacing the directory (and the old one removed) does
+    not reach the load: every row comes from the files it opened."""
+    import fastckpt.sharded.loader as loader_module
+
+    full, _ = _copy(chain, tmp_path)
+    want = {shards: loaded_bytes(full, 0, shards, dense="rows") for shards in (1, 3)}
+    other = save_threads(tmp_path / "other", [{}, {}], {"w": np.zeros((10, 4), np.float32)}, parallel=2)
+    real = loader_module._check_one_commit
+
+    def check_then_replace(readers, chain_):
+        real(readers, chain_)
+        os.rename(full, str(full) + ".old")
+        shutil.rmtree(str(full) + ".old")
+        shutil.copytree(other, full)
+
+    monkeypatch.setattr(loader_module, "_check_one_commit", check_then_replace)
+    for shards in (1, 3):
+        assert loaded_bytes(full, 0, shards, dense="rows") == want[shards]
+        shutil.rmtree(full)
+        shutil.copytree(chain[0] / "full", full)

@@ -54,7 +54,8 @@ _log = logging.getLogger(__name__)
 
 
 def _read_part(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
-    """Stored part ``key`` into ``out`` (C-contiguous, its dtype and shape) with ``preadv``.
+    """Stored part ``key`` into ``out`` (C-contiguous, its dtype and shape) with ``preadv``, from the file the
+    reader opened.
 
     A load that takes a part whole reads it this way rather than copying from the mapping: the kernel copies
     from the page cache without mapping every page into the process first (several times faster here).
@@ -64,18 +65,24 @@ def _read_part(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
     if info.dtype != out.dtype or info.shape != out.shape or info.nbytes != out.nbytes:
         np.copyto(out, reader.host(key))  # not the plain bytes of out (another byte order, say): convert
         return
-    view = memoryview(out.reshape(-1).view(np.uint8))
-    fd = os.open(f.path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], info.offset + done)
-            if not got:
-                raise FormatError(f"{f.path}: ends inside tensor {key!r} (read {done} of its {len(view)} bytes at "
-                                  f"offset {info.offset}); the file was truncated after it was opened")
-            done += got
-    finally:
-        os.close(fd)
+    _pread(reader, key, memoryview(out.reshape(-1).view(np.uint8)), 0)
+
+
+def _pread(reader: CheckpointReader, key: str, view: memoryview, start: int) -> None:
+    """Fill ``view`` with the bytes of stored part ``key`` from byte ``start`` of the part on."""
+    f = reader.file_of(key)
+    offset = f.infos[key].offset + start
+    fd = reader.descriptor(key)
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise FormatError(f"{f.path}: ends inside tensor {key!r} (read {done} of {len(view)} bytes at offset "
+                              f"{offset}); the file was truncated after it was opened")
+        done += got
+
+
+_GATHER_CHUNK = 8 << 20  # bytes of a part read at once to pick some of its rows from
 
 
 def _copy_whole(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
@@ -87,8 +94,27 @@ def _copy_whole(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
 
 
 def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.ndarray) -> None:
-    """Rows ``rows`` of stored part ``key`` into ``out``, gathered from the mapped view (or the decoded part)."""
-    np.take(reader.array(key), rows, axis=0, out=out)
+    """Rows ``rows`` (ascending) of stored part ``key`` into ``out``: the part read a chunk at a time with
+    ``preadv`` into one buffer and the rows picked from it (a mapping would be faulted in page by page, every
+    page, since the rows of a rank are spread over the whole part), or gathered from the decoded part."""
+    info = reader.infos[key]
+    if "encoding" in reader.descriptions[key] or info.dtype != out.dtype or len(info.shape) != 2 \
+            or out.shape[1:] != info.shape[1:]:
+        np.take(reader.array(key), rows, axis=0, out=out)
+        return
+    row_bytes = info.shape[1] * info.dtype.itemsize
+    per_chunk = max(1, _GATHER_CHUNK // max(1, row_bytes))
+    scratch = np.empty((min(per_chunk, info.shape[0]), info.shape[1]), info.dtype)
+    done = 0
+    for first in range(0, info.shape[0], per_chunk):
+        last = min(first + per_chunk, info.shape[0])
+        stop = done + int(np.searchsorted(rows[done:], last))
+        if stop == done:
+            continue
+        chunk = scratch[: last - first]
+        _pread(reader, key, memoryview(chunk.reshape(-1).view(np.uint8)), first * row_bytes)
+        np.take(chunk, rows[done:stop] - first, axis=0, out=out[done:stop])
+        done = stop
 
 
 def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
@@ -333,8 +359,14 @@ class Loader:
                 lo, hi = max(start, p_start), min(end, p_end)
                 if (lo, hi) == (p_start, p_end) and hi > lo:  # the whole part: read into place
                     _read_part(reader, key, out[lo - start:hi - start])
-                elif lo < hi:
-                    out[lo - start:hi - start] = reader.host(key)[lo - p_start:hi - p_start]
+                elif lo < hi:  # some of its rows: those bytes, read into place
+                    target = out[lo - start:hi - start]
+                    info = reader.infos[key]
+                    if info.dtype == target.dtype and target.flags.c_contiguous:
+                        row_bytes = target[0].nbytes
+                        _pread(reader, key, memoryview(target.reshape(-1).view(np.uint8)), (lo - p_start) * row_bytes)
+                    else:
+                        target[...] = reader.host(key)[lo - p_start:hi - p_start]
         return out
 
     def _owned(self, reader: CheckpointReader, tensor: str) -> list[tuple[np.ndarray, str, np.ndarray]]:

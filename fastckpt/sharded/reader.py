@@ -129,6 +129,7 @@ class CheckpointReader(MultiFileReader):
                  copy_on_write: bool = False, max_header_size: int | None = None):
         self.path = os.fspath(path)
         self.files: dict[str, TensorFile] = {}
+        self._fds: dict[str, int] = {}  # each tensor file, opened relative to the directory the manifest came from
         self._closed = False
         try:
             directory = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -172,7 +173,9 @@ class CheckpointReader(MultiFileReader):
             name = self._file_of_number[number]
             try:
                 f = self.files[name] = open_file(os.path.join(self.path, name), **self._options)
-                here = os.stat(name, dir_fd=directory, follow_symlinks=False)
+                fd = self._fds[name] = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) |
+                                               getattr(os, "O_NOFOLLOW", 0), dir_fd=directory)
+                here = os.fstat(fd)
             except FileNotFoundError:
                 raise CheckpointChangedError(f"{os.path.join(self.path, name)}: gone; the checkpoint changed while it "
                                              "was opened (replaced or removed by another process): open it again"
@@ -208,7 +211,16 @@ class CheckpointReader(MultiFileReader):
         release = getattr(self, "_release", None)
         if release is not None:
             release()
+        fds, self._fds = getattr(self, "_fds", {}), {}
+        for fd in fds.values():
+            os.close(fd)
         super().close()
+
+    def descriptor(self, key: str) -> int:
+        """The open file descriptor of the file holding stored key ``key`` (the file of the commit this reader
+        read; reads through it never see a checkpoint that replaced this one). Valid until :meth:`close`."""
+        self.file_of(key)  # unknown keys and a closed reader raise
+        return self._fds[self._file_of_number[self._block_index[key]]]
 
     # -- RecIS's API ----------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:
