@@ -98,5 +98,6 @@ def loaded_bytes(path, shard_index: int = 0, shard_num: int = 1, **options) -> d
     for name, table in tables.items():
         ids, values, slots = table.export()
         order = np.argsort(ids, kind="stable")
-        out[f"table {name}"] = b"".join(x[order].tobytes() for x in (ids, values, *(v for _, v in sorted(slots.items()))))
+        arrays = (ids, values, *(v for _, v in sorted(slots.items())))
+        out[f"table {name}"] = b"".join(x[order].tobytes() for x in arrays)
     return out

@@ -105,7 +105,8 @@ def _fuzz(source: Path, head: str, cases: int, seed: int, tmp_path: Path) -> dic
             if got == expected[sharding]:
                 counts["same"] += 1
             else:
-                wrong.append(f"{what}: a silent wrong load ({sorted(k for k in got if got[k] != expected[sharding].get(k))})")
+                changed = sorted(k for k in got if got[k] != expected[sharding].get(k))
+                wrong.append(f"{what}: a silent wrong load ({changed})")
         out = io.StringIO()
         try:
             assert verify_cli(Namespace(directory=str(root / head), no_hash=False, quiet=True), out) in (0, 1)

@@ -20,10 +20,11 @@ It prints the state's total bytes, then measures:
    into a new, empty table (``dense="rows"``: each rank reads its rows of the dense tensors, so that the
    ranks together load each byte of the state once), with ``verify=False`` and with the default
    verification (every file hashed against the manifest while the load reads it), beside one BLAKE3 pass
-   over the checkpoint's files (target: verified <= 1.3x the unverified load + that pass). The baselines move the same bytes with the same
-   number of files and threads (``ranks * parallel``): *raw write + fsync* writes, per file, exactly the
-   arrays the saver puts in it (the rank's ids, values, m, v and its rows of the dense tensors, spread over
-   the files the way the saver spreads them: largest first onto the lightest file) with plain
+   over the checkpoint's files (target: verified <= 1.3x the unverified load + that pass). The baselines
+   move the same bytes with the same number of files and threads (``ranks * parallel``): *raw write +
+   fsync* writes, per file, exactly the arrays the saver puts in it (the rank's ids, values, m, v and its
+   rows of the dense tensors, spread over the files the way the saver spreads them: largest first onto the
+   lightest file) with plain
    ``open(path, "wb").write(memoryview)`` and ``os.fsync``, to new files every run; *raw read* reads files
    of those same bytes back with ``readinto`` into new buffers. Throughput is the state's bytes over the
    wall time of all ranks together; the ratio is fastckpt's throughput over the raw one (target >= 0.85x,

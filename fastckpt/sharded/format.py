@@ -187,7 +187,8 @@ import numpy as np
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "CHECKSUM_VERSION", "INDEX_FILE", "TENSORKEY_FILE", "DESCRIPTION_FILE", "MANIFEST_FILE",
+    "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "CHECKSUM_VERSION", "INDEX_FILE", "TENSORKEY_FILE",
+    "DESCRIPTION_FILE", "MANIFEST_FILE",
     "tensor_file_name", "part_key", "parse_part_key", "rows_of", "dumps", "dtype_of", "manifest_checksum", "seal",
     "read_metadata",
 ]
@@ -377,8 +378,9 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
                 f"'checksum' must be {{'blake3': 64 hex digits}}, got {checksum!r}")
         actual = manifest_checksum(manifest)
         if actual != checksum["blake3"]:
-            raise ChecksumMismatchError(f"{where}: its contents hash to BLAKE3 {actual[:16]}..., its 'checksum' says "
-                                 f"{checksum['blake3'][:16]}...: the manifest was edited or damaged after the commit")
+            raise ChecksumMismatchError(f"{where}: its contents hash to BLAKE3 {actual[:16]}..., its 'checksum' "
+                                        f"says {checksum['blake3'][:16]}...: the manifest was edited or damaged after "
+                                        "the commit")
     else:
         unchecked.append(f"{MANIFEST_FILE}: format version {version} carries no checksum of its own (version "
                          f"{CHECKSUM_VERSION} does); its values were checked against the other files only")
@@ -423,12 +425,12 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
         data = _read(d, name, dir_fd, limit=entry["size"])
         if len(data) != entry["size"]:
             raise ChecksumMismatchError(f"{path}: {len(data)}{'+' if len(data) > entry['size'] else ''} bytes, the "
-                                 f"manifest says {entry['size']}: the file was changed after the commit (or the "
-                                 "checkpoint changed while it was opened)")
+                                        f"manifest says {entry['size']}: the file was changed after the commit (or the "
+                                        "checkpoint changed while it was opened)")
         digest = blake3.blake3(data).hexdigest()
         if digest != entry["blake3"]:
-            raise ChecksumMismatchError(f"{path}: BLAKE3 {digest[:16]}..., the manifest says {entry['blake3'][:16]}...: "
-                                 "the file was changed or damaged after the commit")
+            raise ChecksumMismatchError(f"{path}: BLAKE3 {digest[:16]}..., the manifest says "
+                                        f"{entry['blake3'][:16]}...: the file was changed or damaged after the commit")
         loaded[name] = _parse(data, path)
 
     index = loaded[INDEX_FILE]

@@ -248,7 +248,11 @@ class Loader:
 
         The head of a chain of deltas loads as its full base with every delta applied in order (see
         :mod:`fastckpt.sharded.chain`); a broken link raises :class:`~fastckpt.sharded.chain.BrokenChainError`
-        before anything is filled. Each table loaded is marked clean against this checkpoint, so that an
+        before anything is filled. Unless ``verify=False``, every tensor file read is hashed against its
+        manifest entry while the rows are read; a mismatch raises
+        :class:`~fastckpt.errors.ChecksumMismatchError` naming the checkpoint, the file and its parts. The
+        tables and arrays given change only once the load and its checks succeeded: a failed load leaves them
+        as they were. Each table loaded is marked clean against this checkpoint, so that an
         incremental save after it stores only what changes from here. A URL
         (``s3://...``) is downloaded first (:func:`fastckpt.sharded.remote.load`).
         """

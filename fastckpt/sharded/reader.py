@@ -218,7 +218,15 @@ class CheckpointReader(MultiFileReader):
 
     def descriptor(self, key: str) -> int:
         """The open file descriptor of the file holding stored key ``key`` (the file of the commit this reader
-        read; reads through it never see a checkpoint that replaced this one). Valid until :meth:`close`."""
+        read; reads through it never see a checkpoint that replaced this one). Valid until :meth:`close`.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> with CheckpointReader(out) as r:
+        ...     info = r.infos["w/part_0_1"]; os.pread(r.descriptor("w/part_0_1"), 8, info.offset) == bytes(np.ones(1))
+        True
+        """
         self.file_of(key)  # unknown keys and a closed reader raise
         return self._fds[self._file_of_number[self._block_index[key]]]
 
@@ -317,7 +325,15 @@ class CheckpointReader(MultiFileReader):
     def check_file(self, name: str) -> None:
         """Check tensor file ``name`` against the manifest's BLAKE3 once per reader (an
         :class:`~fastckpt.errors.ChecksumMismatchError` naming the file and the parts it holds); later calls return at
-        once. Its bytes are hashed from the file the reader opened, not from the path."""
+        once. Its bytes are hashed from the file the reader opened, not from the path.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> with CheckpointReader(out, verify=False) as r:
+        ...     r.check_file("model-00000-000.safetensors"); r.verified_files()
+        ['model-00000-000.safetensors']
+        """
         if name in self._verified:
             return
         with self._verify_lock:
@@ -329,12 +345,19 @@ class CheckpointReader(MultiFileReader):
             self._verified.add(name)
 
     def verified_files(self) -> list[str]:
-        """The tensor files checked against the manifest's hash so far, sorted."""
+        """The tensor files checked against the manifest's hash so far, sorted (see :meth:`check_file`)."""
         return sorted(self._verified)
 
     def file_problem(self, name: str) -> str | None:
         """What is wrong with open tensor file ``name`` against the manifest (its BLAKE3, computed on every core
-        from the open file), or None; the message names the parts the file holds."""
+        from the open file), or None; the message names the parts the file holds.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> CheckpointReader(out).file_problem("model-00000-000.safetensors") is None
+        True
+        """
         import blake3
 
         f = self.files[name]
