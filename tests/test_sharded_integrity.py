@@ -307,3 +307,11 @@ def test_a_load_reads_the_commit_it_opened_when_the_directory_is_replaced_after(
         assert loaded_bytes(full, 0, shards, dense="rows") == want[shards]
         shutil.rmtree(full)
         shutil.copytree(chain[0] / "full", full)
+
+
+def test_verify_names_files_the_manifest_does_not_list(chain, tmp_path):
+    full, _ = _copy(chain, tmp_path)
+    assert _verify_output(full)[0] == 0
+    shutil.copy(full / "model-00001-001.safetensors", full / "model-00002-000.safetensors")
+    status, out = _verify_output(full)
+    assert status == 1 and "holds 1 file(s) its manifest does not list: ['model-00002-000.safetensors']" in out

@@ -27,6 +27,7 @@ counts); for a checkpoint of an older version it says what it could not check.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -77,6 +78,7 @@ def _verify_sharded(path: Path, hashes: bool, quiet: bool, out) -> int:
     """A sharded checkpoint, and for a delta every checkpoint of its chain (the links and their files)."""
     from fastckpt.errors import FastCkptError
     from fastckpt.sharded.chain import resolve_chain
+    from fastckpt.sharded.format import MANIFEST_FILE
     from fastckpt.sharded.reader import CheckpointReader
 
     problems, chain, unchecked = [], [], []
@@ -87,6 +89,10 @@ def _verify_sharded(path: Path, hashes: bool, quiet: bool, out) -> int:
             with CheckpointReader(link, verify=False) as reader:  # opening checks the metadata and every size
                 problems += [where + p for p in (reader.verify(progress=sys.stderr.isatty()) if hashes else [])]
                 unchecked += [where + u for u in reader.unchecked]
+                stray = sorted(set(os.listdir(link)) - set(reader.manifest["files"]) - {MANIFEST_FILE})
+                if stray:
+                    problems.append(f"{where}holds {len(stray)} file(s) its manifest does not list: {stray[:4]} "
+                                    "(not part of the checkpoint: left by another save, or copied in)")
     except (FastCkptError, OSError) as exc:
         problems.append(str(exc))
     if problems or quiet:
