@@ -391,7 +391,10 @@ class CheckpointReader(MultiFileReader):
         """
         problems = []
         names = sorted(self.files)
-        with progress_from(progress, sum(self.files[n].mapped.size for n in names), "verify") as report:
+        listed = self.manifest["files"]
+        with progress_from(progress, sum(entry["size"] for entry in listed.values()), "verify") as report:
+            for name in sorted(set(listed) - set(names)):  # the metadata files: checked when the reader opened
+                report.advance(listed[name]["size"], name)
             for name in names:
                 problem = self.file_problem(name)
                 if problem:
