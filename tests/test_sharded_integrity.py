@@ -315,3 +315,12 @@ def test_verify_names_files_the_manifest_does_not_list(chain, tmp_path):
     shutil.copy(full / "model-00001-001.safetensors", full / "model-00002-000.safetensors")
     status, out = _verify_output(full)
     assert status == 1 and "holds 1 file(s) its manifest does not list: ['model-00002-000.safetensors']" in out
+
+
+def test_a_tensor_file_replaced_by_a_symlink_is_a_format_error(chain, tmp_path):
+    full, _ = _copy(chain, tmp_path)
+    path = full / "model-00000-001.safetensors"
+    os.rename(path, tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", path)
+    with pytest.raises(FormatError, match="model-00000-001.safetensors: a symbolic link"):
+        CheckpointReader(full)

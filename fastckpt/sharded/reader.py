@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import difflib
+import errno
 import os
 import threading
 import weakref
@@ -180,6 +181,11 @@ class CheckpointReader(MultiFileReader):
                 raise CheckpointChangedError(f"{os.path.join(self.path, name)}: gone; the checkpoint changed while it "
                                              "was opened (replaced or removed by another process): open it again"
                                              ) from None
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise FormatError(f"{os.path.join(self.path, name)}: a symbolic link; the files of a sharded "
+                                  "checkpoint are plain files of its directory") from None
             if (here.st_dev, here.st_ino) != f.mapped.identity[:2]:
                 raise CheckpointChangedError(f"{f.path}: not the file of the directory whose manifest was read; the "
                                              "checkpoint changed while it was opened (a save with overwrite=True "
