@@ -58,9 +58,9 @@ def save_threads(path, tables: list[dict], tensors: dict, parallel: int = 2, **o
     return str(path)
 
 
-def small_chain(root) -> tuple[str, str]:
+def small_chain(root, **options) -> tuple[str, str]:
     """A full checkpoint of 2 ranks x 2 files (dense tensors, a table with 2 slots, a bfloat16 table) and a delta on
-    it: ``(full, delta)`` paths under ``root``."""
+    it: ``(full, delta)`` paths under ``root``; ``options`` go to both saves (``compression="zstd"``, say)."""
     import ml_dtypes
     import numpy as np
 
@@ -79,11 +79,11 @@ def small_chain(root) -> tuple[str, str]:
         tables.append({"emb": emb, "small": small})
     tensors = {"w": np.arange(40, dtype=np.float32).reshape(10, 4) / 3, "b": np.arange(5, dtype=np.int64),
                "step": np.array(7, np.int64)}
-    full = save_threads(root / "full", tables, tensors)
+    full = save_threads(root / "full", tables, tensors, **options)
     tables[0]["emb"].update([0], [[9.0, 9.0, 9.0]], slots={"m": [[1.0, 2.0, 3.0]]})
     tables[1]["emb"].delete([7919])
     tables[1]["emb"].insert([12345], [[4.0, 4.0, 4.0]])
-    delta = save_threads(root / "delta", tables, tensors, incremental=DeltaPolicy(max_fraction=1.0))
+    delta = save_threads(root / "delta", tables, tensors, incremental=DeltaPolicy(max_fraction=1.0), **options)
     return full, delta
 
 

@@ -183,3 +183,12 @@ def test_damaged_chains_load_right_or_raise_long(chain, tmp_path, seed):
 @pytest.mark.parametrize("head", ["delta", "quantized"])
 def test_damaged_0_2_0_checkpoints_load_right_or_raise(tmp_path, head):
     _fuzz(GOLDEN_OLD, head, 800, 7, tmp_path)
+
+
+@pytest.mark.slow
+def test_damaged_compressed_chains_load_right_or_raise(tmp_path_factory, tmp_path):
+    """The same with every table stored zstd-compressed (encoded parts: their payload sizes and shapes hostile too)."""
+    source = tmp_path_factory.mktemp("fuzz-compressed")
+    small_chain(source, compression="zstd")
+    _fuzz(source, "delta", 800, 21, tmp_path)
+    _hostile_numbers(source, tmp_path, None, (10**12, -1, 2**63))

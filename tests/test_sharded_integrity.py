@@ -324,3 +324,15 @@ def test_a_tensor_file_replaced_by_a_symlink_is_a_format_error(chain, tmp_path):
     os.symlink(tmp_path / "elsewhere.safetensors", path)
     with pytest.raises(FormatError, match="model-00000-001.safetensors: a symbolic link"):
         CheckpointReader(full)
+
+
+@pytest.mark.parametrize("nbytes", [2**62, 10**12 + 8])
+def test_a_hostile_payload_size_of_a_compressed_part_is_a_format_error(tmp_path, nbytes):
+    """The codec was asked for that much output up front and its failed allocation aborted the process."""
+    full, _ = small_chain(tmp_path, compression="zstd")
+    _edit_json(Path(full) / DESCRIPTION_FILE,
+               lambda d: d["emb.id/part_0_2"]["encoding"].__setitem__("payload_nbytes", nbytes))
+    reseal(full)
+    for verify in (True, False):
+        with pytest.raises(FormatError, match=r"emb.id/part_0_2'.*(claims|does not decompress|payload bytes)"):
+            Loader(str(full), verify=verify).load()

@@ -122,14 +122,22 @@ def decode(stored: np.ndarray, encoding: dict, where: str = "encoded tensor") ->
     _expect(codec in (None, *CODECS) and type(shuffle) is int and shuffle >= 1 and type(nbytes) is int
             and nbytes >= 0, where, f"unknown encoding {encoding!r}")
     data = memoryview(np.ascontiguousarray(stored).reshape(-1).view(np.uint8))
-    try:
-        if codec == "zstd":
-            data = cramjam.zstd.decompress(data, output_len=nbytes)
-        elif codec == "lz4":
-            data = cramjam.lz4.decompress(data, output_len=nbytes)
-    except Exception as exc:  # noqa: BLE001 - cramjam raises its own DecompressionError
-        raise FormatError(f"{where}: its {codec} data does not decompress ({exc}); the file is damaged") from None
-    raw = np.frombuffer(bytes(data), np.uint8)
+    if codec is None:
+        raw = np.frombuffer(bytes(data), np.uint8)
+    else:
+        # Into an array numpy allocates: a claimed size no memory can hold is a MemoryError here, where the
+        # codec's own allocation of output_len would abort the process.
+        try:
+            raw = np.empty(nbytes, np.uint8)
+        except (MemoryError, ValueError):
+            raise FormatError(f"{where}: its encoding claims {nbytes} payload bytes, more than memory holds; the "
+                              "file is damaged") from None
+        try:
+            got = getattr(cramjam, codec).decompress_into(data, raw)
+        except Exception as exc:  # noqa: BLE001 - cramjam raises its own DecompressionError
+            raise FormatError(f"{where}: its {codec} data does not decompress into the {nbytes} payload bytes its "
+                              f"encoding says ({exc}); the file is damaged") from None
+        raw = raw[:got]
     _expect(len(raw) == nbytes and nbytes % shuffle == 0, where,
             f"holds {len(raw)} payload bytes, its encoding says {nbytes}; the file is damaged")
     if shuffle > 1:
