@@ -326,13 +326,18 @@ def test_a_tensor_file_replaced_by_a_symlink_is_a_format_error(chain, tmp_path):
         CheckpointReader(full)
 
 
-@pytest.mark.parametrize("nbytes", [2**62, 10**12 + 8])
-def test_a_hostile_payload_size_of_a_compressed_part_is_a_format_error(tmp_path, nbytes):
-    """The codec was asked for that much output up front and its failed allocation aborted the process."""
-    full, _ = small_chain(tmp_path, compression="zstd")
-    _edit_json(Path(full) / DESCRIPTION_FILE,
-               lambda d: d["emb.id/part_0_2"]["encoding"].__setitem__("payload_nbytes", nbytes))
-    reseal(full)
+@pytest.mark.parametrize("link, part, field, value", [("full", "emb.id/part_0_2", "payload_nbytes", 2**62),
+                                                      ("full", "emb.id/part_0_2", "payload_nbytes", 10**12 + 8),
+                                                      ("delta", "small.id/part_0_2", "shuffle", 2**63)])
+def test_hostile_encoding_numbers_of_a_compressed_part_are_format_errors(tmp_path, link, part, field, value):
+    """The codec was asked for 2**62 bytes of output up front (its failed allocation aborted the process); an empty
+    part with a shuffle of 2**63 raised numpy's ValueError."""
+    full, delta = small_chain(tmp_path, compression="zstd")
+    path = Path(full if link == "full" else delta)
+    assert field != "shuffle" or json.loads((path / DESCRIPTION_FILE).read_bytes())[part]["encoding"][
+        "payload_nbytes"] == 0  # the empty part numpy could not reshape
+    _edit_json(path / DESCRIPTION_FILE, lambda d: d[part]["encoding"].__setitem__(field, value))
+    reseal(path)
     for verify in (True, False):
-        with pytest.raises(FormatError, match=r"emb.id/part_0_2'.*(claims|does not decompress|payload bytes)"):
-            Loader(str(full), verify=verify).load()
+        with pytest.raises(FormatError, match=f"{part}'.*(claims|does not decompress|payload bytes|unknown encoding)"):
+            Loader(str(path), verify=verify).load()

@@ -119,8 +119,8 @@ def _expect(cond: bool, where: str, message: str) -> None:
 def decode(stored: np.ndarray, encoding: dict, where: str = "encoded tensor") -> np.ndarray:
     """The array an encoded tensor holds (a new array); a damaged one raises a ``FormatError`` naming ``where``."""
     codec, shuffle, nbytes = encoding.get("codec"), encoding.get("shuffle", 1), encoding.get("payload_nbytes")
-    _expect(codec in (None, *CODECS) and type(shuffle) is int and shuffle >= 1 and type(nbytes) is int
-            and nbytes >= 0, where, f"unknown encoding {encoding!r}")
+    _expect(codec in (None, *CODECS) and type(shuffle) is int and 1 <= shuffle <= 16 and type(nbytes) is int
+            and nbytes >= 0, where, f"unknown encoding {encoding!r} (shuffle: an element's size, 1 to 16 bytes)")
     data = memoryview(np.ascontiguousarray(stored).reshape(-1).view(np.uint8))
     if codec is None:
         raw = np.frombuffer(bytes(data), np.uint8)
