@@ -341,3 +341,13 @@ def test_hostile_encoding_numbers_of_a_compressed_part_are_format_errors(tmp_pat
     for verify in (True, False):
         with pytest.raises(FormatError, match=f"{part}'.*(claims|does not decompress|payload bytes|unknown encoding)"):
             Loader(str(path), verify=verify).load()
+
+
+def test_owner_mod_is_numpys_mod_for_every_shard_count():
+    from fastckpt.sharded.loader import owner_mod
+
+    ids = np.concatenate([np.random.default_rng(3).integers(-(2**63), 2**63 - 1, 5000, dtype=np.int64),
+                          np.array([-(2**63), -(2**63) + 1, -1, 0, 1, 2**63 - 1], np.int64)])
+    for n in (1, 2, 3, 4, 7, 8, 64, 1000, 1024):
+        got = owner_mod(ids, n)
+        assert got.dtype == np.int64 and np.array_equal(got, np.mod(ids, n)), n
