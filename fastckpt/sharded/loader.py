@@ -121,10 +121,9 @@ def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
     """The bytes ``tensor``'s parts take in the files of ``readers`` (0 where one has no such tensor)."""
     total = 0
     for reader in readers:
-        try:
-            keys = reader.part_names(tensor)
-        except KeyError:
+        if not reader.has_tensor(tensor):
             continue
+        keys = reader.part_names(tensor)
         total += sum(reader.infos[key].nbytes for key in keys)
     return total
 
@@ -340,10 +339,8 @@ class Loader:
             given = self.hashtables.get(name)
             for reader in readers:
                 for part in ("id", "embedding", "deleted", *getattr(given, "slots", entry["slots"])):
-                    try:
+                    if reader.has_tensor(f"{name}.{part}"):
                         keys += [(reader, key) for key in reader.part_names(f"{name}.{part}")]
-                    except KeyError:
-                        continue
         out: dict[tuple[int, str], tuple[CheckpointReader, str]] = {}
         for reader, key in keys:
             name = reader.file_of(key).path.rsplit(os.sep, 1)[-1]

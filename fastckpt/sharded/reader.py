@@ -241,6 +241,18 @@ class CheckpointReader(MultiFileReader):
         """The original names of every tensor, sorted (a hashtable ``T`` gives ``T.id``, ``T.embedding``, slots)."""
         return list(self._parts)
 
+    def has_tensor(self, name: str) -> bool:
+        """Whether ``name`` is the original name of a tensor of the checkpoint (without the error an unknown name
+        raises elsewhere, which looks for close matches).
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> CheckpointReader(out).has_tensor("w"), CheckpointReader(out).has_tensor("v")
+        (True, False)
+        """
+        return name in self._parts
+
     def part_names(self, name: str) -> list[str]:
         """The stored keys of ``name``'s parts, in rank order."""
         return list(self._parts[self._whole_name(name)])
