@@ -255,13 +255,15 @@ def test_sharded_suite(tmp_path, capsys):
     assert out.startswith("Sharded state: ") and "a table of 3,000 ids x 8 float32 with Adam m, v" in out
     header = "| ranks | parallel | files | {} | GB/s | {} | GB/s | ratio | ratio of bests | >= 0.85x |"
     assert header.format("raw write + fsync", "Saver.save") in out
-    assert header.format("raw read", "Loader.load") in out
+    assert header.format("raw read", "Loader.load(verify=False)") in out
+    assert ("| ranks | parallel | Loader.load(verify=False) | BLAKE3 of the files | Loader.load() (verified) | "
+            "verified / unverified | verified / (unverified + BLAKE3) | <= 1.3x |") in out
     pairs = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 3  # save, load, memory
+    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 4  # save, load, verification, memory
     rows = _first_cells(out)
     assert "saved by 4, loaded on 3 (all 3 shares)" in rows and "HashTable.import_() into a new table" in rows
     targets = out.split("### targets")[1].strip().splitlines()
-    assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 5 + [False]
+    assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 6 + [False]
     assert targets[-1] == "- (--quick sizes: the targets are stated for the full sizes)"
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 

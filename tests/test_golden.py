@@ -16,7 +16,8 @@ scalars and non-string keys, so that a change to a shared codec shows here.
 
 Files of earlier format versions are kept: ``train-schema-1.0`` holds
 training checkpoints with sha256 manifests, which the tests below load and
-verify; ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
+verify; ``sharded-0.2.0`` the sharded checkpoints of format versions 1 and 2
+(no checksum of the manifest), which load and verify with what they carry; ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
 payload on a page, the default before the ``"auto"`` alignment policy),
 still written byte for byte by ``alignment=4096`` and read back below.
 
@@ -342,28 +343,9 @@ def _sharded_tables(rank: int):
 
 
 def _save_sharded(path: Path, tables: list[dict], tensors: dict, parallel: int, **options) -> None:
-    import threading
+    from _sharded_edit import save_threads
 
-    from fastckpt.sharded import Saver
-    from fastckpt.sharded.engine import ThreadEngine
-
-    engines = ThreadEngine.group(len(tables))
-    errors = []
-
-    def run(rank):
-        try:
-            Saver(shard_index=rank, shard_num=len(tables), parallel=parallel, path=str(path), hashtables=tables[rank],
-                  tensors=tensors, engine=engines[rank], timeout=60, **options).save()
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(tables))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    save_threads(path, tables, tensors, parallel, **options)
 
 
 SHARDED_TENSORS = {"w": _arange(np.float32, (5, 2)) / 4, "step": np.array(9, np.int64), "b": _arange(ml_dtypes.bfloat16, (3,))}
@@ -549,15 +531,16 @@ def test_golden_tf_checkpoints_read_back():
             assert r.read_tensor(name).dtype == value.dtype and r.read_tensor(name).tobytes() == value.tobytes()
 
 
+@pytest.mark.parametrize("folder", ["sharded", "sharded-0.2.0"])
 @pytest.mark.parametrize("checkpoint", ["full", "delta"])
-def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(checkpoint):
+def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(folder, checkpoint):
     from fastckpt.sharded import HashTable, Loader
 
     saved = [_sharded_tables(0), _sharded_tables(1)]
     if checkpoint == "delta":
         _change_sharded(saved)
     for shards in (1, 3):
-        got = [Loader(str(GOLDEN / "sharded" / checkpoint), shard_index=r, shard_num=shards).load()
+        got = [Loader(str(GOLDEN / folder / checkpoint), shard_index=r, shard_num=shards).load()
                for r in range(shards)]
         for name in ("emb", "small"):
             merged = HashTable(saved[0][name].dim, saved[0][name].dtype, slots=saved[0][name].slots)
@@ -572,12 +555,13 @@ def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(checkpoint):
                 assert tensors[name].dtype == value.dtype and tensors[name].tobytes() == value.tobytes()
 
 
-def test_golden_quantized_sharded_checkpoint_loads_within_its_bound():
+@pytest.mark.parametrize("folder", ["sharded", "sharded-0.2.0"])
+def test_golden_quantized_sharded_checkpoint_loads_within_its_bound(folder):
     from fastckpt.sharded import CheckpointReader, Loader
 
     saved = [_sharded_tables(0), _sharded_tables(1)]
     _change_sharded(saved)
-    path = GOLDEN / "sharded" / "quantized"
+    path = GOLDEN / folder / "quantized"
     bound = CheckpointReader(path).manifest["hashtables"]["emb"]["encoding"]["max_abs_error"]
     loader = Loader(str(path), allow_lossy=True)
     tables, _ = loader.load()
@@ -587,3 +571,25 @@ def test_golden_quantized_sharded_checkpoint_loads_within_its_bound():
         for got, want in ((tables["emb"].lookup(ids), part["emb"].lookup(ids)),
                           *((tables["emb"].lookup_slot(s, ids), part["emb"].lookup_slot(s, ids)) for s in ("m", "v"))):
             assert np.abs(got - want).max() <= bound
+
+
+@pytest.mark.parametrize("checkpoint, version", [("full", 1), ("delta", 2), ("quantized", 2)])
+def test_sharded_checkpoints_of_0_2_0_verify_with_what_they_carry(checkpoint, version):
+    """Format versions 1 and 2 carry no checksum of the manifest: their files are verified, and the reader and
+    ``fastckpt verify`` say what could not be checked."""
+    import io
+    from argparse import Namespace
+
+    from fastckpt.cli.verify import run
+    from fastckpt.sharded import CheckpointReader
+
+    path = GOLDEN / "sharded-0.2.0" / checkpoint
+    with CheckpointReader(path) as r:
+        assert r.manifest["format_version"] == version and r.verify() == []
+        assert r.unchecked == [f"manifest.json: format version {version} carries no checksum of its own (version 3 "
+                               "does); its values were checked against the other files only"]
+    with CheckpointReader(GOLDEN / "sharded" / checkpoint) as r:
+        assert r.manifest["format_version"] == 3 and r.unchecked == [] and "checksum" in r.manifest
+    out = io.StringIO()
+    assert run(Namespace(directory=str(path), no_hash=False, quiet=False), out) == 0
+    assert "not checked: manifest.json: format version" in out.getvalue()

@@ -12,7 +12,8 @@ import pytest
 
 from fastckpt.errors import FormatError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver
-from fastckpt.sharded.chain import BrokenChainError, compact, manifest_digest, prune, resolve_chain
+from fastckpt.sharded.chain import BrokenChainError, manifest_digest, prune, resolve_chain
+from fastckpt.sharded.reshard import compact
 from fastckpt.sharded.engine import ThreadEngine
 from fastckpt.sharded.loader import owner_mod
 from fastckpt.sharded.saver import DeltaPolicy
@@ -169,7 +170,7 @@ def test_the_delta_holds_only_the_changed_rows_and_deleted_ids(tmp_path):
         assert sorted(r.read_tensor("emb.id").tolist()) == [5, 6]
         assert r.read_tensor("emb.deleted").tolist() == [7]
         m = r.manifest
-    assert m["format_version"] == 2 and m["kind"] == "delta" and m["chain_length"] == 1
+    assert m["format_version"] == 3 and m["kind"] == "delta" and m["chain_length"] == 1
     assert m["base"] == {"path": "../a", "manifest_blake3": manifest_digest(tmp_path / "a")}
     assert m["hashtables"]["emb"] == {"dim": 2, "dtype": "float32", "slots": ["m"], "ids": 99, "written": 2,
                                       "deleted": 1}
@@ -250,7 +251,7 @@ def test_compaction_equals_the_chain_and_stands_alone(tmp_path):
     trainer = _chain(tmp_path, n=4)
     compact(tmp_path / "s4", tmp_path / "full")
     with CheckpointReader(tmp_path / "full") as r:
-        assert "kind" not in r.manifest and r.manifest["format_version"] == 1
+        assert "kind" not in r.manifest and r.manifest["format_version"] == 3
     for k in range(5):
         shutil.rmtree(tmp_path / f"s{k}")
     got, dense = load_whole(tmp_path / "full", 2)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import fastckpt
-from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError, TensorNotFoundError
+from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver, split_sparse_dense_state_dict
+from _sharded_edit import reseal
 from fastckpt.sharded.engine import BarrierTimeoutError, ThreadEngine
 from fastckpt.sharded.format import DESCRIPTION_FILE, INDEX_FILE, MANIFEST_FILE, TENSORKEY_FILE
 
@@ -114,7 +115,7 @@ def test_the_directory_holds_the_files_the_format_names(tmp_path):
     assert desc["bf/part_0_2"]["dtype"] == "bfloat16"
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     assert (manifest["format"], manifest["format_version"], manifest["world_size"], manifest["parallel"]) == \
-        ("fastckpt.sharded", 1, 2, 3)
+        ("fastckpt.sharded", 3, 2, 3)
     assert set(manifest["files"]) == set(names) - {MANIFEST_FILE}
     assert all(manifest["files"][n]["size"] == (out / n).stat().st_size for n in manifest["files"])
     assert manifest["hashtables"]["emb"] == {"dim": DIM, "dtype": "float32", "slots": list(SLOTS),
@@ -258,15 +259,19 @@ def test_corrupted_and_truncated_files_are_named(tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match="model-00001-000.safetensors: BLAKE3"):  # checked by default
-        CheckpointReader(tmp_path / "c")
     with CheckpointReader(tmp_path / "c", verify=False) as r:
-        assert r.verify() == [f"model-00001-000.safetensors: BLAKE3 {_hash(path)[:16]}..., the manifest says "
-                              f"{json.loads((tmp_path / 'c' / MANIFEST_FILE).read_text())['files'][path.name]['blake3'][:16]}..."]
+        [problem] = r.verify()
+        assert problem.startswith(
+            f"model-00001-000.safetensors: BLAKE3 {_hash(path)[:16]}..., the manifest says "
+            f"{json.loads((tmp_path / 'c' / MANIFEST_FILE).read_text())['files'][path.name]['blake3'][:16]}...: the "
+            "file was changed or damaged after the commit; it holds 9 parts ['bf/part_1_2', 'bias/part_1_2', ")
     path.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(FormatError, match="model-00001-000.safetensors"):
         CheckpointReader(tmp_path / "c")
     (tmp_path / "c" / INDEX_FILE).write_text("{")
+    with pytest.raises(ChecksumMismatchError, match="index.json: 1 bytes, the manifest says"):
+        CheckpointReader(tmp_path / "c")
+    reseal(tmp_path / "c")
     with pytest.raises(FormatError, match="index.json: not valid JSON"):
         CheckpointReader(tmp_path / "c")
 
@@ -322,7 +327,7 @@ def test_docs_carry_the_same_format_spec_as_the_module():
     import fastckpt.sharded.format as fmt
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "formats" / "sharded.md").read_text(encoding="utf-8")
-    spec = fmt.__doc__[fmt.__doc__.index("Sharded checkpoint format, versions 1 and 2"):fmt.__doc__.index("\n>>>")]
+    spec = fmt.__doc__[fmt.__doc__.index("Sharded checkpoint format, versions 1 to 3"):fmt.__doc__.index("\n>>>")]
     block = docs[docs.index("```text\n") + len("```text\n"):].rsplit("\n```", 1)[0]
     assert block == spec.rstrip("\n")
 
@@ -358,12 +363,12 @@ def test_cli_inspect_verify_and_reshard(tmp_path, capsys):
 @pytest.mark.parametrize("name, damage, message", [
     (MANIFEST_FILE, lambda t: t.replace('"fastckpt.sharded"', '"other"'), "'format' is 'other'"),
     (MANIFEST_FILE, lambda t: t[: len(t) // 2], "manifest.json: not valid JSON"),
-    (MANIFEST_FILE, lambda t: t.replace('"format_version": 1', '"format_version": 9'), "format version 9 is newer"),
+    (MANIFEST_FILE, lambda t: t.replace('"format_version": 3', '"format_version": 9'), "format version 9 is newer"),
     (TENSORKEY_FILE, lambda t: t.replace('"w"', '"v"', 1), "disagree"),
     (TENSORKEY_FILE, lambda t: "[]", "tensorkey.json: expected a JSON object"),
     (DESCRIPTION_FILE, lambda t: t[:-3], "not valid JSON"),
     (DESCRIPTION_FILE, lambda t: t.replace('"shape": [\n   5,\n   4\n  ]', '"shape": [\n   6,\n   4\n  ]', 1),
-     "the description says"),
+     r"entry 'w/part_1_2': rows \[5, 10\) of shape \[5, 4\]: expected rows from 6"),
     (INDEX_FILE, lambda t: t.replace('"model-00001-000.safetensors": 1', '"model-00001-000.safetensors": 7'),
      "file_index"),
 ])
@@ -371,6 +376,10 @@ def test_damaged_metadata_files_are_named(tmp_path, name, damage, message):
     save_ranks(tmp_path / "c", 2, parallel=1)
     path = tmp_path / "c" / name
     path.write_text(damage(path.read_text()))
+    if name != MANIFEST_FILE:  # caught by its hash in the manifest, before anything else
+        with pytest.raises(ChecksumMismatchError, match=f"{name}: "):
+            CheckpointReader(tmp_path / "c")
+        reseal(tmp_path / "c")  # rewritten consistently: the cross-checks catch it
     with pytest.raises(FormatError, match=message):
         CheckpointReader(tmp_path / "c")
 

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fastckpt.errors import FormatError, IntegrityError
+from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver
 from fastckpt.sharded.codec import check_options, decode, encode_ids, encode_values
 from fastckpt.sharded.engine import ThreadEngine
@@ -72,7 +72,7 @@ def test_lossless_compression_restores_every_bit(tmp_path, compression, dtype):
     parts = tables(2, dtype)
     save(tmp_path / "c", parts, compression=compression)
     with CheckpointReader(tmp_path / "c") as r:
-        assert r.manifest["format_version"] == 2 and "lossy" not in r.manifest
+        assert r.manifest["format_version"] == 3 and "lossy" not in r.manifest
         assert r.manifest["hashtables"]["emb"]["encoding"] == {"compression": compression, "quantize": None,
                                                                "max_abs_error": 0.0}
         d = r.descriptions["emb.id/part_0_2"]
@@ -160,10 +160,10 @@ def test_damaged_compressed_data_is_named(tmp_path):
     with open(path, "r+b") as fh:
         fh.seek(offset + 40)
         fh.write(b"\xff" * 64)
-    with pytest.raises(IntegrityError, match=r"model-00000-00\d\.safetensors: BLAKE3"):  # the manifest, first
+    with pytest.raises(ChecksumMismatchError, match=r"model-00000-00\d\.safetensors: BLAKE3 .*'emb.embedding/part_0_1'"):
         Loader(str(tmp_path / "c")).load()
     with pytest.raises(FormatError, match=r"model-00000-00\d\.safetensors: tensor 'emb.embedding/part_0_1': .*"):
-        Loader(str(tmp_path / "c"), verify=False).load()  # the codec's own check
+        Loader(str(tmp_path / "c"), verify=False).load()
 
 
 def test_the_codec_round_trips_and_checks_sizes():

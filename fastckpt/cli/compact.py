@@ -30,7 +30,8 @@ def add_parser(subparsers):
 
 def run(args) -> int:
     from fastckpt.errors import FastCkptError
-    from fastckpt.sharded.chain import compact, resolve_chain
+    from fastckpt.sharded.chain import resolve_chain
+    from fastckpt.sharded.reshard import compact
 
     try:
         links = len(resolve_chain(args.src))

@@ -10,7 +10,10 @@ resolve, and that ``extra.json`` decodes (:func:`fastckpt.train.verify_checkpoin
 directory) it checks each one and lists leftovers of interrupted saves. It
 prints one line per problem and exits 1 when there is any, 0 otherwise. A
 sharded checkpoint (:mod:`fastckpt.sharded`) is checked against its manifest:
-every file's size and BLAKE3 hash, and the index, key and description files.
+the manifest's own checksum (format version 3), every file's size and BLAKE3
+hash, the index, key and description files against each other and against
+the tensor files' headers (every dense row stored once, shapes, dtypes and
+counts); for a checkpoint of an older version it says what it could not check.
 A Hugging Face safetensors directory (or the path of its index) is checked
 shard by shard: every header parses, every file ends where its header's data
 section ends, every name of the index is in the shard it names, and no shard
@@ -30,6 +33,7 @@ holds tensors the index leaves out. One tensor file is checked as
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -83,23 +87,33 @@ def _verify_sharded(path: Path, hashes: bool, quiet: bool, out) -> int:
     """A sharded checkpoint, and for a delta every checkpoint of its chain (the links and their files)."""
     from fastckpt.errors import FastCkptError
     from fastckpt.sharded.chain import resolve_chain
+    from fastckpt.sharded.format import MANIFEST_FILE
     from fastckpt.sharded.reader import CheckpointReader
 
-    problems, chain = [], []
+    problems, chain, unchecked = [], [], []
     try:
         chain = resolve_chain(path)
         for link, _ in chain:
-            with CheckpointReader(link, verify=False) as reader:  # checked below, every problem listed
-                where = "" if Path(link) == path.absolute() else f"{link}: "
+            where = "" if Path(link) == path.absolute() else f"{link}: "
+            with CheckpointReader(link, verify=False) as reader:  # opening checks the metadata and every size
                 problems += [where + p for p in (reader.verify(progress=sys.stderr.isatty()) if hashes else [])]
+                unchecked += [where + u for u in reader.unchecked]
+                stray = sorted(set(os.listdir(link)) - set(reader.manifest["files"]) - {MANIFEST_FILE})
+                if stray:
+                    problems.append(f"{where}holds {len(stray)} file(s) its manifest does not list: {stray[:4]} "
+                                    "(not part of the checkpoint: left by another save, or copied in)")
     except (FastCkptError, OSError) as exc:
         problems.append(str(exc))
     if problems or quiet:
         return _report(path, problems, "", out)
     m = chain[-1][1]
     kind = f" delta on a chain of {len(chain)} checkpoints" if len(chain) > 1 else ""
-    return _report(path, [], f"sharded{kind}: world_size={m['world_size']} parallel={m['parallel']} "
-                             f"files={len(m['files'])}{'' if hashes else ' (hashes not checked)'}", out)
+    status = _report(path, [], f"sharded{kind}: format version {m['format_version']} world_size={m['world_size']} "
+                               f"parallel={m['parallel']} files={len(m['files'])}"
+                               f"{'' if hashes else ' (hashes not checked)'}", out)
+    for note in unchecked:
+        print(f"  not checked: {note}", file=out)
+    return status
 
 
 _HF_MARKERS = ("model.safetensors", "model.safetensors.index.json")

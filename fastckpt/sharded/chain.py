@@ -1,11 +1,12 @@
-"""Chains of delta checkpoints: following ``base`` links, folding a chain, and retention that keeps what is needed.
+"""Chains of delta checkpoints: following ``base`` links, and retention that keeps what is needed.
 
 A delta checkpoint (format version 2, :mod:`fastckpt.sharded.format`) holds
 what changed since its base; the base may be a delta too, down to a full
 checkpoint. :func:`resolve_chain` follows the links from a head and checks
-each one; :func:`compact` writes a chain's state as one full checkpoint;
-:func:`prune` removes old checkpoints of a directory but never one that a kept
-checkpoint's chain needs.
+each one; :func:`prune` removes old checkpoints of a directory but never one that a kept
+checkpoint's chain needs. Folding a chain into one full checkpoint
+(:func:`fastckpt.sharded.reshard.compact`) sits above the loader and the saver it
+uses, which both use this module.
 
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.sharded import HashTable, Saver
@@ -31,7 +32,7 @@ from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.atomic import fsync_directory
 from fastckpt.sharded.format import FORMAT, MANIFEST_FILE, read_metadata
 
-__all__ = ["BrokenChainError", "manifest_digest", "resolve_chain", "checkpoints", "needed", "prune", "compact"]
+__all__ = ["BrokenChainError", "manifest_digest", "resolve_chain", "checkpoints", "needed", "prune"]
 
 _MAX_LINKS = 100_000
 
@@ -164,20 +165,3 @@ def prune(directory: str | os.PathLike, keep_last: int) -> list[str]:
     if removed:
         fsync_directory(os.fspath(directory))
     return removed
-
-
-def compact(src: str | os.PathLike, dst: str | os.PathLike, *, shards: int | None = None,
-            parallel: int | None = None, overwrite: bool = False, timeout: float = 600.0, progress=False) -> str:
-    """Write the state at ``src`` (a full checkpoint or the head of a chain) as one full checkpoint at ``dst``.
-
-    ``shards`` and ``parallel`` default to the head's. Returns ``dst``. The result holds exactly the chain's state
-    (tables, slots and dense tensors); it needs no other checkpoint. ``progress`` is
-    :func:`~fastckpt.sharded.reshard.reshard`'s.
-    """
-    from fastckpt.sharded.reshard import reshard
-
-    head = read_metadata(src)["manifest"]
-    resolve_chain(src)  # a broken chain is named before anything is written
-    return reshard(src, dst, head["world_size"] if shards is None else shards,
-                   parallel=head["parallel"] if parallel is None else parallel, overwrite=overwrite, timeout=timeout,
-                   progress=progress)

@@ -40,6 +40,7 @@ import cramjam
 import numpy as np
 
 from fastckpt.errors import FormatError
+from fastckpt.sharded.format import dtype_of
 
 __all__ = ["CODECS", "QUANTIZE", "encode_ids", "encode_values", "decode", "check_options"]
 
@@ -118,17 +119,25 @@ def _expect(cond: bool, where: str, message: str) -> None:
 def decode(stored: np.ndarray, encoding: dict, where: str = "encoded tensor") -> np.ndarray:
     """The array an encoded tensor holds (a new array); a damaged one raises a ``FormatError`` naming ``where``."""
     codec, shuffle, nbytes = encoding.get("codec"), encoding.get("shuffle", 1), encoding.get("payload_nbytes")
-    _expect(codec in (None, *CODECS) and type(shuffle) is int and shuffle >= 1 and type(nbytes) is int
-            and nbytes >= 0, where, f"unknown encoding {encoding!r}")
+    _expect(codec in (None, *CODECS) and type(shuffle) is int and 1 <= shuffle <= 16 and type(nbytes) is int
+            and nbytes >= 0, where, f"unknown encoding {encoding!r} (shuffle: an element's size, 1 to 16 bytes)")
     data = memoryview(np.ascontiguousarray(stored).reshape(-1).view(np.uint8))
-    try:
-        if codec == "zstd":
-            data = cramjam.zstd.decompress(data, output_len=nbytes)
-        elif codec == "lz4":
-            data = cramjam.lz4.decompress(data, output_len=nbytes)
-    except Exception as exc:  # noqa: BLE001 - cramjam raises its own DecompressionError
-        raise FormatError(f"{where}: its {codec} data does not decompress ({exc}); the file is damaged") from None
-    raw = np.frombuffer(bytes(data), np.uint8)
+    if codec is None:
+        raw = np.frombuffer(bytes(data), np.uint8)
+    else:
+        # Into an array numpy allocates: a claimed size no memory can hold is a MemoryError here, where the
+        # codec's own allocation of output_len would abort the process.
+        try:
+            raw = np.empty(nbytes, np.uint8)
+        except (MemoryError, ValueError):
+            raise FormatError(f"{where}: its encoding claims {nbytes} payload bytes, more than memory holds; the "
+                              "file is damaged") from None
+        try:
+            got = getattr(cramjam, codec).decompress_into(data, raw)
+        except Exception as exc:  # noqa: BLE001 - cramjam raises its own DecompressionError
+            raise FormatError(f"{where}: its {codec} data does not decompress into the {nbytes} payload bytes its "
+                              f"encoding says ({exc}); the file is damaged") from None
+        raw = raw[:got]
     _expect(len(raw) == nbytes and nbytes % shuffle == 0, where,
             f"holds {len(raw)} payload bytes, its encoding says {nbytes}; the file is damaged")
     if shuffle > 1:
@@ -138,9 +147,7 @@ def decode(stored: np.ndarray, encoding: dict, where: str = "encoded tensor") ->
     if transform == "delta":
         _expect(len(shape) == 1 and nbytes == 8 * shape[0], where, f"delta ids of shape {shape} in {nbytes} bytes")
         return np.cumsum(raw.view("<u8"), dtype=np.uint64).view(np.int64)  # wraps back to the ids
-    from fastckpt.sharded.reader import _dtype
-
-    dtype = _dtype(encoding.get("dtype", ""), where)
+    dtype = dtype_of(encoding.get("dtype", ""), where)
     _expect(len(shape) == 2, where, f"rows of shape {shape}: expected (rows, dim)")
     n, dim = shape
     if transform is None:

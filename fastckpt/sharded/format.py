@@ -4,13 +4,14 @@ A checkpoint saved by ``world_size`` ranks, each writing ``parallel`` files,
 is one directory. Every JSON file below is UTF-8, ``json.dumps(obj, indent=1,
 sort_keys=True, ensure_ascii=False)`` followed by one newline.
 
-Sharded checkpoint format, versions 1 and 2
-===========================================
+Sharded checkpoint format, versions 1 to 3
+==========================================
 
 Version 1 is the full checkpoint described first; version 2 adds delta
-checkpoints and encoded tables (below). A full checkpoint without encoding is
-still written as version 1, byte for byte, so every reader of version 1 reads
-it; only a delta or an encoded checkpoint says version 2.
+checkpoints and encoded tables (below); version 3 adds the manifest's own
+checksum (``checksum``, below). Every save writes version 3, full or delta,
+encoded or not. fastckpt 0.2.0 wrote version 1 for a full checkpoint and 2
+for a delta or an encoded one; readers read all three.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -57,11 +58,17 @@ Tensor files
     ``"slot"`` with ``slot`` naming it, or in a delta ``"deleted"``).
 
 ``manifest.json`` (written last: its presence is the commit)
-    ``{"format": "fastckpt.sharded", "format_version": 1, "world_size": n,
+    ``{"format": "fastckpt.sharded", "format_version": 3, "world_size": n,
     "parallel": p, "files": {file name: {"size": bytes, "blake3": hex}},
     "tensors": {name: {"dtype", "shape"}}, "hashtables": {T: {"dim", "dtype",
-    "slots", "ids"}}}``. ``files`` lists every other file of the directory
-    (the tensor files and the three JSON files above).
+    "slots", "ids"}}, "checksum": {"blake3": hex}}``. ``files`` lists every
+    other file of the directory (the tensor files and the three JSON files
+    above): ``world_size * parallel + 3`` entries. ``checksum`` (version 3)
+    is the BLAKE3 of the bytes the manifest would have without it (the
+    layout above applied to the manifest less ``checksum``); with ``files``
+    recording every other file's size and hash, it covers the checkpoint's
+    metadata and, through the hashes, every byte. A manifest of version 1 or
+    2 has no ``checksum``.
 
 Writing
     Every rank writes its files into one staging directory
@@ -75,15 +82,39 @@ Writing
     parent once its process is gone.
 
 Reading
-    Readers check the manifest (format, version), that every file it lists
-    exists with its size (and, on request, its BLAKE3 hash: 32 bytes, 64 hex
-    digits, of the whole file), and that the three
-    JSON files agree with each other.
+    Readers open the checkpoint's directory once and every file relative to
+    it, so that all of them come from one commit: a tensor file that is not
+    the one of that directory (the checkpoint replaced or removed meanwhile)
+    or not of the size the manifest lists is an error saying the checkpoint
+    changed while it was opened. Before any byte of a tensor is placed they
+    check:
+
+    * the manifest: format, version, its ``checksum`` (version 3), every
+      value of the type given above, ``world_size * parallel + 3`` entries in
+      ``files`` (so that absurd counts fail before any name is made), each
+      named as a file of this checkpoint;
+    * the three JSON files: size and BLAKE3 (32 bytes, 64 hex digits, of the
+      whole file) against the manifest, then against each other;
+    * the descriptions against the manifest: the parts ``part_0_n`` ..
+      ``part_(n-1)_n`` of each dense tensor store its rows in rank order,
+      each row exactly once, with its ``global_shape`` and ``dtype``; each
+      table of ``hashtables``, and no other, has its id, embedding, slot (and
+      in a delta deleted) tensors in every part: ``[k]`` int64 ids, ``[k,
+      dim]`` rows of its dtype, ``[d]`` int64 deleted ids, and the parts'
+      counts add up to ``ids`` (in a delta to ``written`` and ``deleted``);
+    * each tensor file's safetensors header against the descriptions (the
+      keys the index places in it, their shapes and dtypes).
+
+    Loads then check every tensor file they read against its BLAKE3 (unless
+    asked not to); a reader of single tensors checks a file the first time
+    it reads a part of it. In versions 1 and 2 nothing checks the manifest's
+    own bytes: everything else is checked, and ``fastckpt verify`` says so.
 
 Delta checkpoints (version 2)
     A delta holds what changed since another committed checkpoint, its
     *base* (full or itself a delta). The layout is that of a full checkpoint,
-    and its ``manifest.json`` has ``"format_version": 2`` and three more keys:
+    and its ``manifest.json`` has a ``"format_version"`` of 2 or more and
+    three more keys:
     ``"kind": "delta"`` (a manifest without ``kind`` is a full checkpoint),
     ``"base": {"path": P, "manifest_blake3": H}`` (``P`` the base directory
     relative to the delta's own directory, ``/``-separated, e.g.
@@ -150,17 +181,23 @@ import os
 import re
 from typing import Any
 
-from fastckpt.errors import CheckpointNotFoundError, FormatError
+import blake3
+import numpy as np
+
+from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "INDEX_FILE", "TENSORKEY_FILE", "DESCRIPTION_FILE", "MANIFEST_FILE",
-    "tensor_file_name", "part_key", "parse_part_key", "rows_of", "dumps", "read_metadata",
+    "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "CHECKSUM_VERSION", "INDEX_FILE", "TENSORKEY_FILE",
+    "DESCRIPTION_FILE", "MANIFEST_FILE",
+    "tensor_file_name", "part_key", "parse_part_key", "rows_of", "dumps", "dtype_of", "manifest_checksum", "seal",
+    "read_metadata",
 ]
 
 FORMAT = "fastckpt.sharded"
-FORMAT_VERSION = 2  # the newest version read; full checkpoints are written as FULL_VERSION
-FULL_VERSION = 1
-DELTA_VERSION = 2
+FORMAT_VERSION = 3  # the newest version read, and the one every save writes
+FULL_VERSION = 1  # the first version
+DELTA_VERSION = 2  # the first version with deltas and encoded tables
+CHECKSUM_VERSION = 3  # the first version whose manifest carries its own checksum
 INDEX_FILE = "index.json"
 TENSORKEY_FILE = "tensorkey.json"
 DESCRIPTION_FILE = "torch_rank_weights_embs_table_multi_shard.json"
@@ -169,6 +206,7 @@ ROLES = ("id", "embedding", "slot", "deleted")
 
 _PART = re.compile(r"^(?P<name>.+)/part_(?P<i>\d+)_(?P<n>\d+)$")
 _FILE = re.compile(r"^model-(\d{5})-(\d{3})\.safetensors$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def tensor_file_name(rank: int, writer: int) -> str:
@@ -217,13 +255,69 @@ def dumps(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def _load_json(directory: str, name: str) -> Any:
+# dtypes a description may name: numpy's numeric types and ml_dtypes' (names as numpy spells them)
+_NUMPY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+                 "float32", "float64", "complex64", "complex128")
+_ML_DTYPES = ("bfloat16", "float8_e5m2", "float8_e4m3fn", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz",
+              "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
+              "int2", "int4", "uint2", "uint4")
+_dtypes: dict[str, np.dtype] = {}
+
+
+def dtype_of(name: Any, where: str) -> np.dtype:
+    """The numpy dtype a description's ``dtype`` names (numpy's or ml_dtypes' name); anything else is a FormatError.
+
+    >>> dtype_of("bfloat16", "x").name, dtype_of("float32", "x").itemsize
+    ('bfloat16', 4)
+    >>> dtype_of("object", "d.json: entry 'w'")
+    Traceback (most recent call last):
+    fastckpt.errors.FormatError: d.json: entry 'w': unknown dtype 'object'
+    """
+    if not _dtypes:
+        import ml_dtypes
+
+        found = {n: np.dtype(n) for n in _NUMPY_DTYPES}
+        found.update((n, np.dtype(getattr(ml_dtypes, n))) for n in _ML_DTYPES if hasattr(ml_dtypes, n))
+        _dtypes.update(found)
+    dtype = _dtypes.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise FormatError(f"{where}: unknown dtype {name!r}")
+    return dtype
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """The BLAKE3 (hex) a version-3 manifest records of itself: of :func:`dumps` of the manifest less ``checksum``.
+
+    >>> m = seal({"format": FORMAT}); m["checksum"]["blake3"] == manifest_checksum(m)
+    True
+    """
+    return blake3.blake3(dumps({k: v for k, v in manifest.items() if k != "checksum"})).hexdigest()
+
+
+def seal(manifest: dict) -> dict:
+    """``manifest`` with its ``checksum`` (:func:`manifest_checksum`) added: what a version-3 save writes.
+
+    >>> sorted(seal({"format": FORMAT}))
+    ['checksum', 'format']
+    """
+    return {**manifest, "checksum": {"blake3": manifest_checksum(manifest)}}
+
+
+def _read(directory: str, name: str, dir_fd: int | None, limit: int | None = None) -> bytes:
+    """The bytes of ``name`` in the checkpoint (relative to ``dir_fd`` where given: the directory the reader
+    opened, so that every file comes from one commit); at most ``limit + 1`` bytes."""
     path = os.path.join(directory, name)
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        fd = os.open(name if dir_fd is not None else path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
     except FileNotFoundError:
         raise FormatError(f"{path}: missing; the checkpoint's {MANIFEST_FILE} lists it") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read() if limit is None else f.read(limit + 1)
+
+
+def _parse(data: bytes, path: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
 
@@ -233,45 +327,83 @@ def _expect(cond: bool, where: str, message: str) -> None:
         raise FormatError(f"{where}: {message}")
 
 
-def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's four JSON files, parsed and checked against each other.
+def _count(value: Any, lo: int = 0) -> bool:
+    return type(value) is int and value >= lo
 
-    Returns ``{"manifest", "index", "tensorkey", "descriptions"}``. A directory
-    without ``manifest.json`` raises
-    :class:`~fastckpt.errors.CheckpointNotFoundError`; any disagreement a
-    :class:`~fastckpt.errors.FormatError` naming the file and the entry.
+
+def _shape(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= 64 and all(_count(x) for x in value)
+
+
+def _rows(shape: list) -> int:
+    return shape[0] if shape else 1
+
+
+def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) -> dict[str, Any]:
+    """The checkpoint's four JSON files, parsed, checked against the manifest's hashes and against each other.
+
+    Returns ``{"manifest", "manifest_blake3", "index", "tensorkey", "descriptions", "unchecked"}``
+    (``manifest_blake3``: the BLAKE3 of ``manifest.json``'s bytes; ``unchecked``: what this version of the
+    format gives no means to check). A directory without ``manifest.json`` raises
+    :class:`~fastckpt.errors.CheckpointNotFoundError`; a metadata file whose bytes are not the ones the
+    manifest records (or a version-3 manifest that fails its own checksum) an
+    :class:`~fastckpt.errors.ChecksumMismatchError`; any malformed value or disagreement a
+    :class:`~fastckpt.errors.FormatError` naming the file and the key. ``dir_fd``: read the files relative to
+    this open directory instead of by path.
 
     >>> read_metadata("/nonexistent")
     Traceback (most recent call last):
     fastckpt.errors.CheckpointNotFoundError: /nonexistent: no sharded checkpoint here (no manifest.json: a save that did not finish leaves none)
     """
     d = os.fspath(directory)
-    if not os.path.isfile(os.path.join(d, MANIFEST_FILE)):
-        raise CheckpointNotFoundError(
-            f"{d}: no sharded checkpoint here (no {MANIFEST_FILE}: a save that did not finish leaves none)")
-    manifest = _load_json(d, MANIFEST_FILE)
     where = os.path.join(d, MANIFEST_FILE)
+    try:
+        raw = _read(d, MANIFEST_FILE, dir_fd)
+    except (FormatError, NotADirectoryError, IsADirectoryError):
+        raise CheckpointNotFoundError(
+            f"{d}: no sharded checkpoint here (no {MANIFEST_FILE}: a save that did not finish leaves none)") from None
+    manifest = _parse(raw, where)
     _expect(isinstance(manifest, dict), where, f"expected a JSON object, got {type(manifest).__name__}")
     _expect(manifest.get("format") == FORMAT, where,
             f"'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
     version = manifest.get("format_version")
-    _expect(type(version) is int, where, f"'format_version' must be an integer, got {version!r}")
+    _expect(_count(version, 1), where, f"'format_version' must be a positive integer, got {version!r}")
     _expect(version <= FORMAT_VERSION, where,
             f"format version {version} is newer than this fastckpt reads ({FORMAT_VERSION}); upgrade fastckpt")
+    unchecked = []
+    if version >= CHECKSUM_VERSION:
+        checksum = manifest.get("checksum")
+        _expect(isinstance(checksum, dict) and isinstance(checksum.get("blake3"), str)
+                and _HEX64.match(checksum["blake3"]) is not None, where,
+                f"'checksum' must be {{'blake3': 64 hex digits}}, got {checksum!r}")
+        actual = manifest_checksum(manifest)
+        if actual != checksum["blake3"]:
+            raise ChecksumMismatchError(f"{where}: its contents hash to BLAKE3 {actual[:16]}..., its 'checksum' "
+                                        f"says {checksum['blake3'][:16]}...: the manifest was edited or damaged after "
+                                        "the commit")
+    else:
+        unchecked.append(f"{MANIFEST_FILE}: format version {version} carries no checksum of its own (version "
+                         f"{CHECKSUM_VERSION} does); its values were checked against the other files only")
     for key in ("world_size", "parallel"):
-        _expect(type(manifest.get(key)) is int and manifest[key] >= 1, where,
-                f"{key!r} must be a positive integer, got {manifest.get(key)!r}")
+        _expect(_count(manifest.get(key), 1), where, f"{key!r} must be a positive integer, got {manifest.get(key)!r}")
     files = manifest.get("files")
     _expect(isinstance(files, dict), where, "'files' must be an object")
+    world_size, parallel = manifest["world_size"], manifest["parallel"]
+    # Bounded by what the manifest lists before any name is made: a world_size of 10**12 fails here, at once.
+    _expect(world_size * parallel + 3 == len(files), where,
+            f"world_size {world_size} x parallel {parallel} tensor files and the 3 metadata files make "
+            f"{world_size * parallel + 3} files, 'files' lists {len(files)}")
+    expected_files = set()
     for name, entry in files.items():
-        _expect("/" not in name and "\\" not in name and name not in (".", ".."), where,
-                f"file name {name!r} is not a plain name in the directory")
-        _expect(isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("blake3"), str),
-                where, f"files[{name!r}] must be {{'size': int, 'blake3': str}}, got {entry!r}")
-    expected_files = {tensor_file_name(r, k) for r in range(manifest["world_size"]) for k in range(manifest["parallel"])}
-    missing = sorted(expected_files - set(files))
-    _expect(not missing, where, f"lists no entry for the tensor files {missing[:4]} (world_size "
-                                f"{manifest['world_size']} x parallel {manifest['parallel']} files expected)")
+        m = _FILE.match(name)
+        _expect(name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE)
+                or (m is not None and int(m.group(1)) < world_size and int(m.group(2)) < parallel), where,
+                f"files[{name!r}]: not a file of a checkpoint of world_size {world_size} x parallel {parallel}")
+        _expect(isinstance(entry, dict) and _count(entry.get("size")) and isinstance(entry.get("blake3"), str)
+                and _HEX64.match(entry["blake3"]) is not None, where,
+                f"files[{name!r}] must be {{'size': int >= 0, 'blake3': 64 hex digits}}, got {entry!r}")
+        if m is not None:
+            expected_files.add(name)
     for name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE):
         _expect(name in files, where, f"lists no entry for {name}")
     kind = manifest.get("kind", "full")
@@ -283,10 +415,25 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
         _expect(isinstance(base, dict) and isinstance(base.get("path"), str) and base["path"]
                 and isinstance(base.get("manifest_blake3"), str), where,
                 f"'base' must be {{'path': str, 'manifest_blake3': str}}, got {base!r}")
-        _expect(type(manifest.get("chain_length")) is int and manifest["chain_length"] >= 1, where,
+        _expect(_count(manifest.get("chain_length"), 1), where,
                 f"'chain_length' must be a positive integer, got {manifest.get('chain_length')!r}")
+    _check_manifest_entries(manifest, where, delta=kind == "delta")
 
-    index = _load_json(d, INDEX_FILE)
+    loaded = {}
+    for name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE):
+        path, entry = os.path.join(d, name), files[name]
+        data = _read(d, name, dir_fd, limit=entry["size"])
+        if len(data) != entry["size"]:
+            raise ChecksumMismatchError(f"{path}: {len(data)}{'+' if len(data) > entry['size'] else ''} bytes, the "
+                                        f"manifest says {entry['size']}: the file was changed after the commit (or the "
+                                        "checkpoint changed while it was opened)")
+        digest = blake3.blake3(data).hexdigest()
+        if digest != entry["blake3"]:
+            raise ChecksumMismatchError(f"{path}: BLAKE3 {digest[:16]}..., the manifest says "
+                                        f"{entry['blake3'][:16]}...: the file was changed or damaged after the commit")
+        loaded[name] = _parse(data, path)
+
+    index = loaded[INDEX_FILE]
     iwhere = os.path.join(d, INDEX_FILE)
     _expect(isinstance(index, dict) and set(index) == {"block_index", "file_index"}, iwhere,
             "expected exactly the keys 'block_index' and 'file_index'")
@@ -294,12 +441,15 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
     _expect(isinstance(file_index, dict) and isinstance(block_index, dict), iwhere, "both keys must hold objects")
     by_number = {}
     for name, number in file_index.items():
-        _expect(name in expected_files and type(number) is int, iwhere, f"file_index entry {name!r}: {number!r}")
+        m = _FILE.match(name)
+        _expect(name in expected_files and m is not None
+                and number == int(m.group(1)) * parallel + int(m.group(2)) and type(number) is int, iwhere,
+                f"file_index[{name!r}] is {number!r}: expected a tensor file of the manifest and its number "
+                "(rank * parallel + writer)")
         by_number[number] = name
-    _expect(len(by_number) == len(file_index) == len(expected_files), iwhere,
-            f"file_index must number the {len(expected_files)} tensor files once each")
-    descriptions = _load_json(d, DESCRIPTION_FILE)
-    tensorkey = _load_json(d, TENSORKEY_FILE)
+    _expect(len(by_number) == len(expected_files), iwhere,
+            f"file_index must number the {len(expected_files)} tensor files once each, it numbers {len(by_number)}")
+    descriptions, tensorkey = loaded[DESCRIPTION_FILE], loaded[TENSORKEY_FILE]
     dwhere, twhere = os.path.join(d, DESCRIPTION_FILE), os.path.join(d, TENSORKEY_FILE)
     _expect(isinstance(descriptions, dict), dwhere, "expected a JSON object")
     _expect(isinstance(tensorkey, dict), twhere, "expected a JSON object")
@@ -307,23 +457,162 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
             f"block_index, {TENSORKEY_FILE} and {DESCRIPTION_FILE} must name the same stored keys "
             f"(differences: {sorted(set(block_index) ^ set(descriptions) ^ set(tensorkey))[:4]})")
     for key, number in block_index.items():
-        _expect(number in by_number, iwhere, f"block_index[{key!r}] is {number!r}, not a file number of file_index")
-        desc = descriptions[key]
-        _expect(isinstance(desc, dict) and desc.get("name") == key and isinstance(desc.get("shape"), list)
-                and isinstance(desc.get("dtype"), str) and isinstance(desc.get("part"), list), dwhere,
-                f"entry {key!r} must hold at least name (the key itself), dtype, shape and part")
-        if "encoding" in desc:
-            enc = desc["encoding"]
-            _expect(version >= DELTA_VERSION, where, f"encoded tensors need format_version {DELTA_VERSION}, got "
-                                                     f"{version}")
-            _expect(isinstance(enc, dict) and isinstance(enc.get("shape"), list) and isinstance(enc.get("dtype"), str)
-                    and desc["dtype"] == "uint8" and len(desc["shape"]) == 1, dwhere,
-                    f"entry {key!r}: an encoded tensor is stored as 1-D uint8 and its encoding names the shape and "
-                    f"dtype it holds, got dtype {desc['dtype']!r}, shape {desc['shape']}, encoding {enc!r}")
-        parsed = parse_part_key(key)
-        _expect(parsed is not None and parsed[0] == tensorkey[key] == desc.get("tensor")
-                and [parsed[1], parsed[2]] == desc["part"], dwhere,
-                f"entry {key!r}: its name, 'tensor', 'part' and {TENSORKEY_FILE} disagree")
-    return {"manifest": manifest, "index": {"block_index": block_index, "file_index": file_index,
-                                            "files": by_number},
-            "tensorkey": tensorkey, "descriptions": descriptions}
+        _expect(isinstance(tensorkey[key], str), twhere, f"[{key!r}] must be the tensor's name, got {tensorkey[key]!r}")
+        _expect(type(number) is int and number in by_number, iwhere,
+                f"block_index[{key!r}] is {number!r}, not a file number of file_index")
+        _check_description(key, descriptions[key], tensorkey[key], dwhere, version)
+    _check_layout(manifest, descriptions, where, dwhere, delta=kind == "delta")
+    return {"manifest": manifest, "manifest_blake3": blake3.blake3(raw).hexdigest(),
+            "index": {"block_index": block_index, "file_index": file_index, "files": by_number},
+            "tensorkey": tensorkey, "descriptions": descriptions, "unchecked": unchecked}
+
+
+def _check_manifest_entries(manifest: dict, where: str, *, delta: bool) -> None:
+    """The manifest's ``tensors`` and ``hashtables``: each value of the types the format gives it."""
+    tensors, tables = manifest.get("tensors", {}), manifest.get("hashtables", {})
+    _expect(isinstance(tensors, dict), where, f"'tensors' must be an object, got {type(tensors).__name__}")
+    _expect(isinstance(tables, dict), where, f"'hashtables' must be an object, got {type(tables).__name__}")
+    _expect(type(manifest.get("lossy", False)) is bool, where, f"'lossy' must be true or false, got "
+                                                                 f"{manifest.get('lossy')!r}")
+    for name, entry in tensors.items():
+        _expect(isinstance(entry, dict) and _shape(entry.get("shape")), where,
+                f"tensors[{name!r}] must be {{'dtype': str, 'shape': [int >= 0, ...]}}, got {entry!r}")
+        dtype_of(entry.get("dtype"), f"{where}: tensors[{name!r}]")
+    for name, entry in tables.items():
+        w = f"{where}: hashtables[{name!r}]"
+        _expect(isinstance(entry, dict), w, f"must be an object, got {entry!r}")
+        _expect(_count(entry.get("dim"), 1), w, f"'dim' must be a positive integer, got {entry.get('dim')!r}")
+        dtype_of(entry.get("dtype"), w)
+        slots = entry.get("slots")
+        _expect(isinstance(slots, list) and all(isinstance(s, str) and s for s in slots)
+                and len(set(slots)) == len(slots) and not {"id", "embedding", "deleted"} & set(slots), w,
+                f"'slots' must be distinct names (not id, embedding or deleted), got {slots!r}")
+        for key in ("ids", "written", "deleted") if delta else ("ids",):
+            _expect(_count(entry.get(key)), w, f"{key!r} must be an integer >= 0, got {entry.get(key)!r}")
+        encoding = entry.get("encoding")
+        _expect(encoding is None or (isinstance(encoding, dict) and type(encoding.get("max_abs_error", 0.0))
+                                     in (int, float)), w, f"'encoding' must be an object with a number "
+                                                          f"'max_abs_error', got {encoding!r}")
+
+
+def _check_description(key: str, desc: Any, original: Any, dwhere: str, version: int) -> None:
+    """One description entry: every field the loaders use, of its type."""
+    w = f"{dwhere}: entry {key!r}"
+    _expect(isinstance(desc, dict), w, f"must be an object, got {type(desc).__name__}")
+    _expect(desc.get("name") == key, w, f"'name' must be the key itself, got {desc.get('name')!r}")
+    _expect(_shape(desc.get("shape")), w, f"'shape' must be a list of integers >= 0, got {desc.get('shape')!r}")
+    dtype_of(desc.get("dtype"), w)
+    part = desc.get("part")
+    _expect(isinstance(part, list) and len(part) == 2 and _count(part[0]) and _count(part[1], 1)
+            and part[0] < part[1], w, f"'part' must be [i, n] with 0 <= i < n, got {part!r}")
+    _expect(type(desc.get("dense")) is bool, w, f"'dense' must be true or false, got {desc.get('dense')!r}")
+    parsed = parse_part_key(key)
+    _expect(parsed is not None and isinstance(original, str) and parsed[0] == original == desc.get("tensor")
+            and [parsed[1], parsed[2]] == part, w,
+            f"its name, 'tensor' ({desc.get('tensor')!r}), 'part' and {TENSORKEY_FILE} ({original!r}) disagree")
+    if desc["dense"]:
+        _expect(_count(desc.get("row_start")) and _shape(desc.get("global_shape")), w,
+                f"a dense part needs 'row_start' (int >= 0) and 'global_shape' (list of int >= 0), got "
+                f"{desc.get('row_start')!r} and {desc.get('global_shape')!r}")
+        _expect("encoding" not in desc, w, "a dense part is never encoded")
+        return
+    role = desc.get("role")
+    _expect(role in ROLES and isinstance(desc.get("table"), str), w,
+            f"a hashtable's tensor needs 'table' (str) and 'role' (one of {ROLES}), got {desc.get('table')!r} and "
+            f"{role!r}")
+    suffix = desc.get("slot") if role == "slot" else role
+    _expect(isinstance(suffix, str) and original == f"{desc['table']}.{suffix}", w,
+            f"tensor {original!r} is not {desc['table']!r}'s {role} tensor (slot {desc.get('slot')!r})")
+    if "encoding" in desc:
+        enc = desc["encoding"]
+        _expect(version >= DELTA_VERSION, w, f"encoded tensors need format_version {DELTA_VERSION}, got {version}")
+        _expect(isinstance(enc, dict) and _shape(enc.get("shape")) and desc["dtype"] == "uint8"
+                and len(desc["shape"]) == 1 and _count(enc.get("payload_nbytes")), w,
+                f"an encoded tensor is stored as 1-D uint8 and its encoding names the shape, dtype and payload_nbytes "
+                f"it holds, got dtype {desc['dtype']!r}, shape {desc['shape']}, encoding {enc!r}")
+        dtype_of(enc.get("dtype"), f"{w}: encoding")
+
+
+def _logical(desc: dict) -> tuple[list, str]:
+    """The shape and dtype name of the tensor a stored part holds (an encoded part's decoded ones)."""
+    enc = desc.get("encoding")
+    return (enc["shape"], enc["dtype"]) if enc is not None else (desc["shape"], desc["dtype"])
+
+
+def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *, delta: bool) -> None:
+    """The descriptions against the manifest: every dense row stored exactly once, in rank order, with the shape and
+    dtype the manifest records; every hashtable's tensors present in every part, with matching row counts that
+    add up to the manifest's counts."""
+    dense: dict[str, dict[int, dict]] = {}
+    tables: dict[str, dict[str, dict[int, dict]]] = {}
+    for key, desc in descriptions.items():
+        i, n = desc["part"]
+        if desc["dense"]:
+            group = dense.setdefault(desc["tensor"], {})
+        else:
+            group = tables.setdefault(desc["table"], {}).setdefault(desc["tensor"], {})
+        _expect(n == (next(iter(group.values()))["part"][1] if group else n) and i not in group, dwhere,
+                f"entry {key!r}: tensor {desc['tensor']!r} has parts of different counts, or part {i} twice")
+        group[i] = desc
+    tensors = manifest.get("tensors", {})
+    _expect(set(dense) == set(tensors), where,
+            f"'tensors' and the dense parts of {DESCRIPTION_FILE} name different tensors: "
+            f"{sorted(set(dense) ^ set(tensors))[:4]}")
+    for name, parts in dense.items():
+        shape, dtype = tensors[name]["shape"], tensors[name]["dtype"]
+        n = parts[min(parts)]["part"][1]
+        _expect(len(parts) == n, dwhere, f"tensor {name!r}: {len(parts)} of its {n} parts are described")
+        row = 0
+        for i in range(n):
+            desc = parts[i]
+            w = f"{dwhere}: entry {desc['name']!r}"
+            _expect(desc["global_shape"] == shape and desc["dtype"] == dtype, w,
+                    f"global_shape {desc['global_shape']} {desc['dtype']}, the manifest says {shape} {dtype}")
+            if not shape:
+                _expect(n == 1 and desc["shape"] == [] and desc["row_start"] == 0, w,
+                        "a 0-d tensor is stored whole as part 0 of 1, shape [], row_start 0")
+                continue
+            _expect(len(desc["shape"]) == len(shape) and desc["shape"][1:] == shape[1:] and desc["row_start"] == row,
+                    w, f"rows [{desc['row_start']}, {desc['row_start'] + _rows(desc['shape'])}) of shape "
+                       f"{desc['shape']}: expected rows from {row} (each row of {name!r} {shape} stored once, in "
+                       "rank order)")
+            row += desc["shape"][0]
+        if shape:
+            _expect(row == shape[0], dwhere, f"tensor {name!r}: its parts hold {row} rows, its shape {shape} has "
+                                             f"{shape[0]}")
+    entries = manifest.get("hashtables", {})
+    _expect(set(tables) == set(entries), where,
+            f"'hashtables' and {DESCRIPTION_FILE} name different tables: {sorted(set(tables) ^ set(entries))[:4]}")
+    for name, by_tensor in tables.items():
+        entry = entries[name]
+        roles = ["id", "embedding", *entry["slots"], *(["deleted"] if delta else [])]
+        expected = {f"{name}.{r}" for r in roles}
+        _expect(set(by_tensor) == expected, dwhere,
+                f"hashtable {name!r} has the tensors {sorted(by_tensor)}, its manifest entry needs {sorted(expected)}")
+        ids = by_tensor[f"{name}.id"]
+        n = ids[min(ids)]["part"][1]
+        counts = {"ids": 0, "deleted": 0}
+        for tensor, parts in by_tensor.items():
+            _expect(len(parts) == n and parts[min(parts)]["part"][1] == n, dwhere,
+                    f"hashtable {name!r}: {tensor!r} has {len(parts)} parts, {name}.id has {n}")
+        for i in range(n):
+            k = _logical(ids[i])[0]
+            _expect(len(k) == 1 and _logical(ids[i])[1] == "int64", dwhere,
+                    f"entry {ids[i]['name']!r}: ids are int64 of shape [k], got {_logical(ids[i])}")
+            counts["ids"] += k[0]
+            for role in roles[1:]:
+                desc = by_tensor[f"{name}.{role}"][i]
+                shape, dtype = _logical(desc)
+                want = ([None], "int64") if role == "deleted" else ([k[0], entry["dim"]], entry["dtype"])
+                _expect(len(shape) == len(want[0]) and (role == "deleted" or shape == want[0]) and dtype == want[1],
+                        dwhere, f"entry {desc['name']!r}: {dtype}{shape}, expected {want[1]}"
+                                f"{['d'] if role == 'deleted' else want[0]} (table {name!r}, part {i} of {n})")
+                if role == "deleted":
+                    counts["deleted"] += shape[0]
+        if delta:
+            _expect(counts["ids"] == entry["written"] and counts["deleted"] == entry["deleted"], where,
+                    f"hashtables[{name!r}] says {entry['written']} ids written and {entry['deleted']} deleted, the "
+                    f"parts hold {counts['ids']} and {counts['deleted']}")
+        else:
+            _expect(counts["ids"] == entry["ids"], where,
+                    f"hashtables[{name!r}] says {entry['ids']} ids, the parts hold {counts['ids']}")

@@ -642,6 +642,17 @@ class HashTable:
         self._sorted = _increasing(ids[:m])
         self._base, self._deleted = None, []  # the loader that adopts says which checkpoint this is (mark_clean)
 
+    def _take_contents(self, other: HashTable) -> None:
+        """Become ``other`` (same dim, dtype and slots), taking its storage without a copy; ``other`` must not be
+        used afterwards. A loader fills a table of its own and hands it over only once every check has passed, so
+        that a failed load leaves the caller's table as it was."""
+        if (other._dim, other._dtype, other._slots) != (self._dim, self._dtype, self._slots):
+            raise ValueError(f"cannot take the contents of a table of dim {other._dim} {other._dtype} slots "
+                             f"{other._slots} into one of dim {self._dim} {self._dtype} slots {self._slots}")
+        name = self.name
+        self.__dict__.update(other.__dict__)
+        self.name = name
+
     # -- change tracking ---------------------------------------------------------------------------------------
 
     @property

@@ -27,43 +27,101 @@ bytes are read only when touched.
 
 from __future__ import annotations
 
+import concurrent.futures
 import difflib
+import errno
 import os
+import threading
+import weakref
 from types import MappingProxyType
 from typing import Mapping
 
 import numpy as np
 
-from fastckpt.errors import FormatError, IntegrityError, TensorNotFoundError
+from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
-from fastckpt.formats.hashing import blake3_file
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
-from fastckpt.sharded.format import FORMAT, INDEX_FILE, read_metadata
+from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_of, read_metadata
 
-__all__ = ["CheckpointReader"]
+__all__ = ["CheckpointReader", "CheckpointChangedError"]
+
+_HASH_CHUNK = 64 << 20  # the pread backend hashes in pieces of this size: no copy of a whole file in memory
 
 
-def _dtype(name: str, where: str) -> np.dtype:
+# Files hashed in this process, by what fstat said of them when opened (device, inode, size, mtime, ctime), while a
+# reader holds them open: the ranks of a load that run as threads of one process (resharding, benchmarks) each read
+# every file's ids, and hash each file once between them (a rank that asks while another hashes it waits for that
+# result). The entry goes when the last reader holding the file closes, so a later open hashes the file again.
+_digests: dict[tuple, list] = {}  # identity -> [readers holding it, Future of its hex BLAKE3 or None]
+_digests_lock = threading.Lock()
+
+
+def _hold(identity: tuple, count: int) -> None:
+    with _digests_lock:
+        entry = _digests.setdefault(identity, [0, None])
+        entry[0] += count
+        if entry[0] <= 0:
+            del _digests[identity]
+
+
+def _release(identities: list[tuple]) -> None:
+    for identity in identities:
+        _hold(identity, -1)
+
+
+def _shared_digest(identity: tuple, compute) -> str:
+    """``compute()`` (a file's hex BLAKE3) once per file identity among the readers holding it, shared by
+    concurrent callers."""
+    with _digests_lock:
+        entry = _digests.get(identity)
+        if entry is None:  # not held (a reader that is closing): nothing to share
+            future, mine = None, True
+        else:
+            future, mine = entry[1], entry[1] is None
+            if mine:
+                future = entry[1] = concurrent.futures.Future()
+    if not mine:
+        return future.result()
     try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
+        digest = compute()
+    except BaseException as exc:
+        if future is not None:
+            with _digests_lock:
+                if identity in _digests:
+                    _digests[identity][1] = None
+            future.set_exception(exc)
+        raise
+    if future is not None:
+        future.set_result(digest)
+    return digest
 
-        ext = getattr(ml_dtypes, name, None)
-        if ext is None:
-            raise FormatError(f"{where}: unknown dtype {name!r}") from None
-        return np.dtype(ext)
+
+class CheckpointChangedError(FormatError):
+    """A sharded checkpoint's files are not those of the manifest that was read: it changed while it was opened
+    (replaced by a save with ``overwrite=True``, removed, truncated). Opening it again reads the new commit."""
 
 
 class CheckpointReader(MultiFileReader):
     """Read a sharded checkpoint directory (see the module docs).
 
-    ``verify=True`` (the default, as for every loader of a checkpoint with a
-    manifest) checks every file's size and BLAKE3 hash against the manifest
-    first, and raises :class:`~fastckpt.errors.IntegrityError` naming the file;
-    ``verify=False`` skips that for speed (:meth:`verify` does it on demand).
+    Every file is opened when the reader opens, from the one directory whose
+    manifest it read: a file that is not the one the manifest lists (another
+    size, or the directory was replaced by a save with ``overwrite=True``
+    meanwhile) raises :class:`CheckpointChangedError`. ``verify=True`` (the
+    default) checks each tensor file's BLAKE3 hash against the manifest the
+    first time a part of it is read (once per reader; :meth:`verify` checks
+    every file at once); ``verify=False`` skips it. The metadata files are
+    always checked.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> out = os.path.join(tempfile.mkdtemp(), "c")
+    >>> _ = Saver(path=out, parallel=1, tensors={"w": np.arange(3.0)}).save()
+    >>> with CheckpointReader(out) as r:
+    ...     r.read_tensor("w").tolist(), r.verified_files()
+    ([0.0, 1.0, 2.0], ['model-00000-000.safetensors'])
     """
 
     format = FORMAT
@@ -71,16 +129,38 @@ class CheckpointReader(MultiFileReader):
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, backend: str = "mmap",
                  copy_on_write: bool = False, max_header_size: int | None = None):
         self.path = os.fspath(path)
-        meta = read_metadata(self.path)
+        self.files: dict[str, TensorFile] = {}
+        self._fds: dict[str, int] = {}  # each tensor file, opened relative to the directory the manifest came from
+        self._closed = False
+        try:
+            directory = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(f"{self.path}: no sharded checkpoint here (not a directory)") from None
+        try:
+            self._open(directory, backend, copy_on_write)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(directory)
+        self.metadata = None
+        self._verify = bool(verify)
+        self._verified: set[str] = set()
+        self._verify_lock = threading.Lock()
+
+    def _open(self, directory: int, backend: str, copy_on_write: bool) -> None:
+        """Read the metadata relative to the open ``directory``, then open every tensor file and check that it is
+        the one that directory holds, of the size its manifest lists."""
+        meta = read_metadata(self.path, dir_fd=directory)
         self.manifest = meta["manifest"]
+        self.manifest_blake3: str = meta["manifest_blake3"]
+        self.unchecked: list[str] = meta["unchecked"]
         self.descriptions: Mapping[str, dict] = MappingProxyType(meta["descriptions"])
         self.tensorkey: Mapping[str, str] = MappingProxyType(meta["tensorkey"])
         self._block_index = meta["index"]["block_index"]
         self._file_of_number = meta["index"]["files"]
         self._options = {"backend": backend, "copy_on_write": copy_on_write}
-        self.files: dict[str, TensorFile] = {}
-        self._closed = False
-        # Whole tensors: original name -> stored keys in part order.
+        # Whole tensors: original name -> stored keys in part order (read_metadata checked the parts are 0..n-1).
         parts: dict[str, list[tuple[int, str]]] = {}
         for key, name in self.tensorkey.items():
             parts.setdefault(name, []).append((self.descriptions[key]["part"][0], key))
@@ -90,34 +170,88 @@ class CheckpointReader(MultiFileReader):
             if len(n) != 1 or len(keys) != next(iter(n)):
                 raise FormatError(f"{self.path}: tensor {name!r} has parts {keys}; expected part_0_n .. part_(n-1)_n")
         infos = {}
-        try:
-            for number in sorted(self._file_of_number):
-                name = self._file_of_number[number]
+        for number in sorted(self._file_of_number):
+            name = self._file_of_number[number]
+            try:
                 f = self.files[name] = open_file(os.path.join(self.path, name), **self._options)
-                expected = {k for k, n in self._block_index.items() if n == number}
-                if set(f.infos) != expected:
-                    raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ expected)[:4]} that "
-                                      f"{INDEX_FILE} does not place there (or misses ones it does)")
-                for key, info in f.infos.items():
-                    d = self.descriptions[key]
-                    if info.shape != tuple(d["shape"]) or info.dtype != _dtype(d["dtype"], f"{self.path}: {key}"):
-                        raise FormatError(f"{f.path}: tensor {key!r} is {info.dtype}{list(info.shape)}, the "
-                                          f"description says {d['dtype']}{d['shape']}")
-                    infos[key] = info
-        except BaseException:
-            self.close()
-            raise
+                fd = self._fds[name] = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) |
+                                               getattr(os, "O_NOFOLLOW", 0), dir_fd=directory)
+                here = os.fstat(fd)
+            except FileNotFoundError:
+                raise CheckpointChangedError(f"{os.path.join(self.path, name)}: gone; the checkpoint changed while it "
+                                             "was opened (replaced or removed by another process): open it again"
+                                             ) from None
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise FormatError(f"{os.path.join(self.path, name)}: a symbolic link; the files of a sharded "
+                                  "checkpoint are plain files of its directory") from None
+            if (here.st_dev, here.st_ino) != f.mapped.identity[:2]:
+                raise CheckpointChangedError(f"{f.path}: not the file of the directory whose manifest was read; the "
+                                             "checkpoint changed while it was opened (a save with overwrite=True "
+                                             "replaced it): open it again")
+            size = self.manifest["files"][name]["size"]
+            if f.mapped.size != size:
+                raise CheckpointChangedError(f"{f.path}: {f.mapped.size} bytes, the manifest says {size}: the file "
+                                             "was truncated or replaced after the commit, or changed while it was "
+                                             "opened")
+            expected = {k for k, n in self._block_index.items() if n == number}
+            if set(f.infos) != expected:
+                raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ expected)[:4]} that "
+                                  f"{INDEX_FILE} does not place there (or misses ones it does)")
+            for key, info in f.infos.items():
+                d = self.descriptions[key]
+                if info.shape != tuple(d["shape"]) or info.dtype != dtype_of(d["dtype"], f"{self.path}: {key}"):
+                    raise FormatError(f"{f.path}: tensor {key!r} is {info.dtype}{list(info.shape)} in the "
+                                      f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
+                infos[key] = info
         self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
-        self.metadata = None
-        if verify:
-            problems = self.verify()
-            if problems:
-                raise IntegrityError.of(self.path, problems)
+        held = [f.mapped.identity for f in self.files.values()]
+        for identity in held:
+            _hold(identity, 1)
+        # Let go of the shared hashes on close(), or when a reader never closed is collected.
+        self._release = weakref.finalize(self, _release, held)
+
+    def close(self) -> None:
+        """Close every file (the views handed out stay valid)."""
+        release = getattr(self, "_release", None)
+        if release is not None:
+            release()
+        fds, self._fds = getattr(self, "_fds", {}), {}
+        for fd in fds.values():
+            os.close(fd)
+        super().close()
+
+    def descriptor(self, key: str) -> int:
+        """The open file descriptor of the file holding stored key ``key`` (the file of the commit this reader
+        read; reads through it never see a checkpoint that replaced this one). Valid until :meth:`close`.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> with CheckpointReader(out) as r:
+        ...     info = r.infos["w/part_0_1"]; os.pread(r.descriptor("w/part_0_1"), 8, info.offset) == bytes(np.ones(1))
+        True
+        """
+        self.file_of(key)  # unknown keys and a closed reader raise
+        return self._fds[self._file_of_number[self._block_index[key]]]
 
     # -- RecIS's API ----------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:
         """The original names of every tensor, sorted (a hashtable ``T`` gives ``T.id``, ``T.embedding``, slots)."""
         return list(self._parts)
+
+    def has_tensor(self, name: str) -> bool:
+        """Whether ``name`` is the original name of a tensor of the checkpoint (without the error an unknown name
+        raises elsewhere, which looks for close matches).
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> CheckpointReader(out).has_tensor("w"), CheckpointReader(out).has_tensor("v")
+        (True, False)
+        """
+        return name in self._parts
 
     def part_names(self, name: str) -> list[str]:
         """The stored keys of ``name``'s parts, in rank order."""
@@ -143,7 +277,7 @@ class CheckpointReader(MultiFileReader):
         """The numpy dtype of a whole tensor or of one stored part."""
         key = name if name in self._block_index else self._parts[self._whole_name(name)][0]
         encoding = self.descriptions[key].get("encoding")
-        return self.infos[key].dtype if encoding is None else _dtype(encoding["dtype"], f"{self.path}: {key}")
+        return self.infos[key].dtype if encoding is None else dtype_of(encoding["dtype"], f"{self.path}: {key}")
 
     def array(self, key: str) -> np.ndarray:
         """Stored part ``key`` as the tensor it holds: the mapped view, or for an encoded part (compressed or
@@ -199,36 +333,94 @@ class CheckpointReader(MultiFileReader):
         return self.files[self._file_of_number[self._block_index[key]]]
 
     def host(self, key: str) -> np.ndarray:
-        """Stored part ``key`` as a zero-copy, read-only view of its mapped file."""
-        return self.file_of(key).host(key)
+        """Stored part ``key`` as a zero-copy, read-only view of its mapped file (its file's hash checked first,
+        once, unless the reader was opened with ``verify=False``)."""
+        f = self.file_of(key)
+        if self._verify:
+            self.check_file(self._file_of_number[self._block_index[key]])
+        return f.host(key)
+
+    def check_file(self, name: str) -> None:
+        """Check tensor file ``name`` against the manifest's BLAKE3 once per reader (an
+        :class:`~fastckpt.errors.ChecksumMismatchError` naming the file and the parts it holds); later calls return at
+        once. Its bytes are hashed from the file the reader opened, not from the path.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> with CheckpointReader(out, verify=False) as r:
+        ...     r.check_file("model-00000-000.safetensors"); r.verified_files()
+        ['model-00000-000.safetensors']
+        """
+        if name in self._verified:
+            return
+        with self._verify_lock:
+            if name in self._verified:
+                return
+            problem = self.file_problem(name)
+            if problem:
+                raise ChecksumMismatchError(f"{self.path}: {problem}")
+            self._verified.add(name)
+
+    def verified_files(self) -> list[str]:
+        """The tensor files checked against the manifest's hash so far, sorted (see :meth:`check_file`)."""
+        return sorted(self._verified)
+
+    def file_problem(self, name: str) -> str | None:
+        """What is wrong with open tensor file ``name`` against the manifest (its BLAKE3, computed on every core
+        from the open file), or None; the message names the parts the file holds.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> CheckpointReader(out).file_problem("model-00000-000.safetensors") is None
+        True
+        """
+        import blake3
+
+        f = self.files[name]
+        entry = self.manifest["files"][name]
+
+        def digest_of_file() -> str:
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            if self._options["backend"] == "mmap":
+                if f.mapped.size:
+                    hasher.update(f.mapped.view(0, f.mapped.size))
+            else:
+                for offset in range(0, f.mapped.size, _HASH_CHUNK):
+                    hasher.update(f.mapped.view(offset, min(_HASH_CHUNK, f.mapped.size - offset)))
+            return hasher.hexdigest()
+
+        digest = _shared_digest(f.mapped.identity, digest_of_file)
+        if digest == entry["blake3"]:
+            return None
+        keys = sorted(f.infos)
+        return (f"{name}: BLAKE3 {digest[:16]}..., the manifest says {entry['blake3'][:16]}...: the file was changed "
+                f"or damaged after the commit; it holds {len(keys)} parts {keys[:6]}{' ...' if len(keys) > 6 else ''}")
 
     def verify(self, *, progress=False) -> list[str]:
-        """Every problem with the files' sizes and BLAKE3 hashes against the manifest (empty: all good).
+        """Every problem of the open tensor files against the manifest's BLAKE3 hashes (empty: all good).
+
+        The metadata files and every size were checked when the reader opened; what the checkpoint's format
+        version gives no means to check is listed in :attr:`unchecked`.
 
         ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
-        :mod:`fastckpt.progress`) counts the files' bytes (the manifest's sizes)
-        as each file is checked.
+        :mod:`fastckpt.progress`) counts the files' bytes as each file is checked.
         """
         problems = []
-        files = sorted(self.manifest["files"].items())
-        with progress_from(progress, sum(entry["size"] for _, entry in files), "verify") as report:
-            for name, entry in files:
-                problems += self._verify_file(name, entry)
-                report.advance(entry["size"], name)
+        names = sorted(self.files)
+        listed = self.manifest["files"]
+        with progress_from(progress, sum(entry["size"] for entry in listed.values()), "verify") as report:
+            for name in sorted(set(listed) - set(names)):  # the metadata files: checked when the reader opened
+                report.advance(listed[name]["size"], name)
+            for name in names:
+                problem = self.file_problem(name)
+                if problem:
+                    problems.append(problem)
+                else:
+                    self._verified.add(name)
+                report.advance(self.files[name].mapped.size, name)
         return problems
-
-    def _verify_file(self, name: str, entry: dict) -> list[str]:
-        path = os.path.join(self.path, name)
-        try:
-            size = os.path.getsize(path)
-        except OSError as exc:
-            return [f"{name}: {exc.strerror or exc}"]
-        if size != entry["size"]:
-            return [f"{name}: {size} bytes, the manifest says {entry['size']}"]
-        digest, _ = blake3_file(path)
-        if digest != entry["blake3"]:
-            return [f"{name}: BLAKE3 {digest[:16]}..., the manifest says {entry['blake3'][:16]}..."]
-        return []
 
     def __repr__(self) -> str:
         return (f"<fastckpt.sharded.CheckpointReader {self.path!r} world_size={self.manifest['world_size']} "

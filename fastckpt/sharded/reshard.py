@@ -1,4 +1,5 @@
-"""Rewrite a sharded checkpoint for another number of ranks (``fastckpt reshard SRC DST --shards M``).
+"""Rewrite a sharded checkpoint for another number of ranks (``fastckpt reshard SRC DST --shards M``), or a chain of
+deltas as one full checkpoint (``fastckpt compact SRC DST``).
 
 Loading already reshards (a :class:`~fastckpt.sharded.Loader` on M ranks reads
 a checkpoint of N); this writes the M-rank layout to disk, so that later loads
@@ -22,14 +23,16 @@ import threading
 import time
 
 from fastckpt.progress import progress_from, requested
+from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.engine import ThreadEngine
+from fastckpt.sharded.format import read_metadata
 from fastckpt.sharded.loader import Loader
 from fastckpt.sharded.reader import CheckpointReader
 from fastckpt.sharded.saver import Saver
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["reshard"]
+__all__ = ["reshard", "compact"]
 
 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, parallel: int | None = None,
@@ -86,3 +89,24 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
     _log.info("resharded %s into %s: %d shards, %d files per rank, in %.3f s", os.fspath(src), os.fspath(dst), shards,
               parallel, time.perf_counter() - started)
     return os.fspath(dst)
+
+
+def compact(src: str | os.PathLike, dst: str | os.PathLike, *, shards: int | None = None,
+            parallel: int | None = None, overwrite: bool = False, timeout: float = 600.0, progress=False) -> str:
+    """Write the state at ``src`` (a full checkpoint or the head of a chain) as one full checkpoint at ``dst``.
+
+    ``shards`` and ``parallel`` default to the head's. Returns ``dst``. The result holds exactly the chain's state
+    (tables, slots and dense tensors); it needs no other checkpoint. ``progress`` is :func:`reshard`'s.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> d = tempfile.mkdtemp()
+    >>> _ = Saver(path=os.path.join(d, "a"), parallel=1, tensors={"w": np.arange(4.0)}).save()
+    >>> CheckpointReader(compact(os.path.join(d, "a"), os.path.join(d, "b"), shards=2)).read_tensor("w").tolist()
+    [0.0, 1.0, 2.0, 3.0]
+    """
+    head = read_metadata(src)["manifest"]
+    resolve_chain(src)  # a broken chain is named before anything is written
+    return reshard(src, dst, head["world_size"] if shards is None else shards,
+                   parallel=head["parallel"] if parallel is None else parallel, overwrite=overwrite, timeout=timeout,
+                   progress=progress)

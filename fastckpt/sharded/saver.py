@@ -73,16 +73,16 @@ from fastckpt.sharded.codec import check_options, encode_ids, encode_values
 from fastckpt.sharded.engine import error_info as _error_info
 from fastckpt.sharded.engine import raise_from_root as _raise_from_root
 from fastckpt.sharded.format import (
-    DELTA_VERSION,
     DESCRIPTION_FILE,
     FORMAT,
-    FULL_VERSION,
+    FORMAT_VERSION,
     INDEX_FILE,
     MANIFEST_FILE,
     TENSORKEY_FILE,
     dumps,
     part_key,
     rows_of,
+    seal,
     tensor_file_name,
 )
 from fastckpt.sharded.hashtable import HashTable, _sort_ids
@@ -570,16 +570,13 @@ class Saver:
             data = dumps(content)
             _write_synced(staging / name, data)
             files[name] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
-        manifest = {"format": FORMAT, "format_version": FULL_VERSION, "world_size": self.shard_num,
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": self.shard_num,
                     "parallel": self.parallel, "files": files, "tensors": dense, "hashtables": tables}
         if plan["kind"] == "delta":
-            manifest.update(format_version=DELTA_VERSION, kind="delta", base=plan["base"],
-                            chain_length=plan["chain_length"])
-        if any("encoding" in t for t in tables.values()):
-            manifest["format_version"] = DELTA_VERSION
-            if self.quantize is not None:
-                manifest["lossy"] = True
-        data = dumps(manifest)
+            manifest.update(kind="delta", base=plan["base"], chain_length=plan["chain_length"])
+        if any("encoding" in t for t in tables.values()) and self.quantize is not None:
+            manifest["lossy"] = True
+        data = dumps(seal(manifest))  # the checksum covers the manifest, whose entries cover every other file
         _write_synced(staging / MANIFEST_FILE, data)
         fsync_directory(staging)
         # Without overwrite a no-replace rename: a checkpoint another writer committed meanwhile stays, and
