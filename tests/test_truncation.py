@@ -64,6 +64,11 @@ def load_safetensors(pool=False, **options):
     TARGET.append(p)
     fastckpt.load_file(p, q, pool=fastckpt.PersistentBufferPool(q.context, q) if pool else None, **options)
 
+def truncate_shards(directory):
+    for n in os.listdir(directory):
+        if n.endswith(".safetensors"):
+            os.truncate(os.path.join(directory, n), 4096)
+
 def device_queue():
     try:
         import fastckpt.device
@@ -146,10 +151,28 @@ CASES = {
         from fastckpt.sharded.saver import Saver
         from fastckpt.sharded.reader import CheckpointReader
         Saver(shard_index=0, shard_num=1, path=os.path.join(d, "s"), tensors={"w": TENSORS["a"]}).save()
-        with CheckpointReader(os.path.join(d, "s")) as r:  # opened whole; truncated when mapped for its hash
-            TARGET.extend(os.path.join(r, n) for r, _, ns in os.walk(os.path.join(d, "s")) for n in ns
-                          if n.endswith(".safetensors"))
+        with CheckpointReader(os.path.join(d, "s")) as r:  # every file opened and mapped, then truncated under it
+            truncate_shards(os.path.join(d, "s"))
             r.verify()
+    ''',
+    "sharded-read_tensor-unverified": '''
+        from fastckpt.sharded.saver import Saver
+        from fastckpt.sharded.reader import CheckpointReader
+        Saver(shard_index=0, shard_num=1, path=os.path.join(d, "s"), tensors={"w": TENSORS["a"]}).save()
+        with CheckpointReader(os.path.join(d, "s"), verify=False) as r:
+            truncate_shards(os.path.join(d, "s"))
+            r.read_tensor("w")
+    ''',
+    "sharded-load-unverified": '''
+        from fastckpt.sharded import HashTable, Loader, Saver
+        table = HashTable(64, name="t")
+        table.insert(np.arange(20000, dtype=np.int64), rng.standard_normal((20000, 64)).astype(np.float32))
+        Saver(shard_index=0, shard_num=1, path=os.path.join(d, "s"), tensors={"w": TENSORS["a"]},
+              hashtables={"t": table}).save()
+        AFTER_OPEN.extend(os.path.join(d, "s", n) for n in os.listdir(os.path.join(d, "s"))
+                          if n.endswith(".safetensors"))
+        Loader(os.path.join(d, "s"), hashtables={"t": HashTable(64, name="t")},
+               tensors={"w": np.zeros_like(TENSORS["a"])}, verify=False).load()
     ''',
     "convert-to-npz": '''
         from fastckpt.formats.convert import convert

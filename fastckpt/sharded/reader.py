@@ -383,12 +383,13 @@ class CheckpointReader(MultiFileReader):
 
         def digest_of_file() -> str:
             hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-            if self._options["backend"] == "mmap":
-                if f.mapped.size:
-                    hasher.update(f.mapped.view(0, f.mapped.size))
-            else:
-                for offset in range(0, f.mapped.size, _HASH_CHUNK):
-                    hasher.update(f.mapped.view(offset, min(_HASH_CHUNK, f.mapped.size - offset)))
+            with f.mapped.guard("it for its BLAKE3"):  # a file truncated under the hash: FormatError, not SIGBUS
+                if self._options["backend"] == "mmap":
+                    if f.mapped.size:
+                        hasher.update(f.mapped.view(0, f.mapped.size))
+                else:
+                    for offset in range(0, f.mapped.size, _HASH_CHUNK):
+                        hasher.update(f.mapped.view(offset, min(_HASH_CHUNK, f.mapped.size - offset)))
             return hasher.hexdigest()
 
         digest = _shared_digest(f.mapped.identity, digest_of_file)
