@@ -21,6 +21,8 @@ The engines:
   tests, and for saving many shards from one process.
 * :class:`MPIEngine`: one process per rank under ``mpiexec``, through mpi4py (``pip install
   "fastckpt[mpi]"`` installs mpi4py and MPICH, whose ``mpiexec`` lands next to the Python executable).
+* :class:`~fastckpt.sharded.torchengine.TorchDistributedEngine`: one process per rank of an initialised
+  ``torch.distributed`` group (``torchrun``), messages through the group's store.
 * :func:`default_engine` picks one from ``(shard_index, shard_num)``.
 
 Three ranks as threads: each writes its files, waits for the others, and rank 0 gathers what they wrote.
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
@@ -654,7 +657,9 @@ class MPIEngine:
 # -- choosing an engine ---------------------------------------------------------------------------------------
 
 def default_engine(shard_index: int, shard_num: int) -> Engine:
-    """The engine for rank ``shard_index`` of ``shard_num``: :class:`LocalEngine` for one, else :class:`MPIEngine`.
+    """The engine for rank ``shard_index`` of ``shard_num``: :class:`LocalEngine` for one, else
+    :class:`~fastckpt.sharded.torchengine.TorchDistributedEngine` where ``torch.distributed`` is initialised (a
+    ``torchrun`` job), else :class:`MPIEngine`.
 
     MPI is used where mpi4py imports and ``MPI.COMM_WORLD`` has ``shard_num`` ranks, this process being rank
     ``shard_index``; anything else is an :class:`EngineError` that says how to run the ranks.
@@ -669,6 +674,16 @@ def default_engine(shard_index: int, shard_num: int) -> Engine:
         raise ValueError(f"need 0 <= shard_index < shard_num, got shard_index={shard_index}, shard_num={shard_num}")
     if shard_num == 1:
         return LocalEngine()
+    dist = sys.modules.get("torch.distributed")  # torch imported and its group initialised: a torchrun job
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from fastckpt.sharded.torchengine import TorchDistributedEngine
+
+        engine = TorchDistributedEngine()
+        if (engine.size, engine.rank) != (shard_num, shard_index):
+            raise EngineError(f"shard {shard_index} of {shard_num} needs an engine to coordinate the ranks, but this "
+                              f"process is rank {engine.rank} of {engine.size} of torch.distributed's default "
+                              "group; pass the group's rank and size (or engine=...)")
+        return engine
     how = (f"Start the {shard_num} ranks with `mpiexec -n {shard_num} python your_script.py` (pip install "
            f"\"fastckpt[mpi]\" installs mpi4py and MPICH's mpiexec), or, for ranks that are threads of one "
            f"process, pass engine=ThreadEngine.group({shard_num})[i] to rank i's thread")

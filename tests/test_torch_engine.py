@@ -1,0 +1,71 @@
+"""TorchDistributedEngine with real processes: torch.multiprocessing.spawn, CPU, gloo (tests/_torch_ranks.py).
+
+Skipped without torch (it is not in the test extra: PyPI's torch is the CUDA build, several GB; install the CPU
+wheel to run these, e.g. ``pip install torch --index-url https://download.pytorch.org/whl/cpu``). Each process
+imports torch (seconds each on a small machine), so all but one case are ``slow``: ``-m slow`` runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+import _torch_ranks  # noqa: E402
+from fastckpt.sharded import CheckpointReader  # noqa: E402
+
+
+def _spawn(fn, size, *args, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    store = str(tmp_path / "store")
+    mp.spawn(fn, args=(size, store, *args, str(out)), nprocs=size, join=True)
+    return [json.loads((out / f"rank-{r}.json").read_text()) if (out / f"rank-{r}.json").exists() else None
+            for r in range(size)]
+
+
+@pytest.mark.parametrize("size,layout", [pytest.param(2, "fastckpt", marks=pytest.mark.slow), (2, "recis"),
+                                         pytest.param(4, "recis", marks=pytest.mark.slow),
+                                         pytest.param(3, "fastckpt", marks=pytest.mark.slow)])
+def test_ranks_save_and_load_through_the_default_engine(tmp_path, size, layout):
+    path = str(tmp_path / "ckpt")
+    results = _spawn(_torch_ranks.save_and_load, size, path, layout, tmp_path=tmp_path)
+    ids, values, _ = _torch_ranks._tables(0, size, 0)
+    assert {r["engine"] for r in results} == {"TorchDistributedEngine"}  # default_engine picked it
+    got = np.concatenate([np.array(r["ids"], np.int64) for r in results])
+    assert sorted(got.tolist()) == sorted(ids.tolist())
+    row = {int(i): k for k, i in enumerate(ids)}
+    for r in results:
+        assert np.array_equal(np.array(r["values"], np.float32).reshape(-1, 4), values[[row[i] for i in r["ids"]]])
+        assert r["w"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+        assert r["broadcast"] == {"from": 0}
+    assert results[0]["gathered"] == [sorted(r["ids"]) for r in results] and results[1]["gathered"] is None
+    with CheckpointReader(path, verify=True) as reader:
+        assert reader.layout == ("RecIS" if layout == "recis" else "fastckpt")
+
+
+@pytest.mark.slow  # three processes that each import torch, two saves, a 3 s timeout: ~20 s here
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    size, victim = 3, 2
+    results = _spawn(_torch_ranks.killed_mid_save, size, path, victim, tmp_path=tmp_path)
+    assert results[0]["error"] == "BarrierTimeoutError" and results[0]["missing"] == [victim]
+    assert "rank 2 of 3 did not reach the gather to rank 0" in results[0]["message"]
+    assert results[1]["error"] == "BarrierTimeoutError" and results[1]["missing"] == [victim]
+    assert results[victim] is None  # it died before reporting
+    ids, _, _ = _torch_ranks._tables(0, size, 1)
+    with CheckpointReader(path, verify=True) as reader:  # the first save, whole and unchanged
+        assert sorted(reader.read_tensor("emb.id").tolist()) == sorted(ids.tolist())
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".partial")] == []
+
+
+@pytest.mark.slow
+def test_a_missing_rank_is_named(tmp_path):
+    results = _spawn(_torch_ranks.barrier_missing, 3, tmp_path=tmp_path)
+    for r in results[:2]:
+        assert r["error"] == "BarrierTimeoutError" and r["missing"] == [2], r
+    assert "rank 2 of 3 did not reach 'first' within 1 s" in results[0]["message"]
