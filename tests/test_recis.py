@@ -305,3 +305,23 @@ def test_cli_verify_and_inspect_name_the_layout(tmp_path, recis_dirs, capsys):
         warnings.simplefilter("ignore", RecisWarning)
         d = inspect_cli.describe(recis_dirs[0][1])
     assert d["layout"] == "RecIS" and d["integrity"].startswith("none (RecIS checkpoint: no integrity record")
+
+
+def test_reshard_converts_between_the_layouts(tmp_path, recis_dirs):
+    from fastckpt.sharded.reshard import reshard
+
+    dirs, (ids, emb, mom, dense) = recis_dirs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecisWarning)
+        ours = reshard(dirs[2], str(tmp_path / "fastckpt"), 3, layout="fastckpt")
+    back = reshard(ours, str(tmp_path / "recis"), 2, layout="recis", parallel=3)
+    assert recis_port.check_json(back, len(dense), 6)
+    recis_port.check_load_bundle(back)
+    for path, layout in ((ours, "fastckpt"), (back, "RecIS")):
+        with CheckpointReader(path, verify=True) as reader:
+            assert reader.layout == layout
+            got = reader.read_tensor("tab.id")
+            order = np.argsort(got)
+            assert np.array_equal(got[order], np.sort(ids))
+            assert np.array_equal(reader.read_tensor("tab.adam_m")[order], mom[np.argsort(ids)])
+            assert np.array_equal(reader.read_tensor("half"), dense["half"])
