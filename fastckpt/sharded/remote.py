@@ -83,11 +83,142 @@ def save(saver) -> str:
 
 
 def load(loader):
-    """Run :meth:`fastckpt.sharded.Loader.load` for a URL: download the committed prefix, load it from there."""
+    """Run :meth:`fastckpt.sharded.Loader.load` for a URL, fetching only this rank's share (see :func:`fetch_share`).
+
+    A delta or an encoded checkpoint (whose parts a rank cannot select by rows) is downloaded whole first.
+    """
     url = loader.checkpoint_path
-    with remote.local_copy(url, MANIFEST_FILE, loader.storage_options) as local:
-        loader.checkpoint_path = local
-        try:
-            return loader.load()
-        finally:
-            loader.checkpoint_path = url
+    tmp = tempfile.mkdtemp(prefix="fastckpt-share-")
+    try:
+        whole = not fetch_share(loader, tmp)
+        if whole:
+            shutil.rmtree(tmp, ignore_errors=True)
+            with remote.local_copy(url, MANIFEST_FILE, loader.storage_options) as local:
+                return _load_from(loader, local)
+        return _load_from(loader, tmp)
+    except Exception as e:
+        if e.args and isinstance(e.args[0], str) and tmp in e.args[0]:
+            e.args = (e.args[0].replace(tmp, url.rstrip("/")), *e.args[1:])
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_from(loader, local: str):
+    url = loader.checkpoint_path
+    loader.checkpoint_path = local
+    try:
+        return loader.load()
+    finally:
+        loader.checkpoint_path = url
+
+
+_HEAD = 8 << 10  # the first bytes fetched of every tensor file: its safetensors header, mostly whole
+
+
+def fetch_share(loader, local: str) -> dict | bool:
+    """Fetch into ``local`` the bytes of the checkpoint at ``loader.checkpoint_path`` that ``loader``'s rank loads.
+
+    The metadata files whole; of every tensor file its header, then each dense part this rank takes and every
+    hashtable id part; then, for the ids this rank owns (``loader.owner``), only the byte ranges of their rows
+    in the embedding and slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged
+    reads. The tensor files are sparse local files of their full size, so the Loader reads them as it reads any
+    directory. Returns ``{"bytes": fetched, "requests": ranges}``, or False for a checkpoint that must be
+    downloaded whole (a delta, an encoded table; or no manifest, which the whole-prefix path reports).
+    """
+    import json
+    import os
+
+    import numpy as np
+
+    from fastckpt.sharded.format import parse_part_key, rows_of
+
+    url, options = loader.checkpoint_path.rstrip("/"), loader.storage_options
+    fs, path = remote.filesystem(url, options)
+    path = path.rstrip("/")
+    try:
+        manifest_bytes = fs.cat_file(f"{path}/{MANIFEST_FILE}")
+    except FileNotFoundError:
+        return False  # the whole-prefix path says what is there instead
+    manifest = json.loads(manifest_bytes)
+    if manifest.get("kind", "full") != "full" or any("encoding" in t for t in manifest.get("hashtables", {}).values()):
+        return False
+    with open(os.path.join(local, MANIFEST_FILE), "wb") as f:
+        f.write(manifest_bytes)
+    sizes = {name: entry["size"] for name, entry in manifest["files"].items()}
+    for name, size in sizes.items():
+        with open(os.path.join(local, name), "wb") as f:
+            f.truncate(size)
+    plan: dict[str, list[tuple[int, int]]] = {}
+    fetched = [len(manifest_bytes), 1]
+
+    def fetch(spans: dict[str, list[tuple[int, int]]]) -> None:
+        work = [(f"{path}/{name}", os.path.join(local, name), remote._merged(sorted(ranges)))
+                for name, ranges in spans.items() if ranges]
+        fetched[0] += sum(e - b for *_, ranges in work for b, e in ranges)
+        fetched[1] += sum(len(ranges) for *_, ranges in work)
+        remote._fetch_into(fs, url, work)
+
+    metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
+    tensor_files = sorted(set(sizes) - set(metadata))
+    fetch({**{name: [(0, sizes[name])] for name in metadata},
+           **{name: [(0, min(_HEAD, sizes[name]))] for name in tensor_files}})
+    offsets: dict[str, tuple[str, int, int]] = {}  # stored key -> (file, start, end)
+    for name in tensor_files:
+        file_path = os.path.join(local, name)
+        with open(file_path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if 8 + length > _HEAD and 8 + length <= sizes[name]:
+            fetch({name: [(_HEAD, 8 + length)]})
+        with open(file_path, "rb") as f:
+            f.seek(8)
+            header = json.loads(f.read(length))
+        for key, entry in header.items():
+            if key != "__metadata__":
+                begin, end = entry["data_offsets"]
+                offsets[key] = (name, 8 + length + begin, 8 + length + end)
+    with open(os.path.join(local, DESCRIPTION_FILE), "rb") as f:
+        descriptions = json.loads(f.read())
+    dense_wanted = set(loader.tensors) or set(manifest.get("tensors", {}))
+    tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
+    first: dict[str, list[tuple[int, int]]] = {}
+    id_parts = []
+    for key, desc in descriptions.items():
+        where = offsets.get(key)
+        if where is None:
+            continue  # the Loader names what is missing
+        name, begin, end = where
+        if desc.get("dense") and desc.get("tensor") in dense_wanted:
+            rows = desc["global_shape"][0] if desc.get("global_shape") else 0
+            lo, hi = (0, rows) if loader.dense == "replicated" or not rows else \
+                rows_of(loader.shard_index, loader.shard_num, rows)
+            p_lo = desc.get("row_start", 0)
+            p_hi = p_lo + (desc["shape"][0] if desc["shape"] else 1)
+            if not desc["shape"] or (max(lo, p_lo) < min(hi, p_hi)):
+                first.setdefault(name, []).append((begin, end))
+        elif desc.get("role") == "id" and desc.get("table") in tables_wanted:
+            first.setdefault(name, []).append((begin, end))
+            id_parts.append(key)
+    fetch(first)
+    rows_plan: dict[str, list[tuple[int, int]]] = {}
+    for key in id_parts:
+        name, begin, end = offsets[key]
+        ids = np.fromfile(os.path.join(local, name), np.int64, (end - begin) // 8, offset=begin)
+        if not len(ids):
+            continue
+        mine = np.flatnonzero(np.asarray(loader.owner(ids, loader.shard_num)) == loader.shard_index)
+        if not len(mine):
+            continue
+        table, i, n = descriptions[key]["table"], *parse_part_key(key)[1:]
+        starts = np.flatnonzero(np.diff(mine, prepend=-2) != 1)  # runs of consecutive owned rows
+        runs = [(int(mine[a]), int(mine[b - 1]) + 1) for a, b in zip(starts, [*starts[1:], len(mine)])]
+        for other, desc in descriptions.items():
+            if desc.get("table") == table and desc.get("role") in ("embedding", "slot") \
+                    and parse_part_key(other)[1:] == (i, n) and other in offsets:
+                o_name, o_begin, o_end = offsets[other]
+                row = (o_end - o_begin) // len(ids)
+                spans = [(o_begin + a * row, o_begin + b * row) for a, b in runs]
+                rows_plan.setdefault(o_name, []).extend(spans)
+    fetch(rows_plan)
+    return {"bytes": fetched[0], "requests": fetched[1]}

@@ -1,0 +1,92 @@
+"""A sharded load from a URL fetches only the loading rank's share (fastckpt.sharded.remote.fetch_share)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from fastckpt.formats import remote
+from fastckpt.sharded import HashTable, Loader, Saver
+from fastckpt.sharded import remote as sharded_remote
+from fastckpt.sharded.engine import ThreadEngine
+
+ROWS, DIM = 8000, 64
+
+
+def _save(url, n, options=None, **kw):
+    rng = np.random.default_rng(3)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+
+    def save(engine):
+        mine = np.flatnonzero(ids % n == engine.rank)
+        table = HashTable(DIM, slots=("m",))
+        table.insert(ids[mine], values[mine], {"m": -values[mine]})
+        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={"w": np.arange(12.0).reshape(6, 2)},
+              engine=engine, storage_options=options, **kw).save()
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(save, ThreadEngine.group(n)))
+    return ids, values
+
+
+def _check(url, ids, values, m, options=None, dense="replicated"):
+    row = {int(i): r for r, i in enumerate(ids)}
+    seen = []
+    for j in range(m):
+        tables, tensors = Loader(url, shard_index=j, shard_num=m, storage_options=options, dense=dense).load()
+        got = tables["emb"].ids()
+        assert (got % m == j).all()
+        rows = [row[int(i)] for i in got]
+        assert np.array_equal(tables["emb"].lookup(got), values[rows])
+        assert np.array_equal(tables["emb"].lookup_slot("m", got), -values[rows])
+        lo, hi = (0, 6) if dense == "replicated" else (j * 6 // m, (j + 1) * 6 // m)
+        assert np.array_equal(tensors["w"], np.arange(12.0).reshape(6, 2)[lo:hi])
+        seen.append(got)
+    assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
+
+
+def _total(url, options=None) -> int:
+    fs, path = remote.filesystem(url, options)
+    return sum(int(e["size"]) for e in fs.find(path, detail=True).values())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_every_rank_loads_exactly_from_its_share(m):
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    ids, values = _save(url, 4)
+    _check(url, ids, values, m)
+    _check(url, ids, values, m, dense="rows")
+
+
+def test_a_rank_of_4_fetches_about_a_quarter(tmp_path):
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    _save(url, 4)
+    total = _total(url)
+    for j in range(4):
+        local = tmp_path / str(j)
+        local.mkdir()
+        got = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=4), str(local))
+        # its quarter of the rows, every rank's ids (8 bytes of each 520-byte row) and the metadata
+        assert 0.25 * total < got["bytes"] < 0.33 * total, (got, total)
+        assert sum(os.path.getsize(p) for p in local.iterdir()) == total  # sparse files of the full size
+
+
+def test_encoded_checkpoints_are_fetched_whole(tmp_path):
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    ids, values = _save(url, 2, compression="zstd")
+    assert sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2), str(tmp_path)) is False
+    _check(url, ids, values, 3)
+
+
+def test_on_s3_a_rank_of_4_fetches_its_share(s3, tmp_path):
+    url = s3.url("sharded")
+    ids, values = _save(url, 4, s3.storage_options)
+    _check(url, ids, values, 4, s3.storage_options)
+    got = sharded_remote.fetch_share(Loader(url, shard_index=1, shard_num=4, storage_options=s3.storage_options),
+                                     str(tmp_path))
+    assert got["bytes"] < 0.33 * _total(url, s3.storage_options)
