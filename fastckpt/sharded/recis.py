@@ -329,7 +329,7 @@ class RecisCheckpointReader(CheckpointReader):
             if d not in _warned:
                 _warned.add(d)
                 warnings.warn(f"{d}: {NO_INTEGRITY} (no manifest.json: loaded without checking its bytes)",
-                              RecisWarning, stacklevel=3)
+                              RecisWarning, stacklevel=2)
         elif verify:
             problems = self.verify()
             if problems:

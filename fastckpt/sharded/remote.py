@@ -149,7 +149,6 @@ def fetch_share(loader, local: str) -> dict | bool:
     for name, size in sizes.items():
         with open(os.path.join(local, name), "wb") as f:
             f.truncate(size)
-    plan: dict[str, list[tuple[int, int]]] = {}
     fetched = [len(manifest_bytes), 1]
 
     def fetch(spans: dict[str, list[tuple[int, int]]]) -> None:
