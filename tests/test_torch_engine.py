@@ -69,3 +69,25 @@ def test_a_missing_rank_is_named(tmp_path):
     for r in results[:2]:
         assert r["error"] == "BarrierTimeoutError" and r["missing"] == [2], r
     assert "rank 2 of 3 did not reach 'first' within 1 s" in results[0]["message"]
+
+
+def test_one_rank_group_in_this_process(tmp_path):
+    """A group of one: the engine answers at once with the JSON round trip; default_engine refuses a rank count
+    the group does not have, naming torch.distributed."""
+    import torch.distributed as dist
+
+    from fastckpt.sharded.engine import EngineError, default_engine
+    from fastckpt.sharded.torchengine import TorchDistributedEngine
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        engine = TorchDistributedEngine()
+        engine.barrier("one", timeout=5)
+        assert engine.broadcast({"shape": (2, 3)}, timeout=5) == {"shape": [2, 3]}
+        assert engine.gather("x", timeout=5) == ["x"]
+        with pytest.raises(TypeError, match="JSON only"):
+            engine.gather(object(), timeout=5)
+        with pytest.raises(EngineError, match="rank 0 of 1 of torch.distributed's default group"):
+            default_engine(0, 2)
+    finally:
+        dist.destroy_process_group()

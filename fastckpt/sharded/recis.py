@@ -254,7 +254,7 @@ class RecisCheckpointReader(CheckpointReader):
     says once per directory that there is no integrity record.
     """
 
-    format = FORMAT
+    format = "recis"  # what fastckpt.open and inspect call it (the manifest's "format" is FORMAT)
     layout = LAYOUT
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = False, backend: str = "mmap",
