@@ -90,3 +90,26 @@ def test_on_s3_a_rank_of_4_fetches_its_share(s3, tmp_path):
     got = sharded_remote.fetch_share(Loader(url, shard_index=1, shard_num=4, storage_options=s3.storage_options),
                                      str(tmp_path))
     assert got["bytes"] < 0.33 * _total(url, s3.storage_options)
+
+
+def test_recis_layouts_at_a_url_are_downloaded_whole_and_load(tmp_path):
+    import _recis_writer as recis_port
+
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/recis"
+    local = tmp_path / "recis"
+    ids = np.arange(50, dtype=np.int64)
+    recis_port.write_checkpoint(str(local), [{"t": (ids, [("embedding", np.ones((50, 2), np.float32))],
+                                                    recis_port.gen_slice(0, 1))}], {"w": np.ones(3)}, 2)
+    remote.put_directory(local, url, "index")
+    with pytest.warns(Warning, match="no integrity record"):
+        loaded = [Loader(url, shard_index=j, shard_num=2).load() for j in range(2)]
+    # ids 0..49 lie in rank 0's slice [0, 32768) of 65536: RecIS's rule gives rank 1 none
+    assert [sorted(t["t"].ids().tolist()) for t, _ in loaded] == [list(range(50)), []]
+    assert all(np.array_equal(d["w"], np.ones(3)) for _, d in loaded)
+    ours = f"memory://share-{uuid.uuid4().hex[:8]}/ours"
+    saved = tmp_path / "ours"
+    table = HashTable(2)
+    table.insert(ids, np.ones((50, 2), np.float32))
+    Saver(path=str(saved), parallel=1, hashtables={"t": table}, layout="recis").save()
+    remote.put_directory(saved, ours)
+    assert sorted(Loader(ours).load()[0]["t"].ids().tolist()) == list(range(50))

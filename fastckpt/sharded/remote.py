@@ -85,7 +85,9 @@ def save(saver) -> str:
 def load(loader):
     """Run :meth:`fastckpt.sharded.Loader.load` for a URL, fetching only this rank's share (see :func:`fetch_share`).
 
-    A delta or an encoded checkpoint (whose parts a rank cannot select by rows) is downloaded whole first.
+    A delta or an encoded checkpoint (whose parts a rank cannot select by rows), and a directory in RecIS's layout
+    (with or without fastckpt's manifest; without it, RecIS's ``index`` marks it complete), are downloaded whole
+    first.
     """
     url = loader.checkpoint_path
     tmp = tempfile.mkdtemp(prefix="fastckpt-share-")
@@ -93,7 +95,11 @@ def load(loader):
         whole = not fetch_share(loader, tmp)
         if whole:
             shutil.rmtree(tmp, ignore_errors=True)
-            with remote.local_copy(url, MANIFEST_FILE, loader.storage_options) as local:
+            fs, path = remote.filesystem(url, loader.storage_options)
+            # RecIS's own layout has no manifest: its 'index' is written last (rank 0's merge)
+            marker = MANIFEST_FILE if fs.exists(f"{path.rstrip('/')}/{MANIFEST_FILE}") \
+                or not fs.exists(f"{path.rstrip('/')}/index") else "index"
+            with remote.local_copy(url, marker, loader.storage_options) as local:
                 return _load_from(loader, local)
         return _load_from(loader, tmp)
     except Exception as e:
@@ -141,8 +147,9 @@ def fetch_share(loader, local: str) -> dict | bool:
     except FileNotFoundError:
         return False  # the whole-prefix path says what is there instead
     manifest = json.loads(manifest_bytes)
-    if manifest.get("kind", "full") != "full" or any("encoding" in t for t in manifest.get("hashtables", {}).values()):
-        return False
+    if manifest.get("format") != "fastckpt.sharded" or manifest.get("kind", "full") != "full" \
+            or any("encoding" in t for t in manifest.get("hashtables", {}).values()):
+        return False  # RecIS's layout, a delta, an encoded table
     with open(os.path.join(local, MANIFEST_FILE), "wb") as f:
         f.write(manifest_bytes)
     sizes = {name: entry["size"] for name, entry in manifest["files"].items()}
