@@ -325,3 +325,39 @@ def test_reshard_converts_between_the_layouts(tmp_path, recis_dirs):
             assert np.array_equal(got[order], np.sort(ids))
             assert np.array_equal(reader.read_tensor("tab.adam_m")[order], mom[np.argsort(ids)])
             assert np.array_equal(reader.read_tensor("half"), dense["half"])
+
+
+def test_golden_bytes_of_a_small_layout_recis_save(tmp_path):
+    """The layout is a promise to RecIS's reader: these bytes change only with it (module docs of recis.py)."""
+    table = HashTable(1, slots=("m",))
+    table.insert(np.array([1, 2]), np.array([[1.0], [2.0]], np.float32), {"m": np.array([[3.0], [4.0]], np.float32)})
+    out = tmp_path / "g"
+    Saver(path=str(out), parallel=2, hashtables={"t": table}, tensors={"w": np.array([0.5], np.float32)},
+          layout="recis").save()
+    assert (out / "index").read_bytes() == (
+        b'{"block_index":{"t.embedding/part_0_1":1,"t.id/part_0_1":0,"t.m/part_0_1":0,"w^ ":1},"file_index":'
+        b'{"model-000000-of-000002.safetensors":0,"model-000001-of-000002.safetensors":1}}')
+    assert (out / "model-000000-of-000002.safetensors").read_bytes() == (
+        b'\x88\x00\x00\x00\x00\x00\x00\x00{"t.id/part_0_1":{"dtype":"I64","shape":[2],"data_offsets":[0,16]},'
+        b'"t.m/part_0_1":{"dtype":"F32","shape":[2,1],"data_offsets":[16,24]}} '
+        b'\x01\x00\x00\x00\x00\x00\x00\x00\x02\x00\x00\x00\x00\x00\x00\x00\x00\x00@@\x00\x00\x80@')
+    assert (out / "model-000001-of-000002.safetensors").read_bytes() == (
+        b'\x88\x00\x00\x00\x00\x00\x00\x00{"t.embedding/part_0_1":{"dtype":"F32","shape":[2,1],"data_offsets":'
+        b'[0,8]},"w^ ":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}     '
+        b'\x00\x00\x80?\x00\x00\x00@\x00\x00\x00?')
+    assert (out / "tensorkey.json").read_bytes() == (
+        b'{\n    "t.embedding/part_0_1": "t@embedding^00000@65536@65536",\n    "t.id/part_0_1": '
+        b'"t@id^00000@65536@65536",\n    "t.m/part_0_1": "t@m^00000@65536@65536"\n}')
+    assert json.loads((out / "torch_rank_weights_embs_table_multi_shard.json").read_bytes()) == {
+        "t.embedding/part_0_1": {"dense": False, "dimension": 1, "dtype": "float32", "hashmap_key": "t.id/part_0_1",
+                                 "hashmap_key_dtype": "int64", "hashmap_value": "t.embedding/part_0_1",
+                                 "is_hashmap": True, "name": "t.embedding/part_0_1", "shape": [2, 1]},
+        "t.id/part_0_1": {"data_offsets": [0, 16], "dense": False, "dtype": "I64", "shape": [2]},
+        "t.m/part_0_1": {"data_offsets": [16, 24], "dense": False, "dtype": "F32", "shape": [2, 1]},
+        "w^ ": {"dense": True, "dimension": 0, "dtype": "float32", "is_hashmap": False, "name": "w^ ", "shape": [1]}}
+    assert (out / "torch_rank_weights_embs_table_multi_shard.json").read_text().startswith(
+        '{\n    "t.embedding/part_0_1": {\n        "dense": false,\n        "dimension": 1,\n')
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["format"], manifest["format_version"], manifest["layout"]) == ("fastckpt.sharded.recis", 1,
+                                                                                     "recis")
+    assert sorted(manifest["files"]) == sorted(p.name for p in out.iterdir() if p.name != "manifest.json")
