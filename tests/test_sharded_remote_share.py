@@ -101,8 +101,10 @@ def test_recis_layouts_at_a_url_are_downloaded_whole_and_load(tmp_path):
     recis_port.write_checkpoint(str(local), [{"t": (ids, [("embedding", np.ones((50, 2), np.float32))],
                                                     recis_port.gen_slice(0, 1))}], {"w": np.ones(3)}, 2)
     remote.put_directory(local, url, "index")
-    with pytest.warns(Warning, match="no integrity record"):
+    with pytest.warns(Warning) as said:
         loaded = [Loader(url, shard_index=j, shard_num=2).load() for j in range(2)]
+    assert [str(w.message) for w in said] == [f"{url}: RecIS checkpoint: no integrity record (no manifest.json: "
+                                              "loaded without checking its bytes)"]  # once, naming the URL
     # ids 0..49 lie in rank 0's slice [0, 32768) of 65536: RecIS's rule gives rank 1 none
     assert [sorted(t["t"].ids().tolist()) for t, _ in loaded] == [list(range(50)), []]
     assert all(np.array_equal(d["w"], np.ones(3)) for _, d in loaded)

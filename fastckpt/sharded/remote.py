@@ -100,7 +100,9 @@ def load(loader):
             marker = MANIFEST_FILE if fs.exists(f"{path.rstrip('/')}/{MANIFEST_FILE}") \
                 or not fs.exists(f"{path.rstrip('/')}/index") else "index"
             with remote.local_copy(url, marker, loader.storage_options) as local:
-                return _load_from(loader, local)
+                if marker == MANIFEST_FILE:
+                    return _load_from(loader, local)
+                return _load_recis(loader, local, url)
         return _load_from(loader, tmp)
     except Exception as e:
         if e.args and isinstance(e.args[0], str) and tmp in e.args[0]:
@@ -108,6 +110,26 @@ def load(loader):
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_recis(loader, local: str, url: str):
+    """A RecIS directory without a manifest, downloaded to ``local``: its warning names the URL (once per URL)."""
+    import warnings
+
+    from fastckpt.sharded import recis
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", recis.RecisWarning)
+        result = _load_from(loader, local)
+    for warning in caught:
+        if issubclass(warning.category, recis.RecisWarning):
+            recis._warned.discard(local)
+            if url not in recis._warned:
+                recis._warned.add(url)
+                warnings.warn(str(warning.message).replace(local, url), recis.RecisWarning, stacklevel=4)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return result
 
 
 def _load_from(loader, local: str):
