@@ -361,3 +361,17 @@ def test_golden_bytes_of_a_small_layout_recis_save(tmp_path):
     assert (manifest["format"], manifest["format_version"], manifest["layout"]) == ("fastckpt.sharded.recis", 1,
                                                                                      "recis")
     assert sorted(manifest["files"]) == sorted(p.name for p in out.iterdir() if p.name != "manifest.json")
+
+
+def test_progress_counts_every_byte_of_a_recis_save_and_load(tmp_path, recis_dirs):
+    dirs, (ids, emb, mom, dense) = recis_dirs
+    seen = []
+    _load(dirs[2], 0, 2, progress=lambda done, total, item: seen.append((done, total)))
+    with _quiet_reader(dirs[2]) as reader:
+        stored = sum(info.nbytes for info in reader.infos.values())
+    assert seen[-1] == (stored, stored)  # the stored bytes of every tensor and table loaded, as the Loader counts
+    saved = []
+    Saver(path=str(tmp_path / "c"), parallel=2, tensors=dense, layout="recis",
+          progress=lambda done, total, item: saved.append((done, total, item))).save()
+    total = sum(v.nbytes for v in dense.values())
+    assert saved[-1][:2] == (total, total) and {s[2] for s in saved} == {f"{n}^ " for n in dense}

@@ -94,9 +94,12 @@ fastckpt's additions (``Saver(layout="recis")``)
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import logging
 import os
 import struct
+import time
 import warnings
 from pathlib import Path
 from types import MappingProxyType
@@ -138,6 +141,7 @@ _TYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bf
                "U8": "uint8", "BOOL": "bool"}
 
 _warned: set[str] = set()
+_log = logging.getLogger(__name__)
 
 
 class RecisWarning(FastCkptWarning):
@@ -489,17 +493,34 @@ def load(loader) -> tuple[dict, dict]:
     Hashtables follow RecIS's slice rule (module docs) unless the Loader was given another ``owner``; dense
     tensors as the Loader's ``dense`` says (every rank reads only its rows of the one whole block).
     """
+    from fastckpt.progress import progress_from
     from fastckpt.sharded.loader import owner_mod
 
-    with RecisCheckpointReader(loader.checkpoint_path) as reader:
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        reader = stack.enter_context(RecisCheckpointReader(loader.checkpoint_path))
         info = loader.filter_func(load_info(loader, reader))
+        tables = info.get("hashtables", {})
+        stored = {name: reader.infos[name + DENSE_SUFFIX].nbytes for name in info.get("tensors", {})}
+        stored.update({name: sum(reader.infos[k].nbytes for part in ("id", "embedding", *entry["slots"])
+                                 for k in reader.part_names(f"{name}@{part}")) for name, entry in tables.items()})
+        report = stack.enter_context(progress_from(loader.progress, sum(stored.values()),
+                                                   f"load rank {loader.shard_index}"))
         for name, entry in info.get("tensors", {}).items():
             _fill_dense(loader, reader, name, entry["rows"])
-        jobs = list(info.get("hashtables", {}).items())
+            report.advance(stored[name], name)
         rule = None if loader.owner is owner_mod else loader.owner
-        with concurrent.futures.ThreadPoolExecutor(min(loader.parallel, max(1, len(jobs)))) as pool:
-            for future in [pool.submit(_fill_table, loader, reader, name, entry, rule) for name, entry in jobs]:
+
+        def fill(name: str, entry: dict) -> None:
+            _fill_table(loader, reader, name, entry, rule)
+            report.advance(stored[name], name)
+
+        with concurrent.futures.ThreadPoolExecutor(min(loader.parallel, max(1, len(tables)))) as pool:
+            for future in [pool.submit(fill, name, entry) for name, entry in tables.items()]:
                 future.result()
+    _log.info("loaded %s (RecIS layout, rank %d of %d): %d tensors, %d hashtables, %d stored bytes in %.3f s",
+              loader.checkpoint_path, loader.shard_index, loader.shard_num, len(info.get("tensors", {})),
+              len(tables), sum(stored.values()), time.perf_counter() - started)
     return loader.hashtables, loader.tensors
 
 
@@ -660,6 +681,10 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
         writers[k % p].append(block)
     names = [data_file_name(i * p + k, p * n) for k in range(p)]
 
+    from fastckpt.progress import progress_from
+
+    total = sum(np.asarray(b.array).nbytes for b in blocks_)
+
     def write(k: int) -> tuple[str, dict, dict]:
         arrays = [np.asarray(b.array) for b in writers[k]]
         arrays = [a if a.flags.c_contiguous else a.copy(order="C") for a in arrays]  # 0-d stays 0-d
@@ -668,9 +693,13 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
         hasher = blake3.blake3()
         entries, offset = {}, 0
         with open(staging / names[k], "wb") as f:
-            for chunk in (head, *(memoryview(a.reshape(-1).view(np.uint8)) for a in arrays)):
+            f.write(head)
+            hasher.update(head)
+            for b, a in zip(writers[k], arrays):
+                chunk = memoryview(a.reshape(-1).view(np.uint8))
                 f.write(chunk)
                 hasher.update(chunk)
+                report.advance(a.nbytes, b.key)
             f.flush()
             os.fsync(f.fileno())
         for b, c, a in zip(writers[k], codes, arrays):
@@ -680,7 +709,8 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
         return names[k], {"size": len(head) + offset, "blake3": hasher.hexdigest()}, entries
 
     used = [k for k in range(p) if writers[k]]
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(used)), thread_name_prefix="fastckpt-recis") as pool:
+    with progress_from(saver.progress, total, f"save rank {i}") as report, \
+            concurrent.futures.ThreadPoolExecutor(max(1, len(used)), thread_name_prefix="fastckpt-recis") as pool:
         written = list(pool.map(write, used))
     tables = {name: {"dim": t.dim, "dtype": np.dtype(t.dtype).name, "slots": list(t.slots), "ids": len(t)}
               for name, t in saver.hashtables.items() if any(b.table == name for b in blocks_)}
