@@ -98,3 +98,28 @@ def barrier_missing(rank: int, size: int, store: str, out: str) -> None:
         engine._shared[0] += 1  # it skips call 0
     _report(out, rank, result)
     os._exit(0)
+
+
+def out_of_step_then_abort(rank: int, size: int, store: str, out: str) -> None:
+    """Rank 0 and rank 1 make different calls (both raise EngineError); then rank 1 aborts while rank 0 waits."""
+    import time
+
+    _init(rank, size, store)
+    from fastckpt.sharded.torchengine import TorchDistributedEngine
+
+    engine = TorchDistributedEngine()
+    result = {}
+    try:
+        engine.barrier("a" if rank == 0 else "b", timeout=20)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["first"] = [type(exc).__name__, str(exc)]
+    if rank == 1:
+        engine.abort("disk full")
+    else:
+        started = time.monotonic()
+        try:
+            engine.barrier("c", timeout=60)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            result["second"] = [type(exc).__name__, str(exc), list(exc.missing), time.monotonic() - started]
+    _report(out, rank, result)
+    os._exit(0)

@@ -91,3 +91,13 @@ def test_one_rank_group_in_this_process(tmp_path):
             default_engine(0, 2)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_out_of_step_calls_and_an_abort(tmp_path):
+    first, second = _spawn(_torch_ranks.out_of_step_then_abort, 2, tmp_path=tmp_path)
+    for r in (first, second):
+        assert r["first"][0] == "EngineError" and "out of step" in r["first"][1]
+    name, message, missing, waited = first["second"]
+    assert (name, missing) == ("BarrierTimeoutError", [1]) and "aborted" in message and "disk full" in message
+    assert waited < 30  # told at once, not after its 60 s timeout
