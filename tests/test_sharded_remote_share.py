@@ -92,7 +92,7 @@ def test_on_s3_a_rank_of_4_fetches_its_share(s3, tmp_path):
     assert got["bytes"] < 0.33 * _total(url, s3.storage_options)
 
 
-def test_recis_layouts_at_a_url_are_downloaded_whole_and_load(tmp_path):
+def test_recis_layouts_at_a_url_load_and_say_once_that_nothing_is_checked(tmp_path):
     import _recis_writer as recis_port
 
     url = f"memory://share-{uuid.uuid4().hex[:8]}/recis"
@@ -115,3 +115,41 @@ def test_recis_layouts_at_a_url_are_downloaded_whole_and_load(tmp_path):
     Saver(path=str(saved), parallel=1, hashtables={"t": table}, layout="recis").save()
     remote.put_directory(saved, ours)
     assert sorted(Loader(ours).load()[0]["t"].ids().tolist()) == list(range(50))
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_a_recis_checkpoint_at_a_url_is_fetched_by_the_slice_rule(tmp_path, m):
+    import warnings
+
+    import _recis_writer as recis_port
+    from fastckpt.sharded.recis import RecisWarning, gen_slice, slice_owner
+
+    rng = np.random.default_rng(5)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    owner = slice_owner(ids, 4)
+    ranks = [{"t": (ids[owner == i], [("embedding", values[owner == i]), ("m", -values[owner == i])],
+                    recis_port.gen_slice(i, 4))} for i in range(4)]
+    local = tmp_path / "recis"
+    recis_port.write_checkpoint(str(local), ranks, {"w": np.arange(6.0).reshape(3, 2)}, 2)
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/recis"
+    remote.put_directory(local, url, "index")
+    total, row = _total(url), {int(i): r for r, i in enumerate(ids)}
+    seen = []
+    for j in range(m):
+        where = tmp_path / f"share-{j}"
+        where.mkdir()
+        share = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=m), str(where))
+        assert share["layout"] == "recis" and not share["manifest"]
+        assert share["bytes"] < (1 / m + 0.05) * total, (share, total)  # parts of other slices are never read
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecisWarning)
+            tables, tensors = Loader(url, shard_index=j, shard_num=m).load()
+        got = tables["t"].ids()
+        begin, end, size = gen_slice(j, m)
+        pos = got.view(np.uint64) % np.uint64(size)
+        assert ((pos >= begin) & (pos < end)).all()
+        assert np.array_equal(tables["t"].lookup_slot("m", got), -values[[row[int(i)] for i in got]])
+        assert np.array_equal(tensors["w"], np.arange(6.0).reshape(3, 2))
+        seen.append(got)
+    assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
