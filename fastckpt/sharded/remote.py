@@ -169,12 +169,13 @@ class _Share:
         with open(os.path.join(self.local, name), "rb") as f:
             return json.loads(f.read())
 
-    def headers(self, names: list[str]) -> dict[str, tuple[str, int, int, list]]:
-        """``{stored key: (file, begin, end, shape)}`` from the safetensors headers of ``names`` (fetched here)."""
+    def headers(self, names: list[str], also: dict | None = None) -> dict[str, tuple[str, int, int, list]]:
+        """``{stored key: (file, begin, end, shape)}`` from the safetensors headers of ``names`` (fetched here,
+        with the ranges ``also`` in the same round of requests)."""
         import json
         import os
 
-        self.fetch({name: [(0, min(_HEAD, self.sizes[name]))] for name in names})
+        self.fetch({**(also or {}), **{name: [(0, min(_HEAD, self.sizes[name]))] for name in names}})
         out = {}
         for name in names:
             with open(os.path.join(self.local, name), "rb") as f:
@@ -269,8 +270,8 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     from fastckpt.sharded.format import parse_part_key, rows_of
 
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
-    share.fetch({name: [(0, share.sizes[name])] for name in metadata})
-    offsets = share.headers(sorted(set(share.sizes) - set(metadata)))
+    offsets = share.headers(sorted(set(share.sizes) - set(metadata)),
+                            also={name: [(0, share.sizes[name])] for name in metadata})
     descriptions = share.json(DESCRIPTION_FILE)
     dense_wanted = set(loader.tensors) or set(manifest.get("tensors", {}))
     tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
