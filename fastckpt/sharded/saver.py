@@ -175,6 +175,8 @@ class Saver:
     at ``path`` is an error unless ``overwrite=True``. ``progress`` (``True``
     for a bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`)
     counts the bytes of this rank's tensors as its writer threads write them.
+    ``layout="recis"`` writes RecIS's own files (:mod:`fastckpt.sharded.recis`: dense tensors whole from rank 0,
+    each rank's tables holding only the ids of its RecIS slice) with fastckpt's manifest beside.
 
     >>> import numpy as np, tempfile, os
     >>> out = os.path.join(tempfile.mkdtemp(), "c")
