@@ -407,7 +407,52 @@ _COMM_STATES: dict[int, _CommState] = {}
 _COMM_STATES_LOCK = threading.Lock()
 
 
-class MPIEngine:
+class _MessageEngine:
+    """The calls of an engine whose ranks are processes exchanging messages (MPI, torch.distributed's store):
+    arguments checked, values refused before anything is sent, then ``self._call(tag, kind, root, value,
+    timeout)``, which the engine implements (the root collects, every other rank waits for its answer)."""
+
+    rank: int
+    size: int
+
+    def barrier(self, tag: str, timeout: float) -> None:
+        self._call(_check_tag(tag), "barrier", 0, None, _check_timeout(timeout))
+
+    def broadcast(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
+        root = _check_root(root, self.size)
+        timeout = _check_timeout(timeout)
+        if self.rank == root:
+            _encode(obj, "broadcast")  # refuse before anything is sent
+        return self._call("broadcast", "broadcast", root, obj if self.rank == root else None, timeout)
+
+    def gather(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> list | None:
+        root = _check_root(root, self.size)
+        timeout = _check_timeout(timeout)
+        _encode(obj, "gather")
+        return self._call("gather", "gather", root, obj, timeout)
+
+    def _call(self, tag: str, kind: str, root: int, value: Any, timeout: float) -> Any:
+        raise NotImplementedError
+
+
+def _failure(error: Exception) -> dict:
+    """What the root tells the other ranks of a call that failed there."""
+    return {"kind": "out of step" if isinstance(error, EngineError) else "missing", "message": str(error),
+            "missing": list(getattr(error, "missing", ()))}
+
+
+def _released(answer: dict, kind: str, tag: str, timeout: float, size: int) -> Any:
+    """A non-root rank's result of a call from the root's answer: the broadcast value, or the root's error."""
+    if answer.get("ok"):
+        return answer.get("value") if kind == "broadcast" else None
+    failure = answer.get("failure", {})
+    if failure.get("kind") == "out of step":
+        raise EngineError(failure.get("message", "the ranks are out of step"))
+    raise BarrierTimeoutError(failure.get("message", "ranks did not arrive"),
+                              missing=tuple(failure.get("missing", ())), tag=tag, timeout=timeout, size=size)
+
+
+class MPIEngine(_MessageEngine):
     """One rank of an MPI job (through mpi4py): ``MPIEngine()`` in each process that ``mpiexec -n N`` starts.
 
     ``comm`` defaults to ``MPI.COMM_WORLD``. The first engine over a communicator duplicates it without
@@ -446,22 +491,6 @@ class MPIEngine:
 
     def __repr__(self) -> str:
         return f"<MPIEngine rank {self.rank} of {self.size}>"
-
-    def barrier(self, tag: str, timeout: float) -> None:
-        self._call(_check_tag(tag), "barrier", 0, None, _check_timeout(timeout))
-
-    def broadcast(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
-        root = _check_root(root, self.size)
-        timeout = _check_timeout(timeout)
-        if self.rank == root:
-            _encode(obj, "broadcast")  # refuse before anything is sent
-        return self._call("broadcast", "broadcast", root, obj if self.rank == root else None, timeout)
-
-    def gather(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> list | None:
-        root = _check_root(root, self.size)
-        timeout = _check_timeout(timeout)
-        _encode(obj, "gather")
-        return self._call("gather", "gather", root, obj, timeout)
 
     def abort(self, reason: str = "") -> None:
         """Tell every other rank that this one will not arrive: their waits raise at once, naming it.
@@ -576,14 +605,7 @@ class MPIEngine:
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX)
         self._reap()
-        if answer.get("ok"):
-            return answer.get("value") if kind == "broadcast" else None
-        failure = answer.get("failure", {})
-        if failure.get("kind") == "out of step":
-            raise EngineError(failure.get("message", "the ranks are out of step"))
-        raise BarrierTimeoutError(failure.get("message", "ranks did not arrive"),
-                                  missing=tuple(failure.get("missing", ())), tag=tag, timeout=timeout,
-                                  size=self.size)
+        return _released(answer, kind, tag, timeout, self.size)
 
     def _call_as_root(self, seq: int, call: list, value: Any, timeout: float, start: float) -> Any:
         tag, kind, root = call
@@ -617,8 +639,7 @@ class MPIEngine:
                      for r, c in calls.items()}
             error = _out_of_step_error(names, size)
         if error is not None:
-            failure = {"kind": "out of step" if isinstance(error, EngineError) else "missing",
-                       "message": str(error), "missing": list(getattr(error, "missing", ()))}
+            failure = _failure(error)
             for other in range(size):  # the missing ones too: should they arrive late, they learn at once
                 if other != root:
                     self._send({"seq": seq, "ok": False, "failure": failure}, other, _TAG_RELEASE)

@@ -33,17 +33,15 @@ import time
 from typing import Any
 
 from fastckpt.sharded.engine import (
-    DEFAULT_TIMEOUT,
     BarrierTimeoutError,
     EngineError,
     _abort_error,
     _aborted_self_error,
     _call_name,
-    _check_root,
-    _check_tag,
-    _check_timeout,
-    _encode,
+    _failure,
+    _MessageEngine,
     _out_of_step_error,
+    _released,
     _seconds,
     _timeout_error,
 )
@@ -64,7 +62,7 @@ def _prefix(environ=os.environ) -> str:
     return f"fastckpt.engine/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-class TorchDistributedEngine:
+class TorchDistributedEngine(_MessageEngine):
     """One rank of an initialised ``torch.distributed`` process group (see the module docs).
 
     ``group`` is a process group (default: the default one); ``store`` a ``torch.distributed.Store`` that
@@ -92,22 +90,6 @@ class TorchDistributedEngine:
 
     def __repr__(self) -> str:
         return f"<TorchDistributedEngine rank {self.rank} of {self.size}>"
-
-    def barrier(self, tag: str, timeout: float) -> None:
-        self._call(_check_tag(tag), "barrier", 0, None, _check_timeout(timeout))
-
-    def broadcast(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
-        root = _check_root(root, self.size)
-        timeout = _check_timeout(timeout)
-        if self.rank == root:
-            _encode(obj, "broadcast")  # refuse before anything is sent
-        return self._call("broadcast", "broadcast", root, obj if self.rank == root else None, timeout)
-
-    def gather(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> list | None:
-        root = _check_root(root, self.size)
-        timeout = _check_timeout(timeout)
-        _encode(obj, "gather")
-        return self._call("gather", "gather", root, obj, timeout)
 
     def abort(self, reason: str = "") -> None:
         """Tell every other rank that this one will not arrive: their waits raise at once, naming it."""
@@ -169,13 +151,7 @@ class TorchDistributedEngine:
         if self._store.add(f"{base}read", 1) == self.size - 1:  # the last reader removes the call's keys
             for key in (f"{base}result", f"{base}read"):
                 self._store.delete_key(key)
-        if answer.get("ok"):
-            return answer.get("value") if kind == "broadcast" else None
-        failure = answer.get("failure", {})
-        if failure.get("kind") == "out of step":
-            raise EngineError(failure.get("message", "the ranks are out of step"))
-        raise BarrierTimeoutError(failure.get("message", "ranks did not arrive"),
-                                  missing=tuple(failure.get("missing", ())), tag=tag, timeout=timeout, size=self.size)
+        return _released(answer, kind, tag, timeout, self.size)
 
     def _as_root(self, base: str, call: list, value: Any, timeout: float, start: float) -> Any:
         tag, kind, root = call
@@ -206,9 +182,7 @@ class TorchDistributedEngine:
             names = {r: (_call_name(*c) if isinstance(c, list) and len(c) == 3 else repr(c)) for r, c in calls.items()}
             error = _out_of_step_error(names, size)
         if error is not None:
-            failure = {"kind": "out of step" if isinstance(error, EngineError) else "missing",
-                       "message": str(error), "missing": list(getattr(error, "missing", ()))}
-            self._store.set(f"{base}result", json.dumps({"ok": False, "failure": failure}))
+            self._store.set(f"{base}result", json.dumps({"ok": False, "failure": _failure(error)}))
             raise error
         if size > 1:
             self._store.set(f"{base}result", json.dumps({"ok": True, "value": values[root] if kind == "broadcast"
