@@ -441,6 +441,14 @@ def _failure(error: Exception) -> dict:
             "missing": list(getattr(error, "missing", ()))}
 
 
+def _out_of_step(calls: dict[int, Any], call: list, size: int) -> EngineError | None:
+    """The root's error where the ranks' calls (``calls``: rank -> [tag, kind, root]) differ from its ``call``."""
+    if all(c == call for c in calls.values()):
+        return None
+    names = {r: (_call_name(*c) if isinstance(c, list) and len(c) == 3 else repr(c)) for r, c in calls.items()}
+    return _out_of_step_error(names, size)
+
+
 def _released(answer: dict, kind: str, tag: str, timeout: float, size: int) -> Any:
     """A non-root rank's result of a call from the root's answer: the broadcast value, or the root's error."""
     if answer.get("ok"):
@@ -634,10 +642,7 @@ class MPIEngine(_MessageEngine):
             if not arrived:
                 time.sleep(pause)
                 pause = min(pause * 2, _POLL_MAX)
-        if error is None and any(c != call for c in calls.values()):
-            names = {r: (_call_name(*c) if isinstance(c, list) and len(c) == 3 else repr(c))
-                     for r, c in calls.items()}
-            error = _out_of_step_error(names, size)
+        error = error or _out_of_step(calls, call, size)
         if error is not None:
             failure = _failure(error)
             for other in range(size):  # the missing ones too: should they arrive late, they learn at once

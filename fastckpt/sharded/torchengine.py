@@ -40,7 +40,7 @@ from fastckpt.sharded.engine import (
     _call_name,
     _failure,
     _MessageEngine,
-    _out_of_step_error,
+    _out_of_step,
     _released,
     _seconds,
     _timeout_error,
@@ -178,9 +178,7 @@ class TorchDistributedEngine(_MessageEngine):
             if not arrived:
                 time.sleep(pause)
                 pause = min(pause * 2, _POLL_MAX)
-        if error is None and any(c != call for c in calls.values()):
-            names = {r: (_call_name(*c) if isinstance(c, list) and len(c) == 3 else repr(c)) for r, c in calls.items()}
-            error = _out_of_step_error(names, size)
+        error = error or _out_of_step(calls, call, size)
         if error is not None:
             self._store.set(f"{base}result", json.dumps({"ok": False, "failure": _failure(error)}))
             raise error
