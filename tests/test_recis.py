@@ -375,3 +375,24 @@ def test_progress_counts_every_byte_of_a_recis_save_and_load(tmp_path, recis_dir
           progress=lambda done, total, item: saved.append((done, total, item))).save()
     total = sum(v.nbytes for v in dense.values())
     assert saved[-1][:2] == (total, total) and {s[2] for s in saved} == {f"{n}^ " for n in dense}
+
+
+def test_loader_options_on_a_recis_directory(recis_dirs):
+    dirs, (ids, emb, _, dense) = recis_dirs
+
+    def drop_table(info):
+        assert set(info["hashtables"]) == {"tab"} and info["tensors"]["three"]["rows"] == [0, 100]
+        del info["hashtables"]["tab"]
+        return info
+
+    tables, tensors = _load(dirs[2], 0, 1, filter_func=drop_table)
+    assert tables == {} and sorted(tensors) == sorted(dense)
+    mine = {"tab": HashTable(DIM)}  # no slots asked for: the checkpoint's adam_m is not loaded
+    tables, _ = _load(dirs[2], 0, 1, hashtables=mine, tensors={"one": np.zeros((2, 2), np.float32)})
+    assert tables["tab"] is mine["tab"] and len(mine["tab"]) == len(ids) and mine["tab"].slots == ()
+    with pytest.raises(ValueError, match="is dim 4 float32 in the checkpoint, the table given is dim 3"):
+        _load(dirs[2], 0, 1, hashtables={"tab": HashTable(3)})
+    with pytest.raises(ValueError, match=r"has no slots \['v'\] in the checkpoint"):
+        _load(dirs[2], 0, 1, hashtables={"tab": HashTable(DIM, slots=("v",))})
+    with pytest.raises(KeyError, match="no hashtable 'tabb'; close matches: \\['tab'\\]"):
+        _load(dirs[2], 0, 1, hashtables={"tabb": HashTable(DIM)})
