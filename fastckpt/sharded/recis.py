@@ -308,6 +308,9 @@ class RecisCheckpointReader(CheckpointReader):
         self.files: dict[str, TensorFile] = {}
         self._closed = False
         infos = {}
+        by_file: dict[int, list[str]] = {}
+        for key, number in self._block_index.items():
+            by_file.setdefault(number, []).append(key)
         try:
             for number in sorted(file_of_number):
                 name = file_of_number[number]
@@ -315,7 +318,7 @@ class RecisCheckpointReader(CheckpointReader):
                 if not os.path.isfile(path_):
                     raise FormatError(f"{path_}: missing; {INDEX_FILE}'s file_index names it (file {number})")
                 f = self.files[name] = open_file(path_, **self._options)
-                expected = [k for k, n in self._block_index.items() if n == number]
+                expected = by_file.get(number, [])
                 missing = sorted(set(expected) - set(f.infos))
                 if missing:
                     raise FormatError(f"{f.path}: holds no tensors {missing[:4]}, which {INDEX_FILE} places there "
