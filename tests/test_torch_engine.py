@@ -101,3 +101,24 @@ def test_out_of_step_calls_and_an_abort(tmp_path):
     name, message, missing, waited = first["second"]
     assert (name, missing) == ("BarrierTimeoutError", [1]) and "aborted" in message and "disk full" in message
     assert waited < 30  # told at once, not after its 60 s timeout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["recis", "fastckpt"])
+def test_a_torchrun_job_saves_and_loads(tmp_path, layout):
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    out = str(tmp_path / "ckpt")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                           os.path.join(here, "_torchrun_job.py"), out, layout], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = [json.loads((tmp_path / f"ckpt.rank{r}.json").read_text()) for r in range(3)]
+    assert {r["engine"] for r in ranks} == {"TorchDistributedEngine"}
+    assert sorted(i for r in ranks for i in r["ids"]) == [i * 193 for i in range(1000)]
+    assert all(r["ids"] for r in ranks)  # every rank holds a share
+    with CheckpointReader(out, verify=True) as reader:
+        assert reader.layout == ("RecIS" if layout == "recis" else "fastckpt")
