@@ -39,6 +39,7 @@ def test_sharded_line_reshards_2_to_3_exactly(tmp_path, capsys, monkeypatch, mpi
     elif demo._mpiexec() is not None:
         assert "on 2 MPI ranks" in out
     assert "loaded on 3 ranks (resharded 2 -> 3)" in out
+    assert "written as RecIS's own layout and loaded back in" in out and "identical: True; every row" in out
     assert out.rstrip().endswith("every row identical: True")
 
 

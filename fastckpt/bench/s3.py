@@ -12,6 +12,11 @@ Run ``python -m fastckpt bench --suite s3`` (``--quick`` for 16 MiB instead of 5
 It prints a markdown table with both times and their ratio, and whether each meets the target (fastckpt at
 most 1.2x s3fs's time). The server holds the objects in memory; they are removed at the end.
 
+``--sharded`` instead measures a sharded checkpoint of 4 ranks (one hashtable, ``--mib`` of rows in all)
+loaded from S3 by each of 4 ranks in turn: the bytes each rank fetches (its share:
+:func:`fastckpt.sharded.remote.fetch_share`) and its load time, against a load that downloads the whole
+prefix first (what every rank did before).
+
 >>> from fastckpt.bench.timing import Timing
 >>> fake = {"nbytes": 2**20, "timings": {"save fastckpt": Timing(1.1, 1.0), "save s3fs": Timing(1.0, 1.0),
 ...                                      "load fastckpt": Timing(0.5, 0.5), "load s3fs": Timing(1.0, 1.0)}}
@@ -32,7 +37,8 @@ import numpy as np
 
 from fastckpt.bench.timing import format_duration, format_ratio, format_size, round_robin, table_lines
 
-__all__ = ["configure", "run", "measure", "report", "start_server", "storage_options", "make_tensors", "TARGET"]
+__all__ = ["configure", "run", "measure", "report", "measure_sharded", "report_sharded", "start_server",
+           "storage_options", "make_tensors", "TARGET"]
 
 TARGET = 1.2
 DEFAULT_MIB = 512
@@ -126,6 +132,78 @@ def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
     return {"nbytes": nbytes, "timings": timings}
 
 
+def measure_sharded(*, mib: float = DEFAULT_MIB, repeats: int = 3, ranks: int = 4) -> dict:
+    """A ``ranks``-rank sharded save to S3, then each rank's load: its share against the whole prefix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastckpt.formats import remote
+    from fastckpt.sharded import HashTable, Loader, Saver
+    from fastckpt.sharded import remote as sharded_remote
+    from fastckpt.sharded.engine import ThreadEngine
+
+    dim = 64
+    rows = max(ranks, int(mib * 2**20) // (8 + 2 * 4 * dim))  # ids, embedding and one slot per row
+    rng = np.random.default_rng(0)
+    ids = rng.choice(2**40, rows, replace=False).astype(np.int64)
+    values = rng.random((rows, dim), np.float32)
+    server, options = _server()
+    try:
+        url = "s3://bench/sharded"
+
+        def save(engine):
+            mine = np.flatnonzero(ids % ranks == engine.rank)
+            table = HashTable(dim, slots=("m",))
+            table.insert(ids[mine], values[mine], {"m": values[mine]})
+            Saver(engine.rank, ranks, 2, url, hashtables={"emb": table}, engine=engine, storage_options=options,
+                  overwrite=True).save()
+
+        with ThreadPoolExecutor(ranks) as pool:
+            list(pool.map(save, ThreadEngine.group(ranks)))
+        fs, path = remote.filesystem(url, options)
+        total = sum(int(e["size"]) for e in fs.find(path, detail=True).values())
+        per_rank = []
+        for rank in range(ranks):
+            with tempfile.TemporaryDirectory(prefix="fastckpt-bench-share-") as tmp:
+                share = sharded_remote.fetch_share(Loader(url, shard_index=rank, shard_num=ranks,
+                                                          storage_options=options), tmp)
+
+            def whole(rank=rank):
+                with remote.local_copy(url, "manifest.json", options) as local:
+                    return Loader(local, shard_index=rank, shard_num=ranks).load()
+
+            timings = round_robin({
+                "share": lambda rank=rank: Loader(url, shard_index=rank, shard_num=ranks,
+                                                  storage_options=options).load(),
+                "whole": whole}, repeats)
+            per_rank.append({"rank": rank, "bytes": share["bytes"], "requests": share["requests"],
+                             "share": timings["share"], "whole": timings["whole"]})
+        fs.rm(path, recursive=True)
+    finally:
+        server.stop()
+    return {"nbytes": total, "ranks": ranks, "per_rank": per_rank}
+
+
+def report_sharded(result: dict) -> list[str]:
+    """The markdown lines of :func:`measure_sharded`'s result.
+
+    >>> from fastckpt.bench.timing import Timing
+    >>> r = {"nbytes": 4 << 20, "ranks": 4, "per_rank": [{"rank": 0, "bytes": 1 << 20, "requests": 9,
+    ...      "share": Timing(0.1, 0.1), "whole": Timing(0.4, 0.4)}]}
+    >>> print("\\n".join(report_sharded(r)[2:]))
+    | rank | fetched | of the checkpoint | requests | load (its share) | load (whole prefix) | ratio |
+    |---:|---:|---:|---:|---:|---:|---:|
+    | 0 | 1 MiB | 25.0% | 9 | 100.00 ms | 400.00 ms | 0.25x |
+    """
+    n = result["nbytes"]
+    lines = [f"S3 (moto's server on loopback): a sharded checkpoint of {result['ranks']} ranks, {format_size(n)}, "
+             f"loaded by each of {result['ranks']} ranks", ""]
+    rows = [[str(r["rank"]), format_size(r["bytes"]), f"{100 * r['bytes'] / n:.1f}%", str(r["requests"]),
+             format_duration(r["share"].median), format_duration(r["whole"].median),
+             format_ratio(r["share"].median / r["whole"].median)] for r in result["per_rank"]]
+    return lines + table_lines(["rank", "fetched", "of the checkpoint", "requests", "load (its share)",
+                                "load (whole prefix)", "ratio"], rows, "rrrrrrr")
+
+
 def _remove(path: str) -> None:
     if os.path.exists(path):
         os.remove(path)
@@ -163,6 +241,8 @@ def configure(parser) -> None:
     parser.add_argument("--mib", type=float, default=float(DEFAULT_MIB),
                         help=f"size of the safetensors file in MiB (default {DEFAULT_MIB})")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of each path (default 3; --quick: 1)")
+    parser.add_argument("--sharded", action="store_true",
+                        help="measure a 4-rank sharded checkpoint's per-rank loads instead")
 
 
 def run(args) -> int:
@@ -177,5 +257,8 @@ def run(args) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     mib, repeats = (QUICK_MIB, 1) if args.quick else (args.mib, args.repeats)
+    if getattr(args, "sharded", False):
+        print("\n".join(report_sharded(measure_sharded(mib=mib, repeats=repeats))))
+        return 0
     print("\n".join(report(measure(mib=mib, repeats=repeats), quick=args.quick)))
     return 0

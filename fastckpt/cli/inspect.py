@@ -57,7 +57,13 @@ def describe(path: str | os.PathLike, *, max_header_size: int | None = None) -> 
             }
             for i in f.infos.values()
         ]
-        if hasattr(f, "hashtables"):  # a sharded checkpoint: its tables, with their id counts
+        if getattr(f, "layout", None) == "RecIS":  # RecIS's own layout: its files, and whether it has a manifest
+            d["layout"] = f.layout
+            d["hashtables"] = f.hashtables()
+            d["integrity"] = f.integrity or "none (RecIS checkpoint: no integrity record)"
+            d["files"] = {name: os.path.getsize(tf.path) for name, tf in sorted(f.files.items())}
+        elif hasattr(f, "hashtables"):  # a sharded checkpoint: its tables, with their id counts
+            d["layout"] = "fastckpt"
             d["hashtables"] = f.hashtables()
             d["world_size"] = f.manifest["world_size"]
             d["files"] = {name: entry["size"] for name, entry in sorted(f.manifest["files"].items())}
@@ -86,6 +92,8 @@ def _format_table(d: dict) -> str:
         lines.append(f"skipped {name}: {why}")
     if "world_size" in d:  # a sharded checkpoint: its files and their sizes
         lines.append(f"{len(d['files'])} files, {sum(d['files'].values())} bytes, world size {d['world_size']}")
+    if "layout" in d:
+        lines.append(f"layout: {d['layout']}" + (f", integrity record: {d['integrity']}" if "integrity" in d else ""))
     if d.get("kind") == "delta":
         lines.append(f"delta {d['chain_length']} of a chain, on base {d['base']}")
     for name, t in d.get("hashtables", {}).items():

@@ -24,6 +24,8 @@ def add_parser(subparsers):
     parser.add_argument("--parallel", type=int, default=None, metavar="P",
                         help="files per rank (default: the source's)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
+    parser.add_argument("--layout", choices=("fastckpt", "recis"), default=None,
+                        help="the layout to write: fastckpt's, or RecIS's own (default: the source's)")
     return parser
 
 
@@ -33,7 +35,7 @@ def run(args) -> int:
 
     try:
         out = reshard(args.src, args.dst, args.shards, parallel=args.parallel, overwrite=args.overwrite,
-                      progress=sys.stderr.isatty())
+                      progress=sys.stderr.isatty(), layout=getattr(args, "layout", None))
     except (FastCkptError, OSError, ValueError, RuntimeError) as exc:
         print(f"fastckpt reshard: {exc}", file=sys.stderr)
         return 1

@@ -185,6 +185,32 @@ def _verify_file(path: Path, hashes: bool, quiet: bool, out) -> int:
     return _report(path, problems, "" if quiet else summary, out)
 
 
+def _verify_recis(path: Path, hashes: bool, quiet: bool, out) -> int:
+    """A directory in RecIS's layout: its structure (index, tensorkey.json, every file's header), and its files
+    against fastckpt's manifest where a ``layout="recis"`` save left one (RecIS itself writes none)."""
+    import warnings
+
+    from fastckpt.errors import FastCkptError
+    from fastckpt.sharded.recis import NO_INTEGRITY, RecisCheckpointReader, RecisWarning
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecisWarning)  # said below, on the result line
+            with RecisCheckpointReader(path) as reader:
+                problems = reader.verify(progress=sys.stderr.isatty()) if hashes else []
+                files, manifest = len(reader.files), reader.manifest
+    except (FastCkptError, OSError) as exc:
+        return _report(path, [str(exc)], "", out)
+    if problems or quiet:
+        return _report(path, problems, "", out)
+    if manifest is None:
+        return _report(path, [], f"sharded, RecIS layout: {files} tensor files; {NO_INTEGRITY} (structure "
+                                 "checked, no hashes to check)", out)
+    return _report(path, [], f"sharded, RecIS layout with fastckpt's manifest: world_size={manifest['world_size']} "
+                             f"parallel={manifest['parallel']} files={len(manifest['files'])}"
+                             f"{'' if hashes else ' (hashes not checked)'}", out)
+
+
 def run(args: argparse.Namespace, out=None) -> int:
     from fastckpt.sharded.format import DESCRIPTION_FILE
     from fastckpt.train.format import MANIFEST_FILE
@@ -198,6 +224,10 @@ def run(args: argparse.Namespace, out=None) -> int:
         return 1
     if any((d / marker).is_file() for marker in _HF_MARKERS) or any(d.glob(f"*{_HF_INDEX_SUFFIX}")):
         return _verify_hf(d, args.quiet, out)
+    from fastckpt.sharded.recis import is_recis_directory
+
+    if is_recis_directory(d):
+        return _verify_recis(d, not args.no_hash, args.quiet, out)
     if (d / DESCRIPTION_FILE).exists():
         return _verify_sharded(d, not args.no_hash, args.quiet, out)
     if (d / MANIFEST_FILE).exists():

@@ -21,6 +21,8 @@ The engines:
   tests, and for saving many shards from one process.
 * :class:`MPIEngine`: one process per rank under ``mpiexec``, through mpi4py (``pip install
   "fastckpt[mpi]"`` installs mpi4py and MPICH, whose ``mpiexec`` lands next to the Python executable).
+* :class:`~fastckpt.sharded.torchengine.TorchDistributedEngine`: one process per rank of an initialised
+  ``torch.distributed`` group (``torchrun``), messages through the group's store.
 * :func:`default_engine` picks one from ``(shard_index, shard_num)``.
 
 Three ranks as threads: each writes its files, waits for the others, and rank 0 gathers what they wrote.
@@ -43,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
@@ -432,7 +435,60 @@ _COMM_STATES: dict[int, _CommState] = {}
 _COMM_STATES_LOCK = threading.Lock()
 
 
-class MPIEngine:
+class _MessageEngine:
+    """The calls of an engine whose ranks are processes exchanging messages (MPI, torch.distributed's store):
+    arguments checked, values refused before anything is sent, then ``self._call(tag, kind, root, value,
+    timeout)``, which the engine implements (the root collects, every other rank waits for its answer)."""
+
+    rank: int
+    size: int
+
+    def barrier(self, tag: str, timeout: float) -> None:
+        self._call(_check_tag(tag), "barrier", 0, None, _check_timeout(timeout))
+
+    def broadcast(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
+        root = _check_root(root, self.size)
+        timeout = _check_timeout(timeout)
+        if self.rank == root:
+            _encode(obj, "broadcast")  # refuse before anything is sent
+        return self._call("broadcast", "broadcast", root, obj if self.rank == root else None, timeout)
+
+    def gather(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> list | None:
+        root = _check_root(root, self.size)
+        timeout = _check_timeout(timeout)
+        _encode(obj, "gather")
+        return self._call("gather", "gather", root, obj, timeout)
+
+    def _call(self, tag: str, kind: str, root: int, value: Any, timeout: float) -> Any:
+        raise NotImplementedError
+
+
+def _failure(error: Exception) -> dict:
+    """What the root tells the other ranks of a call that failed there."""
+    return {"kind": "out of step" if isinstance(error, EngineError) else "missing", "message": str(error),
+            "missing": list(getattr(error, "missing", ()))}
+
+
+def _out_of_step(calls: dict[int, Any], call: list, size: int) -> EngineError | None:
+    """The root's error where the ranks' calls (``calls``: rank -> [tag, kind, root]) differ from its ``call``."""
+    if all(c == call for c in calls.values()):
+        return None
+    names = {r: (_call_name(*c) if isinstance(c, list) and len(c) == 3 else repr(c)) for r, c in calls.items()}
+    return _out_of_step_error(names, size)
+
+
+def _released(answer: dict, kind: str, tag: str, timeout: float, size: int) -> Any:
+    """A non-root rank's result of a call from the root's answer: the broadcast value, or the root's error."""
+    if answer.get("ok"):
+        return answer.get("value") if kind == "broadcast" else None
+    failure = answer.get("failure", {})
+    if failure.get("kind") == "out of step":
+        raise EngineError(failure.get("message", "the ranks are out of step"))
+    raise BarrierTimeoutError(failure.get("message", "ranks did not arrive"),
+                              missing=tuple(failure.get("missing", ())), tag=tag, timeout=timeout, size=size)
+
+
+class MPIEngine(_MessageEngine):
     """One rank of an MPI job (through mpi4py): ``MPIEngine()`` in each process that ``mpiexec -n N`` starts.
 
     ``comm`` defaults to ``MPI.COMM_WORLD``. The first engine over a communicator duplicates it without
@@ -471,22 +527,6 @@ class MPIEngine:
 
     def __repr__(self) -> str:
         return f"<MPIEngine rank {self.rank} of {self.size}>"
-
-    def barrier(self, tag: str, timeout: float) -> None:
-        self._call(_check_tag(tag), "barrier", 0, None, _check_timeout(timeout))
-
-    def broadcast(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
-        root = _check_root(root, self.size)
-        timeout = _check_timeout(timeout)
-        if self.rank == root:
-            _encode(obj, "broadcast")  # refuse before anything is sent
-        return self._call("broadcast", "broadcast", root, obj if self.rank == root else None, timeout)
-
-    def gather(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> list | None:
-        root = _check_root(root, self.size)
-        timeout = _check_timeout(timeout)
-        _encode(obj, "gather")
-        return self._call("gather", "gather", root, obj, timeout)
 
     def abort(self, reason: str = "") -> None:
         """Tell every other rank that this one will not arrive: their waits raise at once, naming it.
@@ -601,14 +641,7 @@ class MPIEngine:
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX)
         self._reap()
-        if answer.get("ok"):
-            return answer.get("value") if kind == "broadcast" else None
-        failure = answer.get("failure", {})
-        if failure.get("kind") == "out of step":
-            raise EngineError(failure.get("message", "the ranks are out of step"))
-        raise BarrierTimeoutError(failure.get("message", "ranks did not arrive"),
-                                  missing=tuple(failure.get("missing", ())), tag=tag, timeout=timeout,
-                                  size=self.size)
+        return _released(answer, kind, tag, timeout, self.size)
 
     def _call_as_root(self, seq: int, call: list, value: Any, timeout: float, start: float) -> Any:
         tag, kind, root = call
@@ -637,13 +670,9 @@ class MPIEngine:
             if not arrived:
                 time.sleep(pause)
                 pause = min(pause * 2, _POLL_MAX)
-        if error is None and any(c != call for c in calls.values()):
-            names = {r: (_call_name(*c) if isinstance(c, list) and len(c) == 3 else repr(c))
-                     for r, c in calls.items()}
-            error = _out_of_step_error(names, size)
+        error = error or _out_of_step(calls, call, size)
         if error is not None:
-            failure = {"kind": "out of step" if isinstance(error, EngineError) else "missing",
-                       "message": str(error), "missing": list(getattr(error, "missing", ()))}
+            failure = _failure(error)
             for other in range(size):  # the missing ones too: should they arrive late, they learn at once
                 if other != root:
                     self._send({"seq": seq, "ok": False, "failure": failure}, other, _TAG_RELEASE)
@@ -682,7 +711,9 @@ class MPIEngine:
 # -- choosing an engine ---------------------------------------------------------------------------------------
 
 def default_engine(shard_index: int, shard_num: int) -> Engine:
-    """The engine for rank ``shard_index`` of ``shard_num``: :class:`LocalEngine` for one, else :class:`MPIEngine`.
+    """The engine for rank ``shard_index`` of ``shard_num``: :class:`LocalEngine` for one, else
+    :class:`~fastckpt.sharded.torchengine.TorchDistributedEngine` where ``torch.distributed`` is initialised (a
+    ``torchrun`` job), else :class:`MPIEngine`.
 
     MPI is used where mpi4py imports and ``MPI.COMM_WORLD`` has ``shard_num`` ranks, this process being rank
     ``shard_index``; anything else is an :class:`EngineError` that says how to run the ranks.
@@ -697,6 +728,16 @@ def default_engine(shard_index: int, shard_num: int) -> Engine:
         raise ValueError(f"need 0 <= shard_index < shard_num, got shard_index={shard_index}, shard_num={shard_num}")
     if shard_num == 1:
         return LocalEngine()
+    dist = sys.modules.get("torch.distributed")  # torch imported and its group initialised: a torchrun job
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from fastckpt.sharded.torchengine import TorchDistributedEngine
+
+        engine = TorchDistributedEngine()
+        if (engine.size, engine.rank) != (shard_num, shard_index):
+            raise EngineError(f"shard {shard_index} of {shard_num} needs an engine to coordinate the ranks, but this "
+                              f"process is rank {engine.rank} of {engine.size} of torch.distributed's default "
+                              "group; pass the group's rank and size (or engine=...)")
+        return engine
     how = (f"Start the {shard_num} ranks with `mpiexec -n {shard_num} python your_script.py` (pip install "
            f"\"fastckpt[mpi]\" installs mpi4py and MPICH's mpiexec), or, for ranks that are threads of one "
            f"process, pass engine=ThreadEngine.group({shard_num})[i] to rank i's thread")

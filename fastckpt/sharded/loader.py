@@ -261,6 +261,10 @@ class Loader:
             from fastckpt.sharded import remote
 
             return remote.load(self)
+        from fastckpt.sharded import recis
+
+        if recis.is_recis_directory(self.checkpoint_path):  # RecIS's own layout: its slice rule
+            return recis.load(self)
         started = time.perf_counter()
         chain = resolve_chain(self.checkpoint_path)
         self._check_lossy(chain)

@@ -125,6 +125,16 @@ class CheckpointReader(MultiFileReader):
     """
 
     format = FORMAT
+    layout = "fastckpt"
+
+    def __new__(cls, path=None, *args, **kwargs):
+        # A directory in RecIS's own layout (an ``index`` file) is read by its subclass: fastckpt.sharded.recis.
+        if cls is CheckpointReader and path is not None:
+            from fastckpt.sharded import recis
+
+            if recis.is_recis_directory(path):
+                return super().__new__(recis.RecisCheckpointReader)
+        return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, backend: str = "mmap",
                  copy_on_write: bool = False, max_header_size: int | None = None):

@@ -89,11 +89,288 @@ def save(saver) -> str:
 
 
 def load(loader):
-    """Run :meth:`fastckpt.sharded.Loader.load` for a URL: download the committed prefix, load it from there."""
+    """Run :meth:`fastckpt.sharded.Loader.load` for a URL, fetching only this rank's share (see :func:`fetch_share`).
+
+    A directory in RecIS's layout (with or without fastckpt's manifest; without it, RecIS's ``index`` marks it
+    complete) is fetched by RecIS's slice rule. A delta or an encoded checkpoint (whose parts a rank cannot
+    select by rows) is downloaded whole first.
+    """
     url = loader.checkpoint_path
-    with remote.local_copy(url, MANIFEST_FILE, loader.storage_options) as local:
-        loader.checkpoint_path = local
-        try:
-            return loader.load()
-        finally:
-            loader.checkpoint_path = url
+    tmp = tempfile.mkdtemp(prefix="fastckpt-share-")
+    try:
+        share = fetch_share(loader, tmp)
+        if not share:  # a delta, an encoded table; or nothing committed, which local_copy reports
+            shutil.rmtree(tmp, ignore_errors=True)
+            with remote.local_copy(url, MANIFEST_FILE, loader.storage_options) as local:
+                return _load_from(loader, local)
+        if share["layout"] == "recis" and not share["manifest"]:
+            return _load_recis(loader, tmp, url)
+        return _load_from(loader, tmp)
+    except Exception as e:
+        if e.args and isinstance(e.args[0], str) and tmp in e.args[0]:
+            e.args = (e.args[0].replace(tmp, url.rstrip("/")), *e.args[1:])
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_recis(loader, local: str, url: str):
+    """A RecIS directory without a manifest, downloaded to ``local``: its warning names the URL (once per URL)."""
+    import warnings
+
+    from fastckpt.sharded import recis
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", recis.RecisWarning)
+        result = _load_from(loader, local)
+    for warning in caught:
+        if issubclass(warning.category, recis.RecisWarning):
+            recis._warned.discard(local)
+            if url not in recis._warned:
+                recis._warned.add(url)
+                warnings.warn(str(warning.message).replace(local, url), recis.RecisWarning, stacklevel=4)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return result
+
+
+def _load_from(loader, local: str):
+    url = loader.checkpoint_path
+    loader.checkpoint_path = local
+    try:
+        return loader.load()
+    finally:
+        loader.checkpoint_path = url
+
+
+_HEAD = 8 << 10  # the first bytes fetched of every tensor file: its safetensors header, mostly whole
+
+
+class _Share:
+    """The local sparse copy of a checkpoint prefix that :func:`fetch_share` fills, and what it fetched."""
+
+    def __init__(self, fs, url: str, path: str, local: str, sizes: dict[str, int]):
+        import os
+
+        self.fs, self.url, self.path, self.local, self.sizes = fs, url, path, local, sizes
+        self.bytes, self.requests = 0, 0
+        for name, size in sizes.items():
+            with open(os.path.join(local, name), "wb") as f:
+                f.truncate(size)  # sparse: only the ranges fetched take space
+
+    def fetch(self, spans: dict[str, list[tuple[int, int]]]) -> None:
+        """Fetch these byte ranges of these files (merged, in parallel ranged reads) into the local files."""
+        import os
+
+        work = [(f"{self.path}/{name}", os.path.join(self.local, name), remote._merged(sorted(ranges)))
+                for name, ranges in spans.items() if ranges]
+        self.bytes += sum(e - b for *_, ranges in work for b, e in ranges)
+        self.requests += sum(len(ranges) for *_, ranges in work)
+        remote._fetch_into(self.fs, self.url, work)
+
+    def json(self, name: str):
+        import json
+        import os
+
+        with open(os.path.join(self.local, name), "rb") as f:
+            return json.loads(f.read())
+
+    def headers(self, names: list[str], also: dict | None = None) -> dict[str, tuple[str, int, int, list]]:
+        """``{stored key: (file, begin, end, shape)}`` from the safetensors headers of ``names`` (fetched here,
+        with the ranges ``also`` in the same round of requests)."""
+        import json
+        import os
+
+        self.fetch({**(also or {}), **{name: [(0, min(_HEAD, self.sizes[name]))] for name in names}})
+        out = {}
+        for name in names:
+            with open(os.path.join(self.local, name), "rb") as f:
+                head = f.read(8)
+                length = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if _HEAD < 8 + length <= self.sizes[name]:
+                self.fetch({name: [(_HEAD, 8 + length)]})
+            with open(os.path.join(self.local, name), "rb") as f:
+                f.seek(8)
+                header = json.loads(f.read(length))
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    begin, end = entry["data_offsets"]
+                    out[key] = (name, 8 + length + begin, 8 + length + end, list(entry["shape"]))
+        return out
+
+    def ids(self, where: tuple):
+        """The int64 ids of the block at ``where`` (fetched before)."""
+        import os
+
+        import numpy as np
+
+        name, begin, end, _ = where
+        return np.fromfile(os.path.join(self.local, name), np.int64, (end - begin) // 8, offset=begin)
+
+
+def _row_spans(mine, n_rows: int, where: tuple) -> list[tuple[int, int]]:
+    """The byte ranges of rows ``mine`` (ascending positions) of a block of ``n_rows`` rows at ``where``."""
+    import numpy as np
+
+    _, begin, end, _ = where
+    row = (end - begin) // n_rows
+    starts = np.flatnonzero(np.diff(mine, prepend=-2) != 1)  # runs of consecutive owned rows
+    return [(begin + int(mine[a]) * row, begin + (int(mine[b - 1]) + 1) * row)
+            for a, b in zip(starts, [*starts[1:], len(mine)])]
+
+
+def fetch_share(loader, local: str) -> dict | bool:
+    """Fetch into ``local`` the bytes of the checkpoint at ``loader.checkpoint_path`` that ``loader``'s rank loads.
+
+    The metadata files whole; of every tensor file its header, then each dense part this rank takes and the
+    hashtable id parts it needs (every one; in RecIS's layout under its slice rule, only those whose slice meets
+    the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the embedding and slot
+    parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
+    sparse local files of their full size, so the Loader reads them as it reads any directory. Returns
+    ``{"bytes": fetched, "requests": ranges, "layout", "manifest": bool}``, or False for a checkpoint that must
+    be downloaded whole (a delta, an encoded table; or neither a manifest nor RecIS's ``index``, which the
+    whole-prefix path reports).
+    """
+    import json
+
+    from fastckpt.sharded import recis
+
+    url, options = loader.checkpoint_path.rstrip("/"), loader.storage_options
+    fs, path = remote.filesystem(url, options)
+    path = path.rstrip("/")
+    try:
+        manifest_bytes = fs.cat_file(f"{path}/{MANIFEST_FILE}")
+    except FileNotFoundError:
+        manifest_bytes = None
+    manifest = json.loads(manifest_bytes) if manifest_bytes is not None else None
+    if manifest is None or manifest.get("format") == recis.FORMAT:
+        if not fs.exists(f"{path}/{recis.INDEX_FILE}"):
+            return False
+        layout, plan = "recis", _recis_plan
+    elif manifest.get("format") != "fastckpt.sharded" or manifest.get("kind", "full") != "full" \
+            or any("encoding" in t for t in manifest.get("hashtables", {}).values()):
+        return False  # a delta, an encoded table
+    else:
+        layout, plan = "fastckpt", _fastckpt_plan
+    if manifest is not None:
+        sizes = {name: entry["size"] for name, entry in manifest["files"].items()}
+    else:  # RecIS wrote no manifest: the listing gives the sizes
+        base = path.strip("/") + "/"
+        sizes = {key.strip("/")[len(base):]: int(entry.get("size") or 0)
+                 for key, entry in fs.find(path, withdirs=False, detail=True).items()
+                 if "/" not in key.strip("/")[len(base):]}
+    sizes.pop(MANIFEST_FILE, None)
+    share = _Share(fs, url, path, local, sizes)
+    if manifest_bytes is not None:
+        with open(f"{local}/{MANIFEST_FILE}", "wb") as f:
+            f.write(manifest_bytes)
+        share.bytes, share.requests = len(manifest_bytes), 1
+    plan(loader, share, manifest)
+    return {"bytes": share.bytes, "requests": share.requests, "layout": layout, "manifest": manifest is not None}
+
+
+def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
+    """fastckpt's layout: dense parts by rows, every id part, then the owned rows (``loader.owner``)."""
+    import numpy as np
+
+    from fastckpt.sharded.format import parse_part_key, rows_of
+
+    metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
+    offsets = share.headers(sorted(set(share.sizes) - set(metadata)),
+                            also={name: [(0, share.sizes[name])] for name in metadata})
+    descriptions = share.json(DESCRIPTION_FILE)
+    dense_wanted = set(loader.tensors) or set(manifest.get("tensors", {}))
+    tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
+    first: dict[str, list[tuple[int, int]]] = {}
+    id_parts = []
+    for key, desc in descriptions.items():
+        where = offsets.get(key)
+        if where is None:
+            continue  # the Loader names what is missing
+        if desc.get("dense") and desc.get("tensor") in dense_wanted:
+            rows = desc["global_shape"][0] if desc.get("global_shape") else 0
+            lo, hi = (0, rows) if loader.dense == "replicated" or not rows else \
+                rows_of(loader.shard_index, loader.shard_num, rows)
+            p_lo = desc.get("row_start", 0)
+            p_hi = p_lo + (desc["shape"][0] if desc["shape"] else 1)
+            if not desc["shape"] or (max(lo, p_lo) < min(hi, p_hi)):
+                first.setdefault(where[0], []).append(where[1:3])
+        elif desc.get("role") == "id" and desc.get("table") in tables_wanted:
+            first.setdefault(where[0], []).append(where[1:3])
+            id_parts.append(key)
+    share.fetch(first)
+    rows_plan: dict[str, list[tuple[int, int]]] = {}
+    for key in id_parts:
+        ids = share.ids(offsets[key])
+        mine = np.flatnonzero(np.asarray(loader.owner(ids, loader.shard_num)) == loader.shard_index) \
+            if len(ids) else ids
+        if not len(mine):
+            continue
+        table, i, n = descriptions[key]["table"], *parse_part_key(key)[1:]
+        for other, desc in descriptions.items():
+            if desc.get("table") == table and desc.get("role") in ("embedding", "slot") \
+                    and parse_part_key(other)[1:] == (i, n) and other in offsets:
+                rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, len(ids), offsets[other]))
+    share.fetch(rows_plan)
+
+
+def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
+    """RecIS's layout: dense blocks by rows; under RecIS's slice rule only the id parts whose slice meets the
+    rank's and the rows of its slice (with another ``loader.owner``: every id part, the rows it owns)."""
+    import numpy as np
+
+    from fastckpt.sharded import recis
+    from fastckpt.sharded.format import rows_of
+    from fastckpt.sharded.loader import owner_mod
+
+    metadata = [name for name in (recis.INDEX_FILE, recis.TENSORKEY_FILE, recis.DESCRIPTION_FILE)
+                if name in share.sizes]
+    share.fetch({name: [(0, share.sizes[name])] for name in metadata})
+    index, tensorkey = share.json(recis.INDEX_FILE), share.json(recis.TENSORKEY_FILE)
+    files = [name for name in index.get("file_index", {}) if name in share.sizes]
+    offsets = share.headers(sorted(files))
+    blocks: dict[str, dict[str, str]] = {}  # tensor -> {slice: stored key}
+    for key in index.get("block_index", {}):
+        tokens = [t for t in tensorkey.get(key, key).split("^") if t]
+        if len(tokens) == 2 and key in offsets:
+            blocks.setdefault(tokens[0], {})[tokens[1]] = key
+    dense_wanted = set(loader.tensors) or {t for t, b in blocks.items() if " " in b}
+    tables = {t[:-3] for t in blocks if t.endswith("@id") and f"{t[:-3]}@embedding" in blocks}
+    tables_wanted = set(loader.hashtables) or tables
+    slice_rule = loader.owner is owner_mod
+    first: dict[str, list[tuple[int, int]]] = {}
+    id_parts = []
+    for tensor, by_slice in blocks.items():
+        if " " in by_slice and tensor in dense_wanted:
+            name, begin, end, shape = offsets[by_slice[" "]]
+            if shape and loader.dense == "rows":
+                lo, hi = rows_of(loader.shard_index, loader.shard_num, shape[0])
+                row = (end - begin) // max(1, shape[0])
+                begin, end = begin + lo * row, begin + hi * row
+            first.setdefault(name, []).append((begin, end))
+        elif tensor.endswith("@id") and tensor[:-3] in tables_wanted:
+            for piece, key in by_slice.items():
+                part = recis.parse_slice(piece, key)
+                mine = recis.gen_slice(loader.shard_index, loader.shard_num, part[2])
+                if slice_rule and not (part[0] < mine[1] and mine[0] < part[1]):
+                    continue  # RecIS's loader never reads a part whose slice misses its own
+                first.setdefault(offsets[key][0], []).append(offsets[key][1:3])
+                id_parts.append((tensor[:-3], piece, key, mine))
+    share.fetch(first)
+    rows_plan: dict[str, list[tuple[int, int]]] = {}
+    for table, piece, key, (begin, end, size) in id_parts:
+        ids = share.ids(offsets[key])
+        if not len(ids):
+            continue
+        if slice_rule:
+            pos = recis._slice_positions(ids, size)
+            mine = np.flatnonzero((pos >= begin) & (pos < end))
+        else:
+            mine = np.flatnonzero(np.asarray(loader.owner(ids, loader.shard_num)) == loader.shard_index)
+        if not len(mine):
+            continue
+        for tensor, by_slice in blocks.items():
+            if tensor.startswith(f"{table}@") and tensor != f"{table}@id" and piece in by_slice:
+                where = offsets[by_slice[piece]]
+                rows_plan.setdefault(where[0], []).extend(_row_spans(mine, len(ids), where))
+    share.fetch(rows_plan)

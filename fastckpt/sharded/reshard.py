@@ -36,7 +36,7 @@ __all__ = ["reshard", "compact"]
 
 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, parallel: int | None = None,
-            overwrite: bool = False, timeout: float = 600.0, progress=False) -> str:
+            overwrite: bool = False, timeout: float = 600.0, progress=False, layout: str | None = None) -> str:
     """Write the checkpoint at ``src`` again at ``dst`` as saved by ``shards`` ranks; returns ``dst``.
 
     ``parallel`` (files per rank) defaults to the source's. Hashtable ids go
@@ -45,12 +45,33 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
     values. ``progress`` (``True`` for a bar, or ``callback(done, total,
     item)``: :mod:`fastckpt.progress`) counts the bytes of tensors written to
     ``dst`` by every rank; it starts once every rank has loaded its share.
+    ``layout`` (``"fastckpt"`` or ``"recis"``, default: the source's) converts
+    between fastckpt's layout and RecIS's (:mod:`fastckpt.sharded.recis`); for
+    RecIS's, ids go to the ranks by RecIS's slice rule instead of ``id mod
+    shards``.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import HashTable, Saver
+    >>> d = tempfile.mkdtemp(); t = HashTable(dim=1); t.insert(np.arange(3), np.zeros((3, 1), np.float32))
+    >>> _ = Saver(path=os.path.join(d, "a"), parallel=1, hashtables={"emb": t}).save()
+    >>> sorted(os.listdir(reshard(os.path.join(d, "a"), os.path.join(d, "r"), 2, layout="recis")))[:2]
+    ['index', 'manifest.json']
     """
     started = time.perf_counter()
     if type(shards) is not int or shards < 1:
         raise ValueError(f"shards must be a positive int, got {shards!r}")
     with CheckpointReader(src) as reader:
-        parallel = reader.manifest["parallel"] if parallel is None else parallel
+        source_layout = "recis" if reader.layout == "RecIS" else "fastckpt"
+        if parallel is None:
+            parallel = reader.manifest["parallel"] if reader.manifest is not None else _recis_parallel(reader)
+    layout = source_layout if layout is None else layout
+    if layout not in ("fastckpt", "recis"):
+        raise ValueError(f"layout must be 'fastckpt' or 'recis', got {layout!r}")
+    owner = {}
+    if layout == "recis":  # each new rank must hold the ids of its RecIS slice
+        from fastckpt.sharded.recis import slice_owner
+
+        owner = {"owner": slice_owner}
     engines = ThreadEngine.group(shards)
     errors: list = [None] * shards
     # With progress: every rank tells what it will write, then one report over all of it is made.
@@ -60,10 +81,10 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
 
     def run(rank: int) -> None:
         try:
-            tables, tensors = Loader(os.fspath(src), shard_index=rank, shard_num=shards).load()
+            tables, tensors = Loader(os.fspath(src), shard_index=rank, shard_num=shards, **owner).load()
             saver = Saver(shard_index=rank, shard_num=shards, parallel=parallel, path=os.fspath(dst),
                           hashtables=tables, tensors=tensors, engine=engines[rank], timeout=timeout,
-                          overwrite=overwrite)
+                          overwrite=overwrite, layout=layout)
             if loaded is not None:
                 sizes[rank] = sum(block.nbytes for block in saver.blocks())
                 if loaded.wait(timeout) == 0:
@@ -110,3 +131,12 @@ def compact(src: str | os.PathLike, dst: str | os.PathLike, *, shards: int | Non
     return reshard(src, dst, head["world_size"] if shards is None else shards,
                    parallel=head["parallel"] if parallel is None else parallel, overwrite=overwrite, timeout=timeout,
                    progress=progress)
+
+
+def _recis_parallel(reader) -> int:
+    """The writers per rank of a RecIS directory without a manifest: its files' total over its rank count."""
+    import re
+
+    totals = {int(m.group(1)) for name in reader.files if (m := re.match(r"model-\d+-of-(\d+)\.safetensors$", name))}
+    ranks = {int(m.group(1)) for key in reader.keys() if (m := re.search(r"/part_\d+_(\d+)$", key))}
+    return max(1, (totals.pop() if len(totals) == 1 else 1) // (ranks.pop() if len(ranks) == 1 else 1))

@@ -183,6 +183,8 @@ class Saver:
     at ``path`` is an error unless ``overwrite=True``. ``progress`` (``True``
     for a bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`)
     counts the bytes of this rank's tensors as its writer threads write them.
+    ``layout="recis"`` writes RecIS's own files (:mod:`fastckpt.sharded.recis`: dense tensors whole from rank 0,
+    each rank's tables holding only the ids of its RecIS slice) with fastckpt's manifest beside.
 
     >>> import numpy as np, tempfile, os
     >>> out = os.path.join(tempfile.mkdtemp(), "c")
@@ -195,7 +197,7 @@ class Saver:
                  filter_func: Callable[[list], list] = lambda blocks: blocks, *, engine=None,
                  timeout: float = 600.0, overwrite: bool = False, incremental: bool | DeltaPolicy = False,
                  compression: str | None = None, quantize: str | None = None, progress=False,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, layout: str = "fastckpt"):
         if type(shard_num) is not int or shard_num < 1:
             raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
         if type(shard_index) is not int or not 0 <= shard_index < shard_num:
@@ -230,6 +232,14 @@ class Saver:
         if quantize is not None:
             self.policy = None  # a lossy checkpoint is never a base: always full, the tables' changes kept
         self.kind = "full"  # what the last save() wrote (or will write): "full" or "delta"
+        if layout not in ("fastckpt", "recis"):
+            raise ValueError(f"layout must be 'fastckpt' or 'recis', got {layout!r}")
+        if layout == "recis" and (incremental or compression or quantize):
+            raise ValueError("layout='recis' writes RecIS's full checkpoints only: no incremental, compression or "
+                             "quantize")
+        if layout == "recis" and is_url(self.path):
+            raise ValueError(f"{self.path}: layout='recis' saves to a local directory (upload it afterwards)")
+        self.layout = layout  # "recis": RecIS's own files (fastckpt.sharded.recis) and fastckpt's manifest
         self._errors: dict[str, float] = {}  # table -> largest absolute error of its quantized rows
         self._changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> (changed rows, deleted ids)
 
@@ -240,6 +250,10 @@ class Saver:
         >>> [b.key for b in Saver(tensors={"w": np.zeros((4, 2))}, shard_index=1, shard_num=2).blocks()]
         ['w/part_1_2']
         """
+        if self.layout == "recis":
+            from fastckpt.sharded import recis
+
+            return recis.blocks(self)
         i, n = self.shard_index, self.shard_num
         out = []
         for name, value in self.tensors:
@@ -409,16 +423,20 @@ class Saver:
                 raise
             self.kind = plan["kind"]
         error = None
+        write, commit = self._write_files, lambda reports: self._commit(staging, final, reports, plan)
+        if self.layout == "recis":
+            from fastckpt.sharded import recis
+
+            write = lambda staging_, blocks: recis.write_files(self, staging_, blocks)  # noqa: E731
+            commit = lambda reports: recis.commit(self, staging, final, reports)  # noqa: E731
         try:
-            report = self._write_files(staging, self._filtered())
+            report = write(staging, self._filtered())
         except Exception as exc:
             if isinstance(exc, OSError):  # the checkpoint's path, the staging directory only as detail
                 exc = _naming_target(exc, os.fspath(final), os.fspath(staging), inside=True)
             report, error = {"error": f"rank {self.shard_index}: {type(exc).__name__}: {exc}"}, exc
         # a rank that did not report, failed, or a failed commit: no checkpoint, nothing left behind
-        status, commit_error = self._commit_on_root(engine, report,
-                                                    lambda reports: self._commit(staging, final, reports, plan),
-                                                    abandon=lambda: self._abandon(staging))
+        status, commit_error = self._commit_on_root(engine, report, commit, abandon=lambda: self._abandon(staging))
         self._settle(error, commit_error, status, report, final, os.path.abspath(final))
         _log.info("saved %s (rank %d of %d, %s): %d files, %d bytes in %.3f s", final, self.shard_index,
                   self.shard_num, self.kind, len(report["files"]), sum(f["size"] for f in report["files"].values()),

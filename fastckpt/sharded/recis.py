@@ -1,0 +1,801 @@
+"""RecIS's own checkpoint layout: reading what RecIS's serializer writes, and writing it (``Saver(layout="recis")``).
+
+The layout below is read from RecIS's C++ serializer (``alibaba/RecIS``:
+``csrc/serialize/name.cc``, ``save_bundle.cc``, ``table_writer.cc``,
+``write_block.cc``, ``index_info.cc``, ``load_bundle.cc``, ``read_block.cc``,
+``load_internal.cc``, ``csrc/embedding/slice_info.cc``). Where RecIS's
+documentation says otherwise (dense entries ``"dense": false, "dimension":
+4``), the code is followed.
+
+RecIS checkpoint layout
+=======================
+
+A save by ``shard_num`` ranks (RecIS's shards), each with ``parallel`` writer
+threads, is one directory of these files:
+
+Tensor files ``model-%06d-of-%06d.safetensors``
+    ``model-{shard_index * parallel + k:06d}-of-{parallel * shard_num:06d}``
+    for writer ``k`` of rank ``shard_index``. A rank hands its blocks (below)
+    to its writers round robin, the first block to writer 0; only writers
+    given a block write a file. Bytes: an unsigned 64-bit little-endian header
+    length ``L``, ``L`` bytes of header, then the blocks' bytes back to back
+    in header order (no alignment). The header is compact JSON (no spaces, an
+    object in block order) ``{key: {"dtype": D, "shape": [...],
+    "data_offsets": [begin, end]}}`` (offsets from the end of the header, no
+    ``__metadata__``), followed by ``8 - len % 8`` spaces (one to eight). ``D``
+    is ``F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL`` (RecIS's reader knows no
+    other; its writer writes a bool tensor as ``bool``, which its reader
+    rejects, and cannot write unsigned types but ``U8``).
+
+Blocks and their keys
+    * a dense tensor ``NAME`` is written whole, by rank 0 only, under the key
+      ``NAME^ `` (the name, ``^``, one space);
+    * a hashtable ``T`` (a RecIS ``HashTable`` child) writes, on every rank,
+      ``T.id/part_i_n`` (int64 ids, shape ``[k]``) then one block per slot in
+      slot order, ``T.embedding/part_i_n`` first (shape ``[k, dim]``, row ``r``
+      for id ``r``), then the optimizer slots ``T.SLOT/part_i_n``;
+      ``i``/``n`` are the rank and the rank count. The names ``@`` and ``^``
+      are RecIS's separators: no name holds them.
+
+``tensorkey.json``
+    ``{T.X/part_i_n: "T@X^<slice>"}`` for every hashtable block (dense
+    tensors have none): ``X`` is ``id`` or the slot, ``<slice>`` the key-space
+    slice of the table that wrote it, ``begin@end@size`` with ``begin`` and
+    ``end`` zero-padded to the digits of ``size`` (``00000@32768@65536``).
+    nlohmann's ``dump(4)``: keys sorted, four-space indent, no final newline.
+
+``index``
+    Compact JSON ``{"block_index": {key: file number}, "file_index": {file
+    name: file number}}``, keys sorted; ``key`` is a dense ``NAME^ `` or a
+    hashtable's ``T.X/part_i_n``. Each rank numbers its files in the order it
+    first uses them (writer 0, 1, ...); rank 0 merges the ranks' numberings in
+    rank order, each offset by the files numbered before it.
+
+``torch_rank_weights_embs_table_multi_shard.json``
+    ``dump(4)`` of ``{key: description}``, keys sorted. A dense ``NAME^ ``:
+    ``{"dense": true, "dimension": 0, "dtype": "float32", "is_hashmap": false,
+    "name": "NAME^ ", "shape": [...]}``. A key containing ``.embedding``:
+    ``{"dense": false, "dimension": shape[-1], "dtype", "hashmap_key": the key
+    with its first ``.embedding`` made ``.id``, "hashmap_key_dtype": "int64",
+    "hashmap_value": the key, "is_hashmap": true, "name", "shape"}``. Every
+    other key (ids, optimizer slots) keeps its header entry as written:
+    ``{"data_offsets", "dense": false, "dtype": "I64", "shape"}``.
+
+No commit record
+    RecIS writes no manifest and no hashes: rank 0 merges the per-rank
+    ``ckpt-%07d.index`` and ``{rank}tensorkey.json`` files (then deletes them)
+    into ``index`` and ``tensorkey.json``. RecIS's loader reads ``index``
+    (``"[dir/index] not found"`` without it), ``tensorkey.json`` and the files
+    ``file_index`` names, nothing else.
+
+Reading (RecIS's rules)
+    A block key of ``index`` is mapped through ``tensorkey.json`` to
+    ``TENSOR^SLICE`` (a dense key is one already); a tensor's parts are its
+    slices, joined on the first axis in the order of their slice strings. A
+    loader of rank ``j`` of ``M`` owns the key-space slice ``gen_slice(j, M,
+    size)`` (``size // M`` keys each, the first ``size % M`` one more); it
+    reads the parts whose slice has that size and overlaps its own, and keeps
+    the ids whose ``uint64(id) % size`` falls in its slice.
+
+fastckpt's additions (``Saver(layout="recis")``)
+    The files above, byte for byte as RecIS's code writes them for the same
+    blocks, and ``manifest.json`` written last as the commit record
+    (``{"format": "fastckpt.sharded.recis", "format_version": 1, "layout":
+    "recis", "world_size", "parallel", "slice_size", "files": {name: {"size",
+    "blake3"}}, "tensors", "hashtables"}``; RecIS never reads it). A
+    directory with ``index`` and this manifest is verified against it; one
+    without a manifest (written by RecIS) loads with the warning "RecIS
+    checkpoint: no integrity record".
+
+>>> data_file_name(3, 8), gen_slice(1, 3), slice_string(*gen_slice(1, 3))
+('model-000003-of-000008.safetensors', (21846, 43691, 65536), '21846@43691@65536')
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import struct
+import time
+import warnings
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import blake3
+import numpy as np
+
+from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
+from fastckpt.formats.atomic import _swap_in, fsync_directory
+from fastckpt.formats.reader import TensorFile, open_file
+from fastckpt.info import TensorInfo
+from fastckpt.sharded.format import dumps, rows_of
+from fastckpt.sharded.hashtable import HashTable
+from fastckpt.sharded.reader import CheckpointReader
+
+__all__ = ["RecisCheckpointReader", "RecisWarning", "is_recis_directory", "data_file_name", "gen_slice",
+           "slice_string", "parse_slice", "slice_owner", "SLICE_SIZE", "FORMAT"]
+
+INDEX_FILE = "index"
+TENSORKEY_FILE = "tensorkey.json"
+DESCRIPTION_FILE = "torch_rank_weights_embs_table_multi_shard.json"
+MANIFEST_FILE = "manifest.json"
+FORMAT = "fastckpt.sharded.recis"
+FORMAT_VERSION = 1
+LAYOUT = "RecIS"
+#: RecIS's default key space (``gen_slice``'s ``slice_size``).
+SLICE_SIZE = 65536
+DENSE_SUFFIX = "^ "
+NO_INTEGRITY = "RecIS checkpoint: no integrity record"
+
+# RecIS's DeserializeDtype: the header dtypes its reader knows.
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_CODES = {v: k for k, v in _DTYPES.items()}
+# SaveBundle::InitTypeMap: the description file's dtype names.
+_TYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+               "U64": "uint64", "I32": "int32", "U32": "uint32", "I16": "int16", "U16": "uint16", "I8": "int8",
+               "U8": "uint8", "BOOL": "bool"}
+
+_warned: set[str] = set()
+_log = logging.getLogger(__name__)
+
+
+class RecisWarning(FastCkptWarning):
+    """A RecIS checkpoint read without a fastckpt manifest: nothing records what its bytes should be."""
+
+
+def is_recis_directory(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory in RecIS's layout (an ``index`` file; no fastckpt ``index.json``).
+
+    >>> is_recis_directory("/nonexistent")
+    False
+    """
+    try:
+        d = os.fspath(path)
+    except TypeError:
+        return False
+    return isinstance(d, str) and os.path.isfile(os.path.join(d, INDEX_FILE)) \
+        and not os.path.isfile(os.path.join(d, "index.json"))
+
+
+def data_file_name(number: int, total: int) -> str:
+    """RecIS's name of tensor file ``number`` of ``total`` (``DataFileName``).
+
+    >>> data_file_name(0, 2)
+    'model-000000-of-000002.safetensors'
+    """
+    return f"model-{number:06d}-of-{total:06d}.safetensors"
+
+
+def gen_slice(shard_index: int, shard_num: int, slice_size: int = SLICE_SIZE) -> tuple[int, int, int]:
+    """``(begin, end, size)``: the key-space slice of rank ``shard_index`` of ``shard_num`` (RecIS's ``gen_slice``).
+
+    >>> [gen_slice(i, 3, 10)[:2] for i in range(3)]
+    [(0, 4), (4, 7), (7, 10)]
+    """
+    base, extra = divmod(slice_size, shard_num)
+    begin = shard_index * base + min(shard_index, extra)
+    return begin, begin + base + (1 if shard_index < extra else 0), slice_size
+
+
+def slice_string(begin: int, end: int, size: int) -> str:
+    """A slice as RecIS writes it in ``tensorkey.json`` (``SliceInfo::ToString``).
+
+    >>> slice_string(0, 32768, 65536)
+    '00000@32768@65536'
+    """
+    width = len(str(size))
+    return f"{begin:0{width}d}@{end:0{width}d}@{size}"
+
+
+def parse_slice(text: str, where: str) -> tuple[int, int, int]:
+    """``(begin, end, size)`` of a slice string; a :class:`~fastckpt.errors.FormatError` naming ``where`` else.
+
+    >>> parse_slice("00000@32768@65536", "x")
+    (0, 32768, 65536)
+    """
+    parts = text.split("@")
+    try:
+        begin, end, size = (int(p) for p in parts)
+    except ValueError:
+        raise FormatError(f"{where}: slice {text!r} is not 'begin@end@size'") from None
+    if not 0 <= begin < end <= size:
+        raise FormatError(f"{where}: slice {text!r} needs 0 <= begin < end <= size")
+    return begin, end, size
+
+
+def _slice_positions(ids: np.ndarray, size: int) -> np.ndarray:
+    """``uint64(id) % size``, as RecIS's ``MarkIdAcceptable`` computes it."""
+    return np.asarray(ids, np.int64).view(np.uint64) % np.uint64(size)
+
+
+def slice_owner(ids: np.ndarray, shard_num: int, slice_size: int = SLICE_SIZE) -> np.ndarray:
+    """The rank that owns each id under RecIS's slice rule: ``uint64(id) % slice_size`` in ``gen_slice(rank, ...)``.
+
+    Pass it as a :class:`~fastckpt.sharded.Loader`'s ``owner`` so that the tables a rank loads can be saved in
+    RecIS's layout by that rank.
+
+    >>> slice_owner(np.array([0, 21845, 21846, 65536 + 43691, -1]), 3).tolist()
+    [0, 0, 1, 2, 2]
+    """
+    ends = np.array([gen_slice(r, shard_num, slice_size)[1] for r in range(shard_num)], np.uint64)
+    return np.searchsorted(ends, _slice_positions(ids, slice_size), side="right").astype(np.int64)
+
+
+def _split_block_name(name: str, where: str) -> tuple[str, str]:
+    # TensorNameFromBlockName: StrSplit on '^' drops empty tokens and needs exactly two.
+    tokens = [t for t in name.split("^") if t]
+    if len(tokens) != 2:
+        raise FormatError(f"{where}: block {name!r} is not 'TENSOR^SLICE' (RecIS's block names)")
+    return tokens[0], tokens[1]
+
+
+def _load_json(path: str, what: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing; {what}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc})") from None
+
+
+class RecisCheckpointReader(CheckpointReader):
+    """A directory in RecIS's layout (see the module docs), through :class:`CheckpointReader`'s interface.
+
+    ``CheckpointReader(path)`` returns one where ``path`` holds an ``index``
+    file. :meth:`tensor_names` lists RecIS's names (dense ``"w"``, hashtable
+    tensors ``"T@id"``, ``"T@embedding"``, ``"T@SLOT"``); the same tensors may
+    be named ``"T.id"``; ``read_tensor`` joins a tensor's slices as RecIS's
+    reader does. ``keys()`` are the stored keys of the files (``"w^ "``,
+    ``"T.id/part_0_2"``). With fastckpt's ``manifest.json`` beside (a
+    ``layout="recis"`` save) the files are checked against it
+    (``verify=True`` or :meth:`verify`); without one a :class:`RecisWarning`
+    says once per directory that there is no integrity record.
+    """
+
+    format = "recis"  # what fastckpt.open and inspect call it (the manifest's "format" is FORMAT)
+    layout = LAYOUT
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = False, backend: str = "mmap",
+                 copy_on_write: bool = False, max_header_size: int | None = None):
+        self.path = os.fspath(path)
+        d = self.path
+        if not os.path.isfile(os.path.join(d, INDEX_FILE)):
+            raise CheckpointNotFoundError(f"{d}: no RecIS checkpoint here (no '{INDEX_FILE}' file)")
+        self.manifest = self._read_manifest()
+        self.integrity = None if self.manifest is None else "manifest"
+        tensorkey = _load_json(os.path.join(d, TENSORKEY_FILE), "RecIS's loader needs it (it maps the hashtable "
+                                                                "blocks to their slices)")
+        twhere = os.path.join(d, TENSORKEY_FILE)
+        if not isinstance(tensorkey, dict) or not all(isinstance(v, str) for v in tensorkey.values()):
+            raise FormatError(f"{twhere}: expected a JSON object of strings")
+        index = _load_json(os.path.join(d, INDEX_FILE), "")
+        iwhere = os.path.join(d, INDEX_FILE)
+        if not (isinstance(index, dict) and isinstance(index.get("block_index"), dict)
+                and isinstance(index.get("file_index"), dict)):
+            raise FormatError(f"{iwhere}: expected {{'block_index': {{...}}, 'file_index': {{...}}}}")
+        file_of_number: dict[int, str] = {}
+        for name, number in index["file_index"].items():
+            if type(number) is not int or number < 0 or number in file_of_number:
+                raise FormatError(f"{iwhere}: file_index[{name!r}] is {number!r}: file numbers are distinct "
+                                  "non-negative integers")
+            if "/" in name or "\\" in name or name in (".", ".."):
+                raise FormatError(f"{iwhere}: file name {name!r} is not a plain name in the directory")
+            file_of_number[number] = name
+        self._file_of_number = file_of_number
+        self.tensorkey: Mapping[str, str] = MappingProxyType(dict(tensorkey))
+        self._block_index: dict[str, int] = {}
+        self._slices: dict[str, tuple[str, str]] = {}  # stored key -> (tensor, slice string)
+        parts: dict[str, list[tuple[str, str]]] = {}
+        for key, number in index["block_index"].items():
+            if type(number) is not int or number not in file_of_number:
+                raise FormatError(f"{iwhere}: block_index[{key!r}] is {number!r}, not a file number of file_index")
+            tensor, piece = _split_block_name(tensorkey.get(key, key), f"{iwhere} (key {key!r})")
+            self._block_index[key] = number
+            self._slices[key] = (tensor, piece)
+            parts.setdefault(tensor, []).append((piece, key))
+        self._parts = {name: [k for _, k in sorted(p)] for name, p in sorted(parts.items())}
+        self._aliases = {}
+        for name in self._parts:  # "T@id" is also "T.id", as fastckpt's own layout names it
+            if "@" in name:
+                self._aliases.setdefault(name.replace("@", ".", 1), name)
+        self._options = {"backend": backend, "copy_on_write": copy_on_write, "max_header_size": max_header_size}
+        self.files: dict[str, TensorFile] = {}
+        self._closed = False
+        infos = {}
+        by_file: dict[int, list[str]] = {}
+        for key, number in self._block_index.items():
+            by_file.setdefault(number, []).append(key)
+        try:
+            for number in sorted(file_of_number):
+                name = file_of_number[number]
+                path_ = os.path.join(d, name)
+                if not os.path.isfile(path_):
+                    raise FormatError(f"{path_}: missing; {INDEX_FILE}'s file_index names it (file {number})")
+                f = self.files[name] = open_file(path_, **self._options)
+                expected = by_file.get(number, [])
+                missing = sorted(set(expected) - set(f.infos))
+                if missing:
+                    raise FormatError(f"{f.path}: holds no tensors {missing[:4]}, which {INDEX_FILE} places there "
+                                      f"(it holds {sorted(f.infos)[:4]})")
+                for key in expected:
+                    infos[key] = f.infos[key]
+        except BaseException:
+            self.close()
+            raise
+        self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
+        self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
+        self._tables = self._find_tables()
+        self.metadata = None
+        if self.manifest is None:
+            if d not in _warned:
+                _warned.add(d)
+                warnings.warn(f"{d}: {NO_INTEGRITY} (no manifest.json: loaded without checking its bytes)",
+                              RecisWarning, stacklevel=2)
+        elif verify:
+            problems = self.verify()
+            if problems:
+                raise IntegrityError(f"{d}: {problems[0]}" + (f" (and {len(problems) - 1} more)"
+                                                              if len(problems) > 1 else ""))
+
+    def _read_manifest(self) -> dict | None:
+        path = os.path.join(self.path, MANIFEST_FILE)
+        if not os.path.isfile(path):
+            return None
+        manifest = _load_json(path, "")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise FormatError(f"{path}: 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r}"
+                              f", expected {FORMAT!r} beside a RecIS '{INDEX_FILE}'")
+        version = manifest.get("format_version")
+        if type(version) is not int or version > FORMAT_VERSION:
+            raise FormatError(f"{path}: format version {version!r}; this fastckpt reads {FORMAT_VERSION}")
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not all(
+                isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get("blake3"), str)
+                for e in files.values()):
+            raise FormatError(f"{path}: 'files' must be {{name: {{'size': int, 'blake3': str}}}}")
+        return manifest
+
+    def _read_descriptions(self) -> dict:
+        """The description file where present (RecIS's loader never reads it), checked against the headers."""
+        path = os.path.join(self.path, DESCRIPTION_FILE)
+        if not os.path.isfile(path):
+            return {}
+        descriptions = _load_json(path, "")
+        if not isinstance(descriptions, dict):
+            raise FormatError(f"{path}: expected a JSON object")
+        for key, desc in descriptions.items():
+            info = self.infos.get(key)
+            if info is not None and isinstance(desc, dict) and "shape" in desc \
+                    and list(desc["shape"]) != list(info.shape):
+                raise FormatError(f"{path}: entry {key!r} has shape {desc['shape']}, its tensor file "
+                                  f"{self.file_of(key).path} holds {list(info.shape)}")
+        return descriptions
+
+    def _find_tables(self) -> dict[str, dict]:
+        """``{T: {"dim", "dtype", "slots", "ids", "slice_size"}}`` for every ``T@id`` with a ``T@embedding``."""
+        tables = {}
+        for name in self._parts:
+            if not name.endswith("@id") or f"{name[:-3]}@embedding" not in self._parts:
+                continue
+            table = name[:-3]
+            first = self._parts[f"{table}@embedding"][0]
+            shape, dtype = self.infos[first].shape, self.infos[first].dtype
+            dim = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
+            slots = []
+            for other in self._parts:
+                slot = other[len(table) + 1:]
+                if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
+                    info = self.infos[self._parts[other][0]]
+                    if info.shape[1:] == shape[1:] and info.dtype == dtype:  # a slot a HashTable can hold
+                        slots.append(slot)
+            sizes = {parse_slice(self._slices[k][1], f"{self.path}: {k}")[2] for k in self._parts[name]}
+            tables[table] = {"dim": dim, "dtype": np.dtype(dtype).name, "slots": slots,
+                             "ids": sum(self.infos[k].shape[0] for k in self._parts[name]),
+                             "slice_size": sizes.pop() if len(sizes) == 1 else sorted(sizes)}
+        return tables
+
+    # -- RecIS's API ----------------------------------------------------------------------------------
+    def _whole_name(self, name: str) -> str:
+        if isinstance(name, str) and name in self._aliases:
+            return self._aliases[name]
+        return super()._whole_name(name)  # the name itself, or an error naming the closest names
+
+    def _shape(self, key: str) -> list:
+        return list(self.infos[key].shape)
+
+    def tensor_shape(self, name: str) -> tuple:
+        """A whole tensor's shape (its slices' first axes added, as RecIS's ``TensorShape``) or one block's."""
+        if name in self._block_index:
+            return tuple(self._shape(name))
+        keys = self._parts[self._whole_name(name)]
+        shape = self._shape(keys[0])
+        if shape:
+            shape[0] = sum(self.infos[k].shape[0] for k in keys)
+        return tuple(shape)
+
+    def tensor_dtype(self, name: str) -> np.dtype:
+        """The numpy dtype of a whole tensor or of one stored block."""
+        key = name if name in self._block_index else self._parts[self._whole_name(name)][0]
+        return self.infos[key].dtype
+
+    def array(self, key: str) -> np.ndarray:
+        """Stored block ``key``: a zero-copy, read-only view of its mapped file."""
+        return self.host(key)
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """A whole tensor (a new array: its slices joined on the first axis in slice order) or one stored block
+        (a read-only view). An unknown name raises :class:`~fastckpt.errors.TensorNotFoundError`."""
+        if name in self._block_index:
+            return self.host(name)
+        keys = self._parts[self._whole_name(name)]
+        if len(keys) == 1:
+            return np.array(self.host(keys[0]))
+        return np.concatenate([self.host(k) for k in keys], axis=0)
+
+    def slice_of(self, key: str) -> tuple[str, tuple[int, int, int] | None]:
+        """``(tensor, (begin, end, size))`` of a hashtable block, ``(tensor, None)`` of a dense one."""
+        tensor, piece = self._slices[key]
+        return tensor, None if piece == " " else parse_slice(piece, f"{self.path}: block {key!r}")
+
+    def hashtables(self) -> dict[str, dict]:
+        """``{table: {"dim", "dtype", "slots", "ids", "slice_size"}}``: the tables with ids and an embedding;
+        ``slots`` are the optimizer slots shaped like the embedding (others are read with ``read_tensor``)."""
+        return {name: dict(entry) for name, entry in self._tables.items()}
+
+    def dense_tensors(self) -> dict[str, dict]:
+        """``{name: {"dtype", "shape"}}`` of the dense tensors (keys ``NAME^ ``)."""
+        return {name: {"dtype": self.infos[keys[0]].dtype.name, "shape": list(self.infos[keys[0]].shape)}
+                for name, keys in self._parts.items() if self._slices[keys[0]][1] == " "}
+
+    def verify(self, *, progress=False) -> list[str]:
+        """Every problem with the files against fastckpt's manifest (sizes, BLAKE3); ``[]`` when they match.
+
+        A directory written by RecIS has no manifest: nothing to check the bytes against, so ``[]`` (its
+        structure was checked when it opened; :attr:`integrity` is None and a warning said so)."""
+        if self.manifest is None:
+            return []
+        problems = super().verify(progress=progress)
+        listed = set(self.manifest["files"])
+        unlisted = sorted(set(self._file_of_number.values()) - listed)
+        return problems + [f"{name}: in {INDEX_FILE} but not in the manifest" for name in unlisted]
+
+    def __repr__(self) -> str:
+        return (f"<fastckpt.sharded.RecisCheckpointReader {self.path!r} files={len(self.files)} "
+                f"tensors={len(self._parts)}{' closed' if self._closed else ''}>")
+
+
+# -- loading -----------------------------------------------------------------------------------------------
+
+def load_info(loader, reader: RecisCheckpointReader) -> dict[str, Any]:
+    """What ``loader`` would load from ``reader`` (before its ``filter_func``): the Loader's own structure."""
+    tables, dense = reader.hashtables(), reader.dense_tensors()
+    info: dict[str, Any] = {"tensors": {}, "hashtables": {}}
+    for name in list(loader.tensors) or list(dense):
+        if name not in dense:
+            raise KeyError(loader._unknown(reader, "dense tensor", name, dense))
+        shape = dense[name]["shape"]
+        rows = (0, 0) if not shape else (0, shape[0]) if loader.dense == "replicated" else \
+            rows_of(loader.shard_index, loader.shard_num, shape[0])
+        info["tensors"][name] = {"dtype": dense[name]["dtype"], "shape": shape, "rows": list(rows)}
+    for name in list(loader.hashtables) or list(tables):
+        if name not in tables:
+            raise KeyError(loader._unknown(reader, "hashtable", name, tables))
+        info["hashtables"][name] = tables[name]
+    return info
+
+
+def load(loader) -> tuple[dict, dict]:
+    """Run :meth:`fastckpt.sharded.Loader.load` on a directory in RecIS's layout.
+
+    Hashtables follow RecIS's slice rule (module docs) unless the Loader was given another ``owner``; dense
+    tensors as the Loader's ``dense`` says (every rank reads only its rows of the one whole block).
+    """
+    from fastckpt.progress import progress_from
+    from fastckpt.sharded.loader import owner_mod
+
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        reader = stack.enter_context(RecisCheckpointReader(loader.checkpoint_path))
+        info = loader.filter_func(load_info(loader, reader))
+        tables = info.get("hashtables", {})
+        stored = {name: reader.infos[name + DENSE_SUFFIX].nbytes for name in info.get("tensors", {})}
+        stored.update({name: sum(reader.infos[k].nbytes for part in ("id", "embedding", *entry["slots"])
+                                 for k in reader.part_names(f"{name}@{part}")) for name, entry in tables.items()})
+        report = stack.enter_context(progress_from(loader.progress, sum(stored.values()),
+                                                   f"load rank {loader.shard_index}"))
+        for name, entry in info.get("tensors", {}).items():
+            _fill_dense(loader, reader, name, entry["rows"])
+            report.advance(stored[name], name)
+        rule = None if loader.owner is owner_mod else loader.owner
+
+        def fill(name: str, entry: dict) -> None:
+            _fill_table(loader, reader, name, entry, rule)
+            report.advance(stored[name], name)
+
+        with concurrent.futures.ThreadPoolExecutor(min(loader.parallel, max(1, len(tables)))) as pool:
+            for future in [pool.submit(fill, name, entry) for name, entry in tables.items()]:
+                future.result()
+    _log.info("loaded %s (RecIS layout, rank %d of %d): %d tensors, %d hashtables, %d stored bytes in %.3f s",
+              loader.checkpoint_path, loader.shard_index, loader.shard_num, len(info.get("tensors", {})),
+              len(tables), sum(stored.values()), time.perf_counter() - started)
+    return loader.hashtables, loader.tensors
+
+
+def _fill_dense(loader, reader: RecisCheckpointReader, name: str, rows: list) -> None:
+    view = reader.host(name + DENSE_SUFFIX)
+    out = np.array(view if view.ndim == 0 else view[rows[0]:rows[1]])
+    target = loader.tensors.get(name)
+    if isinstance(target, np.ndarray) and target.shape == out.shape and target.dtype == out.dtype \
+            and target.flags.writeable:
+        target[...] = out
+    else:
+        loader.tensors[name] = out
+
+
+def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, rule) -> None:
+    """This rank's rows of table ``name``: RecIS's slice rule (``rule`` None) or ``rule(ids, M)``."""
+    table = loader.hashtables.get(name)
+    if table is None:
+        table = loader.hashtables[name] = HashTable(entry["dim"], dtype=reader.tensor_dtype(f"{name}@embedding"),
+                                                    slots=entry["slots"], name=name)
+    if table.dim != entry["dim"] or np.dtype(table.dtype).name != entry["dtype"]:
+        raise ValueError(f"{reader.path}: hashtable {name!r} is dim {entry['dim']} {entry['dtype']} in the "
+                         f"checkpoint, the table given is dim {table.dim} {np.dtype(table.dtype).name}")
+    missing = sorted(set(table.slots) - set(entry["slots"]))
+    if missing:
+        raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
+                         f"(it has {entry['slots']})")
+    j, m = loader.shard_index, loader.shard_num
+    if rule is None and not isinstance(entry["slice_size"], int):
+        raise FormatError(f"{reader.path}: hashtable {name!r} was saved with slice sizes {entry['slice_size']}; "
+                          "RecIS's loader takes only the parts of its own size: pass the Loader an owner rule")
+    mine_slice = gen_slice(j, m, entry["slice_size"]) if rule is None else None
+    picked: list[tuple[np.ndarray, str, np.ndarray]] = []
+    for key in reader.part_names(f"{name}@id"):
+        _, piece = reader.slice_of(key)
+        ids = reader.host(key)
+        if rule is None:
+            begin, end, size = mine_slice
+            if not (piece[0] < end and begin < piece[1]):  # RecIS reads only the parts that meet its slice
+                continue
+            pos = _slice_positions(ids, size)
+            mine = np.flatnonzero((pos >= begin) & (pos < end))
+        else:
+            ranks = np.asarray(rule(ids, m))
+            if ranks.shape != ids.shape:
+                raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
+            mine = np.flatnonzero(ranks == j)
+        picked.append((ids, key, mine))
+    total = sum(len(mine) for *_, mine in picked)
+    ids_out = np.empty(total, np.int64)
+    values_out = np.empty((total, table.dim), table.dtype)
+    slots_out = {slot: np.empty((total, table.dim), table.dtype) for slot in table.slots}
+    at = 0
+    for ids, key, mine in picked:
+        end = at + len(mine)
+        np.take(ids, mine, out=ids_out[at:end])
+        for slot, out in (("embedding", values_out), *slots_out.items()):
+            rows = reader.host(_sibling(reader, key, name, slot))
+            if rows.shape[0] != len(ids):
+                raise FormatError(f"{reader.path}: hashtable {name!r}: block {_sibling(reader, key, name, slot)!r} "
+                                  f"has {rows.shape[0]} rows, its ids {key!r} {len(ids)}")
+            np.take(rows.reshape(len(ids), table.dim), mine, axis=0, out=out[at:end])
+        at = end
+    try:
+        table.adopt(ids_out, values_out, slots_out)
+    except ValueError as exc:
+        raise FormatError(f"{reader.path}: hashtable {name!r}: {str(exc).removeprefix('adopt: ')} across its id "
+                          f"parts {reader.part_names(f'{name}@id')}") from None
+
+
+def _sibling(reader: RecisCheckpointReader, id_key: str, table: str, slot: str) -> str:
+    """The stored key of ``slot``'s block written with id block ``id_key`` (same rank, same slice)."""
+    _, piece = reader._slices[id_key]
+    for key in reader._parts.get(f"{table}@{slot}", ()):
+        if reader._slices[key][1] == piece:
+            return key
+    raise FormatError(f"{reader.path}: hashtable {table!r}: no block of {table}@{slot} for the slice {piece!r} of "
+                      f"its ids {id_key!r}")
+
+
+# -- writing -----------------------------------------------------------------------------------------------
+
+def _check_name(name: str, what: str) -> None:
+    bad = [c for c in "@^/" if c in name]
+    if bad:
+        raise ValueError(f"{what} name {name!r} holds {bad}: RecIS's layout reserves '@' and '^' as separators "
+                         "and '/' for its part suffix")
+
+
+def _code(array: np.ndarray, what: str) -> str:
+    code = _CODES.get(array.dtype.name)
+    if code is None or array.dtype.byteorder == ">":
+        raise TypeError(f"{what} is {array.dtype}: RecIS's reader knows only little-endian "
+                        f"{sorted(_CODES)}")
+    return code
+
+
+def blocks(saver) -> list:
+    """A ``layout="recis"`` Saver's blocks, in RecIS's order: each table's ids and slots, then (rank 0) the
+    dense tensors whole. A table holding ids outside the rank's slice raises (RecIS would drop them)."""
+    from fastckpt.sharded.saver import WriteBlock
+    from fastckpt.state import as_numpy
+
+    i, n = saver.shard_index, saver.shard_num
+    begin, end, size = gen_slice(i, n, SLICE_SIZE)
+    piece = slice_string(begin, end, size)
+    out = []
+    for table_name, table in saver.hashtables.items():
+        _check_name(table_name, "hashtable")
+        ids, values, slots = table.rows()
+        pos = _slice_positions(ids, size)
+        outside = np.flatnonzero((pos < begin) | (pos >= end))
+        if len(outside):
+            raise ValueError(
+                f"hashtable {table_name!r}: {len(outside)} of rank {i}'s {len(ids)} ids lie outside its RecIS slice "
+                f"[{begin}, {end}) of {size} (id {int(ids[outside[0]])} is at {int(pos[outside[0]])}); RecIS's loader "
+                "would drop them. Give each rank the ids of its slice: Loader(..., owner=fastckpt.sharded.recis."
+                "slice_owner), or save with the default layout")
+        for slot, array in (("id", ids), ("embedding", values), *slots.items()):
+            _check_name(slot, "slot")
+            key = f"{table_name}.{slot}/part_{i}_{n}"
+            _code(array, f"hashtable {table_name!r} {slot}")
+            out.append(WriteBlock(key, f"{table_name}@{slot}^{piece}", "slot" if slot not in ("id", "embedding")
+                                  else slot, array, table_name, {"dense": False}))
+    if i == 0:
+        for name, value in saver.tensors:
+            _check_name(name, "tensor")
+            array = as_numpy(value)
+            if array is None or array.dtype.hasobject:
+                raise TypeError(f"tensors[{name!r}] is a {type(value).__name__}, not an array of numbers")
+            _code(array, f"tensor {name!r}")
+            out.append(WriteBlock(name + DENSE_SUFFIX, name, "dense", array, None, {"dense": True}))
+    return out
+
+
+def header_bytes(entries: list[tuple[str, str, list, int]]) -> bytes:
+    """A tensor file's first bytes as RecIS's ``TableWriter::SaveMeta`` writes them, for ``(key, dtype code,
+    shape, nbytes)`` in order: the length, the compact JSON, one to eight spaces (eight where it is a multiple of 8).
+
+    >>> header_bytes([("w^ ", "F32", [1], 4)])
+    b'@\\x00\\x00\\x00\\x00\\x00\\x00\\x00{"w^ ":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}        '
+    """
+    meta, offset = {}, 0
+    for key, code, shape, nbytes in entries:
+        meta[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (8 - len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_files(saver, staging: Path, blocks_: list) -> dict:
+    """Write this rank's tensor files into ``staging`` (round robin over ``parallel`` writers, RecIS's bytes);
+    returns the rank's report for :func:`commit`."""
+    i, n, p = saver.shard_index, saver.shard_num, saver.parallel
+    writers: list[list] = [[] for _ in range(p)]
+    for k, block in enumerate(blocks_):
+        writers[k % p].append(block)
+    names = [data_file_name(i * p + k, p * n) for k in range(p)]
+
+    from fastckpt.progress import progress_from
+
+    total = sum(np.asarray(b.array).nbytes for b in blocks_)
+
+    def write(k: int) -> tuple[str, dict, dict]:
+        arrays = [np.asarray(b.array) for b in writers[k]]
+        arrays = [a if a.flags.c_contiguous else a.copy(order="C") for a in arrays]  # 0-d stays 0-d
+        codes = [_code(a, f"tensor {b.key!r}") for a, b in zip(arrays, writers[k])]
+        head = header_bytes([(b.key, c, list(a.shape), a.nbytes) for b, c, a in zip(writers[k], codes, arrays)])
+        hasher = blake3.blake3()
+        entries, offset = {}, 0
+        with open(staging / names[k], "wb") as f:
+            f.write(head)
+            hasher.update(head)
+            for b, a in zip(writers[k], arrays):
+                chunk = memoryview(a.reshape(-1).view(np.uint8))
+                f.write(chunk)
+                hasher.update(chunk)
+                report.advance(a.nbytes, b.key)
+            f.flush()
+            os.fsync(f.fileno())
+        for b, c, a in zip(writers[k], codes, arrays):
+            entries[b.key] = {"dtype": c, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes],
+                              "dense": b.kind == "dense"}
+            offset += a.nbytes
+        return names[k], {"size": len(head) + offset, "blake3": hasher.hexdigest()}, entries
+
+    used = [k for k in range(p) if writers[k]]
+    with progress_from(saver.progress, total, f"save rank {i}") as report, \
+            concurrent.futures.ThreadPoolExecutor(max(1, len(used)), thread_name_prefix="fastckpt-recis") as pool:
+        written = list(pool.map(write, used))
+    tables = {name: {"dim": t.dim, "dtype": np.dtype(t.dtype).name, "slots": list(t.slots), "ids": len(t)}
+              for name, t in saver.hashtables.items() if any(b.table == name for b in blocks_)}
+    tensors = {b.tensor: {"dtype": b.array.dtype.name, "shape": list(np.shape(b.array))}
+               for b in blocks_ if b.kind == "dense"}
+    return {"rank": i, "shard_num": n, "parallel": p,
+            "files": {name: entry for name, entry, _ in written},
+            "order": [name for name, _, _ in written],  # the order of first use: RecIS's file numbers
+            "blocks": {key: name for name, _, entries in written for key in entries},
+            "entries": {key: e for _, _, entries in written for key, e in entries.items()},
+            "tensorkey": {b.key: b.tensor for b in blocks_ if b.kind != "dense"},
+            "tables": tables, "tensors": tensors}
+
+
+def describe(entries: Mapping[str, dict]) -> dict:
+    """The description file's content from the tensor files' header entries (each with ``"dense"``), as
+    RecIS's ``SaveBundle::MergeTorchRankJson`` builds it (module docs).
+
+    >>> describe({"w^ ": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "dense": True}})["w^ "]
+    {'dtype': 'float32', 'shape': [2], 'dense': True, 'name': 'w^ ', 'dimension': 0, 'is_hashmap': False}
+    """
+    out = {}
+    for key, entry in entries.items():
+        v = dict(entry)
+        if v["dense"]:
+            del v["data_offsets"]
+            v.update(name=key, dtype=_TYPE_NAMES.get(v["dtype"]), dimension=0, is_hashmap=False)
+        elif ".embedding" in key:
+            del v["data_offsets"]
+            v.update(name=key, dtype=_TYPE_NAMES.get(v["dtype"]), dimension=v["shape"][-1],
+                     hashmap_key=key.replace(".embedding", ".id", 1), hashmap_key_dtype="int64",
+                     hashmap_value=key, is_hashmap=True)
+        out[key] = v
+    return out
+
+
+def recis_json(obj: Any, indent: int | None = None) -> bytes:
+    """nlohmann's ``dump()`` (compact) or ``dump(4)`` of ``obj`` with sorted keys, UTF-8, no final newline.
+
+    >>> recis_json({"b": 1, "a": [1]})
+    b'{"a":[1],"b":1}'
+    """
+    if indent is None:
+        return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode("utf-8")
+    return json.dumps(obj, indent=indent, sort_keys=True, ensure_ascii=False).encode("utf-8")
+
+
+def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
+    """Rank 0: ``index``, ``tensorkey.json``, the descriptions, then ``manifest.json`` last; rename into place.
+    Returns the manifest's BLAKE3."""
+    from fastckpt.sharded.saver import _write_synced
+
+    files, block_index, file_index, tensorkey, entries, tables, tensors = {}, {}, {}, {}, {}, {}, {}
+    for r in sorted(reports, key=lambda r: r["rank"]):
+        if (r["shard_num"], r["parallel"]) != (saver.shard_num, saver.parallel):
+            raise ValueError(f"rank {r['rank']} saved with shard_num {r['shard_num']} and parallel {r['parallel']}; "
+                             f"rank 0 with {saver.shard_num} and {saver.parallel}")
+        offset = len(file_index)  # IndexInfo::MergeFrom: each rank's numbers after those merged before it
+        local = {name: offset + k for k, name in enumerate(r["order"])}
+        file_index.update(local)
+        block_index.update({key: local[name] for key, name in r["blocks"].items()})
+        files.update(r["files"])
+        tensorkey.update(r["tensorkey"])
+        entries.update(r["entries"])
+        tensors.update(r["tensors"])
+        for name, t in r["tables"].items():
+            entry = tables.setdefault(name, {**t, "ids": 0})
+            if {k: v for k, v in entry.items() if k != "ids"} != {k: v for k, v in t.items() if k != "ids"}:
+                raise ValueError(f"hashtable {name!r} differs between ranks (dim, dtype or slots)")
+            entry["ids"] += t["ids"]
+    for name, content in ((INDEX_FILE, recis_json({"block_index": block_index, "file_index": file_index})),
+                          (TENSORKEY_FILE, recis_json(tensorkey, 4)),
+                          (DESCRIPTION_FILE, recis_json(describe(entries), 4))):
+        _write_synced(staging / name, content)
+        files[name] = {"size": len(content), "blake3": blake3.blake3(content).hexdigest()}
+    manifest = dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "layout": "recis",
+                      "world_size": saver.shard_num, "parallel": saver.parallel, "slice_size": SLICE_SIZE,
+                      "files": files, "tensors": tensors, "hashtables": tables})
+    _write_synced(staging / MANIFEST_FILE, manifest)
+    fsync_directory(staging)
+    if final.exists() and not saver.overwrite:
+        raise FileExistsError(f"{final}: appeared during the save; pass overwrite=True to replace it")
+    _swap_in(staging, final)
+    fsync_directory(final.parent)
+    return blake3.blake3(manifest).hexdigest()

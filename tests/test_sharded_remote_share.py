@@ -1,0 +1,155 @@
+"""A sharded load from a URL fetches only the loading rank's share (fastckpt.sharded.remote.fetch_share)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from fastckpt.formats import remote
+from fastckpt.sharded import HashTable, Loader, Saver
+from fastckpt.sharded import remote as sharded_remote
+from fastckpt.sharded.engine import ThreadEngine
+
+ROWS, DIM = 8000, 64
+
+
+def _save(url, n, options=None, **kw):
+    rng = np.random.default_rng(3)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+
+    def save(engine):
+        mine = np.flatnonzero(ids % n == engine.rank)
+        table = HashTable(DIM, slots=("m",))
+        table.insert(ids[mine], values[mine], {"m": -values[mine]})
+        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={"w": np.arange(12.0).reshape(6, 2)},
+              engine=engine, storage_options=options, **kw).save()
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(save, ThreadEngine.group(n)))
+    return ids, values
+
+
+def _check(url, ids, values, m, options=None, dense="replicated"):
+    row = {int(i): r for r, i in enumerate(ids)}
+    seen = []
+    for j in range(m):
+        tables, tensors = Loader(url, shard_index=j, shard_num=m, storage_options=options, dense=dense).load()
+        got = tables["emb"].ids()
+        assert (got % m == j).all()
+        rows = [row[int(i)] for i in got]
+        assert np.array_equal(tables["emb"].lookup(got), values[rows])
+        assert np.array_equal(tables["emb"].lookup_slot("m", got), -values[rows])
+        lo, hi = (0, 6) if dense == "replicated" else (j * 6 // m, (j + 1) * 6 // m)
+        assert np.array_equal(tensors["w"], np.arange(12.0).reshape(6, 2)[lo:hi])
+        seen.append(got)
+    assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
+
+
+def _total(url, options=None) -> int:
+    fs, path = remote.filesystem(url, options)
+    return sum(int(e["size"]) for e in fs.find(path, detail=True).values())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_every_rank_loads_exactly_from_its_share(m):
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    ids, values = _save(url, 4)
+    _check(url, ids, values, m)
+    _check(url, ids, values, m, dense="rows")
+
+
+def test_a_rank_of_4_fetches_about_a_quarter(tmp_path):
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    _save(url, 4)
+    total = _total(url)
+    for j in range(4):
+        local = tmp_path / str(j)
+        local.mkdir()
+        got = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=4), str(local))
+        # its quarter of the rows, every rank's ids (8 bytes of each 520-byte row) and the metadata
+        assert 0.25 * total < got["bytes"] < 0.33 * total, (got, total)
+        assert sum(os.path.getsize(p) for p in local.iterdir()) == total  # sparse files of the full size
+
+
+def test_encoded_checkpoints_are_fetched_whole(tmp_path):
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    ids, values = _save(url, 2, compression="zstd")
+    assert sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2), str(tmp_path)) is False
+    _check(url, ids, values, 3)
+
+
+def test_on_s3_a_rank_of_4_fetches_its_share(s3, tmp_path):
+    url = s3.url("sharded")
+    ids, values = _save(url, 4, s3.storage_options)
+    _check(url, ids, values, 4, s3.storage_options)
+    got = sharded_remote.fetch_share(Loader(url, shard_index=1, shard_num=4, storage_options=s3.storage_options),
+                                     str(tmp_path))
+    assert got["bytes"] < 0.33 * _total(url, s3.storage_options)
+
+
+def test_recis_layouts_at_a_url_load_and_say_once_that_nothing_is_checked(tmp_path):
+    import _recis_writer as recis_port
+
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/recis"
+    local = tmp_path / "recis"
+    ids = np.arange(50, dtype=np.int64)
+    recis_port.write_checkpoint(str(local), [{"t": (ids, [("embedding", np.ones((50, 2), np.float32))],
+                                                    recis_port.gen_slice(0, 1))}], {"w": np.ones(3)}, 2)
+    remote.put_directory(local, url, "index")
+    with pytest.warns(Warning) as said:
+        loaded = [Loader(url, shard_index=j, shard_num=2).load() for j in range(2)]
+    assert [str(w.message) for w in said] == [f"{url}: RecIS checkpoint: no integrity record (no manifest.json: "
+                                              "loaded without checking its bytes)"]  # once, naming the URL
+    # ids 0..49 lie in rank 0's slice [0, 32768) of 65536: RecIS's rule gives rank 1 none
+    assert [sorted(t["t"].ids().tolist()) for t, _ in loaded] == [list(range(50)), []]
+    assert all(np.array_equal(d["w"], np.ones(3)) for _, d in loaded)
+    ours = f"memory://share-{uuid.uuid4().hex[:8]}/ours"
+    saved = tmp_path / "ours"
+    table = HashTable(2)
+    table.insert(ids, np.ones((50, 2), np.float32))
+    Saver(path=str(saved), parallel=1, hashtables={"t": table}, layout="recis").save()
+    remote.put_directory(saved, ours)
+    assert sorted(Loader(ours).load()[0]["t"].ids().tolist()) == list(range(50))
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_a_recis_checkpoint_at_a_url_is_fetched_by_the_slice_rule(tmp_path, m):
+    import warnings
+
+    import _recis_writer as recis_port
+    from fastckpt.sharded.recis import RecisWarning, gen_slice, slice_owner
+
+    rng = np.random.default_rng(5)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    owner = slice_owner(ids, 4)
+    ranks = [{"t": (ids[owner == i], [("embedding", values[owner == i]), ("m", -values[owner == i])],
+                    recis_port.gen_slice(i, 4))} for i in range(4)]
+    local = tmp_path / "recis"
+    recis_port.write_checkpoint(str(local), ranks, {"w": np.arange(6.0).reshape(3, 2)}, 2)
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/recis"
+    remote.put_directory(local, url, "index")
+    total, row = _total(url), {int(i): r for r, i in enumerate(ids)}
+    seen = []
+    for j in range(m):
+        where = tmp_path / f"share-{j}"
+        where.mkdir()
+        share = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=m), str(where))
+        assert share["layout"] == "recis" and not share["manifest"]
+        assert share["bytes"] < (1 / m + 0.05) * total, (share, total)  # parts of other slices are never read
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecisWarning)
+            tables, tensors = Loader(url, shard_index=j, shard_num=m).load()
+        got = tables["t"].ids()
+        begin, end, size = gen_slice(j, m)
+        pos = got.view(np.uint64) % np.uint64(size)
+        assert ((pos >= begin) & (pos < end)).all()
+        assert np.array_equal(tables["t"].lookup_slot("m", got), -values[[row[int(i)] for i in got]])
+        assert np.array_equal(tensors["w"], np.arange(6.0).reshape(3, 2))
+        seen.append(got)
+    assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
