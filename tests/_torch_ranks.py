@@ -85,7 +85,7 @@ def killed_mid_save(rank: int, size: int, store: str, path: str, victim: int, ou
 def barrier_missing(rank: int, size: int, store: str, out: str) -> None:
     """The last rank skips a barrier: the others' errors name it."""
     _init(rank, size, store)
-    from fastckpt.sharded.torchengine import TorchDistributedEngine
+    from fastckpt.sharded.engine import TorchDistributedEngine
 
     engine = TorchDistributedEngine()
     result = {}
@@ -105,7 +105,7 @@ def out_of_step_then_abort(rank: int, size: int, store: str, out: str) -> None:
     import time
 
     _init(rank, size, store)
-    from fastckpt.sharded.torchengine import TorchDistributedEngine
+    from fastckpt.sharded.engine import TorchDistributedEngine
 
     engine = TorchDistributedEngine()
     result = {}

@@ -34,11 +34,12 @@ def _save(url, n, options=None, **kw):
     return ids, values
 
 
-def _check(url, ids, values, m, options=None, dense="replicated"):
+def _check(url, ids, values, m, options=None, dense="replicated", verify=True):
     row = {int(i): r for r, i in enumerate(ids)}
     seen = []
     for j in range(m):
-        tables, tensors = Loader(url, shard_index=j, shard_num=m, storage_options=options, dense=dense).load()
+        tables, tensors = Loader(url, shard_index=j, shard_num=m, storage_options=options, dense=dense,
+                                 verify=verify).load()
         got = tables["emb"].ids()
         assert (got % m == j).all()
         rows = [row[int(i)] for i in got]
@@ -59,8 +60,17 @@ def _total(url, options=None) -> int:
 def test_every_rank_loads_exactly_from_its_share(m):
     url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
     ids, values = _save(url, 4)
-    _check(url, ids, values, m)
-    _check(url, ids, values, m, dense="rows")
+    _check(url, ids, values, m)  # verified: whole files, each checked against the manifest
+    _check(url, ids, values, m, verify=False)  # this rank's share alone
+    _check(url, ids, values, m, dense="rows", verify=False)
+
+
+def test_a_verified_load_fetches_whole_files_which_the_manifest_hashes(tmp_path):
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    _save(url, 2)
+    assert sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2), str(tmp_path)) is False
+    got = sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2, verify=False), str(tmp_path))
+    assert got["layout"] == "fastckpt" and got["manifest"]
 
 
 def test_a_rank_of_4_fetches_about_a_quarter(tmp_path):
@@ -70,7 +80,7 @@ def test_a_rank_of_4_fetches_about_a_quarter(tmp_path):
     for j in range(4):
         local = tmp_path / str(j)
         local.mkdir()
-        got = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=4), str(local))
+        got = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=4, verify=False), str(local))
         # its quarter of the rows, every rank's ids (8 bytes of each 520-byte row) and the metadata
         assert 0.25 * total < got["bytes"] < 0.33 * total, (got, total)
         assert sum(os.path.getsize(p) for p in local.iterdir()) == total  # sparse files of the full size
@@ -87,8 +97,9 @@ def test_on_s3_a_rank_of_4_fetches_its_share(s3, tmp_path):
     url = s3.url("sharded")
     ids, values = _save(url, 4, s3.storage_options)
     _check(url, ids, values, 4, s3.storage_options)
-    got = sharded_remote.fetch_share(Loader(url, shard_index=1, shard_num=4, storage_options=s3.storage_options),
-                                     str(tmp_path))
+    _check(url, ids, values, 4, s3.storage_options, verify=False)
+    got = sharded_remote.fetch_share(Loader(url, shard_index=1, shard_num=4, storage_options=s3.storage_options,
+                                            verify=False), str(tmp_path))
     assert got["bytes"] < 0.33 * _total(url, s3.storage_options)
 
 

@@ -77,7 +77,7 @@ def test_one_rank_group_in_this_process(tmp_path):
     import torch.distributed as dist
 
     from fastckpt.sharded.engine import EngineError, default_engine
-    from fastckpt.sharded.torchengine import TorchDistributedEngine
+    from fastckpt.sharded.engine import TorchDistributedEngine
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

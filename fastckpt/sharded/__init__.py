@@ -13,8 +13,8 @@ The API of RecIS's serializer:
   changed since the tables' last checkpoint; :mod:`fastckpt.sharded.chain` follows, folds and prunes chains.
 
 The directory layout is specified in :mod:`fastckpt.sharded.format`; ranks are coordinated by an engine of
-:mod:`fastckpt.sharded.engine` (MPI through mpi4py, threads, or none for one rank) or, under ``torchrun``,
-:mod:`fastckpt.sharded.torchengine`. RecIS's own directory layout (what RecIS's serializer writes and reads) is
+:mod:`fastckpt.sharded.engine` (MPI through mpi4py, ``torch.distributed`` under ``torchrun``, threads, or none
+for one rank). RecIS's own directory layout (what RecIS's serializer writes and reads) is
 read by the same classes and written by ``Saver(..., layout="recis")``: :mod:`fastckpt.sharded.recis`.
 
 >>> import numpy as np, tempfile, os

@@ -99,6 +99,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -110,7 +111,7 @@ import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.atomic import _swap_in, fsync_directory
-from fastckpt.formats.reader import TensorFile, open_file
+from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import dumps, rows_of
 from fastckpt.sharded.hashtable import HashTable
@@ -253,17 +254,23 @@ class RecisCheckpointReader(CheckpointReader):
     be named ``"T.id"``; ``read_tensor`` joins a tensor's slices as RecIS's
     reader does. ``keys()`` are the stored keys of the files (``"w^ "``,
     ``"T.id/part_0_2"``). With fastckpt's ``manifest.json`` beside (a
-    ``layout="recis"`` save) the files are checked against it
-    (``verify=True`` or :meth:`verify`); without one a :class:`RecisWarning`
-    says once per directory that there is no integrity record.
+    ``layout="recis"`` save) each file is checked against its BLAKE3 the
+    first time a block of it is read (``verify=True``, the default, as for
+    every reader of a checkpoint with a manifest; :meth:`verify` checks all
+    at once); without one a :class:`RecisWarning` says once per directory
+    that there is no integrity record.
     """
 
     format = "recis"  # what fastckpt.open and inspect call it (the manifest's "format" is FORMAT)
     layout = LAYOUT
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = False, backend: str = "mmap",
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True, backend: str = "mmap",
                  copy_on_write: bool = False, max_header_size: int | None = None):
         self.path = os.fspath(path)
+        self._fds: dict[str, int] = {}
+        self._verified: set[str] = set()
+        self._verify_lock = threading.Lock()
+        self.unchecked: list[str] = []
         d = self.path
         if not os.path.isfile(os.path.join(d, INDEX_FILE)):
             raise CheckpointNotFoundError(f"{d}: no RecIS checkpoint here (no '{INDEX_FILE}' file)")
@@ -332,16 +339,19 @@ class RecisCheckpointReader(CheckpointReader):
         self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
         self._tables = self._find_tables()
         self.metadata = None
+        # With fastckpt's manifest beside (a layout="recis" save) each file is checked against it the first time a
+        # block of it is read, as CheckpointReader does; RecIS itself writes none: nothing to check against.
+        self._verify = bool(verify) and self.manifest is not None
         if self.manifest is None:
+            self.unchecked.append(f"{NO_INTEGRITY}: no manifest.json, so no file's bytes can be checked")
             if d not in _warned:
                 _warned.add(d)
                 warnings.warn(f"{d}: {NO_INTEGRITY} (no manifest.json: loaded without checking its bytes)",
                               RecisWarning, stacklevel=2)
-        elif verify:
-            problems = self.verify()
-            if problems:
-                raise IntegrityError(f"{d}: {problems[0]}" + (f" (and {len(problems) - 1} more)"
-                                                              if len(problems) > 1 else ""))
+        else:
+            unlisted = sorted(set(self._file_of_number.values()) - set(self.manifest["files"]))
+            if unlisted:
+                raise IntegrityError(f"{d}: {unlisted[0]}: in {INDEX_FILE} but not in the manifest")
 
     def _read_manifest(self) -> dict | None:
         path = os.path.join(self.path, MANIFEST_FILE)
@@ -460,10 +470,7 @@ class RecisCheckpointReader(CheckpointReader):
         structure was checked when it opened; :attr:`integrity` is None and a warning said so)."""
         if self.manifest is None:
             return []
-        problems = super().verify(progress=progress)
-        listed = set(self.manifest["files"])
-        unlisted = sorted(set(self._file_of_number.values()) - listed)
-        return problems + [f"{name}: in {INDEX_FILE} but not in the manifest" for name in unlisted]
+        return super().verify(progress=progress)  # every file of the index is in the manifest: checked at open
 
     def __repr__(self) -> str:
         return (f"<fastckpt.sharded.RecisCheckpointReader {self.path!r} files={len(self.files)} "
@@ -501,7 +508,8 @@ def load(loader) -> tuple[dict, dict]:
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        reader = stack.enter_context(RecisCheckpointReader(loader.checkpoint_path))
+        reader = stack.enter_context(RecisCheckpointReader(loader.checkpoint_path, verify=loader.verify))
+        stack.enter_context(guard(reader, "its blocks to load them"))  # a file truncated meanwhile: no SIGBUS
         info = loader.filter_func(load_info(loader, reader))
         tables = info.get("hashtables", {})
         stored = {name: reader.infos[name + DENSE_SUFFIX].nbytes for name in info.get("tensors", {})}

@@ -228,8 +228,9 @@ def fetch_share(loader, local: str) -> dict | bool:
     parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
     sparse local files of their full size, so the Loader reads them as it reads any directory. Returns
     ``{"bytes": fetched, "requests": ranges, "layout", "manifest": bool}``, or False for a checkpoint that must
-    be downloaded whole (a delta, an encoded table; or neither a manifest nor RecIS's ``index``, which the
-    whole-prefix path reports).
+    be downloaded whole: one with a manifest loaded with ``verify=True`` (its BLAKE3 hashes cover whole files,
+    so only whole files can be checked), a delta, an encoded table; or neither a manifest nor RecIS's ``index``,
+    which the whole-prefix path reports.
     """
     import json
 
@@ -243,6 +244,10 @@ def fetch_share(loader, local: str) -> dict | bool:
     except FileNotFoundError:
         manifest_bytes = None
     manifest = json.loads(manifest_bytes) if manifest_bytes is not None else None
+    if manifest is not None and loader.verify:
+        # The manifest hashes whole files: a file fetched in part cannot be checked against it, so a verified load
+        # (the default) fetches the files whole; verify=False takes this rank's share alone.
+        return False
     if manifest is None or manifest.get("format") == recis.FORMAT:
         if not fs.exists(f"{path}/{recis.INDEX_FILE}"):
             return False
