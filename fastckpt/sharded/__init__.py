@@ -28,7 +28,8 @@ np.float32(4.0)
 from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.loader import Loader
 from fastckpt.sharded.reader import CheckpointReader
+from fastckpt.sharded.recis import RecisCheckpointReader  # importing it registers RecIS's layout with CheckpointReader
 from fastckpt.sharded.saver import DeltaPolicy, Saver, WriteBlock, split_sparse_dense_state_dict
 
-__all__ = ["Saver", "Loader", "CheckpointReader", "HashTable", "WriteBlock", "DeltaPolicy",
+__all__ = ["Saver", "Loader", "CheckpointReader", "RecisCheckpointReader", "HashTable", "WriteBlock", "DeltaPolicy",
            "split_sparse_dense_state_dict"]

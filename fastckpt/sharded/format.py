@@ -179,6 +179,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import blake3
@@ -189,7 +190,7 @@ from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, Form
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "CHECKSUM_VERSION", "INDEX_FILE", "TENSORKEY_FILE",
     "DESCRIPTION_FILE", "MANIFEST_FILE",
-    "tensor_file_name", "part_key", "parse_part_key", "rows_of", "dumps", "dtype_of", "manifest_checksum", "seal",
+    "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps", "dtype_of", "manifest_checksum", "seal",
     "read_metadata",
 ]
 
@@ -244,6 +245,46 @@ def rows_of(i: int, n: int, rows: int) -> tuple[int, int]:
     [(0, 3), (3, 6), (6, 10)]
     """
     return i * rows // n, (i + 1) * rows // n
+
+
+def owner_mod(ids: np.ndarray, shard_num: int) -> np.ndarray:
+    """The default owner rule of a load (:class:`~fastckpt.sharded.loader.Loader`): ``id mod shard_num`` (numpy's ``%``: non-negative for negative ids).
+
+    >>> owner_mod(np.array([-3, 0, 5]), 4).tolist()
+    [1, 0, 1]
+    """
+    if shard_num & (shard_num - 1) == 0:  # a power of two: the low bits are the same values (two's complement),
+        return np.bitwise_and(ids, shard_num - 1)  # about 15x faster than numpy's integer mod here
+    return np.mod(ids, shard_num)
+
+
+@dataclass(frozen=True)
+class WriteBlock:
+    """One tensor a rank is about to write: its stored key, the original name, its kind and the array.
+
+    ``kind`` is ``"dense"``, ``"id"``, ``"embedding"``, ``"slot"`` or (in a delta) ``"deleted"``; ``table``
+    names the hashtable of the last four; ``description`` is the entry the description file will hold.
+    """
+
+    key: str
+    tensor: str
+    kind: str
+    array: np.ndarray
+    table: str | None
+    description: dict
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+
+def write_synced(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to the new file ``path`` and fsync it (a file of a staging directory, renamed into place
+    with the directory)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def dumps(obj: Any) -> bytes:

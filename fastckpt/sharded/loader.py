@@ -44,7 +44,7 @@ from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
 from fastckpt.sharded.chain import resolve_chain
-from fastckpt.sharded.format import rows_of
+from fastckpt.sharded.format import owner_mod, rows_of
 from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.reader import CheckpointChangedError, CheckpointReader
 
@@ -138,17 +138,6 @@ def _check_one_commit(readers: list[CheckpointReader], chain: list[tuple[str, di
             raise CheckpointChangedError(f"{path}: its base {readers[i - 1].path} was replaced while the chain was "
                                          "opened (its manifest.json is not the one the delta was saved on): load "
                                          "again")
-
-
-def owner_mod(ids: np.ndarray, shard_num: int) -> np.ndarray:
-    """The default owner rule: ``id mod shard_num`` (numpy's ``%``: non-negative for negative ids).
-
-    >>> owner_mod(np.array([-3, 0, 5]), 4).tolist()
-    [1, 0, 1]
-    """
-    if shard_num & (shard_num - 1) == 0:  # a power of two: the low bits are the same values (two's complement),
-        return np.bitwise_and(ids, shard_num - 1)  # about 15x faster than numpy's integer mod here
-    return np.mod(ids, shard_num)
 
 
 class Loader:

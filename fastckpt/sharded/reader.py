@@ -34,7 +34,7 @@ import os
 import threading
 import weakref
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -45,7 +45,23 @@ from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
 from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_of, read_metadata
 
-__all__ = ["CheckpointReader", "CheckpointChangedError"]
+__all__ = ["CheckpointReader", "CheckpointChangedError", "register_layout"]
+
+_LAYOUTS: list[tuple[Callable[[str | os.PathLike], bool], type]] = []
+
+
+def register_layout(detect: Callable[[str | os.PathLike], bool], reader_class: type) -> None:
+    """Have ``CheckpointReader(path)`` make a ``reader_class`` (a subclass) where ``detect(path)`` is true: a
+    directory of another layout read through the same interface. :mod:`fastckpt.sharded.recis` registers
+    RecIS's layout when it is imported (``import fastckpt.sharded`` imports it).
+
+    >>> from fastckpt.sharded.recis import RecisCheckpointReader
+    >>> any(cls is RecisCheckpointReader for _, cls in _LAYOUTS)
+    True
+    """
+    if not (isinstance(reader_class, type) and issubclass(reader_class, CheckpointReader)):
+        raise TypeError(f"reader_class must be a subclass of CheckpointReader, got {reader_class!r}")
+    _LAYOUTS.append((detect, reader_class))
 
 _HASH_CHUNK = 64 << 20  # the pread backend hashes in pieces of this size: no copy of a whole file in memory
 
@@ -128,12 +144,12 @@ class CheckpointReader(MultiFileReader):
     layout = "fastckpt"
 
     def __new__(cls, path=None, *args, **kwargs):
-        # A directory in RecIS's own layout (an ``index`` file) is read by its subclass: fastckpt.sharded.recis.
+        # A directory of another layout is read by the subclass registered for it (register_layout): RecIS's
+        # own (an ``index`` file) by fastckpt.sharded.recis, which sits above this module.
         if cls is CheckpointReader and path is not None:
-            from fastckpt.sharded import recis
-
-            if recis.is_recis_directory(path):
-                return super().__new__(recis.RecisCheckpointReader)
+            for detect, reader_class in _LAYOUTS:
+                if detect(path):
+                    return super().__new__(reader_class)
         return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, backend: str = "mmap",

@@ -113,9 +113,9 @@ from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatErro
 from fastckpt.formats.atomic import _swap_in, fsync_directory
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
-from fastckpt.sharded.format import dumps, rows_of
+from fastckpt.sharded.format import WriteBlock, dumps, owner_mod, rows_of, write_synced
 from fastckpt.sharded.hashtable import HashTable
-from fastckpt.sharded.reader import CheckpointReader
+from fastckpt.sharded.reader import CheckpointReader, register_layout
 
 __all__ = ["RecisCheckpointReader", "RecisWarning", "is_recis_directory", "data_file_name", "gen_slice",
            "slice_string", "parse_slice", "slice_owner", "SLICE_SIZE", "FORMAT"]
@@ -479,6 +479,9 @@ class RecisCheckpointReader(CheckpointReader):
 
 # -- loading -----------------------------------------------------------------------------------------------
 
+register_layout(is_recis_directory, RecisCheckpointReader)  # CheckpointReader(path) of such a directory
+
+
 def load_info(loader, reader: RecisCheckpointReader) -> dict[str, Any]:
     """What ``loader`` would load from ``reader`` (before its ``filter_func``): the Loader's own structure."""
     tables, dense = reader.hashtables(), reader.dense_tensors()
@@ -504,7 +507,6 @@ def load(loader) -> tuple[dict, dict]:
     tensors as the Loader's ``dense`` says (every rank reads only its rows of the one whole block).
     """
     from fastckpt.progress import progress_from
-    from fastckpt.sharded.loader import owner_mod
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -632,7 +634,6 @@ def _code(array: np.ndarray, what: str) -> str:
 def blocks(saver) -> list:
     """A ``layout="recis"`` Saver's blocks, in RecIS's order: each table's ids and slots, then (rank 0) the
     dense tensors whole. A table holding ids outside the rank's slice raises (RecIS would drop them)."""
-    from fastckpt.sharded.saver import WriteBlock
     from fastckpt.state import as_numpy
 
     i, n = saver.shard_index, saver.shard_num
@@ -772,7 +773,6 @@ def recis_json(obj: Any, indent: int | None = None) -> bytes:
 def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
     """Rank 0: ``index``, ``tensorkey.json``, the descriptions, then ``manifest.json`` last; rename into place.
     Returns the manifest's BLAKE3."""
-    from fastckpt.sharded.saver import _write_synced
 
     files, block_index, file_index, tensorkey, entries, tables, tensors = {}, {}, {}, {}, {}, {}, {}
     for r in sorted(reports, key=lambda r: r["rank"]):
@@ -795,15 +795,13 @@ def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
     for name, content in ((INDEX_FILE, recis_json({"block_index": block_index, "file_index": file_index})),
                           (TENSORKEY_FILE, recis_json(tensorkey, 4)),
                           (DESCRIPTION_FILE, recis_json(describe(entries), 4))):
-        _write_synced(staging / name, content)
+        write_synced(staging / name, content)
         files[name] = {"size": len(content), "blake3": blake3.blake3(content).hexdigest()}
     manifest = dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "layout": "recis",
                       "world_size": saver.shard_num, "parallel": saver.parallel, "slice_size": SLICE_SIZE,
                       "files": files, "tensors": tensors, "hashtables": tables})
-    _write_synced(staging / MANIFEST_FILE, manifest)
+    write_synced(staging / MANIFEST_FILE, manifest)
     fsync_directory(staging)
-    if final.exists() and not saver.overwrite:
-        raise FileExistsError(f"{final}: appeared during the save; pass overwrite=True to replace it")
-    _swap_in(staging, final)
+    _swap_in(staging, final, overwrite=saver.overwrite)  # no-replace unless asked: a commit made meanwhile stays
     fsync_directory(final.parent)
     return blake3.blake3(manifest).hexdigest()

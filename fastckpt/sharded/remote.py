@@ -325,8 +325,7 @@ def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
     import numpy as np
 
     from fastckpt.sharded import recis
-    from fastckpt.sharded.format import rows_of
-    from fastckpt.sharded.loader import owner_mod
+    from fastckpt.sharded.format import owner_mod, rows_of
 
     metadata = [name for name in (recis.INDEX_FILE, recis.TENSORKEY_FILE, recis.DESCRIPTION_FILE)
                 if name in share.sizes]

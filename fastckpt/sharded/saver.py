@@ -79,11 +79,13 @@ from fastckpt.sharded.format import (
     INDEX_FILE,
     MANIFEST_FILE,
     TENSORKEY_FILE,
+    WriteBlock,
     dumps,
     part_key,
     rows_of,
     seal,
     tensor_file_name,
+    write_synced,
 )
 from fastckpt.sharded.hashtable import HashTable, _sort_ids
 from fastckpt.state import as_numpy
@@ -117,26 +119,6 @@ class DeltaPolicy:
             raise ValueError(f"max_chain must be a positive int, got {self.max_chain!r}")
         if not 0 < self.max_fraction <= 1:
             raise ValueError(f"max_fraction must be in (0, 1], got {self.max_fraction!r}")
-
-
-@dataclass(frozen=True)
-class WriteBlock:
-    """One tensor a rank is about to write: its stored key, the original name, its kind and the array.
-
-    ``kind`` is ``"dense"``, ``"id"``, ``"embedding"``, ``"slot"`` or (in a delta) ``"deleted"``; ``table``
-    names the hashtable of the last four; ``description`` is the entry the description file will hold.
-    """
-
-    key: str
-    tensor: str
-    kind: str
-    array: np.ndarray
-    table: str | None
-    description: dict
-
-    @property
-    def nbytes(self) -> int:
-        return self.array.nbytes
 
 
 def split_sparse_dense_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict, dict]:
@@ -586,7 +568,7 @@ class Saver:
         for name, content in ((INDEX_FILE, {"block_index": block_index, "file_index": file_index}),
                               (TENSORKEY_FILE, tensorkey), (DESCRIPTION_FILE, descriptions)):
             data = dumps(content)
-            _write_synced(staging / name, data)
+            write_synced(staging / name, data)
             files[name] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": self.shard_num,
                     "parallel": self.parallel, "files": files, "tensors": dense, "hashtables": tables}
@@ -595,20 +577,13 @@ class Saver:
         if any("encoding" in t for t in tables.values()) and self.quantize is not None:
             manifest["lossy"] = True
         data = dumps(seal(manifest))  # the checksum covers the manifest, whose entries cover every other file
-        _write_synced(staging / MANIFEST_FILE, data)
+        write_synced(staging / MANIFEST_FILE, data)
         fsync_directory(staging)
         # Without overwrite a no-replace rename: a checkpoint another writer committed meanwhile stays, and
         # this save raises FileExistsError naming it.
         _swap_in(staging, final, overwrite=self.overwrite)
         fsync_directory(final.parent)
         return blake3.blake3(data).hexdigest()
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _sweep(parent: Path) -> None:
