@@ -43,6 +43,7 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
+from fastckpt.formats.reader import guard
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import owner_mod, rows_of
 from fastckpt.sharded.hashtable import HashTable
@@ -261,6 +262,8 @@ class Loader:
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(CheckpointReader(path, verify=False)) for path, _ in chain]
             _check_one_commit(readers, chain)
+            for reader in readers:  # a file truncated under the copies: a FormatError naming it, never SIGBUS
+                stack.enter_context(guard(reader, "its parts to load them"))
             head = readers[-1]
             info = self.filter_func(self.load_info(head))
             jobs = [(name, _stored_nbytes([head], name), self._load_dense, head, name, entry)

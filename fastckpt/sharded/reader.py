@@ -40,7 +40,7 @@ import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
-from fastckpt.formats.reader import TensorFile, open_file
+from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
 from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_of, read_metadata
@@ -323,8 +323,13 @@ class CheckpointReader(MultiFileReader):
         (a ``KeyError``) naming the closest names.
         """
         if name in self._block_index:
-            return self.array(name)
+            with guard(self, f"tensor {name!r}"):  # decoding copies; a plain part is a view
+                return self.array(name)
         keys = self._parts[self._whole_name(name)]
+        with guard(self, f"tensor {name!r}"):  # the copies below: a truncated file is a FormatError, not SIGBUS
+            return self._joined(name, keys)
+
+    def _joined(self, name: str, keys: list[str]) -> np.ndarray:
         if len(keys) == 1 and self.descriptions[keys[0]].get("global_shape") == self.descriptions[keys[0]]["shape"]:
             return np.array(self.host(keys[0]))
         out = np.empty(self.tensor_shape(name), self.tensor_dtype(name))

@@ -444,9 +444,10 @@ class RecisCheckpointReader(CheckpointReader):
         if name in self._block_index:
             return self.host(name)
         keys = self._parts[self._whole_name(name)]
-        if len(keys) == 1:
-            return np.array(self.host(keys[0]))
-        return np.concatenate([self.host(k) for k in keys], axis=0)
+        with guard(self, f"tensor {name!r}"):  # the copy: a file truncated under it is a FormatError, not SIGBUS
+            if len(keys) == 1:
+                return np.array(self.host(keys[0]))
+            return np.concatenate([self.host(k) for k in keys], axis=0)
 
     def slice_of(self, key: str) -> tuple[str, tuple[int, int, int] | None]:
         """``(tensor, (begin, end, size))`` of a hashtable block, ``(tensor, None)`` of a dense one."""
