@@ -72,14 +72,21 @@ Tensor files
 
 Writing
     Every rank writes its files into one staging directory
-    (``.NAME.PID.HEX.partial`` beside the checkpoint, made by rank 0) and
-    fsyncs them; rank 0 collects every rank's report (a timeout names the
-    ranks that did not report), writes ``index.json``, ``tensorkey.json``, the
-    description file and ``manifest.json`` last, fsyncs, renames the staging
-    directory to the checkpoint's name and fsyncs the parent. A directory
-    without ``manifest.json`` is not a checkpoint; a staging directory left by
-    a failed save is removed by rank 0 at once, or by a later save in the same
-    parent once its process is gone.
+    (``.NAME.@HOST~PIDNS.PID.HEX.partial`` beside the checkpoint, made by rank
+    0: its host, pid namespace and pid, and a random part) and fsyncs them;
+    rank 0 collects every rank's report (a timeout names the ranks that did
+    not report), writes ``index.json``, ``tensorkey.json``, the description
+    file and ``manifest.json`` last, fsyncs, renames the staging directory to
+    the checkpoint's name and fsyncs the parent. Without ``overwrite=True`` the
+    rename refuses an existing name in the same step
+    (``renameat2(RENAME_NOREPLACE)``, or a placeholder claimed with ``mkdir``
+    where that call is missing), so a checkpoint committed meanwhile by another
+    writer is never replaced: that save raises ``FileExistsError`` on every
+    rank. A directory without ``manifest.json`` is not a checkpoint; a staging
+    directory left by a failed save is removed by rank 0 at once, or by a
+    later save in the same parent once its process is gone (on this host; one
+    of another host or pid namespace only after an hour without change:
+    ``fastckpt.formats.atomic.STALE_AFTER``, docs/overwrite.md).
 
 Reading
     Readers open the checkpoint's directory once and every file relative to
