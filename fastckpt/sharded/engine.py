@@ -711,319 +711,7 @@ class MPIEngine(_MessageEngine):
 
 # -- torch.distributed: the engine of a torchrun job ------------------------------------------------------------
 
-_POLL_FIRST, _POLL_MAX = 2e-5, 2e-3  # seconds between polls: doubling from the first to the most
-
-
-class _CommState:
-    """What every MPIEngine over one communicator shares: its private communicator, the call count, messages."""
-
-    def __init__(self, comm):
-        self.comm, self.ready = comm.Idup()  # completes once every rank has asked for it
-        self.seq = 0
-        self.early: dict[tuple[int, int, int], dict] = {}  # (tag, source, seq) -> a message of a later call
-        # SAFETY: Isend reads its buffer until the request completes; each buffer stays referenced here until
-        # then (sends to a rank that never receives may stay here for the life of the process).
-        self.sending: list[tuple[Any, bytes]] = []
-        self.aborted: dict[int, str] = {}
-
-
-_COMM_STATES: dict[int, _CommState] = {}
-_COMM_STATES_LOCK = threading.Lock()
-
-
-class _MessageEngine:
-    """The calls of an engine whose ranks are processes exchanging messages (MPI, torch.distributed's store):
-    arguments checked, values refused before anything is sent, then ``self._call(tag, kind, root, value,
-    timeout)``, which the engine implements (the root collects, every other rank waits for its answer)."""
-
-    rank: int
-    size: int
-
-    def barrier(self, tag: str, timeout: float) -> None:
-        self._call(_check_tag(tag), "barrier", 0, None, _check_timeout(timeout))
-
-    def broadcast(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
-        root = _check_root(root, self.size)
-        timeout = _check_timeout(timeout)
-        if self.rank == root:
-            _encode(obj, "broadcast")  # refuse before anything is sent
-        return self._call("broadcast", "broadcast", root, obj if self.rank == root else None, timeout)
-
-    def gather(self, obj: Any, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> list | None:
-        root = _check_root(root, self.size)
-        timeout = _check_timeout(timeout)
-        _encode(obj, "gather")
-        return self._call("gather", "gather", root, obj, timeout)
-
-    def _call(self, tag: str, kind: str, root: int, value: Any, timeout: float) -> Any:
-        raise NotImplementedError
-
-
-def _failure(error: Exception) -> dict:
-    """What the root tells the other ranks of a call that failed there."""
-    return {"kind": "out of step" if isinstance(error, EngineError) else "missing", "message": str(error),
-            "missing": list(getattr(error, "missing", ()))}
-
-
-def _out_of_step(calls: dict[int, Any], call: list, size: int) -> EngineError | None:
-    """The root's error where the ranks' calls (``calls``: rank -> [tag, kind, root]) differ from its ``call``."""
-    if all(c == call for c in calls.values()):
-        return None
-    names = {r: (_call_name(*c) if isinstance(c, list) and len(c) == 3 else repr(c)) for r, c in calls.items()}
-    return _out_of_step_error(names, size)
-
-
-def _released(answer: dict, kind: str, tag: str, timeout: float, size: int) -> Any:
-    """A non-root rank's result of a call from the root's answer: the broadcast value, or the root's error."""
-    if answer.get("ok"):
-        return answer.get("value") if kind == "broadcast" else None
-    failure = answer.get("failure", {})
-    if failure.get("kind") == "out of step":
-        raise EngineError(failure.get("message", "the ranks are out of step"))
-    raise BarrierTimeoutError(failure.get("message", "ranks did not arrive"),
-                              missing=tuple(failure.get("missing", ())), tag=tag, timeout=timeout, size=size)
-
-
-class MPIEngine(_MessageEngine):
-    """One rank of an MPI job (through mpi4py): ``MPIEngine()`` in each process that ``mpiexec -n N`` starts.
-
-    ``comm`` defaults to ``MPI.COMM_WORLD``. The first engine over a communicator duplicates it without
-    waiting (``MPI_Comm_idup``, a collective: every rank makes its first engine at the same point of its
-    program); later engines over it share that duplicate, their call count and their messages. The calls
-    use only non-blocking point-to-point messages of JSON bytes on the duplicate, polled with short sleeps,
-    because MPI's own ``Barrier`` cannot time out. The root of a call (rank 0 for barriers) waits for every
-    other rank's arrival, then releases them all; where ranks are missing when its time is up it raises
-    :class:`BarrierTimeoutError` naming them and tells the other ranks, which raise the same error (a late
-    rank as soon as it arrives). A non-root rank that hears nothing from the root within ``timeout`` plus a
-    grace (the timeout, at most 10 s) raises naming the root. One thread at a time may call the engines of
-    one communicator.
-
-    Run under ``mpiexec`` (one process per rank); without it MPI makes a job of one process:
-
-    >>> def save_shard(engine):  # in each process: engine = MPIEngine()
-    ...     engine.barrier("written", timeout=30)
-    ...     return engine.gather({"rank": engine.rank}, root=0, timeout=30)
-    >>> save_shard(LocalEngine())  # what rank 0 of a one-rank job returns
-    [{'rank': 0}]
-    """
-
-    def __init__(self, comm=None):
-        from mpi4py import MPI  # the optional dependency: only where MPI is asked for
-
-        self._MPI = MPI
-        parent = MPI.COMM_WORLD if comm is None else comm
-        self.rank = parent.Get_rank()
-        self.size = parent.Get_size()
-        with _COMM_STATES_LOCK:
-            key = MPI.Comm.py2f(parent)
-            if key not in _COMM_STATES:
-                _COMM_STATES[key] = _CommState(parent)
-            self._state = _COMM_STATES[key]
-        self._comm = self._state.comm
-
-    def __repr__(self) -> str:
-        return f"<MPIEngine rank {self.rank} of {self.size}>"
-
-    def abort(self, reason: str = "") -> None:
-        """Tell every other rank that this one will not arrive: their waits raise at once, naming it.
-
-        Later calls on this engine raise :class:`EngineError`; on the others, :class:`BarrierTimeoutError`.
-        """
-        state = self._state
-        state.aborted[self.rank] = str(reason)
-        if not self._ready(time.monotonic()):
-            return  # not every rank has an engine yet: their first call fails on its own
-        for other in range(self.size):
-            if other != self.rank:
-                self._send({"rank": self.rank, "reason": str(reason)}, other, _TAG_ABORT)
-
-    # -- messages ---------------------------------------------------------------------------------------------
-    def _ready(self, deadline: float) -> bool:
-        """Whether the private communicator exists (every rank has made its first engine); polls until ``deadline``."""
-        state = self._state
-        pause = _POLL_FIRST
-        while state.ready is not None:
-            if state.ready.Test():
-                state.ready = None
-            elif time.monotonic() >= deadline:
-                return False
-            else:
-                time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX)
-        return True
-
-    def _send(self, message: dict, dest: int, tag: int) -> Any:
-        data = json.dumps(message).encode()
-        request = self._comm.Isend([data, self._MPI.BYTE], dest, tag)
-        self._state.sending.append((request, data))
-        return request
-
-    def _reap(self) -> None:
-        self._state.sending = [(request, data) for request, data in self._state.sending if not request.Test()]
-
-    def _receive(self, source: int, tag: int) -> dict | None:
-        """A message from ``source`` (or any) with ``tag`` if one has come, else ``None``. Nothing is unpickled."""
-        MPI = self._MPI
-        status = MPI.Status()
-        message = self._comm.Improbe(source, tag, status)
-        if message is None:
-            return None
-        buffer = bytearray(status.Get_count(MPI.BYTE))
-        message.Recv([buffer, MPI.BYTE])
-        try:
-            body = json.loads(buffer.decode())
-            body["source"] = status.Get_source()
-        except (UnicodeDecodeError, ValueError, TypeError) as exc:
-            raise EngineError(f"rank {self.rank}: a message from rank {status.Get_source()} with tag {tag} is "
-                              f"not one of fastckpt's ({exc})") from None
-        return body
-
-    def _take(self, source: int, tag: int, seq: int) -> dict | None:
-        """The message of call ``seq`` with ``tag`` from ``source`` (or any): earlier calls' are dropped."""
-        state = self._state
-        for key in list(state.early):
-            if key[0] == tag and key[2] == seq and source in (self._MPI.ANY_SOURCE, key[1]):
-                return state.early.pop(key)
-        while (body := self._receive(source, tag)) is not None:
-            if body.get("seq") == seq:
-                return body
-            if isinstance(body.get("seq"), int) and body["seq"] > seq:
-                state.early[(tag, body["source"], body["seq"])] = body
-            # else: a late message of a call that already ended (it timed out): nothing waits for it.
-        return None
-
-    def _check_aborts(self) -> dict[int, str]:
-        while (body := self._receive(self._MPI.ANY_SOURCE, _TAG_ABORT)) is not None:
-            self._state.aborted[body["source"]] = str(body.get("reason", ""))
-        return self._state.aborted
-
-    # -- one collective call ----------------------------------------------------------------------------------
-    def _call(self, tag: str, kind: str, root: int, value: Any, timeout: float) -> Any:
-        state, rank, size = self._state, self.rank, self.size
-        if rank in state.aborted:
-            raise _aborted_self_error(rank, size)
-        seq, state.seq = state.seq, state.seq + 1
-        call = [tag, kind, root]
-        start = time.monotonic()
-        if not self._ready(start + timeout):
-            raise BarrierTimeoutError(
-                f"rank {rank} of {size} cannot start {_call_name(tag, kind, root)}: not every rank has made its "
-                f"first MPIEngine within {_seconds(timeout)} (MPI does not tell which ranks have not; every rank "
-                f"makes its first engine at the same point of its program)", missing=(), tag=tag,
-                timeout=timeout, size=size)
-        if rank != root:
-            return self._call_as_member(seq, call, value, timeout, start)
-        return self._call_as_root(seq, call, value, timeout, start)
-
-    def _raise_if_aborted(self, call: list, timeout: float) -> None:
-        if self._check_aborts():
-            raise _abort_error(dict(self._state.aborted), *call, timeout, self.size)
-
-    def _call_as_member(self, seq: int, call: list, value: Any, timeout: float, start: float) -> Any:
-        tag, kind, root = call
-        self._raise_if_aborted(call, timeout)
-        self._send({"seq": seq, "call": call, "value": value}, root, _TAG_ARRIVE)
-        deadline = start + timeout + min(max(timeout, 0.1), 10.0)  # the root decides first; then hear it
-        pause = _POLL_FIRST
-        while (answer := self._take(root, _TAG_RELEASE, seq)) is None:
-            self._raise_if_aborted(call, timeout)
-            if time.monotonic() >= deadline:
-                self._reap()
-                raise BarrierTimeoutError(
-                    f"rank {self.rank} of {self.size} had no answer from rank {root} at "
-                    f"{_call_name(tag, kind, root)} within {_seconds(timeout)}: rank {root}, which waits for "
-                    f"every rank there, did not reach it or stopped (its own error names the ranks that did "
-                    f"not arrive)", missing=(root,), tag=tag, timeout=timeout, size=self.size)
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX)
-        self._reap()
-        return _released(answer, kind, tag, timeout, self.size)
-
-    def _call_as_root(self, seq: int, call: list, value: Any, timeout: float, start: float) -> Any:
-        tag, kind, root = call
-        size = self.size
-        deadline = start + timeout
-        values = {root: json.loads(json.dumps(value))}
-        calls = {root: call}
-        waiting = set(range(size)) - {root}
-        pause = _POLL_FIRST
-        error: Exception | None = None
-        while waiting:
-            arrived = False
-            while (body := self._take(self._MPI.ANY_SOURCE, _TAG_ARRIVE, seq)) is not None:
-                source = body["source"]
-                waiting.discard(source)
-                values[source], calls[source] = body.get("value"), body.get("call")
-                arrived = True
-            if not waiting:
-                break
-            if self._check_aborts():
-                error = _abort_error(dict(self._state.aborted), tag, kind, root, timeout, size)
-                break
-            if time.monotonic() >= deadline:
-                error = _timeout_error(waiting, tag, kind, root, timeout, size)
-                break
-            if not arrived:
-                time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX)
-        error = error or _out_of_step(calls, call, size)
-        if error is not None:
-            failure = _failure(error)
-            for other in range(size):  # the missing ones too: should they arrive late, they learn at once
-                if other != root:
-                    self._send({"seq": seq, "ok": False, "failure": failure}, other, _TAG_RELEASE)
-            self._reap()
-            raise error
-        answer = {"seq": seq, "ok": True, "value": values[root] if kind == "broadcast" else None}
-        requests = [self._send(answer, other, _TAG_RELEASE) for other in range(size) if other != root]
-        # Every rank waits for this answer, so the sends complete at once; waiting for them keeps a large
-        # broadcast from stalling while the root computes without calling MPI.
-        self._wait_sent(requests, call, timeout)
-        if kind == "broadcast":
-            return values[root]
-        if kind == "gather":
-            return [values[r] for r in range(size)]
-        return None
-
-    def _wait_sent(self, requests: list, call: list, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pause = _POLL_FIRST
-        others = [r for r in range(self.size) if r != call[2]]
-        while True:
-            pending = [other for other, request in zip(others, requests) if not request.Test()]
-            if not pending:
-                break
-            if time.monotonic() >= deadline:
-                self._reap()
-                raise BarrierTimeoutError(
-                    f"{_ranks(tuple(pending))} of {self.size} did not take the answer of "
-                    f"{_call_name(*call)} within {_seconds(timeout)} after arriving (stopped or exited?)",
-                    missing=tuple(pending), tag=call[0], timeout=timeout, size=self.size)
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX)
-        self._reap()
-
-
-# -- torch.distributed: the engine of a torchrun job ------------------------------------------------------------
-#
-# ``TorchDistributedEngine``: the engine of a job that ``torchrun`` (or ``torch.multiprocessing``) starts.
-#
-# Every rank calls ``torch.distributed.init_process_group`` first (any backend: gloo, nccl); the engine then
-# coordinates a sharded save over that group with the semantics of every engine of
-# :mod:`fastckpt.sharded.engine`: ``barrier``, ``broadcast`` and ``gather`` with timeouts, JSON only (never
-# pickles), and :class:`~fastckpt.sharded.engine.BarrierTimeoutError` naming in ``missing`` the ranks that did
-# not arrive.
-#
-# The messages go through the process group's own key-value store (the one ``init_process_group`` made: the
-# ``TCPStore`` of ``torchrun`` or of ``MASTER_ADDR``/``MASTER_PORT``), not through collectives: a collective
-# of gloo or NCCL cannot stop waiting at a timeout of its own or say which ranks never came, and it would
-# share the backend's stream with the training. A call is numbered; each rank sets its arrival key (with its
-# value) and the call's root (rank 0 for barriers), polling the arrivals, either sets the result key once
-# every rank has arrived or, when its time is up, a failure naming the ranks that did not. The others wait
-# for that result (the timeout plus a grace, at most 10 s, then they raise naming the root). An abort sets a
-# key that every waiting rank sees at its next poll. Keys are removed once read.
-
-_POLL_FIRST, _POLL_MAX = 1e-4, 5e-3  # seconds between polls of the store: doubling from the first to the most
+_STORE_POLL_FIRST, _STORE_POLL_MAX = 1e-4, 5e-3  # seconds between polls of the store: doubling up to the most
 _SEQ: dict[int, list] = {}  # id(store) -> [next call number, aborted ranks]: shared by the engines of one store
 _SEQ_LOCK = threading.Lock()
 
@@ -1127,7 +815,7 @@ class TorchDistributedEngine(_MessageEngine):
     def _as_member(self, base: str, call: list, timeout: float, start: float) -> Any:
         tag, kind, root = call
         deadline = start + timeout + min(max(timeout, 0.1), 10.0)  # the root decides first; then hear it
-        pause = _POLL_FIRST
+        pause = _STORE_POLL_FIRST
         while not self._has(f"{base}result"):
             if self._aborts():
                 raise _abort_error(dict(self._shared[1]), tag, kind, root, timeout, self.size)
@@ -1138,7 +826,7 @@ class TorchDistributedEngine(_MessageEngine):
                     f"rank there, did not reach it or stopped (its own error names the ranks that did not arrive)",
                     missing=(root,), tag=tag, timeout=timeout, size=self.size)
             time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX)
+            pause = min(pause * 2, _STORE_POLL_MAX)
         answer = self._get(f"{base}result")
         if self._store.add(f"{base}read", 1) == self.size - 1:  # the last reader removes the call's keys
             for key in (f"{base}result", f"{base}read"):
@@ -1150,7 +838,7 @@ class TorchDistributedEngine(_MessageEngine):
         size = self.size
         values, calls = {root: json.loads(json.dumps(value))}, {root: call}
         waiting = set(range(size)) - {root}
-        pause = _POLL_FIRST
+        pause = _STORE_POLL_FIRST
         error: Exception | None = None
         while waiting:
             arrived = [r for r in sorted(waiting) if self._has(f"{base}arrive/{r}")]
@@ -1169,7 +857,7 @@ class TorchDistributedEngine(_MessageEngine):
                 break
             if not arrived:
                 time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX)
+                pause = min(pause * 2, _STORE_POLL_MAX)
         error = error or _out_of_step(calls, call, size)
         if error is not None:
             self._store.set(f"{base}result", json.dumps({"ok": False, "failure": _failure(error)}))
