@@ -472,14 +472,30 @@ def local_copy(url: str, marker: str = "manifest.json", storage_options: dict | 
     """
     tmp = tempfile.mkdtemp(prefix="fastckpt-down-")
     try:
-        get_directory(url, tmp, marker, storage_options)
-        yield tmp
-    except Exception as e:
-        if e.args and isinstance(e.args[0], str) and tmp in e.args[0]:
-            e.args = (e.args[0].replace(tmp, url.rstrip("/")), *e.args[1:])
-        raise
+        with naming_url(tmp, url):
+            get_directory(url, tmp, marker, storage_options)
+            yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def naming_url(local: str, url: str) -> Iterator[None]:
+    """An error raised inside names ``url`` where its message named ``local``, the local copy of ``url``
+    (which is gone by the time the caller reads it).
+
+    >>> with naming_url("/tmp/x", "s3://b/ckpt/"):
+    ...     raise ValueError("/tmp/x/manifest.json: bad")
+    Traceback (most recent call last):
+    ...
+    ValueError: s3://b/ckpt/manifest.json: bad
+    """
+    try:
+        yield
+    except Exception as e:
+        if e.args and isinstance(e.args[0], str) and local in e.args[0]:
+            e.args = (e.args[0].replace(local, url.rstrip("/")), *e.args[1:])
+        raise
 
 
 # -- tensor files ----------------------------------------------------------------------------------

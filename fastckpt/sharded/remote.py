@@ -98,18 +98,15 @@ def load(loader):
     url = loader.checkpoint_path
     tmp = tempfile.mkdtemp(prefix="fastckpt-share-")
     try:
-        share = fetch_share(loader, tmp)
-        if not share:  # a delta, an encoded table; or nothing committed, which local_copy reports
-            shutil.rmtree(tmp, ignore_errors=True)
-            with remote.local_copy(url, MANIFEST_FILE, loader.storage_options) as local:
-                return _load_from(loader, local)
-        if share["layout"] == "recis" and not share["manifest"]:
-            return _load_recis(loader, tmp, url)
-        return _load_from(loader, tmp)
-    except Exception as e:
-        if e.args and isinstance(e.args[0], str) and tmp in e.args[0]:
-            e.args = (e.args[0].replace(tmp, url.rstrip("/")), *e.args[1:])
-        raise
+        with remote.naming_url(tmp, url):
+            share = fetch_share(loader, tmp)
+            if not share:  # verified, a delta, an encoded table; or nothing committed, which local_copy reports
+                shutil.rmtree(tmp, ignore_errors=True)
+                with remote.local_copy(url, MANIFEST_FILE, loader.storage_options) as local:
+                    return _load_from(loader, local)
+            if share["layout"] == "recis" and not share["manifest"]:
+                return _load_recis(loader, tmp, url)
+            return _load_from(loader, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
