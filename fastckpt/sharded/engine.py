@@ -463,6 +463,47 @@ class _MessageEngine:
     def _call(self, tag: str, kind: str, root: int, value: Any, timeout: float) -> Any:
         raise NotImplementedError
 
+    def _collect(self, call: list, value: Any, timeout: float, start: float, arrivals, aborted,
+                 poll: tuple[float, float]) -> tuple[dict[int, Any], Exception | None]:
+        """The root's wait at a call: ``(values by rank, the call's error or None)`` once every other rank
+        arrived, one aborted, or ``timeout`` passed since ``start``. ``arrivals(waiting)`` yields ``(rank,
+        body)`` for the arrivals since the last look, ``aborted()`` the aborted ranks (rank -> reason, empty
+        when none), ``poll`` the first and the longest pause between looks (doubling)."""
+        tag, kind, root = call
+        size = self.size
+        values, calls = {root: json.loads(json.dumps(value))}, {root: call}
+        waiting = set(range(size)) - {root}
+        pause, longest = poll
+        error: Exception | None = None
+        while waiting:
+            arrived = False
+            for rank, body in arrivals(waiting):
+                waiting.discard(rank)
+                values[rank], calls[rank] = body.get("value"), body.get("call")
+                arrived = True
+            if not waiting:
+                break
+            aborts = aborted()
+            if aborts:
+                error = _abort_error(aborts, tag, kind, root, timeout, size)
+                break
+            if time.monotonic() >= start + timeout:
+                error = _timeout_error(waiting, tag, kind, root, timeout, size)
+                break
+            if not arrived:
+                time.sleep(pause)
+                pause = min(pause * 2, longest)
+        return values, error or _out_of_step(calls, call, size)
+
+
+def _result(kind: str, root: int, values: dict[int, Any], size: int) -> Any:
+    """What a call returns on its root: the broadcast value, every rank's value in rank order, or None."""
+    if kind == "broadcast":
+        return values[root]
+    if kind == "gather":
+        return [values[r] for r in range(size)]
+    return None
+
 
 def _failure(error: Exception) -> dict:
     """What the root tells the other ranks of a call that failed there."""
@@ -647,31 +688,14 @@ class MPIEngine(_MessageEngine):
     def _call_as_root(self, seq: int, call: list, value: Any, timeout: float, start: float) -> Any:
         tag, kind, root = call
         size = self.size
-        deadline = start + timeout
-        values = {root: json.loads(json.dumps(value))}
-        calls = {root: call}
-        waiting = set(range(size)) - {root}
-        pause = _POLL_FIRST
-        error: Exception | None = None
-        while waiting:
-            arrived = False
+
+        def arrivals(waiting):
             while (body := self._take(self._MPI.ANY_SOURCE, _TAG_ARRIVE, seq)) is not None:
-                source = body["source"]
-                waiting.discard(source)
-                values[source], calls[source] = body.get("value"), body.get("call")
-                arrived = True
-            if not waiting:
-                break
-            if self._check_aborts():
-                error = _abort_error(dict(self._state.aborted), tag, kind, root, timeout, size)
-                break
-            if time.monotonic() >= deadline:
-                error = _timeout_error(waiting, tag, kind, root, timeout, size)
-                break
-            if not arrived:
-                time.sleep(pause)
-                pause = min(pause * 2, _POLL_MAX)
-        error = error or _out_of_step(calls, call, size)
+                yield body["source"], body
+
+        values, error = self._collect(call, value, timeout, start, arrivals,
+                                      lambda: dict(self._state.aborted) if self._check_aborts() else {},
+                                      (_POLL_FIRST, _POLL_MAX))
         if error is not None:
             failure = _failure(error)
             for other in range(size):  # the missing ones too: should they arrive late, they learn at once
@@ -684,11 +708,7 @@ class MPIEngine(_MessageEngine):
         # Every rank waits for this answer, so the sends complete at once; waiting for them keeps a large
         # broadcast from stalling while the root computes without calling MPI.
         self._wait_sent(requests, call, timeout)
-        if kind == "broadcast":
-            return values[root]
-        if kind == "gather":
-            return [values[r] for r in range(size)]
-        return None
+        return _result(kind, root, values, size)
 
     def _wait_sent(self, requests: list, call: list, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -835,41 +855,23 @@ class TorchDistributedEngine(_MessageEngine):
 
     def _as_root(self, base: str, call: list, value: Any, timeout: float, start: float) -> Any:
         tag, kind, root = call
-        size = self.size
-        values, calls = {root: json.loads(json.dumps(value))}, {root: call}
-        waiting = set(range(size)) - {root}
-        pause = _STORE_POLL_FIRST
-        error: Exception | None = None
-        while waiting:
-            arrived = [r for r in sorted(waiting) if self._has(f"{base}arrive/{r}")]
-            for r in arrived:
+
+        def arrivals(waiting):
+            for r in [r for r in sorted(waiting) if self._has(f"{base}arrive/{r}")]:
                 body = self._get(f"{base}arrive/{r}")
                 self._store.delete_key(f"{base}arrive/{r}")
-                values[r], calls[r] = body.get("value"), body.get("call")
-                waiting.discard(r)
-            if not waiting:
-                break
-            if self._aborts():
-                error = _abort_error(dict(self._shared[1]), tag, kind, root, timeout, size)
-                break
-            if time.monotonic() >= start + timeout:
-                error = _timeout_error(waiting, tag, kind, root, timeout, size)
-                break
-            if not arrived:
-                time.sleep(pause)
-                pause = min(pause * 2, _STORE_POLL_MAX)
-        error = error or _out_of_step(calls, call, size)
+                yield r, body
+
+        values, error = self._collect(call, value, timeout, start, arrivals,
+                                      lambda: dict(self._shared[1]) if self._aborts() else {},
+                                      (_STORE_POLL_FIRST, _STORE_POLL_MAX))
         if error is not None:
             self._store.set(f"{base}result", json.dumps({"ok": False, "failure": _failure(error)}))
             raise error
-        if size > 1:
+        if self.size > 1:
             self._store.set(f"{base}result", json.dumps({"ok": True, "value": values[root] if kind == "broadcast"
                                                          else None}))
-        if kind == "broadcast":
-            return values[root]
-        if kind == "gather":
-            return [values[r] for r in range(size)]
-        return None
+        return _result(kind, root, values, self.size)
 
 
 # -- choosing an engine ---------------------------------------------------------------------------------------
