@@ -132,17 +132,17 @@ def test_two_managers_saving_one_step_one_commits(tmp_path, monkeypatch):
 
 
 def test_two_sharded_saves_of_one_step_without_overwrite_one_commits(tmp_path, monkeypatch):
-    from fastckpt.sharded import saver as saver_module
+    from fastckpt.sharded import format as format_module  # commit_directory: the rename of every sharded save
 
     target = tmp_path / "step-10"
-    real = saver_module._swap_in
+    real = format_module._swap_in
 
     def other_commits_first(staging, final, **kwargs):
-        monkeypatch.setattr(saver_module, "_swap_in", real)
+        monkeypatch.setattr(format_module, "_swap_in", real)
         Saver(path=str(final), parallel=1, tensors={"theirs": np.arange(3.0)}).save()
         return real(staging, final, **kwargs)
 
-    monkeypatch.setattr(saver_module, "_swap_in", other_commits_first)
+    monkeypatch.setattr(format_module, "_swap_in", other_commits_first)
     with pytest.raises(FileExistsError) as failure:
         Saver(path=str(target), parallel=1, tensors={"mine": np.ones(2)}).save()
     assert failure.value.filename == str(target)

@@ -263,6 +263,24 @@ def test_layout_recis_manifest_catches_a_flipped_byte(tmp_path):
     Loader(str(out), verify=False).load()  # the way out, for speed
 
 
+@pytest.mark.parametrize("name", ["index", "tensorkey.json", "torch_rank_weights_embs_table_multi_shard.json",
+                                  "manifest.json"])
+def test_layout_recis_metadata_and_manifest_are_checked_against_the_commit(tmp_path, name):
+    # The manifest is sealed (its own BLAKE3) and lists the metadata files' hashes, as fastckpt's own layout's.
+    ids, emb, mom, dense = _state(3, 40)
+    out = tmp_path / "c"
+    _save_recis(str(out), ids, emb, mom, dense, 1, parallel=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["checksum"]["blake3"] == fastckpt.sharded.format.manifest_checksum(manifest)
+    path = out / name
+    if name == "manifest.json":
+        path.write_text(json.dumps({**manifest, "world_size": 2}, indent=1, sort_keys=True) + "\n")
+    else:
+        path.write_bytes(path.read_bytes().replace(b"part_0_1", b"part_0_2", 1))  # still valid JSON
+    with pytest.raises(fastckpt.errors.ChecksumMismatchError, match=name):
+        CheckpointReader(str(out))
+
+
 def test_layout_recis_writes_only_writers_with_blocks(tmp_path):
     out = str(tmp_path / "c")
     Saver(path=out, parallel=4, tensors={"w": np.ones(3, np.float32)}, layout="recis").save()

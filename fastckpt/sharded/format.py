@@ -187,17 +187,20 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import blake3
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError
+from fastckpt.formats.atomic import _swap_in, fsync_directory
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "CHECKSUM_VERSION", "INDEX_FILE", "TENSORKEY_FILE",
     "DESCRIPTION_FILE", "MANIFEST_FILE",
-    "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps", "dtype_of", "manifest_checksum", "seal",
+    "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps",
+    "dtype_of", "manifest_checksum", "seal", "check_seal", "commit_directory",
     "read_metadata",
 ]
 
@@ -351,6 +354,48 @@ def seal(manifest: dict) -> dict:
     return {**manifest, "checksum": {"blake3": manifest_checksum(manifest)}}
 
 
+def check_seal(manifest: dict, where: str) -> None:
+    """Raise unless ``manifest`` carries a well-formed ``checksum`` that matches it (:func:`seal`): a
+    :class:`~fastckpt.errors.FormatError`, or :class:`~fastckpt.errors.ChecksumMismatchError` naming ``where``.
+
+    >>> check_seal(seal({"format": FORMAT}), "manifest.json")
+    >>> check_seal({**seal({"format": FORMAT}), "world_size": 2}, "manifest.json")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fastckpt.errors.ChecksumMismatchError: manifest.json: its contents hash to BLAKE3 ...
+    """
+    checksum = manifest.get("checksum")
+    _expect(isinstance(checksum, dict) and isinstance(checksum.get("blake3"), str)
+            and _HEX64.match(checksum["blake3"]) is not None, where,
+            f"'checksum' must be {{'blake3': 64 hex digits}}, got {checksum!r}")
+    actual = manifest_checksum(manifest)
+    if actual != checksum["blake3"]:
+        raise ChecksumMismatchError(f"{where}: its contents hash to BLAKE3 {actual[:16]}..., its 'checksum' "
+                                    f"says {checksum['blake3'][:16]}...: the manifest was edited or damaged after "
+                                    "the commit")
+
+
+def commit_directory(staging: Path, final: Path, metadata: list[tuple[str, bytes]], manifest: dict, *,
+                     overwrite: bool) -> str:
+    """Rank 0's commit of a checkpoint staged in ``staging``; returns the manifest's BLAKE3 (hex).
+
+    Each metadata file ``(name, content)`` is written and fsynced and its size and BLAKE3 added to
+    ``manifest["files"]``; the manifest, sealed (:func:`seal`), is written last; the staging directory is
+    fsynced and renamed to ``final`` (a no-replace rename unless ``overwrite``: a checkpoint another writer
+    committed meanwhile stays, and this raises ``FileExistsError`` naming it), and ``final``'s parent fsynced.
+    """
+    files = manifest["files"]
+    for name, content in metadata:
+        write_synced(staging / name, content)
+        files[name] = {"size": len(content), "blake3": blake3.blake3(content).hexdigest()}
+    data = dumps(seal(manifest))  # the checksum covers the manifest, whose entries cover every other file
+    write_synced(staging / MANIFEST_FILE, data)
+    fsync_directory(staging)
+    _swap_in(staging, final, overwrite=overwrite)
+    fsync_directory(final.parent)
+    return blake3.blake3(data).hexdigest()
+
+
 def _read(directory: str, name: str, dir_fd: int | None, limit: int | None = None) -> bytes:
     """The bytes of ``name`` in the checkpoint (relative to ``dir_fd`` where given: the directory the reader
     opened, so that every file comes from one commit); at most ``limit + 1`` bytes."""
@@ -420,15 +465,7 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
             f"format version {version} is newer than this fastckpt reads ({FORMAT_VERSION}); upgrade fastckpt")
     unchecked = []
     if version >= CHECKSUM_VERSION:
-        checksum = manifest.get("checksum")
-        _expect(isinstance(checksum, dict) and isinstance(checksum.get("blake3"), str)
-                and _HEX64.match(checksum["blake3"]) is not None, where,
-                f"'checksum' must be {{'blake3': 64 hex digits}}, got {checksum!r}")
-        actual = manifest_checksum(manifest)
-        if actual != checksum["blake3"]:
-            raise ChecksumMismatchError(f"{where}: its contents hash to BLAKE3 {actual[:16]}..., its 'checksum' "
-                                        f"says {checksum['blake3'][:16]}...: the manifest was edited or damaged after "
-                                        "the commit")
+        check_seal(manifest, where)
     else:
         unchecked.append(f"{MANIFEST_FILE}: format version {version} carries no checksum of its own (version "
                          f"{CHECKSUM_VERSION} does); its values were checked against the other files only")

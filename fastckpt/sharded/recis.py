@@ -82,10 +82,13 @@ fastckpt's additions (``Saver(layout="recis")``)
     blocks, and ``manifest.json`` written last as the commit record
     (``{"format": "fastckpt.sharded.recis", "format_version": 1, "layout":
     "recis", "world_size", "parallel", "slice_size", "files": {name: {"size",
-    "blake3"}}, "tensors", "hashtables"}``; RecIS never reads it). A
-    directory with ``index`` and this manifest is verified against it; one
-    without a manifest (written by RecIS) loads with the warning "RecIS
-    checkpoint: no integrity record".
+    "blake3"}}, "tensors", "hashtables", "checksum": {"blake3"}}``: the
+    checksum is of the manifest itself less ``checksum``, as in fastckpt's own
+    layout, format version 3; RecIS never reads it). A directory with
+    ``index`` and this manifest is verified against it: the manifest's
+    checksum and the metadata files' hashes when it opens, each tensor file's
+    hash when a block of it is first read. One without a manifest (written by
+    RecIS) loads with the warning "RecIS checkpoint: no integrity record".
 
 >>> data_file_name(3, 8), gen_slice(1, 3), slice_string(*gen_slice(1, 3))
 ('model-000003-of-000008.safetensors', (21846, 43691, 65536), '21846@43691@65536')
@@ -109,11 +112,10 @@ from typing import Any, Mapping
 import blake3
 import numpy as np
 
-from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
-from fastckpt.formats.atomic import _swap_in, fsync_directory
+from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
-from fastckpt.sharded.format import WriteBlock, dumps, owner_mod, rows_of, write_synced
+from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, owner_mod, rows_of
 from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.reader import CheckpointReader, register_layout
 
@@ -235,12 +237,23 @@ def _split_block_name(name: str, where: str) -> tuple[str, str]:
     return tokens[0], tokens[1]
 
 
-def _load_json(path: str, what: str) -> Any:
+def _load_json(path: str, what: str, manifest: dict | None = None) -> Any:
+    """The JSON file at ``path``; where ``manifest`` (fastckpt's, beside a ``layout="recis"`` save) lists it,
+    its bytes are checked against the size and BLAKE3 recorded there first."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+            raw = f.read()
     except FileNotFoundError:
         raise FormatError(f"{path}: missing; {what}") from None
+    entry = None if manifest is None else manifest["files"].get(os.path.basename(path))
+    if entry is not None:
+        digest = blake3.blake3(raw).hexdigest()
+        if (len(raw), digest) != (entry["size"], entry["blake3"]):
+            raise ChecksumMismatchError(f"{path}: {len(raw)} bytes of BLAKE3 {digest[:16]}..., the manifest says "
+                                        f"{entry['size']} bytes of {entry['blake3'][:16]}...: the file was changed "
+                                        "or damaged after the commit")
+    try:
+        return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
 
@@ -277,11 +290,11 @@ class RecisCheckpointReader(CheckpointReader):
         self.manifest = self._read_manifest()
         self.integrity = None if self.manifest is None else "manifest"
         tensorkey = _load_json(os.path.join(d, TENSORKEY_FILE), "RecIS's loader needs it (it maps the hashtable "
-                                                                "blocks to their slices)")
+                                                                "blocks to their slices)", self.manifest)
         twhere = os.path.join(d, TENSORKEY_FILE)
         if not isinstance(tensorkey, dict) or not all(isinstance(v, str) for v in tensorkey.values()):
             raise FormatError(f"{twhere}: expected a JSON object of strings")
-        index = _load_json(os.path.join(d, INDEX_FILE), "")
+        index = _load_json(os.path.join(d, INDEX_FILE), "", self.manifest)
         iwhere = os.path.join(d, INDEX_FILE)
         if not (isinstance(index, dict) and isinstance(index.get("block_index"), dict)
                 and isinstance(index.get("file_index"), dict)):
@@ -364,6 +377,7 @@ class RecisCheckpointReader(CheckpointReader):
         version = manifest.get("format_version")
         if type(version) is not int or version > FORMAT_VERSION:
             raise FormatError(f"{path}: format version {version!r}; this fastckpt reads {FORMAT_VERSION}")
+        check_seal(manifest, path)  # the manifest's own checksum; its entries then cover every other file
         files = manifest.get("files")
         if not isinstance(files, dict) or not all(
                 isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get("blake3"), str)
@@ -376,7 +390,7 @@ class RecisCheckpointReader(CheckpointReader):
         path = os.path.join(self.path, DESCRIPTION_FILE)
         if not os.path.isfile(path):
             return {}
-        descriptions = _load_json(path, "")
+        descriptions = _load_json(path, "", self.manifest)
         if not isinstance(descriptions, dict):
             raise FormatError(f"{path}: expected a JSON object")
         for key, desc in descriptions.items():
@@ -793,16 +807,9 @@ def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
             if {k: v for k, v in entry.items() if k != "ids"} != {k: v for k, v in t.items() if k != "ids"}:
                 raise ValueError(f"hashtable {name!r} differs between ranks (dim, dtype or slots)")
             entry["ids"] += t["ids"]
-    for name, content in ((INDEX_FILE, recis_json({"block_index": block_index, "file_index": file_index})),
-                          (TENSORKEY_FILE, recis_json(tensorkey, 4)),
-                          (DESCRIPTION_FILE, recis_json(describe(entries), 4))):
-        write_synced(staging / name, content)
-        files[name] = {"size": len(content), "blake3": blake3.blake3(content).hexdigest()}
-    manifest = dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "layout": "recis",
-                      "world_size": saver.shard_num, "parallel": saver.parallel, "slice_size": SLICE_SIZE,
-                      "files": files, "tensors": tensors, "hashtables": tables})
-    write_synced(staging / MANIFEST_FILE, manifest)
-    fsync_directory(staging)
-    _swap_in(staging, final, overwrite=saver.overwrite)  # no-replace unless asked: a commit made meanwhile stays
-    fsync_directory(final.parent)
-    return blake3.blake3(manifest).hexdigest()
+    metadata = [(INDEX_FILE, recis_json({"block_index": block_index, "file_index": file_index})),
+                (TENSORKEY_FILE, recis_json(tensorkey, 4)), (DESCRIPTION_FILE, recis_json(describe(entries), 4))]
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": "recis", "world_size": saver.shard_num,
+                "parallel": saver.parallel, "slice_size": SLICE_SIZE, "files": files, "tensors": tensors,
+                "hashtables": tables}
+    return commit_directory(staging, final, metadata, manifest, overwrite=saver.overwrite)

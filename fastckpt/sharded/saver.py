@@ -62,8 +62,6 @@ import numpy as np
 from fastckpt.formats.atomic import (
     _naming_target,
     _staging_directory,
-    _swap_in,
-    fsync_directory,
     remove_stale_partials_in,
 )
 from fastckpt.formats.remote import is_url
@@ -77,15 +75,13 @@ from fastckpt.sharded.format import (
     FORMAT,
     FORMAT_VERSION,
     INDEX_FILE,
-    MANIFEST_FILE,
     TENSORKEY_FILE,
     WriteBlock,
+    commit_directory,
     dumps,
     part_key,
     rows_of,
-    seal,
     tensor_file_name,
-    write_synced,
 )
 from fastckpt.sharded.hashtable import HashTable, _sort_ids
 from fastckpt.state import as_numpy
@@ -565,25 +561,15 @@ class Saver:
                 dense[desc["tensor"]] = {"dtype": desc["dtype"], "shape": desc["global_shape"]}
         file_index = {tensor_file_name(r, k): r * self.parallel + k
                       for r in range(self.shard_num) for k in range(self.parallel)}
-        for name, content in ((INDEX_FILE, {"block_index": block_index, "file_index": file_index}),
-                              (TENSORKEY_FILE, tensorkey), (DESCRIPTION_FILE, descriptions)):
-            data = dumps(content)
-            write_synced(staging / name, data)
-            files[name] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
+        metadata = [(INDEX_FILE, dumps({"block_index": block_index, "file_index": file_index})),
+                    (TENSORKEY_FILE, dumps(tensorkey)), (DESCRIPTION_FILE, dumps(descriptions))]
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": self.shard_num,
                     "parallel": self.parallel, "files": files, "tensors": dense, "hashtables": tables}
         if plan["kind"] == "delta":
             manifest.update(kind="delta", base=plan["base"], chain_length=plan["chain_length"])
         if any("encoding" in t for t in tables.values()) and self.quantize is not None:
             manifest["lossy"] = True
-        data = dumps(seal(manifest))  # the checksum covers the manifest, whose entries cover every other file
-        write_synced(staging / MANIFEST_FILE, data)
-        fsync_directory(staging)
-        # Without overwrite a no-replace rename: a checkpoint another writer committed meanwhile stays, and
-        # this save raises FileExistsError naming it.
-        _swap_in(staging, final, overwrite=self.overwrite)
-        fsync_directory(final.parent)
-        return blake3.blake3(data).hexdigest()
+        return commit_directory(staging, final, metadata, manifest, overwrite=self.overwrite)
 
 
 def _sweep(parent: Path) -> None:
