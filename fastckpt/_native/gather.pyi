@@ -1,6 +1,4 @@
 # Types of the compiled module gather.pyx.
-from collections.abc import Callable
-
 from typing_extensions import Buffer
 from types import TracebackType
 

@@ -34,7 +34,6 @@ import contextlib
 import errno
 import importlib
 import os
-import contextlib
 import re
 import stat
 import threading
