@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fastckpt"
 FLOORS = [
     ("base types", {"errors", "info", "progress", "arrays"}),
     ("native core", {"_native"}),
+    ("storage", {"store"}),
     ("formats and state", {"formats", "state"}),
     ("device", {"device"}),
     ("faces", {"nn", "stateful", "tf"}),
