@@ -38,7 +38,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError, TensorNotFoundError
+from fastckpt.errors import (CheckpointChangedError, CheckpointNotFoundError, ChecksumMismatchError, FormatError,
+                             TensorNotFoundError)
 from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
@@ -112,11 +113,6 @@ def _shared_digest(identity: tuple, compute) -> str:
     if future is not None:
         future.set_result(digest)
     return digest
-
-
-class CheckpointChangedError(FormatError):
-    """A sharded checkpoint's files are not those of the manifest that was read: it changed while it was opened
-    (replaced by a save with ``overwrite=True``, removed, truncated). Opening it again reads the new commit."""
 
 
 class CheckpointReader(MultiFileReader):
