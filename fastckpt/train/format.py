@@ -155,6 +155,7 @@ from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from fastckpt.formats.hashing import HASH_ALGORITHMS, hash_buffer, hash_file, sha256_file
 from fastckpt.state import TRAIN_TREE, decode, encode
 from fastckpt.state.codec import INLINE, TensorRefs
+from fastckpt.store.manifest import read_json
 
 __all__ = [
     "SCHEMA_VERSION", "CHECKPOINT_FORMAT", "WEIGHTS_FILE", "OPTIM_FILE", "EXTRA_FILE", "MANIFEST_FILE", "ALIGNMENT",
@@ -177,6 +178,7 @@ ALIGNMENT = 64
 _ALIAS = re.compile(r"^ALIAS\((.*)\)$", re.DOTALL)
 _MAX_SAFE_INT = 2**53
 _MAX_MANIFEST_BYTES = 64 << 20
+_MAX_MANIFEST_DEPTH = 256  # metrics are trees of the caller's; Python parses this deep in any thread
 _READ_MAJORS = ("1", "2")  # schema 1.0: sha256 entries and weights_sha256
 
 
@@ -304,13 +306,8 @@ def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointNotFoundError(
             f"{d}: no {MANIFEST_FILE}; the directory is not a checkpoint, or its save never completed"
         )
-    size = path.stat().st_size
-    if size > _MAX_MANIFEST_BYTES:
-        raise FormatError(f"{path}: {size} bytes, over the {_MAX_MANIFEST_BYTES}-byte limit for a manifest")
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{path}: not valid UTF-8 JSON ({e})") from None
+    # Bounded: at most _MAX_MANIFEST_BYTES read, nesting beyond what a manifest's trees need a FormatError.
+    manifest = read_json(path, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise FormatError(f"{path}: 'format' is {got!r}, expected {CHECKPOINT_FORMAT!r}")
