@@ -149,11 +149,12 @@ class Snapshot:
         self.record = record
         self.what = what
         self._pins: dict[str, Identity] = {}
-        self._closed = False
+        self._closed = True
         try:
             self._dir = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
         except (FileNotFoundError, NotADirectoryError):
             raise CheckpointNotFoundError(f"{self.path}: no {what} here (not a directory)") from None
+        self._closed = False
         self._self = Identity.of(os.fstat(self._dir))
 
     # -- pinning -----------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ class Snapshot:
         return os.path.join(self.path, name)
 
     def _changed_error(self, name: str, detail: str) -> CheckpointChangedError:
-        return CheckpointChangedError(f"{self._where(name)}: {detail}; the {self.what} changed while it was opened "
+        return CheckpointChangedError(f"{self._where(name)}: {detail}; the checkpoint changed while it was opened "
                                       "(replaced by a save with overwrite=True, removed or truncated): open it again")
 
     def _adopt(self, name: str, identity: Identity) -> Identity:
