@@ -157,6 +157,11 @@ class Snapshot:
         self._closed = False
         self._self = Identity.of(os.fstat(self._dir))
 
+    @property
+    def fd(self) -> int:
+        """The pinned directory's descriptor (``os.listdir(snapshot.fd)`` lists that commit's directory)."""
+        return self._dir
+
     # -- pinning -----------------------------------------------------------------------------------
     def _where(self, name: str) -> str:
         return os.path.join(self.path, name)
