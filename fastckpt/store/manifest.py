@@ -86,7 +86,8 @@ def parse_json(data: bytes, where: str, *, max_depth: int = MAX_DEPTH, unique_ke
     Traceback (most recent call last):
     fastckpt.errors.FormatError: i.json: not UTF-8 (byte 0: invalid start byte)
     """
-    label = f"{what} " if what else ""
+    label = f"{what} is " if what else ""
+    bad = f"{what} is not JSON" if what else "not valid JSON"
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -101,14 +102,13 @@ def parse_json(data: bytes, where: str, *, max_depth: int = MAX_DEPTH, unique_ke
     try:
         value = json.loads(text, **kwargs)
     except _RepeatedKey as e:
-        raise FormatError(f"{where}: {label}repeats the key {e.args[0]!r} in one object") from None
+        raise FormatError(f"{where}: {what + ' ' if what else ''}repeats the key {e.args[0]!r} in one object") from None
     except json.JSONDecodeError as e:
-        raise FormatError(f"{where}: {label}not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
-                          f"(char {e.pos})") from None
+        raise FormatError(f"{where}: {bad}: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})") from None
     except RecursionError:
         raise deep from None
     except ValueError as e:
-        raise FormatError(f"{where}: {label}not valid JSON: {e}") from None
+        raise FormatError(f"{where}: {bad}: {e}") from None
     if _depth_over(value, max_depth):
         raise deep
     return value

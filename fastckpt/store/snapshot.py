@@ -136,7 +136,8 @@ class Snapshot:
 
     ``record`` names the commit record (the file whose presence is the commit: ``manifest.json``, an index):
     :meth:`changed` compares it and the directory itself against what the snapshot saw. ``what`` names the
-    kind of checkpoint in errors. A path that is not a directory raises
+    kind of checkpoint in errors. ``follow_links``: the files may be symbolic links (a Hugging Face hub cache
+    links each file to its blob; the identity is then the target's); a checkpoint of fastckpt's own has none. A path that is not a directory raises
     :class:`~fastckpt.errors.CheckpointNotFoundError`.
 
     >>> import tempfile
@@ -144,8 +145,11 @@ class Snapshot:
     {}
     """
 
-    def __init__(self, path: str | os.PathLike, *, record: str | None = None, what: str = "checkpoint"):
+    def __init__(self, path: str | os.PathLike, *, record: str | None = None, what: str = "checkpoint",
+                 follow_links: bool = False):
         self.path = os.fspath(path)
+        self.follow_links = follow_links
+        self._flags = _O_READ & ~getattr(os, "O_NOFOLLOW", 0) if follow_links else _O_READ
         self.record = record
         self.what = what
         self._pins: dict[str, Identity] = {}
@@ -182,7 +186,7 @@ class Snapshot:
         :class:`~fastckpt.errors.CheckpointChangedError` (the file was truncated or replaced after the commit). A
         missing file raises as :meth:`missing` says; a link or another kind of file is a FormatError."""
         try:
-            st = os.stat(name, dir_fd=self._dir, follow_symlinks=False)
+            st = os.stat(name, dir_fd=self._dir, follow_symlinks=self.follow_links)
         except FileNotFoundError:
             raise self.missing(name) from None
         if not stat.S_ISREG(st.st_mode):
@@ -219,7 +223,7 @@ class Snapshot:
         other file was pinned) is still the file pinned: the last step of opening a checkpoint whose directory is
         not replaced whole."""
         try:
-            st = os.stat(name, dir_fd=self._dir, follow_symlinks=False)
+            st = os.stat(name, dir_fd=self._dir, follow_symlinks=self.follow_links)
         except FileNotFoundError:
             raise self._changed_error(name, "gone") from None
         self.check(name, st)
@@ -235,7 +239,7 @@ class Snapshot:
             return f"{self.path} is another directory now"
         if self.record is not None and self.record in self._pins:
             try:
-                now = Identity.of(os.stat(self.record, dir_fd=self._dir, follow_symlinks=False))
+                now = Identity.of(os.stat(self.record, dir_fd=self._dir, follow_symlinks=self.follow_links))
             except OSError:
                 return f"its {self.record} is gone"
             if now != self._pins[self.record]:
@@ -258,7 +262,7 @@ class Snapshot:
         A missing file raises ``FileNotFoundError`` when ``missing`` is None, else as :meth:`missing` (``missing``
         says what lists it)."""
         try:
-            fd = os.open(name, _O_READ, dir_fd=self._dir)
+            fd = os.open(name, self._flags, dir_fd=self._dir)
         except FileNotFoundError:
             if missing is None:
                 raise
@@ -293,7 +297,7 @@ class Snapshot:
         if self._closed:
             raise ValueError(f"{self.path}: the reader is closed")
         try:
-            fd = os.open(name, _O_READ, dir_fd=self._dir)
+            fd = os.open(name, self._flags, dir_fd=self._dir)
         except FileNotFoundError:
             raise self._changed_error(name, "gone") from None
         try:
