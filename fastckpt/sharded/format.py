@@ -193,7 +193,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError
+from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.formats.atomic import _swap_in, fsync_directory
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
@@ -428,8 +428,8 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
     try:
         raw = snapshot.read(MANIFEST_FILE)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        raise CheckpointNotFoundError(
-            f"{d}: no sharded checkpoint here (no {MANIFEST_FILE}: a save that did not finish leaves none)") from None
+        raise snapshot.absent(MANIFEST_FILE, f"{d}: no sharded checkpoint here (no {MANIFEST_FILE}: a save that did "
+                                             "not finish leaves none)") from None
     manifest = parse_json(raw, where)
     expect(isinstance(manifest, dict), where, f"expected a JSON object, got {type(manifest).__name__}")
     expect(manifest.get("format") == FORMAT, where,

@@ -37,8 +37,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from fastckpt.errors import (CheckpointChangedError, CheckpointNotFoundError, ChecksumMismatchError, FormatError,
-                             TensorNotFoundError)
+from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo

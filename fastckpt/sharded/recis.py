@@ -114,7 +114,7 @@ import blake3
 import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
-from fastckpt.formats.reader import TensorFile, guard, open_file
+from fastckpt.formats.reader import TensorFile, guard
 from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, owner_mod, rows_of
 from fastckpt.sharded.hashtable import HashTable
@@ -324,7 +324,7 @@ class RecisCheckpointReader(CheckpointReader):
         try:
             index = _read_json(snap, INDEX_FILE, self.manifest)
         except (FileNotFoundError, IsADirectoryError):
-            raise CheckpointNotFoundError(f"{d}: no RecIS checkpoint here (no '{INDEX_FILE}' file)") from None
+            raise snap.absent(INDEX_FILE, f"{d}: no RecIS checkpoint here (no '{INDEX_FILE}' file)") from None
         tensorkey = _read_json(snap, TENSORKEY_FILE, self.manifest,
                                missing="RecIS's loader needs it (it maps the hashtable blocks to their slices)")
         twhere, iwhere = os.path.join(d, TENSORKEY_FILE), os.path.join(d, INDEX_FILE)

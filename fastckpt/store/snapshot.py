@@ -255,6 +255,20 @@ class Snapshot:
             return self._changed_error(name, f"gone ({change})")
         return FormatError(f"{self._where(name)}: missing; {detail or f'the {self.what} lists it'}")
 
+    def absent(self, name: str, message: str) -> FormatError | CheckpointNotFoundError:
+        """The error for commit record ``name`` not being there: CheckpointNotFoundError ``message`` (no checkpoint
+        in this directory), or CheckpointChangedError when the directory pinned is no longer the one at the path
+        (a save with ``overwrite=True`` swapped it away and is removing it).
+
+        >>> import tempfile
+        >>> Snapshot(tempfile.mkdtemp()).absent("manifest.json", "no checkpoint here")
+        CheckpointNotFoundError('no checkpoint here')
+        """
+        change = self.changed()
+        if change is not None:
+            return self._changed_error(name, f"gone ({change})")
+        return CheckpointNotFoundError(message)
+
     # -- reading ----------------------------------------------------------------------------------------
     def read(self, name: str, *, limit: int = MAX_JSON_BYTES, missing: str | None = None) -> bytes:
         """The bytes of small file ``name`` (a commit record, a metadata file), read through the pinned directory
