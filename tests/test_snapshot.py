@@ -267,3 +267,72 @@ def test_ten_thousand_files_load_under_256_descriptors(kind, tmp_path_factory):
     _many_files(kind.split("-")[0], path, n)
     done = _load_limited(kind, path, n)
     assert done.returncode == 0 and f"ok {n}" in done.stdout, done.stderr[-2000:]
+
+
+# -- a replacement at a chosen moment: deterministic forms of the races above --------------------------------------
+
+def _replace_dir(path: str, k: int, layout: str) -> None:
+    """Replace the checkpoint at ``path`` with commit ``k`` as a save with overwrite=True does."""
+    namespace = {"commit_arrays": commit_arrays}
+    exec(compile(textwrap.dedent(WRITERS[layout]), "writer", "exec"), namespace)
+    namespace["save"](path, k)
+
+
+def test_hf_shards_replaced_while_opening_are_changed_not_mixed(tmp_path, monkeypatch):
+    """0.3: the reader mapped the first shard of commit 1, then the rest of commit 2 (a torn read, no error)."""
+    import fastckpt.formats.hfsharded as hf
+
+    path = str(tmp_path / "hf")
+    _replace_dir(path, 1, "hf")
+    real, calls = hf.open_file, []
+
+    def open_then_replace(*args, **kwargs):
+        f = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            _replace_dir(path, 2, "hf")
+        return f
+
+    monkeypatch.setattr(hf, "open_file", open_then_replace)
+    with pytest.raises(CheckpointChangedError, match="changed while it was opened"):
+        read_whole("hf", path)
+    monkeypatch.setattr(hf, "open_file", real)
+    assert {float(a[0, 0]) for a in read_whole("hf", path).values()} == {2.0}
+
+
+@pytest.mark.parametrize("layout", ["sharded", "recis"])
+def test_a_directory_replaced_while_its_metadata_is_read_is_changed(layout, tmp_path, monkeypatch):
+    """0.3: the manifest came from the old directory, the next metadata file was gone with it: FormatError
+    'missing' (fastckpt's layout); RecIS's reader read by path and, with verify=True, called the other commit's
+    files damaged."""
+    import blake3
+
+    import fastckpt.sharded.format as sharded_format
+    import fastckpt.sharded.recis as recis
+
+    path = str(tmp_path / "c")
+    _replace_dir(path, 1, layout)
+    calls = []
+
+    class Hashing:  # the readers hash each metadata file they read: replace the directory at the first
+        def __getattr__(self, name):
+            return getattr(blake3, name)
+
+        @staticmethod
+        def blake3(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                os.rename(path, path + ".old")
+                import shutil
+
+                shutil.rmtree(path + ".old")
+                _replace_dir(path, 2, layout)
+            return blake3.blake3(*args, **kwargs)
+
+    monkeypatch.setattr(sharded_format, "blake3", Hashing())
+    monkeypatch.setattr(recis, "blake3", Hashing())
+    with pytest.raises(CheckpointChangedError, match="changed while it was opened"):
+        read_whole(layout, path)
+    calls.clear()
+    with pytest.raises(CheckpointChangedError, match="changed while it was opened"):
+        load_whole(layout, path)

@@ -256,6 +256,21 @@ def _read_json(snapshot: Snapshot, name: str, manifest: dict | None, missing: st
     return parse_json(raw, path, unique_keys=True)
 
 
+_PART_KEY = re.compile(r"(?P<tensor>.+)/part_(?P<i>\d+)_(?P<n>\d+)")
+
+
+def _check_key(key: str, tensor: str, piece: tuple[int, int, int], where: str) -> None:
+    """A hashtable block's key ``T.X/part_i_n`` against what tensorkey.json maps it to, ``T@X^SLICE``: the same
+    table and slot, and the slice of rank ``i`` of ``n`` (RecIS's ``gen_slice``), as RecIS's writer names both."""
+    m = _PART_KEY.fullmatch(key)
+    expect(m is not None and m.group("tensor") == tensor.replace("@", ".", 1), where,
+           f"block {key!r} is mapped to {tensor!r}: a block T.X/part_i_n holds T@X (a relabelled block)")
+    i, n = int(m.group("i")), int(m.group("n"))
+    expect(i < n and piece[:2] == gen_slice(i, n, piece[2])[:2], where,
+           f"block {key!r} is mapped to slice {piece[0]}@{piece[1]}@{piece[2]}, rank {i} of {n}'s is "
+           f"{'@'.join(map(str, gen_slice(i, n, piece[2]))) if i < n else 'none'}")
+
+
 def _plain_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
@@ -355,7 +370,7 @@ class RecisCheckpointReader(CheckpointReader):
             expect(piece == " " or key in tensorkey, iwhere,
                    f"block {key!r} names slice {piece!r} but {TENSORKEY_FILE} does not map it")
             if piece != " ":
-                parse_slice(piece, f"{twhere} (key {key!r})")
+                _check_key(key, tensor, parse_slice(piece, f"{twhere} (key {key!r})"), twhere)
             expect((tensor, piece) not in seen, iwhere,
                    f"blocks {seen.get((tensor, piece))!r} and {key!r} are both {tensor!r}'s slice {piece!r}: a "
                    "slice is stored once")
