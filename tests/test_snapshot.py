@@ -336,3 +336,45 @@ def test_a_directory_replaced_while_its_metadata_is_read_is_changed(layout, tmp_
     calls.clear()
     with pytest.raises(CheckpointChangedError, match="changed while it was opened"):
         load_whole(layout, path)
+
+
+def test_tf_shards_replaced_after_opening_are_changed_not_read(tmp_path):
+    """A TensorFlow reader maps its data shards when a tensor is first read: a save with overwrite=True between
+    the open and that read is CheckpointChangedError (0.3 read the new shards through the old index)."""
+    from fastckpt.tf import write_checkpoint
+
+    prefix = str(tmp_path / "m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        write_checkpoint(prefix, commit_arrays(1), num_shards=3, overwrite=True)
+        reader = fastckpt.open(prefix)
+        write_checkpoint(prefix, commit_arrays(2), num_shards=3, overwrite=True)
+    with reader, pytest.raises(CheckpointChangedError, match=r"m\.data-0000\d-of-00003: now another file"):
+        [reader.host(name) for name in reader.keys()]
+    with fastckpt.open(prefix) as again:
+        assert {float(again.host(n)[0, 0]) for n in again.keys()} == {2.0}
+
+
+def test_a_manifest_size_sizes_no_read_and_verify_says_so(tmp_path):
+    """0.3: a resealed manifest giving a metadata file 10**30 bytes raised OverflowError from a read of that size
+    (MemoryError for 2**40), and `fastckpt verify` printed a traceback."""
+    import io
+    import json
+    from argparse import Namespace
+
+    from fastckpt.cli.verify import run as verify_cli
+    from fastckpt.sharded import CheckpointReader, Saver
+    from fastckpt.sharded.format import MANIFEST_FILE, dumps, seal
+
+    for size in (10 ** 30, 2 ** 40):
+        path = tmp_path / f"c{size}"
+        Saver(path=str(path), parallel=2, tensors=commit_arrays(1)).save()
+        manifest = json.loads((path / MANIFEST_FILE).read_bytes())
+        for name in ("index.json", "model-00000-001.safetensors"):
+            manifest["files"][name]["size"] = size
+            (path / MANIFEST_FILE).write_bytes(dumps(seal({k: v for k, v in manifest.items() if k != "checksum"})))
+            with pytest.raises(FormatError, match=f"{size}"):
+                CheckpointReader(path)
+            out = io.StringIO()
+            assert verify_cli(Namespace(directory=str(path), no_hash=False, quiet=False), out) == 1
+            assert "Traceback" not in out.getvalue() and str(size) in out.getvalue()

@@ -284,12 +284,14 @@ def _table_metadata(table: ArrayTable, tree: str, fmt: str) -> dict[str, str]:
     return meta
 
 
-def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(in_dir: str | os.PathLike, *, snapshot=None) -> dict[str, Any]:
     """Parse and check ``manifest.json`` of a checkpoint directory (format, schema version, required keys).
 
     Raises :class:`~fastckpt.errors.CheckpointNotFoundError` when there is no
     checkpoint (or an incomplete one) and :class:`~fastckpt.errors.FormatError`
-    when the manifest is unreadable or of another major version.
+    when the manifest is unreadable or of another major version. ``snapshot``:
+    the directory pinned by a reader (:class:`~fastckpt.store.snapshot.Snapshot`)
+    to read it through, so that it and the files it lists are of one commit.
 
     >>> import tempfile, os
     >>> from fastckpt.train import TinyLM, save_checkpoint
@@ -307,7 +309,10 @@ def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
             f"{d}: no {MANIFEST_FILE}; the directory is not a checkpoint, or its save never completed"
         )
     # Bounded: at most _MAX_MANIFEST_BYTES read, nesting beyond what a manifest's trees need a FormatError.
-    manifest = read_json(path, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
+    if snapshot is None:
+        manifest = read_json(path, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
+    else:
+        manifest = snapshot.read_json(MANIFEST_FILE, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise FormatError(f"{path}: 'format' is {got!r}, expected {CHECKPOINT_FORMAT!r}")
