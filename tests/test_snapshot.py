@@ -378,3 +378,43 @@ def test_a_manifest_size_sizes_no_read_and_verify_says_so(tmp_path):
             out = io.StringIO()
             assert verify_cli(Namespace(directory=str(path), no_hash=False, quiet=False), out) == 1
             assert "Traceback" not in out.getvalue() and str(size) in out.getvalue()
+
+
+_CHAIN = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from fastckpt.sharded import Loader
+tables, _ = Loader(sys.argv[1], shard_index=0, shard_num=1).load()
+ids, values, _ = tables["emb"].rows()
+print("ok", len(ids), float(values[ids == 0][0, 0]))
+"""
+
+
+def _delta_chain(root, links: int, files: int) -> str:
+    """A full checkpoint and ``links - 1`` deltas on it, each of 2 ranks x ``files // 2`` files; id 0's row is
+    the link's number at the head."""
+    from _sharded_edit import save_threads
+    from fastckpt.sharded import DeltaPolicy, HashTable
+
+    tables = []
+    for rank in range(2):
+        emb = HashTable(2, name="emb")
+        ids = np.arange(rank, 64, 2, dtype=np.int64)
+        emb.insert(ids, np.zeros((len(ids), 2), np.float32))
+        tables.append({"emb": emb})
+    path = ""
+    for link in range(links):
+        tables[0]["emb"].update([0], [[float(link), 0.0]])
+        path = save_threads(root / f"step-{link}", tables, {"w": np.ones(4, np.float32)}, parallel=files // 2,
+                            incremental=DeltaPolicy(max_fraction=1.0) if link else False)
+    return path
+
+
+@pytest.mark.parametrize("links,files", [(4, 96)] + [pytest.param(10, 96, marks=pytest.mark.slow)])
+def test_a_delta_chain_of_more_files_than_descriptors_loads(links, files, tmp_path):
+    """0.3 kept a descriptor for every file of every link: a 10-link chain of 96-file checkpoints failed with
+    EMFILE under ulimit -n 1024 (and 4 links under 256)."""
+    head = _delta_chain(tmp_path, links, files)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _CHAIN, head], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.split() == ["ok", "64", f"{links - 1}.0"], done.stderr[-2000:]
