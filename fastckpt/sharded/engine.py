@@ -276,7 +276,7 @@ class ThreadEngine:
     >>> engines[0].barrier("written", timeout=0.05)
     Traceback (most recent call last):
         ...
-    fastckpt.sharded.engine.BarrierTimeoutError: rank 1 of 2 did not reach 'written' within 0.05 s (...)
+    fastckpt.errors.BarrierTimeoutError: rank 1 of 2 did not reach 'written' within 0.05 s (...)
     """
 
     def __init__(self, group: _ThreadGroup, rank: int):
@@ -327,7 +327,7 @@ class ThreadEngine:
         >>> engines[0].barrier("written", timeout=60)
         Traceback (most recent call last):
             ...
-        fastckpt.sharded.engine.BarrierTimeoutError: rank 1 of 2 aborted and will not reach 'written' (rank 1: ...)
+        fastckpt.errors.BarrierTimeoutError: rank 1 of 2 aborted and will not reach 'written' (rank 1: ...)
         """
         group = self._group
         with group.cond:

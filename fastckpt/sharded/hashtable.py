@@ -383,7 +383,7 @@ class HashTable:
         >>> t.update([2, 3, 5], np.zeros((3, 1)))
         Traceback (most recent call last):
         ...
-        fastckpt.sharded.hashtable.MissingIdsError: 2 ids not in the hashtable: [3, 5]
+        fastckpt.errors.MissingIdsError: 2 ids not in the hashtable: [3, 5]
         """
         ids = _as_ids(ids)
         values = self._rows(values, len(ids), "values")
