@@ -254,20 +254,12 @@ def bases(tmp_path_factory):
             "fastckpt-written": _fastckpt_written(str(root / "fastckpt"))}
 
 
-@pytest.mark.parametrize("which", ["recis-written", "fastckpt-written"])
-def test_fuzzed_recis_directories_raise_only_library_errors(which, bases, tmp_path):
-    counts, problems = fuzz(bases[which], str(tmp_path), 150, seed=28, has_manifest=which == "fastckpt-written")
-    print(which, dict(counts))
-    assert counts["other"] == 0, problems[:5]
-    if which == "fastckpt-written":
-        assert counts["wrong"] == 0, problems[:5]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("which", ["recis-written", "fastckpt-written"])
-def test_many_fuzzed_recis_directories(which, bases, tmp_path):
-    counts, problems = fuzz(bases[which], str(tmp_path), 2000, seed=2028, has_manifest=which == "fastckpt-written")
-    print(which, dict(counts))
+@pytest.mark.parametrize("which,count", [("recis-written", 150), ("fastckpt-written", 150)] + [
+    pytest.param(which, 2000, marks=pytest.mark.slow) for which in ("recis-written", "fastckpt-written")])
+def test_fuzzed_recis_directories_raise_only_library_errors(which, count, bases, tmp_path):
+    counts, problems = fuzz(bases[which], str(tmp_path), count, seed=28 + count,
+                            has_manifest=which == "fastckpt-written")
+    print(which, count, dict(counts))
     assert counts["other"] == 0, problems[:5]
     if which == "fastckpt-written":
         assert counts["wrong"] == 0, problems[:5]

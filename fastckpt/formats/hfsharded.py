@@ -659,8 +659,8 @@ class HFShardedDirectory(MultiFileReader):
                                         follow_links=True)  # a hub cache links every file to its blob
         try:
             raw = snap.read(record)
-        except FileNotFoundError:
-            raise snap.missing(record, "it was found when the directory was opened") from None
+        except FileNotFoundError:  # there a moment ago: a save is replacing the checkpoint
+            raise snap.changed_error(record, "gone (it was there when the directory was opened)") from None
         weight_map, raw_metadata = parse_index(raw, where)
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():

@@ -170,14 +170,20 @@ class Snapshot:
     def _where(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    def _changed_error(self, name: str, detail: str) -> CheckpointChangedError:
+    def changed_error(self, name: str, detail: str) -> CheckpointChangedError:
+        """The CheckpointChangedError for file ``name``, ``detail`` saying what changed.
+
+        >>> import tempfile
+        >>> str(Snapshot(tempfile.mkdtemp()).changed_error("a.bin", "gone")).endswith("open it again")
+        True
+        """
         return CheckpointChangedError(f"{self._where(name)}: {detail}; the checkpoint changed while it was opened "
                                       "(replaced by a save with overwrite=True, removed or truncated): open it again")
 
     def _adopt(self, name: str, identity: Identity) -> Identity:
         known = self._pins.setdefault(name, identity)
         if known != identity:
-            raise self._changed_error(name, f"now {known.difference(identity)}")
+            raise self.changed_error(name, f"now {known.difference(identity)}")
         return identity
 
     def pin(self, name: str, *, size: int | None = None) -> Identity:
@@ -225,7 +231,7 @@ class Snapshot:
         try:
             st = os.stat(name, dir_fd=self._dir, follow_symlinks=self.follow_links)
         except FileNotFoundError:
-            raise self._changed_error(name, "gone") from None
+            raise self.changed_error(name, "gone") from None
         self.check(name, st)
 
     def changed(self) -> str | None:
@@ -252,7 +258,7 @@ class Snapshot:
         else a FormatError (damage: ``detail`` says what lists it)."""
         change = self.changed()
         if change is not None:
-            return self._changed_error(name, f"gone ({change})")
+            return self.changed_error(name, f"gone ({change})")
         return FormatError(f"{self._where(name)}: missing; {detail or f'the {self.what} lists it'}")
 
     def absent(self, name: str, message: str) -> FormatError | CheckpointNotFoundError:
@@ -266,7 +272,7 @@ class Snapshot:
         """
         change = self.changed()
         if change is not None:
-            return self._changed_error(name, f"gone ({change})")
+            return self.changed_error(name, f"gone ({change})")
         return CheckpointNotFoundError(message)
 
     # -- reading ----------------------------------------------------------------------------------------
@@ -292,7 +298,7 @@ class Snapshot:
         finally:
             os.close(fd)
         if len(data) != self._pins[name].size:
-            raise self._changed_error(name, f"{len(data)} bytes read, {self._pins[name].size} when opened")
+            raise self.changed_error(name, f"{len(data)} bytes read, {self._pins[name].size} when opened")
         return data
 
     def read_json(self, name: str, *, limit: int = MAX_JSON_BYTES, missing: str | None = None,
@@ -313,7 +319,7 @@ class Snapshot:
         try:
             fd = os.open(name, self._flags, dir_fd=self._dir)
         except FileNotFoundError:
-            raise self._changed_error(name, "gone") from None
+            raise self.changed_error(name, "gone") from None
         try:
             self.check(name, os.fstat(fd))
         except BaseException:
