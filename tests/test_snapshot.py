@@ -239,7 +239,8 @@ def _many_files(kind: str, path, n: int) -> None:
     else:
         from _sharded_edit import save_threads
 
-        ranks = 4
+        ranks = max(4, -(-n // 500))  # at most 999 files a rank
+        assert n % ranks == 0
         save_threads(path, [{}] * ranks, tensors, parallel=n // ranks)
 
 
