@@ -156,7 +156,8 @@ def test_reader_names_shapes_and_whole_tensors(recis_dirs):
         assert reader.tensor_dtype("half") == np.float16
         assert reader.read_tensor("scalar").shape == () and reader.read_tensor("scalar") == 7
         assert np.array_equal(reader.read_tensor("one^ "), dense["one"])  # a stored key
-        assert reader.hashtables() == {"tab": {"dim": DIM, "dtype": "float32", "slots": ["adam_m"],
+        assert reader.hashtables() == {"tab": {"dim": DIM, "shape": [DIM], "dtype": "float32", "slots": ["adam_m"],
+                                               "slot_specs": {"adam_m": {"shape": [DIM], "dtype": "float32"}},
                                                "ids": len(ids), "slice_size": 65536}}
         with pytest.raises(TensorNotFoundError, match="close matches"):
             reader.read_tensor("tab@embeding")

@@ -101,6 +101,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -401,27 +402,55 @@ class RecisCheckpointReader(CheckpointReader):
                                   f"{self.file_of(key).path} holds {list(info.shape)}")
         return descriptions
 
+    def _block_order(self) -> dict[str, tuple[int, int]]:
+        """``{stored key: (rank, place)}``: the order in which each rank made its blocks (module docs: block
+        ``b`` of rank ``i`` is entry ``b // p`` of the header of file ``i * p + b % p``), read back from the
+        files' names and headers, so that tables, slots and dense tensors keep the order of the save. Files not
+        named as RecIS names them come after, in file number and header order."""
+        ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_\d+_(\d+)$", key))}
+        order: dict[str, tuple[int, int]] = {}
+        for number, name in sorted(self._file_of_number.items()):
+            f = self.files[name]
+            with guard(self, f"the header of {name}"):
+                length = int.from_bytes(bytes(f.mapped.view(0, 8)), "little")
+                keys = [k for k in json.loads(bytes(f.mapped.view(8, length)).decode("utf-8")) if k in f.infos]
+            m = re.fullmatch(r"model-(\d+)-of-(\d+)\.safetensors", name)
+            total = int(m.group(2)) if m else 0
+            p = self.manifest["parallel"] if self.manifest is not None else total // (ranks.pop() if len(ranks) == 1
+                                                                                        else 1) or 1
+            if m is None or total % p:
+                order.update({k: (1 << 62, number * 1_000_000 + j) for j, k in enumerate(keys)})
+                continue
+            rank, writer = divmod(int(m.group(1)), p)
+            order.update({k: (rank, j * p + writer) for j, k in enumerate(keys)})
+        return order
+
     def _find_tables(self) -> dict[str, dict]:
-        """``{T: {"dim", "dtype", "slots", "ids", "slice_size"}}`` for every ``T@id`` with a ``T@embedding``."""
+        """``{T: {"dim", "shape", "dtype", "slots", "slot_specs", "ids", "slice_size"}}`` for every ``T@id`` with a
+        ``T@embedding``, in the order of the save; ``slots`` in the order RecIS wrote them (its slot group's)."""
+        order = self._block_order()
+        first_place = lambda tensor: min(order.get(k, (1 << 62, 0)) for k in self._parts[tensor])  # noqa: E731
         tables = {}
-        for name in self._parts:
+        for name in sorted(self._parts, key=first_place):
             if not name.endswith("@id") or f"{name[:-3]}@embedding" not in self._parts:
                 continue
             table = name[:-3]
             first = self._parts[f"{table}@embedding"][0]
             shape, dtype = self.infos[first].shape, self.infos[first].dtype
             dim = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
-            slots = []
-            for other in self._parts:
+            specs = {}
+            for other in sorted(self._parts, key=first_place):
                 slot = other[len(table) + 1:]
                 if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
                     info = self.infos[self._parts[other][0]]
-                    if info.shape[1:] == shape[1:] and info.dtype == dtype:  # a slot a HashTable can hold
-                        slots.append(slot)
+                    specs[slot] = {"shape": list(info.shape[1:]) or [1], "dtype": info.dtype.name}
             sizes = {parse_slice(self._slices[k][1], f"{self.path}: {k}")[2] for k in self._parts[name]}
-            tables[table] = {"dim": dim, "dtype": np.dtype(dtype).name, "slots": slots,
+            tables[table] = {"dim": dim, "shape": list(shape[1:]) or [1], "dtype": np.dtype(dtype).name,
+                             "slots": list(specs), "slot_specs": specs,
                              "ids": sum(self.infos[k].shape[0] for k in self._parts[name]),
                              "slice_size": sizes.pop() if len(sizes) == 1 else sorted(sizes)}
+        self._dense_order = sorted((n for n, keys in self._parts.items() if self._slices[keys[0]][1] == " "),
+                                   key=first_place)
         return tables
 
     # -- RecIS's API ----------------------------------------------------------------------------------
@@ -469,14 +498,18 @@ class RecisCheckpointReader(CheckpointReader):
         return tensor, None if piece == " " else parse_slice(piece, f"{self.path}: block {key!r}")
 
     def hashtables(self) -> dict[str, dict]:
-        """``{table: {"dim", "dtype", "slots", "ids", "slice_size"}}``: the tables with ids and an embedding;
-        ``slots`` are the optimizer slots shaped like the embedding (others are read with ``read_tensor``)."""
-        return {name: dict(entry) for name, entry in self._tables.items()}
+        """``{table: {"dim", "shape", "dtype", "slots", "slot_specs", "ids", "slice_size"}}``: the tables with ids
+        and an embedding, in the order of the save. ``shape`` is an embedding row's (``dim`` its product),
+        ``slots`` every other tensor of the table in RecIS's slot order (optimizer slots, filter slots such as
+        the step filter's), ``slot_specs`` each slot's ``{"shape": row shape, "dtype"}``."""
+        return {name: {**entry, "shape": list(entry["shape"]), "slots": list(entry["slots"]),
+                       "slot_specs": {s: dict(spec) for s, spec in entry["slot_specs"].items()}}
+                for name, entry in self._tables.items()}
 
     def dense_tensors(self) -> dict[str, dict]:
-        """``{name: {"dtype", "shape"}}`` of the dense tensors (keys ``NAME^ ``)."""
-        return {name: {"dtype": self.infos[keys[0]].dtype.name, "shape": list(self.infos[keys[0]].shape)}
-                for name, keys in self._parts.items() if self._slices[keys[0]][1] == " "}
+        """``{name: {"dtype", "shape"}}`` of the dense tensors (keys ``NAME^ ``), in the order of the save."""
+        return {name: {"dtype": self.infos[self._parts[name][0]].dtype.name,
+                       "shape": list(self.infos[self._parts[name][0]].shape)} for name in self._dense_order}
 
     def verify(self, *, progress=False) -> list[str]:
         """Every problem with the files against fastckpt's manifest (sizes, BLAKE3); ``[]`` when they match.
@@ -563,19 +596,57 @@ def _fill_dense(loader, reader: RecisCheckpointReader, name: str, rows: list) ->
         loader.tensors[name] = out
 
 
+def table_for(entry: dict, name: str) -> HashTable:
+    """A new, empty :class:`HashTable` that holds table ``entry`` of :meth:`RecisCheckpointReader.hashtables`
+    whole: its embedding's row shape and dtype, and every slot with its own row shape and dtype.
+
+    >>> table_for({"shape": [2, 3], "dtype": "float32", "slots": ["m", "step_filter"], "slot_specs": {
+    ...     "m": {"shape": [2, 3], "dtype": "float32"}, "step_filter": {"shape": [1], "dtype": "int64"}}}, "t")
+    HashTable(dim=(2, 3), dtype=float32, slots=('m', ('step_filter', (1,), 'int64')), name='t', len=0)
+    """
+    shape = tuple(entry["shape"])
+    slots = [(slot, tuple(entry["slot_specs"][slot]["shape"]), entry["slot_specs"][slot]["dtype"])
+             for slot in entry["slots"]]
+    return HashTable(shape if len(shape) > 1 else shape[0], dtype=_numpy_dtype(entry["dtype"]), slots=slots,
+                     name=name)
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def check_table(table: HashTable, entry: dict, name: str, where: str) -> None:
+    """Raise ``ValueError`` unless ``table`` can hold table ``entry`` of a checkpoint: the same row shape and
+    dtype, and each of its slots stored there with its own row shape and dtype (the checkpoint's other slots
+    are not asked for: RecIS's loader too reads the slots of the table it fills)."""
+    shape = tuple(entry["shape"])
+    if table.shape != shape or np.dtype(table.dtype).name != entry["dtype"]:
+        got = f"dim {table.dim}" if len(table.shape) == 1 else f"shape {table.shape}"
+        want = f"dim {entry['dim']}" if len(shape) == 1 else f"shape {shape}"
+        raise ValueError(f"{where}: hashtable {name!r} is {want} {entry['dtype']} in the checkpoint, the table "
+                         f"given is {got} {np.dtype(table.dtype).name}")
+    missing = [s for s in table.slots if s not in entry["slots"]]
+    if missing:
+        raise ValueError(f"{where}: hashtable {name!r} has no slots {missing} in the checkpoint "
+                         f"(it has {entry['slots']})")
+    for slot, (slot_shape, dtype) in table.slot_specs.items():
+        spec = entry["slot_specs"][slot]
+        if (slot_shape, dtype.name) != (tuple(spec["shape"]), spec["dtype"]):
+            raise ValueError(f"{where}: hashtable {name!r} slot {slot!r} holds rows of shape {tuple(spec['shape'])} "
+                             f"{spec['dtype']} in the checkpoint, the table given has {slot_shape} {dtype.name}: "
+                             f"give the table that slot as ({slot!r}, {tuple(spec['shape'])}, {spec['dtype']!r})")
+
+
 def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, rule) -> None:
     """This rank's rows of table ``name``: RecIS's slice rule (``rule`` None) or ``rule(ids, M)``."""
     table = loader.hashtables.get(name)
     if table is None:
-        table = loader.hashtables[name] = HashTable(entry["dim"], dtype=reader.tensor_dtype(f"{name}@embedding"),
-                                                    slots=entry["slots"], name=name)
-    if table.dim != entry["dim"] or np.dtype(table.dtype).name != entry["dtype"]:
-        raise ValueError(f"{reader.path}: hashtable {name!r} is dim {entry['dim']} {entry['dtype']} in the "
-                         f"checkpoint, the table given is dim {table.dim} {np.dtype(table.dtype).name}")
-    missing = sorted(set(table.slots) - set(entry["slots"]))
-    if missing:
-        raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
-                         f"(it has {entry['slots']})")
+        table = loader.hashtables[name] = table_for(entry, name)
+    check_table(table, entry, name, reader.path)
     j, m = loader.shard_index, loader.shard_num
     if rule is None and not isinstance(entry["slice_size"], int):
         raise FormatError(f"{reader.path}: hashtable {name!r} was saved with slice sizes {entry['slice_size']}; "
@@ -599,18 +670,20 @@ def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, r
         picked.append((ids, key, mine))
     total = sum(len(mine) for *_, mine in picked)
     ids_out = np.empty(total, np.int64)
-    values_out = np.empty((total, table.dim), table.dtype)
-    slots_out = {slot: np.empty((total, table.dim), table.dtype) for slot in table.slots}
+    values_out = np.empty((total, *table.shape), table.dtype)
+    slots_out = {slot: np.empty((total, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
     at = 0
     for ids, key, mine in picked:
         end = at + len(mine)
         np.take(ids, mine, out=ids_out[at:end])
         for slot, out in (("embedding", values_out), *slots_out.items()):
-            rows = reader.host(_sibling(reader, key, name, slot))
-            if rows.shape[0] != len(ids):
-                raise FormatError(f"{reader.path}: hashtable {name!r}: block {_sibling(reader, key, name, slot)!r} "
-                                  f"has {rows.shape[0]} rows, its ids {key!r} {len(ids)}")
-            np.take(rows.reshape(len(ids), table.dim), mine, axis=0, out=out[at:end])
+            block = _sibling(reader, key, name, slot)
+            rows = reader.host(block)
+            if rows.shape != (len(ids), *out.shape[1:]) or rows.dtype != out.dtype:  # RecIS's "shape not match"
+                raise FormatError(f"{reader.path}: hashtable {name!r}: block {block!r} is {rows.dtype}"
+                                  f"{list(rows.shape)}, expected {out.dtype}{[len(ids), *out.shape[1:]]} (one row of "
+                                  f"{list(out.shape[1:])} for each of its {len(ids)} ids {key!r})")
+            np.take(rows, mine, axis=0, out=out[at:end])
         at = end
     try:
         table.adopt(ids_out, values_out, slots_out)
@@ -631,11 +704,36 @@ def _sibling(reader: RecisCheckpointReader, id_key: str, table: str, slot: str) 
 
 # -- writing -----------------------------------------------------------------------------------------------
 
-def _check_name(name: str, what: str) -> None:
-    bad = [c for c in "@^/" if c in name]
+def check_name(name: Any, what: str) -> str:
+    """``name`` where RecIS's layout can hold it as a tensor, table or slot name; a ``ValueError`` else.
+
+    RecIS splits its block names on ``^`` and its table tensors' names on ``@``, and writes a dense tensor
+    whose name holds ``/part_`` under a key its index does not name (``TensorWriteBlock::WriteMeta``): those
+    are refused; any other ``/`` is kept (``tower/dense/kernel``).
+
+    >>> check_name("tower/dense/kernel", "tensor")
+    'tower/dense/kernel'
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} name {name!r} must be a non-empty str")
+    bad = [c for c in ("@", "^", "/part_") if c in name]
     if bad:
         raise ValueError(f"{what} name {name!r} holds {bad}: RecIS's layout reserves '@' and '^' as separators "
-                         "and '/' for its part suffix")
+                         "and '/part_' for its part suffix")
+    return name
+
+
+def slice_sizes(saver) -> dict[str, int]:
+    """``{table: slice size}`` of a ``layout="recis"`` Saver: its ``slice_size`` (an int for every table, or
+    ``{table: int}``; default :data:`SLICE_SIZE`)."""
+    given = getattr(saver, "slice_size", None)
+    sizes = {name: SLICE_SIZE if given is None else given.get(name, SLICE_SIZE) if isinstance(given, Mapping)
+             else given for name in saver.hashtables}
+    for name, size in sizes.items():
+        if type(size) is not int or not saver.shard_num <= size < 1 << 62:
+            raise ValueError(f"hashtable {name!r}: slice_size must be an int from shard_num ({saver.shard_num}) up, "
+                             f"got {size!r} (RecIS's gen_slice gives each rank slice_size // shard_num keys)")
+    return sizes
 
 
 def _code(array: np.ndarray, what: str) -> str:
@@ -652,11 +750,12 @@ def blocks(saver) -> list:
     from fastckpt.state import as_numpy
 
     i, n = saver.shard_index, saver.shard_num
-    begin, end, size = gen_slice(i, n, SLICE_SIZE)
-    piece = slice_string(begin, end, size)
+    sizes = slice_sizes(saver)
     out = []
     for table_name, table in saver.hashtables.items():
-        _check_name(table_name, "hashtable")
+        check_name(table_name, "hashtable")
+        begin, end, size = gen_slice(i, n, sizes[table_name])
+        piece = slice_string(begin, end, size)
         ids, values, slots = table.rows()
         pos = _slice_positions(ids, size)
         outside = np.flatnonzero((pos < begin) | (pos >= end))
@@ -665,16 +764,17 @@ def blocks(saver) -> list:
                 f"hashtable {table_name!r}: {len(outside)} of rank {i}'s {len(ids)} ids lie outside its RecIS slice "
                 f"[{begin}, {end}) of {size} (id {int(ids[outside[0]])} is at {int(pos[outside[0]])}); RecIS's loader "
                 "would drop them. Give each rank the ids of its slice: Loader(..., owner=fastckpt.sharded.recis."
-                "slice_owner), or save with the default layout")
+                f"slice_owner){'' if size == SLICE_SIZE else f' with slice_size={size}'}, or save with the default "
+                "layout")
         for slot, array in (("id", ids), ("embedding", values), *slots.items()):
-            _check_name(slot, "slot")
+            check_name(slot, "slot")
             key = f"{table_name}.{slot}/part_{i}_{n}"
             _code(array, f"hashtable {table_name!r} {slot}")
             out.append(WriteBlock(key, f"{table_name}@{slot}^{piece}", "slot" if slot not in ("id", "embedding")
                                   else slot, array, table_name, {"dense": False}))
     if i == 0:
         for name, value in saver.tensors:
-            _check_name(name, "tensor")
+            check_name(name, "tensor")
             array = as_numpy(value)
             if array is None or array.dtype.hasobject:
                 raise TypeError(f"tensors[{name!r}] is a {type(value).__name__}, not an array of numbers")
@@ -741,6 +841,7 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
         written = list(pool.map(write, used))
     tables = {name: {"dim": t.dim, "dtype": np.dtype(t.dtype).name, "slots": list(t.slots), "ids": len(t)}
               for name, t in saver.hashtables.items() if any(b.table == name for b in blocks_)}
+    sizes = slice_sizes(saver)
     tensors = {b.tensor: {"dtype": b.array.dtype.name, "shape": list(np.shape(b.array))}
                for b in blocks_ if b.kind == "dense"}
     return {"rank": i, "shard_num": n, "parallel": p,
@@ -749,7 +850,8 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
             "blocks": {key: name for name, _, entries in written for key in entries},
             "entries": {key: e for _, _, entries in written for key, e in entries.items()},
             "tensorkey": {b.key: b.tensor for b in blocks_ if b.kind != "dense"},
-            "tables": tables, "tensors": tensors}
+            "tables": tables, "tensors": tensors,
+            "slice_size": {name: sizes[name] for name in tables}}
 
 
 def describe(entries: Mapping[str, dict]) -> dict:
@@ -785,11 +887,17 @@ def recis_json(obj: Any, indent: int | None = None) -> bytes:
     return json.dumps(obj, indent=indent, sort_keys=True, ensure_ascii=False).encode("utf-8")
 
 
+def _one_or_each(sizes: dict[str, int]) -> int | dict[str, int]:
+    """The manifest's ``slice_size``: one int where every table has it (or there is none), else ``{table: int}``."""
+    distinct = set(sizes.values())
+    return distinct.pop() if len(distinct) == 1 else dict(sorted(sizes.items())) if distinct else SLICE_SIZE
+
+
 def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
     """Rank 0: ``index``, ``tensorkey.json``, the descriptions, then ``manifest.json`` last; rename into place.
     Returns the manifest's BLAKE3."""
 
-    files, block_index, file_index, tensorkey, entries, tables, tensors = {}, {}, {}, {}, {}, {}, {}
+    files, block_index, file_index, tensorkey, entries, tables, tensors, sizes = {}, {}, {}, {}, {}, {}, {}, {}
     for r in sorted(reports, key=lambda r: r["rank"]):
         if (r["shard_num"], r["parallel"]) != (saver.shard_num, saver.parallel):
             raise ValueError(f"rank {r['rank']} saved with shard_num {r['shard_num']} and parallel {r['parallel']}; "
@@ -802,6 +910,7 @@ def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
         tensorkey.update(r["tensorkey"])
         entries.update(r["entries"])
         tensors.update(r["tensors"])
+        sizes.update(r.get("slice_size", {}))
         for name, t in r["tables"].items():
             entry = tables.setdefault(name, {**t, "ids": 0})
             if {k: v for k, v in entry.items() if k != "ids"} != {k: v for k, v in t.items() if k != "ids"}:
@@ -810,6 +919,6 @@ def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
     metadata = [(INDEX_FILE, recis_json({"block_index": block_index, "file_index": file_index})),
                 (TENSORKEY_FILE, recis_json(tensorkey, 4)), (DESCRIPTION_FILE, recis_json(describe(entries), 4))]
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": "recis", "world_size": saver.shard_num,
-                "parallel": saver.parallel, "slice_size": SLICE_SIZE, "files": files, "tensors": tensors,
+                "parallel": saver.parallel, "slice_size": _one_or_each(sizes), "files": files, "tensors": tensors,
                 "hashtables": tables}
     return commit_directory(staging, final, metadata, manifest, overwrite=saver.overwrite)
