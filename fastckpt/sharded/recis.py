@@ -349,7 +349,7 @@ class RecisCheckpointReader(CheckpointReader):
         except BaseException:
             self.close()
             raise
-        self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
+        self.part_infos: Mapping[str, TensorInfo] = MappingProxyType(infos)  # stored key -> its block's info
         self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
         self._tables = self._find_tables()
         self.metadata = None
@@ -395,7 +395,7 @@ class RecisCheckpointReader(CheckpointReader):
         if not isinstance(descriptions, dict):
             raise FormatError(f"{path}: expected a JSON object")
         for key, desc in descriptions.items():
-            info = self.infos.get(key)
+            info = self.part_infos.get(key)
             if info is not None and isinstance(desc, dict) and "shape" in desc \
                     and list(desc["shape"]) != list(info.shape):
                 raise FormatError(f"{path}: entry {key!r} has shape {desc['shape']}, its tensor file "
@@ -408,6 +408,7 @@ class RecisCheckpointReader(CheckpointReader):
         files' names and headers, so that tables, slots and dense tensors keep the order of the save. Files not
         named as RecIS names them come after, in file number and header order."""
         ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_\d+_(\d+)$", key))}
+        n = ranks.pop() if len(ranks) == 1 else 1
         order: dict[str, tuple[int, int]] = {}
         for number, name in sorted(self._file_of_number.items()):
             f = self.files[name]
@@ -416,8 +417,7 @@ class RecisCheckpointReader(CheckpointReader):
                 keys = [k for k in json.loads(bytes(f.mapped.view(8, length)).decode("utf-8")) if k in f.infos]
             m = re.fullmatch(r"model-(\d+)-of-(\d+)\.safetensors", name)
             total = int(m.group(2)) if m else 0
-            p = self.manifest["parallel"] if self.manifest is not None else total // (ranks.pop() if len(ranks) == 1
-                                                                                        else 1) or 1
+            p = self.manifest["parallel"] if self.manifest is not None else total // n or 1
             if m is None or total % p:
                 order.update({k: (1 << 62, number * 1_000_000 + j) for j, k in enumerate(keys)})
                 continue
@@ -436,18 +436,18 @@ class RecisCheckpointReader(CheckpointReader):
                 continue
             table = name[:-3]
             first = self._parts[f"{table}@embedding"][0]
-            shape, dtype = self.infos[first].shape, self.infos[first].dtype
+            shape, dtype = self.part_infos[first].shape, self.part_infos[first].dtype
             dim = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
             specs = {}
             for other in sorted(self._parts, key=first_place):
                 slot = other[len(table) + 1:]
                 if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
-                    info = self.infos[self._parts[other][0]]
+                    info = self.part_infos[self._parts[other][0]]
                     specs[slot] = {"shape": list(info.shape[1:]) or [1], "dtype": info.dtype.name}
             sizes = {parse_slice(self._slices[k][1], f"{self.path}: {k}")[2] for k in self._parts[name]}
             tables[table] = {"dim": dim, "shape": list(shape[1:]) or [1], "dtype": np.dtype(dtype).name,
                              "slots": list(specs), "slot_specs": specs,
-                             "ids": sum(self.infos[k].shape[0] for k in self._parts[name]),
+                             "ids": sum(self.part_infos[k].shape[0] for k in self._parts[name]),
                              "slice_size": sizes.pop() if len(sizes) == 1 else sorted(sizes)}
         self._dense_order = sorted((n for n, keys in self._parts.items() if self._slices[keys[0]][1] == " "),
                                    key=first_place)
@@ -460,7 +460,7 @@ class RecisCheckpointReader(CheckpointReader):
         return super()._whole_name(name)  # the name itself, or an error naming the closest names
 
     def _shape(self, key: str) -> list:
-        return list(self.infos[key].shape)
+        return list(self.part_infos[key].shape)
 
     def tensor_shape(self, name: str) -> tuple:
         """A whole tensor's shape (its slices' first axes added, as RecIS's ``TensorShape``) or one block's."""
@@ -469,13 +469,13 @@ class RecisCheckpointReader(CheckpointReader):
         keys = self._parts[self._whole_name(name)]
         shape = self._shape(keys[0])
         if shape:
-            shape[0] = sum(self.infos[k].shape[0] for k in keys)
+            shape[0] = sum(self.part_infos[k].shape[0] for k in keys)
         return tuple(shape)
 
     def tensor_dtype(self, name: str) -> np.dtype:
         """The numpy dtype of a whole tensor or of one stored block."""
         key = name if name in self._block_index else self._parts[self._whole_name(name)][0]
-        return self.infos[key].dtype
+        return self.part_infos[key].dtype
 
     def array(self, key: str) -> np.ndarray:
         """Stored block ``key``: a zero-copy, read-only view of its mapped file."""
@@ -508,8 +508,8 @@ class RecisCheckpointReader(CheckpointReader):
 
     def dense_tensors(self) -> dict[str, dict]:
         """``{name: {"dtype", "shape"}}`` of the dense tensors (keys ``NAME^ ``), in the order of the save."""
-        return {name: {"dtype": self.infos[self._parts[name][0]].dtype.name,
-                       "shape": list(self.infos[self._parts[name][0]].shape)} for name in self._dense_order}
+        return {name: {"dtype": self.part_infos[self._parts[name][0]].dtype.name,
+                       "shape": list(self.part_infos[self._parts[name][0]].shape)} for name in self._dense_order}
 
     def verify(self, *, progress=False) -> list[str]:
         """Every problem with the files against fastckpt's manifest (sizes, BLAKE3); ``[]`` when they match.
@@ -562,8 +562,8 @@ def load(loader) -> tuple[dict, dict]:
         stack.enter_context(guard(reader, "its blocks to load them"))  # a file truncated meanwhile: no SIGBUS
         info = loader.filter_func(load_info(loader, reader))
         tables = info.get("hashtables", {})
-        stored = {name: reader.infos[name + DENSE_SUFFIX].nbytes for name in info.get("tensors", {})}
-        stored.update({name: sum(reader.infos[k].nbytes for part in ("id", "embedding", *entry["slots"])
+        stored = {name: reader.part_infos[name + DENSE_SUFFIX].nbytes for name in info.get("tensors", {})}
+        stored.update({name: sum(reader.part_infos[k].nbytes for part in ("id", "embedding", *entry["slots"])
                                  for k in reader.part_names(f"{name}@{part}")) for name, entry in tables.items()})
         report = stack.enter_context(progress_from(loader.progress, sum(stored.values()),
                                                    f"load rank {loader.shard_index}"))

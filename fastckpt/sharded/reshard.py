@@ -153,5 +153,5 @@ def _recis_parallel(reader) -> int:
     import re
 
     totals = {int(m.group(1)) for name in reader.files if (m := re.match(r"model-\d+-of-(\d+)\.safetensors$", name))}
-    ranks = {int(m.group(1)) for key in reader.keys() if (m := re.search(r"/part_\d+_(\d+)$", key))}
+    ranks = {int(m.group(1)) for key in reader.part_infos if (m := re.search(r"/part_\d+_(\d+)$", key))}
     return max(1, (totals.pop() if len(totals) == 1 else 1) // (ranks.pop() if len(ranks) == 1 else 1))
