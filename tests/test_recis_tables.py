@@ -199,7 +199,10 @@ def test_slice_size_of_a_recis_save(tmp_path):
         Saver(path=str(tmp_path / "y"), slice_size=1000)
     # from fastckpt's layout into RecIS's with a slice size chosen
     fc = reshard(str(tmp_path / "ours"), str(tmp_path / "fc"), 2, layout="fastckpt")
-    back = reshard(fc, str(tmp_path / "back"), 3, layout="recis", slice_size=1000)
+    from fastckpt.cli import main
+
+    back = str(tmp_path / "back")
+    assert main(["reshard", fc, back, "--shards", "3", "--layout", "recis", "--slice-size", "1000"]) == 0
     got = np.concatenate([Loader(back, shard_index=j, shard_num=3).load()[0]["user"].ids() for j in range(3)])
     assert sorted(got.tolist()) == sorted(ids.tolist())
     assert json.loads((tmp_path / "back" / "tensorkey.json").read_text())["user.id/part_0_3"] == "user@id^0000@0334@1000"

@@ -32,16 +32,25 @@ Blocks and their keys
       ``NAME^ `` (the name, ``^``, one space);
     * a hashtable ``T`` (a RecIS ``HashTable`` child) writes, on every rank,
       ``T.id/part_i_n`` (int64 ids, shape ``[k]``) then one block per slot in
-      slot order, ``T.embedding/part_i_n`` first (shape ``[k, dim]``, row ``r``
-      for id ``r``), then the optimizer slots ``T.SLOT/part_i_n``;
-      ``i``/``n`` are the rank and the rank count. The names ``@`` and ``^``
-      are RecIS's separators: no name holds them.
+      the order of its slot group (``WriteBlock::MakeHTWriteBlock``):
+      ``T.embedding/part_i_n`` first (shape ``[k, *embedding_shape]``, row
+      ``r`` for id ``r``), then the slots appended after it, each of its own
+      dtype and shape ``Slot::FullShape(k)``: a filter hook's (RecIS's
+      ``GlobalStepFilterHookImpl`` appends ``step_filter``, int64 ``[k, 1]``,
+      when the table is made), then the optimizer's (Adam's
+      ``sparse_adam_exp_avg`` and ``sparse_adam_exp_avg_sq``, shaped like the
+      embedding); ``i``/``n`` are the rank and the rank count. The names ``@``
+      and ``^`` are RecIS's separators: no name holds them. A dense name may
+      hold ``/`` but not ``/part_``: ``TensorWriteBlock::WriteMeta`` then keys
+      the block ``NAME`` while ``index`` names ``NAME^ ``.
 
 ``tensorkey.json``
     ``{T.X/part_i_n: "T@X^<slice>"}`` for every hashtable block (dense
     tensors have none): ``X`` is ``id`` or the slot, ``<slice>`` the key-space
     slice of the table that wrote it, ``begin@end@size`` with ``begin`` and
-    ``end`` zero-padded to the digits of ``size`` (``00000@32768@65536``).
+    ``end`` zero-padded to the digits of ``size`` (``00000@32768@65536``;
+    ``size`` is the table's key space, 65536 unless the table was made with
+    another ``gen_slice(..., slice_size)``).
     nlohmann's ``dump(4)``: keys sorted, four-space indent, no final newline.
 
 ``index``
@@ -75,13 +84,19 @@ Reading (RecIS's rules)
     loader of rank ``j`` of ``M`` owns the key-space slice ``gen_slice(j, M,
     size)`` (``size // M`` keys each, the first ``size % M`` one more); it
     reads the parts whose slice has that size and overlaps its own, and keeps
-    the ids whose ``uint64(id) % size`` falls in its slice.
+    the ids whose ``uint64(id) % size`` falls in its slice; each slot block it
+    reads must be ``FullShape(k)`` of the slot it fills, in its dtype
+    (``HTSlotReadBlock``: "shape not match", "dtype not match"). fastckpt
+    reads every slot whatever its shape and dtype, and keeps the order of the
+    save (tables, slots, dense tensors) from the files' names and headers:
+    block ``b`` of rank ``i`` is entry ``b // p`` of file ``i * p + b % p``.
 
 fastckpt's additions (``Saver(layout="recis")``)
     The files above, byte for byte as RecIS's code writes them for the same
     blocks, and ``manifest.json`` written last as the commit record
     (``{"format": "fastckpt.sharded.recis", "format_version": 1, "layout":
-    "recis", "world_size", "parallel", "slice_size", "files": {name: {"size",
+    "recis", "world_size", "parallel", "slice_size" (an int, or {table:
+    int} where tables differ), "files": {name: {"size",
     "blake3"}}, "tensors", "hashtables", "checksum": {"blake3"}}``: the
     checksum is of the manifest itself less ``checksum``, as in fastckpt's own
     layout, format version 3; RecIS never reads it). A directory with
