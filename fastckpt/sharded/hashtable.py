@@ -53,7 +53,7 @@ import numpy as np
 from fastckpt._native.idindex import IdIndex, last_occurrence
 from fastckpt.errors import FastCkptError
 
-__all__ = ["HashTable", "MissingIdsError"]
+__all__ = ["HashTable", "MissingIdsError", "check_holds"]
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -853,3 +853,35 @@ def _restore(cls, dim, dtype, slots, name, ids, values, slot_values) -> HashTabl
     table = cls(dim, dtype=dtype, slots=slots, name=name)
     table.import_(ids, values, slot_values)
     return table
+
+
+def check_holds(table: HashTable, entry: Mapping[str, Any], name: str, where: str) -> None:
+    """Raise ``ValueError`` unless ``table`` can hold a checkpoint's table ``entry`` (``{"dim", "dtype", "slots"}``,
+    with ``"shape"`` and ``"slot_specs"`` where rows or slots have shapes or dtypes of their own): the same row
+    shape and dtype, and each of its slots stored there with the row shape and dtype it has. The checkpoint's
+    other slots are not asked for (RecIS's loader too reads the slots of the table it fills).
+
+    >>> check_holds(HashTable(2, slots=("m",)), {"dim": 2, "dtype": "float32", "slots": ["m", "v"]}, "t", "ckpt")
+    >>> check_holds(HashTable(3), {"dim": 2, "dtype": "float32", "slots": []}, "t", "ckpt")
+    Traceback (most recent call last):
+    ...
+    ValueError: ckpt: hashtable 't' is dim 2 float32 in the checkpoint, the table given is dim 3 float32
+    """
+    shape = tuple(entry.get("shape", (entry["dim"],)))
+    if table.shape != shape or np.dtype(table.dtype).name != entry["dtype"]:
+        got = f"dim {table.dim}" if len(table.shape) == 1 else f"shape {table.shape}"
+        want = f"dim {entry['dim']}" if len(shape) == 1 else f"shape {shape}"
+        raise ValueError(f"{where}: hashtable {name!r} is {want} {entry['dtype']} in the checkpoint, the table "
+                         f"given is {got} {np.dtype(table.dtype).name}")
+    missing = [s for s in table.slots if s not in entry["slots"]]
+    if missing:
+        raise ValueError(f"{where}: hashtable {name!r} has no slots {missing} in the checkpoint "
+                         f"(it has {list(entry['slots'])})")
+    specs = entry.get("slot_specs", {})
+    for slot, (slot_shape, dtype) in table.slot_specs.items():
+        stored = specs.get(slot, {"shape": list(shape), "dtype": entry["dtype"]})
+        if (slot_shape, dtype.name) != (tuple(stored["shape"]), stored["dtype"]):
+            raise ValueError(f"{where}: hashtable {name!r} slot {slot!r} holds rows of shape "
+                             f"{tuple(stored['shape'])} {stored['dtype']} in the checkpoint, the table given has "
+                             f"{slot_shape} {dtype.name}: give the table that slot as ({slot!r}, "
+                             f"{tuple(stored['shape'])}, {stored['dtype']!r})")

@@ -131,8 +131,8 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
-from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, owner_mod, rows_of
-from fastckpt.sharded.hashtable import HashTable
+from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
+from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.sharded.reader import CheckpointReader, register_layout
 
 __all__ = ["RecisCheckpointReader", "RecisWarning", "is_recis_directory", "data_file_name", "gen_slice",
@@ -622,38 +622,8 @@ def table_for(entry: dict, name: str) -> HashTable:
     shape = tuple(entry["shape"])
     slots = [(slot, tuple(entry["slot_specs"][slot]["shape"]), entry["slot_specs"][slot]["dtype"])
              for slot in entry["slots"]]
-    return HashTable(shape if len(shape) > 1 else shape[0], dtype=_numpy_dtype(entry["dtype"]), slots=slots,
+    return HashTable(shape if len(shape) > 1 else shape[0], dtype=dtype_of(entry["dtype"], name), slots=slots,
                      name=name)
-
-
-def _numpy_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def check_table(table: HashTable, entry: dict, name: str, where: str) -> None:
-    """Raise ``ValueError`` unless ``table`` can hold table ``entry`` of a checkpoint: the same row shape and
-    dtype, and each of its slots stored there with its own row shape and dtype (the checkpoint's other slots
-    are not asked for: RecIS's loader too reads the slots of the table it fills)."""
-    shape = tuple(entry["shape"])
-    if table.shape != shape or np.dtype(table.dtype).name != entry["dtype"]:
-        got = f"dim {table.dim}" if len(table.shape) == 1 else f"shape {table.shape}"
-        want = f"dim {entry['dim']}" if len(shape) == 1 else f"shape {shape}"
-        raise ValueError(f"{where}: hashtable {name!r} is {want} {entry['dtype']} in the checkpoint, the table "
-                         f"given is {got} {np.dtype(table.dtype).name}")
-    missing = [s for s in table.slots if s not in entry["slots"]]
-    if missing:
-        raise ValueError(f"{where}: hashtable {name!r} has no slots {missing} in the checkpoint "
-                         f"(it has {entry['slots']})")
-    for slot, (slot_shape, dtype) in table.slot_specs.items():
-        spec = entry["slot_specs"][slot]
-        if (slot_shape, dtype.name) != (tuple(spec["shape"]), spec["dtype"]):
-            raise ValueError(f"{where}: hashtable {name!r} slot {slot!r} holds rows of shape {tuple(spec['shape'])} "
-                             f"{spec['dtype']} in the checkpoint, the table given has {slot_shape} {dtype.name}: "
-                             f"give the table that slot as ({slot!r}, {tuple(spec['shape'])}, {spec['dtype']!r})")
 
 
 def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, rule) -> None:
@@ -661,7 +631,7 @@ def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, r
     table = loader.hashtables.get(name)
     if table is None:
         table = loader.hashtables[name] = table_for(entry, name)
-    check_table(table, entry, name, reader.path)
+    check_holds(table, entry, name, reader.path)
     j, m = loader.shard_index, loader.shard_num
     if rule is None and not isinstance(entry["slice_size"], int):
         raise FormatError(f"{reader.path}: hashtable {name!r} was saved with slice sizes {entry['slice_size']}; "
