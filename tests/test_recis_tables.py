@@ -271,3 +271,30 @@ def test_index_and_tensorkey_are_enough_to_recognise_the_layout(filtered, tmp_pa
     assert verify_cli.run(Args()) == 0 and "RecIS layout" in capsys.readouterr().out
     got = Loader(str(d)).load()[0]["user"]
     assert len(got) == len(ids)
+
+
+@pytest.mark.parametrize("saved_by", [1, 2, 3])
+def test_reshard_of_the_recis_test_directories_is_recis_bytes(tmp_path, saved_by):
+    """tests/test_recis.py's RecIS directories (negative ids, four dense tensors of three dtypes, a 0-d one,
+    parallel 3) resharded onto 1, 2 and 3 ranks: RecIS's save of the state loaded, byte for byte."""
+    from test_recis import _recis_ranks, _state
+
+    ids, emb, mom, dense = _state()
+    src = recis_port.write_checkpoint(str(tmp_path / "src"), _recis_ranks(ids, emb, mom, saved_by), dense, parallel=3)
+    for m in (1, 2, 3):
+        _check_reshard_is_recis_bytes(src, tmp_path, m, {"tab": 65536}, parallel=3)
+    _same_files(reshard(src, str(tmp_path / "same"), saved_by, layout="recis"), src)
+
+
+def test_reshard_of_empty_parts_and_ids_outside_their_slice_is_recis_bytes(tmp_path):
+    """A rank whose table is empty, and a part holding an id of another rank's slice (RecIS's loader drops it:
+    the state loaded is without it, and that is what is written)."""
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ranks = [{"tab": (np.array([0, 1, 40000], np.int64), [("embedding", values)], recis_port.gen_slice(0, 2))},
+             {"tab": (np.empty(0, np.int64), [("embedding", values[:0])], recis_port.gen_slice(1, 2))}]
+    src = recis_port.write_checkpoint(str(tmp_path / "src"), ranks, {"w": np.ones(2, np.float32)}, parallel=1)
+    for m in (1, 2, 3):
+        out = _check_reshard_is_recis_bytes(src, tmp_path, m, {"tab": 65536}, parallel=1)
+        assert recis_port.check_json(out, 1, 2 * m)
+    with CheckpointReader(str(tmp_path / "reshard2")) as reader:  # 40000 is in no rank's share: RecIS drops it
+        assert sorted(reader.read_tensor("tab@id").tolist()) == [0, 1]
