@@ -236,13 +236,33 @@ def slice_owner(ids: np.ndarray, shard_num: int, slice_size: int = SLICE_SIZE) -
     """The rank that owns each id under RecIS's slice rule: ``uint64(id) % slice_size`` in ``gen_slice(rank, ...)``.
 
     Pass it as a :class:`~fastckpt.sharded.Loader`'s ``owner`` so that the tables a rank loads can be saved in
-    RecIS's layout by that rank.
+    RecIS's layout by that rank. Given so for a directory in RecIS's layout, each table's own slice size is
+    used (:func:`owners`), and every part is read: an id saved by a rank whose slice it is not in (which
+    RecIS's own loader keeps only where one slice covers it) goes to the rank of its slice.
 
     >>> slice_owner(np.array([0, 21845, 21846, 65536 + 43691, -1]), 3).tolist()
     [0, 0, 1, 2, 2]
     """
     ends = np.array([gen_slice(r, shard_num, slice_size)[1] for r in range(shard_num)], np.uint64)
     return np.searchsorted(ends, _slice_positions(ids, slice_size), side="right").astype(np.int64)
+
+
+def owners(rule, ids: np.ndarray, shard_num: int, slice_size) -> np.ndarray:
+    """The rank of each of a RecIS table's ``ids`` under a Loader's owner ``rule``: :func:`slice_owner` by the
+    table's own ``slice_size``, any other rule as it is (``rule(ids, shard_num)``).
+
+    >>> owners(slice_owner, np.array([0, 600]), 2, 1000).tolist()
+    [0, 1]
+    """
+    if rule is slice_owner:
+        if not isinstance(slice_size, int):
+            raise FormatError(f"the table was saved with slice sizes {slice_size}: slice_owner needs one")
+        ranks = slice_owner(ids, shard_num, slice_size)
+    else:
+        ranks = np.asarray(rule(ids, shard_num))
+    if ranks.shape != ids.shape:
+        raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
+    return ranks
 
 
 def _split_block_name(name: str, where: str) -> tuple[str, str]:
@@ -648,10 +668,7 @@ def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, r
             pos = _slice_positions(ids, size)
             mine = np.flatnonzero((pos >= begin) & (pos < end))
         else:
-            ranks = np.asarray(rule(ids, m))
-            if ranks.shape != ids.shape:
-                raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
-            mine = np.flatnonzero(ranks == j)
+            mine = np.flatnonzero(owners(rule, ids, m, entry["slice_size"]) == j)
         picked.append((ids, key, mine))
     total = sum(len(mine) for *_, mine in picked)
     ids_out = np.empty(total, np.int64)

@@ -79,14 +79,15 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
         raise ValueError("slice_size is for a reshard from fastckpt's layout into RecIS's (a RecIS source keeps "
                          "its tables' own)")
     owner, keep = {}, {}
-    if layout == "recis" and source_layout == "recis":  # RecIS's own rule, each table by its own slice size
-        keep = {"slice_size": sizes}
-    elif layout == "recis":  # each new rank must hold the ids of its RecIS slice
+    if layout == "recis":  # each new rank must hold the ids of its RecIS slice
         from fastckpt.sharded.recis import SLICE_SIZE, slice_owner
 
-        size = SLICE_SIZE if slice_size is None else slice_size
-        owner = {"owner": lambda ids, m: slice_owner(ids, m, size)}
-        keep = {"slice_size": size}
+        if source_layout == "recis":  # every part read, each table by its own slice size (recis.owners)
+            owner, keep = {"owner": slice_owner}, {"slice_size": sizes}
+        else:
+            size = SLICE_SIZE if slice_size is None else slice_size
+            owner = {"owner": lambda ids, m: slice_owner(ids, m, size)}
+            keep = {"slice_size": size}
     engines = ThreadEngine.group(shards)
     errors: list = [None] * shards
     # With progress: every rank tells what it will write, then one report over all of it is made.
