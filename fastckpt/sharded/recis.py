@@ -727,7 +727,12 @@ def check_name(name: Any, what: str) -> str:
 
 def slice_sizes(saver) -> dict[str, int]:
     """``{table: slice size}`` of a ``layout="recis"`` Saver: its ``slice_size`` (an int for every table, or
-    ``{table: int}``; default :data:`SLICE_SIZE`)."""
+    ``{table: int}``; default :data:`SLICE_SIZE`).
+
+    >>> from fastckpt.sharded import HashTable, Saver
+    >>> slice_sizes(Saver(hashtables={"a": HashTable(1), "b": HashTable(1)}, layout="recis", slice_size={"a": 1000}))
+    {'a': 1000, 'b': 65536}
+    """
     given = getattr(saver, "slice_size", None)
     sizes = {name: SLICE_SIZE if given is None else given.get(name, SLICE_SIZE) if isinstance(given, Mapping)
              else given for name in saver.hashtables}
