@@ -466,7 +466,8 @@ class RecisCheckpointReader(CheckpointReader):
         order = self._block_order()
         first_place = lambda tensor: min(order.get(k, (1 << 62, 0)) for k in self._parts[tensor])  # noqa: E731
         tables = {}
-        for name in sorted(self._parts, key=first_place):
+        in_order = sorted(self._parts, key=first_place)
+        for name in in_order:
             if not name.endswith("@id") or f"{name[:-3]}@embedding" not in self._parts:
                 continue
             table = name[:-3]
@@ -474,7 +475,7 @@ class RecisCheckpointReader(CheckpointReader):
             shape, dtype = self.part_infos[first].shape, self.part_infos[first].dtype
             dim = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
             specs = {}
-            for other in sorted(self._parts, key=first_place):
+            for other in in_order:
                 slot = other[len(table) + 1:]
                 if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
                     info = self.part_infos[self._parts[other][0]]
@@ -484,8 +485,7 @@ class RecisCheckpointReader(CheckpointReader):
                              "slots": list(specs), "slot_specs": specs,
                              "ids": sum(self.part_infos[k].shape[0] for k in self._parts[name]),
                              "slice_size": sizes.pop() if len(sizes) == 1 else sorted(sizes)}
-        self._dense_order = sorted((n for n, keys in self._parts.items() if self._slices[keys[0]][1] == " "),
-                                   key=first_place)
+        self._dense_order = [n for n in in_order if self._slices[self._parts[n][0]][1] == " "]
         return tables
 
     # -- RecIS's API ----------------------------------------------------------------------------------
