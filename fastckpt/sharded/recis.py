@@ -118,6 +118,7 @@ from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, owner_mod, rows_of
 from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.reader import CheckpointReader, register_layout
+from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = ["RecisCheckpointReader", "RecisWarning", "is_recis_directory", "data_file_name", "gen_slice",
            "slice_string", "parse_slice", "slice_owner", "SLICE_SIZE", "FORMAT"]
@@ -132,6 +133,12 @@ LAYOUT = "RecIS"
 #: RecIS's default key space (``gen_slice``'s ``slice_size``).
 SLICE_SIZE = 65536
 DENSE_SUFFIX = "^ "
+_SEPARATORS = (("@", "RecIS's layout reserves '@' and '^' as separators"),
+               ("^", "RecIS's layout reserves '@' and '^' as separators"))
+#: Table and slot names: stored as ``<table>@<slot>^<slice>`` and ``<table>.<slot>/part_<i>_<n>``.
+TABLE_NAMES = NameRule("RecIS's layout", reserved=(*_SEPARATORS, ("/", "RecIS's layout puts '/part_' after it")))
+#: Dense tensor names: stored as ``<name>^ ``; a '/' is theirs, only '/part_' is RecIS's part suffix.
+DENSE_NAMES = NameRule("RecIS's layout", reserved=(*_SEPARATORS, ("/part_", "RecIS's suffix of a stored part")))
 NO_INTEGRITY = "RecIS checkpoint: no integrity record"
 
 # RecIS's DeserializeDtype: the header dtypes its reader knows.
@@ -304,8 +311,7 @@ class RecisCheckpointReader(CheckpointReader):
             if type(number) is not int or number < 0 or number in file_of_number:
                 raise FormatError(f"{iwhere}: file_index[{name!r}] is {number!r}: file numbers are distinct "
                                   "non-negative integers")
-            if "/" in name or "\\" in name or name in (".", ".."):
-                raise FormatError(f"{iwhere}: file name {name!r} is not a plain name in the directory")
+            FILE_NAME.check(name, "file_index file", where=iwhere, error=FormatError)
             file_of_number[number] = name
         self._file_of_number = file_of_number
         self.tensorkey: Mapping[str, str] = MappingProxyType(dict(tensorkey))
@@ -631,13 +637,6 @@ def _sibling(reader: RecisCheckpointReader, id_key: str, table: str, slot: str) 
 
 # -- writing -----------------------------------------------------------------------------------------------
 
-def _check_name(name: str, what: str) -> None:
-    bad = [c for c in "@^/" if c in name]
-    if bad:
-        raise ValueError(f"{what} name {name!r} holds {bad}: RecIS's layout reserves '@' and '^' as separators "
-                         "and '/' for its part suffix")
-
-
 def _code(array: np.ndarray, what: str) -> str:
     code = _CODES.get(array.dtype.name)
     if code is None or array.dtype.byteorder == ">":
@@ -656,7 +655,6 @@ def blocks(saver) -> list:
     piece = slice_string(begin, end, size)
     out = []
     for table_name, table in saver.hashtables.items():
-        _check_name(table_name, "hashtable")
         ids, values, slots = table.rows()
         pos = _slice_positions(ids, size)
         outside = np.flatnonzero((pos < begin) | (pos >= end))
@@ -667,14 +665,12 @@ def blocks(saver) -> list:
                 "would drop them. Give each rank the ids of its slice: Loader(..., owner=fastckpt.sharded.recis."
                 "slice_owner), or save with the default layout")
         for slot, array in (("id", ids), ("embedding", values), *slots.items()):
-            _check_name(slot, "slot")
             key = f"{table_name}.{slot}/part_{i}_{n}"
             _code(array, f"hashtable {table_name!r} {slot}")
             out.append(WriteBlock(key, f"{table_name}@{slot}^{piece}", "slot" if slot not in ("id", "embedding")
                                   else slot, array, table_name, {"dense": False}))
     if i == 0:
         for name, value in saver.tensors:
-            _check_name(name, "tensor")
             array = as_numpy(value)
             if array is None or array.dtype.hasobject:
                 raise TypeError(f"tensors[{name!r}] is a {type(value).__name__}, not an array of numbers")

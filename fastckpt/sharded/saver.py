@@ -75,6 +75,7 @@ from fastckpt.sharded.format import (
     FORMAT,
     FORMAT_VERSION,
     INDEX_FILE,
+    NAMES,
     TENSORKEY_FILE,
     WriteBlock,
     commit_directory,
@@ -141,12 +142,6 @@ def _dense_items(tensors) -> list[tuple[str, Any]]:
     return items
 
 
-def _check_name(name: Any, what: str) -> str:
-    if not isinstance(name, str) or not name or "/" in name:
-        raise ValueError(f"{what} name {name!r} must be a non-empty str without '/' (stored keys add '/part_i_n')")
-    return name
-
-
 def _dimension(shape: tuple) -> int:
     return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
 
@@ -187,12 +182,9 @@ class Saver:
         self.storage_options = storage_options  # for a URL path (s3://...): fastckpt.sharded.remote
         self.hashtables = dict(hashtables or {})
         for name, table in self.hashtables.items():
-            _check_name(name, "hashtable")
             if not isinstance(table, HashTable):
                 raise TypeError(f"hashtables[{name!r}] is a {type(table).__name__}, not a fastckpt HashTable")
         self.tensors = _dense_items(tensors)
-        for name, _ in self.tensors:
-            _check_name(name, "tensor")
         clash = {n for n, _ in self.tensors} & {f"{t}.{r}" for t, tab in self.hashtables.items()
                                                 for r in ("id", "embedding", *tab.slots)}
         if clash:
@@ -218,8 +210,25 @@ class Saver:
         if layout == "recis" and is_url(self.path):
             raise ValueError(f"{self.path}: layout='recis' saves to a local directory (upload it afterwards)")
         self.layout = layout  # "recis": RecIS's own files (fastckpt.sharded.recis) and fastckpt's manifest
+        self._check_names()
         self._errors: dict[str, float] = {}  # table -> largest absolute error of its quantized rows
         self._changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> (changed rows, deleted ids)
+
+    def _check_names(self) -> None:
+        """Refuse, before anything is written, a name this layout's reader cannot read back (the one rule:
+        :mod:`fastckpt.store.names`, with the separators the layout reserves)."""
+        if self.layout == "recis":
+            from fastckpt.sharded.recis import DENSE_NAMES, TABLE_NAMES
+
+            tables, dense = TABLE_NAMES, DENSE_NAMES
+        else:
+            tables = dense = NAMES
+        for name, table in self.hashtables.items():
+            tables.check(name, "hashtable")
+            for slot in table.slots:
+                tables.check(slot, f"hashtable {name!r} slot")
+        for name, _ in self.tensors:
+            dense.check(name, "tensor")
 
     # -- the blocks this rank writes ------------------------------------------------------------------
     def blocks(self) -> list[WriteBlock]:
