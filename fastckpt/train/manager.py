@@ -64,6 +64,7 @@ retention over prefixes whose manifest, uploaded last, commits them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -313,7 +314,8 @@ class CheckpointManager:
         if self._saver is not None:
             self._saver.wait()
         if path.exists() and not overwrite:
-            raise FileExistsError(f"{path}: step {step} is already saved; pass overwrite=True to replace it")
+            raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
+                                  str(path))
         self._sweep_partials()
         kwargs = dict(step=step, epoch=epoch, metrics=metrics, scaler=scaler, seed=seed, config=config,
                       data_manifest=data_manifest)
