@@ -381,7 +381,9 @@ def write_checkpoint(prefix, tensors, *, num_shards: int = 1, data_alignment: in
     >>> sorted(os.listdir(os.path.dirname(prefix)))
     ['ckpt-1.data-00000-of-00002', 'ckpt-1.data-00001-of-00002', 'ckpt-1.index']
     """
-    items = tensors.items() if hasattr(tensors, "items") else tensors
+    items = list(tensors.items() if hasattr(tensors, "items") else tensors)
+    for name, _ in items:  # every name before the first file or directory is made
+        NAMES.check(name)
     with CheckpointWriter(prefix, num_shards=num_shards, data_alignment=data_alignment,
                           object_graph=object_graph, fsync=fsync, overwrite=overwrite, _stacklevel=3) as writer:
         for name, value in items:
@@ -424,7 +426,9 @@ def save(directory, tensors, *, name: str = "ckpt", max_to_keep: int | None = No
     number = max(numbers, default=0) + 1
     rel = f"{name}-{number}"
     prefix = str(directory / rel)
-    items = tensors.items() if hasattr(tensors, "items") else tensors
+    items = list(tensors.items() if hasattr(tensors, "items") else tensors)
+    for name, _ in items:  # every name before the first file or directory is made
+        NAMES.check(name)
     with CheckpointWriter(prefix, num_shards=num_shards, data_alignment=data_alignment, object_graph=object_graph,
                           save_counter=number, fsync=fsync, overwrite=False) as writer:
         for tensor_name, value in items:
