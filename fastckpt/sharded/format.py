@@ -35,6 +35,12 @@ Tensor files
       ``[d]``, ascending, distinct): the ids rank ``i`` deleted since the
       base (see below).
 
+    Names (``NAME``, ``T``, ``SLOT``) MUST be non-empty and MUST NOT hold
+    ``'/'`` or a control character (U+0000-U+001F, U+007F-U+009F, U+2028,
+    U+2029): a save refuses them (:data:`NAMES`, :mod:`fastckpt.store.names`).
+    A reader splits a stored key at its last ``/part_<i>_<n>``, which MUST end
+    the key (a key of an older save whose name holds a newline reads whole).
+
 ``index.json``
     ``{"block_index": {stored key: file number}, "file_index": {file name:
     file number}}``; the file number of ``model-R-K`` is ``R * parallel + K``.

@@ -155,7 +155,7 @@ from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from fastckpt.formats.hashing import HASH_ALGORITHMS, hash_buffer, hash_file, sha256_file
 from fastckpt.state import TRAIN_TREE, decode, encode
 from fastckpt.state.codec import INLINE, TensorRefs
-from fastckpt.store.names import FILE_NAME
+from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = [
     "SCHEMA_VERSION", "CHECKPOINT_FORMAT", "WEIGHTS_FILE", "OPTIM_FILE", "EXTRA_FILE", "MANIFEST_FILE", "ALIGNMENT",
@@ -175,6 +175,10 @@ MANIFEST_FILE = "manifest.json"
 # size should equal the unique parameter bytes plus a header of a few hundred bytes.
 ALIGNMENT = 64
 
+#: The names of a table's tensors: any str but the metadata's own (an alias is a metadata entry of its name).
+TENSOR_NAMES = NameRule("a training checkpoint's table", controls=False, empty=True,
+                        prefixes=(("fastckpt.", "the checkpoint's own metadata keys start with it"),),
+                        whole=(("__metadata__", "safetensors' header entry"),))
 _ALIAS = re.compile(r"ALIAS\((.*)\)", re.DOTALL)  # fullmatch only: '$' also matches before a final newline
 _MAX_SAFE_INT = 2**53
 _MAX_MANIFEST_BYTES = 64 << 20
@@ -216,8 +220,7 @@ class ArrayTable:
         """
         if name in self.tensors or name in self.aliases:
             raise ValueError(f"two entries of the state are both named {name!r} once their keys are joined with '.'")
-        if name.startswith("fastckpt."):
-            raise ValueError(f"state key {name!r}: names starting with 'fastckpt.' are reserved for checkpoint metadata")
+        TENSOR_NAMES.check(name, "state entry")
         if arr.dtype.hasobject:
             raise TypeError(f"state entry {name!r} is an object array; only numeric arrays can be stored (nothing is pickled)")
         if source is not None and source is not arr:
