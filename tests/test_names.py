@@ -28,20 +28,11 @@ from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.store.names import FILE_NAME, RELATIVE_PATH, NameRule, parse_step, step_name
 from fastckpt.train import CheckpointManager, load_checkpoint, save_checkpoint
 
+from _writing import StateModel
+
 PACKAGE = Path(fastckpt.__file__).resolve().parent
 VALUE = np.arange(6, dtype=np.float32).reshape(2, 3)
 GOOD = "good"
-
-
-class _Model:
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
 
 
 def _table(slots=()) -> HashTable:
@@ -86,7 +77,7 @@ def _sharded_slots(path) -> dict:
 
 
 def _train(path) -> dict:
-    m = _Model({})
+    m = StateModel({})
     fastckpt.train.apply_checkpoint(load_checkpoint(path), model=m)
     return m.state
 
@@ -144,7 +135,7 @@ WRITERS = {
                           bad=[("t/x", "'/' at position 1"), ("t@x", "'@' at position 1"),
                                ("t^x", "'^' at position 1"), ("t\tx", r"'\t' at position 1")],
                           good=["emb.user", "a b"], expect=lambda n: {n: _table_rows(_table())}),
-    "train": Writer(lambda p, n, o: save_checkpoint(_Model({n: VALUE}), None, None, None, None, p, 1, overwrite=o),
+    "train": Writer(lambda p, n, o: save_checkpoint(StateModel({n: VALUE}), None, None, None, None, p, 1, overwrite=o),
                     _train, bad=[("fastckpt.tree", "starts with 'fastckpt.', which is reserved"),
                                  ("__metadata__", "'__metadata__' is reserved")],
                     good=FILE_KEYS + ["fastckpt", "a.fastckpt.b"]),
@@ -280,9 +271,9 @@ def test_step_name_refuses_what_is_not_a_step(step):
 @pytest.mark.parametrize("odd", ["step-5\n", "step-\u0665"])
 def test_a_directory_named_like_a_step_but_not_one_is_no_step(tmp_path, odd):
     m = CheckpointManager(tmp_path, fsync=False)
-    m.save(3, _Model({"w": VALUE}))
+    m.save(3, StateModel({"w": VALUE}))
     os.rename(m.path_for(3), tmp_path / odd)  # a complete checkpoint under a name that is no step's
-    m.save(1, _Model({"w": VALUE}))
+    m.save(1, StateModel({"w": VALUE}))
     assert CheckpointManager(tmp_path, fsync=False).all_steps() == [1]
     out = io.StringIO()
     from fastckpt.cli import verify
@@ -294,7 +285,7 @@ def test_a_directory_named_like_a_step_but_not_one_is_no_step(tmp_path, odd):
 @pytest.mark.parametrize("odd", ["step-5\n", "step-\u0665"])
 def test_fastckpt_open_does_not_take_an_odd_name_for_a_step(tmp_path, odd):
     m = CheckpointManager(tmp_path / "run", fsync=False)
-    m.save(5, _Model({"w": VALUE}))
+    m.save(5, StateModel({"w": VALUE}))
     os.rename(m.path_for(5), tmp_path / "run" / odd)
     with pytest.raises(fastckpt.errors.CheckpointNotFoundError) as caught:
         fastckpt.open(tmp_path / "run")
@@ -325,7 +316,7 @@ def test_a_part_key_with_a_final_newline_is_no_part_key():
 
 @pytest.mark.parametrize("how", ["save_checkpoint", "manager", "manager-async"])
 def test_the_losers_file_exists_error_names_the_target(tmp_path, how):
-    model = _Model({"w": VALUE})
+    model = StateModel({"w": VALUE})
     if how == "save_checkpoint":
         target = tmp_path / "c"
 
@@ -353,7 +344,7 @@ def test_racing_savers_lose_with_the_target_named(tmp_path):
     def save():
         start.wait()
         try:
-            save_checkpoint(_Model({"w": VALUE}), None, None, None, None, target, 1, overwrite=False, fsync=False)
+            save_checkpoint(StateModel({"w": VALUE}), None, None, None, None, target, 1, overwrite=False, fsync=False)
         except FileExistsError as e:
             errors.append(e)
 
