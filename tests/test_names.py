@@ -337,6 +337,29 @@ def test_the_losers_file_exists_error_names_the_target(tmp_path, how):
     assert caught.value.errno == errno.EEXIST and caught.value.filename == str(target)
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_that_loses_at_the_commit_names_the_target(tmp_path, monkeypatch, blocking):
+    import shutil
+
+    import fastckpt.train.checkpoint as checkpoint
+
+    save_checkpoint(StateModel({"w": VALUE}), None, None, None, None, tmp_path / "other", 1)
+    real = checkpoint._existing_is_replaceable
+
+    def another_writer_commits_first(out):
+        shutil.copytree(tmp_path / "other", out)
+        return real(out)
+
+    monkeypatch.setattr(checkpoint, "_existing_is_replaceable", another_writer_commits_first)
+    m = CheckpointManager(tmp_path / "run", fsync=False)
+    with pytest.raises(FileExistsError) as caught:
+        handle = m.save(1, StateModel({"w": VALUE + 1}), overwrite=False, blocking=blocking)
+        if not blocking:
+            handle.wait()
+    assert caught.value.errno == errno.EEXIST and caught.value.filename == str(m.path_for(1))
+    _same(_train(m.path_for(1)), {"w": VALUE})  # the winner's checkpoint, untouched
+
+
 def test_racing_savers_lose_with_the_target_named(tmp_path):
     target = tmp_path / "c"
     errors, start = [], threading.Barrier(4)
