@@ -148,7 +148,8 @@ def test_every_writer_takes_every_kind_of_array(tmp_path, writer, kind):
 def test_train_checkpoint_keeps_a_numpy_scalar_a_scalar(tmp_path):
     from fastckpt.train import load_checkpoint, save_checkpoint
 
-    save_checkpoint(StateModel({"n": np.int64(9), "w": bytearray(b"\x01")}), None, None, None, None, tmp_path / "c", step=1)
+    save_checkpoint(StateModel({"n": np.int64(9), "w": bytearray(b"\x01")}), None, None, None, None, tmp_path / "c",
+                    step=1)
     weights = load_checkpoint(tmp_path / "c").model_weights
     assert type(weights["n"]) is np.int64 and weights["n"] == 9
     _check(weights["w"], np.array([1], np.uint8))

@@ -397,8 +397,8 @@ def test_verify_of_a_sharded_checkpoint_without_its_description_file_says_so(tmp
 def _patterns(source: str):
     """(line, pattern) of every call re.<function>("<constant pattern>", ...) in ``source``."""
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "re" and node.args and isinstance(node.args[0], ast.Constant)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "re" and node.args and isinstance(node.args[0], ast.Constant)
                 and isinstance(node.args[0].value, str)):
             yield node.lineno, node.args[0].value
 

@@ -216,7 +216,7 @@ def member_name_problem(str name):
     """What makes ``name`` unsafe as an NPZ member name, or None: the one rule the reader and the writer share.
 
     >>> member_name_problem("layer/w.npy") is None, member_name_problem("../w.npy")
-    (True, "name has a '..' path component")
+    (True, "name has a '..' path component at position 0")
     """
     return _member_problem(name)
 
@@ -833,7 +833,8 @@ cdef str _member_problem(str member):
     if at >= 0:
         return f"name holds '\\\\' at position {at}, a backslash; ZIP names use '/' only"
     if member.startswith("/") or (len(member) >= 2 and member[1] == ":" and member[0].isalpha()):
-        return f"absolute name (it starts with {member[:2] if member[1:2] == ':' else '/'!r}); expected a relative '<key>.npy'"
+        start = member[:2] if member[1:2] == ":" else "/"
+        return f"absolute name (it starts with {start!r}); expected a relative '<key>.npy'"
     if ".." in member:
         at = 0
         for part in member.split("/"):

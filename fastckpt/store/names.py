@@ -54,9 +54,9 @@ class NameRule:
     """What a format's reader cannot take back in a name; :meth:`check` refuses it before anything is written.
 
     ``format`` names the format in messages; ``reserved`` holds ``(substring, why)`` pairs, ``whole``
-    ``(name, why)`` pairs of names the format keeps for itself and ``prefixes`` ``(start, why)`` pairs; ``controls`` refuses control characters; ``file_name`` and ``path`` say that
-    the name becomes one file name or a relative path; ``empty`` allows the empty name; ``way_out`` ends
-    every message.
+    ``(name, why)`` pairs of names the format keeps for itself and ``prefixes`` ``(start, why)`` pairs;
+    ``controls`` refuses control characters; ``file_name`` and ``path`` say that the name becomes one file
+    name or a relative path; ``empty`` allows the empty name; ``way_out`` ends every message.
 
     >>> NameRule("RecIS's layout", reserved=(("^", "RecIS's separator"),)).problem("a^b")
     "holds '^' at position 1 (RecIS's separator)"
