@@ -298,10 +298,15 @@ def test_an_old_sharded_checkpoint_with_a_newline_name_loads_exactly(tmp_path, m
     # Saves before the one rule stored such names; their part keys are read whole now ('.' once missed the newline).
     import fastckpt.sharded.saver as saver
 
+    from fastckpt.cli import verify
+
     monkeypatch.setattr(saver, "NAMES", NameRule("old", controls=False))
-    Saver(path=str(tmp_path / "c"), parallel=1, tensors={"layer\nweight": VALUE}).save()
+    Saver(path=str(tmp_path / "c"), parallel=1, tensors={"layer\nweight": VALUE}, hashtables={"e\nmb": _table()}).save()
     monkeypatch.undo()
     _same(_sharded_dense(tmp_path / "c"), {"layer\nweight": VALUE})
+    _same(_sharded_tables(tmp_path / "c"), {"e\nmb": _table_rows(_table())})
+    out = io.StringIO()
+    assert verify.run(Namespace(directory=str(tmp_path / "c"), no_hash=False, quiet=False), out) == 0, out.getvalue()
 
 
 def test_a_part_key_with_a_final_newline_is_no_part_key():
