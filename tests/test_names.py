@@ -223,6 +223,33 @@ def test_the_first_reserved_separator_in_the_name_is_the_one_named():
     assert rule.problem("a^b@c") == "holds '^' at position 1 (caret)"
 
 
+def _every_rule():
+    from fastckpt.formats.safetensors import NAMES as safetensors
+    from fastckpt.formats.tf.writer import NAMES as tf
+    from fastckpt.sharded.format import NAMES as sharded
+    from fastckpt.sharded.recis import DENSE_NAMES, TABLE_NAMES
+    from fastckpt.train.format import TENSOR_NAMES
+
+    return [safetensors, tf, sharded, DENSE_NAMES, TABLE_NAMES, TENSOR_NAMES, FILE_NAME, RELATIVE_PATH]
+
+
+def test_the_quick_look_never_passes_a_name_the_rule_refuses():
+    # check() asks problem() only when a quick look finds something suspect: every short combination of the
+    # pieces that matter, through every rule, must agree.
+    import itertools
+
+    pieces = ["a", "/", ".", "..", "\\", "\x00", "\n", "\x85", "\u2028", "\u200b", "^", "@", "part_", "C:", "fastckpt.",
+              "__metadata__"]
+    names = ["".join(p) for k in range(4) for p in itertools.product(pieces, repeat=k)]
+    refused = 0
+    for rule in _every_rule():
+        for name in names:
+            problem = rule.problem(name)
+            refused += problem is not None
+            assert rule._suspect(name) or problem is None, (rule.format, name, problem)
+    assert refused > len(names)  # the table is not all good names
+
+
 @pytest.mark.parametrize("name, problem", [
     ("", "is empty"), (".", "is '.', a directory, not a file name"), ("..", "is '..', a directory, not a file name"),
     ("a/b", "holds '/' at position 1 (a file name has no directory separator)"),

@@ -72,6 +72,30 @@ class NameRule:
     empty: bool = False
     way_out: str = "rename the {what} (for example replace it with '_')"
 
+    def __post_init__(self):
+        # What check() looks for before it asks problem() what is wrong: substring, set and prefix tests and
+        # str.isprintable (a few hundred ns a name); a relative path (read side only) always takes the full rule.
+        inside = [c for c, _ in self.reserved]
+        if self.file_name or self.path:
+            inside.append("\x00")
+        if self.file_name:
+            inside += ["/", "\\"]
+        names = [c for c, _ in self.whole] + ([] if self.empty else [""]) + ([".", ".."] if self.file_name else [])
+        object.__setattr__(self, "_inside", tuple(dict.fromkeys(inside)))
+        object.__setattr__(self, "_starts", tuple(c for c, _ in self.prefixes))
+        object.__setattr__(self, "_names", frozenset(names))
+
+    def _suspect(self, name: str) -> bool:
+        if self.path or name in self._names or (self._starts and name.startswith(self._starts)):
+            return True
+        # isprintable() is False for every control character (and for more: those take the full rule)
+        if self.controls and not name.isprintable() and _CONTROL.search(name) is not None:
+            return True
+        for s in self._inside:
+            if s in name:
+                return True
+        return False
+
     def problem(self, name: str) -> str | None:
         """What makes ``name`` unreadable in this format (the character, its position and why), or None.
 
@@ -130,6 +154,8 @@ class NameRule:
         if type(name) is not str:
             raise TypeError(f"{where + ': ' if where else ''}{what} names must be str, got {name!r} "
                             f"({type(name).__name__})")
+        if not self._suspect(name):
+            return name
         problem = self.problem(name)
         if problem is None:
             return name
