@@ -11,8 +11,4 @@ publishes, its name rule, how it writes and how it opens. The floor keeps one me
 
 It sits between the native core (``_native``: mappings and the fault guard) and the formats, and imports
 nothing above it.
-
->>> from fastckpt.store.names import parse_step, step_name
->>> parse_step(step_name(10))
-10
 """
