@@ -23,6 +23,7 @@ import pytest
 import fastckpt
 from fastckpt.formats.hfsharded import save_sharded
 from fastckpt.formats.tf.reader import CheckpointReader as TFReader
+from fastckpt.formats.tf.writer import save as tf_save
 from fastckpt.formats.tf.writer import write_checkpoint
 from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.store.names import FILE_NAME, RELATIVE_PATH, NameRule, parse_step, step_name
@@ -109,6 +110,8 @@ WRITERS = {
     "tf": Writer(lambda p, n, o: write_checkpoint(p, {n: VALUE}, overwrite=o), _tf,
                  bad=[("", "'' is reserved"), ("\x00slice", r"starts with '\x00'")],
                  good=[n for n in FILE_KEYS if n != ""] + ["a\x00"]),
+    "tf-save": Writer(lambda p, n, o: tf_save(p, {n: VALUE}), lambda p: _tf(p / "ckpt-1"),
+                      bad=[("", "'' is reserved"), ("\x00slice", r"starts with '\x00'")], good=["a\nb", "layer/0/w"]),
     "sharded": Writer(lambda p, n, o: Saver(path=str(p), parallel=1, tensors={n: VALUE}, overwrite=o).save(),
                       _sharded_dense,
                       bad=[("layer\nweight", r"'\n' at position 5"), ("a/b", "'/' at position 1"),
@@ -195,6 +198,13 @@ def test_an_odd_name_the_reader_takes_back_round_trips_exactly(tmp_path, writer,
 def test_every_writer_is_in_the_table():
     # A writer of tensor names added later joins WRITERS, and so its bad and good names are tried.
     assert {w for w, _, _ in BAD} == set(WRITERS)
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", ".."])
+def test_a_tensorflow_checkpoint_name_that_is_no_file_name_is_refused(tmp_path, name):
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint name {name!r}")):
+        tf_save(tmp_path / "d", {"w": VALUE}, name=name)
+    assert _files(tmp_path) == {}
 
 
 # -- the rule itself ---------------------------------------------------------------------------------------------

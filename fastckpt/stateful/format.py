@@ -109,8 +109,8 @@ FORMAT_VERSION = 1
 #: Prefix of the keys generated for anonymous registrations; refused in user names.
 ANONYMOUS_PREFIX = "__op_"
 #: The keys of ``ops``: any non-empty str (a JSON key reads back exactly) that does not start with the prefix above.
-KEYS = NameRule("the stateful file's ops", controls=False,
-                prefixes=((ANONYMOUS_PREFIX, "for generated keys"),), way_out="choose another name or omit it")
+KEYS = NameRule("a stateful checkpoint", controls=False, prefixes=((ANONYMOUS_PREFIX, "the generated keys' prefix"),),
+                refusal="{format} generates such keys itself", way_out="choose another name or omit it")
 
 # from_version -> function(payload dict at from_version) -> payload dict at from_version + 1
 _MIGRATIONS: dict[int, Callable[[dict], dict]] = {}

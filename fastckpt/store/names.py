@@ -56,7 +56,8 @@ class NameRule:
     ``format`` names the format in messages; ``reserved`` holds ``(substring, why)`` pairs, ``whole``
     ``(name, why)`` pairs of names the format keeps for itself and ``prefixes`` ``(start, why)`` pairs;
     ``controls`` refuses control characters; ``file_name`` and ``path`` say that the name becomes one file
-    name or a relative path; ``empty`` allows the empty name; ``way_out`` ends every message.
+    name or a relative path; ``empty`` allows the empty name; ``refusal`` says why a save cannot take the name
+    (``{format}`` is replaced) and ``way_out`` ends every message.
 
     >>> NameRule("RecIS's layout", reserved=(("^", "RecIS's separator"),)).problem("a^b")
     "holds '^' at position 1 (RecIS's separator)"
@@ -71,6 +72,7 @@ class NameRule:
     path: bool = False
     empty: bool = False
     way_out: str = "rename the {what} (for example replace it with '_')"
+    refusal: str = "{format} cannot read such a name back"
 
     def __post_init__(self):
         # What check() looks for before it asks problem() what is wrong: substring, set and prefix tests and
@@ -161,14 +163,16 @@ class NameRule:
             return name
         if where is not None:
             raise error(f"{where}: {what} name {name!r} {problem}: not {self.format}; refusing to use it")
-        raise error(f"{what} name {name!r} {problem}: {self.format} cannot read such a name back; "
+        raise error(f"{what} name {name!r} {problem}: {self.refusal.format(format=self.format)}; "
                     f"{self.way_out.format(what=what)}")
 
 
-FILE_NAME = NameRule("a plain file name", controls=False, file_name=True, way_out="use a plain file name")
+FILE_NAME = NameRule("a plain file name", controls=False, file_name=True, refusal="not {format}",
+                     way_out="use a plain file name")
 """One file name inside a directory (a prefix, a shard file an index names, a manifest's files)."""
 
-RELATIVE_PATH = NameRule("a plain relative name", controls=False, path=True, way_out="use a plain relative path")
+RELATIVE_PATH = NameRule("a plain relative name", controls=False, path=True, refusal="not {format}",
+                         way_out="use a plain relative path")
 """A relative path below a directory (object keys fetched into a local copy)."""
 
 STEP_PATTERN = re.compile(r"step-([0-9]+)")

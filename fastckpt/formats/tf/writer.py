@@ -50,7 +50,7 @@ from fastckpt.formats.tf.proto import (
 )
 from fastckpt.formats.tf.reader import OBJECT_GRAPH_KEY, data_filename, read_checkpoint_state
 from fastckpt.formats.tf.table import TableBuilder
-from fastckpt.store.names import NameRule
+from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = ["CheckpointWriter", "write_checkpoint", "save", "escape_local_name", "unescape_local_name",
            "object_key", "SAVE_COUNTER_KEY"]
@@ -414,6 +414,10 @@ def save(directory, tensors, *, name: str = "ckpt", max_to_keep: int | None = No
     all_model_checkpoint_paths: "ckpt-1"
     all_model_checkpoint_paths: "ckpt-2"
     """
+    FILE_NAME.check(name, "checkpoint")  # the prefix's last part: never a path out of the directory
+    items = list(tensors.items() if hasattr(tensors, "items") else tensors)
+    for tensor_name, _ in items:  # every name before the directory is made
+        NAMES.check(tensor_name)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state_path = directory / "checkpoint"
@@ -426,9 +430,6 @@ def save(directory, tensors, *, name: str = "ckpt", max_to_keep: int | None = No
     number = max(numbers, default=0) + 1
     rel = f"{name}-{number}"
     prefix = str(directory / rel)
-    items = list(tensors.items() if hasattr(tensors, "items") else tensors)
-    for name, _ in items:  # every name before the first file or directory is made
-        NAMES.check(name)
     with CheckpointWriter(prefix, num_shards=num_shards, data_alignment=data_alignment, object_graph=object_graph,
                           save_counter=number, fsync=fsync, overwrite=False) as writer:
         for tensor_name, value in items:
