@@ -29,6 +29,7 @@ from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.store.names import FILE_NAME, RELATIVE_PATH, NameRule, parse_step, step_name
 from fastckpt.train import CheckpointManager, load_checkpoint, save_checkpoint
 
+from _threads import run_in_threads
 from _writing import StateModel
 
 PACKAGE = Path(fastckpt.__file__).resolve().parent
@@ -404,21 +405,14 @@ def test_a_save_that_loses_at_the_commit_names_the_target(tmp_path, monkeypatch,
 
 def test_racing_savers_lose_with_the_target_named(tmp_path):
     target = tmp_path / "c"
-    errors, start = [], threading.Barrier(4)
+    start = threading.Barrier(4)
 
-    def save():
+    def save(k):
         start.wait()
-        try:
-            save_checkpoint(StateModel({"w": VALUE}), None, None, None, None, target, 1, overwrite=False, fsync=False)
-        except FileExistsError as e:
-            errors.append(e)
+        save_checkpoint(StateModel({"w": VALUE + k}), None, None, None, None, target, 1, overwrite=False, fsync=False)
 
-    threads = [threading.Thread(target=save) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(errors) == 3
+    errors = run_in_threads(save, 4)
+    assert len(errors) == 3 and all(isinstance(e, FileExistsError) for e in errors), errors
     assert {e.filename for e in errors} == {str(target)}
 
 
