@@ -416,16 +416,22 @@ def test_racing_savers_lose_with_the_target_named(tmp_path):
     assert {e.filename for e in errors} == {str(target)}
 
 
-def test_verify_of_a_sharded_checkpoint_without_its_description_file_says_so(tmp_path):
-    from fastckpt.cli import verify
-    from fastckpt.sharded.format import DESCRIPTION_FILE
+DESCRIPTION = "torch_rank_weights_embs_table_multi_shard.json"
 
-    Saver(path=str(tmp_path / "c"), parallel=1, tensors={"w": VALUE}).save()
-    os.unlink(tmp_path / "c" / DESCRIPTION_FILE)
+
+@pytest.mark.parametrize("layout, lost, said", [
+    ("fastckpt", DESCRIPTION, f"{DESCRIPTION}: missing"), ("fastckpt", "index.json", "index.json: missing"),
+    ("recis", "index", "no 'index' file"),
+], ids=["fastckpt-description", "fastckpt-index", "recis-index"])
+def test_verify_of_a_sharded_checkpoint_that_lost_a_file_says_which(tmp_path, layout, lost, said):
+    from fastckpt.cli import verify
+
+    Saver(path=str(tmp_path / "c"), parallel=1, tensors={"w": VALUE}, layout=layout).save()
+    os.unlink(tmp_path / "c" / lost)
     out = io.StringIO()
     assert verify.run(Namespace(directory=str(tmp_path / "c"), no_hash=False, quiet=False), out) == 1
-    assert f"{DESCRIPTION_FILE}: missing" in out.getvalue()
-    assert "fastckpt.train.checkpoint" not in out.getvalue()
+    assert said in out.getvalue()
+    assert "expected 'fastckpt." not in out.getvalue()  # not taken for another format
 
 
 # -- no pattern in the package lets '$' accept a final newline ------------------------------------------------------

@@ -211,17 +211,15 @@ def _verify_recis(path: Path, hashes: bool, quiet: bool, out) -> int:
                              f"{'' if hashes else ' (hashes not checked)'}", out)
 
 
-def _says_sharded(manifest: Path) -> bool:
-    """True when ``manifest`` names the sharded format: a sharded checkpoint that lost its description file is
-    verified (and its loss reported) as one, not as a training checkpoint of the wrong format."""
-    from fastckpt.sharded.format import FORMAT
-
+def _manifest_format(manifest: Path):
+    """The ``format`` a ``manifest.json`` names, or None: a sharded or RecIS-layout checkpoint that lost one of
+    its own files is verified (and the loss reported) as what it is, not as a training checkpoint."""
     try:
         with open(manifest, "rb") as f:
             head = f.read(64 << 20)  # as train.format bounds a manifest
-        return json.loads(head.decode("utf-8")).get("format") == FORMAT
+        return json.loads(head.decode("utf-8")).get("format")
     except (OSError, ValueError, AttributeError, RecursionError):
-        return False
+        return None
 
 
 def run(args: argparse.Namespace, out=None) -> int:
@@ -237,11 +235,13 @@ def run(args: argparse.Namespace, out=None) -> int:
         return 1
     if any((d / marker).is_file() for marker in _HF_MARKERS) or any(d.glob(f"*{_HF_INDEX_SUFFIX}")):
         return _verify_hf(d, args.quiet, out)
-    from fastckpt.sharded.recis import is_recis_directory
+    from fastckpt.sharded import recis
+    from fastckpt.sharded.format import FORMAT as SHARDED
 
-    if is_recis_directory(d):
+    said = _manifest_format(d / MANIFEST_FILE)
+    if recis.is_recis_directory(d) or said == recis.FORMAT:
         return _verify_recis(d, not args.no_hash, args.quiet, out)
-    if (d / DESCRIPTION_FILE).exists() or _says_sharded(d / MANIFEST_FILE):
+    if (d / DESCRIPTION_FILE).exists() or said == SHARDED:
         return _verify_sharded(d, not args.no_hash, args.quiet, out)
     if (d / MANIFEST_FILE).exists():
         return _verify_one(d, not args.no_hash, args.quiet, out)
