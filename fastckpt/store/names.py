@@ -23,6 +23,10 @@ What each rule refuses:
 - ``path``: the name is a relative path of ``'/'``-separated file names: not absolute, no empty, ``'.'`` or
   ``'..'`` component, no NUL.
 
+NPZ is the one exception: its member rule (no NUL, backslash, absolute name or ``'..'`` component, the
+message naming the character and its position as here) sits in the native ZIP parser
+(``fastckpt._native.npz.member_name_problem``), below this floor, where its reader and its writer share it.
+
 Step directories of :class:`~fastckpt.train.CheckpointManager` are ``step-<N>`` with ``N`` in ASCII digits;
 :func:`step_name` makes one and :func:`parse_step` is the only reader of one (a name with anything after the
 digits, a newline included, is not a step).
