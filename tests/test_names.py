@@ -136,9 +136,9 @@ WRITERS = {
                     good=["model.layers.0/weight", "a/b", "a b", "\u00e9", "a.b"]),
     "recis-table": Writer(lambda p, n, o: Saver(path=str(p), parallel=1, hashtables={n: _table()}, overwrite=o,
                                                 layout="recis").save(), _sharded_tables,
-                          bad=[("t/x", "'/' at position 1"), ("t@x", "'@' at position 1"),
+                          bad=[("t/part_1", "'/part_' at position 1"), ("t@x", "'@' at position 1"),
                                ("t^x", "'^' at position 1"), ("t\tx", r"'\t' at position 1")],
-                          good=["emb.user", "a b"], expect=lambda n: {n: _table_rows(_table())}),
+                          good=["emb.user", "a b", "tower/emb"], expect=lambda n: {n: _table_rows(_table())}),
     "train": Writer(lambda p, n, o: save_checkpoint(StateModel({n: VALUE}), None, None, None, None, p, 1, overwrite=o),
                     _train, bad=[("fastckpt.tree", "starts with 'fastckpt.', which is reserved"),
                                  ("__metadata__", "'__metadata__' is reserved")],
@@ -238,10 +238,10 @@ def _every_rule():
     from fastckpt.formats.safetensors import NAMES as safetensors
     from fastckpt.formats.tf.writer import NAMES as tf
     from fastckpt.sharded.format import NAMES as sharded
-    from fastckpt.sharded.recis import DENSE_NAMES, TABLE_NAMES
+    from fastckpt.sharded.recis import NAMES as recis
     from fastckpt.train.format import TENSOR_NAMES
 
-    return [safetensors, tf, sharded, DENSE_NAMES, TABLE_NAMES, TENSOR_NAMES, FILE_NAME, RELATIVE_PATH]
+    return [safetensors, tf, sharded, recis, TENSOR_NAMES, FILE_NAME, RELATIVE_PATH]
 
 
 def test_the_quick_look_never_passes_a_name_the_rule_refuses():
