@@ -65,6 +65,7 @@ _LAZY = {
     "Tensor": "fastckpt.device.tensor",
     "CheckpointManager": "fastckpt.train.manager",
     "to_torch": "fastckpt.arrays",
+    "load_torch": "fastckpt.formats.torchload",
 }
 
 if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: re-exported)
@@ -79,6 +80,7 @@ if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: r
     from fastckpt.formats.npz import NpzWriter as NpzWriter, save_npz as save_npz
     from fastckpt.formats.reader import TensorFile as TensorFile, open as open, register_opener as register_opener  # noqa: A004
     from fastckpt.formats.safetensors import save_safetensors as save_safetensors
+    from fastckpt.formats.torchload import load_torch as load_torch
     from fastckpt.formats.tree import load_tree as load_tree, save_tree as save_tree
     from fastckpt.info import TensorInfo as TensorInfo
     from fastckpt.train.directory import CheckpointDirectory as CheckpointDirectory
