@@ -2,7 +2,7 @@
 
 The usual calls, all directly under ``fastckpt``: ``open(path)`` reads any tensor file (safetensors, NPZ,
 ``.netcl``, TensorFlow checkpoint, HF sharded or training-checkpoint directory) with one contract;
-``save_safetensors``, ``save_npz``, ``save_sharded`` and ``save_tree`` (nested dicts) write atomically;
+``save_safetensors``, ``save_npz``, ``save_sharded`` and ``save_tree`` (pytrees) write atomically;
 ``load_file(path, queue, pool=...)`` loads into OpenCL device memory; ``CheckpointManager(directory)``
 keeps training checkpoints. The commands: ``python -m fastckpt --help``.
 
