@@ -181,8 +181,11 @@ def to_torch(value: Any, *, copy: bool | None = None):
 _READ_ONLY: list[type] = []
 # Tensor methods that write into their first argument without a trailing underscore in their name.
 _WRITING = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-            "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
-            "set_", "resize_", "share_memory_"}
+            "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+# In-place methods that change only a tensor's metadata (or give it new memory), never its bytes.
+_METADATA_ONLY = {"requires_grad_", "detach_", "retain_grad", "rename_", "refine_names", "as_strided_", "squeeze_",
+                  "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "set_", "resize_", "resize_as_",
+                  "share_memory_", "pin_memory", "record_stream"}
 
 
 def _read_only_class() -> type:
@@ -205,7 +208,7 @@ def _read_only_class() -> type:
                 kwargs = kwargs or {}
                 name = getattr(func, "__name__", "")
                 targets = []
-                if (name.endswith("_") and not name.endswith("__")) or name in _WRITING:
+                if ((name.endswith("_") and not name.endswith("__")) or name in _WRITING) and name not in _METADATA_ONLY:
                     first = args[0] if args else None
                     targets = list(first) if isinstance(first, (list, tuple)) else [first]
                 out = kwargs.get("out")

@@ -66,6 +66,14 @@ def test_copy_false_gives_a_read_only_tensor_whose_writes_raise(tmp_path):
         model = torch.nn.Linear(4, 3)
         model.load_state_dict({"weight": t, "bias": fastckpt.to_torch(f.host("0.bias"), copy=False)})  # copies in
         assert model.weight.sum().item() == 6.0
+        # assign=True makes the read-only tensors the parameters: the optimizer's step is refused, not a crash
+        model.load_state_dict({"weight": t, "bias": fastckpt.to_torch(f.host("0.bias"), copy=False)}, assign=True)
+        assert model.weight.requires_grad  # requires_grad_ and other metadata-only in-place calls are allowed
+        model(torch.ones(2, 4)).sum().backward()
+        for opt in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters(), lr=0.1)):
+            with pytest.raises(RuntimeError, match="read-only view of a mapped file"):
+                opt.step()
+        assert f.host("0.weight").tolist() == np.full((3, 4), 0.5).tolist()
 
 
 def test_to_torch_copies_only_what_is_read_only():
