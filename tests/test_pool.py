@@ -532,3 +532,24 @@ def test_two_loads_held_at_once_are_counted_but_not_warned_about(dev, tmp_path):
         b = load_file(path, dev.queue, pool=pool)  # two models wanted at once: a legitimate second buffer
     assert pool.stats.blocked_misses == 1 and "are in use" in pool.stats.last_blocked
     assert np.array_equal(a["w"].to_host(), b["w"].to_host())
+
+
+@pytest.mark.device
+def test_a_model_built_from_an_earlier_load_is_not_a_leftover(dev, tmp_path):
+    # Most of the earlier load is alive (a model holds its tensors): a second buffer is what the user asked for.
+    import warnings
+
+    import fastckpt
+    from fastckpt.device.load import load_file
+
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {f"w{i}": np.full(1024, i, np.float32) for i in range(4)})
+    pool = PersistentBufferPool(dev.context, dev.queue)
+    loaded = load_file(path, dev.queue, pool=pool)
+    model = {name: loaded[name] for name in ("w0", "w1", "w2")}  # 3 of 4 tensors: most of the buffer
+    del loaded
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = load_file(path, dev.queue, pool=pool)
+    assert pool.stats.blocked_misses == 1 and again.report.pool_misses == 1 and len(model) == 3

@@ -25,8 +25,8 @@ count, at its next miss, :meth:`~PersistentBufferPool.collect` or ``stats``.
 A buffer is reused only once every tensor viewing it is gone. When a
 request misses although a buffer in use would have fit, ``stats.blocked_misses``
 counts it and ``stats.last_blocked`` says why; when that buffer is held only by
-tensors kept from an earlier load (its ``LoadedTensors`` dropped, one
-``loaded["w"]`` kept), the pool warns once (:class:`~fastckpt.errors.FastCkptWarning`)
+a few tensors kept from an earlier load (its ``LoadedTensors`` dropped, one
+``loaded["w"]`` kept: less than half of the buffer), the pool warns once (:class:`~fastckpt.errors.FastCkptWarning`)
 naming the file and the tensors, since the new allocation makes that load
 many times slower than a reuse.
 
@@ -229,12 +229,16 @@ class PoolBuffer:
         self._views[name] = weakref.ref(tensor)
 
     def _leftover(self) -> tuple[str, list[str]] | None:
-        """``(file, names of the live views)`` when the load result that held this lease is gone but the lease
-        is not: a tensor of that load keeps it; None otherwise (the result itself is alive, or none was recorded)."""
+        """``(file, names of the live views)`` when the load result that held this lease is gone and the tensors
+        still viewing its buffer are leftovers: together less than half of it, so that most of the buffer is held
+        for nothing. None otherwise (the result is alive, none was recorded, or the tensors are most of the load:
+        a model built from it)."""
         if self._result is None or self._result[0]() is not None:
             return None
-        views = self._views or {}
-        return self._result[1], [name for name, ref in views.items() if ref() is not None]
+        live = {name: t for name, ref in (self._views or {}).items() if (t := ref()) is not None}
+        if 2 * sum(int(getattr(t, "nbytes", 0)) for t in live.values()) >= max(self.nbytes, 1):
+            return None
+        return self._result[1], list(live)
 
     @property
     def released(self) -> bool:
