@@ -3,7 +3,8 @@
 The usual calls, all directly under ``fastckpt``: ``open(path)`` reads any tensor file (safetensors, NPZ,
 ``.netcl``, TensorFlow checkpoint, HF sharded or training-checkpoint directory) with one contract;
 ``save_safetensors``, ``save_npz``, ``save_sharded`` and ``save_tree`` (pytrees) write atomically;
-``load_file(path, queue, pool=...)`` loads into OpenCL device memory; ``CheckpointManager(directory)``
+``load_file(path, queue, pool=...)`` loads into OpenCL device memory; ``load_torch(path)`` gives a
+PyTorch state_dict to train (``to_torch`` converts what was read); ``CheckpointManager(directory)``
 keeps training checkpoints. The commands: ``python -m fastckpt --help``.
 
 >>> import fastckpt, numpy as np, tempfile, os
