@@ -53,7 +53,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = ["Stateful", "LOOKUP_ORDER", "accessors", "as_stateful", "is_stateful", "state_of", "load_state",
-           "check_state"]
+           "check_state", "random_state"]
 
 LOOKUP_ORDER = ("numpy.random.Generator.bit_generator.state", "torch.Generator.get_state()/set_state(ByteTensor)",
                 "random.Random.getstate()/setstate(state)", "state_dict()/load_state_dict(state)",
@@ -102,7 +102,7 @@ def accessors(obj: Any) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     if _is_torch_generator(obj):
         return (lambda: obj.get_state().numpy().copy()), lambda state: obj.set_state(_byte_tensor(state))
     if isinstance(obj, random.Random):
-        return obj.getstate, obj.setstate
+        return obj.getstate, lambda state: obj.setstate(random_state(state))
     pair = _pair(obj, "state_dict", "load_state_dict")
     if pair is not None:
         get, put = pair
@@ -198,11 +198,22 @@ def check_state(obj: Any, state: Any) -> None:
         elif _is_torch_generator(obj):
             type(obj)(device=obj.device).set_state(_byte_tensor(state))
         elif isinstance(obj, random.Random):
-            random.Random().setstate(state)
+            random.Random().setstate(random_state(state))
     except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as exc:
         kind = f"numpy.random.Generator ({type(obj.bit_generator).__name__})" if isinstance(obj, np.random.Generator) \
             else _qualname(type(obj))
         raise ValueError(f"state for {kind} does not fit: {exc!r}") from None
+
+
+def random_state(state: Any) -> Any:
+    """A ``random.Random`` state as ``setstate`` takes it: JSON formats give its tuples back as lists.
+
+    >>> random_state([3, [1, 2], None])
+    (3, (1, 2), None)
+    """
+    if isinstance(state, list) and len(state) == 3 and isinstance(state[1], (list, tuple)):
+        return (state[0], tuple(state[1]), state[2])
+    return state
 
 
 def _is_torch_generator(obj: Any) -> bool:

@@ -262,7 +262,7 @@ class GlobalRNG:
         """
         import random
 
-        from fastckpt.state import check_state
+        from fastckpt.state.protocol import check_state, random_state
 
         if not isinstance(state, dict) or not set(state) <= {"python", "numpy", "torch"} or not state:
             raise ValueError(f"GlobalRNG.set_state: expected a dict with 'python', 'numpy' and/or 'torch', got "
@@ -280,7 +280,7 @@ class GlobalRNG:
                 except ValueError as exc:
                     raise ValueError(f"GlobalRNG.set_state: the {name!r} state does not fit: {exc}") from None
         if "python" in state:
-            random.setstate(state["python"])
+            random.setstate(random_state(state["python"]))
         if "numpy" in state:
             np.random.set_state(state["numpy"])
         if torch is not None:
