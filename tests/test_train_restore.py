@@ -165,6 +165,20 @@ def test_a_torch_generator_round_trips_exactly_and_a_failed_restore_leaves_torch
     assert all(torch.equal(other.state_dict()[k], v) for k, v in weights.items())
     assert other_opt.state_dict()["param_groups"][0]["lr"] == 0.5 and not other_opt.state_dict()["state"]
 
+    # a state refused only when it is applied (torch's GradScaler, after the optimizer and the scheduler were
+    # restored): those are put back, and the model was not touched
+    other_sched = torch.optim.lr_scheduler.StepLR(other_opt, step_size=7)
+    sched_before = other_sched.state_dict()
+    empty = load_checkpoint(mgr.latest())
+    empty.scaler_state = {}
+    with pytest.raises(RuntimeError, match="source state dict is empty") as err:
+        apply_checkpoint(empty, other, other_opt, other_sched, scaler=torch.amp.GradScaler("cpu"))
+    assert "while restoring scaler; nothing was changed (it and the 2 states applied before it put back from " \
+           "copies)" in " ".join(err.value.__notes__)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in weights.items())
+    assert other_opt.state_dict()["param_groups"][0]["lr"] == 0.5 and not other_opt.state_dict()["state"]
+    assert other_sched.state_dict() == sched_before
+
 
 def test_a_torch_model_with_a_new_head_fine_tunes_from_a_checkpoint_with_strict_false(tmp_path):
     torch = pytest.importorskip("torch")

@@ -144,14 +144,15 @@ def apply_restore(steps: list[_Step]) -> None:
     """Apply planned steps in order; when one fails, undo the ones applied (copies taken just before) and raise.
 
     Every step but a last one whose state was checked in full (a model's
-    weights, key by key and shape by shape) has a copy of what it replaces:
-    the restore is all or nothing at the price of holding those copies.
+    weights, key by key and shape by shape) has a copy of what it replaces,
+    taken just before it is applied: the restore is all or nothing at the
+    price of holding those copies while it runs.
     """
     undo: list[tuple[str, Callable[[], None]]] = []
     for i, step in enumerate(steps):
-        last = i == len(steps) - 1
+        copied = step.backup is not None and not (i == len(steps) - 1 and step.weights)
         try:
-            if step.backup is not None and not (last and step.weights):
+            if copied:
                 undo.append((step.path, step.backup()))
             step.apply()
         except Exception as exc:
@@ -161,9 +162,14 @@ def apply_restore(steps: list[_Step]) -> None:
                     put_back()
                 except Exception as again:  # noqa: BLE001 - reported on the error being raised
                     failed.append(f"{path} ({again!r})")
-            exc.add_note(f"while restoring {step.path}; " + (
-                f"could not undo {', '.join(failed)}" if failed else
-                f"nothing was changed ({len(undo)} restored state{'s' if len(undo) != 1 else ''} put back)"))
+            if failed:
+                exc.add_note(f"while restoring {step.path}; could not undo {', '.join(failed)}")
+            elif copied:
+                exc.add_note(f"while restoring {step.path}; nothing was changed (it and the {len(undo) - 1} "
+                             f"state{'s' if len(undo) != 2 else ''} applied before it put back from copies)")
+            else:
+                exc.add_note(f"while restoring {step.path} (checked in full, restored without a copy: it may be "
+                             f"partly restored); the {len(undo)} states applied before it were put back")
             raise
 
 
