@@ -79,9 +79,18 @@ def state_of(obj: Any, what: str = "state") -> Any:
 
 
 def _is_leaf(value: Any) -> bool:
-    """An array or a scalar: what a pytree holds at its leaves."""
-    return value is None or isinstance(value, (bool, int, float, complex, str, bytes, np.generic)) or \
-        as_numpy(value) is not None
+    """An array or a scalar: what a pytree holds at its leaves (told by its type, without converting it)."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, np.generic, np.ndarray)):
+        return True
+    if isinstance(value, (Mapping, list, tuple)):
+        return False
+    if any(hasattr(value, attr) for attr in ("to_host", "__dlpack__", "__array__")):
+        return True
+    try:
+        memoryview(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_array(value: Any) -> bool:
