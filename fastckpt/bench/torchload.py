@@ -88,7 +88,7 @@ def measure(mib: float, repeat: int) -> dict[str, dict[str, tuple[float, float]]
         writes = {name: written(fn) for name, fn in loads.items() if "read-only" not in name}
         out = {}
         for row, paths in (("load", loads), ("load + write", writes)):
-            out[row] = {name: tuple(t) for name, t in round_robin(paths, repeat).items()}
+            out[row] = {name: (t.median, t.best) for name, t in round_robin(paths, repeat).items()}
     return out
 
 

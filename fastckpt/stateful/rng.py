@@ -260,6 +260,7 @@ class GlobalRNG:
         ...
         ValueError: GlobalRNG.set_state: the 'python' state does not fit: ...
         """
+        import importlib
         import random
 
         from fastckpt.state.protocol import check_state, random_state
@@ -267,9 +268,9 @@ class GlobalRNG:
         if not isinstance(state, dict) or not set(state) <= {"python", "numpy", "torch"} or not state:
             raise ValueError(f"GlobalRNG.set_state: expected a dict with 'python', 'numpy' and/or 'torch', got "
                              f"{type(state).__name__} {sorted(state) if isinstance(state, dict) else ''}")
-        torch = None
+        torch: Any = None
         if "torch" in state:
-            import torch
+            torch = importlib.import_module("torch")
         checks = {"python": (random.Random(), state.get("python")),
                   "numpy": (np.random.Generator(np.random.MT19937()), state.get("numpy")),
                   "torch": (torch.Generator() if torch is not None else None, state.get("torch"))}

@@ -159,10 +159,11 @@ def apply_restore(steps: list[_Step]) -> None:
     """
     undo: list[tuple[str, Callable[[], None]]] = []
     for i, step in enumerate(steps):
-        copied = step.backup is not None and not (i == len(steps) - 1 and step.weights)
+        backup = None if i == len(steps) - 1 and step.weights else step.backup
+        copied = backup is not None
         try:
-            if copied:
-                undo.append((step.path, step.backup()))
+            if backup is not None:
+                undo.append((step.path, backup()))
             step.apply()
         except Exception as exc:
             failed = []
@@ -305,7 +306,7 @@ def _writable_in_place(value: Any) -> bool:
 
 def _copy_into(target: Any, source: Any) -> None:
     if isinstance(target, np.ndarray):
-        np.copyto(target, as_numpy(source), casting="same_kind")
+        np.copyto(target, np.asarray(as_numpy(source)), casting="same_kind")
         return
     import torch
 
