@@ -199,8 +199,9 @@ def _read_only_class() -> type:
             Every torch operation passes through ``__torch_function__``: one that would
             write into a read-only tensor (an in-place method, ``x[i] = v``, ``out=`` one,
             ``torch._foreach_*_`` over a list holding one) raises ``RuntimeError`` before
-            it runs; results that share its memory (views) are read-only too, any other
-            result is a plain tensor. ``.clone()`` gives a writable copy.
+            it runs; results that share its memory (views, and the numpy arrays of
+            ``.numpy()`` and ``np.asarray``) are read-only too, any other result is a
+            plain tensor. ``.clone()`` gives a writable copy.
             """
 
             @classmethod
@@ -236,6 +237,9 @@ def _rewrap(result: Any, shared: set[int], cls: type, torch: Any) -> Any:
     if isinstance(result, torch.Tensor):
         if type(result) is torch.Tensor and shared and result.untyped_storage().data_ptr() in shared:
             return result.as_subclass(cls)
+        return result
+    if isinstance(result, np.ndarray) and shared:  # .numpy(), np.asarray(t): the same memory, read-only again
+        result.flags.writeable = False
         return result
     if isinstance(result, (list, tuple)) and any(isinstance(r, torch.Tensor) for r in result):
         items = [_rewrap(r, shared, cls, torch) for r in result]

@@ -58,6 +58,7 @@ def test_copy_false_gives_a_read_only_tensor_whose_writes_raise(tmp_path):
                       lambda: torch.add(t, 1, out=t), lambda: torch._foreach_add_([t], 1), lambda: t.copy_(t * 2)):
             with pytest.raises(RuntimeError, match="read-only view of a mapped file"):
                 write()
+        assert not t.numpy().flags.writeable and not np.asarray(view).flags.writeable  # numpy's way in is closed
         assert float((t + 1).sum()) == 18.0  # reading is free
         assert type(t + 1) is torch.Tensor and type(t.clone().add_(1)) is torch.Tensor
         assert f.host("0.weight").tolist() == np.full((3, 4), 0.5).tolist()
