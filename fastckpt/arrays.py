@@ -201,7 +201,9 @@ def _read_only_class() -> type:
             ``torch._foreach_*_`` over a list holding one) raises ``RuntimeError`` before
             it runs; results that share its memory (views, and the numpy arrays of
             ``.numpy()`` and ``np.asarray``) are read-only too, any other result is a
-            plain tensor. ``.clone()`` gives a writable copy.
+            plain tensor. ``.clone()`` gives a writable copy. The guard is torch's Python
+            API (``__torch_function__``): code that takes the raw memory (``data_ptr()``,
+            DLPack, a C++ extension) is not guarded.
             """
 
             @classmethod
