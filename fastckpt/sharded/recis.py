@@ -136,6 +136,7 @@ from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.sharded.reader import CheckpointReader, register_layout
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
+from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = ["RecisCheckpointReader", "RecisWarning", "is_recis_directory", "data_file_name", "gen_slice",
            "slice_string", "parse_slice", "slice_owner", "SLICE_SIZE", "FORMAT"]
@@ -150,6 +151,12 @@ LAYOUT = "RecIS"
 #: RecIS's default key space (``gen_slice``'s ``slice_size``).
 SLICE_SIZE = 65536
 DENSE_SUFFIX = "^ "
+#: Tensor, table and slot names: RecIS splits its block names on '^' and its table tensors' names on '@', and
+#: writes a dense tensor whose name holds '/part_' under a key its index does not name
+#: (``TensorWriteBlock::WriteMeta``); any other '/' is kept (``tower/dense/kernel``).
+NAMES = NameRule("RecIS's layout", reserved=(("@", "RecIS's layout reserves '@' and '^' as separators"),
+                                             ("^", "RecIS's layout reserves '@' and '^' as separators"),
+                                             ("/part_", "RecIS's suffix of a stored part")))
 NO_INTEGRITY = "RecIS checkpoint: no integrity record"
 
 # RecIS's DeserializeDtype: the header dtypes its reader knows.
@@ -306,10 +313,6 @@ def _check_key(key: str, tensor: str, piece: tuple[int, int, int], where: str) -
            f"{'@'.join(map(str, gen_slice(i, n, piece[2]))) if i < n else 'none'}")
 
 
-def _plain_name(name: Any) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
-
-
 def _int64_ids(info: TensorInfo) -> bool:
     return info.dtype == np.dtype(np.int64) and len(info.shape) == 1
 
@@ -387,7 +390,7 @@ class RecisCheckpointReader(CheckpointReader):
         for name, number in index["file_index"].items():
             expect(is_count(number) and number not in file_of_number, iwhere,
                    f"file_index[{name!r}] is {number!r}: file numbers are distinct non-negative integers")
-            expect(_plain_name(name), iwhere, f"file name {name!r} is not a plain name in the directory")
+            FILE_NAME.check(name, "file_index file", where=iwhere, error=FormatError)
             file_of_number[number] = name
         self._file_of_number = file_of_number
         orphans = sorted(set(tensorkey) - set(index["block_index"]))
@@ -512,7 +515,7 @@ class RecisCheckpointReader(CheckpointReader):
         check_seal(manifest, path)  # the manifest's own checksum; its entries then cover every other file
         files = manifest.get("files")
         expect(isinstance(files, dict) and all(
-            _plain_name(n) and isinstance(e, dict) and is_count(e.get("size")) and isinstance(e.get("blake3"), str)
+            FILE_NAME.problem(n) is None and isinstance(e, dict) and is_count(e.get("size")) and isinstance(e.get("blake3"), str)
             for n, e in files.items()), path, "'files' must be {name: {'size': int >= 0, 'blake3': str}}")
         for key in ("tensors", "hashtables"):
             expect(isinstance(manifest.get(key, {}), dict), path, f"{key!r} must be an object")
@@ -577,7 +580,7 @@ class RecisCheckpointReader(CheckpointReader):
         ``b`` of rank ``i`` is entry ``b // p`` of the header of file ``i * p + b % p``), read back from the
         files' names and headers, so that tables, slots and dense tensors keep the order of the save. Files not
         named as RecIS names them come after, in file number and header order."""
-        ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_\d+_(\d+)$", key))}
+        ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_[0-9]+_([0-9]+)\Z", key))}
         n = ranks.pop() if len(ranks) == 1 else 1
         order: dict[str, tuple[int, int]] = {}
         for number, name in sorted(self._file_of_number.items()):
@@ -585,7 +588,7 @@ class RecisCheckpointReader(CheckpointReader):
             with guard(self, f"the header of {name}"):
                 length = int.from_bytes(bytes(f.mapped.view(0, 8)), "little")
                 keys = [k for k in json.loads(bytes(f.mapped.view(8, length)).decode("utf-8")) if k in f.infos]
-            m = re.fullmatch(r"model-(\d+)-of-(\d+)\.safetensors", name)
+            m = re.fullmatch(r"model-([0-9]+)-of-([0-9]+)\.safetensors", name)
             total = int(m.group(2)) if m else 0
             p = self.manifest["parallel"] if self.manifest is not None else total // n or 1
             if m is None or total % p:
@@ -861,25 +864,6 @@ def _sibling(reader: RecisCheckpointReader, id_key: str, table: str, slot: str) 
 
 # -- writing -----------------------------------------------------------------------------------------------
 
-def check_name(name: Any, what: str) -> str:
-    """``name`` where RecIS's layout can hold it as a tensor, table or slot name; a ``ValueError`` else.
-
-    RecIS splits its block names on ``^`` and its table tensors' names on ``@``, and writes a dense tensor
-    whose name holds ``/part_`` under a key its index does not name (``TensorWriteBlock::WriteMeta``): those
-    are refused; any other ``/`` is kept (``tower/dense/kernel``).
-
-    >>> check_name("tower/dense/kernel", "tensor")
-    'tower/dense/kernel'
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{what} name {name!r} must be a non-empty str")
-    bad = [c for c in ("@", "^", "/part_") if c in name]
-    if bad:
-        raise ValueError(f"{what} name {name!r} holds {bad}: RecIS's layout reserves '@' and '^' as separators "
-                         "and '/part_' for its part suffix")
-    return name
-
-
 def slice_sizes(saver) -> dict[str, int]:
     """``{table: slice size}`` of a ``layout="recis"`` Saver: its ``slice_size`` (an int for every table, or
     ``{table: int}``; default :data:`SLICE_SIZE`).
@@ -915,7 +899,6 @@ def blocks(saver) -> list:
     sizes = slice_sizes(saver)
     out = []
     for table_name, table in saver.hashtables.items():
-        check_name(table_name, "hashtable")
         begin, end, size = gen_slice(i, n, sizes[table_name])
         piece = slice_string(begin, end, size)
         ids, values, slots = table.rows()
@@ -929,14 +912,12 @@ def blocks(saver) -> list:
                 f"slice_owner){'' if size == SLICE_SIZE else f' with slice_size={size}'}, or save with the default "
                 "layout")
         for slot, array in (("id", ids), ("embedding", values), *slots.items()):
-            check_name(slot, "slot")
             key = f"{table_name}.{slot}/part_{i}_{n}"
             _code(array, f"hashtable {table_name!r} {slot}")
             out.append(WriteBlock(key, f"{table_name}@{slot}^{piece}", "slot" if slot not in ("id", "embedding")
                                   else slot, array, table_name, {"dense": False}))
     if i == 0:
         for name, value in saver.tensors:
-            check_name(name, "tensor")
             array = as_numpy(value)
             if array is None or array.dtype.hasobject:
                 raise TypeError(f"tensors[{name!r}] is a {type(value).__name__}, not an array of numbers")
