@@ -12,8 +12,9 @@ through :func:`parse_json` (or :func:`read_json`), which
   where ``constants=False``) into a FormatError naming the file.
 
 The checks (:func:`expect`, :func:`is_count`, :func:`is_shape`) are the ones the parsers share: a failed check
-is a FormatError naming the file and the key. :func:`bounded_size` is the rule for a size a manifest states:
-it never exceeds the file actually there, so no allocation is ever sized by a number read from a file.
+is a FormatError naming the file and the key. A size a manifest states never sizes a
+buffer: :func:`read_bounded` reads what the file holds (``fstat``), and the callers compare that with the
+manifest afterwards.
 
 >>> parse_json(b'{"a": [1, 2]}', "m.json")
 {'a': [1, 2]}
@@ -31,7 +32,7 @@ from typing import Any
 from fastckpt.errors import FormatError
 
 __all__ = ["MAX_JSON_BYTES", "MAX_DEPTH", "parse_json", "read_json", "read_bounded", "expect", "is_count",
-           "is_shape", "bounded_size"]
+           "is_shape"]
 
 #: The largest JSON file read (a manifest of 100,000 files is about 20 MiB).
 MAX_JSON_BYTES = 1 << 30
@@ -186,17 +187,3 @@ def is_shape(value: Any, max_rank: int = 64) -> bool:
     """
     return isinstance(value, list) and len(value) <= max_rank and all(is_count(x) for x in value)
 
-
-def bounded_size(stated: Any, actual: int, where: str, what: str = "the manifest") -> int:
-    """``stated`` (a size a manifest gives for a file) when it is a count no larger than ``actual`` (the size the
-    file has), else a :class:`~fastckpt.errors.FormatError` naming ``where``: what callers size a buffer by.
-
-    >>> bounded_size(4, 10, "a.bin")
-    4
-    >>> bounded_size(10**30, 10, "a.bin")
-    Traceback (most recent call last):
-    fastckpt.errors.FormatError: a.bin: the manifest says 1000000000000000000000000000000 bytes, the file has 10
-    """
-    if not is_count(stated) or stated > actual:
-        raise FormatError(f"{where}: {what} says {stated!r} bytes, the file has {actual}")
-    return stated

@@ -210,10 +210,6 @@ class Snapshot:
         """``{name: identity}`` of every file pinned so far."""
         return dict(self._pins)
 
-    def identity(self, name: str) -> Identity:
-        """The identity recorded for ``name`` (pinning it first if it was not)."""
-        return self._pins.get(name) or self.pin(name)
-
     def check(self, name: str, identity: tuple | os.stat_result) -> None:
         """Raise :class:`~fastckpt.errors.CheckpointChangedError` unless ``identity`` (a mapping's ``identity``,
         a ``stat`` result) is the one pinned for ``name``: how a file mapped by its path is tied to the commit.
