@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import os
 import stat
 import threading
@@ -100,9 +101,13 @@ def _limit() -> int:
     return max(2, min(MAX_OPEN, soft // 8))
 
 
-# The descriptors every snapshot keeps open, least recently used first: (snapshot id, name) -> [fd, users].
+# The descriptors every snapshot keeps open, least recently used first: (snapshot token, name) -> [fd, users].
 _cache: collections.OrderedDict[tuple[int, str], list] = collections.OrderedDict()
 _cache_lock = threading.Lock()
+_tokens = itertools.count()  # a snapshot's key in the cache (never reused, unlike id())
+# Tokens of snapshots collected while the lock was held (a collection can run inside any allocation): their
+# descriptors are closed by the next call that holds the lock.
+_orphans: list[int] = []
 
 
 def open_descriptors() -> int:
@@ -117,8 +122,12 @@ def open_descriptors() -> int:
 
 
 def _evict_locked(keep: int) -> list[int]:
-    """Drop the least recently used idle entries until at most ``keep`` remain; returns the fds to close."""
+    """Drop the least recently used idle entries until at most ``keep`` remain, and every entry of a snapshot
+    collected meanwhile; returns the fds to close."""
     closing = []
+    while _orphans:
+        token = _orphans.pop()
+        closing += [_cache.pop(key)[0] for key in [k for k in _cache if k[0] == token]]
     if len(_cache) <= keep:
         return closing
     for key in list(_cache):
@@ -154,6 +163,7 @@ class Snapshot:
         self.what = what
         self._pins: dict[str, Identity] = {}
         self._closed = True
+        self._token = next(_tokens)
         try:
             self._dir = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
         except (FileNotFoundError, NotADirectoryError):
@@ -303,7 +313,7 @@ class Snapshot:
         return parse_json(self.read(name, limit=limit, missing=missing), self._where(name), **options)
 
     def _acquire(self, name: str) -> int:
-        key = (id(self), name)
+        key = (self._token, name)
         with _cache_lock:
             entry = _cache.get(key)
             if entry is not None:
@@ -336,7 +346,7 @@ class Snapshot:
 
     def _release(self, name: str) -> None:
         with _cache_lock:
-            entry = _cache.get((id(self), name))
+            entry = _cache.get((self._token, name))
             if entry is not None:
                 entry[1] -= 1
             closing = _evict_locked(_limit())
@@ -363,14 +373,21 @@ class Snapshot:
     # -- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
         """Close the directory and every cached descriptor of this snapshot (idempotent)."""
+        self._close(blocking=True)
+
+    def _close(self, blocking: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        with _cache_lock:
-            mine = [key for key in _cache if key[0] == id(self)]
-            closing = [_cache.pop(key)[0] for key in mine]
-        for fd in closing:
-            os.close(fd)
+        if _cache_lock.acquire(blocking=blocking):
+            try:
+                closing = [_cache.pop(key)[0] for key in [k for k in _cache if k[0] == self._token]]
+            finally:
+                _cache_lock.release()
+            for fd in closing:
+                os.close(fd)
+        else:  # collected while this thread (or another) holds the lock: the next holder closes them
+            _orphans.append(self._token)
         os.close(self._dir)
 
     def __enter__(self) -> Snapshot:
@@ -381,7 +398,7 @@ class Snapshot:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            self.close()
+            self._close(blocking=False)  # never wait for the lock: a collection may run while it is held
 
     def __repr__(self) -> str:
         return f"<fastckpt.store.Snapshot {self.path!r} pinned={len(self._pins)}{' closed' if self._closed else ''}>"
