@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -125,7 +125,17 @@ def to_numpy(value: Any) -> np.ndarray:
     return np.asarray(value) if array is None else array
 
 
-def to_torch(value: Any):
+if TYPE_CHECKING:
+    import torch
+
+
+@overload
+def to_torch(value: dict[str, Any]) -> dict[str, torch.Tensor]: ...
+@overload
+def to_torch(value: Any) -> torch.Tensor: ...
+
+
+def to_torch(value: Any) -> torch.Tensor | dict[str, torch.Tensor]:
     """``value`` (an array, or a dict of them, as the readers return) as PyTorch tensors with the same dtype.
 
     The way back from what fastckpt reads to PyTorch: ml_dtypes arrays

@@ -205,7 +205,7 @@ from fastckpt.errors import FormatError, IntegrityError
 from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
-from fastckpt.progress import file_log_level, progress_from, requested
+from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
 
 __all__ = [
     "save_npz",
@@ -517,8 +517,8 @@ def _refuse_savez_form(tensors, arrays: tuple, named: dict) -> None:
 
 
 def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignment: int | str = "auto",
-             fsync: bool = True, progress=False, storage_options: dict | None = None, overwrite: bool | None = None,
-             **named: Any) -> None:
+             fsync: bool = True, progress: ProgressArg = False, storage_options: dict | None = None,
+             overwrite: bool | None = None, **named: Any) -> None:
     """Save arrays as an aligned, uncompressed NPZ that ``np.load`` and netcl read; atomically.
 
     ``tensors`` is a mapping name -> array-like, or an iterable of ``(name,

@@ -183,7 +183,7 @@ from fastckpt.arrays import to_numpy
 from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
-from fastckpt.progress import file_log_level, progress_from, requested
+from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
 
 _log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ def save_safetensors(
     alignment: int = DEFAULT_ALIGNMENT,
     fsync: bool = True,
     hasher=None,
-    progress=False,
+    progress: ProgressArg = False,
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool | None = None,
 ) -> None:
