@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from fastckpt.cli._words import plural
+from fastckpt.words import command_line_wording, plural
 
 __all__ = ["HELP", "describe", "add_parser", "run"]
 
@@ -128,7 +128,7 @@ def run(args) -> int:
     try:
         d = describe(args.file, max_header_size=getattr(args, "max_header_size", None))
     except (FastCkptError, OSError) as exc:
-        print(f"fastckpt inspect: {exc}", file=sys.stderr)
+        print(f"fastckpt inspect: {command_line_wording(str(exc))}", file=sys.stderr)
         return 1
     print(json.dumps(d, indent=2, ensure_ascii=False) if args.json else _format_table(d))
     return 0

@@ -38,7 +38,7 @@ import re
 import sys
 from pathlib import Path
 
-from fastckpt.cli._words import plural
+from fastckpt.words import plural
 
 __all__ = ["HELP", "add_parser", "run"]
 

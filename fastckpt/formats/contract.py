@@ -84,6 +84,7 @@ import numpy as np
 
 from fastckpt.errors import TensorNotFoundError
 from fastckpt.info import TensorInfo
+from fastckpt.words import plural
 
 __all__ = ["TensorReader", "ReaderMapping", "MultiFileReader", "tensor_not_found"]
 
@@ -152,7 +153,7 @@ def tensor_not_found(where: str, name: object, names: Iterable[str]) -> TensorNo
     shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
     close = difflib.get_close_matches(str(name), names, n=3) if isinstance(name, str) else []
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-    return TensorNotFoundError(f"{where}: no tensor named {name!r} ({len(names)} tensors: {shown}){hint}")
+    return TensorNotFoundError(f"{where}: no tensor named {name!r} ({plural(len(names), 'tensor')}: {shown}){hint}")
 
 
 class ReaderMapping(MappingABC):
