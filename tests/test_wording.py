@@ -55,3 +55,42 @@ def test_an_unknown_name_counts_the_tensors_in_the_right_number(tmp_path, names,
     with fastckpt.open(tmp_path / "m.safetensors") as f, pytest.raises(KeyError) as missing:
         f.host("nope")
     assert f"({counted})" in str(missing.value)
+
+
+def test_saver_given_a_path_first_says_to_name_it_path():
+    from fastckpt.sharded import Saver
+
+    with pytest.raises(TypeError, match=r"first argument is shard_index, got the path 'ckpt/step-1'; .*"
+                                        r"Saver\(path='ckpt/step-1', \.\.\.\)"):
+        Saver("ckpt/step-1")
+
+
+def test_the_reference_model_and_optimizers_print_their_shape_not_an_address():
+    from fastckpt.train import SGD, AdamW, TinyLM
+
+    model = TinyLM(vocab=8, dim=4, hidden=16)
+    assert repr(model) == "TinyLM(vocab=8, dim=4, hidden=16, tied=True, dropout=0.1, 212 parameters)"
+    assert repr(AdamW(model.parameters())) == ("AdamW(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.01, "
+                                               "t=0, 5 parameters)")
+    assert repr(SGD(model.parameters(), lr=0.5)).startswith("SGD(lr=0.5, momentum=0, ")
+
+
+def test_the_npz_spec_says_np_load_needs_ml_dtypes_imported_and_what_numpy_says_otherwise(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ml_dtypes
+
+    path = tmp_path / "b.npz"
+    fastckpt.save_npz(path, {"w": np.ones(2, ml_dtypes.bfloat16)})
+    without = subprocess.run([sys.executable, "-c", f"import numpy as np; np.load({str(path)!r})['w']"],
+                             capture_output=True, text=True, timeout=60)
+    numpy_says = without.stderr.strip().splitlines()[-1].split(": ", 1)[1]
+    spec = " ".join((Path(__file__).parents[1] / "docs" / "formats" / "npz.md").read_text(encoding="utf-8").split())
+    assert f"numpy says ``{numpy_says}``" in spec and "``import ml_dtypes`` before ``np.load``" in spec
+    assert "so fastckpt refuses it" not in spec  # 0.3 writes bfloat16 under its name; the spec said it refused it
+    with_ml_dtypes = subprocess.run([sys.executable, "-c", f"import ml_dtypes, numpy as np; "
+                                     f"print(np.load({str(path)!r})['w'].dtype)"], capture_output=True, text=True,
+                                    timeout=60)
+    assert with_ml_dtypes.stdout.strip() == "bfloat16"

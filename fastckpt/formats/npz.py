@@ -91,8 +91,10 @@ The member data is a ``.npy`` file, format 1.0 exactly as
   list. The ``ml_dtypes`` types (bfloat16, the float8 types, int4 ...), for
   which numpy writes a lossy ``'<V2'``, are written under their ml_dtypes name
   (``'bfloat16'``, ``'float8_e4m3fn'``): ``np.load`` reads such a member once
-  ``ml_dtypes`` is imported, fastckpt's reader always (it imports ml_dtypes
-  when a member names one). Files without them are unchanged.
+  ``ml_dtypes`` is imported (``import ml_dtypes`` before ``np.load``; without it
+  numpy says ``descr is not a valid dtype descriptor: 'bfloat16'``), fastckpt's reader always
+  (it imports ml_dtypes when a member names one). Files without them are
+  unchanged.
 
 Format 2.0 (a uint32 header length; version bytes ``\\x02\\x00``) is used only
 when the header does not fit in 65535 bytes, and 3.0 (uint32 length, UTF-8
@@ -137,9 +139,9 @@ Writers
 - A writer MUST write the file through a temporary and rename it into place
   (``fastckpt.formats.atomic``), so that a reader never sees a partial file.
 - A writer MUST NOT store object arrays (they need pickle) and MUST NOT store a
-  dtype that ``.npy`` cannot express: numpy writes ml_dtypes' ``bfloat16`` as
-  ``'<V2'``, which reads back as raw void bytes, so fastckpt refuses it (save
-  ``a.view(np.uint16)``, or use safetensors, which has ``BF16``).
+  dtype that a ``descr`` cannot name so that it reads back as itself. numpy
+  writes ml_dtypes' ``bfloat16`` as ``'<V2'`` (raw void bytes); fastckpt writes
+  it, and the other ml_dtypes types, under their own name instead (above).
 - Member names MUST be unique, relative, ``/``-separated, without ``..``
   components, backslashes or NUL.
 
