@@ -94,3 +94,20 @@ def test_the_npz_spec_says_np_load_needs_ml_dtypes_imported_and_what_numpy_says_
                                      f"print(np.load({str(path)!r})['w'].dtype)"], capture_output=True, text=True,
                                     timeout=60)
     assert with_ml_dtypes.stdout.strip() == "bfloat16"
+
+
+def test_an_error_renamed_by_two_nested_commits_names_the_temporary_once(tmp_path):
+    # A shard's error inside a staging directory passed two commits, and the message said
+    # "(written through the temporary ...)" twice.
+    import errno
+    import os
+
+    from fastckpt.formats.atomic import _naming_target
+
+    staging, final = str(tmp_path / ".d.partial"), str(tmp_path / "d")
+    inner_tmp = os.path.join(staging, ".m.safetensors.partial")
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), inner_tmp)
+    once = _naming_target(error, os.path.join(staging, "m.safetensors"), inner_tmp)
+    twice = _naming_target(once, final, staging, inside=True)
+    assert twice.filename == os.path.join(final, "m.safetensors")
+    assert str(twice).count("written through the temporary") == 1 and ".m.safetensors.partial" in str(twice)

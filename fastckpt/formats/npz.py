@@ -339,9 +339,8 @@ def _descr_of(dtype: np.dtype):
         back = None
     if back != dtype:
         raise ValueError(
-            f"dtype {dtype} cannot be stored in .npy: its descr {descr!r} reads back as {back}. "
-            "ml_dtypes types (bfloat16, float8, int4, ...) have no .npy name; save a.view(np.uint16) "
-            "(or the matching unsigned type) and record the dtype yourself, or use fastckpt.save_safetensors")
+            f"dtype {dtype} cannot be stored in .npy: its descr {descr!r} reads back as {back}, not as itself; "
+            "store its fields as arrays of their own (or a.view(np.uint8) and record the dtype yourself)")
     return descr
 
 
