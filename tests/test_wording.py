@@ -111,3 +111,14 @@ def test_an_error_renamed_by_two_nested_commits_names_the_temporary_once(tmp_pat
     twice = _naming_target(once, final, staging, inside=True)
     assert twice.filename == os.path.join(final, "m.safetensors")
     assert str(twice).count("written through the temporary") == 1 and ".m.safetensors.partial" in str(twice)
+
+
+@pytest.mark.parametrize(("command", "kinds"), [
+    ("inspect", ["Hugging Face", "TensorFlow", "training checkpoint", "sharded", "RecIS", "exit status"]),
+    ("verify", ["Hugging Face", "TensorFlow", "sharded", "RecIS", "tensor file", "exit status: 0", "1 when a problem"]),
+])
+def test_inspect_and_verify_help_name_every_kind_they_read_and_their_exit_status(command, kinds, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert [kind for kind in kinds if kind not in text] == []
