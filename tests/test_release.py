@@ -29,7 +29,9 @@ def test_the_build_reads_the_version_from_the_package_not_a_second_copy():
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fastckpt.__version__"}
     setuptools_config = pytest.importorskip("setuptools.config.pyprojecttoml")
-    built = setuptools_config.read_configuration(ROOT / "pyproject.toml", expand=True)
+    with warnings.catch_warnings():  # [tool.distutils] (the editable mode) is "experimental" to setuptools: known
+        warnings.simplefilter("ignore")
+        built = setuptools_config.read_configuration(ROOT / "pyproject.toml", expand=True)
     assert built["project"]["version"] == VERSION
 
 
@@ -88,3 +90,32 @@ def test_the_readme_says_which_writers_still_replace_and_they_do(tmp_path):
         with pytest.raises(FileExistsError):
             manager.save(1, model)
     manager.close()
+
+
+def test_the_test_extra_names_a_boto3_window_that_aiobotocores_botocore_allows():
+    # moto takes any boto3, and every boto3 1.X.N wants botocore >=1.X.N,<1.(X+1); s3fs's aiobotocore wants one narrow
+    # botocore window. Left open, pip tried boto3 releases newest first and walked back through 20 of them on a fresh
+    # machine. The extra names both windows, and they agree with the installed aiobotocore's own requirement.
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    extra = {r.name: r for r in map(Requirement, project["project"]["optional-dependencies"]["test"])}
+    boto3, aiobotocore = extra["boto3"].specifier, extra["aiobotocore"].specifier
+    assert any(s.operator == "<" for s in boto3) and any(s.operator == "<" for s in aiobotocore)
+    try:
+        installed = importlib.metadata.version("aiobotocore")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("aiobotocore is not installed")
+    if installed not in aiobotocore:
+        pytest.skip(f"the installed aiobotocore {installed} is outside the extra's window {aiobotocore}")
+    botocore = next(Requirement(r).specifier for r in importlib.metadata.requires("aiobotocore") or ()
+                    if Requirement(r).name == "botocore")
+    newest_boto3 = max(Version(s.version) for s in boto3 if s.operator == "<")
+    # The newest boto3 the window allows (just under its bound) needs botocore >= itself: aiobotocore must allow that.
+    last = Version(f"{newest_boto3.major}.{newest_boto3.minor}.{newest_boto3.micro - 1}")
+    assert str(last) in botocore, (str(boto3), str(botocore))
+    assert not any(str(Version(f"{last.major}.{last.minor}.{last.micro + k}")) in botocore for k in (1, 2)), \
+        "aiobotocore allows a newer botocore: widen the boto3 window with it"
