@@ -122,3 +122,12 @@ def test_inspect_and_verify_help_name_every_kind_they_read_and_their_exit_status
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert [kind for kind in kinds if kind not in text] == []
+
+
+@pytest.mark.parametrize("name", ["t.safetensors", "t.npz"])
+def test_save_trees_warning_of_a_replace_points_at_the_callers_line(tmp_path, name):
+    fastckpt.save_tree(tmp_path / name, {"a": np.zeros(2)})
+    with pytest.warns(FutureWarning, match="overwrite=True") as caught:
+        fastckpt.save_tree(tmp_path / name, {"a": np.ones(2)})
+    assert [w.filename for w in caught] == [__file__]
+    assert fastckpt.load_tree(tmp_path / name)["a"].tolist() == [1.0, 1.0]
