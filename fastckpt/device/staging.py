@@ -357,12 +357,16 @@ class Stager:
         import pyopencl as cl
 
         host = self.stage.hosts[slot]
+        link = getattr(self.queue, "link", None)  # a simulated discrete device's (fastckpt.device.simlink)
         events = []
         for source, buffer, at, offset, _file in batch:
             # SAFETY: the copy reads pinned memory after enqueue_copy returns; pyopencl's NannyEvent keeps the array
             # (and so the mapped buffer) alive, and no fill writes there before it has waited for this event.
-            event = cl.enqueue_copy(self.queue, buffer, host[offset:offset + len(source)], dst_offset=at,
-                                    is_blocking=False)
+            if link is not None:
+                event = link.copy(self.queue, buffer, host[offset:offset + len(source)], at)
+            else:
+                event = cl.enqueue_copy(self.queue, buffer, host[offset:offset + len(source)], dst_offset=at,
+                                        is_blocking=False)
             events.append(event)
             self.events.append(event)
         self.stage.pending[slot] = events
