@@ -167,8 +167,10 @@ def _executor(threads: int):
 
 
 def _timed_pair(case: _Case, rate: float, fill_first: bool, hosts: list, chunk: int, threads: int,
-                run_load) -> tuple[float, float]:
-    """(fill seconds, load seconds), measured back to back in the order ``fill_first`` says."""
+                run_load) -> tuple[float, float, float]:
+    """(fill seconds, load seconds, the load's own fill seconds), the fill and the load measured back to back in the
+    order ``fill_first`` says; ``run_load()`` returns the seconds during which its fill threads were writing
+    (``LoadReport.staging_fill``, ``Stager.fill_seconds``)."""
     link = case.queue.link
     link.rate = rate
     fd = None if case.read == "mmap" else case.fd
@@ -179,20 +181,24 @@ def _timed_pair(case: _Case, rate: float, fill_first: bool, hosts: list, chunk: 
         else:
             link.reset()
             began = time.perf_counter()
-            run_load()
+            filled = run_load()
             times[what] = time.perf_counter() - began
             if link.torn or link.errors:
                 raise AssertionError(f"the staged load broke its order: torn copies {link.torn[:3]}, "
                                      f"errors {link.errors[:3]}")
-    return times["fill"], times["load"]
+    return times["fill"], times["load"], filled
 
 
 def _stats(n: int, rate: float, pairs: list) -> dict:
-    fills = [n / f for f, _ in pairs]
-    loads = [n / t for _, t in pairs]
-    shares = [(n / t) / min(n / f, rate) for f, t in pairs]
-    return {"fill": statistics.median(fills), "achieved": statistics.median(loads),
-            "share": statistics.median(shares), "spread": (min(shares), max(shares))}
+    """Medians over the rounds: the fill rate measured beside each load and during it, the load's rate, and its
+    share of min(fill, link) against either fill rate (with their ranges)."""
+    beside = [(n / t) / min(n / f, rate) for f, t, _ in pairs]
+    during = [(n / t) / min(n / g, rate) for _, t, g in pairs]
+    return {"fill": statistics.median(n / f for f, _, _ in pairs),
+            "fill_during": statistics.median(n / g for _, _, g in pairs),
+            "achieved": statistics.median(n / t for _, t, _ in pairs),
+            "share": statistics.median(beside), "spread": (min(beside), max(beside)),
+            "share_during": statistics.median(during), "spread_during": (min(during), max(during))}
 
 
 def _headline(case: _Case, links, rates, repeat: int) -> list:
@@ -208,7 +214,10 @@ def _headline(case: _Case, links, rates, repeat: int) -> list:
     shuffle = random.Random(0).shuffle
 
     def run_load():
-        case.load().release()
+        loaded = case.load()
+        filled = loaded.report.staging_fill
+        loaded.release()
+        return filled
 
     for r in range(repeat):
         shuffle(order)
@@ -247,6 +256,7 @@ def _sweep(case: _Case, links, rates, buffers, chunks, threads: int, repeat: int
                     cl.wait_for_events(events)
                 finally:
                     stager.close()
+                return stager.fill_seconds
 
             run_load()
             hosts = _hosts(pool, case.queue, chunk, count)
@@ -260,6 +270,11 @@ def _sweep(case: _Case, links, rates, buffers, chunks, threads: int, repeat: int
             del hosts
             pool.clear()
     return rows
+
+
+def _share(s: dict, which: str) -> str:
+    low, high = s[f"spread{which}"]
+    return f"{s[f'share{which}']:.2f} ({low:.2f}-{high:.2f})"
 
 
 def _gbs(x: float) -> str:
@@ -327,16 +342,20 @@ def run(args) -> int:
             print(f"### simulated link: staged load_file of {case.nbytes >> 20} MiB ({count} float32 tensors), "
                   f"warm pool, fill by {args.read} on {shape[2]} threads ({_cpus()} cores)\n")
             print(f"Fill rate measured first: {_gbs(fill)} GB/s (median of 5); links scaled by "
-                  f"{fill / 1e9:.3g} / {args.ref_fill:g}. Shares are medians of per-round load / min(fill measured "
-                  f"next to it, link); the machine is shared, so fill rates move from round to round.\n")
+                  f"{fill / 1e9:.3g} / {args.ref_fill:g}. Shares are medians (and ranges) over the rounds of load "
+                  f"rate / min(fill, link), with the fill rate measured beside the load (the same bytes into the "
+                  f"same buffers on as many threads, just before or after it) or during it (its bytes over the "
+                  f"seconds during which its fill threads were writing). The machine is shared: fill rates move "
+                  f"from second to second, which the second measure follows.\n")
             rows = _headline(case, links, rates, args.repeat)
-            header = ["link (GB/s, real)", "simulated link (GB/s)", "fill (GB/s)", "achieved (GB/s)",
-                      "share of min(fill, link)", "share range", "buffers x chunk", "exact"]
-            lines = [[f"{link:g}", _gbs(rate), _gbs(s["fill"]), _gbs(s["achieved"]), f"{s['share']:.2f}",
-                      f"{s['spread'][0]:.2f}-{s['spread'][1]:.2f}", f"{b} x {c >> 20} MiB", "yes" if ok else "NO"]
+            header = ["link (GB/s, real)", "simulated link (GB/s)", "fill beside (GB/s)", "fill during (GB/s)",
+                      "achieved (GB/s)", "share of min(fill beside, link)", "share of min(fill during, link)",
+                      "buffers x chunk", "exact"]
+            lines = [[f"{link:g}", _gbs(rate), _gbs(s["fill"]), _gbs(s["fill_during"]), _gbs(s["achieved"]),
+                      _share(s, ""), _share(s, "_during"), f"{b} x {c / 2**20:g} MiB", "yes" if ok else "NO"]
                      for link, rate, s, (b, c, _t), ok in rows]
-            print("\n".join(table_lines(header, lines, "rrrrrrlr")), end="\n\n")
-            missed = [link for link, _r, s, _shape, ok in rows if s["share"] < TARGET or not ok]
+            print("\n".join(table_lines(header, lines, "rrrrrrrlr")), end="\n\n")
+            missed = [link for link, _r, s, _shape, ok in rows if s["share_during"] < TARGET or not ok]
             if not args.no_sweep:
                 sweep_links = _floats(args.sweep_links)
                 buffers = [int(x) for x in args.buffers.split(",")]
@@ -346,16 +365,16 @@ def run(args) -> int:
                 sweep = _sweep(case, sweep_links, scaled_rates(sweep_links, fill, args.ref_fill), buffers, chunks,
                                shape[2], args.repeat)
                 print(f"### sweep: the staging pipeline with each buffer count and chunk ({shape[2]} fill threads)\n")
-                header = ["link (GB/s, real)", "buffers x chunk", "fill (GB/s)", "achieved (GB/s)",
-                          "share of min(fill, link)", "share range"]
-                lines = [[f"{link:g}", f"{b} x {c / 2**20:g} MiB", _gbs(s["fill"]), _gbs(s["achieved"]),
-                          f"{s['share']:.2f}", f"{s['spread'][0]:.2f}-{s['spread'][1]:.2f}"]
+                header = ["link (GB/s, real)", "buffers x chunk", "fill beside (GB/s)", "fill during (GB/s)",
+                          "achieved (GB/s)", "share of min(fill beside, link)", "share of min(fill during, link)"]
+                lines = [[f"{link:g}", f"{b} x {c / 2**20:g} MiB", _gbs(s["fill"]), _gbs(s["fill_during"]),
+                          _gbs(s["achieved"]), _share(s, ""), _share(s, "_during")]
                          for link, _r, b, c, s in sweep]
-                print("\n".join(table_lines(header, lines, "rlrrrr")), end="\n\n")
+                print("\n".join(table_lines(header, lines, "rlrrrrr")), end="\n\n")
                 for link in sweep_links:
-                    best = max((r for r in sweep if r[0] == link), key=lambda r: r[4]["share"])
+                    best = max((r for r in sweep if r[0] == link), key=lambda r: r[4]["share_during"])
                     print(f"- best at {link:g} GB/s: {best[2]} x {best[3] / 2**20:g} MiB, share "
-                          f"{best[4]['share']:.2f}")
+                          f"{best[4]['share_during']:.2f} (of min(fill during, link))")
                 print()
             default_shape = staging_shape(case.nbytes, shape[1])
             print(f"- staging_shape for this load: {default_shape}")
