@@ -203,3 +203,19 @@ def test_link_suite(tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| 2 |") or line.startswith("| 40 |")]
     assert len(rows) == 2 + 4 and all(row.endswith("| yes |") for row in rows[:2]), out
     assert "best at 40 GB/s" in out and ("- met:" in out or "- MISSED:" in out)
+
+
+def test_a_fill_that_does_not_wait_for_the_copies_is_caught(tmp_path, device, sim, monkeypatch):
+    # The order test above can fail: fills that overwrite a staging buffer still on the link are seen.
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "_wait_events", lambda events: None)
+    monkeypatch.setattr(staging, "_cpus", lambda: 1)
+    path = tmp_path / "m.safetensors"
+    chunk = 64 << 10
+    tensors = {"w": sample(np.uint8, (12 * chunk,), 5)}
+    write_raw_safetensors(path, tensors)
+    queue = sim(20e6)
+    loaded = load_file(path, queue, pool=None, staging=chunk)
+    assert queue.link.torn
+    assert loaded["w"].to_host().tobytes() != tensors["w"].tobytes()
