@@ -201,7 +201,8 @@ def test_link_suite(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| link (GB/s, real) | simulated link (GB/s) | fill (GB/s) |" in out
     rows = [line for line in out.splitlines() if line.startswith("| 2 |") or line.startswith("| 40 |")]
-    assert len(rows) == 2 + 4 and all(row.endswith("| yes |") for row in rows[:2]), out
+    assert len(rows) == 2 + 5 and all(row.endswith("| yes |") for row in rows[:2]), out  # the sweep: 4 + default
+    assert "| vs. default |" in out and rows[2].endswith("| 1.00x |"), "the default shape first, against itself"
     assert "best at 40 GB/s" in out and ("- met:" in out or "- MISSED:" in out)
 
 

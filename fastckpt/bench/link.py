@@ -54,8 +54,8 @@ __all__ = ["configure", "run", "fill_time", "scaled_rates"]
 REF_FILL = 40.0  # GB/s a 16-core GPU host fills pinned staging memory at (gpu-notes: 38-52 on 12 threads)
 LINKS = (2.0, 5.0, 10.0, 25.0, 40.0, 50.0)
 SWEEP_LINKS = (25.0, 40.0, 50.0)
-BUFFERS = (2, 3, 4, 6)
-CHUNKS = (4, 8, 16, 32, 64)  # MiB
+BUFFERS = (3, 6)  # every shape's buffers are held at once: 9 shapes of these hold 828 MiB
+CHUNKS = (4, 8, 16, 64)  # MiB
 TARGET = 0.9  # of min(fill, link)
 SIZES = {False: (16, 4 << 20), True: (8, 1 << 20)}  # --quick: (tensors, float32 elements each)
 
@@ -230,8 +230,10 @@ def _headline(case: _Case, links, rates, repeat: int) -> list:
     return rows
 
 
-def _sweep(case: _Case, links, rates, buffers, chunks, threads: int, repeat: int) -> list:
-    """The :class:`~fastckpt.device.staging.Stager` with each shape at each rate: rows of the sweep table."""
+def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repeat: int) -> list:
+    """The :class:`~fastckpt.device.staging.Stager` with each ``(buffers, chunk)`` of ``shapes`` at each rate, the
+    shapes in a shuffled order within every round and rate (all of them held at once, each in a pool of its own), so
+    that each is compared with ``default`` in the same round: rows of the sweep table."""
     import pyopencl as cl
 
     from fastckpt.device.pool import PersistentBufferPool
@@ -240,35 +242,48 @@ def _sweep(case: _Case, links, rates, buffers, chunks, threads: int, repeat: int
     ctx = case.queue.context
     target = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, case.nbytes)
     ptr = target.int_ptr
+    shapes = list(dict.fromkeys([default, *shapes]))
+    runs, hosts, pools = {}, {}, []
+    for count, chunk in shapes:
+        shape = Shape(chunk, count, threads)
+        pool = PersistentBufferPool(ctx, case.queue)
+        pools.append(pool)
+
+        def run_load(shape=shape, pool=pool):
+            events: list = []
+            stager = Stager(case.queue, pool, shape, events, True)
+            try:
+                stager.add(case.data, target, 0, file=None if case.read == "mmap" else
+                           (case.fd, case.start, case.path))
+                stager.finish()
+                cl.wait_for_events(events)
+            finally:
+                stager.close()
+            return stager.fill_seconds
+
+        run_load()
+        runs[(count, chunk)] = run_load
+        hosts[(count, chunk)] = _hosts(pool, case.queue, chunk, count)
+    pairs: dict = {(key, link): [] for key in shapes for link in links}
+    order = list(shapes)
+    shuffle = random.Random(1).shuffle
+    for r in range(repeat):
+        for link, rate in zip(links, rates):
+            shuffle(order)
+            for key in order:
+                pairs[(key, link)].append(_timed_pair(case, rate, r % 2 == 0, hosts[key], key[1], threads,
+                                                      runs[key]))
+                case.queue.link.check(lambda b, at, n: case.data[at:at + n] if b == ptr else None)
     rows = []
-    for count in buffers:
-        for chunk in chunks:
-            shape = Shape(chunk, count, threads)
-            pool = PersistentBufferPool(ctx, case.queue)
-
-            def run_load(shape=shape, pool=pool):
-                events: list = []
-                stager = Stager(case.queue, pool, shape, events, True)
-                try:
-                    stager.add(case.data, target, 0, file=None if case.read == "mmap" else
-                               (case.fd, case.start, case.path))
-                    stager.finish()
-                    cl.wait_for_events(events)
-                finally:
-                    stager.close()
-                return stager.fill_seconds
-
-            run_load()
-            hosts = _hosts(pool, case.queue, chunk, count)
-            pairs: dict = {link: [] for link in links}
-            for r in range(repeat):
-                for link, rate in zip(links, rates):
-                    pairs[link].append(_timed_pair(case, rate, r % 2 == 0, hosts, chunk, threads, run_load))
-                    case.queue.link.check(lambda b, at, n: case.data[at:at + n] if b == ptr else None)
-            for link, rate in zip(links, rates):
-                rows.append((link, rate, count, chunk, _stats(case.nbytes, rate, pairs[link])))
-            del hosts
-            pool.clear()
+    for link, rate in zip(links, rates):
+        for key in shapes:
+            stats = _stats(case.nbytes, rate, pairs[(key, link)])
+            stats["vs_default"] = statistics.median(d[1] / p[1] for d, p in zip(pairs[(default, link)],
+                                                                                pairs[(key, link)]))
+            rows.append((link, rate, key[0], key[1], stats))
+    hosts.clear()
+    for pool in pools:
+        pool.clear()
     return rows
 
 
@@ -362,15 +377,20 @@ def run(args) -> int:
                 chunks = [int(x) << 20 for x in args.chunks.split(",")]
                 if args.quick:
                     chunks = [c >> 4 for c in chunks]
-                sweep = _sweep(case, sweep_links, scaled_rates(sweep_links, fill, args.ref_fill), buffers, chunks,
-                               shape[2], args.repeat)
+                shapes = [(b, c) for b in buffers for c in chunks]
+                sweep = _sweep(case, sweep_links, scaled_rates(sweep_links, fill, args.ref_fill), shapes,
+                               (shape[0], shape[1]), shape[2], args.repeat)
                 print(f"### sweep: the staging pipeline with each buffer count and chunk ({shape[2]} fill threads)\n")
+                print(f"Every shape ran once per round and link rate, in a shuffled order; \"vs. default\" is the "
+                      f"median over the rounds of its rate over the default shape's ({shape[0]} x "
+                      f"{shape[1] / 2**20:g} MiB) in the same round.\n")
                 header = ["link (GB/s, real)", "buffers x chunk", "fill beside (GB/s)", "fill during (GB/s)",
-                          "achieved (GB/s)", "share of min(fill beside, link)", "share of min(fill during, link)"]
+                          "achieved (GB/s)", "share of min(fill beside, link)", "share of min(fill during, link)",
+                          "vs. default"]
                 lines = [[f"{link:g}", f"{b} x {c / 2**20:g} MiB", _gbs(s["fill"]), _gbs(s["fill_during"]),
-                          _gbs(s["achieved"]), _share(s, ""), _share(s, "_during")]
+                          _gbs(s["achieved"]), _share(s, ""), _share(s, "_during"), f"{s['vs_default']:.2f}x"]
                          for link, _r, b, c, s in sweep]
-                print("\n".join(table_lines(header, lines, "rlrrrrr")), end="\n\n")
+                print("\n".join(table_lines(header, lines, "rlrrrrrr")), end="\n\n")
                 for link in sweep_links:
                     best = max((r for r in sweep if r[0] == link), key=lambda r: r[4]["share_during"])
                     print(f"- best at {link:g} GB/s: {best[2]} x {best[3] / 2**20:g} MiB, share "
