@@ -199,7 +199,7 @@ def test_link_suite(tmp_path, capsys):
     assert main(["bench", "--suite", "link", "--quick", "--repeat", "1", "--links", "2,40", "--sweep-links", "40",
                  "--buffers", "2,3", "--chunks", "16,64", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| link (GB/s, real) | simulated link (GB/s) | fill (GB/s) |" in out
+    assert "| link (GB/s, real) | simulated link (GB/s) | fill beside (GB/s) | fill during (GB/s) |" in out
     rows = [line for line in out.splitlines() if line.startswith("| 2 |") or line.startswith("| 40 |")]
     assert len(rows) == 2 + 5 and all(row.endswith("| yes |") for row in rows[:2]), out  # the sweep: 4 + default
     assert "| vs. default |" in out and rows[2].endswith("| 1.00x |"), "the default shape first, against itself"
