@@ -69,19 +69,20 @@ import numpy as np
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
 
-__all__ = ["Stager", "Shape", "batch_chunk", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND", "MIN_BATCHES",
-           "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
+__all__ = ["Stager", "Shape", "batch_chunk", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND",
+           "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
 STAGING_CHUNK = 64 * 1024 * 1024
 STAGING_ROUND = 1024 * 1024
 # A load of up to MIN_BATCHES chunks goes in MIN_BATCHES smaller ones (STAGING_ROUND bytes at least): a pipeline of B
-# batches loses about one batch of its slower stage to the start (the first fill, which no copy overlaps) and the end
-# (the last copy), up to 1 / (B + 1) of the load where fill and link run at the same rate. Over a simulated link (bench
-# --suite link, 256 MiB on this project's 2-core VM) 4 batches of 64 MiB reached 0.71-0.87 of min(fill, link) where the
-# link ran at 0.6-1.25 times the fill rate; 16 batches bound that loss to 6%. Loads of 1 GiB or more keep
-# STAGING_CHUNK, the chunk measured best on an H200 (shared/reference/gpu-notes.md).
+# batches loses about one batch of its slower stage to the start (the first fill, which no copy overlaps) and to
+# the end (the last copy), up to 1 / (B + 1) of the load where fill and link run at the same rate. Over a simulated link
+# (bench --suite link, 256 MiB, 2 fill threads on this project's shared 2-core VM, links at 0.6-1.25x the fill rate,
+# medians of 5 rounds, each shape against the default in the same round) 4 batches of 64 MiB ran at 0.80-0.86x the
+# rate of 16 batches of 16 MiB; 8 and 4 MiB chunks, or 6 buffers instead of 3, were no better beyond the noise (0.75-
+# 1.24x). Loads of 1 GiB or more keep STAGING_CHUNK, the chunk measured best on an H200 (shared/reference/gpu-notes.md).
 MIN_BATCHES = 16
 
 # One fill task copies at least this many bytes (a smaller one costs more in hand-over than the copy gains), and a
