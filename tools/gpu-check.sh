@@ -129,6 +129,7 @@ echo "== summary"
 cat "$OUT/device.txt"
 echo "device tests: $tests_line"
 awk '/^### \(d\)/{on=1} on&&/^$/&&seen{exit} on{print; if (/^\|/) seen=1}' "$OUT/bench.md"
+echo "cold: $(head -1 "$OUT/cold.md" | sed 's/^### cold: //')"
 grep -E "^\|" "$OUT/cold.md" || true
 grep -hE "^- (met|MISSED)" "$OUT/bench.md" "$OUT/model.md" "$OUT/cold.md" || true
 exit "$tests_rc"
