@@ -34,7 +34,6 @@ import contextlib
 import errno
 import importlib
 import os
-import re
 import stat
 import threading
 from typing import Callable, Iterable, Mapping
@@ -46,6 +45,7 @@ from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.info import TensorInfo
+from fastckpt.store.names import parse_step
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
            "DIRECTORY_READERS", "guard", "mappings_of"]
@@ -486,7 +486,7 @@ def _what_directory_is(path: str) -> str:
         what = ("only the temporary files (*.partial) of an interrupted save" if found
                 else "nothing (an empty directory)")
         return f"it holds {what}. {_OPENABLE}"
-    steps = sorted((int(n[5:]), n) for n, d in found if d and re.fullmatch(r"step-\d+", n)
+    steps = sorted((step, n) for n, d in found if d and (step := parse_step(n)) is not None
                    and os.path.isfile(os.path.join(path, n, "manifest.json")))
     if steps:
         latest = os.path.join(path, steps[-1][1])
