@@ -1112,6 +1112,7 @@ cdef class BundleIndex(TensorIndex):
         cdef int64_t start = self.shape_at[i]
         cdef int nd = <int>(self.shape_at[i + 1] - start)
         cdef uint32_t crc
+        cdef void* hold
         if not (self.flags[i] & VIEWABLE) or nd > _MAX_DIMS:
             return None
         if ref is None or ref.shard != shard:
@@ -1130,14 +1131,14 @@ cdef class BundleIndex(TensorIndex):
             return None
         if self._verify:
             # The checksum reads the mapping: a shard truncated under it is a FormatError, not SIGBUS.
-            guard_enter(block, m.path, self.names[i])
+            guard_enter(block, m.path, self.names[i], &hold)
             try:
                 if nbytes >= _LARGE_CRC:
                     crc = _crc32c.crc32c(memoryview(block)[offset:offset + nbytes])
                 else:
                     crc = fastckpt_crc32c(0, block.ptr + offset, <size_t>nbytes)
             finally:
-                guard_exit(block, m.path, self.names[i])
+                guard_exit(block, hold, m.path, self.names[i])
             if mask_crc(crc) != <uint32_t>self.extras[3 * i + 2]:
                 return None  # the general path raises ChecksumMismatchError
         # SAFETY: checked above: the shard's mapping holds the tensor's nbytes (product of dims times itemsize,

@@ -41,14 +41,14 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from fastckpt._native.mapped import MappedFile
+from fastckpt._native.mapped import MappedFile, held_guards
 from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.info import TensorInfo
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
-           "DIRECTORY_READERS", "guard", "mappings_of"]
+           "DIRECTORY_READERS", "guard", "held_guards", "mappings_of"]
 
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
 
@@ -242,6 +242,10 @@ def guard(reader, what: str) -> contextlib.ExitStack:
     """:meth:`MappedFile.guard <fastckpt._native.mapped.MappedFile.guard>` over every mapping of ``reader``
     (:func:`mappings_of`): copies made of its tensors inside the block raise
     :class:`~fastckpt.errors.FormatError` where a file was truncated under them, never SIGBUS.
+
+    The guards cover the calling thread (and the worker threads of native runtimes, BLAKE3's and OpenCL's,
+    that copy for it). A Python thread pool that copies for the block runs its tasks under
+    :func:`held_guards`: ``scope = held_guards(); pool.submit(scope.run, copy, ...)``.
 
     >>> import fastckpt, numpy as np, tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(2)})
