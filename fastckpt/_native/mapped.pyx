@@ -17,9 +17,13 @@ Lifetime rules (the same discipline as h5py's handles):
   untouched. A file truncated in place makes the kernel send SIGBUS on access
   past its new end; fastckpt never truncates, and every copy it makes out of a
   mapping runs under ``guard()``, which turns that into a ``FormatError``
-  ("truncated or replaced while reading"). Views handed out are plain mapped
-  memory: after such a truncation, reading one kills the process as any
-  mapping would (``backend="pread"`` hands out copies instead).
+  ("truncated or replaced while reading") and poisons the handle: every later
+  ``view``, ``array``, ``read`` and guard raises the same error. Views handed
+  out are plain mapped memory: one made before the fault reads zeros from the
+  first missing page on; read outside any guard after such a truncation (in a
+  thread that holds no guard), one kills the process as any mapping would
+  (``backend="pread"`` hands out copies instead). Every SIGBUS that is not the
+  guard's goes to the handler installed before it (see ``guard()``).
 
 ``backend="pread"`` serves filesystems that cannot map (some network and FUSE
 filesystems): the same API, but each ``view()`` reads its bytes into a fresh
@@ -1003,14 +1007,22 @@ cdef class MappedFile:
         killing the process with SIGBUS.
 
         Every copy fastckpt makes out of a mapping (host copies, device loads, staging fills, hashing,
-        conversions) runs under it, in whichever thread makes the copy: a page that is no longer in the file
-        reads as zeros and, on leaving the block, :class:`~fastckpt.errors.FormatError` names the file and
-        says it was "truncated or replaced while reading" ``what``. The mapping remembers it: every later
-        guard over it raises at once (its pages from the first missing one on now read as zeros, so no later
-        read of the mapping can be trusted). Views handed out stay plain
-        mapped memory: reading one outside a guard after the file shrank is SIGBUS, as for any mapping
-        (``backend="pread"`` makes copies instead). A no-op for the pread and memory backends. Guards nest
-        and may be held by several threads at once.
+        conversions) runs under it: a page that is no longer in the file reads as zeros and, on leaving the
+        block, :class:`~fastckpt.errors.FormatError` names the file and says it was "truncated or replaced
+        while reading" ``what``. The mapping remembers it: every later guard, ``view``, ``array`` and
+        ``read`` of it raises the same error at once (its pages from the first missing one on now read as
+        zeros, so nothing read from it can be trusted). Views made before stay plain mapped memory and read
+        those zeros; ``backend="pread"`` makes copies instead. A no-op for the pread and memory backends.
+
+        A guard covers the thread that entered it, and the worker threads of native runtimes (threads
+        without a Python thread state: BLAKE3's, the OpenCL runtime's) while it is held; a Python worker
+        thread that copies for the guarded call runs under :func:`held_guards`. A fault anywhere else, a
+        plain view read in another Python thread included, and every SIGBUS sent with ``kill``, goes to the
+        handler installed before the guard's (a ``signal.signal`` handler, a C handler, ``faulthandler``, or
+        the default action, which ends the process), every time; entering a guard puts the guard's handler
+        back in front if something replaced it. There is no limit on how many mappings are guarded at once.
+        Guards nest, may be held by several threads at once, and cost no system call when nested in a guard
+        over the same mapping.
 
         >>> import tempfile, os
         >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 8192); os.close(fd)

@@ -243,14 +243,20 @@ def guard(reader, what: str) -> contextlib.ExitStack:
     (:func:`mappings_of`): copies made of its tensors inside the block raise
     :class:`~fastckpt.errors.FormatError` where a file was truncated under them, never SIGBUS.
 
-    The guards cover the calling thread (and the worker threads of native runtimes, BLAKE3's and OpenCL's,
-    that copy for it). A Python thread pool that copies for the block runs its tasks under
-    :func:`held_guards`: ``scope = held_guards(); pool.submit(scope.run, copy, ...)``.
-
     >>> import fastckpt, numpy as np, tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(2)})
     >>> with fastckpt.open(p) as f, guard(f, "a copy"):
     ...     np.array(f.host("a")).tolist()
+    [1.0, 1.0]
+
+    The guards cover the calling thread (and the worker threads of native runtimes, BLAKE3's and OpenCL's,
+    that copy for it). A Python thread pool that copies for the block runs its tasks under
+    :func:`held_guards`, which covers them as the calling thread:
+
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> with fastckpt.open(p) as f, guard(f, "a copy"), ThreadPoolExecutor(1) as pool:
+    ...     scope = held_guards()
+    ...     pool.submit(scope.run, np.array, f.host("a")).result().tolist()
     [1.0, 1.0]
     """
     stack = contextlib.ExitStack()
