@@ -30,7 +30,8 @@ cdef class _Block:
 
 # The truncation guard of MappedFile.guard() for native loops that read a mapping: enter (``hold`` receives this
 # thread's hold), read, exit (which raises FormatError where the file was truncated under the reads).
-cdef int guard_enter(_Block b, object path, object what, void** hold, bint check=*) except -1
+cdef int guard_check() except -1
+cdef int guard_enter(_Block b, object path, object what, void** hold, int check=*) except -1
 cdef int guard_exit(_Block b, void* hold, object path, object what) except -1
 # Raises the mapping's FormatError once a guarded read met a truncation in it: every view made after that.
 cdef int poisoned(_Block b) except -1

@@ -461,14 +461,23 @@ cdef int poisoned(_Block b) except -1:
     return 0
 
 
-cdef int guard_enter(_Block b, object path, object what, void** hold, bint check=False) except -1:
+cdef int guard_check() except -1:
+    """Check with a system call that the SIGBUS handler is installed, putting it back in front if something
+    replaced it (``faulthandler.enable()``, ``signal.signal``, C code)."""
+    if fc_guard_install() != 0:
+        e = errno
+        raise OSError(e, f"cannot install the SIGBUS handler: {strerror(e).decode()}")
+    return 0
+
+
+cdef int guard_enter(_Block b, object path, object what, void** hold, int check=-1) except -1:
     """Open a guard of this thread over ``b`` (see :meth:`MappedFile.guard`); ``hold[0]`` is what
     :func:`guard_exit` takes. Raises at once if the mapping already met a truncation.
 
-    A no-op (``hold[0]`` NULL) for memory that is not a file's mapping (what ``from_buffer`` holds). Checks with
-    a system call that the SIGBUS handler is installed (putting it back in front if something replaced it:
-    ``faulthandler.enable()``, ``signal.signal``) when ``check`` is set and whenever the mapping has no guard
-    open yet; a guard nested in another over the same mapping costs no system call."""
+    A no-op (``hold[0]`` NULL) for memory that is not a file's mapping (what ``from_buffer`` holds). Runs
+    :func:`guard_check` (a system call) when ``check`` is 1, never when it is 0 (a loop that checked before
+    it), and by default (-1) when the mapping has no guard open yet: a guard nested in another over the same
+    mapping costs no system call."""
     cdef fc_cell* cell
     cdef fc_hold* h
     hold[0] = NULL
@@ -477,10 +486,8 @@ cdef int guard_enter(_Block b, object path, object what, void** hold, bint check
     if b.fault_message is not None or (b.cell != NULL and fc_cell_fault(<fc_cell*>b.cell) != 0):
         _note_fault(b, fc_cell_fault(<fc_cell*>b.cell) if b.cell != NULL else 0, path, what)
         raise FormatError(b.fault_message)
-    if check or b.guards == 0:
-        if fc_guard_install() != 0:
-            e = errno
-            raise OSError(e, f"cannot install the SIGBUS handler: {strerror(e).decode()}")
+    if check == 1 or (check < 0 and b.guards == 0):
+        guard_check()
     cell = <fc_cell*>b.cell
     if cell == NULL:
         cell = fc_cell_claim(<uintptr_t>b.ptr, <uintptr_t>b.ptr + <uintptr_t>b.size,
@@ -550,7 +557,7 @@ cdef class _Guard:
     def __enter__(self):
         cdef void* h
         if self._block is not None:
-            guard_enter(self._block, self._path, self._what, &h, True)
+            guard_enter(self._block, self._path, self._what, &h)
             if self._hold != NULL:
                 if self._outer is None:
                     self._outer = []
