@@ -312,3 +312,89 @@ def test_tf_reader_is_poisoned_after_a_caught_fault(tmp_path):
     ''', tmp_path)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stderr[-2000:]}"
     assert r.stdout.strip() == "[True, True, True]"
+
+
+def test_random_guard_traffic_in_threads(tmp_path):
+    # Seeded random traffic: 6 threads enter and leave guards (nested, the same guard object re-entered, some
+    # left by another thread) over 40 mappings, half of them truncated, and copy under them. Every copy of an
+    # intact file is exact, every copy of a truncated one is a FormatError naming it, nothing dies, and no
+    # thread holds a guard at the end.
+    r = run('''
+    import queue, random
+    from fastckpt._native.mapped import held_guards
+    files = []
+    for i in range(40):
+        p = os.path.join(d, f"f{i}")
+        np.arange(4096, dtype=np.int64).tofile(p)  # 32 KiB
+        files.append((p, MappedFile(p), i % 2 == 0))
+    for p, m, cut in files:
+        if cut:
+            os.truncate(p, 4096)
+    handoff = queue.Queue()
+    problems = []
+    counts = {"exact": 0, "caught": 0, "handed": 0}
+
+    def copy(p, m, cut):
+        try:
+            with m.guard("a copy"):
+                got = np.array(m.array(0, np.int64, (4096,)))
+        except FormatError as e:
+            if not cut or p not in str(e):
+                problems.append(("unexpected error", p, str(e)[:200]))
+            counts["caught"] += 1
+            return
+        if cut or got.tolist() != list(range(4096)):
+            problems.append(("wrong copy", p))
+        counts["exact"] += 1
+
+    def work(seed):
+        rng = random.Random(seed)
+        for _ in range(300):
+            p, m, cut = files[rng.randrange(len(files))]
+            involved = [cut]
+            action = rng.randrange(4)
+            try:
+                if action == 0:
+                    copy(p, m, cut)
+                elif action == 1:  # nested guards over two files, the same object entered twice
+                    q, n, cut2 = files[rng.randrange(len(files))]
+                    involved.append(cut2)
+                    g = m.guard("outer")
+                    with g, n.guard("inner"), g:
+                        copy(q, n, cut2)
+                elif action == 2:  # entered here, left by whichever thread takes it
+                    g = m.guard("handed over")
+                    g.__enter__()
+                    handoff.put(g)
+                else:
+                    try:
+                        g = handoff.get_nowait()
+                    except queue.Empty:
+                        continue
+                    try:
+                        g.__exit__(None, None, None)
+                    except FormatError:
+                        pass
+                    counts["handed"] += 1
+            except FormatError as e:  # a guard over a file that met a truncation refuses at once, or raises
+                if not any(involved):
+                    problems.append(("error over intact files", str(e)[:200]))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    while not handoff.empty():
+        try:
+            handoff.get().__exit__(None, None, None)
+        except FormatError:
+            pass
+    print("HELD", len(held_guards()))
+    for p, m, cut in files:
+        if not cut:
+            with m.guard("last"):
+                assert np.array(m.array(0, np.int64, (4096,))).tolist() == list(range(4096))
+    print("PROBLEMS", problems[:3])
+    print("COUNTS", counts["exact"] > 0, counts["caught"] > 0, counts["handed"] > 0)
+    ''', tmp_path)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert "HELD 0" in r.stdout and "PROBLEMS []" in r.stdout and "COUNTS True True True" in r.stdout, r.stdout
