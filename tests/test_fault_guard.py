@@ -159,8 +159,8 @@ def test_faulthandler_enabled_after_first_guarded_read_tf_native_paths(path, tmp
             print("FORMATERROR", e)
     ''', tmp_path, path)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
-    assert "FORMATERROR" in r.stdout and "ckpt.data-00000-of-00001: the file was truncated or replaced while reading b" \
-        in r.stdout, r.stdout
+    expected = "ckpt.data-00000-of-00001: the file was truncated or replaced while reading b"
+    assert "FORMATERROR" in r.stdout and expected in r.stdout, r.stdout
 
 
 def test_faulthandler_enabled_before_fastckpt_reports_a_fault_outside_guards(tmp_path):
@@ -398,3 +398,65 @@ def test_random_guard_traffic_in_threads(tmp_path):
     ''', tmp_path)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
     assert "HELD 0" in r.stdout and "PROBLEMS []" in r.stdout and "COUNTS True True True" in r.stdout, r.stdout
+
+
+def test_guard_is_sticky_and_views_outside_it_still_fault(tmp_path):
+    # A mapping that met a truncation fails every later guard at once (its lost pages now read as zeros); a
+    # view read outside any guard is the plain mapping, SIGBUS as documented (docs/reading.md).
+    r = run('''
+    p, m = shrunk("a", 1 << 22)
+    first = caught(m)
+    assert first and "truncated or replaced while reading the test copy" in first and p in first, first
+    assert "byte " in first and "now has 4096 bytes" in first, first
+    assert caught(m, "again") == first  # no fault this time: the pages read zeros, the mapping remembers
+    with MappedFile(p) as fresh, fresh.guard("the first page"):
+        assert np.array(fresh.array(0, np.int64, (512,))).tolist() == list(range(512))
+    print("GUARDED OK", flush=True)
+    _, other = shrunk("b", 1 << 22)
+    np.array(other.array(0, np.int64, (other.size // 8,)))  # no guard: the process dies here
+    print("NOT REACHED")
+    ''', tmp_path)
+    assert "GUARDED OK" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == -signal.SIGBUS and "NOT REACHED" not in r.stdout
+
+
+def test_guard_survives_faulthandler_enabled_after_it(tmp_path):
+    # faulthandler.enable() replaces the SIGBUS handler; the next guard puts its own back in front (passing
+    # faults outside any guard on to faulthandler's, which reports them and ends the process).
+    r = run('''
+    _, m = shrunk("a", 1 << 22)
+    intact_guarded_read()
+    faulthandler.enable()
+    print(caught(m) is not None, flush=True)
+    _, other = shrunk("b", 1 << 22)
+    np.array(other.array(0, np.int64, (other.size // 8,)))
+    ''', tmp_path)
+    assert r.stdout.split()[0] == "True", r.stderr[-2000:]
+    assert r.returncode == -signal.SIGBUS and "Fatal Python error: Bus error" in r.stderr  # faulthandler's report
+
+
+def test_guards_in_threads_each_report_their_own_file(tmp_path):
+    r = run('''
+    files = [shrunk(f"f{i}", 1 << 22) for i in range(4)]
+    intact = os.path.join(d, "intact")
+    np.arange(1 << 19, dtype=np.int64).tofile(intact)
+    results = {}
+
+    def work(i):
+        for _ in range(20):
+            if i < 4:
+                p, m = files[i]
+                message = caught(m)
+                results[i] = message is not None and p in message
+            else:
+                with MappedFile(intact) as m, m.guard("it"):
+                    copied = np.array(m.array(0, np.int64, (1 << 19,)))
+                results[i] = copied.tolist() == list(range(1 << 19))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print(sorted(results.items()))
+    ''', tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == str([(i, True) for i in range(6)])

@@ -116,8 +116,8 @@ cdef extern from "<fcntl.h>" nogil:
 # same file) is not covered: its fault goes where it would without fastckpt. fastckpt's own worker threads
 # enter the guards of the call they work for (held_guards()).
 #
-# Both tables grow in chunks that are never freed (the handler may be walking them), so there is no limit on
-# how many mappings are guarded at once; claiming and releasing is a free-list pop and push under the GIL.
+# Cells and holds are records of one table that grows in chunks never freed (the handler may be walking them), so
+# no number of guarded mappings is too many; claiming and releasing is a free-list pop and push under the GIL.
 #
 # Chaining: every fault or sent SIGBUS that is not ours goes to the handler installed before ours, every time,
 # by calling it (with its mask and flags) rather than reinstalling it, so that ours stays in place. Guard
@@ -139,29 +139,28 @@ cdef extern from *:
 
     #define FC_CHUNK 256
 
-    typedef struct fc_cell {
-        uintptr_t start, end;
-        uintptr_t fault;                /* the first faulting address met under a guard, 0: none (atomic) */
-        int prot;
-        struct fc_cell *next_free;      /* free list (GIL) */
-    } fc_cell;
+    /* One record type for both: a *cell* (one per guarded mapping: its range, and the first fault met in it)
+       and a *hold* (one per guard entered: the thread, and the cell it guards). A record is a hold while `cell`
+       is set; cells never set it. */
+    typedef struct fc_rec {
+        uintptr_t start, end;           /* cell: the mapping */
+        uintptr_t fault;                /* cell: the first faulting address met under a guard, 0: none (atomic) */
+        int prot;                       /* cell: the mapping's protection, for the zero pages */
+        struct fc_rec *cell;            /* hold: the guarded mapping's cell, NULL while free (atomic) */
+        uintptr_t thread;               /* hold: pthread_self() of the thread that entered the guard */
+        PyObject *block, *path, *what;  /* hold: borrowed from the guard while held, for held_guards() (GIL) */
+        struct fc_rec *next_free;       /* free list (GIL) */
+    } fc_rec;
+    typedef fc_rec fc_cell;
+    typedef fc_rec fc_hold;
 
-    typedef struct fc_hold {
-        fc_cell *cell;                  /* the guarded mapping, NULL while free (atomic: the handler reads it) */
-        uintptr_t thread;               /* pthread_self() of the thread that entered the guard */
-        PyObject *block, *path, *what;  /* borrowed from the guard while held, for held_guards() (GIL) */
-        struct fc_hold *next_free;      /* free list (GIL) */
-    } fc_hold;
-
-    typedef struct fc_cell_chunk { fc_cell item[FC_CHUNK]; struct fc_cell_chunk *next; } fc_cell_chunk;
-    typedef struct fc_hold_chunk { fc_hold item[FC_CHUNK]; struct fc_hold_chunk *next; } fc_hold_chunk;
+    typedef struct fc_chunk { fc_rec item[FC_CHUNK]; struct fc_chunk *next; } fc_chunk;
 
     /* A handler that was installed before ours, the newest first. */
     typedef struct fc_prev { struct sigaction act; struct fc_prev *older; int reset; } fc_prev;
 
-    static fc_hold_chunk *fc_hold_chunks;       /* walked by the handler (atomic head, chunks never freed) */
-    static fc_hold *fc_hold_free;
-    static fc_cell *fc_cell_free;
+    static fc_chunk *fc_chunks;                 /* walked by the handler (atomic head, chunks never freed) */
+    static fc_rec *fc_free;
     static fc_prev *fc_prev_head;               /* atomic */
     static uintptr_t fc_page = 4096;
     static __thread int fc_depth __attribute__((tls_model("initial-exec")));  /* previous handlers being run */
@@ -233,9 +232,9 @@ cdef extern from *:
         if (info->si_code > 0) {  /* a fault, not a kill() */
             uintptr_t addr = (uintptr_t)info->si_addr, self = (uintptr_t)pthread_self();
             fc_cell *mine = NULL, *other = NULL;
-            fc_hold_chunk *chunk;
+            fc_chunk *chunk;
             int i;
-            for (chunk = __atomic_load_n(&fc_hold_chunks, __ATOMIC_ACQUIRE); chunk != NULL && mine == NULL;
+            for (chunk = __atomic_load_n(&fc_chunks, __ATOMIC_ACQUIRE); chunk != NULL && mine == NULL;
                  chunk = chunk->next) {
                 for (i = 0; i < FC_CHUNK; i++) {
                     fc_cell *c = __atomic_load_n(&chunk->item[i].cell, __ATOMIC_ACQUIRE);
@@ -294,19 +293,34 @@ cdef extern from *:
         return sigaction(SIGBUS, &mine, NULL);
     }
 
-    /* A cell for the mapping [start, end), NULL when out of memory. GIL held. */
-    static fc_cell *fc_cell_claim(uintptr_t start, uintptr_t end, int prot) {
-        fc_cell *c = fc_cell_free;
-        if (c == NULL) {
-            fc_cell_chunk *chunk = (fc_cell_chunk *)calloc(1, sizeof *chunk);  /* never freed */
+    /* A free record, NULL when out of memory: the tables grow a chunk at a time. GIL held. */
+    static fc_rec *fc_claim(void) {
+        fc_rec *r = fc_free;
+        if (r == NULL) {
+            fc_chunk *chunk = (fc_chunk *)calloc(1, sizeof *chunk);  /* never freed: the handler walks them */
             int i;
             if (chunk == NULL)
                 return NULL;
             for (i = 0; i < FC_CHUNK; i++)
                 chunk->item[i].next_free = i + 1 < FC_CHUNK ? &chunk->item[i + 1] : NULL;
-            c = &chunk->item[0];
+            chunk->next = fc_chunks;
+            __atomic_store_n(&fc_chunks, chunk, __ATOMIC_RELEASE);
+            r = &chunk->item[0];
         }
-        fc_cell_free = c->next_free;
+        fc_free = r->next_free;
+        return r;
+    }
+
+    static void fc_release(fc_rec *r) {
+        r->next_free = fc_free;
+        fc_free = r;
+    }
+
+    /* A cell for the mapping [start, end), NULL when out of memory. GIL held. */
+    static fc_cell *fc_cell_claim(uintptr_t start, uintptr_t end, int prot) {
+        fc_cell *c = fc_claim();
+        if (c == NULL)
+            return NULL;
         c->start = start;
         c->end = end;
         c->prot = prot;
@@ -315,8 +329,7 @@ cdef extern from *:
     }
 
     static void fc_cell_release(fc_cell *c) {
-        c->next_free = fc_cell_free;
-        fc_cell_free = c;
+        fc_release(c);
     }
 
     static uintptr_t fc_cell_fault(fc_cell *c) {
@@ -325,19 +338,9 @@ cdef extern from *:
 
     /* A hold of this thread on `c`, NULL when out of memory. GIL held. */
     static fc_hold *fc_hold_claim(fc_cell *c, PyObject *block, PyObject *path, PyObject *what) {
-        fc_hold *h = fc_hold_free;
-        if (h == NULL) {
-            fc_hold_chunk *chunk = (fc_hold_chunk *)calloc(1, sizeof *chunk);  /* never freed */
-            int i;
-            if (chunk == NULL)
-                return NULL;
-            for (i = 0; i < FC_CHUNK; i++)
-                chunk->item[i].next_free = i + 1 < FC_CHUNK ? &chunk->item[i + 1] : NULL;
-            chunk->next = fc_hold_chunks;
-            __atomic_store_n(&fc_hold_chunks, chunk, __ATOMIC_RELEASE);
-            h = &chunk->item[0];
-        }
-        fc_hold_free = h->next_free;
+        fc_hold *h = fc_claim();
+        if (h == NULL)
+            return NULL;
         h->block = block;
         h->path = path;
         h->what = what;
@@ -348,16 +351,15 @@ cdef extern from *:
 
     static void fc_hold_release(fc_hold *h) {
         __atomic_store_n(&h->cell, NULL, __ATOMIC_RELEASE);
-        h->next_free = fc_hold_free;
-        fc_hold_free = h;
+        fc_release(h);
     }
 
     /* Append (block, path, what) to `out` for each guard this thread holds, oldest mapping first. GIL held. */
     static int fc_held_by_this_thread(PyObject *out) {
         uintptr_t self = (uintptr_t)pthread_self();
-        fc_hold_chunk *chunk;
+        fc_chunk *chunk;
         int i;
-        for (chunk = fc_hold_chunks; chunk != NULL; chunk = chunk->next) {
+        for (chunk = fc_chunks; chunk != NULL; chunk = chunk->next) {
             for (i = 0; i < FC_CHUNK; i++) {
                 fc_hold *h = &chunk->item[i];
                 if (h->cell != NULL && h->thread == self) {
