@@ -25,7 +25,10 @@ Every suite is started the same way::
   sparse table against full saves (bytes, time) and chain restores against
   full restores;
 * ``s3`` (:mod:`fastckpt.bench.s3`): a safetensors file saved to and loaded
-  from S3 (moto's server on loopback) against s3fs's own ``put``/``get``.
+  from S3 (moto's server on loopback) against s3fs's own ``put``/``get``;
+* ``cold`` (:mod:`fastckpt.bench.cold`): loads from files not in the page
+  cache, a fresh process per measurement, against the plain read's bound and
+  the peers that import (safetensors, fastsafetensors, Run:ai Model Streamer).
 
 ``python -m fastckpt bench --suite SUITE --help`` lists a suite's options. Each
 suite module provides ``configure(parser)`` (its options) and ``run(args)``
@@ -34,7 +37,7 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
 >>> sorted(SUITES)
-['device', 'formats', 'incremental', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'train']
+['cold', 'device', 'formats', 'incremental', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -57,6 +60,7 @@ SUITES = {
     "sharded": "fastckpt.bench.sharded",
     "incremental": "fastckpt.bench.incremental",
     "s3": "fastckpt.bench.s3",
+    "cold": "fastckpt.bench.cold",
     "memory": "fastckpt.bench.memory",
 }
 DEFAULT_SUITE = "device"
