@@ -107,6 +107,7 @@ class TensorFile(ReaderMapping):
         self.infos: Mapping[str, TensorInfo] = infos
         self._view = infos.view  # bound once: host() is called once per tensor
         self._ahead = 0  # the file is being read ahead up to this byte (host(), see READ_AHEAD)
+        self._size = mapped.size if mapped.address is not None else 0  # nothing to read ahead in a pread file
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -135,8 +136,8 @@ class TensorFile(ReaderMapping):
         :class:`~fastckpt.errors.NotZeroCopyWarning` at :func:`open` said so)."""
         view = self._view(name)  # straight from the index's columns, where the tensor is viewable in place
         if view is not None:
-            if view.nbytes >= READ_AHEAD_MIN:
-                self._read_ahead(self.infos[name].offset + view.nbytes)
+            if self._ahead < self._size and view.nbytes >= READ_AHEAD_MIN:  # a warm file stops at the first test
+                self._read_ahead(view)
             return view
         info = self.info(name)
         if info.compression is None:
@@ -159,23 +160,35 @@ class TensorFile(ReaderMapping):
         ({'b': [1.0], 'a': [0, 1]}, ['a'])
         """
         views = self.infos.views(names, self.host)
-        if names is None:
-            start, end = self.data_region
-            if end - start >= READ_AHEAD_MIN:
-                read_ahead(self.mapped, start, end)  # every tensor's bytes will be read: all of them at once
+        if names is None and self._ahead < self._size and views:
+            # Every tensor's bytes will be read: from the first one to the file's end, all at once.
+            start = self._offset_of(next(iter(views.values())))
+            if start is not None and self._size - start >= READ_AHEAD_MIN and not cached(self.mapped, start,
+                                                                                         self._size, samples=1):
+                read_ahead(self.mapped, start, self._size, check=False)
+            self._ahead = self._size
         return views
 
-    def _read_ahead(self, end: int) -> None:
-        """Keep the kernel reading the file ``READ_AHEAD`` bytes past ``end`` (the end of a large tensor a view was
-        just made of), so that a loop copying tensor after tensor finds their bytes read or in flight. The window
-        is extended by half of it at a time; a file whose data region is in the page cache when the first window is
-        asked for is never read ahead (one ``mincore`` look of a few microseconds per open file)."""
-        if end + READ_AHEAD // 2 > self._ahead < self.mapped.size:
-            if self._ahead == 0 and cached(self.mapped, *self.data_region):
-                self._ahead = self.mapped.size  # warm: nothing to ask the kernel for, now or later
+    def _offset_of(self, view) -> int | None:
+        """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
+        offset = view.__array_interface__["data"][0] - self.mapped.address
+        return offset if 0 <= offset < self._size else None
+
+    def _read_ahead(self, view) -> None:
+        """Keep the kernel reading the file ``READ_AHEAD`` bytes past the end of ``view`` (of a large tensor, just
+        made), so that a loop copying tensor after tensor finds their bytes read or in
+        flight. The window is extended by half of it at a time; a file whose first large tensor is in the page cache
+        is never read ahead (``mincore`` of its first page, about 2 us, once per open file)."""
+        start = self._offset_of(view)
+        if start is None:
+            return
+        end = start + view.nbytes
+        if end + READ_AHEAD // 2 > self._ahead:
+            if self._ahead == 0 and cached(self.mapped, start, end, samples=1):
+                self._ahead = self._size  # warm: nothing to ask the kernel for, now or later
                 return
-            start = max(self._ahead, end - READ_AHEAD // 2)
-            self._ahead = min(self.mapped.size, end + READ_AHEAD)
+            start = max(self._ahead, start)
+            self._ahead = min(self._size, end + READ_AHEAD)
             read_ahead(self.mapped, start, self._ahead, check=False)
 
     # -- lifetime --------------------------------------------------------------------------------
