@@ -26,6 +26,8 @@ Every suite is started the same way::
   full restores;
 * ``s3`` (:mod:`fastckpt.bench.s3`): a safetensors file saved to and loaded
   from S3 (moto's server on loopback) against s3fs's own ``put``/``get``;
+* ``torch`` (:mod:`fastckpt.bench.torchload`): a file to a trainable PyTorch
+  state_dict (``load_torch``, ``to_torch``) against ``safetensors.torch.load_file``;
 * ``cold`` (:mod:`fastckpt.bench.cold`): loads from files not in the page
   cache, a fresh process per measurement, against the plain read's bound and
   the peers that import (safetensors, fastsafetensors, Run:ai Model Streamer).
@@ -37,7 +39,7 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
 >>> sorted(SUITES)
-['cold', 'device', 'formats', 'incremental', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'train']
+['cold', 'device', 'formats', 'incremental', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'torch', 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -62,6 +64,7 @@ SUITES = {
     "s3": "fastckpt.bench.s3",
     "cold": "fastckpt.bench.cold",
     "memory": "fastckpt.bench.memory",
+    "torch": "fastckpt.bench.torchload",
 }
 DEFAULT_SUITE = "device"
 

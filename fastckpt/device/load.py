@@ -181,6 +181,11 @@ class LoadedTensors(Mapping):
         self._index = index or {}
         self._regions = regions or []  # [buffer, region start, lease, pending event, source view]
         self._queue = queue
+        for lease in leases:  # the pool names what holds its buffers once this result is gone (pool.stats)
+            lease.held_by(self, report.path)
+        for name, t in tensors.items():
+            if t._owner is not None and hasattr(t._owner, "record_view"):
+                t._owner.record_view(name, t)
 
     @property
     def path(self) -> str:
@@ -202,7 +207,10 @@ class LoadedTensors(Mapping):
         t = Tensor._make(buffer, info.shape, info.dtype, info.offset - start, self._queue, lease)
         if event is not None:
             t._event, t._keepalive = event, keep
-        return self._tensors.setdefault(name, t)  # another thread may have made it first
+        t = self._tensors.setdefault(name, t)  # another thread may have made it first
+        if lease is not None:
+            lease.record_view(name, t)
+        return t
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

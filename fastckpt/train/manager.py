@@ -348,11 +348,15 @@ class CheckpointManager:
     # -- restoring -----------------------------------------------------------------------------------
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
                 train_rng: Any = None, *, scaler: Any = None, verify: bool = True,
-                progress=False) -> CheckpointState:
-        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects.
+                progress=False, strict: bool = True) -> CheckpointState:
+        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects, all or nothing.
 
-        ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
-        :mod:`fastckpt.progress`) counts the arrays' bytes as they are read.
+        Slots take any training-state shape and ``strict=False`` restores a
+        subset, as :func:`~fastckpt.train.checkpoint.apply_checkpoint` says;
+        the returned state's ``report`` lists what was restored, missing and
+        unexpected. ``progress`` (``True`` for a bar, or ``callback(done,
+        total, item)``: :mod:`fastckpt.progress`) counts the arrays' bytes as
+        they are read.
         """
         self.wait()
         complete = self._complete()
@@ -361,17 +365,20 @@ class CheckpointManager:
                 f"{self.directory}: no complete checkpoint for step {step} (complete steps: {sorted(complete)})"
             )
         state = load_checkpoint(complete[step], verify=verify, progress=progress)
-        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
+        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, strict=strict)
         return state
 
     def restore_latest(self, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
-                       train_rng: Any = None, *, scaler: Any = None, verify: bool = True) -> CheckpointState | None:
-        """Restore the newest complete checkpoint into the objects; None (nothing changed) when there is none."""
+                       train_rng: Any = None, *, scaler: Any = None, verify: bool = True,
+                       strict: bool = True) -> CheckpointState | None:
+        """Restore the newest complete checkpoint into the objects (as :meth:`restore`); None (nothing changed)
+        when there is none."""
         self.wait()
         step = self.latest_step()
         if step is None:
             return None
-        return self.restore(step, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, verify=verify)
+        return self.restore(step, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, verify=verify,
+                            strict=strict)
 
     # -- lifetime ------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -229,7 +229,8 @@ class RemoteCheckpointManager:
         """Nothing is ever in flight (saves to a URL block); kept for the local manager's interface."""
 
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
-                train_rng: Any = None, *, scaler: Any = None, verify: bool = True, progress=False):
+                train_rng: Any = None, *, scaler: Any = None, verify: bool = True, progress=False,
+                strict: bool = True):
         """Load ``step`` and apply it to the given objects (see :meth:`fastckpt.train.CheckpointManager.restore`)."""
         from fastckpt.train.checkpoint import apply_checkpoint
 
@@ -239,7 +240,7 @@ class RemoteCheckpointManager:
                 f"{self.directory}: no committed checkpoint for step {step} (committed steps: {sorted(complete)})")
         state = load_checkpoint(complete[step], verify=verify, progress=progress,
                                 storage_options=self.storage_options)
-        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
+        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, strict=strict)
         return state
 
     def close(self) -> None:
