@@ -58,6 +58,7 @@ from fastckpt._native.safetensors import MAX_HEADER_SIZE
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import tensor_not_found
 from fastckpt.formats.reader import TensorFile, detect_format, open_file
+from fastckpt.store.names import RELATIVE_PATH
 
 __all__ = ["is_url", "filesystem", "join", "put_file", "put_directory", "clear", "get_directory", "committed",
            "committed_prefixes", "remove_uncommitted", "save_file", "local_copy", "open", "RemoteTensorFile"]
@@ -394,9 +395,7 @@ def get_directory(url: str, local: str | os.PathLike, marker: str = "manifest.js
     sizes = {}
     for key, entry in listing.items():
         rel = key.strip("/")[len(base):]
-        if any(part in ("", ".", "..") for part in rel.split("/")):
-            raise FormatError(f"{url}: the object key {key!r} is not a plain relative name (an empty, '.' or '..' "
-                              "part): refusing to download it outside the local copy")
+        RELATIVE_PATH.check(rel, "object key", where=url, error=FormatError)  # never a file outside the copy
         sizes[rel] = int(entry.get("size") or 0)
     if marker not in sizes:
         what = "nothing there" if not sizes else f"{len(sizes)} files but no {marker!r}: a save that did not commit"

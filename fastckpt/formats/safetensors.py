@@ -180,6 +180,7 @@ from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import file_log_level, progress_from, requested
+from fastckpt.store.names import NameRule
 
 _log = logging.getLogger(__name__)
 
@@ -193,6 +194,10 @@ __all__ = [
     "dtype_to_safetensors",
     "DEFAULT_ALIGNMENT",
 ]
+
+#: The names safetensors keeps for itself; any other str, '/', '.', newlines and NUL included, reads back exactly.
+NAMES = NameRule("safetensors", controls=False, empty=True,
+                 whole=(("__metadata__", "the header's metadata entry; pass metadata= instead"),))
 
 DEFAULT_ALIGNMENT = 4096
 
@@ -325,10 +330,7 @@ def _as_array(name: str, value) -> np.ndarray:
 
 def _plan(name, value, position: int) -> tuple:
     """The planned tuple of one tensor that ``plan_tensors`` does not plan itself; checks everything."""
-    if type(name) is not str:
-        raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
-    if name == "__metadata__":
-        raise ValueError("'__metadata__' is reserved by the safetensors format; pass metadata= instead")
+    NAMES.check(name)
     _check_utf8(name, "tensor name")
     arr = _as_array(name, value)
     try:

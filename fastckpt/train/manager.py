@@ -64,20 +64,20 @@ retention over prefixes whose manifest, uploaded last, commits them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
-import re
 import shutil
 import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials_in
 from fastckpt.formats.remote import is_url
+from fastckpt.store.names import parse_step, step_name
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
 from fastckpt.train.checkpoint import (
     CheckpointState,
@@ -95,7 +95,6 @@ __all__ = ["CheckpointManager"]
 RECORD_FILE = ".fastckpt-manager.json"
 LOCK_FILE = ".fastckpt-manager.lock"
 RECORD_FORMAT = "fastckpt.train.manager"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointManager:
@@ -148,9 +147,7 @@ class CheckpointManager:
     # -- naming and discovery ----------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint (whether or not it exists)."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return self.directory / f"step-{int(step):08d}"
+        return self.directory / step_name(step)
 
     def _sweep_partials(self) -> None:
         remove_stale_partials_in(self.directory)
@@ -198,9 +195,8 @@ class CheckpointManager:
     def _complete(self) -> dict[int, Path]:
         found: dict[int, Path] = {}
         for entry in self.directory.iterdir():
-            m = _STEP_DIR.match(entry.name)
-            if m and entry.is_dir() and self._manifest(entry) is not None:
-                step = int(m.group(1))
+            step = parse_step(entry.name)
+            if step is not None and entry.is_dir() and self._manifest(entry) is not None:
                 # step-10 and step-00000010 are one step; the canonical name wins.
                 if step not in found or entry.name == self.path_for(step).name:
                     found[step] = entry
@@ -318,7 +314,8 @@ class CheckpointManager:
         if self._saver is not None:
             self._saver.wait()
         if path.exists() and not overwrite:
-            raise FileExistsError(f"{path}: step {step} is already saved; pass overwrite=True to replace it")
+            raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
+                                  str(path))
         self._sweep_partials()
         kwargs = dict(step=step, epoch=epoch, metrics=metrics, scaler=scaler, seed=seed, config=config,
                       data_manifest=data_manifest)
