@@ -41,7 +41,7 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 :func:`fastckpt.bench.timing.round_robin`: every path once per round, in a
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
->>> sorted(SUITES)
+>>> sorted(SUITES)  # doctest: +NORMALIZE_WHITESPACE
 ['cold', 'device', 'formats', 'incremental', 'link', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'torch',
  'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
