@@ -145,23 +145,3 @@ def test_a_view_of_a_large_tensor_reads_ahead_once_per_half_window(tmp_path, mon
     with fastckpt.open(path) as f:
         [np.array(f.host(k)) for k in f.keys()]
     assert asked == []
-
-
-@pytest.mark.device
-def test_a_pooled_load_reads_every_files_region_ahead_before_the_first_copy(tmp_path, device, pool, monkeypatch):
-    import pyopencl as cl
-
-    import fastckpt.device.load as load_mod
-
-    events = []
-    monkeypatch.setattr(load_mod, "read_ahead", lambda mapped, s, e: events.append(("ahead", mapped.path)))
-    real_copy = cl.enqueue_copy
-    monkeypatch.setattr(cl, "enqueue_copy", lambda *a, **k: (events.append(("copy", None)), real_copy(*a, **k))[1])
-    tensors = {f"t{i}": np.full(1 << 16, i, np.float32) for i in range(8)}
-    fastckpt.save_sharded(tmp_path / "hf", tensors, max_shard_size=3 << 18)
-    loaded = fastckpt.load_file(str(tmp_path / "hf"), device.queue, pool=pool, staging=False)
-    assert {k: loaded[k].to_host().tolist() for k in tensors} == {k: v.tolist() for k, v in tensors.items()}
-    files = sorted(n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors"))
-    assert len(files) > 1
-    first_copy = events.index(("copy", None))
-    assert sorted(os.path.basename(p) for kind, p in events[:first_copy] if kind == "ahead") == files

@@ -94,7 +94,6 @@ from fastckpt.device.staging import STAGING_CHUNK, STAGING_ROUND, Stager, batch_
 from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
-from fastckpt.formats.readinto import read_ahead
 from fastckpt.formats.reader import TensorFile, guard
 from fastckpt.progress import progress_from, requested
 
@@ -1021,8 +1020,6 @@ def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         load.leases.append(lease)
         arenas.append(lease)
     load.t_alloc = time.perf_counter()
-    for start, end, _group in regions:
-        read_ahead(mapped, start, end)  # all of them first: the disk gets every read at once
     progress = load.progress.enabled
     for (start, end, group), lease in zip(regions, arenas):
         _copy_region(load, mapped, start, end, lease, 0, plan.group(group) if progress else None)
@@ -1045,9 +1042,6 @@ def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         load.leases.append(lease)
         leases.append(lease)
     load.t_alloc = time.perf_counter()
-    for _size, slices in arenas:
-        for mapped, start, end, _at in slices:
-            read_ahead(mapped, start, end)  # every file's region first: the files are read in parallel
     infos_of = {id(mapped): infos for mapped, infos in plan.parts} if load.progress.enabled else None
     for (_size, slices), lease in zip(arenas, leases):
         for mapped, start, end, at in slices:
@@ -1101,9 +1095,14 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
 
 def _stage_region(load: _Load, mapped, start: int, end: int, lease, at: int, group, source_view) -> None:
     """:func:`_copy_region` through the load's staging buffers (:mod:`fastckpt.device.staging`, which reads the bytes
-    from the file where it can), the kernel asked to read the region ahead of the fill
-    (:func:`~fastckpt.formats.readinto.read_ahead`: advice, so a failure changes nothing)."""
-    read_ahead(mapped, start, end)
+    from the file where it can), the kernel asked to read the region ahead of the fill (``madvise(WILLNEED)``: advice,
+    so a failure changes nothing). The region is advised in one call, which the kernel caps at its readahead window:
+    advising all of it in steps (:func:`~fastckpt.formats.readinto.read_ahead`) before the copies measured slower
+    for pooled loads (docs/reading.md)."""
+    try:
+        mapped.advise("willneed", start, end - start)
+    except (OSError, ValueError, AttributeError):
+        pass
     marks = () if not group else [(i.offset + i.nbytes - start, _payload(i), i.name) for i in group]
     fd = load.stager.file(mapped)
     load.stager.add(np.frombuffer(source_view, np.uint8), lease.buffer, at, marks,

@@ -1,16 +1,16 @@
-"""Reading byte ranges of a file straight into destination memory with ``preadv``: how fastckpt reads a cold file.
+"""Reading a cold file: ``read_ahead`` (advice in steps) and ``read_into`` (``preadv`` straight into destinations).
 
 A copy out of a fresh memory mapping of a file that is not in the page cache
-takes one page fault per page, each waiting for the kernel's small readahead
-window; ``madvise``/``posix_fadvise(WILLNEED)`` over the whole file does not
-help, as the kernel caps one advice call at its readahead window. Reading the
-same bytes with ``preadv`` into the memory that is to hold them (host arrays,
-a pooled device arena on a device that shares host memory, staging buffers)
-lets the kernel read ahead as for a plain sequential read, and copies each
-byte once. ``docs/reading.md`` has the measurements; the short of them: on
-this project's 2-core machines, ``READ_THREADS`` threads in pieces of
-``READ_PIECE`` bytes keep pace with a plain sequential ``readinto`` of the
-file (the bound), where copying out of a fresh mapping reached half of it.
+takes one page fault per page, each waiting for the kernel's readahead window;
+``madvise``/``posix_fadvise(WILLNEED)`` over the whole file does not change
+that, as the kernel caps one advice call at its readahead window (one call over
+a cold 128 MiB file read 16 MiB of it). :func:`read_ahead` advises a range in
+steps of ``READAHEAD_STEP`` bytes, which puts every read of it in the disk's
+queue at once; :class:`~fastckpt.formats.reader.TensorFile` uses it to keep a
+window of the file read ahead of the views it hands out. :func:`read_into`
+reads ``(destination, offset)`` pairs with ``preadv`` from ``threads`` threads,
+the route of the staged device loads into pinned buffers. ``docs/reading.md``
+has the measurements of both, and of the strategies not taken.
 
 :func:`same_file` opens a mapped file's path again for reading, only where
 ``fstat`` shows the file the mapping was made of; :func:`read_into` fills
