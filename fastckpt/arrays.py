@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -126,7 +126,17 @@ def to_numpy(value: Any) -> np.ndarray:
     return np.asarray(value) if array is None else array
 
 
-def to_torch(value: Any, *, copy: bool | None = None):
+if TYPE_CHECKING:
+    import torch
+
+
+@overload
+def to_torch(value: dict[str, Any], *, copy: bool | None = None) -> dict[str, torch.Tensor]: ...
+@overload
+def to_torch(value: Any, *, copy: bool | None = None) -> torch.Tensor: ...
+
+
+def to_torch(value: Any, *, copy: bool | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """``value`` (an array, or a dict of them, as the readers return) as PyTorch tensors with the same dtype.
 
     The way back from what fastckpt reads to PyTorch: ml_dtypes arrays

@@ -38,24 +38,28 @@ import json
 import sys
 from pathlib import Path
 
-from fastckpt.cli._words import plural
 from fastckpt.store.names import parse_step
+from fastckpt.words import plural
 
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = ("check a training or sharded checkpoint's manifest, file sizes and file hashes "
-        "(BLAKE3, or sha256 where the manifest names it), a Hugging Face directory or a tensor file")
+        "(BLAKE3, or sha256 where the manifest names it), a Hugging Face directory, a TensorFlow checkpoint "
+        "(every tensor's CRC32C) or a tensor file")
+_EPILOG = "exit status: 0 when every check passed, 1 when a problem was found (each printed under FAIL)"
 
 
 def add_parser(subparsers):
-    parser = subparsers.add_parser("verify", help=HELP, description=HELP)
+    parser = subparsers.add_parser("verify", help=HELP, description=HELP, epilog=_EPILOG)
     _arguments(parser)
     return parser
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="a checkpoint directory, a directory of step-<N> checkpoints, a Hugging "
-                                          "Face safetensors directory or index, or one tensor file")
+    parser.add_argument("directory", metavar="PATH",
+                        help="a training or sharded (fastckpt or RecIS layout) checkpoint directory, a directory of "
+                             "step-<N> checkpoints, a Hugging Face safetensors directory or index, a TensorFlow "
+                             "checkpoint prefix, .index or directory, or one tensor file (NPZ, safetensors)")
     parser.add_argument("--no-hash", action="store_true", help="check sizes and structure only, skip each file's hash")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
 

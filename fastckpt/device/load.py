@@ -84,7 +84,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -95,7 +95,12 @@ from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
 from fastckpt.formats.reader import TensorFile, guard
-from fastckpt.progress import progress_from, requested
+from fastckpt.progress import ProgressArg, progress_from, requested
+
+if TYPE_CHECKING:
+    import pyopencl as cl
+
+    from fastckpt.device.pool import PersistentBufferPool
 
 _log = logging.getLogger(__name__)
 
@@ -684,8 +689,10 @@ def _select(tf, names, by_offset: bool) -> tuple[list, list]:
     return chosen, []
 
 
-def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=None,
-              blocking: bool = True, progress=False, staging: bool | int | None = None) -> LoadedTensors:
+def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQueue | None = None, *,
+              pool: PersistentBufferPool | None = None, zero_copy: bool = False, names: Iterable[str] | None = None,
+              blocking: bool = True, progress: ProgressArg = False,
+              staging: bool | int | None = None) -> LoadedTensors:
     """Load the tensors of a tensor file, or of any reader of the contract, into device memory.
 
     ``source`` is a path (opened with :func:`fastckpt.open`) or an open reader:

@@ -170,8 +170,8 @@ Example
 
 >>> import fastckpt, numpy as np, tempfile, os
 >>> d = tempfile.mkdtemp()
->>> files = save_sharded(d, {"embed.weight": np.ones((4, 4), np.float32),
-...                          "lm_head.weight": np.zeros((3,), np.float32)}, max_shard_size=64)
+>>> files = fastckpt.save_sharded(d, {"embed.weight": np.ones((4, 4), np.float32),
+...                                   "lm_head.weight": np.zeros((3,), np.float32)}, max_shard_size=64)
 >>> files
 ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
 >>> with fastckpt.open(d) as r:

@@ -19,10 +19,14 @@ A reader MUST refuse a file shorter than 8 bytes, a length ``N`` larger than
 
 Header
 ------
-The ``N`` header bytes MUST be valid UTF-8 and MUST begin with ``{`` (0x7b).
-The JSON object MAY be followed by padding, which MUST consist of spaces
-(0x20) only; the last byte before the padding is therefore the object's
-closing ``}``. Inside the object any JSON whitespace is allowed. No object in
+The ``N`` header bytes MUST be valid UTF-8 and hold one JSON object. The
+object MAY be preceded and followed by padding, which MUST consist of JSON
+whitespace only (space 0x20, tab 0x09, LF 0x0a, CR 0x0d), as the reference
+reader takes it (its own tests pad both sides); the first byte after the
+leading padding is therefore ``{`` (0x7b) and the last byte before the trailing
+padding the object's closing ``}``. Writers SHOULD pad after the object with
+spaces (fastckpt does), which fastckpt 0.2 and older readers require. Inside
+the object any JSON whitespace is allowed. No object in
 the header may repeat a key, and the non-standard constants ``NaN``,
 ``Infinity`` and ``-Infinity`` MUST NOT appear.
 
@@ -179,7 +183,7 @@ from fastckpt.arrays import to_numpy
 from fastckpt.formats.atomic import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
-from fastckpt.progress import file_log_level, progress_from, requested
+from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
 from fastckpt.store.names import NameRule
 
 _log = logging.getLogger(__name__)
@@ -388,7 +392,7 @@ def save_safetensors(
     alignment: int = DEFAULT_ALIGNMENT,
     fsync: bool = True,
     hasher=None,
-    progress=False,
+    progress: ProgressArg = False,
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool | None = None,
 ) -> None:

@@ -187,6 +187,9 @@ class Saver:
                  slice_size: int | Mapping[str, int] | None = None):
         if type(shard_num) is not int or shard_num < 1:
             raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
+        if isinstance(shard_index, (str, os.PathLike)):  # Saver("ckpt/step-1"): the path in the first place
+            raise TypeError(f"Saver's first argument is shard_index, got the path {os.fspath(shard_index)!r}; name "
+                            f"the checkpoint directory with path=: Saver(path={os.fspath(shard_index)!r}, ...)")
         if type(shard_index) is not int or not 0 <= shard_index < shard_num:
             raise ValueError(f"shard_index must be an int in [0, {shard_num}), got {shard_index!r}")
         if type(parallel) is not int or not 1 <= parallel <= 999:

@@ -124,7 +124,7 @@ class Checkpoint:
     True
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._ops: dict[str, Any] = {}
         self._by_id: dict[int, str] = {}
         self._states: dict[str, _Entry] = {}

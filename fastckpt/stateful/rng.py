@@ -181,7 +181,7 @@ class RNG:
     def state(self, value: RNGState | str | dict) -> None:
         self.set_state(value)
 
-    def random(self, size=None, dtype=np.float64):
+    def random(self, size: int | tuple[int, ...] | None = None, dtype: Any = np.float64) -> Any:
         """Uniform floats in [0, 1), as ``Generator.random``.
 
         >>> 0.0 <= RNG(seed=1).random() < 1.0
@@ -189,7 +189,8 @@ class RNG:
         """
         return self._generator.random(size, dtype=dtype)
 
-    def integers(self, low, high=None, size=None, dtype=np.int64, endpoint=False):
+    def integers(self, low: Any, high: Any = None, size: int | tuple[int, ...] | None = None, dtype: Any = np.int64,
+                 endpoint: bool = False) -> Any:
         """Random integers in [low, high), as ``Generator.integers``.
 
         >>> RNG(seed=1).integers(10, size=3).shape
@@ -197,7 +198,7 @@ class RNG:
         """
         return self._generator.integers(low, high, size, dtype=dtype, endpoint=endpoint)
 
-    def normal(self, loc=0.0, scale=1.0, size=None):
+    def normal(self, loc: Any = 0.0, scale: Any = 1.0, size: int | tuple[int, ...] | None = None) -> Any:
         """Normally distributed floats, as ``Generator.normal``.
 
         >>> RNG(seed=1).normal(size=2).dtype
@@ -205,7 +206,7 @@ class RNG:
         """
         return self._generator.normal(loc, scale, size)
 
-    def permutation(self, x):
+    def permutation(self, x: Any) -> Any:
         """A shuffled copy of ``x`` (or of ``arange(x)`` for an int), as ``Generator.permutation``.
 
         >>> sorted(RNG(seed=1).permutation(4).tolist())
