@@ -846,18 +846,19 @@ def test_staging_reads_a_file_it_mapped_itself_and_copies_from_a_mapping_open_be
         assert set(routes) == {want}, (source, routes)
 
 
-def test_a_short_read_into_a_staging_buffer_names_the_file_and_offset(tmp_path):
-    from fastckpt.device.staging import _read_into
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_short_read_into_a_destination_names_the_file_and_offset(tmp_path, threads):
+    from fastckpt.formats.readinto import read_into
 
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(range(100)))
     fd = os.open(path, os.O_RDONLY)
     try:
         dst = np.zeros(60, np.uint8)
-        _read_into(dst[:40], fd, 60, str(path))
+        read_into(fd, [(dst[:40], 60)], str(path), threads=threads, piece=16)
         assert dst[:40].tolist() == list(range(60, 100))
         with pytest.raises(OSError, match=r"short.bin: the file ended at byte 100 while 20 more bytes"):
-            _read_into(dst, fd, 60, str(path))
+            read_into(fd, [(dst, 60)], str(path), threads=threads, piece=40)
     finally:
         os.close(fd)
 
@@ -918,15 +919,21 @@ def test_the_fill_runs_ahead_of_the_copies_across_the_staging_buffers(tmp_path, 
 
 
 @pytest.mark.device
-def test_a_load_of_a_few_chunks_is_staged_in_four_batches_at_least(tmp_path, dev, pool):
+def test_a_load_of_a_few_chunks_is_staged_in_several_batches(tmp_path, dev, pool):
     from fastckpt.device.staging import MIN_BATCHES
 
     path = tmp_path / "m.safetensors"
     tensors = {"w": sample(np.uint8, (6 << 20,), 4), "b": sample(np.uint8, (1000,), 5)}
     write_raw_safetensors(path, tensors)
     loaded = load_file(path, dev.queue, pool=pool, staging=True)
-    assert loaded.report.staging_chunk == 1 << 20 and loaded.report.copies == 7 >= MIN_BATCHES
+    assert loaded.report.staging_chunk == 1 << 20 and loaded.report.copies == 7, "STAGING_ROUND chunks at least"
     check_exact(loaded, path, tensors)
+    larger = tmp_path / "l.safetensors"
+    big = {"w": sample(np.uint8, (32 << 20,), 6), "b": sample(np.uint8, (1000,), 7)}
+    write_raw_safetensors(larger, big)
+    cut = load_file(larger, dev.queue, pool=pool, staging=True)
+    assert cut.report.staging_chunk == 2 << 20 and cut.report.copies == 17 >= MIN_BATCHES
+    check_exact(cut, larger, big)
     named = load_file(path, dev.queue, pool=pool, staging=8 << 20)  # a chunk the caller names is kept
     assert named.report.staging_chunk == 7 << 20 and named.report.copies == 1
     check_exact(named, path, tensors)

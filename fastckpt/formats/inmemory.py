@@ -36,7 +36,7 @@ import numpy as np
 
 from fastckpt._native.mapped import MappedFile
 from fastckpt.errors import FormatError, NotZeroCopyWarning
-from fastckpt.formats.reader import detect_format
+from fastckpt.formats.reader import detect_format, sniff_length
 
 __all__ = ["save_bytes", "load_bytes", "detect_bytes_format", "BYTES_PATH", "FORMATS"]
 
@@ -62,7 +62,7 @@ def detect_bytes_format(data) -> str:
         flat = view if view.ndim == 1 and view.itemsize == 1 else view.cast("B")
         head = bytes(flat[:9])
         size = view.nbytes
-        fmt = detect_format(head)
+        fmt = detect_format(bytes(flat[:sniff_length(head)]))
         # a torch pickle or Keras file's bytes: say so, not what the NPZ or safetensors parser makes of them
         foreign = foreign_file_error(BYTES_PATH, bytes(flat[:SNIFF_BYTES])) if fmt != "safetensors" else None
     if foreign is not None:

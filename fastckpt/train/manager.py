@@ -64,20 +64,20 @@ retention over prefixes whose manifest, uploaded last, commits them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
-import re
 import shutil
 import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials_in
 from fastckpt.formats.remote import is_url
+from fastckpt.store.names import parse_step, step_name
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
 from fastckpt.train.checkpoint import (
     CheckpointState,
@@ -95,7 +95,6 @@ __all__ = ["CheckpointManager"]
 RECORD_FILE = ".fastckpt-manager.json"
 LOCK_FILE = ".fastckpt-manager.lock"
 RECORD_FORMAT = "fastckpt.train.manager"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointManager:
@@ -148,9 +147,7 @@ class CheckpointManager:
     # -- naming and discovery ----------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint (whether or not it exists)."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return self.directory / f"step-{int(step):08d}"
+        return self.directory / step_name(step)
 
     def _sweep_partials(self) -> None:
         remove_stale_partials_in(self.directory)
@@ -198,9 +195,8 @@ class CheckpointManager:
     def _complete(self) -> dict[int, Path]:
         found: dict[int, Path] = {}
         for entry in self.directory.iterdir():
-            m = _STEP_DIR.match(entry.name)
-            if m and entry.is_dir() and self._manifest(entry) is not None:
-                step = int(m.group(1))
+            step = parse_step(entry.name)
+            if step is not None and entry.is_dir() and self._manifest(entry) is not None:
                 # step-10 and step-00000010 are one step; the canonical name wins.
                 if step not in found or entry.name == self.path_for(step).name:
                     found[step] = entry
@@ -318,7 +314,8 @@ class CheckpointManager:
         if self._saver is not None:
             self._saver.wait()
         if path.exists() and not overwrite:
-            raise FileExistsError(f"{path}: step {step} is already saved; pass overwrite=True to replace it")
+            raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
+                                  str(path))
         self._sweep_partials()
         kwargs = dict(step=step, epoch=epoch, metrics=metrics, scaler=scaler, seed=seed, config=config,
                       data_manifest=data_manifest)
@@ -348,11 +345,15 @@ class CheckpointManager:
     # -- restoring -----------------------------------------------------------------------------------
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
                 train_rng: Any = None, *, scaler: Any = None, verify: bool = True,
-                progress=False) -> CheckpointState:
-        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects.
+                progress=False, strict: bool = True) -> CheckpointState:
+        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects, all or nothing.
 
-        ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
-        :mod:`fastckpt.progress`) counts the arrays' bytes as they are read.
+        Slots take any training-state shape and ``strict=False`` restores a
+        subset, as :func:`~fastckpt.train.checkpoint.apply_checkpoint` says;
+        the returned state's ``report`` lists what was restored, missing and
+        unexpected. ``progress`` (``True`` for a bar, or ``callback(done,
+        total, item)``: :mod:`fastckpt.progress`) counts the arrays' bytes as
+        they are read.
         """
         self.wait()
         complete = self._complete()
@@ -361,17 +362,20 @@ class CheckpointManager:
                 f"{self.directory}: no complete checkpoint for step {step} (complete steps: {sorted(complete)})"
             )
         state = load_checkpoint(complete[step], verify=verify, progress=progress)
-        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
+        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, strict=strict)
         return state
 
     def restore_latest(self, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
-                       train_rng: Any = None, *, scaler: Any = None, verify: bool = True) -> CheckpointState | None:
-        """Restore the newest complete checkpoint into the objects; None (nothing changed) when there is none."""
+                       train_rng: Any = None, *, scaler: Any = None, verify: bool = True,
+                       strict: bool = True) -> CheckpointState | None:
+        """Restore the newest complete checkpoint into the objects (as :meth:`restore`); None (nothing changed)
+        when there is none."""
         self.wait()
         step = self.latest_step()
         if step is None:
             return None
-        return self.restore(step, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, verify=verify)
+        return self.restore(step, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, verify=verify,
+                            strict=strict)
 
     # -- lifetime ------------------------------------------------------------------------------------
     def close(self) -> None:

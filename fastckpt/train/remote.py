@@ -24,17 +24,17 @@ checked as for a local checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats import remote
+from fastckpt.store.names import parse_step, step_name
 from fastckpt.train.format import DEFAULT_HASH, MANIFEST_FILE
 from fastckpt.train.manager import CheckpointManager
 
@@ -44,7 +44,6 @@ _log = logging.getLogger(__name__)
 
 RECORD_FILE = ".fastckpt-manager.json"
 RECORD_FORMAT = "fastckpt.train.manager"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def write_snapshot(snap, url: str, *, overwrite: bool, hash: str = DEFAULT_HASH, progress=False,
@@ -59,7 +58,7 @@ def write_snapshot(snap, url: str, *, overwrite: bool, hash: str = DEFAULT_HASH,
     from fastckpt.train import checkpoint
 
     if not overwrite and remote.committed(url, MANIFEST_FILE, storage_options):
-        raise FileExistsError(f"{url}: a checkpoint already exists here; pass overwrite=True to replace it")
+        raise FileExistsError(errno.EEXIST, "a checkpoint already exists here; pass overwrite=True to replace it", url)
     with tempfile.TemporaryDirectory(prefix="fastckpt-up-") as tmp:
         local = Path(tmp) / "checkpoint"
         digest = checkpoint.write_snapshot(snap, local, overwrite=False, fsync=False, hash=hash, progress=progress)
@@ -121,17 +120,14 @@ class RemoteCheckpointManager:
     # -- naming and discovery ----------------------------------------------------------------------
     def path_for(self, step: int) -> str:
         """The URL of ``step``'s checkpoint (whether or not it exists)."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return remote.join(self.directory, f"step-{int(step):08d}")
+        return remote.join(self.directory, step_name(step))
 
     def _complete(self) -> dict[int, str]:
         found: dict[int, str] = {}
         for name in remote.committed_prefixes(self.directory, MANIFEST_FILE, self.storage_options):
-            m = _STEP_DIR.match(name)
-            if m:
-                step = int(m.group(1))
-                if step not in found or name == f"step-{step:08d}":
+            step = parse_step(name)
+            if step is not None:
+                if step not in found or name == step_name(step):
                     found[step] = remote.join(self.directory, name)
         return found
 
@@ -207,9 +203,10 @@ class RemoteCheckpointManager:
                              "until its manifest is uploaded")
         url = self.path_for(step)
         if not overwrite and remote.committed(url, MANIFEST_FILE, self.storage_options):
-            raise FileExistsError(f"{url}: step {step} is already saved; pass overwrite=True to replace it")
+            raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
+                                  url)
         remote.remove_uncommitted(self.directory, MANIFEST_FILE, self.storage_options,
-                                  select=lambda name: _STEP_DIR.match(name) is not None)
+                                  select=lambda name: parse_step(name) is not None)
         snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
                              metrics=metrics, scaler=scaler, seed=seed, config=config, data_manifest=data_manifest)
         names = self._read_record()
@@ -229,7 +226,8 @@ class RemoteCheckpointManager:
         """Nothing is ever in flight (saves to a URL block); kept for the local manager's interface."""
 
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
-                train_rng: Any = None, *, scaler: Any = None, verify: bool = True, progress=False):
+                train_rng: Any = None, *, scaler: Any = None, verify: bool = True, progress=False,
+                strict: bool = True):
         """Load ``step`` and apply it to the given objects (see :meth:`fastckpt.train.CheckpointManager.restore`)."""
         from fastckpt.train.checkpoint import apply_checkpoint
 
@@ -239,7 +237,7 @@ class RemoteCheckpointManager:
                 f"{self.directory}: no committed checkpoint for step {step} (committed steps: {sorted(complete)})")
         state = load_checkpoint(complete[step], verify=verify, progress=progress,
                                 storage_options=self.storage_options)
-        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
+        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, strict=strict)
         return state
 
     def close(self) -> None:
