@@ -66,6 +66,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from fastckpt._native.mapped import held_guards
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
 from fastckpt.formats.readinto import read_into, same_file
@@ -310,6 +311,7 @@ class Stager:
         pool = None
         if self.shape.threads > 1 and self.stream >= 2 * FILL_SPLIT:
             pool = _fillers(self.shape.threads)
+            scope = held_guards()  # the fill threads copy out of the mappings under the caller's guards
         running: dict = {}  # batch number -> its fill futures
         submitted = 0
         mark = 0
@@ -325,7 +327,7 @@ class Stager:
                             pending = None
                         running[submitted] = ()
                     else:
-                        running[submitted] = [pool.submit(self._fill, pending, task) for task in tasks]
+                        running[submitted] = [pool.submit(scope.run, self._fill, pending, task) for task in tasks]
                     submitted += 1
                 futures = running.pop(k)
                 concurrent.futures.wait(futures)

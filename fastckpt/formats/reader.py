@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from fastckpt._native.mapped import MappedFile
+from fastckpt._native.mapped import MappedFile, held_guards
 from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
@@ -49,7 +49,7 @@ from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
-           "DIRECTORY_READERS", "guard", "mappings_of"]
+           "DIRECTORY_READERS", "guard", "held_guards", "mappings_of"]
 
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
 
@@ -316,6 +316,16 @@ def guard(reader, what: str) -> contextlib.ExitStack:
     >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(2)})
     >>> with fastckpt.open(p) as f, guard(f, "a copy"):
     ...     np.array(f.host("a")).tolist()
+    [1.0, 1.0]
+
+    The guards cover the calling thread (and the worker threads of native runtimes, BLAKE3's and OpenCL's,
+    that copy for it). A Python thread pool that copies for the block runs its tasks under
+    :func:`held_guards`, which covers them as the calling thread:
+
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> with fastckpt.open(p) as f, guard(f, "a copy"), ThreadPoolExecutor(1) as pool:
+    ...     scope = held_guards()
+    ...     pool.submit(scope.run, np.array, f.host("a")).result().tolist()
     [1.0, 1.0]
     """
     stack = contextlib.ExitStack()
