@@ -196,7 +196,7 @@ def test_shared_but_not_circular_state_is_stored_twice(tmp_path, queue, rng):
 
 @pytest.mark.parametrize("fail_at", ["param", "npz_replace", "json_replace"])
 def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monkeypatch, fail_at):
-    import fastckpt.formats.atomic as atomic
+    import fastckpt.store.commit as atomic
 
     params, hosts = make_params(queue, rng)
     save_netcl_checkpoint(params, tmp_path / "ck", optim_state={"m": [np.ones(2)]}, config={"step": 1})

@@ -135,7 +135,7 @@ directory size (4), directory offset (4), comment length 0 (2).
 Writers
 -------
 - A writer MUST write the file through a temporary and rename it into place
-  (``fastckpt.formats.atomic``), so that a reader never sees a partial file.
+  (``fastckpt.store.commit``), so that a reader never sees a partial file.
 - A writer MUST NOT store object arrays (they need pickle) and MUST NOT store a
   dtype that ``.npy`` cannot express: numpy writes ml_dtypes' ``bfloat16`` as
   ``'<V2'``, which reads back as raw void bytes, so fastckpt refuses it (save
@@ -202,7 +202,7 @@ from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_le
 from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
 from fastckpt.arrays import as_numpy, to_numpy
 from fastckpt.errors import FormatError, IntegrityError
-from fastckpt.formats.atomic import atomic_write, resolve_overwrite
+from fastckpt.store.commit import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import file_log_level, progress_from, requested

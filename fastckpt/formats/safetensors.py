@@ -176,7 +176,7 @@ from fastckpt._native.safetensors import (
     write_tensors,
 )
 from fastckpt.arrays import to_numpy
-from fastckpt.formats.atomic import atomic_write, resolve_overwrite
+from fastckpt.store.commit import atomic_write, resolve_overwrite
 from fastckpt.formats.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import file_log_level, progress_from, requested

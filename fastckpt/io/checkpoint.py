@@ -144,7 +144,7 @@ def save_params(params: Iterable, path, names=None, *, fsync: bool = True, overw
     >>> save_params(model.parameters(), "raw/iter_1000.npz", names=["fc1.weight", "fc1.bias"])  # doctest: +SKIP
     'raw/iter_1000.npz'
     """
-    from fastckpt.formats.atomic import resolve_overwrite
+    from fastckpt.store.commit import resolve_overwrite
     from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
@@ -244,7 +244,7 @@ def save_netcl_checkpoint(params: Iterable, path, optim_state=None, config=None,
     ...                       config={"step": 3})  # doctest: +SKIP
     ('ckpt/run.v1.npz', 'ckpt/run.v1.json')
     """
-    from fastckpt.formats.atomic import atomic_write, resolve_overwrite
+    from fastckpt.store.commit import atomic_write, resolve_overwrite
     from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
@@ -305,10 +305,10 @@ def save_netcl_checkpoint(params: Iterable, path, optim_state=None, config=None,
 def _keep_aside(path: str) -> str | None:
     """A second name for the file at ``path`` (a hard link, else a copy), or None when there is none.
 
-    The name follows :mod:`fastckpt.formats.atomic`'s temporaries, so a process killed while it exists
+    The name follows :mod:`fastckpt.store.commit`'s temporaries, so a process killed while it exists
     leaves nothing a later save of ``path`` does not clean up.
     """
-    from fastckpt.formats.atomic import _partial_name
+    from fastckpt.store.commit import _partial_name
 
     if not os.path.isfile(path):
         return None

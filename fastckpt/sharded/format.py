@@ -86,7 +86,7 @@ Writing
     directory left by a failed save is removed by rank 0 at once, or by a
     later save in the same parent once its process is gone (on this host; one
     of another host or pid namespace only after an hour without change:
-    ``fastckpt.formats.atomic.STALE_AFTER``, docs/overwrite.md).
+    ``fastckpt.store.commit.STALE_AFTER``, docs/overwrite.md).
 
 Reading
     Readers open the checkpoint's directory once and every file relative to
@@ -194,7 +194,7 @@ import blake3
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError
-from fastckpt.formats.atomic import _swap_in, fsync_directory
+from fastckpt.store.commit import publish_directory, write_file
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "CHECKSUM_VERSION", "INDEX_FILE", "TENSORKEY_FILE",
@@ -290,11 +290,8 @@ class WriteBlock:
 
 def write_synced(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to the new file ``path`` and fsync it (a file of a staging directory, renamed into place
-    with the directory)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    with the directory): :func:`fastckpt.store.commit.write_file`."""
+    write_file(path, data)
 
 
 def dumps(obj: Any) -> bytes:
@@ -390,9 +387,8 @@ def commit_directory(staging: Path, final: Path, metadata: list[tuple[str, bytes
         files[name] = {"size": len(content), "blake3": blake3.blake3(content).hexdigest()}
     data = dumps(seal(manifest))  # the checksum covers the manifest, whose entries cover every other file
     write_synced(staging / MANIFEST_FILE, data)
-    fsync_directory(staging)
-    _swap_in(staging, final, overwrite=overwrite)
-    fsync_directory(final.parent)
+    # every rank fsynced its own files: the one commit syncs the directory, renames it and syncs the parent
+    publish_directory(staging, final, overwrite=overwrite)
     return blake3.blake3(data).hexdigest()
 
 

@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping
 import blake3
 import numpy as np
 
-from fastckpt.formats.atomic import (
+from fastckpt.store.commit import (
     _naming_target,
     _staging_directory,
     remove_stale_partials_in,

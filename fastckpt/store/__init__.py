@@ -11,4 +11,8 @@ publishes, its name rule, how it writes and how it opens. The floor keeps one me
 
 It sits between the native core (``_native``: mappings and the fault guard) and the formats, and imports
 nothing above it.
+
+>>> from fastckpt.store.commit import Commit, atomic_write
+>>> Commit.publish.__doc__.split(":")[0]
+'The atomic step'
 """

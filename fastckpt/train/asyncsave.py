@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fastckpt.formats.atomic import resolve_overwrite
+from fastckpt.store.commit import resolve_overwrite
 from fastckpt.train.checkpoint import check_hash, write_snapshot
 from fastckpt.train.format import DEFAULT_HASH
 from fastckpt.train.snapshot import take_snapshot

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory, resolve_overwrite
+from fastckpt.store.commit import Commit, atomic_write, fsync_file, resolve_overwrite
 from fastckpt.formats.hashing import HASH_ALGORITHMS, new_hasher
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import part_of_a_save, progress_from
@@ -96,14 +96,6 @@ _log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _existing_is_replaceable(out: Path) -> bool:
     if not out.exists():
         return True
@@ -126,7 +118,7 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
     """Write ``snap`` as a checkpoint directory at ``out_dir`` (atomically); returns the weights' ``"<hash>:<hex>"``.
 
     With ``overwrite=False`` an existing ``out_dir`` is refused, at the start
-    and again by the commit's no-replace rename (:mod:`fastckpt.formats.atomic`),
+    and again by the commit's no-replace rename (:mod:`fastckpt.store.commit`),
     so a checkpoint another writer commits meanwhile is never replaced: this
     save raises :class:`FileExistsError` naming ``out_dir`` and leaves nothing.
     """
@@ -144,8 +136,6 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
     nbytes = sum(a.nbytes for t in tables for a in t.tensors.values())
     with progress_from(progress, nbytes, "save checkpoint") as report:
         digest = _write_directory(snap, out, fsync, hash, report, overwrite)
-    if fsync:
-        fsync_directory(out.parent)
     _log.info("saved checkpoint %s: step %s, %d tensors, %d bytes in %.3f s", out, snap.manifest.get("step"),
               sum(len(t.tensors) for t in tables), nbytes, time.perf_counter() - started)
     return digest
@@ -155,7 +145,9 @@ def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=F
     from fastckpt.formats.safetensors import save_safetensors
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fastckpt-save") as pool, \
-            atomic_directory(out, fsync=False, overwrite=overwrite) as tmp:
+            Commit(out, overwrite=overwrite, fsync=fsync, sync_files=False) as commit:
+        # the files are fsynced here, in the background; the commit syncs the directories and publishes
+        tmp = commit.staging
         files: dict[str, dict] = {}
         syncs: list[concurrent.futures.Future] = []
 
@@ -164,7 +156,7 @@ def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=F
             # while the next file is written.
             files[name] = {hash: hasher.hexdigest(), "bytes": (tmp / name).stat().st_size}
             if fsync:
-                syncs.append(pool.submit(_fsync_file, tmp / name))
+                syncs.append(pool.submit(fsync_file, tmp / name))
 
         for name, table, tree, fmt in ((WEIGHTS_FILE, snap.weights, snap.weights_tree, "fastckpt.train.weights"),
                                        (OPTIM_FILE, snap.optim, snap.optim_tree, "fastckpt.train.optim")):

@@ -11,7 +11,7 @@ What counts as a checkpoint
     leaves nothing that :meth:`latest` returns; its temporary
     (``.step-<N>.@<host>~<ns>.<pid>.<hex>.partial``) is removed by the next
     manager or save once that process is gone (another host's only after
-    :data:`fastckpt.formats.atomic.STALE_AFTER`, an hour). ``latest()`` does not hash files;
+    :data:`fastckpt.store.commit.STALE_AFTER`, an hour). ``latest()`` does not hash files;
     ``restore_latest`` does (``verify=True``).
 
 What it deletes
@@ -76,7 +76,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials_in
+from fastckpt.store.commit import atomic_write, remove_stale_partials_in, retire_directory
 from fastckpt.formats.remote import is_url
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
 from fastckpt.train.checkpoint import (
@@ -284,12 +284,10 @@ class CheckpointManager:
             doomed = self._to_delete(managed)
             for step in doomed:
                 path = managed[step]
-                # Rename first: an interrupted removal leaves a temporary the next sweep deletes,
+                # Renamed first: an interrupted removal leaves a temporary the next sweep deletes,
                 # never a half-deleted step directory.
-                trash = _partial_name(path)
-                os.replace(path, trash)
+                retire_directory(path, fsync=False)
                 self._manifests.pop(path.name, None)
-                shutil.rmtree(trash, ignore_errors=True)
             gone = {managed[s].name for s in doomed}
             # A recorded name whose directory does not exist yet may be another manager's save in flight:
             # it stays, or that checkpoint would never be pruned.
