@@ -45,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import errno
 import os
 import reprlib
 import time
@@ -125,12 +126,11 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
     check_hash(hash)
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out}: a checkpoint already exists here; pass overwrite=True to replace it")
+        raise FileExistsError(errno.EEXIST, "a checkpoint already exists here; pass overwrite=True to replace it",
+                              os.fspath(out))
     if not _existing_is_replaceable(out):
-        raise FileExistsError(
-            f"{out}: exists and is not a fastckpt checkpoint (no {MANIFEST_FILE}); refusing to replace it — "
-            "choose an empty or new directory"
-        )
+        raise FileExistsError(errno.EEXIST, f"exists and is not a fastckpt checkpoint (no {MANIFEST_FILE}); refusing "
+                              "to replace it — choose an empty or new directory", os.fspath(out))
     started = time.perf_counter()
     tables = [t for t in (snap.weights, snap.optim) if t is not None]
     nbytes = sum(a.nbytes for t in tables for a in t.tensors.values())

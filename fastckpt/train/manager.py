@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import errno
 import os
 import re
 import shutil
@@ -316,7 +317,8 @@ class CheckpointManager:
         if self._saver is not None:
             self._saver.wait()
         if path.exists() and not overwrite:
-            raise FileExistsError(f"{path}: step {step} is already saved; pass overwrite=True to replace it")
+            raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
+                                  os.fspath(path))
         self._sweep_partials()
         kwargs = dict(step=step, epoch=epoch, metrics=metrics, scaler=scaler, seed=seed, config=config,
                       data_manifest=data_manifest)

@@ -24,6 +24,7 @@ checked as for a local checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -59,7 +60,7 @@ def write_snapshot(snap, url: str, *, overwrite: bool, hash: str = DEFAULT_HASH,
     from fastckpt.train import checkpoint
 
     if not overwrite and remote.committed(url, MANIFEST_FILE, storage_options):
-        raise FileExistsError(f"{url}: a checkpoint already exists here; pass overwrite=True to replace it")
+        raise FileExistsError(errno.EEXIST, "a checkpoint already exists here; pass overwrite=True to replace it", url)
     with tempfile.TemporaryDirectory(prefix="fastckpt-up-") as tmp:
         local = Path(tmp) / "checkpoint"
         digest = checkpoint.write_snapshot(snap, local, overwrite=False, fsync=False, hash=hash, progress=progress)
@@ -207,7 +208,8 @@ class RemoteCheckpointManager:
                              "until its manifest is uploaded")
         url = self.path_for(step)
         if not overwrite and remote.committed(url, MANIFEST_FILE, self.storage_options):
-            raise FileExistsError(f"{url}: step {step} is already saved; pass overwrite=True to replace it")
+            raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
+                                  url)
         remote.remove_uncommitted(self.directory, MANIFEST_FILE, self.storage_options,
                                   select=lambda name: _STEP_DIR.match(name) is not None)
         snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
