@@ -1,7 +1,7 @@
 """One suite for every multi-file layout: the same tests run against each entry of LAYOUTS.
 
 A layout is what a multi-file format looks like to a test: how to save version ``v`` of a small checkpoint at a
-target (``save(target, v, overwrite)``), and how to load what is committed there (``load(target)``, a dict of
+target (``save(target, v, overwrite, fsync=False)``; fsync off for speed where the writer allows), and how to load what is committed there (``load(target)``, a dict of
 name -> numpy array, or an exception when nothing loadable is there). ``expected(v)`` is what version ``v`` holds;
 versions differ in every tensor, so a load that mixes two saves cannot match either.
 
@@ -48,8 +48,8 @@ class _Model:
 
 # -- the layouts ---------------------------------------------------------------------------------------------------
 
-def _tf_save(target, version, overwrite):
-    write_checkpoint(target, expected(version), num_shards=2, overwrite=overwrite, fsync=False)
+def _tf_save(target, version, overwrite, fsync=False):
+    write_checkpoint(target, expected(version), num_shards=2, overwrite=overwrite, fsync=fsync)
 
 
 def _tf_load(target):
@@ -57,14 +57,14 @@ def _tf_load(target):
         return {name: reader.read_tensor(name, copy=True) for name in reader.tensor_names()}
 
 
-def _hf_save(target, version, overwrite):
-    save_sharded(target, expected(version), max_shard_size=300, overwrite=overwrite, fsync=False)
+def _hf_save(target, version, overwrite, fsync=False):
+    save_sharded(target, expected(version), max_shard_size=300, overwrite=overwrite, fsync=fsync)
 
 
-def _hf_mixed_save(target, version, overwrite):
+def _hf_mixed_save(target, version, overwrite, fsync=False):
     """Odd versions as one file (model.safetensors), even ones sharded (index + shards): one directory, two shapes."""
     size = 10**9 if version % 2 else 300
-    save_sharded(target, expected(version), max_shard_size=size, overwrite=overwrite, fsync=False)
+    save_sharded(target, expected(version), max_shard_size=size, overwrite=overwrite, fsync=fsync)
 
 
 def _hf_load(target):
@@ -73,7 +73,7 @@ def _hf_load(target):
 
 
 def _sharded_save(layout):
-    def save(target, version, overwrite):
+    def save(target, version, overwrite, fsync=False):  # a sharded save always fsyncs
         Saver(path=str(target), parallel=2, tensors=expected(version), overwrite=overwrite, layout=layout).save()
     return save
 
@@ -83,17 +83,17 @@ def _sharded_load(target):
     return {name: reader.read_tensor(name) for name in reader.tensor_names()}
 
 
-def _train_save(target, version, overwrite):
-    save_checkpoint(_Model(version), None, None, None, None, target, step=version, overwrite=overwrite, fsync=False)
+def _train_save(target, version, overwrite, fsync=False):
+    save_checkpoint(_Model(version), None, None, None, None, target, step=version, overwrite=overwrite, fsync=fsync)
 
 
 def _train_load(target):
     return dict(load_checkpoint(target).model_weights)
 
 
-def _manager_save(target, version, overwrite):
+def _manager_save(target, version, overwrite, fsync=False):
     """Every version saves step 1 of one manager directory: the target is that step's checkpoint."""
-    CheckpointManager(target.parent, fsync=False).save(1, _Model(version), overwrite=overwrite)
+    CheckpointManager(target.parent, fsync=fsync).save(1, _Model(version), overwrite=overwrite)
 
 
 def _manager_load(target):
@@ -103,7 +103,7 @@ def _manager_load(target):
 @dataclass(frozen=True)
 class Layout:
     name: str
-    save: Callable[[Path, int, bool], None]
+    save: Callable[..., None]
     load: Callable[[Path], dict]
     target: Callable[[Path], Path] = lambda tmp: tmp / "ckpt"
 

@@ -382,11 +382,18 @@ def commit_directory(staging: Path, final: Path, metadata: list[tuple[str, bytes
     committed meanwhile stays, and this raises ``FileExistsError`` naming it), and ``final``'s parent fsynced.
     """
     files = manifest["files"]
+
+    def write(name: str, content: bytes) -> None:
+        try:
+            write_synced(staging / name, content)
+        except OSError as e:  # the file of the checkpoint, never the staging directory
+            raise type(e)(e.errno, e.strerror, os.fspath(final / name)) from None
+
     for name, content in metadata:
-        write_synced(staging / name, content)
+        write(name, content)
         files[name] = {"size": len(content), "blake3": blake3.blake3(content).hexdigest()}
     data = dumps(seal(manifest))  # the checksum covers the manifest, whose entries cover every other file
-    write_synced(staging / MANIFEST_FILE, data)
+    write(MANIFEST_FILE, data)
     # every rank fsynced its own files: the one commit syncs the directory, renames it and syncs the parent
     publish_directory(staging, final, overwrite=overwrite)
     return blake3.blake3(data).hexdigest()

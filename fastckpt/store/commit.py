@@ -69,13 +69,14 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 import warnings
 from pathlib import Path
 from typing import IO, Iterator
 
 __all__ = ["Commit", "atomic_write", "atomic_directory", "fsync_directory", "fsync_file", "fsync_open", "write_file",
-           "staging_directory", "publish_directory", "retire_directory", "remove_stale_partials",
+           "staging_directory", "publish_directory", "retire_directory", "remove_temporary", "remove_stale_partials",
            "remove_stale_partials_in", "rename_noreplace", "resolve_overwrite", "STALE_AFTER"]
 
 _SUFFIX = ".partial"
@@ -201,8 +202,42 @@ def remove_stale_partials_in(directory: str | os.PathLike, *, stale_after: float
     return _remove_stale(os.fspath(directory), None, stale_after)
 
 
+# Temporaries of this process whose removal failed (an EIO while a failed save cleaned up): this process is alive,
+# so no sweep would take them as a dead writer's; every sweep retries them first.
+_abandoned: set[str] = set()
+_abandoned_lock = threading.Lock()
+
+
+def remove_temporary(path: str | os.PathLike) -> None:
+    """Remove a staging directory or temporary file of this process; if that fails, every later sweep (of any
+    directory) tries again, so a failed clean-up never leaves it for good.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()) / ".x.partial"; d.mkdir(); remove_temporary(d); d.exists()
+    False
+    """
+    path = os.fspath(path)
+    with contextlib.suppress(OSError):  # rmtree(ignore_errors=True) still raises when a close() fails
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    if os.path.lexists(path):
+        with _abandoned_lock:
+            _abandoned.add(path)
+
+
+def _retry_abandoned() -> None:
+    with _abandoned_lock:
+        paths = list(_abandoned)
+        _abandoned.clear()
+    for path in paths:
+        remove_temporary(path)
+
+
 def _remove_stale(parent: str, name: str | None, stale_after: float | None) -> list[Path]:
     """Remove the stale temporaries of ``parent`` (of one NAME, or of any)."""
+    _retry_abandoned()
     stale_after = STALE_AFTER if stale_after is None else stale_after
     removed = []
     try:
@@ -395,13 +430,16 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool
     except BaseException as e:
         with contextlib.suppress(OSError):  # close() flushes, and fails again where the write did
             f.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        remove_temporary(tmp)
         if isinstance(e, OSError):
             raise _naming_target(e, final, tmp) from None
         raise
     if fsync:
-        fsync_directory(parent)
+        try:
+            fsync_directory(parent)
+        except OSError as e:  # the file is in place; whether its rename is durable is not known: say so
+            raise type(e)(e.errno, f"{e.strerror} (while making the rename durable; the file is in place)",
+                          final) from None
 
 
 _AT_FDCWD = -100
@@ -494,47 +532,64 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         raise
 
 
-def _swap_in(tmp: Path, final: Path, *, overwrite: bool = True) -> Path | None:
+def _identity(path) -> tuple | None:
+    """``(device, inode)`` of ``path`` itself (links not followed), or None if nothing is there."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _swap_in(tmp: Path, final: Path, *, overwrite: bool = True, aside: Path | None = None) -> None:
     """Rename the directory ``tmp`` onto ``final``; an existing ``final`` is replaced only with ``overwrite``.
 
     A ``final`` that does not exist is taken by a no-replace rename, so of two
     writers racing for it exactly one wins. An existing one, with
     ``overwrite``: where Linux's ``renameat2(RENAME_EXCHANGE)`` works, the two
     directories trade places in one atomic step, so ``final`` always names a
-    complete directory, even if the process dies right after. Elsewhere the old
-    one is moved aside first, and put back if the second rename fails.
-
-    Returns where the replaced directory now is (``tmp`` after an exchange),
-    for :func:`_swap_back` or removal, or None when ``final`` was new.
+    complete directory, even if the process dies right after (the old one is
+    then under ``tmp``). Elsewhere the old one is moved to ``aside`` first, and
+    put back if the second rename fails.
     """
     try:
         rename_noreplace(tmp, final)
-        return None
+        return
     except FileExistsError:
         if not overwrite:
             raise
     if _exchange(tmp, final):
-        return tmp
-    old = _partial_name(final)
-    os.replace(final, old)
+        return
+    aside = aside or _partial_name(final)
+    os.replace(final, aside)
     try:
         os.replace(tmp, final)
     except BaseException:
-        os.replace(old, final)
+        os.replace(aside, final)
         raise
-    return old
 
 
-def _swap_back(tmp: Path, final: Path, old: Path | None) -> None:
-    """Undo :func:`_swap_in`: the new directory back under ``tmp``, the replaced one (``old``) back at ``final``."""
+def _take_back(tmp: Path, final: Path, aside: Path, new: tuple | None, old: tuple | None) -> None:
+    """Undo whatever part of :func:`_swap_in` was done, by what is where (``new`` and ``old``: the identities of
+    the staged and the replaced directory); a ``final`` that is neither is another writer's and stays."""
+    if new is None or _identity(final) != new:
+        return  # nothing of ours was published
     if old is None:
         os.rename(final, tmp)
-    elif old == tmp:
+    elif _identity(tmp) == old:  # exchanged
         if not _exchange(tmp, final):
             raise OSError(errno.ENOTSUP, "the exchange that published it cannot be undone", os.fspath(final))
-    else:
+    elif _identity(aside) == old:
         os.rename(final, tmp)
-        os.rename(old, final)
+        os.rename(aside, final)
+
+
+def _old_directory(tmp: Path, aside: Path, old: tuple | None) -> Path | None:
+    """Where the replaced directory is after a :func:`_swap_in` (to be removed), or None."""
+    for where in (tmp, aside):
+        if old is not None and _identity(where) == old:
+            return where
+    return None
 
 
 def staging_directory(final: str | os.PathLike, overwrite: bool, sweep=None) -> Path:
@@ -589,21 +644,27 @@ def publish_directory(staging: str | os.PathLike, final: str | os.PathLike, *, o
     ['c']
     """
     staging, final = Path(staging), Path(final)
+    aside = _partial_name(final)
+    new, old = _identity(staging), _identity(final)
     try:
         if fsync:
             _fsync_tree(staging, sync_files)
-        old = _swap_in(staging, final, overwrite=overwrite)
-        try:
-            if fsync:
+        _swap_in(staging, final, overwrite=overwrite, aside=aside)
+        if fsync:
+            try:
                 fsync_directory(final.parent)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                _swap_back(staging, final, old)
-            raise
-    except OSError as e:
-        raise _naming_target(e, os.fspath(final), os.fspath(staging), inside=True) from None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+            except OSError as e:  # the directory's error is the checkpoint's
+                raise type(e)(e.errno, e.strerror, os.fspath(final)) from None
+    except BaseException as e:
+        # Whatever step failed (or was interrupted right after it), what was published is taken back.
+        with contextlib.suppress(OSError):
+            _take_back(staging, final, aside, new, old)
+        if isinstance(e, OSError):
+            raise _naming_target(e, os.fspath(final), os.fspath(staging), inside=True) from None
+        raise
+    replaced = _old_directory(staging, aside, old)
+    if replaced is not None:
+        remove_temporary(replaced)
 
 
 def retire_directory(path: str | os.PathLike, *, fsync: bool = True) -> None:
@@ -619,7 +680,7 @@ def retire_directory(path: str | os.PathLike, *, fsync: bool = True) -> None:
     os.replace(path, trash)
     if fsync:
         fsync_directory(path.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove_temporary(trash)
 
 
 @contextlib.contextmanager
@@ -742,18 +803,25 @@ class Commit:
         staging = None if staging is None else os.fspath(staging)
         if self.kind == "directory":
             return _naming_target(exc, os.fspath(self.target), staging, inside=True)
-        if exc.filename is None or os.fspath(exc.filename) in (os.fspath(self.target), staging):
-            name = file or (self.entry_points[0] if self.entry_points else self.target.name)
-            if exc.errno is not None and exc.filename is not None:
-                exc = type(exc)(exc.errno, exc.strerror)  # a prefix names no file: name the entry point
-            return _naming_target(exc, os.path.join(self.directory, name), staging)
-        return _naming_target(exc, self.directory, staging, inside=True)
+        if exc.errno is None:
+            return exc
+        failed = None if exc.filename is None else os.fspath(exc.filename)
+        ours = failed is None or failed in (os.fspath(self.target), self.directory) \
+            or os.path.dirname(failed) == self.directory \
+            or (staging is not None and (failed + os.sep).startswith(staging + os.sep))
+        if not ours:
+            return exc  # a source the save read, or another path it was given
+        # a prefix names no file: the error names the file of the set, or else its entry point
+        base = file or (os.path.basename(failed) if failed is not None else "")
+        if not base.startswith(self.target.name) or base.endswith(_SUFFIX):
+            base = self.entry_points[0] if self.entry_points else self.target.name
+        return _naming_target(type(exc)(exc.errno, exc.strerror), os.path.join(self.directory, base), staging)
 
     def discard(self) -> None:
         """Remove the staging place and everything in it, and the directories the save made if they are empty
         again; nothing is published. Idempotent."""
         self._done = True
-        shutil.rmtree(self.staging, ignore_errors=True)
+        remove_temporary(self.staging)
         for made in self._made:
             try:
                 os.rmdir(made)
@@ -776,7 +844,7 @@ class Commit:
             if isinstance(e, OSError):
                 raise self._naming(e) from None
             raise
-        shutil.rmtree(self.staging, ignore_errors=True)
+        remove_temporary(self.staging)
 
     def _publish_files(self) -> None:
         directory, staging = self.directory, self.staging
@@ -784,31 +852,37 @@ class Commit:
         order = [n for n in names if n not in self.entry_points] + [n for n in self.entry_points if n in names]
         if self.fsync:
             _fsync_tree(staging, self.sync_files)
+        staged = {name: _identity(staging / name) for name in order}
         with _name_lock(directory, self.target.name, os.fspath(self.target)):
             taken = self._taken()
             taken += [n for n in order if n not in taken and os.path.lexists(os.path.join(directory, n))]
             if taken and not self.overwrite:
                 raise self._exists(taken[0])
-            aside, moved_aside, moved_in = staging / _ASIDE, [], []
+            aside = staging / _ASIDE
             try:
                 if taken:
                     os.mkdir(aside)
                 for name in taken:  # the previous save leaves, its entry points first
                     os.rename(os.path.join(directory, name), aside / name)
-                    moved_aside.append(name)
                 for name in order:  # the data files, the entry points last
                     rename_noreplace(staging / name, os.path.join(directory, name))
-                    moved_in.append(name)
                 if self.fsync:
-                    fsync_directory(directory)
+                    try:
+                        fsync_directory(directory)
+                    except OSError as e:
+                        raise type(e)(e.errno, e.strerror, os.path.join(directory, order[-1])) from None
             except BaseException:
-                for name in reversed(moved_in):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(directory, name))
-                for name in reversed(moved_aside):  # its data files back first, its entry points last
-                    with contextlib.suppress(OSError):
-                        os.rename(aside / name, os.path.join(directory, name))
-                if self.fsync and (moved_in or moved_aside):
+                # Taken back by what is where (a step interrupted right after it was made counts): the files
+                # of this save leave, entry points first; the previous save's come back, entry points last.
+                for name in reversed(order):
+                    if _identity(os.path.join(directory, name)) == staged[name]:
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(directory, name))
+                for name in reversed(taken):
+                    if os.path.lexists(aside / name):
+                        with contextlib.suppress(OSError):
+                            os.rename(aside / name, os.path.join(directory, name))
+                if self.fsync:
                     with contextlib.suppress(OSError):
                         fsync_directory(directory)
                 raise
