@@ -9,9 +9,10 @@ just before it). Then:
 - the error (an ``OSError``) names the target, never only a temporary;
 - the next save succeeds, loads exactly, and leaves no temporary, staging directory or lock.
 
-A fault the save absorbs (a failed clean-up of a temporary after the commit) must leave the new save whole.
-The one exception: a single file whose rename succeeded and whose directory fsync then failed is committed
-(a file replaced by ``os.replace`` cannot be taken back); the save raises and the file holds the new version whole.
+A fault the save absorbs (a failed clean-up of a temporary after the commit) must leave the new save whole. A
+fault after the commit point (:func:`commit_point`: a multi-file save's directory fsync after its last rename, which
+is taken back when it fails; a single file's rename, since a file replaced by ``os.replace`` cannot be taken back)
+may leave the new save, whole.
 
 The default run tries, for each writer, the first and the last call of each kind, the error rotating; ``-m slow``
 tries every call with every error.
@@ -71,6 +72,8 @@ def commit_point(layout: Layout, calls: list[tuple[str, str]]) -> int:
     target = os.fspath(layout.target(Path("{root}")))
     renamed = max(i for i, (kind, path) in enumerate(calls) if kind in ("rename", "renameat2")
                   and ".partial" not in path and (path == target or path.startswith((target + os.sep, target + "."))))
+    if layout.name in SINGLE_FILES:  # a file's rename is its commit (os.replace cannot be taken back)
+        return renamed
     return next(i for i in range(renamed, len(calls))
                 if calls[i][0] == "fsync" and calls[i][1] in (target, os.path.dirname(target)))
 
@@ -107,7 +110,7 @@ def _one(layout: Layout, base: Path, overwrite: bool, fail_at: int, error, commi
                 return f"{where}: the error does not name the target: {raised!r}"
             if not isinstance(raised, (OSError, KeyboardInterrupt)):
                 return f"{where}: raised {raised!r}"
-            if fail_at > committed_after or (layout.name in SINGLE_FILES and fail_at == committed_after):
+            if fail_at > committed_after:
                 committed = _loads_as(layout, target) == 2  # the commit was made before the fault
             else:
                 committed = False
