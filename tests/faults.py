@@ -152,9 +152,10 @@ class Faults:
                     return real(file, mode, *args, **kwargs)
                 interrupt = faults._call("open", file)
                 opened = real(file, mode, *args, **kwargs)
-                if interrupt:
+                if interrupt:  # the file object is lost to the caller, as a real interrupt there loses it
                     opened.close()
-                return faults._made(interrupt, _File(opened, faults, os.fsdecode(file)))
+                    faults._made(interrupt, None)
+                return _File(opened, faults, os.fsdecode(file))
             return call
 
         real_close = os.close

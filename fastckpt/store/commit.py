@@ -415,7 +415,11 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool
         remove_stale_partials(final)
         tmp = _partial_path(final)
         f = open(tmp, "xb", buffering=_WRITE_BUFFER)
-    except OSError as e:
+    except BaseException as e:
+        if not isinstance(e, OSError):
+            if tmp is not None:  # made, then interrupted before it was handed over
+                remove_temporary(tmp)
+            raise
         raise _naming_target(e, final, tmp) from None
     try:
         yield f
@@ -612,8 +616,13 @@ def staging_directory(final: str | os.PathLike, overwrite: bool, sweep=None) -> 
                                   os.fspath(final))
         staging = _partial_name(final)
         staging.mkdir()
-    except OSError as e:
-        raise _naming_target(e, os.fspath(final), None if staging is None else os.fspath(staging)) from None
+    except BaseException as e:
+        if staging is not None and not isinstance(e, OSError):  # made, then interrupted before it was handed
+            with contextlib.suppress(OSError):  # over: it goes (it is empty)
+                os.rmdir(staging)
+        if isinstance(e, OSError):
+            raise _naming_target(e, os.fspath(final), None if staging is None else os.fspath(staging)) from None
+        raise
     return staging
 
 
