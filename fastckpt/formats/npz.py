@@ -554,7 +554,8 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignme
         _refuse_savez_form(tensors, arrays, named)
     if is_url(path):  # object storage and remote filesystems: fastckpt.formats.remote
         return save_file(path, lambda local: save_npz(local, tensors, alignment=alignment, fsync=False,
-                                                      progress=progress), "upload.npz", storage_options)
+                                                      progress=progress, overwrite=True), "upload.npz",
+                         storage_options, overwrite=overwrite)
     if storage_options is not None:
         raise ValueError(f"storage_options is for URLs (s3://...), not the local path {os.fspath(path)!r}")
     items = tensors.items() if isinstance(tensors, Mapping) else tensors

@@ -16,6 +16,13 @@ Object stores have no rename, so a reader must never be able to see a half-writt
    (``CompleteMultipartUpload``), so a reader sees the previous object or the new one whole; a failed upload
    is aborted. On a filesystem that can rename (``memory``, ``sftp``, ...) the bytes go to
    ``<key>.tmp-<uuid>`` first and are then moved onto ``<key>``.
+
+   ``overwrite=False`` on ``s3://`` is a conditional write (``If-None-Match: *`` on the ``PutObject`` or the
+   ``CompleteMultipartUpload``): the store refuses an existing key in the same step, so of two writers racing
+   for one key exactly one commits and the other gets :class:`FileExistsError` naming the URL. Stores without
+   conditional writes here (``gs``, ``az`` through fsspec, and filesystems that rename) check that the key is
+   absent just before the upload's last step: a writer that commits the key between that check and that step
+   is replaced, which the message of :func:`put_file`'s docstring and docs/commit.md say.
 2. **A checkpoint directory** (training and sharded checkpoints: a prefix with a manifest) is uploaded by
    :func:`put_directory`: every file except the manifest, in parallel, under the final prefix
    ``<target>/``; then the manifest alone, last. The manifest's key is the commit marker: a prefix without one
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -58,6 +66,7 @@ from fastckpt._native.safetensors import MAX_HEADER_SIZE
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import tensor_not_found
 from fastckpt.formats.reader import TensorFile, detect_format, open_file
+from fastckpt.store.commit import resolve_overwrite
 
 __all__ = ["is_url", "filesystem", "join", "put_file", "put_directory", "clear", "get_directory", "committed",
            "committed_prefixes", "remove_uncommitted", "save_file", "local_copy", "open", "RemoteTensorFile"]
@@ -136,15 +145,32 @@ def _upload_failed(url: str, what: str, exc: BaseException, left: str) -> OSErro
 
 # -- writes ----------------------------------------------------------------------------------------
 
-def _put_whole(fs, local: str, path: str) -> None:
+def _conditional(fs) -> bool:
+    """True where an upload can refuse an existing key in the same step (s3fs: ``If-None-Match: *``)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in ("s3", "s3a") for p in protocols)
+
+
+def _put_whole(fs, local: str, path: str, overwrite: bool = True) -> None:
     """Upload ``local`` to ``path`` so that it appears whole: one upload on an object store, else a temporary key
-    and a move (a store that renames would otherwise show a half-written object)."""
+    and a move (a store that renames would otherwise show a half-written object). Without ``overwrite`` an
+    existing key is ``FileExistsError``: refused by the store itself where it can (:func:`_conditional`), else
+    checked just before the last step."""
     if _is_object_store(fs):
-        fs.put_file(local, path)
+        if overwrite:
+            fs.put_file(local, path)
+        elif _conditional(fs):
+            fs.put_file(local, path, mode="create")
+        else:
+            if fs.exists(path):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+            fs.put_file(local, path)
         return
     staged = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
         fs.put_file(local, staged)
+        if not overwrite and fs.exists(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
         fs.mv(staged, path)
     except BaseException:
         with contextlib.suppress(Exception):
@@ -158,28 +184,47 @@ def _checkpoint_file(rel: str) -> bool:
     return "/" not in rel and rel.endswith((".safetensors", ".json"))
 
 
-def put_file(local: str | os.PathLike, url: str, storage_options: dict | None = None) -> None:
+def put_file(local: str | os.PathLike, url: str, storage_options: dict | None = None, *,
+             overwrite: bool | None = True) -> None:
     """Upload the local file ``local`` to ``url`` so that readers see the old object or the new one whole.
 
     One upload to the final key on an object store (atomic there), else to ``<key>.tmp-<uuid>`` and a move.
+    ``overwrite=False``: an existing object is :class:`FileExistsError` naming ``url`` (on ``s3://`` a
+    conditional write, refused by the store in the same step; elsewhere a check just before the last step, so a
+    writer racing for the key between the two is replaced). ``overwrite=None`` (0.2's default): as False, and an
+    existing object is then replaced with a ``FutureWarning`` (docs/overwrite.md).
 
     >>> import os, tempfile
     >>> p = os.path.join(tempfile.mkdtemp(), "a.bin"); _ = builtins.open(p, "wb").write(b"bytes")
     >>> put_file(p, "memory://doc/put/a.bin")
     >>> filesystem("memory://doc/put/a.bin")[0].cat("memory://doc/put/a.bin")
     b'bytes'
+    >>> put_file(p, "memory://doc/put/a.bin", overwrite=False)
+    Traceback (most recent call last):
+    FileExistsError: [Errno 17] File exists; pass overwrite=True to replace it: 'memory://doc/put/a.bin'
     """
     fs, path = filesystem(url, storage_options)
     try:
-        _put_whole(fs, os.fspath(local), path)
+        try:
+            _put_whole(fs, os.fspath(local), path, overwrite is True)
+        except FileExistsError:
+            if overwrite is not None:
+                raise
+            resolve_overwrite(None, url, True, stacklevel=5)  # the FutureWarning; 0.2 replaced it
+            _put_whole(fs, os.fspath(local), path, True)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
+                              url) from None
     except Exception as e:
         raise _upload_failed(url, f"{os.path.getsize(local)} bytes", e,
                              "Readers still see the previous object there, if there was one") from e
     fs.invalidate_cache(path)
 
 
-def save_file(url: str, write: Callable[[str], None], name: str, storage_options: dict | None = None) -> None:
-    """Have ``write(local_path)`` write a file with one of the local writers, then :func:`put_file` it to ``url``.
+def save_file(url: str, write: Callable[[str], None], name: str, storage_options: dict | None = None, *,
+              overwrite: bool | None = True) -> None:
+    """Have ``write(local_path)`` write a file with one of the local writers, then :func:`put_file` it to ``url``
+    (``overwrite`` as there).
 
     ``name`` is the local file's name (some writers look at the suffix). The local copy is removed after.
 
@@ -192,7 +237,7 @@ def save_file(url: str, write: Callable[[str], None], name: str, storage_options
     with tempfile.TemporaryDirectory(prefix="fastckpt-up-") as tmp:
         local = os.path.join(tmp, name)
         write(local)
-        put_file(local, url, storage_options)
+        put_file(local, url, storage_options, overwrite=overwrite)
 
 
 def _files_under(directory: str) -> list[str]:

@@ -424,8 +424,8 @@ def save_safetensors(
     """
     if is_url(path):  # object storage and remote filesystems: fastckpt.formats.remote
         return save_file(path, partial(save_safetensors, tensors=tensors, metadata=metadata, alignment=alignment,
-                                       fsync=False, hasher=hasher, progress=progress), "upload.safetensors",
-                         storage_options)
+                                       fsync=False, hasher=hasher, progress=progress, overwrite=True),
+                         "upload.safetensors", storage_options, overwrite=overwrite)
     if storage_options is not None:
         raise ValueError(f"storage_options is for URLs (s3://...), not the local path {os.fspath(path)!r}")
     if type(alignment) is not int or alignment < 8 or alignment & (alignment - 1):
