@@ -573,27 +573,19 @@ def _swap_in(tmp: Path, final: Path, *, overwrite: bool = True, aside: Path | No
         raise
 
 
-def _take_back(tmp: Path, final: Path, aside: Path, new: tuple | None, old: tuple | None) -> None:
-    """Undo whatever part of :func:`_swap_in` was done, by what is where (``new`` and ``old``: the identities of
-    the staged and the replaced directory); a ``final`` that is neither is another writer's and stays."""
+def _take_back(tmp: Path, final: Path, aside: Path, new: tuple | None) -> None:
+    """Undo whatever part of :func:`_swap_in` was done, by what is where (``new``: the identity of the staged
+    directory); a ``final`` that is not ours is another writer's and stays."""
     if new is None or _identity(final) != new:
         return  # nothing of ours was published
-    if old is None:
-        os.rename(final, tmp)
-    elif _identity(tmp) == old:  # exchanged
+    if _identity(tmp) is not None:  # exchanged: the replaced directory is under our staging name
         if not _exchange(tmp, final):
             raise OSError(errno.ENOTSUP, "the exchange that published it cannot be undone", os.fspath(final))
-    elif _identity(aside) == old:
+    elif _identity(aside) is not None:  # the replaced one moved aside first
         os.rename(final, tmp)
         os.rename(aside, final)
-
-
-def _old_directory(tmp: Path, aside: Path, old: tuple | None) -> Path | None:
-    """Where the replaced directory is after a :func:`_swap_in` (to be removed), or None."""
-    for where in (tmp, aside):
-        if old is not None and _identity(where) == old:
-            return where
-    return None
+    else:
+        os.rename(final, tmp)
 
 
 def staging_directory(final: str | os.PathLike, overwrite: bool, sweep=None) -> Path:
@@ -654,7 +646,7 @@ def publish_directory(staging: str | os.PathLike, final: str | os.PathLike, *, o
     """
     staging, final = Path(staging), Path(final)
     aside = _partial_name(final)
-    new, old = _identity(staging), _identity(final)
+    new = _identity(staging)
     try:
         if fsync:
             _fsync_tree(staging, sync_files)
@@ -667,13 +659,13 @@ def publish_directory(staging: str | os.PathLike, final: str | os.PathLike, *, o
     except BaseException as e:
         # Whatever step failed (or was interrupted right after it), what was published is taken back.
         with contextlib.suppress(OSError):
-            _take_back(staging, final, aside, new, old)
+            _take_back(staging, final, aside, new)
         if isinstance(e, OSError):
             raise _naming_target(e, os.fspath(final), os.fspath(staging), inside=True) from None
         raise
-    replaced = _old_directory(staging, aside, old)
-    if replaced is not None:
-        remove_temporary(replaced)
+    for replaced in (staging, aside):  # the directory replaced, under one of our two private names
+        if os.path.lexists(replaced):
+            remove_temporary(replaced)
 
 
 def retire_directory(path: str | os.PathLike, *, fsync: bool = True) -> None:
@@ -822,7 +814,7 @@ class Commit:
             return exc  # a source the save read, or another path it was given
         # a prefix names no file: the error names the file of the set, or else its entry point
         base = file or (os.path.basename(failed) if failed is not None else "")
-        if not base.startswith(self.target.name) or base.endswith(_SUFFIX):
+        if not base.startswith(self.target.name) or base == self.target.name or base.endswith(_SUFFIX):
             base = self.entry_points[0] if self.entry_points else self.target.name
         return _naming_target(type(exc)(exc.errno, exc.strerror), os.path.join(self.directory, base), staging)
 
