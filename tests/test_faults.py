@@ -11,8 +11,8 @@ just before it). Then:
 
 A fault the save absorbs (a failed clean-up of a temporary after the commit) must leave the new save whole. A
 fault after the commit point (:func:`commit_point`: a multi-file save's directory fsync after its last rename, which
-is taken back when it fails; a single file's rename, since a file replaced by ``os.replace`` cannot be taken back)
-may leave the new save, whole.
+is taken back when it fails; a single file's rename, since a file replaced by ``os.replace`` cannot be taken back),
+or an interrupt right after that call, may leave the new save, whole.
 
 The default run tries, for each writer, the first and the last call of each kind, the error rotating; ``-m slow``
 tries every call with every error.
@@ -110,7 +110,7 @@ def _one(layout: Layout, base: Path, overwrite: bool, fail_at: int, error, commi
                 return f"{where}: the error does not name the target: {raised!r}"
             if not isinstance(raised, (OSError, KeyboardInterrupt)):
                 return f"{where}: raised {raised!r}"
-            if fail_at > committed_after:
+            if fail_at > committed_after or (fail_at == committed_after and error is KeyboardInterrupt):
                 committed = _loads_as(layout, target) == 2  # the commit was made before the fault
             else:
                 committed = False

@@ -217,11 +217,16 @@ def remove_temporary(path: str | os.PathLike) -> None:
     False
     """
     path = os.fspath(path)
-    with contextlib.suppress(OSError):  # rmtree(ignore_errors=True) still raises when a close() fails
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.unlink(path)
+    try:
+        with contextlib.suppress(OSError):  # rmtree(ignore_errors=True) still raises when a close() fails
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+    except BaseException:  # interrupted: the next sweep finishes it
+        with _abandoned_lock:
+            _abandoned.add(path)
+        raise
     if os.path.lexists(path):
         with _abandoned_lock:
             _abandoned.add(path)
