@@ -101,7 +101,6 @@ KNOWN_MODULE_CYCLES = [
     {"fastckpt.device.hugepages", "fastckpt.device.pool"},
     {"fastckpt.formats.inmemory", "fastckpt.formats.npz", "fastckpt.formats.reader", "fastckpt.formats.remote",
      "fastckpt.formats.safetensors"},
-    {"fastckpt.train.asyncsave", "fastckpt.train.checkpoint", "fastckpt.train.manager", "fastckpt.train.remote"},
 ]
 
 
