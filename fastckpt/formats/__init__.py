@@ -28,3 +28,6 @@ number in :func:`fastckpt.open`), and a writer that goes through
 >>> TensorReader.__name__
 'TensorReader'
 """
+
+# fastckpt.open(url) reads through fastckpt.formats.remote, which registers its opener with the reader below it
+from fastckpt.formats import remote as _remote  # noqa: E402,F401

@@ -203,7 +203,7 @@ from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_np
 from fastckpt.arrays import as_numpy, to_numpy
 from fastckpt.errors import FormatError, IntegrityError
 from fastckpt.store.commit import atomic_write, resolve_overwrite
-from fastckpt.formats.remote import is_url, save_file
+from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import file_log_level, progress_from, requested
 
@@ -736,7 +736,7 @@ def save_bytes(tensors: TensorsArg, *, alignment: int | str = "auto") -> bytes:
     >>> len(data), data[:4], np.load(io.BytesIO(data))["w"].tolist()
     (271, b'PK\\x03\\x04', [0, 1, 2])
     """
-    from fastckpt.formats.inmemory import written_bytes
+    from fastckpt.formats.filebytes import written_bytes
 
     return written_bytes(lambda path: save_npz(path, tensors, alignment=alignment, fsync=False), tensors)
 
@@ -756,7 +756,7 @@ def load_bytes(data, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str, np.
     >>> load_bytes(buffer.getvalue())["a"].tolist()
     [0, 1, 2]
     """
-    from fastckpt.formats.inmemory import expect_format, mapped_bytes, quietly_parsed
+    from fastckpt.formats.filebytes import expect_format, mapped_bytes, quietly_parsed
 
     expect_format(data, "npz", "fastckpt.formats.npz")
     with mapped_bytes(data) as m:

@@ -45,29 +45,27 @@ from fastckpt._native.mapped import MappedFile
 from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
+from fastckpt.formats.filebytes import detect_format
+from fastckpt.store.remote import is_url
 from fastckpt.info import TensorInfo
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
            "DIRECTORY_READERS", "guard", "mappings_of"]
 
-_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
+
+# The opener of URLs (``fastckpt.formats.remote.open``): that module reads through this one, so it sits above it
+# and registers itself here; ``fastckpt/formats/__init__.py`` imports it, so ``fastckpt.open`` always has it.
+_url_opener: list = [None]
 
 
-def detect_format(head: bytes) -> str | None:
-    """Name the format of a file from its first 9 bytes: ``"npz"``, ``"safetensors"`` or None.
+def register_url_opener(opener: Callable) -> None:
+    """Make ``opener(url, *, storage_options, names, backend, copy_on_write, max_header_size)`` open URLs for
+    :func:`open` (:mod:`fastckpt.formats.remote` registers its ``open``).
 
-    >>> detect_format(b"PK\\x03\\x04")
-    'npz'
-    >>> detect_format((2).to_bytes(8, "little") + b"{}")
-    'safetensors'
+    >>> _url_opener[0].__module__
+    'fastckpt.formats.remote'
     """
-    # safetensors first: a header length of 0x04034B50 starts with the ZIP magic, while no ZIP
-    # start has "{" at byte 8 (there a local header's compression method, 123, does not exist).
-    if len(head) >= 9 and head[8:9] == b"{":
-        return "safetensors"
-    if head[:4] in _ZIP_MAGICS:
-        return "npz"
-    return None
+    _url_opener[0] = opener
 
 
 class TensorFile(ReaderMapping):
@@ -381,12 +379,9 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
                         f"({len(path)} bytes, starting {bytes(path[:12])!r}): for a file's bytes held in memory, "
                         "use fastckpt.load_bytes(data); for a path given as bytes, pass os.fsdecode(path)")
     p = os.fspath(path)
-    if "://" in p:  # object storage and remote filesystems
-        from fastckpt.formats import remote
-
-        if remote.is_url(p):
-            return remote.open(p, storage_options=storage_options, names=names, backend=backend,
-                               copy_on_write=copy_on_write, max_header_size=max_header_size)
+    if "://" in p and is_url(p):  # object storage and remote filesystems: fastckpt.formats.remote
+        return _url_opener[0](p, storage_options=storage_options, names=names, backend=backend,
+                              copy_on_write=copy_on_write, max_header_size=max_header_size)
     if storage_options is not None or names is not None:
         raise ValueError(f"storage_options= and names= are for URLs (s3://...); the local file {p!r} is mapped, "
                          "and reads only the tensors you ask for")

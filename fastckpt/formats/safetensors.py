@@ -177,7 +177,7 @@ from fastckpt._native.safetensors import (
 )
 from fastckpt.arrays import to_numpy
 from fastckpt.store.commit import atomic_write, resolve_overwrite
-from fastckpt.formats.remote import is_url, save_file
+from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import file_log_level, progress_from, requested
 
@@ -489,7 +489,7 @@ def save_bytes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = 
     >>> len(data), data[8:61], data[-2:]
     (66, b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b'\\x01\\x02')
     """
-    from fastckpt.formats.inmemory import written_bytes
+    from fastckpt.formats.filebytes import written_bytes
 
     return written_bytes(
         lambda path: save_safetensors(path, tensors, metadata, alignment=alignment, fsync=False), tensors)
@@ -508,7 +508,7 @@ def load_bytes(data) -> dict[str, np.ndarray]:
     >>> out["w"].tolist(), out["w"].flags.writeable
     ([[0.0, 1.0], [2.0, 3.0]], True)
     """
-    from fastckpt.formats.inmemory import expect_format, mapped_bytes
+    from fastckpt.formats.filebytes import expect_format, mapped_bytes
 
     expect_format(data, "safetensors", "fastckpt.formats.safetensors")
     with mapped_bytes(data) as m:
