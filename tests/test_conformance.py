@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from _threads import run_in_threads
 
 from fastckpt.formats.hfsharded import HFShardedDirectory, save_sharded
 from fastckpt.formats.tf.reader import CheckpointReader as TFReader
@@ -147,24 +148,17 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(found)
 
 
-def race(layout: Layout, target: Path, writers: int, overwrite: bool) -> list:
-    """``writers`` threads save versions 1..writers at ``target`` at once; returns each one's exception or None."""
-    start = threading.Barrier(writers)
-    outcomes: list = [None] * writers
+def race(layout: Layout, target: Path, writers: int, overwrite: bool) -> tuple[list[int], list]:
+    """``writers`` threads save versions 1..writers at ``target`` at once; returns the versions that returned and
+    the exceptions the others raised."""
+    start, returned = threading.Barrier(writers), []
 
-    def run(k: int) -> None:
+    def save(k: int) -> None:
         start.wait()
-        try:
-            layout.save(target, k + 1, overwrite)
-        except BaseException as exc:  # noqa: BLE001 - recorded and checked by the caller
-            outcomes[k] = exc
+        layout.save(target, k + 1, overwrite)
+        returned.append(k + 1)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(writers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return outcomes
+    return returned, run_in_threads(save, writers)
 
 
 def _child(layout_name: str, target: str, version: int, overwrite: bool, start, results) -> None:
@@ -220,13 +214,11 @@ def test_racing_writers_without_overwrite_exactly_one_commits(layout, tmp_path, 
     for round_ in range(3):
         root = tmp_path / f"round{round_}"
         target = layout.target(root)
-        outcomes = race(layout, target, writers, overwrite=False)
-        winners = [k + 1 for k, exc in enumerate(outcomes) if exc is None]
-        assert len(winners) == 1, f"{layout}: winners {winners}, outcomes {outcomes!r}"
-        for exc in outcomes:
-            if exc is not None:
-                assert isinstance(exc, FileExistsError), f"{layout}: a loser raised {exc!r}"
-                assert os.fspath(exc.filename).startswith(os.fspath(target)), exc
+        winners, errors = race(layout, target, writers, overwrite=False)
+        assert len(winners) == 1, f"{layout}: winners {winners}, errors {errors!r}"
+        for exc in errors:
+            assert isinstance(exc, FileExistsError), f"{layout}: a loser raised {exc!r}"
+            assert os.fspath(exc.filename).startswith(os.fspath(target)), exc
         assert_exactly(layout, target, winners[0])
         assert leftovers(root) == []
 
@@ -235,8 +227,8 @@ def test_racing_writers_without_overwrite_exactly_one_commits(layout, tmp_path, 
 def test_racing_writers_with_overwrite_leave_one_whole_save(layout, tmp_path, writers):
     target = layout.target(tmp_path)
     layout.save(target, 9, False)
-    outcomes = race(layout, target, writers, overwrite=True)
-    assert outcomes == [None] * writers, f"{layout}: {outcomes!r}"
+    winners, errors = race(layout, target, writers, overwrite=True)
+    assert errors == [] and len(winners) == writers, f"{layout}: {errors!r}"
     got = layout.load(target)
     versions = [v for v in range(1, writers + 1) if np.array_equal(np.asarray(got["a"]), expected(v)["a"])]
     assert len(versions) == 1, f"{layout}: the result matches no single save"

@@ -6,6 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
+from _threads import run_in_threads
 
 import fastckpt
 
@@ -40,24 +41,17 @@ def test_left_out_overwrite_replaces_an_existing_object_with_a_future_warning_as
 @pytest.mark.parametrize("writers", [2, 4])
 def test_racing_uploads_without_overwrite_exactly_one_commits(s3, writers):
     url, options = s3.url("model.safetensors"), s3.storage_options
-    start, outcomes = threading.Barrier(writers), [None] * writers
+    start, winners = threading.Barrier(writers), []
 
-    def run(k):
+    def save(k):
         start.wait()
-        try:
-            fastckpt.save_safetensors(url, {"w": np.full(4, k, np.float32)}, storage_options=options,
-                                      overwrite=False)
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            outcomes[k] = exc
+        fastckpt.save_safetensors(url, {"w": np.full(4, k, np.float32)}, storage_options=options, overwrite=False)
+        winners.append(k)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(writers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    winners = [k for k, exc in enumerate(outcomes) if exc is None]
-    assert len(winners) == 1, outcomes
-    assert all(isinstance(exc, FileExistsError) and exc.filename == url for exc in outcomes if exc is not None)
+    errors = run_in_threads(save, writers)
+    assert len(winners) == 1, errors
+    assert len(errors) == writers - 1
+    assert all(isinstance(exc, FileExistsError) and exc.filename == url for exc in errors)
     assert _load(url, options) == {"w": [float(winners[0])] * 4}
 
 
