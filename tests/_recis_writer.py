@@ -299,6 +299,11 @@ def check_json(path: str, num_dense: int, num_sparse: int) -> bool:
 def check_load_bundle(path: str) -> dict:
     """What RecIS's LoadBundle and TableReader need before reading data; raises AssertionError naming the
     first unmet requirement. Returns {block name (tensor^slice): (file name, absolute begin, end)}."""
+    return {name: where[:3] for name, where in _load_bundle(path).items()}
+
+
+def _load_bundle(path: str) -> dict:
+    """check_load_bundle's work; each block also with its header entry (BlockInfo: dtype, shape)."""
     index_path = os.path.join(path, "index")
     assert os.path.exists(index_path), f"[{index_path}] not found"  # LoadBundle::BuildIndexInfo
     with open(os.path.join(path, "tensorkey.json"), "rb") as f:  # GetTensorNameMap: NewRandomAccessFile
@@ -331,8 +336,129 @@ def check_load_bundle(path: str) -> dict:
             assert len(obj["data_offsets"]) == 2, f"offset shape must be 2d, json: {obj}"
             begin, end = (8 + meta_size + o for o in obj["data_offsets"])
             assert end <= size, f"{file_name}: {block_name} ends at {end}, past the file's {size} bytes"
-            infos[block_name] = (file_name, begin, end)
+            infos[block_name] = (file_name, begin, end, obj)
         readers[number] = infos
     for name, number in blocks.items():
         assert name in readers[number], f"{name} not in {index_file[number]}"  # BlockInfoOfBlock: .at()
     return {name: readers[number][name] for name, number in blocks.items()}
+
+
+# -- RecIS's hashtables: slot groups, the step filter, slices (the state its save path writes) -----------------
+
+class Slot:
+    """embedding::Slot (slot_group.cc): a name, a dtype and a partial shape ``[block_size, ...]``."""
+
+    def __init__(self, name: str, dtype, partial_shape: list):
+        self.name, self.dtype, self.partial_shape = name, np.dtype(dtype), list(partial_shape)
+
+    def full_shape(self, block_size: int) -> list:
+        """Slot::FullShape: the partial shape with its first entry made ``block_size``."""
+        shape = list(self.partial_shape)
+        shape[0] = block_size
+        return shape
+
+
+class SlotGroup:
+    """embedding::SlotGroup: its slots in the order appended (the embedding first: Hashtable's constructor
+    appends it, hashtable.cc)."""
+
+    def __init__(self, block_size: int = 1024):
+        self.block_size, self.slots = block_size, []
+
+    def append_slot(self, name: str, dtype, partial_shape: list) -> Slot:
+        """SlotGroup::AppendSlot."""
+        self.slots.append(Slot(name, dtype, partial_shape))
+        return self.slots[-1]
+
+    def append_emb_slot(self, dtype, partial_shape: list) -> None:
+        """SlotGroup::AppendEmbSlot: the slot named EmbSlotName(), "embedding"."""
+        self.append_slot("embedding", dtype, partial_shape)
+
+    def append_step_filter_slot(self, name: str) -> None:
+        """SlotGroup::AppendStepFilterSlot: ``full_shape{block_size_, 1}``, torch::kInt64."""
+        self.append_slot(name, np.int64, [self.block_size, 1])
+
+    def emb_slot(self) -> Slot:
+        return self.slots[0]
+
+
+class Table:
+    """One RecIS ``HashTable`` (recis/nn/modules/hashtable.py, csrc/embedding/hashtable.cc) as its save path sees
+    it: its slot group, its slice, and the rows it holds (``ids`` in ``ids_map()`` order, ``values[slot]`` the
+    rows of every slot for those ids).
+
+    ``filter_hook``: the name of a GlobalStepFilterHookImpl (``"step_filter"``, its default), which appends its
+    slot when the table is made (hashtable_hook_impl.py: ``append_step_filter_slot``); ``optimizer="adam"``:
+    SparseAdam(W)'s slots, appended by the optimizer afterwards (adam.cc: ``sparse_adam_exp_avg`` and
+    ``sparse_adam_exp_avg_sq``, each ``emb_slot->FullShape(1)`` of the embedding's dtype)."""
+
+    def __init__(self, embedding_shape: list, dtype=np.float32, slice_=(0, 65536, 65536), filter_hook=None,
+                 optimizer=None, block_size: int = 1024):
+        self.slot_group = SlotGroup(block_size)
+        # Hashtable::Hashtable: partial_shape = embedding_shape with block_size inserted first
+        self.slot_group.append_emb_slot(dtype, [block_size, *embedding_shape])
+        if filter_hook is not None:
+            self.slot_group.append_step_filter_slot(filter_hook)
+        if optimizer == "adam":
+            emb = self.slot_group.emb_slot()
+            self.slot_group.append_slot("sparse_adam_exp_avg", emb.dtype, emb.full_shape(1))
+            self.slot_group.append_slot("sparse_adam_exp_avg_sq", emb.dtype, emb.full_shape(1))
+        self.slice = tuple(slice_)
+        self.ids = np.empty(0, np.int64)
+        self.values = {slot.name: np.empty(slot.full_shape(0), slot.dtype) for slot in self.slot_group.slots}
+
+    def insert(self, ids, rows: dict) -> None:
+        """Hold ``ids`` with ``rows[slot]`` for every slot (rows of each slot's full shape)."""
+        self.ids = np.asarray(ids, np.int64)
+        for slot in self.slot_group.slots:
+            array = np.asarray(rows[slot.name], slot.dtype)
+            assert list(array.shape) == slot.full_shape(len(self.ids)), (slot.name, array.shape)
+            self.values[slot.name] = array
+
+    def write_tables(self, child: str) -> dict:
+        """WriteBlock::MakeHTWriteBlock's blocks of this (uncoalesced) table, as :func:`make_write_blocks` takes
+        them: the ids, then one HTSlotWriteBlock per slot in slot group order, each of ``FullShape(ids)``."""
+        slots = [(slot.name, self.values[slot.name].reshape(slot.full_shape(len(self.ids))))
+                 for slot in self.slot_group.slots]
+        return {child: (self.ids, slots, self.slice)}
+
+
+def load_table(path: str, child: str, table: Table) -> dict:
+    """RecIS's Loader for one table: LoadInfo::Append (the id and every slot of the target table),
+    LoaderInternal::BuildHTLoadCollection (the parts whose slice has the target's size, ``IsEqualRange``, and
+    meets its slice, ``IsIntersect``), HTIdReadBlock::Read (``MarkIdAcceptable``) and HTSlotReadBlock::Read's
+    checks. Returns ``{id: {slot: row}}`` of the ids the table accepts; a check RecIS makes raises
+    AssertionError with RecIS's message ("shape not match", "dtype not match")."""
+    blocks = _load_bundle(path)
+    begin, end, size = table.slice
+    got: dict = {}
+    parts: dict = {}
+    for block_name, where in blocks.items():
+        tensor, slice_info = [t for t in block_name.split("^") if t]
+        if not tensor.startswith(f"{child}@") or slice_info == " ":
+            continue
+        b, e, s = (int(x) for x in slice_info.split("@"))
+        intersect = (b <= begin < e or b < end <= e) or (begin <= b < end or begin < e <= end)
+        if s == size and intersect:
+            parts.setdefault(slice_info, {})[tensor[len(child) + 1:]] = where
+    for slice_info, found in parts.items():
+        assert "id" in found and len(found) > 1, f"{child}, invalid"  # HTReadCollection::Valid
+        file_name, id_begin, id_end, _ = found["id"]
+        with open(os.path.join(path, file_name), "rb") as f:
+            f.seek(id_begin)
+            ids = np.frombuffer(f.read(id_end - id_begin), np.int64)
+        accept = (ids.view(np.uint64) % np.uint64(size) >= begin) & (ids.view(np.uint64) % np.uint64(size) < end)
+        for slot in table.slot_group.slots:
+            if slot.name not in found:
+                continue  # "Sparse tensor [...] not found in safetensors": a warning only
+            file_name, s_begin, s_end, block_info = found[slot.name]
+            shape = list(block_info["shape"])
+            assert slot.full_shape(shape[0]) == shape, "shape not match"  # HTSlotReadBlock::Read
+            assert _SERIALIZE[slot.dtype.name] == block_info["dtype"], "dtype not match"
+            with open(os.path.join(path, file_name), "rb") as f:
+                f.seek(s_begin)
+                rows = np.frombuffer(f.read(s_end - s_begin), slot.dtype).reshape(shape)
+            for k in np.flatnonzero(accept):
+                got.setdefault(int(ids[k]), {})[slot.name] = rows[k]
+    return got
+

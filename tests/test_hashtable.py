@@ -509,3 +509,42 @@ def test_adopt_with_spare_rows_fills_them_before_growing():
     assert not np.shares_memory(t.rows()[1], values) and t.lookup([5, 1000]).ravel().tolist() == [5.0, 2.0]
     with pytest.raises(ValueError, match=r"rows must be in \[0, 10\]"):
         HashTable(1).adopt(ids, values, rows=11)
+
+
+def test_rows_of_any_shape_and_slots_of_their_own():
+    """RecIS's tables: an embedding of rows [2, 3], Adam's slots shaped like it, a step filter's int64 [1] slot."""
+    import pickle
+
+    t = HashTable((2, 3), slots=("m", ("step_filter", 1, np.int64)), name="user")
+    assert (t.dim, t.shape, t.slots) == (6, (2, 3), ("m", "step_filter"))
+    assert t.slot_specs == {"m": ((2, 3), np.dtype(np.float32)), "step_filter": ((1,), np.dtype(np.int64))}
+    values = np.arange(3 * 6, dtype=np.float32).reshape(3, 2, 3)
+    t.insert([5, -1, 9], values, {"step_filter": [[7], [8], [9]]})
+    assert t.lookup([9, 5]).tolist() == values[[2, 0]].tolist()
+    assert t.lookup_slot("step_filter", [-1, 5]).tolist() == [[8], [7]]
+    assert t.lookup_slot("m", [5]).shape == (1, 2, 3) and not t.lookup_slot("m", [5]).any()
+    assert t.lookup([5, 4], default=-1)[1].tolist() == [[-1] * 3] * 2
+    assert t.nbytes == 3 * (8 + 6 * 4 + 6 * 4 + 8)
+    assert t.delete([-1]) == 1 and t.lookup_slot("step_filter", [9, 5]).tolist() == [[9], [7]]
+    ids, exported, slots = t.export()
+    assert ids.tolist() == [5, 9] and exported.shape == (2, 2, 3) and slots["step_filter"].dtype == np.int64
+    same = HashTable.from_export(ids, exported, slots, name="copy")
+    assert same == t and same.slot_specs == t.slot_specs and pickle.loads(pickle.dumps(t)) == t
+    assert repr(t) == ("HashTable(dim=(2, 3), dtype=float32, slots=('m', ('step_filter', (1,), 'int64')), "
+                       "name='user', len=2)")
+    assert t != HashTable.from_export(ids, exported, {"m": slots["m"], "step_filter": slots["step_filter"] + 0.0})
+    with pytest.raises(ValueError, match=r"slot 'step_filter' must have shape \(1, 1\)"):
+        t.insert([1], values[:1], {"step_filter": [[1, 2]]})
+    with pytest.raises(TypeError, match="castable to the table's int64"):
+        t.update([5], values[:1], {"step_filter": [[0.5]]})
+    with pytest.raises(ValueError, match=r"values must have shape \(1, 2, 3\)"):
+        t.insert([1], np.zeros((1, 6), np.float32))
+    with pytest.raises(TypeError, match=r"adopt: slot 'step_filter' must be a writeable, C-contiguous \(1, 1\) "
+                                        "array of int64"):
+        t.adopt(np.array([1]), np.zeros((1, 2, 3), np.float32), {"m": np.zeros((1, 2, 3), np.float32),
+                                                                   "step_filter": np.zeros((1, 1), np.float32)})
+    assert len(t) == 2  # nothing changed by a refused call
+    with pytest.raises(ValueError, match=">= 1"):
+        HashTable((2, 0))
+    with pytest.raises(TypeError, match="shape of slot 's'"):
+        HashTable(2, slots=(("s", "x", np.int64),))

@@ -156,14 +156,20 @@ def test_reader_names_shapes_and_whole_tensors(recis_dirs):
         assert reader.tensor_dtype("half") == np.float16
         assert reader.read_tensor("scalar").shape == () and reader.read_tensor("scalar") == 7
         assert np.array_equal(reader.read_tensor("one^ "), dense["one"])  # a stored key
-        assert reader.hashtables() == {"tab": {"dim": DIM, "dtype": "float32", "slots": ["adam_m"],
+        assert reader.hashtables() == {"tab": {"dim": DIM, "shape": [DIM], "dtype": "float32", "slots": ["adam_m"],
+                                               "slot_specs": {"adam_m": {"shape": [DIM], "dtype": "float32"}},
                                                "ids": len(ids), "slice_size": 65536}}
         with pytest.raises(TensorNotFoundError, match="close matches"):
             reader.read_tensor("tab@embeding")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RecisWarning)
-        with fastckpt.open(dirs[2]) as f:
-            assert "tab.id/part_1_2" in f.keys() and np.array_equal(f["three^ "], dense["three"])
+        with fastckpt.open(dirs[2]) as f:  # whole tensors by their names: no trailing space, no part suffix
+            assert list(f.keys()) == ["half", "one", "scalar", "tab@adam_m", "tab@embedding", "tab@id", "three"]
+            assert np.array_equal(f["three"], dense["three"]) and f.info("tab.id").shape == (len(ids),)
+            assert np.array_equal(f["three^ "], dense["three"]) and "tab.id/part_1_2" in f  # stored keys, on request
+            with pytest.raises(KeyError, match=r"did you mean 'three'"):
+                f.info("thre")
+            assert f.host("one").base is not None  # one part holds it: a view of the mapped file, no copy
 
 
 def test_no_integrity_record_is_said_once(tmp_path):
@@ -255,7 +261,7 @@ def test_layout_recis_manifest_catches_a_flipped_byte(tmp_path):
     path.write_bytes(bytes(data))
     with CheckpointReader(str(out)) as reader:
         assert [p.split(":")[0] for p in reader.verify()] == ["model-000001-of-000002.safetensors"]
-        damaged = [k for k in reader.keys() if reader.file_of(k).path == str(path)]
+        damaged = [k for k in reader.part_infos if reader.file_of(k).path == str(path)]
         with pytest.raises(fastckpt.errors.IntegrityError, match="model-000001-of-000002.safetensors: BLAKE3"):
             reader.host(damaged[0])  # checked by default, the first time a block of the file is read
     with pytest.raises(fastckpt.errors.IntegrityError, match="BLAKE3"):

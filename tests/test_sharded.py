@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import ml_dtypes
@@ -218,14 +219,24 @@ def test_filters_drop_blocks_on_save_and_entries_on_load(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
-def test_fastckpt_open_and_load_file_read_the_parts(tmp_path, queue):
+def test_fastckpt_open_and_load_file_read_whole_tensors(tmp_path, queue):
     save_ranks(tmp_path / "c", 2, parallel=1)
     with fastckpt.open(tmp_path / "c") as r:
-        assert isinstance(r, CheckpointReader) and "w/part_0_2" in r.keys()
-        assert r.info("w/part_0_2").shape == (5, 4)
+        assert isinstance(r, CheckpointReader) and list(r.keys()) == r.tensor_names() and "w" in r
+        assert r.info("w").shape == (10, 4) and r["w"].tobytes() == dense_state()["w"].tobytes()
+        assert r.info("w/part_0_2").shape == (5, 4) and "w/part_0_2" in r  # the parts, on request
+        assert r["w/part_1_2"].tobytes() == dense_state()["w"][5:].tobytes() and list(r.part_infos)[:1]
+        with pytest.raises(KeyError, match=r"close matches: \['emb.id'"):
+            r["emb.idd"]
+        close = None
+        try:
+            r.host("emb.idd")
+        except KeyError as exc:
+            close = re.search(r"close matches: \['([^']+)'", str(exc)).group(1)
+        assert r[close].shape == (len(global_ids()),)  # the name suggested is one it reads
     with pytest.warns(fastckpt.errors.NotZeroCopyWarning):
         loaded = fastckpt.load_file(CheckpointReader(tmp_path / "c"), queue)
-    assert loaded["w/part_1_2"].to_host().tobytes() == dense_state()["w"][5:].tobytes()
+    assert loaded["w"].to_host().tobytes() == dense_state()["w"].tobytes()
 
 
 def test_split_sparse_dense_state_dict():
@@ -341,7 +352,8 @@ def test_cli_inspect_verify_and_reshard(tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["format"] == "fastckpt.sharded" and d["world_size"] == 4 and len(d["files"]) == 4 * 2 + 3
     assert d["hashtables"]["emb"]["ids"] == len(global_ids())
-    assert "emb.id/part_3_4" in [t["name"] for t in d["tensors"]]
+    shapes = {t["name"]: t["shape"] for t in d["tensors"]}  # whole tensors, by their names
+    assert shapes["emb.id"] == [len(global_ids())] and shapes["w"] == list(dense_state()["w"].shape)
     assert main(["verify", str(tmp_path / "c")]) == 0
     assert "OK" in capsys.readouterr().out
     assert main(["reshard", str(tmp_path / "c"), str(tmp_path / "r"), "--shards", "3", "--parallel", "1"]) == 0

@@ -26,6 +26,9 @@ def add_parser(subparsers):
     parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at DST")
     parser.add_argument("--layout", choices=("fastckpt", "recis"), default=None,
                         help="the layout to write: fastckpt's, or RecIS's own (default: the source's)")
+    parser.add_argument("--slice-size", type=int, default=None, metavar="S",
+                        help="with --layout recis from fastckpt's layout: RecIS's key space (default 65536; a RecIS "
+                             "source keeps its tables' own)")
     return parser
 
 
@@ -35,7 +38,8 @@ def run(args) -> int:
 
     try:
         out = reshard(args.src, args.dst, args.shards, parallel=args.parallel, overwrite=args.overwrite,
-                      progress=sys.stderr.isatty(), layout=getattr(args, "layout", None))
+                      progress=sys.stderr.isatty(), layout=getattr(args, "layout", None),
+                      slice_size=getattr(args, "slice_size", None))
     except (FastCkptError, OSError, ValueError, RuntimeError) as exc:
         print(f"fastckpt reshard: {exc}", file=sys.stderr)
         return 1

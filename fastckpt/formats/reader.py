@@ -426,6 +426,8 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
 # fastckpt.formats.hfsharded is on this floor but is named here all the same, so that opening a file never imports it.
 # A Hugging Face directory with both markers is read from model.safetensors, as transformers does (the reader decides).
 DIRECTORY_READERS = {"torch_rank_weights_embs_table_multi_shard.json": "fastckpt.sharded.reader:CheckpointReader",
+                     # RecIS's layout needs only its index and tensorkey.json (its description file is optional)
+                     "tensorkey.json": "fastckpt.sharded.reader:CheckpointReader",
                      "manifest.json": "fastckpt.train.directory:CheckpointDirectory",
                      "model.safetensors.index.json": "fastckpt.formats.hfsharded:HFShardedDirectory",
                      "model.safetensors": "fastckpt.formats.hfsharded:HFShardedDirectory"}

@@ -1,7 +1,9 @@
 """A sparse embedding table for recommendation models: int64 id -> one row of ``dim`` values.
 
 Each id also owns one row in every optimizer *slot* (Adam's ``"m"`` and ``"v"``, say): the slot rows follow
-their ids through inserts, deletes, exports and imports.
+their ids through inserts, deletes, exports and imports. A row may have any shape (``HashTable((2, 3))``: rows of
+2 x 3 values), and a slot may have its own row shape and dtype (RecIS's step filter keeps one int64 per id:
+``slots=("m", ("step_filter", 1, np.int64))``).
 
 >>> import numpy as np
 >>> from fastckpt.sharded.hashtable import HashTable
@@ -20,8 +22,8 @@ array([-7, 42])
 >>> HashTable.from_export(ids, values, slots) == table
 True
 
-How it is stored: the rows in ``(capacity, dim)`` arrays (values, then one per slot) and the ids in an int64
-array, all in the order the ids arrived, with spare capacity at the end; an open-addressing hash index
+How it is stored: the rows in ``(capacity, *shape)`` arrays (values, then one per slot, each of its own shape
+and dtype) and the ids in an int64 array, all in the order the ids arrived, with spare capacity at the end; an open-addressing hash index
 (:class:`fastckpt._native.idindex.IdIndex`, in Cython) maps each id to its row. Every call works on
 whole arrays, with no Python object per id; for m ids given to a table of n:
 
@@ -51,7 +53,7 @@ import numpy as np
 from fastckpt._native.idindex import IdIndex, last_occurrence
 from fastckpt.errors import FastCkptError
 
-__all__ = ["HashTable", "MissingIdsError"]
+__all__ = ["HashTable", "MissingIdsError", "check_holds"]
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -169,6 +171,22 @@ def _sort_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered, order
 
 
+def _row_shape(shape, what: str) -> tuple[int, ...]:
+    """A row's shape from an int (``dim``) or a sequence of ints, each >= 1."""
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"{what} must be an int or a tuple of ints, got {shape!r}")
+    try:
+        dims = (operator.index(shape),)
+    except TypeError:
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise TypeError(f"{what} must be an int or a tuple of ints, got {shape!r}") from None
+    if not dims or any(d < 1 for d in dims):
+        raise ValueError(f"{what} must be >= 1 (every axis of a row's shape), got {shape!r}")
+    return dims
+
+
 def _take(source: np.ndarray, index: np.ndarray | None) -> np.ndarray:
     return source if index is None else np.take(source, index, axis=0, mode="clip")
 
@@ -180,8 +198,10 @@ def _increasing(ids: np.ndarray) -> bool:
 class HashTable:
     """A sparse table: int64 id -> a row of ``dim`` values of ``dtype``, plus one row per optimizer slot.
 
-    ``dim`` (>= 1) and ``dtype`` (any numeric dtype) fix each row; ``slots`` names the optimizer slots (rows of the
-    same shape and dtype that follow their ids); ``name`` is for messages and savers only.
+    ``dim`` (>= 1, or a tuple: the row's shape, ``(2, 3)`` for rows of 2 x 3 values; :attr:`dim` is then their
+    product) and ``dtype`` (any numeric dtype) fix each row; ``slots`` names the optimizer slots, rows that follow
+    their ids: a name gives rows of the same shape and dtype as the values, a ``(name, shape, dtype)`` triple rows
+    of their own (``("step_filter", 1, np.int64)``, RecIS's step filter). ``name`` is for messages and savers only.
 
     Values given to any method are cast to ``dtype`` where numpy casts them within their kind (``float64`` ->
     ``float32``, ``int`` -> ``float``); a cast across kinds (``float`` into an integer table) is a ``TypeError``.
@@ -192,31 +212,42 @@ class HashTable:
     HashTable(dim=4, dtype=float16, slots=('m',), name='item', len=0)
     >>> len(t), t.nbytes
     (0, 0)
+    >>> HashTable((2, 3), slots=("m", ("step_filter", 1, np.int64)))
+    HashTable(dim=(2, 3), dtype=float32, slots=('m', ('step_filter', (1,), 'int64')), name=None, len=0)
     """
 
     __hash__ = None  # mutable
 
-    def __init__(self, dim: int, dtype=np.float32, slots: Iterable[str] = (), name: str | None = None):
-        try:
-            dim = operator.index(dim)
-        except TypeError:
-            raise TypeError(f"HashTable dim must be an int, got {dim!r}") from None
-        if dim < 1:
-            raise ValueError(f"HashTable dim must be >= 1, got {dim}")
+    def __init__(self, dim: int | tuple[int, ...], dtype=np.float32, slots: Iterable[Any] = (),
+                 name: str | None = None):
+        if isinstance(dim, (bool, np.bool_)):
+            raise TypeError(f"HashTable dim must be an int or a tuple of ints, got {dim!r}")
+        shape = _row_shape(dim, "HashTable dim")
         if isinstance(slots, (str, bytes)):
             raise TypeError(f"HashTable slots must be an iterable of names, got the single string {slots!r} "
                             f"(write ({slots!r},))")
-        slots = tuple(slots)
+        self._dtype = _check_dtype(dtype)
+        self._shape = shape
+        self._dim = int(np.prod(shape))
+        specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        names = []
         for slot in slots:
-            if not isinstance(slot, str) or not slot:
-                raise TypeError(f"HashTable slot names must be non-empty strings, got {slot!r}")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"HashTable slot names must be distinct, got {slots}")
+            if isinstance(slot, tuple) and len(slot) == 3:
+                slot_name, slot_shape, slot_dtype = slot
+                spec = (_row_shape(slot_shape, f"the shape of slot {slot_name!r}"), _check_dtype(slot_dtype))
+            else:
+                slot_name, spec = slot, (shape, self._dtype)
+            if not isinstance(slot_name, str) or not slot_name:
+                raise TypeError(f"HashTable slot names must be non-empty strings (or (name, shape, dtype) triples), "
+                                f"got {slot!r}")
+            names.append(slot_name)
+            specs[slot_name] = spec
+        if len(specs) != len(names):
+            raise ValueError(f"HashTable slot names must be distinct, got {tuple(names)}")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"HashTable name must be a string or None, got {name!r}")
-        self._dim = dim
-        self._dtype = _check_dtype(dtype)
-        self._slots = slots
+        self._slots = tuple(names)
+        self._specs = specs
         self.name = name
         self._n = 0
         self._index = IdIndex()
@@ -229,12 +260,36 @@ class HashTable:
 
     @property
     def dim(self) -> int:
-        """Values per row.
+        """Values per row (the product of :attr:`shape`).
 
-        >>> HashTable(8).dim
-        8
+        >>> HashTable(8).dim, HashTable((2, 3)).dim
+        (8, 6)
         """
         return self._dim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of one row of values: ``(dim,)``, or the tuple given as ``dim``.
+
+        >>> HashTable(8).shape, HashTable((2, 3)).shape
+        ((8,), (2, 3))
+        """
+        return self._shape
+
+    @property
+    def slot_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{slot: (row shape, dtype)}`` for every slot, in the order of :attr:`slots`.
+
+        >>> HashTable(2, slots=("m", ("step_filter", 1, np.int64))).slot_specs
+        {'m': ((2,), dtype('float32')), 'step_filter': ((1,), dtype('int64'))}
+        """
+        return dict(self._specs)
+
+    def _slot_params(self) -> tuple:
+        """The ``slots`` argument that makes a table of these slots: names, or triples for slots of their own."""
+        return tuple(s if self._specs[s] == (self._shape, self._dtype) else (s, self._specs[s][0],
+                                                                             self._specs[s][1].name)
+                     for s in self._slots)
 
     @property
     def dtype(self) -> np.dtype:
@@ -262,7 +317,8 @@ class HashTable:
         >>> t.nbytes  # 3 ids * 8 + 2 arrays * 3 rows * 2 values * 4 bytes
         72
         """
-        return self._n * (8 + self._dim * self._dtype.itemsize * (1 + len(self._slots)))
+        slot_bytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in self._specs.values())
+        return self._n * (8 + self._dim * self._dtype.itemsize + slot_bytes)
 
     def __len__(self) -> int:
         """How many ids the table holds.
@@ -290,7 +346,8 @@ class HashTable:
         return not self._index.find(np.array([key], np.int64), np.empty(1, np.int64))
 
     def __repr__(self) -> str:
-        return (f"HashTable(dim={self._dim}, dtype={self._dtype}, slots={self._slots}, name={self.name!r}, "
+        dim = self._dim if len(self._shape) == 1 else self._shape
+        return (f"HashTable(dim={dim}, dtype={self._dtype}, slots={self._slot_params()}, name={self.name!r}, "
                 f"len={self._n})")
 
     # -- storage -----------------------------------------------------------------------------------------------
@@ -299,8 +356,8 @@ class HashTable:
         """New, empty buffers of ``capacity`` rows (the old contents are dropped)."""
         self._ids = np.empty(capacity, np.int64)
         self._changed = np.zeros(capacity, np.uint8)  # 1: the row was written since the base
-        self._values = np.empty((capacity, self._dim), self._dtype)
-        self._slot_values = {s: np.empty((capacity, self._dim), self._dtype) for s in self._slots}
+        self._values = np.empty((capacity, *self._shape), self._dtype)
+        self._slot_values = {s: np.empty((capacity, *shape), dtype) for s, (shape, dtype) in self._specs.items()}
 
     def _arrays(self) -> list[np.ndarray]:
         return [self._ids, self._changed, self._values, *self._slot_values.values()]
@@ -327,18 +384,20 @@ class HashTable:
 
     # -- checking arguments ------------------------------------------------------------------------------------
 
-    def _rows(self, values, m: int, what: str) -> np.ndarray:
+    def _rows(self, values, m: int, what: str, spec: tuple | None = None) -> np.ndarray:
+        shape, dtype = (self._shape, self._dtype) if spec is None else spec
         array = np.asarray(values)
-        if array.dtype != self._dtype:
+        if array.dtype != dtype:
             kind = array.dtype.kind
             if (kind not in "biufcV" or array.dtype.fields is not None
-                    or not np.can_cast(array.dtype, self._dtype, "same_kind")):
-                raise TypeError(f"{what} must be numbers castable to the table's {self._dtype} (within their kind), "
+                    or not np.can_cast(array.dtype, dtype, "same_kind")):
+                raise TypeError(f"{what} must be numbers castable to the table's {dtype} (within their kind), "
                                 f"got {array.dtype}")
-        if array.shape != (m, self._dim) and not (m == 0 and array.shape == (0,)):
-            raise ValueError(f"{what} must have shape ({m}, {self._dim}) (one row of dim {self._dim} for each of "
-                             f"the {m} ids), got {array.shape}")
-        return array.reshape(m, self._dim)
+        if array.shape != (m, *shape) and not (m == 0 and array.shape == (0,)):
+            row = f"dim {shape[0]}" if len(shape) == 1 else f"shape {shape}"
+            raise ValueError(f"{what} must have shape {(m, *shape)} (one row of {row} for each of the {m} ids), "
+                             f"got {array.shape}")
+        return array.reshape(m, *shape)
 
     def _slot_rows(self, slots: Mapping[str, Any] | None, m: int) -> dict[str, np.ndarray]:
         if slots is None:
@@ -348,7 +407,7 @@ class HashTable:
         unknown = [s for s in slots if s not in self._slot_values]
         if unknown:
             raise KeyError(f"unknown slots {unknown}: this table's slots are {self._slots}")
-        return {s: self._rows(rows, m, f"slot {s!r}") for s, rows in slots.items()}
+        return {s: self._rows(rows, m, f"slot {s!r}", self._specs[s]) for s, rows in slots.items()}
 
     def _find(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """``(rows, missing)``: the row of each id (-1 where absent), and how many are absent."""
@@ -495,21 +554,21 @@ class HashTable:
             if np.ndim(default) != 0:
                 raise ValueError(f"default must be a scalar, got shape {np.shape(default)}")
             kind = np.asarray(default).dtype
-            if kind != self._dtype and not np.can_cast(kind, self._dtype, "same_kind"):
-                raise TypeError(f"default must be castable to the table's {self._dtype}, got {default!r} ({kind})")
+            if kind != source.dtype and not np.can_cast(kind, source.dtype, "same_kind"):
+                raise TypeError(f"default must be castable to the table's {source.dtype}, got {default!r} ({kind})")
         rows, missing = self._find(ids)
         if not missing:
             return np.take(source[: self._n], rows, axis=0)
         found = rows >= 0
         if default is None:
             raise self._missing(ids, found)
-        out = np.empty((len(ids), self._dim), self._dtype)
+        out = np.empty((len(ids), *source.shape[1:]), source.dtype)
         out[found] = np.take(source[: self._n], rows[found], axis=0)
         out[~found] = default
         return out
 
     def lookup(self, ids, default=None) -> np.ndarray:
-        """The rows of ``ids``, ``(len(ids), dim)``, a copy, in the order given.
+        """The rows of ``ids``, ``(len(ids), dim)`` (``(len(ids), *shape)``), a copy, in the order given.
 
         A missing id is a ``KeyError`` (:class:`MissingIdsError`, naming up to 8), unless ``default`` is given:
         a scalar that fills the rows of the missing ids.
@@ -561,8 +620,8 @@ class HashTable:
         return views[0], views[1], dict(zip(self._slot_values, views[2:]))
 
     def export(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-        """``(ids, values, slots)``: the ids sorted ascending (int64), their rows ``(n, dim)`` in that order, and
-        ``{slot: (n, dim)}`` in the order of :attr:`slots`. C-contiguous copies.
+        """``(ids, values, slots)``: the ids sorted ascending (int64), their rows ``(n, *shape)`` in that order, and
+        ``{slot: (n, *its shape)}`` in the order of :attr:`slots`. C-contiguous copies.
 
         >>> t = HashTable(1, slots=("m",)); t.insert([2, 1], [[20.0], [10.0]])
         >>> ids, values, slots = t.export()
@@ -605,7 +664,8 @@ class HashTable:
 
         For loaders that build fresh arrays of a table's rows: the table owns them afterwards (do not use them
         elsewhere). ``ids`` must be distinct int64, ``values`` and every slot C-contiguous, writeable
-        ``(len(ids), dim)`` arrays of the table's dtype, and ``slots`` must give every slot of the table.
+        ``(len(ids), *shape)`` arrays of the table's dtype (a slot's: of its own shape and dtype), and ``slots``
+        must give every slot of the table.
         With ``rows`` only the first ``rows`` ids and rows are the table's; the rest is spare capacity, which
         later inserts fill before the arrays grow (uninitialized ``np.empty`` rows cost no memory until used).
         Anything else raises before the table changes.
@@ -626,11 +686,12 @@ class HashTable:
         m = capacity if rows is None else operator.index(rows)
         if not 0 <= m <= capacity:
             raise ValueError(f"adopt: rows must be in [0, {capacity}], got {rows!r}")
-        for what, array in (("values", values), *((f"slot {s!r}", a) for s, a in slots.items())):
-            if not (isinstance(array, np.ndarray) and array.dtype == self._dtype
-                    and array.shape == (capacity, self._dim) and array.flags.c_contiguous and array.flags.writeable):
-                raise TypeError(f"adopt: {what} must be a writeable, C-contiguous ({capacity}, {self._dim}) array "
-                                f"of {self._dtype}")
+        for what, array, (shape, dtype) in (("values", values, (self._shape, self._dtype)),
+                                            *((f"slot {s!r}", a, self._specs[s]) for s, a in slots.items())):
+            if not (isinstance(array, np.ndarray) and array.dtype == dtype
+                    and array.shape == (capacity, *shape) and array.flags.c_contiguous and array.flags.writeable):
+                raise TypeError(f"adopt: {what} must be a writeable, C-contiguous {(capacity, *shape)} array "
+                                f"of {dtype}")
         index = IdIndex(m)
         where = np.empty(m, np.int64)
         if m and index.upsert(ids[:m], where, 0) != m:
@@ -646,9 +707,11 @@ class HashTable:
         """Become ``other`` (same dim, dtype and slots), taking its storage without a copy; ``other`` must not be
         used afterwards. A loader fills a table of its own and hands it over only once every check has passed, so
         that a failed load leaves the caller's table as it was."""
-        if (other._dim, other._dtype, other._slots) != (self._dim, self._dtype, self._slots):
-            raise ValueError(f"cannot take the contents of a table of dim {other._dim} {other._dtype} slots "
-                             f"{other._slots} into one of dim {self._dim} {self._dtype} slots {self._slots}")
+        if (other._shape, other._dtype, other._specs, other._slots) != (self._shape, self._dtype, self._specs,
+                                                                         self._slots):
+            raise ValueError(f"cannot take the contents of a table of shape {other._shape} {other._dtype} slots "
+                             f"{other._slot_params()} into one of shape {self._shape} {self._dtype} slots "
+                             f"{self._slot_params()}")
         name = self.name
         self.__dict__.update(other.__dict__)
         self.name = name
@@ -716,24 +779,35 @@ class HashTable:
                     ) -> HashTable:
         """A new table holding ``(ids, values, slots)``, as :meth:`export` returns them.
 
-        ``dim`` and ``dtype`` are those of ``values`` (2-D); the slot names those of ``slots``, in its order.
+        The row shape and ``dtype`` are those of ``values`` (``(ids, *shape)``, 2-D at least); the slot names those
+        of ``slots``, in its order. A slot whose rows have the values' shape and a dtype of their kind is cast to
+        the table's dtype; any other keeps its own row shape and dtype.
 
         >>> t = HashTable.from_export(np.array([4, 8]), np.ones((2, 3), np.float64), {"m": np.zeros((2, 3))})
         >>> t
         HashTable(dim=3, dtype=float64, slots=('m',), name=None, len=2)
+        >>> HashTable.from_export([4], np.ones((1, 3)), {"step": np.array([[7]])}).slot_specs["step"]
+        ((1,), dtype('int64'))
         """
         values = np.asarray(values)
-        if values.ndim != 2:
-            raise ValueError(f"values must be 2-D (ids, dim), got shape {values.shape}")
-        slots = dict(slots or {})
-        table = cls(values.shape[1], dtype=values.dtype, slots=tuple(slots), name=name)
+        if values.ndim < 2:
+            raise ValueError(f"values must be 2-D at least (ids, dim), got shape {values.shape}")
+        slots = {s: np.asarray(rows) for s, rows in (slots or {}).items()}
+        params = []
+        for s, rows in slots.items():
+            if rows.shape[1:] == values.shape[1:] and rows.dtype.kind == values.dtype.kind or rows.ndim < 2:
+                params.append(s)
+            else:
+                params.append((s, rows.shape[1:], rows.dtype))
+        shape = values.shape[1] if values.ndim == 2 else values.shape[1:]
+        table = cls(shape, dtype=values.dtype, slots=params, name=name)
         table.import_(ids, values, slots)
         return table
 
     # -- comparison, pickling ----------------------------------------------------------------------------------
 
     def __eq__(self, other) -> bool:
-        """Same dim, dtype and slots, and identical exported bytes (NaNs with the same bits are equal; the name is
+        """Same row shape, dtype and slots (with their shapes and dtypes), and identical exported bytes (NaNs with the same bits are equal; the name is
         not compared).
 
         >>> a = HashTable(1); a.insert([1], [[np.nan]])
@@ -743,7 +817,8 @@ class HashTable:
         """
         if not isinstance(other, HashTable):
             return NotImplemented
-        if (self._dim, self._dtype, self._slots, self._n) != (other._dim, other._dtype, other._slots, other._n):
+        if (self._shape, self._dtype, self._slots, self._specs, self._n) != (other._shape, other._dtype, other._slots,
+                                                                              other._specs, other._n):
             return False
         n = self._n
         if n == 0:
@@ -763,7 +838,8 @@ class HashTable:
 
     def __reduce__(self):
         ids, values, slots = self.export()
-        return _restore, (type(self), self._dim, self._dtype, self._slots, self.name, ids, values, slots)
+        dim = self._dim if len(self._shape) == 1 else self._shape
+        return _restore, (type(self), dim, self._dtype, self._slot_params(), self.name, ids, values, slots)
 
 
 def _restore(cls, dim, dtype, slots, name, ids, values, slot_values) -> HashTable:
@@ -777,3 +853,35 @@ def _restore(cls, dim, dtype, slots, name, ids, values, slot_values) -> HashTabl
     table = cls(dim, dtype=dtype, slots=slots, name=name)
     table.import_(ids, values, slot_values)
     return table
+
+
+def check_holds(table: HashTable, entry: Mapping[str, Any], name: str, where: str) -> None:
+    """Raise ``ValueError`` unless ``table`` can hold a checkpoint's table ``entry`` (``{"dim", "dtype", "slots"}``,
+    with ``"shape"`` and ``"slot_specs"`` where rows or slots have shapes or dtypes of their own): the same row
+    shape and dtype, and each of its slots stored there with the row shape and dtype it has. The checkpoint's
+    other slots are not asked for (RecIS's loader too reads the slots of the table it fills).
+
+    >>> check_holds(HashTable(2, slots=("m",)), {"dim": 2, "dtype": "float32", "slots": ["m", "v"]}, "t", "ckpt")
+    >>> check_holds(HashTable(3), {"dim": 2, "dtype": "float32", "slots": []}, "t", "ckpt")
+    Traceback (most recent call last):
+    ...
+    ValueError: ckpt: hashtable 't' is dim 2 float32 in the checkpoint, the table given is dim 3 float32
+    """
+    shape = tuple(entry.get("shape", (entry["dim"],)))
+    if table.shape != shape or np.dtype(table.dtype).name != entry["dtype"]:
+        got = f"dim {table.dim}" if len(table.shape) == 1 else f"shape {table.shape}"
+        want = f"dim {entry['dim']}" if len(shape) == 1 else f"shape {shape}"
+        raise ValueError(f"{where}: hashtable {name!r} is {want} {entry['dtype']} in the checkpoint, the table "
+                         f"given is {got} {np.dtype(table.dtype).name}")
+    missing = [s for s in table.slots if s not in entry["slots"]]
+    if missing:
+        raise ValueError(f"{where}: hashtable {name!r} has no slots {missing} in the checkpoint "
+                         f"(it has {list(entry['slots'])})")
+    specs = entry.get("slot_specs", {})
+    for slot, (slot_shape, dtype) in table.slot_specs.items():
+        stored = specs.get(slot, {"shape": list(shape), "dtype": entry["dtype"]})
+        if (slot_shape, dtype.name) != (tuple(stored["shape"]), stored["dtype"]):
+            raise ValueError(f"{where}: hashtable {name!r} slot {slot!r} holds rows of shape "
+                             f"{tuple(stored['shape'])} {stored['dtype']} in the checkpoint, the table given has "
+                             f"{slot_shape} {dtype.name}: give the table that slot as ({slot!r}, "
+                             f"{tuple(stored['shape'])}, {stored['dtype']!r})")

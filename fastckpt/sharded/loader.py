@@ -46,7 +46,7 @@ from fastckpt.progress import progress_from
 from fastckpt.formats.reader import guard
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import owner_mod, rows_of
-from fastckpt.sharded.hashtable import HashTable
+from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.sharded.reader import CheckpointChangedError, CheckpointReader
 
 __all__ = ["Loader", "owner_mod"]
@@ -418,13 +418,7 @@ class Loader:
         slots = list(entry["slots"])
         given = self.hashtables.get(name)
         if given is not None:
-            if given.dim != entry["dim"] or np.dtype(given.dtype).name != entry["dtype"]:
-                raise ValueError(f"{reader.path}: hashtable {name!r} is dim {entry['dim']} {entry['dtype']} in the "
-                                 f"checkpoint, the table given is dim {given.dim} {np.dtype(given.dtype).name}")
-            missing = sorted(set(given.slots) - set(slots))
-            if missing:
-                raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
-                                 f"(it has {slots})")
+            check_holds(given, entry, name, reader.path)
         table = HashTable(entry["dim"], dtype=reader.tensor_dtype(f"{name}.embedding"),
                           slots=slots if given is None else given.slots, name=name)
         # First the ids of every part and which of them this rank owns; then one gather of those rows from each

@@ -9,9 +9,12 @@ Two views of one directory (layout: :mod:`fastckpt.sharded.format`):
   :meth:`~CheckpointReader.tensor_shape` and
   :meth:`~CheckpointReader.tensor_dtype` answer for both without reading data.
 * fastckpt's reader contract (:class:`~fastckpt.formats.contract.TensorReader`):
-  ``keys()`` are the stored keys, ``host(key)`` a zero-copy view of that part
-  in its mapped file, so ``fastckpt.open(directory)`` and ``load_file`` work on
-  it.
+  ``keys()`` and ``infos`` are the whole tensors by their original names,
+  ``host(name)`` a whole tensor (a zero-copy view of its mapped file where one
+  part holds it all, else its parts joined), so ``fastckpt.open(directory)``
+  and ``load_file`` work on it; the parts are there on request: ``infos``,
+  ``info`` and ``host`` also take a stored key (``"w/part_0_2"``), and
+  :attr:`~CheckpointReader.part_infos` lists them.
 
 Every file is mapped and its header parsed when the reader opens; a part's
 bytes are read only when touched.
@@ -23,6 +26,8 @@ bytes are read only when touched.
 >>> r = CheckpointReader(out)
 >>> r.tensor_names(), r.tensor_shape("w"), r.read_tensor("w/part_0_1")[2].tolist()
 (['w'], (3, 2), [4.0, 5.0])
+>>> list(r.keys()), r["w"].shape, list(r.part_infos)
+(['w'], (3, 2), ['w/part_0_1'])
 """
 
 from __future__ import annotations
@@ -112,6 +117,51 @@ def _shared_digest(identity: tuple, compute) -> str:
     if future is not None:
         future.set_result(digest)
     return digest
+
+
+class TensorInfos(Mapping):
+    """A sharded reader's ``infos``: the whole tensors by their original names (in :meth:`~CheckpointReader.
+    tensor_names` order), each a :class:`~fastckpt.TensorInfo` of the whole tensor (its ``offset`` is its first
+    part's, in that part's file; ``compression`` the codec of an encoded part, else None). A stored key
+    (``"w/part_0_2"``) is looked up too, as its part's info, though the mapping lists whole tensors only.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), shard_num=1, parallel=1,
+    ...             tensors={"w": np.ones((2, 3))}).save()
+    >>> infos = CheckpointReader(out).infos
+    >>> list(infos), infos["w"].shape, infos["w/part_0_1"].name
+    (['w'], (2, 3), 'w/part_0_1')
+    """
+
+    def __init__(self, reader: "CheckpointReader"):
+        self._reader = reader
+        self._names = reader.tensor_names()
+        self._made: dict[str, TensorInfo] = {}
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        reader = self._reader
+        if name in reader.part_infos:
+            return reader.part_infos[name]
+        whole = reader._whole_name(name)  # an alias, or an error naming the close matches (a KeyError)
+        info = self._made.get(whole)
+        if info is None:
+            keys = reader.part_names(whole)
+            first = reader.part_infos[keys[0]]
+            encodings = [reader.descriptions[k]["encoding"] for k in keys
+                         if "encoding" in (reader.descriptions.get(k) or {})]
+            dtype, shape = reader.tensor_dtype(whole), tuple(reader.tensor_shape(whole))
+            info = self._made[whole] = TensorInfo(whole, dtype, shape, first.offset,
+                                                  int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                                                  compression=(encodings[0].get("codec") or "encoded")
+                                                  if encodings else None)
+        return info
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class CheckpointChangedError(FormatError):
@@ -231,12 +281,20 @@ class CheckpointReader(MultiFileReader):
                     raise FormatError(f"{f.path}: tensor {key!r} is {info.dtype}{list(info.shape)} in the "
                                       f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
                 infos[key] = info
-        self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
+        self.part_infos: Mapping[str, TensorInfo] = MappingProxyType(infos)  # stored key -> its part's info
         held = [f.mapped.identity for f in self.files.values()]
         for identity in held:
             _hold(identity, 1)
         # Let go of the shared hashes on close(), or when a reader never closed is collected.
         self._release = weakref.finalize(self, _release, held)
+
+    @property
+    def infos(self) -> TensorInfos:
+        """The whole tensors' infos by name (:class:`TensorInfos`; a stored key gives its part's)."""
+        infos = self.__dict__.get("_tensor_infos")
+        if infos is None:
+            infos = self._tensor_infos = TensorInfos(self)
+        return infos
 
     def close(self) -> None:
         """Close every file (the views handed out stay valid)."""
@@ -303,7 +361,7 @@ class CheckpointReader(MultiFileReader):
         """The numpy dtype of a whole tensor or of one stored part."""
         key = name if name in self._block_index else self._parts[self._whole_name(name)][0]
         encoding = self.descriptions[key].get("encoding")
-        return self.infos[key].dtype if encoding is None else dtype_of(encoding["dtype"], f"{self.path}: {key}")
+        return self.part_infos[key].dtype if encoding is None else dtype_of(encoding["dtype"], f"{self.path}: {key}")
 
     def array(self, key: str) -> np.ndarray:
         """Stored part ``key`` as the tensor it holds: the mapped view, or for an encoded part (compressed or
@@ -356,16 +414,27 @@ class CheckpointReader(MultiFileReader):
 
     # -- the reader contract -------------------------------------------------------------------------
     def file_of(self, key: str) -> TensorFile:
-        """The mapped file holding stored key ``key``."""
+        """The mapped file holding stored key ``key`` (or the one part of a tensor stored whole)."""
         if key not in self._block_index:
-            self._whole_name(key)  # raises, naming close matches
+            keys = self.part_names(key)  # an unknown name raises, naming close matches
+            if len(keys) != 1:
+                raise ValueError(f"{self.path}: tensor {key!r} is stored in {len(keys)} parts {keys[:4]}"
+                                 f"{' ...' if len(keys) > 4 else ''}: file_of takes one of them")
+            key = keys[0]
         if self._closed:
             raise ValueError(f"{self.path}: the reader is closed")
         return self.files[self._file_of_number[self._block_index[key]]]
 
     def host(self, key: str) -> np.ndarray:
-        """Stored part ``key`` as a zero-copy, read-only view of its mapped file (its file's hash checked first,
-        once, unless the reader was opened with ``verify=False``)."""
+        """A whole tensor by its name, or stored part ``key``: a zero-copy, read-only view of its mapped file
+        where one part holds it (its file's hash checked first, once, unless the reader was opened with
+        ``verify=False``), else a new array of its parts joined (:meth:`read_tensor`)."""
+        if key not in self._block_index:
+            keys = self._parts[self._whole_name(key)]
+            if len(keys) == 1 and "encoding" not in (self.descriptions.get(keys[0]) or {}) \
+                    and tuple(self._shape(keys[0])) == self.tensor_shape(key):
+                return self.host(keys[0])
+            return self.read_tensor(key)
         f = self.file_of(key)
         if self._verify:
             self.check_file(self._file_of_number[self._block_index[key]])

@@ -32,16 +32,25 @@ Blocks and their keys
       ``NAME^ `` (the name, ``^``, one space);
     * a hashtable ``T`` (a RecIS ``HashTable`` child) writes, on every rank,
       ``T.id/part_i_n`` (int64 ids, shape ``[k]``) then one block per slot in
-      slot order, ``T.embedding/part_i_n`` first (shape ``[k, dim]``, row ``r``
-      for id ``r``), then the optimizer slots ``T.SLOT/part_i_n``;
-      ``i``/``n`` are the rank and the rank count. The names ``@`` and ``^``
-      are RecIS's separators: no name holds them.
+      the order of its slot group (``WriteBlock::MakeHTWriteBlock``):
+      ``T.embedding/part_i_n`` first (shape ``[k, *embedding_shape]``, row
+      ``r`` for id ``r``), then the slots appended after it, each of its own
+      dtype and shape ``Slot::FullShape(k)``: a filter hook's (RecIS's
+      ``GlobalStepFilterHookImpl`` appends ``step_filter``, int64 ``[k, 1]``,
+      when the table is made), then the optimizer's (Adam's
+      ``sparse_adam_exp_avg`` and ``sparse_adam_exp_avg_sq``, shaped like the
+      embedding); ``i``/``n`` are the rank and the rank count. The names ``@``
+      and ``^`` are RecIS's separators: no name holds them. A dense name may
+      hold ``/`` but not ``/part_``: ``TensorWriteBlock::WriteMeta`` then keys
+      the block ``NAME`` while ``index`` names ``NAME^ ``.
 
 ``tensorkey.json``
     ``{T.X/part_i_n: "T@X^<slice>"}`` for every hashtable block (dense
     tensors have none): ``X`` is ``id`` or the slot, ``<slice>`` the key-space
     slice of the table that wrote it, ``begin@end@size`` with ``begin`` and
-    ``end`` zero-padded to the digits of ``size`` (``00000@32768@65536``).
+    ``end`` zero-padded to the digits of ``size`` (``00000@32768@65536``;
+    ``size`` is the table's key space, 65536 unless the table was made with
+    another ``gen_slice(..., slice_size)``).
     nlohmann's ``dump(4)``: keys sorted, four-space indent, no final newline.
 
 ``index``
@@ -75,13 +84,19 @@ Reading (RecIS's rules)
     loader of rank ``j`` of ``M`` owns the key-space slice ``gen_slice(j, M,
     size)`` (``size // M`` keys each, the first ``size % M`` one more); it
     reads the parts whose slice has that size and overlaps its own, and keeps
-    the ids whose ``uint64(id) % size`` falls in its slice.
+    the ids whose ``uint64(id) % size`` falls in its slice; each slot block it
+    reads must be ``FullShape(k)`` of the slot it fills, in its dtype
+    (``HTSlotReadBlock``: "shape not match", "dtype not match"). fastckpt
+    reads every slot whatever its shape and dtype, and keeps the order of the
+    save (tables, slots, dense tensors) from the files' names and headers:
+    block ``b`` of rank ``i`` is entry ``b // p`` of file ``i * p + b % p``.
 
 fastckpt's additions (``Saver(layout="recis")``)
     The files above, byte for byte as RecIS's code writes them for the same
     blocks, and ``manifest.json`` written last as the commit record
     (``{"format": "fastckpt.sharded.recis", "format_version": 1, "layout":
-    "recis", "world_size", "parallel", "slice_size", "files": {name: {"size",
+    "recis", "world_size", "parallel", "slice_size" (an int, or {table:
+    int} where tables differ), "files": {name: {"size",
     "blake3"}}, "tensors", "hashtables", "checksum": {"blake3"}}``: the
     checksum is of the manifest itself less ``checksum``, as in fastckpt's own
     layout, format version 3; RecIS never reads it). A directory with
@@ -101,6 +116,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -115,9 +131,9 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
-from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, owner_mod, rows_of
+from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
+from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.store.commit import fsync_open
-from fastckpt.sharded.hashtable import HashTable
 from fastckpt.sharded.reader import CheckpointReader, register_layout
 
 __all__ = ["RecisCheckpointReader", "RecisWarning", "is_recis_directory", "data_file_name", "gen_slice",
@@ -221,13 +237,33 @@ def slice_owner(ids: np.ndarray, shard_num: int, slice_size: int = SLICE_SIZE) -
     """The rank that owns each id under RecIS's slice rule: ``uint64(id) % slice_size`` in ``gen_slice(rank, ...)``.
 
     Pass it as a :class:`~fastckpt.sharded.Loader`'s ``owner`` so that the tables a rank loads can be saved in
-    RecIS's layout by that rank.
+    RecIS's layout by that rank. Given so for a directory in RecIS's layout, each table's own slice size is
+    used (:func:`owners`), and every part is read: an id saved by a rank whose slice it is not in (which
+    RecIS's own loader keeps only where one slice covers it) goes to the rank of its slice.
 
     >>> slice_owner(np.array([0, 21845, 21846, 65536 + 43691, -1]), 3).tolist()
     [0, 0, 1, 2, 2]
     """
     ends = np.array([gen_slice(r, shard_num, slice_size)[1] for r in range(shard_num)], np.uint64)
     return np.searchsorted(ends, _slice_positions(ids, slice_size), side="right").astype(np.int64)
+
+
+def owners(rule, ids: np.ndarray, shard_num: int, slice_size) -> np.ndarray:
+    """The rank of each of a RecIS table's ``ids`` under a Loader's owner ``rule``: :func:`slice_owner` by the
+    table's own ``slice_size``, any other rule as it is (``rule(ids, shard_num)``).
+
+    >>> owners(slice_owner, np.array([0, 600]), 2, 1000).tolist()
+    [0, 1]
+    """
+    if rule is slice_owner:
+        if not isinstance(slice_size, int):
+            raise FormatError(f"the table was saved with slice sizes {slice_size}: slice_owner needs one")
+        ranks = slice_owner(ids, shard_num, slice_size)
+    else:
+        ranks = np.asarray(rule(ids, shard_num))
+    if ranks.shape != ids.shape:
+        raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
+    return ranks
 
 
 def _split_block_name(name: str, where: str) -> tuple[str, str]:
@@ -349,7 +385,7 @@ class RecisCheckpointReader(CheckpointReader):
         except BaseException:
             self.close()
             raise
-        self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
+        self.part_infos: Mapping[str, TensorInfo] = MappingProxyType(infos)  # stored key -> its block's info
         self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
         self._tables = self._find_tables()
         self.metadata = None
@@ -395,34 +431,62 @@ class RecisCheckpointReader(CheckpointReader):
         if not isinstance(descriptions, dict):
             raise FormatError(f"{path}: expected a JSON object")
         for key, desc in descriptions.items():
-            info = self.infos.get(key)
+            info = self.part_infos.get(key)
             if info is not None and isinstance(desc, dict) and "shape" in desc \
                     and list(desc["shape"]) != list(info.shape):
                 raise FormatError(f"{path}: entry {key!r} has shape {desc['shape']}, its tensor file "
                                   f"{self.file_of(key).path} holds {list(info.shape)}")
         return descriptions
 
+    def _block_order(self) -> dict[str, tuple[int, int]]:
+        """``{stored key: (rank, place)}``: the order in which each rank made its blocks (module docs: block
+        ``b`` of rank ``i`` is entry ``b // p`` of the header of file ``i * p + b % p``), read back from the
+        files' names and headers, so that tables, slots and dense tensors keep the order of the save. Files not
+        named as RecIS names them come after, in file number and header order."""
+        ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_\d+_(\d+)$", key))}
+        n = ranks.pop() if len(ranks) == 1 else 1
+        order: dict[str, tuple[int, int]] = {}
+        for number, name in sorted(self._file_of_number.items()):
+            f = self.files[name]
+            with guard(self, f"the header of {name}"):
+                length = int.from_bytes(bytes(f.mapped.view(0, 8)), "little")
+                keys = [k for k in json.loads(bytes(f.mapped.view(8, length)).decode("utf-8")) if k in f.infos]
+            m = re.fullmatch(r"model-(\d+)-of-(\d+)\.safetensors", name)
+            total = int(m.group(2)) if m else 0
+            p = self.manifest["parallel"] if self.manifest is not None else total // n or 1
+            if m is None or total % p:
+                order.update({k: (1 << 62, number * 1_000_000 + j) for j, k in enumerate(keys)})
+                continue
+            rank, writer = divmod(int(m.group(1)), p)
+            order.update({k: (rank, j * p + writer) for j, k in enumerate(keys)})
+        return order
+
     def _find_tables(self) -> dict[str, dict]:
-        """``{T: {"dim", "dtype", "slots", "ids", "slice_size"}}`` for every ``T@id`` with a ``T@embedding``."""
+        """``{T: {"dim", "shape", "dtype", "slots", "slot_specs", "ids", "slice_size"}}`` for every ``T@id`` with a
+        ``T@embedding``, in the order of the save; ``slots`` in the order RecIS wrote them (its slot group's)."""
+        order = self._block_order()
+        first_place = lambda tensor: min(order.get(k, (1 << 62, 0)) for k in self._parts[tensor])  # noqa: E731
         tables = {}
-        for name in self._parts:
+        in_order = sorted(self._parts, key=first_place)
+        for name in in_order:
             if not name.endswith("@id") or f"{name[:-3]}@embedding" not in self._parts:
                 continue
             table = name[:-3]
             first = self._parts[f"{table}@embedding"][0]
-            shape, dtype = self.infos[first].shape, self.infos[first].dtype
+            shape, dtype = self.part_infos[first].shape, self.part_infos[first].dtype
             dim = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
-            slots = []
-            for other in self._parts:
+            specs = {}
+            for other in in_order:
                 slot = other[len(table) + 1:]
                 if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
-                    info = self.infos[self._parts[other][0]]
-                    if info.shape[1:] == shape[1:] and info.dtype == dtype:  # a slot a HashTable can hold
-                        slots.append(slot)
+                    info = self.part_infos[self._parts[other][0]]
+                    specs[slot] = {"shape": list(info.shape[1:]) or [1], "dtype": info.dtype.name}
             sizes = {parse_slice(self._slices[k][1], f"{self.path}: {k}")[2] for k in self._parts[name]}
-            tables[table] = {"dim": dim, "dtype": np.dtype(dtype).name, "slots": slots,
-                             "ids": sum(self.infos[k].shape[0] for k in self._parts[name]),
+            tables[table] = {"dim": dim, "shape": list(shape[1:]) or [1], "dtype": np.dtype(dtype).name,
+                             "slots": list(specs), "slot_specs": specs,
+                             "ids": sum(self.part_infos[k].shape[0] for k in self._parts[name]),
                              "slice_size": sizes.pop() if len(sizes) == 1 else sorted(sizes)}
+        self._dense_order = [n for n in in_order if self._slices[self._parts[n][0]][1] == " "]
         return tables
 
     # -- RecIS's API ----------------------------------------------------------------------------------
@@ -432,7 +496,7 @@ class RecisCheckpointReader(CheckpointReader):
         return super()._whole_name(name)  # the name itself, or an error naming the closest names
 
     def _shape(self, key: str) -> list:
-        return list(self.infos[key].shape)
+        return list(self.part_infos[key].shape)
 
     def tensor_shape(self, name: str) -> tuple:
         """A whole tensor's shape (its slices' first axes added, as RecIS's ``TensorShape``) or one block's."""
@@ -441,13 +505,13 @@ class RecisCheckpointReader(CheckpointReader):
         keys = self._parts[self._whole_name(name)]
         shape = self._shape(keys[0])
         if shape:
-            shape[0] = sum(self.infos[k].shape[0] for k in keys)
+            shape[0] = sum(self.part_infos[k].shape[0] for k in keys)
         return tuple(shape)
 
     def tensor_dtype(self, name: str) -> np.dtype:
         """The numpy dtype of a whole tensor or of one stored block."""
         key = name if name in self._block_index else self._parts[self._whole_name(name)][0]
-        return self.infos[key].dtype
+        return self.part_infos[key].dtype
 
     def array(self, key: str) -> np.ndarray:
         """Stored block ``key``: a zero-copy, read-only view of its mapped file."""
@@ -470,14 +534,18 @@ class RecisCheckpointReader(CheckpointReader):
         return tensor, None if piece == " " else parse_slice(piece, f"{self.path}: block {key!r}")
 
     def hashtables(self) -> dict[str, dict]:
-        """``{table: {"dim", "dtype", "slots", "ids", "slice_size"}}``: the tables with ids and an embedding;
-        ``slots`` are the optimizer slots shaped like the embedding (others are read with ``read_tensor``)."""
-        return {name: dict(entry) for name, entry in self._tables.items()}
+        """``{table: {"dim", "shape", "dtype", "slots", "slot_specs", "ids", "slice_size"}}``: the tables with ids
+        and an embedding, in the order of the save. ``shape`` is an embedding row's (``dim`` its product),
+        ``slots`` every other tensor of the table in RecIS's slot order (optimizer slots, filter slots such as
+        the step filter's), ``slot_specs`` each slot's ``{"shape": row shape, "dtype"}``."""
+        return {name: {**entry, "shape": list(entry["shape"]), "slots": list(entry["slots"]),
+                       "slot_specs": {s: dict(spec) for s, spec in entry["slot_specs"].items()}}
+                for name, entry in self._tables.items()}
 
     def dense_tensors(self) -> dict[str, dict]:
-        """``{name: {"dtype", "shape"}}`` of the dense tensors (keys ``NAME^ ``)."""
-        return {name: {"dtype": self.infos[keys[0]].dtype.name, "shape": list(self.infos[keys[0]].shape)}
-                for name, keys in self._parts.items() if self._slices[keys[0]][1] == " "}
+        """``{name: {"dtype", "shape"}}`` of the dense tensors (keys ``NAME^ ``), in the order of the save."""
+        return {name: {"dtype": self.part_infos[self._parts[name][0]].dtype.name,
+                       "shape": list(self.part_infos[self._parts[name][0]].shape)} for name in self._dense_order}
 
     def verify(self, *, progress=False) -> list[str]:
         """Every problem with the files against fastckpt's manifest (sizes, BLAKE3); ``[]`` when they match.
@@ -530,8 +598,8 @@ def load(loader) -> tuple[dict, dict]:
         stack.enter_context(guard(reader, "its blocks to load them"))  # a file truncated meanwhile: no SIGBUS
         info = loader.filter_func(load_info(loader, reader))
         tables = info.get("hashtables", {})
-        stored = {name: reader.infos[name + DENSE_SUFFIX].nbytes for name in info.get("tensors", {})}
-        stored.update({name: sum(reader.infos[k].nbytes for part in ("id", "embedding", *entry["slots"])
+        stored = {name: reader.part_infos[name + DENSE_SUFFIX].nbytes for name in info.get("tensors", {})}
+        stored.update({name: sum(reader.part_infos[k].nbytes for part in ("id", "embedding", *entry["slots"])
                                  for k in reader.part_names(f"{name}@{part}")) for name, entry in tables.items()})
         report = stack.enter_context(progress_from(loader.progress, sum(stored.values()),
                                                    f"load rank {loader.shard_index}"))
@@ -564,19 +632,27 @@ def _fill_dense(loader, reader: RecisCheckpointReader, name: str, rows: list) ->
         loader.tensors[name] = out
 
 
+def table_for(entry: dict, name: str) -> HashTable:
+    """A new, empty :class:`HashTable` that holds table ``entry`` of :meth:`RecisCheckpointReader.hashtables`
+    whole: its embedding's row shape and dtype, and every slot with its own row shape and dtype.
+
+    >>> table_for({"shape": [2, 3], "dtype": "float32", "slots": ["m", "step_filter"], "slot_specs": {
+    ...     "m": {"shape": [2, 3], "dtype": "float32"}, "step_filter": {"shape": [1], "dtype": "int64"}}}, "t")
+    HashTable(dim=(2, 3), dtype=float32, slots=('m', ('step_filter', (1,), 'int64')), name='t', len=0)
+    """
+    shape = tuple(entry["shape"])
+    slots = [(slot, tuple(entry["slot_specs"][slot]["shape"]), entry["slot_specs"][slot]["dtype"])
+             for slot in entry["slots"]]
+    return HashTable(shape if len(shape) > 1 else shape[0], dtype=dtype_of(entry["dtype"], name), slots=slots,
+                     name=name)
+
+
 def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, rule) -> None:
     """This rank's rows of table ``name``: RecIS's slice rule (``rule`` None) or ``rule(ids, M)``."""
     table = loader.hashtables.get(name)
     if table is None:
-        table = loader.hashtables[name] = HashTable(entry["dim"], dtype=reader.tensor_dtype(f"{name}@embedding"),
-                                                    slots=entry["slots"], name=name)
-    if table.dim != entry["dim"] or np.dtype(table.dtype).name != entry["dtype"]:
-        raise ValueError(f"{reader.path}: hashtable {name!r} is dim {entry['dim']} {entry['dtype']} in the "
-                         f"checkpoint, the table given is dim {table.dim} {np.dtype(table.dtype).name}")
-    missing = sorted(set(table.slots) - set(entry["slots"]))
-    if missing:
-        raise ValueError(f"{reader.path}: hashtable {name!r} has no slots {missing} in the checkpoint "
-                         f"(it has {entry['slots']})")
+        table = loader.hashtables[name] = table_for(entry, name)
+    check_holds(table, entry, name, reader.path)
     j, m = loader.shard_index, loader.shard_num
     if rule is None and not isinstance(entry["slice_size"], int):
         raise FormatError(f"{reader.path}: hashtable {name!r} was saved with slice sizes {entry['slice_size']}; "
@@ -593,25 +669,24 @@ def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, r
             pos = _slice_positions(ids, size)
             mine = np.flatnonzero((pos >= begin) & (pos < end))
         else:
-            ranks = np.asarray(rule(ids, m))
-            if ranks.shape != ids.shape:
-                raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
-            mine = np.flatnonzero(ranks == j)
+            mine = np.flatnonzero(owners(rule, ids, m, entry["slice_size"]) == j)
         picked.append((ids, key, mine))
     total = sum(len(mine) for *_, mine in picked)
     ids_out = np.empty(total, np.int64)
-    values_out = np.empty((total, table.dim), table.dtype)
-    slots_out = {slot: np.empty((total, table.dim), table.dtype) for slot in table.slots}
+    values_out = np.empty((total, *table.shape), table.dtype)
+    slots_out = {slot: np.empty((total, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
     at = 0
     for ids, key, mine in picked:
         end = at + len(mine)
         np.take(ids, mine, out=ids_out[at:end])
         for slot, out in (("embedding", values_out), *slots_out.items()):
-            rows = reader.host(_sibling(reader, key, name, slot))
-            if rows.shape[0] != len(ids):
-                raise FormatError(f"{reader.path}: hashtable {name!r}: block {_sibling(reader, key, name, slot)!r} "
-                                  f"has {rows.shape[0]} rows, its ids {key!r} {len(ids)}")
-            np.take(rows.reshape(len(ids), table.dim), mine, axis=0, out=out[at:end])
+            block = _sibling(reader, key, name, slot)
+            rows = reader.host(block)
+            if rows.shape != (len(ids), *out.shape[1:]) or rows.dtype != out.dtype:  # RecIS's "shape not match"
+                raise FormatError(f"{reader.path}: hashtable {name!r}: block {block!r} is {rows.dtype}"
+                                  f"{list(rows.shape)}, expected {out.dtype}{[len(ids), *out.shape[1:]]} (one row of "
+                                  f"{list(out.shape[1:])} for each of its {len(ids)} ids {key!r})")
+            np.take(rows, mine, axis=0, out=out[at:end])
         at = end
     try:
         table.adopt(ids_out, values_out, slots_out)
@@ -632,11 +707,41 @@ def _sibling(reader: RecisCheckpointReader, id_key: str, table: str, slot: str) 
 
 # -- writing -----------------------------------------------------------------------------------------------
 
-def _check_name(name: str, what: str) -> None:
-    bad = [c for c in "@^/" if c in name]
+def check_name(name: Any, what: str) -> str:
+    """``name`` where RecIS's layout can hold it as a tensor, table or slot name; a ``ValueError`` else.
+
+    RecIS splits its block names on ``^`` and its table tensors' names on ``@``, and writes a dense tensor
+    whose name holds ``/part_`` under a key its index does not name (``TensorWriteBlock::WriteMeta``): those
+    are refused; any other ``/`` is kept (``tower/dense/kernel``).
+
+    >>> check_name("tower/dense/kernel", "tensor")
+    'tower/dense/kernel'
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} name {name!r} must be a non-empty str")
+    bad = [c for c in ("@", "^", "/part_") if c in name]
     if bad:
         raise ValueError(f"{what} name {name!r} holds {bad}: RecIS's layout reserves '@' and '^' as separators "
-                         "and '/' for its part suffix")
+                         "and '/part_' for its part suffix")
+    return name
+
+
+def slice_sizes(saver) -> dict[str, int]:
+    """``{table: slice size}`` of a ``layout="recis"`` Saver: its ``slice_size`` (an int for every table, or
+    ``{table: int}``; default :data:`SLICE_SIZE`).
+
+    >>> from fastckpt.sharded import HashTable, Saver
+    >>> slice_sizes(Saver(hashtables={"a": HashTable(1), "b": HashTable(1)}, layout="recis", slice_size={"a": 1000}))
+    {'a': 1000, 'b': 65536}
+    """
+    given = getattr(saver, "slice_size", None)
+    sizes = {name: SLICE_SIZE if given is None else given.get(name, SLICE_SIZE) if isinstance(given, Mapping)
+             else given for name in saver.hashtables}
+    for name, size in sizes.items():
+        if type(size) is not int or not saver.shard_num <= size < 1 << 62:
+            raise ValueError(f"hashtable {name!r}: slice_size must be an int from shard_num ({saver.shard_num}) up, "
+                             f"got {size!r} (RecIS's gen_slice gives each rank slice_size // shard_num keys)")
+    return sizes
 
 
 def _code(array: np.ndarray, what: str) -> str:
@@ -653,11 +758,12 @@ def blocks(saver) -> list:
     from fastckpt.state import as_numpy
 
     i, n = saver.shard_index, saver.shard_num
-    begin, end, size = gen_slice(i, n, SLICE_SIZE)
-    piece = slice_string(begin, end, size)
+    sizes = slice_sizes(saver)
     out = []
     for table_name, table in saver.hashtables.items():
-        _check_name(table_name, "hashtable")
+        check_name(table_name, "hashtable")
+        begin, end, size = gen_slice(i, n, sizes[table_name])
+        piece = slice_string(begin, end, size)
         ids, values, slots = table.rows()
         pos = _slice_positions(ids, size)
         outside = np.flatnonzero((pos < begin) | (pos >= end))
@@ -666,16 +772,17 @@ def blocks(saver) -> list:
                 f"hashtable {table_name!r}: {len(outside)} of rank {i}'s {len(ids)} ids lie outside its RecIS slice "
                 f"[{begin}, {end}) of {size} (id {int(ids[outside[0]])} is at {int(pos[outside[0]])}); RecIS's loader "
                 "would drop them. Give each rank the ids of its slice: Loader(..., owner=fastckpt.sharded.recis."
-                "slice_owner), or save with the default layout")
+                f"slice_owner){'' if size == SLICE_SIZE else f' with slice_size={size}'}, or save with the default "
+                "layout")
         for slot, array in (("id", ids), ("embedding", values), *slots.items()):
-            _check_name(slot, "slot")
+            check_name(slot, "slot")
             key = f"{table_name}.{slot}/part_{i}_{n}"
             _code(array, f"hashtable {table_name!r} {slot}")
             out.append(WriteBlock(key, f"{table_name}@{slot}^{piece}", "slot" if slot not in ("id", "embedding")
                                   else slot, array, table_name, {"dense": False}))
     if i == 0:
         for name, value in saver.tensors:
-            _check_name(name, "tensor")
+            check_name(name, "tensor")
             array = as_numpy(value)
             if array is None or array.dtype.hasobject:
                 raise TypeError(f"tensors[{name!r}] is a {type(value).__name__}, not an array of numbers")
@@ -741,6 +848,7 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
         written = list(pool.map(write, used))
     tables = {name: {"dim": t.dim, "dtype": np.dtype(t.dtype).name, "slots": list(t.slots), "ids": len(t)}
               for name, t in saver.hashtables.items() if any(b.table == name for b in blocks_)}
+    sizes = slice_sizes(saver)
     tensors = {b.tensor: {"dtype": b.array.dtype.name, "shape": list(np.shape(b.array))}
                for b in blocks_ if b.kind == "dense"}
     return {"rank": i, "shard_num": n, "parallel": p,
@@ -749,7 +857,8 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
             "blocks": {key: name for name, _, entries in written for key in entries},
             "entries": {key: e for _, _, entries in written for key, e in entries.items()},
             "tensorkey": {b.key: b.tensor for b in blocks_ if b.kind != "dense"},
-            "tables": tables, "tensors": tensors}
+            "tables": tables, "tensors": tensors,
+            "slice_size": {name: sizes[name] for name in tables}}
 
 
 def describe(entries: Mapping[str, dict]) -> dict:
@@ -785,11 +894,17 @@ def recis_json(obj: Any, indent: int | None = None) -> bytes:
     return json.dumps(obj, indent=indent, sort_keys=True, ensure_ascii=False).encode("utf-8")
 
 
+def _one_or_each(sizes: dict[str, int]) -> int | dict[str, int]:
+    """The manifest's ``slice_size``: one int where every table has it (or there is none), else ``{table: int}``."""
+    distinct = set(sizes.values())
+    return distinct.pop() if len(distinct) == 1 else dict(sorted(sizes.items())) if distinct else SLICE_SIZE
+
+
 def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
     """Rank 0: ``index``, ``tensorkey.json``, the descriptions, then ``manifest.json`` last; rename into place.
     Returns the manifest's BLAKE3."""
 
-    files, block_index, file_index, tensorkey, entries, tables, tensors = {}, {}, {}, {}, {}, {}, {}
+    files, block_index, file_index, tensorkey, entries, tables, tensors, sizes = {}, {}, {}, {}, {}, {}, {}, {}
     for r in sorted(reports, key=lambda r: r["rank"]):
         if (r["shard_num"], r["parallel"]) != (saver.shard_num, saver.parallel):
             raise ValueError(f"rank {r['rank']} saved with shard_num {r['shard_num']} and parallel {r['parallel']}; "
@@ -802,6 +917,7 @@ def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
         tensorkey.update(r["tensorkey"])
         entries.update(r["entries"])
         tensors.update(r["tensors"])
+        sizes.update(r.get("slice_size", {}))
         for name, t in r["tables"].items():
             entry = tables.setdefault(name, {**t, "ids": 0})
             if {k: v for k, v in entry.items() if k != "ids"} != {k: v for k, v in t.items() if k != "ids"}:
@@ -810,6 +926,6 @@ def commit(saver, staging: Path, final: Path, reports: list[dict]) -> str:
     metadata = [(INDEX_FILE, recis_json({"block_index": block_index, "file_index": file_index})),
                 (TENSORKEY_FILE, recis_json(tensorkey, 4)), (DESCRIPTION_FILE, recis_json(describe(entries), 4))]
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "layout": "recis", "world_size": saver.shard_num,
-                "parallel": saver.parallel, "slice_size": SLICE_SIZE, "files": files, "tensors": tensors,
+                "parallel": saver.parallel, "slice_size": _one_or_each(sizes), "files": files, "tensors": tensors,
                 "hashtables": tables}
     return commit_directory(staging, final, metadata, manifest, overwrite=saver.overwrite)

@@ -367,7 +367,7 @@ def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
             pos = recis._slice_positions(ids, size)
             mine = np.flatnonzero((pos >= begin) & (pos < end))
         else:
-            mine = np.flatnonzero(np.asarray(loader.owner(ids, loader.shard_num)) == loader.shard_index)
+            mine = np.flatnonzero(recis.owners(loader.owner, ids, loader.shard_num, size) == loader.shard_index)
         if not len(mine):
             continue
         for tensor, by_slice in blocks.items():

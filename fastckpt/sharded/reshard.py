@@ -36,7 +36,8 @@ __all__ = ["reshard", "compact"]
 
 
 def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, parallel: int | None = None,
-            overwrite: bool = False, timeout: float = 600.0, progress=False, layout: str | None = None) -> str:
+            overwrite: bool = False, timeout: float = 600.0, progress=False, layout: str | None = None,
+            slice_size: int | None = None) -> str:
     """Write the checkpoint at ``src`` again at ``dst`` as saved by ``shards`` ranks; returns ``dst``.
 
     ``parallel`` (files per rank) defaults to the source's. Hashtable ids go
@@ -48,7 +49,12 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
     ``layout`` (``"fastckpt"`` or ``"recis"``, default: the source's) converts
     between fastckpt's layout and RecIS's (:mod:`fastckpt.sharded.recis`); for
     RecIS's, ids go to the ranks by RecIS's slice rule instead of ``id mod
-    shards``.
+    shards``, with each table's slice size kept from a RecIS source
+    (``slice_size``, default 65536, for a source in fastckpt's layout). Every
+    slot of every table is written, whatever its row shape and dtype, and
+    embeddings keep their row shape; a table that the target layout cannot
+    hold whole (such slots or shapes, into fastckpt's layout) is an error
+    before anything is written.
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.sharded import HashTable, Saver
@@ -64,14 +70,24 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
         source_layout = "recis" if reader.layout == "RecIS" else "fastckpt"
         if parallel is None:
             parallel = reader.manifest["parallel"] if reader.manifest is not None else _recis_parallel(reader)
+        sizes = {name: entry["slice_size"] for name, entry in reader.hashtables().items()} \
+            if source_layout == "recis" else {}
     layout = source_layout if layout is None else layout
     if layout not in ("fastckpt", "recis"):
         raise ValueError(f"layout must be 'fastckpt' or 'recis', got {layout!r}")
-    owner = {}
+    if slice_size is not None and (layout != "recis" or source_layout == "recis"):
+        raise ValueError("slice_size is for a reshard from fastckpt's layout into RecIS's (a RecIS source keeps "
+                         "its tables' own)")
+    owner, keep = {}, {}
     if layout == "recis":  # each new rank must hold the ids of its RecIS slice
-        from fastckpt.sharded.recis import slice_owner
+        from fastckpt.sharded.recis import SLICE_SIZE, slice_owner
 
-        owner = {"owner": slice_owner}
+        if source_layout == "recis":  # every part read, each table by its own slice size (recis.owners)
+            owner, keep = {"owner": slice_owner}, {"slice_size": sizes}
+        else:
+            size = SLICE_SIZE if slice_size is None else slice_size
+            owner = {"owner": lambda ids, m: slice_owner(ids, m, size)}
+            keep = {"slice_size": size}
     engines = ThreadEngine.group(shards)
     errors: list = [None] * shards
     # With progress: every rank tells what it will write, then one report over all of it is made.
@@ -84,7 +100,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
             tables, tensors = Loader(os.fspath(src), shard_index=rank, shard_num=shards, **owner).load()
             saver = Saver(shard_index=rank, shard_num=shards, parallel=parallel, path=os.fspath(dst),
                           hashtables=tables, tensors=tensors, engine=engines[rank], timeout=timeout,
-                          overwrite=overwrite, layout=layout)
+                          overwrite=overwrite, layout=layout, **keep)
             if loaded is not None:
                 sizes[rank] = sum(block.nbytes for block in saver.blocks())
                 if loaded.wait(timeout) == 0:
@@ -138,5 +154,5 @@ def _recis_parallel(reader) -> int:
     import re
 
     totals = {int(m.group(1)) for name in reader.files if (m := re.match(r"model-\d+-of-(\d+)\.safetensors$", name))}
-    ranks = {int(m.group(1)) for key in reader.keys() if (m := re.search(r"/part_\d+_(\d+)$", key))}
+    ranks = {int(m.group(1)) for key in reader.part_infos if (m := re.search(r"/part_\d+_(\d+)$", key))}
     return max(1, (totals.pop() if len(totals) == 1 else 1) // (ranks.pop() if len(ranks) == 1 else 1))

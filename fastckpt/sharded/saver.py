@@ -137,6 +137,16 @@ def _check_name(name: Any, what: str) -> str:
     return name
 
 
+def _check_rows(name: str, table: HashTable) -> None:
+    """Refuse a table fastckpt's layout cannot hold whole: rows of more than one axis, or slots of their own."""
+    own = {s: spec for s, spec in table.slot_specs.items() if spec != ((table.dim,), table.dtype)}
+    if len(table.shape) != 1 or own:
+        what = f"rows of shape {table.shape}" if len(table.shape) != 1 else \
+            "slots " + ", ".join(f"{s!r} of {shape} {dtype.name}" for s, (shape, dtype) in own.items())
+        raise ValueError(f"hashtable {name!r} has {what}: fastckpt's layout stores [k, dim] rows of the table's "
+                         "dtype for the embedding and every slot; save it with layout='recis', which keeps them")
+
+
 def _dimension(shape: tuple) -> int:
     return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
 
@@ -152,7 +162,10 @@ class Saver:
     for a bar, or ``callback(done, total, item)``: :mod:`fastckpt.progress`)
     counts the bytes of this rank's tensors as its writer threads write them.
     ``layout="recis"`` writes RecIS's own files (:mod:`fastckpt.sharded.recis`: dense tensors whole from rank 0,
-    each rank's tables holding only the ids of its RecIS slice) with fastckpt's manifest beside.
+    each rank's tables holding only the ids of its RecIS slice) with fastckpt's manifest beside; its
+    ``slice_size`` (an int, or ``{table: int}``; default 65536, RecIS's) is the key space of RecIS's slices.
+    Tables whose rows or slots have shapes or dtypes of their own (``HashTable((2, 3))``, a step filter slot)
+    are saved with ``layout="recis"`` only: fastckpt's layout stores ``[k, dim]`` rows of the table's dtype.
 
     >>> import numpy as np, tempfile, os
     >>> out = os.path.join(tempfile.mkdtemp(), "c")
@@ -165,7 +178,8 @@ class Saver:
                  filter_func: Callable[[list], list] = lambda blocks: blocks, *, engine=None,
                  timeout: float = 600.0, overwrite: bool = False, incremental: bool | DeltaPolicy = False,
                  compression: str | None = None, quantize: str | None = None, progress=False,
-                 storage_options: dict | None = None, layout: str = "fastckpt"):
+                 storage_options: dict | None = None, layout: str = "fastckpt",
+                 slice_size: int | Mapping[str, int] | None = None):
         if type(shard_num) is not int or shard_num < 1:
             raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
         if type(shard_index) is not int or not 0 <= shard_index < shard_num:
@@ -176,13 +190,19 @@ class Saver:
         self.path = os.fspath(path)
         self.storage_options = storage_options  # for a URL path (s3://...): fastckpt.sharded.remote
         self.hashtables = dict(hashtables or {})
+        if layout == "recis":  # RecIS's own names (any '/' but '/part_')
+            from fastckpt.sharded.recis import check_name as check
+        else:
+            check = _check_name
         for name, table in self.hashtables.items():
-            _check_name(name, "hashtable")
+            check(name, "hashtable")
             if not isinstance(table, HashTable):
                 raise TypeError(f"hashtables[{name!r}] is a {type(table).__name__}, not a fastckpt HashTable")
+            if layout != "recis":
+                _check_rows(name, table)
         self.tensors = _dense_items(tensors)
         for name, _ in self.tensors:
-            _check_name(name, "tensor")
+            check(name, "tensor")
         clash = {n for n, _ in self.tensors} & {f"{t}.{r}" for t, tab in self.hashtables.items()
                                                 for r in ("id", "embedding", *tab.slots)}
         if clash:
@@ -208,6 +228,9 @@ class Saver:
         if layout == "recis" and is_url(self.path):
             raise ValueError(f"{self.path}: layout='recis' saves to a local directory (upload it afterwards)")
         self.layout = layout  # "recis": RecIS's own files (fastckpt.sharded.recis) and fastckpt's manifest
+        if slice_size is not None and layout != "recis":
+            raise ValueError("slice_size is the key space of RecIS's slices: it applies to layout='recis' only")
+        self.slice_size = slice_size
         self._errors: dict[str, float] = {}  # table -> largest absolute error of its quantized rows
         self._changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> (changed rows, deleted ids)
 
