@@ -219,3 +219,19 @@ def test_a_tf_save_whose_second_shard_cannot_be_opened_keeps_the_previous_checkp
     assert failure.value.errno == 24 and os.fspath(failure.value.filename).startswith(os.fspath(target) + ".")
     assert_exactly(layout, target, 1)
     assert leftovers(tmp_path) == [] and opens == 0
+
+
+@pytest.mark.parametrize("layout", [w for w in WRITERS if w.name != "manager"], ids=str)  # a manager makes its
+def test_a_failed_save_into_a_new_directory_leaves_no_directory(layout, tmp_path):        # directory when made
+    root = tmp_path / "new" / "deeper"
+    target = layout.target(root)
+    with Faults(tmp_path) as counting:
+        layout.save(target, 1, False, fsync=True)
+    first_write = next(i for i, (kind, _) in enumerate(counting.calls) if kind in ("write", "writev"))
+    layout.target(tmp_path / "again")  # the same layout, a fresh place
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with Faults(fresh, fail_at=first_write, error=errno.ENOSPC):
+        with pytest.raises(OSError):
+            layout.save(layout.target(fresh / "new" / "deeper"), 1, False, fsync=True)
+    assert os.listdir(fresh) == [], f"{layout}: a failed save left {os.listdir(fresh)}"

@@ -57,7 +57,7 @@ from typing import Any, Callable, Mapping
 import blake3
 import numpy as np
 
-from fastckpt.store.commit import _naming_target, remove_stale_partials_in, remove_temporary, staging_directory
+from fastckpt.store.commit import _naming_target, abandon_staging, remove_stale_partials_in, staging_directory
 from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.progress import part_of_a_save, progress_from
@@ -544,7 +544,7 @@ class Saver:
 
     @staticmethod
     def _abandon(staging: Path) -> None:
-        remove_temporary(staging)  # retried by later sweeps if it fails
+        abandon_staging(staging)  # and the directories made for it; retried by later sweeps if it fails
 
     def _commit(self, staging: Path, final: Path, reports: list[dict], plan: dict) -> str:
         """Write the metadata and the manifest, rename into place; returns the manifest's BLAKE3."""

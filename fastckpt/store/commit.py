@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 __all__ = ["Commit", "atomic_write", "atomic_directory", "fsync_directory", "fsync_file", "fsync_open", "write_file",
-           "staging_directory", "publish_directory", "retire_directory", "remove_temporary", "remove_stale_partials",
+           "staging_directory", "publish_directory", "abandon_staging", "retire_directory", "remove_temporary", "remove_stale_partials",
            "remove_stale_partials_in", "rename_noreplace", "resolve_overwrite", "STALE_AFTER"]
 
 _SUFFIX = ".partial"
@@ -320,15 +320,49 @@ def _naming_target(exc: OSError, final: str, tmp: str | None, *, inside: bool = 
     return renamed
 
 
-def _make_parent(parent: str, final: str) -> None:
-    """Create ``final``'s parent directory; an ancestor that is a file is ``NotADirectoryError`` naming ``final``."""
+def _make_parent(parent: str, final: str) -> list[str]:
+    """Create ``final``'s parent directory; an ancestor that is a file is ``NotADirectoryError`` naming ``final``.
+    Returns the directories made, deepest first (:func:`_remove_made` takes them back after a failed save)."""
     if os.path.isdir(parent):
-        return
+        return []
+    missing = []
+    here = os.path.abspath(parent)
+    while not os.path.lexists(here):
+        missing.append(here)
+        here = os.path.dirname(here)
     try:
         os.makedirs(parent, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # makedirs reports a file in the way as either
         raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)}: a part of the parent path "
                                  "is a file, not a directory", final) from None
+    return missing
+
+
+def _remove_made(made: list[str]) -> None:
+    """Remove the directories a failed save made (deepest first), as far as they are empty."""
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+
+
+# The directories made for a staging directory that is not published yet: removed with it when it is abandoned.
+_made_for: dict[str, list[str]] = {}
+
+
+def abandon_staging(staging: str | os.PathLike) -> None:
+    """Remove a staging directory that will not be published, and the directories made for it if they are empty
+    again (a failed save leaves nothing it created).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); s = staging_directory(d / "new" / "ckpt", overwrite=False)
+    >>> abandon_staging(s); list(d.iterdir())
+    []
+    """
+    staging = os.fspath(staging)
+    remove_temporary(staging)
+    _remove_made(_made_for.pop(staging, []))
 
 
 def fsync_directory(path: str | os.PathLike) -> None:
@@ -408,9 +442,9 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool
     """
     final = os.fspath(path)
     parent = os.path.dirname(final) or "."
-    tmp = None
+    tmp, made = None, []
     try:
-        _make_parent(parent, final)
+        made = _make_parent(parent, final)
         if not overwrite and os.path.lexists(final):
             raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
                                   final)
@@ -421,9 +455,10 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool
         tmp = _partial_path(final)
         f = open(tmp, "xb", buffering=_WRITE_BUFFER)
     except BaseException as e:
+        if tmp is not None and not isinstance(e, OSError):  # made, then interrupted before it was handed over
+            remove_temporary(tmp)
+        _remove_made(made)
         if not isinstance(e, OSError):
-            if tmp is not None:  # made, then interrupted before it was handed over
-                remove_temporary(tmp)
             raise
         raise _naming_target(e, final, tmp) from None
     try:
@@ -440,6 +475,7 @@ def atomic_write(path: str | os.PathLike, *, fsync: bool = True, overwrite: bool
         with contextlib.suppress(OSError):  # close() flushes, and fails again where the write did
             f.close()
         remove_temporary(tmp)
+        _remove_made(made)
         if isinstance(e, OSError):
             raise _naming_target(e, final, tmp) from None
         raise
@@ -604,9 +640,9 @@ def staging_directory(final: str | os.PathLike, overwrite: bool, sweep=None) -> 
     (True, [])
     """
     final = Path(final)
-    staging = None
+    staging, made = None, []
     try:
-        _make_parent(os.fspath(final.parent), os.fspath(final))
+        made = _make_parent(os.fspath(final.parent), os.fspath(final))
         (sweep or (lambda: remove_stale_partials(final)))()
         if os.path.lexists(final) and not overwrite:
             raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
@@ -617,9 +653,12 @@ def staging_directory(final: str | os.PathLike, overwrite: bool, sweep=None) -> 
         if staging is not None and not isinstance(e, OSError):  # made, then interrupted before it was handed
             with contextlib.suppress(OSError):  # over: it goes (it is empty)
                 os.rmdir(staging)
+        _remove_made(made)
         if isinstance(e, OSError):
             raise _naming_target(e, os.fspath(final), None if staging is None else os.fspath(staging)) from None
         raise
+    if made:
+        _made_for[os.fspath(staging)] = made
     return staging
 
 
@@ -668,6 +707,7 @@ def publish_directory(staging: str | os.PathLike, final: str | os.PathLike, *, o
         if isinstance(e, OSError):
             raise _naming_target(e, os.fspath(final), os.fspath(staging), inside=True) from None
         raise
+    _made_for.pop(os.fspath(staging), None)  # published: the directories made for it are the checkpoint's
     for replaced in (staging, aside):  # the directory replaced, under one of our two private names
         if os.path.lexists(replaced):
             remove_temporary(replaced)
@@ -762,8 +802,6 @@ class Commit:
         self.entry_points, self.claims, self.replaces = list(entry_points), list(claims), replaces
         self._done = False
         self.directory = os.fspath(self.target.parent)
-        # the directories this save makes (deepest first): a failed save removes them again, if still empty
-        self._made = [p for p in (self.target.parent, *self.target.parent.parents) if not os.path.lexists(p)]
         if kind == "directory":
             self.staging = staging_directory(self.target, overwrite, sweep)
             return
@@ -827,12 +865,7 @@ class Commit:
         """Remove the staging place and everything in it, and the directories the save made if they are empty
         again; nothing is published. Idempotent."""
         self._done = True
-        remove_temporary(self.staging)
-        for made in self._made:
-            try:
-                os.rmdir(made)
-            except OSError:
-                break
+        abandon_staging(self.staging)
 
     def publish(self) -> None:
         """The atomic step: make what was staged visible under its final names, or raise and publish nothing."""
@@ -850,6 +883,7 @@ class Commit:
             if isinstance(e, OSError):
                 raise self._naming(e) from None
             raise
+        _made_for.pop(os.fspath(self.staging), None)  # published: the directories made are the checkpoint's
         remove_temporary(self.staging)
 
     def _publish_files(self) -> None:
