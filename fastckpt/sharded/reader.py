@@ -76,7 +76,9 @@ _HASH_CHUNK = 64 << 20  # the pread backend hashes in pieces of this size: no co
 # every file's ids, and hash each file once between them (a rank that asks while another hashes it waits for that
 # result). The entry goes when the last reader holding the file closes, so a later open hashes the file again.
 _digests: dict[tuple, list] = {}  # identity -> [readers holding it, Future of its hex BLAKE3 or None]
-_digests_lock = threading.Lock()
+# Reentrant: a reader collected while this thread holds the lock (its weakref.finalize releases its files) would
+# otherwise deadlock (seen in the doctests: a garbage collection inside _shared_digest).
+_digests_lock = threading.RLock()
 
 
 def _hold(identity: tuple, count: int) -> None:
