@@ -309,7 +309,7 @@ def _naming_target(exc: OSError, final: str, tmp: str | None, *, inside: bool = 
     else:
         return exc
     detail = exc.strerror or os.strerror(exc.errno)
-    if tmp is not None:
+    if tmp is not None and " (written through the temporary " not in detail:  # once: an inner commit named it
         detail += f" (written through the temporary {os.path.basename(tmp)!r})"
     try:
         renamed = type(exc)(exc.errno, detail, target)
