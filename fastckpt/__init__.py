@@ -2,8 +2,9 @@
 
 The usual calls, all directly under ``fastckpt``: ``open(path)`` reads any tensor file (safetensors, NPZ,
 ``.netcl``, TensorFlow checkpoint, HF sharded or training-checkpoint directory) with one contract;
-``save_safetensors``, ``save_npz``, ``save_sharded`` and ``save_tree`` (nested dicts) write atomically;
-``load_file(path, queue, pool=...)`` loads into OpenCL device memory; ``CheckpointManager(directory)``
+``save_safetensors``, ``save_npz``, ``save_sharded`` and ``save_tree`` (pytrees) write atomically;
+``load_file(path, queue, pool=...)`` loads into OpenCL device memory; ``load_torch(path)`` gives a
+PyTorch state_dict to train (``to_torch`` converts what was read); ``CheckpointManager(directory)``
 keeps training checkpoints. The commands: ``python -m fastckpt --help``.
 
 >>> import fastckpt, numpy as np, tempfile, os
@@ -33,7 +34,7 @@ from fastckpt.errors import (
     TensorNotFoundError,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Heavy modules (pyopencl above all) are imported only when first used: the names of _LAZY below.
 
@@ -65,6 +66,7 @@ _LAZY = {
     "Tensor": "fastckpt.device.tensor",
     "CheckpointManager": "fastckpt.train.manager",
     "to_torch": "fastckpt.arrays",
+    "load_torch": "fastckpt.formats.torchload",
 }
 
 if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: re-exported)
@@ -79,6 +81,7 @@ if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: r
     from fastckpt.formats.npz import NpzWriter as NpzWriter, save_npz as save_npz
     from fastckpt.formats.reader import TensorFile as TensorFile, open as open, register_opener as register_opener  # noqa: A004
     from fastckpt.formats.safetensors import save_safetensors as save_safetensors
+    from fastckpt.formats.torchload import load_torch as load_torch
     from fastckpt.formats.tree import load_tree as load_tree, save_tree as save_tree
     from fastckpt.info import TensorInfo as TensorInfo
     from fastckpt.train.directory import CheckpointDirectory as CheckpointDirectory

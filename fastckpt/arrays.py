@@ -26,8 +26,9 @@ take anything numpy takes, convert them with :func:`to_numpy`.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -125,16 +126,37 @@ def to_numpy(value: Any) -> np.ndarray:
     return np.asarray(value) if array is None else array
 
 
-def to_torch(value: Any):
+if TYPE_CHECKING:
+    import torch
+
+
+@overload
+def to_torch(value: dict[str, Any], *, copy: bool | None = None) -> dict[str, torch.Tensor]: ...
+@overload
+def to_torch(value: Any, *, copy: bool | None = None) -> torch.Tensor: ...
+
+
+def to_torch(value: Any, *, copy: bool | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """``value`` (an array, or a dict of them, as the readers return) as PyTorch tensors with the same dtype.
 
     The way back from what fastckpt reads to PyTorch: ml_dtypes arrays
     (bfloat16, float8) become the PyTorch type of the same name over the same
     bytes, where ``torch.from_numpy`` refuses them; other arrays go through
-    ``torch.from_numpy``. No copy is made, so a tensor made from a read-only
-    view (a mapped file) is read-only too: PyTorch warns on such a view, and
-    writing to it is an error; ``.clone()`` it to change it. A dict is
-    converted value by value.
+    ``torch.from_numpy``. A dict is converted value by value.
+
+    ``copy`` says what happens to the memory:
+
+    * ``None`` (the default): a writable array is shared (no copy); a
+      read-only one (a view of a mapped file) is copied into private memory,
+      so every tensor returned can be trained in place. For no copy at all,
+      open the file with ``copy_on_write=True`` (its views are writable and
+      private) or use :func:`fastckpt.load_torch`, which does.
+    * ``True``: always a private copy.
+    * ``False``: never a copy. A read-only array then gives a read-only
+      tensor (:class:`ReadOnlyTensor`): every in-place operation on it or on
+      a view of it (``add_``, ``copy_``, ``x[i] = v``, ``out=``, the
+      optimizers' ``_foreach_*_``) raises ``RuntimeError`` before it touches
+      memory, where writing to the read-only mapping would kill the process.
 
     >>> import ml_dtypes
     >>> t = to_torch(np.array([1.5, -2], dtype=ml_dtypes.bfloat16))  # doctest: +SKIP
@@ -143,11 +165,101 @@ def to_torch(value: Any):
     """
     import torch
 
+    if copy is not None and not isinstance(copy, bool):
+        raise TypeError(f"to_torch: copy must be None, True or False, got {copy!r}")
     if isinstance(value, dict):
-        return {name: to_torch(item) for name, item in value.items()}
+        return {name: to_torch(item, copy=copy) for name, item in value.items()}
     array = to_numpy(value)
+    read_only = not array.flags.writeable
+    if copy or (copy is None and read_only):
+        array = np.array(array, copy=True, order="K")
+        read_only = False
     torch_name = _ML_DTYPES_TO_TORCH.get(array.dtype.name) if array.dtype.type.__module__ == "ml_dtypes" else None
-    if torch_name is None:
-        return torch.from_numpy(array)
-    bits = array.view(np.int16 if array.dtype.itemsize == 2 else np.uint8)
-    return torch.from_numpy(bits).view(getattr(torch, torch_name))
+    if torch_name is not None:
+        array = array.view(np.int16 if array.dtype.itemsize == 2 else np.uint8)
+    if read_only:
+        with warnings.catch_warnings():  # torch's "not writable" warning: the ReadOnlyTensor below is the guard
+            warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+            tensor = torch.from_numpy(array)
+    else:
+        tensor = torch.from_numpy(array)
+    if torch_name is not None:
+        tensor = tensor.view(getattr(torch, torch_name))
+    return tensor.as_subclass(_read_only_class()) if read_only else tensor
+
+
+_READ_ONLY: list[type] = []
+# Tensor methods that write into their first argument without a trailing underscore in their name.
+_WRITING = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+            "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+# In-place methods that change only a tensor's metadata (or give it new memory), never its bytes.
+_METADATA_ONLY = {"requires_grad_", "detach_", "retain_grad", "rename_", "refine_names", "as_strided_", "squeeze_",
+                  "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "set_", "resize_", "resize_as_",
+                  "share_memory_", "pin_memory", "record_stream"}
+
+
+def _read_only_class() -> type:
+    """:class:`ReadOnlyTensor`, made on first use (torch is imported only then)."""
+    if not _READ_ONLY:
+        import torch
+
+        class ReadOnlyTensor(torch.Tensor):
+            """A tensor over read-only memory (``to_torch(..., copy=False)``): in-place writes raise.
+
+            Every torch operation passes through ``__torch_function__``: one that would
+            write into a read-only tensor (an in-place method, ``x[i] = v``, ``out=`` one,
+            ``torch._foreach_*_`` over a list holding one) raises ``RuntimeError`` before
+            it runs; results that share its memory (views, and the numpy arrays of
+            ``.numpy()`` and ``np.asarray``) are read-only too, any other result is a
+            plain tensor. ``.clone()`` gives a writable copy. The guard is torch's Python
+            API (``__torch_function__``): code that takes the raw memory (``data_ptr()``,
+            DLPack, a C++ extension) is not guarded.
+            """
+
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(func, "__name__", "")
+                targets = []
+                if ((name.endswith("_") and not name.endswith("__")) or name in _WRITING) and name not in _METADATA_ONLY:
+                    first = args[0] if args else None
+                    targets = list(first) if isinstance(first, (list, tuple)) else [first]
+                out = kwargs.get("out")
+                targets += list(out) if isinstance(out, (list, tuple)) else [out]
+                for target in targets:
+                    if isinstance(target, cls):
+                        raise RuntimeError(
+                            f"{name}: this tensor is a read-only view of a mapped file (to_torch(..., copy=False)); "
+                            "writing to it would crash the process. Use .clone(), to_torch(array) (a private copy) "
+                            "or fastckpt.load_torch(path) (a private copy-on-write mapping)")
+                with torch._C.DisableTorchFunctionSubclass():
+                    result = func(*args, **kwargs)
+                    shared = {a.untyped_storage().data_ptr() for a in args if isinstance(a, cls)}
+                    return _rewrap(result, shared, cls, torch)
+
+        ReadOnlyTensor.__module__ = __name__
+        ReadOnlyTensor.__qualname__ = "ReadOnlyTensor"
+        _READ_ONLY.append(ReadOnlyTensor)
+    return _READ_ONLY[0]
+
+
+def _rewrap(result: Any, shared: set[int], cls: type, torch: Any) -> Any:
+    """``result`` with each tensor over one of the ``shared`` storages made a ``cls`` again (a view stays
+    read-only)."""
+    if isinstance(result, torch.Tensor):
+        if type(result) is torch.Tensor and shared and result.untyped_storage().data_ptr() in shared:
+            return result.as_subclass(cls)
+        return result
+    if isinstance(result, np.ndarray) and shared:  # .numpy(), np.asarray(t): the same memory, read-only again
+        result.flags.writeable = False
+        return result
+    if isinstance(result, (list, tuple)) and any(isinstance(r, torch.Tensor) for r in result):
+        items = [_rewrap(r, shared, cls, torch) for r in result]
+        return type(result)(items) if type(result) in (list, tuple) else type(result)(*items)
+    return result
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ReadOnlyTensor":  # fastckpt.arrays.ReadOnlyTensor: needs torch, so made on first use
+        return _read_only_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,3 +36,16 @@ class RefilledBuffer:
     def __array__(self, dtype=None, copy=None):
         self.shared[:] = self.value
         return self.shared
+
+
+class StateModel:
+    """A model whose state is the dict it was given: ``state_dict()`` returns it, ``load_state_dict`` replaces it."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state

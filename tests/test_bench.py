@@ -89,7 +89,7 @@ def test_formatting_helpers():
 
 def test_every_suite_has_configure_run_and_a_docstring():
     assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded", "incremental", "s3",
-                           "memory"}
+                           "memory", "torch", "link"}
     for name, module_name in SUITES.items():
         module = importlib.import_module(module_name)
         assert callable(module.configure) and callable(module.run), name
@@ -122,6 +122,18 @@ def test_every_suite_has_a_quick_run(suite):
 
 
 # ------------------------------------------------------------------ every suite at its quickest
+
+@pytest.mark.slow  # a benchmark smoke run
+def test_torch_suite(capsys):
+    pytest.importorskip("torch")
+    assert main(["bench", "--suite", "torch", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "### load\n" in out and "### load + write\n" in out
+    rows = _first_cells(out)
+    for label in ("fastckpt.load_torch (copy-on-write map)", "fastckpt.to_torch(f.hosts()) (copies)",
+                  "safetensors.torch.load_file"):
+        assert label in rows, label
+
 
 @pytest.mark.slow  # a benchmark smoke run
 @pytest.mark.device

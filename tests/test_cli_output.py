@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 import fastckpt
-from fastckpt.cli._words import plural
+from fastckpt.words import plural
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,9 @@ from fastckpt.errors import DestinationError
 from fastckpt.formats.convert import convert, destination_format
 from fastckpt.tf import CheckpointReader, write_checkpoint
 
-CHOICES = ("name a .safetensors or .npz file, or a TensorFlow checkpoint prefix such as out/ckpt-1 with --to tf "
-           "(to='tf')")
+# Python's convert() names its keywords; the command prints its flags instead (CLI_CHOICES).
+CHOICES = "name a .safetensors or .npz file, or a TensorFlow checkpoint prefix such as out/ckpt-1 with to='tf'"
+CLI_CHOICES = "name a .safetensors or .npz file, or a TensorFlow checkpoint prefix such as out/ckpt-1 with --to tf"
 
 
 @pytest.fixture
@@ -36,9 +37,9 @@ def _listing(directory):
     ("model.h5", None, r"\.h5 names an HDF5/Keras file"),
     ("model.netcl", None, r"unknown suffix '\.netcl'"),
     ("ckpt-1", None, "no suffix"),
-    ("x.npz", "safetensors", r"the suffix \.npz names npz but --to \(to=\) says safetensors"),
-    ("x.safetensors", "tf", r"the suffix \.safetensors names safetensors but --to \(to=\) says tf"),
-    ("x.index", "npz", r"the suffix \.index names tf but --to \(to=\) says npz"),
+    ("x.npz", "safetensors", r"the suffix \.npz names npz, not safetensors \(to='safetensors'\)"),
+    ("x.safetensors", "tf", r"the suffix \.safetensors names safetensors, not tf \(to='tf'\)"),
+    ("x.index", "npz", r"the suffix \.index names tf, not npz \(to='npz'\)"),
 ])
 def test_an_unstated_or_contradicted_format_is_an_error_and_nothing_is_written(tmp_path, src, dst, to, match):
     out = tmp_path / "out"
@@ -46,7 +47,7 @@ def test_an_unstated_or_contradicted_format_is_an_error_and_nothing_is_written(t
     with pytest.raises(DestinationError, match=match) as caught:
         convert(src, out / dst, to=to)
     assert isinstance(caught.value, ValueError)
-    if "says" not in match:
+    if "the suffix" not in match:
         assert CHOICES in str(caught.value)
     assert _listing(out) == []
 
@@ -89,10 +90,10 @@ def test_the_command_prints_the_error_and_writes_nothing(tmp_path, src, capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3
     assert err[0].endswith("model.safetensor: .safetensor is not .safetensors (one letter short), not a format "
-                           f"convert writes; {CHOICES}")
-    assert err[1].endswith(f"outdir/: is a directory; inside it, {CHOICES}")
-    assert err[2].endswith("x.npz: the suffix .npz names npz but --to (to=) says safetensors; rename the destination "
-                           "or drop --to")
+                           f"convert writes; {CLI_CHOICES}")
+    assert err[1].endswith(f"outdir/: is a directory; inside it, {CLI_CHOICES}")
+    assert err[2].endswith("x.npz: the suffix .npz names npz, not safetensors (--to safetensors); rename the "
+                           "destination or leave --to out")
     assert all(line.startswith("fastckpt convert: ") for line in err)
     assert _listing(out) == []
 

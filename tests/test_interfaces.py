@@ -17,6 +17,8 @@ import fastckpt
 from fastckpt.arrays import as_numpy, to_numpy
 from fastckpt.errors import CheckpointNotFoundError
 
+from _writing import StateModel
+
 # -- array-likes -----------------------------------------------------------------------------------
 
 
@@ -100,21 +102,10 @@ def _save_bytes(fmt):
     return save
 
 
-class _Model:
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
 def _train_save_checkpoint(tmp_path, value):
     from fastckpt.train import load_checkpoint, save_checkpoint
 
-    save_checkpoint(_Model({"x": value}), None, None, None, None, tmp_path / "c", step=1)
+    save_checkpoint(StateModel({"x": value}), None, None, None, None, tmp_path / "c", step=1)
     got = load_checkpoint(tmp_path / "c").model_weights["x"]
     return np.asarray(got)  # a numpy scalar stays one in a training tree (its JSON tag); the others are arrays
 
@@ -157,7 +148,8 @@ def test_every_writer_takes_every_kind_of_array(tmp_path, writer, kind):
 def test_train_checkpoint_keeps_a_numpy_scalar_a_scalar(tmp_path):
     from fastckpt.train import load_checkpoint, save_checkpoint
 
-    save_checkpoint(_Model({"n": np.int64(9), "w": bytearray(b"\x01")}), None, None, None, None, tmp_path / "c", step=1)
+    save_checkpoint(StateModel({"n": np.int64(9), "w": bytearray(b"\x01")}), None, None, None, None, tmp_path / "c",
+                    step=1)
     weights = load_checkpoint(tmp_path / "c").model_weights
     assert type(weights["n"]) is np.int64 and weights["n"] == 9
     _check(weights["w"], np.array([1], np.uint8))
@@ -249,10 +241,10 @@ def _path_convert(d: Path):
 def _path_train(d: Path):
     from fastckpt.train import CheckpointManager, load_checkpoint, save_checkpoint
 
-    save_checkpoint(_Model(dict(T)), None, None, None, None, d / "c", step=1)
+    save_checkpoint(StateModel(dict(T)), None, None, None, None, d / "c", step=1)
     assert load_checkpoint(d / "c").step == 1
     manager = CheckpointManager(d / "m")
-    manager.save(3, _Model(dict(T)))
+    manager.save(3, StateModel(dict(T)))
     manager.wait()
     assert manager.latest() == d / "m" / "step-00000003"
     manager.close()
@@ -288,10 +280,10 @@ def _path_stateful(d: Path):
     from fastckpt.stateful import Checkpoint
 
     checkpoint = Checkpoint()
-    checkpoint.register(_Model(dict(T)), "model")
+    checkpoint.register(StateModel(dict(T)), "model")
     checkpoint.collect()
     assert checkpoint.save(d / "state{seq}.json") == str(d / "state0.json")
-    loaded, target = Checkpoint(), _Model({})
+    loaded, target = Checkpoint(), StateModel({})
     assert loaded.load(d / "state{seq}.json") == str(d / "state0.json")
     loaded.register(target, "model")  # a loaded state is applied on registration
     return target.state["w"]
@@ -341,7 +333,7 @@ def test_open_on_a_manager_directory_names_its_latest_checkpoint(tmp_path):
 
     manager = CheckpointManager(tmp_path / "run")
     for step in (10, 20):
-        manager.save(step, _Model(dict(T)))
+        manager.save(step, StateModel(dict(T)))
     manager.wait()
     manager.close()
     latest = tmp_path / "run" / "step-00000020"
@@ -358,7 +350,7 @@ def test_open_on_a_manager_directory_without_checkpoints_says_so(tmp_path):
     from fastckpt.train import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "run", max_to_keep=1)
-    manager.save(1, _Model(dict(T)))
+    manager.save(1, StateModel(dict(T)))
     manager.wait()
     for step in manager.all_steps():
         shutil.rmtree(manager.path_for(step))
@@ -388,7 +380,7 @@ def test_open_on_a_directory_with_a_model_file_names_load_model(tmp_path):
 def test_open_on_a_directory_of_checkpoints_names_one(tmp_path):
     from fastckpt.train import save_checkpoint
 
-    save_checkpoint(_Model(dict(T)), None, None, None, None, tmp_path / "run-a", step=1)
+    save_checkpoint(StateModel(dict(T)), None, None, None, None, tmp_path / "run-a", step=1)
     assert _open_error(tmp_path) == (
         f"{tmp_path}: a directory fastckpt.open cannot read: its subdirectories run-a are checkpoints: open one, "
         f"as fastckpt.open({str(tmp_path / 'run-a')!r})")
@@ -510,7 +502,7 @@ def test_a_changed_file_is_refused_by_open_and_the_sharded_loader_unless_told(tm
     from fastckpt.sharded import Loader, Saver
     from fastckpt.train import save_checkpoint
 
-    save_checkpoint(_Model({"w": np.arange(4.0)}), None, None, None, None, tmp_path / "t", step=1)
+    save_checkpoint(StateModel({"w": np.arange(4.0)}), None, None, None, None, tmp_path / "t", step=1)
     Saver(path=str(tmp_path / "s"), parallel=1, tensors={"w": np.arange(4.0)}).save()
     for directory, pattern in ((tmp_path / "t", "weights.safetensors"), (tmp_path / "s", "*.safetensors")):
         changed = next(directory.glob(pattern))

@@ -21,6 +21,7 @@ from fastckpt._native.npz import _read_npz_checking, _read_npz_fast_only, read_n
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fastckpt
 import fastckpt.formats.npz as npz_module
 from fastckpt import FormatError
 from fastckpt.formats.npz import save_npz
@@ -218,3 +219,18 @@ def test_the_builder_makes_archives_both_paths_read():
             assert _read_npz_fast_only(m) == infos
     finally:
         os.unlink(path)
+
+
+def test_a_field_whose_format_is_itself_a_sub_array_round_trips(tmp_path):
+    # [('a', ('<f4', (2,)), (3,))]: numpy writes and reads it (its descr names the field's format as (format, shape));
+    # fastckpt refused to write it, saying its descr read back as None, with advice about ml_dtypes.
+    dtype = np.dtype([("a", ("<f4", (2,)), (3,))])
+    array = np.arange(12, dtype=np.float32).view(dtype)
+    path = tmp_path / "sub.npz"
+    fastckpt.save_npz(path, {"x": array})
+    with fastckpt.open(path) as f:
+        assert f.host("x").dtype == dtype and f.host("x").tobytes() == array.tobytes()
+    assert np.load(path)["x"].dtype == dtype
+    np.savez(tmp_path / "numpy.npz", x=array)
+    with fastckpt.open(tmp_path / "numpy.npz") as f:
+        assert f.host("x").tobytes() == array.tobytes()

@@ -476,3 +476,80 @@ def test_device_allocation_beyond_the_device_limit_is_a_clear_error(dev):
     pool = PersistentBufferPool(dev.context, dev.queue)
     with pytest.raises(ValueError, match="max_mem_alloc_size"):
         pool.allocate(pool.max_alloc_size + 1)
+
+
+# -- a second load that cannot reuse the pool's buffer says so ------------------------------------
+@pytest.mark.device
+def test_a_leftover_tensor_of_an_earlier_load_is_named_once_and_counted(dev, tmp_path):
+    # One tensor kept from the previous load pinned its arena: the second load allocated again (~20x slower),
+    # silently.
+    import warnings
+
+    import fastckpt
+    from fastckpt.device.load import load_file
+
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {f"layer.{i}.weight": np.full((256, 256), i, np.float32) for i in range(4)})
+    pool = PersistentBufferPool(dev.context, dev.queue)
+    first = load_file(path, dev.queue, pool=pool)
+    kept = first["layer.2.weight"]
+    del first
+    gc.collect()
+    with pytest.warns(fastckpt.FastCkptWarning, match=r"buffer pool: the .* buffer of an earlier load of .*m\."
+                                                        r"safetensors is still held by its tensor 'layer.2.weight'"):
+        second = load_file(path, dev.queue, pool=pool)
+    assert second.report.pool_misses == 1
+    stats = pool.stats
+    assert stats.blocked_misses == 1 and "'layer.2.weight'" in stats.last_blocked
+    del second
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per pool
+        third = load_file(path, dev.queue, pool=pool)  # reuses the second load's buffer: a hit
+    assert third.report.pool_hits == 1 and pool.stats.blocked_misses == 1
+    assert np.array_equal(kept.to_host(), np.full((256, 256), 2, np.float32))
+    del third, kept
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fourth = load_file(path, dev.queue, pool=pool)
+    assert fourth.report.pool_hits == 1
+
+
+@pytest.mark.device
+def test_two_loads_held_at_once_are_counted_but_not_warned_about(dev, tmp_path):
+    import warnings
+
+    import fastckpt
+    from fastckpt.device.load import load_file
+
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {"w": np.ones((128, 128), np.float32)})
+    pool = PersistentBufferPool(dev.context, dev.queue)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = load_file(path, dev.queue, pool=pool)
+        b = load_file(path, dev.queue, pool=pool)  # two models wanted at once: a legitimate second buffer
+    assert pool.stats.blocked_misses == 1 and "are in use" in pool.stats.last_blocked
+    assert np.array_equal(a["w"].to_host(), b["w"].to_host())
+
+
+@pytest.mark.device
+def test_a_model_built_from_an_earlier_load_is_not_a_leftover(dev, tmp_path):
+    # Most of the earlier load is alive (a model holds its tensors): a second buffer is what the user asked for.
+    import warnings
+
+    import fastckpt
+    from fastckpt.device.load import load_file
+
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_safetensors(path, {f"w{i}": np.full(1024, i, np.float32) for i in range(4)})
+    pool = PersistentBufferPool(dev.context, dev.queue)
+    loaded = load_file(path, dev.queue, pool=pool)
+    model = {name: loaded[name] for name in ("w0", "w1", "w2")}  # 3 of 4 tensors: most of the buffer
+    del loaded
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = load_file(path, dev.queue, pool=pool)
+    assert pool.stats.blocked_misses == 1 and again.report.pool_misses == 1 and len(model) == 3

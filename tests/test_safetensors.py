@@ -552,12 +552,15 @@ CORRUPTIONS = {
     "length-past-eof": ({"a": A_U8}, b"\x00\x00", b"", 60, "says 60 bytes of JSON, but only 55 bytes follow"),
     "length-zero": (b"", b"", b"", None, "header length at byte 0 is 0"),
     "length-one": (b"{", b"", b"", None, "header length at byte 0 is 1"),
-    "not-brace": (b"[]", b"", b"", None, r"must start with '\{' \(0x7b\), got byte 0x5b"),
-    "leading-space": (b' {"a":1}', b"", b"", None, "got byte 0x20"),
-    "bom": ("\ufeff{}".encode(), b"", b"", None, "got byte 0xef"),
-    "nul-padding": ({"a": A_U8}, b"\x00\x00", b"\x00\x00\x00", None, r"followed only by spaces.*offset 63 is 0x00"),
-    "newline-padding": ({"a": A_U8}, b"\x00\x00", b"\n  ", None, r"offset 61 is 0x0a"),
-    "tab-padding": ({"a": A_U8}, b"\x00\x00", b"  \t", None, r"offset 63 is 0x09"),
+    "not-brace": (b"[]", b"", b"", None, r"must start with '\{' \(0x7b\), after JSON whitespace.*offset 8 is 0x5b"),
+    "whitespace-then-not-brace": (b' \t\r\n[]', b"", b"", None, r"must start with '\{'.*offset 12 is 0x5b"),
+    "whitespace-only": (b"  \t\n", b"", b"", None, r"bytes \[8, 16\)\) holds only JSON whitespace"),
+    "bom": ("\ufeff{}".encode(), b"", b"", None, "offset 8 is 0xef"),
+    "formfeed-before": (b"\x0c{}", b"", b"", None, "offset 8 is 0x0c"),
+    "nul-padding": ({"a": A_U8}, b"\x00\x00", b"\x00\x00\x00", None,
+                    r"followed only by JSON whitespace.*offset 63 is 0x00"),
+    "formfeed-padding": ({"a": A_U8}, b"\x00\x00", b"\n \x0c", None, r"offset 63 is 0x0c"),
+    "nbsp-padding": ({"a": A_U8}, b"\x00\x00", "\u00a0".encode() + b" ", None, r"offset 62 is 0xa0"),
     "garbage-after-object": (b'{} {}', b"", b"   ", None, "extra data after the top-level object at byte offset 10"),
     "invalid-utf8": (b'{"\xff":1}', b"", b"", None, r"not valid UTF-8: byte at offset 10 \(0xff\)"),
     "utf8-surrogate": (b'{"\xed\xa0\x80":1}', b"", b"", None, r"not valid UTF-8: byte at offset 10"),
@@ -650,6 +653,39 @@ def test_hand_made_variants_that_are_valid(tmp_path):
         assert metadata is None and data_start == 8 + len(header)
         assert read_tensor(m, infos[0]).tolist() == [1, 2]
         assert read_tensor(m, infos[1]).shape == () and int(read_tensor(m, infos[1])) == 0x0403
+
+
+# JSON whitespace (space, tab, LF, CR) before and after the header's object, as safetensors' own tests have it
+# (test_whitespace_padded_header, test_whitespace_leading_padded_header in safetensors/src/tensor.rs: serde_json takes
+# whitespace around a value); 0.2's reader refused all but trailing spaces.
+PADDINGS = {"spaces-after": (b"", b"   "), "tabs-after": (b"", b"\t\t"), "lf-after": (b"", b"\n"),
+            "crlf-after": (b"", b"\r\n"), "all-four-after": (b"", b"\r \t\n"), "before": (b"\t\n", b""),
+            "before-and-after": (b"\n\t ", b"\r\n \t"), "page-before": (b" " * 4000, b"")}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("padding", list(PADDINGS))
+def test_headers_padded_with_json_whitespace_read_as_safetensors_reads_them(tmp_path, padding, backend):
+    from fastckpt._native.safetensors import _read_index_checking, _read_table_fast_only
+
+    before, after = PADDINGS[padding]
+    header = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":"v"}}'
+    data = np.array([1.5, -2.0], np.float32).tobytes()
+    blob = struct.pack("<Q", len(before + header + after)) + before + header + after + data
+    path = tmp_path / "padded.safetensors"
+    path.write_bytes(blob)
+    reference = st_numpy.load(blob)  # safetensors itself reads it
+    assert reference["w"].tolist() == [1.5, -2.0]
+    got, metadata, data_start = load(path, backend)
+    assert got["w"].tolist() == [1.5, -2.0] and metadata == {"k": "v"} and data_start == len(blob) - 8
+    with MappedFile(path, backend=backend) as m:  # both parsers: the fast one and the checking one
+        assert _read_table_fast_only(m) is not None
+        assert [(i.name, i.offset) for i in _read_index_checking(m)[0]] == [("w", len(blob) - 8)]
+    import fastckpt
+
+    with fastckpt.open(path) as f:  # the format is found behind leading padding too
+        assert (f.format, f.host("w").tolist()) == ("safetensors", [1.5, -2.0])
+    assert fastckpt.load_bytes(blob)["w"].tolist() == [1.5, -2.0]
 
 
 def test_docs_page_has_the_same_text_as_the_module_docstring():

@@ -120,7 +120,7 @@ def test_reserved_prefix_is_refused():
         Checkpoint().register(Counter(), "__op_7")
 
 
-@pytest.mark.parametrize("name, error, match", [("", ValueError, "must not be empty"), (3, TypeError, "must be a str")])
+@pytest.mark.parametrize("name, error, match", [("", ValueError, "op name '' is empty"), (3, TypeError, "op names must be str")])
 def test_bad_names_are_refused(name, error, match):
     with pytest.raises(error, match=match):
         Checkpoint().register(Counter(), name)

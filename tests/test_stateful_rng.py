@@ -164,3 +164,47 @@ def test_state_objects_survive_copy_and_deepcopy():
     assert copy.copy(state) is state
     nested = copy.deepcopy({"rng": state, "step": 3})
     assert nested["rng"] == state
+
+
+def test_the_global_generators_and_pythons_round_trip_through_a_json_checkpoint(tmp_path):
+    # JSON gives random.Random's tuples back as lists; its setstate takes tuples only.
+    import random
+
+    from fastckpt.stateful import Checkpoint, GlobalRNG
+
+    py = random.Random(2)
+    saved = Checkpoint()
+    saved.register(py, "py")
+    saved.register(GlobalRNG(), "global")
+    saved.collect()
+    path = saved.save(tmp_path / "s{seq:02d}.json")
+    want = (py.random(), random.random(), np.random.random())
+    back = random.Random(9)
+    restored = Checkpoint()
+    restored.register(back, "py")
+    restored.register(GlobalRNG(), "global")
+    restored.load(path)
+    restored.restore()
+    assert (back.random(), random.random(), np.random.random()) == want
+
+
+def test_a_torch_generator_round_trips_through_a_json_checkpoint(tmp_path):
+    torch = pytest.importorskip("torch")
+    from fastckpt.stateful import Checkpoint, GlobalRNG
+
+    gen = torch.Generator().manual_seed(3)
+    saved = Checkpoint()
+    saved.register(gen, "gen")
+    saved.register(GlobalRNG(), "global")  # torch's default generator too, torch being imported
+    saved.collect()
+    path = saved.save(tmp_path / "s{seq:02d}.json")
+    want = (torch.rand(4, generator=gen), torch.rand(2))
+    back = torch.Generator()
+    restored = Checkpoint()
+    restored.register(back, "gen")
+    restored.register(GlobalRNG(), "global")
+    restored.load(path)
+    restored.restore()
+    assert torch.equal(torch.rand(4, generator=back), want[0]) and torch.equal(torch.rand(2), want[1])
+    with pytest.raises(ValueError, match="the 'torch' state does not fit"):
+        GlobalRNG().set_state({"torch": np.zeros(8, np.uint8)})

@@ -63,7 +63,7 @@ def test_quantized_into_safetensors_is_refused_without_the_opt_in(tmp_path):
     write_checkpoint(tmp_path / "q", _quantized_values())
     with pytest.raises(DestinationError, match=r"5 tensor\(s\) of TensorFlow quantized types cannot be stored in "
                                                r"safetensors without losing the type: 'qint16' \(qint16\), "
-                                               r".*--quantized-as-ints"):
+                                               r".*quantized_as_ints=True"):
         convert(tmp_path / "q", tmp_path / "q.safetensors")
     assert not (tmp_path / "q.safetensors").exists()
     assert convert(tmp_path / "q", tmp_path / "s.safetensors", skip_unsupported=True)["skipped"] == sorted(QTYPES)

@@ -23,15 +23,17 @@ def test_selfcheck_writes_the_seed_fields(tmp_path):
 
 
 def test_selfcheck_reports_a_reseeded_rng(tmp_path, monkeypatch):
-    real = checkpoint.restore_into
+    real = checkpoint.plan_restore
 
-    def reseeding(obj, state, what):
-        if what == "train_rng":  # the classic bug: rebuild from the seed instead of restoring the state
-            obj.bit_generator.state = np.random.default_rng(42).bit_generator.state
-            return
-        real(obj, state, what)
+    def reseeding(slots, strict):
+        steps, report = real(slots, strict)
+        rng = next(obj for name, obj, _ in slots if name == "train_rng")
+        for step in steps:
+            if step.path == "train_rng":  # the classic bug: rebuild from the seed instead of restoring the state
+                step.apply = lambda: setattr(rng.bit_generator, "state", np.random.default_rng(42).bit_generator.state)
+        return steps, report
 
-    monkeypatch.setattr(checkpoint, "restore_into", reseeding)
+    monkeypatch.setattr(checkpoint, "plan_restore", reseeding)
     assert selfcheck.main([str(tmp_path)]) == 1
     results = json.loads((tmp_path / "roundtrip_results.json").read_text())
     assert "train_rng" not in results["byte_equivalent_state_machines"]

@@ -3,8 +3,15 @@
 #
 #   tools/asv-check.sh [BASE]     BASE defaults to HEAD^ (the parent); the checkout as it is (uncommitted
 #                                 changes included; with BASE=HEAD, those alone) is compared with it.
-#                                 Exit 1 when something got slower.
 #   tools/asv-check.sh --noise    the checkout against itself, twice: every ratio is this machine's noise.
+#
+# Exit status: 0 nothing got slower; 3 something got slower (the rows are printed); 2 the check could not run
+# (a missing tool, a base that does not build, a failed benchmark: the reason is printed). No other status: an
+# unexpected failure of any step is reported as 2 with the step, never as a bare 1.
+#
+# Needs asv (in the test extra: pip install -e ".[test]") and, where the base's compiled sources differ from
+# the checkout's, a build of the base: with Cython installed it is built in place, otherwise pip builds it in
+# its isolated build environment (fetching Cython itself) into a temporary directory.
 #
 # Environment: ASV_FACTOR (default 4.5: a time that grew by more, and significantly by asv's statistics, is
 # reported; runs of the same code on the shared 2-core development machine differed by up to 4.60x, by
@@ -16,13 +23,20 @@
 # temporary git worktree (its compiled extensions copied from this checkout when its native sources are
 # the same, else built there) and put first on asv's path with ASV_PYTHONPATH (asv drops PYTHONPATH).
 # Both runs write to a temporary results directory, so old results never enter the comparison.
-set -euo pipefail
+set -Eeuo pipefail
+SLOWER=3 CANNOT_RUN=2
+fail() { echo "asv-check: $*" >&2; exit "$CANNOT_RUN"; }
+trap 'fail "failed at line $LINENO: $BASH_COMMAND (exit $?)"' ERR
 root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+command -v asv > /dev/null || fail "asv is not installed: python3 -m pip install 'asv>=0.6' (the test extra has it:" \
+                                   "python3 -m pip install -e \".[test]\")"
+PYTHONPATH="$root" python3 -c "import fastckpt" 2> /dev/null || \
+    fail "the checkout's fastckpt does not import with this Python: build it first (python3 -m pip install -e .)"
 factor=${ASV_FACTOR:-4.5}
 bench=(); [ -n "${ASV_BENCH:-}" ] && bench=(-b "$ASV_BENCH")
 noise=0
 if [ "${1:-}" = "--noise" ]; then noise=1; shift; fi
-base=$(git -C "$root" rev-parse --verify "${1:-HEAD^}^{commit}")
+base=$(git -C "$root" rev-parse --verify -q "${1:-HEAD^}^{commit}") || fail "no commit named ${1:-HEAD^} in $root"
 # asv keys results by commit: uncommitted changes get one of their own (git stash create: a commit object of
 # the working tree that no branch or stash points to), so that BASE may be HEAD itself.
 head=$(git -C "$root" stash create 2>/dev/null || true)
@@ -53,7 +67,7 @@ run() {  # run SOURCE_TREE COMMIT_LABEL NAME
         echo "asv: the $3 run failed (log: $tmp/$3.log); where the checkout's benchmarks use something the base" \
              "lacks (a new builder in fastckpt.bench), name a later BASE" >&2
         ASV_KEEP=1
-        exit 2
+        exit "$CANNOT_RUN"
     fi
 }
 
@@ -62,14 +76,23 @@ if [ "$noise" = 1 ]; then
     run "$root" "$base" "first run of the checkout"
     run "$root" "$head" "second run of the checkout"
 else
-    [ "$base" != "$head" ] || { echo "asv: the checkout is BASE, unchanged: nothing to compare" >&2; exit 2; }
+    [ "$base" != "$head" ] || fail "the checkout is BASE, unchanged: nothing to compare"
     git -C "$root" worktree add --detach -q "$tmp/base" "$base"
+    base_tree="$tmp/base"
     if git -C "$root" diff --quiet "$base" -- fastckpt/_native setup.py; then
-        cp "$root"/fastckpt/_native/*.so "$tmp/base/fastckpt/_native/"
+        for so in "$root"/fastckpt/_native/*.so; do [ -e "$so" ] && cp "$so" "$tmp/base/fastckpt/_native/"; done
+    elif python3 -c "import Cython" 2> /dev/null; then
+        echo "asv: building the base's extensions (its native sources differ from the checkout's)" >&2
+        (cd "$tmp/base" && python3 setup.py build_ext --inplace -j 2 > "$tmp/build.log" 2>&1) || {
+            ASV_KEEP=1; fail "the base did not build (log: $tmp/build.log)"; }
     else
-        (cd "$tmp/base" && python3 setup.py build_ext --inplace -j 2 > "$tmp/build.log" 2>&1)
+        echo "asv: building the base in pip's isolated build environment (Cython is not installed here)" >&2
+        base_tree="$tmp/base-build"
+        python3 -m pip install --quiet --no-deps --target "$base_tree" "$tmp/base" > "$tmp/build.log" 2>&1 || {
+            ASV_KEEP=1; fail "the base did not build (log: $tmp/build.log); installing Cython" \
+                             "(python3 -m pip install 'Cython>=3.0') builds it in place instead"; }
     fi
-    run "$tmp/base" "$base" "base"
+    run "$base_tree" "$base" "base"
     run "$root" "$head" "checkout"
 fi
 
@@ -96,4 +119,4 @@ fi
 echo "asv: worse than $against (times by more than ${factor}x, memory 1.2x, counts at all):"
 echo "| Change   | Before | After | Ratio | Benchmark (Parameter) |"
 echo "$slower"
-exit 1
+exit "$SLOWER"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, one command on a machine with a GPU: make fastckpt importable there with an OpenCL GPU platform,
 # run the device tests on every device present, run the GPU benchmark cases (the device suite's 4 GiB and 1000 x
-# 4 KiB cases, the model suite), and print one table (exactness, GB/s, share of the pinned bound measured on that
-# GPU) with every target met or missed.
+# 4 KiB cases, the model suite, and the cold case: tools/gpu-cold.py, a staged load of a file dropped from the page
+# cache, in a new process per run, against a plain read of it), and print one table (exactness, GB/s, share of the
+# pinned bound measured on that GPU) with every target met or missed.
 #
 #   tools/gpu-check.sh [--quick] [WHEELS_DIR]
 #       --quick      the small sizes of the benchmark cases (seconds), for trying the script itself
@@ -119,10 +120,16 @@ else
     FASTCKPT_DEVICE="$KIND" "$PY" -m fastckpt bench --suite model --repeats 1 | tee "$OUT/model.md"
 fi
 
+echo "== cold (tools/gpu-cold.py: the file dropped from the page cache, a new process per run, staged load)"
+# shellcheck disable=SC2086
+PYTHONPATH="$PWD:$PYTHONPATH" "$PY" tools/gpu-cold.py --kind "$KIND" $QUICK | tee "$OUT/cold.md"
+
 echo
 echo "== summary"
 cat "$OUT/device.txt"
 echo "device tests: $tests_line"
 awk '/^### \(d\)/{on=1} on&&/^$/&&seen{exit} on{print; if (/^\|/) seen=1}' "$OUT/bench.md"
-grep -hE "^- (met|MISSED)" "$OUT/bench.md" "$OUT/model.md" || true
+echo "cold: $(head -1 "$OUT/cold.md" | sed 's/^### cold: //')"
+grep -E "^\|" "$OUT/cold.md" || true
+grep -hE "^- (met|MISSED)" "$OUT/bench.md" "$OUT/model.md" "$OUT/cold.md" || true
 exit "$tests_rc"

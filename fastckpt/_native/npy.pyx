@@ -233,6 +233,20 @@ def _descr_to_dtype(descr, where, int depth=0):
             dtype = _ml_dtype(descr)
             if dtype is None:
                 raise FormatError(f"{_prefix(where)}npy 'descr' {descr!r} is not a numpy dtype ({e})") from None
+    elif type(descr) is tuple:
+        # (format, shape): a sub-array format, as a field's format whose base is itself a sub-array is written
+        # ([('a', ('<f4', (2,)), (3,))]); numpy's descr_to_dtype reads it as np.dtype((format, shape)).
+        if len(descr) != 2:
+            raise FormatError(f"{_prefix(where)}npy 'descr' sub-array must be (format, shape), got {descr!r}")
+        shape = (descr[1],) if type(descr[1]) is int else descr[1]
+        if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > MAX_NDIM:
+            raise FormatError(f"{_prefix(where)}npy 'descr' sub-array has a bad shape {descr[1]!r}")
+        try:
+            dtype = np.dtype((_descr_to_dtype(descr[0], where, depth + 1), shape))
+        except FormatError:
+            raise
+        except Exception as e:
+            raise FormatError(f"{_prefix(where)}npy 'descr' sub-array {descr!r}: {e}") from None
     elif type(descr) is list:
         names, formats, titles, offsets = [], [], [], []
         offset = 0

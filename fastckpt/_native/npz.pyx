@@ -216,7 +216,7 @@ def member_name_problem(str name):
     """What makes ``name`` unsafe as an NPZ member name, or None: the one rule the reader and the writer share.
 
     >>> member_name_problem("layer/w.npy") is None, member_name_problem("../w.npy")
-    (True, "name has a '..' path component")
+    (True, "name has a '..' path component at position 0")
     """
     return _member_problem(name)
 
@@ -825,14 +825,22 @@ cdef inline void _put64(uint8_t* p, uint64_t v) noexcept nogil:
 
 
 cdef str _member_problem(str member):
-    if "\x00" in member:
-        return "name contains a NUL byte"
-    if "\\" in member:
-        return "name contains a backslash; ZIP names use '/' only"
+    # The messages name the character and its position, as fastckpt.store.names does for every other format.
+    cdef Py_ssize_t at = member.find("\x00")
+    if at >= 0:
+        return f"name holds '\\x00' at position {at}, a NUL byte"
+    at = member.find("\\")
+    if at >= 0:
+        return f"name holds '\\\\' at position {at}, a backslash; ZIP names use '/' only"
     if member.startswith("/") or (len(member) >= 2 and member[1] == ":" and member[0].isalpha()):
-        return "absolute name; expected a relative '<key>.npy'"
-    if ".." in member and ".." in member.split("/"):
-        return "name has a '..' path component"
+        start = member[:2] if member[1:2] == ":" else "/"
+        return f"absolute name (it starts with {start!r}); expected a relative '<key>.npy'"
+    if ".." in member:
+        at = 0
+        for part in member.split("/"):
+            if part == "..":
+                return f"name has a '..' path component at position {at}"
+            at += len(part) + 1
     if not member.endswith(".npy"):
         return "name does not end in '.npy'; every NPZ member is '<key>.npy'"
     return None
@@ -851,7 +859,8 @@ cdef int _check_key(str name) except -1:
     member = name + ".npy"
     problem = _member_problem(member)
     if problem is not None:
-        raise ValueError(f"tensor name {name!r}: member {member!r}: {problem}; readers refuse such ZIP member names")
+        raise ValueError(f"tensor name {name!r}: member {member!r}: {problem}; readers refuse such ZIP member "
+                         "names: rename the tensor, or save it as safetensors, which stores any name")
     return 0
 
 

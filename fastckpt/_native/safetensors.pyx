@@ -1,7 +1,7 @@
 """Validating parser of safetensors headers (the spec is in ``fastckpt/formats/safetensors.py``).
 
 ``read_safetensors_index(m)`` reads the 8-byte length, checks the JSON
-header byte by byte (bounds, leading ``{``, space-only padding, UTF-8) and
+header byte by byte (bounds, ``{``, JSON-whitespace padding, UTF-8) and
 parses it with the standard library's C JSON decoder; then it checks every
 entry and the offsets with 64-bit arithmetic that refuses to overflow. Every
 byte comes through ``MappedFile.span()``, which is bounds-checked, so a
@@ -236,6 +236,10 @@ cdef inline void _ws(_Cursor* c) noexcept:
         if ch != 0x20 and ch != 0x0a and ch != 0x0d and ch != 0x09:
             return
         c.i += 1
+
+
+cdef inline bint _is_json_space(uint8_t ch) noexcept:
+    return ch == 0x20 or ch == 0x0a or ch == 0x0d or ch == 0x09
 
 
 cdef inline bint _take(_Cursor* c, uint8_t ch) noexcept:
@@ -582,17 +586,25 @@ cdef object _read_index(MappedFile m, bint table, int parsers):
     data_len = size - data_start
 
     p = m.span(8, header_len, "safetensors JSON header")
-    if p[0] != ord("{"):
-        raise FormatError(f"{path}: JSON header at byte 8 must start with '{{' (0x7b), got byte 0x{p[0]:02x}")
-    # Padding: only spaces may follow the closing brace of the JSON object.
+    # Padding: JSON whitespace (space, tab, LF, CR) may come before and after the object, as the reference reader
+    # (serde_json::from_str) allows; writers pad the header to align the data.
+    i = 0
+    while i < header_len and _is_json_space(p[i]):
+        i += 1
+    if i == header_len:
+        raise FormatError(f"{path}: JSON header (bytes [8, {data_start})) holds only JSON whitespace; it must hold "
+                          "a JSON object ('{' ... '}')")
+    if p[i] != ord("{"):
+        raise FormatError(f"{path}: JSON header must start with '{{' (0x7b), after JSON whitespace (0x20, 0x09, "
+                          f"0x0a, 0x0d) if any; byte at offset {8 + i} is 0x{p[i]:02x} (header bytes [8, {data_start}))")
     j = header_len
-    while j > 0 and p[j - 1] == 0x20:
+    while j > i and _is_json_space(p[j - 1]):
         j -= 1
     if p[j - 1] != ord("}"):
         raise FormatError(
-            f"{path}: JSON header must end with '}}' followed only by spaces (0x20) as padding; byte at "
-            f"offset {8 + j - 1} is 0x{p[j - 1]:02x} (header bytes [8, {data_start}))")
-    fast = _parse_fast(p, j, m, data_start, data_len) if parsers != _CHECKING else None
+            f"{path}: JSON header must end with '}}' followed only by JSON whitespace (0x20, 0x09, 0x0a, 0x0d) as "
+            f"padding; byte at offset {8 + j - 1} is 0x{p[j - 1]:02x} (header bytes [8, {data_start}))")
+    fast = _parse_fast(p + i, j - i, m, data_start, data_len) if parsers != _CHECKING else None
     if fast is not None:
         index, metadata = fast
         return (index if table else index.info_list()), metadata, data_start
@@ -607,7 +619,7 @@ cdef object _read_index(MappedFile m, bint table, int parsers):
         raise FormatError(f"{path}: JSON header is not valid UTF-8: byte at offset {8 + e.start} "
                           f"(0x{raw[e.start]:02x}): {e.reason}") from None
     try:
-        header, end_pos = _DECODER.raw_decode(text, 0)
+        header, end_pos = _DECODER.raw_decode(text, i)  # the leading padding is ASCII: character i is byte i
     except json.JSONDecodeError as e:
         raise FormatError(f"{path}: JSON header is not valid JSON at byte offset "
                           f"{_utf8_error_offset(raw, e.pos)}: {e.msg}") from None
@@ -615,7 +627,7 @@ cdef object _read_index(MappedFile m, bint table, int parsers):
         raise FormatError(f"{path}: JSON header (bytes [8, {data_start})) cannot be parsed: {e}") from None
     if end_pos != len(text):
         raise FormatError(f"{path}: JSON header has extra data after the top-level object at byte offset "
-                          f"{_utf8_error_offset(raw, end_pos)}; only spaces (0x20) may pad it")
+                          f"{_utf8_error_offset(raw, end_pos)}; only JSON whitespace (0x20, 0x09, 0x0a, 0x0d) may pad it")
     scan = _scan(raw)
     if scan.pairs != _count_pairs(header):
         try:

@@ -24,8 +24,13 @@ Every suite is started the same way::
 * ``incremental`` (:mod:`fastckpt.bench.incremental`): delta checkpoints of a
   sparse table against full saves (bytes, time) and chain restores against
   full restores;
+* ``link`` (:mod:`fastckpt.bench.link`): the staged (discrete-GPU) load path
+  over a simulated DMA link, against min(fill rate, link rate), and the sweep
+  of its buffer count and chunk;
 * ``s3`` (:mod:`fastckpt.bench.s3`): a safetensors file saved to and loaded
-  from S3 (moto's server on loopback) against s3fs's own ``put``/``get``.
+  from S3 (moto's server on loopback) against s3fs's own ``put``/``get``;
+* ``torch`` (:mod:`fastckpt.bench.torchload`): a file to a trainable PyTorch
+  state_dict (``load_torch``, ``to_torch``) against ``safetensors.torch.load_file``.
 
 ``python -m fastckpt bench --suite SUITE --help`` lists a suite's options. Each
 suite module provides ``configure(parser)`` (its options) and ``run(args)``
@@ -34,7 +39,7 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
 >>> sorted(SUITES)
-['device', 'formats', 'incremental', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'train']
+['device', 'formats', 'incremental', 'link', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'torch', 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -58,6 +63,8 @@ SUITES = {
     "incremental": "fastckpt.bench.incremental",
     "s3": "fastckpt.bench.s3",
     "memory": "fastckpt.bench.memory",
+    "torch": "fastckpt.bench.torchload",
+    "link": "fastckpt.bench.link",
 }
 DEFAULT_SUITE = "device"
 

@@ -51,7 +51,7 @@ from typing import Callable
 import numpy as np
 
 from fastckpt.bench.formats import random_tensors, save_as
-from fastckpt.bench.timing import format_duration, format_size, round_robin, table_lines
+from fastckpt.bench.timing import add_repeat_option, format_duration, format_size, round_robin, table_lines
 
 __all__ = ["configure", "run", "bench_case", "bench_many_case"]
 
@@ -467,7 +467,7 @@ def configure(parser) -> None:
     7
     """
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds; for smoke tests)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed runs per path; the median is reported")
+    add_repeat_option(parser, dest="repeat", default=7, help="timed runs per path; the median is reported")
     parser.add_argument("--format", choices=("safetensors", "npz"), default="safetensors",
                         help="file format fastckpt loads (baselines use their own formats)")
     parser.add_argument("--case", choices=sorted(CASES), action="append",

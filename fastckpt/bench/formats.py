@@ -52,7 +52,7 @@ import tempfile
 
 import numpy as np
 
-from fastckpt.bench.timing import Timing, format_duration, format_ratio, round_robin, table_lines
+from fastckpt.bench.timing import Timing, add_repeat_option, format_duration, format_ratio, round_robin, table_lines
 
 __all__ = ["configure", "run", "bench_case", "bench_open_case", "markdown_table", "random_tensors", "save_as"]
 
@@ -367,8 +367,8 @@ def configure(parser) -> None:
     """
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes and {QUICK_REPEAT} runs per path (seconds, for smoke tests)")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help=f"timed runs per path (median is reported; default {REPEAT}, --quick {QUICK_REPEAT})")
+    add_repeat_option(parser, dest="repeat", default=None,
+                      help=f"timed runs per path (median is reported; default {REPEAT}, --quick {QUICK_REPEAT})")
     parser.add_argument("--case", choices=sorted({**CASES, **OPEN_CASES}), action="append",
                         help="run only this case (repeatable)")
     parser.add_argument("--dir", default=None, help="where to write fixtures (default: a temporary directory)")

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from fastckpt.bench.sharded import SLOTS, TABLE, directory_bytes, table_ids
-from fastckpt.bench.timing import format_duration, format_ratio, round_robin, summarize, table_lines
+from fastckpt.bench.timing import add_repeat_option, format_duration, format_ratio, round_robin, summarize, table_lines
 from fastckpt.sharded import DeltaPolicy, HashTable, Loader, Saver
 from fastckpt.sharded.chain import manifest_digest
 
@@ -220,10 +220,11 @@ def configure(parser) -> None:
     >>> options(parser.parse_args(["--quick", "--deltas", "2"]))["deltas"]
     2
     """
-    for name, kind in (("ids", int), ("dim", int), ("fractions", str), ("deltas", int), ("repeat", int),
-                       ("parallel", int)):
+    for name, kind in (("ids", int), ("dim", int), ("fractions", str), ("deltas", int), ("parallel", int)):
         parser.add_argument(f"--{name}", type=kind, default=None,
                             help=f"default {DEFAULTS[name]}; --quick {QUICK[name]}")
+    add_repeat_option(parser, dest="repeat", default=None,
+                      help=f"timed restores of each kind; default {DEFAULTS['repeat']}; --quick {QUICK['repeat']}")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for smoke tests)")
 

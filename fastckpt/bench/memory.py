@@ -39,7 +39,8 @@ import tempfile
 
 import numpy as np
 
-from fastckpt.bench.timing import PeakMemory, format_duration, format_ratio, format_size, round_robin, table_lines
+from fastckpt.bench.timing import (PeakMemory, add_repeat_option, format_duration, format_ratio, format_size,
+                                  round_robin, table_lines)
 
 __all__ = ["configure", "run", "measure", "report", "state", "TARGET_BYTES"]
 
@@ -172,7 +173,7 @@ def configure(parser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_MIB} MiB instead of --mib, one round")
     parser.add_argument("--mib", type=float, default=float(DEFAULT_MIB),
                         help=f"size of the state in MiB (default {DEFAULT_MIB})")
-    parser.add_argument("--repeats", type=int, default=3, help="warm and cold loads timed (default 3; --quick: 1)")
+    add_repeat_option(parser, dest="repeats", default=3, help="warm and cold loads timed (default 3; --quick: 1)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
 
 

@@ -51,7 +51,8 @@ import tempfile
 
 import numpy as np
 
-from fastckpt.bench.timing import round_robin, table_lines
+from fastckpt.bench.timing import add_repeat_option, round_robin, table_lines
+from fastckpt.words import plural
 
 __all__ = ["configure", "run", "measure", "first_loads_in_new_processes"]
 
@@ -178,7 +179,7 @@ def measure(repeats: int = 7, directory: str | None = None) -> str:
 
     base = {label: ms for label, _, m, ms in rows if m == NPLOAD}
     body = [[label, mib, method, f"{ms:.2f}", f"{base[label] / ms:.1f}x"] for label, mib, method, ms in rows]
-    lines = [f"Device: {dev.name}; median of {repeats} runs, page cache warm.", "",
+    lines = [f"Device: {dev.name}; median of {plural(repeats, 'run')}, page cache warm.", "",
              *table_lines(["model", "MiB", "method", "median ms", "vs np.load"], body, "lrlrr"),
              "", f"### first load in a new process ({repeats} processes per method)", "",
              *table_lines(["model", "method", "median ms", "best ms"], fresh_rows, "llrr"),
@@ -279,8 +280,8 @@ def configure(parser) -> None:
     """
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_REPEATS} runs and new processes per method instead of {REPEATS} (seconds)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help=f"timed runs per method, median reported (default {REPEATS}; --quick {QUICK_REPEATS})")
+    add_repeat_option(parser, dest="repeats", default=None,
+                      help=f"timed runs per method, median reported (default {REPEATS}; --quick {QUICK_REPEATS})")
     parser.add_argument("--dir", default=None, help="directory for the temporary files (default: system temp)")
 
 

@@ -36,7 +36,8 @@ import tempfile
 
 import numpy as np
 
-from fastckpt.bench.timing import format_duration, format_ratio, format_size, round_robin, table_lines
+from fastckpt.bench.timing import (add_repeat_option, format_duration, format_ratio, format_size, round_robin,
+                                  table_lines)
 
 __all__ = ["configure", "run", "measure", "report", "measure_sharded", "report_sharded", "start_server",
            "storage_options", "make_tensors", "TARGET"]
@@ -241,7 +242,7 @@ def configure(parser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_MIB} MiB instead of --mib, one round")
     parser.add_argument("--mib", type=float, default=float(DEFAULT_MIB),
                         help=f"size of the safetensors file in MiB (default {DEFAULT_MIB})")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of each path (default 3; --quick: 1)")
+    add_repeat_option(parser, dest="repeats", default=3, help="rounds of each path (default 3; --quick: 1)")
     parser.add_argument("--sharded", action="store_true",
                         help="measure a 4-rank sharded checkpoint's per-rank loads instead")
 

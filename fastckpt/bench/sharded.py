@@ -78,7 +78,8 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt.bench.timing import PeakMemory, format_duration, format_ratio, round_robin, table_lines
+from fastckpt.bench.timing import (PeakMemory, add_repeat_option, format_duration, format_ratio, round_robin,
+                                  table_lines)
 from fastckpt.formats.hashing import blake3_file
 from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.sharded.engine import ThreadEngine
@@ -620,9 +621,9 @@ def configure(parser) -> None:
     parser.add_argument("--parallel", default=None,
                         help=f"writer threads per rank, comma-separated (default {DEFAULTS['parallel']}; "
                              f"--quick {QUICK['parallel']})")
-    parser.add_argument("--repeat", type=int, default=None,
-                        help=f"timed rounds; medians are reported (default {DEFAULTS['repeat']}; "
-                             f"--quick {QUICK['repeat']})")
+    add_repeat_option(parser, dest="repeat", default=None,
+                      help=f"timed rounds; medians are reported (default {DEFAULTS['repeat']}; "
+                           f"--quick {QUICK['repeat']})")
     parser.add_argument("--reshard", default="4,3", help="ranks that save, ranks that load (default 4,3)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for smoke tests)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastckpt.bench.timing import round_robin
+from fastckpt.bench.timing import add_repeat_option, round_robin
 from fastckpt.stateful import RNG, ArrayReader, Checkpoint
 
 __all__ = ["configure", "run", "measure", "make_data", "ArrayState", "make_checkpoint", "restore_checkpoint"]
@@ -147,7 +147,7 @@ def configure(parser) -> None:
     3
     """
     parser.add_argument("--quick", action="store_true", help="smaller data (seconds instead of tens of seconds)")
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs (default 3)")
+    add_repeat_option(parser, dest="repeats", default=3, help="best of this many runs (default 3)")
 
 
 def run(args) -> int:

@@ -30,9 +30,10 @@ import tempfile
 
 import numpy as np
 
-from fastckpt.bench.timing import round_robin, table_lines
+from fastckpt.bench.timing import add_repeat_option, round_robin, table_lines
 from fastckpt.formats.tf.reader import CheckpointReader
 from fastckpt.formats.tf.writer import write_checkpoint
+from fastckpt.words import plural
 
 __all__ = ["configure", "run", "measure", "format_table", "make_checkpoint", "read_all"]
 
@@ -122,7 +123,8 @@ def format_table(rows: list, tensors: int, runs: int) -> str:
     for label, size, seconds in rows:
         speedup = f"{tf_row[1] / seconds:.1f}x" if tf_row and tf_row[0] == size else "n/a"
         body.append([label, f"{size} MiB", f"{seconds * 1e3:.1f} ms", f"{size / 1024 / seconds:.2f} GiB/s", speedup])
-    lines = [f"Reading all {tensors} tensors of a TensorFlow checkpoint (median of {runs} runs, warm page cache)", "",
+    lines = [f"Reading all {plural(tensors, 'tensor')} of a TensorFlow checkpoint (median of {plural(runs, 'run')}, "
+             "warm page cache)", "",
              *table_lines(["reader", "checkpoint", "median time", "throughput", "vs TensorFlow"], body, "lrrrr")]
     return "\n".join(lines)
 
@@ -144,8 +146,8 @@ def configure(parser) -> None:
                         help="16 MiB in 16 tensors, 2 runs per case (seconds; options given still count)")
     parser.add_argument("--mib", type=int, default=None, help="checkpoint size in MiB (default 512; --quick 16)")
     parser.add_argument("--tensors", type=int, default=None, help="number of tensors (default 64; --quick 16)")
-    parser.add_argument("--runs", type=int, default=None,
-                        help="timed runs per case; the median is shown (default 5; --quick 2)")
+    add_repeat_option(parser, dest="runs", default=None,
+                      help="timed runs per case; the median is shown (default 5; --quick 2)")
     parser.add_argument("--dir", default=None, help="where to write the temporary checkpoints (default: the temp dir)")
     parser.add_argument("--no-tensorflow", action="store_true", help="skip the TensorFlow row")
 

@@ -20,6 +20,7 @@ True
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import random
@@ -30,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
-__all__ = ["Timing", "round_robin", "summarize", "format_duration", "format_size", "format_ratio", "table_lines",
+__all__ = ["add_repeat_option", "Timing", "round_robin", "summarize", "format_duration", "format_size", "format_ratio",
+           "table_lines",
            "PeakMemory"]
 
 
@@ -258,3 +260,16 @@ class PeakMemory:
         before = self._start["VmRSS"] if self.reset else self._start["VmHWM"]
         self.growth = max(0, end["VmHWM"] - before)
         self.anon_growth = max(0, max(self._anon_peak, end["RssAnon"]) - self._start["RssAnon"])
+
+
+def add_repeat_option(parser: argparse.ArgumentParser, *, dest: str, default: int | None, help: str) -> None:
+    """Add the option of every suite for how many timed runs to make: ``--repeat N``; ``--repeats`` and ``--runs``,
+    the spellings some suites had, are accepted too (and not listed), each into ``dest``.
+
+    >>> parser = argparse.ArgumentParser()
+    >>> add_repeat_option(parser, dest="runs", default=5, help="timed runs")
+    >>> [parser.parse_args(args).runs for args in ([], ["--repeat", "2"], ["--repeats", "3"], ["--runs", "4"])]
+    [5, 2, 3, 4]
+    """
+    parser.add_argument("--repeat", dest=dest, type=int, default=default, metavar="N", help=help)
+    parser.add_argument("--repeats", "--runs", dest=dest, type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastckpt.bench.timing import round_robin, summarize, table_lines
+from fastckpt.bench.timing import add_repeat_option, round_robin, summarize, table_lines
 from fastckpt.train.checkpoint import load_checkpoint, save_checkpoint
 from fastckpt.train.manager import CheckpointManager
 from fastckpt.train.reference.model import TinyLM
@@ -193,9 +193,9 @@ def configure(parser) -> None:
     2.0
     """
     parser.add_argument("--mib", type=float, default=256, help="training state size in MiB (default 256)")
-    parser.add_argument("--runs", type=int, default=5, help="runs per case; medians are reported (default 5)")
+    add_repeat_option(parser, dest="runs", default=5, help="runs per case; medians are reported (default 5)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: {QUICK_MIB} MiB, {QUICK_RUNS} runs (overrides --mib and --runs)")
+                        help=f"smoke run: {QUICK_MIB} MiB, {QUICK_RUNS} runs (overrides --mib and --repeat)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
 
 

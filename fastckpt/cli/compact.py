@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from fastckpt.words import command_line_wording
+
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = "write the state at a delta checkpoint (its whole chain applied) as one full sharded checkpoint"
@@ -38,7 +40,7 @@ def run(args) -> int:
         out = compact(args.src, args.dst, shards=args.shards, parallel=args.parallel, overwrite=args.overwrite,
                       progress=sys.stderr.isatty())
     except (FastCkptError, OSError, ValueError, RuntimeError) as exc:
-        print(f"fastckpt compact: {exc}", file=sys.stderr)
+        print(f"fastckpt compact: {command_line_wording(str(exc))}", file=sys.stderr)
         return 1
     print(f"{out}: one full checkpoint from a chain of {links}")
     return 0

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastckpt.cli._words import plural
 from fastckpt.formats.convert import FORMATS, convert
+from fastckpt.words import command_line_wording, plural
 
 __all__ = ["HELP", "add_parser", "run"]
 
@@ -59,7 +59,7 @@ def run(args) -> int:
                           overwrite=args.overwrite or args.force, num_shards=args.shards,
                           data_alignment=args.alignment, progress=sys.stderr.isatty())
     except (FastCkptError, OSError, TypeError, ValueError) as exc:
-        print(f"fastckpt convert: {exc}", file=sys.stderr)
+        print(f"fastckpt convert: {command_line_wording(str(exc))}", file=sys.stderr)
         return 1
     print(f"{args.src} ({summary['source']}) -> {summary['path']} ({summary['destination']}): "
           f"{plural(summary['tensors'], 'tensor')}")

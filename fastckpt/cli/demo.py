@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 
-from fastckpt.cli._words import plural
+from fastckpt.words import plural
 
 __all__ = ["HELP", "add_parser", "run"]
 

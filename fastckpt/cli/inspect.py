@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from fastckpt.cli._words import plural
+from fastckpt.words import command_line_wording, plural
 
 __all__ = ["HELP", "describe", "add_parser", "run"]
 
@@ -112,9 +112,12 @@ def _format_table(d: dict) -> str:
 
 
 def add_parser(subparsers):
-    parser = subparsers.add_parser("inspect", help=HELP, description=HELP)
-    parser.add_argument("file", help="an NPZ/.netcl or safetensors file, a TensorFlow checkpoint prefix/directory, "
-                                     "or a training-checkpoint directory")
+    parser = subparsers.add_parser("inspect", help=HELP, description=HELP,
+                                   epilog="exit status: 0, or 1 when PATH cannot be read (the reason on stderr)")
+    parser.add_argument("file", metavar="PATH",
+                        help="an NPZ/.netcl or safetensors file, a Hugging Face safetensors directory or index, a "
+                             "TensorFlow checkpoint prefix/directory, a training checkpoint directory, or a sharded "
+                             "checkpoint directory (fastckpt's or RecIS's layout)")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     parser.add_argument("--max-header-size", type=int, default=None, metavar="N",
                         help="raise the cap on each NPZ member's .npy header (default 10000 characters; "
@@ -128,7 +131,7 @@ def run(args) -> int:
     try:
         d = describe(args.file, max_header_size=getattr(args, "max_header_size", None))
     except (FastCkptError, OSError) as exc:
-        print(f"fastckpt inspect: {exc}", file=sys.stderr)
+        print(f"fastckpt inspect: {command_line_wording(str(exc))}", file=sys.stderr)
         return 1
     print(json.dumps(d, indent=2, ensure_ascii=False) if args.json else _format_table(d))
     return 0

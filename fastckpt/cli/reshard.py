@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from fastckpt.words import command_line_wording
+
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = "rewrite a sharded checkpoint for another number of ranks (ids by id mod M, dense rows split again)"
@@ -41,7 +43,7 @@ def run(args) -> int:
                       progress=sys.stderr.isatty(), layout=getattr(args, "layout", None),
                       slice_size=getattr(args, "slice_size", None))
     except (FastCkptError, OSError, ValueError, RuntimeError) as exc:
-        print(f"fastckpt reshard: {exc}", file=sys.stderr)
+        print(f"fastckpt reshard: {command_line_wording(str(exc))}", file=sys.stderr)
         return 1
     print(f"{out}: {args.shards} shards")
     return 0

@@ -34,28 +34,32 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+import json
 import sys
 from pathlib import Path
 
-from fastckpt.cli._words import plural
+from fastckpt.store.names import parse_step
+from fastckpt.words import plural
 
 __all__ = ["HELP", "add_parser", "run"]
 
 HELP = ("check a training or sharded checkpoint's manifest, file sizes and file hashes "
-        "(BLAKE3, or sha256 where the manifest names it), a Hugging Face directory or a tensor file")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+        "(BLAKE3, or sha256 where the manifest names it), a Hugging Face directory, a TensorFlow checkpoint "
+        "(every tensor's CRC32C) or a tensor file")
+_EPILOG = "exit status: 0 when every check passed, 1 when a problem was found (each printed under FAIL)"
 
 
 def add_parser(subparsers):
-    parser = subparsers.add_parser("verify", help=HELP, description=HELP)
+    parser = subparsers.add_parser("verify", help=HELP, description=HELP, epilog=_EPILOG)
     _arguments(parser)
     return parser
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="a checkpoint directory, a directory of step-<N> checkpoints, a Hugging "
-                                          "Face safetensors directory or index, or one tensor file")
+    parser.add_argument("directory", metavar="PATH",
+                        help="a training or sharded (fastckpt or RecIS layout) checkpoint directory, a directory of "
+                             "step-<N> checkpoints, a Hugging Face safetensors directory or index, a TensorFlow "
+                             "checkpoint prefix, .index or directory, or one tensor file (NPZ, safetensors)")
     parser.add_argument("--no-hash", action="store_true", help="check sizes and structure only, skip each file's hash")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
 
@@ -211,6 +215,17 @@ def _verify_recis(path: Path, hashes: bool, quiet: bool, out) -> int:
                              f"{'' if hashes else ' (hashes not checked)'}", out)
 
 
+def _manifest_format(manifest: Path):
+    """The ``format`` a ``manifest.json`` names, or None: a sharded or RecIS-layout checkpoint that lost one of
+    its own files is verified (and the loss reported) as what it is, not as a training checkpoint."""
+    try:
+        with open(manifest, "rb") as f:
+            head = f.read(64 << 20)  # as train.format bounds a manifest
+        return json.loads(head.decode("utf-8")).get("format")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+
+
 def run(args: argparse.Namespace, out=None) -> int:
     from fastckpt.sharded.format import DESCRIPTION_FILE
     from fastckpt.train.format import MANIFEST_FILE
@@ -224,17 +239,19 @@ def run(args: argparse.Namespace, out=None) -> int:
         return 1
     if any((d / marker).is_file() for marker in _HF_MARKERS) or any(d.glob(f"*{_HF_INDEX_SUFFIX}")):
         return _verify_hf(d, args.quiet, out)
-    from fastckpt.sharded.recis import is_recis_directory
+    from fastckpt.sharded import recis
+    from fastckpt.sharded.format import FORMAT as SHARDED
 
-    if is_recis_directory(d):
+    said = _manifest_format(d / MANIFEST_FILE)
+    if recis.is_recis_directory(d) or said == recis.FORMAT:
         return _verify_recis(d, not args.no_hash, args.quiet, out)
-    if (d / DESCRIPTION_FILE).exists():
+    if (d / DESCRIPTION_FILE).exists() or said == SHARDED:
         return _verify_sharded(d, not args.no_hash, args.quiet, out)
     if (d / MANIFEST_FILE).exists():
         return _verify_one(d, not args.no_hash, args.quiet, out)
     if (d / "checkpoint").is_file() or any(d.glob("*.index")):  # a TensorFlow checkpoint's directory
         return _verify_file(d, not args.no_hash, args.quiet, out)
-    steps = sorted((int(m.group(1)), e) for e in d.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir())
+    steps = sorted((step, e) for e in d.iterdir() if (step := parse_step(e.name)) is not None and e.is_dir())
     if not steps:
         print(f"FAIL {d}: neither a checkpoint ({MANIFEST_FILE} missing) nor a directory of step-<N> checkpoints", file=out)
         return 1

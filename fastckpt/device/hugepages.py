@@ -34,14 +34,34 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["HUGE_MIN", "advise_huge_pages", "buffer_allocator", "huge_pages_available"]
+__all__ = ["HUGE_MIN", "advise_huge_pages", "buffer_allocator", "huge_pages_available", "is_oom"]
 
 #: Buffers from this size on are advised (a 2 MiB page needs a 2 MiB-aligned stretch inside the buffer).
 HUGE_MIN = 4 << 20
 
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
+# OpenCL status codes meaning "no memory for this allocation" (possibly only for now).
+_OOM_CODES = {-4, -5, -6}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY
 _PAGE = 4096
 _available: bool | None = None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation found no memory (``MemoryError``, or an OpenCL error with one of
+    the out-of-memory codes): the errors after which a pool frees its idle buffers and tries again.
+
+    >>> is_oom(MemoryError()), is_oom(ValueError("no"))
+    (True, False)
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    code = getattr(exc, "code", None)
+    if code is None and exc.args:
+        code = getattr(exc.args[0], "code", None)
+    try:
+        return int(code) in _OOM_CODES
+    except (TypeError, ValueError):
+        return False
 
 
 def huge_pages_available() -> bool:
@@ -84,8 +104,6 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
     import numpy as np
     import pyopencl as cl
 
-    from fastckpt.device.pool import _is_oom  # the pool's test: the errors after which it frees idle buffers
-
     if nbytes < HUGE_MIN or queue is None or not huge_pages_available():
         return False
     try:
@@ -108,10 +126,9 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
             view.base.release(private).wait()
         return ok
     except Exception as exc:  # a hint only: the buffer works the same without it
-        if _is_oom(exc):  # the map made the runtime allocate: let the pool free idle buffers and retry
+        if is_oom(exc):  # the map made the runtime allocate: let the pool free idle buffers and retry
             raise
         return False
-
 
 
 def buffer_allocator(context, queue=None):

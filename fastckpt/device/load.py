@@ -84,18 +84,23 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
 from fastckpt._native.tensorindex import FLAG_DEFLATE, FLAG_FORTRAN_ORDER, FLAG_VIEWABLE
 from fastckpt.device.context import shares_host_memory
-from fastckpt.device.staging import MIN_BATCHES, STAGING_CHUNK, STAGING_ROUND, Stager, staging_chunk, staging_shape
+from fastckpt.device.staging import STAGING_CHUNK, STAGING_ROUND, Stager, batch_chunk, staging_chunk, staging_shape
 from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
 from fastckpt.formats.reader import TensorFile, guard
-from fastckpt.progress import progress_from, requested
+from fastckpt.progress import ProgressArg, progress_from, requested
+
+if TYPE_CHECKING:
+    import pyopencl as cl
+
+    from fastckpt.device.pool import PersistentBufferPool
 
 _log = logging.getLogger(__name__)
 
@@ -127,8 +132,9 @@ class LoadReport:
     the pool still had the file open (mapped, index parsed); ``staging_chunk``
     is the size of the pinned staging buffers the copies went through (0: none,
     see ``load_file``'s ``staging``), ``staging_buffers`` how many, ``fill_threads``
-    how many threads filled them (:mod:`fastckpt.device.staging`); ``timings`` holds seconds for ``open``,
-    ``plan``, ``allocate``, ``copy`` and ``total``.
+    how many threads filled them (:mod:`fastckpt.device.staging`) and ``staging_fill`` the seconds during
+    which one of them at least was writing; ``timings`` holds seconds for ``open``, ``plan``, ``allocate``, ``copy`` and
+    ``total``.
 
     >>> report = load_file("model.safetensors", pool=pool).report    # doctest: +SKIP
     >>> report.mode, report.copies, report.pool_misses, report.file_reused  # doctest: +SKIP
@@ -153,6 +159,7 @@ class LoadReport:
     staging_chunk: int = 0
     staging_buffers: int = 0
     fill_threads: int = 0
+    staging_fill: float = 0.0
 
 
 class LoadedTensors(Mapping):
@@ -180,6 +187,11 @@ class LoadedTensors(Mapping):
         self._index = index or {}
         self._regions = regions or []  # [buffer, region start, lease, pending event, source view]
         self._queue = queue
+        for lease in leases:  # the pool names what holds its buffers once this result is gone (pool.stats)
+            lease.held_by(self, report.path)
+        for name, t in tensors.items():
+            if t._owner is not None and hasattr(t._owner, "record_view"):
+                t._owner.record_view(name, t)
 
     @property
     def path(self) -> str:
@@ -201,7 +213,10 @@ class LoadedTensors(Mapping):
         t = Tensor._make(buffer, info.shape, info.dtype, info.offset - start, self._queue, lease)
         if event is not None:
             t._event, t._keepalive = event, keep
-        return self._tensors.setdefault(name, t)  # another thread may have made it first
+        t = self._tensors.setdefault(name, t)  # another thread may have made it first
+        if lease is not None:
+            lease.record_view(name, t)
+        return t
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -674,8 +689,10 @@ def _select(tf, names, by_offset: bool) -> tuple[list, list]:
     return chosen, []
 
 
-def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=None,
-              blocking: bool = True, progress=False, staging: bool | int | None = None) -> LoadedTensors:
+def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQueue | None = None, *,
+              pool: PersistentBufferPool | None = None, zero_copy: bool = False, names: Iterable[str] | None = None,
+              blocking: bool = True, progress: ProgressArg = False,
+              staging: bool | int | None = None) -> LoadedTensors:
     """Load the tensors of a tensor file, or of any reader of the contract, into device memory.
 
     ``source`` is a path (opened with :func:`fastckpt.open`) or an open reader:
@@ -777,6 +794,7 @@ def load_file(source, queue=None, *, pool=None, zero_copy: bool = False, names=N
             if load.stager is not None:
                 load.stager.finish()
                 report.copies += load.stager.copies
+                report.staging_fill = load.stager.fill_seconds
             if plan.decoded:
                 _load_decoded(load, plan.decoded)
             if plan.empty:
@@ -938,13 +956,13 @@ def _lease(request, nbytes: int, report: LoadReport | None):
 def _stager(load: _Load, total: int, chunk: int, explicit: bool = False) -> Stager:
     """The :class:`~fastckpt.device.staging.Stager` for ``total`` bytes of copies from mappings in chunks of ``chunk``
     bytes (a load smaller than one chunk gets buffers of its own size: pinning costs per byte; unless the caller
-    named the chunk, a load of ``MIN_BATCHES`` chunks of ``STAGING_ROUND`` bytes or more is cut into that many
-    batches at least, so that copies to the device overlap the fill), its shape chosen from the machine
+    named the chunk, :func:`~fastckpt.device.staging.batch_chunk` cuts a smaller load into enough batches for the
+    copies to overlap the fill), its shape chosen from the machine
     (:func:`~fastckpt.device.staging.staging_shape`) and written into the report."""
-    limit = -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND
-    if not explicit and total >= MIN_BATCHES * STAGING_ROUND:
-        limit = total // (MIN_BATCHES * STAGING_ROUND) * STAGING_ROUND
-    chunk = min(chunk, limit)
+    if explicit:
+        chunk = min(chunk, -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND)
+    else:
+        chunk = batch_chunk(total, chunk)
     pool = load.pool
     shape = staging_shape(total, chunk, max_bytes=getattr(pool, "max_staging_bytes", None))
     reported = functools.partial(_reported, load) if load.progress.enabled else None

@@ -22,6 +22,14 @@ allocator protocol are plain ``pyopencl.Buffer`` objects, which cannot carry
 weak references; the pool notices that they were dropped by their reference
 count, at its next miss, :meth:`~PersistentBufferPool.collect` or ``stats``.
 
+A buffer is reused only once every tensor viewing it is gone. When a
+request misses although a buffer in use would have fit, ``stats.blocked_misses``
+counts it and ``stats.last_blocked`` says why; when that buffer is held only by
+a few tensors kept from an earlier load (its ``LoadedTensors`` dropped, one
+``loaded["w"]`` kept: less than half of the buffer), the pool warns once (:class:`~fastckpt.errors.FastCkptWarning`)
+naming the file and the tensors, since the new allocation makes that load
+many times slower than a reuse.
+
 Staging buffers: for devices that do not share host memory a load copies
 through pinned host buffers (:class:`StagingBuffers`, leased with
 :meth:`PersistentBufferPool.staging`); the pool keeps the last sets returned
@@ -65,10 +73,13 @@ import bisect
 import os
 import sys
 import threading
+import warnings
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from fastckpt.device.hugepages import is_oom
 
 __all__ = ["PersistentBufferPool", "PoolBuffer", "PoolStats", "OpenFiles", "StagingBuffers", "size_class",
            "arena_size", "STAGING_KEEP", "MAX_STAGING_BYTES"]
@@ -83,10 +94,6 @@ STAGING_KEEP = 2
 # Pinned host memory a pool's staging buffers may hold by default (see max_staging_bytes): a 16-core host fills six
 # 64 MiB buffers at once (fastckpt.device.staging.staging_shape), 384 MiB, which this leaves room for twice.
 MAX_STAGING_BYTES = 1 << 30
-
-# OpenCL status codes meaning "no memory for this allocation" (possibly only for now).
-_OOM_CODES = {-4, -5, -6}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY
-
 
 def size_class(nbytes: int) -> int:
     """The size a single-buffer request of ``nbytes`` is rounded up to.
@@ -119,18 +126,6 @@ def _refs(obj) -> int:
     return sys.getrefcount(obj)
 
 
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
-        return True
-    code = getattr(exc, "code", None)
-    if code is None and exc.args:
-        code = getattr(exc.args[0], "code", None)
-    try:
-        return int(code) in _OOM_CODES
-    except (TypeError, ValueError):
-        return False
-
-
 @dataclass(frozen=True)
 class PoolStats:
     """A snapshot of a pool's counters.
@@ -142,7 +137,10 @@ class PoolStats:
     owns now (``bytes_in_use`` + ``bytes_idle``). ``staging_allocations``
     counts pinned staging buffers ever allocated, ``staging_bytes`` the pinned
     host memory the pool's staging buffers hold now (idle or leased), which
-    ``max_staging_bytes`` bounds.
+    ``max_staging_bytes`` bounds. ``blocked_misses`` counts the misses that an
+    in-use buffer would have served (the buffer of an earlier load, still
+    held), and ``last_blocked`` says why for the last one: which file's load
+    holds it, and which of its tensors are still alive.
 
     >>> pool = PersistentBufferPool(None, allocator=lambda n: bytearray(n))
     >>> pool.allocate(1000).release(); pool.allocate(1000).hit
@@ -166,6 +164,8 @@ class PoolStats:
     staging_allocations: int = 0
     staging_bytes: int = 0
     max_staging_bytes: int | None = None
+    blocked_misses: int = 0
+    last_blocked: str | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -176,13 +176,14 @@ class PoolStats:
 class _Block:
     """One device allocation owned by the pool."""
 
-    __slots__ = ("raw", "size", "serial", "in_use")
+    __slots__ = ("raw", "size", "serial", "in_use", "lease")
 
     def __init__(self, raw, size: int, serial: int):
         self.raw = raw
         self.size = size
         self.serial = serial
         self.in_use = False
+        self.lease: weakref.ref | None = None  # the lease holding it while in use
 
 
 class PoolBuffer:
@@ -199,7 +200,8 @@ class PoolBuffer:
     True
     """
 
-    __slots__ = ("buffer", "nbytes", "size", "hit", "_block", "_finalizer", "_base_refs", "__weakref__")
+    __slots__ = ("buffer", "nbytes", "size", "hit", "_block", "_finalizer", "_base_refs", "_views", "_result",
+                 "__weakref__")
 
     def __init__(self, pool: "PersistentBufferPool", block: _Block, nbytes: int, hit: bool):
         self.buffer = block.raw
@@ -208,8 +210,35 @@ class PoolBuffer:
         self.hit = hit
         self._base_refs = 0
         self._block = block
+        self._views: dict[str, weakref.ref] | None = None  # name -> a tensor viewing this buffer
+        self._result: tuple[weakref.ref, str] | None = None  # the load result holding it, and its file
         self._finalizer = weakref.finalize(self, pool._give_back, block)
         self._finalizer.atexit = False  # nothing to return to at interpreter exit
+        block.lease = weakref.ref(self)
+
+    def held_by(self, result: Any, path: str) -> None:
+        """Record the load result (a ``LoadedTensors`` of ``path``) this lease belongs to, and the tensors it
+        made already; the pool names them when this buffer, still held by them once the result is gone,
+        keeps a later load from reusing it (:attr:`PoolStats.last_blocked`)."""
+        self._result = (weakref.ref(result), path)
+
+    def record_view(self, name: str, tensor: Any) -> None:
+        """Record that ``tensor`` (named ``name``) is a view into this lease's buffer."""
+        if self._views is None:
+            self._views = {}
+        self._views[name] = weakref.ref(tensor)
+
+    def _leftover(self) -> tuple[str, list[str]] | None:
+        """``(file, names of the live views)`` when the load result that held this lease is gone and the tensors
+        still viewing its buffer are leftovers: together less than half of it, so that most of the buffer is held
+        for nothing. None otherwise (the result is alive, none was recorded, or the tensors are most of the load:
+        a model built from it)."""
+        if self._result is None or self._result[0]() is not None:
+            return None
+        live = {name: t for name, ref in (self._views or {}).items() if (t := ref()) is not None}
+        if 2 * sum(int(getattr(t, "nbytes", 0)) for t in live.values()) >= max(self.nbytes, 1):
+            return None
+        return self._result[1], list(live)
 
     @property
     def released(self) -> bool:
@@ -297,6 +326,11 @@ class PersistentBufferPool:
         self._staging: list[StagingBuffers] = []  # idle sets, oldest first
         self._staging_allocations = 0
         self._staging_bytes = 0
+        self._in_use: dict[int, _Block] = {}  # serial -> block leased now
+        self._pending_warning: str | None = None
+        self._blocked_misses = 0
+        self._last_blocked: str | None = None
+        self._warned_blocked = False
 
     # -- locking and deferred returns ------------------------------------------------------------
     def _acquire(self) -> None:
@@ -336,6 +370,8 @@ class PersistentBufferPool:
         if not block.in_use:
             return
         block.in_use = False
+        block.lease = None
+        self._in_use.pop(block.serial, None)
         self._bytes_in_use -= block.size
         self._buffers_in_use -= 1
         if block.raw is None:
@@ -475,9 +511,11 @@ class PersistentBufferPool:
             if hit:
                 self._hits += 1
             else:
+                self._blocked_by(need, limit)  # counted, and named when tensors of an earlier load hold it
                 block = self._new_block(alloc)
                 self._misses += 1
             block.in_use = True
+            self._in_use[block.serial] = block
             self._bytes_in_use += block.size
             self._buffers_in_use += 1
             try:
@@ -486,7 +524,44 @@ class PersistentBufferPool:
                 self._returned.append(block)
                 raise
         finally:
+            warning, self._pending_warning = self._pending_warning, None
             self._release_lock()
+            if warning is not None:
+                from fastckpt.errors import FastCkptWarning
+
+                warnings.warn(f"buffer pool: {warning} (warned once per pool; pool.stats.blocked_misses counts "
+                              "them)", FastCkptWarning, stacklevel=4)
+
+    def _blocked_by(self, need: int, limit: int) -> str | None:
+        """Why a miss could not reuse a buffer this pool holds: one in use would have fit (counted in
+        :attr:`PoolStats.blocked_misses`). When an earlier load's result is gone but some of its tensors keep its
+        buffer, the first time a :class:`~fastckpt.errors.FastCkptWarning` names them (warned after the lock is
+        released)."""
+        fits = [b for b in self._in_use.values() if need <= b.size <= limit]
+        if not fits:
+            return None
+        self._blocked_misses += 1
+        leftovers = []
+        for block in fits:
+            lease = block.lease() if block.lease is not None else None
+            found = lease._leftover() if lease is not None else None
+            if found is not None:
+                leftovers.append(found)
+        if leftovers:
+            path, names = leftovers[0]
+            shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            reason = (f"the {_mib(fits[0].size)} buffer of an earlier load of {path} is still held by "
+                      + (f"its tensor{'s' if len(names) > 1 else ''} {shown}" if names else "a view of it")
+                      + f", so this request for {_mib(need)} allocates a new one; drop (del) those tensors, "
+                      "or .copy() what you keep, so that the next load reuses the buffer")
+        else:
+            reason = (f"{len(fits)} buffer(s) that would fit {_mib(need)} are in use (a load still held, or "
+                      "tensors of one), so this request allocates a new one")
+        self._last_blocked = reason
+        if leftovers and not self._warned_blocked:
+            self._warned_blocked = True
+            self._pending_warning = reason
+        return reason
 
     def _best_fit(self, need: int, limit: int) -> _Block | None:
         sizes = self._idle_sizes
@@ -502,13 +577,13 @@ class PersistentBufferPool:
         try:
             raw = self._allocator(size)
         except Exception as exc:
-            if not _is_oom(exc):
+            if not is_oom(exc):
                 raise
             freed = self._free_all_idle(count_as_evictions=True)
             try:
                 raw = self._allocator(size)
             except Exception as exc2:
-                if not _is_oom(exc2):
+                if not is_oom(exc2):
                     raise
                 raise MemoryError(
                     f"device allocation of {size} bytes failed ({exc2}); the buffer pool holds "
@@ -622,6 +697,8 @@ class PersistentBufferPool:
                 staging_allocations=self._staging_allocations,
                 staging_bytes=self._staging_bytes,
                 max_staging_bytes=self.max_staging_bytes,
+                blocked_misses=self._blocked_misses,
+                last_blocked=self._last_blocked,
             )
         finally:
             self._release_lock()
@@ -629,6 +706,10 @@ class PersistentBufferPool:
     def __repr__(self) -> str:
         return (f"<PersistentBufferPool held={self._bytes_held} in_use={self._bytes_in_use} "
                 f"hits={self._hits} misses={self._misses}>")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
 
 
 def _check_size(nbytes) -> int:
@@ -694,7 +775,7 @@ class StagingBuffers:
                 buffers.append(buffer)
                 hosts.append(host)
         except Exception as exc:
-            if not _is_oom(exc):
+            if not is_oom(exc):
                 raise
             raise MemoryError(
                 f"could not allocate {count} pinned staging buffers of {chunk} bytes ({exc}); load with smaller "

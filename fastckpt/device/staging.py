@@ -61,6 +61,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import time
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -68,16 +69,21 @@ import numpy as np
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
 
-__all__ = ["Stager", "Shape", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND", "MIN_BATCHES",
-           "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
+__all__ = ["Stager", "Shape", "batch_chunk", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND",
+           "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
 STAGING_CHUNK = 64 * 1024 * 1024
 STAGING_ROUND = 1024 * 1024
-# A load of up to MIN_BATCHES chunks goes in MIN_BATCHES smaller ones (STAGING_ROUND bytes at least): in one batch the
-# copy to the device could only start once the whole fill had ended.
-MIN_BATCHES = 4
+# A load of up to MIN_BATCHES chunks goes in MIN_BATCHES smaller ones (STAGING_ROUND bytes at least): a pipeline of B
+# batches loses about one batch of its slower stage to the start (the first fill, which no copy overlaps) and to
+# the end (the last copy), up to 1 / (B + 1) of the load where fill and link run at the same rate. Over a simulated link
+# (bench --suite link, 256 MiB, 2 fill threads on this project's shared 2-core VM, links at 0.6-1.25x the fill rate,
+# medians of 5 rounds, each shape against the default in the same round) 4 batches of 64 MiB ran at 0.80-0.86x the
+# rate of 16 batches of 16 MiB; 8 and 4 MiB chunks, or 6 buffers instead of 3, were no better beyond the noise (0.75-
+# 1.24x). Loads of 1 GiB or more keep STAGING_CHUNK, the chunk measured best on an H200 (shared/reference/gpu-notes.md).
+MIN_BATCHES = 16
 
 # One fill task copies at least this many bytes (a smaller one costs more in hand-over than the copy gains), and a
 # staging chunk is filled in parts of PART_OF_CHUNK of it, so that several threads share one buffer.
@@ -125,6 +131,20 @@ def staging_shape(total: int, chunk: int, cpus: int | None = None, max_bytes: in
     if max_bytes is not None:
         buffers = min(buffers, max(2, max_bytes // chunk))
     return Shape(chunk, max(1, min(buffers, batches)), threads)
+
+
+def batch_chunk(total: int, chunk: int) -> int:
+    """The chunk of a staged load of ``total`` bytes whose caller did not name one: ``chunk`` (``STAGING_CHUNK``) for a
+    load of ``MIN_BATCHES`` chunks or more; a smaller one is cut into ``MIN_BATCHES`` batches of a whole number of
+    ``STAGING_ROUND`` bytes (one at least), so that the fill and the copies overlap; a load under two
+    ``STAGING_ROUND`` goes in one buffer of its size, rounded up to ``STAGING_ROUND`` (pinning costs per byte).
+
+    >>> [batch_chunk(n, STAGING_CHUNK) >> 20 for n in (4 << 30, 256 << 20, 6 << 20, 1000)]
+    [64, 16, 1, 1]
+    """
+    if total < 2 * STAGING_ROUND:
+        return min(chunk, -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND)
+    return min(chunk, max(STAGING_ROUND, total // (MIN_BATCHES * STAGING_ROUND) * STAGING_ROUND))
 
 
 def staging_chunk(staging, device) -> int:
@@ -202,7 +222,7 @@ class Stager:
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "batches", "current", "used",
-                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh")
+                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
                  reported: Callable | None = None):
@@ -227,6 +247,7 @@ class Stager:
         self.tensors: list = []  # tensors of a non-blocking load, likewise
         self.files: dict = {}  # id(mapping) -> (descriptor or None, the mapping), see file()
         self.fresh = False  # the load made its mappings (see READ)
+        self.filled: list = []  # (start, end) of each fill task's writing (its wait for copies left out)
 
     @property
     def chunk(self) -> int:
@@ -321,11 +342,11 @@ class Stager:
                     tasks = self._parts(batches[submitted], stage.hosts[slot])
                     if pool is None:
                         for task in tasks:
-                            fill(pending, task)
+                            self._fill(pending, task)
                             pending = None
                         running[submitted] = ()
                     else:
-                        running[submitted] = [pool.submit(fill, pending, task) for task in tasks]
+                        running[submitted] = [pool.submit(self._fill, pending, task) for task in tasks]
                     submitted += 1
                 futures = running.pop(k)
                 concurrent.futures.wait(futures)
@@ -351,18 +372,42 @@ class Stager:
             for t in self.tensors:
                 t._event, t._keepalive = event, stage
 
+    @property
+    def fill_seconds(self) -> float:
+        """Seconds during which at least one fill task was writing into the staging buffers (their waits for copies
+        left out): ``bytes / fill_seconds`` is the rate the fill ran at during this load."""
+        total, reach = 0.0, float("-inf")
+        for began, ended in sorted(self.filled):
+            if ended > reach:
+                total += ended - max(began, reach)
+                reach = ended
+        return total
+
+    def _fill(self, pending, task) -> None:
+        """:func:`fill`, timed: the wait for ``pending`` first (fill then finds those copies complete), so that the
+        time counted is the writing alone."""
+        if pending:
+            _wait_events(pending)
+        began = time.perf_counter()
+        fill(pending, task)
+        self.filled.append((began, time.perf_counter()))  # list.append: safe from several fill threads
+
     def _send(self, slot: int, batch: list):
         """Copy a filled batch from staging buffer ``slot`` to its device buffers (non-blocking); the event of its
         last copy, or of a marker after all of them where a tensor's bytes span several (progress)."""
         import pyopencl as cl
 
         host = self.stage.hosts[slot]
+        link = getattr(self.queue, "link", None)  # a simulated discrete device's (fastckpt.device.simlink)
         events = []
         for source, buffer, at, offset, _file in batch:
             # SAFETY: the copy reads pinned memory after enqueue_copy returns; pyopencl's NannyEvent keeps the array
             # (and so the mapped buffer) alive, and no fill writes there before it has waited for this event.
-            event = cl.enqueue_copy(self.queue, buffer, host[offset:offset + len(source)], dst_offset=at,
-                                    is_blocking=False)
+            if link is not None:
+                event = link.copy(self.queue, buffer, host[offset:offset + len(source)], at)
+            else:
+                event = cl.enqueue_copy(self.queue, buffer, host[offset:offset + len(source)], dst_offset=at,
+                                        is_blocking=False)
             events.append(event)
             self.events.append(event)
         self.stage.pending[slot] = events

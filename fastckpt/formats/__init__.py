@@ -16,8 +16,10 @@
   fsspec filesystem): atomic uploads, the manifest-last commit of checkpoint
   prefixes, ranged reads of tensor files;
 * :mod:`~fastckpt.formats.convert` - any format to any other;
-* :mod:`~fastckpt.formats.tree` - nested dicts of arrays (``save_tree`` /
-  ``load_tree``) under ``/``-joined tensor names.
+* :mod:`~fastckpt.formats.tree` - pytrees (dicts, lists, tuples of arrays and
+  Python values; ``save_tree`` / ``load_tree``) under ``/``-joined tensor names;
+* :mod:`~fastckpt.formats.torchload` - ``load_torch``: a file as writable
+  PyTorch tensors (mapped copy-on-write).
 
 A new format plugs in here: a reader implementing the contract, an opener
 registered with :func:`fastckpt.formats.reader.register_opener` (or a magic

@@ -46,14 +46,15 @@ members (:class:`TensorReader` is a ``runtime_checkable`` Protocol, so
 ``close()``, ``with reader:``
     Release the files (idempotent; leaving a ``with`` block closes).
 
-The built-in readers are also read-only :class:`~collections.abc.Mapping`
-objects name -> array (``reader[name]``), but the contract asks only for the
-members above. They also offer ``hosts(names=None)``: ``{name: host(name)}``
-for every tensor in ``keys()`` order, or for ``names``
-(:meth:`ReaderMapping.hosts`); a mapped NPZ or safetensors file makes all
-its views in one native loop from its columnar index
-(:mod:`fastckpt._native.tensorindex`), which for many small tensors costs a
-fraction of calling ``host`` per tensor.
+``hosts(names=None)``, ``reader[name]``, ``len(reader)``, ``iter(reader)``, ``name in reader``
+    A reader is a read-only :class:`~collections.abc.Mapping` name -> array:
+    ``hosts`` gives ``{name: host(name)}`` for every tensor in ``keys()``
+    order, or for ``names``; ``reader[name]`` is ``host(name)``. Every
+    built-in reader gets these from :class:`ReaderMapping`, which writes them
+    once in terms of the members above; a reader of one's own can subclass it
+    too. A mapped NPZ or safetensors file makes all its views in one native
+    loop from its columnar index (:mod:`fastckpt._native.tensorindex`), which
+    for many small tensors costs a fraction of calling ``host`` per tensor.
 
 One member is optional: a reader over several mapped files (the Hugging Face
 sharded directory, :class:`~fastckpt.formats.hfsharded.HFShardedDirectory`)
@@ -83,6 +84,7 @@ import numpy as np
 
 from fastckpt.errors import TensorNotFoundError
 from fastckpt.info import TensorInfo
+from fastckpt.words import plural
 
 __all__ = ["TensorReader", "ReaderMapping", "MultiFileReader", "tensor_not_found"]
 
@@ -125,6 +127,17 @@ class TensorReader(Protocol):
     def close(self) -> None:
         """Release the source's files; idempotent."""
 
+    def hosts(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """``{name: host(name)}`` for every tensor in ``keys()`` order, or for ``names``."""
+
+    def __getitem__(self, name: str) -> np.ndarray: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def __contains__(self, name: object) -> bool: ...
+
     def __enter__(self: _Reader) -> _Reader: ...
 
     def __exit__(self, *exc: object) -> bool | None: ...
@@ -140,7 +153,7 @@ def tensor_not_found(where: str, name: object, names: Iterable[str]) -> TensorNo
     shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
     close = difflib.get_close_matches(str(name), names, n=3) if isinstance(name, str) else []
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-    return TensorNotFoundError(f"{where}: no tensor named {name!r} ({len(names)} tensors: {shown}){hint}")
+    return TensorNotFoundError(f"{where}: no tensor named {name!r} ({plural(len(names), 'tensor')}: {shown}){hint}")
 
 
 class ReaderMapping(MappingABC):
@@ -173,7 +186,7 @@ class ReaderMapping(MappingABC):
         """Total payload bytes of all tensors as stored."""
         return sum(i.nbytes for i in self.infos.values())
 
-    def hosts(self, names=None) -> dict[str, np.ndarray]:
+    def hosts(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """``{name: host(name)}`` for every tensor in ``keys()`` order (``names=None``) or for ``names``.
 
         Unknown names raise as :meth:`host` does; a single ``str`` is a ``TypeError`` (pass a list).

@@ -75,8 +75,9 @@ FOREIGN_SUFFIXES = {
     ".msgpack": "names a Flax msgpack file", ".json": "names a JSON file", ".npy": "names a single .npy array",
     ".safetensor": "is not .safetensors (one letter short)",
 }
-_CHOICES = ("name a .safetensors or .npz file, or a TensorFlow checkpoint prefix such as out/ckpt-1 with --to tf "
-            "(to='tf')")
+# Messages name the Python keywords (overwrite=True, to='tf'); the command prints them as its flags
+# (fastckpt.words.command_line_wording), so that each side reads its own spelling.
+_CHOICES = "name a .safetensors or .npz file, or a TensorFlow checkpoint prefix such as out/ckpt-1 with to='tf'"
 
 
 def destination_format(dst, to: str | None = None) -> str:
@@ -108,8 +109,8 @@ def destination_format(dst, to: str | None = None) -> str:
     named = SUFFIXES.get(suffix)
     if named is not None:
         if to is not None and to != named:
-            raise DestinationError(f"{text}: the suffix {suffix} names {named} but --to (to=) says {to}; rename the "
-                                   f"destination or drop --to")
+            raise DestinationError(f"{text}: the suffix {suffix} names {named}, not {to} (to={to!r}); rename the "
+                                   f"destination or leave to= out")
         return named
     if suffix in FOREIGN_SUFFIXES:
         raise DestinationError(f"{text}: {suffix} {FOREIGN_SUFFIXES[suffix]}, not a format convert writes; "
@@ -281,8 +282,8 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
     if fmt == "tf" and dst.endswith(".index"):
         dst = dst[: -len(".index")]
     if _exists(dst, fmt) and not overwrite:
-        raise FileExistsError(f"{dst}{'.index' if fmt == 'tf' else ''} already exists; pass --overwrite "
-                              "(overwrite=True) to replace it")
+        raise FileExistsError(f"{dst}{'.index' if fmt == 'tf' else ''} already exists; pass overwrite=True to "
+                              "replace it")
     source = _Source(src)
     try:
         # Opaque entries (a tf.data iterator's DT_VARIANT) are no tensor: listed, never a reason to refuse.
@@ -329,21 +330,21 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
                 unsupported[name] = why
         if strings:
             raise DestinationError(f"{source.path}: {len(strings)} string tensor(s) cannot be stored in {fmt}: "
-                                   f"{', '.join(map(repr, strings[:8]))}; pass --skip-unsupported "
-                                   "(skip_unsupported=True) to leave them out, or convert to a TensorFlow "
+                                   f"{', '.join(map(repr, strings[:8]))}; pass skip_unsupported=True "
+                                   "to leave them out, or convert to a TensorFlow "
                                    "checkpoint")
         if quantized_refused:
             listed = ", ".join(f"{n!r} ({q})" for n, q in list(quantized_refused.items())[:8])
             raise DestinationError(
                 f"{source.path}: {len(quantized_refused)} tensor(s) of TensorFlow quantized types cannot be stored in "
-                f"safetensors without losing the type: {listed}; pass --quantized-as-ints (quantized_as_ints=True) "
+                f"safetensors without losing the type: {listed}; pass quantized_as_ints=True "
                 f"to store the integers with each type recorded in the file's metadata ({QUANTIZED_KEY!r}, which a "
-                "conversion back to tf restores), --skip-unsupported to leave them out, or convert to npz, which "
+                "conversion back to tf restores), skip_unsupported=True to leave them out, or convert to npz, which "
                 "keeps them")
         if unsupported:
             listed = "; ".join(f"{n!r}: {why}" for n, why in list(unsupported.items())[:8])
             raise DestinationError(f"{source.path}: {len(unsupported)} tensor(s) cannot be stored in {fmt}: {listed}; "
-                                   "pass --skip-unsupported (skip_unsupported=True) to leave them out")
+                                   "pass skip_unsupported=True to leave them out")
 
         def array(name):
             value = source.array(name)

@@ -23,7 +23,7 @@ import numpy as np
 from fastckpt._native.mapped import MappedFile
 from fastckpt.errors import FormatError, NotZeroCopyWarning
 
-__all__ = ["detect_format", "detect_bytes_format", "expect_format", "mapped_bytes", "quietly_parsed",
+__all__ = ["detect_format", "sniff_length", "detect_bytes_format", "expect_format", "mapped_bytes", "quietly_parsed",
            "written_bytes", "BYTES_PATH"]
 
 # The name errors give the bytes (there is no file).
@@ -32,12 +32,33 @@ _MEMORY_DIR = "/dev/shm"
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
 
 
+_JSON_SPACE = b" \t\n\r"
+# How far a safetensors header's leading padding is followed to its "{" when the format is sniffed.
+SNIFF_PADDING = 1 << 16
+
+
+def sniff_length(head: bytes) -> int:
+    """How many of a file's first bytes :func:`detect_format` needs, given its first 9: 9, or more when byte 8 is
+    JSON whitespace (safetensors allows it before the header's ``{``), up to the header's end or
+    ``8 + SNIFF_PADDING``.
+
+    >>> sniff_length((2).to_bytes(8, "little") + b"{}"), sniff_length((70).to_bytes(8, "little") + b"  ")
+    (9, 78)
+    """
+    if len(head) < 9 or head[8] not in _JSON_SPACE:
+        return 9
+    return 8 + min(int.from_bytes(head[:8], "little"), SNIFF_PADDING)
+
+
 def detect_format(head: bytes) -> str | None:
-    """Name the format of a file from its first 9 bytes: ``"npz"``, ``"safetensors"`` or None.
+    """Name the format of a file from its first bytes (:func:`sniff_length` says how many): ``"npz"``,
+    ``"safetensors"`` or None.
 
     >>> detect_format(b"PK\\x03\\x04")
     'npz'
     >>> detect_format((2).to_bytes(8, "little") + b"{}")
+    'safetensors'
+    >>> detect_format((4).to_bytes(8, "little") + b"\\n\\t{}")   # whitespace before the header's "{"
     'safetensors'
     """
     # safetensors first: a header length of 0x04034B50 starts with the ZIP magic, while no ZIP
@@ -46,6 +67,10 @@ def detect_format(head: bytes) -> str | None:
         return "safetensors"
     if head[:4] in _ZIP_MAGICS:
         return "npz"
+    if len(head) >= 10 and head[8] in _JSON_SPACE:
+        header = head[8:8 + int.from_bytes(head[:8], "little")]
+        if header.lstrip(_JSON_SPACE)[:1] == b"{":
+            return "safetensors"
     return None
 
 
@@ -65,7 +90,7 @@ def detect_bytes_format(data) -> str:
         flat = view if view.ndim == 1 and view.itemsize == 1 else view.cast("B")
         head = bytes(flat[:9])
         size = view.nbytes
-        fmt = detect_format(head)
+        fmt = detect_format(bytes(flat[:sniff_length(head)]))
         # a torch pickle or Keras file's bytes: say so, not what the NPZ or safetensors parser makes of them
         foreign = foreign_file_error(BYTES_PATH, bytes(flat[:SNIFF_BYTES])) if fmt != "safetensors" else None
     if foreign is not None:

@@ -167,8 +167,8 @@ Example
 
 >>> import fastckpt, numpy as np, tempfile, os
 >>> d = tempfile.mkdtemp()
->>> files = save_sharded(d, {"embed.weight": np.ones((4, 4), np.float32),
-...                          "lm_head.weight": np.zeros((3,), np.float32)}, max_shard_size=64)
+>>> files = fastckpt.save_sharded(d, {"embed.weight": np.ones((4, 4), np.float32),
+...                                   "lm_head.weight": np.zeros((3,), np.float32)}, max_shard_size=64)
 >>> files
 ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
 >>> with fastckpt.open(d) as r:
@@ -199,9 +199,16 @@ from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatErro
 from fastckpt.store.commit import Commit, resolve_overwrite, write_file
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
-from fastckpt.formats.safetensors import DEFAULT_ALIGNMENT, _checked_metadata, dtype_to_safetensors, save_safetensors
+from fastckpt.formats.safetensors import (
+    DEFAULT_ALIGNMENT,
+    NAMES,
+    _checked_metadata,
+    dtype_to_safetensors,
+    save_safetensors,
+)
 from fastckpt.info import TensorInfo
 from fastckpt.progress import part_of_a_save, progress_from
+from fastckpt.store.names import FILE_NAME
 
 _log = logging.getLogger(__name__)
 
@@ -259,24 +266,9 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _check_prefix(prefix) -> str:
-    if type(prefix) is not str or not _plain_name(prefix):
-        raise ValueError(f"prefix must be a plain, non-empty file name (no '/', '\\\\', NUL, '.' or '..'), "
-                         f"got {prefix!r}")
-    return prefix
-
-
-def _plain_name(name: str) -> bool:
-    """True for a file name that stays in its directory: not empty, '.' or '..', no separator, no NUL."""
-    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\x00")
-
-
 def _tensor_nbytes(name, value) -> int:
     """The stored size of one tensor, checking (as the writer will) that safetensors can hold it."""
-    if type(name) is not str:
-        raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
-    if name == "__metadata__":
-        raise ValueError("'__metadata__' is reserved by the safetensors format; pass metadata= instead")
+    NAMES.check(name)
     arr = value if type(value) is np.ndarray else to_numpy(value)
     try:
         dtype_to_safetensors(arr.dtype)
@@ -329,7 +321,7 @@ def shard_names(count: int, prefix: str = "model") -> list[str]:
     >>> shard_names(1), shard_names(2, "diffusion_pytorch_model")
     (['model.safetensors'], ['diffusion_pytorch_model-00001-of-00002.safetensors', 'diffusion_pytorch_model-00002-of-00002.safetensors'])
     """
-    _check_prefix(prefix)
+    FILE_NAME.check(prefix, "prefix")
     if count == 1:
         return [f"{prefix}.safetensors"]
     return [f"{prefix}-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
@@ -390,7 +382,7 @@ def save_sharded(
     >>> sorted(os.listdir(d))
     ['model.safetensors']
     """
-    _check_prefix(prefix)
+    FILE_NAME.check(prefix, "prefix")
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name to array, got {type(tensors).__name__}")
     user = _checked_metadata(metadata)
@@ -411,7 +403,7 @@ def save_sharded(
     entry = index_name if index is not None else names[0]
     with Commit(os.path.join(directory, prefix), kind="files", overwrite=overwrite, fsync=fsync,
                 entry_points=[entry], claims=[index_name, f"{prefix}.safetensors"],
-                replaces=re.compile(re.escape(prefix) + r"-\d{5,}-of-\d{5,}\.safetensors")) as commit:
+                replaces=re.compile(re.escape(prefix) + r"-[0-9]{5,}-of-[0-9]{5,}\.safetensors")) as commit:
         with progress_from(progress, total, "save sharded") as report, part_of_a_save():
             for shard, file in zip(shards, names):
                 save_safetensors(commit.staging / file, {name: tensors[name] for name in shard}, user,
@@ -461,7 +453,7 @@ def read_index(path: str | os.PathLike) -> tuple[dict[str, str], dict | None]:
     >>> read_index(p)
     Traceback (most recent call last):
     ...
-    fastckpt.errors.FormatError: ...: the weight map puts tensor 'w' in '../secret.safetensors', which is not a plain file name in the index's directory (no '/', '\\\\', NUL, '.' or '..')
+    fastckpt.errors.FormatError: ...: tensor 'w': the weight map's shard file name '../secret.safetensors' holds '/' at position 2 (a file name has no directory separator): not a plain file name; refusing to use it
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
@@ -488,9 +480,7 @@ def read_index(path: str | os.PathLike) -> tuple[dict[str, str], dict | None]:
     for name, file in weight_map.items():
         if not isinstance(file, str):
             raise FormatError(f"{path}: the weight map puts tensor {name!r} in {file!r}, not a file name (a string)")
-        if not _plain_name(file):
-            raise FormatError(f"{path}: the weight map puts tensor {name!r} in {file!r}, which is not a plain file "
-                              "name in the index's directory (no '/', '\\\\', NUL, '.' or '..')")
+        FILE_NAME.check(file, "the weight map's shard file", where=f"{path}: tensor {name!r}", error=FormatError)
     metadata = index.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise FormatError(f"{path}: the index's 'metadata' must be an object or null, got {type(metadata).__name__}")

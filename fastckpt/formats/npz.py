@@ -91,8 +91,10 @@ The member data is a ``.npy`` file, format 1.0 exactly as
   list. The ``ml_dtypes`` types (bfloat16, the float8 types, int4 ...), for
   which numpy writes a lossy ``'<V2'``, are written under their ml_dtypes name
   (``'bfloat16'``, ``'float8_e4m3fn'``): ``np.load`` reads such a member once
-  ``ml_dtypes`` is imported, fastckpt's reader always (it imports ml_dtypes
-  when a member names one). Files without them are unchanged.
+  ``ml_dtypes`` is imported (``import ml_dtypes`` before ``np.load``; without it
+  numpy says ``descr is not a valid dtype descriptor: 'bfloat16'``), fastckpt's reader always
+  (it imports ml_dtypes when a member names one). Files without them are
+  unchanged.
 
 Format 2.0 (a uint32 header length; version bytes ``\\x02\\x00``) is used only
 when the header does not fit in 65535 bytes, and 3.0 (uint32 length, UTF-8
@@ -137,9 +139,9 @@ Writers
 - A writer MUST write the file through a temporary and rename it into place
   (``fastckpt.store.commit``), so that a reader never sees a partial file.
 - A writer MUST NOT store object arrays (they need pickle) and MUST NOT store a
-  dtype that ``.npy`` cannot express: numpy writes ml_dtypes' ``bfloat16`` as
-  ``'<V2'``, which reads back as raw void bytes, so fastckpt refuses it (save
-  ``a.view(np.uint16)``, or use safetensors, which has ``BF16``).
+  dtype that a ``descr`` cannot name so that it reads back as itself. numpy
+  writes ml_dtypes' ``bfloat16`` as ``'<V2'`` (raw void bytes); fastckpt writes
+  it, and the other ml_dtypes types, under their own name instead (above).
 - Member names MUST be unique, relative, ``/``-separated, without ``..``
   components, backslashes or NUL.
 
@@ -205,7 +207,7 @@ from fastckpt.errors import FormatError, IntegrityError
 from fastckpt.store.commit import atomic_write, resolve_overwrite
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
-from fastckpt.progress import file_log_level, progress_from, requested
+from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
 
 __all__ = [
     "save_npz",
@@ -337,9 +339,8 @@ def _descr_of(dtype: np.dtype):
         back = None
     if back != dtype:
         raise ValueError(
-            f"dtype {dtype} cannot be stored in .npy: its descr {descr!r} reads back as {back}. "
-            "ml_dtypes types (bfloat16, float8, int4, ...) have no .npy name; save a.view(np.uint16) "
-            "(or the matching unsigned type) and record the dtype yourself, or use fastckpt.save_safetensors")
+            f"dtype {dtype} cannot be stored in .npy: its descr {descr!r} reads back as {back}, not as itself; "
+            "store its fields as arrays of their own (or a.view(np.uint8) and record the dtype yourself)")
     return descr
 
 
@@ -517,8 +518,8 @@ def _refuse_savez_form(tensors, arrays: tuple, named: dict) -> None:
 
 
 def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignment: int | str = "auto",
-             fsync: bool = True, progress=False, storage_options: dict | None = None, overwrite: bool | None = None,
-             **named: Any) -> None:
+             fsync: bool = True, progress: ProgressArg = False, storage_options: dict | None = None,
+             overwrite: bool | None = None, **named: Any) -> None:
     """Save arrays as an aligned, uncompressed NPZ that ``np.load`` and netcl read; atomically.
 
     ``tensors`` is a mapping name -> array-like, or an iterable of ``(name,

@@ -41,7 +41,7 @@ from typing import Iterable, Iterator
 from fastckpt._native.safetensors import MAX_HEADER_SIZE
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import tensor_not_found
-from fastckpt.formats.reader import TensorFile, detect_format, open_file, register_url_opener
+from fastckpt.formats.reader import TensorFile, detect_format, open_file, register_url_opener, sniff_length
 from fastckpt.store.remote import (  # noqa: F401 - the write side, re-exported: one module names both
     clear,
     committed,
@@ -54,6 +54,7 @@ from fastckpt.store.remote import (  # noqa: F401 - the write side, re-exported:
     remove_uncommitted,
     save_file,
 )
+from fastckpt.store.names import RELATIVE_PATH
 
 __all__ = ["is_url", "filesystem", "join", "put_file", "put_directory", "clear", "get_directory", "committed",
            "committed_prefixes", "remove_uncommitted", "save_file", "local_copy", "open", "RemoteTensorFile"]
@@ -89,9 +90,7 @@ def get_directory(url: str, local: str | os.PathLike, marker: str = "manifest.js
     sizes = {}
     for key, entry in listing.items():
         rel = key.strip("/")[len(base):]
-        if any(part in ("", ".", "..") for part in rel.split("/")):
-            raise FormatError(f"{url}: the object key {key!r} is not a plain relative name (an empty, '.' or '..' "
-                              "part): refusing to download it outside the local copy")
+        RELATIVE_PATH.check(rel, "object key", where=url, error=FormatError)  # never a file outside the copy
         sizes[rel] = int(entry.get("size") or 0)
     if marker not in sizes:
         what = "nothing there" if not sizes else f"{len(sizes)} files but no {marker!r}: a save that did not commit"
@@ -243,7 +242,7 @@ def open(url: str, *, storage_options: dict | None = None, names: Iterable[str] 
         _fetch_into(fs, url, [(path, local, [(0, head_end)])])
         with builtins.open(local, "rb") as f:
             head = f.read(head_end)
-        fmt = detect_format(head[:9])
+        fmt = detect_format(head[:sniff_length(head[:9])])
         if fmt == "safetensors":
             # At most one byte past the format's cap on the header: the parser then names the bad length.
             header_end = min(size, 8 + min(int.from_bytes(head[:8], "little"), MAX_HEADER_SIZE + 1))

@@ -19,10 +19,14 @@ A reader MUST refuse a file shorter than 8 bytes, a length ``N`` larger than
 
 Header
 ------
-The ``N`` header bytes MUST be valid UTF-8 and MUST begin with ``{`` (0x7b).
-The JSON object MAY be followed by padding, which MUST consist of spaces
-(0x20) only; the last byte before the padding is therefore the object's
-closing ``}``. Inside the object any JSON whitespace is allowed. No object in
+The ``N`` header bytes MUST be valid UTF-8 and hold one JSON object. The
+object MAY be preceded and followed by padding, which MUST consist of JSON
+whitespace only (space 0x20, tab 0x09, LF 0x0a, CR 0x0d), as the reference
+reader takes it (its own tests pad both sides); the first byte after the
+leading padding is therefore ``{`` (0x7b) and the last byte before the trailing
+padding the object's closing ``}``. Writers SHOULD pad after the object with
+spaces (fastckpt does), which fastckpt 0.2 and older readers require. Inside
+the object any JSON whitespace is allowed. No object in
 the header may repeat a key, and the non-standard constants ``NaN``,
 ``Infinity`` and ``-Infinity`` MUST NOT appear.
 
@@ -179,7 +183,8 @@ from fastckpt.arrays import to_numpy
 from fastckpt.store.commit import atomic_write, resolve_overwrite
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
-from fastckpt.progress import file_log_level, progress_from, requested
+from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
+from fastckpt.store.names import NameRule
 
 _log = logging.getLogger(__name__)
 
@@ -193,6 +198,10 @@ __all__ = [
     "dtype_to_safetensors",
     "DEFAULT_ALIGNMENT",
 ]
+
+#: The names safetensors keeps for itself; any other str, '/', '.', newlines and NUL included, reads back exactly.
+NAMES = NameRule("safetensors", controls=False, empty=True,
+                 whole=(("__metadata__", "the header's metadata entry; pass metadata= instead"),))
 
 DEFAULT_ALIGNMENT = 4096
 
@@ -325,10 +334,7 @@ def _as_array(name: str, value) -> np.ndarray:
 
 def _plan(name, value, position: int) -> tuple:
     """The planned tuple of one tensor that ``plan_tensors`` does not plan itself; checks everything."""
-    if type(name) is not str:
-        raise TypeError(f"tensor names must be str, got {name!r} ({type(name).__name__})")
-    if name == "__metadata__":
-        raise ValueError("'__metadata__' is reserved by the safetensors format; pass metadata= instead")
+    NAMES.check(name)
     _check_utf8(name, "tensor name")
     arr = _as_array(name, value)
     try:
@@ -386,7 +392,7 @@ def save_safetensors(
     alignment: int = DEFAULT_ALIGNMENT,
     fsync: bool = True,
     hasher=None,
-    progress=False,
+    progress: ProgressArg = False,
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool | None = None,
 ) -> None:

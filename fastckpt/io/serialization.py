@@ -130,7 +130,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -194,6 +194,15 @@ class ModelLoadReport:
     realigned_keys: list[str] = field(default_factory=list)
     file_report: Any = None
     seconds: float = 0.0
+
+
+if TYPE_CHECKING:
+    class LoadedModel(Sequential):
+        """What :func:`load_model` returns, to type checkers: a :class:`fastckpt.nn.Sequential` whose
+        ``load_report`` says what the load did. (At run time it is a Sequential with that attribute set:
+        fastckpt.nn is imported only when a model is loaded.)"""
+
+        load_report: ModelLoadReport
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -489,7 +498,7 @@ def _bind(model, writes, tensors) -> bool:
 
 
 def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool = False, progress=False,
-               storage_options: dict | None = None) -> Sequential:
+               storage_options: dict | None = None) -> LoadedModel:
     """Load a Sequential from a ``.netcl`` file (or a legacy ``X.json`` + ``X.npz`` pair), or from an open reader.
 
     ``path`` is resolved as in :func:`resolve_model_path`; it may also be an open
@@ -627,4 +636,4 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
     _log.info("loaded model %s (%s): %d weights, %d bytes in %.3f s, %d missing, %d unexpected", weights_path, layout,
               len(recipe.wanted), report.file_report.bytes_copied, report.seconds, len(report.missing_keys),
               len(report.unexpected_keys))
-    return model
+    return cast("LoadedModel", model)  # load_report is set above

@@ -35,6 +35,12 @@ Tensor files
       ``[d]``, ascending, distinct): the ids rank ``i`` deleted since the
       base (see below).
 
+    Names (``NAME``, ``T``, ``SLOT``) MUST be non-empty and MUST NOT hold
+    ``'/'`` or a control character (U+0000-U+001F, U+007F-U+009F, U+2028,
+    U+2029): a save refuses them (:data:`NAMES`, :mod:`fastckpt.store.names`).
+    A reader splits a stored key at its last ``/part_<i>_<n>``, which MUST end
+    the key (a key of an older save whose name holds a newline reads whole).
+
 ``index.json``
     ``{"block_index": {stored key: file number}, "file_index": {file name:
     file number}}``; the file number of ``model-R-K`` is ``R * parallel + K``.
@@ -195,10 +201,11 @@ import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError
 from fastckpt.store.commit import publish_directory, write_file
+from fastckpt.store.names import NameRule
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "FULL_VERSION", "DELTA_VERSION", "CHECKSUM_VERSION", "INDEX_FILE", "TENSORKEY_FILE",
-    "DESCRIPTION_FILE", "MANIFEST_FILE",
+    "DESCRIPTION_FILE", "MANIFEST_FILE", "NAMES",
     "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps",
     "dtype_of", "manifest_checksum", "seal", "check_seal", "commit_directory",
     "read_metadata",
@@ -215,9 +222,13 @@ DESCRIPTION_FILE = "torch_rank_weights_embs_table_multi_shard.json"
 MANIFEST_FILE = "manifest.json"
 ROLES = ("id", "embedding", "slot", "deleted")
 
-_PART = re.compile(r"^(?P<name>.+)/part_(?P<i>\d+)_(?P<n>\d+)$")
-_FILE = re.compile(r"^model-(\d{5})-(\d{3})\.safetensors$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+#: The names this layout stores and reads back: every stored key adds ``/part_<i>_<n>``, so no name holds '/'.
+NAMES = NameRule("fastckpt's sharded layout", reserved=(("/", "every stored key adds '/part_<i>_<n>' after a '/'"),))
+
+# Matched with fullmatch only: '$' would also match before a final newline.
+_PART = re.compile(r"(?P<name>.+)/part_(?P<i>[0-9]+)_(?P<n>[0-9]+)", re.DOTALL)
+_FILE = re.compile(r"model-([0-9]{5})-([0-9]{3})\.safetensors")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def tensor_file_name(rank: int, writer: int) -> str:
@@ -244,7 +255,7 @@ def parse_part_key(key: str) -> tuple[str, int, int] | None:
     >>> parse_part_key("w/part_1_2"), parse_part_key("w")
     (('w', 1, 2), None)
     """
-    m = _PART.match(key)
+    m = _PART.fullmatch(key)
     return (m.group("name"), int(m.group("i")), int(m.group("n"))) if m else None
 
 
@@ -363,7 +374,7 @@ def check_seal(manifest: dict, where: str) -> None:
     """
     checksum = manifest.get("checksum")
     _expect(isinstance(checksum, dict) and isinstance(checksum.get("blake3"), str)
-            and _HEX64.match(checksum["blake3"]) is not None, where,
+            and _HEX64.fullmatch(checksum["blake3"]) is not None, where,
             f"'checksum' must be {{'blake3': 64 hex digits}}, got {checksum!r}")
     actual = manifest_checksum(manifest)
     if actual != checksum["blake3"]:
@@ -483,12 +494,12 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
             f"{world_size * parallel + 3} files, 'files' lists {len(files)}")
     expected_files = set()
     for name, entry in files.items():
-        m = _FILE.match(name)
+        m = _FILE.fullmatch(name)
         _expect(name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE)
                 or (m is not None and int(m.group(1)) < world_size and int(m.group(2)) < parallel), where,
                 f"files[{name!r}]: not a file of a checkpoint of world_size {world_size} x parallel {parallel}")
         _expect(isinstance(entry, dict) and _count(entry.get("size")) and isinstance(entry.get("blake3"), str)
-                and _HEX64.match(entry["blake3"]) is not None, where,
+                and _HEX64.fullmatch(entry["blake3"]) is not None, where,
                 f"files[{name!r}] must be {{'size': int >= 0, 'blake3': 64 hex digits}}, got {entry!r}")
         if m is not None:
             expected_files.add(name)
@@ -529,7 +540,7 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
     _expect(isinstance(file_index, dict) and isinstance(block_index, dict), iwhere, "both keys must hold objects")
     by_number = {}
     for name, number in file_index.items():
-        m = _FILE.match(name)
+        m = _FILE.fullmatch(name)
         _expect(name in expected_files and m is not None
                 and number == int(m.group(1)) * parallel + int(m.group(2)) and type(number) is int, iwhere,
                 f"file_index[{name!r}] is {number!r}: expected a tensor file of the manifest and its number "

@@ -135,6 +135,7 @@ from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dt
 from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.store.commit import fsync_open
 from fastckpt.sharded.reader import CheckpointReader, register_layout
+from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = ["RecisCheckpointReader", "RecisWarning", "is_recis_directory", "data_file_name", "gen_slice",
            "slice_string", "parse_slice", "slice_owner", "SLICE_SIZE", "FORMAT"]
@@ -149,6 +150,12 @@ LAYOUT = "RecIS"
 #: RecIS's default key space (``gen_slice``'s ``slice_size``).
 SLICE_SIZE = 65536
 DENSE_SUFFIX = "^ "
+#: Tensor, table and slot names: RecIS splits its block names on '^' and its table tensors' names on '@', and
+#: writes a dense tensor whose name holds '/part_' under a key its index does not name
+#: (``TensorWriteBlock::WriteMeta``); any other '/' is kept (``tower/dense/kernel``).
+NAMES = NameRule("RecIS's layout", reserved=(("@", "RecIS's layout reserves '@' and '^' as separators"),
+                                             ("^", "RecIS's layout reserves '@' and '^' as separators"),
+                                             ("/part_", "RecIS's suffix of a stored part")))
 NO_INTEGRITY = "RecIS checkpoint: no integrity record"
 
 # RecIS's DeserializeDtype: the header dtypes its reader knows.
@@ -341,8 +348,7 @@ class RecisCheckpointReader(CheckpointReader):
             if type(number) is not int or number < 0 or number in file_of_number:
                 raise FormatError(f"{iwhere}: file_index[{name!r}] is {number!r}: file numbers are distinct "
                                   "non-negative integers")
-            if "/" in name or "\\" in name or name in (".", ".."):
-                raise FormatError(f"{iwhere}: file name {name!r} is not a plain name in the directory")
+            FILE_NAME.check(name, "file_index file", where=iwhere, error=FormatError)
             file_of_number[number] = name
         self._file_of_number = file_of_number
         self.tensorkey: Mapping[str, str] = MappingProxyType(dict(tensorkey))
@@ -443,7 +449,7 @@ class RecisCheckpointReader(CheckpointReader):
         ``b`` of rank ``i`` is entry ``b // p`` of the header of file ``i * p + b % p``), read back from the
         files' names and headers, so that tables, slots and dense tensors keep the order of the save. Files not
         named as RecIS names them come after, in file number and header order."""
-        ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_\d+_(\d+)$", key))}
+        ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_[0-9]+_([0-9]+)\Z", key))}
         n = ranks.pop() if len(ranks) == 1 else 1
         order: dict[str, tuple[int, int]] = {}
         for number, name in sorted(self._file_of_number.items()):
@@ -451,7 +457,7 @@ class RecisCheckpointReader(CheckpointReader):
             with guard(self, f"the header of {name}"):
                 length = int.from_bytes(bytes(f.mapped.view(0, 8)), "little")
                 keys = [k for k in json.loads(bytes(f.mapped.view(8, length)).decode("utf-8")) if k in f.infos]
-            m = re.fullmatch(r"model-(\d+)-of-(\d+)\.safetensors", name)
+            m = re.fullmatch(r"model-([0-9]+)-of-([0-9]+)\.safetensors", name)
             total = int(m.group(2)) if m else 0
             p = self.manifest["parallel"] if self.manifest is not None else total // n or 1
             if m is None or total % p:
@@ -707,25 +713,6 @@ def _sibling(reader: RecisCheckpointReader, id_key: str, table: str, slot: str) 
 
 # -- writing -----------------------------------------------------------------------------------------------
 
-def check_name(name: Any, what: str) -> str:
-    """``name`` where RecIS's layout can hold it as a tensor, table or slot name; a ``ValueError`` else.
-
-    RecIS splits its block names on ``^`` and its table tensors' names on ``@``, and writes a dense tensor
-    whose name holds ``/part_`` under a key its index does not name (``TensorWriteBlock::WriteMeta``): those
-    are refused; any other ``/`` is kept (``tower/dense/kernel``).
-
-    >>> check_name("tower/dense/kernel", "tensor")
-    'tower/dense/kernel'
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{what} name {name!r} must be a non-empty str")
-    bad = [c for c in ("@", "^", "/part_") if c in name]
-    if bad:
-        raise ValueError(f"{what} name {name!r} holds {bad}: RecIS's layout reserves '@' and '^' as separators "
-                         "and '/part_' for its part suffix")
-    return name
-
-
 def slice_sizes(saver) -> dict[str, int]:
     """``{table: slice size}`` of a ``layout="recis"`` Saver: its ``slice_size`` (an int for every table, or
     ``{table: int}``; default :data:`SLICE_SIZE`).
@@ -761,7 +748,6 @@ def blocks(saver) -> list:
     sizes = slice_sizes(saver)
     out = []
     for table_name, table in saver.hashtables.items():
-        check_name(table_name, "hashtable")
         begin, end, size = gen_slice(i, n, sizes[table_name])
         piece = slice_string(begin, end, size)
         ids, values, slots = table.rows()
@@ -775,14 +761,12 @@ def blocks(saver) -> list:
                 f"slice_owner){'' if size == SLICE_SIZE else f' with slice_size={size}'}, or save with the default "
                 "layout")
         for slot, array in (("id", ids), ("embedding", values), *slots.items()):
-            check_name(slot, "slot")
             key = f"{table_name}.{slot}/part_{i}_{n}"
             _code(array, f"hashtable {table_name!r} {slot}")
             out.append(WriteBlock(key, f"{table_name}@{slot}^{piece}", "slot" if slot not in ("id", "embedding")
                                   else slot, array, table_name, {"dense": False}))
     if i == 0:
         for name, value in saver.tensors:
-            check_name(name, "tensor")
             array = as_numpy(value)
             if array is None or array.dtype.hasobject:
                 raise TypeError(f"tensors[{name!r}] is a {type(value).__name__}, not an array of numbers")

@@ -153,6 +153,7 @@ def _recis_parallel(reader) -> int:
     """The writers per rank of a RecIS directory without a manifest: its files' total over its rank count."""
     import re
 
-    totals = {int(m.group(1)) for name in reader.files if (m := re.match(r"model-\d+-of-(\d+)\.safetensors$", name))}
-    ranks = {int(m.group(1)) for key in reader.part_infos if (m := re.search(r"/part_\d+_(\d+)$", key))}
+    totals = {int(m.group(1)) for name in reader.files
+              if (m := re.fullmatch(r"model-[0-9]+-of-([0-9]+)\.safetensors", name))}
+    ranks = {int(m.group(1)) for key in reader.part_infos if (m := re.search(r"/part_[0-9]+_([0-9]+)\Z", key))}
     return max(1, (totals.pop() if len(totals) == 1 else 1) // (ranks.pop() if len(ranks) == 1 else 1))

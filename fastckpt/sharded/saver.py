@@ -69,6 +69,7 @@ from fastckpt.sharded.format import (
     FORMAT,
     FORMAT_VERSION,
     INDEX_FILE,
+    NAMES,
     TENSORKEY_FILE,
     WriteBlock,
     commit_directory,
@@ -131,12 +132,6 @@ def _dense_items(tensors) -> list[tuple[str, Any]]:
     return items
 
 
-def _check_name(name: Any, what: str) -> str:
-    if not isinstance(name, str) or not name or "/" in name:
-        raise ValueError(f"{what} name {name!r} must be a non-empty str without '/' (stored keys add '/part_i_n')")
-    return name
-
-
 def _check_rows(name: str, table: HashTable) -> None:
     """Refuse a table fastckpt's layout cannot hold whole: rows of more than one axis, or slots of their own."""
     own = {s: spec for s, spec in table.slot_specs.items() if spec != ((table.dim,), table.dtype)}
@@ -182,6 +177,9 @@ class Saver:
                  slice_size: int | Mapping[str, int] | None = None):
         if type(shard_num) is not int or shard_num < 1:
             raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
+        if isinstance(shard_index, (str, os.PathLike)):  # Saver("ckpt/step-1"): the path in the first place
+            raise TypeError(f"Saver's first argument is shard_index, got the path {os.fspath(shard_index)!r}; name "
+                            f"the checkpoint directory with path=: Saver(path={os.fspath(shard_index)!r}, ...)")
         if type(shard_index) is not int or not 0 <= shard_index < shard_num:
             raise ValueError(f"shard_index must be an int in [0, {shard_num}), got {shard_index!r}")
         if type(parallel) is not int or not 1 <= parallel <= 999:
@@ -190,19 +188,12 @@ class Saver:
         self.path = os.fspath(path)
         self.storage_options = storage_options  # for a URL path (s3://...): fastckpt.sharded.remote
         self.hashtables = dict(hashtables or {})
-        if layout == "recis":  # RecIS's own names (any '/' but '/part_')
-            from fastckpt.sharded.recis import check_name as check
-        else:
-            check = _check_name
         for name, table in self.hashtables.items():
-            check(name, "hashtable")
             if not isinstance(table, HashTable):
                 raise TypeError(f"hashtables[{name!r}] is a {type(table).__name__}, not a fastckpt HashTable")
             if layout != "recis":
                 _check_rows(name, table)
         self.tensors = _dense_items(tensors)
-        for name, _ in self.tensors:
-            check(name, "tensor")
         clash = {n for n, _ in self.tensors} & {f"{t}.{r}" for t, tab in self.hashtables.items()
                                                 for r in ("id", "embedding", *tab.slots)}
         if clash:
@@ -228,11 +219,26 @@ class Saver:
         if layout == "recis" and is_url(self.path):
             raise ValueError(f"{self.path}: layout='recis' saves to a local directory (upload it afterwards)")
         self.layout = layout  # "recis": RecIS's own files (fastckpt.sharded.recis) and fastckpt's manifest
+        self._check_names()
         if slice_size is not None and layout != "recis":
             raise ValueError("slice_size is the key space of RecIS's slices: it applies to layout='recis' only")
         self.slice_size = slice_size
         self._errors: dict[str, float] = {}  # table -> largest absolute error of its quantized rows
         self._changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> (changed rows, deleted ids)
+
+    def _check_names(self) -> None:
+        """Refuse, before anything is written, a name this layout's reader cannot read back (the one rule:
+        :mod:`fastckpt.store.names`, with the separators the layout reserves)."""
+        if self.layout == "recis":
+            from fastckpt.sharded.recis import NAMES as rule
+        else:
+            rule = NAMES
+        for name, table in self.hashtables.items():
+            rule.check(name, "hashtable")
+            for slot in table.slots:
+                rule.check(slot, f"hashtable {name!r} slot")
+        for name, _ in self.tensors:
+            rule.check(name, "tensor")
 
     # -- the blocks this rank writes ------------------------------------------------------------------
     def blocks(self) -> list[WriteBlock]:

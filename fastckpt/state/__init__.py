@@ -26,10 +26,19 @@ from fastckpt.state.codec import (
     dumps,
     encode,
 )
-from fastckpt.state.protocol import LOOKUP_ORDER, Stateful, accessors, as_stateful, is_stateful, load_state, state_of
+from fastckpt.state.protocol import (
+    LOOKUP_ORDER,
+    Stateful,
+    accessors,
+    as_stateful,
+    check_state,
+    is_stateful,
+    load_state,
+    state_of,
+)
 
 __all__ = [
-    "Stateful", "LOOKUP_ORDER", "accessors", "as_stateful", "is_stateful", "state_of", "load_state",
+    "Stateful", "LOOKUP_ORDER", "accessors", "as_stateful", "is_stateful", "state_of", "load_state", "check_state",
     "Dialect", "TRAIN_TREE", "STATEFUL_JSON", "PARAM_SIDECAR", "encode", "decode", "dumps", "StateObject",
     "as_numpy", "dtype_token", "parse_dtype", "encode_array", "decode_array",
 ]

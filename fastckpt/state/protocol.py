@@ -8,10 +8,17 @@ object's state in ONE order, the first that applies:
 
 1. a ``numpy.random.Generator``: its ``bit_generator.state`` (read and
    assigned; the generator is never reseeded);
-2. ``state_dict()`` and ``load_state_dict(state)``, both callable;
-3. ``get_state()`` and ``set_state(state)``, both callable (DALI's and
+2. a ``torch.Generator``: ``get_state()`` as a numpy ``uint8`` array (a
+   copy), given back to ``set_state`` as the ``torch.ByteTensor`` it wants;
+3. a ``random.Random`` (Python's generator): ``getstate()`` / ``setstate()``;
+4. ``state_dict()`` and ``load_state_dict(state)``, both callable;
+5. ``get_state()`` and ``set_state(state)``, both callable (DALI's and
    TensorFlow's shape; the readers and :class:`~fastckpt.stateful.RNG` of
    :mod:`fastckpt.stateful`).
+
+:func:`check_state` tries a state on a fresh generator of the same kind
+(steps 1 to 3) without touching the object, so a restore can refuse a bad
+RNG state before it changes anything.
 
 A pair counts only when both of its methods are there: an object with
 ``state_dict()`` but no ``load_state_dict()`` falls through to step 3. An
@@ -39,14 +46,17 @@ True
 
 from __future__ import annotations
 
+import random
 import sys
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Stateful", "LOOKUP_ORDER", "accessors", "as_stateful", "is_stateful", "state_of", "load_state"]
+__all__ = ["Stateful", "LOOKUP_ORDER", "accessors", "as_stateful", "is_stateful", "state_of", "load_state",
+           "check_state", "random_state"]
 
-LOOKUP_ORDER = ("numpy.random.Generator.bit_generator.state", "state_dict()/load_state_dict(state)",
+LOOKUP_ORDER = ("numpy.random.Generator.bit_generator.state", "torch.Generator.get_state()/set_state(ByteTensor)",
+                "random.Random.getstate()/setstate(state)", "state_dict()/load_state_dict(state)",
                 "get_state()/set_state(state)")
 
 
@@ -89,6 +99,10 @@ def accessors(obj: Any) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
             bit_generator.state = state
 
         return (lambda: bit_generator.state), put
+    if _is_torch_generator(obj):
+        return (lambda: obj.get_state().numpy().copy()), lambda state: obj.set_state(_byte_tensor(state))
+    if isinstance(obj, random.Random):
+        return obj.getstate, lambda state: obj.setstate(random_state(state))
     pair = _pair(obj, "state_dict", "load_state_dict")
     if pair is not None:
         get, put = pair
@@ -100,7 +114,7 @@ def accessors(obj: Any) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
         return pair
     raise TypeError(
         f"a {_qualname(type(obj))} cannot be checkpointed: it needs state_dict()/load_state_dict(state) "
-        "or get_state()/set_state(state) (or to be a numpy.random.Generator)"
+        "or get_state()/set_state(state) (or to be a numpy.random.Generator, a torch.Generator or a random.Random)"
     )
 
 
@@ -165,6 +179,57 @@ def load_state(obj: Any, state: Any) -> None:
     True
     """
     accessors(obj)[1](state)
+
+
+def check_state(obj: Any, state: Any) -> None:
+    """Try ``state`` on a fresh generator of ``obj``'s kind (numpy, torch, Python); raise what it raises.
+
+    ``obj`` itself never changes. For other objects this checks nothing (their own
+    ``load_state_dict`` / ``set_state`` is the only judge of their state).
+
+    >>> check_state(np.random.default_rng(0), {"bit_generator": "PCG64"})
+    Traceback (most recent call last):
+    ...
+    ValueError: state for numpy.random.Generator (PCG64) does not fit: ...
+    """
+    try:
+        if isinstance(obj, np.random.Generator):
+            type(obj.bit_generator)().state = state
+        elif _is_torch_generator(obj):
+            type(obj)(device=obj.device).set_state(_byte_tensor(state))
+        elif isinstance(obj, random.Random):
+            random.Random().setstate(random_state(state))
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as exc:
+        kind = f"numpy.random.Generator ({type(obj.bit_generator).__name__})" if isinstance(obj, np.random.Generator) \
+            else _qualname(type(obj))
+        raise ValueError(f"state for {kind} does not fit: {exc!r}") from None
+
+
+def random_state(state: Any) -> Any:
+    """A ``random.Random`` state as ``setstate`` takes it: JSON formats give its tuples back as lists.
+
+    >>> random_state([3, [1, 2], None])
+    (3, (1, 2), None)
+    """
+    if isinstance(state, list) and len(state) == 3 and isinstance(state[1], (list, tuple)):
+        return (state[0], tuple(state[1]), state[2])
+    return state
+
+
+def _is_torch_generator(obj: Any) -> bool:
+    torch = sys.modules.get("torch")  # never imported here: if it is not loaded, obj is no torch object
+    return torch is not None and isinstance(obj, torch.Generator)
+
+
+def _byte_tensor(state: Any) -> Any:
+    """A torch Generator's state (a uint8 array as saved, or already a ByteTensor) as the ByteTensor it takes."""
+    torch = sys.modules["torch"]
+    if isinstance(state, torch.Tensor):
+        return state
+    array = np.asarray(state)
+    if array.dtype != np.uint8 or array.ndim != 1:
+        raise TypeError(f"a torch.Generator state is a 1-d uint8 array, got {array.dtype}{list(array.shape)}")
+    return torch.from_numpy(np.array(array, copy=True))
 
 
 def _is_torch(obj: Any) -> bool:

@@ -2,6 +2,7 @@
 
 * :class:`RNG` - a numpy-backed random number generator with
   ``get_state`` / ``set_state`` that continues its stream bit-exactly;
+  :class:`GlobalRNG` - Python's, numpy's and torch's global generators as one;
 * :class:`ArrayReader`, :class:`FileReader` - sharded, optionally shuffled
   batch readers that resume at the exact next batch, mid-epoch too;
 * :class:`Checkpoint` - collects, saves (atomically), loads and restores the
@@ -29,11 +30,12 @@ from fastckpt.stateful.checkpoint import (
     register_migration,
 )
 from fastckpt.stateful.readers import ArrayReader, FileReader, Reader, ReaderState, epoch_order
-from fastckpt.stateful.rng import RNG, RNGState
+from fastckpt.stateful.rng import RNG, GlobalRNG, RNGState
 
 __all__ = [
     "RNG",
     "RNGState",
+    "GlobalRNG",
     "Reader",
     "ReaderState",
     "ArrayReader",

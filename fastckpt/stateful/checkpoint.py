@@ -54,6 +54,7 @@ from fastckpt.stateful.format import (
     ANONYMOUS_PREFIX,
     FORMAT,
     FORMAT_VERSION,
+    KEYS,
     _Entry,
     parse,
     payload,
@@ -123,7 +124,7 @@ class Checkpoint:
     True
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._ops: dict[str, Any] = {}
         self._by_id: dict[int, str] = {}
         self._states: dict[str, _Entry] = {}
@@ -190,15 +191,7 @@ class Checkpoint:
                 self._apply(existing, entry, op)
             return existing
         if name is not None:
-            if not isinstance(name, str):
-                raise TypeError(f"the name must be a str, got {type(name).__name__}")
-            if not name:
-                raise ValueError("the name must not be empty")
-            if name.startswith(ANONYMOUS_PREFIX):
-                raise ValueError(
-                    f"the name {name!r} starts with {ANONYMOUS_PREFIX!r}, which is reserved for generated keys; "
-                    "choose another name or omit it"
-                )
+            KEYS.check(name, "op")
             if existing is not None:
                 raise ValueError(
                     f"this {_qualname(type(op))} is already registered under {existing!r}; "

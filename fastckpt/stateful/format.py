@@ -98,6 +98,7 @@ from typing import Any, Callable
 from fastckpt.errors import FormatError
 from fastckpt.state import STATEFUL_JSON
 from fastckpt.state import decode as _decode
+from fastckpt.store.names import NameRule
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "ANONYMOUS_PREFIX", "register_migration", "payload", "parse", "parse_payload"]
 
@@ -107,6 +108,9 @@ FORMAT = "fastckpt.stateful"
 FORMAT_VERSION = 1
 #: Prefix of the keys generated for anonymous registrations; refused in user names.
 ANONYMOUS_PREFIX = "__op_"
+#: The keys of ``ops``: any non-empty str (a JSON key reads back exactly) that does not start with the prefix above.
+KEYS = NameRule("a stateful checkpoint", controls=False, prefixes=((ANONYMOUS_PREFIX, "the generated keys' prefix"),),
+                refusal="{format} generates such keys itself", way_out="choose another name or omit it")
 
 # from_version -> function(payload dict at from_version) -> payload dict at from_version + 1
 _MIGRATIONS: dict[int, Callable[[dict], dict]] = {}

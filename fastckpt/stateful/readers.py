@@ -557,7 +557,7 @@ class ArrayReader(Reader):
     True
     """
 
-    def __init__(self, data: np.ndarray | Sequence[np.ndarray] | Mapping[str, np.ndarray], **options):
+    def __init__(self, data: np.ndarray | Sequence[Any] | Mapping[str, Any], **options: Any) -> None:
         if isinstance(data, Mapping):
             self._structure = "dict"
             items = [(str(k), np.asarray(v)) for k, v in data.items()]

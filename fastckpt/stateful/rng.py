@@ -22,7 +22,7 @@ import numpy as np
 
 from fastckpt.state import StateObject
 
-__all__ = ["RNG", "RNGState", "BIT_GENERATORS"]
+__all__ = ["RNG", "RNGState", "GlobalRNG", "BIT_GENERATORS"]
 
 #: Bit generators an RNG can be built on (all of numpy's).
 BIT_GENERATORS = {
@@ -181,7 +181,7 @@ class RNG:
     def state(self, value: RNGState | str | dict) -> None:
         self.set_state(value)
 
-    def random(self, size=None, dtype=np.float64):
+    def random(self, size: int | tuple[int, ...] | None = None, dtype: Any = np.float64) -> Any:
         """Uniform floats in [0, 1), as ``Generator.random``.
 
         >>> 0.0 <= RNG(seed=1).random() < 1.0
@@ -189,7 +189,8 @@ class RNG:
         """
         return self._generator.random(size, dtype=dtype)
 
-    def integers(self, low, high=None, size=None, dtype=np.int64, endpoint=False):
+    def integers(self, low: Any, high: Any = None, size: int | tuple[int, ...] | None = None, dtype: Any = np.int64,
+                 endpoint: bool = False) -> Any:
         """Random integers in [low, high), as ``Generator.integers``.
 
         >>> RNG(seed=1).integers(10, size=3).shape
@@ -197,7 +198,7 @@ class RNG:
         """
         return self._generator.integers(low, high, size, dtype=dtype, endpoint=endpoint)
 
-    def normal(self, loc=0.0, scale=1.0, size=None):
+    def normal(self, loc: Any = 0.0, scale: Any = 1.0, size: int | tuple[int, ...] | None = None) -> Any:
         """Normally distributed floats, as ``Generator.normal``.
 
         >>> RNG(seed=1).normal(size=2).dtype
@@ -205,7 +206,7 @@ class RNG:
         """
         return self._generator.normal(loc, scale, size)
 
-    def permutation(self, x):
+    def permutation(self, x: Any) -> Any:
         """A shuffled copy of ``x`` (or of ``arange(x)`` for an int), as ``Generator.permutation``.
 
         >>> sorted(RNG(seed=1).permutation(4).tolist())
@@ -215,3 +216,77 @@ class RNG:
 
     def __repr__(self) -> str:
         return f"RNG(bit_generator={self._name!r})"
+
+
+class GlobalRNG:
+    """The process-wide generators as one checkpointable object: Python's ``random``, numpy's ``np.random``
+    and, when torch is imported, torch's default CPU generator (``torch.manual_seed``'s).
+
+    ``get_state()`` takes all three (``{"python": ..., "numpy": ..., "torch": ...}``,
+    ``"torch"`` only when torch is imported); ``set_state(state)`` tries each
+    part on a fresh generator first and changes nothing when one does not fit,
+    then restores them all. Pass it as ``train_rng`` (or next to other
+    generators in a dict) to resume code that draws from the global generators.
+
+    >>> import random
+    >>> g = GlobalRNG(); saved = g.get_state()
+    >>> a, b = random.random(), np.random.random()
+    >>> g.set_state(saved)
+    >>> (random.random(), np.random.random()) == (a, b)
+    True
+    """
+
+    __slots__ = ()
+
+    def get_state(self) -> dict[str, Any]:
+        """The state of every global generator (a copy).
+
+        >>> sorted(GlobalRNG().get_state())[:2]
+        ['numpy', 'python']
+        """
+        import random
+        import sys
+
+        state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(legacy=False)}
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            state["torch"] = torch.random.get_rng_state().numpy().copy()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore every generator ``state`` names; all are checked before any is changed.
+
+        >>> GlobalRNG().set_state({"python": (3, (), None)})
+        Traceback (most recent call last):
+        ...
+        ValueError: GlobalRNG.set_state: the 'python' state does not fit: ...
+        """
+        import importlib
+        import random
+
+        from fastckpt.state.protocol import check_state, random_state
+
+        if not isinstance(state, dict) or not set(state) <= {"python", "numpy", "torch"} or not state:
+            raise ValueError(f"GlobalRNG.set_state: expected a dict with 'python', 'numpy' and/or 'torch', got "
+                             f"{type(state).__name__} {sorted(state) if isinstance(state, dict) else ''}")
+        torch: Any = None
+        if "torch" in state:
+            torch = importlib.import_module("torch")
+        checks = {"python": (random.Random(), state.get("python")),
+                  "numpy": (np.random.Generator(np.random.MT19937()), state.get("numpy")),
+                  "torch": (torch.Generator() if torch is not None else None, state.get("torch"))}
+        for name, (probe, part) in checks.items():
+            if name in state:
+                try:
+                    check_state(probe, part)
+                except ValueError as exc:
+                    raise ValueError(f"GlobalRNG.set_state: the {name!r} state does not fit: {exc}") from None
+        if "python" in state:
+            random.setstate(random_state(state["python"]))
+        if "numpy" in state:
+            np.random.set_state(state["numpy"])
+        if torch is not None:
+            torch.random.set_rng_state(torch.from_numpy(np.array(state["torch"], dtype=np.uint8, copy=True)))
+
+    def __repr__(self) -> str:
+        return "GlobalRNG()"

@@ -2,7 +2,9 @@
 
 ``save_checkpoint`` / ``load_checkpoint`` / ``apply_checkpoint`` write and
 restore the model, optimizer, scheduler, data iterator, training RNG (and loss
-scaler) as one atomic directory; ``CheckpointManager`` keeps a series of them
+scaler), each slot any training-state shape (objects, dicts and lists of them,
+pytrees), as one atomic directory, restored all or nothing (``strict=False``:
+a subset, with a :class:`RestoreReport`); ``CheckpointManager`` keeps a series of them
 with retention policies and asynchronous saves. The optimizers, schedulers,
 scaler, data iterator and ``TinyLM`` re-exported here are the reference
 trainer of :mod:`fastckpt.train.reference`, whose state round-trips exactly.
@@ -27,6 +29,7 @@ _LAZY = {
     "read_manifest": "fastckpt.train.checkpoint",
     "weights_digest": "fastckpt.train.checkpoint",
     "CheckpointState": "fastckpt.train.checkpoint",
+    "RestoreReport": "fastckpt.train.snapshot",
     "CheckpointManager": "fastckpt.train.manager",
     "SaveHandle": "fastckpt.train.asyncsave",
     "AsyncCheckpointer": "fastckpt.train.asyncsave",
@@ -55,6 +58,7 @@ if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: r
         CheckpointState as CheckpointState,
     )
     from fastckpt.train.manager import CheckpointManager as CheckpointManager
+    from fastckpt.train.snapshot import RestoreReport as RestoreReport
     from fastckpt.train.reference.data import ShuffledTokenBatches as ShuffledTokenBatches
     from fastckpt.train.reference.model import Parameter as Parameter, TinyLM as TinyLM, train_step as train_step
     from fastckpt.train.reference.optim import SGD as SGD, Adam as Adam, AdamW as AdamW

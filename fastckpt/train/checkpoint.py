@@ -43,6 +43,7 @@ True
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import logging
 import errno
@@ -80,7 +81,7 @@ from fastckpt.train.format import (
     read_manifest,
     weights_digest,
 )
-from fastckpt.train.snapshot import Snapshot, restore_into, take_snapshot
+from fastckpt.train.snapshot import RestoreReport, Snapshot, apply_restore, plan_restore, take_snapshot
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -88,6 +89,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "apply_checkpoint",
+    "RestoreReport",
     "read_manifest",
     "verify_checkpoint",
     "weights_digest",
@@ -129,10 +131,10 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(errno.EEXIST, "a checkpoint already exists here; pass overwrite=True to replace it",
-                              os.fspath(out))
+                              str(out))
     if not _existing_is_replaceable(out):
         raise FileExistsError(errno.EEXIST, f"exists and is not a fastckpt checkpoint (no {MANIFEST_FILE}); refusing "
-                              "to replace it — choose an empty or new directory", os.fspath(out))
+                              "to replace it — choose an empty or new directory", str(out))
     started = time.perf_counter()
     tables = [t for t in (snap.weights, snap.optim) if t is not None]
     nbytes = sum(a.nbytes for t in tables for a in t.tensors.values())
@@ -319,6 +321,8 @@ class CheckpointState:
     manifest: dict[str, Any]
     scaler_state: Any = None
     path: Path | None = field(default=None, compare=False)
+    #: What the last :func:`apply_checkpoint` of this state restored, and what was missing or unexpected.
+    report: RestoreReport | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         """Where the state came from and how much it holds, never the arrays (a model's repr ran to 91,142
@@ -464,32 +468,59 @@ def _counted(src, report):
 
 
 def apply_checkpoint(state: CheckpointState, model: Any, optimizer: Any = None, scheduler: Any = None,
-                     data_iter: Any = None, train_rng: Any = None, *, scaler: Any = None) -> None:
-    """Restore every given state machine in place, in the order model, optimizer, scheduler, data, RNG, scaler.
+                     data_iter: Any = None, train_rng: Any = None, *, scaler: Any = None,
+                     strict: bool = True) -> RestoreReport:
+    """Restore every given state machine in place, all or nothing; returns what was restored, missing or extra.
 
-    An RNG is restored through ``bit_generator.state`` (it continues the saved
-    stream; it is never reseeded). Pass None for an object you do not restore.
-    Each object validates its own state; when one refuses, the ones before it
-    are already restored, so start again from fresh objects.
+    Each slot takes what :func:`save_checkpoint` took: an object, a dict or
+    list of them (several models, optimizers, an EMA copy by its name), or a
+    pytree of arrays and numbers, which is restored into (arrays copied into
+    in place, other entries replaced). Pass None for a slot you do not restore.
+    An RNG continues the saved stream (it is never reseeded).
+
+    All or nothing: every state is decoded and checked first (a model's names
+    and shapes, every RNG state tried on a fresh generator, the structure of
+    dicts and lists), and nothing is changed when one does not fit. Then the
+    states are applied, models' weights last; if an object still refuses its
+    state, those applied before it are put back from copies taken just before
+    (so a restore holds a copy of the optimizer and other states while it
+    runs, not of the model weights). The error says which state and which
+    checkpoint.
+
+    ``strict=False`` restores what the objects and the checkpoint both have
+    (fine-tuning from a checkpoint with another head, a new EMA): names the
+    objects have and the checkpoint lacks keep their values (``missing``),
+    names only the checkpoint has are left (``unexpected``), a slot given
+    that the checkpoint does not hold is left as it is; the returned
+    :class:`~fastckpt.train.snapshot.RestoreReport` (also ``state.report``)
+    lists them. Shapes must still match.
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.train import TinyLM
     >>> out = os.path.join(tempfile.mkdtemp(), "c"); rng = np.random.default_rng(1); _ = rng.random(5)
     >>> _ = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, rng, out, step=0)
-    >>> rng2 = np.random.default_rng(99); apply_checkpoint(load_checkpoint(out), TinyLM(vocab=8, dim=4, hidden=8), train_rng=rng2)
+    >>> rng2 = np.random.default_rng(99)
+    >>> apply_checkpoint(load_checkpoint(out), TinyLM(vocab=8, dim=4, hidden=8), train_rng=rng2).restored
+    ['model', 'train_rng']
     >>> rng2.random() == rng.random()
     True
     """
-    for obj, value, what in ((model, state.model_weights, "model"), (optimizer, state.optim_state, "optimizer"),
-                             (scheduler, state.scheduler_state, "scheduler"),
-                             (data_iter, state.data_iter_state, "data_iter"),
-                             (train_rng, state.train_rng_state, "train_rng"), (scaler, state.scaler_state, "scaler")):
-        try:
-            restore_into(obj, value, what)
-        except Exception as exc:
-            # The object's own message says what does not fit; the note says which checkpoint.
-            exc.add_note(f"while applying the {what} state of checkpoint {state.path or '(not from a directory)'}")
-            raise
+    slots = [("model", model, state.model_weights), ("optimizer", optimizer, state.optim_state),
+             ("scheduler", scheduler, state.scheduler_state), ("data_iter", data_iter, state.data_iter_state),
+             ("train_rng", train_rng, state.train_rng_state), ("scaler", scaler, state.scaler_state)]
+    where = f"checkpoint {state.path or '(not from a directory)'}"
+    try:
+        steps, report = plan_restore(slots, strict)
+    except (TypeError, ValueError, KeyError) as exc:
+        exc.add_note(f"while checking the states of {where}; nothing was changed")
+        raise
+    try:
+        apply_restore(steps)
+    except Exception as exc:
+        exc.add_note(f"while applying the states of {where}")
+        raise
+    state.report = report
+    return report
 
 
 # ---------------------------------------------------------------------------------------------

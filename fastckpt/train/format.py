@@ -155,6 +155,7 @@ from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from fastckpt.formats.hashing import HASH_ALGORITHMS, hash_buffer, hash_file, sha256_file
 from fastckpt.state import TRAIN_TREE, decode, encode
 from fastckpt.state.codec import INLINE, TensorRefs
+from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = [
     "SCHEMA_VERSION", "CHECKPOINT_FORMAT", "WEIGHTS_FILE", "OPTIM_FILE", "EXTRA_FILE", "MANIFEST_FILE", "ALIGNMENT",
@@ -174,7 +175,11 @@ MANIFEST_FILE = "manifest.json"
 # size should equal the unique parameter bytes plus a header of a few hundred bytes.
 ALIGNMENT = 64
 
-_ALIAS = re.compile(r"^ALIAS\((.*)\)$", re.DOTALL)
+#: The names of a table's tensors: any str but the metadata's own (an alias is a metadata entry of its name).
+TENSOR_NAMES = NameRule("a training checkpoint's table", controls=False, empty=True,
+                        prefixes=(("fastckpt.", "the checkpoint's own metadata keys start with it"),),
+                        whole=(("__metadata__", "safetensors' header entry"),))
+_ALIAS = re.compile(r"ALIAS\((.*)\)", re.DOTALL)  # fullmatch only: '$' also matches before a final newline
 _MAX_SAFE_INT = 2**53
 _MAX_MANIFEST_BYTES = 64 << 20
 _READ_MAJORS = ("1", "2")  # schema 1.0: sha256 entries and weights_sha256
@@ -215,8 +220,7 @@ class ArrayTable:
         """
         if name in self.tensors or name in self.aliases:
             raise ValueError(f"two entries of the state are both named {name!r} once their keys are joined with '.'")
-        if name.startswith("fastckpt."):
-            raise ValueError(f"state key {name!r}: names starting with 'fastckpt.' are reserved for checkpoint metadata")
+        TENSOR_NAMES.check(name, "state entry")
         if arr.dtype.hasobject:
             raise TypeError(f"state entry {name!r} is an object array; only numeric arrays can be stored (nothing is pickled)")
         if source is not None and source is not arr:
@@ -328,8 +332,8 @@ def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
         raise FormatError(f"{path}: incomplete manifest (missing {missing or 'file entries for ' + WEIGHTS_FILE + '/' + EXTRA_FILE})")
     algorithms = ("sha256",) if major == "1" else HASH_ALGORITHMS
     for name, entry in files.items():
-        if (not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not isinstance(entry, dict)
-                or not isinstance(entry.get("bytes"), int)):
+        FILE_NAME.check(name, "files entry", where=str(path), error=FormatError)
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
             raise FormatError(f"{path}: malformed files entry {name!r}: {entry!r}")
         named = [a for a in algorithms if a in entry]
         if len(named) != 1 or not isinstance(entry[named[0]], str):
@@ -433,7 +437,7 @@ class _TensorSource:
     def resolve(self, name: str) -> str:
         if name in self.file:
             return name
-        alias = _ALIAS.match(self.meta.get(name, ""))
+        alias = _ALIAS.fullmatch(self.meta.get(name, ""))
         if alias is None:
             raise FormatError(f"{self.path}: the state refers to tensor {name!r}, which is neither stored nor an ALIAS(...) entry")
         target = alias.group(1)

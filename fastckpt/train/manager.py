@@ -64,24 +64,24 @@ retention over prefixes whose manifest, uploaded last, commits them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
 import errno
 import os
-import re
 import shutil
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.store.commit import atomic_write, remove_stale_partials_in, retire_directory
 from fastckpt.formats import remote
 from fastckpt.formats.remote import is_url
+from fastckpt.store.names import parse_step, step_name
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
 from fastckpt.train.checkpoint import (
     CheckpointState,
@@ -101,7 +101,6 @@ __all__ = ["CheckpointManager", "RemoteCheckpointManager"]
 RECORD_FILE = ".fastckpt-manager.json"
 LOCK_FILE = ".fastckpt-manager.lock"
 RECORD_FORMAT = "fastckpt.train.manager"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _log = logging.getLogger(__name__)
 
 
@@ -153,9 +152,7 @@ class CheckpointManager:
     # -- naming and discovery ----------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint (whether or not it exists)."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return self.directory / f"step-{int(step):08d}"
+        return self.directory / step_name(step)
 
     def _sweep_partials(self) -> None:
         remove_stale_partials_in(self.directory)
@@ -203,9 +200,8 @@ class CheckpointManager:
     def _complete(self) -> dict[int, Path]:
         found: dict[int, Path] = {}
         for entry in self.directory.iterdir():
-            m = _STEP_DIR.match(entry.name)
-            if m and entry.is_dir() and self._manifest(entry) is not None:
-                step = int(m.group(1))
+            step = parse_step(entry.name)
+            if step is not None and entry.is_dir() and self._manifest(entry) is not None:
                 # step-10 and step-00000010 are one step; the canonical name wins.
                 if step not in found or entry.name == self.path_for(step).name:
                     found[step] = entry
@@ -322,7 +318,7 @@ class CheckpointManager:
             self._saver.wait()
         if path.exists() and not overwrite:
             raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
-                                  os.fspath(path))
+                                  str(path))
         self._sweep_partials()
         kwargs = dict(step=step, epoch=epoch, metrics=metrics, scaler=scaler, seed=seed, config=config,
                       data_manifest=data_manifest)
@@ -352,11 +348,15 @@ class CheckpointManager:
     # -- restoring -----------------------------------------------------------------------------------
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
                 train_rng: Any = None, *, scaler: Any = None, verify: bool = True,
-                progress=False) -> CheckpointState:
-        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects.
+                progress=False, strict: bool = True) -> CheckpointState:
+        """Load ``step`` (hashes checked unless ``verify=False``) and apply it to the given objects, all or nothing.
 
-        ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
-        :mod:`fastckpt.progress`) counts the arrays' bytes as they are read.
+        Slots take any training-state shape and ``strict=False`` restores a
+        subset, as :func:`~fastckpt.train.checkpoint.apply_checkpoint` says;
+        the returned state's ``report`` lists what was restored, missing and
+        unexpected. ``progress`` (``True`` for a bar, or ``callback(done,
+        total, item)``: :mod:`fastckpt.progress`) counts the arrays' bytes as
+        they are read.
         """
         self.wait()
         complete = self._complete()
@@ -365,17 +365,20 @@ class CheckpointManager:
                 f"{self.directory}: no complete checkpoint for step {step} (complete steps: {sorted(complete)})"
             )
         state = load_checkpoint(complete[step], verify=verify, progress=progress)
-        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
+        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, strict=strict)
         return state
 
     def restore_latest(self, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
-                       train_rng: Any = None, *, scaler: Any = None, verify: bool = True) -> CheckpointState | None:
-        """Restore the newest complete checkpoint into the objects; None (nothing changed) when there is none."""
+                       train_rng: Any = None, *, scaler: Any = None, verify: bool = True,
+                       strict: bool = True) -> CheckpointState | None:
+        """Restore the newest complete checkpoint into the objects (as :meth:`restore`); None (nothing changed)
+        when there is none."""
         self.wait()
         step = self.latest_step()
         if step is None:
             return None
-        return self.restore(step, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, verify=verify)
+        return self.restore(step, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, verify=verify,
+                            strict=strict)
 
     # -- lifetime ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -427,17 +430,14 @@ class RemoteCheckpointManager:
     # -- naming and discovery ----------------------------------------------------------------------
     def path_for(self, step: int) -> str:
         """The URL of ``step``'s checkpoint (whether or not it exists)."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return remote.join(self.directory, f"step-{int(step):08d}")
+        return remote.join(self.directory, step_name(step))
 
     def _complete(self) -> dict[int, str]:
         found: dict[int, str] = {}
         for name in remote.committed_prefixes(self.directory, MANIFEST_FILE, self.storage_options):
-            m = _STEP_DIR.match(name)
-            if m:
-                step = int(m.group(1))
-                if step not in found or name == f"step-{step:08d}":
+            step = parse_step(name)
+            if step is not None:
+                if step not in found or name == step_name(step):
                     found[step] = remote.join(self.directory, name)
         return found
 
@@ -516,7 +516,7 @@ class RemoteCheckpointManager:
             raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
                                   url)
         remote.remove_uncommitted(self.directory, MANIFEST_FILE, self.storage_options,
-                                  select=lambda name: _STEP_DIR.match(name) is not None)
+                                  select=lambda name: parse_step(name) is not None)
         snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
                              metrics=metrics, scaler=scaler, seed=seed, config=config, data_manifest=data_manifest)
         names = self._read_record()
@@ -536,7 +536,8 @@ class RemoteCheckpointManager:
         """Nothing is ever in flight (saves to a URL block); kept for the local manager's interface."""
 
     def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
-                train_rng: Any = None, *, scaler: Any = None, verify: bool = True, progress=False):
+                train_rng: Any = None, *, scaler: Any = None, verify: bool = True, progress=False,
+                strict: bool = True):
         """Load ``step`` and apply it to the given objects (see :meth:`fastckpt.train.CheckpointManager.restore`)."""
         complete = self._complete()
         if step not in complete:
@@ -544,7 +545,7 @@ class RemoteCheckpointManager:
                 f"{self.directory}: no committed checkpoint for step {step} (committed steps: {sorted(complete)})")
         state = load_checkpoint_from_url(complete[step], verify=verify, progress=progress,
                                 storage_options=self.storage_options)
-        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler)
+        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, strict=strict)
         return state
 
     def close(self) -> None:

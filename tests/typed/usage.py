@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import assert_type
 
 import numpy as np
+import pyopencl as cl
 
 import fastckpt
 from fastckpt import MappedFile, TensorInfo, TensorReader
@@ -18,7 +19,9 @@ from fastckpt.device.pool import PersistentBufferPool
 from fastckpt.device.tensor import Tensor
 from fastckpt.formats.tree import ArrayTree
 from fastckpt.io import load_model, save_model
+from fastckpt.io.serialization import ModelLoadReport
 from fastckpt.nn import Sequential
+from fastckpt.stateful import Checkpoint
 from fastckpt.tf import CheckpointReader, write_checkpoint
 from fastckpt.train import CheckpointManager, CheckpointState, load_checkpoint
 
@@ -44,6 +47,13 @@ with fastckpt.open("m.safetensors") as f:
     assert_type(f.metadata, dict[str, str] | None)
     assert_type(f.info("w").shape, tuple[int, ...])
     assert_type(f.info("w").offset, int)
+    # The reader is a read-only mapping, as the docs use it (len(f), f.hosts(), f[name]).
+    assert_type(f.hosts(), dict[str, np.ndarray])
+    assert_type(f.hosts(["w"]), dict[str, np.ndarray])
+    assert_type(len(f), int)
+    assert_type(f["w"], np.ndarray)
+    assert_type("w" in f, bool)
+    assert_type(list(f), list[str])
 
 assert_type(fastckpt.save_sharded("hf", tensors), list[str])
 with fastckpt.HFShardedDirectory("hf") as shards:
@@ -65,15 +75,20 @@ with MappedFile("m.safetensors") as mapped:
     assert_type(mapped.read(0, 8), bytes)
 
 
-def device_loads(queue: object, pool: PersistentBufferPool) -> None:
+def device_loads(queue: cl.CommandQueue, pool: PersistentBufferPool) -> None:
     loaded = fastckpt.load_file("m.safetensors", queue, pool=pool)
     assert_type(loaded, LoadedTensors)
     assert_type(loaded["w"], Tensor)
     assert_type(loaded["w"].to_host(), np.ndarray)
     model = load_model("model.netcl", queue, pool)
-    assert_type(model, Sequential)
+    assert isinstance(model, Sequential)
+    assert_type(model.load_report, ModelLoadReport)
+    assert_type(model.load_report.missing_keys, list[str])
     assert_type(save_model(model, "model.netcl"), None)
 
+
+stateful_checkpoint = Checkpoint()
+assert_type(stateful_checkpoint, Checkpoint)
 
 state = load_checkpoint("runs/c")
 assert_type(state, CheckpointState)

@@ -285,7 +285,7 @@ def _reencode(number: int, wire: int, value) -> bytes:
 
 # -- CheckpointState (text format) ----------------------------------------------------------------
 
-_STATE_LINE = re.compile(r'^\s*([a-z_]+)\s*:\s*(.*?)\s*$')
+_STATE_LINE = re.compile(r'\s*([a-z_]+)\s*:\s*(.*?)\s*')  # fullmatch: '$' would accept a final newline
 
 
 def _quote(text: str) -> str:
@@ -362,7 +362,7 @@ def decode_checkpoint_state(text: str, what: str = "checkpoint state") -> tuple[
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        match = _STATE_LINE.match(line)
+        match = _STATE_LINE.fullmatch(line)
         if not match:
             raise FormatError(f"{what}, line {number}: cannot parse {line!r} (expected 'field: value')")
         name, value = match.groups()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -532,7 +532,7 @@ class CheckpointReader(ReaderMapping):
             return self._assemble(info)
         return self._read_entry(info, copy=copy, stacklevel=3)
 
-    def hosts(self, names=None) -> dict:
+    def hosts(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """``{name: host(name)}`` for every tensor in index order (``names=None``) or for ``names``.
 
         The views are made in one native loop over the index, each from its

@@ -53,12 +53,18 @@ from fastckpt.formats.tf.proto import (
 )
 from fastckpt.formats.tf.reader import OBJECT_GRAPH_KEY, data_filename, read_checkpoint_state
 from fastckpt.formats.tf.table import TableBuilder
+from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = ["CheckpointWriter", "write_checkpoint", "save", "escape_local_name", "unescape_local_name",
            "object_key", "SAVE_COUNTER_KEY"]
 
 # Small writes gather into one write() per 256 KiB (the buffer atomic_write gives the single-file writers).
 _WRITE_BUFFER = 256 << 10
+#: The keys a bundle keeps for itself; any other str (newlines, '/', '.' and NUL inside included) reads back.
+NAMES = NameRule("TensorFlow's bundle", controls=False, empty=True,
+                 whole=(("", "the empty key holds the bundle's header"),),
+                 prefixes=(("\x00", "keys starting with NUL hold partitioned variables' slices"),))
+
 ATTRIBUTES_MARKER = "/.ATTRIBUTES/"
 VARIABLE_VALUE = "VARIABLE_VALUE"
 SAVE_COUNTER_KEY = "save_counter/.ATTRIBUTES/VARIABLE_VALUE"
@@ -219,7 +225,7 @@ class CheckpointWriter:
         # index and the data files of any shard count, so a previous save's are replaced (or refused) whole.
         self._commit = Commit(self.prefix, kind="files", overwrite=self.overwrite, fsync=fsync,
                               entry_points=[name + ".index"], claims=[name + ".index"],
-                              replaces=re.compile(re.escape(name) + r"\.data-\d{5}-of-\d{5}"))
+                              replaces=re.compile(re.escape(name) + r"\.data-[0-9]{5}-of-[0-9]{5}"))
         try:
             for shard in range(num_shards):
                 path = self._commit.staging / os.path.basename(data_filename(self.prefix, shard, num_shards))
@@ -269,11 +275,7 @@ class CheckpointWriter:
                 raise RuntimeError(f"{self.prefix}: an earlier add() failed while writing; this writer cannot "
                                    "continue and nothing was written")
             raise ValueError(f"{self.prefix}: the checkpoint writer is already closed")
-        if not isinstance(name, str):
-            raise TypeError(f"tensor names are str, got {type(name).__name__} {name!r}")
-        if name == "" or name.startswith("\x00"):
-            raise ValueError(f"tensor name {name!r} is reserved (the empty key holds the header, keys starting with "
-                             "NUL hold partition slices)")
+        NAMES.check(name)
         if self.object_graph and name == OBJECT_GRAPH_KEY:
             raise ValueError(f"{OBJECT_GRAPH_KEY} is built by the writer when object_graph=True; leave it out")
         key = self._key_for(name)
@@ -404,7 +406,9 @@ def write_checkpoint(prefix, tensors, *, num_shards: int = 1, data_alignment: in
     >>> sorted(os.listdir(os.path.dirname(prefix)))
     ['ckpt-1.data-00000-of-00002', 'ckpt-1.data-00001-of-00002', 'ckpt-1.index']
     """
-    items = tensors.items() if hasattr(tensors, "items") else tensors
+    items = list(tensors.items() if hasattr(tensors, "items") else tensors)
+    for name, _ in items:  # every name before the first file or directory is made
+        NAMES.check(name)
     with CheckpointWriter(prefix, num_shards=num_shards, data_alignment=data_alignment,
                           object_graph=object_graph, fsync=fsync, overwrite=overwrite, _stacklevel=3) as writer:
         for name, value in items:
@@ -412,7 +416,7 @@ def write_checkpoint(prefix, tensors, *, num_shards: int = 1, data_alignment: in
 
 
 def _checkpoint_number(name: str, base: str):
-    match = re.fullmatch(re.escape(base) + r"-(\d+)", name)
+    match = re.fullmatch(re.escape(base) + r"-([0-9]+)", name)
     return int(match.group(1)) if match else None
 
 
@@ -435,6 +439,10 @@ def save(directory, tensors, *, name: str = "ckpt", max_to_keep: int | None = No
     all_model_checkpoint_paths: "ckpt-1"
     all_model_checkpoint_paths: "ckpt-2"
     """
+    FILE_NAME.check(name, "checkpoint")  # the prefix's last part: never a path out of the directory
+    items = list(tensors.items() if hasattr(tensors, "items") else tensors)
+    for tensor_name, _ in items:  # every name before the directory is made
+        NAMES.check(tensor_name)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state_path = directory / "checkpoint"
@@ -447,7 +455,6 @@ def save(directory, tensors, *, name: str = "ckpt", max_to_keep: int | None = No
     number = max(numbers, default=0) + 1
     rel = f"{name}-{number}"
     prefix = str(directory / rel)
-    items = tensors.items() if hasattr(tensors, "items") else tensors
     with CheckpointWriter(prefix, num_shards=num_shards, data_alignment=data_alignment, object_graph=object_graph,
                           save_counter=number, fsync=fsync, overwrite=False) as writer:
         for tensor_name, value in items:

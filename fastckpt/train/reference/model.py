@@ -29,6 +29,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from fastckpt.words import plural
+
 __all__ = ["Parameter", "TinyLM", "train_step"]
 
 
@@ -76,6 +78,16 @@ class TinyLM:
     @property
     def tied(self) -> bool:
         return self.lm_head.weight is self.embed.weight
+
+    def __repr__(self) -> str:
+        """The model's shape and size, not its arrays.
+
+        >>> TinyLM(vocab=8, dim=4, hidden=16)
+        TinyLM(vocab=8, dim=4, hidden=16, tied=True, dropout=0.1, 212 parameters)
+        """
+        count = sum(p.data.size for _, p in self.named_parameters())
+        return (f"TinyLM(vocab={self.vocab}, dim={self.dim}, hidden={self.hidden}, tied={self.tied}, "
+                f"dropout={self.dropout:g}, {plural(count, 'parameter')})")
 
     def named_parameters(self) -> Iterator[tuple[str, Parameter]]:
         """Every (name, Parameter), tied ones under each of their names."""

@@ -32,6 +32,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from fastckpt.words import plural
+
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
 
@@ -65,6 +67,17 @@ class Optimizer:
         self.state: list[dict[str, np.ndarray]] = [
             {name: np.zeros_like(p.data) for name in self._buffers} for p in self.params
         ]
+
+    def __repr__(self) -> str:
+        """The optimizer's hyperparameters, step and parameter count, not its buffers.
+
+        >>> from fastckpt.train.reference.model import Parameter
+        >>> SGD([Parameter(np.zeros(3, np.float32))], lr=0.1, momentum=0.9)
+        SGD(lr=0.1, momentum=0.9, dampening=0, weight_decay=0, nesterov=False, t=0, 1 parameter)
+        """
+        hyper = "".join(f", {name}={getattr(self, name):g}" if isinstance(getattr(self, name), float)
+                        else f", {name}={getattr(self, name)!r}" for name in self._hyper)
+        return f"{type(self).__name__}(lr={self.lr:g}{hyper}, t={self.t}, {plural(len(self.params), 'parameter')})"
 
     def zero_grad(self) -> None:
         """Drop every parameter's gradient."""

@@ -1,0 +1,222 @@
+"""The simulated discrete device (fastckpt.device.simlink): its link's timing model, exact staged loads over it, and
+the order the staged pipeline keeps (fills never write a staging buffer a copy is still reading; copies in order)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from _device_data import sample
+
+from fastckpt.device.load import load_file
+from fastckpt.device.pool import PersistentBufferPool
+
+from test_load import check_exact, write_raw_safetensors
+
+pytestmark = pytest.mark.device
+EPS = 1e-9  # the rounding of a window's length recomputed from perf_counter floats (end - start)
+
+
+@pytest.fixture
+def sim(device):
+    """A simulated queue on the test device, closed after the test; ``sim(rate, exact=...)`` makes it."""
+    from fastckpt.device.simlink import SimulatedQueue
+
+    made = []
+
+    def make(rate, **kw):
+        made.append(SimulatedQueue(device.context, device.device, rate=rate, **kw))
+        return made[-1]
+
+    yield make
+    for queue in made:
+        queue.close()
+
+
+def _buffer(device, nbytes):
+    import pyopencl as cl
+
+    return cl.Buffer(device.context, cl.mem_flags.READ_WRITE, nbytes)
+
+
+def _read(device, buffer, nbytes):
+    import pyopencl as cl
+
+    out = np.empty(nbytes, np.uint8)
+    cl.enqueue_copy(device.queue, out, buffer, is_blocking=True)
+    return out
+
+
+def test_a_copy_takes_at_least_its_bytes_over_the_rate(device, sim):
+    n, rate = 1 << 20, 0.5e9  # 2.1 ms a copy
+    queue = sim(rate)
+    link = queue.link
+    buffer = _buffer(device, 3 * n)
+    data = sample(np.uint8, (3 * n,), 1)
+    sent = time.perf_counter()
+    events = [link.copy(queue, buffer, data[k * n:(k + 1) * n], k * n) for k in range(3)]
+    events[0].wait()
+    first = time.perf_counter()
+    events[-1].wait()
+    last = time.perf_counter()
+    assert first - sent >= n / rate
+    assert last - sent >= 3 * n / rate, "one engine: three copies sent at once take three windows"
+    copies = link.copies
+    assert [c.at for c in copies] == [0, n, 2 * n] and all(c.nbytes == n for c in copies)
+    for c in copies:
+        assert c.end - c.start >= n / rate - EPS and c.done >= c.end and c.start >= c.sent
+    for a, b in zip(copies, copies[1:]):
+        assert b.start >= a.end, "the windows never overlap"
+    assert _read(device, buffer, 3 * n).tobytes() == data.tobytes(), "exact: the bytes reached the buffer"
+    assert not link.torn and not link.errors
+
+
+def test_a_copy_adds_its_latency_and_a_later_copy_waits_for_the_engine(device, sim):
+    queue = sim(1e9, latency=0.004)
+    buffer = _buffer(device, 8192)
+    event = queue.link.copy(queue, buffer, np.ones(4096, np.uint8), 0)
+    event.wait()
+    c = queue.link.copies[0]
+    assert c.end - c.start >= 0.004 + 4096 / 1e9 - EPS
+    # A command queued on the queue after a staged copy waits for it: the queue stays in order.
+    import pyopencl as cl
+
+    slow = sim(2e6, exact=False)  # 20 ms for 40 KB
+    slow.link.copy(slow, buffer, np.zeros(40_000, np.uint8), 0)
+    began = time.perf_counter()
+    cl.enqueue_marker(slow).wait()
+    assert time.perf_counter() - began >= 40_000 / 2e6 - 0.002  # the marker was queued a moment after the copy
+
+
+def test_the_link_waits_without_using_the_cpu(device, sim):
+    queue = sim(1e8, exact=False)  # 100 ms for 10 MB
+    data = np.zeros(10_000_000, np.uint8)
+    buffer = _buffer(device, len(data))
+    cpu, wall = time.process_time(), time.perf_counter()
+    queue.link.copy(queue, buffer, data, 0).wait()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert wall >= 0.1
+    assert cpu < 0.5 * wall, f"the engine slept: {cpu:.3f} s of CPU over {wall:.3f} s"
+
+
+def test_the_link_sees_bytes_changed_while_it_reads_them_and_bytes_that_do_not_belong(device, sim):
+    queue = sim(1e7, exact=False)  # 10 ms for 100 KB
+    data = sample(np.uint8, (100_000,), 2)
+    buffer = _buffer(device, len(data))
+    event = queue.link.copy(queue, buffer, data, 0)
+    data[::4096] ^= 0xFF  # a fill writing into a staging buffer still being copied
+    event.wait()
+    assert queue.link.torn == [(buffer.int_ptr, 0, len(data))]
+    with pytest.raises(AssertionError, match="to byte 0 of buffer"):
+        queue.link.check(lambda b, at, n: data[at:at + n])
+    queue.link.reset()
+    queue.link.copy(queue, buffer, data, 0).wait()
+    assert not queue.link.torn and queue.link.check(lambda b, at, n: data[at:at + n]) == 1
+    with pytest.raises(AssertionError, match="when it started"):
+        queue.link.check(lambda b, at, n: np.zeros(n, np.uint8))
+
+
+def test_bad_link_settings_are_refused(device):
+    from fastckpt.device.simlink import SimulatedLink
+
+    with pytest.raises(ValueError, match="bytes per second"):
+        SimulatedLink(device.context, rate=0)
+    with pytest.raises(ValueError, match="latency"):
+        SimulatedLink(device.context, rate=1e9, latency=-1)
+
+
+@pytest.mark.parametrize("read", ["preadv", "mmap"])
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("use_pool", [True, False])
+def test_staged_loads_over_the_link_are_exact(tmp_path, device, sim, monkeypatch, read, blocking, use_pool):
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "READ", read)
+    monkeypatch.setattr(staging, "FILL_SPLIT", 16 << 10)  # several fill threads on these small chunks
+    monkeypatch.setattr(staging, "_cpus", lambda: 3)
+    path = tmp_path / "m.safetensors"
+    tensors = {"lead": np.arange(3, dtype=np.uint8),
+               **{f"w{i}": sample(np.float64, (5000 + 37 * i,), seed=i) for i in range(6)}}  # ~240 KB
+    write_raw_safetensors(path, tensors)
+    queue = sim(2e9)
+    pool = PersistentBufferPool(device.context, queue) if use_pool else None
+    for _ in range(2):  # the second through the pool's kept file and staging buffers
+        queue.link.reset()
+        loaded = load_file(path, queue, pool=pool, staging=64 << 10, blocking=blocking)
+        report = loaded.report
+        assert report.staging_chunk == 64 << 10 and report.fill_threads == 3
+        check_exact(loaded, path, tensors)
+        link = queue.link
+        assert not link.torn and not link.errors
+        assert len(link.copies) == report.copies and sum(c.nbytes for c in link.copies) == report.bytes_copied
+        loaded.release()
+
+
+def test_the_staged_pipeline_keeps_its_order_over_a_slow_link(tmp_path, device, sim, monkeypatch):
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "FILL_SPLIT", 16 << 10)
+    monkeypatch.setattr(staging, "_cpus", lambda: 2)
+    fills, lock = [], threading.Lock()
+    real_fill = staging.fill
+
+    def fill(pending, pairs):
+        if pending:
+            staging._wait_events(pending)  # what the real fill does first: the writes begin after it
+        began = time.perf_counter()
+        real_fill(None, pairs)
+        with lock:
+            fills.extend((dst.ctypes.data, len(dst), began, time.perf_counter()) for dst, _src, _file in pairs)
+
+    monkeypatch.setattr(staging, "fill", fill)
+    path = tmp_path / "m.safetensors"
+    chunk = 64 << 10
+    tensors = {"w": sample(np.uint8, (12 * chunk - 5,), 3)}
+    write_raw_safetensors(path, tensors)
+    queue = sim(20e6)  # 3.3 ms a chunk: the fill of the next batches runs while a copy is on the link
+    loaded = load_file(path, queue, pool=None, staging=chunk)
+    check_exact(loaded, path, tensors)
+    report = loaded.report
+    copies = queue.link.copies
+    assert report.staging_buffers == 3 and len(copies) == 12
+    assert [c.at for c in copies] == [k * chunk for k in range(12)], "the copies go out in the stream's order"
+    assert [c.nbytes for c in copies] == [chunk] * 11 + [chunk - 5]
+    for addr, n, began, ended in fills:
+        for c in copies:
+            if c.host < addr + n and addr < c.host + c.nbytes:  # the fill and the copy share staging memory
+                assert c.done <= began or c.sent >= ended, "a fill wrote a staging buffer a copy was reading"
+    overlapped = sum(1 for _a, _n, began, _e in fills for c in copies if c.start < began < c.end)
+    assert overlapped > 0, "the fill runs ahead while copies are on the link"
+    assert not queue.link.torn
+
+
+@pytest.mark.slow  # a benchmark smoke run
+def test_link_suite(tmp_path, capsys):
+    from fastckpt.cli import main
+
+    assert main(["bench", "--suite", "link", "--quick", "--repeat", "1", "--links", "2,40", "--sweep-links", "40",
+                 "--buffers", "2,3", "--chunks", "16,64", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| link (GB/s, real) | simulated link (GB/s) | fill beside (GB/s) | fill during (GB/s) |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 2 |") or line.startswith("| 40 |")]
+    assert len(rows) == 2 + 5 and all(row.endswith("| yes |") for row in rows[:2]), out  # the sweep: 4 + default
+    assert "| vs. default |" in out and rows[2].endswith("| 1.00x |"), "the default shape first, against itself"
+    assert "best at 40 GB/s" in out and ("- met:" in out or "- MISSED:" in out)
+
+
+def test_a_fill_that_does_not_wait_for_the_copies_is_caught(tmp_path, device, sim, monkeypatch):
+    # The order test above can fail: fills that overwrite a staging buffer still on the link are seen.
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "_wait_events", lambda events: None)
+    monkeypatch.setattr(staging, "_cpus", lambda: 1)
+    path = tmp_path / "m.safetensors"
+    chunk = 64 << 10
+    tensors = {"w": sample(np.uint8, (12 * chunk,), 5)}
+    write_raw_safetensors(path, tensors)
+    queue = sim(20e6)
+    loaded = load_file(path, queue, pool=None, staging=chunk)
+    assert queue.link.torn
+    assert loaded["w"].to_host().tobytes() != tensors["w"].tobytes()
