@@ -44,14 +44,19 @@ from fastckpt._native.mapped import MappedFile, held_guards
 from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
+from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
 from fastckpt.formats.readinto import cached, read_ahead
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
+from fastckpt.store.remote import is_url
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
            "DIRECTORY_READERS", "guard", "held_guards", "mappings_of"]
 
-_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
+
+# The opener of URLs (``fastckpt.formats.remote.open``): that module reads through this one, so it sits above it
+# and registers itself here; ``fastckpt/formats/__init__.py`` imports it, so ``fastckpt.open`` always has it.
+_url_opener: list = [None]
 
 # A view of a tensor of READ_AHEAD_MIN bytes or more has the kernel read the file READ_AHEAD bytes past it
 # (TensorFile._read_ahead): a copy out of a fresh mapping of a cold file otherwise waits at every page fault for the
@@ -61,46 +66,14 @@ READ_AHEAD_MIN = 1 << 20
 READ_AHEAD = 256 << 20
 
 
-_JSON_SPACE = b" \t\n\r"
-# How far a safetensors header's leading padding is followed to its "{" when the format is sniffed.
-SNIFF_PADDING = 1 << 16
+def register_url_opener(opener: Callable) -> None:
+    """Make ``opener(url, *, storage_options, names, backend, copy_on_write, max_header_size)`` open URLs for
+    :func:`open` (:mod:`fastckpt.formats.remote` registers its ``open``).
 
-
-def sniff_length(head: bytes) -> int:
-    """How many of a file's first bytes :func:`detect_format` needs, given its first 9: 9, or more when byte 8 is
-    JSON whitespace (safetensors allows it before the header's ``{``), up to the header's end or
-    ``8 + SNIFF_PADDING``.
-
-    >>> sniff_length((2).to_bytes(8, "little") + b"{}"), sniff_length((70).to_bytes(8, "little") + b"  ")
-    (9, 78)
+    >>> _url_opener[0].__module__
+    'fastckpt.formats.remote'
     """
-    if len(head) < 9 or head[8] not in _JSON_SPACE:
-        return 9
-    return 8 + min(int.from_bytes(head[:8], "little"), SNIFF_PADDING)
-
-
-def detect_format(head: bytes) -> str | None:
-    """Name the format of a file from its first bytes (:func:`sniff_length` says how many): ``"npz"``,
-    ``"safetensors"`` or None.
-
-    >>> detect_format(b"PK\\x03\\x04")
-    'npz'
-    >>> detect_format((2).to_bytes(8, "little") + b"{}")
-    'safetensors'
-    >>> detect_format((4).to_bytes(8, "little") + b"\\n\\t{}")   # whitespace before the header's "{"
-    'safetensors'
-    """
-    # safetensors first: a header length of 0x04034B50 starts with the ZIP magic, while no ZIP
-    # start has "{" at byte 8 (there a local header's compression method, 123, does not exist).
-    if len(head) >= 9 and head[8:9] == b"{":
-        return "safetensors"
-    if head[:4] in _ZIP_MAGICS:
-        return "npz"
-    if len(head) >= 10 and head[8] in _JSON_SPACE:
-        header = head[8:8 + int.from_bytes(head[:8], "little")]
-        if header.lstrip(_JSON_SPACE)[:1] == b"{":
-            return "safetensors"
-    return None
+    _url_opener[0] = opener
 
 
 class TensorFile(ReaderMapping):
@@ -460,12 +433,9 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
                         f"({len(path)} bytes, starting {bytes(path[:12])!r}): for a file's bytes held in memory, "
                         "use fastckpt.load_bytes(data); for a path given as bytes, pass os.fsdecode(path)")
     p = os.fspath(path)
-    if "://" in p:  # object storage and remote filesystems
-        from fastckpt.formats import remote
-
-        if remote.is_url(p):
-            return remote.open(p, storage_options=storage_options, names=names, backend=backend,
-                               copy_on_write=copy_on_write, max_header_size=max_header_size)
+    if "://" in p and is_url(p):  # object storage and remote filesystems: fastckpt.formats.remote
+        return _url_opener[0](p, storage_options=storage_options, names=names, backend=backend,
+                              copy_on_write=copy_on_write, max_header_size=max_header_size)
     if storage_options is not None or names is not None:
         raise ValueError(f"storage_options= and names= are for URLs (s3://...); the local file {p!r} is mapped, "
                          "and reads only the tensors you ask for")

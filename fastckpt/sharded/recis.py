@@ -133,6 +133,7 @@ from fastckpt.formats.reader import TensorFile, guard, held_guards, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
 from fastckpt.sharded.hashtable import HashTable, check_holds
+from fastckpt.store.commit import fsync_open
 from fastckpt.sharded.reader import CheckpointReader, register_layout
 from fastckpt.store.names import FILE_NAME, NameRule
 
@@ -819,8 +820,7 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
                 f.write(chunk)
                 hasher.update(chunk)
                 report.advance(a.nbytes, b.key)
-            f.flush()
-            os.fsync(f.fileno())
+            fsync_open(f)
         for b, c, a in zip(writers[k], codes, arrays):
             entries[b.key] = {"dtype": c, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes],
                               "dense": b.kind == "dense"}
