@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from fastckpt.formats import atomic as _atomic
-from fastckpt.formats.atomic import atomic_directory, atomic_write, remove_stale_partials
+from fastckpt.store import commit as _atomic
+from fastckpt.store.commit import atomic_directory, atomic_write, remove_stale_partials
 
 
 def test_atomic_write_replaces_only_on_success(tmp_path):

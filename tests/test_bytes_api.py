@@ -12,7 +12,7 @@ import pytest
 
 import fastckpt
 from fastckpt.errors import FormatError
-from fastckpt.formats import inmemory, npz, safetensors
+from fastckpt.formats import filebytes, inmemory, npz, safetensors
 
 
 def _corpus(fmt: str) -> dict:
@@ -220,7 +220,7 @@ def test_crc_of_npz_bytes_is_right():
 
 
 def test_the_scratch_file_is_removed(tmp_path, monkeypatch):
-    monkeypatch.setattr(inmemory, "_MEMORY_DIR", str(tmp_path))
+    monkeypatch.setattr(filebytes, "_MEMORY_DIR", str(tmp_path))
     safetensors.save_bytes({"w": np.ones(3)})
     npz.save_bytes({"w": np.ones(3)})
     with pytest.raises(TypeError):
@@ -229,8 +229,8 @@ def test_the_scratch_file_is_removed(tmp_path, monkeypatch):
 
 
 def test_without_a_memory_filesystem_the_temporary_directory_serves(tmp_path, monkeypatch):
-    monkeypatch.setattr(inmemory, "_MEMORY_DIR", str(tmp_path / "absent"))
-    monkeypatch.setattr(inmemory.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(filebytes, "_MEMORY_DIR", str(tmp_path / "absent"))
+    monkeypatch.setattr(filebytes.tempfile, "tempdir", str(tmp_path))
     seen = []
 
     def write(path):
@@ -238,6 +238,6 @@ def test_without_a_memory_filesystem_the_temporary_directory_serves(tmp_path, mo
         with open(path, "wb") as f:
             f.write(b"xyz")
 
-    assert inmemory.written_bytes(write, {}) == b"xyz"
+    assert filebytes.written_bytes(write, {}) == b"xyz"
     assert seen == [str(tmp_path)]
     assert os.listdir(tmp_path) == []

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import fastckpt
-from fastckpt.formats import atomic as _atomic
+from fastckpt.store import commit as _atomic
 from fastckpt.formats import hfsharded
-from fastckpt.formats.atomic import atomic_directory, atomic_write, remove_stale_partials, remove_stale_partials_in
+from fastckpt.store.commit import atomic_directory, atomic_write, remove_stale_partials, remove_stale_partials_in
 from fastckpt.formats.tf.writer import write_checkpoint
 from fastckpt.sharded import CheckpointReader, Saver
 from fastckpt.sharded.chain import prune
@@ -132,17 +132,15 @@ def test_two_managers_saving_one_step_one_commits(tmp_path, monkeypatch):
 
 
 def test_two_sharded_saves_of_one_step_without_overwrite_one_commits(tmp_path, monkeypatch):
-    from fastckpt.sharded import format as format_module  # commit_directory: the rename of every sharded save
-
     target = tmp_path / "step-10"
-    real = format_module._swap_in
+    real = _atomic._swap_in  # the rename of every directory commit
 
     def other_commits_first(staging, final, **kwargs):
-        monkeypatch.setattr(format_module, "_swap_in", real)
+        monkeypatch.setattr(_atomic, "_swap_in", real)
         Saver(path=str(final), parallel=1, tensors={"theirs": np.arange(3.0)}).save()
         return real(staging, final, **kwargs)
 
-    monkeypatch.setattr(format_module, "_swap_in", other_commits_first)
+    monkeypatch.setattr(_atomic, "_swap_in", other_commits_first)
     with pytest.raises(FileExistsError) as failure:
         Saver(path=str(target), parallel=1, tensors={"mine": np.ones(2)}).save()
     assert failure.value.filename == str(target)
@@ -151,15 +149,15 @@ def test_two_sharded_saves_of_one_step_without_overwrite_one_commits(tmp_path, m
 
 
 def test_two_hf_sharded_saves_without_overwrite_one_commits(tmp_path, monkeypatch):
-    real = hfsharded._commit
+    real = _atomic.Commit._publish_files
     theirs = {"a": np.full(300, 2.0, np.float32), "b": np.full(300, 2.0, np.float32)}
 
     def other_commits_first(*args, **kwargs):
-        monkeypatch.setattr(hfsharded, "_commit", real)
+        monkeypatch.setattr(_atomic.Commit, "_publish_files", real)
         hfsharded.save_sharded(tmp_path, theirs, max_shard_size=1500)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hfsharded, "_commit", other_commits_first)
+    monkeypatch.setattr(_atomic.Commit, "_publish_files", other_commits_first)
     with pytest.raises(FileExistsError):
         hfsharded.save_sharded(tmp_path, {"a": np.ones(300, np.float32), "b": np.ones(300, np.float32)},
                                max_shard_size=1500, overwrite=False)
@@ -297,7 +295,7 @@ def test_a_dead_writer_of_this_host_is_swept_another_hosts_by_the_same_pid_is_no
 
 SWEEP_IN_A_NEW_PID_NAMESPACE = r"""
 import sys
-from fastckpt.formats.atomic import remove_stale_partials
+from fastckpt.store.commit import remove_stale_partials
 print([p.name for p in remove_stale_partials(sys.argv[1])], flush=True)
 """
 

@@ -26,8 +26,8 @@ from fastckpt.formats.hfsharded import (
     save_sharded,
     shard_names,
 )
-from fastckpt.formats import atomic as _atomic
-from fastckpt.formats.atomic import _owner
+from fastckpt.store import commit as _atomic
+from fastckpt.store.commit import _owner
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from safetensors import safe_open  # noqa: E402
@@ -527,8 +527,7 @@ def test_index_is_written_last_after_every_shard_is_in_place(tmp_path, monkeypat
 
     tensors = model()
     monkeypatch.setattr(os, "replace", spy)
-    # A first save commits by no-replace renames (the atomic module's, which atomic_write calls too).
-    monkeypatch.setattr(hfsharded, "rename_noreplace", spy)
+    # Every save commits by no-replace renames into the directory (the one commit's).
     monkeypatch.setattr(_atomic, "rename_noreplace", spy)
     files = save_sharded(tmp_path, tensors, max_shard_size=3000, fsync=False)
     assert replaced == files  # the shards in order, then the index
@@ -558,26 +557,28 @@ def test_failed_save_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypa
     assert set(state) == set(old) and all(np.array_equal(state[n], old[n]) for n in old)
 
 
-def test_failure_during_the_commit_leaves_no_checkpoint_never_a_mixed_one(tmp_path, monkeypatch):
-    save_sharded(tmp_path, model(1), max_shard_size=3000)
-    real_replace = os.replace
+def test_failure_during_the_commit_puts_the_previous_checkpoint_back(tmp_path, monkeypatch):
+    old = model(1)
+    save_sharded(tmp_path, old, max_shard_size=3000)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = _atomic.rename_noreplace
     count = []
 
     def failing(src, dst, *args, **kwargs):
         if os.path.dirname(os.fspath(dst)) == str(tmp_path):
             count.append(dst)
-            if len(count) == 2:
+            if len(count) == 2:  # the second shard renamed in: the previous save is aside, one new shard is in
                 raise OSError(5, "Input/output error")
-        return real_replace(src, dst, *args, **kwargs)
+        return real(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(os, "replace", failing)
-    with pytest.raises(OSError, match="Input/output"):
+    monkeypatch.setattr(_atomic, "rename_noreplace", failing)
+    with pytest.raises(OSError, match="Input/output") as failure:
         save_sharded(tmp_path, model(2), max_shard_size=3000, overwrite=True)
     monkeypatch.undo()
-    assert not (tmp_path / INDEX_NAME).exists()
-    assert entry_state(tmp_path) is None
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
-    # the next save succeeds and cleans up (the old checkpoint's shards are still there: overwrite=True)
+    assert failure.value.filename.startswith(str(tmp_path) + os.sep)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # exactly as it was, nothing left
+    state = entry_state(tmp_path)
+    assert set(state) == set(old) and all(np.array_equal(state[n], old[n]) for n in old)
     tensors = model(3)
     save_sharded(tmp_path, tensors, max_shard_size=3000, overwrite=True)
     assert set(entry_state(tmp_path)) == set(tensors)

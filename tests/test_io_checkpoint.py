@@ -196,7 +196,7 @@ def test_shared_but_not_circular_state_is_stored_twice(tmp_path, queue, rng):
 
 @pytest.mark.parametrize("fail_at", ["param", "npz_replace", "json_replace"])
 def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monkeypatch, fail_at):
-    import fastckpt.formats.atomic as atomic
+    import fastckpt.store.commit as atomic
 
     params, hosts = make_params(queue, rng)
     save_netcl_checkpoint(params, tmp_path / "ck", optim_state={"m": [np.ones(2)]}, config={"step": 1})
@@ -211,15 +211,18 @@ def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monk
 
         other[1] = Lost()
     else:
-        real_replace = os.replace
+        real_replace, real_noreplace = os.replace, atomic.rename_noreplace
         target = "ck.npz" if fail_at == "npz_replace" else "ck.json"
 
-        def replace(src, dst):
-            if os.fspath(dst).endswith(target) and ".partial" in os.fspath(src):
-                raise OSError(28, "No space left on device")
-            return real_replace(src, dst)
+        def failing(real):
+            def rename(src, dst):  # the file's rename out of its temporary or staging place
+                if os.fspath(dst).endswith(target) and ".partial" in os.fspath(src):
+                    raise OSError(28, "No space left on device")
+                return real(src, dst)
+            return rename
 
-        monkeypatch.setattr(atomic.os, "replace", replace)
+        monkeypatch.setattr(atomic.os, "replace", failing(real_replace))
+        monkeypatch.setattr(atomic, "rename_noreplace", failing(real_noreplace))
     with pytest.raises((RuntimeError, OSError), match="device lost|No space left"):
         save_netcl_checkpoint(other, tmp_path / "ck", optim_state={"m": [np.zeros(2), np.zeros(3)]},
                               config={"step": 2}, overwrite=True)

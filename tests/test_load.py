@@ -846,18 +846,19 @@ def test_staging_reads_a_file_it_mapped_itself_and_copies_from_a_mapping_open_be
         assert set(routes) == {want}, (source, routes)
 
 
-def test_a_short_read_into_a_staging_buffer_names_the_file_and_offset(tmp_path):
-    from fastckpt.device.staging import _read_into
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_short_read_into_a_destination_names_the_file_and_offset(tmp_path, threads):
+    from fastckpt.formats.readinto import read_into
 
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(range(100)))
     fd = os.open(path, os.O_RDONLY)
     try:
         dst = np.zeros(60, np.uint8)
-        _read_into(dst[:40], fd, 60, str(path))
+        read_into(fd, [(dst[:40], 60)], str(path), threads=threads, piece=16)
         assert dst[:40].tolist() == list(range(60, 100))
         with pytest.raises(OSError, match=r"short.bin: the file ended at byte 100 while 20 more bytes"):
-            _read_into(dst, fd, 60, str(path))
+            read_into(fd, [(dst, 60)], str(path), threads=threads, piece=40)
     finally:
         os.close(fd)
 

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _writing import RefilledBuffer, file_size_limit
-from fastckpt.formats.atomic import _owner
+from fastckpt.store.commit import _owner
 from fastckpt._native.mapped import MappedFile
 
 import fastckpt.formats.npz as npz

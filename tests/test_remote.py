@@ -521,7 +521,8 @@ def test_an_object_replaced_between_ranged_reads_is_refused_not_mixed(monkeypatc
     def replaced_after_the_index(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:  # the index is read; another writer replaces the object before the payload is
-            fastckpt.save_safetensors(url, {"pad": np.full(n, 7, np.float32), "a": np.full(n, 9, np.float32)})
+            fastckpt.save_safetensors(url, {"pad": np.full(n, 7, np.float32), "a": np.full(n, 9, np.float32)},
+                                      overwrite=True)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(type(fs), "cat_ranges", replaced_after_the_index)

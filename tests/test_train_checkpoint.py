@@ -37,7 +37,7 @@ from fastckpt.train.reference.selfcheck import (
     train_n_steps,
     unique_param_bytes,
 )
-from fastckpt.formats.atomic import _owner
+from fastckpt.store.commit import _owner
 
 OPTIMIZERS = ["sgd", "adam", "adamw"]
 SCHEDULERS = ["step", "cosine", "plateau"]
@@ -402,7 +402,7 @@ def test_interrupted_overwrite_keeps_previous_checkpoint(tmp_path, fail_at, monk
     # renames of a replacement (the old one aside, the new one in). Where renameat2 can exchange
     # the directories no second rename exists; this test takes the two-rename path everywhere.
     # A new directory is committed by a no-replace rename, not os.replace: 4 in a first save.
-    from fastckpt.formats import atomic as _atomic
+    from fastckpt.store import commit as _atomic
 
     monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
     assert _count_replaces(tmp_path) == 4

@@ -17,7 +17,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from fastckpt.formats.atomic import _owner
+from fastckpt.store.commit import _owner
 from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from fastckpt.train import asyncsave
 from fastckpt.train.asyncsave import AsyncCheckpointer, StagingPool
@@ -301,7 +301,7 @@ objs = build_fresh(1)
 mgr = CheckpointManager(directory, max_to_keep=1)
 mgr.save(1, *objs.save_args(), scaler=objs.scaler)
 train_n_steps(objs, 1)
-import fastckpt.formats.atomic as atomic
+import fastckpt.store.commit as atomic
 real_replace, real_noreplace, renames, inside = os.replace, atomic.rename_noreplace, [], []
 def die_at(dst):
     renames.append(dst)

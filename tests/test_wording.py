@@ -102,7 +102,7 @@ def test_an_error_renamed_by_two_nested_commits_names_the_temporary_once(tmp_pat
     import errno
     import os
 
-    from fastckpt.formats.atomic import _naming_target
+    from fastckpt.store.commit import _naming_target
 
     staging, final = str(tmp_path / ".d.partial"), str(tmp_path / "d")
     inner_tmp = os.path.join(staging, ".m.safetensors.partial")

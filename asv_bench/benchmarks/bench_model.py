@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from .common import CPU as _CPU
+from .common import counts
 from .common import device as _device
 
 MODELS = {
@@ -42,7 +44,7 @@ class _Models:
         return paths
 
 
-class TimeLoadModelWarm(_Models):
+class TimeLoadModelWarm(_CPU, _Models):
     """A reload through a pool that holds the arena and keeps the file open: rebuild, one copy, no allocation."""
 
     def setup(self, paths, kind):
@@ -72,8 +74,24 @@ class TimeLoadModelWarm(_Models):
 
     track_repeat_misses.unit = "misses"
 
+    def track_allocated(self, paths, kind):
+        """Host bytes a warm model load allocates at its peak (the model's objects; never a copy of the weights)."""
+        from fastckpt.io import load_model
 
-class TimeLoadModelNewPool(_Models):
+        return counts(lambda: load_model(self.path, pool=self.pool))["allocated"]
+
+    track_allocated.unit = "bytes"
+
+    def track_copies(self, paths, kind):
+        """Copy commands of a warm load (one per 4 MiB of the file's region)."""
+        from fastckpt.io import load_model
+
+        return load_model(self.path, pool=self.pool).load_report.file_report.copies
+
+    track_copies.unit = "commands"
+
+
+class TimeLoadModelNewPool(_CPU, _Models):
     """The first load through a new pool (allocates the arena, opens the file)."""
 
     number = 1
@@ -96,7 +114,7 @@ class TimeLoadModelNewPool(_Models):
         self.queue.finish()
 
 
-class TimeLoadModelNoPool(_Models):
+class TimeLoadModelNoPool(_CPU, _Models):
     """A load without a pool: a buffer per weight."""
 
     def setup(self, paths, kind):
@@ -113,7 +131,7 @@ class TimeLoadModelNoPool(_Models):
         self.queue.finish()
 
 
-class TimeOneCopy(_Models):
+class TimeOneCopy(_CPU, _Models):
     """The bound: one blocking ``enqueue_copy`` of the model's bytes from RAM into one buffer allocated before."""
 
     def setup(self, paths, kind):

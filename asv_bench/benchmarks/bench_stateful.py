@@ -12,7 +12,7 @@ import os
 from fastckpt.bench.stateful import make_checkpoint, make_data, restore_checkpoint
 from fastckpt.stateful import ArrayReader
 
-from .common import remove, scratch
+from .common import CPU, remove, scratch
 
 SAMPLES, MIB, BATCH = 20_000, 8, 256
 
@@ -48,7 +48,7 @@ class StatefulLoad(_Checkpoint):
         restore_checkpoint(self.pattern, self.data)
 
 
-class StatefulReader:
+class StatefulReader(CPU):
     """One epoch of a shuffling :class:`ArrayReader` with checkpointing on, batches of 256."""
 
     def setup(self):

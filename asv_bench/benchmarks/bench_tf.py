@@ -11,8 +11,10 @@ import os
 
 from fastckpt.bench.tf import make_checkpoint, read_all
 
+from .common import CPU, counts
 
-class TFRead:
+
+class TFRead(CPU):
     """Open the checkpoint and read every tensor (:func:`fastckpt.bench.tf.read_all`)."""
 
     params = ([True, False], [False, True])
@@ -33,3 +35,9 @@ class TFRead:
         return read_all(prefix, verify=verify, copy=copy)
 
     track_bytes_read.unit = "bytes"
+
+    def track_allocated(self, prefix, verify, copy):
+        """Bytes one read allocates at its peak (the copies, with copy=True, and nothing near them without)."""
+        return counts(lambda: read_all(prefix, verify=verify, copy=copy))["allocated"]
+
+    track_allocated.unit = "bytes"

@@ -21,15 +21,20 @@ cdef class _Block:
     cdef Py_ssize_t size
     cdef bint is_mmap
     cdef bint writable
-    cdef int guard_slot        # the SIGBUS guard's table slot while guards > 0, else -1
-    cdef Py_ssize_t guards     # guards open over the mapping (MappedFile.guard)
+    cdef void* cell            # the SIGBUS guard's record of the mapping while guards > 0, else NULL
+    cdef Py_ssize_t guards     # guards open over the mapping, in every thread (MappedFile.guard)
     cdef Py_ssize_t fault_offset  # the first byte a guarded read found gone from the file, else -1
+    cdef object fault_message  # the FormatError's text once a guarded read met a truncation, else None
+    cdef object fault_path     # the path the mapping's guards name
 
 
-# The truncation guard of MappedFile.guard() for native loops that read a mapping: enter, read, exit (which
-# raises FormatError where the file was truncated under the reads).
-cdef int guard_enter(_Block b, object path, object what, bint reinstall=*) except -1
-cdef int guard_exit(_Block b, object path, object what) except -1
+# The truncation guard of MappedFile.guard() for native loops that read a mapping: enter (``hold`` receives this
+# thread's hold), read, exit (which raises FormatError where the file was truncated under the reads).
+cdef int guard_check() except -1
+cdef int guard_enter(_Block b, object path, object what, void** hold, int check=*) except -1
+cdef int guard_exit(_Block b, void* hold, object path, object what) except -1
+# Raises the mapping's FormatError once a guarded read met a truncation in it: every view made after that.
+cdef int poisoned(_Block b) except -1
 
 
 cdef class MappedFile:

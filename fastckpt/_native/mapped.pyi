@@ -1,12 +1,26 @@
 # Types of the compiled module mapped.pyx (the docstrings there say what each call does).
 from os import PathLike
 from types import TracebackType
-from typing import Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 PAGE_SIZE: int
+
+_T = TypeVar("_T")
+
+class _Guard:
+    def __enter__(self) -> _Guard: ...
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool: ...
+    def check(self) -> None: ...
+
+class GuardScope:
+    def __len__(self) -> int: ...
+    def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T: ...
+
+def held_guards() -> GuardScope: ...
 
 class MappedFile:
     @property
@@ -37,4 +51,5 @@ class MappedFile:
     def view(self, offset: int = 0, length: int | None = None, what: str = "bytes") -> memoryview: ...
     def array(self, offset: int, dtype: DTypeLike, shape: tuple[int, ...], order: Literal["C", "F"] = "C",
               what: str = "tensor") -> np.ndarray: ...
+    def guard(self, what: str = "the file") -> _Guard: ...
     def advise(self, kind: str, offset: int = 0, length: int | None = None) -> None: ...

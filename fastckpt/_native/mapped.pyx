@@ -17,9 +17,13 @@ Lifetime rules (the same discipline as h5py's handles):
   untouched. A file truncated in place makes the kernel send SIGBUS on access
   past its new end; fastckpt never truncates, and every copy it makes out of a
   mapping runs under ``guard()``, which turns that into a ``FormatError``
-  ("truncated or replaced while reading"). Views handed out are plain mapped
-  memory: after such a truncation, reading one kills the process as any
-  mapping would (``backend="pread"`` hands out copies instead).
+  ("truncated or replaced while reading") and poisons the handle: every later
+  ``view``, ``array``, ``read`` and guard raises the same error. Views handed
+  out are plain mapped memory: one made before the fault reads zeros from the
+  first missing page on; read outside any guard after such a truncation (in a
+  thread that holds no guard), one kills the process as any mapping would
+  (``backend="pread"`` hands out copies instead). Every SIGBUS that is not the
+  guard's goes to the handler installed before it (see ``guard()``).
 
 ``backend="pread"`` serves filesystems that cannot map (some network and FUSE
 filesystems): the same API, but each ``view()`` reads its bytes into a fresh
@@ -99,123 +103,289 @@ cdef extern from "<fcntl.h>" nogil:
 
 
 
-# The truncation guard (see MappedFile.guard): a SIGBUS handler that, for a fault inside a mapping some thread
-# is reading under a guard, maps a zero page over the faulting page, records the first faulting address and
-# returns, so the copy (numpy's, BLAKE3's threads', the OpenCL runtime's) runs to its end and the guard's exit
-# raises. Patching rather than jumping out (sigsetjmp/siglongjmp) is what reaches copies made by threads that
-# fastckpt does not own; the handler touches only this table (lock-free, fixed size) and the mmap syscall.
+# The truncation guard (see MappedFile.guard): a SIGBUS handler that, for a fault inside a mapping read under a
+# guard, maps zero pages from the faulting page to the mapping's end, records the first faulting address and
+# returns, so the copy runs to its end and the guard's exit raises. Patching rather than jumping out
+# (sigsetjmp/siglongjmp) is what reaches copies made by threads that fastckpt does not own.
+#
+# Whose fault is it: a guard is a *hold* of the thread that entered it on the mapping's *cell* (one per guarded
+# mapping, shared by every thread guarding it, where the fault is recorded). A fault is patched when the
+# faulting thread holds a guard over the address, or when the thread is not a Python thread (no Python thread
+# state: BLAKE3's and the OpenCL runtime's workers, which copy on behalf of a guarded call) and some thread
+# holds one. A Python thread without a guard of its own (a plain view read while another thread loads from the
+# same file) is not covered: its fault goes where it would without fastckpt. fastckpt's own worker threads
+# enter the guards of the call they work for (held_guards()).
+#
+# Cells and holds are records of one table that grows in chunks never freed (the handler may be walking them), so
+# no number of guarded mappings is too many; claiming and releasing is a free-list pop and push under the GIL.
+#
+# Chaining: every fault or sent SIGBUS that is not ours goes to the handler installed before ours, every time,
+# by calling it (with its mask and flags) rather than reinstalling it, so that ours stays in place. Guard
+# entries check that ours is still installed (faulthandler.enable(), signal.signal and C code may replace it)
+# and put it back, remembering the replacement as the newest previous handler. A replacement that passes a
+# signal on to *its* previous handler (ours, from an earlier install; faulthandler does, by raise()) re-enters
+# ours while it is being called: a per-thread depth says how far down the list of previous handlers to go, so
+# the signal travels the same chain it would have without the re-install, ending in the default action.
 cdef extern from *:
     """
+    #include <errno.h>
+    #include <pthread.h>
     #include <signal.h>
     #include <stdint.h>
+    #include <stdlib.h>
     #include <string.h>
     #include <sys/mman.h>
     #include <unistd.h>
 
-    #define FC_GUARD_SLOTS 1024
-    typedef struct { uintptr_t start, end, fault; int prot; int active; } fc_guard_slot;
-    static fc_guard_slot fc_guard_slots[FC_GUARD_SLOTS];
-    static struct sigaction fc_guard_previous;
-    static uintptr_t fc_guard_page = 4096;
-    static int fc_guard_installed = 0;
-    static volatile sig_atomic_t fc_guard_chained = 0;
+    #define FC_CHUNK 256
 
-    static void fc_guard_handler(int sig, siginfo_t *info, void *context) {
-        uintptr_t addr = (uintptr_t)info->si_addr;
-        int i;
-        if (info->si_code > 0) {  /* a fault, not a kill() */
-            for (i = 0; i < FC_GUARD_SLOTS; i++) {
-                fc_guard_slot *s = &fc_guard_slots[i];
-                if (__atomic_load_n(&s->active, __ATOMIC_ACQUIRE) && addr >= s->start && addr < s->end) {
-                    uintptr_t page = addr & ~(fc_guard_page - 1);
-                    uintptr_t end = (s->end + fc_guard_page - 1) & ~(fc_guard_page - 1);
-                    uintptr_t none = 0;
-                    /* A truncation takes every page from here to the end: patch them all at once rather than
-                       take one signal per page (the mapping is dead from now on anyway). */
-                    if (mmap((void *)page, end - page, s->prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
-                             -1, 0) == MAP_FAILED)
-                        break;  /* cannot patch: die as an unguarded fault would */
-                    __atomic_compare_exchange_n(&s->fault, &none, addr, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
-                    return;  /* the access runs again and reads zeros */
-                }
-            }
+    /* One record type for both: a *cell* (one per guarded mapping: its range, and the first fault met in it)
+       and a *hold* (one per guard entered: the thread, and the cell it guards). A record is a hold while `cell`
+       is set; cells never set it. */
+    typedef struct fc_rec {
+        uintptr_t start, end;           /* cell: the mapping */
+        uintptr_t fault;                /* cell: the first faulting address met under a guard, 0: none (atomic) */
+        int prot;                       /* cell: the mapping's protection, for the zero pages */
+        struct fc_rec *cell;            /* hold: the guarded mapping's cell, NULL while free (atomic) */
+        uintptr_t thread;               /* hold: pthread_self() of the thread that entered the guard */
+        PyObject *block, *path, *what;  /* hold: borrowed from the guard while held, for held_guards() (GIL) */
+        struct fc_rec *next_free;       /* free list (GIL) */
+    } fc_rec;
+    typedef fc_rec fc_cell;
+    typedef fc_rec fc_hold;
+
+    typedef struct fc_chunk { fc_rec item[FC_CHUNK]; struct fc_chunk *next; } fc_chunk;
+
+    /* A handler that was installed before ours, the newest first. */
+    typedef struct fc_prev { struct sigaction act; struct fc_prev *older; int reset; } fc_prev;
+
+    static fc_chunk *fc_chunks;                 /* walked by the handler (atomic head, chunks never freed) */
+    static fc_rec *fc_free;
+    static fc_prev *fc_prev_head;               /* atomic */
+    static uintptr_t fc_page = 4096;
+    static __thread int fc_depth __attribute__((tls_model("initial-exec")));  /* previous handlers being run */
+
+    /* The default action of `sig`: for a fault, return and let the access run again (the kernel then ends the
+       process, with a core dump where those are on, as it would have the first time); a sent signal is sent
+       again. */
+    static void fc_default(int sig, siginfo_t *info) {
+        struct sigaction dfl;
+        sigset_t unblock;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigemptyset(&dfl.sa_mask);
+        sigaction(sig, &dfl, NULL);
+        if (info->si_code <= 0) {
+            sigemptyset(&unblock);
+            sigaddset(&unblock, sig);
+            pthread_sigmask(SIG_UNBLOCK, &unblock, NULL);
+            raise(sig);
         }
-        /* Not ours: give the signal to whoever handled it before (the default action kills the process, as
-           without fastckpt). The fault happens again on return and goes there; a sent signal is sent again.
-           Back here a second time (faulthandler, enabled after this handler, restores it and raises again once
-           it has written its report): end as the default action does, rather than pass it round forever. */
-        if (fc_guard_chained) {
-            struct sigaction dfl;
-            memset(&dfl, 0, sizeof dfl);
-            dfl.sa_handler = SIG_DFL;
-            sigemptyset(&dfl.sa_mask);
-            sigaction(SIGBUS, &dfl, NULL);
-            raise(SIGBUS);
-            return;
-        }
-        fc_guard_chained = 1;
-        sigaction(SIGBUS, &fc_guard_previous, NULL);
-        if (info->si_code <= 0)
-            raise(SIGBUS);
     }
 
-    /* Installs the handler unless it is the current one (faulthandler, enabled later, may have replaced it). */
+    /* Give the signal to the handler installed before ours (`fc_depth` handlers down the list). */
+    static void fc_chain(int sig, siginfo_t *info, void *context) {
+        fc_prev *p = __atomic_load_n(&fc_prev_head, __ATOMIC_ACQUIRE);
+        int d;
+        for (d = fc_depth; p != NULL && d > 0; d--)
+            p = p->older;
+        if (p != NULL && !__atomic_load_n(&p->reset, __ATOMIC_ACQUIRE)) {
+            int siginfo = (p->act.sa_flags & SA_SIGINFO) != 0;
+            void (*plain)(int) = p->act.sa_handler;
+            if (siginfo || (plain != SIG_DFL && plain != SIG_IGN)) {
+                sigset_t mask = p->act.sa_mask, old;
+                if (!(p->act.sa_flags & SA_NODEFER))
+                    sigaddset(&mask, sig);
+                if (p->act.sa_flags & SA_RESETHAND)
+                    __atomic_store_n(&p->reset, 1, __ATOMIC_RELEASE);
+                pthread_sigmask(SIG_BLOCK, &mask, &old);
+                fc_depth++;
+                if (siginfo)
+                    p->act.sa_sigaction(sig, info, context);
+                else
+                    plain(sig);
+                pthread_sigmask(SIG_SETMASK, &old, NULL);  /* a signal it raised while masked arrives here */
+                fc_depth--;
+                return;
+            }
+            if (plain == SIG_IGN && info->si_code <= 0)
+                return;  /* a sent SIGBUS the program ignores (an ignored fault ends the process all the same) */
+        }
+        fc_default(sig, info);
+    }
+
+    /* Map zero pages from the faulting page to the end of the cell's mapping; 0 if that fails. */
+    static int fc_patch(fc_cell *c, uintptr_t addr) {
+        uintptr_t page = addr & ~(fc_page - 1);
+        uintptr_t end = (c->end + fc_page - 1) & ~(fc_page - 1);
+        uintptr_t none = 0;
+        /* A truncation takes every page from here to the end: patch them all at once rather than take one
+           signal per page (the mapping is dead from now on anyway). */
+        if (mmap((void *)page, end - page, c->prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
+            return 0;
+        __atomic_compare_exchange_n(&c->fault, &none, addr, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+        return 1;
+    }
+
+    static void fc_guard_handler(int sig, siginfo_t *info, void *context) {
+        int saved = errno;
+        if (info->si_code > 0) {  /* a fault, not a kill() */
+            uintptr_t addr = (uintptr_t)info->si_addr, self = (uintptr_t)pthread_self();
+            fc_cell *mine = NULL, *other = NULL;
+            fc_chunk *chunk;
+            int i;
+            for (chunk = __atomic_load_n(&fc_chunks, __ATOMIC_ACQUIRE); chunk != NULL && mine == NULL;
+                 chunk = chunk->next) {
+                for (i = 0; i < FC_CHUNK; i++) {
+                    fc_cell *c = __atomic_load_n(&chunk->item[i].cell, __ATOMIC_ACQUIRE);
+                    if (c != NULL && addr >= c->start && addr < c->end) {
+                        if (__atomic_load_n(&chunk->item[i].thread, __ATOMIC_RELAXED) == self) {
+                            mine = c;
+                            break;
+                        }
+                        if (other == NULL)
+                            other = c;
+                    }
+                }
+            }
+            if (mine == NULL && other != NULL && PyGILState_GetThisThreadState() == NULL)
+                mine = other;  /* a runtime's worker thread copying for a guarded call */
+            if (mine != NULL && fc_patch(mine, addr)) {
+                errno = saved;
+                return;  /* the access runs again and reads zeros */
+            }
+        }
+        fc_chain(sig, info, context);
+        errno = saved;
+    }
+
+    static int fc_same_action(const struct sigaction *a, const struct sigaction *b) {
+        if ((a->sa_flags & SA_SIGINFO) != (b->sa_flags & SA_SIGINFO) || a->sa_flags != b->sa_flags)
+            return 0;
+        return (a->sa_flags & SA_SIGINFO) ? a->sa_sigaction == b->sa_sigaction : a->sa_handler == b->sa_handler;
+    }
+
+    /* Install the handler unless it is the current one; what it replaces becomes the newest previous handler.
+       One system call when it is in place. Called with the GIL held. */
     static int fc_guard_install(void) {
         struct sigaction current, mine;
+        fc_prev *head;
         if (sigaction(SIGBUS, NULL, &current) != 0)
             return -1;
         if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == fc_guard_handler)
             return 0;
+        fc_page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        head = __atomic_load_n(&fc_prev_head, __ATOMIC_ACQUIRE);
+        if (head == NULL || head->reset || !fc_same_action(&head->act, &current)) {
+            fc_prev *p = (fc_prev *)calloc(1, sizeof *p);  /* never freed: the handler may be reading it */
+            if (p == NULL) {
+                errno = ENOMEM;
+                return -1;
+            }
+            p->act = current;
+            p->older = head;
+            __atomic_store_n(&fc_prev_head, p, __ATOMIC_RELEASE);
+        }
         memset(&mine, 0, sizeof mine);
         mine.sa_sigaction = fc_guard_handler;
         mine.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
         sigemptyset(&mine.sa_mask);
-        fc_guard_page = (uintptr_t)sysconf(_SC_PAGESIZE);
-        fc_guard_previous = current;
-        if (sigaction(SIGBUS, &mine, NULL) != 0)
-            return -1;
-        fc_guard_installed = 1;
-        return 0;
+        return sigaction(SIGBUS, &mine, NULL);
     }
 
-    /* fc_guard_install the first time only: for native loops that open a guard per tensor, where a system
-       call each would cost more than the read (MappedFile.guard() checks every time). */
-    static int fc_guard_ensure(void) {
-        return fc_guard_installed ? 0 : fc_guard_install();
+    /* A free record, NULL when out of memory: the tables grow a chunk at a time. GIL held. */
+    static fc_rec *fc_claim(void) {
+        fc_rec *r = fc_free;
+        if (r == NULL) {
+            fc_chunk *chunk = (fc_chunk *)calloc(1, sizeof *chunk);  /* never freed: the handler walks them */
+            int i;
+            if (chunk == NULL)
+                return NULL;
+            for (i = 0; i < FC_CHUNK; i++)
+                chunk->item[i].next_free = i + 1 < FC_CHUNK ? &chunk->item[i + 1] : NULL;
+            chunk->next = fc_chunks;
+            __atomic_store_n(&fc_chunks, chunk, __ATOMIC_RELEASE);
+            r = &chunk->item[0];
+        }
+        fc_free = r->next_free;
+        return r;
     }
 
-    /* A free slot for [start, end), or -1 when every slot is taken. Called with the GIL held. */
-    static int fc_guard_claim(uintptr_t start, uintptr_t end, int prot) {
+    static void fc_release(fc_rec *r) {
+        r->next_free = fc_free;
+        fc_free = r;
+    }
+
+    /* A cell for the mapping [start, end), NULL when out of memory. GIL held. */
+    static fc_cell *fc_cell_claim(uintptr_t start, uintptr_t end, int prot) {
+        fc_cell *c = fc_claim();
+        if (c == NULL)
+            return NULL;
+        c->start = start;
+        c->end = end;
+        c->prot = prot;
+        __atomic_store_n(&c->fault, 0, __ATOMIC_RELEASE);
+        return c;
+    }
+
+    static void fc_cell_release(fc_cell *c) {
+        fc_release(c);
+    }
+
+    static uintptr_t fc_cell_fault(fc_cell *c) {
+        return __atomic_load_n(&c->fault, __ATOMIC_ACQUIRE);
+    }
+
+    /* A hold of this thread on `c`, NULL when out of memory. GIL held. */
+    static fc_hold *fc_hold_claim(fc_cell *c, PyObject *block, PyObject *path, PyObject *what) {
+        fc_hold *h = fc_claim();
+        if (h == NULL)
+            return NULL;
+        h->block = block;
+        h->path = path;
+        h->what = what;
+        __atomic_store_n(&h->thread, (uintptr_t)pthread_self(), __ATOMIC_RELAXED);
+        __atomic_store_n(&h->cell, c, __ATOMIC_RELEASE);
+        return h;
+    }
+
+    static void fc_hold_release(fc_hold *h) {
+        __atomic_store_n(&h->cell, NULL, __ATOMIC_RELEASE);
+        fc_release(h);
+    }
+
+    /* Append (block, path, what) to `out` for each guard this thread holds, oldest mapping first. GIL held. */
+    static int fc_held_by_this_thread(PyObject *out) {
+        uintptr_t self = (uintptr_t)pthread_self();
+        fc_chunk *chunk;
         int i;
-        for (i = 0; i < FC_GUARD_SLOTS; i++) {
-            fc_guard_slot *s = &fc_guard_slots[i];
-            if (!__atomic_load_n(&s->active, __ATOMIC_ACQUIRE)) {
-                s->start = start; s->end = end; s->prot = prot;
-                __atomic_store_n(&s->fault, 0, __ATOMIC_RELAXED);
-                __atomic_store_n(&s->active, 1, __ATOMIC_RELEASE);
-                return i;
+        for (chunk = fc_chunks; chunk != NULL; chunk = chunk->next) {
+            for (i = 0; i < FC_CHUNK; i++) {
+                fc_hold *h = &chunk->item[i];
+                if (h->cell != NULL && h->thread == self) {
+                    PyObject *t = PyTuple_Pack(3, h->block, h->path, h->what);
+                    if (t == NULL || PyList_Append(out, t) != 0) {
+                        Py_XDECREF(t);
+                        return -1;
+                    }
+                    Py_DECREF(t);
+                }
             }
         }
-        return -1;
-    }
-
-    static uintptr_t fc_guard_fault(int i) {
-        return __atomic_load_n(&fc_guard_slots[i].fault, __ATOMIC_ACQUIRE);
-    }
-
-    /* Frees the slot; returns the first faulting address seen in it (0: none). */
-    static uintptr_t fc_guard_release(int i) {
-        uintptr_t fault;
-        __atomic_store_n(&fc_guard_slots[i].active, 0, __ATOMIC_RELEASE);
-        fault = __atomic_load_n(&fc_guard_slots[i].fault, __ATOMIC_ACQUIRE);
-        return fault;
+        return 0;
     }
     """
+    ctypedef struct fc_cell:
+        pass
+    ctypedef struct fc_hold:
+        pass
     int fc_guard_install() nogil
-    int fc_guard_ensure() nogil
-    int fc_guard_claim(uintptr_t start, uintptr_t end, int prot) nogil
-    uintptr_t fc_guard_fault(int i) nogil
-    uintptr_t fc_guard_release(int i) nogil
+    fc_cell* fc_cell_claim(uintptr_t start, uintptr_t end, int prot) nogil
+    void fc_cell_release(fc_cell* c) nogil
+    uintptr_t fc_cell_fault(fc_cell* c) nogil
+    fc_hold* fc_hold_claim(fc_cell* c, PyObject* block, PyObject* path, PyObject* what)
+    void fc_hold_release(fc_hold* h) nogil
+    int fc_held_by_this_thread(object out) except -1
 
 cdef uint8_t _EMPTY[1]
 
@@ -238,15 +408,16 @@ cdef class _Block:
         self.size = 0
         self.is_mmap = False
         self.writable = False
-        self.guard_slot = -1
+        self.cell = NULL
         self.guards = 0
         self.fault_offset = -1
+        self.fault_message = None
 
     def __dealloc__(self):
         # No Python here: this may run at interpreter shutdown.
-        if self.guard_slot >= 0:  # a guard still open (its object leaked in a cycle): free the slot first
-            fc_guard_release(self.guard_slot)
-            self.guard_slot = -1
+        if self.cell != NULL:  # a guard still open (its object leaked in a cycle): free the cell first
+            fc_cell_release(<fc_cell*>self.cell)
+            self.cell = NULL
         if self.ptr != NULL:
             if self.is_mmap:
                 munmap(self.ptr, <size_t>self.size)
@@ -273,68 +444,127 @@ cdef class _Block:
         pass
 
 
-cdef int guard_enter(_Block b, object path, object what, bint reinstall=False) except -1:
-    """Open a guard over ``b`` (see :meth:`MappedFile.guard`); raises at once if the mapping already met a truncation.
+cdef int _note_fault(_Block b, uintptr_t fault, object path, object what) except -1:
+    """Remember the first truncation met in ``b`` (its offset and the FormatError every later read repeats)."""
+    if fault != 0 and b.fault_offset < 0:
+        b.fault_offset = <Py_ssize_t>(fault - <uintptr_t>b.ptr)
+    if b.fault_offset >= 0 and b.fault_message is None:
+        b.fault_message = _truncated_message(path, b, what)
+    return 0
 
-    A no-op for memory that is not a file's mapping (what ``from_buffer`` holds). The SIGBUS handler is
-    installed the first time; ``reinstall`` checks with a system call that it still is (``faulthandler.enable()``
-    may have replaced it since): ``MappedFile.guard()`` does, native loops that guard each tensor do not."""
+
+cdef int poisoned(_Block b) except -1:
+    """Raise the mapping's FormatError if a guarded read has met a truncation in it (see MappedFile.guard);
+    every view made from then on would read zeros where the file's bytes were."""
+    if b.fault_offset < 0 and b.cell != NULL and fc_cell_fault(<fc_cell*>b.cell) != 0:
+        _note_fault(b, fc_cell_fault(<fc_cell*>b.cell), b.fault_path, "the file")
+    if b.fault_message is not None:
+        raise FormatError(b.fault_message)
+    return 0
+
+
+cdef int guard_check() except -1:
+    """Check with a system call that the SIGBUS handler is installed, putting it back in front if something
+    replaced it (``faulthandler.enable()``, ``signal.signal``, C code)."""
+    if fc_guard_install() != 0:
+        e = errno
+        raise OSError(e, f"cannot install the SIGBUS handler: {strerror(e).decode()}")
+    return 0
+
+
+cdef int guard_enter(_Block b, object path, object what, void** hold, int check=-1) except -1:
+    """Open a guard of this thread over ``b`` (see :meth:`MappedFile.guard`); ``hold[0]`` is what
+    :func:`guard_exit` takes. Raises at once if the mapping already met a truncation.
+
+    A no-op (``hold[0]`` NULL) for memory that is not a file's mapping (what ``from_buffer`` holds). Runs
+    :func:`guard_check` (a system call) when ``check`` is 1, never when it is 0 (a loop that checked before
+    it), and by default (-1) when the mapping has no guard open yet: a guard nested in another over the same
+    mapping costs no system call."""
+    cdef fc_cell* cell
+    cdef fc_hold* h
+    hold[0] = NULL
     if not b.is_mmap or b.ptr == NULL:
         return 0
-    if b.fault_offset >= 0:
-        _raise_truncated(path, b, what)
-    if b.guards == 0:
-        if (fc_guard_install() if reinstall else fc_guard_ensure()) != 0:
-            e = errno
-            raise OSError(e, f"cannot install the SIGBUS handler: {strerror(e).decode()}")
-        b.guard_slot = fc_guard_claim(<uintptr_t>b.ptr, <uintptr_t>b.ptr + <uintptr_t>b.size,
-                                      PROT_READ | (PROT_WRITE if b.writable else 0))
-        # With every slot taken (1,024 mappings read at once) the reads go unguarded, as before.
+    if b.fault_message is not None or (b.cell != NULL and fc_cell_fault(<fc_cell*>b.cell) != 0):
+        _note_fault(b, fc_cell_fault(<fc_cell*>b.cell) if b.cell != NULL else 0, path, what)
+        raise FormatError(b.fault_message)
+    if check == 1 or (check < 0 and b.guards == 0):
+        guard_check()
+    cell = <fc_cell*>b.cell
+    if cell == NULL:
+        cell = fc_cell_claim(<uintptr_t>b.ptr, <uintptr_t>b.ptr + <uintptr_t>b.size,
+                             PROT_READ | (PROT_WRITE if b.writable else 0))
+        if cell == NULL:
+            raise MemoryError("no memory for a truncation guard")
+    h = fc_hold_claim(cell, <PyObject*>b, <PyObject*>path, <PyObject*>what)
+    if h == NULL:
+        if b.cell == NULL:
+            fc_cell_release(cell)
+        raise MemoryError("no memory for a truncation guard")
+    if b.cell == NULL:
+        b.cell = <void*>cell
+        b.fault_path = path
     b.guards += 1
+    hold[0] = <void*>h
     return 0
 
 
 cdef int guard_poll(_Block b, object path, object what) except -1:
     """Raise if a read under the open guards of ``b`` has met a truncated file."""
-    cdef uintptr_t fault
-    if b.guard_slot >= 0 and b.fault_offset < 0:
-        fault = fc_guard_fault(b.guard_slot)
-        if fault != 0:
-            b.fault_offset = <Py_ssize_t>(fault - <uintptr_t>b.ptr)
-    if b.fault_offset >= 0:
-        _raise_truncated(path, b, what)
+    if b.cell != NULL:
+        _note_fault(b, fc_cell_fault(<fc_cell*>b.cell), path, what)
+    if b.fault_message is not None:
+        raise FormatError(b.fault_message)
     return 0
 
 
-cdef int guard_exit(_Block b, object path, object what) except -1:
+cdef void _release(_Block b, void* hold) noexcept:
+    """Free a hold and, with the mapping's last guard, its cell (remembering a fault met under them). No Python
+    is called, so that a guard object's finalizer can use it at shutdown."""
+    cdef uintptr_t fault
+    fc_hold_release(<fc_hold*>hold)
+    b.guards -= 1
+    if b.guards == 0 and b.cell != NULL:
+        fault = fc_cell_fault(<fc_cell*>b.cell)
+        if fault != 0 and b.fault_offset < 0:
+            b.fault_offset = <Py_ssize_t>(fault - <uintptr_t>b.ptr)
+        fc_cell_release(<fc_cell*>b.cell)
+        b.cell = NULL
+
+
+cdef int guard_exit(_Block b, void* hold, object path, object what) except -1:
     """Close a guard that :func:`guard_enter` opened; raises if a read under it met a truncated file."""
     cdef uintptr_t fault = 0
-    if not b.is_mmap or b.ptr == NULL:
+    if hold == NULL:
         return 0
-    b.guards -= 1
-    if b.guard_slot >= 0:
-        fault = fc_guard_release(b.guard_slot) if b.guards == 0 else fc_guard_fault(b.guard_slot)
-        if b.guards == 0:
-            b.guard_slot = -1
-    if fault != 0 and b.fault_offset < 0:
-        b.fault_offset = <Py_ssize_t>(fault - <uintptr_t>b.ptr)
-    if b.fault_offset >= 0:
-        _raise_truncated(path, b, what)
+    if b.cell != NULL:
+        fault = fc_cell_fault(<fc_cell*>b.cell)
+    _release(b, hold)
+    if fault != 0 or b.fault_offset >= 0:
+        _note_fault(b, fault, path, what)
+        raise FormatError(b.fault_message)
     return 0
 
 
 cdef class _Guard:
-    """What :meth:`MappedFile.guard` returns: a context manager over one mapping (a no-op without one)."""
+    """What :meth:`MappedFile.guard` returns: a context manager over one mapping (a no-op without one). It may
+    be entered again while entered (the holds stack up) and left in another thread than the one that entered."""
 
     cdef _Block _block
     cdef object _path
     cdef object _what
-    cdef bint _entered
+    cdef void* _hold      # the innermost entry's hold
+    cdef list _outer      # holds of entries it is nested in (as ints), None when entered once
 
     def __enter__(self):
+        cdef void* h
         if self._block is not None:
-            guard_enter(self._block, self._path, self._what, True)
-            self._entered = True
+            guard_enter(self._block, self._path, self._what, &h)
+            if self._hold != NULL:
+                if self._outer is None:
+                    self._outer = []
+                self._outer.append(<uintptr_t>self._hold)
+            self._hold = h
         return self
 
     def check(self):
@@ -345,15 +575,95 @@ cdef class _Guard:
 
     def __exit__(self, exc_type, exc, tb):
         cdef _Block b = self._block
-        if self._entered:
-            self._entered = False
-            if (isinstance(exc, OSError) and exc.errno == EFAULT and b.fault_offset < 0
-                    and _size_now(self._path) < b.size):
-                # A system call handed the mapping (writev of its views) met the truncation: the kernel says
-                # EFAULT instead of sending SIGBUS. The same FormatError, and the mapping remembers it.
-                b.fault_offset = _size_now(self._path)
-            guard_exit(b, self._path, self._what)
+        cdef void* h = self._hold
+        if h == NULL:
+            return False
+        if self._outer:
+            self._hold = <void*><uintptr_t>self._outer.pop()
+        else:
+            self._hold = NULL
+        if (isinstance(exc, OSError) and exc.errno == EFAULT and b.fault_offset < 0
+                and _size_now(self._path) < b.size):
+            # A system call handed the mapping (writev of its views) met the truncation: the kernel says
+            # EFAULT instead of sending SIGBUS. The same FormatError, and the mapping remembers it.
+            b.fault_offset = _size_now(self._path)
+        guard_exit(b, h, self._path, self._what)
         return False
+
+    def __dealloc__(self):
+        # Entered and never left (the object leaked in a cycle): give its holds back. No Python here.
+        cdef uintptr_t h
+        if self._block is None:
+            return
+        if self._hold != NULL:
+            _release(self._block, self._hold)
+            self._hold = NULL
+        if self._outer is not None:
+            for h in self._outer:
+                _release(self._block, <void*>h)
+            self._outer = None
+
+
+cdef class GuardScope:
+    """The guards a thread holds, to be held again by a worker thread that copies for it: what
+    :func:`held_guards` returns.
+
+    A copy out of a mapping is covered by the guards of the thread that makes it (and, for threads that are
+    not Python threads, by any thread's: the OpenCL runtime's and BLAKE3's workers). A Python worker thread
+    that copies for a guarded call runs under the caller's scope: ``pool.submit(scope.run, fn, *args)``. A
+    truncation met there raises the mapping's FormatError when ``fn`` returns, as the guards themselves do.
+
+    >>> import tempfile, os
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 8192); os.close(fd)
+    >>> m = MappedFile(p)
+    >>> with m.guard("the test bytes"), ThreadPoolExecutor(1) as pool:
+    ...     scope = held_guards()
+    ...     pool.submit(scope.run, bytes, m.view(0, 4)).result(), len(scope)
+    (b'xxxx', 1)
+    """
+
+    cdef list _held      # (block, path, what) for each mapping
+
+    def __len__(self):
+        return len(self._held)
+
+    def run(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` in the calling thread, under guards of its own over the scope's mappings.
+        Several threads may run under one scope at once."""
+        cdef void* h
+        cdef list holds = []
+        cdef Py_ssize_t i
+        try:
+            for block, path, what in self._held:
+                guard_enter(<_Block>block, path, what, &h)
+                holds.append(<uintptr_t>h)
+            return fn(*args, **kwargs)
+        finally:
+            error = None
+            for i in range(len(holds)):
+                block, path, what = self._held[i]
+                try:
+                    guard_exit(<_Block>block, <void*><uintptr_t>holds[i], path, what)
+                except FormatError as e:
+                    error = error or e
+            if error is not None:
+                raise error
+
+
+def held_guards():
+    """The guards over mappings (:meth:`MappedFile.guard`) that the calling thread holds now, as a
+    :class:`GuardScope` that worker threads enter for the copies they make on this thread's behalf."""
+    cdef GuardScope scope = GuardScope.__new__(GuardScope)
+    cdef list found = []
+    cdef set seen = set()
+    fc_held_by_this_thread(found)
+    scope._held = []
+    for block, path, what in found:
+        if id(block) not in seen:
+            seen.add(id(block))
+            scope._held.append((block, path, what))
+    return scope
 
 
 cdef Py_ssize_t _size_now(object path):
@@ -363,14 +673,15 @@ cdef Py_ssize_t _size_now(object path):
         return 0
 
 
-cdef int _raise_truncated(object path, _Block block, object what) except -1:
+cdef str _truncated_message(object path, _Block block, object what):
     try:
         now = f"now has {os.stat(path).st_size} bytes"
     except OSError as e:
         now = f"is gone ({e.strerror})"
-    raise FormatError(
+    return (
         f"{path}: the file was truncated or replaced while reading {what} (or its storage failed): byte "
-        f"{block.fault_offset} of its {block.size}-byte mapping is no longer in the file, which {now}. Open it "
+        f"{block.fault_offset} of its {block.size}-byte mapping is no longer in the file, which {now}. Every "
+        "read through this handle now raises this error (its pages from there on read as zeros). Open it "
         "again once whatever writes it has finished (fastckpt's writers replace files by rename, which never "
         "does this); on a filesystem where files change under a reader, open it with backend='pread'")
 
@@ -532,6 +843,8 @@ cdef class MappedFile:
     cdef int _check(self, Py_ssize_t offset, Py_ssize_t length, object what) except -1:
         if self._closed:
             raise ValueError(f"{self.path!r}: the mapped file is closed")
+        if self._block is not None and (self._block.fault_message is not None or self._block.cell != NULL):
+            poisoned(self._block)  # a guarded read met a truncation: nothing read from here on is the file's
         if offset < 0 or length < 0 or offset > self.size or length > self.size - offset:
             end = offset + length
             raise FormatError(
@@ -603,16 +916,17 @@ cdef class MappedFile:
         """
         cdef bytes out
         cdef _Block block
+        cdef void* hold
         self._check(offset, length, what)
         if self._block is not None:
             if not length:
                 return b""
             block = self._block
-            guard_enter(block, self.path, what)  # within a parse's guard: a counter, no system call
+            guard_enter(block, self.path, what, &hold)  # within a parse's guard: no system call
             try:
                 return (<const char*>block.ptr)[offset:offset + length]
             finally:
-                guard_exit(block, self.path, what)
+                guard_exit(block, hold, self.path, what)
         # Straight into the result, not through span()'s shared scratch buffer: read() may run in
         # several threads at once.
         out = PyBytes_FromStringAndSize(NULL, length)
@@ -702,14 +1016,22 @@ cdef class MappedFile:
         killing the process with SIGBUS.
 
         Every copy fastckpt makes out of a mapping (host copies, device loads, staging fills, hashing,
-        conversions) runs under it, in whichever thread makes the copy: a page that is no longer in the file
-        reads as zeros and, on leaving the block, :class:`~fastckpt.errors.FormatError` names the file and
-        says it was "truncated or replaced while reading" ``what``. The mapping remembers it: every later
-        guard over it raises at once (its pages from the first missing one on now read as zeros, so no later
-        read of the mapping can be trusted). Views handed out stay plain
-        mapped memory: reading one outside a guard after the file shrank is SIGBUS, as for any mapping
-        (``backend="pread"`` makes copies instead). A no-op for the pread and memory backends. Guards nest
-        and may be held by several threads at once.
+        conversions) runs under it: a page that is no longer in the file reads as zeros and, on leaving the
+        block, :class:`~fastckpt.errors.FormatError` names the file and says it was "truncated or replaced
+        while reading" ``what``. The mapping remembers it: every later guard, ``view``, ``array`` and
+        ``read`` of it raises the same error at once (its pages from the first missing one on now read as
+        zeros, so nothing read from it can be trusted). Views made before stay plain mapped memory and read
+        those zeros; ``backend="pread"`` makes copies instead. A no-op for the pread and memory backends.
+
+        A guard covers the thread that entered it, and the worker threads of native runtimes (threads
+        without a Python thread state: BLAKE3's, the OpenCL runtime's) while it is held; a Python worker
+        thread that copies for the guarded call runs under :func:`held_guards`. A fault anywhere else, a
+        plain view read in another Python thread included, and every SIGBUS sent with ``kill``, goes to the
+        handler installed before the guard's (a ``signal.signal`` handler, a C handler, ``faulthandler``, or
+        the default action, which ends the process), every time; entering a guard puts the guard's handler
+        back in front if something replaced it. There is no limit on how many mappings are guarded at once.
+        Guards nest, may be held by several threads at once, and cost no system call when nested in a guard
+        over the same mapping.
 
         >>> import tempfile, os
         >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 8192); os.close(fd)

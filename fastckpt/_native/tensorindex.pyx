@@ -43,7 +43,7 @@ cimport numpy as cnp
 
 import numpy as np
 
-from fastckpt._native.mapped cimport MappedFile, _Block, _Descr, _new_array
+from fastckpt._native.mapped cimport MappedFile, _Block, _Descr, _new_array, poisoned
 from fastckpt.info import TensorInfo
 
 _new = object.__new__
@@ -107,6 +107,8 @@ cdef object view_in_block(_Block block, object dtype, int nd, cnp.npy_intp* dims
     """An array of ``dtype`` and shape ``dims[:nd]`` over ``block``'s bytes from ``offset``, writable where the
     mapping is. The caller has checked that the block holds the array's bytes there."""
     cdef int array_flags = cnp.NPY_ARRAY_F_CONTIGUOUS if fortran_order else cnp.NPY_ARRAY_C_CONTIGUOUS
+    if block.fault_message is not None or block.cell != NULL:
+        poisoned(block)  # a guarded read met a truncation: a view made now would read zeros as the file's bytes
     if block.writable:
         array_flags |= cnp.NPY_ARRAY_WRITEABLE
     # SAFETY: the array points into the mapping, which the caller checked holds its bytes; its base holds the

@@ -18,7 +18,7 @@ from libc.string cimport memcmp, memcpy
 
 cimport numpy as cnp
 
-from fastckpt._native.mapped cimport MappedFile, _Block, guard_enter, guard_exit
+from fastckpt._native.mapped cimport MappedFile, _Block, guard_check, guard_enter, guard_exit
 from fastckpt._native.tensorindex cimport VIEWABLE, TensorIndex, view_in_block
 
 import weakref
@@ -1084,6 +1084,27 @@ cdef class BundleIndex(TensorIndex):
     cdef object _shard_of   # a weak reference to the reader's method shard number -> MappedFile
     cdef bint _verify
     cdef _ShardRef _cached  # the shard of the last view, or None
+    cdef Py_ssize_t _loops  # views() loops running: they checked the SIGBUS handler once for all their tensors
+
+    def views(self, names, fallback):
+        """``{name: array}`` as :meth:`TensorIndex.views <fastckpt._native.tensorindex.TensorIndex.views>`; the
+        checksums' guards check that the SIGBUS handler is in place once for the loop, not once a tensor.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.tf import CheckpointReader, write_checkpoint
+        >>> prefix = os.path.join(tempfile.mkdtemp(), "m")
+        >>> write_checkpoint(prefix, {"w": np.arange(3, dtype=np.int16)})
+        >>> with CheckpointReader(prefix) as reader:
+        ...     reader.infos.views(None, reader.host)
+        {'w': array([0, 1, 2], dtype=int16)}
+        """
+        if self._verify:
+            guard_check()
+        self._loops += 1
+        try:
+            return TensorIndex.views(self, names, fallback)
+        finally:
+            self._loops -= 1
 
     cdef object info_at(self, Py_ssize_t i):
         cdef Py_ssize_t k
@@ -1112,6 +1133,7 @@ cdef class BundleIndex(TensorIndex):
         cdef int64_t start = self.shape_at[i]
         cdef int nd = <int>(self.shape_at[i + 1] - start)
         cdef uint32_t crc
+        cdef void* hold
         if not (self.flags[i] & VIEWABLE) or nd > _MAX_DIMS:
             return None
         if ref is None or ref.shard != shard:
@@ -1130,14 +1152,14 @@ cdef class BundleIndex(TensorIndex):
             return None
         if self._verify:
             # The checksum reads the mapping: a shard truncated under it is a FormatError, not SIGBUS.
-            guard_enter(block, m.path, self.names[i])
+            guard_enter(block, m.path, self.names[i], &hold, 0 if self._loops else -1)
             try:
                 if nbytes >= _LARGE_CRC:
                     crc = _crc32c.crc32c(memoryview(block)[offset:offset + nbytes])
                 else:
                     crc = fastckpt_crc32c(0, block.ptr + offset, <size_t>nbytes)
             finally:
-                guard_exit(block, m.path, self.names[i])
+                guard_exit(block, hold, m.path, self.names[i])
             if mask_crc(crc) != <uint32_t>self.extras[3 * i + 2]:
                 return None  # the general path raises ChecksumMismatchError
         # SAFETY: checked above: the shard's mapping holds the tensor's nbytes (product of dims times itemsize,

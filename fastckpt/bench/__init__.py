@@ -30,7 +30,10 @@ Every suite is started the same way::
 * ``s3`` (:mod:`fastckpt.bench.s3`): a safetensors file saved to and loaded
   from S3 (moto's server on loopback) against s3fs's own ``put``/``get``;
 * ``torch`` (:mod:`fastckpt.bench.torchload`): a file to a trainable PyTorch
-  state_dict (``load_torch``, ``to_torch``) against ``safetensors.torch.load_file``.
+  state_dict (``load_torch``, ``to_torch``) against ``safetensors.torch.load_file``;
+* ``cold`` (:mod:`fastckpt.bench.cold`): loads from files not in the page
+  cache, a fresh process per measurement, against the plain read's bound and
+  the peers that import (safetensors, fastsafetensors, Run:ai Model Streamer).
 
 ``python -m fastckpt bench --suite SUITE --help`` lists a suite's options. Each
 suite module provides ``configure(parser)`` (its options) and ``run(args)``
@@ -38,8 +41,9 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 :func:`fastckpt.bench.timing.round_robin`: every path once per round, in a
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
->>> sorted(SUITES)
-['device', 'formats', 'incremental', 'link', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'torch', 'train']
+>>> sorted(SUITES)  # doctest: +NORMALIZE_WHITESPACE
+['cold', 'device', 'formats', 'incremental', 'link', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'torch',
+ 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -62,6 +66,7 @@ SUITES = {
     "sharded": "fastckpt.bench.sharded",
     "incremental": "fastckpt.bench.incremental",
     "s3": "fastckpt.bench.s3",
+    "cold": "fastckpt.bench.cold",
     "memory": "fastckpt.bench.memory",
     "torch": "fastckpt.bench.torchload",
     "link": "fastckpt.bench.link",

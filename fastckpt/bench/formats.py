@@ -137,7 +137,7 @@ def save_as(path: str, fmt: str, tensors: dict[str, np.ndarray], *, fsync: bool 
     (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(path, tensors, fsync=fsync)
 
 
-# The buffer fastckpt.formats.atomic.atomic_write gives writers that do not gather (_WRITE_BUFFER).
+# The buffer fastckpt.store.commit.atomic_write gives writers that do not gather (_WRITE_BUFFER).
 RAW_BUFFER = 256 << 10
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 __all__ = ["HELP", "add_parser", "run"]
 
-HELP = ("benchmark suites (--suite device|formats|model|tf|train|stateful|sharded|incremental|s3|memory|torch|link; "
+HELP = ("benchmark suites (--suite device|formats|model|tf|train|stateful|sharded|incremental|s3|memory|torch|link|"
+        "cold; "
         "default device: file-to-device loads) against the usual ways; markdown tables")
 
 

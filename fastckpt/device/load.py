@@ -1103,7 +1103,9 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
 def _stage_region(load: _Load, mapped, start: int, end: int, lease, at: int, group, source_view) -> None:
     """:func:`_copy_region` through the load's staging buffers (:mod:`fastckpt.device.staging`, which reads the bytes
     from the file where it can), the kernel asked to read the region ahead of the fill (``madvise(WILLNEED)``: advice,
-    so a failure changes nothing)."""
+    so a failure changes nothing). The region is advised in one call, which the kernel caps at its readahead window:
+    advising all of it in steps (:func:`~fastckpt.formats.readinto.read_ahead`) before the copies measured slower
+    for pooled loads (docs/reading.md)."""
     try:
         mapped.advise("willneed", start, end - start)
     except (OSError, ValueError, AttributeError):

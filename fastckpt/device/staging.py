@@ -66,8 +66,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from fastckpt._native.mapped import held_guards
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
+from fastckpt.formats.readinto import read_into, same_file
 
 __all__ = ["Stager", "Shape", "batch_chunk", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND",
            "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
@@ -197,19 +199,8 @@ def fill(pending, pairs) -> None:
         if file is None:
             np.copyto(dst, src)
         else:
-            _read_into(dst, *file)
-
-
-def _read_into(dst: np.ndarray, fd: int, offset: int, path: str) -> None:
-    """Fill ``dst`` with the file's bytes at ``offset`` (``preadv``, retried after a short read)."""
-    view = memoryview(dst)
-    done, n = 0, len(dst)
-    while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise OSError(f"{path}: the file ended at byte {offset + done} while {n - done} more bytes of tensor "
-                          f"data were read from there (was it truncated during the load?)")
-        done += got
+            fd, offset, path = file
+            read_into(fd, [(dst, offset)], path, threads=1)  # this fill is one of the fill threads' parts
 
 
 class Stager:
@@ -262,18 +253,7 @@ class Stager:
             return None
         entry = self.files.get(id(mapped))
         if entry is None:
-            fd = None
-            identity = getattr(mapped, "identity", None)
-            if identity is not None:
-                try:
-                    fd = os.open(mapped.path, os.O_RDONLY | os.O_CLOEXEC)
-                    st = os.fstat(fd)
-                    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(identity):
-                        os.close(fd)
-                        fd = None
-                except (OSError, TypeError, ValueError):
-                    fd = None
-            entry = self.files[id(mapped)] = (fd, mapped)  # the mapping kept: its id stays its own
+            entry = self.files[id(mapped)] = (same_file(mapped), mapped)  # the mapping kept: its id stays its own
         return entry[0]
 
     def add(self, source: np.ndarray, buffer, at: int, marks=(), file=None) -> None:
@@ -331,6 +311,7 @@ class Stager:
         pool = None
         if self.shape.threads > 1 and self.stream >= 2 * FILL_SPLIT:
             pool = _fillers(self.shape.threads)
+            scope = held_guards()  # the fill threads copy out of the mappings under the caller's guards
         running: dict = {}  # batch number -> its fill futures
         submitted = 0
         mark = 0
@@ -346,7 +327,7 @@ class Stager:
                             pending = None
                         running[submitted] = ()
                     else:
-                        running[submitted] = [pool.submit(self._fill, pending, task) for task in tasks]
+                        running[submitted] = [pool.submit(scope.run, self._fill, pending, task) for task in tasks]
                     submitted += 1
                 futures = running.pop(k)
                 concurrent.futures.wait(futures)

@@ -10,8 +10,8 @@
 * :mod:`~fastckpt.formats.hfsharded` - Hugging Face sharded safetensors
   directories (``model.safetensors.index.json``): the spec, ``save_sharded``
   and the reader;
-* :mod:`~fastckpt.formats.atomic` - temporary file, fsync, rename, directory
-  fsync;
+* :mod:`~fastckpt.formats.atomic` - 0.2's import path of the atomic writes,
+  a re-export of :mod:`fastckpt.store.commit` (the one commit);
 * :mod:`~fastckpt.formats.remote` - URLs (``s3://``, ``memory://``, any
   fsspec filesystem): atomic uploads, the manifest-last commit of checkpoint
   prefixes, ranged reads of tensor files;
@@ -24,9 +24,12 @@
 A new format plugs in here: a reader implementing the contract, an opener
 registered with :func:`fastckpt.formats.reader.register_opener` (or a magic
 number in :func:`fastckpt.open`), and a writer that goes through
-:mod:`~fastckpt.formats.atomic`.
+:mod:`fastckpt.store.commit`.
 
 >>> from fastckpt.formats.contract import TensorReader
 >>> TensorReader.__name__
 'TensorReader'
 """
+
+# fastckpt.open(url) reads through fastckpt.formats.remote, which registers its opener with the reader below it
+from fastckpt.formats import remote as _remote  # noqa: E402,F401

@@ -143,27 +143,24 @@ Index
     one final newline.
 
 Atomicity
-    The shards are written into a hidden staging folder in the directory
-    (``.model.@<host>~<ns>.<pid>.<random>.partial``), each through the atomic
-    writer and fsynced. Then the commit. With ``overwrite=True``: the
-    previous save's entry points (``model.safetensors.index.json``, and
-    ``model.safetensors`` when writing several shards) are removed, the
-    shards are renamed into the directory, the directory is fsynced, and the
-    index is written last, itself through the atomic writer; shards of a
-    previous save that the new one did not overwrite are removed after that.
-    With ``overwrite=False`` an existing entry point is refused
-    (``FileExistsError`` naming it) and every rename refuses an existing name,
-    so a checkpoint another writer commits meanwhile is never replaced: the
-    shards this save already moved are taken back, and nothing of it stays
-    (nor the directory, if the save created it). So at every instant the directory
-    either has no entry point or one naming complete, fsynced files of one
-    save; an index never names a missing, partial or foreign file. A crash or
-    an error before the commit leaves the previous checkpoint untouched (the
-    next save with the same prefix removes the staging folder of a dead
-    writer); one during the commit (renames and a small index write) leaves
-    no checkpoint rather than a mixed one. ``fsync=False`` skips the fsyncs:
-    still atomic for readers, not durable across power loss. With
-    ``overwrite=True``, one writer per directory and prefix at a time.
+    One commit (:class:`fastckpt.store.commit.Commit`, ``kind="files"``; the
+    protocol is docs/commit.md). The shards are written into a hidden staging
+    folder in the directory (``.model.@<host>~<ns>.<pid>.<random>.partial``)
+    and fsynced. The commit claims every name a save with this prefix could
+    publish: both entry points (``model.safetensors`` and
+    ``model.safetensors.index.json``) and every ``model-NNNNN-of-NNNNN.safetensors``.
+    With ``overwrite=False`` any of them existing is ``FileExistsError``
+    naming it, so a one-file and a sharded save into one directory never both
+    succeed. With ``overwrite=True`` the previous save's files are moved aside
+    (entry points first), then the shards are renamed in and the index last;
+    a failure at any step puts the previous save back. Two writers of one
+    prefix take turns (an ``flock`` of ``.model.commit-lock`` while the renames
+    run). So at every instant the directory has the previous save, the new
+    one, or (for the renames of an ``overwrite=True`` commit) no entry point;
+    an index never names a missing, partial or foreign file. A failed save
+    leaves nothing it created (nor the directory, if the save created it).
+    ``fsync=False`` skips the fsyncs: still atomic for readers, not durable
+    across power loss.
 
 Example
 =======
@@ -181,14 +178,12 @@ Example
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import numbers
 import os
 import re
-import shutil
 import time
 import warnings
 from collections.abc import Mapping
@@ -199,16 +194,7 @@ import numpy as np
 
 from fastckpt.arrays import to_numpy
 from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FastCkptWarning, FormatError
-from fastckpt.formats.atomic import (
-    _make_parent,
-    _naming_target,
-    _partial_path,
-    atomic_write,
-    fsync_directory,
-    remove_stale_partials,
-    rename_noreplace,
-    resolve_overwrite,
-)
+from fastckpt.store.commit import Commit, resolve_overwrite, write_file
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.formats.safetensors import (
@@ -413,82 +399,20 @@ def save_sharded(
     previous = [p for p in (os.path.join(directory, index_name), os.path.join(directory, f"{prefix}.safetensors"))
                 if os.path.lexists(p)]
     overwrite = resolve_overwrite(overwrite, previous[0] if previous else directory, bool(previous))
-    if previous and not overwrite:
-        raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}: a checkpoint with prefix {prefix!r} is "
-                              "saved here; pass overwrite=True to replace it", previous[0])
-    created = not os.path.isdir(directory)
-    staging = None
     started = time.perf_counter()
-    try:
-        _make_parent(directory, directory)
-        staging_of = os.path.join(directory, prefix)
-        remove_stale_partials(staging_of)  # staging folders of writers that died
-        staging = _partial_path(staging_of)
-        os.mkdir(staging)
+    entry = index_name if index is not None else names[0]
+    with Commit(os.path.join(directory, prefix), kind="files", overwrite=overwrite, fsync=fsync,
+                entry_points=[entry], claims=[index_name, f"{prefix}.safetensors"],
+                replaces=re.compile(re.escape(prefix) + r"-[0-9]{5,}-of-[0-9]{5,}\.safetensors")) as commit:
         with progress_from(progress, total, "save sharded") as report, part_of_a_save():
             for shard, file in zip(shards, names):
-                save_safetensors(os.path.join(staging, file), {name: tensors[name] for name in shard}, user,
-                                 alignment=alignment, fsync=fsync, progress=report, overwrite=True)
-        _commit(directory, staging, names, prefix, index_name, index, single, fsync, overwrite)
-    except BaseException as e:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-        if created:  # a directory this save made, empty again: it goes too
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)
-        if isinstance(e, OSError):
-            raise _naming_target(e, directory, staging, inside=True) from None
-        raise
-    shutil.rmtree(staging, ignore_errors=True)
-    if overwrite:  # the replaced save's other shards (without overwrite, such names may be another writer's)
-        stale = re.compile(re.escape(prefix) + r"-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
-        with os.scandir(directory) as entries:
-            leftovers = [e.name for e in entries if stale.fullmatch(e.name) and e.name not in names]
-        if _remove(directory, leftovers) and fsync:
-            fsync_directory(directory)
+                save_safetensors(commit.staging / file, {name: tensors[name] for name in shard}, user,
+                                 alignment=alignment, fsync=False, progress=report, overwrite=True)
+        if index is not None:
+            write_file(commit.staging / index_name, index, fsync=False)
     _log.info("saved %s: %d tensors, %d tensor bytes in %d files in %.3f s", directory, len(weight_map), total,
               len(names), time.perf_counter() - started)
     return names + ([index_name] if index is not None else [])
-
-
-def _commit(directory: str, staging: str, names: list[str], prefix: str, index_name: str, index: bytes | None,
-            single: bool, fsync: bool, overwrite: bool) -> None:
-    """Move the shards from ``staging`` into ``directory``, then write the index: never an index over other files.
-
-    With ``overwrite`` the previous save's entry points go first and the renames replace; without it every rename
-    refuses an existing name (``FileExistsError``). Either way a failure takes back the shards already moved:
-    no entry point names them.
-    """
-    if overwrite:
-        entry_points = [index_name] if single else [index_name, f"{prefix}.safetensors"]
-        if _remove(directory, entry_points) and fsync:
-            fsync_directory(directory)
-    move = os.replace if overwrite else rename_noreplace
-    moved = []
-    try:
-        for file in names:
-            move(os.path.join(staging, file), os.path.join(directory, file))
-            moved.append(file)
-        if fsync:
-            fsync_directory(directory)
-        if index is not None:
-            with atomic_write(os.path.join(directory, index_name), fsync=fsync, overwrite=overwrite) as f:
-                f.write(index)
-    except BaseException:
-        _remove(directory, moved)
-        raise
-
-
-def _remove(directory: str, files: list[str]) -> bool:
-    """Unlink those of ``files`` that exist in ``directory``; True if any did."""
-    removed = False
-    for file in files:
-        try:
-            os.unlink(os.path.join(directory, file))
-            removed = True
-        except FileNotFoundError:
-            pass
-    return removed
 
 
 # -- reading -------------------------------------------------------------------------------------

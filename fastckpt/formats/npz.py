@@ -137,7 +137,7 @@ directory size (4), directory offset (4), comment length 0 (2).
 Writers
 -------
 - A writer MUST write the file through a temporary and rename it into place
-  (``fastckpt.formats.atomic``), so that a reader never sees a partial file.
+  (``fastckpt.store.commit``), so that a reader never sees a partial file.
 - A writer MUST NOT store object arrays (they need pickle) and MUST NOT store a
   dtype that a ``descr`` cannot name so that it reads back as itself. numpy
   writes ml_dtypes' ``bfloat16`` as ``'<V2'`` (raw void bytes); fastckpt writes
@@ -204,8 +204,8 @@ from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_le
 from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
 from fastckpt.arrays import as_numpy, to_numpy
 from fastckpt.errors import FormatError, IntegrityError
-from fastckpt.formats.atomic import atomic_write, resolve_overwrite
-from fastckpt.formats.remote import is_url, save_file
+from fastckpt.store.commit import atomic_write, resolve_overwrite
+from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
 
@@ -555,7 +555,8 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignme
         _refuse_savez_form(tensors, arrays, named)
     if is_url(path):  # object storage and remote filesystems: fastckpt.formats.remote
         return save_file(path, lambda local: save_npz(local, tensors, alignment=alignment, fsync=False,
-                                                      progress=progress), "upload.npz", storage_options)
+                                                      progress=progress, overwrite=True), "upload.npz",
+                         storage_options, overwrite=overwrite)
     if storage_options is not None:
         raise ValueError(f"storage_options is for URLs (s3://...), not the local path {os.fspath(path)!r}")
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
@@ -736,7 +737,7 @@ def save_bytes(tensors: TensorsArg, *, alignment: int | str = "auto") -> bytes:
     >>> len(data), data[:4], np.load(io.BytesIO(data))["w"].tolist()
     (271, b'PK\\x03\\x04', [0, 1, 2])
     """
-    from fastckpt.formats.inmemory import written_bytes
+    from fastckpt.formats.filebytes import written_bytes
 
     return written_bytes(lambda path: save_npz(path, tensors, alignment=alignment, fsync=False), tensors)
 
@@ -756,7 +757,7 @@ def load_bytes(data, *, max_header_size: int = MAX_HEADER_SIZE) -> dict[str, np.
     >>> load_bytes(buffer.getvalue())["a"].tolist()
     [0, 1, 2]
     """
-    from fastckpt.formats.inmemory import expect_format, mapped_bytes, quietly_parsed
+    from fastckpt.formats.filebytes import expect_format, mapped_bytes, quietly_parsed
 
     expect_format(data, "npz", "fastckpt.formats.npz")
     with mapped_bytes(data) as m:

@@ -40,59 +40,40 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from fastckpt._native.mapped import MappedFile
+from fastckpt._native.mapped import MappedFile, held_guards
 from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
+from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
+from fastckpt.formats.readinto import cached, read_ahead
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
+from fastckpt.store.remote import is_url
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
-           "DIRECTORY_READERS", "guard", "mappings_of"]
-
-_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06")
+           "DIRECTORY_READERS", "guard", "held_guards", "mappings_of"]
 
 
-_JSON_SPACE = b" \t\n\r"
-# How far a safetensors header's leading padding is followed to its "{" when the format is sniffed.
-SNIFF_PADDING = 1 << 16
+# The opener of URLs (``fastckpt.formats.remote.open``): that module reads through this one, so it sits above it
+# and registers itself here; ``fastckpt/formats/__init__.py`` imports it, so ``fastckpt.open`` always has it.
+_url_opener: list = [None]
+
+# A view of a tensor of READ_AHEAD_MIN bytes or more has the kernel read the file READ_AHEAD bytes past it
+# (TensorFile._read_ahead): a copy out of a fresh mapping of a cold file otherwise waits at every page fault for the
+# kernel's readahead window alone. Measured in docs/reading.md (cold copies of 512 MiB, medians of 12 runs on a
+# loaded machine: 0.33 -> 0.53 GB/s).
+READ_AHEAD_MIN = 1 << 20
+READ_AHEAD = 256 << 20
 
 
-def sniff_length(head: bytes) -> int:
-    """How many of a file's first bytes :func:`detect_format` needs, given its first 9: 9, or more when byte 8 is
-    JSON whitespace (safetensors allows it before the header's ``{``), up to the header's end or
-    ``8 + SNIFF_PADDING``.
+def register_url_opener(opener: Callable) -> None:
+    """Make ``opener(url, *, storage_options, names, backend, copy_on_write, max_header_size)`` open URLs for
+    :func:`open` (:mod:`fastckpt.formats.remote` registers its ``open``).
 
-    >>> sniff_length((2).to_bytes(8, "little") + b"{}"), sniff_length((70).to_bytes(8, "little") + b"  ")
-    (9, 78)
+    >>> _url_opener[0].__module__
+    'fastckpt.formats.remote'
     """
-    if len(head) < 9 or head[8] not in _JSON_SPACE:
-        return 9
-    return 8 + min(int.from_bytes(head[:8], "little"), SNIFF_PADDING)
-
-
-def detect_format(head: bytes) -> str | None:
-    """Name the format of a file from its first bytes (:func:`sniff_length` says how many): ``"npz"``,
-    ``"safetensors"`` or None.
-
-    >>> detect_format(b"PK\\x03\\x04")
-    'npz'
-    >>> detect_format((2).to_bytes(8, "little") + b"{}")
-    'safetensors'
-    >>> detect_format((4).to_bytes(8, "little") + b"\\n\\t{}")   # whitespace before the header's "{"
-    'safetensors'
-    """
-    # safetensors first: a header length of 0x04034B50 starts with the ZIP magic, while no ZIP
-    # start has "{" at byte 8 (there a local header's compression method, 123, does not exist).
-    if len(head) >= 9 and head[8:9] == b"{":
-        return "safetensors"
-    if head[:4] in _ZIP_MAGICS:
-        return "npz"
-    if len(head) >= 10 and head[8] in _JSON_SPACE:
-        header = head[8:8 + int.from_bytes(head[:8], "little")]
-        if header.lstrip(_JSON_SPACE)[:1] == b"{":
-            return "safetensors"
-    return None
+    _url_opener[0] = opener
 
 
 class TensorFile(ReaderMapping):
@@ -124,6 +105,8 @@ class TensorFile(ReaderMapping):
         # Columns (fastckpt._native.tensorindex): a TensorInfo is made when asked for, host views without one.
         self.infos: Mapping[str, TensorInfo] = infos
         self._view = infos.view  # bound once: host() is called once per tensor
+        self._ahead = 0  # the file is being read ahead up to this byte (host(), see READ_AHEAD)
+        self._size = mapped.size if mapped.address is not None else 0  # nothing to read ahead in a pread file
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -152,6 +135,8 @@ class TensorFile(ReaderMapping):
         :class:`~fastckpt.errors.NotZeroCopyWarning` at :func:`open` said so)."""
         view = self._view(name)  # straight from the index's columns, where the tensor is viewable in place
         if view is not None:
+            if self._ahead < self._size and view.nbytes >= READ_AHEAD_MIN:  # a warm file stops at the first test
+                self._read_ahead(view)
             return view
         info = self.info(name)
         if info.compression is None:
@@ -173,7 +158,37 @@ class TensorFile(ReaderMapping):
         ...     {k: v.tolist() for k, v in f.hosts().items()}, list(f.hosts(["a"]))
         ({'b': [1.0], 'a': [0, 1]}, ['a'])
         """
-        return self.infos.views(names, self.host)
+        views = self.infos.views(names, self.host)
+        if names is None and self._ahead < self._size and views:
+            # Every tensor's bytes will be read: from the first one to the file's end, all at once.
+            start = self._offset_of(next(iter(views.values())))
+            if start is not None and self._size - start >= READ_AHEAD_MIN and not cached(self.mapped, start,
+                                                                                         self._size, samples=1):
+                read_ahead(self.mapped, start, self._size, check=False)
+            self._ahead = self._size
+        return views
+
+    def _offset_of(self, view) -> int | None:
+        """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
+        offset = view.__array_interface__["data"][0] - self.mapped.address
+        return offset if 0 <= offset < self._size else None
+
+    def _read_ahead(self, view) -> None:
+        """Keep the kernel reading the file ``READ_AHEAD`` bytes past the end of ``view`` (of a large tensor, just
+        made), so that a loop copying tensor after tensor finds their bytes read or in
+        flight. The window is extended by half of it at a time; a file whose first large tensor is in the page cache
+        is never read ahead (``mincore`` of its first page, about 2 us, once per open file)."""
+        start = self._offset_of(view)
+        if start is None:
+            return
+        end = start + view.nbytes
+        if end + READ_AHEAD // 2 > self._ahead:
+            if self._ahead == 0 and cached(self.mapped, start, end, samples=1):
+                self._ahead = self._size  # warm: nothing to ask the kernel for, now or later
+                return
+            start = max(self._ahead, start)
+            self._ahead = min(self._size, end + READ_AHEAD)
+            read_ahead(self.mapped, start, self._ahead, check=False)
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -274,6 +289,16 @@ def guard(reader, what: str) -> contextlib.ExitStack:
     >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(2)})
     >>> with fastckpt.open(p) as f, guard(f, "a copy"):
     ...     np.array(f.host("a")).tolist()
+    [1.0, 1.0]
+
+    The guards cover the calling thread (and the worker threads of native runtimes, BLAKE3's and OpenCL's,
+    that copy for it). A Python thread pool that copies for the block runs its tasks under
+    :func:`held_guards`, which covers them as the calling thread:
+
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> with fastckpt.open(p) as f, guard(f, "a copy"), ThreadPoolExecutor(1) as pool:
+    ...     scope = held_guards()
+    ...     pool.submit(scope.run, np.array, f.host("a")).result().tolist()
     [1.0, 1.0]
     """
     stack = contextlib.ExitStack()
@@ -408,12 +433,9 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
                         f"({len(path)} bytes, starting {bytes(path[:12])!r}): for a file's bytes held in memory, "
                         "use fastckpt.load_bytes(data); for a path given as bytes, pass os.fsdecode(path)")
     p = os.fspath(path)
-    if "://" in p:  # object storage and remote filesystems
-        from fastckpt.formats import remote
-
-        if remote.is_url(p):
-            return remote.open(p, storage_options=storage_options, names=names, backend=backend,
-                               copy_on_write=copy_on_write, max_header_size=max_header_size)
+    if "://" in p and is_url(p):  # object storage and remote filesystems: fastckpt.formats.remote
+        return _url_opener[0](p, storage_options=storage_options, names=names, backend=backend,
+                              copy_on_write=copy_on_write, max_header_size=max_header_size)
     if storage_options is not None or names is not None:
         raise ValueError(f"storage_options= and names= are for URLs (s3://...); the local file {p!r} is mapped, "
                          "and reads only the tensors you ask for")

@@ -180,8 +180,8 @@ from fastckpt._native.safetensors import (
     write_tensors,
 )
 from fastckpt.arrays import to_numpy
-from fastckpt.formats.atomic import atomic_write, resolve_overwrite
-from fastckpt.formats.remote import is_url, save_file
+from fastckpt.store.commit import atomic_write, resolve_overwrite
+from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
 from fastckpt.store.names import NameRule
@@ -430,8 +430,8 @@ def save_safetensors(
     """
     if is_url(path):  # object storage and remote filesystems: fastckpt.formats.remote
         return save_file(path, partial(save_safetensors, tensors=tensors, metadata=metadata, alignment=alignment,
-                                       fsync=False, hasher=hasher, progress=progress), "upload.safetensors",
-                         storage_options)
+                                       fsync=False, hasher=hasher, progress=progress, overwrite=True),
+                         "upload.safetensors", storage_options, overwrite=overwrite)
     if storage_options is not None:
         raise ValueError(f"storage_options is for URLs (s3://...), not the local path {os.fspath(path)!r}")
     if type(alignment) is not int or alignment < 8 or alignment & (alignment - 1):
@@ -495,7 +495,7 @@ def save_bytes(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = 
     >>> len(data), data[8:61], data[-2:]
     (66, b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', b'\\x01\\x02')
     """
-    from fastckpt.formats.inmemory import written_bytes
+    from fastckpt.formats.filebytes import written_bytes
 
     return written_bytes(
         lambda path: save_safetensors(path, tensors, metadata, alignment=alignment, fsync=False), tensors)
@@ -514,7 +514,7 @@ def load_bytes(data) -> dict[str, np.ndarray]:
     >>> out["w"].tolist(), out["w"].flags.writeable
     ([[0.0, 1.0], [2.0, 3.0]], True)
     """
-    from fastckpt.formats.inmemory import expect_format, mapped_bytes
+    from fastckpt.formats.filebytes import expect_format, mapped_bytes
 
     expect_format(data, "safetensors", "fastckpt.formats.safetensors")
     with mapped_bytes(data) as m:

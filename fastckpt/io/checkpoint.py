@@ -35,10 +35,12 @@ fastckpt's files (it ignores the extra NPZ entries and returns references as
 plain dicts).
 
 Nothing is half-written: names, shapes and JSON-serialisability are checked
-before any file is touched; the NPZ and the JSON are each replaced atomically,
-NPZ first, and an error at any step (a parameter that cannot be read, a full
-disk, a failed rename) leaves the previous pair exactly as it was. Only a crash
-between the two renames can leave the new NPZ beside the previous JSON.
+before any file is touched; the pair is one commit (:class:`fastckpt.store.commit.Commit`,
+docs/commit.md): both staged and fsynced, then the JSON renamed in and the NPZ
+last, and an error at any step (a parameter that cannot be read, a full disk, a
+failed rename) leaves the previous pair exactly as it was. Only a crash during
+the renames can leave the pair without its NPZ (the previous files are then in
+the staging directory), never a new NPZ beside the previous JSON.
 
 Names: netcl calls this pair ``save_checkpoint`` / ``load_checkpoint``, which in fastckpt are the training-state
 checkpoints of :mod:`fastckpt.train`; here they are ``save_netcl_checkpoint`` / ``load_netcl_checkpoint``. The
@@ -55,13 +57,10 @@ dtype('float32')
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
-import shutil
 import warnings
-from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
@@ -144,7 +143,7 @@ def save_params(params: Iterable, path, names=None, *, fsync: bool = True, overw
     >>> save_params(model.parameters(), "raw/iter_1000.npz", names=["fc1.weight", "fc1.bias"])  # doctest: +SKIP
     'raw/iter_1000.npz'
     """
-    from fastckpt.formats.atomic import resolve_overwrite
+    from fastckpt.store.commit import resolve_overwrite
     from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
@@ -244,7 +243,7 @@ def save_netcl_checkpoint(params: Iterable, path, optim_state=None, config=None,
     ...                       config={"step": 3})  # doctest: +SKIP
     ('ckpt/run.v1.npz', 'ckpt/run.v1.json')
     """
-    from fastckpt.formats.atomic import atomic_write, resolve_overwrite
+    from fastckpt.store.commit import Commit, resolve_overwrite, write_file
     from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
@@ -273,56 +272,14 @@ def save_netcl_checkpoint(params: Iterable, path, optim_state=None, config=None,
     npz_path, json_path = base + ".npz", base + ".json"
     exists = os.path.lexists(npz_path) or os.path.lexists(json_path)
     overwrite = resolve_overwrite(overwrite, npz_path if os.path.lexists(npz_path) else json_path, exists)
-    # The pair is replaced NPZ first, JSON second. The JSON is written out (and fsynced) before the NPZ is
-    # touched, and the old NPZ is kept aside until the JSON's rename is done, so an error at any step
-    # leaves the old pair as it was, never a new NPZ beside an old JSON.
-    old_npz = None
-    npz_replaced = False
-    try:
-        with atomic_write(json_path, fsync=fsync, overwrite=overwrite) as f:
-            f.write(text.encode("utf-8"))
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-            old_npz = _keep_aside(npz_path)
-            save_npz(npz_path, entries(), alignment=4096, fsync=fsync, overwrite=overwrite)
-            npz_replaced = True
-    except BaseException:
-        if npz_replaced:
-            if old_npz is not None:
-                os.replace(old_npz, npz_path)
-                old_npz = None
-            else:
-                os.unlink(npz_path)
-        raise
-    finally:
-        if old_npz is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(old_npz)
+    # The pair is one commit (fastckpt.store.commit): both staged and fsynced, then the JSON renamed in and the
+    # NPZ last; an error at any step leaves the old pair as it was, never a new NPZ beside an old JSON.
+    name = os.path.basename(base)
+    with Commit(base, kind="files", overwrite=overwrite, fsync=fsync, entry_points=[name + ".npz"],
+                claims=[name + ".npz", name + ".json"]) as commit:
+        write_file(commit.staging / (name + ".json"), text.encode("utf-8"), fsync=False)
+        save_npz(commit.staging / (name + ".npz"), entries(), alignment=4096, fsync=False, overwrite=True)
     return npz_path, json_path
-
-
-def _keep_aside(path: str) -> str | None:
-    """A second name for the file at ``path`` (a hard link, else a copy), or None when there is none.
-
-    The name follows :mod:`fastckpt.formats.atomic`'s temporaries, so a process killed while it exists
-    leaves nothing a later save of ``path`` does not clean up.
-    """
-    from fastckpt.formats.atomic import _partial_name
-
-    if not os.path.isfile(path):
-        return None
-    aside = str(_partial_name(Path(path)))
-    try:
-        os.link(path, aside)
-    except OSError:  # a filesystem without hard links
-        try:
-            shutil.copyfile(path, aside)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(aside)
-            raise
-    return aside
 
 
 def load_netcl_checkpoint(queue, params: Iterable, path, names=None) -> dict:

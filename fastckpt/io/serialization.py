@@ -244,7 +244,7 @@ def save_model(model, path: str | os.PathLike, *, fsync: bool = True, progress=F
 
     >>> save_model(Sequential(Linear(None, 4, 2), ReLU()), "out/tiny.netcl")   # doctest: +SKIP
     """
-    from fastckpt.formats.atomic import resolve_overwrite
+    from fastckpt.store.commit import resolve_overwrite
     from fastckpt.formats.npz import save_npz
     from fastckpt.formats.remote import is_url
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import blake3
 
 from fastckpt.errors import BrokenChainError, CheckpointNotFoundError, FormatError
-from fastckpt.formats.atomic import fsync_directory
+from fastckpt.store.commit import fsync_directory
 from fastckpt.sharded.format import FORMAT, MANIFEST_FILE, read_metadata
 
 __all__ = ["BrokenChainError", "manifest_digest", "resolve_chain", "checkpoints", "needed", "prune"]

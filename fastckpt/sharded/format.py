@@ -92,7 +92,7 @@ Writing
     directory left by a failed save is removed by rank 0 at once, or by a
     later save in the same parent once its process is gone (on this host; one
     of another host or pid namespace only after an hour without change:
-    ``fastckpt.formats.atomic.STALE_AFTER``, docs/overwrite.md).
+    ``fastckpt.store.commit.STALE_AFTER``, docs/overwrite.md).
 
 Reading
     Readers open the checkpoint's directory once and every file relative to
@@ -200,7 +200,7 @@ import blake3
 import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, FormatError
-from fastckpt.formats.atomic import _swap_in, fsync_directory
+from fastckpt.store.commit import publish_directory, write_file
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
 from fastckpt.store.names import NameRule
@@ -303,11 +303,8 @@ class WriteBlock:
 
 def write_synced(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to the new file ``path`` and fsync it (a file of a staging directory, renamed into place
-    with the directory)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    with the directory): :func:`fastckpt.store.commit.write_file`."""
+    write_file(path, data)
 
 
 def dumps(obj: Any) -> bytes:
@@ -398,14 +395,20 @@ def commit_directory(staging: Path, final: Path, metadata: list[tuple[str, bytes
     committed meanwhile stays, and this raises ``FileExistsError`` naming it), and ``final``'s parent fsynced.
     """
     files = manifest["files"]
+
+    def write(name: str, content: bytes) -> None:
+        try:
+            write_synced(staging / name, content)
+        except OSError as e:  # the file of the checkpoint, never the staging directory
+            raise type(e)(e.errno, e.strerror, os.fspath(final / name)) from None
+
     for name, content in metadata:
-        write_synced(staging / name, content)
+        write(name, content)
         files[name] = {"size": len(content), "blake3": blake3.blake3(content).hexdigest()}
     data = dumps(seal(manifest))  # the checksum covers the manifest, whose entries cover every other file
-    write_synced(staging / MANIFEST_FILE, data)
-    fsync_directory(staging)
-    _swap_in(staging, final, overwrite=overwrite)
-    fsync_directory(final.parent)
+    write(MANIFEST_FILE, data)
+    # every rank fsynced its own files: the one commit syncs the directory, renames it and syncs the parent
+    publish_directory(staging, final, overwrite=overwrite)
     return blake3.blake3(data).hexdigest()
 
 

@@ -43,7 +43,7 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
-from fastckpt.formats.reader import guard
+from fastckpt.formats.reader import guard, held_guards
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import owner_mod, rows_of
 from fastckpt.errors import CheckpointChangedError
@@ -278,8 +278,9 @@ class Loader:
                 report.advance(stored, item)
 
             error = None
+            scope = held_guards()  # the jobs' threads copy under the guards above too
             with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(jobs)))) as pool:
-                for future in [pool.submit(run, *job) for job in jobs]:
+                for future in [pool.submit(scope.run, run, *job) for job in jobs]:
                     try:
                         future.result()
                     except Exception as exc:  # noqa: BLE001 - a damaged file's own error comes first, below
@@ -440,7 +441,8 @@ class Loader:
             at = end
         with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(copies))),
                                                    "fastckpt-rows") as pool:
-            futures = [pool.submit(*copy) for copy in copies]
+            scope = held_guards()  # the copies' threads read the mappings under this thread's guards
+            futures = [pool.submit(scope.run, *copy) for copy in copies]
             error = None
             try:
                 table.adopt(ids_out, values_out, slots_out, rows=total)  # reads the ids only, not the rows

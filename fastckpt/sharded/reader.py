@@ -77,7 +77,9 @@ _HASH_CHUNK = 64 << 20  # the pread backend hashes in pieces of this size: no co
 # every file's ids, and hash each file once between them (a rank that asks while another hashes it waits for that
 # result). The entry goes when the last reader holding the file closes, so a later open hashes the file again.
 _digests: dict[tuple, list] = {}  # identity -> [readers holding it, Future of its hex BLAKE3 or None]
-_digests_lock = threading.Lock()
+# Reentrant: a reader's weakref.finalize (_release) may run from a garbage collection that an allocation under the
+# lock set off (a Future made in _shared_digest), in the thread that holds it; a plain Lock deadlocked there.
+_digests_lock = threading.RLock()
 
 
 def _hold(identity: tuple, count: int) -> None:

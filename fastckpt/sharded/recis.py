@@ -129,10 +129,11 @@ import blake3
 import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
-from fastckpt.formats.reader import TensorFile, guard
+from fastckpt.formats.reader import TensorFile, guard, held_guards
 from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
 from fastckpt.sharded.hashtable import HashTable, check_holds
+from fastckpt.store.commit import fsync_open
 from fastckpt.sharded.reader import CheckpointReader, register_layout
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
@@ -755,8 +756,9 @@ def load(loader) -> tuple[dict, dict]:
             _fill_table(loader, reader, name, entry, rule)
             report.advance(stored[name], name)
 
+        scope = held_guards()  # the fills' threads copy under the guard above too
         with concurrent.futures.ThreadPoolExecutor(min(loader.parallel, max(1, len(tables)))) as pool:
-            for future in [pool.submit(fill, name, entry) for name, entry in tables.items()]:
+            for future in [pool.submit(scope.run, fill, name, entry) for name, entry in tables.items()]:
                 future.result()
     _log.info("loaded %s (RecIS layout, rank %d of %d): %d tensors, %d hashtables, %d stored bytes in %.3f s",
               loader.checkpoint_path, loader.shard_index, loader.shard_num, len(info.get("tensors", {})),
@@ -970,8 +972,7 @@ def write_files(saver, staging: Path, blocks_: list) -> dict:
                 f.write(chunk)
                 hasher.update(chunk)
                 report.advance(a.nbytes, b.key)
-            f.flush()
-            os.fsync(f.fileno())
+            fsync_open(f)
         for b, c, a in zip(writers[k], codes, arrays):
             entries[b.key] = {"dtype": c, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes],
                               "dense": b.kind == "dense"}

@@ -49,8 +49,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,11 +57,7 @@ from typing import Any, Callable, Mapping
 import blake3
 import numpy as np
 
-from fastckpt.formats.atomic import (
-    _naming_target,
-    _staging_directory,
-    remove_stale_partials_in,
-)
+from fastckpt.store.commit import _naming_target, abandon_staging, remove_stale_partials_in, staging_directory
 from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.progress import part_of_a_save, progress_from
@@ -90,10 +84,6 @@ from fastckpt.state import as_numpy
 __all__ = ["Saver", "WriteBlock", "DeltaPolicy", "split_sparse_dense_state_dict"]
 
 _log = logging.getLogger(__name__)
-
-# Staging directories this process made for saves that failed: removed by the next save (rank 0).
-_failed_staging: set[str] = set()
-_failed_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -442,6 +432,10 @@ class Saver:
             if isinstance(exc, OSError):  # the checkpoint's path, the staging directory only as detail
                 exc = _naming_target(exc, os.fspath(final), os.fspath(staging), inside=True)
             report, error = {"error": f"rank {self.shard_index}: {type(exc).__name__}: {exc}"}, exc
+        except BaseException:  # an interrupt: this rank stops here; rank 0's staging directory goes
+            if root:
+                self._abandon(staging)
+            raise
         # a rank that did not report, failed, or a failed commit: no checkpoint, nothing left behind
         status, commit_error = self._commit_on_root(engine, report, commit, abandon=lambda: self._abandon(staging))
         self._settle(error, commit_error, status, report, final, os.path.abspath(final))
@@ -552,14 +546,11 @@ class Saver:
                 "chain_length": length}
 
     def _begin(self, final: Path) -> Path:
-        return _staging_directory(final, self.overwrite, lambda: _sweep(final.parent))
+        return staging_directory(final, self.overwrite, lambda: _sweep(final.parent))
 
     @staticmethod
     def _abandon(staging: Path) -> None:
-        shutil.rmtree(staging, ignore_errors=True)
-        if staging.exists():
-            with _failed_lock:
-                _failed_staging.add(os.fspath(staging))
+        abandon_staging(staging)  # and the directories made for it; retried by later sweeps if it fails
 
     def _commit(self, staging: Path, final: Path, reports: list[dict], plan: dict) -> str:
         """Write the metadata and the manifest, rename into place; returns the manifest's BLAKE3."""
@@ -603,9 +594,4 @@ class Saver:
 
 def _sweep(parent: Path) -> None:
     """Remove staging directories of failed saves: this process's, and any whose process is gone."""
-    with _failed_lock:
-        for path in list(_failed_staging):
-            shutil.rmtree(path, ignore_errors=True)
-            if not os.path.exists(path):
-                _failed_staging.discard(path)
     remove_stale_partials_in(parent)

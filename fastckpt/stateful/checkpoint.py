@@ -44,8 +44,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from fastckpt.errors import CheckpointKeyError, CheckpointNotFoundError, FastCkptError, FormatError
-from fastckpt.formats.atomic import atomic_write, resolve_overwrite
+from fastckpt.errors import CheckpointKeyError, CheckpointNotFoundError, FormatError
+from fastckpt.store.commit import atomic_write, resolve_overwrite
 from fastckpt.state import STATEFUL_JSON, StateObject, accessors, dumps
 from fastckpt.state import decode as _decode
 from fastckpt.state import encode as _encode_state

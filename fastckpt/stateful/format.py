@@ -83,7 +83,7 @@ Versioning
     applies them.
 
 Files
-    :meth:`Checkpoint.save` writes through :func:`fastckpt.formats.atomic.atomic_write`
+    :meth:`Checkpoint.save` writes through :func:`fastckpt.store.commit.atomic_write`
     (a temporary in the same directory, fsync, rename, directory fsync), so a
     reader of the file name sees either the previous file or the complete new
     one.

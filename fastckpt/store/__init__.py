@@ -5,6 +5,7 @@ layouts, training checkpoints and the manager's record) is a layout over this fl
 publishes, its name rule, how it writes and how it opens. The floor keeps one mechanism per concern:
 
 - ``commit``: staging, fsync and the one atomic step that makes a save visible (no-replace by default);
+- ``remote``: the same for object storage (uploads, conditional on ``s3://``; a prefix's manifest last);
 - ``snapshot``: one pinned commit for every reader of several files, with a bounded descriptor cache;
 - ``names``: the one rule for tensor, table, slot and step names;
 - ``manifest``: bounded JSON reading and schema checks.

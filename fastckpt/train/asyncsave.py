@@ -10,7 +10,11 @@ the moment ``save`` returns: the checkpoint holds the state of that instant,
 never a torn or mixed-step one.
 
 At most one save is in flight: the next ``save`` first waits for the previous
-one. A failure in the background is raised by ``handle.wait()`` or, if nobody
+one. A save still in flight when the program ends is finished before the
+interpreter shuts its thread pools down (a hook that runs at the start of the
+interpreter's shutdown, before ``atexit`` and before ``concurrent.futures``
+refuses new work) and committed; if it fails there, its error is printed and
+the process exits with status 1, never 0 without its checkpoint. A failure in the background is raised by ``handle.wait()`` or, if nobody
 waited, by the next ``save`` or ``wait`` (once); a ``save`` that raises an
 earlier save's error saves nothing itself, so call it again.
 
@@ -34,19 +38,77 @@ frees it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
+import sys
 import threading
+import traceback
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from fastckpt.formats.atomic import resolve_overwrite
+from fastckpt.store.commit import resolve_overwrite
 from fastckpt.train.checkpoint import check_hash, write_snapshot
 from fastckpt.train.format import DEFAULT_HASH
 from fastckpt.train.snapshot import take_snapshot
 
 __all__ = ["SaveHandle", "AsyncCheckpointer", "StagingPool"]
+
+
+# Every checkpointer that may have a save in flight; the exit hook waits for each.
+_live: weakref.WeakSet = weakref.WeakSet()
+_live_lock = threading.Lock()
+_exit_hook_installed = False
+
+
+def _finish_saves_at_exit() -> None:
+    """Wait for every save in flight and commit it; a failure is printed and the process exits with status 1.
+
+    Runs first in the interpreter's shutdown (``threading._register_atexit``, after the program's last line and
+    before ``concurrent.futures`` refuses new work, which a save's fsync pool needs)."""
+    with _live_lock:
+        savers = list(_live)
+    failed = []
+    for saver in savers:
+        last = saver._last
+        try:
+            saver.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported below, then the exit status says so
+            failed.append((last, exc))
+    if not failed:
+        return
+    for last, exc in failed:
+        where = f" of {os.fspath(last.path)} (step {last.step})" if last is not None else ""
+        print(f"fastckpt: the checkpoint save{where} still in flight when the program ended failed; "
+              f"no checkpoint was committed:", file=sys.stderr)
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(1)
+
+
+def _watch(saver: "AsyncCheckpointer") -> None:
+    """Have the exit hook wait for ``saver``'s saves (the hook installed once, after concurrent.futures' own, so
+    that it runs before that one: the interpreter runs them last registered first)."""
+    global _exit_hook_installed
+    with _live_lock:
+        _live.add(saver)
+        if _exit_hook_installed:
+            return
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is not None:
+                register(_finish_saves_at_exit)
+            else:  # an interpreter without it: atexit, which runs after the pools stop taking work
+                import atexit
+
+                atexit.register(_finish_saves_at_exit)
+            _exit_hook_installed = True
+        except RuntimeError:  # the interpreter is shutting down already
+            pass
 
 
 _SPLIT_MIN = 8 << 20  # below this a second thread costs more than it saves
@@ -186,6 +248,7 @@ class AsyncCheckpointer:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-async-save")
         self._last: SaveHandle | None = None
         self._lock = threading.Lock()
+        _watch(self)
 
     def _settle_previous(self) -> None:
         last = self._last

@@ -46,8 +46,10 @@ import concurrent.futures
 import errno
 import json
 import logging
+import errno
 import os
 import reprlib
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,8 +57,9 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.formats.atomic import atomic_directory, atomic_write, fsync_directory, resolve_overwrite
+from fastckpt.store.commit import Commit, atomic_write, fsync_file, resolve_overwrite
 from fastckpt.formats.hashing import HASH_ALGORITHMS, new_hasher
+from fastckpt.formats import remote as remote_storage
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import part_of_a_save, progress_from
 from fastckpt.train.format import (
@@ -98,14 +101,6 @@ _log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _existing_is_replaceable(out: Path) -> bool:
     if not out.exists():
         return True
@@ -128,7 +123,7 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
     """Write ``snap`` as a checkpoint directory at ``out_dir`` (atomically); returns the weights' ``"<hash>:<hex>"``.
 
     With ``overwrite=False`` an existing ``out_dir`` is refused, at the start
-    and again by the commit's no-replace rename (:mod:`fastckpt.formats.atomic`),
+    and again by the commit's no-replace rename (:mod:`fastckpt.store.commit`),
     so a checkpoint another writer commits meanwhile is never replaced: this
     save raises :class:`FileExistsError` naming ``out_dir`` and leaves nothing.
     """
@@ -145,8 +140,6 @@ def write_snapshot(snap: Snapshot, out_dir: str | os.PathLike, *, overwrite: boo
     nbytes = sum(a.nbytes for t in tables for a in t.tensors.values())
     with progress_from(progress, nbytes, "save checkpoint") as report:
         digest = _write_directory(snap, out, fsync, hash, report, overwrite)
-    if fsync:
-        fsync_directory(out.parent)
     _log.info("saved checkpoint %s: step %s, %d tensors, %d bytes in %.3f s", out, snap.manifest.get("step"),
               sum(len(t.tensors) for t in tables), nbytes, time.perf_counter() - started)
     return digest
@@ -156,7 +149,9 @@ def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=F
     from fastckpt.formats.safetensors import save_safetensors
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="fastckpt-save") as pool, \
-            atomic_directory(out, fsync=False, overwrite=overwrite) as tmp:
+            Commit(out, overwrite=overwrite, fsync=fsync, sync_files=False) as commit:
+        # the files are fsynced here, in the background; the commit syncs the directories and publishes
+        tmp = commit.staging
         files: dict[str, dict] = {}
         syncs: list[concurrent.futures.Future] = []
 
@@ -165,7 +160,7 @@ def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=F
             # while the next file is written.
             files[name] = {hash: hasher.hexdigest(), "bytes": (tmp / name).stat().st_size}
             if fsync:
-                syncs.append(pool.submit(_fsync_file, tmp / name))
+                syncs.append(pool.submit(fsync_file, tmp / name))
 
         for name, table, tree, fmt in ((WEIGHTS_FILE, snap.weights, snap.weights_tree, "fastckpt.train.weights"),
                                        (OPTIM_FILE, snap.optim, snap.optim_tree, "fastckpt.train.optim")):
@@ -238,12 +233,47 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
         overwrite = True  # 0.2's default; an upload's commit is its manifest (fastckpt.train.remote)
     snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
                          metrics=extra_metrics, scaler=scaler, seed=seed, config=config, data_manifest=data_manifest)
-    if is_url(out_dir):  # object storage and remote filesystems: fastckpt.train.remote
-        from fastckpt.train import remote
-
-        return remote.write_snapshot(snap, out_dir, overwrite=overwrite, hash=hash, progress=progress,
+    if is_url(out_dir):  # object storage and remote filesystems: built locally, uploaded, the manifest last
+        return write_snapshot_to_url(snap, out_dir, overwrite=overwrite, hash=hash, progress=progress,
                                      storage_options=storage_options)
     return write_snapshot(snap, out_dir, overwrite=overwrite, fsync=fsync, hash=hash, progress=progress)
+
+
+# -- at a URL (fastckpt.train.remote says how) -------------------------------------------------
+def write_snapshot_to_url(snap, url: str, *, overwrite: bool, hash: str = DEFAULT_HASH, progress=False,
+                   storage_options: dict | None = None) -> str:
+    """Write ``snap`` as a checkpoint at the prefix ``url``: built locally, uploaded, the manifest last.
+
+    >>> from fastckpt.train import TinyLM
+    >>> _ = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, None, "memory://doc/c", step=3)
+    >>> load_checkpoint_from_url("memory://doc/c").step
+    3
+    """
+    if not overwrite and remote_storage.committed(url, MANIFEST_FILE, storage_options):
+        raise FileExistsError(errno.EEXIST, "a checkpoint already exists here; pass overwrite=True to replace it", url)
+    with tempfile.TemporaryDirectory(prefix="fastckpt-up-") as tmp:
+        local = Path(tmp) / "checkpoint"
+        digest = write_snapshot(snap, local, overwrite=False, fsync=False, hash=hash, progress=progress)
+        remote_storage.put_directory(local, url, MANIFEST_FILE, storage_options)
+    return digest
+
+
+def load_checkpoint_from_url(url: str, *, verify: bool = True, progress=False, storage_options: dict | None = None):
+    """Download the committed checkpoint at ``url`` and read it as :func:`fastckpt.train.load_checkpoint` does.
+
+    The state's ``path`` is ``url``. An uncommitted or missing prefix is a
+    :class:`~fastckpt.errors.CheckpointNotFoundError`.
+
+    >>> load_checkpoint_from_url("memory://doc/no-such-checkpoint")
+    Traceback (most recent call last):
+    ...
+    fastckpt.errors.CheckpointNotFoundError: memory://doc/no-such-checkpoint: no committed checkpoint (nothing there); expected memory://doc/no-such-checkpoint/manifest.json
+    """
+    with remote_storage.local_copy(url, MANIFEST_FILE, storage_options) as local:
+        state = load_checkpoint(local, verify=verify, progress=progress)
+    state.path = url
+    return state
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,10 +375,8 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True, progress=
     >>> load_checkpoint(out).step
     3
     """
-    if is_url(in_dir):  # object storage and remote filesystems: fastckpt.train.remote
-        from fastckpt.train import remote
-
-        return remote.load_checkpoint(in_dir, verify=verify, progress=progress, storage_options=storage_options)
+    if is_url(in_dir):  # object storage and remote filesystems: downloaded, then read here
+        return load_checkpoint_from_url(in_dir, verify=verify, progress=progress, storage_options=storage_options)
     started = time.perf_counter()
     d = Path(in_dir)
     manifest = read_manifest(d)

@@ -11,7 +11,7 @@ What counts as a checkpoint
     leaves nothing that :meth:`latest` returns; its temporary
     (``.step-<N>.@<host>~<ns>.<pid>.<hex>.partial``) is removed by the next
     manager or save once that process is gone (another host's only after
-    :data:`fastckpt.formats.atomic.STALE_AFTER`, an hour). ``latest()`` does not hash files;
+    :data:`fastckpt.store.commit.STALE_AFTER`, an hour). ``latest()`` does not hash files;
     ``restore_latest`` does (``verify=True``).
 
 What it deletes
@@ -46,7 +46,7 @@ Two managers saving the same step: the first to commit wins, the other gets
 ``overwrite=True``) and leaves nothing behind.
 
 A URL (``CheckpointManager("s3://bucket/run", storage_options=...)``) gives a
-:class:`~fastckpt.train.remote.RemoteCheckpointManager`: the same steps and
+:class:`RemoteCheckpointManager`: the same steps and
 retention over prefixes whose manifest, uploaded last, commits them.
 
 >>> import numpy as np, tempfile
@@ -66,16 +66,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import math
+import errno
 import os
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.formats.atomic import _partial_name, atomic_write, remove_stale_partials_in
+from fastckpt.store.commit import atomic_write, remove_stale_partials_in, retire_directory
+from fastckpt.formats import remote
 from fastckpt.formats.remote import is_url
 from fastckpt.store.names import parse_step, step_name
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
@@ -84,17 +88,20 @@ from fastckpt.train.checkpoint import (
     apply_checkpoint,
     check_hash,
     load_checkpoint,
+    load_checkpoint_from_url,
     read_manifest,
     write_snapshot,
+    write_snapshot_to_url,
 )
-from fastckpt.train.format import DEFAULT_HASH
+from fastckpt.train.format import DEFAULT_HASH, MANIFEST_FILE
 from fastckpt.train.snapshot import take_snapshot
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "RemoteCheckpointManager"]
 
 RECORD_FILE = ".fastckpt-manager.json"
 LOCK_FILE = ".fastckpt-manager.lock"
 RECORD_FORMAT = "fastckpt.train.manager"
+_log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -112,8 +119,6 @@ class CheckpointManager:
 
     def __new__(cls, directory: str | os.PathLike = "", *args, **kwargs):
         if cls is CheckpointManager and is_url(directory):  # step prefixes in object storage
-            from fastckpt.train.remote import RemoteCheckpointManager
-
             return RemoteCheckpointManager(directory, *args, **kwargs)
         return super().__new__(cls)
 
@@ -280,12 +285,10 @@ class CheckpointManager:
             doomed = self._to_delete(managed)
             for step in doomed:
                 path = managed[step]
-                # Rename first: an interrupted removal leaves a temporary the next sweep deletes,
+                # Renamed first: an interrupted removal leaves a temporary the next sweep deletes,
                 # never a half-deleted step directory.
-                trash = _partial_name(path)
-                os.replace(path, trash)
+                retire_directory(path, fsync=False)
                 self._manifests.pop(path.name, None)
-                shutil.rmtree(trash, ignore_errors=True)
             gone = {managed[s].name for s in doomed}
             # A recorded name whose directory does not exist yet may be another manager's save in flight:
             # it stays, or that checkpoint would never be pruned.
@@ -393,3 +396,160 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return f"<CheckpointManager {str(self.directory)!r} steps={self.all_steps()}>"
 
+
+class RemoteCheckpointManager:
+    """:class:`~fastckpt.train.CheckpointManager` for a URL: ``step-<N>`` prefixes under it, the same retention.
+
+    ``CheckpointManager(url, ...)`` returns one. Saves block (``blocking=False`` is refused: the upload is the
+    slow part, and a second save must not start before the first has committed). ``latest()`` and
+    ``path_for()`` are URLs. Only committed prefixes (with their ``manifest.json``) count; each save first
+    removes the uncommitted ones (saves that never finished), so one manager may write under ``url`` at a time.
+    Retention deletes only checkpoints recorded in ``<url>/.fastckpt-manager.json`` (as the local manager
+    does); a deleted checkpoint loses its manifest first, so an interrupted deletion leaves an uncommitted
+    prefix, never a checkpoint with missing files.
+
+    >>> mgr = RemoteCheckpointManager("memory://doc/empty-run")
+    >>> mgr.all_steps(), mgr.latest(), mgr.path_for(7)
+    ([], None, 'memory://doc/empty-run/step-00000007')
+    """
+
+    def __init__(self, url: str, *, max_to_keep: int | None = None, keep_best: tuple | None = None,
+                 keep_every_n_steps: int | None = None, fsync: bool = True, hash: str = DEFAULT_HASH,
+                 storage_options: dict | None = None) -> None:
+        # The local manager checks and normalises the retention options; its directory is not used.
+        with tempfile.TemporaryDirectory(prefix="fastckpt-options-") as tmp:
+            checked = CheckpointManager(tmp, max_to_keep=max_to_keep, keep_best=keep_best,
+                                        keep_every_n_steps=keep_every_n_steps, fsync=False, hash=hash)
+        self.directory = url.rstrip("/")
+        self.max_to_keep, self.keep_best, self.keep_every_n_steps = (checked.max_to_keep, checked.keep_best,
+                                                                     checked.keep_every_n_steps)
+        self.fsync = fsync  # uploads are durable once acknowledged; kept for the same signature
+        self.hash = check_hash(hash)
+        self.storage_options = storage_options
+
+    # -- naming and discovery ----------------------------------------------------------------------
+    def path_for(self, step: int) -> str:
+        """The URL of ``step``'s checkpoint (whether or not it exists)."""
+        return remote.join(self.directory, step_name(step))
+
+    def _complete(self) -> dict[int, str]:
+        found: dict[int, str] = {}
+        for name in remote.committed_prefixes(self.directory, MANIFEST_FILE, self.storage_options):
+            step = parse_step(name)
+            if step is not None:
+                if step not in found or name == step_name(step):
+                    found[step] = remote.join(self.directory, name)
+        return found
+
+    # The local manager's discovery, retention policy and lifetime, over this class's _complete, _manifest,
+    # wait and restore: the same steps and the same choices; only the storage differs.
+    all_steps = CheckpointManager.all_steps
+    latest_step = CheckpointManager.latest_step
+    latest = CheckpointManager.latest
+    _metric = CheckpointManager._metric
+    _to_delete = CheckpointManager._to_delete
+    restore_latest = CheckpointManager.restore_latest
+    __enter__ = CheckpointManager.__enter__
+    __exit__ = CheckpointManager.__exit__
+
+    # -- the record and retention -------------------------------------------------------------------
+    def _fs(self):
+        return remote.filesystem(self.directory, self.storage_options)
+
+    def _read_record(self) -> list[str]:
+        fs, path = self._fs()
+        key = f"{path.rstrip('/')}/{RECORD_FILE}"
+        fs.invalidate_cache(path)
+        if not fs.isfile(key):
+            return []
+        try:
+            record = json.loads(fs.cat_file(key).decode("utf-8"))
+            names = record["written"]
+            if record.get("format") != RECORD_FORMAT or not all(isinstance(n, str) for n in names):
+                raise ValueError("unexpected content")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise FormatError(f"{self.directory}/{RECORD_FILE}: unreadable record of the checkpoints this manager "
+                              f"wrote ({e}); delete it to start a new record") from None
+        return list(names)
+
+    def _write_record(self, names: list[str]) -> None:
+        fs, path = self._fs()
+        body = json.dumps({"format": RECORD_FORMAT, "version": 1, "written": names}, indent=1).encode("utf-8")
+        fs.pipe_file(f"{path.rstrip('/')}/{RECORD_FILE}", body)  # one PUT: atomic on an object store
+
+    def _manifest(self, url: str) -> dict:
+        """The manifest at ``url``; ``{}`` (no metrics) only when it is missing or not JSON. Any other failure to
+        read it (a dropped connection) raises, so that retention never ranks a checkpoint it could not read."""
+        fs, path = remote.filesystem(url, self.storage_options)
+        try:
+            return json.loads(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST_FILE}").decode("utf-8"))
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def _apply_retention(self) -> list[int]:
+        names = self._read_record()
+        recorded = set(names)
+        managed = {s: u for s, u in self._complete().items() if u.rsplit("/", 1)[1] in recorded}
+        doomed = self._to_delete(managed)
+        fs, _ = self._fs()
+        for step in doomed:  # the manifest first (uncommitted from then on), then the checkpoint's files only
+            remote.clear(managed[step], MANIFEST_FILE, self.storage_options)
+        gone = {managed[s].rsplit("/", 1)[1] for s in doomed}
+        kept = [n for n in names if n not in gone]
+        if kept != names:
+            self._write_record(kept)
+        return doomed
+
+    # -- saving and restoring ------------------------------------------------------------------------
+    def save(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
+             train_rng: Any = None, *, epoch: int = 0, metrics: dict | None = None, scaler: Any = None,
+             blocking: bool = True, overwrite: bool = False, seed: int | None = None, config: Any = None,
+             data_manifest: Any = None, progress=False) -> str:
+        """Save ``step`` (see :meth:`fastckpt.train.CheckpointManager.save`); returns the digest."""
+        from fastckpt.train.snapshot import take_snapshot
+
+        if not blocking:
+            raise ValueError(f"{self.directory}: blocking=False is for local directories; a save to a URL blocks "
+                             "until its manifest is uploaded")
+        url = self.path_for(step)
+        if not overwrite and remote.committed(url, MANIFEST_FILE, self.storage_options):
+            raise FileExistsError(errno.EEXIST, f"step {step} is already saved; pass overwrite=True to replace it",
+                                  url)
+        remote.remove_uncommitted(self.directory, MANIFEST_FILE, self.storage_options,
+                                  select=lambda name: parse_step(name) is not None)
+        snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
+                             metrics=metrics, scaler=scaler, seed=seed, config=config, data_manifest=data_manifest)
+        names = self._read_record()
+        name = url.rsplit("/", 1)[1]
+        if name not in names:
+            self._write_record(names + [name])  # before the write, so no checkpoint is ever unrecorded
+        digest = write_snapshot_to_url(snap, url, overwrite=True, hash=self.hash, progress=progress,
+                                storage_options=self.storage_options)
+        try:
+            self._apply_retention()
+        except OSError as e:  # the step is committed; a store that failed to answer must not delete by guesswork
+            _log.warning("%s: step %d saved; retention skipped this time (the store failed: %s)", self.directory,
+                         step, e)
+        return digest
+
+    def wait(self) -> None:
+        """Nothing is ever in flight (saves to a URL block); kept for the local manager's interface."""
+
+    def restore(self, step: int, model: Any, optimizer: Any = None, scheduler: Any = None, data_iter: Any = None,
+                train_rng: Any = None, *, scaler: Any = None, verify: bool = True, progress=False,
+                strict: bool = True):
+        """Load ``step`` and apply it to the given objects (see :meth:`fastckpt.train.CheckpointManager.restore`)."""
+        complete = self._complete()
+        if step not in complete:
+            raise CheckpointNotFoundError(
+                f"{self.directory}: no committed checkpoint for step {step} (committed steps: {sorted(complete)})")
+        state = load_checkpoint_from_url(complete[step], verify=verify, progress=progress,
+                                storage_options=self.storage_options)
+        apply_checkpoint(state, model, optimizer, scheduler, data_iter, train_rng, scaler=scaler, strict=strict)
+        return state
+
+    def close(self) -> None:
+        """Nothing to release; kept for the local manager's interface."""
+
+    def __repr__(self) -> str:
+        return f"<CheckpointManager {self.directory!r} steps={self.all_steps()}>"

@@ -1,9 +1,12 @@
 """Write TensorFlow v2 checkpoints that TensorFlow itself reads and restores.
 
 ``write_checkpoint(prefix, tensors)`` writes ``<prefix>.data-00000-of-00001``
-and ``<prefix>.index`` (format in :mod:`fastckpt.formats.tf.format`): data files first,
-index last, each through :func:`fastckpt.formats.atomic.atomic_write`, so a reader
-never sees a half-written file. ``save(directory, tensors)`` picks the next
+and ``<prefix>.index`` (format in :mod:`fastckpt.formats.tf.format`) into a
+staging directory, then commits them as one set
+(:class:`fastckpt.store.commit.Commit`, ``kind="files"``): data files renamed in
+first, the index last, the previous checkpoint at that prefix (its index and
+every ``<prefix>.data-*-of-*``) claimed, so a reader never sees a half-written
+file or a mix of two saves, and a failed save leaves the previous one exactly. ``save(directory, tensors)`` picks the next
 ``ckpt-N`` and updates the directory's ``checkpoint`` state file the way
 ``tf.train.CheckpointManager`` does.
 
@@ -36,7 +39,7 @@ import numpy as np
 
 from fastckpt._native.tftable import mask_crc
 from fastckpt.arrays import to_numpy
-from fastckpt.formats.atomic import atomic_write, resolve_overwrite
+from fastckpt.store.commit import Commit, atomic_write, resolve_overwrite, write_file
 from fastckpt.formats.tf import dtypes as _dt
 from fastckpt.formats.tf.proto import (
     BundleHeader,
@@ -55,6 +58,8 @@ from fastckpt.store.names import FILE_NAME, NameRule
 __all__ = ["CheckpointWriter", "write_checkpoint", "save", "escape_local_name", "unescape_local_name",
            "object_key", "SAVE_COUNTER_KEY"]
 
+# Small writes gather into one write() per 256 KiB (the buffer atomic_write gives the single-file writers).
+_WRITE_BUFFER = 256 << 10
 #: The keys a bundle keeps for itself; any other str (newlines, '/', '.' and NUL inside included) reads back.
 NAMES = NameRule("TensorFlow's bundle", controls=False, empty=True,
                  whole=(("", "the empty key holds the bundle's header"),),
@@ -212,17 +217,23 @@ class CheckpointWriter:
         self._entries: dict = {}  # key bytes -> (key str, encoded BundleEntryProto fields)
         self._paths: dict = {}  # key -> (object path, attribute) when object_graph
         self._offsets = [0] * num_shards
-        self._stack = contextlib.ExitStack()
-        self._files = []
+        self._files: list = []
         self._done = False
         self._failed = False  # an add() failed mid-write: close() must not report success
+        name = os.path.basename(self.prefix)
+        # Every file of this prefix is one commit: staged, then renamed in with the index last. It claims the
+        # index and the data files of any shard count, so a previous save's are replaced (or refused) whole.
+        self._commit = Commit(self.prefix, kind="files", overwrite=self.overwrite, fsync=fsync,
+                              entry_points=[name + ".index"], claims=[name + ".index"],
+                              replaces=re.compile(re.escape(name) + r"\.data-[0-9]{5}-of-[0-9]{5}"))
         try:
             for shard in range(num_shards):
-                self._files.append(self._stack.enter_context(
-                    atomic_write(data_filename(self.prefix, shard, num_shards), fsync=fsync,
-                                 overwrite=self.overwrite)))
-        except BaseException:
-            self._stack.close()
+                path = self._commit.staging / os.path.basename(data_filename(self.prefix, shard, num_shards))
+                self._files.append(open(path, "xb", buffering=_WRITE_BUFFER))
+        except BaseException as exc:
+            self._discard()
+            if isinstance(exc, OSError):
+                raise self._commit._naming(exc) from None
             raise
 
     def __enter__(self):
@@ -301,6 +312,8 @@ class CheckpointWriter:
             # Part of the bytes may be in the file: every later offset would be wrong. Nothing is kept.
             self._failed = True
             self.abort(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, OSError):
+                raise self._commit._naming(exc, os.path.basename(f.name)) from None
             raise
         self._offsets[shard] = end + pad
         self._entries[key_bytes] = encode_entry(tf_dtype, arr.shape, shard_id=shard, offset=offset, size=size,
@@ -351,19 +364,31 @@ class CheckpointWriter:
         except BaseException as exc:
             self.abort(type(exc), exc, exc.__traceback__)
             raise
+        try:
+            for f in self._files:  # the commit fsyncs every staged file before it renames one
+                f.close()
+            write_file(self._commit.staging / os.path.basename(self.prefix + ".index"), index.getbuffer(),
+                       fsync=False)
+        except BaseException as exc:
+            self.abort(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, OSError):
+                raise self._commit._naming(exc) from None
+            raise
         self._done = True
-        self._stack.close()  # data files are complete and renamed before the index exists
-        with atomic_write(self.prefix + ".index", fsync=self.fsync, overwrite=self.overwrite) as f:
-            f.write(index.getbuffer())
+        self._commit.publish()
+
+    def _discard(self) -> None:
+        for f in self._files:
+            with contextlib.suppress(OSError):  # close() flushes, and fails again where a write did
+                f.close()
+        self._commit.discard()
 
     def abort(self, exc_type=None, exc=None, tb=None) -> None:
-        """Discard everything written so far (temporary data files are removed)."""
+        """Discard everything written so far (the staging directory is removed; nothing is published)."""
         if self._done:
             return
         self._done = True
-        if exc_type is None:
-            exc_type, exc = RuntimeError, RuntimeError("checkpoint write aborted")
-        self._stack.__exit__(exc_type, exc, tb)
+        self._discard()
 
 
 def write_checkpoint(prefix, tensors, *, num_shards: int = 1, data_alignment: int = 1, object_graph: bool = False,

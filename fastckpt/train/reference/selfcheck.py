@@ -40,7 +40,7 @@ from unittest import mock
 
 import numpy as np
 
-from fastckpt.formats.atomic import atomic_write
+from fastckpt.store.commit import atomic_write
 from fastckpt.train.checkpoint import SCHEMA_VERSION, WEIGHTS_FILE, apply_checkpoint, load_checkpoint, save_checkpoint
 from fastckpt.train.reference.data import ShuffledTokenBatches
 from fastckpt.train.reference.model import TinyLM, train_step

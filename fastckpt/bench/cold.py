@@ -1,0 +1,501 @@
+"""The ``cold`` suite: loads from files that are not in the page cache, each in a fresh process, against the bound.
+
+What an inference service pays at start-up is a new process reading a model
+file that is not in the page cache. ``python -m fastckpt bench --suite cold``
+writes a safetensors file of ``--tensors`` float32 tensors (``--mib`` MiB in
+all), the same tensors as a Hugging Face sharded directory (4 shards) and a
+``.netcl`` model of about the same size, then measures every row below
+``--runs`` times, in rounds (every row once per round, in a shuffled order, so
+that a change of the shared machine's load hits every row alike). Each
+measurement is a fresh Python process (:func:`measure_one`, run as
+``python -m fastckpt.bench.cold --worker ROW ...``) that imports what the row
+needs, sets up its device and pool, then drops the row's files from the page
+cache (``posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``; a mapping still
+holding the pages would keep them, and none exists yet), and only then starts
+the clock; the clock stops when every byte is in its destination (host arrays,
+or device memory with the copies waited for). The CPU time the process spent
+meanwhile (user + system, all its threads) is kept too: on a machine whose
+cores are shared it says what a path costs when the wall clock cannot. After the clock, every row is
+checked exact (CRC-32C of every tensor against those of the arrays written, or
+of the whole file for the bounds) and its peak RSS is read (``VmHWM``, the
+whole process: interpreter, numpy, pocl and the loaded bytes).
+
+Rows (``ROWS``):
+
+* bounds: a plain buffered sequential ``readinto`` of the file into one array,
+  64 MiB at a time; ``preadv`` of 16 MiB pieces from 2 and 4 threads
+  (buffered); ``O_DIRECT`` ``preadv`` into page-aligned memory from 1, 4 and 16
+  threads. The fastest is the bound (this machine's disk is a virtual one
+  that its host caches, so a buffered read can beat a direct one);
+* fastckpt, host: ``fastckpt.open`` + a copy of every tensor, the same with
+  ``backend="pread"`` (whose ``host()`` arrays are copies already),
+  ``load_tree`` (private writable arrays), ``fastckpt.open`` of the HF directory
+  + copies;
+* fastckpt, device (pocl: the device shares host memory): ``load_file(path,
+  queue, pool=pool)``, the same with ``staging=True`` (the discrete-GPU route),
+  ``load_file`` of the HF directory, ``load_model`` of the ``.netcl`` file into
+  a pool;
+* peers, where they import: ``safetensors.numpy.load_file``,
+  ``safetensors.torch.load_file`` (every tensor touched), fastsafetensors
+  (CPU, ``nogds``), Run:ai Model Streamer (``SafetensorsStreamer``, tensors
+  cloned). A row whose imports fail says so once and is left out.
+
+Share of the bound is the row's GB/s over the fastest bound's (the ``.netcl``
+and HF rows read files of their own, of nearly the same size). ``--quick``: 32 MiB,
+one run, no 16-thread direct read: a smoke test of seconds.
+
+>>> [row for row in ROWS if ROWS[row][0] == "bound"][:2]
+['bound: buffered readinto, 64 MiB', 'bound: buffered preadv, 2 threads']
+>>> from fastckpt.bench import main
+>>> main(["--suite", "cold", "--quick"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from fastckpt.bench.timing import format_duration, table_lines
+
+__all__ = ["configure", "run", "measure_one", "ROWS", "drop_cache", "prepare", "table"]
+
+# row -> (kind: "bound" | "fastckpt" | "peer", what it reads: "file" | "dir" | "netcl", does it need a device)
+ROWS = {
+    "bound: buffered readinto, 64 MiB": ("bound", "file", False),
+    "bound: buffered preadv, 2 threads": ("bound", "file", False),
+    "bound: buffered preadv, 4 threads": ("bound", "file", False),
+    "bound: O_DIRECT preadv, 1 thread": ("bound", "file", False),
+    "bound: O_DIRECT preadv, 4 threads": ("bound", "file", False),
+    "bound: O_DIRECT preadv, 16 threads": ("bound", "file", False),
+    "fastckpt.open + copies": ("fastckpt", "file", False),
+    "fastckpt.open(backend='pread') + host()": ("fastckpt", "file", False),
+    "fastckpt.load_tree": ("fastckpt", "file", False),
+    "fastckpt.open(HF directory) + copies": ("fastckpt", "dir", False),
+    "load_file(pool) on pocl": ("fastckpt", "file", True),
+    "load_file(pool, staging=True) on pocl": ("fastckpt", "file", True),
+    "load_file(HF directory, pool) on pocl": ("fastckpt", "dir", True),
+    "load_model(.netcl, pool) on pocl": ("fastckpt", "netcl", True),
+    "safetensors.numpy.load_file": ("peer", "file", False),
+    "safetensors.torch.load_file": ("peer", "file", False),
+    "fastsafetensors (CPU, nogds)": ("peer", "file", False),
+    "Run:ai SafetensorsStreamer": ("peer", "file", False),
+}
+QUICK_SKIP = ("bound: O_DIRECT preadv, 16 threads", "bound: buffered preadv, 2 threads")
+_MiB = 1 << 20
+PIECE = 16 * _MiB  # the bounds' parallel reads: one piece per preadv
+
+
+def drop_cache(paths) -> None:
+    """Drop every file of ``paths`` (files, or directories whose files are dropped) from the page cache.
+
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` writes nothing back and drops only clean pages that no mapping holds.
+
+    >>> import tempfile; p = tempfile.mkstemp()[1]; drop_cache([p])
+    """
+    for path in paths:
+        files = [os.path.join(path, n) for n in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
+        for name in files:
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# ------------------------------------------------------------------ fixtures (the parent process)
+
+def prepare(directory: str, mib: float, tensors: int, seed: int = 0) -> dict:
+    """Write the suite's files into ``directory``; returns the paths and each tensor's expected CRC-32C.
+
+    >>> import tempfile
+    >>> fixture = prepare(tempfile.mkdtemp(), 1, 4)
+    >>> sorted(fixture), fixture["nbytes"]
+    (['crc', 'dir', 'dir_nbytes', 'file', 'file_crc', 'file_size', 'nbytes', 'netcl', 'netcl_crc', 'netcl_nbytes'], 1048576)
+    """
+    import crc32c
+
+    import fastckpt
+
+    per = max(1, int(mib * _MiB) // tensors // 4)
+    rng = np.random.default_rng(seed)
+    arrays = {f"layer{i:03d}.weight": rng.integers(0, 2**32, per, dtype=np.uint32).view(np.float32)
+              for i in range(tensors)}
+    path = os.path.join(directory, "model.safetensors")
+    fastckpt.save_safetensors(path, arrays, overwrite=True)
+    hf = os.path.join(directory, "hf")
+    fastckpt.save_sharded(hf, arrays, max_shard_size=-(-per * 4 * tensors // 4) + 1)
+    crc = {name: crc32c.crc32c(a) for name, a in arrays.items()}
+    with open(path, "rb") as f:
+        file_crc = crc32c.crc32c(f.read())
+    nbytes = sum(a.nbytes for a in arrays.values())
+    netcl, netcl_crc, netcl_nbytes = _netcl(directory, nbytes)
+    dir_nbytes = sum(os.path.getsize(os.path.join(hf, n)) for n in os.listdir(hf))
+    return {"file": path, "dir": hf, "netcl": netcl, "crc": crc, "file_crc": file_crc, "netcl_crc": netcl_crc,
+            "nbytes": nbytes, "file_size": os.path.getsize(path), "dir_nbytes": dir_nbytes,
+            "netcl_nbytes": netcl_nbytes}
+
+
+def _netcl(directory: str, nbytes: int):
+    """A ``.netcl`` model of 8 square ``Linear`` layers of about ``nbytes`` in all, and its tensors' CRC-32C
+    (read with ``np.load``, not with fastckpt)."""
+    import crc32c
+
+    from fastckpt.device import default
+    from fastckpt.io import save_model
+    from fastckpt.nn import build_sequential
+
+    width = max(2, int((nbytes / 8 / 4) ** 0.5))
+    config = [{"type": "Linear", "args": {"in_features": width, "out_features": width, "bias": True}}] * 8
+    path = os.path.join(directory, "model.netcl")
+    save_model(build_sequential(default().queue, config), path, overwrite=True)
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files if k != "__netcl_meta__"}
+    return path, {k: crc32c.crc32c(np.ascontiguousarray(a)) for k, a in arrays.items()}, \
+        sum(a.nbytes for a in arrays.values())
+
+
+# ------------------------------------------------------------------ one measurement (a fresh process)
+
+def _bound_buffered(path: str, size: int):
+    out = np.empty(size, np.uint8)
+    view = memoryview(out)
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < size:
+            got = f.readinto(view[done:done + 64 * _MiB])
+            if not got:
+                raise OSError(f"{path}: short read at byte {done}")
+            done += got
+    return out
+
+
+def _bound_preadv(path: str, size: int, threads: int, direct: bool):
+    # O_DIRECT needs page-aligned memory and whole pages: an anonymous mapping rounded up to a page.
+    padded = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    block = mmap.mmap(-1, max(padded, mmap.PAGESIZE)) if direct else None
+    out = np.frombuffer(block, np.uint8) if direct else np.empty(size, np.uint8)
+    view = memoryview(out)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    pieces = list(range(0, size, PIECE))
+    errors = []
+
+    def worker(k: int) -> None:
+        try:
+            for lo in pieces[k::threads]:
+                hi = min(lo + PIECE, padded if direct else size)
+                done = lo
+                while done < hi:
+                    got = os.preadv(fd, [view[done:hi]], done)
+                    if got <= 0:
+                        if done >= size:
+                            break
+                        raise OSError(f"{path}: short read at byte {done}")
+                    done += got
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+
+    try:
+        workers = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    return out[:size]
+
+
+def _device():
+    from fastckpt.device import default
+    from fastckpt.device.pool import PersistentBufferPool
+
+    dev = default()
+    return dev.queue, PersistentBufferPool(dev.context, dev.queue)
+
+
+def _setup(row: str, fixture: dict):
+    """``(load, check)`` for ``row``: ``load()`` is timed, ``check(result)`` returns ``{name: CRC-32C}``."""
+    import crc32c
+
+    file, directory, netcl = fixture["file"], fixture["dir"], fixture["netcl"]
+    size = fixture["file_size"]
+    copies = lambda result: {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in result.items()}  # noqa: E731
+    whole = lambda result: {"<file>": crc32c.crc32c(result)}  # noqa: E731
+    if row.startswith("bound: buffered readinto"):
+        return (lambda: _bound_buffered(file, size)), whole
+    if row.startswith("bound:"):
+        threads = int(row.split(", ")[1].split()[0])
+        direct = "O_DIRECT" in row
+        return (lambda: _bound_preadv(file, size, threads, direct)), whole
+    if row in ("fastckpt.open + copies", "fastckpt.open(HF directory) + copies"):
+        import fastckpt
+
+        source = file if "HF" not in row else directory
+
+        def load():
+            with fastckpt.open(source) as f:
+                return {k: np.array(f.host(k)) for k in f.keys()}
+        return load, copies
+    if row == "fastckpt.open(backend='pread') + host()":
+        import fastckpt
+
+        def load():
+            with fastckpt.open(file, backend="pread") as f:
+                return {k: f.host(k) for k in f.keys()}
+        return load, copies
+    if row == "fastckpt.load_tree":
+        import fastckpt
+
+        def flat(tree, prefix=""):
+            out = {}
+            for k, v in tree.items():
+                out.update(flat(v, prefix + k + "/") if isinstance(v, dict) else {prefix + k: v})
+            return out
+        return (lambda: fastckpt.load_tree(file)), (lambda tree: copies(flat(tree)))
+    if row.startswith("load_file("):
+        import fastckpt
+
+        queue, pool = _device()
+        source = directory if "HF" in row else file
+        staging = True if "staging" in row else None
+        return (lambda: fastckpt.load_file(source, queue, pool=pool, staging=staging)), \
+            (lambda loaded: copies({k: loaded[k].to_host() for k in loaded}))
+    if row.startswith("load_model("):
+        from fastckpt.io import load_model
+
+        queue, pool = _device()
+
+        return (lambda: load_model(netcl, queue, pool=pool)), (lambda model: copies(model.state_dict()))
+    if row == "safetensors.numpy.load_file":
+        from safetensors.numpy import load_file
+
+        return (lambda: load_file(file)), copies
+    if row == "safetensors.torch.load_file":
+        import torch  # noqa: F401 - its import failing leaves the row out
+        from safetensors.torch import load_file as torch_load
+
+        def load():
+            tensors = torch_load(file)
+            for t in tensors.values():  # torch maps the file lazily on some versions: touch every byte
+                t.sum()
+            return tensors
+        return load, (lambda result: copies({k: v.numpy() for k, v in result.items()}))
+    if row == "fastsafetensors (CPU, nogds)":
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+        def load():
+            loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+            loader.add_filenames({0: [file]})
+            buffers = loader.copy_files_to_device()
+            out = {k: buffers.get_tensor(k).clone() for k in buffers.key_to_rank_lidx}
+            buffers.close()
+            loader.close()
+            return out
+        return load, (lambda result: copies({k: v.numpy() for k, v in result.items()}))
+    if row == "Run:ai SafetensorsStreamer":
+        from runai_model_streamer import SafetensorsStreamer
+
+        def load():
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_file(file)
+                return {name: t.clone() for name, t in streamer.get_tensors()}
+        return load, (lambda result: copies({k: v.numpy() for k, v in result.items()}))
+    raise ValueError(f"no cold row named {row!r}; rows: {', '.join(ROWS)}")
+
+
+def measure_one(row: str, fixture: dict) -> dict:
+    """Measure ``row`` once in this process: set up, drop the row's files from the page cache, time the load, then
+    check it; returns ``{"seconds", "cpu", "exact", "peak_rss"}`` (seconds; bytes), or ``{"skipped": why}`` where the row's
+    imports fail.
+
+    >>> measure_one("no such row", {"file": "", "dir": "", "netcl": "", "file_size": 0})
+    Traceback (most recent call last):
+    ...
+    ValueError: no cold row named 'no such row'; rows: ...
+    """
+    try:
+        load, check = _setup(row, fixture)
+    except (ImportError, OSError) as e:
+        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError,)) and "lib" not in str(e):
+            raise
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    reads = ROWS[row][1]
+    drop_cache([fixture[reads]])
+    cpu = os.times()
+    start = time.perf_counter()
+    result = load()
+    wait = getattr(result, "wait", None)
+    if callable(wait):
+        wait()
+    seconds = time.perf_counter() - start
+    cpu_after = os.times()
+    cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
+    got = check(result)
+    if reads == "netcl":
+        expected = fixture["netcl_crc"]
+    elif ROWS[row][0] == "bound":
+        expected = {"<file>": fixture["file_crc"]}
+    else:
+        expected = fixture["crc"]
+    return {"seconds": seconds, "cpu": cpu_seconds, "exact": got == expected, "peak_rss": _peak_rss()}
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS (``VmHWM``; ``ru_maxrss`` would be no use: Linux keeps it across ``execve``, so a
+    child started by a large parent reports the parent's peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _worker(argv: list[str]) -> int:
+    row, fixture_path = argv
+    with open(fixture_path) as f:
+        fixture = json.load(f)
+    print(json.dumps(measure_one(row, fixture)))
+    return 0
+
+
+# ------------------------------------------------------------------ the suite (the parent process)
+
+BEFORE = " (before)"  # the suffix of a row run with the fastckpt of --against
+
+
+def _base(row: str) -> str:
+    return row[: -len(BEFORE)] if row.endswith(BEFORE) else row
+
+
+def _spawn(row: str, fixture_path: str, against: str | None = None) -> dict:
+    """Measure ``row`` in a new process; a ``(before)`` row imports fastckpt from ``against`` first. This file is run
+    by path (``runpy``, so that its folder is not put on ``sys.path``), so ``against`` needs no cold suite of its own."""
+    env = dict(os.environ)
+    if row.endswith(BEFORE):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (against, env.get("PYTHONPATH")) if p)
+    start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--worker", _base(row),
+                           fixture_path], capture_output=True, text=True, timeout=900, env=env)
+    if done.returncode != 0:
+        return {"failed": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(samples: dict, fixture: dict) -> list[str]:
+    """The markdown table of ``samples`` (``{row: [measurement dicts]}``): median time, GB/s, share of the fastest
+    bound, the median CPU time of the process over the load (user + system, every thread), exact, peak RSS.
+
+    >>> fixture = {"file_size": 10**9, "nbytes": 10**9, "dir_nbytes": 10**9, "netcl_nbytes": 10**9}
+    >>> print("\\n".join(table({"bound: buffered readinto, 64 MiB": [{"seconds": 1.0, "exact": True,
+    ...                                                                "peak_rss": 2**30}]}, fixture)))
+    | path | median | GB/s | share of the bound | CPU | exact | peak RSS |
+    |---|---:|---:|---:|---:|---|---:|
+    | bound: buffered readinto, 64 MiB | 1.000 s | 1.00 | 1.00 | 0.00 s | yes | 1024 MiB |
+    """
+    nbytes = {"file": fixture["file_size"], "dir": fixture["dir_nbytes"], "netcl": fixture["netcl_nbytes"]}
+    rates = {}
+    for row, runs in samples.items():
+        timed = [r["seconds"] for r in runs if "seconds" in r]
+        if timed:
+            rates[row] = nbytes[ROWS[_base(row)][1]] / statistics.median(timed) / 1e9
+    bound = max((rate for row, rate in rates.items() if ROWS[_base(row)][0] == "bound"), default=None)
+    rows = []
+    for row, runs in samples.items():
+        if row not in rates:
+            why = next((r.get("skipped") or r.get("failed") for r in runs), "")
+            rows.append([row, "-", "-", "-", "-", f"left out: {why}"[:120], "-"])
+            continue
+        timed = [r for r in runs if "seconds" in r]
+        median = statistics.median(r["seconds"] for r in timed)
+        share = f"{rates[row] / bound:.2f}" if bound else "-"
+        exact = "yes" if all(r["exact"] for r in timed) else "NO"
+        rss = max(r["peak_rss"] for r in timed)
+        cpu = statistics.median(r.get("cpu", 0.0) for r in timed)
+        rows.append([row, format_duration(median), f"{rates[row]:.2f}", share, f"{cpu:.2f} s", exact,
+                     f"{rss / _MiB:.0f} MiB"])
+    return table_lines(["path", "median", "GB/s", "share of the bound", "CPU", "exact", "peak RSS"], rows,
+                       "lrrrrlr")
+
+
+def configure(parser) -> None:
+    """Add the cold suite's options to ``parser``.
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(); configure(parser)
+    >>> args = parser.parse_args(["--quick"]); args.runs, args.mib
+    (5, 512.0)
+    """
+    parser.add_argument("--quick", action="store_true", help="32 MiB, one run per row (seconds; a smoke test)")
+    parser.add_argument("--mib", type=float, default=512.0, help="size of the safetensors file (default 512)")
+    parser.add_argument("--tensors", type=int, default=16, help="float32 tensors in it (default 16)")
+    parser.add_argument("--runs", type=int, default=5, help="fresh-process runs per row; the median is reported")
+    parser.add_argument("--row", action="append", help="run only this row (repeatable; a prefix matches)")
+    parser.add_argument("--dir", default=None, help="where to write the files (default: a temporary directory)")
+    parser.add_argument("--json", default=None, help="also write every measurement to this JSON file")
+    parser.add_argument("--seed", type=int, default=0, help="shuffles the rows' order in each round")
+    parser.add_argument("--against", default=None,
+                        help="a folder holding another fastckpt (a checkout of an earlier commit, built): every "
+                             "fastckpt row runs with it too, marked (before), in the same rounds")
+
+
+def run(args) -> int:
+    """Run the cold suite; prints the table, returns 0 (1 where a row was not exact).
+
+    >>> from fastckpt.bench import main
+    >>> main(["--suite", "cold", "--quick"])  # doctest: +SKIP
+    """
+    mib, runs = (32.0, 1) if args.quick else (args.mib, args.runs)
+    if runs < 1:
+        raise SystemExit(f"--runs must be at least 1, not {runs}")
+    rows = [r for r in ROWS if not (args.quick and r in QUICK_SKIP)]
+    if args.row:
+        rows = [r for r in rows if any(r.startswith(prefix) for prefix in args.row)]
+    if args.against:
+        rows += [r + BEFORE for r in rows if ROWS[r][0] == "fastckpt"]
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="fastckpt-cold-") as tmp:
+        fixture = prepare(tmp, mib, args.tensors)
+        fixture_path = os.path.join(tmp, "fixture.json")
+        with open(fixture_path, "w") as f:
+            json.dump(fixture, f)
+        samples: dict = {row: [] for row in rows}
+        order = list(rows)
+        shuffle = random.Random(args.seed).shuffle
+        for _ in range(runs):
+            shuffle(order)
+            for row in order:
+                if samples[row] and ("skipped" in samples[row][0] or "failed" in samples[row][0]):
+                    continue
+                samples[row].append(_spawn(row, fixture_path, args.against))
+        print(f"## cold loads: {fixture['nbytes'] / _MiB:.0f} MiB in {args.tensors} float32 tensors "
+              f"(HF directory: {fixture['dir_nbytes'] / _MiB:.0f} MiB in 4 shards; .netcl: "
+              f"{fixture['netcl_nbytes'] / _MiB:.0f} MiB), page cache dropped before each run, a fresh process per "
+              f"run, median of {runs}, {os.cpu_count()} CPUs\n")
+        print("\n".join(table(samples, fixture)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"fixture": {k: v for k, v in fixture.items() if "crc" not in k}, "samples": samples},
+                          f, indent=1)
+    bad = [row for row, runs_ in samples.items() if any(r.get("exact") is False for r in runs_)]
+    if bad:
+        print(f"\nNOT EXACT: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        sys.exit(_worker(sys.argv[2:]))
+    from fastckpt.bench import main
+
+    sys.exit(main(["--suite", "cold", *sys.argv[1:]]))

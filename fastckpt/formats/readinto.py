@@ -1,0 +1,205 @@
+"""Reading a cold file: ``read_ahead`` (advice in steps) and ``read_into`` (``preadv`` straight into destinations).
+
+A copy out of a fresh memory mapping of a file that is not in the page cache
+takes one page fault per page, each waiting for the kernel's readahead window;
+``madvise``/``posix_fadvise(WILLNEED)`` over the whole file does not change
+that, as the kernel caps one advice call at its readahead window (one call over
+a cold 128 MiB file read 16 MiB of it). :func:`read_ahead` advises a range in
+steps of ``READAHEAD_STEP`` bytes, which puts every read of it in the disk's
+queue at once; :class:`~fastckpt.formats.reader.TensorFile` uses it to keep a
+window of the file read ahead of the views it hands out. :func:`read_into`
+reads ``(destination, offset)`` pairs with ``preadv`` from ``threads`` threads,
+the route of the staged device loads into pinned buffers. ``docs/reading.md``
+has the measurements of both, and of the strategies not taken.
+
+:func:`same_file` opens a mapped file's path again for reading, only where
+``fstat`` shows the file the mapping was made of; :func:`read_into` fills
+``(destination, file offset)`` pairs from it. A short read (the file was
+truncated under the load) is an ``OSError`` naming the file and the offset.
+
+>>> import os, tempfile, numpy as np
+>>> fd, p = tempfile.mkstemp(); _ = os.write(fd, bytes(range(10))); os.close(fd)
+>>> out = np.zeros(4, np.uint8)
+>>> fd = os.open(p, os.O_RDONLY); calls = read_into(fd, [(out, 3)], p); os.close(fd)
+>>> out.tolist()
+[3, 4, 5, 6]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import mmap
+import os
+import threading
+
+import numpy as np
+
+__all__ = ["cached", "read_ahead", "read_into", "same_file", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP"]
+
+# One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
+# (read_ahead_kb, 128 KiB by default, 8 MiB on this project's machines) per call, whatever the length asked for,
+# so a long range is advised in steps. Each step queues its reads and returns: the disk gets them all at once.
+READAHEAD_STEP = 8 * 1024 * 1024
+
+# One preadv reads at most this many bytes: large enough that a thread's reads stay sequential for the kernel's
+# readahead, small enough that the pieces spread over the threads (see docs/reading.md for the measurements).
+READ_PIECE = 8 * 1024 * 1024
+# How many threads read at once: the kernel's readahead needs a reader waiting on each stream of pieces; more
+# threads than this measured no faster on a 2-core machine and cost CPU on a shared one.
+READ_THREADS = 2
+
+_readers: concurrent.futures.ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
+
+
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The reading threads, made once and kept (a thread start costs about 100 us)."""
+    global _readers
+    with _readers_lock:
+        if _readers is None or _readers._max_workers < threads:  # noqa: SLF001 - a size check only
+            _readers = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastckpt-read")
+        return _readers
+
+
+def _read_piece(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done, n = 0, len(view)
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OSError(f"{path}: the file ended at byte {offset + done} while {n - done} more bytes of tensor "
+                          f"data were read from there (was it truncated during the load?)")
+        done += got
+
+
+def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: int = READ_PIECE) -> int:
+    """Fill every ``(destination, offset)`` of ``pairs`` with the bytes of the file ``fd`` at ``offset`` (a
+    destination is any writable buffer: a numpy array, a memoryview, a mapped device buffer); returns the number of
+    ``preadv`` calls made. Pieces of ``piece`` bytes are read by ``threads`` threads, in file order.
+
+    >>> import os, tempfile, numpy as np
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, bytes(range(20))); os.close(fd)
+    >>> a, b = np.zeros(3, np.uint8), np.zeros(5, np.uint8)
+    >>> fd = os.open(p, os.O_RDONLY)
+    >>> read_into(fd, [(a, 0), (b, 10)], p, piece=2)
+    5
+    >>> os.close(fd); a.tolist(), b.tolist()
+    ([0, 1, 2], [10, 11, 12, 13, 14])
+    """
+    if piece < 1 or threads < 1:
+        raise ValueError(f"piece and threads must be positive, got piece={piece}, threads={threads}")
+    jobs = []
+    for destination, offset in pairs:
+        view = memoryview(destination).cast("B") if not isinstance(destination, np.ndarray) \
+            else memoryview(destination.reshape(-1).view(np.uint8))
+        jobs += [(view[lo:lo + piece], offset + lo) for lo in range(0, len(view), piece)]
+    jobs.sort(key=lambda job: job[1])
+    if threads == 1 or len(jobs) < 2:
+        for view, offset in jobs:
+            _read_piece(fd, view, offset, path)
+        return len(jobs)
+    futures = [_pool(threads).submit(_read_piece, fd, view, offset, path) for view, offset in jobs]
+    concurrent.futures.wait(futures)  # never return while a thread still writes into a destination
+    for future in futures:
+        future.result()
+    return len(jobs)
+
+
+def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True) -> int:
+    """Ask the kernel to read bytes ``[start, end)`` of the file ``mapped`` maps (a
+    :class:`~fastckpt._native.mapped.MappedFile`) into the page cache now, ahead of the copies that will read them
+    (``madvise(MADV_WILLNEED)`` in steps of ``step`` bytes); returns the number of calls made: none where
+    ``SAMPLES`` pages spread over the range are all in the page cache already (:func:`cached`, unless ``check`` is
+    False: the advice would only look every page up again, 2-3 ms per 512 MiB). Advice only: a failure, or a mapping that is no mapping (the
+    pread backend), changes nothing but the speed.
+
+    >>> import os, tempfile
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 5000); os.close(fd)
+    >>> read_ahead(MappedFile(p), 0, 5000, step=4096) in (0, 2)  # 0 where the pages are cached already
+    True
+    """
+    calls = 0
+    if end <= start or (check and cached(mapped, start, end)):
+        return 0
+    try:
+        for lo in range(start, end, step):
+            mapped.advise("willneed", lo, min(step, end - lo))
+            calls += 1
+    except (OSError, ValueError, AttributeError):
+        pass
+    return calls
+
+
+SAMPLES = 2  # pages cached() asks about: the first and the last (about 2 us each)
+
+
+_PAGE = mmap.PAGESIZE
+_mincore_fn = None  # libc's mincore through ctypes, made at the first call; False where there is none
+
+
+def _mincore():
+    global _mincore_fn
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        _mincore_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)(
+            ("mincore", libc))
+    except (OSError, AttributeError):
+        _mincore_fn = False
+    return _mincore_fn
+
+
+def cached(mapped, start: int, end: int, samples: int = SAMPLES) -> bool:
+    """Whether ``samples`` pages spread evenly over bytes ``[start, end)`` of the mapping are all in the page cache
+    (``mincore``, about 1.5 us a page): a cheap guess that the range is warm. False where it cannot be asked (no
+    mapping, no ``mincore``).
+
+    >>> import os, tempfile
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 8192); os.close(fd)
+    >>> m = MappedFile(p); _ = bytes(m.view(0, 8192))
+    >>> cached(m, 0, 8192)
+    True
+    """
+    address = mapped.address
+    fn = _mincore_fn if _mincore_fn is not None else _mincore()
+    if address is None or end <= start or not fn:
+        return False
+    vec = bytes(1)
+    base = address - address % _PAGE  # the mapping starts on a page; the file offset 0 is there
+    first, last = start // _PAGE, (end - 1) // _PAGE
+    for k in range(samples):
+        index = first + (last - first) * k // max(1, samples - 1)
+        if fn(base + index * _PAGE, _PAGE, vec) != 0 or not vec[0] & 1:
+            return False
+    return True
+
+
+def same_file(mapped) -> int | None:
+    """A new read-only descriptor of the file ``mapped`` (a :class:`~fastckpt._native.mapped.MappedFile`) was made
+    of, or None where the path now names another file (``fstat`` differs from the mapping's ``identity``), cannot be
+    opened, or the mapping has no identity (bytes in memory). The caller closes it.
+
+    >>> import os, tempfile
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"abc"); os.close(fd)
+    >>> fd = same_file(MappedFile(p)); fd is not None
+    True
+    >>> os.close(fd)
+    """
+    identity = getattr(mapped, "identity", None)
+    if identity is None:
+        return None
+    try:
+        fd = os.open(mapped.path, os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, TypeError, ValueError):
+        return None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == tuple(identity):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
