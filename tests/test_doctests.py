@@ -26,7 +26,6 @@ import fastckpt
 NO_EXAMPLES = {
     "fastckpt.cli.demo": "the `fastckpt demo` command: itself a worked example, printed with timings",
     "fastckpt.formats.tf.format": "the byte-level format specification (the docs page): prose, no code",
-    "fastckpt.store": "the storage floor's table of contents: each of its modules carries its own examples",
 }
 
 

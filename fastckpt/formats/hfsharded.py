@@ -178,14 +178,12 @@ Example
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import numbers
 import os
 import re
-import shutil
 import time
 import warnings
 from collections.abc import Mapping
@@ -195,7 +193,7 @@ from typing import Any
 import numpy as np
 
 from fastckpt.arrays import to_numpy
-from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError
+from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FastCkptWarning, FormatError
 from fastckpt.store.commit import Commit, resolve_overwrite, write_file
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
@@ -208,6 +206,8 @@ from fastckpt.formats.safetensors import (
 )
 from fastckpt.info import TensorInfo
 from fastckpt.progress import part_of_a_save, progress_from
+from fastckpt.store.manifest import MAX_JSON_BYTES, parse_json, read_bounded
+from fastckpt.store.snapshot import Snapshot
 from fastckpt.store.names import FILE_NAME
 
 _log = logging.getLogger(__name__)
@@ -418,23 +418,6 @@ def save_sharded(
 # -- reading -------------------------------------------------------------------------------------
 
 
-def _unique_keys(pairs: list) -> dict:
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _RepeatedKey(key)
-        seen[key] = value
-    return seen
-
-
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 def read_index(path: str | os.PathLike) -> tuple[dict[str, str], dict | None]:
     """``(weight_map, metadata)`` of an index file, checked: tensor name -> shard file name, and the raw
     ``"metadata"`` object (None when absent or null).
@@ -457,20 +440,17 @@ def read_index(path: str | os.PathLike) -> tuple[dict[str, str], dict | None]:
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"{path}: the index is not UTF-8 (byte {e.start}: {e.reason})") from None
-    try:
-        index = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
-    except _RepeatedKey as e:
-        raise FormatError(f"{path}: the index repeats the key {e.args[0]!r} in one object") from None
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{path}: the index is not JSON: {e.msg} at line {e.lineno} column {e.colno} "
-                          f"(char {e.pos})") from None
-    except ValueError as e:
-        raise FormatError(f"{path}: the index is not JSON: {e}") from None
+        raw = read_bounded(f.fileno(), MAX_JSON_BYTES, path)
+    return parse_index(raw, path)
+
+
+def parse_index(raw: bytes, path: str) -> tuple[dict[str, str], dict | None]:
+    """:func:`read_index` of the index's bytes ``raw`` (``path`` names it in errors).
+
+    >>> parse_index(b'{"weight_map": {"w": "a.safetensors"}}', "i.json")
+    ({'w': 'a.safetensors'}, None)
+    """
+    index = parse_json(raw, path, unique_keys=True, constants=False, what="the index")
     if not isinstance(index, dict):
         raise FormatError(f"{path}: the index must be a JSON object, got {type(index).__name__}")
     weight_map = index.get("weight_map")
@@ -585,20 +565,39 @@ class HFShardedDirectory(MultiFileReader):
             if not os.path.exists(self.path):
                 raise CheckpointNotFoundError(errno.ENOENT, f"{os.strerror(errno.ENOENT)}: no index file", self.path)
         where = self.index_path
-        weight_map, raw_metadata = read_index(where)
+        # One commit: the index and every shard through the pinned directory, each shard's identity recorded;
+        # the index is checked again once every shard is pinned (a save replacing the directory's files removes
+        # or replaces the index first, so a reader never takes the old index with a new shard).
+        record = os.path.basename(where)
+        snap = self.snapshot = Snapshot(self.directory, record=record, what="Hugging Face checkpoint",
+                                        follow_links=True)  # a hub cache links every file to its blob
+        try:
+            raw = snap.read(record)
+        except FileNotFoundError:  # there a moment ago: a save is replacing the checkpoint
+            raise snap.changed_error(record, "gone (it was there when the directory was opened)") from None
+        weight_map, raw_metadata = parse_index(raw, where)
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            try:
+                snap.pin(file)
+            except FormatError as exc:
+                if isinstance(exc, CheckpointChangedError) or os.path.lexists(os.path.join(self.directory, file)):
+                    raise
+                full = os.path.join(self.directory, file)
+                raise CheckpointNotFoundError(
+                    errno.ENOENT, f"{where}: the index puts {len(names)} tensor(s) ({_shown(names)}) in {file!r}, "
+                                  "which does not exist", full) from None
         infos: dict[str, TensorInfo] = {}
         for file, names in by_file.items():
             full = os.path.join(self.directory, file)
             try:
                 f = open_file(full, **options)
             except FileNotFoundError:
-                raise CheckpointNotFoundError(
-                    errno.ENOENT, f"{where}: the index puts {len(names)} tensor(s) ({_shown(names)}) in {file!r}, "
-                                  "which does not exist", full) from None
+                raise snap.missing(file, f"the index {where} lists it") from None
             self.files[file] = f
+            snap.check(file, f.mapped.identity)
             if f.format != "safetensors":
                 raise FormatError(f"{full}: a shard must be a safetensors file, this one is {f.format}")
             for name in names:
@@ -610,6 +609,7 @@ class HFShardedDirectory(MultiFileReader):
             if len(f.infos) > len(names):
                 listed = set(names)
                 self.unlisted[file] = [n for n in f.infos if n not in listed]
+        snap.recheck(record)
         if self.unlisted:
             count = sum(map(len, self.unlisted.values()))
             shown = "; ".join(f"{file}: {_shown(names)}" for file, names in self.unlisted.items())
@@ -670,6 +670,13 @@ class HFShardedDirectory(MultiFileReader):
         return self._parts
 
     # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every shard and the pinned directory (idempotent); views already made stay valid."""
+        snapshot = getattr(self, "snapshot", None)
+        if snapshot is not None:
+            snapshot.close()
+        super().close()
+
     def __repr__(self) -> str:
         if self._closed:
             return "<Closed fastckpt.HFShardedDirectory>"

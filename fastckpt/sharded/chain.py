@@ -28,7 +28,7 @@ from pathlib import Path
 
 import blake3
 
-from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.errors import BrokenChainError, CheckpointNotFoundError, FormatError
 from fastckpt.store.commit import fsync_directory
 from fastckpt.sharded.format import FORMAT, MANIFEST_FILE, read_metadata
 
@@ -37,15 +37,7 @@ __all__ = ["BrokenChainError", "manifest_digest", "resolve_chain", "checkpoints"
 _MAX_LINKS = 100_000
 
 
-class BrokenChainError(FormatError):
-    """A delta checkpoint's chain cannot be followed: a base is missing, uncommitted or altered.
 
-    ``link`` is the directory whose ``base`` could not be followed, ``base`` the directory it names.
-    """
-
-    def __init__(self, message: str, link: str, base: str):
-        super().__init__(message)
-        self.link, self.base = link, base
 
 
 def manifest_digest(directory: str | os.PathLike) -> str:

@@ -41,6 +41,7 @@ import numpy as np
 
 from fastckpt.errors import FormatError
 from fastckpt.sharded.format import dtype_of
+from fastckpt.store.manifest import expect
 
 __all__ = ["CODECS", "QUANTIZE", "encode_ids", "encode_values", "decode", "check_options"]
 
@@ -111,15 +112,10 @@ def _dequantize(scale: np.ndarray, q: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * scale[:, None]
 
 
-def _expect(cond: bool, where: str, message: str) -> None:
-    if not cond:
-        raise FormatError(f"{where}: {message}")
-
-
 def decode(stored: np.ndarray, encoding: dict, where: str = "encoded tensor") -> np.ndarray:
     """The array an encoded tensor holds (a new array); a damaged one raises a ``FormatError`` naming ``where``."""
     codec, shuffle, nbytes = encoding.get("codec"), encoding.get("shuffle", 1), encoding.get("payload_nbytes")
-    _expect(codec in (None, *CODECS) and type(shuffle) is int and 1 <= shuffle <= 16 and type(nbytes) is int
+    expect(codec in (None, *CODECS) and type(shuffle) is int and 1 <= shuffle <= 16 and type(nbytes) is int
             and nbytes >= 0, where, f"unknown encoding {encoding!r} (shuffle: an element's size, 1 to 16 bytes)")
     data = memoryview(np.ascontiguousarray(stored).reshape(-1).view(np.uint8))
     if codec is None:
@@ -138,24 +134,24 @@ def decode(stored: np.ndarray, encoding: dict, where: str = "encoded tensor") ->
             raise FormatError(f"{where}: its {codec} data does not decompress into the {nbytes} payload bytes its "
                               f"encoding says ({exc}); the file is damaged") from None
         raw = raw[:got]
-    _expect(len(raw) == nbytes and nbytes % shuffle == 0, where,
+    expect(len(raw) == nbytes and nbytes % shuffle == 0, where,
             f"holds {len(raw)} payload bytes, its encoding says {nbytes}; the file is damaged")
     if shuffle > 1:
         raw = raw.reshape(shuffle, -1).T.copy().reshape(-1)
     shape = tuple(encoding.get("shape", ()))
     transform = encoding.get("transform")
     if transform == "delta":
-        _expect(len(shape) == 1 and nbytes == 8 * shape[0], where, f"delta ids of shape {shape} in {nbytes} bytes")
+        expect(len(shape) == 1 and nbytes == 8 * shape[0], where, f"delta ids of shape {shape} in {nbytes} bytes")
         return np.cumsum(raw.view("<u8"), dtype=np.uint64).view(np.int64)  # wraps back to the ids
     dtype = dtype_of(encoding.get("dtype", ""), where)
-    _expect(len(shape) == 2, where, f"rows of shape {shape}: expected (rows, dim)")
+    expect(len(shape) == 2, where, f"rows of shape {shape}: expected (rows, dim)")
     n, dim = shape
     if transform is None:
-        _expect(nbytes == n * dim * dtype.itemsize, where, f"{nbytes} bytes for {shape} {dtype}")
+        expect(nbytes == n * dim * dtype.itemsize, where, f"{nbytes} bytes for {shape} {dtype}")
         return raw.view(dtype.newbyteorder("<")).reshape(n, dim).astype(dtype)
-    _expect(transform in QUANTIZE, where, f"unknown transform {transform!r}")
+    expect(transform in QUANTIZE, where, f"unknown transform {transform!r}")
     qtype, _ = QUANTIZE[transform]
-    _expect(nbytes == n * 4 + n * dim * qtype.itemsize, where, f"{nbytes} bytes for {shape} quantized {transform}")
+    expect(nbytes == n * 4 + n * dim * qtype.itemsize, where, f"{nbytes} bytes for {shape} quantized {transform}")
     scale = raw[: 4 * n].view("<f4")
     q = raw[4 * n:].view(qtype).reshape(n, dim)
     return _dequantize(scale, q).astype(dtype)

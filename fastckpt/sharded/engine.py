@@ -50,7 +50,7 @@ import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from fastckpt.errors import FastCkptError
+from fastckpt.errors import BarrierTimeoutError, EngineError, FastCkptError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -93,39 +93,6 @@ def raise_from_root(info: dict, what: str) -> None:
     if "errno" in info:
         raise OSError(info["errno"], f"{info['strerror']} ({what})", info["filename"])
     raise RuntimeError(f"{what}: {info['error']}")
-
-
-class BarrierTimeoutError(FastCkptError, TimeoutError):
-    """Ranks did not reach a collective call in time (or one aborted): nobody waits for them any longer.
-
-    ``missing`` holds the ranks that did not arrive, ascending (empty only where no rank can know:
-    :class:`MPIEngine` when not every rank has made its first engine); ``tag`` names the call (a barrier's tag,
-    ``"broadcast"`` or ``"gather"``); ``timeout`` is the wait in seconds; ``size`` the number of ranks.
-
-    >>> error = BarrierTimeoutError("ranks 2, 3 of 4 did not reach 'written' within 30 s",
-    ...                             missing=(2, 3), tag="written", timeout=30.0, size=4)
-    >>> error.missing, isinstance(error, TimeoutError)
-    ((2, 3), True)
-    """
-
-    def __init__(self, message: str, *, missing: tuple[int, ...] = (), tag: str | None = None,
-                 timeout: float | None = None, size: int | None = None):
-        super().__init__(message)
-        self.missing = tuple(missing)
-        self.tag = tag
-        self.timeout = timeout
-        self.size = size
-
-    def __str__(self) -> str:  # OSError's __str__ would print the args tuple
-        return str(self.args[0]) if self.args else ""
-
-
-class EngineError(FastCkptError, RuntimeError):
-    """The ranks cannot work together: this process is not one of the ranks, or ranks made different calls.
-
-    >>> issubclass(EngineError, RuntimeError)
-    True
-    """
 
 
 @runtime_checkable
@@ -309,7 +276,7 @@ class ThreadEngine:
     >>> engines[0].barrier("written", timeout=0.05)
     Traceback (most recent call last):
         ...
-    fastckpt.sharded.engine.BarrierTimeoutError: rank 1 of 2 did not reach 'written' within 0.05 s (...)
+    fastckpt.errors.BarrierTimeoutError: rank 1 of 2 did not reach 'written' within 0.05 s (...)
     """
 
     def __init__(self, group: _ThreadGroup, rank: int):
@@ -360,7 +327,7 @@ class ThreadEngine:
         >>> engines[0].barrier("written", timeout=60)
         Traceback (most recent call last):
             ...
-        fastckpt.sharded.engine.BarrierTimeoutError: rank 1 of 2 aborted and will not reach 'written' (rank 1: ...)
+        fastckpt.errors.BarrierTimeoutError: rank 1 of 2 aborted and will not reach 'written' (rank 1: ...)
         """
         group = self._group
         with group.cond:

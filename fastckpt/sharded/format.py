@@ -199,8 +199,10 @@ from typing import Any
 import blake3
 import numpy as np
 
-from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError
+from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.store.commit import publish_directory, write_file
+from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
+from fastckpt.store.snapshot import Snapshot
 from fastckpt.store.names import NameRule
 
 __all__ = [
@@ -373,7 +375,7 @@ def check_seal(manifest: dict, where: str) -> None:
     fastckpt.errors.ChecksumMismatchError: manifest.json: its contents hash to BLAKE3 ...
     """
     checksum = manifest.get("checksum")
-    _expect(isinstance(checksum, dict) and isinstance(checksum.get("blake3"), str)
+    expect(isinstance(checksum, dict) and isinstance(checksum.get("blake3"), str)
             and _HEX64.fullmatch(checksum["blake3"]) is not None, where,
             f"'checksum' must be {{'blake3': 64 hex digits}}, got {checksum!r}")
     actual = manifest_checksum(manifest)
@@ -410,43 +412,11 @@ def commit_directory(staging: Path, final: Path, metadata: list[tuple[str, bytes
     return blake3.blake3(data).hexdigest()
 
 
-def _read(directory: str, name: str, dir_fd: int | None, limit: int | None = None) -> bytes:
-    """The bytes of ``name`` in the checkpoint (relative to ``dir_fd`` where given: the directory the reader
-    opened, so that every file comes from one commit); at most ``limit + 1`` bytes."""
-    path = os.path.join(directory, name)
-    try:
-        fd = os.open(name if dir_fd is not None else path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing; the checkpoint's {MANIFEST_FILE} lists it") from None
-    with os.fdopen(fd, "rb") as f:
-        return f.read() if limit is None else f.read(limit + 1)
-
-
-def _parse(data: bytes, path: str) -> Any:
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc})") from None
-
-
-def _expect(cond: bool, where: str, message: str) -> None:
-    if not cond:
-        raise FormatError(f"{where}: {message}")
-
-
-def _count(value: Any, lo: int = 0) -> bool:
-    return type(value) is int and value >= lo
-
-
-def _shape(value: Any) -> bool:
-    return isinstance(value, list) and len(value) <= 64 and all(_count(x) for x in value)
-
-
 def _rows(shape: list) -> int:
     return shape[0] if shape else 1
 
 
-def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) -> dict[str, Any]:
+def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = None) -> dict[str, Any]:
     """The checkpoint's four JSON files, parsed, checked against the manifest's hashes and against each other.
 
     Returns ``{"manifest", "manifest_blake3", "index", "tensorkey", "descriptions", "unchecked"}``
@@ -455,27 +425,32 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
     :class:`~fastckpt.errors.CheckpointNotFoundError`; a metadata file whose bytes are not the ones the
     manifest records (or a version-3 manifest that fails its own checksum) an
     :class:`~fastckpt.errors.ChecksumMismatchError`; any malformed value or disagreement a
-    :class:`~fastckpt.errors.FormatError` naming the file and the key. ``dir_fd``: read the files relative to
-    this open directory instead of by path.
+    :class:`~fastckpt.errors.FormatError` naming the file and the key; a checkpoint replaced while it is read a
+    :class:`~fastckpt.errors.CheckpointChangedError`. ``snapshot``: the pinned directory
+    (:class:`~fastckpt.store.snapshot.Snapshot`) to read through, so that every file comes from one commit
+    (one is opened for the call without it).
 
     >>> read_metadata("/nonexistent")
     Traceback (most recent call last):
-    fastckpt.errors.CheckpointNotFoundError: /nonexistent: no sharded checkpoint here (no manifest.json: a save that did not finish leaves none)
+    fastckpt.errors.CheckpointNotFoundError: /nonexistent: no sharded checkpoint here (not a directory)
     """
+    if snapshot is None:
+        with Snapshot(directory, record=MANIFEST_FILE, what="sharded checkpoint") as snapshot:
+            return read_metadata(directory, snapshot=snapshot)
     d = os.fspath(directory)
     where = os.path.join(d, MANIFEST_FILE)
     try:
-        raw = _read(d, MANIFEST_FILE, dir_fd)
-    except (FormatError, NotADirectoryError, IsADirectoryError):
-        raise CheckpointNotFoundError(
-            f"{d}: no sharded checkpoint here (no {MANIFEST_FILE}: a save that did not finish leaves none)") from None
-    manifest = _parse(raw, where)
-    _expect(isinstance(manifest, dict), where, f"expected a JSON object, got {type(manifest).__name__}")
-    _expect(manifest.get("format") == FORMAT, where,
+        raw = snapshot.read(MANIFEST_FILE)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise snapshot.absent(MANIFEST_FILE, f"{d}: no sharded checkpoint here (no {MANIFEST_FILE}: a save that did "
+                                             "not finish leaves none)") from None
+    manifest = parse_json(raw, where)
+    expect(isinstance(manifest, dict), where, f"expected a JSON object, got {type(manifest).__name__}")
+    expect(manifest.get("format") == FORMAT, where,
             f"'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
     version = manifest.get("format_version")
-    _expect(_count(version, 1), where, f"'format_version' must be a positive integer, got {version!r}")
-    _expect(version <= FORMAT_VERSION, where,
+    expect(is_count(version, 1), where, f"'format_version' must be a positive integer, got {version!r}")
+    expect(version <= FORMAT_VERSION, where,
             f"format version {version} is newer than this fastckpt reads ({FORMAT_VERSION}); upgrade fastckpt")
     unchecked = []
     if version >= CHECKSUM_VERSION:
@@ -484,80 +459,80 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
         unchecked.append(f"{MANIFEST_FILE}: format version {version} carries no checksum of its own (version "
                          f"{CHECKSUM_VERSION} does); its values were checked against the other files only")
     for key in ("world_size", "parallel"):
-        _expect(_count(manifest.get(key), 1), where, f"{key!r} must be a positive integer, got {manifest.get(key)!r}")
+        expect(is_count(manifest.get(key), 1), where, f"{key!r} must be a positive integer, got {manifest.get(key)!r}")
     files = manifest.get("files")
-    _expect(isinstance(files, dict), where, "'files' must be an object")
+    expect(isinstance(files, dict), where, "'files' must be an object")
     world_size, parallel = manifest["world_size"], manifest["parallel"]
     # Bounded by what the manifest lists before any name is made: a world_size of 10**12 fails here, at once.
-    _expect(world_size * parallel + 3 == len(files), where,
+    expect(world_size * parallel + 3 == len(files), where,
             f"world_size {world_size} x parallel {parallel} tensor files and the 3 metadata files make "
             f"{world_size * parallel + 3} files, 'files' lists {len(files)}")
     expected_files = set()
     for name, entry in files.items():
         m = _FILE.fullmatch(name)
-        _expect(name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE)
+        expect(name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE)
                 or (m is not None and int(m.group(1)) < world_size and int(m.group(2)) < parallel), where,
                 f"files[{name!r}]: not a file of a checkpoint of world_size {world_size} x parallel {parallel}")
-        _expect(isinstance(entry, dict) and _count(entry.get("size")) and isinstance(entry.get("blake3"), str)
+        expect(isinstance(entry, dict) and is_count(entry.get("size")) and isinstance(entry.get("blake3"), str)
                 and _HEX64.fullmatch(entry["blake3"]) is not None, where,
                 f"files[{name!r}] must be {{'size': int >= 0, 'blake3': 64 hex digits}}, got {entry!r}")
         if m is not None:
             expected_files.add(name)
     for name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE):
-        _expect(name in files, where, f"lists no entry for {name}")
+        expect(name in files, where, f"lists no entry for {name}")
     kind = manifest.get("kind", "full")
-    _expect(kind in ("full", "delta"), where, f"'kind' must be 'delta' (or absent: a full checkpoint), got {kind!r}")
+    expect(kind in ("full", "delta"), where, f"'kind' must be 'delta' (or absent: a full checkpoint), got {kind!r}")
     if kind == "delta":
         base = manifest.get("base")
-        _expect(version >= DELTA_VERSION, where, f"a delta checkpoint needs format_version {DELTA_VERSION}, "
+        expect(version >= DELTA_VERSION, where, f"a delta checkpoint needs format_version {DELTA_VERSION}, "
                                                  f"got {version}")
-        _expect(isinstance(base, dict) and isinstance(base.get("path"), str) and base["path"]
+        expect(isinstance(base, dict) and isinstance(base.get("path"), str) and base["path"]
                 and isinstance(base.get("manifest_blake3"), str), where,
                 f"'base' must be {{'path': str, 'manifest_blake3': str}}, got {base!r}")
-        _expect(_count(manifest.get("chain_length"), 1), where,
+        expect(is_count(manifest.get("chain_length"), 1), where,
                 f"'chain_length' must be a positive integer, got {manifest.get('chain_length')!r}")
     _check_manifest_entries(manifest, where, delta=kind == "delta")
 
     loaded = {}
     for name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE):
         path, entry = os.path.join(d, name), files[name]
-        data = _read(d, name, dir_fd, limit=entry["size"])
+        # as many bytes as the file holds (bounded), never as many as the manifest says: its sizes size no buffer
+        data = snapshot.read(name, missing=f"the checkpoint's {MANIFEST_FILE} lists it")
         if len(data) != entry["size"]:
-            raise ChecksumMismatchError(f"{path}: {len(data)}{'+' if len(data) > entry['size'] else ''} bytes, the "
-                                        f"manifest says {entry['size']}: the file was changed after the commit (or the "
-                                        "checkpoint changed while it was opened)")
+            raise ChecksumMismatchError(f"{path}: {len(data)} bytes, the manifest says {entry['size']}: the file was "
+                                        "changed after the commit (or the checkpoint changed while it was opened)")
         digest = blake3.blake3(data).hexdigest()
         if digest != entry["blake3"]:
             raise ChecksumMismatchError(f"{path}: BLAKE3 {digest[:16]}..., the manifest says "
                                         f"{entry['blake3'][:16]}...: the file was changed or damaged after the commit")
-        loaded[name] = _parse(data, path)
+        loaded[name] = parse_json(data, path)
 
     index = loaded[INDEX_FILE]
     iwhere = os.path.join(d, INDEX_FILE)
-    _expect(isinstance(index, dict) and set(index) == {"block_index", "file_index"}, iwhere,
+    expect(isinstance(index, dict) and set(index) == {"block_index", "file_index"}, iwhere,
             "expected exactly the keys 'block_index' and 'file_index'")
     file_index, block_index = index["file_index"], index["block_index"]
-    _expect(isinstance(file_index, dict) and isinstance(block_index, dict), iwhere, "both keys must hold objects")
+    expect(isinstance(file_index, dict) and isinstance(block_index, dict), iwhere, "both keys must hold objects")
     by_number = {}
     for name, number in file_index.items():
         m = _FILE.fullmatch(name)
-        _expect(name in expected_files and m is not None
+        expect(name in expected_files and m is not None
                 and number == int(m.group(1)) * parallel + int(m.group(2)) and type(number) is int, iwhere,
                 f"file_index[{name!r}] is {number!r}: expected a tensor file of the manifest and its number "
                 "(rank * parallel + writer)")
         by_number[number] = name
-    _expect(len(by_number) == len(expected_files), iwhere,
+    expect(len(by_number) == len(expected_files), iwhere,
             f"file_index must number the {len(expected_files)} tensor files once each, it numbers {len(by_number)}")
     descriptions, tensorkey = loaded[DESCRIPTION_FILE], loaded[TENSORKEY_FILE]
     dwhere, twhere = os.path.join(d, DESCRIPTION_FILE), os.path.join(d, TENSORKEY_FILE)
-    _expect(isinstance(descriptions, dict), dwhere, "expected a JSON object")
-    _expect(isinstance(tensorkey, dict), twhere, "expected a JSON object")
-    _expect(set(block_index) == set(descriptions) == set(tensorkey), iwhere,
+    expect(isinstance(descriptions, dict), dwhere, "expected a JSON object")
+    expect(isinstance(tensorkey, dict), twhere, "expected a JSON object")
+    expect(set(block_index) == set(descriptions) == set(tensorkey), iwhere,
             f"block_index, {TENSORKEY_FILE} and {DESCRIPTION_FILE} must name the same stored keys "
             f"(differences: {sorted(set(block_index) ^ set(descriptions) ^ set(tensorkey))[:4]})")
     for key, number in block_index.items():
-        _expect(isinstance(tensorkey[key], str), twhere, f"[{key!r}] must be the tensor's name, got {tensorkey[key]!r}")
-        _expect(type(number) is int and number in by_number, iwhere,
+        expect(isinstance(tensorkey[key], str), twhere, f"[{key!r}] must be the tensor's name, got {tensorkey[key]!r}")
+        expect(type(number) is int and number in by_number, iwhere,
                 f"block_index[{key!r}] is {number!r}, not a file number of file_index")
         _check_description(key, descriptions[key], tensorkey[key], dwhere, version)
     _check_layout(manifest, descriptions, where, dwhere, delta=kind == "delta")
@@ -569,27 +544,27 @@ def read_metadata(directory: str | os.PathLike, *, dir_fd: int | None = None) ->
 def _check_manifest_entries(manifest: dict, where: str, *, delta: bool) -> None:
     """The manifest's ``tensors`` and ``hashtables``: each value of the types the format gives it."""
     tensors, tables = manifest.get("tensors", {}), manifest.get("hashtables", {})
-    _expect(isinstance(tensors, dict), where, f"'tensors' must be an object, got {type(tensors).__name__}")
-    _expect(isinstance(tables, dict), where, f"'hashtables' must be an object, got {type(tables).__name__}")
-    _expect(type(manifest.get("lossy", False)) is bool, where, f"'lossy' must be true or false, got "
+    expect(isinstance(tensors, dict), where, f"'tensors' must be an object, got {type(tensors).__name__}")
+    expect(isinstance(tables, dict), where, f"'hashtables' must be an object, got {type(tables).__name__}")
+    expect(type(manifest.get("lossy", False)) is bool, where, f"'lossy' must be true or false, got "
                                                                  f"{manifest.get('lossy')!r}")
     for name, entry in tensors.items():
-        _expect(isinstance(entry, dict) and _shape(entry.get("shape")), where,
+        expect(isinstance(entry, dict) and is_shape(entry.get("shape")), where,
                 f"tensors[{name!r}] must be {{'dtype': str, 'shape': [int >= 0, ...]}}, got {entry!r}")
         dtype_of(entry.get("dtype"), f"{where}: tensors[{name!r}]")
     for name, entry in tables.items():
         w = f"{where}: hashtables[{name!r}]"
-        _expect(isinstance(entry, dict), w, f"must be an object, got {entry!r}")
-        _expect(_count(entry.get("dim"), 1), w, f"'dim' must be a positive integer, got {entry.get('dim')!r}")
+        expect(isinstance(entry, dict), w, f"must be an object, got {entry!r}")
+        expect(is_count(entry.get("dim"), 1), w, f"'dim' must be a positive integer, got {entry.get('dim')!r}")
         dtype_of(entry.get("dtype"), w)
         slots = entry.get("slots")
-        _expect(isinstance(slots, list) and all(isinstance(s, str) and s for s in slots)
+        expect(isinstance(slots, list) and all(isinstance(s, str) and s for s in slots)
                 and len(set(slots)) == len(slots) and not {"id", "embedding", "deleted"} & set(slots), w,
                 f"'slots' must be distinct names (not id, embedding or deleted), got {slots!r}")
         for key in ("ids", "written", "deleted") if delta else ("ids",):
-            _expect(_count(entry.get(key)), w, f"{key!r} must be an integer >= 0, got {entry.get(key)!r}")
+            expect(is_count(entry.get(key)), w, f"{key!r} must be an integer >= 0, got {entry.get(key)!r}")
         encoding = entry.get("encoding")
-        _expect(encoding is None or (isinstance(encoding, dict) and type(encoding.get("max_abs_error", 0.0))
+        expect(encoding is None or (isinstance(encoding, dict) and type(encoding.get("max_abs_error", 0.0))
                                      in (int, float)), w, f"'encoding' must be an object with a number "
                                                           f"'max_abs_error', got {encoding!r}")
 
@@ -597,36 +572,36 @@ def _check_manifest_entries(manifest: dict, where: str, *, delta: bool) -> None:
 def _check_description(key: str, desc: Any, original: Any, dwhere: str, version: int) -> None:
     """One description entry: every field the loaders use, of its type."""
     w = f"{dwhere}: entry {key!r}"
-    _expect(isinstance(desc, dict), w, f"must be an object, got {type(desc).__name__}")
-    _expect(desc.get("name") == key, w, f"'name' must be the key itself, got {desc.get('name')!r}")
-    _expect(_shape(desc.get("shape")), w, f"'shape' must be a list of integers >= 0, got {desc.get('shape')!r}")
+    expect(isinstance(desc, dict), w, f"must be an object, got {type(desc).__name__}")
+    expect(desc.get("name") == key, w, f"'name' must be the key itself, got {desc.get('name')!r}")
+    expect(is_shape(desc.get("shape")), w, f"'shape' must be a list of integers >= 0, got {desc.get('shape')!r}")
     dtype_of(desc.get("dtype"), w)
     part = desc.get("part")
-    _expect(isinstance(part, list) and len(part) == 2 and _count(part[0]) and _count(part[1], 1)
+    expect(isinstance(part, list) and len(part) == 2 and is_count(part[0]) and is_count(part[1], 1)
             and part[0] < part[1], w, f"'part' must be [i, n] with 0 <= i < n, got {part!r}")
-    _expect(type(desc.get("dense")) is bool, w, f"'dense' must be true or false, got {desc.get('dense')!r}")
+    expect(type(desc.get("dense")) is bool, w, f"'dense' must be true or false, got {desc.get('dense')!r}")
     parsed = parse_part_key(key)
-    _expect(parsed is not None and isinstance(original, str) and parsed[0] == original == desc.get("tensor")
+    expect(parsed is not None and isinstance(original, str) and parsed[0] == original == desc.get("tensor")
             and [parsed[1], parsed[2]] == part, w,
             f"its name, 'tensor' ({desc.get('tensor')!r}), 'part' and {TENSORKEY_FILE} ({original!r}) disagree")
     if desc["dense"]:
-        _expect(_count(desc.get("row_start")) and _shape(desc.get("global_shape")), w,
+        expect(is_count(desc.get("row_start")) and is_shape(desc.get("global_shape")), w,
                 f"a dense part needs 'row_start' (int >= 0) and 'global_shape' (list of int >= 0), got "
                 f"{desc.get('row_start')!r} and {desc.get('global_shape')!r}")
-        _expect("encoding" not in desc, w, "a dense part is never encoded")
+        expect("encoding" not in desc, w, "a dense part is never encoded")
         return
     role = desc.get("role")
-    _expect(role in ROLES and isinstance(desc.get("table"), str), w,
+    expect(role in ROLES and isinstance(desc.get("table"), str), w,
             f"a hashtable's tensor needs 'table' (str) and 'role' (one of {ROLES}), got {desc.get('table')!r} and "
             f"{role!r}")
     suffix = desc.get("slot") if role == "slot" else role
-    _expect(isinstance(suffix, str) and original == f"{desc['table']}.{suffix}", w,
+    expect(isinstance(suffix, str) and original == f"{desc['table']}.{suffix}", w,
             f"tensor {original!r} is not {desc['table']!r}'s {role} tensor (slot {desc.get('slot')!r})")
     if "encoding" in desc:
         enc = desc["encoding"]
-        _expect(version >= DELTA_VERSION, w, f"encoded tensors need format_version {DELTA_VERSION}, got {version}")
-        _expect(isinstance(enc, dict) and _shape(enc.get("shape")) and desc["dtype"] == "uint8"
-                and len(desc["shape"]) == 1 and _count(enc.get("payload_nbytes")), w,
+        expect(version >= DELTA_VERSION, w, f"encoded tensors need format_version {DELTA_VERSION}, got {version}")
+        expect(isinstance(enc, dict) and is_shape(enc.get("shape")) and desc["dtype"] == "uint8"
+                and len(desc["shape"]) == 1 and is_count(enc.get("payload_nbytes")), w,
                 f"an encoded tensor is stored as 1-D uint8 and its encoding names the shape, dtype and payload_nbytes "
                 f"it holds, got dtype {desc['dtype']!r}, shape {desc['shape']}, encoding {enc!r}")
         dtype_of(enc.get("dtype"), f"{w}: encoding")
@@ -650,68 +625,68 @@ def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *
             group = dense.setdefault(desc["tensor"], {})
         else:
             group = tables.setdefault(desc["table"], {}).setdefault(desc["tensor"], {})
-        _expect(n == (next(iter(group.values()))["part"][1] if group else n) and i not in group, dwhere,
+        expect(n == (next(iter(group.values()))["part"][1] if group else n) and i not in group, dwhere,
                 f"entry {key!r}: tensor {desc['tensor']!r} has parts of different counts, or part {i} twice")
         group[i] = desc
     tensors = manifest.get("tensors", {})
-    _expect(set(dense) == set(tensors), where,
+    expect(set(dense) == set(tensors), where,
             f"'tensors' and the dense parts of {DESCRIPTION_FILE} name different tensors: "
             f"{sorted(set(dense) ^ set(tensors))[:4]}")
     for name, parts in dense.items():
         shape, dtype = tensors[name]["shape"], tensors[name]["dtype"]
         n = parts[min(parts)]["part"][1]
-        _expect(len(parts) == n, dwhere, f"tensor {name!r}: {len(parts)} of its {n} parts are described")
+        expect(len(parts) == n, dwhere, f"tensor {name!r}: {len(parts)} of its {n} parts are described")
         row = 0
         for i in range(n):
             desc = parts[i]
             w = f"{dwhere}: entry {desc['name']!r}"
-            _expect(desc["global_shape"] == shape and desc["dtype"] == dtype, w,
+            expect(desc["global_shape"] == shape and desc["dtype"] == dtype, w,
                     f"global_shape {desc['global_shape']} {desc['dtype']}, the manifest says {shape} {dtype}")
             if not shape:
-                _expect(n == 1 and desc["shape"] == [] and desc["row_start"] == 0, w,
+                expect(n == 1 and desc["shape"] == [] and desc["row_start"] == 0, w,
                         "a 0-d tensor is stored whole as part 0 of 1, shape [], row_start 0")
                 continue
-            _expect(len(desc["shape"]) == len(shape) and desc["shape"][1:] == shape[1:] and desc["row_start"] == row,
+            expect(len(desc["shape"]) == len(shape) and desc["shape"][1:] == shape[1:] and desc["row_start"] == row,
                     w, f"rows [{desc['row_start']}, {desc['row_start'] + _rows(desc['shape'])}) of shape "
                        f"{desc['shape']}: expected rows from {row} (each row of {name!r} {shape} stored once, in "
                        "rank order)")
             row += desc["shape"][0]
         if shape:
-            _expect(row == shape[0], dwhere, f"tensor {name!r}: its parts hold {row} rows, its shape {shape} has "
+            expect(row == shape[0], dwhere, f"tensor {name!r}: its parts hold {row} rows, its shape {shape} has "
                                              f"{shape[0]}")
     entries = manifest.get("hashtables", {})
-    _expect(set(tables) == set(entries), where,
+    expect(set(tables) == set(entries), where,
             f"'hashtables' and {DESCRIPTION_FILE} name different tables: {sorted(set(tables) ^ set(entries))[:4]}")
     for name, by_tensor in tables.items():
         entry = entries[name]
         roles = ["id", "embedding", *entry["slots"], *(["deleted"] if delta else [])]
         expected = {f"{name}.{r}" for r in roles}
-        _expect(set(by_tensor) == expected, dwhere,
+        expect(set(by_tensor) == expected, dwhere,
                 f"hashtable {name!r} has the tensors {sorted(by_tensor)}, its manifest entry needs {sorted(expected)}")
         ids = by_tensor[f"{name}.id"]
         n = ids[min(ids)]["part"][1]
         counts = {"ids": 0, "deleted": 0}
         for tensor, parts in by_tensor.items():
-            _expect(len(parts) == n and parts[min(parts)]["part"][1] == n, dwhere,
+            expect(len(parts) == n and parts[min(parts)]["part"][1] == n, dwhere,
                     f"hashtable {name!r}: {tensor!r} has {len(parts)} parts, {name}.id has {n}")
         for i in range(n):
             k = _logical(ids[i])[0]
-            _expect(len(k) == 1 and _logical(ids[i])[1] == "int64", dwhere,
+            expect(len(k) == 1 and _logical(ids[i])[1] == "int64", dwhere,
                     f"entry {ids[i]['name']!r}: ids are int64 of shape [k], got {_logical(ids[i])}")
             counts["ids"] += k[0]
             for role in roles[1:]:
                 desc = by_tensor[f"{name}.{role}"][i]
                 shape, dtype = _logical(desc)
                 want = ([None], "int64") if role == "deleted" else ([k[0], entry["dim"]], entry["dtype"])
-                _expect(len(shape) == len(want[0]) and (role == "deleted" or shape == want[0]) and dtype == want[1],
+                expect(len(shape) == len(want[0]) and (role == "deleted" or shape == want[0]) and dtype == want[1],
                         dwhere, f"entry {desc['name']!r}: {dtype}{shape}, expected {want[1]}"
                                 f"{['d'] if role == 'deleted' else want[0]} (table {name!r}, part {i} of {n})")
                 if role == "deleted":
                     counts["deleted"] += shape[0]
         if delta:
-            _expect(counts["ids"] == entry["written"] and counts["deleted"] == entry["deleted"], where,
+            expect(counts["ids"] == entry["written"] and counts["deleted"] == entry["deleted"], where,
                     f"hashtables[{name!r}] says {entry['written']} ids written and {entry['deleted']} deleted, the "
                     f"parts hold {counts['ids']} and {counts['deleted']}")
         else:
-            _expect(counts["ids"] == entry["ids"], where,
+            expect(counts["ids"] == entry["ids"], where,
                     f"hashtables[{name!r}] says {entry['ids']} ids, the parts hold {counts['ids']}")

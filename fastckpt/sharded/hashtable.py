@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from fastckpt._native.idindex import IdIndex, last_occurrence
-from fastckpt.errors import FastCkptError
+from fastckpt.errors import FastCkptError, MissingIdsError  # noqa: F401 - MissingIdsError: its old import path
 
 __all__ = ["HashTable", "MissingIdsError", "check_holds"]
 
@@ -60,30 +60,6 @@ _INT64_MAX = (1 << 63) - 1
 _SHOWN = 8  # missing ids named in an error message
 _SMALL_SORT = 1 << 15  # below this many ids a plain stable argsort is as fast as the packed sort
 _CHUNK_ROWS = 1 << 16  # rows compared at a time by __eq__ (bounds its temporary memory)
-
-
-class MissingIdsError(FastCkptError, KeyError):
-    """Ids that a :class:`HashTable` does not hold (``update``, ``lookup``, ``lookup_slot``).
-
-    ``ids`` holds the first missing ids (up to 8, in the order given), ``count`` how many distinct ids are missing.
-
-    >>> err = MissingIdsError([3, 9], 2, "user")
-    >>> isinstance(err, KeyError), err.count
-    (True, 2)
-    >>> str(err)
-    "2 ids not in hashtable 'user': [3, 9]"
-    """
-
-    def __init__(self, ids, count: int, table: str | None = None):
-        self.ids = [int(i) for i in ids]
-        self.count = int(count)
-        where = "the hashtable" if table is None else f"hashtable {table!r}"
-        first = "" if self.count <= len(self.ids) else f", the first {len(self.ids)}"
-        noun = "id" if self.count == 1 else "ids"
-        super().__init__(f"{self.count} {noun} not in {where}{first}: {self.ids}")
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
-        return str(self.args[0])
 
 
 def _check_dtype(dtype) -> np.dtype:
@@ -466,7 +442,7 @@ class HashTable:
         >>> t.update([2, 3, 5], np.zeros((3, 1)))
         Traceback (most recent call last):
         ...
-        fastckpt.sharded.hashtable.MissingIdsError: 2 ids not in the hashtable: [3, 5]
+        fastckpt.errors.MissingIdsError: 2 ids not in the hashtable: [3, 5]
         """
         ids = _as_ids(ids)
         values = self._rows(values, len(ids), "values")

@@ -46,8 +46,9 @@ from fastckpt.progress import progress_from
 from fastckpt.formats.reader import guard, held_guards
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import owner_mod, rows_of
+from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.hashtable import HashTable, check_holds
-from fastckpt.sharded.reader import CheckpointChangedError, CheckpointReader
+from fastckpt.sharded.reader import CheckpointReader
 
 __all__ = ["Loader", "owner_mod"]
 
@@ -70,17 +71,9 @@ def _read_part(reader: CheckpointReader, key: str, out: np.ndarray) -> None:
 
 
 def _pread(reader: CheckpointReader, key: str, view: memoryview, start: int) -> None:
-    """Fill ``view`` with the bytes of stored part ``key`` from byte ``start`` of the part on."""
-    f = reader.file_of(key)
-    offset = f.infos[key].offset + start
-    fd = reader.descriptor(key)
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if not got:
-            raise FormatError(f"{f.path}: ends inside tensor {key!r} (read {done} of {len(view)} bytes at offset "
-                              f"{offset}); the file was truncated after it was opened")
-        done += got
+    """Fill ``view`` with the bytes of stored part ``key`` from byte ``start`` of the part on (the reader's
+    pinned commit, through its bounded descriptor cache)."""
+    reader.read_into(key, view, start)
 
 
 _GATHER_CHUNK = 8 << 20  # bytes of a part read at once to pick some of its rows from

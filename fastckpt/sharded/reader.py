@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import difflib
-import errno
 import os
 import threading
 import weakref
@@ -43,12 +42,14 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError, TensorNotFoundError
+from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
 from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_of, read_metadata
+from fastckpt.sharded.format import MANIFEST_FILE as FORMAT_MANIFEST
+from fastckpt.store.snapshot import Snapshot
 
 __all__ = ["CheckpointReader", "CheckpointChangedError", "register_layout"]
 
@@ -166,11 +167,6 @@ class TensorInfos(Mapping):
         return len(self._names)
 
 
-class CheckpointChangedError(FormatError):
-    """A sharded checkpoint's files are not those of the manifest that was read: it changed while it was opened
-    (replaced by a save with ``overwrite=True``, removed, truncated). Opening it again reads the new commit."""
-
-
 class CheckpointReader(MultiFileReader):
     """Read a sharded checkpoint directory (see the module docs).
 
@@ -208,28 +204,23 @@ class CheckpointReader(MultiFileReader):
                  copy_on_write: bool = False, max_header_size: int | None = None):
         self.path = os.fspath(path)
         self.files: dict[str, TensorFile] = {}
-        self._fds: dict[str, int] = {}  # each tensor file, opened relative to the directory the manifest came from
         self._closed = False
+        # One commit: the manifest and every file read through the pinned directory, each file's identity recorded.
+        self.snapshot = Snapshot(self.path, record=FORMAT_MANIFEST, what="sharded checkpoint")
         try:
-            directory = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-        except (FileNotFoundError, NotADirectoryError):
-            raise CheckpointNotFoundError(f"{self.path}: no sharded checkpoint here (not a directory)") from None
-        try:
-            self._open(directory, backend, copy_on_write)
+            self._open(backend, copy_on_write)
         except BaseException:
             self.close()
             raise
-        finally:
-            os.close(directory)
         self.metadata = None
         self._verify = bool(verify)
         self._verified: set[str] = set()
         self._verify_lock = threading.Lock()
 
-    def _open(self, directory: int, backend: str, copy_on_write: bool) -> None:
-        """Read the metadata relative to the open ``directory``, then open every tensor file and check that it is
-        the one that directory holds, of the size its manifest lists."""
-        meta = read_metadata(self.path, dir_fd=directory)
+    def _open(self, backend: str, copy_on_write: bool) -> None:
+        """Read the metadata through the pinned directory, then pin every tensor file (the size its manifest
+        lists), map it and check that the mapping is the file pinned."""
+        meta = read_metadata(self.path, snapshot=self.snapshot)
         self.manifest = meta["manifest"]
         self.manifest_blake3: str = meta["manifest_blake3"]
         self.unchecked: list[str] = meta["unchecked"]
@@ -247,32 +238,13 @@ class CheckpointReader(MultiFileReader):
             n = {self.descriptions[k]["part"][1] for k in keys}
             if len(n) != 1 or len(keys) != next(iter(n)):
                 raise FormatError(f"{self.path}: tensor {name!r} has parts {keys}; expected part_0_n .. part_(n-1)_n")
+        for number in sorted(self._file_of_number):
+            name = self._file_of_number[number]
+            self.snapshot.pin(name, size=self.manifest["files"][name]["size"])
         infos = {}
         for number in sorted(self._file_of_number):
             name = self._file_of_number[number]
-            try:
-                f = self.files[name] = open_file(os.path.join(self.path, name), **self._options)
-                fd = self._fds[name] = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) |
-                                               getattr(os, "O_NOFOLLOW", 0), dir_fd=directory)
-                here = os.fstat(fd)
-            except FileNotFoundError:
-                raise CheckpointChangedError(f"{os.path.join(self.path, name)}: gone; the checkpoint changed while it "
-                                             "was opened (replaced or removed by another process): open it again"
-                                             ) from None
-            except OSError as exc:
-                if exc.errno != errno.ELOOP:
-                    raise
-                raise FormatError(f"{os.path.join(self.path, name)}: a symbolic link; the files of a sharded "
-                                  "checkpoint are plain files of its directory") from None
-            if (here.st_dev, here.st_ino) != f.mapped.identity[:2]:
-                raise CheckpointChangedError(f"{f.path}: not the file of the directory whose manifest was read; the "
-                                             "checkpoint changed while it was opened (a save with overwrite=True "
-                                             "replaced it): open it again")
-            size = self.manifest["files"][name]["size"]
-            if f.mapped.size != size:
-                raise CheckpointChangedError(f"{f.path}: {f.mapped.size} bytes, the manifest says {size}: the file "
-                                             "was truncated or replaced after the commit, or changed while it was "
-                                             "opened")
+            f = self.files[name] = self._map(name)
             expected = {k for k, n in self._block_index.items() if n == number}
             if set(f.infos) != expected:
                 raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ expected)[:4]} that "
@@ -290,6 +262,21 @@ class CheckpointReader(MultiFileReader):
         # Let go of the shared hashes on close(), or when a reader never closed is collected.
         self._release = weakref.finalize(self, _release, held)
 
+    def _map(self, name: str, **options) -> TensorFile:
+        """Tensor file ``name`` mapped (its header parsed), checked to be the file the snapshot pinned: one of
+        another commit (the path now names a replacement) raises CheckpointChangedError."""
+        path = os.path.join(self.path, name)
+        try:
+            f = open_file(path, **self._options, **options)
+        except FileNotFoundError:
+            raise self.snapshot.missing(name) from None
+        try:
+            self.snapshot.check(name, f.mapped.identity)
+        except BaseException:
+            f.close()
+            raise
+        return f
+
     @property
     def infos(self) -> TensorInfos:
         """The whole tensors' infos by name (:class:`TensorInfos`; a stored key gives its part's)."""
@@ -303,24 +290,39 @@ class CheckpointReader(MultiFileReader):
         release = getattr(self, "_release", None)
         if release is not None:
             release()
-        fds, self._fds = getattr(self, "_fds", {}), {}
-        for fd in fds.values():
-            os.close(fd)
+        snapshot = getattr(self, "snapshot", None)
+        if snapshot is not None:
+            snapshot.close()
         super().close()
 
-    def descriptor(self, key: str) -> int:
-        """The open file descriptor of the file holding stored key ``key`` (the file of the commit this reader
-        read; reads through it never see a checkpoint that replaced this one). Valid until :meth:`close`.
+    def read_into(self, key: str, out, start: int = 0) -> None:
+        """Fill ``out`` (a writable buffer) with the bytes of stored part ``key`` from byte ``start`` of the part
+        on, read (``preadv``) from the file of the commit this reader pinned, never from one that replaced it.
+        Descriptors are opened on demand and cached in a small bounded cache
+        (:mod:`fastckpt.store.snapshot`), so a reader of thousands of files holds few.
 
         >>> import numpy as np, tempfile, os
         >>> from fastckpt.sharded import Saver
         >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
         >>> with CheckpointReader(out) as r:
-        ...     info = r.infos["w/part_0_1"]; os.pread(r.descriptor("w/part_0_1"), 8, info.offset) == bytes(np.ones(1))
-        True
+        ...     buf = np.zeros(1); r.read_into("w/part_0_1", buf, 8); buf.tolist()
+        [1.0]
         """
-        self.file_of(key)  # unknown keys and a closed reader raise
-        return self._fds[self._file_of_number[self._block_index[key]]]
+        f = self.file_of(key)
+        info = f.infos[key]
+        view = memoryview(out).cast("B")
+        if start < 0 or start + len(view) > info.nbytes:
+            raise ValueError(f"{f.path}: bytes [{start}, {start + len(view)}) of tensor {key!r}, which has "
+                             f"{info.nbytes}")
+        try:
+            self.snapshot.read_into(self._file_of_number[self._block_index[key]], view, info.offset + start,
+                                    f"tensor {key!r}")
+        except CheckpointChangedError:
+            # Removed since it was opened: a mapping of the pinned file still reads that commit (no descriptor).
+            if f.mapped.backend != "mmap" or f.mapped.closed:
+                raise
+            with f.mapped.guard(f"tensor {key!r}"):
+                view[:] = f.mapped.view(info.offset + start, len(view), f"tensor {key!r}")
 
     # -- RecIS's API ----------------------------------------------------------------------------------
     def tensor_names(self) -> list[str]:

@@ -129,12 +129,14 @@ import blake3
 import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
-from fastckpt.formats.reader import TensorFile, guard, held_guards, open_file
+from fastckpt.formats.reader import TensorFile, guard, held_guards
 from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
 from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.store.commit import fsync_open
 from fastckpt.sharded.reader import CheckpointReader, register_layout
+from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
+from fastckpt.store.snapshot import Snapshot
 from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = ["RecisCheckpointReader", "RecisWarning", "is_recis_directory", "data_file_name", "gen_slice",
@@ -281,25 +283,39 @@ def _split_block_name(name: str, where: str) -> tuple[str, str]:
     return tokens[0], tokens[1]
 
 
-def _load_json(path: str, what: str, manifest: dict | None = None) -> Any:
-    """The JSON file at ``path``; where ``manifest`` (fastckpt's, beside a ``layout="recis"`` save) lists it,
-    its bytes are checked against the size and BLAKE3 recorded there first."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing; {what}") from None
-    entry = None if manifest is None else manifest["files"].get(os.path.basename(path))
+def _read_json(snapshot: Snapshot, name: str, manifest: dict | None, missing: str | None = None) -> Any:
+    """JSON file ``name`` read through the pinned directory (duplicate keys refused: RecIS's std::map keeps
+    one); where ``manifest`` (fastckpt's, beside a ``layout="recis"`` save) lists it, its bytes are checked
+    against the size and BLAKE3 recorded there first."""
+    path = os.path.join(snapshot.path, name)
+    raw = snapshot.read(name, missing=missing)
+    entry = None if manifest is None else manifest["files"].get(name)
     if entry is not None:
         digest = blake3.blake3(raw).hexdigest()
         if (len(raw), digest) != (entry["size"], entry["blake3"]):
             raise ChecksumMismatchError(f"{path}: {len(raw)} bytes of BLAKE3 {digest[:16]}..., the manifest says "
                                         f"{entry['size']} bytes of {entry['blake3'][:16]}...: the file was changed "
                                         "or damaged after the commit")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc})") from None
+    return parse_json(raw, path, unique_keys=True)
+
+
+_PART_KEY = re.compile(r"(?P<tensor>.+)/part_(?P<i>\d+)_(?P<n>\d+)")
+
+
+def _check_key(key: str, tensor: str, piece: tuple[int, int, int], where: str) -> None:
+    """A hashtable block's key ``T.X/part_i_n`` against what tensorkey.json maps it to, ``T@X^SLICE``: the same
+    table and slot, and the slice of rank ``i`` of ``n`` (RecIS's ``gen_slice``), as RecIS's writer names both."""
+    m = _PART_KEY.fullmatch(key)
+    expect(m is not None and m.group("tensor") == tensor.replace("@", ".", 1), where,
+           f"block {key!r} is mapped to {tensor!r}: a block T.X/part_i_n holds T@X (a relabelled block)")
+    i, n = int(m.group("i")), int(m.group("n"))
+    expect(i < n and piece[:2] == gen_slice(i, n, piece[2])[:2], where,
+           f"block {key!r} is mapped to slice {piece[0]}@{piece[1]}@{piece[2]}, rank {i} of {n}'s is "
+           f"{'@'.join(map(str, gen_slice(i, n, piece[2]))) if i < n else 'none'}")
+
+
+def _int64_ids(info: TensorInfo) -> bool:
+    return info.dtype == np.dtype(np.int64) and len(info.shape) == 1
 
 
 class RecisCheckpointReader(CheckpointReader):
@@ -324,76 +340,23 @@ class RecisCheckpointReader(CheckpointReader):
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, backend: str = "mmap",
                  copy_on_write: bool = False, max_header_size: int | None = None):
         self.path = os.fspath(path)
-        self._fds: dict[str, int] = {}
         self._verified: set[str] = set()
         self._verify_lock = threading.Lock()
         self.unchecked: list[str] = []
-        d = self.path
-        if not os.path.isfile(os.path.join(d, INDEX_FILE)):
-            raise CheckpointNotFoundError(f"{d}: no RecIS checkpoint here (no '{INDEX_FILE}' file)")
-        self.manifest = self._read_manifest()
-        self.integrity = None if self.manifest is None else "manifest"
-        tensorkey = _load_json(os.path.join(d, TENSORKEY_FILE), "RecIS's loader needs it (it maps the hashtable "
-                                                                "blocks to their slices)", self.manifest)
-        twhere = os.path.join(d, TENSORKEY_FILE)
-        if not isinstance(tensorkey, dict) or not all(isinstance(v, str) for v in tensorkey.values()):
-            raise FormatError(f"{twhere}: expected a JSON object of strings")
-        index = _load_json(os.path.join(d, INDEX_FILE), "", self.manifest)
-        iwhere = os.path.join(d, INDEX_FILE)
-        if not (isinstance(index, dict) and isinstance(index.get("block_index"), dict)
-                and isinstance(index.get("file_index"), dict)):
-            raise FormatError(f"{iwhere}: expected {{'block_index': {{...}}, 'file_index': {{...}}}}")
-        file_of_number: dict[int, str] = {}
-        for name, number in index["file_index"].items():
-            if type(number) is not int or number < 0 or number in file_of_number:
-                raise FormatError(f"{iwhere}: file_index[{name!r}] is {number!r}: file numbers are distinct "
-                                  "non-negative integers")
-            FILE_NAME.check(name, "file_index file", where=iwhere, error=FormatError)
-            file_of_number[number] = name
-        self._file_of_number = file_of_number
-        self.tensorkey: Mapping[str, str] = MappingProxyType(dict(tensorkey))
-        self._block_index: dict[str, int] = {}
-        self._slices: dict[str, tuple[str, str]] = {}  # stored key -> (tensor, slice string)
-        parts: dict[str, list[tuple[str, str]]] = {}
-        for key, number in index["block_index"].items():
-            if type(number) is not int or number not in file_of_number:
-                raise FormatError(f"{iwhere}: block_index[{key!r}] is {number!r}, not a file number of file_index")
-            tensor, piece = _split_block_name(tensorkey.get(key, key), f"{iwhere} (key {key!r})")
-            self._block_index[key] = number
-            self._slices[key] = (tensor, piece)
-            parts.setdefault(tensor, []).append((piece, key))
-        self._parts = {name: [k for _, k in sorted(p)] for name, p in sorted(parts.items())}
-        self._aliases = {}
-        for name in self._parts:  # "T@id" is also "T.id", as fastckpt's own layout names it
-            if "@" in name:
-                self._aliases.setdefault(name.replace("@", ".", 1), name)
-        self._options = {"backend": backend, "copy_on_write": copy_on_write, "max_header_size": max_header_size}
         self.files: dict[str, TensorFile] = {}
         self._closed = False
-        infos = {}
-        by_file: dict[int, list[str]] = {}
-        for key, number in self._block_index.items():
-            by_file.setdefault(number, []).append(key)
+        self._options = {"backend": backend, "copy_on_write": copy_on_write, "max_header_size": max_header_size}
+        d = self.path
         try:
-            for number in sorted(file_of_number):
-                name = file_of_number[number]
-                path_ = os.path.join(d, name)
-                if not os.path.isfile(path_):
-                    raise FormatError(f"{path_}: missing; {INDEX_FILE}'s file_index names it (file {number})")
-                f = self.files[name] = open_file(path_, **self._options)
-                expected = by_file.get(number, [])
-                missing = sorted(set(expected) - set(f.infos))
-                if missing:
-                    raise FormatError(f"{f.path}: holds no tensors {missing[:4]}, which {INDEX_FILE} places there "
-                                      f"(it holds {sorted(f.infos)[:4]})")
-                for key in expected:
-                    infos[key] = f.infos[key]
+            # One commit: every file read or mapped through the pinned directory, each checked against its identity.
+            self.snapshot = Snapshot(d, record=INDEX_FILE, what="RecIS checkpoint")
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"{d}: no RecIS checkpoint here (no '{INDEX_FILE}' file)") from None
+        try:
+            self._open()
         except BaseException:
             self.close()
             raise
-        self.part_infos: Mapping[str, TensorInfo] = MappingProxyType(infos)  # stored key -> its block's info
-        self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
-        self._tables = self._find_tables()
         self.metadata = None
         # With fastckpt's manifest beside (a layout="recis" save) each file is checked against it the first time a
         # block of it is read, as CheckpointReader does; RecIS itself writes none: nothing to check against.
@@ -404,44 +367,213 @@ class RecisCheckpointReader(CheckpointReader):
                 _warned.add(d)
                 warnings.warn(f"{d}: {NO_INTEGRITY} (no manifest.json: loaded without checking its bytes)",
                               RecisWarning, stacklevel=2)
-        else:
-            unlisted = sorted(set(self._file_of_number.values()) - set(self.manifest["files"]))
+
+    def _open(self) -> None:
+        """Read and cross-check the metadata (index, tensorkey.json, descriptions, the manifest where there is
+        one), pin and map every tensor file, and check the headers against them: no block the index does not
+        place, none placed twice, every slice of a tensor once, every table's slots beside its ids."""
+        d, snap = self.path, self.snapshot
+        self.manifest = self._read_manifest()
+        self.integrity = None if self.manifest is None else "manifest"
+        try:
+            index = _read_json(snap, INDEX_FILE, self.manifest)
+        except (FileNotFoundError, IsADirectoryError):
+            raise snap.absent(INDEX_FILE, f"{d}: no RecIS checkpoint here (no '{INDEX_FILE}' file)") from None
+        tensorkey = _read_json(snap, TENSORKEY_FILE, self.manifest,
+                               missing="RecIS's loader needs it (it maps the hashtable blocks to their slices)")
+        twhere, iwhere = os.path.join(d, TENSORKEY_FILE), os.path.join(d, INDEX_FILE)
+        expect(isinstance(tensorkey, dict) and all(isinstance(v, str) for v in tensorkey.values()), twhere,
+               "expected a JSON object of strings")
+        expect(isinstance(index, dict) and isinstance(index.get("block_index"), dict)
+               and isinstance(index.get("file_index"), dict), iwhere,
+               "expected {'block_index': {...}, 'file_index': {...}}")
+        file_of_number: dict[int, str] = {}
+        for name, number in index["file_index"].items():
+            expect(is_count(number) and number not in file_of_number, iwhere,
+                   f"file_index[{name!r}] is {number!r}: file numbers are distinct non-negative integers")
+            FILE_NAME.check(name, "file_index file", where=iwhere, error=FormatError)
+            file_of_number[number] = name
+        self._file_of_number = file_of_number
+        orphans = sorted(set(tensorkey) - set(index["block_index"]))
+        expect(not orphans, twhere, f"maps blocks {orphans[:4]} that {INDEX_FILE}'s block_index does not place in "
+                                    "any file")
+        self.tensorkey: Mapping[str, str] = MappingProxyType(dict(tensorkey))
+        self._block_index: dict[str, int] = {}
+        self._slices: dict[str, tuple[str, str]] = {}  # stored key -> (tensor, slice string)
+        parts: dict[str, list[tuple[str, str]]] = {}
+        seen: dict[tuple[str, str], str] = {}
+        for key, number in index["block_index"].items():
+            expect(is_count(number) and number in file_of_number, iwhere,
+                   f"block_index[{key!r}] is {number!r}, not a file number of file_index")
+            tensor, piece = _split_block_name(tensorkey.get(key, key), f"{iwhere} (key {key!r})")
+            expect(piece == " " or key in tensorkey, iwhere,
+                   f"block {key!r} names slice {piece!r} but {TENSORKEY_FILE} does not map it")
+            if piece != " ":
+                _check_key(key, tensor, parse_slice(piece, f"{twhere} (key {key!r})"), twhere)
+            expect((tensor, piece) not in seen, iwhere,
+                   f"blocks {seen.get((tensor, piece))!r} and {key!r} are both {tensor!r}'s slice {piece!r}: a "
+                   "slice is stored once")
+            seen[tensor, piece] = key
+            self._block_index[key] = number
+            self._slices[key] = (tensor, piece)
+            parts.setdefault(tensor, []).append((piece, key))
+        self._parts = {name: [k for _, k in sorted(p)] for name, p in sorted(parts.items())}
+        self._aliases = {}
+        for name in self._parts:  # "T@id" is also "T.id", as fastckpt's own layout names it
+            if "@" in name:
+                self._aliases.setdefault(name.replace("@", ".", 1), name)
+        listed = None if self.manifest is None else self.manifest["files"]
+        if listed is not None:
+            unlisted = sorted(set(file_of_number.values()) - set(listed))
             if unlisted:
                 raise IntegrityError(f"{d}: {unlisted[0]}: in {INDEX_FILE} but not in the manifest")
+        for number in sorted(file_of_number):
+            name = file_of_number[number]
+            snap.pin(name, size=None if listed is None else listed[name]["size"])
+        infos = {}
+        by_file: dict[int, list[str]] = {}
+        for key, number in self._block_index.items():
+            by_file.setdefault(number, []).append(key)
+        orphans = []
+        for number in sorted(file_of_number):
+            name = file_of_number[number]
+            f = self.files[name] = self._map(name)
+            expected = set(by_file.get(number, []))
+            missing = sorted(expected - set(f.infos))
+            if missing:
+                raise FormatError(f"{f.path}: holds no tensors {missing[:4]}, which {INDEX_FILE} places there "
+                                  f"(it holds {sorted(f.infos)[:4]})")
+            orphans += [f"{f.path}: holds block {key!r}, which {INDEX_FILE} does not place there"
+                        for key in sorted(set(f.infos) - expected)]
+            for key in expected:
+                infos[key] = f.infos[key]
+        data_file = re.compile(r"model-\d{6}-of-\d{6}\.safetensors")
+        orphans += [f"{os.path.join(d, n)}: a tensor file that {INDEX_FILE}'s file_index does not name"
+                    for n in sorted(os.listdir(snap.fd)) if data_file.fullmatch(n) and n not in self.files]
+        if orphans:
+            raise FormatError(f"{orphans[0]} (an orphan block: a damaged or hand-merged checkpoint; "
+                              f"{len(orphans)} in all)")
+        self.part_infos: Mapping[str, TensorInfo] = MappingProxyType(infos)  # stored key -> its block's info
+        self._check_parts()
+        self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
+        self._tables = self._find_tables()
+        if self.manifest is not None:
+            self._check_manifest_counts()
+
+    def _check_parts(self) -> None:
+        """Each table's blocks: int64 ids of shape [k]; for every id slice one block of each slot with k rows;
+        the slices of one tensor never overlapping."""
+        iwhere = os.path.join(self.path, INDEX_FILE)
+        for name, keys in self._parts.items():
+            if self._slices[keys[0]][1] == " ":
+                expect(len(keys) == 1, iwhere, f"dense tensor {name!r} is stored in {len(keys)} blocks {keys[:4]}")
+                continue
+            spans = sorted(parse_slice(self._slices[k][1], f"{iwhere} (key {k!r})") + (k,) for k in keys)
+            by_size: dict[int, list] = {}
+            for span in spans:
+                by_size.setdefault(span[2], []).append(span)
+            for size, group in by_size.items():  # the ranks' slices tile the key space: each position once
+                group.sort()
+                at = 0
+                for begin, end, _, key in group:
+                    expect(begin == at, iwhere,
+                           f"tensor {name!r}: block {key!r} holds slice [{begin}, {end}) of {size}, after slices "
+                           f"up to {at}: " + ("overlapping slices (a duplicated block)" if begin < at else
+                                              "a slice of the key space is missing (a block was removed)"))
+                    at = end
+                expect(at == size, iwhere, f"tensor {name!r}: its slices end at {at} of {size}: the last slice is "
+                                           "missing (a block was removed)")
+            table, _, slot = name.rpartition("@")
+            if slot == "id":
+                for k in keys:
+                    info = self.part_infos[k]
+                    expect(_int64_ids(info), iwhere, f"block {k!r} holds {table!r}'s ids but is {info.dtype}"
+                                                     f"{list(info.shape)}; ids are int64 of shape [k]")
+            elif f"{table}@id" in self._parts:
+                ids = {self._slices[k][1]: k for k in self._parts[f"{table}@id"]}
+                mine = {self._slices[k][1]: k for k in keys}
+                expect(set(ids) == set(mine), iwhere,
+                       f"hashtable {table!r}: slot {slot!r} has slices {sorted(mine)[:3]}, its ids "
+                       f"{sorted(ids)[:3]}: each id block needs one block of every slot")
+                for piece, k in mine.items():
+                    rows, want = self.part_infos[k].shape, self.part_infos[ids[piece]].shape[0]
+                    expect(len(rows) >= 1 and rows[0] == want, iwhere,
+                           f"hashtable {table!r}: block {k!r} has shape {list(rows)}, its ids {ids[piece]!r} "
+                           f"{want}: a slot holds one row per id")
 
     def _read_manifest(self) -> dict | None:
         path = os.path.join(self.path, MANIFEST_FILE)
-        if not os.path.isfile(path):
+        try:
+            manifest = _read_json(self.snapshot, MANIFEST_FILE, None)
+        except FileNotFoundError:
             return None
-        manifest = _load_json(path, "")
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise FormatError(f"{path}: 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r}"
-                              f", expected {FORMAT!r} beside a RecIS '{INDEX_FILE}'")
+        expect(isinstance(manifest, dict) and manifest.get("format") == FORMAT, path,
+               f"'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected "
+               f"{FORMAT!r} beside a RecIS '{INDEX_FILE}'")
         version = manifest.get("format_version")
-        if type(version) is not int or version > FORMAT_VERSION:
-            raise FormatError(f"{path}: format version {version!r}; this fastckpt reads {FORMAT_VERSION}")
+        expect(is_count(version, 1) and version <= FORMAT_VERSION, path,
+               f"format version {version!r}; this fastckpt reads {FORMAT_VERSION}")
         check_seal(manifest, path)  # the manifest's own checksum; its entries then cover every other file
         files = manifest.get("files")
-        if not isinstance(files, dict) or not all(
-                isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get("blake3"), str)
-                for e in files.values()):
-            raise FormatError(f"{path}: 'files' must be {{name: {{'size': int, 'blake3': str}}}}")
+        expect(isinstance(files, dict) and all(
+            FILE_NAME.problem(n) is None and isinstance(e, dict) and is_count(e.get("size")) and isinstance(e.get("blake3"), str)
+            for n, e in files.items()), path, "'files' must be {name: {'size': int >= 0, 'blake3': str}}")
+        for key in ("tensors", "hashtables"):
+            expect(isinstance(manifest.get(key, {}), dict), path, f"{key!r} must be an object")
+        for name, entry in manifest.get("hashtables", {}).items():
+            expect(isinstance(entry, dict) and is_count(entry.get("ids")), path,
+                   f"hashtables[{name!r}] must hold 'ids' (an integer >= 0), got {entry!r}")
+        for name, entry in manifest.get("tensors", {}).items():
+            expect(isinstance(entry, dict) and is_shape(entry.get("shape")) and isinstance(entry.get("dtype"), str),
+                   path, f"tensors[{name!r}] must be {{'dtype': str, 'shape': [int >= 0, ...]}}, got {entry!r}")
         return manifest
 
+    def _check_manifest_counts(self) -> None:
+        """The manifest's tables, id counts and dense tensors against the blocks of the index."""
+        where = os.path.join(self.path, MANIFEST_FILE)
+        listed, tables = self.manifest.get("hashtables", {}), self._tables
+        expect(set(listed) == set(tables), where, f"'hashtables' names {sorted(listed)[:4]}, the blocks of "
+                                                  f"{INDEX_FILE} hold the tables {sorted(tables)[:4]}")
+        for name, entry in listed.items():
+            expect(entry["ids"] == tables[name]["ids"], where,
+                   f"hashtables[{name!r}] says {entry['ids']} ids, its id blocks hold {tables[name]['ids']}")
+        dense = self.dense_tensors()
+        expect(self.manifest.get("tensors", {}) == dense, where,
+               f"'tensors' does not describe the dense blocks of {INDEX_FILE} "
+               f"({sorted(set(self.manifest.get('tensors', {})) ^ set(dense))[:4] or 'shapes or dtypes differ'})")
+        metadata = {INDEX_FILE, TENSORKEY_FILE} | ({DESCRIPTION_FILE} if self.descriptions else set())
+        extra = sorted(set(self.manifest["files"]) - set(self._file_of_number.values()) - metadata)
+        expect(not extra, where, f"lists files {extra[:4]} that {INDEX_FILE} does not name")
+
+    def _map(self, name: str, **options) -> TensorFile:
+        f = super()._map(name, **options)
+        if f.format != "safetensors":
+            f.close()
+            raise FormatError(f"{f.path}: a RecIS tensor file is safetensors-like, this one is {f.format}")
+        return f
+
     def _read_descriptions(self) -> dict:
-        """The description file where present (RecIS's loader never reads it), checked against the headers."""
+        """The description file where present (RecIS's loader never reads it), checked against the headers:
+        one entry per block, each with the shape (and a dtype naming the type) its block has."""
         path = os.path.join(self.path, DESCRIPTION_FILE)
-        if not os.path.isfile(path):
+        try:
+            descriptions = _read_json(self.snapshot, DESCRIPTION_FILE, self.manifest)
+        except FileNotFoundError:
+            if self.manifest is not None and DESCRIPTION_FILE in self.manifest["files"]:
+                raise self.snapshot.missing(DESCRIPTION_FILE, "the manifest lists it") from None
             return {}
-        descriptions = _load_json(path, "", self.manifest)
-        if not isinstance(descriptions, dict):
-            raise FormatError(f"{path}: expected a JSON object")
+        expect(isinstance(descriptions, dict), path, "expected a JSON object")
+        differ = sorted(set(descriptions) ^ set(self._block_index))
+        expect(not differ, path, f"describes other blocks than {INDEX_FILE} places: {differ[:4]}")
         for key, desc in descriptions.items():
-            info = self.part_infos.get(key)
-            if info is not None and isinstance(desc, dict) and "shape" in desc \
-                    and list(desc["shape"]) != list(info.shape):
-                raise FormatError(f"{path}: entry {key!r} has shape {desc['shape']}, its tensor file "
-                                  f"{self.file_of(key).path} holds {list(info.shape)}")
+            info = self.part_infos[key]
+            expect(isinstance(desc, dict) and is_shape(desc.get("shape")), path,
+                   f"entry {key!r} must be an object with a 'shape' (list of integers >= 0), got {desc!r}")
+            expect(desc["shape"] == list(info.shape), path, f"entry {key!r} has shape {desc['shape']}, its tensor "
+                                                            f"file {self.file_of(key).path} holds {list(info.shape)}")
+            named = desc.get("dtype")
+            expect(named in (_CODES.get(info.dtype.name), info.dtype.name), path,
+                   f"entry {key!r} has dtype {named!r}, its tensor file holds {info.dtype.name}")
         return descriptions
 
     def _block_order(self) -> dict[str, tuple[int, int]]:
@@ -554,13 +686,19 @@ class RecisCheckpointReader(CheckpointReader):
                        "shape": list(self.part_infos[self._parts[name][0]].shape)} for name in self._dense_order}
 
     def verify(self, *, progress=False) -> list[str]:
-        """Every problem with the files against fastckpt's manifest (sizes, BLAKE3); ``[]`` when they match.
+        """Every problem with the files against fastckpt's manifest (sizes, BLAKE3), and every table's ids (each
+        stored once over its id blocks); ``[]`` when all is well.
 
-        A directory written by RecIS has no manifest: nothing to check the bytes against, so ``[]`` (its
-        structure was checked when it opened; :attr:`integrity` is None and a warning said so)."""
-        if self.manifest is None:
-            return []
-        return super().verify(progress=progress)  # every file of the index is in the manifest: checked at open
+        A directory written by RecIS has no manifest: its bytes cannot be checked (:attr:`integrity` is None and
+        a warning said so), but its ids are; its structure was checked when it opened."""
+        problems = [] if self.manifest is None else super().verify(progress=progress)
+        with guard(self, "its ids to check them"):
+            for name in self._parts:
+                if name.endswith("@id") and self._slices[self._parts[name][0]][1] != " ":
+                    problem = _id_problem(self, name[:-3], self._parts[name])
+                    if problem:
+                        problems.append(problem)
+        return problems
 
     def __repr__(self) -> str:
         return (f"<fastckpt.sharded.RecisCheckpointReader {self.path!r} files={len(self.files)} "
@@ -626,6 +764,20 @@ def load(loader) -> tuple[dict, dict]:
               loader.checkpoint_path, loader.shard_index, loader.shard_num, len(info.get("tensors", {})),
               len(tables), sum(stored.values()), time.perf_counter() - started)
     return loader.hashtables, loader.tensors
+
+
+def _id_problem(reader: RecisCheckpointReader, table: str, keys: list[str]) -> str | None:
+    """What is wrong with the ids of ``table``'s id blocks ``keys``: an id stored twice (in one block, or in two,
+    where a load of every slice would take both); None when each id is stored once."""
+    ids = [reader.host(key) for key in keys]
+    values, counts = np.unique(np.concatenate(ids) if ids else np.empty(0, np.int64), return_counts=True)
+    twice = np.flatnonzero(counts > 1)
+    if not len(twice):
+        return None
+    dup = int(values[twice[0]])
+    holders = [key for key, part in zip(keys, ids) if np.any(part == dup)]
+    return (f"{reader.path}: hashtable {table!r}: {len(twice)} ids are stored more than once (id {dup} in "
+            f"{holders[:3]}): a duplicated or orphan id block")
 
 
 def _fill_dense(loader, reader: RecisCheckpointReader, name: str, rows: list) -> None:

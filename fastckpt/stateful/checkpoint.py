@@ -44,7 +44,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from fastckpt.errors import CheckpointNotFoundError, FastCkptError, FormatError
+from fastckpt.errors import CheckpointKeyError, CheckpointNotFoundError, FormatError
 from fastckpt.store.commit import atomic_write, resolve_overwrite
 from fastckpt.state import STATEFUL_JSON, StateObject, accessors, dumps
 from fastckpt.state import decode as _decode
@@ -72,20 +72,6 @@ __all__ = [
     "FORMAT_VERSION",
     "ANONYMOUS_PREFIX",
 ]
-
-
-class CheckpointKeyError(FastCkptError, KeyError):
-    """A key that the checkpoint does not hold (no registered op, or no state).
-
-    >>> try:
-    ...     Checkpoint().get_state("x")
-    ... except KeyError as e:
-    ...     print(e)
-    no op is registered under 'x'; registered: []
-    """
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
-        return str(self.args[0]) if self.args else ""
 
 
 def _qualname(cls: type) -> str:

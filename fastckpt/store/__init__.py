@@ -12,4 +12,9 @@ publishes, its name rule, how it writes and how it opens. The floor keeps one me
 
 It sits between the native core (``_native``: mappings and the fault guard) and the formats, and imports
 nothing above it.
+
+>>> from fastckpt.store.snapshot import Snapshot
+>>> from fastckpt.store.manifest import parse_json
+>>> parse_json(b'{"format_version": 3}', "manifest.json")["format_version"]
+3
 """

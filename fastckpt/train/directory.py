@@ -20,11 +20,12 @@ from typing import Mapping
 
 import numpy as np
 
-from fastckpt.errors import IntegrityError
+from fastckpt.errors import CheckpointChangedError, FormatError, IntegrityError
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo, from_checked_fields
-from fastckpt.train.format import read_manifest
+from fastckpt.store.snapshot import Snapshot
+from fastckpt.train.format import MANIFEST_FILE, read_manifest
 
 __all__ = ["CheckpointDirectory"]
 
@@ -71,24 +72,40 @@ class CheckpointDirectory(MultiFileReader):
     def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
                  max_header_size: int | None = None, verify: bool = True):
         self.path = os.fspath(path)
-        self.manifest = read_manifest(self.path)
-        if verify:
-            from fastckpt.train.checkpoint import verify_checkpoint
-
-            problems = verify_checkpoint(self.path)
-            if problems:
-                raise IntegrityError.of(self.path, problems)
         self.files: dict[str, TensorFile] = {}
+        # One commit: the manifest through the pinned directory, each file it lists pinned; the hashes checked by
+        # path, then the directory and every file found unchanged; each file mapped and checked against its pin.
+        self.snapshot = Snapshot(self.path, record=MANIFEST_FILE, what="training checkpoint")
         infos: dict[str, TensorInfo] = {}
         where: dict[str, tuple] = {}
         metadata: dict[str, str] = {}
         try:
+            self.manifest = read_manifest(self.path, snapshot=self.snapshot)
+            for file_name in self.manifest["files"]:
+                try:
+                    self.snapshot.pin(file_name)
+                except FormatError as exc:  # missing or not a plain file: the check below names it
+                    if isinstance(exc, CheckpointChangedError) or not verify:
+                        raise
+            if verify:  # every size and hash before any file opens; then the files hashed must be those pinned
+                from fastckpt.train.checkpoint import verify_checkpoint
+
+                problems = verify_checkpoint(self.path)
+                change = self.snapshot.changed()
+                if change is not None:
+                    raise CheckpointChangedError(f"{self.path}: {change}; the checkpoint changed while it was opened "
+                                                 "(replaced by a save with overwrite=True): open it again")
+                if problems:
+                    raise IntegrityError.of(self.path, problems)
+                for file_name in self.manifest["files"]:
+                    self.snapshot.recheck(file_name)
             for file_name in self.manifest["files"]:
                 stem, suffix = os.path.splitext(file_name)
                 if suffix not in (".safetensors", ".npz"):
                     continue
                 f = self.files[stem] = open_file(os.path.join(self.path, file_name), backend=backend,
                                                  copy_on_write=copy_on_write, max_header_size=max_header_size)
+                self.snapshot.check(file_name, f.mapped.identity)
                 for inner, info in f.infos.items():
                     name = f"{stem}/{inner}"
                     infos[name] = from_checked_fields(type(info), {**info.__dict__, "name": name})
@@ -110,6 +127,13 @@ class CheckpointDirectory(MultiFileReader):
         except KeyError:
             raise tensor_not_found(self.path, name, self.infos) from None
         return f.host(inner)
+
+    def close(self) -> None:
+        """Close every file and the pinned directory (idempotent); views already made stay valid."""
+        snapshot = getattr(self, "snapshot", None)
+        if snapshot is not None:
+            snapshot.close()
+        super().close()
 
     def __repr__(self) -> str:
         if self._closed:

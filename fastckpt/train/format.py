@@ -155,6 +155,7 @@ from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from fastckpt.formats.hashing import HASH_ALGORITHMS, hash_buffer, hash_file, sha256_file
 from fastckpt.state import TRAIN_TREE, decode, encode
 from fastckpt.state.codec import INLINE, TensorRefs
+from fastckpt.store.manifest import read_json
 from fastckpt.store.names import FILE_NAME, NameRule
 
 __all__ = [
@@ -182,6 +183,7 @@ TENSOR_NAMES = NameRule("a training checkpoint's table", controls=False, empty=T
 _ALIAS = re.compile(r"ALIAS\((.*)\)", re.DOTALL)  # fullmatch only: '$' also matches before a final newline
 _MAX_SAFE_INT = 2**53
 _MAX_MANIFEST_BYTES = 64 << 20
+_MAX_MANIFEST_DEPTH = 256  # metrics are trees of the caller's; Python parses this deep in any thread
 _READ_MAJORS = ("1", "2")  # schema 1.0: sha256 entries and weights_sha256
 
 
@@ -286,12 +288,14 @@ def _table_metadata(table: ArrayTable, tree: str, fmt: str) -> dict[str, str]:
     return meta
 
 
-def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(in_dir: str | os.PathLike, *, snapshot=None) -> dict[str, Any]:
     """Parse and check ``manifest.json`` of a checkpoint directory (format, schema version, required keys).
 
     Raises :class:`~fastckpt.errors.CheckpointNotFoundError` when there is no
     checkpoint (or an incomplete one) and :class:`~fastckpt.errors.FormatError`
-    when the manifest is unreadable or of another major version.
+    when the manifest is unreadable or of another major version. ``snapshot``:
+    the directory pinned by a reader (:class:`~fastckpt.store.snapshot.Snapshot`)
+    to read it through, so that it and the files it lists are of one commit.
 
     >>> import tempfile, os
     >>> from fastckpt.train import TinyLM, save_checkpoint
@@ -308,13 +312,11 @@ def read_manifest(in_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointNotFoundError(
             f"{d}: no {MANIFEST_FILE}; the directory is not a checkpoint, or its save never completed"
         )
-    size = path.stat().st_size
-    if size > _MAX_MANIFEST_BYTES:
-        raise FormatError(f"{path}: {size} bytes, over the {_MAX_MANIFEST_BYTES}-byte limit for a manifest")
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{path}: not valid UTF-8 JSON ({e})") from None
+    # Bounded: at most _MAX_MANIFEST_BYTES read, nesting beyond what a manifest's trees need a FormatError.
+    if snapshot is None:
+        manifest = read_json(path, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
+    else:
+        manifest = snapshot.read_json(MANIFEST_FILE, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise FormatError(f"{path}: 'format' is {got!r}, expected {CHECKPOINT_FORMAT!r}")

@@ -31,6 +31,7 @@ import numpy as np
 from fastckpt._native.mapped import MappedFile
 from fastckpt._native.tftable import decode_entry, decode_string_tensor, mask_crc, read_bundle_index
 from fastckpt.errors import (
+    CheckpointChangedError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     FormatError,
@@ -41,6 +42,9 @@ from fastckpt.formats.tf import dtypes as _dt
 from fastckpt.formats.tf.proto import decode_checkpoint_state, decode_header
 from fastckpt.formats.tf.table import IndexTable
 from fastckpt.info import TensorInfo, from_checked_fields
+from fastckpt.store.snapshot import Snapshot
+
+_PIN_AT_OPEN = 100_000  # data shards pinned when the reader opens (more are pinned as they are first read)
 
 __all__ = ["CheckpointReader", "TFTensorInfo", "resolve_prefix", "latest_checkpoint", "read_checkpoint_state",
            "data_filename", "encode_tensor_name_slice"]
@@ -295,6 +299,7 @@ class CheckpointReader(ReaderMapping):
 
     format = "tensorflow"
     metadata = None  # the reader contract's metadata: a tensor bundle has none
+    snapshot = None  # the pinned directory (fastckpt.store.snapshot), set when the reader opens
 
     def __init__(self, path, *, verify: bool = True, backend: str = "mmap", copy_on_write: bool = False):
         self.prefix = resolve_prefix(path)
@@ -310,7 +315,19 @@ class CheckpointReader(ReaderMapping):
         # Entries left out of the listing, name -> why: opaque values (a tf.data iterator's DT_VARIANT, a
         # DT_RESOURCE) have no bytes fastckpt can give meaning to, and must not block the tensors beside them.
         self.skipped: dict = {}
+        # One commit: the index and the data shards pinned in their directory (identities recorded now); a shard
+        # mapped later must be the one pinned, and the index is checked again once the shards are pinned.
+        directory, self._index_name = os.path.split(os.path.abspath(self.index_path))
+        self.snapshot = Snapshot(directory, record=self._index_name, what="TensorFlow checkpoint")
+        try:
+            self._open_index(verify)
+        except BaseException:
+            self.snapshot.close()
+            raise
+
+    def _open_index(self, verify: bool) -> None:
         with MappedFile(self.index_path, advise=False) as mapped:
+            self.snapshot.check(self._index_name, mapped.identity)
             table = IndexTable(mapped)
             self.num_data_blocks = len(table.block_handles)
             # Every entry decoded into the columns of one index, in one native loop: a TFTensorInfo is
@@ -327,6 +344,16 @@ class CheckpointReader(ReaderMapping):
             raise FormatError(f"{self.index_path}: header says num_shards={num_shards} (an int32 of at least 1 "
                               "when there are tensors)")
         self.num_shards = num_shards
+        if num_shards <= _PIN_AT_OPEN:  # a header claiming billions of shards pins each when a tensor names it
+            for shard in range(num_shards):
+                name = os.path.basename(data_filename(self.prefix, shard, num_shards))
+                try:
+                    self.snapshot.pin(name)
+                except FormatError as exc:
+                    if isinstance(exc, CheckpointChangedError):
+                        raise
+                    # missing: said when a tensor of it is read (a checkpoint copied without its data files)
+            self.snapshot.recheck(self._index_name)
 
     def _read_header(self, value: bytes):
         self.header = decode_header(value, f"{self.index_path}: header entry")
@@ -403,6 +430,8 @@ class CheckpointReader(ReaderMapping):
             self._shards = {}
             self._closed = True
             self._infos.forget_shards()
+            if self.snapshot is not None:
+                self.snapshot.close()
 
     @property
     def closed(self) -> bool:
@@ -489,8 +518,14 @@ class CheckpointReader(ReaderMapping):
                     raise CheckpointNotFoundError(
                         f"{path}: data shard {index} of {num_shards} is missing (the index {self.index_path} "
                         "lists tensors in it; was the checkpoint copied without its data files?)")
-                mapped = self._shards[index] = MappedFile(path, backend=self._backend,
-                                                          copy_on_write=self._copy_on_write)
+                mapped = MappedFile(path, backend=self._backend, copy_on_write=self._copy_on_write)
+                try:
+                    if self.snapshot is not None:  # the shard of the commit pinned, not one written since
+                        self.snapshot.check(os.path.basename(path), mapped.identity)
+                except BaseException:
+                    mapped.close()
+                    raise
+                self._shards[index] = mapped
         return mapped
 
     def host(self, name: str) -> np.ndarray:
