@@ -286,6 +286,39 @@ def test_readers_holding_a_file_hash_it_once_between_them(chain, tmp_path):
     assert not set(held) & set(reader_module._digests)
 
 
+
+_COLLECTED_UNDER_THE_LOCK = """
+import faulthandler, gc, sys
+faulthandler.dump_traceback_later(60, exit=True)
+import fastckpt.sharded.reader as reader_module
+from fastckpt.sharded import CheckpointReader
+
+leaked = CheckpointReader(sys.argv[1])
+leaked.cycle = leaked  # only the cyclic collector frees it, and runs its weakref.finalize then
+held = [f.mapped.identity for f in leaked.files.values()]
+del leaked
+# What an allocation under the lock (a Future in _shared_digest, a list in _hold) can set off on this thread.
+with reader_module._digests_lock:
+    gc.collect()
+assert not set(held) & set(reader_module._digests)
+print("released")
+"""
+
+
+def test_a_reader_collected_while_its_thread_holds_the_digest_lock_lets_go(chain, tmp_path):
+    """A garbage collection can start inside any allocation, including one made while this thread holds the shared
+    digests' lock; a reader never closed and collected there releases its files through that same lock, on the same
+    thread. Run in a child: a deadlock there is a timeout here, not a hung suite."""
+    import subprocess
+    import sys
+
+    full, _ = _copy(chain, tmp_path)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _COLLECTED_UNDER_THE_LOCK, str(full)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "released", done.stderr[-3000:]
+
 def test_a_load_reads_the_commit_it_opened_when_the_directory_is_replaced_after(chain, tmp_path, monkeypatch):
     """Once every file is open, a save with overwrite=True replacing the directory (and the old one removed) does
     not reach the load: every row comes from the files it opened."""
