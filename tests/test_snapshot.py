@@ -129,14 +129,14 @@ def torn_reads(layout: str, tmp_path, seconds: float, read) -> dict[str, int]:
 
 @pytest.mark.parametrize("layout", sorted(WRITERS))
 def test_a_read_during_overwrite_is_one_commit_or_changed(layout, tmp_path):
-    counts = torn_reads(layout, tmp_path, 3.0, read_whole)
+    counts = torn_reads(layout, tmp_path, 1.5, read_whole)
     print(layout, counts)
 
 
 @pytest.mark.parametrize("layout", ["sharded", "recis"])
 def test_a_load_during_overwrite_is_one_commit_or_changed(layout, tmp_path):
     """The Loader (preadv through the bounded descriptor cache) too: never FormatError 'missing'."""
-    counts = torn_reads(layout, tmp_path, 3.0, load_whole)
+    counts = torn_reads(layout, tmp_path, 1.5, load_whole)
     print(layout, counts)
 
 
