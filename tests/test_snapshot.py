@@ -1,6 +1,7 @@
 """One pinned commit for every reader of several files (fastckpt.store.snapshot): torn reads, descriptor limits.
 
-Each multi-file layout is read while another process replaces it in a loop with ``overwrite=True``: every read
+Each multi-file layout (fastckpt's sharded and RecIS layouts, Hugging Face directories, training checkpoints) is
+read while another process replaces it in a loop with ``overwrite=True``: every read
 returns exactly one commit, or raises CheckpointChangedError; nothing else. A child process under
 ``RLIMIT_NOFILE`` 256 loads checkpoints of more files than that.
 """
@@ -49,6 +50,11 @@ WRITERS = {
         def save(path, k):
             save_sharded(path, commit_arrays(k), max_shard_size=4096, overwrite=True)
     """,
+    "training": """
+        from fastckpt.train import save_checkpoint
+        def save(path, k):
+            save_checkpoint(commit_arrays(k), None, None, None, None, path, step=k, overwrite=True)
+    """,
 }
 
 
@@ -63,7 +69,9 @@ def read_whole(layout: str, path: str) -> dict[str, np.ndarray]:
                 names = [n.removesuffix("^ ") if layout == "recis" else n for n in reader.tensor_names()]
                 return {name: np.array(reader.read_tensor(name)) for name in names}
     with fastckpt.open(path) as reader:
-        return {name: np.array(reader.host(name)) for name in reader.keys()}
+        # A training checkpoint names the model's tensors under its slot ("weights/w00").
+        prefix = "weights/" if layout == "training" else ""
+        return {name.removeprefix(prefix): np.array(reader.host(name)) for name in reader.keys()}
 
 
 def load_whole(layout: str, path: str) -> dict[str, np.ndarray]:

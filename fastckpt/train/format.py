@@ -308,15 +308,19 @@ def read_manifest(in_dir: str | os.PathLike, *, snapshot=None) -> dict[str, Any]
     path = d / MANIFEST_FILE
     if not d.is_dir():
         raise CheckpointNotFoundError(f"{d}: no such checkpoint directory")
+    absent = f"{d}: no {MANIFEST_FILE}; the directory is not a checkpoint, or its save never completed"
     if not path.is_file():
-        raise CheckpointNotFoundError(
-            f"{d}: no {MANIFEST_FILE}; the directory is not a checkpoint, or its save never completed"
-        )
+        raise CheckpointNotFoundError(absent)
     # Bounded: at most _MAX_MANIFEST_BYTES read, nesting beyond what a manifest's trees need a FormatError.
     if snapshot is None:
         manifest = read_json(path, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
     else:
-        manifest = snapshot.read_json(MANIFEST_FILE, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
+        try:
+            manifest = snapshot.read_json(MANIFEST_FILE, limit=_MAX_MANIFEST_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
+        except FileNotFoundError:
+            # Gone from the pinned directory since the check above: an overwrite=True save swapped the directory
+            # away and is removing it (CheckpointChangedError), or the checkpoint was deleted.
+            raise snapshot.absent(MANIFEST_FILE, absent) from None
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise FormatError(f"{path}: 'format' is {got!r}, expected {CHECKPOINT_FORMAT!r}")
