@@ -1,6 +1,6 @@
 """One pinned commit for every reader of several files (fastckpt.store.snapshot): torn reads, descriptor limits.
 
-Each multi-file layout (fastckpt's sharded and RecIS layouts, Hugging Face directories, training checkpoints) is
+Each multi-file layout (fastckpt's sharded and RecIS layouts, Hugging Face directories, TensorFlow prefixes, training checkpoints) is
 read while another process replaces it in a loop with ``overwrite=True``: every read
 returns exactly one commit, or raises CheckpointChangedError; nothing else. A child process under
 ``RLIMIT_NOFILE`` 256 loads checkpoints of more files than that.
@@ -49,6 +49,11 @@ WRITERS = {
         from fastckpt.formats.hfsharded import save_sharded
         def save(path, k):
             save_sharded(path, commit_arrays(k), max_shard_size=4096, overwrite=True)
+    """,
+    "tf": """
+        from fastckpt.tf import write_checkpoint
+        def save(path, k):
+            write_checkpoint(path, commit_arrays(k), num_shards=4, overwrite=True)
     """,
     "training": """
         from fastckpt.train import save_checkpoint
@@ -117,9 +122,9 @@ def torn_reads(layout: str, tmp_path, seconds: float, read) -> dict[str, int]:
                 counts["changed"] += 1
                 continue
             except CheckpointNotFoundError:
-                # Hugging Face's save removes the index before it moves the new shards in: between the two the
-                # directory holds no checkpoint, and says so (no read of it returns data).
-                assert layout == "hf", "a directory replaced whole is never absent"
+                # Hugging Face's and TensorFlow's saves move the previous index aside before the new files go in
+                # (index last): between the two the prefix holds no checkpoint, and says so (no read returns data).
+                assert layout in ("hf", "tf"), "a directory replaced whole is never absent"
                 counts["absent"] += 1
                 continue
             values = {float(a.reshape(-1)[0]) if a.size else None for a in got.values()}

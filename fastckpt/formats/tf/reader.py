@@ -326,7 +326,14 @@ class CheckpointReader(ReaderMapping):
             raise
 
     def _open_index(self, verify: bool) -> None:
-        with MappedFile(self.index_path, advise=False) as mapped:
+        try:
+            mapped = MappedFile(self.index_path, advise=False)
+        except FileNotFoundError:
+            # No index (anymore): a save with overwrite=True moves the previous files aside before it renames the
+            # new ones in, index last, so between the two the prefix holds no checkpoint, and says so.
+            raise self.snapshot.absent(self._index_name, f"{self.index_path}: no TensorFlow checkpoint here (no "
+                                       "index file)") from None
+        with mapped:
             self.snapshot.check(self._index_name, mapped.identity)
             table = IndexTable(mapped)
             self.num_data_blocks = len(table.block_handles)
@@ -514,11 +521,15 @@ class CheckpointReader(ReaderMapping):
             if mapped is None:
                 num_shards = self.num_shards
                 path = data_filename(self.prefix, index, num_shards)
-                if not os.path.exists(path):
+                try:
+                    mapped = MappedFile(path, backend=self._backend, copy_on_write=self._copy_on_write)
+                except FileNotFoundError:
+                    change = self.snapshot.changed() if self.snapshot is not None else None
+                    if change is not None:  # replaced by a save with overwrite=True since the index was read
+                        raise self.snapshot.changed_error(os.path.basename(path), f"gone ({change})") from None
                     raise CheckpointNotFoundError(
                         f"{path}: data shard {index} of {num_shards} is missing (the index {self.index_path} "
-                        "lists tensors in it; was the checkpoint copied without its data files?)")
-                mapped = MappedFile(path, backend=self._backend, copy_on_write=self._copy_on_write)
+                        "lists tensors in it; was the checkpoint copied without its data files?)") from None
                 try:
                     if self.snapshot is not None:  # the shard of the commit pinned, not one written since
                         self.snapshot.check(os.path.basename(path), mapped.identity)
