@@ -68,9 +68,7 @@ import errno
 import json
 import logging
 import math
-import errno
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -81,6 +79,7 @@ from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.store.commit import atomic_write, remove_stale_partials_in, retire_directory
 from fastckpt.formats import remote
 from fastckpt.formats.remote import is_url
+from fastckpt.store.manifest import parse_json
 from fastckpt.store.names import parse_step, step_name
 from fastckpt.train.asyncsave import AsyncCheckpointer, SaveHandle
 from fastckpt.train.checkpoint import (
@@ -93,7 +92,7 @@ from fastckpt.train.checkpoint import (
     write_snapshot,
     write_snapshot_to_url,
 )
-from fastckpt.train.format import DEFAULT_HASH, MANIFEST_FILE
+from fastckpt.train.format import _MAX_MANIFEST_DEPTH, DEFAULT_HASH, MANIFEST_FILE
 from fastckpt.train.snapshot import take_snapshot
 
 __all__ = ["CheckpointManager", "RemoteCheckpointManager"]
@@ -103,6 +102,24 @@ LOCK_FILE = ".fastckpt-manager.lock"
 RECORD_FORMAT = "fastckpt.train.manager"
 _log = logging.getLogger(__name__)
 
+
+
+def _record_bytes(names: list[str]) -> bytes:
+    """A manager's record file holding ``names``: what :func:`_parse_record` reads."""
+    return json.dumps({"format": RECORD_FORMAT, "version": 1, "written": names}, indent=1).encode("utf-8")
+
+
+def _parse_record(data: bytes, where: str, way_out: str) -> list[str]:
+    """The names in a manager's record file (``{"format": RECORD_FORMAT, "written": [...]}``), read bounded
+    (:func:`fastckpt.store.manifest.parse_json`); a FormatError naming ``where`` and ``way_out`` otherwise."""
+    try:
+        record = parse_json(data, where)
+        names = record["written"]
+        if record.get("format") != RECORD_FORMAT or not all(isinstance(n, str) for n in names):
+            raise ValueError("unexpected content")
+    except (ValueError, KeyError, TypeError) as e:  # FormatError is a ValueError
+        raise FormatError(f"{where}: unreadable record of the checkpoints this manager wrote ({e}); {way_out}") from None
+    return list(names)
 
 class CheckpointManager:
     """Step-numbered checkpoints in one directory with composable retention; see the module docstring.
@@ -226,20 +243,11 @@ class CheckpointManager:
         path = self.directory / RECORD_FILE
         if not path.exists():
             return []
-        try:
-            record = json.loads(path.read_bytes().decode("utf-8"))
-            names = record["written"]
-            if record.get("format") != RECORD_FORMAT or not all(isinstance(n, str) for n in names):
-                raise ValueError("unexpected content")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise FormatError(
-                f"{path}: unreadable record of the checkpoints this manager wrote ({e}); delete the file to "
-                "start a new record (the manager then deletes none of the existing checkpoints)"
-            ) from None
-        return list(names)
+        return _parse_record(path.read_bytes(), str(path), "delete the file to start a new record (the manager "
+                             "then deletes none of the existing checkpoints)")
 
     def _write_record(self, names: list[str]) -> None:
-        body = json.dumps({"format": RECORD_FORMAT, "version": 1, "written": names}, indent=1).encode("utf-8")
+        body = _record_bytes(names)
         with atomic_write(self.directory / RECORD_FILE, fsync=self.fsync, overwrite=True) as f:
             f.write(body)
 
@@ -462,19 +470,11 @@ class RemoteCheckpointManager:
         fs.invalidate_cache(path)
         if not fs.isfile(key):
             return []
-        try:
-            record = json.loads(fs.cat_file(key).decode("utf-8"))
-            names = record["written"]
-            if record.get("format") != RECORD_FORMAT or not all(isinstance(n, str) for n in names):
-                raise ValueError("unexpected content")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise FormatError(f"{self.directory}/{RECORD_FILE}: unreadable record of the checkpoints this manager "
-                              f"wrote ({e}); delete it to start a new record") from None
-        return list(names)
+        return _parse_record(fs.cat_file(key), f"{self.directory}/{RECORD_FILE}", "delete it to start a new record")
 
     def _write_record(self, names: list[str]) -> None:
         fs, path = self._fs()
-        body = json.dumps({"format": RECORD_FORMAT, "version": 1, "written": names}, indent=1).encode("utf-8")
+        body = _record_bytes(names)
         fs.pipe_file(f"{path.rstrip('/')}/{RECORD_FILE}", body)  # one PUT: atomic on an object store
 
     def _manifest(self, url: str) -> dict:
@@ -482,8 +482,8 @@ class RemoteCheckpointManager:
         read it (a dropped connection) raises, so that retention never ranks a checkpoint it could not read."""
         fs, path = remote.filesystem(url, self.storage_options)
         try:
-            return json.loads(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST_FILE}").decode("utf-8"))
-        except (FileNotFoundError, ValueError):
+            return parse_json(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST_FILE}"), url, max_depth=_MAX_MANIFEST_DEPTH)
+        except (FileNotFoundError, ValueError):  # FormatError is a ValueError
             return {}
 
     def _apply_retention(self) -> list[int]:
