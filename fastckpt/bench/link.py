@@ -36,7 +36,6 @@ rates of ``--sweep-links``, to find the shape the real path should use.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import random
 import statistics

@@ -18,8 +18,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
-import numpy as np
-
 from fastckpt._native.mapped import MappedFile
 from fastckpt.errors import FormatError, NotZeroCopyWarning
 

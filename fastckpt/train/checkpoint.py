@@ -46,7 +46,6 @@ import concurrent.futures
 import errno
 import json
 import logging
-import errno
 import os
 import reprlib
 import tempfile
