@@ -750,7 +750,7 @@ def load(loader) -> tuple[dict, dict]:
         for name, entry in info.get("tensors", {}).items():
             _fill_dense(loader, reader, name, entry["rows"])
             report.advance(stored[name], name)
-        rule = None if loader.owner is owner_mod else loader.owner
+        rule = None if loader.owner in (None, owner_mod) else loader.owner
 
         def fill(name: str, entry: dict) -> None:
             _fill_table(loader, reader, name, entry, rule)

@@ -272,10 +272,12 @@ def fetch_share(loader, local: str) -> dict | bool:
 
 
 def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
-    """fastckpt's layout: dense parts by rows, every id part, then the owned rows (``loader.owner``)."""
+    """fastckpt's layout: dense parts by rows, the id parts, then the owned rows (:meth:`Loader.owner_rule`). Under
+    format version 4's slice rule only the ids of the slice groups that meet the rank's slice are fetched, then its
+    one run of rows of each part; under another rule every id part whole, then the rows it owns."""
     import numpy as np
 
-    from fastckpt.sharded.format import parse_part_key, rows_of
+    from fastckpt.sharded.format import SliceRowError, group_span, parse_part_key, rows_of, slice_of, slice_run
 
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
     offsets = share.headers(sorted(set(share.sizes) - set(metadata)),
@@ -285,6 +287,7 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
     first: dict[str, list[tuple[int, int]]] = {}
     id_parts = []
+    ranges: dict[str, tuple[int, int]] = {}  # version-4 id part -> the rows of the groups fetched
     for key, desc in descriptions.items():
         where = offsets.get(key)
         if where is None:
@@ -298,21 +301,48 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
             if not desc["shape"] or (max(lo, p_lo) < min(hi, p_hi)):
                 first.setdefault(where[0], []).append(where[1:3])
         elif desc.get("role") == "id" and desc.get("table") in tables_wanted:
-            first.setdefault(where[0], []).append(where[1:3])
+            partition = manifest["hashtables"].get(desc["table"], {}).get("partition")
+            if loader.owner is None and partition is not None and "slices" in desc and loader.shard_num > 1:
+                # version 4: only the ids of the slice groups that meet this rank's slice
+                rows = desc["slices"]["rows"]
+                g0, g1 = group_span(rows, partition["slice_size"],
+                                    *slice_of(loader.shard_index, loader.shard_num, partition["slice_size"]))
+                if rows[g0] == rows[g1]:
+                    continue
+                ranges[key] = (rows[g0], rows[g1])
+                first.setdefault(where[0], []).append((where[1] + 8 * rows[g0], where[1] + 8 * rows[g1]))
+            else:
+                first.setdefault(where[0], []).append(where[1:3])
             id_parts.append(key)
     share.fetch(first)
     rows_plan: dict[str, list[tuple[int, int]]] = {}
     for key in id_parts:
-        ids = share.ids(offsets[key])
-        mine = np.flatnonzero(np.asarray(loader.owner(ids, loader.shard_num)) == loader.shard_index) \
-            if len(ids) else ids
+        table = descriptions[key]["table"]
+        entry = manifest["hashtables"].get(table, {})
+        ranged = ranges.get(key)
+        if ranged is not None:  # version 4, the checkpoint's slice rule: the ids of the groups fetched, one run
+            name, begin, _, _ = offsets[key]
+            r0, r1 = ranged
+            ids = np.fromfile(f"{share.local}/{name}", np.int64, r1 - r0, offset=begin + 8 * r0)
+            size = entry["partition"]["slice_size"]
+            try:
+                lo, hi = slice_run(ids, r0, descriptions[key]["slices"]["rows"], size,
+                                   slice_of(loader.shard_index, loader.shard_num, size))
+            except SliceRowError:
+                continue  # damaged: the Loader reads the same ids and names the problem
+            mine, n_rows = np.arange(lo, hi), descriptions[key]["shape"][0]
+        else:
+            ids = share.ids(offsets[key])
+            n_rows = len(ids)
+            mine = np.flatnonzero(np.asarray(loader.owner_rule(entry)(ids, loader.shard_num)) == loader.shard_index) \
+                if len(ids) else ids
         if not len(mine):
             continue
-        table, i, n = descriptions[key]["table"], *parse_part_key(key)[1:]
+        i, n = parse_part_key(key)[1:]
         for other, desc in descriptions.items():
             if desc.get("table") == table and desc.get("role") in ("embedding", "slot") \
                     and parse_part_key(other)[1:] == (i, n) and other in offsets:
-                rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, len(ids), offsets[other]))
+                rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, n_rows, offsets[other]))
     share.fetch(rows_plan)
 
 
@@ -338,7 +368,7 @@ def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
     dense_wanted = set(loader.tensors) or {t for t, b in blocks.items() if " " in b}
     tables = {t[:-3] for t in blocks if t.endswith("@id") and f"{t[:-3]}@embedding" in blocks}
     tables_wanted = set(loader.hashtables) or tables
-    slice_rule = loader.owner is owner_mod
+    slice_rule = loader.owner in (None, owner_mod)
     first: dict[str, list[tuple[int, int]]] = {}
     id_parts = []
     for tensor, by_slice in blocks.items():
