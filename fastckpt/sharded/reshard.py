@@ -88,7 +88,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
 
         owner = {"owner": lambda ids, m: slice_owner(ids, m, SLICE_SIZE)}
     if layout == "recis":  # each new rank must hold the ids of its RecIS slice
-        from fastckpt.sharded.recis import SLICE_SIZE, slice_owner
+        from fastckpt.sharded.recis import slice_owner
 
         if source_layout == "recis":  # every part read, each table by its own slice size (recis.owners)
             owner, keep = {"owner": slice_owner}, {"slice_size": sizes}
