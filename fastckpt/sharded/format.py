@@ -4,14 +4,17 @@ A checkpoint saved by ``world_size`` ranks, each writing ``parallel`` files,
 is one directory. Every JSON file below is UTF-8, ``json.dumps(obj, indent=1,
 sort_keys=True, ensure_ascii=False)`` followed by one newline.
 
-Sharded checkpoint format, versions 1 to 3
+Sharded checkpoint format, versions 1 to 4
 ==========================================
 
 Version 1 is the full checkpoint described first; version 2 adds delta
 checkpoints and encoded tables (below); version 3 adds the manifest's own
-checksum (``checksum``, below). Every save writes version 3, full or delta,
-encoded or not. fastckpt 0.2.0 wrote version 1 for a full checkpoint and 2
-for a delta or an encoded one; readers read all three.
+checksum (``checksum``, below); version 4 stores each table part in
+key-space slice order with its slice groups' row offsets recorded, and
+records each table's partition (*Slice order*, below). Every save writes
+version 4, full or delta, encoded or not. fastckpt 0.2.0 wrote version 1
+for a full checkpoint and 2 for a delta or an encoded one, fastckpt 0.3
+version 3; readers read all four.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -64,10 +67,11 @@ Tensor files
     ``"slot"`` with ``slot`` naming it, or in a delta ``"deleted"``).
 
 ``manifest.json`` (written last: its presence is the commit)
-    ``{"format": "fastckpt.sharded", "format_version": 3, "world_size": n,
+    ``{"format": "fastckpt.sharded", "format_version": 4, "world_size": n,
     "parallel": p, "files": {file name: {"size": bytes, "blake3": hex}},
     "tensors": {name: {"dtype", "shape"}}, "hashtables": {T: {"dim", "dtype",
-    "slots", "ids"}}, "checksum": {"blake3": hex}}``. ``files`` lists every
+    "slots", "ids", "partition"}}, "checksum": {"blake3": hex}}``
+    (``partition``: version 4, *Slice order* below). ``files`` lists every
     other file of the directory (the tensor files and the three JSON files
     above): ``world_size * parallel + 3`` entries. ``checksum`` (version 3)
     is the BLAKE3 of the bytes the manifest would have without it (the
@@ -153,6 +157,44 @@ Delta checkpoints (version 2)
     whole chain: tools that remove checkpoints keep every base a kept
     checkpoint needs, and ``fastckpt compact`` folds a chain into one full
     checkpoint.
+
+Slice order (version 4)
+    Each entry of the manifest's ``hashtables`` adds ``"partition": {"rule":
+    "slice", "slice_size": S}`` (``S`` = 65536, RecIS's key space; a reader
+    takes any ``S`` from 64 to 2**32). An id's *position* is ``uint64(id) %
+    S`` (a negative id as its two's complement). The rows of every plain
+    (not encoded) table part (``T.id``, ``T.embedding``, each slot; full or
+    delta) are in ascending position order, rows of equal position in the
+    order of the saving table (a stable sort). The part is cut into ``G``
+    *slice groups* (``G`` = ceil(k / 256), from 1 to 64, for a part of
+    ``k`` rows; a reader takes 1 to min(S, 4096)): group ``g`` holds the
+    rows whose position lies in ``[g*S//G, (g+1)*S//G)``. The description of
+    the ``T.id`` part adds ``"slices": {"groups": G, "rows": [r_0, ...,
+    r_G]}``: group ``g`` is rows ``[r_g, r_(g+1))``, so ``r_0 = 0``, ``r_G =
+    k``, never decreasing. Its bytes in each tensor of the part are ``[r_g *
+    row_bytes, r_(g+1) * row_bytes)`` from the tensor's first byte (the
+    header's ``data_offsets``; ``row_bytes``: 8 for ids, ``dim`` x the
+    itemsize for the embedding and slots). A ``T.deleted`` part and an
+    encoded part (rows in id order for the codec) have no ``slices``. Which
+    rank saved an id does not matter to the layout: every part holds any ids.
+
+    Loads: the default owner rule of a version-4 table is RecIS's slice rule:
+    rank ``j`` of ``M`` owns the positions ``[b_j, e_j)`` of ``gen_slice(j,
+    M, S)`` (``S // M`` positions each, the first ``S % M`` ranks one more:
+    :func:`slice_of`). Its ids of a part are one run of rows. It reads the
+    ids of the groups that meet its positions (at most one partial group at
+    each end), finds the run, and reads exactly those rows of the embedding
+    and of each slot. Every id it reads must lie in the group its row is
+    recorded in, in ascending order (else a ``FormatError`` naming the file,
+    the tensor, the row and its byte offset, before anything is placed). A
+    load given another rule (``owner=``) reads every id part and picks rows as
+    in versions 1-3, whose default rule stays ``id mod M``.
+
+    Verification: the manifest's hashes stay those of whole files. A verified
+    load (the default) hashes every file it reads a part of, whole, in the
+    background, as in versions 1-3, so its ranged reads check against the
+    manifest only what the whole files do; ``verify=False`` reads only the
+    ranges. A URL loaded with ``verify=True`` is fetched whole.
 
 Encoded tables (version 2)
     A save with compression or quantization (opt-in, never the default)

@@ -4,7 +4,8 @@ The directory layout is specified in :mod:`fastckpt.sharded.format`. Each
 rank passes the full value of every dense tensor (replicated, as in data
 parallel training) and its own hashtables (the ids it owns); rank ``i`` of
 ``n`` writes rows ``[i*R//n, (i+1)*R//n)`` of each dense tensor and all rows
-of its hashtables (straight from their storage, in their row order, no copy:
+of its hashtables (gathered in key-space slice order, format version 4; a
+table already in that order is written straight from its storage, no copy:
 do not change the tables or arrays while ``save()`` runs), spread over
 ``parallel`` files written by as many threads (the writer releases the GIL in
 ``writev``).
