@@ -252,7 +252,7 @@ __all__ = [
     "DESCRIPTION_FILE", "MANIFEST_FILE", "NAMES",
     "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps",
     "dtype_of", "manifest_checksum", "seal", "check_seal", "commit_directory",
-    "read_metadata", "SLICE_VERSION", "SLICE_SIZE", "slice_positions", "slice_of", "slice_groups", "group_bounds",
+    "read_metadata", "SLICE_VERSION", "SLICE_SIZE", "slice_positions", "slice_of", "slice_owner", "slice_groups", "group_bounds",
     "group_span", "slice_order", "slice_run", "SliceRowError",
 ]
 
@@ -353,6 +353,17 @@ def slice_of(shard_index: int, shard_num: int, size: int = SLICE_SIZE) -> tuple[
     base, extra = divmod(size, shard_num)
     begin = shard_index * base + min(shard_index, extra)
     return begin, begin + base + (1 if shard_index < extra else 0)
+
+
+def slice_owner(ids: np.ndarray, shard_num: int, size: int = SLICE_SIZE) -> np.ndarray:
+    """The rank of ``shard_num`` that owns each id by the slice rule (format version 4's default, RecIS's): the rank
+    ``j`` whose :func:`slice_of` holds ``uint64(id) % size``.
+
+    >>> slice_owner(np.array([0, 21845, 21846, 65536 + 43691, -1]), 3).tolist()
+    [0, 0, 1, 2, 2]
+    """
+    ends = np.array([slice_of(r, shard_num, size)[1] for r in range(shard_num)], np.uint64)
+    return np.searchsorted(ends, slice_positions(ids, size), side="right").astype(np.int64)
 
 
 def slice_groups(rows: int) -> int:

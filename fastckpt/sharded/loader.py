@@ -53,7 +53,7 @@ from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
 from fastckpt.formats.reader import guard, held_guards
 from fastckpt.sharded.chain import resolve_chain
-from fastckpt.sharded.format import SliceRowError, group_span, owner_mod, rows_of, slice_of, slice_positions, slice_run
+from fastckpt.sharded.format import SliceRowError, group_span, owner_mod, rows_of, slice_of, slice_owner, slice_run
 from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.sharded.reader import CheckpointReader
@@ -413,9 +413,7 @@ class Loader:
         partition = entry.get("partition")
         if partition is None:
             return owner_mod
-        size = partition["slice_size"]
-        ends = np.array([slice_of(r, self.shard_num, size)[1] for r in range(self.shard_num)], np.uint64)
-        return lambda ids, m: np.searchsorted(ends, slice_positions(ids, size), side="right").astype(np.int64)
+        return lambda ids, m: slice_owner(ids, m, partition["slice_size"])
 
     def _owned(self, reader: CheckpointReader, tensor: str) -> list[tuple[np.ndarray, str, np.ndarray]]:
         """``[(ids, part suffix, positions this rank owns)]`` for each non-empty part of ``tensor`` (int64 ids).

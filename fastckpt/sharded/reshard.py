@@ -25,7 +25,7 @@ import time
 from fastckpt.progress import progress_from, requested
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.engine import ThreadEngine
-from fastckpt.sharded.format import SLICE_SIZE, SLICE_VERSION, read_metadata
+from fastckpt.sharded.format import SLICE_SIZE, SLICE_VERSION, read_metadata, slice_owner
 from fastckpt.sharded.loader import Loader
 from fastckpt.sharded.reader import CheckpointReader
 from fastckpt.sharded.saver import Saver
@@ -84,14 +84,12 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
     owner, keep = {}, {}
     if layout == "fastckpt" and (source_layout == "recis" or not partitioned):
         # each new rank holds the ids of its slices (format version 4's rule), whatever rule placed them before
-        from fastckpt.sharded.recis import slice_owner
-
         owner = {"owner": lambda ids, m: slice_owner(ids, m, SLICE_SIZE)}
     if layout == "recis":  # each new rank must hold the ids of its RecIS slice
-        from fastckpt.sharded.recis import slice_owner
+        from fastckpt.sharded import recis
 
         if source_layout == "recis":  # every part read, each table by its own slice size (recis.owners)
-            owner, keep = {"owner": slice_owner}, {"slice_size": sizes}
+            owner, keep = {"owner": recis.slice_owner}, {"slice_size": sizes}
         else:
             size = SLICE_SIZE if slice_size is None else slice_size
             owner = {"owner": lambda ids, m: slice_owner(ids, m, size)}
