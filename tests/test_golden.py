@@ -17,7 +17,8 @@ scalars and non-string keys, so that a change to a shared codec shows here.
 Files of earlier format versions are kept: ``train-schema-1.0`` holds
 training checkpoints with sha256 manifests, which the tests below load and
 verify; ``sharded-0.2.0`` the sharded checkpoints of format versions 1 and 2
-(no checksum of the manifest), which load and verify with what they carry; ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
+(no checksum of the manifest), which load and verify with what they carry;
+``sharded`` those of version 3 (fastckpt 0.3; ``sharded-v4`` is what saves write now); ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
 payload on a page, the default before the ``"auto"`` alignment policy),
 still written byte for byte by ``alignment=4096`` and read back below.
 
