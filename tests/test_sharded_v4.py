@@ -329,3 +329,40 @@ def test_on_s3_a_resharding_rank_fetches_only_its_slices(s3, tmp_path):
             loaded.append(Loader(url, shard_index=j, shard_num=m, verify=False,
                                  storage_options=s3.storage_options).load())
         check_exact(loaded, m, n_ids=80000)
+
+
+TABLES_ONLY = lambda info: {**info, "tensors": {}}  # noqa: E731 - the tables alone: every rank reads the dense ones
+
+
+def test_a_verified_rank_hashes_only_the_files_it_reads(tmp_path, monkeypatch):
+    """Saved by 4 ranks each holding its slices, a same-shape verified load reads, and so hashes, its own files
+    only; a rank of 3 the files whose parts meet its slices."""
+    save(tmp_path / "c", 4, "slice", parallel=1)
+    hashed: list = []
+    real = CheckpointReader.file_problem
+
+    def file_problem(self, name):
+        hashed.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(CheckpointReader, "file_problem", file_problem)
+    with CheckpointReader(tmp_path / "c") as r:
+        rows = [r.descriptions[f"emb.id/part_{i}_4"]["slices"]["rows"] for i in range(4)]
+
+    def meeting(j, m):  # the files whose parts hold rows in the slice groups that meet rank j's slice
+        spans = [group_span(rows[i], SLICE_SIZE, *slice_of(j, m)) for i in range(4)]
+        return [f"model-{i:05d}-000.safetensors" for i, (a, b) in enumerate(spans) if rows[i][a] < rows[i][b]]
+
+    for j, m in [(0, 4), (1, 4), (2, 4), (3, 4), (1, 3), (0, 2)]:
+        hashed.clear()
+        Loader(str(tmp_path / "c"), filter_func=TABLES_ONLY, shard_index=j, shard_num=m).load()
+        assert sorted(hashed) == meeting(j, m)
+        if m == 4:  # its own file, and at most the neighbours' whose end group meets its slice
+            assert f"model-{j:05d}-000.safetensors" in hashed and len(hashed) <= 3
+    damaged = tmp_path / "c" / "model-00003-000.safetensors"  # a file rank 0 of 4 never reads
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 1
+    damaged.write_bytes(bytes(data))
+    Loader(str(tmp_path / "c"), filter_func=TABLES_ONLY, shard_index=0, shard_num=4).load()
+    with pytest.raises(Exception, match="model-00003-000.safetensors"):
+        Loader(str(tmp_path / "c"), filter_func=TABLES_ONLY, shard_index=3, shard_num=4).load()

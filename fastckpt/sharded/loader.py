@@ -368,7 +368,8 @@ class Loader:
             for reader in readers:
                 for part in ("id", "embedding", "deleted", *getattr(given, "slots", entry["slots"])):
                     if reader.has_tensor(f"{name}.{part}"):
-                        keys += [(reader, key) for key in reader.part_names(f"{name}.{part}")]
+                        keys += [(reader, key) for key in reader.part_names(f"{name}.{part}")
+                                 if self._reads_part(reader, name, key)]
         out: dict[tuple[int, str], tuple[CheckpointReader, str]] = {}
         for reader, key in keys:
             name = reader.file_of(key).path.rsplit(os.sep, 1)[-1]
@@ -414,6 +415,19 @@ class Loader:
         if partition is None:
             return owner_mod
         return lambda ids, m: slice_owner(ids, m, partition["slice_size"])
+
+    def _reads_part(self, reader: CheckpointReader, table: str, key: str) -> bool:
+        """Whether this load reads any byte of table part ``key``: always, but where the slice rule of format
+        version 4 applies, only a part whose slice groups that meet this rank's slice hold rows (the others are
+        never read, so their files need no hash)."""
+        entry = reader.hashtables()[table]
+        i, n = reader.descriptions[key]["part"]
+        slices = reader.descriptions.get(f"{table}.id/part_{i}_{n}", {}).get("slices")
+        if self.owner is not None or "partition" not in entry or slices is None or self.shard_num == 1:
+            return True
+        size = entry["partition"]["slice_size"]
+        first, last = group_span(slices["rows"], size, *slice_of(self.shard_index, self.shard_num, size))
+        return slices["rows"][first] < slices["rows"][last]
 
     def _owned(self, reader: CheckpointReader, tensor: str) -> list[tuple[np.ndarray, str, np.ndarray]]:
         """``[(ids, part suffix, positions this rank owns)]`` for each non-empty part of ``tensor`` (int64 ids).
