@@ -13,7 +13,7 @@ from fastckpt.formats import remote
 from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.sharded import remote as sharded_remote
 from fastckpt.sharded.engine import ThreadEngine
-from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
+from fastckpt.sharded.format import SLICE_SIZE, owner_mod, slice_of, slice_positions
 
 ROWS, DIM = 8000, 64
 
@@ -70,7 +70,12 @@ def test_every_rank_loads_exactly_from_its_share(m):
 def test_a_verified_load_fetches_whole_files_which_the_manifest_hashes(tmp_path):
     url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
     _save(url, 2)
-    assert sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2), str(tmp_path)) is False
+    # another owner rule reads every part: the whole prefix
+    assert sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2, owner=owner_mod), str(tmp_path)) is False
+    # format version 4 by its slice rule: the files whose parts the rank reads, whole (here every rank's: the ranks
+    # saved by id mod 2, so every part holds ids of every slice)
+    got = sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2), str(tmp_path))
+    assert got["bytes"] == _total(url) + 4 * 8192  # and the first 8 KiB of each of the 4 tensor files, fetched first
     got = sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2, verify=False), str(tmp_path))
     assert got["layout"] == "fastckpt" and got["manifest"]
 

@@ -320,15 +320,30 @@ def test_on_s3_a_resharding_rank_fetches_only_its_slices(s3, tmp_path):
     for m in (3, 2):
         loaded = []
         for j in range(m):
-            for verify in (False,):
-                local = tmp_path / f"{m}-{j}"
-                local.mkdir()
-                share = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=m, verify=verify,
-                                                          storage_options=s3.storage_options), str(local))
-                assert share["layout"] == "fastckpt" and share["bytes"] < (1 / m + 0.06) * total, (share, total)
+            local = tmp_path / f"{m}-{j}"
+            local.mkdir()
+            share = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=m, verify=False,
+                                                      storage_options=s3.storage_options), str(local))
+            assert share["layout"] == "fastckpt" and share["bytes"] < (1 / m + 0.06) * total, (share, total)
             loaded.append(Loader(url, shard_index=j, shard_num=m, verify=False,
                                  storage_options=s3.storage_options).load())
         check_exact(loaded, m, n_ids=80000)
+        # verified: whole files, but only those whose parts the rank reads (its slices meet 1 or 2 of the 4 ranks')
+        verified = []
+        for j in range(m):
+            local = tmp_path / f"{m}-{j}-verified"
+            local.mkdir()
+            share = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=m,
+                                                      storage_options=s3.storage_options), str(local))
+            assert share and share["bytes"] < 0.8 * total, (share, total)
+            verified.append(Loader(url, shard_index=j, shard_num=m, storage_options=s3.storage_options).load())
+        check_exact(verified, m, n_ids=80000)
+    # a damaged file that a verified rank reads: named
+    damaged = bytearray(fs.cat_file(f"{path}/model-00000-001.safetensors"))
+    damaged[-1] ^= 1  # the last byte of its last tensor
+    fs.pipe_file(f"{path}/model-00000-001.safetensors", bytes(damaged))
+    with pytest.raises(Exception, match="model-00000-001.safetensors"):
+        Loader(url, shard_index=0, shard_num=3, storage_options=s3.storage_options).load()
 
 
 TABLES_ONLY = lambda info: {**info, "tensors": {}}  # noqa: E731 - the tables alone: every rank reads the dense ones

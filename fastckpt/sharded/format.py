@@ -253,7 +253,7 @@ __all__ = [
     "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps",
     "dtype_of", "manifest_checksum", "seal", "check_seal", "commit_directory",
     "read_metadata", "SLICE_VERSION", "SLICE_SIZE", "slice_positions", "slice_of", "slice_owner", "slice_groups", "group_bounds",
-    "group_span", "slice_order", "slice_run", "SliceRowError",
+    "group_span", "group_rows", "slice_order", "slice_run", "SliceRowError",
 ]
 
 FORMAT = "fastckpt.sharded"
@@ -414,6 +414,18 @@ def group_span(rows: list[int], size: int, begin: int, end: int) -> tuple[int, i
     first = bisect.bisect_right(bounds, begin) - 1
     last = bisect.bisect_left(bounds, end)
     return first, max(first, last)
+
+
+def group_rows(rows: list[int], size: int, shard_index: int, shard_num: int) -> tuple[int, int]:
+    """``(first, last)``: the rows of a version-4 part (``rows``: its recorded group offsets) in the slice groups
+    that meet rank ``shard_index`` of ``shard_num``'s slice: what the rank reads of the part (nothing where they
+    are equal).
+
+    >>> group_rows([0, 4, 4, 9], 10, 1, 2)
+    (4, 9)
+    """
+    first, last = group_span(rows, size, *slice_of(shard_index, shard_num, size))
+    return rows[first], rows[last]
 
 
 class SliceRowError(ValueError):

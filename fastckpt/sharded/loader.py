@@ -53,7 +53,8 @@ from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
 from fastckpt.formats.reader import guard, held_guards
 from fastckpt.sharded.chain import resolve_chain
-from fastckpt.sharded.format import SliceRowError, group_span, owner_mod, rows_of, slice_of, slice_owner, slice_run
+from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
+                                     slice_run)
 from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.sharded.reader import CheckpointReader
@@ -425,9 +426,8 @@ class Loader:
         slices = reader.descriptions.get(f"{table}.id/part_{i}_{n}", {}).get("slices")
         if self.owner is not None or "partition" not in entry or slices is None or self.shard_num == 1:
             return True
-        size = entry["partition"]["slice_size"]
-        first, last = group_span(slices["rows"], size, *slice_of(self.shard_index, self.shard_num, size))
-        return slices["rows"][first] < slices["rows"][last]
+        first, last = group_rows(slices["rows"], entry["partition"]["slice_size"], self.shard_index, self.shard_num)
+        return first < last
 
     def _owned(self, reader: CheckpointReader, tensor: str) -> list[tuple[np.ndarray, str, np.ndarray]]:
         """``[(ids, part suffix, positions this rank owns)]`` for each non-empty part of ``tensor`` (int64 ids).

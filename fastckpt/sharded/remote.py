@@ -188,7 +188,10 @@ class _Share:
                 self.fetch({name: [(_HEAD, 8 + length)]})
             with open(os.path.join(self.local, name), "rb") as f:
                 f.seek(8)
-                header = json.loads(f.read(length))
+                try:
+                    header = json.loads(f.read(length))
+                except ValueError:  # damaged: nothing more is fetched of it, and the Loader names the file
+                    continue
             for key, entry in header.items():
                 if key != "__metadata__":
                     begin, end = entry["data_offsets"]
@@ -226,8 +229,9 @@ def fetch_share(loader, local: str) -> dict | bool:
     sparse local files of their full size, so the Loader reads them as it reads any directory. Returns
     ``{"bytes": fetched, "requests": ranges, "layout", "manifest": bool}``, or False for a checkpoint that must
     be downloaded whole: one with a manifest loaded with ``verify=True`` (its BLAKE3 hashes cover whole files,
-    so only whole files can be checked), a delta, an encoded table; or neither a manifest nor RecIS's ``index``,
-    which the whole-prefix path reports.
+    so only whole files can be checked; but a full, unencoded checkpoint of format version 4 under its slice rule
+    fetches whole only the files whose parts this rank reads), a delta, an encoded table; or neither a manifest
+    nor RecIS's ``index``, which the whole-prefix path reports.
     """
     import json
 
@@ -241,9 +245,10 @@ def fetch_share(loader, local: str) -> dict | bool:
     except FileNotFoundError:
         manifest_bytes = None
     manifest = json.loads(manifest_bytes) if manifest_bytes is not None else None
-    if manifest is not None and loader.verify:
+    if manifest is not None and loader.verify and not _sliced(loader, manifest):
         # The manifest hashes whole files: a file fetched in part cannot be checked against it, so a verified load
-        # (the default) fetches the files whole; verify=False takes this rank's share alone.
+        # (the default) fetches the files whole; verify=False takes this rank's share alone. A version-4 checkpoint
+        # under its slice rule: the files this rank reads are fetched whole (the others not at all).
         return False
     if manifest is None or manifest.get("format") == recis.FORMAT:
         if not fs.exists(f"{path}/{recis.INDEX_FILE}"):
@@ -271,13 +276,21 @@ def fetch_share(loader, local: str) -> dict | bool:
     return {"bytes": share.bytes, "requests": share.requests, "layout": layout, "manifest": manifest is not None}
 
 
+def _sliced(loader, manifest: dict) -> bool:
+    """A full, unencoded checkpoint of format version 4 loaded by its own slice rule."""
+    tables = manifest.get("hashtables", {})
+    return (manifest.get("format") == "fastckpt.sharded" and manifest.get("kind", "full") == "full"
+            and loader.owner is None and isinstance(tables, dict) and bool(tables)
+            and all(isinstance(t, dict) and "partition" in t and "encoding" not in t for t in tables.values()))
+
+
 def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     """fastckpt's layout: dense parts by rows, the id parts, then the owned rows (:meth:`Loader.owner_rule`). Under
     format version 4's slice rule only the ids of the slice groups that meet the rank's slice are fetched, then its
     one run of rows of each part; under another rule every id part whole, then the rows it owns."""
     import numpy as np
 
-    from fastckpt.sharded.format import SliceRowError, group_span, parse_part_key, rows_of, slice_of, slice_run
+    from fastckpt.sharded.format import SliceRowError, group_rows, parse_part_key, rows_of, slice_of, slice_run
 
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
     offsets = share.headers(sorted(set(share.sizes) - set(metadata)),
@@ -304,16 +317,22 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
             partition = manifest["hashtables"].get(desc["table"], {}).get("partition")
             if loader.owner is None and partition is not None and "slices" in desc and loader.shard_num > 1:
                 # version 4: only the ids of the slice groups that meet this rank's slice
-                rows = desc["slices"]["rows"]
-                g0, g1 = group_span(rows, partition["slice_size"],
-                                    *slice_of(loader.shard_index, loader.shard_num, partition["slice_size"]))
-                if rows[g0] == rows[g1]:
+                r0, r1 = group_rows(desc["slices"]["rows"], partition["slice_size"], loader.shard_index,
+                                    loader.shard_num)
+                if r0 == r1:
                     continue
-                ranges[key] = (rows[g0], rows[g1])
-                first.setdefault(where[0], []).append((where[1] + 8 * rows[g0], where[1] + 8 * rows[g1]))
+                ranges[key] = (r0, r1)
+                first.setdefault(where[0], []).append((where[1] + 8 * r0, where[1] + 8 * r1))
             else:
                 first.setdefault(where[0], []).append(where[1:3])
             id_parts.append(key)
+    if loader.verify:  # a verified version-4 load (_sliced): the files it reads whole, for their hashes
+        parts = {(descriptions[key]["table"], tuple(descriptions[key]["part"])) for key in id_parts}
+        files = {offsets[k][0] for k in id_parts} | set(first)
+        files |= {offsets[k][0] for k, d in descriptions.items()
+                  if k in offsets and not d.get("dense") and (d.get("table"), tuple(d.get("part", ()))) in parts}
+        share.fetch({name: [(0, share.sizes[name])] for name in files})
+        return
     share.fetch(first)
     rows_plan: dict[str, list[tuple[int, int]]] = {}
     for key in id_parts:
