@@ -13,8 +13,9 @@ new tables) and by N ranks (the *same-shape* load the target compares with: N ->
   worker times each load itself and the times are reported as measured there (no pipe in them), interleaved with
   this process's loads, so that both meet the same machine;
 * ``--s3``: the same checkpoints uploaded to moto's S3 server on loopback (:func:`fastckpt.bench.s3.start_server`)
-  and loaded from there, unverified (a verified load fetches whole files: the manifest hashes whole files), each
-  rank fetching its share with ranged reads (:func:`fastckpt.sharded.remote.fetch_share`).
+  and loaded from there, each rank fetching its share with ranged reads
+  (:func:`fastckpt.sharded.remote.fetch_share`); verified, whole files (the manifest hashes whole files): v4 only
+  those whose parts the rank reads, v3 the whole prefix.
 
 Each v4 load is checked once before the timed rounds: every id on the rank of its slice, every id once.
 
@@ -182,7 +183,7 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
             keys: dict[str, dict] = {}
             worker_times: dict[str, list[float]] = {}
             for name, (where, opts) in places.items():
-                for verify in ((False, True) if opts is None else (False,)):
+                for verify in (False, True):
                     for m in targets:
                         label = f"{name} {src}->{m}{' verified' if verify else ''}"
                         keys[label] = {"checkpoint": name, "src": src, "dst": m, "verify": verify}
