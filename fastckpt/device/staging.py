@@ -71,8 +71,8 @@ from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
 from fastckpt.formats.readinto import read_into, same_file
 
-__all__ = ["Stager", "Shape", "batch_chunk", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND",
-           "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
+__all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND",
+           "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
@@ -84,8 +84,18 @@ STAGING_ROUND = 1024 * 1024
 # (bench --suite link, 256 MiB, 2 fill threads on this project's shared 2-core VM, links at 0.6-1.25x the fill rate,
 # medians of 5 rounds, each shape against the default in the same round) 4 batches of 64 MiB ran at 0.80-0.86x the
 # rate of 16 batches of 16 MiB; 8 and 4 MiB chunks, or 6 buffers instead of 3, were no better beyond the noise (0.75-
-# 1.24x). Loads of 1 GiB or more keep STAGING_CHUNK, the chunk measured best on an H200 (shared/reference/gpu-notes.md).
-MIN_BATCHES = 16
+# 1.24x). With the smaller first and last batches (RAMP), 32 batches of 8 MiB reached 0.86-0.97 of min(fill, link) at
+# 25-50 GB/s against 0.85-0.95 for 16 MiB without them (medians of 5 paired rounds; docs/reading.md). Loads of 2 GiB
+# or more keep STAGING_CHUNK, the chunk measured best on an H200 (shared/reference/gpu-notes.md).
+MIN_BATCHES = 32
+
+# The first and the last batches of a load are smaller: RAMP of them at each end, halving from a chunk down to
+# chunk / 2**RAMP (RAMP_MIN bytes at least). The first copy waits for the first fill, which no copy overlaps, and the
+# last fill's batch waits for its copy, which no fill overlaps: with whole chunks, each costs one chunk at the slower
+# stage's rate. Over the simulated link (bench --suite link, 256 MiB in 16 MiB chunks) the first copy started 5-10
+# ms into a 45 ms load at 50 GB/s; smaller ends cut that to the fill of RAMP_MIN bytes (docs/reading.md).
+RAMP = 3
+RAMP_MIN = 1024 * 1024
 
 # One fill task copies at least this many bytes (a smaller one costs more in hand-over than the copy gains), and a
 # staging chunk is filled in parts of PART_OF_CHUNK of it, so that several threads share one buffer.
@@ -142,11 +152,46 @@ def batch_chunk(total: int, chunk: int) -> int:
     ``STAGING_ROUND`` goes in one buffer of its size, rounded up to ``STAGING_ROUND`` (pinning costs per byte).
 
     >>> [batch_chunk(n, STAGING_CHUNK) >> 20 for n in (4 << 30, 256 << 20, 6 << 20, 1000)]
-    [64, 16, 1, 1]
+    [64, 8, 1, 1]
     """
     if total < 2 * STAGING_ROUND:
         return min(chunk, -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND)
     return min(chunk, max(STAGING_ROUND, total // (MIN_BATCHES * STAGING_ROUND) * STAGING_ROUND))
+
+
+def batch_sizes(total: int, chunk: int, ramp: int = RAMP) -> list[int]:
+    """The sizes of the batches a staged stream of ``total`` bytes is cut into: whole ``chunk`` s, the first and the
+    last ``ramp`` of them smaller (``chunk / 8, / 4, / 2`` going in, the reverse going out, ``RAMP_MIN`` bytes at
+    least), so that the first copy starts early and the last one ends soon after the last fill. A stream of one
+    chunk or less is one batch; a chunk under ``2 * RAMP_MIN`` bytes, or ``ramp=0`` (a load with one staging
+    buffer, which overlaps nothing), keeps every batch a whole chunk (the last one what is left).
+
+    >>> [n >> 20 for n in batch_sizes(64 << 20, 16 << 20)]
+    [2, 4, 8, 16, 16, 4, 8, 4, 2]
+    >>> [n >> 20 for n in batch_sizes(24 << 20, 16 << 20)], batch_sizes(10000, 4096), batch_sizes(10, 4096)
+    ([2, 4, 8, 8, 2], [4096, 4096, 1808], [10])
+    """
+    if total <= 0:
+        return []
+    if total <= chunk:  # one buffer holds it: nothing to overlap
+        return [total]
+    head = sorted({max(RAMP_MIN, chunk >> s) for s in range(1, ramp + 1)} - {chunk}) if chunk >= 2 * RAMP_MIN else []
+    if not head:
+        return [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+    tail = head[::-1]
+    middle = total - 2 * sum(head)
+    if middle < 0:  # too short for both ends: the ramp up, then down, until the bytes run out
+        sizes, rest = [], total
+        for size in head + tail:
+            if rest <= 0:
+                break
+            sizes.append(min(size, rest))
+            rest -= sizes[-1]
+        if rest > 0:
+            sizes.append(rest)
+        return sizes
+    full, left = divmod(middle, chunk)
+    return head + [chunk] * full + ([left] if left else []) + tail
 
 
 def staging_chunk(staging, device) -> int:
@@ -212,7 +257,7 @@ class Stager:
     ``add``'s ``marks``, with the event of the copy that carries its last byte.
     """
 
-    __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "batches", "current", "used",
+    __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "pieces", "ramp",
                  "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
@@ -227,10 +272,8 @@ class Stager:
         self.events = events  # the load's list: every copy is recorded there at once
         self.blocking = blocking
         self.reported = reported
-        # full batches: [(source, device buffer, its offset, offset in the chunk, (descriptor, offset, path) or None)]
-        self.batches: list = []
-        self.current: list = []
-        self.used = 0  # bytes in the current batch
+        self.pieces: list = []  # (source, device buffer, its offset, (descriptor, offset, path) or None), as added
+        self.ramp = RAMP  # the first and last batches are smaller (batch_sizes); 0: every batch a whole chunk
         self.stream = 0  # bytes added so far
         self.marks: list = []  # (stream position of a tensor's last byte + 1, bytes, name), for progress
         self.copies = 0
@@ -260,23 +303,35 @@ class Stager:
         """Stage the bytes ``source`` (flat uint8) for ``buffer`` at byte ``at``. ``marks`` are ``(end, bytes,
         name)`` for progress: the tensor ``name`` (``bytes`` in device memory) ends at ``source[end - 1]``.
         ``file`` is ``(descriptor, offset, path)`` where the same bytes are in a file (see :meth:`file`): they
-        are read from there."""
+        are read from there. The stream is cut into batches by :meth:`finish` (:func:`batch_sizes`)."""
         base = self.stream
-        n = len(source)
-        pos = 0
-        chunk = self.shape.chunk
-        while pos < n:
-            if self.used == chunk:
-                self.batches.append(self.current)
-                self.current, self.used = [], 0
-            take = min(chunk - self.used, n - pos)
-            where = None if file is None else (file[0], file[1] + pos, file[2])
-            self.current.append((source[pos:pos + take], buffer, at + pos, self.used, where))
-            self.used += take
-            pos += take
-        self.stream += n
+        self.pieces.append((source, buffer, at, file))
+        self.stream += len(source)
         if self.reported is not None:
             self.marks.extend((base + end, nbytes, name) for end, nbytes, name in marks)
+
+    def _batches(self) -> list:
+        """The pieces added, cut into batches of :func:`batch_sizes`: lists of ``(source, device buffer, its
+        offset, offset in the staging chunk, (descriptor, offset, path) or None)``."""
+        sizes = batch_sizes(self.stream, self.shape.chunk, self.ramp if self.shape.buffers > 1 else 0)
+        batches: list = []
+        current: list = []
+        k, used = 0, 0
+        for source, buffer, at, file in self.pieces:
+            n, pos = len(source), 0
+            while pos < n:
+                if used == sizes[k]:
+                    batches.append(current)
+                    current, used, k = [], 0, k + 1
+                take = min(sizes[k] - used, n - pos)
+                where = None if file is None else (file[0], file[1] + pos, file[2])
+                current.append((source[pos:pos + take], buffer, at + pos, used, where))
+                used += take
+                pos += take
+        if current:
+            batches.append(current)
+        self.pieces = []
+        return batches
 
     def _parts(self, batch: list, host: np.ndarray) -> list:
         """The batch's copies into ``host`` as fill tasks: lists of ``(destination, source, file)`` (see :func:`fill`)
@@ -302,10 +357,7 @@ class Stager:
         """Fill and send every batch (see the module docstring); a non-blocking load's staged tensors and regions
         then get one event covering all their copies (a marker: it completes when every command queued before it
         has)."""
-        if self.current:
-            self.batches.append(self.current)
-            self.current, self.used = [], 0
-        batches, self.batches = self.batches, []
+        batches = self._batches()
         stage = self.stage
         count = stage.count
         pool = None
@@ -315,6 +367,7 @@ class Stager:
         running: dict = {}  # batch number -> its fill futures
         submitted = 0
         mark = 0
+        sent = 0  # stream bytes in the batches sent so far
         try:
             for k, batch in enumerate(batches):
                 while submitted < len(batches) and submitted < k + count:
@@ -334,8 +387,9 @@ class Stager:
                 for future in futures:
                     future.result()
                 last = self._send(k % count, batch)
+                sent += sum(len(p[0]) for p in batch)
                 if self.marks:
-                    end = sum(len(p[0]) for p in batch) + (k * self.shape.chunk)
+                    end = sent
                     while mark < len(self.marks) and self.marks[mark][0] <= end:
                         _end, nbytes, name = self.marks[mark]
                         self.reported(last, nbytes, name)
