@@ -366,7 +366,10 @@ def _worker(argv: list[str]) -> int:
     row, fixture_path = argv
     with open(fixture_path) as f:
         fixture = json.load(f)
-    print(json.dumps(measure_one(row, fixture)))
+    result = measure_one(row, fixture)
+    if "fastckpt" in sys.modules:
+        result["fastckpt"] = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["fastckpt"].__file__)))
+    print(json.dumps(result))
     return 0
 
 
@@ -382,12 +385,18 @@ def _base(row: str) -> str:
 def _spawn(row: str, fixture_path: str, against: str | None = None) -> dict:
     """Measure ``row`` in a new process; a ``(before)`` row imports fastckpt from ``against`` first. This file is run
     by path (``runpy``, so that its folder is not put on ``sys.path``), so ``against`` needs no cold suite of its own."""
+    import fastckpt
+
     env = dict(os.environ)
-    if row.endswith(BEFORE):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (against, env.get("PYTHONPATH")) if p)
+    # The fastckpt this process runs comes first (or the one of ``against``): ``python -c`` puts its working
+    # directory first on sys.path, so the child runs in the fixture's directory, where no fastckpt is.
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
+    first = against if row.endswith(BEFORE) else ours
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (first, env.get("PYTHONPATH")) if p)
     start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--worker", _base(row),
-                           fixture_path], capture_output=True, text=True, timeout=900, env=env)
+                           fixture_path], capture_output=True, text=True, timeout=900, env=env,
+                          cwd=os.path.dirname(os.path.abspath(fixture_path)))
     if done.returncode != 0:
         return {"failed": (done.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -483,6 +492,14 @@ def run(args) -> int:
               f"{fixture['netcl_nbytes'] / _MiB:.0f} MiB), page cache dropped before each run, a fresh process per "
               f"run, median of {runs}, {os.cpu_count()} CPUs\n")
         print("\n".join(table(samples, fixture)))
+        imported = {}
+        for row, runs_ in samples.items():
+            for r in runs_:
+                if "fastckpt" in r:
+                    imported.setdefault("(before) rows" if row.endswith(BEFORE) else "rows", set()).add(r["fastckpt"])
+        if imported:
+            print("\n" + "; ".join(f"{which} ran fastckpt from {', '.join(sorted(where))}"
+                                  for which, where in sorted(imported.items())))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"fixture": {k: v for k, v in fixture.items() if "crc" not in k}, "samples": samples},

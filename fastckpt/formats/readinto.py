@@ -28,13 +28,15 @@ truncated under the load) is an ``OSError`` naming the file and the offset.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import mmap
 import os
 import threading
 
 import numpy as np
 
-__all__ = ["cached", "read_ahead", "read_into", "same_file", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP"]
+__all__ = ["cached", "direct_pieces", "open_direct", "read_ahead", "read_into", "same_file", "unchanged", "READ_PIECE",
+           "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN", "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
 # (read_ahead_kb, 128 KiB by default, 8 MiB on this project's machines) per call, whatever the length asked for,
@@ -47,6 +49,14 @@ READ_PIECE = 8 * 1024 * 1024
 # How many threads read at once: the kernel's readahead needs a reader waiting on each stream of pieces; more
 # threads than this measured no faster on a 2-core machine and cost CPU on a shared one.
 READ_THREADS = 2
+
+# O_DIRECT reads (read_into's direct_fd): file offsets, memory addresses and lengths in whole blocks of DIRECT_ALIGN
+# bytes (4096: every disk's logical block, 512 on most), DIRECT_PIECE bytes a call, DIRECT_THREADS calls at once. A
+# direct read waits on the disk and uses next to no CPU, so more threads keep more of the disk's queue busy without
+# costing the cores (512 MiB cold on this project's 2-core VM, docs/reading.md: 16 x 16 MiB and 8 x 8 MiB alike).
+DIRECT_ALIGN = 4096
+DIRECT_PIECE = 8 * 1024 * 1024
+DIRECT_THREADS = 8
 
 _readers: concurrent.futures.ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
@@ -61,20 +71,63 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
         return _readers
 
 
-def _read_piece(fd: int, view: memoryview, offset: int, path: str) -> None:
+def _read_piece(fd: int, view: memoryview, offset: int, path: str, buffered: int | None = None) -> None:
+    """Read ``len(view)`` bytes at ``offset`` of ``fd`` into ``view``; ``buffered`` is a plain descriptor of the same
+    file where ``fd`` was opened ``O_DIRECT``, to fall back to where the file system refuses a direct read."""
     done, n = 0, len(view)
     while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            if buffered is None or e.errno != errno.EINVAL:
+                raise
+            fd, buffered = buffered, None  # no O_DIRECT here (tmpfs, some FUSE): the same read, buffered
+            continue
         if got == 0:
             raise OSError(f"{path}: the file ended at byte {offset + done} while {n - done} more bytes of tensor "
                           f"data were read from there (was it truncated during the load?)")
         done += got
 
 
-def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: int = READ_PIECE) -> int:
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
+
+
+def direct_pieces(view: memoryview, offset: int, piece: int, align: int = DIRECT_ALIGN) -> list:
+    """``view`` (the destination of the file's bytes from ``offset`` on) cut into ``(view, offset, direct)`` reads:
+    where the destination's address and the file offset agree modulo ``align``, the whole ``align`` blocks inside it
+    in pieces of ``piece`` bytes at most (``direct``: fit for ``O_DIRECT``), and the unaligned head and tail
+    (``align - 1`` bytes at most each) as plain reads; elsewhere plain pieces of ``piece`` bytes.
+
+    >>> import numpy as np
+    >>> block = np.zeros(4 * 4096, np.uint8); base = -block.ctypes.data % 4096
+    >>> [(len(v), o, d) for v, o, d in direct_pieces(memoryview(block)[base + 100:base + 9000], 100, 4096)]
+    [(3996, 100, False), (4096, 4096, True), (808, 8192, False)]
+    """
+    n = len(view)
+    if n >= align and (_address(view) - offset) % align == 0:
+        lo = -offset % align
+        hi = (offset + n) // align * align - offset
+        if hi > lo:
+            pieces = [(view[:lo], offset, False)] if lo else []
+            pieces += [(view[k:min(k + piece, hi)], offset + k, True) for k in range(lo, hi, piece)]
+            if hi < n:
+                pieces.append((view[hi:], offset + hi, False))
+            return pieces
+    return [(view[k:k + piece], offset + k, False) for k in range(0, n, piece)]
+
+
+def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: int = READ_PIECE,
+              direct_fd: int | None = None) -> int:
     """Fill every ``(destination, offset)`` of ``pairs`` with the bytes of the file ``fd`` at ``offset`` (a
     destination is any writable buffer: a numpy array, a memoryview, a mapped device buffer); returns the number of
     ``preadv`` calls made. Pieces of ``piece`` bytes are read by ``threads`` threads, in file order.
+
+    ``direct_fd`` (the same file opened ``O_DIRECT``: :func:`open_direct`) reads the ``DIRECT_ALIGN`` blocks of
+    each destination whose address agrees with its file offset modulo ``DIRECT_ALIGN`` straight from the disk
+    into it (no page cache: no copy, little CPU), the unaligned heads and tails through ``fd``
+    (:func:`direct_pieces`); a file system that refuses it is read through ``fd``. ``pairs`` may also hold
+    ``(destination, offset, fd, direct_fd, path)`` of other files: every file's pieces are read at once.
 
     >>> import os, tempfile, numpy as np
     >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, bytes(range(20))); os.close(fd)
@@ -88,20 +141,67 @@ def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: 
     if piece < 1 or threads < 1:
         raise ValueError(f"piece and threads must be positive, got piece={piece}, threads={threads}")
     jobs = []
-    for destination, offset in pairs:
+    for pair in pairs:
+        destination, offset = pair[0], pair[1]
+        fd_, direct_, path_ = (pair[2], pair[3], pair[4]) if len(pair) > 2 else (fd, direct_fd, path)
         view = memoryview(destination).cast("B") if not isinstance(destination, np.ndarray) \
             else memoryview(destination.reshape(-1).view(np.uint8))
-        jobs += [(view[lo:lo + piece], offset + lo) for lo in range(0, len(view), piece)]
-    jobs.sort(key=lambda job: job[1])
+        if direct_ is None:
+            jobs += [(fd_, view[lo:lo + piece], offset + lo, path_, None) for lo in range(0, len(view), piece)]
+        else:
+            jobs += [(direct_, v, o, path_, fd_) if direct else (fd_, v, o, path_, None)
+                     for v, o, direct in direct_pieces(view, offset, piece)]
+    jobs.sort(key=lambda job: job[2])  # file order; several files interleaved, each read from its start
     if threads == 1 or len(jobs) < 2:
-        for view, offset in jobs:
-            _read_piece(fd, view, offset, path)
+        for job in jobs:
+            _read_piece(job[0], job[1], job[2], job[3], job[4])
         return len(jobs)
-    futures = [_pool(threads).submit(_read_piece, fd, view, offset, path) for view, offset in jobs]
+    futures = [_pool(threads).submit(_read_piece, *job) for job in jobs]
     concurrent.futures.wait(futures)  # never return while a thread still writes into a destination
     for future in futures:
         future.result()
     return len(jobs)
+
+
+def open_direct(path: str, identity) -> int | None:
+    """A descriptor of ``path`` opened ``O_DIRECT`` (reads that bypass the page cache), or None where the platform
+    or file system has no such reads, or ``fstat`` shows another file than ``identity`` (a mapping's
+    ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``). The caller closes it.
+
+    >>> import os, tempfile
+    >>> fd, p = tempfile.mkstemp(); os.close(fd)
+    >>> open_direct(p, (0, 0, 0, 0, 0)) is None     # another identity
+    True
+    """
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag or identity is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
+    except (OSError, TypeError, ValueError):
+        return None
+    if not unchanged(fd, identity):
+        os.close(fd)
+        return None
+    return fd
+
+
+def unchanged(fd: int, identity) -> bool:
+    """Whether ``fstat(fd)`` still shows the file of ``identity`` (``(st_dev, st_ino, st_size, st_mtime_ns,
+    st_ctime_ns)``, a mapping's): a read from ``fd`` that ends with this True read that file's bytes, as they
+    were (a write or truncation changes ``st_mtime_ns``/``st_ctime_ns``).
+
+    >>> import os, tempfile
+    >>> fd, p = tempfile.mkstemp(); st = os.fstat(fd)
+    >>> unchanged(fd, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    True
+    >>> os.close(fd)
+    """
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == tuple(identity)
 
 
 def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True) -> int:
@@ -150,10 +250,12 @@ def _mincore():
     return _mincore_fn
 
 
-def cached(mapped, start: int, end: int, samples: int = SAMPLES) -> bool:
+def cached(mapped, start: int, end: int, samples: int = SAMPLES, centred: bool = False) -> bool:
     """Whether ``samples`` pages spread evenly over bytes ``[start, end)`` of the mapping are all in the page cache
-    (``mincore``, about 1.5 us a page): a cheap guess that the range is warm. False where it cannot be asked (no
-    mapping, no ``mincore``).
+    (``mincore``, about 1.5 us a page): a cheap guess that the range is warm. The first and the last page are among
+    them, or (``centred``) the pages in the middle of ``samples`` equal parts of the range: pages away from the
+    places a parser reads (the file's ends, the headers of evenly sized members). False where it cannot be asked
+    (no mapping, no ``mincore``).
 
     >>> import os, tempfile
     >>> from fastckpt._native.mapped import MappedFile
@@ -170,7 +272,8 @@ def cached(mapped, start: int, end: int, samples: int = SAMPLES) -> bool:
     base = address - address % _PAGE  # the mapping starts on a page; the file offset 0 is there
     first, last = start // _PAGE, (end - 1) // _PAGE
     for k in range(samples):
-        index = first + (last - first) * k // max(1, samples - 1)
+        index = first + ((last - first) * (2 * k + 1) // (2 * samples) if centred else
+                         (last - first) * k // max(1, samples - 1))
         if fn(base + index * _PAGE, _PAGE, vec) != 0 or not vec[0] & 1:
             return False
     return True
