@@ -239,3 +239,66 @@ def test_a_file_changed_while_it_is_read_is_an_error_naming_it(tmp_path, unified
     with pytest.raises(fastckpt.FormatError, match=rf"{victim}: the file was truncated or replaced"):
         fastckpt.load_file(directory, unified_device.queue, pool=pool)
     assert pool.stats.bytes_in_use == 0  # the leases went back
+
+
+# ------------------------------------------------------------------ host copies of cold files (load_tree)
+
+@pytest.fixture
+def cold_host(monkeypatch):
+    """Host copies take the cold path: every file's data is reported as not in the page cache."""
+    from fastckpt.formats import reader
+
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+    monkeypatch.setattr(reader, "COPY_READ_MIN", 1)  # the small tensors too: every head and tail
+    return reader
+
+
+def test_load_tree_of_a_cold_file_reads_every_tensor_exactly(tmp_path, cold_host, monkeypatch):
+    path = str(tmp_path / "t.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    calls = []
+    real = cold_host.read_into
+    monkeypatch.setattr(cold_host, "read_into", lambda fd, pairs, p, **kw: calls.append(len(pairs)) or
+                        real(fd, pairs, p, **kw))
+    tree = fastckpt.load_tree(path)
+    assert calls == [len(TENSORS) - 1]  # one read of every tensor but the empty one
+    for name, want in TENSORS.items():
+        got = tree[name]
+        assert got.flags.writeable and got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.tobytes() == want.tobytes(), name
+    npz = str(tmp_path / "t.npz")
+    np.savez(npz, **TENSORS)  # odd offsets: no address agrees, every byte through the page cache
+    tree = fastckpt.load_tree(npz)
+    assert all(tree[name].tobytes() == want.tobytes() for name, want in TENSORS.items())
+
+
+def test_copies_of_a_hugging_face_directory_read_every_shard_at_once(tmp_path, cold_host, monkeypatch):
+    directory = str(tmp_path / "hf")
+    fastckpt.save_sharded(directory, TENSORS, max_shard_size=600_000)
+    calls = []
+    real = cold_host.read_into
+
+    def read_into_(fd, pairs, path, **kw):
+        calls.append(sorted({pair[4] for pair in pairs}))
+        return real(fd, pairs, path, **kw)
+
+    monkeypatch.setattr(cold_host, "read_into", read_into_)
+    with fastckpt.open(directory) as r:
+        out = cold_host.copies(r)
+    shards = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
+    assert len(shards) > 2 and calls == [shards]
+    assert list(out) == list(TENSORS) and all(out[k].tobytes() == v.tobytes() for k, v in TENSORS.items())
+
+
+def test_a_file_changed_while_its_copies_are_read_is_an_error_naming_it(tmp_path, cold_host, monkeypatch):
+    path = str(tmp_path / "t.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    real = cold_host.read_into
+
+    def read_into_(fd, pairs, p, **kw):
+        os.truncate(path, 4096)
+        return real(fd, pairs, p, **kw)
+
+    monkeypatch.setattr(cold_host, "read_into", read_into_)
+    with pytest.raises(fastckpt.FormatError, match=rf"{path}: the file was truncated or replaced"):
+        fastckpt.load_tree(path)

@@ -45,13 +45,14 @@ from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
-from fastckpt.formats.readinto import cached, read_ahead
+from fastckpt.formats.readinto import (DIRECT_ALIGN, DIRECT_PIECE, DIRECT_THREADS, cached, open_direct, read_ahead,
+                                       read_into, same_file, unchanged)
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
 from fastckpt.store.remote import is_url
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
-           "DIRECTORY_READERS", "guard", "held_guards", "mappings_of"]
+           "DIRECTORY_READERS", "guard", "held_guards", "mappings_of", "copies"]
 
 
 # The opener of URLs (``fastckpt.formats.remote.open``): that module reads through this one, so it sits above it
@@ -270,6 +271,88 @@ def _advise(mapped: MappedFile, kind: str) -> None:
         mapped.advise(kind)
     except (OSError, ValueError):
         pass
+
+
+# copies(): a tensor of at least COPY_READ_MIN bytes of a file not in the page cache is read from the file into its
+# new array (O_DIRECT where the address allows, every file's tensors at once); smaller ones, and every tensor of a
+# warm file, are copied out of the mapping (one memcpy from the page cache beats reading the file again).
+COPY_READ_MIN = 1 << 20
+COLD_SAMPLES = 7  # pages of a file's data mincore looks at to call it warm (readinto.cached, centred)
+
+
+def copies(reader, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """``{name: a private, writable copy of the tensor}`` for every tensor of ``reader`` (or ``names``), in that
+    order: what :func:`~fastckpt.formats.tree.load_tree` returns its arrays from. Where a mapped file's data is not
+    in the page cache, its large tensors are read straight from the file into their arrays
+    (:func:`~fastckpt.formats.readinto.read_into`, ``O_DIRECT``: no page cache, no second copy), every file of a
+    directory reader at once; a file changed or truncated meanwhile is a :class:`~fastckpt.errors.FormatError`
+    naming it. Any other tensor is ``np.array(reader.host(name), copy=True)``.
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "c.safetensors")
+    >>> fastckpt.save_safetensors(p, {"a": np.arange(3, dtype=np.int16)})
+    >>> with fastckpt.open(p) as f:
+    ...     out = copies(f)
+    >>> out["a"].tolist(), out["a"].flags.writeable
+    ([0, 1, 2], True)
+    """
+    wanted = list(reader.keys()) if names is None else list(names)
+    out: dict[str, np.ndarray] = {}
+    parts = reader.parts() if callable(getattr(reader, "parts", None)) else \
+        [(reader, tuple(wanted))] if isinstance(reader, TensorFile) else []
+    pairs, files = [], []
+    chosen = set(wanted)
+    try:
+        for f, part_names in parts:
+            if not isinstance(f, TensorFile) or f.mapped.address is None:
+                continue
+            start, end = f.data_region
+            if end - start < COPY_READ_MIN or cached(f.mapped, start, end, COLD_SAMPLES, centred=True):
+                continue
+            fd = same_file(f.mapped)
+            if fd is None:
+                continue  # copied from the mapping below, under its guard
+            direct = open_direct(f.mapped.path, f.mapped.identity)
+            files.append((fd, direct, f.mapped))
+            for name in part_names:
+                if name not in chosen:
+                    continue
+                info = f.infos[name]
+                if info.nbytes < COPY_READ_MIN or info.compression is not None or f._view(name) is None:
+                    continue
+                block = np.empty(info.nbytes + DIRECT_ALIGN, np.uint8)
+                at = (info.offset - block.ctypes.data) % DIRECT_ALIGN  # the address agrees with the file offset
+                data = block[at:at + info.nbytes]
+                out[name] = data.view(info.dtype).reshape(info.shape, order="F" if info.fortran_order else "C")
+                pairs.append((data, info.offset, fd, direct, f.mapped.path))
+        if pairs:
+            try:
+                read_into(files[0][0], pairs, reader.path, threads=DIRECT_THREADS, piece=DIRECT_PIECE)
+            except OSError as exc:
+                for _fd, _direct, mapped in files:
+                    _changed(mapped, exc)
+                raise
+            for fd, _direct, mapped in files:
+                if not unchanged(fd, mapped.identity):
+                    _changed(mapped)
+    finally:
+        for fd, direct, _mapped in files:
+            os.close(fd)
+            if direct is not None:
+                os.close(direct)
+    with guard(reader, "tensors into copies"):
+        return {name: out[name] if name in out else np.array(reader.host(name), copy=True) for name in wanted}
+
+
+def _changed(mapped, cause: BaseException | None = None) -> None:
+    """A :class:`~fastckpt.errors.FormatError` where the file of ``mapped`` is no longer the one mapped."""
+    try:
+        st = os.stat(mapped.path)
+    except OSError:
+        st = None
+    if st is None or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(mapped.identity):
+        raise FormatError(f"{mapped.path}: the file was truncated or replaced while reading its tensors (it "
+                          f"{'is gone' if st is None else 'changed'} since it was opened); open it again") from cause
 
 
 def mappings_of(reader) -> list:
