@@ -302,3 +302,24 @@ def test_a_file_changed_while_its_copies_are_read_is_an_error_naming_it(tmp_path
     monkeypatch.setattr(cold_host, "read_into", read_into_)
     with pytest.raises(fastckpt.FormatError, match=rf"{path}: the file was truncated or replaced"):
         fastckpt.load_tree(path)
+
+
+@pytest.mark.parametrize("cold_file", [True, False])
+def test_pread_backend_copies_of_large_tensors_of_a_cold_file_are_read_in_pieces(tmp_path, monkeypatch, cold_file):
+    from fastckpt.formats import reader
+
+    monkeypatch.setattr(reader, "file_cached", lambda fd, offsets: not cold_file)
+    monkeypatch.setattr(reader, "COPY_READ_MIN", 4096)
+    calls = []
+    real = reader.read_into
+    monkeypatch.setattr(reader, "read_into", lambda fd, pairs, p, **kw: calls.append(len(pairs)) or
+                        real(fd, pairs, p, **kw))
+    path = str(tmp_path / "t.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    with fastckpt.open(path, backend="pread") as f:
+        got = {name: f.host(name) for name in f.keys()}
+    big = [n for n, a in TENSORS.items() if a.nbytes >= 4096]
+    assert calls == ([1] * len(big) if cold_file else [])
+    for name, want in TENSORS.items():
+        assert got[name].tobytes() == want.tobytes() and got[name].shape == want.shape, name
+        assert not got[name].flags.writeable, name  # the backend's copies are read-only, as its views would be

@@ -45,8 +45,8 @@ from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
-from fastckpt.formats.readinto import (DIRECT_ALIGN, DIRECT_PIECE, DIRECT_THREADS, cached, open_direct, read_ahead,
-                                       read_into, same_file, unchanged)
+from fastckpt.formats.readinto import (DIRECT_ALIGN, DIRECT_PIECE, DIRECT_THREADS, cached, file_cached, open_direct,
+                                       read_ahead, read_into, same_file, unchanged)
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
 from fastckpt.store.remote import is_url
@@ -108,6 +108,7 @@ class TensorFile(ReaderMapping):
         self._view = infos.view  # bound once: host() is called once per tensor
         self._ahead = 0  # the file is being read ahead up to this byte (host(), see READ_AHEAD)
         self._size = mapped.size if mapped.address is not None else 0  # nothing to read ahead in a pread file
+        self._pread = mapped.address is None and getattr(mapped, "backend", None) == "pread"
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -134,6 +135,10 @@ class TensorFile(ReaderMapping):
         """The tensor as a numpy array: a zero-copy read-only view of the mapping where the
         layout allows (stored, uncompressed), else a decoded copy (the NPZ parser's
         :class:`~fastckpt.errors.NotZeroCopyWarning` at :func:`open` said so)."""
+        if self._pread:  # copies: a large tensor of a cold file is read from 8 threads (_pread_copy)
+            copy = self._pread_copy(name)
+            if copy is not None:
+                return copy
         view = self._view(name)  # straight from the index's columns, where the tensor is viewable in place
         if view is not None:
             if self._ahead < self._size and view.nbytes >= READ_AHEAD_MIN:  # a warm file stops at the first test
@@ -146,6 +151,25 @@ class TensorFile(ReaderMapping):
         from fastckpt.formats import npz
 
         return npz.read_member(self.mapped, info)
+
+    def _pread_copy(self, name: str) -> np.ndarray | None:
+        """``host(name)`` of a ``backend="pread"`` file where the tensor is large and its bytes are not in the page
+        cache (:func:`~fastckpt.formats.readinto.file_cached` of three of its pages): read from the file with
+        ``O_DIRECT`` where the file system allows, in pieces from several threads (:func:`copies`' route); None
+        otherwise (the one ``pread`` of the backend)."""
+        info = self.infos.get(name)
+        if info is None or info.nbytes < COPY_READ_MIN or info.compression is not None or not info.shape:
+            return None
+        fd = same_file(self.mapped)
+        if fd is None:
+            return None
+        try:
+            end = info.offset + info.nbytes
+            if file_cached(fd, [info.offset + (end - info.offset) * k // 4 for k in (1, 2, 3)]):
+                return None  # warm: the backend's one read copies it from the page cache
+            return copies(self, [name], _fd=fd)[name]
+        finally:
+            os.close(fd)
 
     def hosts(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """``{name: host(name)}`` for every tensor in file order (``names=None``) or for ``names``, made in one
@@ -280,7 +304,7 @@ COPY_READ_MIN = 1 << 20
 COLD_SAMPLES = 7  # pages of a file's data mincore looks at to call it warm (readinto.cached, centred)
 
 
-def copies(reader, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+def copies(reader, names: Iterable[str] | None = None, *, _fd: int | None = None) -> dict[str, np.ndarray]:
     """``{name: a private, writable copy of the tensor}`` for every tensor of ``reader`` (or ``names``), in that
     order: what :func:`~fastckpt.formats.tree.load_tree` returns its arrays from. Where a mapped file's data is not
     in the page cache, its large tensors are read straight from the file into their arrays
@@ -304,12 +328,13 @@ def copies(reader, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     chosen = set(wanted)
     try:
         for f, part_names in parts:
-            if not isinstance(f, TensorFile) or f.mapped.address is None:
-                continue
-            start, end = f.data_region
-            if end - start < COPY_READ_MIN or cached(f.mapped, start, end, COLD_SAMPLES, centred=True):
-                continue
-            fd = same_file(f.mapped)
+            if _fd is None:  # (a pread file's host() passes the descriptor it found the tensor cold with)
+                if not isinstance(f, TensorFile) or f.mapped.address is None:
+                    continue
+                start, end = f.data_region
+                if end - start < COPY_READ_MIN or cached(f.mapped, start, end, COLD_SAMPLES, centred=True):
+                    continue
+            fd = same_file(f.mapped) if _fd is None else os.dup(_fd)
             if fd is None:
                 continue  # copied from the mapping below, under its guard
             direct = open_direct(f.mapped.path, f.mapped.identity)
@@ -318,12 +343,15 @@ def copies(reader, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
                 if name not in chosen:
                     continue
                 info = f.infos[name]
-                if info.nbytes < COPY_READ_MIN or info.compression is not None or f._view(name) is None:
+                if info.nbytes < COPY_READ_MIN or info.compression is not None or \
+                        (_fd is None and f._view(name) is None):
                     continue
                 block = np.empty(info.nbytes + DIRECT_ALIGN, np.uint8)
                 at = (info.offset - block.ctypes.data) % DIRECT_ALIGN  # the address agrees with the file offset
                 data = block[at:at + info.nbytes]
-                out[name] = data.view(info.dtype).reshape(info.shape, order="F" if info.fortran_order else "C")
+                out[name] = array = data.view(info.dtype).reshape(info.shape, order="F" if info.fortran_order else "C")
+                if _fd is not None and not f.mapped.copy_on_write:
+                    array.flags.writeable = False  # a pread file's host() copies, read-only as its views
                 pairs.append((data, info.offset, fd, direct, f.mapped.path))
         if pairs:
             try:
@@ -340,6 +368,8 @@ def copies(reader, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
             os.close(fd)
             if direct is not None:
                 os.close(direct)
+    if _fd is not None:
+        return out
     with guard(reader, "tensors into copies"):
         return {name: out[name] if name in out else np.array(reader.host(name), copy=True) for name in wanted}
 

@@ -28,6 +28,7 @@ truncated under the load) is an ``OSError`` naming the file and the offset.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import mmap
 import os
@@ -35,7 +36,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["cached", "direct_pieces", "open_direct", "read_ahead", "read_into", "same_file", "unchanged", "READ_PIECE",
+__all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "read_ahead", "read_into", "same_file", "unchanged", "READ_PIECE",
            "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN", "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
@@ -240,10 +241,8 @@ _mincore_fn = None  # libc's mincore through ctypes, made at the first call; Fal
 def _mincore():
     global _mincore_fn
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
-        _mincore_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)(
+        _mincore_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)(
             ("mincore", libc))
     except (OSError, AttributeError):
         _mincore_fn = False
@@ -268,13 +267,50 @@ def cached(mapped, start: int, end: int, samples: int = SAMPLES, centred: bool =
     fn = _mincore_fn if _mincore_fn is not None else _mincore()
     if address is None or end <= start or not fn:
         return False
-    vec = bytes(1)
+    vec = bytearray(1)  # mincore writes here (never into an immutable bytes object)
+    out = ctypes.addressof((ctypes.c_char * 1).from_buffer(vec))
     base = address - address % _PAGE  # the mapping starts on a page; the file offset 0 is there
     first, last = start // _PAGE, (end - 1) // _PAGE
     for k in range(samples):
         index = first + ((last - first) * (2 * k + 1) // (2 * samples) if centred else
                          (last - first) * k // max(1, samples - 1))
-        if fn(base + index * _PAGE, _PAGE, vec) != 0 or not vec[0] & 1:
+        if fn(base + index * _PAGE, _PAGE, out) != 0 or not vec[0] & 1:
+            return False
+    return True
+
+
+def file_cached(fd: int, offsets) -> bool:
+    """Whether the pages of the file ``fd`` holding each byte of ``offsets`` are all in the page cache (a page of
+    the file mapped for a moment and asked with ``mincore``: nothing is read). False where it cannot be asked.
+
+    >>> import os, tempfile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 5000); _ = os.pread(fd, 5000, 0)
+    >>> file_cached(fd, [0, 4999])
+    True
+    >>> os.close(fd)
+    """
+    fn = _mincore_fn if _mincore_fn is not None else _mincore()
+    if not fn:
+        return False
+    vec = bytearray(1)
+    holder = (ctypes.c_char * 1).from_buffer(vec)
+    try:
+        size = os.fstat(fd).st_size
+    except OSError:
+        return False
+    for offset in offsets:
+        start = offset - offset % _PAGE
+        try:  # (Python's mmap refuses to map past the file's end: the last page is mapped as far as it goes)
+            page = mmap.mmap(fd, min(_PAGE, size - start), prot=mmap.PROT_READ, offset=start)
+        except (OSError, ValueError):
+            return False
+        try:
+            view = np.frombuffer(page, np.uint8)
+            ok = fn(view.ctypes.data, _PAGE, ctypes.addressof(holder)) == 0 and vec[0] & 1
+            del view
+        finally:
+            page.close()
+        if not ok:
             return False
     return True
 
