@@ -39,7 +39,7 @@ def test_the_table_takes_the_fastest_bound_and_says_which_rows_were_not_exact_or
     assert rows["load_model(.netcl, pool) on pocl"][1] == "0.50"  # its own file's size
     assert rows["load_file(pool) on pocl"][4] == "NO"
     assert rows["Run:ai SafetensorsStreamer"][4].startswith("left out: ModuleNotFoundError")
-    assert rows["fastckpt.open + copies"][5] == "1024 MiB |"
+    assert rows["fastckpt.open + copies"][5] == "1024 MiB"
 
 
 def test_a_before_row_is_read_as_its_row():
@@ -47,6 +47,7 @@ def test_a_before_row_is_read_as_its_row():
                "fastckpt.open + copies" + cold.BEFORE: [_run(2.0)]}
     last = cold.table(samples, FIXTURE)[-1]
     assert last.startswith("| fastckpt.open + copies (before) | 2.000 s | 0.50 | 0.50 | 0.00 s | yes")
+    assert last.endswith("| 1024 MiB | 0 | 0 MiB | 0 |")
 
 
 @pytest.mark.device

@@ -333,6 +333,7 @@ def measure_one(row: str, fixture: dict) -> dict:
         return {"skipped": f"{type(e).__name__}: {e}"}
     reads = ROWS[row][1]
     drop_cache([fixture[reads]])
+    io, faults = _io(), _faults()
     cpu = os.times()
     start = time.perf_counter()
     result = load()
@@ -341,6 +342,7 @@ def measure_one(row: str, fixture: dict) -> dict:
         wait()
     seconds = time.perf_counter() - start
     cpu_after = os.times()
+    io_after, faults_after = _io(), _faults()
     cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
     got = check(result)
     if reads == "netcl":
@@ -349,7 +351,29 @@ def measure_one(row: str, fixture: dict) -> dict:
         expected = {"<file>": fixture["file_crc"]}
     else:
         expected = fixture["crc"]
-    return {"seconds": seconds, "cpu": cpu_seconds, "exact": got == expected, "peak_rss": _peak_rss()}
+    return {"seconds": seconds, "cpu": cpu_seconds, "exact": got == expected, "peak_rss": _peak_rss(),
+            "read_calls": io_after.get("syscr", 0) - io.get("syscr", 0),
+            "disk_bytes": io_after.get("read_bytes", 0) - io.get("read_bytes", 0),
+            "faults": faults_after - faults}
+
+
+def _io() -> dict:
+    """This process's ``/proc/self/io`` counters (``syscr``: read system calls, ``read_bytes``: bytes the process
+    had fetched from storage, page cache misses that it waited for or asked for), every thread's; {} where absent."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(":") for line in f)}
+    except (OSError, ValueError):
+        return {}
+
+
+def _faults() -> int:
+    """Page faults (minor + major) of this process so far: a copy out of a fresh mapping takes one per fault-around
+    block (16 pages), a read into fresh memory one per page of it."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def _peak_rss() -> int:
@@ -404,14 +428,16 @@ def _spawn(row: str, fixture_path: str, against: str | None = None) -> dict:
 
 def table(samples: dict, fixture: dict) -> list[str]:
     """The markdown table of ``samples`` (``{row: [measurement dicts]}``): median time, GB/s, share of the fastest
-    bound, the median CPU time of the process over the load (user + system, every thread), exact, peak RSS.
+    bound, the median CPU time of the process over the load (user + system, every thread), exact, peak RSS, and the
+    medians of what the load cost that no load on the machine changes: read system calls, bytes read from the disk
+    (``/proc/self/io``) and page faults.
 
     >>> fixture = {"file_size": 10**9, "nbytes": 10**9, "dir_nbytes": 10**9, "netcl_nbytes": 10**9}
     >>> print("\\n".join(table({"bound: buffered readinto, 64 MiB": [{"seconds": 1.0, "exact": True,
     ...                                                                "peak_rss": 2**30}]}, fixture)))
-    | path | median | GB/s | share of the bound | CPU | exact | peak RSS |
-    |---|---:|---:|---:|---:|---|---:|
-    | bound: buffered readinto, 64 MiB | 1.000 s | 1.00 | 1.00 | 0.00 s | yes | 1024 MiB |
+    | path | median | GB/s | share of the bound | CPU | exact | peak RSS | read calls | read from disk | page faults |
+    |---|---:|---:|---:|---:|---|---:|---:|---:|---:|
+    | bound: buffered readinto, 64 MiB | 1.000 s | 1.00 | 1.00 | 0.00 s | yes | 1024 MiB | 0 | 0 MiB | 0 |
     """
     nbytes = {"file": fixture["file_size"], "dir": fixture["dir_nbytes"], "netcl": fixture["netcl_nbytes"]}
     rates = {}
@@ -424,7 +450,7 @@ def table(samples: dict, fixture: dict) -> list[str]:
     for row, runs in samples.items():
         if row not in rates:
             why = next((r.get("skipped") or r.get("failed") for r in runs), "")
-            rows.append([row, "-", "-", "-", "-", f"left out: {why}"[:120], "-"])
+            rows.append([row, "-", "-", "-", "-", f"left out: {why}"[:120], "-", "-", "-", "-"])
             continue
         timed = [r for r in runs if "seconds" in r]
         median = statistics.median(r["seconds"] for r in timed)
@@ -432,10 +458,11 @@ def table(samples: dict, fixture: dict) -> list[str]:
         exact = "yes" if all(r["exact"] for r in timed) else "NO"
         rss = max(r["peak_rss"] for r in timed)
         cpu = statistics.median(r.get("cpu", 0.0) for r in timed)
+        counts = [statistics.median(r.get(k, 0) for r in timed) for k in ("read_calls", "disk_bytes", "faults")]
         rows.append([row, format_duration(median), f"{rates[row]:.2f}", share, f"{cpu:.2f} s", exact,
-                     f"{rss / _MiB:.0f} MiB"])
-    return table_lines(["path", "median", "GB/s", "share of the bound", "CPU", "exact", "peak RSS"], rows,
-                       "lrrrrlr")
+                     f"{rss / _MiB:.0f} MiB", f"{counts[0]:.0f}", f"{counts[1] / _MiB:.0f} MiB", f"{counts[2]:.0f}"])
+    return table_lines(["path", "median", "GB/s", "share of the bound", "CPU", "exact", "peak RSS", "read calls",
+                        "read from disk", "page faults"], rows, "lrrrrlrrrr")
 
 
 def configure(parser) -> None:
