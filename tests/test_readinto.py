@@ -323,3 +323,24 @@ def test_pread_backend_copies_of_large_tensors_of_a_cold_file_are_read_in_pieces
     for name, want in TENSORS.items():
         assert got[name].tobytes() == want.tobytes() and got[name].shape == want.shape, name
         assert not got[name].flags.writeable, name  # the backend's copies are read-only, as its views would be
+
+
+def test_a_hugging_face_directorys_next_shard_is_read_ahead_once_this_one_is(tmp_path, monkeypatch):
+    from fastckpt.formats import reader
+
+    tensors = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(4)}  # 1 MiB each, one per shard
+    directory = str(tmp_path / "hf")
+    fastckpt.save_sharded(directory, tensors, max_shard_size=(1 << 20) + 1)
+    events = []
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: events.append(
+        ("ahead", os.path.basename(mapped.path))) or 1)
+    with fastckpt.open(directory) as r:
+        for name in r.keys():
+            events.append(("view", r.weight_map[name]))
+            assert r.host(name).tobytes() == tensors[name].tobytes()
+    shards = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    assert len(shards) == 4
+    for k, shard in enumerate(shards[1:], 1):
+        # each later shard was asked for before its first view, right after the view of the shard before it
+        assert events.index(("ahead", shard)) < events.index(("view", shard)), events

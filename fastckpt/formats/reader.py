@@ -193,6 +193,25 @@ class TensorFile(ReaderMapping):
             self._ahead = self._size
         return views
 
+    def read_ahead_start(self) -> None:
+        """Have the kernel read the first ``READ_AHEAD`` bytes of the file's tensor data into the page cache now
+        (a cold file's only, as :meth:`host` does past a large view): a reader of several files starts the next file
+        while its caller still copies from this one. A no-op once the file is being read ahead, or is warm.
+
+        >>> import fastckpt, numpy as np, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "r.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(3)})
+        >>> with fastckpt.open(p) as f:
+        ...     f.read_ahead_start()
+        """
+        if self._ahead or not self._size:
+            return
+        start, end = self.data_region
+        if end - start < READ_AHEAD_MIN or cached(self.mapped, start, end, samples=1):
+            self._ahead = self._size  # small or warm: nothing to ask the kernel for, now or later
+            return
+        self._ahead = min(self._size, start + READ_AHEAD)
+        read_ahead(self.mapped, start, self._ahead, check=False)
+
     def _offset_of(self, view) -> int | None:
         """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
         offset = view.__array_interface__["data"][0] - self.mapped.address
