@@ -344,3 +344,42 @@ def test_a_hugging_face_directorys_next_shard_is_read_ahead_once_this_one_is(tmp
     for k, shard in enumerate(shards[1:], 1):
         # each later shard was asked for before its first view, right after the view of the shard before it
         assert events.index(("ahead", shard)) < events.index(("view", shard)), events
+
+
+@pytest.mark.parametrize("source", ["file", "hf"])
+def test_a_cold_staged_load_reads_whole_blocks_direct_into_the_staging_buffers(tmp_path, device, pool, cold,
+                                                                               monkeypatch, source):
+    from fastckpt.device import staging
+
+    tensors = {**TENSORS, "large": np.arange(3 << 20, dtype=np.uint8)}
+    path = str(tmp_path / "m.safetensors") if source == "file" else str(tmp_path / "hf")
+    if source == "file":
+        fastckpt.save_safetensors(path, tensors)
+    else:
+        fastckpt.save_sharded(path, tensors, max_shard_size=2 << 20)
+    direct_reads = []
+    real = staging.read_into
+
+    def read_into_(fd, pairs, p, **kw):
+        if kw.get("direct_fd") is not None:
+            for dst, offset in pairs:
+                direct_reads.extend(d for _v, _o, d in direct_pieces(memoryview(dst), offset, 1 << 30))
+        return real(fd, pairs, p, **kw)
+
+    monkeypatch.setattr(staging, "read_into", read_into_)
+    loaded = fastckpt.load_file(path, device.queue, pool=pool, staging=True)
+    _exact(loaded, tensors)
+    assert loaded.report.staging_chunk and loaded.report.reads == 0
+    if _has_direct(tmp_path):
+        assert direct_reads and sum(direct_reads) >= len(direct_reads) // 2, "most fills read whole blocks directly"
+
+
+def _has_direct(directory) -> bool:
+    """Whether the file system of ``directory`` opens files ``O_DIRECT`` (tmpfs and some FUSE do not)."""
+    probe = str(directory / "direct-probe")
+    open(probe, "wb").close()
+    st = os.stat(probe)
+    fd = open_direct(probe, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    if fd is not None:
+        os.close(fd)
+    return fd is not None

@@ -1244,8 +1244,11 @@ def _stage_region(load: _Load, mapped, start: int, end: int, lease, at: int, gro
         pass
     marks = () if not group else [(i.offset + i.nbytes - start, _payload(i), i.name) for i in group]
     fd = load.stager.file(mapped)
+    # A cold region's whole blocks are read with O_DIRECT into the staging buffers (Stager._batches places them).
+    direct = None if fd is None or not DIRECT_READS or mapped.address is None or \
+        cached(mapped, start, end, COLD_SAMPLES, centred=True) else load.stager.direct(mapped)
     load.stager.add(np.frombuffer(source_view, np.uint8), lease.buffer, at, marks,
-                    None if fd is None else (fd, start, mapped.path))
+                    None if fd is None else (fd, start, mapped.path, direct))
     load.report.bytes_copied += end - start
     # The copies read pinned memory, never the mapping: no source view to keep; a non-blocking load gets one event
     # for all of them (Stager.finish).

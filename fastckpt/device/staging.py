@@ -69,7 +69,7 @@ import numpy as np
 from fastckpt._native.mapped import held_guards
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
-from fastckpt.formats.readinto import read_into, same_file
+from fastckpt.formats.readinto import DIRECT_ALIGN, open_direct, read_into, same_file
 
 __all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND",
            "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN"]
@@ -244,8 +244,9 @@ def fill(pending, pairs) -> None:
         if file is None:
             np.copyto(dst, src)
         else:
-            fd, offset, path = file
-            read_into(fd, [(dst, offset)], path, threads=1)  # this fill is one of the fill threads' parts
+            fd, offset, path, direct = file if len(file) == 4 else (*file, None)
+            # this fill is one of the fill threads' parts; O_DIRECT for the blocks whose address agrees
+            read_into(fd, [(dst, offset)], path, threads=1, direct_fd=direct)
 
 
 class Stager:
@@ -296,15 +297,30 @@ class Stager:
             return None
         entry = self.files.get(id(mapped))
         if entry is None:
-            entry = self.files[id(mapped)] = (same_file(mapped), mapped)  # the mapping kept: its id stays its own
+            entry = self.files[id(mapped)] = [same_file(mapped), mapped, None]  # the mapping kept: its id its own
         return entry[0]
+
+    def direct(self, mapped):
+        """A descriptor of the file ``mapped`` maps opened ``O_DIRECT`` (the fill reads whole blocks of a cold file
+        straight into the staging buffers), kept for this load; None where :meth:`file` has none or the file system
+        has no such reads."""
+        fd = self.file(mapped)
+        if fd is None:
+            return None
+        entry = self.files[id(mapped)]
+        if entry[2] is None:
+            entry[2] = open_direct(mapped.path, mapped.identity) or -1
+        return entry[2] if entry[2] >= 0 else None
 
     def add(self, source: np.ndarray, buffer, at: int, marks=(), file=None) -> None:
         """Stage the bytes ``source`` (flat uint8) for ``buffer`` at byte ``at``. ``marks`` are ``(end, bytes,
         name)`` for progress: the tensor ``name`` (``bytes`` in device memory) ends at ``source[end - 1]``.
         ``file`` is ``(descriptor, offset, path)`` where the same bytes are in a file (see :meth:`file`): they
-        are read from there. The stream is cut into batches by :meth:`finish` (:func:`batch_sizes`)."""
+        are read from there; ``(descriptor, offset, path, O_DIRECT descriptor)`` (:meth:`direct`) reads their
+        whole blocks with ``O_DIRECT``. The stream is cut into batches by :meth:`finish` (:func:`batch_sizes`)."""
         base = self.stream
+        if file is not None and len(file) < 4:
+            file = (*file, None)
         self.pieces.append((source, buffer, at, file))
         self.stream += len(source)
         if self.reported is not None:
@@ -312,21 +328,39 @@ class Stager:
 
     def _batches(self) -> list:
         """The pieces added, cut into batches of :func:`batch_sizes`: lists of ``(source, device buffer, its
-        offset, offset in the staging chunk, (descriptor, offset, path) or None)``."""
-        sizes = batch_sizes(self.stream, self.shape.chunk, self.ramp if self.shape.buffers > 1 else 0)
+        offset, offset in the staging chunk, (descriptor, offset, path, O_DIRECT descriptor or None) or None)``.
+
+        A piece read with ``O_DIRECT`` (a cold file, :meth:`direct`) is placed in its staging buffer where the
+        address agrees with its file offset modulo ``DIRECT_ALIGN`` (a gap of less than that before it), so that
+        the fill reads its whole blocks straight from the disk; batches then hold up to a chunk less
+        ``DIRECT_ALIGN`` bytes of stream, and a batch that has no room left for a gap ends early."""
+        chunk = self.shape.chunk
+        aligning = chunk >= 16 * DIRECT_ALIGN and any(p[3] is not None and p[3][3] is not None for p in self.pieces)
+        room = chunk - DIRECT_ALIGN if aligning else chunk
+        sizes = batch_sizes(self.stream, room, self.ramp if self.shape.buffers > 1 else 0)
+        hosts = self.stage.hosts
         batches: list = []
         current: list = []
-        k, used = 0, 0
+        k, used, logical = 0, 0, 0  # batch number, bytes of its buffer taken (gaps too), bytes of stream in it
         for source, buffer, at, file in self.pieces:
             n, pos = len(source), 0
             while pos < n:
-                if used == sizes[k]:
+                size = sizes[k] if k < len(sizes) else room
+                if logical >= size or used >= chunk:
                     batches.append(current)
-                    current, used, k = [], 0, k + 1
-                take = min(sizes[k] - used, n - pos)
-                where = None if file is None else (file[0], file[1] + pos, file[2])
+                    current, used, logical, k = [], 0, 0, k + 1
+                    continue
+                if aligning and file is not None and file[3] is not None:
+                    gap = (file[1] + pos - hosts[k % len(hosts)].ctypes.data - used) % DIRECT_ALIGN
+                    if used + gap >= chunk:
+                        used = chunk  # no room for the gap: the batch ends here
+                        continue
+                    used += gap
+                take = min(size - logical, chunk - used, n - pos)
+                where = None if file is None else (file[0], file[1] + pos, file[2], file[3])
                 current.append((source[pos:pos + take], buffer, at + pos, used, where))
                 used += take
+                logical += take
                 pos += take
         if current:
             batches.append(current)
@@ -343,7 +377,7 @@ class Stager:
             while lo < n:
                 take = min(part - size, n - lo)
                 task.append((host[offset + lo:offset + lo + take], source[lo:lo + take],
-                             None if file is None else (file[0], file[1] + lo, file[2])))
+                             None if file is None else (file[0], file[1] + lo, file[2], file[3])))
                 size += take
                 lo += take
                 if size == part:
@@ -456,8 +490,9 @@ class Stager:
         stage, self.stage = self.stage, None
         self.reported = None  # the load's bound method: no cycle through the load once it is done
         files, self.files = self.files, {}
-        for fd, _mapped in files.values():
-            if fd is not None:
-                os.close(fd)  # every fill has finished: finish() waits for them, also on an error
+        for fd, _mapped, direct in files.values():
+            for f in (fd, direct):
+                if f is not None and f >= 0:
+                    os.close(f)  # every fill has finished: finish() waits for them, also on an error
         if stage is not None:
             stage.release()
