@@ -172,18 +172,16 @@ def test_a_warm_file_is_copied_from_its_mapping(tmp_path, unified_device, pool, 
 
 
 def test_a_hugging_face_directory_reads_all_its_files_at_once(tmp_path, unified_device, pool, cold, monkeypatch):
-    from fastckpt.formats import readinto as module
-
     directory = str(tmp_path / "hf")
     fastckpt.save_sharded(directory, TENSORS, max_shard_size=600_000)
     calls = []
-    real = module.read_into
+    real = readinto.read_into
 
     def read_into_(fd, pairs, path, **kw):
         calls.append(sorted({pair[4] for pair in pairs}))
         return real(fd, pairs, path, **kw)
 
-    monkeypatch.setattr(cold, "read_into", read_into_)
+    monkeypatch.setattr(readinto, "read_into", read_into_)
     loaded = fastckpt.load_file(directory, unified_device.queue, pool=pool)
     shards = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
     assert len(shards) > 2 and calls == [shards]  # one read of every shard's regions
@@ -223,7 +221,7 @@ def test_a_file_changed_while_it_is_read_is_an_error_naming_it(tmp_path, unified
     directory = str(tmp_path / "hf")
     fastckpt.save_sharded(directory, TENSORS, max_shard_size=600_000)
     victim = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))[-1]
-    real = cold.read_into
+    real = readinto.read_into
 
     def read_into_(fd, pairs, path, **kw):
         if how == "truncated":
@@ -235,7 +233,7 @@ def test_a_file_changed_while_it_is_read_is_an_error_naming_it(tmp_path, unified
             os.utime(victim, ns=(2, 2))
         return real(fd, pairs, path, **kw)
 
-    monkeypatch.setattr(cold, "read_into", read_into_)
+    monkeypatch.setattr(readinto, "read_into", read_into_)
     with pytest.raises(fastckpt.FormatError, match=rf"{victim}: the file was truncated or replaced"):
         fastckpt.load_file(directory, unified_device.queue, pool=pool)
     assert pool.stats.bytes_in_use == 0  # the leases went back
@@ -257,8 +255,8 @@ def test_load_tree_of_a_cold_file_reads_every_tensor_exactly(tmp_path, cold_host
     path = str(tmp_path / "t.safetensors")
     fastckpt.save_safetensors(path, TENSORS)
     calls = []
-    real = cold_host.read_into
-    monkeypatch.setattr(cold_host, "read_into", lambda fd, pairs, p, **kw: calls.append(len(pairs)) or
+    real = readinto.read_into
+    monkeypatch.setattr(readinto, "read_into", lambda fd, pairs, p, **kw: calls.append(len(pairs)) or
                         real(fd, pairs, p, **kw))
     tree = fastckpt.load_tree(path)
     assert calls == [len(TENSORS) - 1]  # one read of every tensor but the empty one
@@ -276,13 +274,13 @@ def test_copies_of_a_hugging_face_directory_read_every_shard_at_once(tmp_path, c
     directory = str(tmp_path / "hf")
     fastckpt.save_sharded(directory, TENSORS, max_shard_size=600_000)
     calls = []
-    real = cold_host.read_into
+    real = readinto.read_into
 
     def read_into_(fd, pairs, path, **kw):
         calls.append(sorted({pair[4] for pair in pairs}))
         return real(fd, pairs, path, **kw)
 
-    monkeypatch.setattr(cold_host, "read_into", read_into_)
+    monkeypatch.setattr(readinto, "read_into", read_into_)
     with fastckpt.open(directory) as r:
         out = cold_host.copies(r)
     shards = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
@@ -293,13 +291,13 @@ def test_copies_of_a_hugging_face_directory_read_every_shard_at_once(tmp_path, c
 def test_a_file_changed_while_its_copies_are_read_is_an_error_naming_it(tmp_path, cold_host, monkeypatch):
     path = str(tmp_path / "t.safetensors")
     fastckpt.save_safetensors(path, TENSORS)
-    real = cold_host.read_into
+    real = readinto.read_into
 
     def read_into_(fd, pairs, p, **kw):
         os.truncate(path, 4096)
         return real(fd, pairs, p, **kw)
 
-    monkeypatch.setattr(cold_host, "read_into", read_into_)
+    monkeypatch.setattr(readinto, "read_into", read_into_)
     with pytest.raises(fastckpt.FormatError, match=rf"{path}: the file was truncated or replaced"):
         fastckpt.load_tree(path)
 
@@ -311,8 +309,8 @@ def test_pread_backend_copies_of_large_tensors_of_a_cold_file_are_read_in_pieces
     monkeypatch.setattr(reader, "file_cached", lambda fd, offsets: not cold_file)
     monkeypatch.setattr(reader, "COPY_READ_MIN", 4096)
     calls = []
-    real = reader.read_into
-    monkeypatch.setattr(reader, "read_into", lambda fd, pairs, p, **kw: calls.append(len(pairs)) or
+    real = readinto.read_into
+    monkeypatch.setattr(readinto, "read_into", lambda fd, pairs, p, **kw: calls.append(len(pairs)) or
                         real(fd, pairs, p, **kw))
     path = str(tmp_path / "t.safetensors")
     fastckpt.save_safetensors(path, TENSORS)

@@ -95,8 +95,7 @@ from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import FormatError, NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
 from fastckpt.formats.reader import TensorFile, guard
-from fastckpt.formats.readinto import (DIRECT_ALIGN, DIRECT_PIECE, DIRECT_THREADS, cached, open_direct, read_into,
-                                       same_file, unchanged)
+from fastckpt.formats.readinto import DIRECT_ALIGN, cached, open_direct, raise_if_changed, read_checked, same_file
 from fastckpt.progress import ProgressArg, progress_from, requested
 
 if TYPE_CHECKING:
@@ -1111,27 +1110,10 @@ def _direct_files(load: _Load, ranges: list, limit: int | None, largest: int) ->
         if fd is None:
             for entry in files.values():
                 _close_pair(entry)
-            _raise_if_changed(mapped)
+            raise_if_changed(mapped, "reading it into device memory")
             return None  # no path to open again (bytes in memory), or not readable: copied from the mapping
         files[id(mapped)] = (fd, open_direct(mapped.path, mapped.identity), mapped)
     return files
-
-
-def _raise_if_changed(mapped, cause: BaseException | None = None) -> None:
-    """:class:`~fastckpt.errors.FormatError` where the file ``mapped`` was made of is no longer as it was (truncated,
-    written to, replaced): what a load reading it would get is not the file that was opened."""
-    identity = getattr(mapped, "identity", None)
-    if identity is None:
-        return
-    try:
-        st = os.stat(mapped.path)
-    except OSError:
-        st = None
-    if st is None or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(identity):
-        now = "is gone" if st is None else f"now holds {st.st_size} bytes (opened with {identity[2]})" \
-            if st.st_size != identity[2] else "was written to or replaced"
-        raise FormatError(f"{mapped.path}: the file was truncated or replaced while reading it into device memory "
-                          f"(it {now} since it was opened); open it again and load it again") from cause
 
 
 def _close_pair(entry) -> None:
@@ -1170,16 +1152,7 @@ def _read_arenas(load: _Load, arenas: list, files: dict) -> None:
                 pos = at + (end - start)
                 pairs.append((host[at:pos], start, fd, direct, mapped.path))
                 placed.append((lease, start, end, at))
-        try:
-            report.reads += read_into(files[next(iter(files))][0], pairs, load.tf.path, threads=DIRECT_THREADS,
-                                      piece=DIRECT_PIECE)
-        except OSError as exc:  # a short read: which file changed says more than where the read stopped
-            for _fd, _direct, mapped in files.values():
-                _raise_if_changed(mapped, exc)
-            raise
-        for fd, _direct, mapped in files.values():
-            if not unchanged(fd, mapped.identity):
-                _raise_if_changed(mapped)
+        report.reads += read_checked(pairs, list(files.values()), load.tf.path, "reading it into device memory")
     finally:
         for host in maps:
             host.base.release(queue).wait()

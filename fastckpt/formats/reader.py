@@ -45,8 +45,8 @@ from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
-from fastckpt.formats.readinto import (DIRECT_ALIGN, DIRECT_PIECE, DIRECT_THREADS, cached, file_cached, open_direct,
-                                       read_ahead, read_into, same_file, unchanged)
+from fastckpt.formats.readinto import (DIRECT_ALIGN, cached, file_cached, open_direct, read_ahead, read_checked,
+                                       same_file)
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
 from fastckpt.store.remote import is_url
@@ -373,15 +373,7 @@ def copies(reader, names: Iterable[str] | None = None, *, _fd: int | None = None
                     array.flags.writeable = False  # a pread file's host() copies, read-only as its views
                 pairs.append((data, info.offset, fd, direct, f.mapped.path))
         if pairs:
-            try:
-                read_into(files[0][0], pairs, reader.path, threads=DIRECT_THREADS, piece=DIRECT_PIECE)
-            except OSError as exc:
-                for _fd, _direct, mapped in files:
-                    _changed(mapped, exc)
-                raise
-            for fd, _direct, mapped in files:
-                if not unchanged(fd, mapped.identity):
-                    _changed(mapped)
+            read_checked(pairs, files, reader.path, "reading its tensors")
     finally:
         for fd, direct, _mapped in files:
             os.close(fd)
@@ -391,17 +383,6 @@ def copies(reader, names: Iterable[str] | None = None, *, _fd: int | None = None
         return out
     with guard(reader, "tensors into copies"):
         return {name: out[name] if name in out else np.array(reader.host(name), copy=True) for name in wanted}
-
-
-def _changed(mapped, cause: BaseException | None = None) -> None:
-    """A :class:`~fastckpt.errors.FormatError` where the file of ``mapped`` is no longer the one mapped."""
-    try:
-        st = os.stat(mapped.path)
-    except OSError:
-        st = None
-    if st is None or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != tuple(mapped.identity):
-        raise FormatError(f"{mapped.path}: the file was truncated or replaced while reading its tensors (it "
-                          f"{'is gone' if st is None else 'changed'} since it was opened); open it again") from cause
 
 
 def mappings_of(reader) -> list:

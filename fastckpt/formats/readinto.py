@@ -36,7 +36,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "read_ahead", "read_into", "same_file", "unchanged", "READ_PIECE",
+__all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "raise_if_changed", "read_checked", "read_ahead", "read_into", "same_file", "unchanged", "READ_PIECE",
            "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN", "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
@@ -164,6 +164,32 @@ def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: 
     return len(jobs)
 
 
+def read_checked(pairs, files: list, path: str, what: str) -> int:
+    """:func:`read_into` of ``pairs`` (``(destination, offset, descriptor, O_DIRECT descriptor, path)``) with
+    ``DIRECT_THREADS`` threads in ``DIRECT_PIECE`` pieces, then every file of ``files`` (``(descriptor, O_DIRECT
+    descriptor, mapping)``) checked unchanged: a short read or a file changed meanwhile is the
+    :class:`~fastckpt.errors.FormatError` of :func:`raise_if_changed` naming it. Returns the ``preadv`` calls made.
+
+    >>> import os, tempfile, numpy as np
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"abcdef"); os.close(fd)
+    >>> m = MappedFile(p); fd = same_file(m); out = np.zeros(3, np.uint8)
+    >>> read_checked([(out, 2, fd, None, p)], [(fd, None, m)], p, "reading it"), bytes(out)
+    (1, b'cde')
+    >>> os.close(fd)
+    """
+    try:
+        calls = read_into(files[0][0], pairs, path, threads=DIRECT_THREADS, piece=DIRECT_PIECE)
+    except OSError as exc:  # a short read: which file changed says more than where the read stopped
+        for _fd, _direct, mapped in files:
+            raise_if_changed(mapped, what, exc)
+        raise
+    for fd, _direct, mapped in files:
+        if not unchanged(fd, mapped.identity):
+            raise_if_changed(mapped, what)
+    return calls
+
+
 def open_direct(path: str, identity) -> int | None:
     """A descriptor of ``path`` opened ``O_DIRECT`` (reads that bypass the page cache), or None where the platform
     or file system has no such reads, or ``fstat`` shows another file than ``identity`` (a mapping's
@@ -187,6 +213,42 @@ def open_direct(path: str, identity) -> int | None:
     return fd
 
 
+def raise_if_changed(mapped, what: str, cause: BaseException | None = None) -> None:
+    """:class:`~fastckpt.errors.FormatError` naming the file of ``mapped`` (a
+    :class:`~fastckpt._native.mapped.MappedFile`) where ``stat`` of its path no longer shows the file that was
+    mapped (truncated, written to, replaced, gone): bytes read from it while ``what`` (``"reading its tensors"``)
+    may not be the file that was opened. Nothing where it is unchanged, or has no identity (bytes in memory).
+
+    >>> import os, tempfile
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"abc"); os.close(fd)
+    >>> m = MappedFile(p); raise_if_changed(m, "reading it")
+    >>> os.truncate(p, 1); raise_if_changed(m, "reading it")
+    Traceback (most recent call last):
+    ...
+    fastckpt.errors.FormatError: ...: the file was truncated or replaced while reading it (it now holds 1 bytes, opened with 3); open it again
+    """
+    identity = getattr(mapped, "identity", None)
+    if identity is None:
+        return
+    try:
+        st = os.stat(mapped.path)
+    except OSError:
+        st = None
+    if st is not None and _identity(st) == tuple(identity):
+        return
+    from fastckpt.errors import FormatError
+
+    now = "is gone" if st is None else f"now holds {st.st_size} bytes, opened with {identity[2]}" \
+        if st.st_size != identity[2] else "was written to or replaced"
+    raise FormatError(f"{mapped.path}: the file was truncated or replaced while {what} (it {now}); open it "
+                      "again") from cause
+
+
+def _identity(st) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def unchanged(fd: int, identity) -> bool:
     """Whether ``fstat(fd)`` still shows the file of ``identity`` (``(st_dev, st_ino, st_size, st_mtime_ns,
     st_ctime_ns)``, a mapping's): a read from ``fd`` that ends with this True read that file's bytes, as they
@@ -199,10 +261,9 @@ def unchanged(fd: int, identity) -> bool:
     >>> os.close(fd)
     """
     try:
-        st = os.fstat(fd)
+        return _identity(os.fstat(fd)) == tuple(identity)
     except OSError:
         return False
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == tuple(identity)
 
 
 def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True) -> int:
@@ -335,8 +396,7 @@ def same_file(mapped) -> int | None:
     except (OSError, TypeError, ValueError):
         return None
     try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == tuple(identity):
+        if _identity(os.fstat(fd)) == tuple(identity):
             return fd
     except OSError:
         pass
