@@ -171,7 +171,9 @@ def test_a_warm_file_is_copied_from_its_mapping(tmp_path, unified_device, pool, 
     _exact(loaded, TENSORS)
 
 
-def test_a_hugging_face_directory_reads_all_its_files_at_once(tmp_path, unified_device, pool, cold, monkeypatch):
+def _sharded_and_recorded(tmp_path, monkeypatch):
+    """``TENSORS`` as a Hugging Face directory of several shards, its shard paths, and the list that records the
+    files each read_into call reads (sorted paths)."""
     directory = str(tmp_path / "hf")
     fastckpt.save_sharded(directory, TENSORS, max_shard_size=600_000)
     calls = []
@@ -182,8 +184,13 @@ def test_a_hugging_face_directory_reads_all_its_files_at_once(tmp_path, unified_
         return real(fd, pairs, path, **kw)
 
     monkeypatch.setattr(readinto, "read_into", read_into_)
-    loaded = fastckpt.load_file(directory, unified_device.queue, pool=pool)
     shards = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
+    return directory, shards, calls
+
+
+def test_a_hugging_face_directory_reads_all_its_files_at_once(tmp_path, unified_device, pool, cold, monkeypatch):
+    directory, shards, calls = _sharded_and_recorded(tmp_path, monkeypatch)
+    loaded = fastckpt.load_file(directory, unified_device.queue, pool=pool)
     assert len(shards) > 2 and calls == [shards]  # one read of every shard's regions
     _exact(loaded, TENSORS)
 
@@ -271,19 +278,9 @@ def test_load_tree_of_a_cold_file_reads_every_tensor_exactly(tmp_path, cold_host
 
 
 def test_copies_of_a_hugging_face_directory_read_every_shard_at_once(tmp_path, cold_host, monkeypatch):
-    directory = str(tmp_path / "hf")
-    fastckpt.save_sharded(directory, TENSORS, max_shard_size=600_000)
-    calls = []
-    real = readinto.read_into
-
-    def read_into_(fd, pairs, path, **kw):
-        calls.append(sorted({pair[4] for pair in pairs}))
-        return real(fd, pairs, path, **kw)
-
-    monkeypatch.setattr(readinto, "read_into", read_into_)
+    directory, shards, calls = _sharded_and_recorded(tmp_path, monkeypatch)
     with fastckpt.open(directory) as r:
         out = cold_host.copies(r)
-    shards = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
     assert len(shards) > 2 and calls == [shards]
     assert list(out) == list(TENSORS) and all(out[k].tobytes() == v.tobytes() for k, v in TENSORS.items())
 
