@@ -92,7 +92,7 @@ from fastckpt._native.tensorindex import FLAG_DEFLATE, FLAG_FORTRAN_ORDER, FLAG_
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.staging import STAGING_CHUNK, STAGING_ROUND, Stager, batch_chunk, staging_chunk, staging_shape
 from fastckpt.device.tensor import Tensor, contiguous
-from fastckpt.errors import FormatError, NotZeroCopyWarning, TensorNotFoundError
+from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
 from fastckpt.formats.reader import TensorFile, guard
 from fastckpt.formats.readinto import DIRECT_ALIGN, cached, open_direct, raise_if_changed, read_checked, same_file
@@ -124,7 +124,7 @@ MERGE_GAP = 512 * 1024
 PART_ALIGN = 4096
 
 # A pooled load on a device that shares host memory (pocl, integrated GPUs) reads a file that is not in the page
-# cache (``mincore`` of a region's first and last page) straight from the file into its arenas, mapped for writing:
+# cache (``mincore`` of COLD_SAMPLES pages of each region) straight from the file into its arenas, mapped for writing:
 # ``O_DIRECT`` ``preadv`` of DIRECT_PIECE bytes from DIRECT_THREADS threads (fastckpt.formats.readinto), each
 # region placed in its arena at an address that agrees with its file offset modulo DIRECT_ALIGN, its unaligned head
 # and tail read through the page cache; every file of a Hugging Face directory at once. A direct read needs no page
@@ -149,8 +149,8 @@ class LoadReport:
     see ``load_file``'s ``staging``), ``staging_buffers`` how many, ``fill_threads``
     how many threads filled them (:mod:`fastckpt.device.staging`) and ``staging_fill`` the seconds during
     which one of them at least was writing; ``reads`` counts the ``preadv`` calls that read a cold file straight
-    into the arenas (:data:`DIRECT_READS`; 0 where the bytes were copied from the mapping); ``timings`` holds seconds for ``open``, ``plan``, ``allocate``, ``copy`` and
-    ``total``.
+    into the arenas (:data:`DIRECT_READS`; 0 where the bytes were copied from the mapping); ``timings`` holds
+    seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
 
     >>> report = load_file("model.safetensors", pool=pool).report    # doctest: +SKIP
     >>> report.mode, report.copies, report.pool_misses, report.file_reused  # doctest: +SKIP

@@ -71,8 +71,8 @@ from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
 from fastckpt.formats.readinto import DIRECT_ALIGN, open_direct, read_into, same_file
 
-__all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND",
-           "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN"]
+__all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "STAGING_CHUNK",
+           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).

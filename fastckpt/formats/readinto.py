@@ -36,8 +36,9 @@ import threading
 
 import numpy as np
 
-__all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "raise_if_changed", "read_checked", "read_ahead", "read_into", "same_file", "unchanged", "READ_PIECE",
-           "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN", "DIRECT_PIECE", "DIRECT_THREADS"]
+__all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "raise_if_changed", "read_checked", "read_ahead",
+           "read_into", "same_file", "unchanged", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN",
+           "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
 # (read_ahead_kb, 128 KiB by default, 8 MiB on this project's machines) per call, whatever the length asked for,
@@ -226,7 +227,7 @@ def raise_if_changed(mapped, what: str, cause: BaseException | None = None) -> N
     >>> os.truncate(p, 1); raise_if_changed(m, "reading it")
     Traceback (most recent call last):
     ...
-    fastckpt.errors.FormatError: ...: the file was truncated or replaced while reading it (it now holds 1 bytes, opened with 3); open it again
+    fastckpt.errors.FormatError: ...: the file was truncated or replaced while reading it (it now holds 1 bytes, ...
     """
     identity = getattr(mapped, "identity", None)
     if identity is None:
