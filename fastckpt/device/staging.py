@@ -25,7 +25,8 @@ into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
 How many threads and buffers (:func:`staging_shape`): threads from the cores
 this process may run on and the load's size (a part of ``FILL_SPLIT`` bytes at
 least each, ``MAX_FILL_THREADS`` at most); buffers enough to hold what the
-threads fill at once plus the two being copied, never more than the load needs
+threads fill at once plus the two being copied (and ``SPARE_BUFFERS`` more for
+a load in chunks under ``STAGING_CHUNK``), never more than the load needs
 nor more than the pool's ``max_staging_bytes`` allow.
 
 Where the load mapped the file itself (a path, not kept open by the pool), its
@@ -72,7 +73,7 @@ from fastckpt.device.pool import StagingBuffers
 from fastckpt.formats.readinto import DIRECT_ALIGN, open_direct, read_into, same_file
 
 __all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "STAGING_CHUNK",
-           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN"]
+           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN", "SPARE_BUFFERS"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
@@ -96,6 +97,12 @@ MIN_BATCHES = 32
 # ms into a 45 ms load at 50 GB/s; smaller ends cut that to the fill of RAMP_MIN bytes (docs/reading.md).
 RAMP = 3
 RAMP_MIN = 1024 * 1024
+
+# Staging buffers beyond what the fill threads fill at once and the two in flight, for loads in chunks under
+# STAGING_CHUNK: over the simulated link (bench --suite link, 256 MiB in 8 MiB chunks, 2 fill threads, a machine at
+# load average 12-15 whose fill rate moved 0.7-3.7 GB/s within seconds), 6 buffers ran at 1.05-1.18x the rate of 4
+# at 40-50 GB/s (0.92-0.97 of min(fill, link) against 0.78-0.91): two spare buffers absorb the fill's stalls.
+SPARE_BUFFERS = 2
 
 # One fill task copies at least this many bytes (a smaller one costs more in hand-over than the copy gains), and a
 # staging chunk is filled in parts of PART_OF_CHUNK of it, so that several threads share one buffer.
@@ -138,8 +145,11 @@ def staging_shape(total: int, chunk: int, cpus: int | None = None, max_bytes: in
     batches = max(1, -(-total // chunk))
     part = max(FILL_SPLIT, chunk // PART_OF_CHUNK)
     threads = max(1, min(cpus, MAX_FILL_THREADS, total // FILL_SPLIT))
-    # What the threads fill at once (whole buffers), plus one being copied and one ready to go.
+    # What the threads fill at once (whole buffers), plus one being copied and one ready to go; a load cut into
+    # smaller batches (under 2 GiB: batch_chunk) gets SPARE_BUFFERS more, which cost little at that size.
     buffers = -(-threads * min(part, chunk) // chunk) + 2
+    if 2 * RAMP_MIN <= chunk < STAGING_CHUNK:
+        buffers += SPARE_BUFFERS
     if max_bytes is not None:
         buffers = min(buffers, max(2, max_bytes // chunk))
     return Shape(chunk, max(1, min(buffers, batches)), threads)
