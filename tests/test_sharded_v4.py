@@ -381,3 +381,20 @@ def test_a_verified_rank_hashes_only_the_files_it_reads(tmp_path, monkeypatch):
     Loader(str(tmp_path / "c"), filter_func=TABLES_ONLY, shard_index=0, shard_num=4).load()
     with pytest.raises(Exception, match="model-00003-000.safetensors"):
         Loader(str(tmp_path / "c"), filter_func=TABLES_ONLY, shard_index=3, shard_num=4).load()
+
+
+def test_compact_converts_a_version_2_chain_into_version_4(tmp_path):
+    from fastckpt.sharded.reshard import compact
+
+    src = GOLDEN / "sharded-0.2.0" / "delta"  # format version 2, a delta on the version-1 "full"
+    with CheckpointReader(src) as r:
+        assert r.manifest["format_version"] == 2 and r.manifest["kind"] == "delta"
+    want = Loader(str(src)).load()
+    compact(src, tmp_path / "v4", shards=3, parallel=1)
+    with CheckpointReader(tmp_path / "v4") as r:
+        assert r.manifest["format_version"] == 4 and "kind" not in r.manifest and r.verify() == []
+    got = Loader(str(tmp_path / "v4")).load()
+    for name, table in want[0].items():
+        assert got[0][name] == table, name
+    for name, value in want[1].items():
+        assert got[1][name].tobytes() == value.tobytes() and got[1][name].dtype == value.dtype, name
