@@ -286,11 +286,12 @@ def _sliced(loader, manifest: dict) -> bool:
 
 def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     """fastckpt's layout: dense parts by rows, the id parts, then the owned rows (:meth:`Loader.owner_rule`). Under
-    format version 4's slice rule only the ids of the slice groups that meet the rank's slice are fetched, then its
-    one run of rows of each part; under another rule every id part whole, then the rows it owns."""
+    format version 4's slice rule, in one round, the rows of the slice groups that meet the rank's slice (its run of
+    rows lies in them) of the ids, the embedding and every slot; under another rule every id part whole, then the
+    rows it owns."""
     import numpy as np
 
-    from fastckpt.sharded.format import SliceRowError, group_rows, parse_part_key, rows_of, slice_of, slice_run
+    from fastckpt.sharded.format import group_rows, rows_of
 
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
     offsets = share.headers(sorted(set(share.sizes) - set(metadata)),
@@ -333,36 +334,36 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
                   if k in offsets and not d.get("dense") and (d.get("table"), tuple(d.get("part", ()))) in parts}
         share.fetch({name: [(0, share.sizes[name])] for name in files})
         return
+    # Version 4 under its slice rule: the rows of the same groups of the embedding and slots, in the same round as
+    # the ids (the rank's run lies in them; the Loader reads that run and checks the ids): no second round.
+    for key, (r0, r1) in ranges.items():
+        for other in _part_tensors(descriptions, key, offsets):
+            first.setdefault(offsets[other][0], []).extend(
+                _row_spans(np.arange(r0, r1), descriptions[key]["shape"][0], offsets[other]))
     share.fetch(first)
     rows_plan: dict[str, list[tuple[int, int]]] = {}
     for key in id_parts:
-        table = descriptions[key]["table"]
-        entry = manifest["hashtables"].get(table, {})
-        ranged = ranges.get(key)
-        if ranged is not None:  # version 4, the checkpoint's slice rule: the ids of the groups fetched, one run
-            name, begin, _, _ = offsets[key]
-            r0, r1 = ranged
-            ids = np.fromfile(f"{share.local}/{name}", np.int64, r1 - r0, offset=begin + 8 * r0)
-            size = entry["partition"]["slice_size"]
-            try:
-                lo, hi = slice_run(ids, r0, descriptions[key]["slices"]["rows"], size,
-                                   slice_of(loader.shard_index, loader.shard_num, size))
-            except SliceRowError:
-                continue  # damaged: the Loader reads the same ids and names the problem
-            mine, n_rows = np.arange(lo, hi), descriptions[key]["shape"][0]
-        else:
-            ids = share.ids(offsets[key])
-            n_rows = len(ids)
-            mine = np.flatnonzero(np.asarray(loader.owner_rule(entry)(ids, loader.shard_num)) == loader.shard_index) \
-                if len(ids) else ids
+        if key in ranges:
+            continue
+        entry = manifest["hashtables"].get(descriptions[key]["table"], {})
+        ids = share.ids(offsets[key])
+        mine = np.flatnonzero(np.asarray(loader.owner_rule(entry)(ids, loader.shard_num)) == loader.shard_index) \
+            if len(ids) else ids
         if not len(mine):
             continue
-        i, n = parse_part_key(key)[1:]
-        for other, desc in descriptions.items():
-            if desc.get("table") == table and desc.get("role") in ("embedding", "slot") \
-                    and parse_part_key(other)[1:] == (i, n) and other in offsets:
-                rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, n_rows, offsets[other]))
+        for other in _part_tensors(descriptions, key, offsets):
+            rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, len(ids), offsets[other]))
     share.fetch(rows_plan)
+
+
+def _part_tensors(descriptions: dict, id_key: str, offsets: dict) -> list[str]:
+    """The stored keys of the embedding and slot parts beside id part ``id_key`` (those the headers place)."""
+    from fastckpt.sharded.format import parse_part_key
+
+    table, part = descriptions[id_key]["table"], parse_part_key(id_key)[1:]
+    return [key for key, desc in descriptions.items()
+            if desc.get("table") == table and desc.get("role") in ("embedding", "slot")
+            and parse_part_key(key)[1:] == part and key in offsets]
 
 
 def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
