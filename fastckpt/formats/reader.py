@@ -40,6 +40,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from fastckpt.arrays import packed_array
 from fastckpt._native.mapped import MappedFile, held_guards
 from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
@@ -139,6 +140,9 @@ class TensorFile(ReaderMapping):
                 self._read_ahead(view)
             return view
         info = self.info(name)
+        if info.packed is not None:  # sub-byte elements: the stored bytes, typed by a PackedArray
+            raw = self.mapped.array(info.offset, np.dtype(np.uint8), (info.nbytes,), what=f"tensor {name!r}")
+            return packed_array(raw, info.packed, info.shape)
         if info.compression is None:
             order = "F" if info.fortran_order else "C"
             return self.mapped.array(info.offset, info.dtype, info.shape, order=order, what=f"tensor {name!r}")
