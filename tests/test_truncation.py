@@ -1,7 +1,8 @@
 """A file truncated after fastckpt mapped it: every copy fastckpt makes out of it is a FormatError, never SIGBUS.
 
-Each case runs in its own interpreter (a regression would kill the process, not pytest). There the mapping
-class is replaced by one that truncates the file to its first page right after mapping it, the moment a
+Each case runs in its own process (a regression would kill the process, not pytest): a child forked from one
+server interpreter that has imported numpy and fastckpt once (OpenCL is started in the child, never in the
+server), which saves each case an interpreter start and its imports. There the mapping class is replaced by one that truncates the file to its first page right after mapping it, the moment a
 writer truncating in place (not fastckpt's: it renames) could strike. The case passes when the read path
 raises a FormatError naming the file and saying it was "truncated or replaced while reading"; it fails
 when the interpreter dies (SIGBUS is return code -7) or anything else happens. The reads that never touched
@@ -11,6 +12,7 @@ the file shrank.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -245,19 +247,78 @@ CASES = {
 SHORT_READ = {"pread-backend-host": "shrank while open", "tf-reader-host": ""}
 
 
-def run_case(name: str, tmp_path) -> subprocess.CompletedProcess:
+def case_script(name: str) -> str:
     body = textwrap.dedent(CASES[name])
-    script = PRELUDE + "\ntry:\n" + textwrap.indent(body, "    ") + (
+    return PRELUDE + "\ntry:\n" + textwrap.indent(body, "    ") + (
         "\nexcept FormatError as e:\n    print('FORMATERROR', e)\n    sys.exit(0)\n"
         "print('NO ERROR')\nsys.exit(3)\n")
+
+
+# The server: imports what PRELUDE imports, and only that (a module imported before PRELUDE replaces the mapping class
+# would keep the real one; pyopencl: OpenCL must not be started before a fork), then for each
+# request {"script", "dir"} forks a child that runs the script as `python -c script dir` would (its stdout and stderr
+# to the files dir.stdout and dir.stderr), and answers with the child's return code (-N: killed by signal N, as subprocess reports it).
+SERVER = r"""
+import json, os, signal, sys, time, traceback
+import numpy, fastckpt, fastckpt.errors, fastckpt._native.mapped, fastckpt.formats.reader, fastckpt.formats.npz
+import fastckpt.formats.tf.reader
+assert "pyopencl" not in sys.modules, "the server must not load OpenCL before it forks"
+for line in sys.stdin:
+    request = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                os.dup2(os.open(request["dir"] + "." + name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.argv = ["-c", request["dir"]]
+            exec(compile(request["script"], "<case>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + request["timeout"]
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            done, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def server():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", script, str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    process = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", SERVER], cwd=ROOT, env=env, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    yield process
+    process.stdin.close()
+    process.wait(60)
+
+
+def run_case(server, name: str, tmp_path) -> subprocess.CompletedProcess:
+    """Run case ``name`` in a child forked from ``server``, as ``python -X faulthandler -c script tmp_path`` would."""
+    server.stdin.write(json.dumps({"script": case_script(name), "dir": str(tmp_path), "timeout": 300}) + "\n")
+    server.stdin.flush()
+    reply = server.stdout.readline()
+    assert reply, f"the case server died (exit {server.poll()})"
+    out, err = (open(f"{tmp_path}.{kind}", errors="replace").read() for kind in ("stdout", "stderr"))  # beside it
+    return subprocess.CompletedProcess(name, json.loads(reply)["returncode"], out, err)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_truncated_after_mapping_is_a_format_error(name, tmp_path):
-    r = run_case(name, tmp_path)
+def test_truncated_after_mapping_is_a_format_error(name, tmp_path, server):
+    r = run_case(server, name, tmp_path)
     if r.returncode == 77:
         pytest.skip(r.stdout.strip())
     assert r.returncode != -signal.SIGBUS, f"{name}: killed by SIGBUS\n{r.stderr[-2000:]}"
