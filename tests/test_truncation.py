@@ -12,7 +12,6 @@ the file shrank.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -254,66 +253,23 @@ def case_script(name: str) -> str:
         "print('NO ERROR')\nsys.exit(3)\n")
 
 
-# The server: imports what PRELUDE imports, and only that (a module imported before PRELUDE replaces the mapping class
-# would keep the real one; pyopencl: OpenCL must not be started before a fork), then for each
-# request {"script", "dir"} forks a child that runs the script as `python -c script dir` would (its stdout and stderr
-# to the files dir.stdout and dir.stderr), and answers with the child's return code (-N: killed by signal N, as subprocess reports it).
-SERVER = r"""
-import json, os, signal, sys, time, traceback
-import numpy, fastckpt, fastckpt.errors, fastckpt._native.mapped, fastckpt.formats.reader, fastckpt.formats.npz
-import fastckpt.formats.tf.reader
-assert "pyopencl" not in sys.modules, "the server must not load OpenCL before it forks"
-for line in sys.stdin:
-    request = json.loads(line)
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            for fd, name in ((1, "stdout"), (2, "stderr")):
-                os.dup2(os.open(request["dir"] + "." + name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-            sys.argv = ["-c", request["dir"]]
-            exec(compile(request["script"], "<case>", "exec"), {"__name__": "__main__"})
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + request["timeout"]
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            done, status = os.waitpid(pid, 0)
-            break
-        time.sleep(0.005)
-    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def server():
+    """Children forked from one interpreter that made PRELUDE's imports (tests/_forkserver.py): a case's own
+    process, without an interpreter start and those imports each time."""
+    from _forkserver import ForkServer
+
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    process = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", SERVER], cwd=ROOT, env=env, text=True,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    yield process
-    process.stdin.close()
-    process.wait(60)
+    imports = "import os, sys, numpy, fastckpt, fastckpt.errors\n" + "\n".join(
+        line for line in PRELUDE.splitlines() if line.startswith("import fastckpt."))
+    forks = ForkServer(imports, env=env, cwd=ROOT)
+    yield forks
+    forks.close()
 
 
 def run_case(server, name: str, tmp_path) -> subprocess.CompletedProcess:
-    """Run case ``name`` in a child forked from ``server``, as ``python -X faulthandler -c script tmp_path`` would."""
-    server.stdin.write(json.dumps({"script": case_script(name), "dir": str(tmp_path), "timeout": 300}) + "\n")
-    server.stdin.flush()
-    reply = server.stdout.readline()
-    assert reply, f"the case server died (exit {server.poll()})"
-    out, err = (open(f"{tmp_path}.{kind}", errors="replace").read() for kind in ("stdout", "stderr"))  # beside it
-    return subprocess.CompletedProcess(name, json.loads(reply)["returncode"], out, err)
+    """Case ``name`` in a process of its own, as ``python -X faulthandler -c script tmp_path`` runs it."""
+    return server.run(case_script(name), str(tmp_path), timeout=300)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
