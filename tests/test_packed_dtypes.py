@@ -43,7 +43,7 @@ def _reference() -> bytes:
     })
 
 
-def _hand_built(entries: list[tuple[str, str, list[int], bytes]]) -> bytes:
+def hand_built(entries: list[tuple[str, str, list[int], bytes]]) -> bytes:
     """A file laid out as the reference writer lays it out (tensors in the given order, compact JSON, the header
     padded with spaces to 8 bytes); its Python API writes no F6, so F6 files are built here."""
     header, offset = {}, 0
@@ -100,7 +100,7 @@ def test_packed_tensors_read_as_their_stored_bytes_with_the_logical_shape(refere
 
 
 def test_f6_and_odd_f4_read_as_the_reference_reader_reads_them(tmp_path):
-    blob = _hand_built(F6_FILE)
+    blob = hand_built(F6_FILE)
     reference = dict(safetensors.deserialize(blob))
     path = tmp_path / "f6.safetensors"
     path.write_bytes(blob)
@@ -256,7 +256,7 @@ def test_torch_float4_errors_name_the_tensor(tmp_path):
         fastckpt.save_npz(tmp_path / "t.npz", {"w": torch.ones(2), "layer.q": q})
     # F4 with an odd last dimension has no float4_e2m1fn_x2 form: named, with the way out.
     path = tmp_path / "odd.safetensors"
-    path.write_bytes(_hand_built([("odd", "F4", [2, 3], F4_BYTES[:3])]))
+    path.write_bytes(hand_built([("odd", "F4", [2, 3], F4_BYTES[:3])]))
     with fastckpt.open(path) as f, pytest.raises(PackedTypeError, match=r"tensor 'odd' is F4 of shape \[2, 3\]"):
         fastckpt.to_torch(f.hosts())
     # F6 has no torch type.

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from fastckpt import FormatError
 from fastckpt.formats.safetensors import dtype_to_safetensors, read_safetensors_index, read_tensor, save_safetensors
+from test_packed_dtypes import hand_built  # a file laid out as safetensors' own writer lays it out
 
 BACKENDS = ["mmap", "pread"]
 # A short fuzz in the default run; the *_long tests (-m slow) run 5000 inputs each.
@@ -67,15 +68,9 @@ def _seed_files() -> list[bytes]:
                        metadata={"framework": "np"})
     seeds.append(ref.read_bytes())
     # Packed types, laid out as the reference writer lays them out (its Python API writes no F6).
-    packed = [("f", "F32", [1], bytes(4)), ("t", "F6_E3M2", [2, 4], bytes(range(6))), ("s", "F6_E2M3", [4], b"\1\2\3"),
-              ("q", "F4", [2, 3], b"\x21\x43\xf5"), ("z", "F4", [0, 3], b"")]
-    header, offset = {}, 0
-    for name, dtype_name, shape, data in packed:
-        header[name] = {"dtype": dtype_name, "shape": shape, "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    seeds.append(struct.pack("<Q", len(raw)) + raw + b"".join(d for *_, d in packed))
+    seeds.append(hand_built([("f", "F32", [1], bytes(4)), ("t", "F6_E3M2", [2, 4], bytes(range(6))),
+                             ("s", "F6_E2M3", [4], b"\1\2\3"), ("q", "F4", [2, 3], b"\x21\x43\xf5"),
+                             ("z", "F4", [0, 3], b"")]))
     return seeds
 
 
