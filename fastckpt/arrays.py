@@ -182,8 +182,9 @@ def _refuse_packed(array: PackedArray, name: str | None, where: str | None) -> N
     raise PackedTypeError(
         f"{what} is packed {array.packed} ({PACKED_BITS[array.packed]}-bit elements, logical shape "
         f"{list(array.logical_shape)}), which {where or 'this path'} cannot hold: only safetensors stores packed "
-        "types (fastckpt.save_safetensors writes it as it was read); "
-        + ("to keep the values elsewhere, widen them first: a.unpack().astype(np.float32)" if array.packed == "F4"
+        "types (fastckpt.save_safetensors writes it as safetensors does); "
+        + ("to keep the values elsewhere, widen them first: fastckpt.arrays.to_numpy(t, packed=True).unpack()"
+           ".astype(np.float32)" if array.packed == "F4"
            else "to keep the bytes elsewhere, store a.bytes_view() as uint8 and record the type and shape"))
 
 
