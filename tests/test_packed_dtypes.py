@@ -7,6 +7,7 @@ logical shape in the header. safetensors' own serialisation is the reference for
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import ml_dtypes
@@ -143,6 +144,27 @@ def test_save_and_reopen_file(tmp_path, reference_file):
         save_safetensors(out, f.hosts(), alignment=8, fsync=False)
     assert out.read_bytes() == reference_file.read_bytes()
     assert bytes(dict(safetensors.deserialize(out.read_bytes()))["q"]["data"]) == F4_BYTES
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_a_large_packed_tensor_of_a_cold_file_reads_as_its_bytes(tmp_path, backend):
+    # Large tensors of a file not in the page cache are read straight into new arrays (pread's host(), load_tree):
+    # a packed one must come back as its stored bytes too, never reshaped to its element count.
+    from fastckpt.formats.reader import COPY_READ_MIN, copies
+
+    data = np.random.default_rng(0).integers(0, 256, COPY_READ_MIN * 2, dtype=np.uint8)
+    path = tmp_path / "big.safetensors"
+    save_safetensors(path, {"q": packed_array(data, "F4", (2, COPY_READ_MIN * 2)), "w": np.ones(3, np.float32)},
+                     fsync=False)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache: the cold read paths
+    os.close(fd)
+    with fastckpt.open(path, backend=backend) as f:
+        q = f.host("q")
+        assert (type(q), q.packed, q.logical_shape) == (PackedArray, "F4", (2, COPY_READ_MIN * 2))
+        assert np.array_equal(q.bytes_view(), data)
+        copied = copies(f)
+        assert copied["q"].packed == "F4" and np.array_equal(copied["q"].bytes_view(), data)
 
 
 def test_float4_pack_unpack_every_code():

@@ -194,7 +194,7 @@ import numpy as np
 
 from fastckpt.arrays import PACKED_BITS, is_packed, packed_nbytes, to_numpy
 from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FastCkptWarning, FormatError
-from fastckpt.store.commit import Commit, resolve_overwrite, write_file
+from fastckpt.store.commit import Commit, overwrite_flag, write_file
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.formats.safetensors import (
@@ -344,7 +344,7 @@ def save_sharded(
     fsync: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
     progress=False,
-    overwrite: bool | None = None,
+    overwrite: bool = False,
 ) -> list[str]:
     """Write ``tensors`` (name -> array-like) into ``directory`` as Hugging Face sharded safetensors, atomically.
 
@@ -362,8 +362,7 @@ def save_sharded(
     written, the index last. ``progress`` (``True`` for a bar, or
     ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts the
     tensors' bytes over all shards. A previous save with the same prefix is
-    replaced only with ``overwrite=True`` (left out, it is still replaced,
-    with a ``FutureWarning``: docs/overwrite.md). An ``OSError`` names the
+    replaced only with ``overwrite=True`` (docs/overwrite.md). An ``OSError`` names the
     file under ``directory`` (the staging folder only as detail); a failed
     save leaves nothing it created.
 
@@ -398,9 +397,7 @@ def save_sharded(
     index = None if single else _index_bytes(weight_map, total, user)
 
     directory = os.fspath(directory)
-    previous = [p for p in (os.path.join(directory, index_name), os.path.join(directory, f"{prefix}.safetensors"))
-                if os.path.lexists(p)]
-    overwrite = resolve_overwrite(overwrite, previous[0] if previous else directory, bool(previous))
+    overwrite = overwrite_flag(overwrite)
     started = time.perf_counter()
     entry = index_name if index is not None else names[0]
     with Commit(os.path.join(directory, prefix), kind="files", overwrite=overwrite, fsync=fsync,
@@ -550,6 +547,8 @@ class HFShardedDirectory(MultiFileReader):
             self.close()
             raise
         self._parts = tuple((self.files[file], tuple(names)) for file, names in self._by_file.items())
+        order = list(self.files)
+        self._following = {file: self.files[later] for file, later in zip(order, order[1:])}
 
     def _open(self, options: dict) -> None:
         if os.path.isdir(self.path):
@@ -655,7 +654,13 @@ class HFShardedDirectory(MultiFileReader):
             file = self.weight_map[name]
         except (KeyError, TypeError):
             raise tensor_not_found(self.path, name, self.infos) from None
-        return self.files[file].host(name)
+        f = self.files[file]
+        view = f.host(name)
+        if f._ahead >= f._size:  # this shard is read ahead to its end: the next one starts (reads several at once)
+            following = self._following.get(file)
+            if following is not None:
+                following.read_ahead_start()
+        return view
 
     def parts(self) -> tuple[tuple[TensorFile, tuple[str, ...]], ...]:
         """``(file, names)`` for each shard: its :class:`~fastckpt.formats.reader.TensorFile` and the reader's

@@ -159,22 +159,6 @@ def flatten_tree(tree: Tree) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return arrays, structure
 
 
-def _overwrite_as_the_caller_asked(path: str | os.PathLike, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with ``overwrite`` decided here when the caller left it out, so that the FutureWarning of a
-    replace nobody asked for points at the caller's line (save_tree's caller), not at save_tree's call of a writer.
-
-    >>> _overwrite_as_the_caller_asked("absent.safetensors", {"fsync": False})
-    {'fsync': False, 'overwrite': False}
-    """
-    from fastckpt.formats.remote import is_url
-
-    if options.get("overwrite") is not None or is_url(os.fspath(path)):
-        return options
-    from fastckpt.formats.atomic import resolve_overwrite
-
-    return {**options, "overwrite": resolve_overwrite(None, path, os.path.lexists(path), stacklevel=4)}
-
-
 def save_tree(path: str | os.PathLike, tree: Tree, *, metadata: Mapping[str, str] | None = None,
               **options: Any) -> None:
     """Save a tree (dicts, lists, tuples of arrays and Python values) to one file (``.npz``: NPZ, else
@@ -205,7 +189,7 @@ def save_tree(path: str | os.PathLike, tree: Tree, *, metadata: Mapping[str, str
                              "to record the structure); save the tree as .safetensors")
         from fastckpt.formats.npz import save_npz
 
-        save_npz(path, arrays, **_overwrite_as_the_caller_asked(path, options))
+        save_npz(path, arrays, **options)
         return
     for key in (TREE_METADATA_KEY, TREE_VERSION_KEY):
         if metadata and key in metadata:
@@ -214,7 +198,7 @@ def save_tree(path: str | os.PathLike, tree: Tree, *, metadata: Mapping[str, str
 
     meta = {**(metadata or {}), TREE_VERSION_KEY: TREE_VERSION,
             TREE_METADATA_KEY: json.dumps(structure, separators=(",", ":"), ensure_ascii=False)}
-    save_safetensors(path, arrays, meta, **_overwrite_as_the_caller_asked(path, options))
+    save_safetensors(path, arrays, meta, **options)
 
 
 def load_tree(path: str | os.PathLike, **options: Any) -> ArrayTree:
@@ -231,10 +215,13 @@ def load_tree(path: str | os.PathLike, **options: Any) -> ArrayTree:
     >>> load_tree(path)
     {'enc': {'b': array([1.]), 'w': array([0.])}}
     """
+    from fastckpt.formats.reader import copies
     from fastckpt.formats.reader import open as open_reader
 
     with open_reader(path, **options) as f:
         names = list(f.keys())
+        # Every tensor's private copy at once: a cold file is read straight into them, all its tensors together.
+        f = _Copied(f, copies(f, names))
         metadata = f.metadata or {}
         text = metadata.get(TREE_METADATA_KEY)
         if text is None:
@@ -260,6 +247,16 @@ def load_tree(path: str | os.PathLike, **options: Any) -> ArrayTree:
                               f"{sorted(set(listed) - set(names))[:3]} that the file does not hold, or the file "
                               f"holds {sorted(set(names) - set(listed))[:3]} that it does not list")
         return _build(structure, "", f, where)
+
+
+class _Copied:
+    """The reader ``load_tree`` builds from: ``host(name)`` is the tensor's copy (made by ``reader.copies``)."""
+
+    def __init__(self, reader, arrays: dict):
+        self.path, self.metadata, self._arrays = reader.path, reader.metadata, arrays
+
+    def host(self, name: str):
+        return self._arrays[name]
 
 
 def _insert(structure: dict, name: str, where: str) -> None:
@@ -317,7 +314,7 @@ def _build(node: Any, path: str, reader: Any, where: str) -> Any:
     if isinstance(node, dict):
         return {key: _build(child, _join(path, key), reader, where) for key, child in node.items()}
     if node == 0 and type(node) is int:
-        return np.array(reader.host(path), copy=True)
+        return reader.host(path)  # a private copy already (load_tree)
     tag, *payload = node
     if tag == "scalar":
         array = reader.host(path)
