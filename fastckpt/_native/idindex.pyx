@@ -5,7 +5,9 @@ ids mixed by splitmix64's finalizer, at most 70% full (it doubles before a call 
 backward shift (no tombstones, so lookups never slow down). Every call takes whole arrays and loops in C; the
 caller keeps the rows themselves (the index only numbers them). The loops hold the GIL on purpose: the buckets
 are freed and replaced as the index grows, so a loop that ran beside another thread's call could read freed
-memory; holding the GIL, a table misused from two threads gives wrong answers, never a crash.
+memory; holding the GIL, a table misused from two threads gives wrong answers, never a crash. The one exception is
+``fill``, the bulk build of a new index: it fills buckets of its own without the GIL and makes them the index's only
+once it holds the GIL again, so no other call ever sees them half built.
 
 >>> import numpy as np
 >>> index = IdIndex()
@@ -25,10 +27,15 @@ from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
 
+cdef extern from *:
+    void __builtin_prefetch(const void* address, int write, int locality) nogil
+
 DEF _MIN_BUCKETS = 16
 # Grow when more than _LOAD_NUM / _LOAD_DEN of the buckets would be full.
 DEF _LOAD_NUM = 7
 DEF _LOAD_DEN = 10
+# fill(): how many ids ahead the home bucket is fetched
+DEF _PREFETCH = 16
 
 
 cdef inline uint64_t _mix(int64_t key) noexcept nogil:
@@ -170,6 +177,38 @@ cdef class IdIndex:
                 missing += 1
         return missing
 
+    def fill(self, const int64_t[::1] keys):
+        """Number the ids of an empty index: ``keys[i]`` gets row ``i`` (a repeated id keeps the row of its first
+        occurrence). Returns how many distinct ids were added (``len(keys)`` when none repeats).
+
+        The bulk build of a loader: the buckets are new memory, filled without the GIL (other threads run meanwhile;
+        this index stays empty to them until the call returns). Raises ``ValueError`` where the index is not empty.
+        """
+        if self._count:
+            raise ValueError(f"fill: the index holds {self._count} ids; fill numbers those of an empty index "
+                             "(upsert adds to one)")
+        cdef Py_ssize_t n = keys.shape[0]
+        cdef Py_ssize_t buckets = _buckets_for(n)
+        if buckets < self._buckets:
+            buckets = self._buckets  # keep the capacity asked for when the index was made
+        cdef int64_t* new_keys = <int64_t*>malloc(buckets * sizeof(int64_t))
+        cdef int64_t* new_rows = <int64_t*>malloc(buckets * sizeof(int64_t))
+        if new_keys == NULL or new_rows == NULL:
+            free(new_keys)
+            free(new_rows)
+            raise MemoryError(f"IdIndex.fill: cannot allocate {buckets} buckets")
+        cdef Py_ssize_t added = 0
+        cdef const int64_t* first = &keys[0] if n else NULL
+        with nogil:
+            added = _fill(first, n, new_keys, new_rows, buckets)
+        free(self._keys)
+        free(self._rows)
+        self._keys = new_keys
+        self._rows = new_rows
+        self._buckets = buckets
+        self._count = added
+        return added
+
     def upsert(self, const int64_t[::1] keys, int64_t[::1] rows, int64_t next_row):
         """``rows[i]`` = the row of ``keys[i]``; an absent id is added with the row ``next_row + (new ids before
         it)``. A repeated id gets the same row each time. Returns how many ids were added (rows ``next_row`` on)."""
@@ -217,6 +256,39 @@ cdef class IdIndex:
             self._rows[at] = rows[i]
         if bad >= 0:
             raise KeyError(f"assign: id {keys[bad]} is not in the index")
+
+
+cdef inline Py_ssize_t _place(int64_t* keys, int64_t* rows, Py_ssize_t mask, int64_t key,
+                              int64_t row) noexcept nogil:
+    """Put ``key`` with ``row`` where it is absent; returns 1 where it was added, 0 where it was there already."""
+    cdef Py_ssize_t i = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
+    while rows[i] >= 0:
+        if keys[i] == key:
+            return 0
+        i = (i + 1) & mask
+    keys[i] = key
+    rows[i] = row
+    return 1
+
+
+cdef Py_ssize_t _fill(const int64_t* keys, Py_ssize_t n, int64_t* bucket_keys, int64_t* bucket_rows,
+                      Py_ssize_t buckets) noexcept nogil:
+    """``keys[i]`` -> row ``i`` into empty buckets (``buckets`` a power of two); returns how many were added (a
+    repeated id meets its first occurrence already placed and is not added again).
+
+    Almost every id of a large index misses the cache at its home bucket: the home bucket of the id
+    ``_PREFETCH`` places ahead is fetched meanwhile, so that the misses overlap.
+    """
+    cdef Py_ssize_t mask = buckets - 1, i, ahead
+    cdef Py_ssize_t added = 0
+    memset(bucket_rows, 0xFF, buckets * sizeof(int64_t))  # every row -1: empty
+    for i in range(n):
+        if i + _PREFETCH < n:
+            ahead = <Py_ssize_t>(_mix(keys[i + _PREFETCH]) & <uint64_t>mask)
+            __builtin_prefetch(&bucket_rows[ahead], 1, 3)
+            __builtin_prefetch(&bucket_keys[ahead], 1, 3)
+        added += _place(bucket_keys, bucket_rows, mask, keys[i], i)
+    return added
 
 
 def last_occurrence(const int64_t[::1] rows, uint8_t[::1] keep, int64_t row_count):

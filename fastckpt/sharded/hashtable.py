@@ -668,9 +668,8 @@ class HashTable:
                     and array.shape == (capacity, *shape) and array.flags.c_contiguous and array.flags.writeable):
                 raise TypeError(f"adopt: {what} must be a writeable, C-contiguous {(capacity, *shape)} array "
                                 f"of {dtype}")
-        index = IdIndex(m)
-        where = np.empty(m, np.int64)
-        if m and index.upsert(ids[:m], where, 0) != m:
+        index = IdIndex()
+        if index.fill(ids[:m]) != m:  # built without the GIL: the copies of other threads go on meanwhile
             raise ValueError(f"adopt: the ids must be distinct ({m - len(np.unique(ids[:m]))} repeated)")
         self._index, self._n = index, m
         self._ids, self._values = ids, values
