@@ -78,6 +78,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -306,7 +307,8 @@ class Against:
     calls (``rank_state``, ``sharded_save``, ``sharded_load``: its own fastckpt's Saver and Loader). It builds
     the same ranks' state from the same seeds (the same bytes); its loads read the checkpoints this process
     saved (the format is the same). Messages are JSON lines; each call returns once the worker has finished
-    and dropped what it made, as a run timed here does.
+    and dropped what it made, as a run timed here does; a save or load answers ``{"seconds", "cpu"}``, its wall time
+    and the worker's CPU time (user + system, every thread) measured there.
     """
 
     def __init__(self, folder: str):
@@ -337,6 +339,15 @@ class Against:
             self._process.wait(timeout=60)
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, every thread (microseconds, where ``os.times`` counts
+    clock ticks)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _worker() -> int:
     """The --against worker's loop: one JSON request a line on stdin, one JSON answer a line on stdout."""
     import fastckpt
@@ -356,14 +367,16 @@ def _worker() -> int:
                 states = [rank_state(ids, request["dim"], rank, request["ranks"]) for rank in range(request["ranks"])]
                 dense = dense_tensors(request["dense_mib"])
                 value = None
-            elif op == "save":
-                value = sharded_save(Path(request["path"]), states, dense, request["parallel"])
-            elif op == "load":
-                value = sharded_load(Path(request["path"]), request["ranks"], request["dim"], request["parallel"],
-                                     verify=request["verify"])
+            elif op in ("save", "load"):
+                started, cpu = time.perf_counter(), _cpu_seconds()
+                if op == "save":
+                    sharded_save(Path(request["path"]), states, dense, request["parallel"])
+                else:
+                    sharded_load(Path(request["path"]), request["ranks"], request["dim"], request["parallel"],
+                                 verify=request["verify"])  # dropped at once, as a timed run here drops it
+                value = {"seconds": time.perf_counter() - started, "cpu": _cpu_seconds() - cpu}
             else:
                 raise ValueError(f"unknown request {op!r}")
-            value = None if op not in ("where",) else value
         except Exception as exc:  # noqa: BLE001 - told to the parent, which raises it
             print(json.dumps({"error": f"{op}: {type(exc).__name__}: {exc}"}), flush=True)
             continue
