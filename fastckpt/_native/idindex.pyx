@@ -201,6 +201,13 @@ cdef class IdIndex:
 
         The bulk build of a loader: the buckets are new memory, filled without the GIL (other threads run meanwhile;
         this index stays empty to them until the call returns). Raises ``ValueError`` where the index is not empty.
+
+        >>> import numpy as np
+        >>> index = IdIndex()
+        >>> index.fill(np.array([30, -5, 30, 8]))  # 30 repeats: three distinct ids
+        3
+        >>> rows = np.empty(3, np.int64); index.find(np.array([8, 30, -5]), rows), rows.tolist()
+        (0, [3, 0, 1])
         """
         if self._count:
             raise ValueError(f"fill: the index holds {self._count} ids; fill numbers those of an empty index "

@@ -309,6 +309,12 @@ class Against:
     saved (the format is the same). Messages are JSON lines; each call returns once the worker has finished
     and dropped what it made, as a run timed here does; a save or load answers ``{"seconds", "cpu"}``, its wall time
     and the worker's CPU time (user + system, every thread) measured there.
+
+    >>> import fastckpt
+    >>> worker = Against(os.path.dirname(os.path.dirname(fastckpt.__file__)))  # this checkout, say
+    >>> worker.where == os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
+    True
+    >>> worker.close()
     """
 
     def __init__(self, folder: str):
@@ -322,7 +328,16 @@ class Against:
         self.where = self.call("where")
 
     def call(self, op: str, **args) -> Any:
-        """Run ``op`` in the worker; its answer, or a ``RuntimeError`` with the worker's error."""
+        """Run ``op`` in the worker (``"where"``: the folder of the fastckpt it imported; ``"state"``, ``"save"``,
+        ``"load"``: what :func:`measure`'s rounds ask of it); its answer, or a ``RuntimeError`` with the worker's
+        error.
+
+        >>> import fastckpt
+        >>> worker = Against(os.path.dirname(os.path.dirname(fastckpt.__file__)))
+        >>> worker.call("where") == worker.where
+        True
+        >>> worker.close()
+        """
         self._process.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self._process.stdin.flush()
         line = self._process.stdout.readline()
@@ -334,6 +349,11 @@ class Against:
         return answer.get("value")
 
     def close(self) -> None:
+        """End the worker (its input closed, its exit awaited).
+
+        >>> import fastckpt
+        >>> worker = Against(os.path.dirname(os.path.dirname(fastckpt.__file__))); worker.close(); worker.close()
+        """
         if self._process.poll() is None:
             self._process.stdin.close()
             self._process.wait(timeout=60)
