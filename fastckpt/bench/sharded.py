@@ -75,6 +75,7 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -459,16 +460,37 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
     }
     prepare = {RAW_SAVE: lambda: fresh(RAW_SAVE), SAVE: lambda: fresh(SAVE)}
     if against is not None:
-        paths[SAVE + BEFORE] = lambda: against.call("save", path=str(current[SAVE + BEFORE]), parallel=parallel)
+        # On a busy machine the CPU time each run took (this process's, or the worker's for a (before) row) says
+        # more than its wall time: both are kept.
+        cpu: dict[str, list[float]] = {}
+
+        def in_worker(name: str, op: str, **args) -> None:
+            cpu.setdefault(name, []).append(against.call(op, **args)["cpu"])
+
+        def here(name: str, run: Callable[[], Any]) -> Callable[[], Any]:
+            def counted():
+                started = _cpu_seconds()
+                try:
+                    return run()
+                finally:
+                    cpu.setdefault(name, []).append(_cpu_seconds() - started)
+            return counted
+
+        for name in (RAW_SAVE, SAVE, RAW_LOAD, LOAD, LOAD_VERIFIED):
+            paths[name] = here(name, paths[name])
+        paths[SAVE + BEFORE] = lambda: in_worker(SAVE + BEFORE, "save", path=str(current[SAVE + BEFORE]),
+                                                 parallel=parallel)
         for name, verify in ((LOAD + BEFORE, False), (LOAD_VERIFIED + BEFORE, True)):
-            paths[name] = lambda verify=verify: against.call("load", path=str(checkpoint), ranks=ranks, dim=dim,
-                                                             parallel=parallel, verify=verify)
+            paths[name] = lambda name=name, verify=verify: in_worker(name, "load", path=str(checkpoint), ranks=ranks,
+                                                                     dim=dim, parallel=parallel, verify=verify)
         prepare[SAVE + BEFORE] = lambda: fresh(SAVE + BEFORE)
     timings = round_robin(paths, repeat, warmup=0, prepare=prepare, sync=True, settle=SETTLE)
     result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel,
               "checkpoint_bytes": directory_bytes(checkpoint), "timings": timings,
               "save_peak": save_peak.growth, "save_anon": save_peak.anon_growth,
               "load_peak": load_peak.growth, "load_anon": load_peak.anon_growth, "hwm_reset": save_peak.reset}
+    if against is not None:
+        result["cpu"] = {name: statistics.median(seconds) for name, seconds in cpu.items()}
     shutil.rmtree(where)
     return result
 
@@ -616,18 +638,20 @@ def _verify_table(results: dict) -> list[str]:
 
 
 def _before_table(results: dict) -> list[str]:
-    """Each path of this fastckpt beside the same path of the fastckpt of ``--against``, from the same rounds."""
+    """Each path of this fastckpt beside the same path of the fastckpt of ``--against``, from the same rounds: wall
+    times, and the median CPU time of the runs (user + system, every thread of the process that ran them)."""
     rows = []
     for c in results["configs"]:
-        t = c["timings"]
+        t, cpu = c["timings"], c["cpu"]
         for raw, ours in ((RAW_SAVE, SAVE), (RAW_LOAD, LOAD), (None, LOAD_VERIFIED)):
             before, after = t[ours + BEFORE].median, t[ours].median
             vs_raw = ([format_ratio(t[raw].median / before), format_ratio(t[raw].median / after)] if raw else
                       ["-", "-"])
             rows.append([c["ranks"], c["parallel"], ours, format_duration(before), format_duration(after), *vs_raw,
-                         format_ratio(before / after)])
+                         format_ratio(before / after), format_duration(cpu[ours + BEFORE]),
+                         format_duration(cpu[ours]), format_duration(cpu[raw]) if raw else "-"])
     return table_lines(["ranks", "parallel", "path", "before", "after", "before / raw", "after / raw",
-                        "speed-up"], rows, "rrlrrrrr")
+                        "speed-up", "CPU before", "CPU after", "CPU raw"], rows, "rrlrrrrrrrr")
 
 
 def _summary(results: dict, raw: str, ours: str, target: float, what: str) -> str:
@@ -683,7 +707,8 @@ def report(results: dict, quick: bool = False) -> str:
         if SAVE + BEFORE in c["timings"]:
             lines += [f"### before and after: the same paths run by the fastckpt in {r.get('against')} (a worker "
                       "process), in the same rounds; x / raw: throughput over the raw path's (the targets' ratio); "
-                      "speed-up: before's time / after's", "", *_before_table(r), ""]
+                      "speed-up: before's time / after's; CPU: the median CPU time of a run (user + system, all "
+                      "threads), which a busy machine moves less than the wall time", "", *_before_table(r), ""]
     if "reshard" in r:
         s = r["reshard"]
         nbytes = r["state_bytes"]
