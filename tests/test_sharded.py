@@ -440,6 +440,24 @@ def test_ranks_loading_as_threads_build_the_tables_insert_builds(tmp_path, load_
     assert sum(len(t) for t in loaded) == len(ids)
 
 
+def test_a_save_fsyncs_each_file_once_and_the_directories_only_at_the_commit(tmp_path):
+    """Every file's data is fsynced (the tensor files by their ranks, the metadata by the commit); the names are made
+    durable by the commit's one fsync of the staging directory and one of the parent, not by one more directory
+    fsync per tensor file."""
+    from faults import Faults
+
+    out = tmp_path / "c"
+    with Faults(tmp_path) as faults:
+        assert save_ranks(out, 2, parallel=2) == [str(out)] * 2
+    synced = [path for kind, path in faults.calls if kind == "fsync"]
+    names = set(os.listdir(out))
+    files = sorted(os.path.basename(path) for path in synced if os.path.basename(path) in names)
+    others = [path for path in synced if os.path.basename(path) not in names]  # directories, temporaries
+    assert files == sorted(names)
+    assert len(others) == 2 and os.path.basename(others[0]).endswith(".partial"), others  # the staging directory
+    assert os.path.abspath(others[1]) == str(tmp_path)  # then the parent, after the rename
+
+
 def test_an_id_saved_by_two_ranks_is_named_on_load(tmp_path):
     engines = ThreadEngine.group(2)
     results = [None, None]
