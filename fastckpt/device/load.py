@@ -488,6 +488,8 @@ class _Plan:
             part_of = {name: number for number, (_file, part_names) in enumerate(parts) for name in part_names}
             by_part: list[list] = [[] for _ in parts]
         for info in self.selected:
+            if info.packed is not None:
+                _refuse_packed(tf.path, info)
             if not self.mapped:
                 if info.size == 0:
                     self.empty.append(info)
@@ -522,6 +524,8 @@ class _Plan:
         odd = {}  # name -> TensorInfo where the columns are left empty (compressed members, odd shapes)
         for i in np.flatnonzero(~viewable).tolist():
             info = odd[all_names[i]] = infos[all_names[i]]
+            if info.packed is not None:
+                _refuse_packed(infos.mapped.path, info)
             if not (0 <= info.offset < 1 << 62 and 0 <= info.nbytes < 1 << 62):
                 return False
             offsets[i], nbytes[i] = info.offset, info.nbytes
@@ -667,6 +671,17 @@ def _plan_for(tf, names: tuple | None) -> _Plan:
     with _plans_lock:
         _plans[key] = (ref, plan)
     return plan
+
+
+def _refuse_packed(path, info) -> None:
+    """A packed sub-byte tensor has no device form here: say which, and the way to the rest of the file."""
+    from fastckpt.arrays import PackedTypeError
+
+    raise PackedTypeError(
+        f"{path}: tensor {info.name!r} is packed {info.packed} ({info.bits}-bit elements, logical shape "
+        f"{list(info.shape)}, {info.nbytes} stored bytes), which the OpenCL pool cannot place (device buffers hold "
+        "types of a byte or more); load the other tensors with names=[...], and read this one with "
+        "fastckpt.open(path).host(name) (a PackedArray: .unpack() widens F4 to ml_dtypes.float4_e2m1fn)")
 
 
 def _select(tf, names, by_offset: bool) -> tuple[list, list]:
