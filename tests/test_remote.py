@@ -100,13 +100,18 @@ def _spy_gets(monkeypatch) -> list:
     """Record every ranged read (start, end) of the one streaming mechanism (fastckpt.formats.stream)."""
     from fastckpt.formats import stream
 
-    fetched, real = [], stream.RemoteObject.get
+    fetched, real, real_aget = [], stream.RemoteObject.get, stream.RemoteObject.aget
 
     def spy(self, start, end):
         fetched.append((start, end))
         return real(self, start, end)
 
+    async def aspy(self, start, end):
+        fetched.append((start, end))
+        return await real_aget(self, start, end)
+
     monkeypatch.setattr(stream.RemoteObject, "get", spy)
+    monkeypatch.setattr(stream.RemoteObject, "aget", aspy)
     return fetched
 
 

@@ -55,6 +55,23 @@ def _save(fmt):
     return lambda p, t: (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(p, t)
 
 
+def _before_each_read(monkeypatch, before) -> None:
+    """Call ``before(obj, start, end)`` ahead of every ranged read, on either path of the streaming mechanism (a
+    thread's ``get``, or a coroutine's ``aget`` on an async filesystem's event loop)."""
+    real_get, real_aget = RemoteObject.get, RemoteObject.aget
+
+    def get(self, start, end):
+        before(self, start, end)
+        return real_get(self, start, end)
+
+    async def aget(self, start, end):
+        before(self, start, end)
+        return await real_aget(self, start, end)
+
+    monkeypatch.setattr(RemoteObject, "get", get)
+    monkeypatch.setattr(RemoteObject, "aget", aget)
+
+
 @pytest.fixture
 def small_pieces(monkeypatch):
     """Pieces of 1000 bytes, 3 at a time: every read of a test crosses tensor boundaries."""
@@ -102,13 +119,15 @@ def test_pieces_of_several_objects_share_one_pool_and_hold_at_most_threads_x_chu
         objs.append(RemoteObject(objects.http_url("b", f"many/{i}.bin")))
         outs.append(bytearray(len(blob)))
     held = []
-    real = RemoteObject.get
+    real_aget = RemoteObject.aget
 
-    def slow_get(self, start, end):  # every request waits a little: all threads are in flight at once
-        time.sleep(0.01)
-        return real(self, start, end)
+    async def slow_get(self, start, end):  # every request waits a little: all slots are in flight at once
+        import asyncio
 
-    monkeypatch.setattr(RemoteObject, "get", slow_get)
+        await asyncio.sleep(0.01)
+        return await real_aget(self, start, end)
+
+    monkeypatch.setattr(RemoteObject, "aget", slow_get)
 
     def into(out, obj):
         def deliver(offset, piece):
@@ -237,17 +256,16 @@ def test_an_object_replaced_mid_load_is_an_error_naming_it(where, request, objec
     tensors = _tensors(6)
     url, options = _put(where, request, "m.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
     local = objects.path("b", url.split("/b/", 1)[1] if where == "range-http" else url[len("s3://b/"):])
-    real, calls = RemoteObject.get, []
+    calls = []
 
-    def replaced_after_a_few(self, start, end):
+    def replaced_after_a_few(obj, start, end):
         calls.append(start)
         if len(calls) == 4:  # the index and a few pieces read: another writer replaces the object (new ETag)
             time.sleep(0.01)
             fastckpt.save_safetensors(local + ".new", {k: v + 1 for k, v in tensors.items()})
             os.replace(local + ".new", local)
-        return real(self, start, end)
 
-    monkeypatch.setattr(RemoteObject, "get", replaced_after_a_few)
+    _before_each_read(monkeypatch, replaced_after_a_few)
     with pytest.raises(ObjectChangedError, match=f"^{url}: the object changed while it was being read.*at offset"):
         fastckpt.open(url, storage_options=options)
 

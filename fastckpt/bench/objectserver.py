@@ -189,3 +189,24 @@ def _error(status: int, code: str, resource: str, head: bool = False):
     body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{code}</Message>'
             f"<Resource>{escape(resource)}</Resource></Error>")
     return web.Response(status=status, text=body, content_type="application/xml")
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m fastckpt.bench.objectserver ROOT``: serve ROOT (its first-level directories are the buckets),
+    print the endpoint URL on one line, and serve until standard input closes (a benchmark runs the server in a
+    process of its own, so that serving does not share the client's interpreter)."""
+    import sys
+
+    server = ObjectServer(argv[0], buckets=())
+    print(server.endpoint_url, flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_main(sys.argv[1:]))

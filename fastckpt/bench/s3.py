@@ -39,8 +39,8 @@ import numpy as np
 from fastckpt.bench.timing import (add_repeat_option, format_duration, format_ratio, format_size, round_robin,
                                   table_lines)
 
-__all__ = ["configure", "run", "measure", "report", "measure_sharded", "report_sharded", "start_server",
-           "storage_options", "make_tensors", "TARGET"]
+__all__ = ["configure", "run", "measure", "report", "measure_sharded", "report_sharded", "measure_streaming",
+           "report_streaming", "start_server", "storage_options", "make_tensors", "TARGET"]
 
 TARGET = 1.2
 DEFAULT_MIB = 512
@@ -206,6 +206,226 @@ def report_sharded(result: dict) -> list[str]:
                                 "load (whole prefix)", "ratio"], rows, "rrrrrrr")
 
 
+# ------------------------------------------------------------------ streaming (the range server)
+
+STREAM_TENSORS = 16
+
+
+def _range_server(root: str):
+    """The range server (:mod:`fastckpt.bench.objectserver`) serving ``root``, in a process of its own; returns
+    ``(process, endpoint_url)``."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "fastckpt.bench.objectserver", root], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    endpoint = process.stdout.readline().strip()
+    if not endpoint.startswith("http://"):
+        process.kill()
+        raise SystemExit(f"the range server did not start (it printed {endpoint!r})")
+    return process, endpoint
+
+
+def _stream_fixture(root: str, mib: float) -> dict:
+    """The objects of the streaming table under ``root/b``: ``model.safetensors`` (``STREAM_TENSORS`` float32
+    tensors of random bits, ``mib`` MiB), the same as a Hugging Face prefix of 4 shards, a ``.netcl`` model of about
+    the same size; and the CRC-32C of every tensor and of the whole file."""
+    import crc32c
+
+    import fastckpt
+    from fastckpt.bench.cold import _netcl
+
+    bucket = os.path.join(root, "b")
+    os.makedirs(bucket, exist_ok=True)
+    per = max(1, int(mib * 2**20) // STREAM_TENSORS // 4)
+    rng = np.random.default_rng(0)
+    arrays = {f"layer{i:03d}.weight": rng.integers(0, 2**32, per, dtype=np.uint32).view(np.float32)
+              for i in range(STREAM_TENSORS)}
+    path = os.path.join(bucket, "model.safetensors")
+    fastckpt.save_safetensors(path, arrays, fsync=False, overwrite=True)
+    fastckpt.save_sharded(os.path.join(bucket, "hf"), arrays, max_shard_size=-(-per * 4 * STREAM_TENSORS // 4) + 1)
+    with open(path, "rb") as f:
+        file_crc = crc32c.crc32c(f.read())
+    netcl, netcl_crc, netcl_nbytes = _netcl(bucket, sum(a.nbytes for a in arrays.values()))
+    return {"crc": {k: crc32c.crc32c(a) for k, a in arrays.items()}, "file_crc": file_crc,
+            "nbytes": sum(a.nbytes for a in arrays.values()), "file_size": os.path.getsize(path),
+            "netcl_crc": netcl_crc, "netcl_nbytes": netcl_nbytes}
+
+
+def _stream_rows(endpoint: str, fixture: dict, runai: bool) -> dict:
+    """``{row: (load, check, bytes, kind)}`` of the streaming table; ``check(result)`` says whether it is exact."""
+    import crc32c
+    import fsspec
+
+    import fastckpt
+    from fastckpt.device import default
+    from fastckpt.device.pool import PersistentBufferPool
+    from fastckpt.formats import stream
+    from fastckpt.io import load_model
+
+    options = {**storage_options(endpoint), "config_kwargs": {"s3": {"addressing_style": "path"}}}
+    s3 = "s3://b/model.safetensors"
+    http = f"{endpoint}/b/model.safetensors"
+    size, nbytes = fixture["file_size"], fixture["nbytes"]
+    dev = default()
+    queue, pool = dev.queue, PersistentBufferPool(dev.context, dev.queue)
+
+    def copies_exact(result) -> bool:
+        return {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in result.items()} == fixture["crc"]
+
+    def whole_exact(blobs) -> bool:
+        value = 0
+        for blob in blobs:
+            value = crc32c.crc32c(blob, value)
+        return value == fixture["file_crc"]
+
+    def raw(fs, path):
+        from concurrent.futures import ThreadPoolExecutor
+
+        starts = list(range(0, size, stream.CHUNK))
+        with ThreadPoolExecutor(stream.THREADS) as ex:
+            return list(ex.map(lambda s: fs.cat_file(path, start=s, end=min(size, s + stream.CHUNK)), starts))
+
+    def raw_cat_ranges(fs, path):
+        starts = list(range(0, size, stream.CHUNK))
+        return fs.cat_ranges([path] * len(starts), starts, [min(size, s + stream.CHUNK) for s in starts])
+
+    def opened(url, opts):
+        def load():
+            with fastckpt.open(url, storage_options=opts) as f:
+                return {k: np.array(f.host(k)) for k in f.keys()}
+        return load
+
+    def device(loaded) -> bool:
+        return copies_exact({k: loaded[k].to_host() for k in loaded})
+
+    s3fs_fs, _ = fastckpt.formats.remote.filesystem(s3, options)
+    http_fs = fsspec.filesystem("http")
+    threads, chunk = stream.THREADS, stream.CHUNK >> 20
+    rows = {
+        f"raw s3: {threads} threads x {chunk} MiB ranged GETs into memory": (
+            lambda: raw(s3fs_fs, "b/model.safetensors"), whole_exact, size, "bound"),
+        f"raw s3: s3fs cat_ranges, {chunk} MiB ranges": (
+            lambda: raw_cat_ranges(s3fs_fs, "b/model.safetensors"), whole_exact, size, "bound"),
+        f"raw http: {threads} threads x {chunk} MiB ranged GETs into memory": (
+            lambda: raw(http_fs, http), whole_exact, size, "bound"),
+        "fastckpt.open(s3) + copies": (opened(s3, options), copies_exact, nbytes, "fastckpt"),
+        "fastckpt.open(http) + copies": (opened(http, None), copies_exact, nbytes, "fastckpt"),
+        "load_file(s3, pool)": (lambda: fastckpt.load_file(s3, queue, pool=pool, storage_options=options), device,
+                                nbytes, "fastckpt"),
+        "load_file(http, pool)": (lambda: fastckpt.load_file(http, queue, pool=pool), device, nbytes, "fastckpt"),
+        "load_file(s3 HF prefix, pool)": (
+            lambda: fastckpt.load_file("s3://b/hf", queue, pool=pool, storage_options=options), device, nbytes,
+            "fastckpt"),
+        "load_model(s3 .netcl, pool)": (
+            lambda: load_model("s3://b/model.netcl", queue, pool=pool, storage_options=options),
+            lambda model: {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in model.state_dict().items()}
+            == fixture["netcl_crc"], fixture["netcl_nbytes"], "fastckpt"),
+    }
+    if runai:
+        for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true",
+                            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}.items():
+            os.environ[name] = value
+        from runai_model_streamer import SafetensorsStreamer
+
+        def runai_load():
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_file(s3)
+                return {name: t.clone() for name, t in streamer.get_tensors()}
+        rows["Run:ai SafetensorsStreamer (s3)"] = (
+            runai_load, lambda result: copies_exact({k: v.numpy() for k, v in result.items()}), nbytes, "peer")
+    return rows
+
+
+def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
+    """The streaming table's measurements: every row of :func:`_stream_rows` ``repeats`` times, in rounds (each
+    round runs every row once, in a shuffled order), the peak RSS growth over each load
+    (:class:`~fastckpt.bench.timing.PeakMemory`) and whether it was exact. The range server runs in a process of
+    its own. Returns ``{"samples": {row: [(seconds, peak growth, exact)]}, "kinds", "bytes", "load", "runai"}``."""
+    import gc
+    import random
+    import time
+
+    from fastckpt.bench.timing import PeakMemory
+
+    try:
+        import runai_model_streamer  # noqa: F401
+        import runai_model_streamer_s3  # noqa: F401
+        runai = None
+    except ImportError as e:
+        runai = f"not run: {e} (pip install runai-model-streamer runai-model-streamer-s3)"
+    with tempfile.TemporaryDirectory(prefix="fastckpt-bench-stream-") as root:
+        fixture = _stream_fixture(root, mib)
+        process, endpoint = _range_server(root)
+        load = [os.getloadavg()[0]]
+        try:
+            rows = _stream_rows(endpoint, fixture, runai is None)
+            samples: dict[str, list] = {row: [] for row in rows}
+            for name, (fn, _check, _n, _k) in rows.items():  # warm-up: connections, imports, the pool's arena
+                del _check
+                result = fn()
+                del result
+            order = list(rows)
+            for _ in range(repeats):
+                random.shuffle(order)
+                for row in order:
+                    fn, check, _, _ = rows[row]
+                    gc.collect()
+                    with PeakMemory() as peak:
+                        start = time.perf_counter()
+                        result = fn()
+                        seconds = time.perf_counter() - start
+                    samples[row].append((seconds, peak.growth, bool(check(result))))
+                    del result
+                load.append(os.getloadavg()[0])
+        finally:
+            process.stdin.close()
+            process.wait(30)
+    return {"samples": samples, "kinds": {r: v[3] for r, v in rows.items()},
+            "bytes": {r: v[2] for r, v in rows.items()}, "load": load, "runai": runai, "mib": mib}
+
+
+def report_streaming(result: dict) -> list[str]:
+    """The streaming table: median seconds, GB/s, share of the bound (the fastest raw download), the largest peak
+    RSS growth over a load, exact in every run.
+
+    >>> r = {"samples": {"raw s3: x": [(1.0, 2**20, True)], "load_file(s3, pool)": [(1.25, 3 * 2**20, True)]},
+    ...      "kinds": {"raw s3: x": "bound", "load_file(s3, pool)": "fastckpt"},
+    ...      "bytes": {"raw s3: x": 10**9, "load_file(s3, pool)": 10**9}, "load": [2.0, 3.0], "runai": None,
+    ...      "mib": 512}
+    >>> print("\\n".join(report_streaming(r)[2:6]))
+    | path | median | GB/s | share of the bound | peak RSS growth | exact |
+    |---|---:|---:|---:|---:|---|
+    | raw s3: x | 1.000 s | 1.00 | 1.00 | 1 MiB | yes |
+    | load_file(s3, pool) | 1.250 s | 0.80 | 0.80 | 3 MiB | yes |
+    """
+    import statistics
+
+    samples = result["samples"]
+    rate = {row: result["bytes"][row] / statistics.median(s for s, _, _ in v) / 1e9 for row, v in samples.items() if v}
+    bound = max((rate[r] for r in rate if result["kinds"][r] == "bound"), default=None)
+    lines = [f"S3 and HTTP streaming (the range server on loopback, fastckpt.bench.objectserver; "
+             f"{result['mib']:g} MiB; load average {min(result['load']):.1f}-{max(result['load']):.1f} on "
+             f"{os.cpu_count()} cores)", ""]
+    rows = []
+    for row, v in samples.items():
+        if not v:
+            continue
+        peaks = [p for _, p, _ in v if p is not None]
+        rows.append([row, format_duration(statistics.median(s for s, _, _ in v)), f"{rate[row]:.2f}",
+                     f"{rate[row] / bound:.2f}" if bound else "-", format_size(max(peaks)) if peaks else "-",
+                     "yes" if all(e for _, _, e in v) else "NO"])
+    lines += table_lines(["path", "median", "GB/s", "share of the bound", "peak RSS growth", "exact"], rows, "lrrrrl")
+    lines += ["", f"- bound: the fastest raw row ({bound:.2f} GB/s); target: every fastckpt row >= 0.8x"
+              if bound else "- no bound row ran"]
+    if result["runai"]:
+        lines.append(f"- Run:ai streamer {result['runai']}")
+    missed = [r for r in rows if result["kinds"][r[0]] == "fastckpt" and bound and rate[r[0]] / bound < 0.8]
+    lines.append(f"- {'met' if not missed else 'MISSED'}: >= 0.8x the bound"
+                 + (f" ({', '.join(r[0] for r in missed)} below)" if missed else ""))
+    return lines
+
+
 def _remove(path: str) -> None:
     if os.path.exists(path):
         os.remove(path)
@@ -236,8 +456,8 @@ def configure(parser) -> None:
     >>> import argparse
     >>> parser = argparse.ArgumentParser()
     >>> configure(parser)
-    >>> args = parser.parse_args(["--quick"]); args.quick, args.mib, args.repeats
-    (True, 512.0, 3)
+    >>> args = parser.parse_args(["--quick"]); args.quick, args.mib, args.repeats, args.moto
+    (True, 512.0, 3, False)
     """
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_MIB} MiB instead of --mib, one round")
     parser.add_argument("--mib", type=float, default=float(DEFAULT_MIB),
@@ -245,13 +465,16 @@ def configure(parser) -> None:
     add_repeat_option(parser, dest="repeats", default=3, help="rounds of each path (default 3; --quick: 1)")
     parser.add_argument("--sharded", action="store_true",
                         help="measure a 4-rank sharded checkpoint's per-rank loads instead")
+    parser.add_argument("--moto", action="store_true",
+                        help="measure saves and loads against moto's S3 server and s3fs's put/get instead of the "
+                             "streaming table (moto answers a ranged GET in time proportional to the whole object)")
 
 
 def run(args) -> int:
     """Run the s3 suite with parsed options; prints the table, returns 0.
 
     >>> from fastckpt.cli import main
-    >>> main(["bench", "--suite", "s3", "--quick"])  # doctest: +ELLIPSIS
+    >>> main(["bench", "--suite", "s3", "--quick", "--moto"])  # doctest: +ELLIPSIS
     S3 (moto's server on loopback, s3fs as the client): one safetensors file of 16 MiB
     ...
     0
@@ -262,5 +485,10 @@ def run(args) -> int:
     if getattr(args, "sharded", False):
         print("\n".join(report_sharded(measure_sharded(mib=mib, repeats=repeats))))
         return 0
-    print("\n".join(report(measure(mib=mib, repeats=repeats), quick=args.quick)))
+    if getattr(args, "moto", False):
+        print("\n".join(report(measure(mib=mib, repeats=repeats), quick=args.quick)))
+        return 0
+    print("\n".join(report_streaming(measure_streaming(mib=mib, repeats=repeats))))
+    if args.quick:
+        print("- (--quick sizes: the targets are stated for the full size)")
     return 0

@@ -135,12 +135,12 @@ class RemoteObject:
 
     # -- one ranged GET ------------------------------------------------------------------------
     def _getter(self) -> Callable[[int, int], bytes]:
-        """The store's ranged GET of ``[start, end)``, conditional on this object's ETag where the store can be."""
+        """The store's ranged GET of ``[start, end)`` (a coroutine function on an async filesystem: s3fs, HTTP,
+        ...), conditional on this object's ETag where the store can be (``If-Match``)."""
         fs, path = self.fs, self.path
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.is_async = bool(getattr(fs, "async_impl", False)) and hasattr(fs, "_cat_file")
         if self.etag and protocol in ("s3", "s3a"):
-            from fsspec.asyn import sync
-
             bucket, key, version = fs.split_path(path)
             extra = {"VersionId": version} if version else {}
 
@@ -152,29 +152,51 @@ class RemoteObject:
                 finally:
                     response["Body"].close()
 
-            return lambda start, end: sync(fs.loop, s3_get, start, end)
-        if self.etag and protocol in ("http", "https"):
-            headers = {"If-Match": self.etag}
-            return lambda start, end: fs.cat_file(path, start=start, end=end, headers=headers)
-        return lambda start, end: fs.cat_file(path, start=start, end=end)
+            return s3_get
+        headers = {"headers": {"If-Match": self.etag}} if self.etag and protocol in ("http", "https") else {}
+        if self.is_async:
+            return lambda start, end: fs._cat_file(path, start=start, end=end, **headers)
+        return lambda start, end: fs.cat_file(path, start=start, end=end, **headers)
 
     def get(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object, in one request; exactly ``end - start`` of them, or an error
         naming the URL and the offset (:class:`ObjectChangedError` when the store says the object changed)."""
         if end <= start:
             return b""
+        if self.is_async:
+            from fsspec.asyn import sync
+
+            return sync(self.fs.loop, self.aget, start, end)
         try:
             data = self._get(start, end)
         except Exception as e:
-            text = f"{type(e).__name__}: {e}"
-            if "412" in text or "PreconditionFailed" in text or "Precondition Failed" in text:
-                raise ObjectChangedError(
-                    f"{self.url}: the object changed while it was being read in ranges (its ETag is no longer "
-                    f"{self.etag} at offset {start}); nothing read is used: open it again") from None
-            if isinstance(e, FileNotFoundError):
-                raise ObjectChangedError(f"{self.url}: the object was removed while it was being read (at offset "
-                                         f"{start}); nothing read is used") from None
-            raise OSError(f"{self.url}: reading bytes {start}..{end} failed: {text}") from e
+            raise self._failure(e, start, end) from e
+        return self._checked(start, end, data)
+
+    async def aget(self, start: int, end: int) -> bytes:
+        """:meth:`get` as a coroutine, on the filesystem's event loop (an async filesystem only)."""
+        if end <= start:
+            return b""
+        try:
+            data = await self._get(start, end)
+        except Exception as e:
+            raise self._failure(e, start, end) from e
+        return self._checked(start, end, data)
+
+    def _failure(self, e: Exception, start: int, end: int) -> Exception:
+        if isinstance(e, (ObjectChangedError, FormatError)):
+            return e
+        text = f"{type(e).__name__}: {e}"
+        if "412" in text or "PreconditionFailed" in text or "Precondition Failed" in text:
+            return ObjectChangedError(
+                f"{self.url}: the object changed while it was being read in ranges (its ETag is no longer "
+                f"{self.etag} at offset {start}); nothing read is used: open it again")
+        if isinstance(e, FileNotFoundError):
+            return ObjectChangedError(f"{self.url}: the object was removed while it was being read (at offset "
+                                      f"{start}); nothing read is used")
+        return OSError(f"{self.url}: reading bytes {start}..{end} failed: {text}")
+
+    def _checked(self, start: int, end: int, data: bytes) -> bytes:
         if len(data) != end - start:
             raise FormatError(f"{self.url}: expected {end - start} bytes at offset {start}, got {len(data)} (the "
                               f"object is not the {self.size} bytes it was when opened: truncated or replaced while "
@@ -240,28 +262,19 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
     done_lock = threading.Lock()
 
     def one(obj, lo: int, hi: int, deliver, done, key) -> None:
-        data = obj.get(lo, hi)
-        stats, lock = obj.stats, obj._lock
-        with lock:
-            stats.requests += 1
-            stats.bytes += len(data)
-            stats.largest = max(stats.largest, len(data))
-            stats.held += len(data)
-            stats.peak_held = max(stats.peak_held, stats.held)
-        try:
-            deliver(lo, data)
-        finally:
-            del data
-            with lock:
-                stats.held -= hi - lo
-        if done is not None:
-            with done_lock:
-                entry = left[key]
-                entry[0] -= 1
-                if entry[0] == 0:
-                    done(entry[1], entry[2])
+        _deliver(obj, lo, hi, obj.get(lo, hi), deliver, done, key, left, done_lock)
 
     total = sum(p[2] - p[1] for p in pieces)
+    loops = {id(p[0].fs.loop) if p[0].is_async else None for p in pieces}
+    if pieces and len(loops) == 1 and None not in loops:
+        # Async filesystems (s3fs, HTTP): the requests run as coroutines on the filesystem's event loop, at most
+        # `threads` of them from the request to the end of the delivery, which runs in a pool of as many threads
+        # (copies release the GIL) while the loop goes on receiving.
+        from fsspec.asyn import sync
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-deliver") as pool:
+            sync(pieces[0][0].fs.loop, _stream_async, pieces, threads, pool, left, done_lock)
+        return total
     if len(pieces) <= 1 or threads == 1:
         for piece in pieces:
             one(*piece)
@@ -276,6 +289,51 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
             wait(futures)
             raise failed[0].exception()
     return total
+
+
+def _deliver(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_lock) -> None:
+    """Count a piece that arrived (``obj.stats``), hand it to ``deliver``, and report its range done once every
+    piece of the range is delivered."""
+    stats, lock = obj.stats, obj._lock
+    with lock:
+        stats.requests += 1
+        stats.bytes += len(data)
+        stats.largest = max(stats.largest, len(data))
+        stats.held += len(data)
+        stats.peak_held = max(stats.peak_held, stats.held)
+    try:
+        deliver(lo, data)
+    finally:
+        del data
+        with lock:
+            stats.held -= hi - lo
+    if done is not None:
+        with done_lock:
+            entry = left[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                done(entry[1], entry[2])
+
+
+async def _stream_async(pieces: list, threads: int, pool, left: dict, done_lock) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(threads)
+
+    async def one(obj, lo: int, hi: int, deliver, done, key) -> None:
+        async with slots:  # from the request to the end of the delivery: at most `threads` pieces held
+            data = await obj.aget(lo, hi)
+            await loop.run_in_executor(pool, _deliver, obj, lo, hi, data, deliver, done, key, left, done_lock)
+
+    tasks = [asyncio.ensure_future(one(*piece)) for piece in pieces]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class Scatter:
