@@ -226,7 +226,7 @@ def _range_server(root: str):
     return process, endpoint
 
 
-def _stream_fixture(root: str, mib: float) -> dict:
+def _stream_fixture(root: str, mib: float, base: str = "") -> dict:
     """The objects of the streaming table under ``root/b``: ``model.safetensors`` (``STREAM_TENSORS`` float32
     tensors of random bits, ``mib`` MiB), the same as a Hugging Face prefix of 4 shards, a ``.netcl`` model of about
     the same size; and the CRC-32C of every tensor and of the whole file."""
@@ -235,7 +235,7 @@ def _stream_fixture(root: str, mib: float) -> dict:
     import fastckpt
     from fastckpt.bench.cold import _netcl
 
-    bucket = os.path.join(root, "b")
+    bucket = os.path.join(root, "b", base)
     os.makedirs(bucket, exist_ok=True)
     per = max(1, int(mib * 2**20) // STREAM_TENSORS // 4)
     rng = np.random.default_rng(0)
@@ -252,8 +252,12 @@ def _stream_fixture(root: str, mib: float) -> dict:
             "netcl_crc": netcl_crc, "netcl_nbytes": netcl_nbytes}
 
 
-def _stream_rows(endpoint: str, fixture: dict, runai: bool) -> dict:
-    """``{row: (load, check, bytes, kind)}`` of the streaming table; ``check(result)`` says whether it is exact."""
+def _stream_rows(endpoint: str, fixture: dict, runai: bool, *, describe: bool = False, only: str | None = None,
+                 base: str = "") -> dict:
+    """``{row: (load, check, bytes, kind)}`` of the streaming table; ``check(result)`` says whether it is exact.
+    ``describe``: ``{row: (bytes, kind)}`` only, nothing set up; ``only``: set up what that row needs."""
+    if describe:
+        return {row: (nbytes, kind) for row, (nbytes, kind) in _STREAM_ROWS(fixture, runai).items()}
     import crc32c
     import fsspec
 
@@ -264,11 +268,12 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool) -> dict:
     from fastckpt.io import load_model
 
     options = {**storage_options(endpoint), "config_kwargs": {"s3": {"addressing_style": "path"}}}
-    s3 = "s3://b/model.safetensors"
-    http = f"{endpoint}/b/model.safetensors"
+    key = f"b/{base}model.safetensors"
+    s3, http = f"s3://{key}", f"{endpoint}/{key}"
     size, nbytes = fixture["file_size"], fixture["nbytes"]
-    dev = default()
-    queue, pool = dev.queue, PersistentBufferPool(dev.context, dev.queue)
+    if only is None or _STREAM_ROWS(fixture, runai)[only][1] == "fastckpt":
+        dev = default()
+        queue, pool = dev.queue, PersistentBufferPool(dev.context, dev.queue)
 
     def copies_exact(result) -> bool:
         return {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in result.items()} == fixture["crc"]
@@ -304,9 +309,9 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool) -> dict:
     threads, chunk = stream.THREADS, stream.CHUNK >> 20
     rows = {
         f"raw s3: {threads} threads x {chunk} MiB ranged GETs into memory": (
-            lambda: raw(s3fs_fs, "b/model.safetensors"), whole_exact, size, "bound"),
+            lambda: raw(s3fs_fs, key), whole_exact, size, "bound"),
         f"raw s3: s3fs cat_ranges, {chunk} MiB ranges": (
-            lambda: raw_cat_ranges(s3fs_fs, "b/model.safetensors"), whole_exact, size, "bound"),
+            lambda: raw_cat_ranges(s3fs_fs, key), whole_exact, size, "bound"),
         f"raw http: {threads} threads x {chunk} MiB ranged GETs into memory": (
             lambda: raw(http_fs, http), whole_exact, size, "bound"),
         "fastckpt.open(s3) + copies": (opened(s3, options), copies_exact, nbytes, "fastckpt"),
@@ -315,14 +320,14 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool) -> dict:
                                 nbytes, "fastckpt"),
         "load_file(http, pool)": (lambda: fastckpt.load_file(http, queue, pool=pool), device, nbytes, "fastckpt"),
         "load_file(s3 HF prefix, pool)": (
-            lambda: fastckpt.load_file("s3://b/hf", queue, pool=pool, storage_options=options), device, nbytes,
+            lambda: fastckpt.load_file(f"s3://b/{base}hf", queue, pool=pool, storage_options=options), device, nbytes,
             "fastckpt"),
         "load_model(s3 .netcl, pool)": (
-            lambda: load_model("s3://b/model.netcl", queue, pool=pool, storage_options=options),
+            lambda: load_model(f"s3://b/{base}model.netcl", queue, pool=pool, storage_options=options),
             lambda model: {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in model.state_dict().items()}
             == fixture["netcl_crc"], fixture["netcl_nbytes"], "fastckpt"),
     }
-    if runai:
+    if runai and (only is None or only.startswith("Run:ai")):
         for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true",
                             "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}.items():
             os.environ[name] = value
@@ -334,19 +339,40 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool) -> dict:
                 return {name: t.clone() for name, t in streamer.get_tensors()}
         rows["Run:ai SafetensorsStreamer (s3)"] = (
             runai_load, lambda result: copies_exact({k: v.numpy() for k, v in result.items()}), nbytes, "peer")
+    assert {r: (v[2], v[3]) for r, v in rows.items()} == _STREAM_ROWS(fixture, runai) or only, "rows out of step"
+    return rows
+
+
+def _STREAM_ROWS(fixture: dict, runai: bool) -> dict:
+    """``{row: (bytes, kind)}`` of the streaming table (kept in step with :func:`_stream_rows`)."""
+    from fastckpt.formats import stream
+
+    size, nbytes = fixture["file_size"], fixture["nbytes"]
+    threads, chunk = stream.THREADS, stream.CHUNK >> 20
+    rows = {f"raw s3: {threads} threads x {chunk} MiB ranged GETs into memory": (size, "bound"),
+            f"raw s3: s3fs cat_ranges, {chunk} MiB ranges": (size, "bound"),
+            f"raw http: {threads} threads x {chunk} MiB ranged GETs into memory": (size, "bound"),
+            "fastckpt.open(s3) + copies": (nbytes, "fastckpt"),
+            "fastckpt.open(http) + copies": (nbytes, "fastckpt"),
+            "load_file(s3, pool)": (nbytes, "fastckpt"),
+            "load_file(http, pool)": (nbytes, "fastckpt"),
+            "load_file(s3 HF prefix, pool)": (nbytes, "fastckpt"),
+            "load_model(s3 .netcl, pool)": (fixture["netcl_nbytes"], "fastckpt")}
+    if runai:
+        rows["Run:ai SafetensorsStreamer (s3)"] = (nbytes, "peer")
     return rows
 
 
 def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
     """The streaming table's measurements: every row of :func:`_stream_rows` ``repeats`` times, in rounds (each
-    round runs every row once, in a shuffled order), the peak RSS growth over each load
+    round runs every row once, in a shuffled order), each measurement in a fresh process (a cold start: its own
+    connections, device and pool, set up before the clock starts), with the growth of its peak RSS over the load
     (:class:`~fastckpt.bench.timing.PeakMemory`) and whether it was exact. The range server runs in a process of
     its own. Returns ``{"samples": {row: [(seconds, peak growth, exact)]}, "kinds", "bytes", "load", "runai"}``."""
-    import gc
+    import json
     import random
-    import time
-
-    from fastckpt.bench.timing import PeakMemory
+    import subprocess
+    import sys
 
     try:
         import runai_model_streamer  # noqa: F401
@@ -356,33 +382,56 @@ def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
         runai = f"not run: {e} (pip install runai-model-streamer runai-model-streamer-s3)"
     with tempfile.TemporaryDirectory(prefix="fastckpt-bench-stream-") as root:
         fixture = _stream_fixture(root, mib)
+        fixture["warm"] = _stream_fixture(root, 1, "warm/")  # what each worker reads untimed first
         process, endpoint = _range_server(root)
         load = [os.getloadavg()[0]]
+        setup = os.path.join(root, "setup.json")
+        with open(setup, "w") as f:
+            json.dump({"endpoint": endpoint, "fixture": fixture, "runai": runai is None}, f)
         try:
-            rows = _stream_rows(endpoint, fixture, runai is None)
+            rows = _stream_rows(endpoint, fixture, runai is None, describe=True)
             samples: dict[str, list] = {row: [] for row in rows}
-            for name, (fn, _check, _n, _k) in rows.items():  # warm-up: connections, imports, the pool's arena
-                del _check
-                result = fn()
-                del result
+            failed: dict[str, str] = {}
             order = list(rows)
             for _ in range(repeats):
                 random.shuffle(order)
                 for row in order:
-                    fn, check, _, _ = rows[row]
-                    gc.collect()
-                    with PeakMemory() as peak:
-                        start = time.perf_counter()
-                        result = fn()
-                        seconds = time.perf_counter() - start
-                    samples[row].append((seconds, peak.growth, bool(check(result))))
-                    del result
+                    done = subprocess.run([sys.executable, "-m", "fastckpt.bench.s3", "--stream-worker", row, setup],
+                                          capture_output=True, text=True, timeout=900)
+                    if done.returncode != 0:
+                        failed[row] = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                        continue
+                    out = json.loads(done.stdout.strip().splitlines()[-1])
+                    samples[row].append((out["seconds"], out["growth"], out["exact"]))
                 load.append(os.getloadavg()[0])
         finally:
             process.stdin.close()
             process.wait(30)
-    return {"samples": samples, "kinds": {r: v[3] for r, v in rows.items()},
-            "bytes": {r: v[2] for r, v in rows.items()}, "load": load, "runai": runai, "mib": mib}
+    return {"samples": samples, "kinds": {r: v[1] for r, v in rows.items()},
+            "bytes": {r: v[0] for r, v in rows.items()}, "load": load, "runai": runai, "mib": mib, "failed": failed}
+
+
+def _stream_worker(row: str, setup_path: str) -> int:
+    """One measurement of the streaming table in this (fresh) process; prints ``{"seconds", "growth", "exact"}``."""
+    import json
+    import time
+
+    from fastckpt.bench.timing import PeakMemory
+
+    with open(setup_path) as f:
+        setup = json.load(f)
+    # Untimed first: the same path over a 1 MiB copy of the objects (imports, the client, its connections, the
+    # device), so that the clock measures the streaming; a new process's peak RSS is not its allocator's reuse.
+    fixture = setup["fixture"]
+    warm, _check, _n, _k = _stream_rows(setup["endpoint"], fixture["warm"], setup["runai"], only=row, base="warm/")[row]
+    warm()
+    load, check, _nbytes, _kind = _stream_rows(setup["endpoint"], fixture, setup["runai"], only=row)[row]
+    with PeakMemory() as peak:
+        start = time.perf_counter()
+        result = load()
+        seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "growth": peak.growth, "exact": bool(check(result))}))
+    return 0
 
 
 def report_streaming(result: dict) -> list[str]:
@@ -405,7 +454,7 @@ def report_streaming(result: dict) -> list[str]:
     rate = {row: result["bytes"][row] / statistics.median(s for s, _, _ in v) / 1e9 for row, v in samples.items() if v}
     bound = max((rate[r] for r in rate if result["kinds"][r] == "bound"), default=None)
     lines = [f"S3 and HTTP streaming (the range server on loopback, fastckpt.bench.objectserver; "
-             f"{result['mib']:g} MiB; load average {min(result['load']):.1f}-{max(result['load']):.1f} on "
+             f"{result['mib']:g} MiB; a fresh process per measurement; load average {min(result['load']):.1f}-{max(result['load']):.1f} on "
              f"{os.cpu_count()} cores)", ""]
     rows = []
     for row, v in samples.items():
@@ -420,6 +469,8 @@ def report_streaming(result: dict) -> list[str]:
               if bound else "- no bound row ran"]
     if result["runai"]:
         lines.append(f"- Run:ai streamer {result['runai']}")
+    for row, why in result.get("failed", {}).items():
+        lines.append(f"- {row}: FAILED ({why})")
     missed = [r for r in rows if result["kinds"][r[0]] == "fastckpt" and bound and rate[r[0]] / bound < 0.8]
     lines.append(f"- {'met' if not missed else 'MISSED'}: >= 0.8x the bound"
                  + (f" ({', '.join(r[0] for r in missed)} below)" if missed else ""))
@@ -492,3 +543,11 @@ def run(args) -> int:
     if args.quick:
         print("- (--quick sizes: the targets are stated for the full size)")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--stream-worker"]:
+        raise SystemExit(_stream_worker(*sys.argv[2:4]))
+    raise SystemExit("python -m fastckpt bench --suite s3 runs this suite")

@@ -593,9 +593,22 @@ class RemoteHFSharded(_hf_base()):  # type: ignore[misc]
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             by_file.setdefault(file, []).append(name)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(8, max(1, len(by_file))), thread_name_prefix="fastckpt-shard") as ex:
+            # Each shard's index takes a few requests in turn: the shards' go in parallel.
+            futures = {file: ex.submit(shard, file, listed) for file, listed in by_file.items()}
+        errors = []
+        for file, future in futures.items():  # every one that opened is kept, so that close() closes it
+            if future.exception() is None:
+                self.files[file] = future.result()
+            else:
+                errors.append(future.exception())
+        if errors:
+            raise errors[0]
         infos = {}
         for file, listed in by_file.items():
-            f = self.files[file] = shard(file, listed)
+            f = self.files[file]
             for name in listed:
                 if name not in f.infos:
                     raise FormatError(f"{self.index_path}: the index puts tensor {name!r} in {file!r}, which holds "
