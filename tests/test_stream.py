@@ -110,6 +110,27 @@ def test_streamed_reader_fills_host_arrays_across_tensor_boundaries_with_bounded
         assert f.host("tiny").tolist() == [0, 1, 2]
 
 
+@pytest.mark.device
+def test_no_temporary_file_is_made(objects, monkeypatch, queue, pool):
+    import tempfile
+
+    if not hasattr(os, "memfd_create"):
+        pytest.skip("no memfd_create here: fastckpt.open(url) keeps an unlinked temporary file")
+    tensors = _tensors(10)
+    key = f"{uuid.uuid4().hex[:10]}/m.safetensors"
+    fastckpt.save_safetensors(objects.path("b", key), tensors)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a temporary file was made")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    with fastckpt.open(f"s3://b/{key}", storage_options=objects.storage_options) as f:
+        assert np.array(f["a"]).tobytes() == tensors["a"].tobytes()
+    loaded = fastckpt.load_file(objects.http_url("b", key), queue, pool=pool)
+    assert loaded["b"].to_host().tobytes() == tensors["b"].tobytes()
+
+
 def test_pieces_of_several_objects_share_one_pool_and_hold_at_most_threads_x_chunk(objects, monkeypatch):
     data = [np.random.default_rng(i).integers(0, 256, 300_000 + i, np.uint8).tobytes() for i in range(3)]
     objs, outs = [], []
