@@ -56,9 +56,9 @@ def _save(fmt):
 
 
 def _before_each_read(monkeypatch, before) -> None:
-    """Call ``before(obj, start, end)`` ahead of every ranged read, on either path of the streaming mechanism (a
-    thread's ``get``, or a coroutine's ``aget`` on an async filesystem's event loop)."""
-    real_get, real_aget = RemoteObject.get, RemoteObject.aget
+    """Call ``before(obj, start, end)`` ahead of every ranged read, on every path of the streaming mechanism (a
+    thread's ``get``, or a coroutine's ``aget`` / ``aget_into`` on an async filesystem's event loop)."""
+    real_get, real_aget, real_into = RemoteObject.get, RemoteObject.aget, RemoteObject.aget_into
 
     def get(self, start, end):
         before(self, start, end)
@@ -68,8 +68,13 @@ def _before_each_read(monkeypatch, before) -> None:
         before(self, start, end)
         return await real_aget(self, start, end)
 
+    async def aget_into(self, start, end, sink):
+        before(self, start, end)
+        return await real_into(self, start, end, sink)
+
     monkeypatch.setattr(RemoteObject, "get", get)
     monkeypatch.setattr(RemoteObject, "aget", aget)
+    monkeypatch.setattr(RemoteObject, "aget_into", aget_into)
 
 
 @pytest.fixture

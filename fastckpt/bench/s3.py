@@ -209,6 +209,9 @@ def report_sharded(result: dict) -> list[str]:
 # ------------------------------------------------------------------ streaming (the range server)
 
 STREAM_TENSORS = 16
+# The raw rows' shape: fastckpt.formats.stream's defaults (named here too: the "before" rows run an older fastckpt).
+RAW_THREADS, RAW_CHUNK = 8, 8 << 20
+BEFORE = " (before)"  # the suffix of a row run with the fastckpt of --against
 
 
 def _range_server(root: str):
@@ -264,7 +267,6 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool, *, describe: bool = 
     import fastckpt
     from fastckpt.device import default
     from fastckpt.device.pool import PersistentBufferPool
-    from fastckpt.formats import stream
     from fastckpt.io import load_model
 
     options = {**storage_options(endpoint), "config_kwargs": {"s3": {"addressing_style": "path"}}}
@@ -287,13 +289,13 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool, *, describe: bool = 
     def raw(fs, path):
         from concurrent.futures import ThreadPoolExecutor
 
-        starts = list(range(0, size, stream.CHUNK))
-        with ThreadPoolExecutor(stream.THREADS) as ex:
-            return list(ex.map(lambda s: fs.cat_file(path, start=s, end=min(size, s + stream.CHUNK)), starts))
+        starts = list(range(0, size, RAW_CHUNK))
+        with ThreadPoolExecutor(RAW_THREADS) as ex:
+            return list(ex.map(lambda s: fs.cat_file(path, start=s, end=min(size, s + RAW_CHUNK)), starts))
 
     def raw_cat_ranges(fs, path):
-        starts = list(range(0, size, stream.CHUNK))
-        return fs.cat_ranges([path] * len(starts), starts, [min(size, s + stream.CHUNK) for s in starts])
+        starts = list(range(0, size, RAW_CHUNK))
+        return fs.cat_ranges([path] * len(starts), starts, [min(size, s + RAW_CHUNK) for s in starts])
 
     def opened(url, opts):
         def load():
@@ -306,7 +308,7 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool, *, describe: bool = 
 
     s3fs_fs, _ = fastckpt.formats.remote.filesystem(s3, options)
     http_fs = fsspec.filesystem("http")
-    threads, chunk = stream.THREADS, stream.CHUNK >> 20
+    threads, chunk = RAW_THREADS, RAW_CHUNK >> 20
     rows = {
         f"raw s3: {threads} threads x {chunk} MiB ranged GETs into memory": (
             lambda: raw(s3fs_fs, key), whole_exact, size, "bound"),
@@ -345,10 +347,8 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool, *, describe: bool = 
 
 def _STREAM_ROWS(fixture: dict, runai: bool) -> dict:
     """``{row: (bytes, kind)}`` of the streaming table (kept in step with :func:`_stream_rows`)."""
-    from fastckpt.formats import stream
-
     size, nbytes = fixture["file_size"], fixture["nbytes"]
-    threads, chunk = stream.THREADS, stream.CHUNK >> 20
+    threads, chunk = RAW_THREADS, RAW_CHUNK >> 20
     rows = {f"raw s3: {threads} threads x {chunk} MiB ranged GETs into memory": (size, "bound"),
             f"raw s3: s3fs cat_ranges, {chunk} MiB ranges": (size, "bound"),
             f"raw http: {threads} threads x {chunk} MiB ranged GETs into memory": (size, "bound"),
@@ -363,12 +363,14 @@ def _STREAM_ROWS(fixture: dict, runai: bool) -> dict:
     return rows
 
 
-def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
+def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3, against: str | None = None) -> dict:
     """The streaming table's measurements: every row of :func:`_stream_rows` ``repeats`` times, in rounds (each
     round runs every row once, in a shuffled order), each measurement in a fresh process (a cold start: its own
     connections, device and pool, set up before the clock starts), with the growth of its peak RSS over the load
     (:class:`~fastckpt.bench.timing.PeakMemory`) and whether it was exact. The range server runs in a process of
-    its own. Returns ``{"samples": {row: [(seconds, peak growth, exact)]}, "kinds", "bytes", "load", "runai"}``."""
+    its own. ``against`` (a checkout of an older fastckpt) adds its ``fastckpt.open(s3) + copies`` and
+    ``load_model(s3 .netcl, pool)`` as ``(before)`` rows, in the same rounds. Returns ``{"samples": {row:
+    [(seconds, peak growth, exact)]}, "kinds", "bytes", "load", "runai"}``."""
     import json
     import random
     import subprocess
@@ -390,14 +392,22 @@ def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
             json.dump({"endpoint": endpoint, "fixture": fixture, "runai": runai is None}, f)
         try:
             rows = _stream_rows(endpoint, fixture, runai is None, describe=True)
+            if against:
+                for row in ("fastckpt.open(s3) + copies", "load_model(s3 .netcl, pool)"):
+                    rows[row + BEFORE] = (rows[row][0], "before")
             samples: dict[str, list] = {row: [] for row in rows}
             failed: dict[str, str] = {}
             order = list(rows)
             for _ in range(repeats):
                 random.shuffle(order)
                 for row in order:
-                    done = subprocess.run([sys.executable, "-m", "fastckpt.bench.s3", "--stream-worker", row, setup],
-                                          capture_output=True, text=True, timeout=900)
+                    env = dict(os.environ)
+                    if row.endswith(BEFORE):  # this file, run by path, over the older fastckpt
+                        env["PYTHONPATH"] = os.pathsep.join(p for p in (against, env.get("PYTHONPATH")) if p)
+                    start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+                    done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--stream-worker",
+                                           row.removesuffix(BEFORE), setup], capture_output=True, text=True,
+                                          timeout=900, env=env)
                     if done.returncode != 0:
                         failed[row] = (done.stderr.strip().splitlines() or ["no output"])[-1]
                         continue
@@ -516,6 +526,9 @@ def configure(parser) -> None:
     add_repeat_option(parser, dest="repeats", default=3, help="rounds of each path (default 3; --quick: 1)")
     parser.add_argument("--sharded", action="store_true",
                         help="measure a 4-rank sharded checkpoint's per-rank loads instead")
+    parser.add_argument("--against", metavar="DIR", default=None,
+                        help="also run the fastckpt checked out in DIR (its open and load_model rows), in the same "
+                             "rounds")
     parser.add_argument("--moto", action="store_true",
                         help="measure saves and loads against moto's S3 server and s3fs's put/get instead of the "
                              "streaming table (moto answers a ranged GET in time proportional to the whole object)")
@@ -539,7 +552,8 @@ def run(args) -> int:
     if getattr(args, "moto", False):
         print("\n".join(report(measure(mib=mib, repeats=repeats), quick=args.quick)))
         return 0
-    print("\n".join(report_streaming(measure_streaming(mib=mib, repeats=repeats))))
+    print("\n".join(report_streaming(measure_streaming(mib=mib, repeats=repeats,
+                                                       against=getattr(args, "against", None)))))
     if args.quick:
         print("- (--quick sizes: the targets are stated for the full size)")
     return 0

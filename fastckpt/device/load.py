@@ -1167,20 +1167,36 @@ class _Done:
 
 def _stream_region(load: _Load, remote, start: int, end: int, lease, at: int, group) -> None:
     """:func:`_copy_region` for a URL: bytes ``[start, end)`` of the object stream (parallel ranged reads,
-    :meth:`~fastckpt.formats.stream.RemoteObject.stream`) straight into the lease's buffer at ``at``, each piece by
-    one blocking ``enqueue_copy`` from the piece as it arrived (so at most ``THREADS x CHUNK`` bytes are held)."""
+    :meth:`~fastckpt.formats.stream.RemoteObject.stream`) straight into the lease's buffer at ``at``: on a device
+    that shares host memory, into the mapped arena, each part of a response as it arrives; on a discrete device,
+    each piece by one blocking ``enqueue_copy`` from the piece as it arrived (so at most ``THREADS x CHUNK``
+    bytes are held)."""
     import pyopencl as cl
 
     queue, buffer = load.queue, lease.buffer
     done = _Done(load, group or ())
     pieces: list = []
+    if shares_host_memory(queue.device):
+        # The arena is host memory: mapped, each part of the bodies is copied into it as it arrives (one copy).
+        mapped, _event = cl.enqueue_map_buffer(queue, buffer, cl.map_flags.WRITE_INVALIDATE_REGION, at,
+                                               (end - start,), np.uint8, is_blocking=True)
+        try:
+            def write(offset: int, data) -> None:
+                mapped[offset - start:offset - start + len(data)] = np.frombuffer(data, np.uint8)
+                done(offset, len(data))
 
-    def deliver(offset: int, data) -> None:
-        cl.enqueue_copy(queue, buffer, data, dst_offset=at + offset - start, is_blocking=True)
-        pieces.append(len(data))  # list.append is atomic: deliveries come from several threads
-        done(offset, len(data))
+            remote.stream([(start, end)], write, parts=True)
+        finally:
+            mapped.base.release(queue).wait()
+            del mapped
+        pieces.append(1)
+    else:
+        def deliver(offset: int, data) -> None:
+            cl.enqueue_copy(queue, buffer, data, dst_offset=at + offset - start, is_blocking=True)
+            pieces.append(len(data))  # list.append is atomic: deliveries come from several threads
+            done(offset, len(data))
 
-    remote.stream([(start, end)], deliver)
+        remote.stream([(start, end)], deliver)
     load.report.copies += len(pieces)
     load.report.bytes_copied += end - start
     load.regions.append([buffer, start - at, lease, None, None])

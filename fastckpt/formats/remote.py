@@ -127,7 +127,7 @@ def _fetch_into(fs, url: str, plan: list[tuple[str, str, list[tuple[int, int]]]]
             obj = RemoteObject(fs.unstrip_protocol(remote), fs=fs, path=remote,
                                info={"size": max(e for _, e in spans)})  # a listing's size: checked by each read
             jobs.append((obj, spans, functools.partial(_pwrite_at, fds[target]), None))
-        stream(jobs, chunk=_RANGE)
+        stream(jobs, chunk=_RANGE, parts=True)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -200,12 +200,24 @@ class _Local:
             self.fd, self.path = tempfile.mkstemp(prefix="fastckpt-open-", suffix=".part")
             self._unlink = self.path
         os.ftruncate(self.fd, obj.size)
+        import mmap
+
+        import numpy as np
+
+        # Written through a shared mapping: the body's parts are copied once, into the pages the reader maps.
+        self._mm = mmap.mmap(self.fd, obj.size) if obj.size else None
+        self._dest = np.frombuffer(self._mm, np.uint8) if obj.size else None
 
     def fill(self, spans: list[tuple[int, int]]) -> None:
         """Fetch the parts of ``spans`` not fetched yet, in parallel ranged reads written at their offsets."""
         spans = _missing(spans, self.have)
-        self.obj.stream(spans, functools.partial(_pwrite_at, self.fd))
+        self.obj.stream(spans, self._write, parts=True)
         self.have += spans
+
+    def _write(self, offset: int, data) -> None:
+        import numpy as np
+
+        self._dest[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` (clipped to the object), fetched first where they are not yet."""
@@ -222,6 +234,9 @@ class _Local:
 
     def close(self) -> None:
         """Close the descriptor (a mapping made keeps the memory until its reader and views are gone)."""
+        self._dest = None
+        if self._mm is not None:
+            self._mm.close()
         os.close(self.fd)
         if self._unlink:
             os.unlink(self._unlink)
@@ -497,7 +512,7 @@ class StreamedTensorFile(TensorFile):
             if info.nbytes:
                 targets.append((info.offset, info.nbytes, functools.partial(_copy_into, raw)))
         scatter = Scatter(targets)
-        self.remote.stream(scatter.spans(), scatter)
+        self.remote.stream(scatter.spans(), scatter, parts=True)
         self.remote.check()
         return out if names is None else {name: out[name] for name in dict.fromkeys(names)}
 

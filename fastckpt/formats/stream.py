@@ -52,6 +52,7 @@ __all__ = ["RemoteObject", "ObjectChangedError", "StreamStats", "Scatter", "stre
 
 CHUNK = 8 << 20
 THREADS = 8
+_PART = 1 << 20  # the most a streamed body is read at a time (parts=True)
 # Ranges closer than this are fetched as one (the bytes between are read and dropped): small tensors, one request.
 GAP = 64 << 10
 
@@ -91,6 +92,16 @@ def merged(spans: Iterable[tuple[int, int]], gap: int = GAP) -> list[tuple[int, 
         else:
             out.append([start, end])
     return [(s, e) for s, e in out]
+
+
+class _Length:
+    """Stands for data of a length (what :meth:`RemoteObject._checked` looks at) once the parts are delivered."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def identity(info: dict) -> tuple:
@@ -152,8 +163,28 @@ class RemoteObject:
                 finally:
                     response["Body"].close()
 
+            async def s3_into(start: int, end: int, sink) -> None:
+                response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                             IfMatch=self.etag, **extra)
+                body = response["Body"]
+                try:
+                    await self._pump(body.read, start, end, sink)
+                finally:
+                    body.close()
+
+            self._get_into = s3_into
             return s3_get
         headers = {"headers": {"If-Match": self.etag}} if self.etag and protocol in ("http", "https") else {}
+        if self.is_async and protocol in ("http", "https") and hasattr(fs, "set_session"):
+            async def http_into(start: int, end: int, sink) -> None:
+                kw = dict(fs.kwargs)
+                sent = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}", **headers.get("headers", {})}
+                session = await fs.set_session()
+                async with session.get(fs.encode_url(path), headers=sent, **kw) as r:
+                    fs._raise_not_found_for_status(r, path)
+                    await self._pump(r.content.read, start, end, sink)
+
+            self._get_into = http_into
         if self.is_async:
             return lambda start, end: fs._cat_file(path, start=start, end=end, **headers)
         return lambda start, end: fs.cat_file(path, start=start, end=end, **headers)
@@ -183,6 +214,34 @@ class RemoteObject:
             raise self._failure(e, start, end) from e
         return self._checked(start, end, data)
 
+    async def aget_into(self, start: int, end: int, sink: Callable[[int, bytes], object]) -> None:
+        """:meth:`aget` handing the body to ``sink(offset, data)`` as it arrives, in the parts the HTTP client
+        reads (at most 1 MiB each; on the event loop's thread): no piece is ever joined into one buffer. Where the
+        store's client has no streamed body, the whole piece is one part."""
+        if end <= start:
+            return
+        into = getattr(self, "_get_into", None)
+        if into is None:
+            sink(start, await self.aget(start, end))
+            return
+        try:
+            await into(start, end, sink)
+        except Exception as e:
+            raise self._failure(e, start, end) from e
+
+    async def _pump(self, read, start: int, end: int, sink) -> None:
+        at = start
+        while True:
+            part = await read(_PART)
+            if not part:
+                break
+            if at + len(part) > end:
+                raise FormatError(f"{self.url}: expected {end - start} bytes at offset {start}, got more (the store "
+                                  "ignored the range?); nothing read is used")
+            sink(at, part)
+            at += len(part)
+        self._checked(start, end, _Length(at - start))
+
     def _failure(self, e: Exception, start: int, end: int) -> Exception:
         if isinstance(e, (ObjectChangedError, FormatError)):
             return e
@@ -210,7 +269,7 @@ class RemoteObject:
     # -- many ranges, streamed -----------------------------------------------------------------------
     def stream(self, spans: Iterable[tuple[int, int]], deliver: Callable[[int, bytes], object], *,
                chunk: int | None = None, threads: int | None = None,
-               done: Callable[[int, int], object] | None = None) -> int:
+               done: Callable[[int, int], object] | None = None, parts: bool = False) -> int:
         """Fetch the byte ranges ``spans`` (``(start, end)``, as given: merge them first with :func:`merged` when
         bytes between may be read) in pieces of at most ``chunk`` bytes (None: :data:`CHUNK`), ``threads`` requests
         at a time (None: :data:`THREADS`), and call
@@ -219,8 +278,12 @@ class RemoteObject:
         Returns the bytes fetched. The first error stops the rest and is raised; deliveries made before it have
         happened, so a caller that raises loses only its destination's contents. (:func:`stream` reads ranges of
         several objects in one pool of requests.)
+
+        ``parts=True`` says that ``deliver`` takes any part of a piece, quickly, on any thread: on an async
+        filesystem it is then called on the event loop's thread with each part of the body as the HTTP client
+        reads it (:meth:`aget_into`), so no piece is joined into one buffer first (one copy less).
         """
-        return stream([(self, spans, deliver, done)], chunk=chunk, threads=threads)
+        return stream([(self, spans, deliver, done)], chunk=chunk, threads=threads, parts=parts)
 
     def check(self) -> None:
         """Raise :class:`ObjectChangedError` when the object is no longer the one opened (a store that takes no
@@ -237,7 +300,7 @@ class RemoteObject:
                                      "is used: open it again")
 
 
-def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | None = None) -> int:
+def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | None = None, parts: bool = False) -> int:
     """:meth:`RemoteObject.stream` for several objects at once, their pieces sharing one pool of ``threads``
     requests: ``jobs`` is ``[(remote object, spans, deliver, done or None), ...]``. Returns the bytes fetched."""
     chunk = CHUNK if chunk is None else chunk
@@ -273,7 +336,7 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
         from fsspec.asyn import sync
 
         with ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-deliver") as pool:
-            sync(pieces[0][0].fs.loop, _stream_async, pieces, threads, pool, left, done_lock)
+            sync(pieces[0][0].fs.loop, _stream_async, pieces, threads, pool, left, done_lock, parts)
         return total
     if len(pieces) <= 1 or threads == 1:
         for piece in pieces:
@@ -291,12 +354,12 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
     return total
 
 
-def _deliver(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_lock) -> None:
-    """Count a piece that arrived (``obj.stats``), hand it to ``deliver``, and report its range done once every
-    piece of the range is delivered."""
+def _deliver(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_lock, request: bool = True) -> None:
+    """Count a piece (or, ``request`` False, a part of one) that arrived (``obj.stats``), hand it to ``deliver``,
+    and report its range done once every piece of the range is delivered."""
     stats, lock = obj.stats, obj._lock
     with lock:
-        stats.requests += 1
+        stats.requests += request
         stats.bytes += len(data)
         stats.largest = max(stats.largest, len(data))
         stats.held += len(data)
@@ -308,14 +371,18 @@ def _deliver(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_l
         with lock:
             stats.held -= hi - lo
     if done is not None:
-        with done_lock:
-            entry = left[key]
-            entry[0] -= 1
-            if entry[0] == 0:
-                done(entry[1], entry[2])
+        _finish(done, key, left, done_lock)
 
 
-async def _stream_async(pieces: list, threads: int, pool, left: dict, done_lock) -> None:
+def _finish(done, key, left: dict, done_lock) -> None:
+    with done_lock:
+        entry = left[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            done(entry[1], entry[2])
+
+
+async def _stream_async(pieces: list, threads: int, pool, left: dict, done_lock, parts: bool) -> None:
     import asyncio
 
     loop = asyncio.get_running_loop()
@@ -323,6 +390,16 @@ async def _stream_async(pieces: list, threads: int, pool, left: dict, done_lock)
 
     async def one(obj, lo: int, hi: int, deliver, done, key) -> None:
         async with slots:  # from the request to the end of the delivery: at most `threads` pieces held
+            if parts:
+                def sink(at: int, part) -> None:
+                    _deliver(obj, at, at + len(part), part, deliver, None, key, left, done_lock, request=False)
+
+                await obj.aget_into(lo, hi, sink)
+                with obj._lock:
+                    obj.stats.requests += 1
+                if done is not None:
+                    _finish(done, key, left, done_lock)
+                return
             data = await obj.aget(lo, hi)
             await loop.run_in_executor(pool, _deliver, obj, lo, hi, data, deliver, done, key, left, done_lock)
 
