@@ -412,7 +412,7 @@ def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3, against: st
                         failed[row] = (done.stderr.strip().splitlines() or ["no output"])[-1]
                         continue
                     out = json.loads(done.stdout.strip().splitlines()[-1])
-                    samples[row].append((out["seconds"], out["growth"], out["exact"]))
+                    samples[row].append((out["seconds"], out["growth"], out["exact"], out["cpu"]))
                 load.append(os.getloadavg()[0])
         finally:
             process.stdin.close()
@@ -437,44 +437,49 @@ def _stream_worker(row: str, setup_path: str) -> int:
     warm()
     load, check, _nbytes, _kind = _stream_rows(setup["endpoint"], fixture, setup["runai"], only=row)[row]
     with PeakMemory() as peak:
+        cpu = os.times()
         start = time.perf_counter()
         result = load()
         seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "growth": peak.growth, "exact": bool(check(result))}))
+        after = os.times()
+    print(json.dumps({"seconds": seconds, "growth": peak.growth, "exact": bool(check(result)),
+                      "cpu": (after.user - cpu.user) + (after.system - cpu.system)}))
     return 0
 
 
 def report_streaming(result: dict) -> list[str]:
-    """The streaming table: median seconds, GB/s, share of the bound (the fastest raw download), the largest peak
-    RSS growth over a load, exact in every run.
+    """The streaming table: median seconds, GB/s, share of the bound (the fastest raw download), the client
+    process's median CPU time over the load (user + system, every thread; the server's is not counted), the largest
+    peak RSS growth over a load, exact in every run.
 
-    >>> r = {"samples": {"raw s3: x": [(1.0, 2**20, True)], "load_file(s3, pool)": [(1.25, 3 * 2**20, True)]},
+    >>> r = {"samples": {"raw s3: x": [(1.0, 2**20, True, 0.5)], "load_file(s3, pool)": [(1.25, 3 * 2**20, True, 0.7)]},
     ...      "kinds": {"raw s3: x": "bound", "load_file(s3, pool)": "fastckpt"},
     ...      "bytes": {"raw s3: x": 10**9, "load_file(s3, pool)": 10**9}, "load": [2.0, 3.0], "runai": None,
     ...      "mib": 512}
     >>> print("\\n".join(report_streaming(r)[2:6]))
-    | path | median | GB/s | share of the bound | peak RSS growth | exact |
-    |---|---:|---:|---:|---:|---|
-    | raw s3: x | 1.000 s | 1.00 | 1.00 | 1 MiB | yes |
-    | load_file(s3, pool) | 1.250 s | 0.80 | 0.80 | 3 MiB | yes |
+    | path | median | GB/s | share of the bound | CPU | peak RSS growth | exact |
+    |---|---:|---:|---:|---:|---:|---|
+    | raw s3: x | 1.000 s | 1.00 | 1.00 | 500.00 ms | 1 MiB | yes |
+    | load_file(s3, pool) | 1.250 s | 0.80 | 0.80 | 700.00 ms | 3 MiB | yes |
     """
     import statistics
 
     samples = result["samples"]
-    rate = {row: result["bytes"][row] / statistics.median(s for s, _, _ in v) / 1e9 for row, v in samples.items() if v}
+    rate = {row: result["bytes"][row] / statistics.median(x[0] for x in v) / 1e9 for row, v in samples.items() if v}
     bound = max((rate[r] for r in rate if result["kinds"][r] == "bound"), default=None)
     lines = [f"S3 and HTTP streaming (the range server on loopback, fastckpt.bench.objectserver; "
-             f"{result['mib']:g} MiB; a fresh process per measurement; load average {min(result['load']):.1f}-{max(result['load']):.1f} on "
-             f"{os.cpu_count()} cores)", ""]
+             f"{result['mib']:g} MiB; a fresh process per measurement; load average "
+             f"{min(result['load']):.1f}-{max(result['load']):.1f} on {os.cpu_count()} cores)", ""]
     rows = []
     for row, v in samples.items():
         if not v:
             continue
-        peaks = [p for _, p, _ in v if p is not None]
-        rows.append([row, format_duration(statistics.median(s for s, _, _ in v)), f"{rate[row]:.2f}",
-                     f"{rate[row] / bound:.2f}" if bound else "-", format_size(max(peaks)) if peaks else "-",
-                     "yes" if all(e for _, _, e in v) else "NO"])
-    lines += table_lines(["path", "median", "GB/s", "share of the bound", "peak RSS growth", "exact"], rows, "lrrrrl")
+        peaks = [x[1] for x in v if x[1] is not None]
+        rows.append([row, format_duration(statistics.median(x[0] for x in v)), f"{rate[row]:.2f}",
+                     f"{rate[row] / bound:.2f}" if bound else "-", format_duration(statistics.median(x[3] for x in v)),
+                     format_size(max(peaks)) if peaks else "-", "yes" if all(x[2] for x in v) else "NO"])
+    lines += table_lines(["path", "median", "GB/s", "share of the bound", "CPU", "peak RSS growth", "exact"], rows,
+                         "lrrrrrl")
     lines += ["", f"- bound: the fastest raw row ({bound:.2f} GB/s); target: every fastckpt row >= 0.8x"
               if bound else "- no bound row ran"]
     if result["runai"]:
