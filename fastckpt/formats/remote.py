@@ -13,12 +13,17 @@ re-exports its names (``put_file``, ``put_directory``, ``committed``, ...) and r
 
 Loads
 -----
+Every byte read from a URL comes through :mod:`fastckpt.formats.stream` (parallel ranged GETs, each piece
+delivered straight to its destination; at most ``THREADS x CHUNK`` bytes held; conditional on the object's ETag).
 :func:`open` (``fastckpt.open(url)``) reads a tensor file's index with ranged reads (safetensors: bytes ``0..8``
 and the header; NPZ: the ZIP end records, the central directory and each member's local and ``.npy``
-headers), then fetches only the payloads of the tensors asked for (``names=``), 16 MiB ranges in parallel
-(``fs.cat_ranges``), into a sparse temporary file that is mapped and unlinked at once: the reader is the
-same :class:`~fastckpt.formats.reader.TensorFile` as for a local file, its views zero-copy in that mapping.
-Local paths never come here: they keep the mapped zero-copy path of :func:`fastckpt.open`.
+headers), then fetches only the payloads of the tensors asked for (``names=``) into anonymous memory of the
+object's size (a ``memfd``: no file on any filesystem; only what is fetched takes space), which is then mapped:
+the reader is the same :class:`~fastckpt.formats.reader.TensorFile` as for a local file, its views zero-copy in
+that memory. :func:`open_streamed` reads the index only: the device loads (``load_file(url, ...)``,
+``load_model(url)``) stream the payloads into the pooled arena or the tensors' buffers. A prefix holding a
+Hugging Face checkpoint opens as :class:`RemoteHFSharded`. Local paths never come here: they keep the mapped
+zero-copy path of :func:`fastckpt.open`.
 
 >>> import fastckpt, numpy as np
 >>> fastckpt.save_safetensors("memory://doc/remote.safetensors", {"a": np.arange(3, dtype=np.int32),
