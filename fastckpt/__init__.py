@@ -40,7 +40,7 @@ from fastckpt.errors import (
     TensorNotFoundError,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # Heavy modules (pyopencl above all) are imported only when first used: the names of _LAZY below.
 

@@ -5,6 +5,7 @@ Races are made deterministic: the second writer commits from inside the first on
 
 import json
 import os
+import warnings
 import subprocess
 import sys
 import threading
@@ -181,21 +182,29 @@ def test_overwrite_true_still_replaces_in_one_step(tmp_path):
     lambda p, v: write_checkpoint(p, {"a": v}),
     lambda p, v: save_checkpoint(_Model(v[0]), None, None, None, None, p, step=1),
 ], ids=["npz", "safetensors", "hf-sharded", "tf", "train"])
-def test_left_out_overwrite_warns_at_the_callers_line_and_still_replaces(tmp_path, write):
+def test_left_out_overwrite_refuses_an_existing_target_and_keeps_it(tmp_path, write):
+    # 0.2 replaced here and 0.3 replaced with a FutureWarning; 0.4 refuses, as every other writer always did, and
+    # the target keeps the first save's values, with nothing of the refused save left beside it.
     target = tmp_path / "m"
     write(target, np.zeros(2, np.float32))
-    with pytest.warns(FutureWarning, match="exists and is replaced because overwrite= was not given") as record:
-        write(target, np.ones(2, np.float32))
-    assert [w.filename for w in record if w.category is FutureWarning] == [__file__]
+    before = sorted(os.listdir(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no FutureWarning any more: a refusal
+        with pytest.raises(FileExistsError, match="pass overwrite=True"):
+            write(target, np.ones(2, np.float32))
+    assert sorted(os.listdir(tmp_path)) == before
+    with fastckpt.open(target) as r:  # the first save's zeros, not the refused save's ones
+        values = [float(x) for n in r for x in np.asarray(r.host(n)).reshape(-1)]
+    assert values and set(values) == {0.0}
 
 
-def test_left_out_overwrite_replaces_with_a_future_warning_as_0_2_did(tmp_path):
+def test_overwrite_takes_only_true_or_false(tmp_path):
     target = tmp_path / "m.npz"
     fastckpt.save_npz(target, {"a": np.zeros(2)})
-    with pytest.warns(FutureWarning, match=r"m\.npz: exists and is replaced because overwrite= was not given"):
-        fastckpt.save_npz(target, {"a": np.ones(2)})
-    with pytest.raises(FileExistsError, match="pass overwrite=True"):
-        fastckpt.save_npz(target, {"a": np.zeros(2)}, overwrite=False)
+    for wrong in (None, 1, "yes"):
+        with pytest.raises(TypeError, match=r"overwrite must be True or False, got"):
+            fastckpt.save_npz(target, {"a": np.ones(2)}, overwrite=wrong)
+    fastckpt.save_npz(target, {"a": np.ones(2)}, overwrite=True)
     assert np.load(target)["a"].tolist() == [1.0, 1.0]
 
 

@@ -325,17 +325,14 @@ def test_missing_checkpoint(tmp_path, queue):
         load_params(queue, [], tmp_path / "ck")
 
 
-def test_the_netcl_names_still_work_and_say_what_they_are_now(tmp_path, queue, rng):
-    # fastckpt.train.load_checkpoint reads a training checkpoint; the netcl pair has its own names now.
+def test_the_netcl_names_went_in_0_4_and_the_error_names_the_new_ones():
+    # fastckpt.train.load_checkpoint reads a training checkpoint; the netcl pair has its own names (0.3 warned).
     import fastckpt.io.checkpoint as io_checkpoint
 
-    params, hosts = make_params(queue, rng)
-    with pytest.warns(DeprecationWarning, match=r"save_checkpoint is now save_netcl_checkpoint .*fastckpt 0\.4"):
-        paths = io_checkpoint.save_checkpoint(params, tmp_path / "ck", config={"step": 1})
-    assert paths == (str(tmp_path / "ck.npz"), str(tmp_path / "ck.json"))
-    fresh = blank_params(queue)
-    with pytest.warns(DeprecationWarning, match=r"load_checkpoint is now load_netcl_checkpoint"):
-        state = io_checkpoint.load_checkpoint(queue, fresh, tmp_path / "ck")
-    assert state == {"optim_state": {}, "config": {"step": 1}}
-    assert_params(fresh, hosts)
+    with pytest.raises(AttributeError, match=r"save_checkpoint is save_netcl_checkpoint .*fastckpt\.train\.save_checkpoint"):
+        io_checkpoint.save_checkpoint
+    with pytest.raises(AttributeError, match=r"load_checkpoint is load_netcl_checkpoint"):
+        io_checkpoint.load_checkpoint
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        io_checkpoint.nothing
     assert "save_checkpoint" not in io_checkpoint.__all__ and "load_checkpoint" not in io_checkpoint.__all__

@@ -1,4 +1,4 @@
-"""The release says what it is: one version (0.3.0) in the package, the command, the build metadata and the manifests,
+"""The release says what it is: one version (0.4.0) in the package, the command, the build metadata and the manifests,
 a CHANGELOG whose newest release is that version, and a README whose promises the code keeps."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 import fastckpt
 
 ROOT = Path(__file__).resolve().parents[1]
-VERSION = "0.3.0"
+VERSION = "0.4.0"
 
 
-def test_the_package_is_0_3_0():
+def test_the_package_is_0_4_0():
     assert fastckpt.__version__ == VERSION
 
 
@@ -55,31 +55,30 @@ def test_a_training_manifest_records_the_library_version(tmp_path):
 def test_the_changelog_starts_with_this_release_and_its_breaking_changes():
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     releases = re.findall(r"^## (\S+)", text, re.M)
-    assert releases[0] == VERSION and "0.2.0" in releases
+    assert releases[0] == VERSION and "0.3.0" in releases and "0.2.0" in releases
     this_release = text.split(f"\n## {VERSION}\n", 1)[1].split("\n## ", 1)[0]
     sections = re.findall(r"^### (.+)", this_release, re.M)
     assert sections[0] == "Breaking changes", sections
     breaking = this_release.split("### Breaking changes", 1)[1].split("\n### ", 1)[0]
     entries = re.findall(r"^- (.*)", breaking, re.M)
     assert entries and all(entry.startswith("**Breaking") for entry in entries)
-    assert "a0f161b" in this_release  # what "since 0.2.0" counts from
-    assert sections == ["Breaking changes", "Deprecated (working until 0.4)", "Added", "Changed", "Fixed", "Performance"]
+    assert "7c3086e" in this_release  # what "since 0.3.0" counts from
+    assert sections == ["Breaking changes", "Deprecated (working until 0.5)", "Added", "Changed", "Fixed", "Performance"]
 
 
-def test_the_readme_says_which_writers_still_replace_and_they_do(tmp_path):
-    # The README promised "no save replaces an existing file unless told to" while the writers of 0.2 still replace
-    # when overwrite= is left out (until 0.4, with a FutureWarning). It now says so; the code does what it says.
+def test_the_readme_promises_no_replace_unless_told_and_every_writer_keeps_it(tmp_path):
+    # 0.3's README said the writers of 0.2 still replaced when overwrite= was left out, until 0.4. In 0.4 the
+    # promise is whole again, and the code keeps it: a tensor file and a checkpoint manager's step alike.
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    assert "No save replaces an existing file or checkpoint unless told to" not in readme
-    assert "still replace when `overwrite=` is left out, until 0.4, with a `FutureWarning`" in readme
+    assert "No save replaces an existing file or checkpoint unless told to" in readme
+    assert "until 0.4" not in readme
     path = tmp_path / "m.safetensors"
     fastckpt.save_safetensors(path, {"w": np.zeros(2, np.float32)})
-    with pytest.warns(FutureWarning, match="overwrite=True"):
-        fastckpt.save_safetensors(path, {"w": np.ones(2, np.float32)})
-    assert fastckpt.open(path).host("w").tolist() == [1.0, 1.0]
-    with pytest.raises(FileExistsError):
-        fastckpt.save_safetensors(path, {"w": np.zeros(2, np.float32)}, overwrite=False)
-    # "checkpoint managers and sharded saves always": refused with overwrite= left out, and no warning first.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with pytest.raises(FileExistsError):
+            fastckpt.save_safetensors(path, {"w": np.ones(2, np.float32)})
+    assert fastckpt.open(path).host("w").tolist() == [0.0, 0.0]
     from fastckpt.train import TinyLM, CheckpointManager
 
     manager = CheckpointManager(tmp_path / "run")

@@ -28,13 +28,15 @@ def test_an_existing_object_is_refused_without_overwrite_and_replaced_with_it(s3
     assert _load(url, options) == {"w": [1.0, 1.0, 1.0]}
 
 
-def test_left_out_overwrite_replaces_an_existing_object_with_a_future_warning_as_0_2_did(s3):
+def test_left_out_overwrite_refuses_an_existing_object_as_every_writer_does_since_0_4(s3):
     url, options = s3.url("model.safetensors"), s3.storage_options
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a new object: no warning
+        warnings.simplefilter("error")  # a new object: no warning, and none for the refusal either
         fastckpt.save_safetensors(url, {"w": np.zeros(2, np.float32)}, storage_options=options)
-    with pytest.warns(FutureWarning, match="overwrite=True"):
-        fastckpt.save_safetensors(url, {"w": np.ones(2, np.float32)}, storage_options=options)
+        with pytest.raises(FileExistsError, match="pass overwrite=True"):
+            fastckpt.save_safetensors(url, {"w": np.ones(2, np.float32)}, storage_options=options)
+    assert _load(url, options) == {"w": [0.0, 0.0]}
+    fastckpt.save_safetensors(url, {"w": np.ones(2, np.float32)}, storage_options=options, overwrite=True)
     assert _load(url, options) == {"w": [1.0, 1.0]}
 
 

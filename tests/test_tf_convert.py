@@ -120,11 +120,11 @@ def test_existing_destination_needs_overwrite(tmp_path):
         convert(tmp_path / "src", tmp_path / "w.npz")
     assert "--" not in str(refused.value)  # Python's convert() names its keyword, not the command's flag
     convert(tmp_path / "src", tmp_path / "w.npz", overwrite=True)
-    with pytest.warns(DeprecationWarning, match=r"force=\.\.\.\) is deprecated: pass overwrite="):
-        convert(tmp_path / "src", tmp_path / "w.npz", force=True)  # 0.2's spelling still replaces
+    with pytest.raises(TypeError, match="force"):  # 0.2's spelling, deprecated in 0.3, gone in 0.4
+        convert(tmp_path / "src", tmp_path / "w.npz", force=True)
 
 
-def test_cli_convert_overwrite_flag_and_its_deprecated_alias(tmp_path, capsys):
+def test_cli_convert_overwrite_flag_and_no_other_spelling(tmp_path, capsys):
     from fastckpt.cli import main
 
     write_checkpoint(tmp_path / "src", {"w": np.zeros(1)})
@@ -133,8 +133,9 @@ def test_cli_convert_overwrite_flag_and_its_deprecated_alias(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "src"), out]) == 1
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "src"), out, "--overwrite"]) == 0
-    assert main(["convert", str(tmp_path / "src"), out, "--force"]) == 0
-    assert "--force is deprecated, use --overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # 0.2's --force, deprecated in 0.3, gone in 0.4: an unknown option
+        main(["convert", str(tmp_path / "src"), out, "--force"])
+    assert "unrecognized arguments: --force" in capsys.readouterr().err
 
 
 def test_destination_dtype_limits_surface_as_errors(tmp_path):

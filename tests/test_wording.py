@@ -125,9 +125,11 @@ def test_inspect_and_verify_help_name_every_kind_they_read_and_their_exit_status
 
 
 @pytest.mark.parametrize("name", ["t.safetensors", "t.npz"])
-def test_save_trees_warning_of_a_replace_points_at_the_callers_line(tmp_path, name):
+def test_save_tree_refuses_a_replace_nobody_asked_for_and_names_the_way_out(tmp_path, name):
     fastckpt.save_tree(tmp_path / name, {"a": np.zeros(2)})
-    with pytest.warns(FutureWarning, match="overwrite=True") as caught:
+    with pytest.raises(FileExistsError, match="pass overwrite=True") as caught:
         fastckpt.save_tree(tmp_path / name, {"a": np.ones(2)})
-    assert [w.filename for w in caught] == [__file__]
+    assert caught.value.filename == str(tmp_path / name)
+    assert fastckpt.load_tree(tmp_path / name)["a"].tolist() == [0.0, 0.0]
+    fastckpt.save_tree(tmp_path / name, {"a": np.ones(2)}, overwrite=True)
     assert fastckpt.load_tree(tmp_path / name)["a"].tolist() == [1.0, 1.0]

@@ -191,13 +191,15 @@ def test_a_file_in_the_way_of_the_parent_is_not_a_directory_naming_the_target(tm
 
 @pytest.mark.parametrize("writer", ["safetensors", "npz"])
 def test_a_directory_in_the_way_is_a_directory_naming_the_target(tmp_path, writer):
-    write, _ = WRITERS[writer]
+    write = {"safetensors": fastckpt.save_safetensors, "npz": fastckpt.save_npz}[writer]
     target = tmp_path / "model"
     target.mkdir()
     (target / "keep").write_bytes(b"k")
-    with pytest.warns(FutureWarning), pytest.raises(IsADirectoryError) as failure:
-        write(str(target))
-    assert failure.value.filename == str(target)
+    with pytest.raises(FileExistsError) as refused:  # refused as any existing target is, without overwrite=True
+        write(str(target), {"w": _values()})
+    with pytest.raises(IsADirectoryError) as failure:  # asked to replace: a directory is never replaced by a file
+        write(str(target), {"w": _values()}, overwrite=True)
+    assert refused.value.filename == failure.value.filename == str(target)
     assert sorted(os.listdir(tmp_path)) == ["model"] and (target / "keep").read_bytes() == b"k"
 
 

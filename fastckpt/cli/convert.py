@@ -13,7 +13,6 @@ summary, with what was left out on stderr.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from fastckpt.formats.convert import FORMATS, convert
@@ -41,7 +40,6 @@ def add_parser(subparsers):
                         help="safetensors destination: store TensorFlow qint8/quint8/... tensors as their integers, "
                              "each type recorded in the metadata (a conversion back to tf restores it)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    parser.add_argument("--force", action="store_true", help=argparse.SUPPRESS)  # 0.2's spelling of --overwrite
     parser.add_argument("--shards", type=int, default=1, help="TensorFlow destination: number of data files")
     parser.add_argument("--alignment", type=int, default=1,
                         help="TensorFlow destination: start every tensor at a multiple of this many bytes")
@@ -51,12 +49,10 @@ def add_parser(subparsers):
 def run(args) -> int:
     from fastckpt.errors import FastCkptError
 
-    if args.force:
-        print("fastckpt convert: --force is deprecated, use --overwrite", file=sys.stderr)
     try:
         summary = convert(args.src, args.dst, to=args.to, object_graph=args.object_graph,
                           skip_unsupported=args.skip_unsupported, quantized_as_ints=args.quantized_as_ints,
-                          overwrite=args.overwrite or args.force, num_shards=args.shards,
+                          overwrite=args.overwrite, num_shards=args.shards,
                           data_alignment=args.alignment, progress=sys.stderr.isatty())
     except (FastCkptError, OSError, TypeError, ValueError) as exc:
         print(f"fastckpt convert: {command_line_wording(str(exc))}", file=sys.stderr)

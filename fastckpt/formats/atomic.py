@@ -13,8 +13,8 @@ from fastckpt.store.commit import (  # noqa: F401
     remove_stale_partials,
     remove_stale_partials_in,
     rename_noreplace,
-    resolve_overwrite,
+    overwrite_flag,
 )
 
 __all__ = ["atomic_write", "atomic_directory", "fsync_directory", "remove_stale_partials", "remove_stale_partials_in",
-           "rename_noreplace", "resolve_overwrite", "STALE_AFTER"]
+           "rename_noreplace", "overwrite_flag", "STALE_AFTER"]

@@ -30,8 +30,7 @@ allows it:
   from which a conversion to TensorFlow or NPZ restores them;
 - opaque TensorFlow entries (a ``tf.data`` iterator's DT_VARIANT) are listed
   as skipped, never carried and never a reason to refuse;
-- a destination that exists needs ``--overwrite`` (``overwrite=True``;
-  ``--force``/``force=`` are its deprecated spellings).
+- a destination that exists needs ``--overwrite`` (``overwrite=True``).
 
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.tf import write_checkpoint
@@ -47,7 +46,6 @@ import contextlib
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 
 from fastckpt.formats.reader import mappings_of
@@ -236,7 +234,7 @@ def _quantized_of(metadata: dict, path: str) -> dict:
 
 def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip_unsupported: bool = False,
             quantized_as_ints: bool = False, overwrite: bool = False, num_shards: int = 1, data_alignment: int = 1,
-            fsync: bool = True, progress=False, force: bool | None = None) -> dict:
+            fsync: bool = True, progress=False) -> dict:
     """Copy every tensor of ``src`` into a new file or checkpoint ``dst``; returns a summary dict.
 
     The destination's format follows :func:`destination_format` (a known
@@ -254,9 +252,8 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
     ``num_shards`` and ``data_alignment`` apply to TensorFlow destinations.
     ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
     :mod:`fastckpt.progress`) counts the tensors' bytes as they are written.
-    An existing ``dst`` is replaced only with ``overwrite=True`` (``force=``
-    is its deprecated spelling); no writer's file committed meanwhile is
-    replaced without it.
+    An existing ``dst`` is replaced only with ``overwrite=True``; no writer's
+    file committed meanwhile is replaced without it.
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.tf import write_checkpoint
@@ -270,11 +267,6 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
     """
     from fastckpt.errors import DestinationError
     from fastckpt.formats.tf.dtypes import quantized_dtype, quantized_name
-
-    if force is not None:
-        warnings.warn("convert(force=...) is deprecated: pass overwrite=... (the one keyword of every writer)",
-                      DeprecationWarning, stacklevel=2)
-        overwrite = overwrite or bool(force)
 
     started = time.perf_counter()
     fmt = destination_format(dst, to)

@@ -194,7 +194,7 @@ import numpy as np
 
 from fastckpt.arrays import to_numpy
 from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FastCkptWarning, FormatError
-from fastckpt.store.commit import Commit, resolve_overwrite, write_file
+from fastckpt.store.commit import Commit, overwrite_flag, write_file
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
 from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.formats.safetensors import (
@@ -342,7 +342,7 @@ def save_sharded(
     fsync: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
     progress=False,
-    overwrite: bool | None = None,
+    overwrite: bool = False,
 ) -> list[str]:
     """Write ``tensors`` (name -> array-like) into ``directory`` as Hugging Face sharded safetensors, atomically.
 
@@ -360,8 +360,7 @@ def save_sharded(
     written, the index last. ``progress`` (``True`` for a bar, or
     ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts the
     tensors' bytes over all shards. A previous save with the same prefix is
-    replaced only with ``overwrite=True`` (left out, it is still replaced,
-    with a ``FutureWarning``: docs/overwrite.md). An ``OSError`` names the
+    replaced only with ``overwrite=True`` (docs/overwrite.md). An ``OSError`` names the
     file under ``directory`` (the staging folder only as detail); a failed
     save leaves nothing it created.
 
@@ -396,9 +395,7 @@ def save_sharded(
     index = None if single else _index_bytes(weight_map, total, user)
 
     directory = os.fspath(directory)
-    previous = [p for p in (os.path.join(directory, index_name), os.path.join(directory, f"{prefix}.safetensors"))
-                if os.path.lexists(p)]
-    overwrite = resolve_overwrite(overwrite, previous[0] if previous else directory, bool(previous))
+    overwrite = overwrite_flag(overwrite)
     started = time.perf_counter()
     entry = index_name if index is not None else names[0]
     with Commit(os.path.join(directory, prefix), kind="files", overwrite=overwrite, fsync=fsync,

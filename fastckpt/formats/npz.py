@@ -204,7 +204,7 @@ from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_le
 from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
 from fastckpt.arrays import as_numpy, to_numpy
 from fastckpt.errors import FormatError, IntegrityError
-from fastckpt.store.commit import atomic_write, resolve_overwrite
+from fastckpt.store.commit import atomic_write, overwrite_flag
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
@@ -362,7 +362,7 @@ class NpzWriter:
     module's spec) or a power of two up to 32768, the boundary of every array
     payload; ``fsync=False`` skips the fsyncs (still atomic, not durable).
     An existing file at ``path`` is replaced only with ``overwrite=True``
-    (left out: replaced with a ``FutureWarning``, docs/overwrite.md).
+    (docs/overwrite.md).
 
     >>> import tempfile, os, numpy as np
     >>> path = os.path.join(tempfile.mkdtemp(), "w.npz")
@@ -373,10 +373,10 @@ class NpzWriter:
     """
 
     def __init__(self, path: str | os.PathLike, *, alignment: int | str = "auto", fsync: bool = True,
-                 overwrite: bool | None = None, _stacklevel: int = 2):
+                 overwrite: bool = False):
         self._policy = alignment_policy(alignment)
         self.path = os.fspath(path)
-        self.overwrite = resolve_overwrite(overwrite, self.path, os.path.lexists(self.path), stacklevel=_stacklevel + 1)
+        self.overwrite = overwrite_flag(overwrite)
         self.alignment = alignment
         self.fsync = fsync
         self._context = None
@@ -519,7 +519,7 @@ def _refuse_savez_form(tensors, arrays: tuple, named: dict) -> None:
 
 def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignment: int | str = "auto",
              fsync: bool = True, progress: ProgressArg = False, storage_options: dict | None = None,
-             overwrite: bool | None = None, **named: Any) -> None:
+             overwrite: bool = False, **named: Any) -> None:
     """Save arrays as an aligned, uncompressed NPZ that ``np.load`` and netcl read; atomically.
 
     ``tensors`` is a mapping name -> array-like, or an iterable of ``(name,
@@ -536,7 +536,7 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignme
     (``s3://...``, any fsspec URL, with ``storage_options``): written locally,
     then uploaded in one atomic upload (:mod:`fastckpt.formats.remote`).
     An existing file at ``path`` is replaced only with ``overwrite=True``
-    (left out: replaced with a ``FutureWarning``, docs/overwrite.md); an
+    (docs/overwrite.md); an
     ``OSError`` names ``path``.
 
     >>> import tempfile, os, numpy as np
@@ -566,7 +566,7 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignme
     if requested(progress) and isinstance(tensors, Mapping):
         total = sum(_payload_nbytes(a) for a in tensors.values())
     with progress_from(progress, total, "save npz") as report, \
-            NpzWriter(path, alignment=alignment, fsync=fsync, overwrite=overwrite, _stacklevel=3) as writer:
+            NpzWriter(path, alignment=alignment, fsync=fsync, overwrite=overwrite) as writer:
         if report.enabled:  # each array written (not only queued) before it is reported
             items, batch = _reporting(items, report), False
         # A dict's own iteration runs no caller code, so its arrays can be queued and written together, and its

@@ -180,7 +180,7 @@ from fastckpt._native.safetensors import (
     write_tensors,
 )
 from fastckpt.arrays import to_numpy
-from fastckpt.store.commit import atomic_write, resolve_overwrite
+from fastckpt.store.commit import atomic_write, overwrite_flag
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
@@ -394,7 +394,7 @@ def save_safetensors(
     hasher=None,
     progress: ProgressArg = False,
     storage_options: Mapping[str, Any] | None = None,
-    overwrite: bool | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
 
@@ -410,8 +410,7 @@ def save_safetensors(
     ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
     :mod:`fastckpt.progress`) counts the tensors' bytes as they are written.
     An existing file at ``path`` is replaced only with ``overwrite=True``
-    (left out, it is still replaced, with a ``FutureWarning``: see
-    docs/overwrite.md); another writer's file committed meanwhile is never
+    (docs/overwrite.md); another writer's file committed meanwhile is never
     replaced without it. An ``OSError`` names ``path``.
 
     Raises ``TypeError`` for a dtype safetensors cannot store (object,
@@ -444,7 +443,7 @@ def save_safetensors(
         _check_unique(plan)
     plan.sort()  # dtype rank descending, then name: the reference writer's order
     prefix = _header_bytes(plan, checked_metadata, alignment)
-    overwrite = resolve_overwrite(overwrite, path, os.path.lexists(path))
+    overwrite = overwrite_flag(overwrite)
     count, started = len(plan), time.perf_counter()
     total = sum(t[_NBYTES] for t in plan) if requested(progress) else None
     with progress_from(progress, total, "save safetensors") as report, \

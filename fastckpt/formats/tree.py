@@ -159,22 +159,6 @@ def flatten_tree(tree: Tree) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return arrays, structure
 
 
-def _overwrite_as_the_caller_asked(path: str | os.PathLike, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with ``overwrite`` decided here when the caller left it out, so that the FutureWarning of a
-    replace nobody asked for points at the caller's line (save_tree's caller), not at save_tree's call of a writer.
-
-    >>> _overwrite_as_the_caller_asked("absent.safetensors", {"fsync": False})
-    {'fsync': False, 'overwrite': False}
-    """
-    from fastckpt.formats.remote import is_url
-
-    if options.get("overwrite") is not None or is_url(os.fspath(path)):
-        return options
-    from fastckpt.formats.atomic import resolve_overwrite
-
-    return {**options, "overwrite": resolve_overwrite(None, path, os.path.lexists(path), stacklevel=4)}
-
-
 def save_tree(path: str | os.PathLike, tree: Tree, *, metadata: Mapping[str, str] | None = None,
               **options: Any) -> None:
     """Save a tree (dicts, lists, tuples of arrays and Python values) to one file (``.npz``: NPZ, else
@@ -205,7 +189,7 @@ def save_tree(path: str | os.PathLike, tree: Tree, *, metadata: Mapping[str, str
                              "to record the structure); save the tree as .safetensors")
         from fastckpt.formats.npz import save_npz
 
-        save_npz(path, arrays, **_overwrite_as_the_caller_asked(path, options))
+        save_npz(path, arrays, **options)
         return
     for key in (TREE_METADATA_KEY, TREE_VERSION_KEY):
         if metadata and key in metadata:
@@ -214,7 +198,7 @@ def save_tree(path: str | os.PathLike, tree: Tree, *, metadata: Mapping[str, str
 
     meta = {**(metadata or {}), TREE_VERSION_KEY: TREE_VERSION,
             TREE_METADATA_KEY: json.dumps(structure, separators=(",", ":"), ensure_ascii=False)}
-    save_safetensors(path, arrays, meta, **_overwrite_as_the_caller_asked(path, options))
+    save_safetensors(path, arrays, meta, **options)
 
 
 def load_tree(path: str | os.PathLike, **options: Any) -> ArrayTree:

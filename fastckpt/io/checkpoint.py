@@ -44,7 +44,8 @@ the staging directory), never a new NPZ beside the previous JSON.
 
 Names: netcl calls this pair ``save_checkpoint`` / ``load_checkpoint``, which in fastckpt are the training-state
 checkpoints of :mod:`fastckpt.train`; here they are ``save_netcl_checkpoint`` / ``load_netcl_checkpoint``. The
-netcl spellings still work in 0.3 with a ``DeprecationWarning`` and go in 0.4.
+netcl spellings worked in 0.3 with a ``DeprecationWarning``; since 0.4 they are an ``AttributeError`` that names
+the new spelling.
 
 >>> from fastckpt.io.checkpoint import save_netcl_checkpoint, load_netcl_checkpoint    # doctest: +SKIP
 >>> save_netcl_checkpoint(model.parameters(), "ckpt/iter_1000",
@@ -57,10 +58,8 @@ dtype('float32')
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import warnings
 from typing import Any, Iterable
 
 import numpy as np
@@ -134,22 +133,22 @@ def _dtype_of(param):
         return None
 
 
-def save_params(params: Iterable, path, names=None, *, fsync: bool = True, overwrite: bool | None = None) -> str:
+def save_params(params: Iterable, path, names=None, *, fsync: bool = True, overwrite: bool = False) -> str:
     """Write ``params`` (Tensors or arrays) to a raw NPZ; returns the path written.
 
-    An existing file is replaced only with ``overwrite=True`` (left out:
-    replaced with a ``FutureWarning``, docs/overwrite.md).
+    An existing file is replaced only with ``overwrite=True``
+    (docs/overwrite.md).
 
     >>> save_params(model.parameters(), "raw/iter_1000.npz", names=["fc1.weight", "fc1.bias"])  # doctest: +SKIP
     'raw/iter_1000.npz'
     """
-    from fastckpt.store.commit import resolve_overwrite
+    from fastckpt.store.commit import overwrite_flag
     from fastckpt.formats.npz import save_npz
 
+    overwrite = overwrite_flag(overwrite)
     params = _param_list(params)
     names = _names(params, names)
     target = _npz_path(path)
-    overwrite = resolve_overwrite(overwrite, target, os.path.lexists(target))
 
     def entries():
         for i, (name, param) in enumerate(zip(names, params)):
@@ -233,17 +232,17 @@ def _restore(doc: dict, tf) -> Any:
 
 
 def save_netcl_checkpoint(params: Iterable, path, optim_state=None, config=None, names=None, *,
-                          fsync: bool = True, overwrite: bool | None = None) -> tuple[str, str]:
+                          fsync: bool = True, overwrite: bool = False) -> tuple[str, str]:
     """Write ``<path>.npz`` (parameters and state arrays) and ``<path>.json``; returns both paths.
 
-    An existing pair is replaced only with ``overwrite=True`` (left out:
-    replaced with a ``FutureWarning``, docs/overwrite.md).
+    An existing pair is replaced only with ``overwrite=True``
+    (docs/overwrite.md).
 
     >>> save_netcl_checkpoint(params, "ckpt/run.v1", optim_state={"velocity": [v0]},
     ...                       config={"step": 3})  # doctest: +SKIP
     ('ckpt/run.v1.npz', 'ckpt/run.v1.json')
     """
-    from fastckpt.store.commit import Commit, resolve_overwrite, write_file
+    from fastckpt.store.commit import Commit, overwrite_flag, write_file
     from fastckpt.formats.npz import save_npz
 
     params = _param_list(params)
@@ -270,8 +269,7 @@ def save_netcl_checkpoint(params: Iterable, path, optim_state=None, config=None,
         yield from arrays
 
     npz_path, json_path = base + ".npz", base + ".json"
-    exists = os.path.lexists(npz_path) or os.path.lexists(json_path)
-    overwrite = resolve_overwrite(overwrite, npz_path if os.path.lexists(npz_path) else json_path, exists)
+    overwrite = overwrite_flag(overwrite)
     # The pair is one commit (fastckpt.store.commit): both staged and fsynced, then the JSON renamed in and the
     # NPZ last; an error at any step leaves the old pair as it was, never a new NPZ beside an old JSON.
     name = os.path.basename(base)
@@ -323,23 +321,12 @@ def load_netcl_checkpoint(queue, params: Iterable, path, names=None) -> dict:
     return state
 
 
-def _renamed(new, old: str):
-    """``new`` under its netcl name ``old``, with a DeprecationWarning at each call, until 0.4."""
-    @functools.wraps(new)
-    def call(*args, **kwargs):
-        warnings.warn(f"fastckpt.io.checkpoint.{old} is now {new.__name__} (fastckpt.train.{old} is the "
-                      f"training-state checkpoint); the old name goes in fastckpt 0.4", DeprecationWarning,
-                      stacklevel=2)
-        return new(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = old
-    call.__doc__ = f"""Deprecated netcl spelling of :func:`{new.__name__}`: the same call, with a DeprecationWarning.
-
-    >>> {old}(...)  # doctest: +SKIP
-    DeprecationWarning: fastckpt.io.checkpoint.{old} is now {new.__name__} ...
-    """
-    return call
+_RENAMED = {"save_checkpoint": "save_netcl_checkpoint", "load_checkpoint": "load_netcl_checkpoint"}
 
 
-save_checkpoint = _renamed(save_netcl_checkpoint, "save_checkpoint")
-load_checkpoint = _renamed(load_netcl_checkpoint, "load_checkpoint")
+def __getattr__(name: str):
+    """netcl's names of this pair, gone since 0.4 (0.3 warned), answered with the name to use."""
+    if name in _RENAMED:
+        raise AttributeError(f"fastckpt.io.checkpoint.{name} is {_RENAMED[name]} since fastckpt 0.3 (the netcl "
+                             f"spelling went in 0.4; fastckpt.train.{name} is the training-state checkpoint)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -229,7 +229,7 @@ def model_metadata(model) -> dict:
 
 
 def save_model(model, path: str | os.PathLike, *, fsync: bool = True, progress=False,
-               storage_options: dict | None = None, overwrite: bool | None = None) -> None:
+               storage_options: dict | None = None, overwrite: bool = False) -> None:
     """Write ``model`` to one ``.netcl`` file at exactly ``path`` (atomic; parents created).
 
     Payloads are 4096-byte aligned; the same model always gives the same bytes.
@@ -240,16 +240,14 @@ def save_model(model, path: str | os.PathLike, *, fsync: bool = True, progress=F
     (``s3://bucket/model.netcl``, any fsspec URL, with ``storage_options``):
     the same bytes, uploaded in one atomic upload (:mod:`fastckpt.formats.remote`).
     An existing file at ``path`` is replaced only with ``overwrite=True``
-    (left out: replaced with a ``FutureWarning``, docs/overwrite.md).
+    (docs/overwrite.md).
 
     >>> save_model(Sequential(Linear(None, 4, 2), ReLU()), "out/tiny.netcl")   # doctest: +SKIP
     """
-    from fastckpt.store.commit import resolve_overwrite
+    from fastckpt.store.commit import overwrite_flag
     from fastckpt.formats.npz import save_npz
-    from fastckpt.formats.remote import is_url
 
-    if not is_url(path):
-        overwrite = resolve_overwrite(overwrite, path, os.path.lexists(path))
+    overwrite = overwrite_flag(overwrite)
 
     meta = model_metadata(model)
     try:  # before anything is written: a config that JSON cannot hold leaves no file

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fastckpt.errors import CheckpointKeyError, CheckpointNotFoundError, FormatError
-from fastckpt.store.commit import atomic_write, resolve_overwrite
+from fastckpt.store.commit import atomic_write, overwrite_flag
 from fastckpt.state import STATEFUL_JSON, StateObject, accessors, dumps
 from fastckpt.state import decode as _decode
 from fastckpt.state import encode as _encode_state
@@ -448,7 +448,7 @@ class Checkpoint:
 
     # ----------------------------------------------------------------- files
     def save(self, pattern: str | os.PathLike, *, keep: int | None = None, fsync: bool = True,
-             overwrite: bool | None = None) -> str:
+             overwrite: bool = False) -> str:
         """Write :meth:`serialize`'s text to a new file; returns its path.
 
         ``pattern`` is a file name with an optional ``{seq}`` placeholder
@@ -457,8 +457,7 @@ class Checkpoint:
         existing files are never overwritten: a number another process
         takes meanwhile is refused by the commit's no-replace rename, and the
         save takes the next one. Without ``{seq}`` the one file is replaced
-        only with ``overwrite=True`` (left out: replaced with a
-        ``FutureWarning``, docs/overwrite.md). The write is atomic. ``keep=N``
+        only with ``overwrite=True`` (docs/overwrite.md). The write is atomic. ``keep=N``
         then deletes the oldest files of this pattern that this Checkpoint
         wrote, so that N of them remain; files it did not write (or that were
         replaced or rewritten since) are never touched. Raises
@@ -474,6 +473,7 @@ class Checkpoint:
         """
         if keep is not None and (type(keep) is not int or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+        overwrite = overwrite_flag(overwrite)
         parsed = _Pattern(pattern)
         text = self.serialize() + "\n"
         if parsed.has_seq:
@@ -489,7 +489,6 @@ class Checkpoint:
                         raise
         else:
             path = parsed.path()
-            overwrite = resolve_overwrite(overwrite, path, os.path.lexists(path))
             with atomic_write(path, fsync=fsync, overwrite=overwrite) as f:
                 f.write(text.encode("ascii"))
         written = self._written.setdefault(parsed.text, [])

@@ -71,13 +71,12 @@ import shutil
 import socket
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import IO, Iterator
 
 __all__ = ["Commit", "atomic_write", "atomic_directory", "fsync_directory", "fsync_file", "fsync_open", "write_file",
            "staging_directory", "publish_directory", "abandon_staging", "retire_directory", "remove_temporary", "remove_stale_partials",
-           "remove_stale_partials_in", "rename_noreplace", "resolve_overwrite", "STALE_AFTER"]
+           "remove_stale_partials_in", "rename_noreplace", "overwrite_flag", "STALE_AFTER"]
 
 _SUFFIX = ".partial"
 # Small writes (headers, many small tensors) gather into one write() per 256 KiB; a write at least this
@@ -265,28 +264,22 @@ def _remove_stale(parent: str, name: str | None, stale_after: float | None) -> l
     return removed
 
 
-def resolve_overwrite(overwrite: bool | None, target: str | os.PathLike, exists: bool, *, stacklevel: int = 3) -> bool:
-    """The ``overwrite=`` a writer acts on, for writers whose 0.2 default was to replace.
+def overwrite_flag(overwrite: object) -> bool:
+    """``overwrite=`` as every writer takes it: ``True`` replaces an existing target, ``False`` (the default
+    everywhere) refuses it with :class:`FileExistsError`. Anything else is a :class:`TypeError`, so that a
+    misspelt value never decides whether a file is destroyed.
 
-    Every writer's documented default is ``overwrite=False`` (an existing
-    target is refused, so no save silently destroys another). Writers that
-    replaced in 0.2 take ``overwrite=None`` meanwhile: an existing target is
-    still replaced, with a :class:`FutureWarning` saying to pass
-    ``overwrite=True``; a target that does not exist yet is then committed
-    with ``overwrite=False``, so a save that found nothing never replaces
-    what another writer commits meanwhile.
+    fastckpt 0.2 and 0.3 replaced an existing target when ``overwrite=`` was left out of ten writers (0.3 with a
+    ``FutureWarning``); since 0.4 a left-out ``overwrite=`` is ``False`` for every writer (docs/overwrite.md).
 
-    >>> resolve_overwrite(None, "absent.bin", exists=False), resolve_overwrite(True, "x", exists=True)
+    >>> overwrite_flag(False), overwrite_flag(True)
     (False, True)
+    >>> overwrite_flag(None)
+    Traceback (most recent call last):
+    TypeError: overwrite must be True or False, got None (docs/overwrite.md)
     """
-    if overwrite is None:
-        if exists:
-            warnings.warn(f"{os.fspath(target)}: exists and is replaced because overwrite= was not given; fastckpt "
-                          "0.4 refuses it by default (overwrite=False): pass overwrite=True to keep replacing it",
-                          FutureWarning, stacklevel=stacklevel)
-        return exists
     if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r} (docs/overwrite.md)")
     return overwrite
 
 

@@ -47,7 +47,7 @@ import tempfile
 import uuid
 from typing import Callable, Iterable
 
-from fastckpt.store.commit import resolve_overwrite
+from fastckpt.store.commit import overwrite_flag
 
 __all__ = ["is_url", "filesystem", "join", "put_file", "save_file", "put_directory", "clear", "committed",
            "committed_prefixes", "remove_uncommitted"]
@@ -162,33 +162,27 @@ def _checkpoint_file(rel: str) -> bool:
 
 
 def put_file(local: str | os.PathLike, url: str, storage_options: dict | None = None, *,
-             overwrite: bool | None = True) -> None:
+             overwrite: bool = False) -> None:
     """Upload the local file ``local`` to ``url`` so that readers see the old object or the new one whole.
 
     One upload to the final key on an object store (atomic there), else to ``<key>.tmp-<uuid>`` and a move.
     ``overwrite=False``: an existing object is :class:`FileExistsError` naming ``url`` (on ``s3://`` a
     conditional write, refused by the store in the same step; elsewhere a check just before the last step, so a
-    writer racing for the key between the two is replaced). ``overwrite=None`` (0.2's default): as False, and an
-    existing object is then replaced with a ``FutureWarning`` (docs/overwrite.md).
+    writer racing for the key between the two is replaced); docs/overwrite.md.
 
     >>> import os, tempfile
     >>> p = os.path.join(tempfile.mkdtemp(), "a.bin"); _ = builtins.open(p, "wb").write(b"bytes")
-    >>> put_file(p, "memory://doc/put/a.bin")
+    >>> put_file(p, "memory://doc/put/a.bin", overwrite=True)
     >>> filesystem("memory://doc/put/a.bin")[0].cat("memory://doc/put/a.bin")
     b'bytes'
     >>> put_file(p, "memory://doc/put/a.bin", overwrite=False)
     Traceback (most recent call last):
     FileExistsError: [Errno 17] File exists; pass overwrite=True to replace it: 'memory://doc/put/a.bin'
     """
+    overwrite = overwrite_flag(overwrite)
     fs, path = filesystem(url, storage_options)
     try:
-        try:
-            _put_whole(fs, os.fspath(local), path, overwrite is True)
-        except FileExistsError:
-            if overwrite is not None:
-                raise
-            resolve_overwrite(None, url, True, stacklevel=5)  # the FutureWarning; 0.2 replaced it
-            _put_whole(fs, os.fspath(local), path, True)
+        _put_whole(fs, os.fspath(local), path, overwrite)
     except FileExistsError:
         raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
                               url) from None
@@ -199,7 +193,7 @@ def put_file(local: str | os.PathLike, url: str, storage_options: dict | None = 
 
 
 def save_file(url: str, write: Callable[[str], None], name: str, storage_options: dict | None = None, *,
-              overwrite: bool | None = True) -> None:
+              overwrite: bool = False) -> None:
     """Have ``write(local_path)`` write a file with one of the local writers, then :func:`put_file` it to ``url``
     (``overwrite`` as there).
 

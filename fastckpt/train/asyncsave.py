@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fastckpt.store.commit import resolve_overwrite
+from fastckpt.store.commit import overwrite_flag
 from fastckpt.train.checkpoint import check_hash, write_snapshot
 from fastckpt.train.format import DEFAULT_HASH
 from fastckpt.train.snapshot import take_snapshot
@@ -269,17 +269,17 @@ class AsyncCheckpointer:
     def save(self, out_dir: str | os.PathLike, model: Any, optimizer: Any = None, scheduler: Any = None,
              data_iter: Any = None, train_rng: Any = None, *, step: int, epoch: int = 0,
              metrics: dict | None = None, scaler: Any = None, seed: int | None = None, config: Any = None,
-             data_manifest: Any = None, overwrite: bool | None = None,
+             data_manifest: Any = None, overwrite: bool = False,
              before_write: Callable[[], None] | None = None,
              after_write: Callable[[], None] | None = None, progress=False) -> SaveHandle:
         """Snapshot every state now and write it to ``out_dir`` in the background; see the module docstring.
 
         ``progress`` (:mod:`fastckpt.progress`) reports the write from the background thread.
-        An existing ``out_dir`` is replaced only with ``overwrite=True`` (left
-        out: replaced with a ``FutureWarning``, docs/overwrite.md); the
+        An existing ``out_dir`` is replaced only with ``overwrite=True``
+        (docs/overwrite.md); the
         refusal of a checkpoint committed meanwhile comes from ``wait()``.
         """
-        overwrite = resolve_overwrite(overwrite, out_dir, os.path.lexists(out_dir))
+        overwrite = overwrite_flag(overwrite)
         with self._lock:
             self._settle_previous()
             snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,

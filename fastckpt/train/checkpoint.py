@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.store.commit import Commit, atomic_write, fsync_file, resolve_overwrite
+from fastckpt.store.commit import Commit, atomic_write, fsync_file, overwrite_flag
 from fastckpt.formats.hashing import HASH_ALGORITHMS, new_hasher
 from fastckpt.formats import remote as remote_storage
 from fastckpt.formats.remote import is_url
@@ -191,7 +191,7 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
                     out_dir: str | os.PathLike, step: int, epoch: int = 0,
                     extra_metrics: Mapping[str, Any] | None = None, *, scaler: Any = None,
                     seed: int | None = None, config: Any = None, data_manifest: Any = None,
-                    overwrite: bool | None = None, fsync: bool = True, hash: str = DEFAULT_HASH, progress=False,
+                    overwrite: bool = False, fsync: bool = True, hash: str = DEFAULT_HASH, progress=False,
                     storage_options: dict | None = None) -> str:
     """Save the whole training state to the directory ``out_dir``; returns the checkpoint's digest.
 
@@ -207,8 +207,7 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
     Tensors (``to_host()``), PyTorch tensors or anything with DLPack,
     ``__array__`` or the buffer protocol (:mod:`fastckpt.arrays`). ``config`` and ``data_manifest`` (JSON-like) are hashed into
     the manifest. An existing checkpoint at ``out_dir`` is replaced, after the
-    new one is complete, only with ``overwrite=True`` (left out, it is still
-    replaced, with a ``FutureWarning``: docs/overwrite.md); a directory that
+    new one is complete, only with ``overwrite=True`` (docs/overwrite.md); a directory that
     is not a checkpoint is never replaced, nor one that another writer
     commits while this one writes unless ``overwrite=True``. ``progress`` (``True`` for a bar, or
     ``callback(done, total, item)``: :mod:`fastckpt.progress`) counts the
@@ -226,10 +225,7 @@ def save_checkpoint(model: Any, optimizer: Any, scheduler: Any, data_iter: Any, 
     'sha256:'
     """
     check_hash(hash)
-    if not is_url(out_dir):
-        overwrite = resolve_overwrite(overwrite, out_dir, os.path.lexists(out_dir))
-    elif overwrite is None:
-        overwrite = True  # 0.2's default; an upload's commit is its manifest (fastckpt.train.remote)
+    overwrite = overwrite_flag(overwrite)
     snap = take_snapshot(model, optimizer, scheduler, data_iter, train_rng, step=step, epoch=epoch,
                          metrics=extra_metrics, scaler=scaler, seed=seed, config=config, data_manifest=data_manifest)
     if is_url(out_dir):  # object storage and remote filesystems: built locally, uploaded, the manifest last

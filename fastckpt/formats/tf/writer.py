@@ -39,7 +39,7 @@ import numpy as np
 
 from fastckpt._native.tftable import mask_crc
 from fastckpt.arrays import to_numpy
-from fastckpt.store.commit import Commit, atomic_write, resolve_overwrite, write_file
+from fastckpt.store.commit import Commit, atomic_write, overwrite_flag, write_file
 from fastckpt.formats.tf import dtypes as _dt
 from fastckpt.formats.tf.proto import (
     BundleHeader,
@@ -184,8 +184,7 @@ class CheckpointWriter:
     starts at a multiple of it (TensorFlow's default and ours is 1: packed).
     Leaving the ``with`` block by an exception discards everything. An
     existing checkpoint at ``prefix`` (its ``.index``) is replaced only with
-    ``overwrite=True`` (left out: replaced with a ``FutureWarning``,
-    docs/overwrite.md); without it no file of another writer's checkpoint
+    ``overwrite=True`` (docs/overwrite.md); without it no file of another writer's checkpoint
     committed meanwhile is replaced either.
 
     >>> import numpy as np, tempfile, os
@@ -198,7 +197,7 @@ class CheckpointWriter:
     """
 
     def __init__(self, prefix, *, num_shards: int = 1, data_alignment: int = 1, object_graph: bool = False,
-                 save_counter: int = 1, fsync: bool = True, overwrite: bool | None = None, _stacklevel: int = 2):
+                 save_counter: int = 1, fsync: bool = True, overwrite: bool = False):
         if num_shards < 1:
             raise ValueError(f"num_shards must be at least 1, got {num_shards}")
         if data_alignment < 1:
@@ -209,8 +208,7 @@ class CheckpointWriter:
         self.object_graph = object_graph
         self.save_counter = save_counter
         self.fsync = fsync
-        self.overwrite = resolve_overwrite(overwrite, self.prefix + ".index", os.path.lexists(self.prefix + ".index"),
-                                           stacklevel=_stacklevel + 1)
+        self.overwrite = overwrite_flag(overwrite)
         if not self.overwrite and os.path.lexists(self.prefix + ".index"):
             raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)}; pass overwrite=True to replace it",
                                   self.prefix + ".index")
@@ -392,7 +390,7 @@ class CheckpointWriter:
 
 
 def write_checkpoint(prefix, tensors, *, num_shards: int = 1, data_alignment: int = 1, object_graph: bool = False,
-                     fsync: bool = True, overwrite: bool | None = None) -> None:
+                     fsync: bool = True, overwrite: bool = False) -> None:
     """Write ``tensors`` (a mapping of name to array-like) as a TensorFlow checkpoint at ``prefix``.
 
     See :class:`CheckpointWriter` for the options. TensorFlow reads the result
@@ -410,7 +408,7 @@ def write_checkpoint(prefix, tensors, *, num_shards: int = 1, data_alignment: in
     for name, _ in items:  # every name before the first file or directory is made
         NAMES.check(name)
     with CheckpointWriter(prefix, num_shards=num_shards, data_alignment=data_alignment,
-                          object_graph=object_graph, fsync=fsync, overwrite=overwrite, _stacklevel=3) as writer:
+                          object_graph=object_graph, fsync=fsync, overwrite=overwrite) as writer:
         for name, value in items:
             writer.add(name, value)
 
