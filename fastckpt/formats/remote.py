@@ -205,24 +205,13 @@ class _Local:
             self.fd, self.path = tempfile.mkstemp(prefix="fastckpt-open-", suffix=".part")
             self._unlink = self.path
         os.ftruncate(self.fd, obj.size)
-        import mmap
-
-        import numpy as np
-
-        # Written through a shared mapping: the body's parts are copied once, into the pages the reader maps.
-        self._mm = mmap.mmap(self.fd, obj.size) if obj.size else None
-        self._dest = np.frombuffer(self._mm, np.uint8) if obj.size else None
 
     def fill(self, spans: list[tuple[int, int]]) -> None:
-        """Fetch the parts of ``spans`` not fetched yet, in parallel ranged reads written at their offsets."""
+        """Fetch the parts of ``spans`` not fetched yet, in parallel ranged reads written at their offsets (each
+        part of a body by one ``pwrite``: one copy, into the pages the reader maps, with no page faults)."""
         spans = _missing(spans, self.have)
-        self.obj.stream(spans, self._write, parts=True)
+        self.obj.stream(spans, functools.partial(_pwrite_at, self.fd), parts=True)
         self.have += spans
-
-    def _write(self, offset: int, data) -> None:
-        import numpy as np
-
-        self._dest[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` (clipped to the object), fetched first where they are not yet."""
@@ -239,9 +228,6 @@ class _Local:
 
     def close(self) -> None:
         """Close the descriptor (a mapping made keeps the memory until its reader and views are gone)."""
-        self._dest = None
-        if self._mm is not None:
-            self._mm.close()
         os.close(self.fd)
         if self._unlink:
             os.unlink(self._unlink)
