@@ -42,7 +42,12 @@ _XMLNS = "http://s3.amazonaws.com/doc/2006-03-01/"
 class ObjectServer:
     """The server (see the module docstring) on a free port of 127.0.0.1, serving ``root`` (a new temporary
     directory by default, removed by :meth:`stop`) with ``buckets`` made as its first-level directories.
-    A context manager; :meth:`stop` stops it."""
+    A context manager; :meth:`stop` stops it.
+
+    >>> with ObjectServer(buckets=("models",)) as server:
+    ...     server.http_url("models", "a/b.safetensors").endswith("/models/a/b.safetensors")
+    True
+    """
 
     def __init__(self, root: str | None = None, buckets: tuple[str, ...] = ("b",)):
         self._own_root = root is None

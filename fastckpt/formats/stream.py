@@ -45,7 +45,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FormatError
 from fastckpt.store.remote import filesystem
 
 __all__ = ["RemoteObject", "ObjectChangedError", "StreamStats", "Scatter", "stream", "merged", "CHUNK", "THREADS"]
@@ -60,15 +60,26 @@ GAP = 64 << 10
 _IDENTITY_KEYS = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime", "created", "size")
 
 
-class ObjectChangedError(OSError):
-    """The object at a URL was replaced or truncated while it was read in ranges: what was read is not used."""
+class ObjectChangedError(CheckpointChangedError, OSError):
+    """The object at a URL was replaced or removed while it was read in ranges: what was read is not used.
+
+    It is a :class:`~fastckpt.errors.CheckpointChangedError` (what a local file replaced while it is read
+    raises), and an ``OSError`` as fastckpt 0.3's was.
+
+    >>> issubclass(ObjectChangedError, CheckpointChangedError), issubclass(ObjectChangedError, OSError)
+    (True, True)
+    """
 
 
 @dataclass
 class StreamStats:
     """What :meth:`RemoteObject.stream` did, counted (deterministic, for tests and the bench): ``requests`` and
-    ``bytes`` fetched, the ``largest`` piece, and ``peak_held``, the most fetched bytes held at once (each piece
-    from its arrival to the end of its delivery)."""
+    ``bytes`` fetched, the ``largest`` piece (or part of one), and ``peak_held``, the most fetched bytes held at
+    once (each from its arrival to the end of its delivery); ``held`` is what is held now.
+
+    >>> StreamStats()
+    StreamStats(requests=0, bytes=0, largest=0, held=0, peak_held=0)
+    """
 
     requests: int = 0
     bytes: int = 0
@@ -302,7 +313,17 @@ class RemoteObject:
 
 def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | None = None, parts: bool = False) -> int:
     """:meth:`RemoteObject.stream` for several objects at once, their pieces sharing one pool of ``threads``
-    requests: ``jobs`` is ``[(remote object, spans, deliver, done or None), ...]``. Returns the bytes fetched."""
+    requests: ``jobs`` is ``[(remote object, spans, deliver, done or None), ...]``. Returns the bytes fetched.
+
+    >>> import fsspec
+    >>> fs = fsspec.filesystem("memory")
+    >>> fs.pipe({"/doc/s1": b"abcdef", "/doc/s2": b"uvwxyz"})
+    >>> got = {}
+    >>> jobs = [(RemoteObject(f"memory://doc/{n}"), [(1, 5)], lambda at, d, n=n: got.setdefault(n, {}).update({at: d}),
+    ...          None) for n in ("s1", "s2")]
+    >>> stream(jobs, chunk=2), got
+    (8, {'s1': {1: b'bc', 3: b'de'}, 's2': {1: b'vw', 3: b'xy'}})
+    """
     chunk = CHUNK if chunk is None else chunk
     threads = THREADS if threads is None else threads
     if chunk < 1 or threads < 1:
