@@ -35,18 +35,20 @@ def test_the_table_takes_the_fastest_bound_and_says_which_rows_were_not_exact_or
     rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in cold.table(samples, FIXTURE)[2:]}
     assert rows["bound: buffered readinto, 64 MiB"][:3] == ["2.000 s", "0.50", "1.00"]  # the median of 3
     assert rows["bound: O_DIRECT preadv, 4 threads"][2] == "0.50"
-    assert rows["fastckpt.open + copies"][1:3] == ["0.80", "1.60"] and rows["fastckpt.open + copies"][4] == "yes"
+    assert rows["fastckpt.open + copies"][1:3] == ["0.80", "1.60"] and rows["fastckpt.open + copies"][5] == "yes"
     assert rows["load_model(.netcl, pool) on pocl"][1] == "0.50"  # its own file's size
-    assert rows["load_file(pool) on pocl"][4] == "NO"
-    assert rows["Run:ai SafetensorsStreamer"][4].startswith("left out: ModuleNotFoundError")
-    assert rows["fastckpt.open + copies"][5] == "1024 MiB |"
+    assert rows["load_file(pool) on pocl"][5] == "NO"
+    assert rows["load_file(pool) on pocl"][3] == "2.00, 1.00"  # against each round's fastest bound: 0.5, 1.0 GB/s
+    assert rows["Run:ai SafetensorsStreamer"][5].startswith("left out: ModuleNotFoundError")
+    assert rows["fastckpt.open + copies"][6] == "1024 MiB"
 
 
 def test_a_before_row_is_read_as_its_row():
     samples = {"bound: buffered readinto, 64 MiB": [_run(1.0)],
                "fastckpt.open + copies" + cold.BEFORE: [_run(2.0)]}
     last = cold.table(samples, FIXTURE)[-1]
-    assert last.startswith("| fastckpt.open + copies (before) | 2.000 s | 0.50 | 0.50 | 0.00 s | yes")
+    assert last.startswith("| fastckpt.open + copies (before) | 2.000 s | 0.50 | 0.50 | 0.50 | 0.00 s | yes")
+    assert last.endswith("| 1024 MiB | 0 | 0 MiB | 0 |")
 
 
 @pytest.mark.device

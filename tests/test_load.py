@@ -920,7 +920,7 @@ def test_the_fill_runs_ahead_of_the_copies_across_the_staging_buffers(tmp_path, 
 
 @pytest.mark.device
 def test_a_load_of_a_few_chunks_is_staged_in_several_batches(tmp_path, dev, pool):
-    from fastckpt.device.staging import MIN_BATCHES
+    from fastckpt.device.staging import MIN_BATCHES, batch_sizes
 
     path = tmp_path / "m.safetensors"
     tensors = {"w": sample(np.uint8, (6 << 20,), 4), "b": sample(np.uint8, (1000,), 5)}
@@ -929,10 +929,13 @@ def test_a_load_of_a_few_chunks_is_staged_in_several_batches(tmp_path, dev, pool
     assert loaded.report.staging_chunk == 1 << 20 and loaded.report.copies == 7, "STAGING_ROUND chunks at least"
     check_exact(loaded, path, tensors)
     larger = tmp_path / "l.safetensors"
-    big = {"w": sample(np.uint8, (32 << 20,), 6), "b": sample(np.uint8, (1000,), 7)}
+    big = {"w": sample(np.uint8, (64 << 20,), 6), "b": sample(np.uint8, (1000,), 7)}
     write_raw_safetensors(larger, big)
     cut = load_file(larger, dev.queue, pool=pool, staging=True)
-    assert cut.report.staging_chunk == 2 << 20 and cut.report.copies == 17 >= MIN_BATCHES
+    # 1 MiB first and last batches (batch_sizes: the pipeline's fill and drain), 2 MiB ones between
+    sizes = batch_sizes((64 << 20) + 1000, 2 << 20)
+    assert sizes[0] == sizes[-1] == 1 << 20 and sizes.count(2 << 20) == 31 and sum(sizes) == (64 << 20) + 1000
+    assert cut.report.staging_chunk == 2 << 20 and cut.report.copies == len(sizes) == 34 > MIN_BATCHES
     check_exact(cut, larger, big)
     named = load_file(path, dev.queue, pool=pool, staging=8 << 20)  # a chunk the caller names is kept
     assert named.report.staging_chunk == 7 << 20 and named.report.copies == 1

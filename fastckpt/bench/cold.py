@@ -333,6 +333,7 @@ def measure_one(row: str, fixture: dict) -> dict:
         return {"skipped": f"{type(e).__name__}: {e}"}
     reads = ROWS[row][1]
     drop_cache([fixture[reads]])
+    io, faults = _io(), _faults()
     cpu = os.times()
     start = time.perf_counter()
     result = load()
@@ -341,6 +342,7 @@ def measure_one(row: str, fixture: dict) -> dict:
         wait()
     seconds = time.perf_counter() - start
     cpu_after = os.times()
+    io_after, faults_after = _io(), _faults()
     cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
     got = check(result)
     if reads == "netcl":
@@ -349,7 +351,29 @@ def measure_one(row: str, fixture: dict) -> dict:
         expected = {"<file>": fixture["file_crc"]}
     else:
         expected = fixture["crc"]
-    return {"seconds": seconds, "cpu": cpu_seconds, "exact": got == expected, "peak_rss": _peak_rss()}
+    return {"seconds": seconds, "cpu": cpu_seconds, "exact": got == expected, "peak_rss": _peak_rss(),
+            "read_calls": io_after.get("syscr", 0) - io.get("syscr", 0),
+            "disk_bytes": io_after.get("read_bytes", 0) - io.get("read_bytes", 0),
+            "faults": faults_after - faults}
+
+
+def _io() -> dict:
+    """This process's ``/proc/self/io`` counters (``syscr``: read system calls, ``read_bytes``: bytes the process
+    had fetched from storage, page cache misses that it waited for or asked for), every thread's; {} where absent."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(":") for line in f)}
+    except (OSError, ValueError):
+        return {}
+
+
+def _faults() -> int:
+    """Page faults (minor + major) of this process so far: a copy out of a fresh mapping takes one per fault-around
+    block (16 pages), a read into fresh memory one per page of it."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def _peak_rss() -> int:
@@ -366,7 +390,10 @@ def _worker(argv: list[str]) -> int:
     row, fixture_path = argv
     with open(fixture_path) as f:
         fixture = json.load(f)
-    print(json.dumps(measure_one(row, fixture)))
+    result = measure_one(row, fixture)
+    if "fastckpt" in sys.modules:
+        result["fastckpt"] = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["fastckpt"].__file__)))
+    print(json.dumps(result))
     return 0
 
 
@@ -382,12 +409,18 @@ def _base(row: str) -> str:
 def _spawn(row: str, fixture_path: str, against: str | None = None) -> dict:
     """Measure ``row`` in a new process; a ``(before)`` row imports fastckpt from ``against`` first. This file is run
     by path (``runpy``, so that its folder is not put on ``sys.path``), so ``against`` needs no cold suite of its own."""
+    import fastckpt
+
     env = dict(os.environ)
-    if row.endswith(BEFORE):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (against, env.get("PYTHONPATH")) if p)
+    # The fastckpt this process runs comes first (or the one of ``against``): ``python -c`` puts its working
+    # directory first on sys.path, so the child runs in the fixture's directory, where no fastckpt is.
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
+    first = against if row.endswith(BEFORE) else ours
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (first, env.get("PYTHONPATH")) if p)
     start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--worker", _base(row),
-                           fixture_path], capture_output=True, text=True, timeout=900, env=env)
+                           fixture_path], capture_output=True, text=True, timeout=900, env=env,
+                          cwd=os.path.dirname(os.path.abspath(fixture_path)))
     if done.returncode != 0:
         return {"failed": (done.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -395,14 +428,16 @@ def _spawn(row: str, fixture_path: str, against: str | None = None) -> dict:
 
 def table(samples: dict, fixture: dict) -> list[str]:
     """The markdown table of ``samples`` (``{row: [measurement dicts]}``): median time, GB/s, share of the fastest
-    bound, the median CPU time of the process over the load (user + system, every thread), exact, peak RSS.
+    bound, the median CPU time of the process over the load (user + system, every thread), exact, peak RSS, and the
+    medians of what the load cost that no load on the machine changes: read system calls, bytes read from the disk
+    (``/proc/self/io``) and page faults.
 
     >>> fixture = {"file_size": 10**9, "nbytes": 10**9, "dir_nbytes": 10**9, "netcl_nbytes": 10**9}
     >>> print("\\n".join(table({"bound: buffered readinto, 64 MiB": [{"seconds": 1.0, "exact": True,
     ...                                                                "peak_rss": 2**30}]}, fixture)))
-    | path | median | GB/s | share of the bound | CPU | exact | peak RSS |
-    |---|---:|---:|---:|---:|---|---:|
-    | bound: buffered readinto, 64 MiB | 1.000 s | 1.00 | 1.00 | 0.00 s | yes | 1024 MiB |
+    | path | median | GB/s | share of the bound | share of each round's bound | CPU | exact | peak RSS | read calls | read from disk | page faults |
+    |---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|
+    | bound: buffered readinto, 64 MiB | 1.000 s | 1.00 | 1.00 | 1.00 | 0.00 s | yes | 1024 MiB | 0 | 0 MiB | 0 |
     """
     nbytes = {"file": fixture["file_size"], "dir": fixture["dir_nbytes"], "netcl": fixture["netcl_nbytes"]}
     rates = {}
@@ -411,11 +446,19 @@ def table(samples: dict, fixture: dict) -> list[str]:
         if timed:
             rates[row] = nbytes[ROWS[_base(row)][1]] / statistics.median(timed) / 1e9
     bound = max((rate for row, rate in rates.items() if ROWS[_base(row)][0] == "bound"), default=None)
+    # Each round's own bound (its fastest bound row): every row ran once per round, so a share taken against the
+    # bound of the same round is the least touched by the machine's load moving between rounds.
+    per_round: dict = {}
+    for row, runs in samples.items():
+        if ROWS[_base(row)][0] == "bound":
+            for k, r in enumerate(runs):
+                if "seconds" in r:
+                    per_round[k] = max(per_round.get(k, 0.0), nbytes[ROWS[_base(row)][1]] / r["seconds"] / 1e9)
     rows = []
     for row, runs in samples.items():
         if row not in rates:
             why = next((r.get("skipped") or r.get("failed") for r in runs), "")
-            rows.append([row, "-", "-", "-", "-", f"left out: {why}"[:120], "-"])
+            rows.append([row, "-", "-", "-", "-", "-", f"left out: {why}"[:120], "-", "-", "-", "-"])
             continue
         timed = [r for r in runs if "seconds" in r]
         median = statistics.median(r["seconds"] for r in timed)
@@ -423,10 +466,13 @@ def table(samples: dict, fixture: dict) -> list[str]:
         exact = "yes" if all(r["exact"] for r in timed) else "NO"
         rss = max(r["peak_rss"] for r in timed)
         cpu = statistics.median(r.get("cpu", 0.0) for r in timed)
-        rows.append([row, format_duration(median), f"{rates[row]:.2f}", share, f"{cpu:.2f} s", exact,
-                     f"{rss / _MiB:.0f} MiB"])
-    return table_lines(["path", "median", "GB/s", "share of the bound", "CPU", "exact", "peak RSS"], rows,
-                       "lrrrrlr")
+        counts = [statistics.median(r.get(k, 0) for r in timed) for k in ("read_calls", "disk_bytes", "faults")]
+        rounds = ", ".join(f"{nbytes[ROWS[_base(row)][1]] / r['seconds'] / 1e9 / per_round[k]:.2f}"
+                           for k, r in enumerate(runs) if "seconds" in r and per_round.get(k))
+        rows.append([row, format_duration(median), f"{rates[row]:.2f}", share, rounds or "-", f"{cpu:.2f} s", exact,
+                     f"{rss / _MiB:.0f} MiB", f"{counts[0]:.0f}", f"{counts[1] / _MiB:.0f} MiB", f"{counts[2]:.0f}"])
+    return table_lines(["path", "median", "GB/s", "share of the bound", "share of each round's bound", "CPU", "exact",
+                        "peak RSS", "read calls", "read from disk", "page faults"], rows, "lrrrrrlrrrr")
 
 
 def configure(parser) -> None:
@@ -483,6 +529,14 @@ def run(args) -> int:
               f"{fixture['netcl_nbytes'] / _MiB:.0f} MiB), page cache dropped before each run, a fresh process per "
               f"run, median of {runs}, {os.cpu_count()} CPUs\n")
         print("\n".join(table(samples, fixture)))
+        imported = {}
+        for row, runs_ in samples.items():
+            for r in runs_:
+                if "fastckpt" in r:
+                    imported.setdefault("(before) rows" if row.endswith(BEFORE) else "rows", set()).add(r["fastckpt"])
+        if imported:
+            print("\n" + "; ".join(f"{which} ran fastckpt from {', '.join(sorted(where))}"
+                                  for which, where in sorted(imported.items())))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"fixture": {k: v for k, v in fixture.items() if "crc" not in k}, "samples": samples},

@@ -53,8 +53,9 @@ __all__ = ["configure", "run", "fill_time", "scaled_rates"]
 REF_FILL = 40.0  # GB/s a 16-core GPU host fills pinned staging memory at (gpu-notes: 38-52 on 12 threads)
 LINKS = (2.0, 5.0, 10.0, 25.0, 40.0, 50.0)
 SWEEP_LINKS = (25.0, 40.0, 50.0)
-BUFFERS = (3, 6)  # every shape's buffers are held at once: 9 shapes of these hold 828 MiB
-CHUNKS = (4, 8, 16, 64)  # MiB
+BUFFERS = (3, 6)  # every shape's buffers are held at once: the 12 shapes of these, CHUNKS and RAMPS hold 504 MiB
+CHUNKS = (4, 8, 16)  # MiB (64 ran at 0.80-0.86x of 16 in the last sweep that had it)
+RAMPS = (0, 3)  # smaller batches at each end of a load (staging.batch_sizes)
 TARGET = 0.9  # of min(fill, link)
 SIZES = {False: (16, 4 << 20), True: (8, 1 << 20)}  # --quick: (tensors, float32 elements each)
 
@@ -230,7 +231,8 @@ def _headline(case: _Case, links, rates, repeat: int) -> list:
 
 
 def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repeat: int) -> list:
-    """The :class:`~fastckpt.device.staging.Stager` with each ``(buffers, chunk)`` of ``shapes`` at each rate, the
+    """The :class:`~fastckpt.device.staging.Stager` with each ``(buffers, chunk, ramp)`` of ``shapes`` at each rate
+    (``ramp``: how many smaller batches at each end, :func:`~fastckpt.device.staging.batch_sizes`), the
     shapes in a shuffled order within every round and rate (all of them held at once, each in a pool of its own), so
     that each is compared with ``default`` in the same round: rows of the sweep table."""
     import pyopencl as cl
@@ -243,14 +245,15 @@ def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repe
     ptr = target.int_ptr
     shapes = list(dict.fromkeys([default, *shapes]))
     runs, hosts, pools = {}, {}, []
-    for count, chunk in shapes:
+    for count, chunk, ramp in shapes:
         shape = Shape(chunk, count, threads)
         pool = PersistentBufferPool(ctx, case.queue)
         pools.append(pool)
 
-        def run_load(shape=shape, pool=pool):
+        def run_load(shape=shape, pool=pool, ramp=ramp):
             events: list = []
             stager = Stager(case.queue, pool, shape, events, True)
+            stager.ramp = ramp
             try:
                 stager.add(case.data, target, 0, file=None if case.read == "mmap" else
                            (case.fd, case.start, case.path))
@@ -261,8 +264,8 @@ def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repe
             return stager.fill_seconds
 
         run_load()
-        runs[(count, chunk)] = run_load
-        hosts[(count, chunk)] = _hosts(pool, case.queue, chunk, count)
+        runs[(count, chunk, ramp)] = run_load
+        hosts[(count, chunk, ramp)] = _hosts(pool, case.queue, chunk, count)
     pairs: dict = {(key, link): [] for key in shapes for link in links}
     order = list(shapes)
     shuffle = random.Random(1).shuffle
@@ -279,7 +282,7 @@ def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repe
             stats = _stats(case.nbytes, rate, pairs[(key, link)])
             stats["vs_default"] = statistics.median(d[1] / p[1] for d, p in zip(pairs[(default, link)],
                                                                                 pairs[(key, link)]))
-            rows.append((link, rate, key[0], key[1], stats))
+            rows.append((link, rate, key[0], key[1], stats, key[2]))
     hosts.clear()
     for pool in pools:
         pool.clear()
@@ -318,6 +321,8 @@ def configure(parser) -> None:
                         help="real link rates (GB/s) the sweep runs at")
     parser.add_argument("--buffers", default=",".join(map(str, BUFFERS)), help="buffer counts the sweep tries")
     parser.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="chunks (MiB) the sweep tries")
+    parser.add_argument("--ramps", default=",".join(map(str, RAMPS)),
+                        help="smaller first and last batches the sweep tries (staging.RAMP; 0: whole chunks)")
     parser.add_argument("--dir", default=None, help="where to write the file (default: a temporary directory)")
 
 
@@ -376,23 +381,27 @@ def run(args) -> int:
                 chunks = [int(x) << 20 for x in args.chunks.split(",")]
                 if args.quick:
                     chunks = [c >> 4 for c in chunks]
-                shapes = [(b, c) for b in buffers for c in chunks]
+                ramps = [int(x) for x in args.ramps.split(",")]
+                shapes = [(b, c, r) for b in buffers for c in chunks for r in ramps]
+                from fastckpt.device.staging import RAMP
+
                 sweep = _sweep(case, sweep_links, scaled_rates(sweep_links, fill, args.ref_fill), shapes,
-                               (shape[0], shape[1]), shape[2], args.repeat)
+                               (shape[0], shape[1], RAMP), shape[2], args.repeat)
                 print(f"### sweep: the staging pipeline with each buffer count and chunk ({shape[2]} fill threads)\n")
                 print(f"Every shape ran once per round and link rate, in a shuffled order; \"vs. default\" is the "
                       f"median over the rounds of its rate over the default shape's ({shape[0]} x "
-                      f"{shape[1] / 2**20:g} MiB) in the same round.\n")
-                header = ["link (GB/s, real)", "buffers x chunk", "fill beside (GB/s)", "fill during (GB/s)",
+                      f"{shape[1] / 2**20:g} MiB, ramp {RAMP}) in the same round; ramp: how many smaller batches "
+                      f"start and end the load (0: whole chunks).\n")
+                header = ["link (GB/s, real)", "buffers x chunk", "ramp", "fill beside (GB/s)", "fill during (GB/s)",
                           "achieved (GB/s)", "share of min(fill beside, link)", "share of min(fill during, link)",
                           "vs. default"]
-                lines = [[f"{link:g}", f"{b} x {c / 2**20:g} MiB", _gbs(s["fill"]), _gbs(s["fill_during"]),
+                lines = [[f"{link:g}", f"{b} x {c / 2**20:g} MiB", f"{ramp}", _gbs(s["fill"]), _gbs(s["fill_during"]),
                           _gbs(s["achieved"]), _share(s, ""), _share(s, "_during"), f"{s['vs_default']:.2f}x"]
-                         for link, _r, b, c, s in sweep]
-                print("\n".join(table_lines(header, lines, "rlrrrrrr")), end="\n\n")
+                         for link, _r, b, c, s, ramp in sweep]
+                print("\n".join(table_lines(header, lines, "rlrrrrrrr")), end="\n\n")
                 for link in sweep_links:
                     best = max((r for r in sweep if r[0] == link), key=lambda r: r[4]["share_during"])
-                    print(f"- best at {link:g} GB/s: {best[2]} x {best[3] / 2**20:g} MiB, share "
+                    print(f"- best at {link:g} GB/s: {best[2]} x {best[3] / 2**20:g} MiB, ramp {best[5]}, share "
                           f"{best[4]['share_during']:.2f} (of min(fill during, link))")
                 print()
             default_shape = staging_shape(case.nbytes, shape[1])

@@ -95,6 +95,7 @@ from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
 from fastckpt.formats.reader import TensorFile, guard
+from fastckpt.formats.readinto import DIRECT_ALIGN, cached, open_direct, raise_if_changed, read_checked, same_file
 from fastckpt.formats.remote import streamed_source
 from fastckpt.store.remote import is_url
 from fastckpt.progress import ProgressArg, progress_from, requested
@@ -124,6 +125,20 @@ MERGE_GAP = 512 * 1024
 # alignment of fastckpt's safetensors data sections), so every tensor keeps the alignment it has in its file.
 PART_ALIGN = 4096
 
+# A pooled load on a device that shares host memory (pocl, integrated GPUs) reads a file that is not in the page
+# cache (``mincore`` of COLD_SAMPLES pages of each region) straight from the file into its arenas, mapped for writing:
+# ``O_DIRECT`` ``preadv`` of DIRECT_PIECE bytes from DIRECT_THREADS threads (fastckpt.formats.readinto), each
+# region placed in its arena at an address that agrees with its file offset modulo DIRECT_ALIGN, its unaligned head
+# and tail read through the page cache; every file of a Hugging Face directory at once. A direct read needs no page
+# cache pages and no copy out of them: a third to a half of the CPU of copying from the mapping (docs/reading.md).
+# A warm file (in the page cache) is copied from its mapping as before. False: always copied from the mapping.
+DIRECT_READS = True
+# Pages of a region mincore looks at to call it warm, each in the middle of one of COLD_SAMPLES equal parts: a file's
+# first and last pages, and the first page of each NPZ member, are often cached by the open alone (the parser reads
+# them), and the members of a model are often of one size, so samples at both ends and evenly spread from there
+# found a cold .netcl file warm.
+COLD_SAMPLES = 7
+
 @dataclass
 class LoadReport:
     """What one :func:`load_file` call did.
@@ -135,8 +150,9 @@ class LoadReport:
     is the size of the pinned staging buffers the copies went through (0: none,
     see ``load_file``'s ``staging``), ``staging_buffers`` how many, ``fill_threads``
     how many threads filled them (:mod:`fastckpt.device.staging`) and ``staging_fill`` the seconds during
-    which one of them at least was writing; ``timings`` holds seconds for ``open``, ``plan``, ``allocate``, ``copy`` and
-    ``total``.
+    which one of them at least was writing; ``reads`` counts the ``preadv`` calls that read a cold file straight
+    into the arenas (:data:`DIRECT_READS`; 0 where the bytes were copied from the mapping); ``timings`` holds
+    seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
 
     >>> report = load_file("model.safetensors", pool=pool).report    # doctest: +SKIP
     >>> report.mode, report.copies, report.pool_misses, report.file_reused  # doctest: +SKIP
@@ -162,6 +178,7 @@ class LoadReport:
     staging_buffers: int = 0
     fill_threads: int = 0
     staging_fill: float = 0.0
+    reads: int = 0
 
 
 class LoadedTensors(Mapping):
@@ -1045,15 +1062,22 @@ def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
     regions, load.index, arena_paths = plan.arena(limit)
     report, mapped = load.report, load.mapped
     report.regions = len(regions)
+    files = _direct_files(load, [(mapped, start, end) for start, end, _group in regions], limit,
+                          max((end - start for start, end, _group in regions), default=0) + DIRECT_ALIGN)
+    slack = DIRECT_ALIGN if files is not None else 0
     arenas = []
     for start, end, _group in regions:
-        lease = _lease(load.pool.arena, end - start, report)
+        lease = _lease(load.pool.arena, end - start + slack, report)
         load.leases.append(lease)
         arenas.append(lease)
     load.t_alloc = time.perf_counter()
-    progress = load.progress.enabled
-    for (start, end, group), lease in zip(regions, arenas):
-        _copy_region(load, mapped, start, end, lease, 0, plan.group(group) if progress else None)
+    if files is not None:
+        _read_arenas(load, [(lease, [(mapped, start, end, 0)]) for (start, end, _g), lease in zip(regions, arenas)],
+                     files)
+    else:
+        progress = load.progress.enabled
+        for (start, end, group), lease in zip(regions, arenas):
+            _copy_region(load, mapped, start, end, lease, 0, plan.group(group) if progress else None)
     if arena_paths is not None:
         load.paths = arena_paths
     else:
@@ -1067,21 +1091,103 @@ def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
     arenas, load.index, arena_paths = plan.part_arenas(limit)
     report = load.report
     report.regions = sum(len(slices) for _size, slices in arenas)
+    files = _direct_files(load, [(m, start, end) for _size, slices in arenas for m, start, end, _at in slices], limit,
+                          max((size + DIRECT_ALIGN * len(slices) for size, slices in arenas), default=0))
     leases = []
-    for size, _slices in arenas:
-        lease = _lease(load.pool.arena, size, report)
+    for size, slices in arenas:
+        lease = _lease(load.pool.arena, size + (DIRECT_ALIGN * len(slices) if files is not None else 0), report)
         load.leases.append(lease)
         leases.append(lease)
     load.t_alloc = time.perf_counter()
-    infos_of = {id(mapped): infos for mapped, infos in plan.parts} if load.progress.enabled else None
-    for (_size, slices), lease in zip(arenas, leases):
-        for mapped, start, end, at in slices:
-            group = None if infos_of is None else [i for i in infos_of[id(mapped)] if start <= i.offset < end]
-            _copy_region(load, mapped, start, end, lease, at, group)
+    if files is not None:
+        _read_arenas(load, list(zip(leases, (slices for _size, slices in arenas))), files)
+    else:
+        infos_of = {id(mapped): infos for mapped, infos in plan.parts} if load.progress.enabled else None
+        for (_size, slices), lease in zip(arenas, leases):
+            for mapped, start, end, at in slices:
+                group = None if infos_of is None else [i for i in infos_of[id(mapped)] if start <= i.offset < end]
+                _copy_region(load, mapped, start, end, lease, at, group)
     if arena_paths is not None:
         load.paths = arena_paths
     else:
         load.paths.update(dict.fromkeys(plan.direct_names(), "arena"))
+
+
+def _direct_files(load: _Load, ranges: list, limit: int | None, largest: int) -> dict | None:
+    """``{id(mapped): (descriptor, O_DIRECT descriptor or None, mapped)}`` for the files of ``ranges`` (``(mapped,
+    start, end)``, the load's regions) where the load reads them straight into its arenas (:data:`DIRECT_READS`): a
+    pooled, unstaged load without progress on a device that shares host memory, of a region not in the page cache,
+    whose arenas with room for the alignment (``largest`` bytes, the largest) fit ``limit``; None otherwise (the
+    copies go from the mappings). Each descriptor is the mapped file's path opened again, only where ``fstat`` shows
+    that file (:func:`~fastckpt.formats.readinto.same_file`)."""
+    if (not DIRECT_READS or load.stager is not None or load.progress.enabled or not ranges
+            or (limit is not None and largest > limit) or not shares_host_memory(load.queue.device)
+            or any(streamed_source(mapped) is not None for mapped, _start, _end in ranges)):  # a URL's: streamed
+        return None
+    if all(mapped.address is not None and cached(mapped, start, end, COLD_SAMPLES, centred=True)
+           for mapped, start, end in ranges):
+        return None  # warm: a copy out of the page cache beats reading it again
+    files: dict = {}
+    for mapped, _start, _end in ranges:
+        if id(mapped) in files:
+            continue
+        fd = same_file(mapped)
+        if fd is None:
+            for entry in files.values():
+                _close_pair(entry)
+            raise_if_changed(mapped, "reading it into device memory")
+            return None  # no path to open again (bytes in memory), or not readable: copied from the mapping
+        files[id(mapped)] = (fd, open_direct(mapped.path, mapped.identity), mapped)
+    return files
+
+
+def _close_pair(entry) -> None:
+    for fd in entry[:2]:
+        if fd is not None:
+            os.close(fd)
+
+
+def _read_arenas(load: _Load, arenas: list, files: dict) -> None:
+    """Read every region of ``arenas`` (``[(lease, [(mapped, start, end, planned offset), ...])]``) from its file
+    into its arena, mapped for writing: the regions packed in order, each where its address agrees with its file
+    offset modulo ``DIRECT_ALIGN`` (``O_DIRECT`` reads of its whole blocks; the arena has ``DIRECT_ALIGN`` bytes of
+    room per region for it, and every tensor is as aligned in memory as in its file); where that could break a
+    tensor's alignment (a region or arena not 16-byte aligned), at the next multiple of ``PART_ALIGN``, read through
+    the page cache. All regions of all files are read at once
+    (:func:`~fastckpt.formats.readinto.read_into`). A file changed or truncated while read is a
+    :class:`~fastckpt.errors.FormatError` naming it."""
+    import pyopencl as cl
+
+    queue, report = load.queue, load.report
+    maps, pairs, placed = [], [], []
+    try:
+        for lease, slices in arenas:
+            host, _event = cl.enqueue_map_buffer(queue, lease.buffer, cl.map_flags.WRITE_INVALIDATE_REGION, 0,
+                                                 (lease.size,), np.uint8, is_blocking=True)
+            maps.append(host)
+            base = host.ctypes.data
+            shift_ok = base % 16 == 0
+            pos = 0  # the regions are packed in order, each with less than DIRECT_ALIGN bytes before it
+            for mapped, start, end, _planned in slices:
+                fd, direct, _m = files[id(mapped)]
+                if direct is not None and shift_ok and start % 16 == 0:
+                    at = pos + (start - base - pos) % DIRECT_ALIGN  # address = file offset mod DIRECT_ALIGN
+                else:  # a multiple of PART_ALIGN, as planned: every tensor keeps the alignment it has in its file
+                    at, direct = -(-pos // PART_ALIGN) * PART_ALIGN, None
+                pos = at + (end - start)
+                pairs.append((host[at:pos], start, fd, direct, mapped.path))
+                placed.append((lease, start, end, at))
+        report.reads += read_checked(pairs, list(files.values()), load.tf.path, "reading it into device memory")
+    finally:
+        for host in maps:
+            host.base.release(queue).wait()
+        for entry in files.values():
+            _close_pair(entry)
+    for lease, start, end, at in placed:
+        if load.first_buffer is None:
+            load.first_buffer = lease.buffer
+        report.bytes_copied += end - start
+        load.regions.append([lease.buffer, start - at, lease, None, None])
 
 
 def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, group=None) -> None:
@@ -1251,8 +1357,11 @@ def _stage_region(load: _Load, mapped, start: int, end: int, lease, at: int, gro
         pass
     marks = () if not group else [(i.offset + i.nbytes - start, _payload(i), i.name) for i in group]
     fd = load.stager.file(mapped)
+    # A cold region's whole blocks are read with O_DIRECT into the staging buffers (Stager._batches places them).
+    direct = None if fd is None or not DIRECT_READS or mapped.address is None or \
+        cached(mapped, start, end, COLD_SAMPLES, centred=True) else load.stager.direct(mapped)
     load.stager.add(np.frombuffer(source_view, np.uint8), lease.buffer, at, marks,
-                    None if fd is None else (fd, start, mapped.path))
+                    None if fd is None else (fd, start, mapped.path, direct))
     load.report.bytes_copied += end - start
     # The copies read pinned memory, never the mapping: no source view to keep; a non-blocking load gets one event
     # for all of them (Stager.finish).

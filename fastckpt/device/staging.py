@@ -25,7 +25,8 @@ into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
 How many threads and buffers (:func:`staging_shape`): threads from the cores
 this process may run on and the load's size (a part of ``FILL_SPLIT`` bytes at
 least each, ``MAX_FILL_THREADS`` at most); buffers enough to hold what the
-threads fill at once plus the two being copied, never more than the load needs
+threads fill at once plus the two being copied (and ``SPARE_BUFFERS`` more for
+a load in chunks under ``STAGING_CHUNK``), never more than the load needs
 nor more than the pool's ``max_staging_bytes`` allow.
 
 Where the load mapped the file itself (a path, not kept open by the pool), its
@@ -69,10 +70,10 @@ import numpy as np
 from fastckpt._native.mapped import held_guards
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
-from fastckpt.formats.readinto import read_into, same_file
+from fastckpt.formats.readinto import DIRECT_ALIGN, open_direct, read_into, same_file
 
-__all__ = ["Stager", "Shape", "batch_chunk", "staging_chunk", "staging_shape", "STAGING_CHUNK", "STAGING_ROUND",
-           "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ"]
+__all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "STAGING_CHUNK",
+           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN", "SPARE_BUFFERS"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
@@ -84,8 +85,24 @@ STAGING_ROUND = 1024 * 1024
 # (bench --suite link, 256 MiB, 2 fill threads on this project's shared 2-core VM, links at 0.6-1.25x the fill rate,
 # medians of 5 rounds, each shape against the default in the same round) 4 batches of 64 MiB ran at 0.80-0.86x the
 # rate of 16 batches of 16 MiB; 8 and 4 MiB chunks, or 6 buffers instead of 3, were no better beyond the noise (0.75-
-# 1.24x). Loads of 1 GiB or more keep STAGING_CHUNK, the chunk measured best on an H200 (shared/reference/gpu-notes.md).
-MIN_BATCHES = 16
+# 1.24x). With the smaller first and last batches (RAMP), 32 batches of 8 MiB reached 0.86-0.97 of min(fill, link) at
+# 25-50 GB/s against 0.85-0.95 for 16 MiB without them (medians of 5 paired rounds; docs/reading.md). Loads of 2 GiB
+# or more keep STAGING_CHUNK, the chunk measured best on an H200 (shared/reference/gpu-notes.md).
+MIN_BATCHES = 32
+
+# The first and the last batches of a load are smaller: RAMP of them at each end, halving from a chunk down to
+# chunk / 2**RAMP (RAMP_MIN bytes at least). The first copy waits for the first fill, which no copy overlaps, and the
+# last fill's batch waits for its copy, which no fill overlaps: with whole chunks, each costs one chunk at the slower
+# stage's rate. Over the simulated link (bench --suite link, 256 MiB in 16 MiB chunks) the first copy started 5-10
+# ms into a 45 ms load at 50 GB/s; smaller ends cut that to the fill of RAMP_MIN bytes (docs/reading.md).
+RAMP = 3
+RAMP_MIN = 1024 * 1024
+
+# Staging buffers beyond what the fill threads fill at once and the two in flight, for loads in chunks under
+# STAGING_CHUNK: over the simulated link (bench --suite link, 256 MiB in 8 MiB chunks, 2 fill threads, a machine at
+# load average 12-15 whose fill rate moved 0.7-3.7 GB/s within seconds), 6 buffers ran at 1.05-1.18x the rate of 4
+# at 40-50 GB/s (0.92-0.97 of min(fill, link) against 0.78-0.91): two spare buffers absorb the fill's stalls.
+SPARE_BUFFERS = 2
 
 # One fill task copies at least this many bytes (a smaller one costs more in hand-over than the copy gains), and a
 # staging chunk is filled in parts of PART_OF_CHUNK of it, so that several threads share one buffer.
@@ -128,8 +145,11 @@ def staging_shape(total: int, chunk: int, cpus: int | None = None, max_bytes: in
     batches = max(1, -(-total // chunk))
     part = max(FILL_SPLIT, chunk // PART_OF_CHUNK)
     threads = max(1, min(cpus, MAX_FILL_THREADS, total // FILL_SPLIT))
-    # What the threads fill at once (whole buffers), plus one being copied and one ready to go.
+    # What the threads fill at once (whole buffers), plus one being copied and one ready to go; a load cut into
+    # smaller batches (under 2 GiB: batch_chunk) gets SPARE_BUFFERS more, which cost little at that size.
     buffers = -(-threads * min(part, chunk) // chunk) + 2
+    if 2 * RAMP_MIN <= chunk < STAGING_CHUNK:
+        buffers += SPARE_BUFFERS
     if max_bytes is not None:
         buffers = min(buffers, max(2, max_bytes // chunk))
     return Shape(chunk, max(1, min(buffers, batches)), threads)
@@ -142,11 +162,46 @@ def batch_chunk(total: int, chunk: int) -> int:
     ``STAGING_ROUND`` goes in one buffer of its size, rounded up to ``STAGING_ROUND`` (pinning costs per byte).
 
     >>> [batch_chunk(n, STAGING_CHUNK) >> 20 for n in (4 << 30, 256 << 20, 6 << 20, 1000)]
-    [64, 16, 1, 1]
+    [64, 8, 1, 1]
     """
     if total < 2 * STAGING_ROUND:
         return min(chunk, -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND)
     return min(chunk, max(STAGING_ROUND, total // (MIN_BATCHES * STAGING_ROUND) * STAGING_ROUND))
+
+
+def batch_sizes(total: int, chunk: int, ramp: int = RAMP) -> list[int]:
+    """The sizes of the batches a staged stream of ``total`` bytes is cut into: whole ``chunk`` s, the first and the
+    last ``ramp`` of them smaller (``chunk / 8, / 4, / 2`` going in, the reverse going out, ``RAMP_MIN`` bytes at
+    least), so that the first copy starts early and the last one ends soon after the last fill. A stream of one
+    chunk or less is one batch; a chunk under ``2 * RAMP_MIN`` bytes, or ``ramp=0`` (a load with one staging
+    buffer, which overlaps nothing), keeps every batch a whole chunk (the last one what is left).
+
+    >>> [n >> 20 for n in batch_sizes(64 << 20, 16 << 20)]
+    [2, 4, 8, 16, 16, 4, 8, 4, 2]
+    >>> [n >> 20 for n in batch_sizes(24 << 20, 16 << 20)], batch_sizes(10000, 4096), batch_sizes(10, 4096)
+    ([2, 4, 8, 8, 2], [4096, 4096, 1808], [10])
+    """
+    if total <= 0:
+        return []
+    if total <= chunk:  # one buffer holds it: nothing to overlap
+        return [total]
+    head = sorted({max(RAMP_MIN, chunk >> s) for s in range(1, ramp + 1)} - {chunk}) if chunk >= 2 * RAMP_MIN else []
+    if not head:
+        return [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+    tail = head[::-1]
+    middle = total - 2 * sum(head)
+    if middle < 0:  # too short for both ends: the ramp up, then down, until the bytes run out
+        sizes, rest = [], total
+        for size in head + tail:
+            if rest <= 0:
+                break
+            sizes.append(min(size, rest))
+            rest -= sizes[-1]
+        if rest > 0:
+            sizes.append(rest)
+        return sizes
+    full, left = divmod(middle, chunk)
+    return head + [chunk] * full + ([left] if left else []) + tail
 
 
 def staging_chunk(staging, device) -> int:
@@ -199,8 +254,9 @@ def fill(pending, pairs) -> None:
         if file is None:
             np.copyto(dst, src)
         else:
-            fd, offset, path = file
-            read_into(fd, [(dst, offset)], path, threads=1)  # this fill is one of the fill threads' parts
+            fd, offset, path, direct = file if len(file) == 4 else (*file, None)
+            # this fill is one of the fill threads' parts; O_DIRECT for the blocks whose address agrees
+            read_into(fd, [(dst, offset)], path, threads=1, direct_fd=direct)
 
 
 class Stager:
@@ -212,7 +268,7 @@ class Stager:
     ``add``'s ``marks``, with the event of the copy that carries its last byte.
     """
 
-    __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "batches", "current", "used",
+    __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "pieces", "ramp",
                  "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
@@ -227,10 +283,8 @@ class Stager:
         self.events = events  # the load's list: every copy is recorded there at once
         self.blocking = blocking
         self.reported = reported
-        # full batches: [(source, device buffer, its offset, offset in the chunk, (descriptor, offset, path) or None)]
-        self.batches: list = []
-        self.current: list = []
-        self.used = 0  # bytes in the current batch
+        self.pieces: list = []  # (source, device buffer, its offset, (descriptor, offset, path) or None), as added
+        self.ramp = RAMP  # the first and last batches are smaller (batch_sizes); 0: every batch a whole chunk
         self.stream = 0  # bytes added so far
         self.marks: list = []  # (stream position of a tensor's last byte + 1, bytes, name), for progress
         self.copies = 0
@@ -253,30 +307,75 @@ class Stager:
             return None
         entry = self.files.get(id(mapped))
         if entry is None:
-            entry = self.files[id(mapped)] = (same_file(mapped), mapped)  # the mapping kept: its id stays its own
+            entry = self.files[id(mapped)] = [same_file(mapped), mapped, None]  # the mapping kept: its id its own
         return entry[0]
+
+    def direct(self, mapped):
+        """A descriptor of the file ``mapped`` maps opened ``O_DIRECT`` (the fill reads whole blocks of a cold file
+        straight into the staging buffers), kept for this load; None where :meth:`file` has none or the file system
+        has no such reads."""
+        fd = self.file(mapped)
+        if fd is None:
+            return None
+        entry = self.files[id(mapped)]
+        if entry[2] is None:
+            entry[2] = open_direct(mapped.path, mapped.identity) or -1
+        return entry[2] if entry[2] >= 0 else None
 
     def add(self, source: np.ndarray, buffer, at: int, marks=(), file=None) -> None:
         """Stage the bytes ``source`` (flat uint8) for ``buffer`` at byte ``at``. ``marks`` are ``(end, bytes,
         name)`` for progress: the tensor ``name`` (``bytes`` in device memory) ends at ``source[end - 1]``.
         ``file`` is ``(descriptor, offset, path)`` where the same bytes are in a file (see :meth:`file`): they
-        are read from there."""
+        are read from there; ``(descriptor, offset, path, O_DIRECT descriptor)`` (:meth:`direct`) reads their
+        whole blocks with ``O_DIRECT``. The stream is cut into batches by :meth:`finish` (:func:`batch_sizes`)."""
         base = self.stream
-        n = len(source)
-        pos = 0
-        chunk = self.shape.chunk
-        while pos < n:
-            if self.used == chunk:
-                self.batches.append(self.current)
-                self.current, self.used = [], 0
-            take = min(chunk - self.used, n - pos)
-            where = None if file is None else (file[0], file[1] + pos, file[2])
-            self.current.append((source[pos:pos + take], buffer, at + pos, self.used, where))
-            self.used += take
-            pos += take
-        self.stream += n
+        if file is not None and len(file) < 4:
+            file = (*file, None)
+        self.pieces.append((source, buffer, at, file))
+        self.stream += len(source)
         if self.reported is not None:
             self.marks.extend((base + end, nbytes, name) for end, nbytes, name in marks)
+
+    def _batches(self) -> list:
+        """The pieces added, cut into batches of :func:`batch_sizes`: lists of ``(source, device buffer, its
+        offset, offset in the staging chunk, (descriptor, offset, path, O_DIRECT descriptor or None) or None)``.
+
+        A piece read with ``O_DIRECT`` (a cold file, :meth:`direct`) is placed in its staging buffer where the
+        address agrees with its file offset modulo ``DIRECT_ALIGN`` (a gap of less than that before it), so that
+        the fill reads its whole blocks straight from the disk; batches then hold up to a chunk less
+        ``DIRECT_ALIGN`` bytes of stream, and a batch that has no room left for a gap ends early."""
+        chunk = self.shape.chunk
+        aligning = chunk >= 16 * DIRECT_ALIGN and any(p[3] is not None and p[3][3] is not None for p in self.pieces)
+        room = chunk - DIRECT_ALIGN if aligning else chunk
+        sizes = batch_sizes(self.stream, room, self.ramp if self.shape.buffers > 1 else 0)
+        hosts = self.stage.hosts
+        batches: list = []
+        current: list = []
+        k, used, logical = 0, 0, 0  # batch number, bytes of its buffer taken (gaps too), bytes of stream in it
+        for source, buffer, at, file in self.pieces:
+            n, pos = len(source), 0
+            while pos < n:
+                size = sizes[k] if k < len(sizes) else room
+                if logical >= size or used >= chunk:
+                    batches.append(current)
+                    current, used, logical, k = [], 0, 0, k + 1
+                    continue
+                if aligning and file is not None and file[3] is not None:
+                    gap = (file[1] + pos - hosts[k % len(hosts)].ctypes.data - used) % DIRECT_ALIGN
+                    if used + gap >= chunk:
+                        used = chunk  # no room for the gap: the batch ends here
+                        continue
+                    used += gap
+                take = min(size - logical, chunk - used, n - pos)
+                where = None if file is None else (file[0], file[1] + pos, file[2], file[3])
+                current.append((source[pos:pos + take], buffer, at + pos, used, where))
+                used += take
+                logical += take
+                pos += take
+        if current:
+            batches.append(current)
+        self.pieces = []
+        return batches
 
     def _parts(self, batch: list, host: np.ndarray) -> list:
         """The batch's copies into ``host`` as fill tasks: lists of ``(destination, source, file)`` (see :func:`fill`)
@@ -288,7 +387,7 @@ class Stager:
             while lo < n:
                 take = min(part - size, n - lo)
                 task.append((host[offset + lo:offset + lo + take], source[lo:lo + take],
-                             None if file is None else (file[0], file[1] + lo, file[2])))
+                             None if file is None else (file[0], file[1] + lo, file[2], file[3])))
                 size += take
                 lo += take
                 if size == part:
@@ -302,10 +401,7 @@ class Stager:
         """Fill and send every batch (see the module docstring); a non-blocking load's staged tensors and regions
         then get one event covering all their copies (a marker: it completes when every command queued before it
         has)."""
-        if self.current:
-            self.batches.append(self.current)
-            self.current, self.used = [], 0
-        batches, self.batches = self.batches, []
+        batches = self._batches()
         stage = self.stage
         count = stage.count
         pool = None
@@ -315,6 +411,7 @@ class Stager:
         running: dict = {}  # batch number -> its fill futures
         submitted = 0
         mark = 0
+        sent = 0  # stream bytes in the batches sent so far
         try:
             for k, batch in enumerate(batches):
                 while submitted < len(batches) and submitted < k + count:
@@ -334,8 +431,9 @@ class Stager:
                 for future in futures:
                     future.result()
                 last = self._send(k % count, batch)
+                sent += sum(len(p[0]) for p in batch)
                 if self.marks:
-                    end = sum(len(p[0]) for p in batch) + (k * self.shape.chunk)
+                    end = sent
                     while mark < len(self.marks) and self.marks[mark][0] <= end:
                         _end, nbytes, name = self.marks[mark]
                         self.reported(last, nbytes, name)
@@ -402,8 +500,9 @@ class Stager:
         stage, self.stage = self.stage, None
         self.reported = None  # the load's bound method: no cycle through the load once it is done
         files, self.files = self.files, {}
-        for fd, _mapped in files.values():
-            if fd is not None:
-                os.close(fd)  # every fill has finished: finish() waits for them, also on an error
+        for fd, _mapped, direct in files.values():
+            for f in (fd, direct):
+                if f is not None and f >= 0:
+                    os.close(f)  # every fill has finished: finish() waits for them, also on an error
         if stage is not None:
             stage.release()

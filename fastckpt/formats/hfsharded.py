@@ -545,6 +545,8 @@ class HFShardedDirectory(MultiFileReader):
             self.close()
             raise
         self._parts = tuple((self.files[file], tuple(names)) for file, names in self._by_file.items())
+        order = list(self.files)
+        self._following = {file: self.files[later] for file, later in zip(order, order[1:])}
 
     def _open(self, options: dict) -> None:
         if os.path.isdir(self.path):
@@ -650,7 +652,13 @@ class HFShardedDirectory(MultiFileReader):
             file = self.weight_map[name]
         except (KeyError, TypeError):
             raise tensor_not_found(self.path, name, self.infos) from None
-        return self.files[file].host(name)
+        f = self.files[file]
+        view = f.host(name)
+        if f._ahead >= f._size:  # this shard is read ahead to its end: the next one starts (reads several at once)
+            following = self._following.get(file)
+            if following is not None:
+                following.read_ahead_start()
+        return view
 
     def parts(self) -> tuple[tuple[TensorFile, tuple[str, ...]], ...]:
         """``(file, names)`` for each shard: its :class:`~fastckpt.formats.reader.TensorFile` and the reader's

@@ -45,13 +45,14 @@ from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
-from fastckpt.formats.readinto import cached, read_ahead
+from fastckpt.formats.readinto import (DIRECT_ALIGN, cached, file_cached, open_direct, read_ahead, read_checked,
+                                       same_file)
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
 from fastckpt.store.remote import is_url
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
-           "DIRECTORY_READERS", "guard", "held_guards", "mappings_of"]
+           "DIRECTORY_READERS", "guard", "held_guards", "mappings_of", "copies"]
 
 
 # The opener of URLs (``fastckpt.formats.remote.open``): that module reads through this one, so it sits above it
@@ -107,6 +108,7 @@ class TensorFile(ReaderMapping):
         self._view = infos.view  # bound once: host() is called once per tensor
         self._ahead = 0  # the file is being read ahead up to this byte (host(), see READ_AHEAD)
         self._size = mapped.size if mapped.address is not None else 0  # nothing to read ahead in a pread file
+        self._pread = mapped.address is None and getattr(mapped, "backend", None) == "pread"
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -133,6 +135,10 @@ class TensorFile(ReaderMapping):
         """The tensor as a numpy array: a zero-copy read-only view of the mapping where the
         layout allows (stored, uncompressed), else a decoded copy (the NPZ parser's
         :class:`~fastckpt.errors.NotZeroCopyWarning` at :func:`open` said so)."""
+        if self._pread:  # copies: a large tensor of a cold file is read from 8 threads (_pread_copy)
+            copy = self._pread_copy(name)
+            if copy is not None:
+                return copy
         view = self._view(name)  # straight from the index's columns, where the tensor is viewable in place
         if view is not None:
             if self._ahead < self._size and view.nbytes >= READ_AHEAD_MIN:  # a warm file stops at the first test
@@ -145,6 +151,25 @@ class TensorFile(ReaderMapping):
         from fastckpt.formats import npz
 
         return npz.read_member(self.mapped, info)
+
+    def _pread_copy(self, name: str) -> np.ndarray | None:
+        """``host(name)`` of a ``backend="pread"`` file where the tensor is large and its bytes are not in the page
+        cache (:func:`~fastckpt.formats.readinto.file_cached` of three of its pages): read from the file with
+        ``O_DIRECT`` where the file system allows, in pieces from several threads (:func:`copies`' route); None
+        otherwise (the one ``pread`` of the backend)."""
+        info = self.infos.get(name)
+        if info is None or info.nbytes < COPY_READ_MIN or info.compression is not None or not info.shape:
+            return None
+        fd = same_file(self.mapped)
+        if fd is None:
+            return None
+        try:
+            end = info.offset + info.nbytes
+            if file_cached(fd, [info.offset + (end - info.offset) * k // 4 for k in (1, 2, 3)]):
+                return None  # warm: the backend's one read copies it from the page cache
+            return copies(self, [name], _fd=fd)[name]
+        finally:
+            os.close(fd)
 
     def hosts(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """``{name: host(name)}`` for every tensor in file order (``names=None``) or for ``names``, made in one
@@ -167,6 +192,25 @@ class TensorFile(ReaderMapping):
                 read_ahead(self.mapped, start, self._size, check=False)
             self._ahead = self._size
         return views
+
+    def read_ahead_start(self) -> None:
+        """Have the kernel read the first ``READ_AHEAD`` bytes of the file's tensor data into the page cache now
+        (a cold file's only, as :meth:`host` does past a large view): a reader of several files starts the next file
+        while its caller still copies from this one. A no-op once the file is being read ahead, or is warm.
+
+        >>> import fastckpt, numpy as np, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "r.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(3)})
+        >>> with fastckpt.open(p) as f:
+        ...     f.read_ahead_start()
+        """
+        if self._ahead or not self._size:
+            return
+        start, end = self.data_region
+        if end - start < READ_AHEAD_MIN or cached(self.mapped, start, end, samples=1):
+            self._ahead = self._size  # small or warm: nothing to ask the kernel for, now or later
+            return
+        self._ahead = min(self._size, start + READ_AHEAD)
+        read_ahead(self.mapped, start, self._ahead, check=False)
 
     def _offset_of(self, view) -> int | None:
         """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
@@ -238,11 +282,18 @@ def _parse(mapped: MappedFile, max_header_size: int | None) -> TensorFile:
         from fastckpt._native.npz import read_npz_table
 
         kw = {} if max_header_size is None else {"max_header_size": max_header_size}
+        # The parser reads each member's local header, spread over the file: under the mapping's sequential advice
+        # each of those page faults on a cold file read the kernel's whole readahead window (8 MiB here), so the
+        # open of a 512 MiB .netcl of 16 members read 128 MiB, one window at a time. Random advice for the parse
+        # reads only the pages it touches; the advice goes back to sequential for the copies.
+        _advise(mapped, "random")
         try:
             infos, metadata = read_npz_table(mapped, **kw), None
         except FormatError:
             _raise_if_foreign(mapped)  # a torch or Keras ZIP: say so, not what the NPZ parser makes of it
             raise
+        finally:
+            _advise(mapped, "sequential")
     elif fmt == "safetensors":
         from fastckpt._native.safetensors import read_safetensors_table
 
@@ -255,6 +306,83 @@ def _parse(mapped: MappedFile, max_header_size: int | None) -> TensorFile:
             "for safetensors)"
         )
     return TensorFile(mapped, fmt, infos, metadata)
+
+
+def _advise(mapped: MappedFile, kind: str) -> None:
+    """``madvise`` advice over the whole mapping; advice only, so a failure changes nothing."""
+    try:
+        mapped.advise(kind)
+    except (OSError, ValueError):
+        pass
+
+
+# copies(): a tensor of at least COPY_READ_MIN bytes of a file not in the page cache is read from the file into its
+# new array (O_DIRECT where the address allows, every file's tensors at once); smaller ones, and every tensor of a
+# warm file, are copied out of the mapping (one memcpy from the page cache beats reading the file again).
+COPY_READ_MIN = 1 << 20
+COLD_SAMPLES = 7  # pages of a file's data mincore looks at to call it warm (readinto.cached, centred)
+
+
+def copies(reader, names: Iterable[str] | None = None, *, _fd: int | None = None) -> dict[str, np.ndarray]:
+    """``{name: a private, writable copy of the tensor}`` for every tensor of ``reader`` (or ``names``), in that
+    order: what :func:`~fastckpt.formats.tree.load_tree` returns its arrays from. Where a mapped file's data is not
+    in the page cache, its large tensors are read straight from the file into their arrays
+    (:func:`~fastckpt.formats.readinto.read_into`, ``O_DIRECT``: no page cache, no second copy), every file of a
+    directory reader at once; a file changed or truncated meanwhile is a :class:`~fastckpt.errors.FormatError`
+    naming it. Any other tensor is ``np.array(reader.host(name), copy=True)``.
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "c.safetensors")
+    >>> fastckpt.save_safetensors(p, {"a": np.arange(3, dtype=np.int16)})
+    >>> with fastckpt.open(p) as f:
+    ...     out = copies(f)
+    >>> out["a"].tolist(), out["a"].flags.writeable
+    ([0, 1, 2], True)
+    """
+    wanted = list(reader.keys()) if names is None else list(names)
+    out: dict[str, np.ndarray] = {}
+    parts = reader.parts() if callable(getattr(reader, "parts", None)) else \
+        [(reader, tuple(wanted))] if isinstance(reader, TensorFile) else []
+    pairs, files = [], []
+    chosen = set(wanted)
+    try:
+        for f, part_names in parts:
+            if _fd is None:  # (a pread file's host() passes the descriptor it found the tensor cold with)
+                if not isinstance(f, TensorFile) or f.mapped.address is None:
+                    continue
+                start, end = f.data_region
+                if end - start < COPY_READ_MIN or cached(f.mapped, start, end, COLD_SAMPLES, centred=True):
+                    continue
+            fd = same_file(f.mapped) if _fd is None else os.dup(_fd)
+            if fd is None:
+                continue  # copied from the mapping below, under its guard
+            direct = open_direct(f.mapped.path, f.mapped.identity)
+            files.append((fd, direct, f.mapped))
+            for name in part_names:
+                if name not in chosen:
+                    continue
+                info = f.infos[name]
+                if info.nbytes < COPY_READ_MIN or info.compression is not None or \
+                        (_fd is None and f._view(name) is None):
+                    continue
+                block = np.empty(info.nbytes + DIRECT_ALIGN, np.uint8)
+                at = (info.offset - block.ctypes.data) % DIRECT_ALIGN  # the address agrees with the file offset
+                data = block[at:at + info.nbytes]
+                out[name] = array = data.view(info.dtype).reshape(info.shape, order="F" if info.fortran_order else "C")
+                if _fd is not None and not f.mapped.copy_on_write:
+                    array.flags.writeable = False  # a pread file's host() copies, read-only as its views
+                pairs.append((data, info.offset, fd, direct, f.mapped.path))
+        if pairs:
+            read_checked(pairs, files, reader.path, "reading its tensors")
+    finally:
+        for fd, direct, _mapped in files:
+            os.close(fd)
+            if direct is not None:
+                os.close(direct)
+    if _fd is not None:
+        return out
+    with guard(reader, "tensors into copies"):
+        return {name: out[name] if name in out else np.array(reader.host(name), copy=True) for name in wanted}
 
 
 def mappings_of(reader) -> list:

@@ -28,13 +28,17 @@ truncated under the load) is an ``OSError`` naming the file and the offset.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import errno
 import mmap
 import os
 import threading
 
 import numpy as np
 
-__all__ = ["cached", "read_ahead", "read_into", "same_file", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP"]
+__all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "raise_if_changed", "read_checked", "read_ahead",
+           "read_into", "same_file", "unchanged", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN",
+           "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
 # (read_ahead_kb, 128 KiB by default, 8 MiB on this project's machines) per call, whatever the length asked for,
@@ -47,6 +51,14 @@ READ_PIECE = 8 * 1024 * 1024
 # How many threads read at once: the kernel's readahead needs a reader waiting on each stream of pieces; more
 # threads than this measured no faster on a 2-core machine and cost CPU on a shared one.
 READ_THREADS = 2
+
+# O_DIRECT reads (read_into's direct_fd): file offsets, memory addresses and lengths in whole blocks of DIRECT_ALIGN
+# bytes (4096: every disk's logical block, 512 on most), DIRECT_PIECE bytes a call, DIRECT_THREADS calls at once. A
+# direct read waits on the disk and uses next to no CPU, so more threads keep more of the disk's queue busy without
+# costing the cores (512 MiB cold on this project's 2-core VM, docs/reading.md: 16 x 16 MiB and 8 x 8 MiB alike).
+DIRECT_ALIGN = 4096
+DIRECT_PIECE = 8 * 1024 * 1024
+DIRECT_THREADS = 8
 
 _readers: concurrent.futures.ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
@@ -61,20 +73,63 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
         return _readers
 
 
-def _read_piece(fd: int, view: memoryview, offset: int, path: str) -> None:
+def _read_piece(fd: int, view: memoryview, offset: int, path: str, buffered: int | None = None) -> None:
+    """Read ``len(view)`` bytes at ``offset`` of ``fd`` into ``view``; ``buffered`` is a plain descriptor of the same
+    file where ``fd`` was opened ``O_DIRECT``, to fall back to where the file system refuses a direct read."""
     done, n = 0, len(view)
     while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            if buffered is None or e.errno != errno.EINVAL:
+                raise
+            fd, buffered = buffered, None  # no O_DIRECT here (tmpfs, some FUSE): the same read, buffered
+            continue
         if got == 0:
             raise OSError(f"{path}: the file ended at byte {offset + done} while {n - done} more bytes of tensor "
                           f"data were read from there (was it truncated during the load?)")
         done += got
 
 
-def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: int = READ_PIECE) -> int:
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
+
+
+def direct_pieces(view: memoryview, offset: int, piece: int, align: int = DIRECT_ALIGN) -> list:
+    """``view`` (the destination of the file's bytes from ``offset`` on) cut into ``(view, offset, direct)`` reads:
+    where the destination's address and the file offset agree modulo ``align``, the whole ``align`` blocks inside it
+    in pieces of ``piece`` bytes at most (``direct``: fit for ``O_DIRECT``), and the unaligned head and tail
+    (``align - 1`` bytes at most each) as plain reads; elsewhere plain pieces of ``piece`` bytes.
+
+    >>> import numpy as np
+    >>> block = np.zeros(4 * 4096, np.uint8); base = -block.ctypes.data % 4096
+    >>> [(len(v), o, d) for v, o, d in direct_pieces(memoryview(block)[base + 100:base + 9000], 100, 4096)]
+    [(3996, 100, False), (4096, 4096, True), (808, 8192, False)]
+    """
+    n = len(view)
+    if n >= align and (_address(view) - offset) % align == 0:
+        lo = -offset % align
+        hi = (offset + n) // align * align - offset
+        if hi > lo:
+            pieces = [(view[:lo], offset, False)] if lo else []
+            pieces += [(view[k:min(k + piece, hi)], offset + k, True) for k in range(lo, hi, piece)]
+            if hi < n:
+                pieces.append((view[hi:], offset + hi, False))
+            return pieces
+    return [(view[k:k + piece], offset + k, False) for k in range(0, n, piece)]
+
+
+def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: int = READ_PIECE,
+              direct_fd: int | None = None) -> int:
     """Fill every ``(destination, offset)`` of ``pairs`` with the bytes of the file ``fd`` at ``offset`` (a
     destination is any writable buffer: a numpy array, a memoryview, a mapped device buffer); returns the number of
     ``preadv`` calls made. Pieces of ``piece`` bytes are read by ``threads`` threads, in file order.
+
+    ``direct_fd`` (the same file opened ``O_DIRECT``: :func:`open_direct`) reads the ``DIRECT_ALIGN`` blocks of
+    each destination whose address agrees with its file offset modulo ``DIRECT_ALIGN`` straight from the disk
+    into it (no page cache: no copy, little CPU), the unaligned heads and tails through ``fd``
+    (:func:`direct_pieces`); a file system that refuses it is read through ``fd``. ``pairs`` may also hold
+    ``(destination, offset, fd, direct_fd, path)`` of other files: every file's pieces are read at once.
 
     >>> import os, tempfile, numpy as np
     >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, bytes(range(20))); os.close(fd)
@@ -88,20 +143,128 @@ def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: 
     if piece < 1 or threads < 1:
         raise ValueError(f"piece and threads must be positive, got piece={piece}, threads={threads}")
     jobs = []
-    for destination, offset in pairs:
+    for pair in pairs:
+        destination, offset = pair[0], pair[1]
+        fd_, direct_, path_ = (pair[2], pair[3], pair[4]) if len(pair) > 2 else (fd, direct_fd, path)
         view = memoryview(destination).cast("B") if not isinstance(destination, np.ndarray) \
             else memoryview(destination.reshape(-1).view(np.uint8))
-        jobs += [(view[lo:lo + piece], offset + lo) for lo in range(0, len(view), piece)]
-    jobs.sort(key=lambda job: job[1])
+        if direct_ is None:
+            jobs += [(fd_, view[lo:lo + piece], offset + lo, path_, None) for lo in range(0, len(view), piece)]
+        else:
+            jobs += [(direct_, v, o, path_, fd_) if direct else (fd_, v, o, path_, None)
+                     for v, o, direct in direct_pieces(view, offset, piece)]
+    jobs.sort(key=lambda job: job[2])  # file order; several files interleaved, each read from its start
     if threads == 1 or len(jobs) < 2:
-        for view, offset in jobs:
-            _read_piece(fd, view, offset, path)
+        for job in jobs:
+            _read_piece(job[0], job[1], job[2], job[3], job[4])
         return len(jobs)
-    futures = [_pool(threads).submit(_read_piece, fd, view, offset, path) for view, offset in jobs]
+    futures = [_pool(threads).submit(_read_piece, *job) for job in jobs]
     concurrent.futures.wait(futures)  # never return while a thread still writes into a destination
     for future in futures:
         future.result()
     return len(jobs)
+
+
+def read_checked(pairs, files: list, path: str, what: str) -> int:
+    """:func:`read_into` of ``pairs`` (``(destination, offset, descriptor, O_DIRECT descriptor, path)``) with
+    ``DIRECT_THREADS`` threads in ``DIRECT_PIECE`` pieces, then every file of ``files`` (``(descriptor, O_DIRECT
+    descriptor, mapping)``) checked unchanged: a short read or a file changed meanwhile is the
+    :class:`~fastckpt.errors.FormatError` of :func:`raise_if_changed` naming it. Returns the ``preadv`` calls made.
+
+    >>> import os, tempfile, numpy as np
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"abcdef"); os.close(fd)
+    >>> m = MappedFile(p); fd = same_file(m); out = np.zeros(3, np.uint8)
+    >>> read_checked([(out, 2, fd, None, p)], [(fd, None, m)], p, "reading it"), bytes(out)
+    (1, b'cde')
+    >>> os.close(fd)
+    """
+    try:
+        calls = read_into(files[0][0], pairs, path, threads=DIRECT_THREADS, piece=DIRECT_PIECE)
+    except OSError as exc:  # a short read: which file changed says more than where the read stopped
+        for _fd, _direct, mapped in files:
+            raise_if_changed(mapped, what, exc)
+        raise
+    for fd, _direct, mapped in files:
+        if not unchanged(fd, mapped.identity):
+            raise_if_changed(mapped, what)
+    return calls
+
+
+def open_direct(path: str, identity) -> int | None:
+    """A descriptor of ``path`` opened ``O_DIRECT`` (reads that bypass the page cache), or None where the platform
+    or file system has no such reads, or ``fstat`` shows another file than ``identity`` (a mapping's
+    ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``). The caller closes it.
+
+    >>> import os, tempfile
+    >>> fd, p = tempfile.mkstemp(); os.close(fd)
+    >>> open_direct(p, (0, 0, 0, 0, 0)) is None     # another identity
+    True
+    """
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag or identity is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
+    except (OSError, TypeError, ValueError):
+        return None
+    if not unchanged(fd, identity):
+        os.close(fd)
+        return None
+    return fd
+
+
+def raise_if_changed(mapped, what: str, cause: BaseException | None = None) -> None:
+    """:class:`~fastckpt.errors.FormatError` naming the file of ``mapped`` (a
+    :class:`~fastckpt._native.mapped.MappedFile`) where ``stat`` of its path no longer shows the file that was
+    mapped (truncated, written to, replaced, gone): bytes read from it while ``what`` (``"reading its tensors"``)
+    may not be the file that was opened. Nothing where it is unchanged, or has no identity (bytes in memory).
+
+    >>> import os, tempfile
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"abc"); os.close(fd)
+    >>> m = MappedFile(p); raise_if_changed(m, "reading it")
+    >>> os.truncate(p, 1); raise_if_changed(m, "reading it")
+    Traceback (most recent call last):
+    ...
+    fastckpt.errors.FormatError: ...: the file was truncated or replaced while reading it (it now holds 1 bytes, ...
+    """
+    identity = getattr(mapped, "identity", None)
+    if identity is None:
+        return
+    try:
+        st = os.stat(mapped.path)
+    except OSError:
+        st = None
+    if st is not None and _identity(st) == tuple(identity):
+        return
+    from fastckpt.errors import FormatError
+
+    now = "is gone" if st is None else f"now holds {st.st_size} bytes, opened with {identity[2]}" \
+        if st.st_size != identity[2] else "was written to or replaced"
+    raise FormatError(f"{mapped.path}: the file was truncated or replaced while {what} (it {now}); open it "
+                      "again") from cause
+
+
+def _identity(st) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def unchanged(fd: int, identity) -> bool:
+    """Whether ``fstat(fd)`` still shows the file of ``identity`` (``(st_dev, st_ino, st_size, st_mtime_ns,
+    st_ctime_ns)``, a mapping's): a read from ``fd`` that ends with this True read that file's bytes, as they
+    were (a write or truncation changes ``st_mtime_ns``/``st_ctime_ns``).
+
+    >>> import os, tempfile
+    >>> fd, p = tempfile.mkstemp(); st = os.fstat(fd)
+    >>> unchanged(fd, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    True
+    >>> os.close(fd)
+    """
+    try:
+        return _identity(os.fstat(fd)) == tuple(identity)
+    except OSError:
+        return False
 
 
 def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True) -> int:
@@ -140,20 +303,20 @@ _mincore_fn = None  # libc's mincore through ctypes, made at the first call; Fal
 def _mincore():
     global _mincore_fn
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
-        _mincore_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)(
+        _mincore_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)(
             ("mincore", libc))
     except (OSError, AttributeError):
         _mincore_fn = False
     return _mincore_fn
 
 
-def cached(mapped, start: int, end: int, samples: int = SAMPLES) -> bool:
+def cached(mapped, start: int, end: int, samples: int = SAMPLES, centred: bool = False) -> bool:
     """Whether ``samples`` pages spread evenly over bytes ``[start, end)`` of the mapping are all in the page cache
-    (``mincore``, about 1.5 us a page): a cheap guess that the range is warm. False where it cannot be asked (no
-    mapping, no ``mincore``).
+    (``mincore``, about 1.5 us a page): a cheap guess that the range is warm. The first and the last page are among
+    them, or (``centred``) the pages in the middle of ``samples`` equal parts of the range: pages away from the
+    places a parser reads (the file's ends, the headers of evenly sized members). False where it cannot be asked
+    (no mapping, no ``mincore``).
 
     >>> import os, tempfile
     >>> from fastckpt._native.mapped import MappedFile
@@ -166,12 +329,50 @@ def cached(mapped, start: int, end: int, samples: int = SAMPLES) -> bool:
     fn = _mincore_fn if _mincore_fn is not None else _mincore()
     if address is None or end <= start or not fn:
         return False
-    vec = bytes(1)
+    vec = bytearray(1)  # mincore writes here (never into an immutable bytes object)
+    out = ctypes.addressof((ctypes.c_char * 1).from_buffer(vec))
     base = address - address % _PAGE  # the mapping starts on a page; the file offset 0 is there
     first, last = start // _PAGE, (end - 1) // _PAGE
     for k in range(samples):
-        index = first + (last - first) * k // max(1, samples - 1)
-        if fn(base + index * _PAGE, _PAGE, vec) != 0 or not vec[0] & 1:
+        index = first + ((last - first) * (2 * k + 1) // (2 * samples) if centred else
+                         (last - first) * k // max(1, samples - 1))
+        if fn(base + index * _PAGE, _PAGE, out) != 0 or not vec[0] & 1:
+            return False
+    return True
+
+
+def file_cached(fd: int, offsets) -> bool:
+    """Whether the pages of the file ``fd`` holding each byte of ``offsets`` are all in the page cache (a page of
+    the file mapped for a moment and asked with ``mincore``: nothing is read). False where it cannot be asked.
+
+    >>> import os, tempfile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 5000); _ = os.pread(fd, 5000, 0)
+    >>> file_cached(fd, [0, 4999])
+    True
+    >>> os.close(fd)
+    """
+    fn = _mincore_fn if _mincore_fn is not None else _mincore()
+    if not fn:
+        return False
+    vec = bytearray(1)
+    holder = (ctypes.c_char * 1).from_buffer(vec)
+    try:
+        size = os.fstat(fd).st_size
+    except OSError:
+        return False
+    for offset in offsets:
+        start = offset - offset % _PAGE
+        try:  # (Python's mmap refuses to map past the file's end: the last page is mapped as far as it goes)
+            page = mmap.mmap(fd, min(_PAGE, size - start), prot=mmap.PROT_READ, offset=start)
+        except (OSError, ValueError):
+            return False
+        try:
+            view = np.frombuffer(page, np.uint8)
+            ok = fn(view.ctypes.data, _PAGE, ctypes.addressof(holder)) == 0 and vec[0] & 1
+            del view
+        finally:
+            page.close()
+        if not ok:
             return False
     return True
 
@@ -196,8 +397,7 @@ def same_file(mapped) -> int | None:
     except (OSError, TypeError, ValueError):
         return None
     try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == tuple(identity):
+        if _identity(os.fstat(fd)) == tuple(identity):
             return fd
     except OSError:
         pass

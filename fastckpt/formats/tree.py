@@ -215,10 +215,13 @@ def load_tree(path: str | os.PathLike, **options: Any) -> ArrayTree:
     >>> load_tree(path)
     {'enc': {'b': array([1.]), 'w': array([0.])}}
     """
+    from fastckpt.formats.reader import copies
     from fastckpt.formats.reader import open as open_reader
 
     with open_reader(path, **options) as f:
         names = list(f.keys())
+        # Every tensor's private copy at once: a cold file is read straight into them, all its tensors together.
+        f = _Copied(f, copies(f, names))
         metadata = f.metadata or {}
         text = metadata.get(TREE_METADATA_KEY)
         if text is None:
@@ -244,6 +247,16 @@ def load_tree(path: str | os.PathLike, **options: Any) -> ArrayTree:
                               f"{sorted(set(listed) - set(names))[:3]} that the file does not hold, or the file "
                               f"holds {sorted(set(names) - set(listed))[:3]} that it does not list")
         return _build(structure, "", f, where)
+
+
+class _Copied:
+    """The reader ``load_tree`` builds from: ``host(name)`` is the tensor's copy (made by ``reader.copies``)."""
+
+    def __init__(self, reader, arrays: dict):
+        self.path, self.metadata, self._arrays = reader.path, reader.metadata, arrays
+
+    def host(self, name: str):
+        return self._arrays[name]
 
 
 def _insert(structure: dict, name: str, where: str) -> None:
@@ -301,7 +314,7 @@ def _build(node: Any, path: str, reader: Any, where: str) -> Any:
     if isinstance(node, dict):
         return {key: _build(child, _join(path, key), reader, where) for key, child in node.items()}
     if node == 0 and type(node) is int:
-        return np.array(reader.host(path), copy=True)
+        return reader.host(path)  # a private copy already (load_tree)
     tag, *payload = node
     if tag == "scalar":
         array = reader.host(path)

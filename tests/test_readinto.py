@@ -1,0 +1,380 @@
+"""Reads of cold files straight into their destinations: ``fastckpt.formats.readinto.read_into`` (``O_DIRECT`` for
+the aligned blocks, the unaligned heads and tails through the page cache) and the pooled loads that use it for a
+file not in the page cache (``fastckpt.device.load.DIRECT_READS``).
+
+Every test checks exact bytes; none is timed (speed comes from ``fastckpt bench --suite cold``). The loads are made
+to take the cold path by telling them the file is not cached (``load.cached``), so they do not depend on what the
+page cache holds on the machine that runs them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+import fastckpt
+from fastckpt.formats import readinto
+from fastckpt.formats.readinto import DIRECT_ALIGN, direct_pieces, open_direct, read_into
+
+A = DIRECT_ALIGN
+
+
+def _file(tmp_path, size: int, name: str = "data.bin") -> tuple[str, bytes]:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = str(tmp_path / name)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path, data
+
+
+def _aligned(n: int, shift: int) -> np.ndarray:
+    """``n`` bytes of memory whose address is ``shift`` modulo DIRECT_ALIGN."""
+    block = np.zeros(n + 2 * A, np.uint8)
+    base = -block.ctypes.data % A
+    return block[base + shift:base + shift + n]
+
+
+def _descriptors(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    st = os.fstat(fd)
+    return fd, open_direct(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+
+
+@pytest.mark.parametrize("size", [1, 100, A - 1, A, A + 1, 3 * A + 123, 5 * A])
+def test_every_head_tail_and_length_reads_exactly_the_files_bytes(tmp_path, size):
+    path, data = _file(tmp_path, size)
+    fd, direct = _descriptors(path)
+    try:
+        cases = []
+        for offset in sorted({0, 1, A - 1, A, A + 7, size // 2, size - 1, size} & set(range(size + 1))):
+            for n in sorted({0, 1, A - 1, A, A + 1, size - offset} & set(range(size - offset + 1))):
+                for shift in ((offset % A), (offset + 3) % A):  # agreeing with the offset (direct), and not
+                    cases.append((_aligned(n, shift), offset))
+        calls = read_into(fd, cases, path, direct_fd=direct, threads=3, piece=A)
+        for out, offset in cases:
+            assert out.tobytes() == data[offset:offset + len(out)], (offset, len(out), out.ctypes.data % A)
+        assert calls >= sum(1 for out, _ in cases if len(out))
+    finally:
+        os.close(fd)
+        if direct is not None:
+            os.close(direct)
+
+
+def test_only_whole_blocks_whose_address_agrees_with_the_offset_are_read_direct():
+    out = _aligned(3 * A, 0)
+    pieces = direct_pieces(memoryview(out)[100:], 100, 2 * A)
+    assert [(len(v), o, d) for v, o, d in pieces] == [(A - 100, 100, False), (2 * A, A, True)]
+    other = direct_pieces(memoryview(_aligned(3 * A, 5)), 0, A)  # address 5 apart from the offset: no direct read
+    assert [d for _v, _o, d in other] == [False, False, False]
+    assert direct_pieces(memoryview(_aligned(A - 1, 0)), 0, A)[0][2] is False  # less than a block
+    assert direct_pieces(memoryview(_aligned(0, 0)), 0, A) == []
+
+
+def test_a_file_system_that_refuses_direct_reads_is_read_through_the_page_cache(tmp_path, monkeypatch):
+    path, data = _file(tmp_path, 4 * A + 5)
+    fd, direct = _descriptors(path)
+    if direct is None:
+        direct = os.open(path, os.O_RDONLY)  # no O_DIRECT here: a stand-in that is refused below
+    refused = []
+    real = os.preadv
+
+    def preadv(f, buffers, offset):
+        if f == direct:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(f, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    out = _aligned(len(data), 0)
+    try:
+        read_into(fd, [(out, 0)], path, direct_fd=direct, threads=2, piece=A)
+    finally:
+        os.close(fd)
+        os.close(direct)
+    assert out.tobytes() == data and refused
+
+
+def test_a_file_shorter_than_the_bytes_asked_for_is_an_error_naming_it_and_the_offset(tmp_path):
+    path, _data = _file(tmp_path, 2 * A + 10)
+    fd, direct = _descriptors(path)
+    out = _aligned(3 * A, 0)
+    try:
+        with pytest.raises(OSError, match=rf"{path}: the file ended at byte {2 * A + 10}"):
+            read_into(fd, [(out, 0)], path, direct_fd=direct, piece=A)
+    finally:
+        os.close(fd)
+        if direct is not None:
+            os.close(direct)
+
+
+def test_pairs_of_several_files_are_read_together_each_from_its_own_file(tmp_path):
+    (p1, d1), (p2, d2) = _file(tmp_path, 3 * A + 1, "a.bin"), _file(tmp_path, 2 * A + 2, "b.bin")
+    (f1, x1), (f2, x2) = _descriptors(p1), _descriptors(p2)
+    o1, o2 = _aligned(3 * A - 9, 10 % A), _aligned(2 * A, 2)
+    try:
+        read_into(f1, [(o1, 10, f1, x1, p1), (o2, 2, f2, x2, p2)], p1, threads=4, piece=A)
+    finally:
+        for f in (f1, x1, f2, x2):
+            if f is not None:
+                os.close(f)
+    assert o1.tobytes() == d1[10:10 + len(o1)] and o2.tobytes() == d2[2:2 + len(o2)]
+
+
+# ------------------------------------------------------------------ pooled loads of cold files
+
+TENSORS = {"odd": np.arange(3, dtype=np.float32), "big": np.arange(1 << 18, dtype=np.float32),
+           "empty": np.zeros((0, 4), np.float32), "bytes": np.arange(4097, dtype=np.uint8),
+           "mid": np.arange(77777, dtype=np.int64), "f16": np.ones((33, 3), np.float16)}
+
+
+@pytest.fixture
+def cold(monkeypatch):
+    """Loads take the cold path: every region is reported as not in the page cache."""
+    from fastckpt.device import load
+
+    monkeypatch.setattr(load, "cached", lambda *a, **k: False)
+    return load
+
+
+def _exact(loaded, tensors) -> None:
+    for name, want in tensors.items():
+        got = loaded[name].to_host()
+        assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes(), name
+        assert loaded[name].offset % want.dtype.itemsize == 0, name
+
+
+def test_a_cold_file_is_read_into_the_arena_exactly(tmp_path, unified_device, pool, cold):
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    loaded = fastckpt.load_file(path, unified_device.queue, pool=pool)
+    assert loaded.report.reads > 0 and loaded.report.copies == 0
+    _exact(loaded, TENSORS)
+    npz = str(tmp_path / "m.npz")
+    np.savez(npz, **TENSORS)  # numpy's own layout: payloads at odd offsets, regions read through the page cache
+    loaded = fastckpt.load_file(npz, unified_device.queue, pool=pool)
+    assert loaded.report.reads > 0
+    for name, want in TENSORS.items():
+        assert loaded[name].to_host().tobytes() == want.tobytes(), name
+
+
+def test_a_warm_file_is_copied_from_its_mapping(tmp_path, unified_device, pool, monkeypatch):
+    from fastckpt.device import load
+
+    monkeypatch.setattr(load, "cached", lambda *a, **k: True)
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    loaded = fastckpt.load_file(path, unified_device.queue, pool=pool)
+    assert loaded.report.reads == 0 and loaded.report.copies > 0
+    _exact(loaded, TENSORS)
+
+
+def _sharded_and_recorded(tmp_path, monkeypatch):
+    """``TENSORS`` as a Hugging Face directory of several shards, its shard paths, and the list that records the
+    files each read_into call reads (sorted paths)."""
+    directory = str(tmp_path / "hf")
+    fastckpt.save_sharded(directory, TENSORS, max_shard_size=600_000)
+    calls = []
+    real = readinto.read_into
+
+    def read_into_(fd, pairs, path, **kw):
+        calls.append(sorted({pair[4] for pair in pairs}))
+        return real(fd, pairs, path, **kw)
+
+    monkeypatch.setattr(readinto, "read_into", read_into_)
+    shards = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
+    return directory, shards, calls
+
+
+def test_a_hugging_face_directory_reads_all_its_files_at_once(tmp_path, unified_device, pool, cold, monkeypatch):
+    directory, shards, calls = _sharded_and_recorded(tmp_path, monkeypatch)
+    loaded = fastckpt.load_file(directory, unified_device.queue, pool=pool)
+    assert len(shards) > 2 and calls == [shards]  # one read of every shard's regions
+    _exact(loaded, TENSORS)
+
+
+def test_a_cold_netcl_model_loads_exactly(tmp_path, unified_device, pool, cold):
+    from fastckpt.io import load_model, save_model
+    from fastckpt.nn import build_sequential
+
+    config = [{"type": "Linear", "args": {"in_features": 64, "out_features": 48, "bias": True}}] * 3
+    path = str(tmp_path / "m.netcl")
+    save_model(build_sequential(unified_device.queue, config), path)
+    model = load_model(path, unified_device.queue, pool=pool)
+    assert model.load_report.file_report.reads > 0
+    with np.load(path) as z:
+        want = {k: z[k] for k in z.files if k != "__netcl_meta__"}
+    got = model.state_dict()
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_file_changed_before_its_cold_load_is_an_error_naming_it(tmp_path, unified_device, pool, cold):
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    with fastckpt.open(path) as f:
+        with open(path, "r+b") as w:  # the same size, other bytes
+            w.seek(-8, os.SEEK_END)
+            w.write(b"\xff" * 8)
+        os.utime(path, ns=(1, 1))
+        with pytest.raises(fastckpt.FormatError, match=rf"{path}: the file was truncated or replaced .* written to"):
+            fastckpt.load_file(f, unified_device.queue, pool=pool)
+
+
+@pytest.mark.parametrize("how", ["truncated", "written"])
+def test_a_file_changed_while_it_is_read_is_an_error_naming_it(tmp_path, unified_device, pool, cold, monkeypatch,
+                                                               how):
+    directory = str(tmp_path / "hf")
+    fastckpt.save_sharded(directory, TENSORS, max_shard_size=600_000)
+    victim = sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))[-1]
+    real = readinto.read_into
+
+    def read_into_(fd, pairs, path, **kw):
+        if how == "truncated":
+            os.truncate(victim, 100)
+        else:
+            with open(victim, "r+b") as w:
+                w.seek(-4, os.SEEK_END)
+                w.write(b"\0\0\0\0")
+            os.utime(victim, ns=(2, 2))
+        return real(fd, pairs, path, **kw)
+
+    monkeypatch.setattr(readinto, "read_into", read_into_)
+    with pytest.raises(fastckpt.FormatError, match=rf"{victim}: the file was truncated or replaced"):
+        fastckpt.load_file(directory, unified_device.queue, pool=pool)
+    assert pool.stats.bytes_in_use == 0  # the leases went back
+
+
+# ------------------------------------------------------------------ host copies of cold files (load_tree)
+
+@pytest.fixture
+def cold_host(monkeypatch):
+    """Host copies take the cold path: every file's data is reported as not in the page cache."""
+    from fastckpt.formats import reader
+
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+    monkeypatch.setattr(reader, "COPY_READ_MIN", 1)  # the small tensors too: every head and tail
+    return reader
+
+
+def test_load_tree_of_a_cold_file_reads_every_tensor_exactly(tmp_path, cold_host, monkeypatch):
+    path = str(tmp_path / "t.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    calls = []
+    real = readinto.read_into
+    monkeypatch.setattr(readinto, "read_into", lambda fd, pairs, p, **kw: calls.append(len(pairs)) or
+                        real(fd, pairs, p, **kw))
+    tree = fastckpt.load_tree(path)
+    assert calls == [len(TENSORS) - 1]  # one read of every tensor but the empty one
+    for name, want in TENSORS.items():
+        got = tree[name]
+        assert got.flags.writeable and got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.tobytes() == want.tobytes(), name
+    npz = str(tmp_path / "t.npz")
+    np.savez(npz, **TENSORS)  # odd offsets: no address agrees, every byte through the page cache
+    tree = fastckpt.load_tree(npz)
+    assert all(tree[name].tobytes() == want.tobytes() for name, want in TENSORS.items())
+
+
+def test_copies_of_a_hugging_face_directory_read_every_shard_at_once(tmp_path, cold_host, monkeypatch):
+    directory, shards, calls = _sharded_and_recorded(tmp_path, monkeypatch)
+    with fastckpt.open(directory) as r:
+        out = cold_host.copies(r)
+    assert len(shards) > 2 and calls == [shards]
+    assert list(out) == list(TENSORS) and all(out[k].tobytes() == v.tobytes() for k, v in TENSORS.items())
+
+
+def test_a_file_changed_while_its_copies_are_read_is_an_error_naming_it(tmp_path, cold_host, monkeypatch):
+    path = str(tmp_path / "t.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    real = readinto.read_into
+
+    def read_into_(fd, pairs, p, **kw):
+        os.truncate(path, 4096)
+        return real(fd, pairs, p, **kw)
+
+    monkeypatch.setattr(readinto, "read_into", read_into_)
+    with pytest.raises(fastckpt.FormatError, match=rf"{path}: the file was truncated or replaced"):
+        fastckpt.load_tree(path)
+
+
+@pytest.mark.parametrize("cold_file", [True, False])
+def test_pread_backend_copies_of_large_tensors_of_a_cold_file_are_read_in_pieces(tmp_path, monkeypatch, cold_file):
+    from fastckpt.formats import reader
+
+    monkeypatch.setattr(reader, "file_cached", lambda fd, offsets: not cold_file)
+    monkeypatch.setattr(reader, "COPY_READ_MIN", 4096)
+    calls = []
+    real = readinto.read_into
+    monkeypatch.setattr(readinto, "read_into", lambda fd, pairs, p, **kw: calls.append(len(pairs)) or
+                        real(fd, pairs, p, **kw))
+    path = str(tmp_path / "t.safetensors")
+    fastckpt.save_safetensors(path, TENSORS)
+    with fastckpt.open(path, backend="pread") as f:
+        got = {name: f.host(name) for name in f.keys()}
+    big = [n for n, a in TENSORS.items() if a.nbytes >= 4096]
+    assert calls == ([1] * len(big) if cold_file else [])
+    for name, want in TENSORS.items():
+        assert got[name].tobytes() == want.tobytes() and got[name].shape == want.shape, name
+        assert not got[name].flags.writeable, name  # the backend's copies are read-only, as its views would be
+
+
+def test_a_hugging_face_directorys_next_shard_is_read_ahead_once_this_one_is(tmp_path, monkeypatch):
+    from fastckpt.formats import reader
+
+    tensors = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(4)}  # 1 MiB each, one per shard
+    directory = str(tmp_path / "hf")
+    fastckpt.save_sharded(directory, tensors, max_shard_size=(1 << 20) + 1)
+    events = []
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: events.append(
+        ("ahead", os.path.basename(mapped.path))) or 1)
+    with fastckpt.open(directory) as r:
+        for name in r.keys():
+            events.append(("view", r.weight_map[name]))
+            assert r.host(name).tobytes() == tensors[name].tobytes()
+    shards = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    assert len(shards) == 4
+    for k, shard in enumerate(shards[1:], 1):
+        # each later shard was asked for before its first view, right after the view of the shard before it
+        assert events.index(("ahead", shard)) < events.index(("view", shard)), events
+
+
+@pytest.mark.parametrize("source", ["file", "hf"])
+def test_a_cold_staged_load_reads_whole_blocks_direct_into_the_staging_buffers(tmp_path, device, pool, cold,
+                                                                               monkeypatch, source):
+    from fastckpt.device import staging
+
+    tensors = {**TENSORS, "large": np.arange(3 << 20, dtype=np.uint8)}
+    path = str(tmp_path / "m.safetensors") if source == "file" else str(tmp_path / "hf")
+    if source == "file":
+        fastckpt.save_safetensors(path, tensors)
+    else:
+        fastckpt.save_sharded(path, tensors, max_shard_size=2 << 20)
+    direct_reads = []
+    real = staging.read_into
+
+    def read_into_(fd, pairs, p, **kw):
+        if kw.get("direct_fd") is not None:
+            for dst, offset in pairs:
+                direct_reads.extend(d for _v, _o, d in direct_pieces(memoryview(dst), offset, 1 << 30))
+        return real(fd, pairs, p, **kw)
+
+    monkeypatch.setattr(staging, "read_into", read_into_)
+    loaded = fastckpt.load_file(path, device.queue, pool=pool, staging=True)
+    _exact(loaded, tensors)
+    assert loaded.report.staging_chunk and loaded.report.reads == 0
+    if _has_direct(tmp_path):
+        assert direct_reads and sum(direct_reads) >= len(direct_reads) // 2, "most fills read whole blocks directly"
+
+
+def _has_direct(directory) -> bool:
+    """Whether the file system of ``directory`` opens files ``O_DIRECT`` (tmpfs and some FUSE do not)."""
+    probe = str(directory / "direct-probe")
+    open(probe, "wb").close()
+    st = os.stat(probe)
+    fd = open_direct(probe, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
