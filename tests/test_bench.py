@@ -303,7 +303,7 @@ def test_s3_suite_streaming_table(capsys):
     assert main(["bench", "--suite", "s3", "--quick", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("S3 and HTTP streaming (the range server on loopback, fastckpt.bench.objectserver; 16 MiB")
-    assert "| path | median | GB/s | share of the bound | peak RSS growth | exact |" in out
+    assert "| path | median | GB/s | share of the bound | CPU | peak RSS growth | exact |" in out
     rows = _first_cells(out)[1:]
     assert rows[:3] == ["raw s3: 8 threads x 8 MiB ranged GETs into memory", "raw s3: s3fs cat_ranges, 8 MiB ranges",
                         "raw http: 8 threads x 8 MiB ranged GETs into memory"]

@@ -113,7 +113,7 @@ def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
             save_safetensors(local, tensors, fsync=False)
             nbytes = os.path.getsize(local)
             ours, theirs = "s3://bench/fastckpt.safetensors", "s3://bench/s3fs.safetensors"
-            save_safetensors(ours, tensors, storage_options=options)
+            save_safetensors(ours, tensors, storage_options=options, overwrite=True)
             fs.put_file(local, theirs)
             downloaded = os.path.join(tmp, "downloaded.safetensors")
 
@@ -122,7 +122,7 @@ def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
                     return sum(f.host(name).nbytes for name in f.keys())
 
             paths = {
-                "save fastckpt": lambda: save_safetensors(ours, tensors, storage_options=options),
+                "save fastckpt": lambda: save_safetensors(ours, tensors, storage_options=options, overwrite=True),
                 "save s3fs": lambda: fs.put_file(local, theirs),
                 "load fastckpt": load_all,
                 "load s3fs": lambda: fs.get_file(theirs, downloaded),
