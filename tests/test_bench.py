@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 import time
@@ -278,6 +279,36 @@ def test_sharded_suite(tmp_path, capsys):
     assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 6 + [False]
     assert targets[-1] == "- (--quick sizes: the targets are stated for the full sizes)"
     assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+@pytest.mark.slow  # a benchmark smoke run, with a worker process
+def test_sharded_suite_runs_another_fastckpt_in_the_same_rounds(tmp_path, capsys):
+    import fastckpt
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
+    assert main(["bench", "--suite", "sharded", "--quick", "--ids", "3000", "--dense-mib", "0.25", "--ranks", "2",
+                 "--parallel", "1", "--dir", str(tmp_path), "--against", checkout]) == 0
+    out = capsys.readouterr().out
+    assert f"### before and after: the same paths run by the fastckpt in {checkout} (a worker process)" in out
+    rows = [line.split(" | ")[:3] for line in out.split("### before and after")[1].split("###")[0].splitlines()
+            if line.startswith("| 2 ")]
+    assert rows == [["| 2", "1", path] for path in ("Saver.save", "Loader.load(verify=False)",
+                                                    "Loader.load() (verified)")]
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+def test_the_against_worker_names_a_failed_call(tmp_path):
+    from fastckpt.bench.sharded import Against
+
+    import fastckpt
+
+    worker = Against(os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__))))
+    try:
+        with pytest.raises(RuntimeError, match=r"the --against worker \(.*\): load: CheckpointNotFoundError: "):
+            worker.call("load", path=str(tmp_path / "none"), ranks=1, dim=2, parallel=1, verify=False)
+        assert worker.call("where") == worker.where  # it goes on after a failed call
+    finally:
+        worker.close()
 
 
 @pytest.mark.slow  # a benchmark smoke run
