@@ -13,6 +13,17 @@ keeps training checkpoints. The commands: ``python -m fastckpt --help``.
 >>> with fastckpt.open(path) as f:
 ...     f.host("w").tolist()
 [0.0, 1.0, 2.0, 3.0]
+
+Below are only these entry points (``__all__``). Everything else keeps its full API in its module, and the
+names users reach for are attributes here too:
+
+* errors (``fastckpt.FormatError``, ``FastCkptError``, ...): ``fastckpt.errors``
+* what ``open`` returns (``TensorFile``, ``TensorInfo``, ``TensorReader``, ``register_opener``):
+  ``fastckpt.formats.reader``, ``fastckpt.info``, ``fastckpt.formats.contract``
+* formats: ``fastckpt.formats.safetensors``, ``.npz`` (``NpzWriter``), ``.hfsharded``, ``.tree``, ``.tf``
+* device memory (``PersistentBufferPool``, ``Tensor``, ``LoadedTensors``): ``fastckpt.device``
+* training checkpoints: ``fastckpt.train``; sharded embedding tables (RecIS): ``fastckpt.sharded``
+* arrays from any framework, packed fp4/fp6 (``PackedArray``): ``fastckpt.arrays``
 """
 
 from __future__ import annotations
@@ -21,23 +32,23 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
-from fastckpt.errors import (
-    BarrierTimeoutError,
-    BrokenChainError,
-    CheckpointChangedError,
-    CheckpointKeyError,
-    CheckpointNotFoundError,
-    ChecksumMismatchError,
-    DestinationError,
-    EngineError,
-    FastCkptError,
-    FastCkptWarning,
-    FormatError,
-    IntegrityError,
-    MissingIdsError,
-    NotZeroCopyWarning,
-    RestoreMismatchError,
-    TensorNotFoundError,
+from fastckpt.errors import (  # `X as X`: re-exported for type checkers, though not in __all__
+    BarrierTimeoutError as BarrierTimeoutError,
+    BrokenChainError as BrokenChainError,
+    CheckpointChangedError as CheckpointChangedError,
+    CheckpointKeyError as CheckpointKeyError,
+    CheckpointNotFoundError as CheckpointNotFoundError,
+    ChecksumMismatchError as ChecksumMismatchError,
+    DestinationError as DestinationError,
+    EngineError as EngineError,
+    FastCkptError as FastCkptError,
+    FastCkptWarning as FastCkptWarning,
+    FormatError as FormatError,
+    IntegrityError as IntegrityError,
+    MissingIdsError as MissingIdsError,
+    NotZeroCopyWarning as NotZeroCopyWarning,
+    RestoreMismatchError as RestoreMismatchError,
+    TensorNotFoundError as TensorNotFoundError,
 )
 
 __version__ = "0.4.0"
@@ -93,25 +104,27 @@ if TYPE_CHECKING:  # the lazy names above as type checkers see them (`X as X`: r
     from fastckpt.train.directory import CheckpointDirectory as CheckpointDirectory
     from fastckpt.train.manager import CheckpointManager as CheckpointManager
 
+# The entry points: what ``from fastckpt import *`` binds and ``help(fastckpt)`` documents. Every other name
+# above (the exceptions, _LAZY's classes) stays an attribute of the package, documented in its module.
 __all__ = [
-    "FastCkptError",
-    "FormatError",
-    "IntegrityError",
-    "ChecksumMismatchError",
-    "RestoreMismatchError",
-    "TensorNotFoundError",
-    "CheckpointNotFoundError",
-    "DestinationError",
-    "CheckpointChangedError",
-    "BrokenChainError",
-    "MissingIdsError",
-    "CheckpointKeyError",
-    "BarrierTimeoutError",
-    "EngineError",
-    "FastCkptWarning",
-    "NotZeroCopyWarning",
-    *_LAZY,
+    "open",
+    "load_file",
+    "load_torch",
+    "to_torch",
+    "save_safetensors",
+    "save_npz",
+    "save_sharded",
+    "save_tree",
+    "load_tree",
+    "save_bytes",
+    "load_bytes",
+    "CheckpointManager",
 ]
+
+# dir(fastckpt): the entry points, the exceptions (imported already, so listing them costs nothing) and the
+# module's own dunder names (__version__ among them); not the other lazy names, which would import pyopencl for a tab completion or help().
+_DIR = sorted({*__all__, *(name for name, value in globals().items()
+                           if name.startswith("__") or isinstance(value, type) and issubclass(value, Warning | Exception))})
 
 
 def __getattr__(name: str):
@@ -125,4 +138,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return list(_DIR)

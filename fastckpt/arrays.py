@@ -13,6 +13,11 @@ A value is *array-like* when it is one of, checked in this order:
 5. an object exposing the buffer protocol (``memoryview``, ``array.array``, ``bytearray``,
    ``mmap``): viewed without a copy, its item format giving the dtype (``uint8`` for raw bytes).
 
+Packed sub-byte types (safetensors ``F4``, ``F6_E2M3``, ``F6_E3M2``; PyTorch's
+``float4_e2m1fn_x2``) are held as a :class:`PackedArray`: the stored bytes, with the type and
+the logical shape recorded. Only a safetensors file holds them; every other writer refuses them
+(:class:`PackedTypeError`), naming the tensor.
+
 ``bytes`` and ``str`` are not array-like: numpy reads them as text (``np.asarray(b"ab")`` is a
 0-d ``|S2`` array), and the state codec stores them as such. Lists, tuples, Python numbers and
 ``None`` are not array-like either (:func:`as_numpy` returns None for them); the writers, which
@@ -26,13 +31,14 @@ take anything numpy takes, convert them with :func:`to_numpy`.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-__all__ = ["as_numpy", "to_numpy", "to_torch"]
+__all__ = ["as_numpy", "to_numpy", "to_torch", "PackedArray", "PackedTypeError", "packed_array"]
 
 _NOT_ARRAYS = (str, bytes, int, float, complex, bool, list, tuple, dict)
 # What np.from_dlpack raises for a producer it cannot view (a device tensor, an unsupported dtype).
@@ -48,10 +54,146 @@ _TORCH_TO_ML_DTYPES = {
 _ML_DTYPES_TO_TORCH = {name: torch_name[len("torch."):] for torch_name, name in _TORCH_TO_ML_DTYPES.items()}
 
 
+#: Bits per element of the packed types, by safetensors name, and their ml_dtypes element type.
+PACKED_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+PACKED_ML_DTYPES = {"F4": "float4_e2m1fn", "F6_E2M3": "float6_e2m3fn", "F6_E3M2": "float6_e3m2fn"}
+
+
+class PackedTypeError(TypeError):
+    """A packed sub-byte tensor (:class:`PackedArray`) given to a path that cannot hold it."""
+
+
+class PackedArray(np.ndarray):
+    """The stored bytes of a tensor whose elements are narrower than a byte.
+
+    A 1-d ``uint8`` array of the bytes exactly as safetensors stores them:
+    ``size * bits / 8`` bytes, the elements back to back in C order across
+    rows (a row may end inside a byte). ``packed`` is the safetensors type
+    (``"F4"``, ``"F6_E2M3"``, ``"F6_E3M2"``), ``logical_shape`` the shape in
+    elements and ``element_dtype`` the ml_dtypes type of one element.
+    :meth:`unpack` gives ``F4`` as an ``ml_dtypes.float4_e2m1fn`` array of the
+    logical shape (a copy: the first element of each byte is its low nibble,
+    as in PyTorch's ``float4_e2m1fn_x2``). safetensors does not say in which
+    order 6-bit elements share bytes, so ``F6_*`` stays bytes.
+
+    A reader's ``host()`` returns one for such a tensor; ``save_safetensors``
+    writes it back as it was read; ``to_torch`` makes ``F4`` a
+    ``float4_e2m1fn_x2`` tensor. Slices and arithmetic give plain arrays of
+    the bytes.
+
+    >>> import ml_dtypes
+    >>> a = packed_array(np.array([0x21, 0x43], np.uint8), "F4", (4,))
+    >>> a.packed, a.logical_shape, a.unpack().astype(np.float32).tolist()
+    ('F4', (4,), [0.5, 1.0, 1.5, 2.0])
+    """
+
+    packed: str | None
+    logical_shape: tuple[int, ...] | None
+
+    def __array_finalize__(self, obj) -> None:
+        # A view of the whole (same bytes, same shape) stays packed; anything else is plain bytes.
+        same = isinstance(obj, PackedArray) and obj.shape == self.shape and obj.dtype == self.dtype
+        self.packed = getattr(obj, "packed", None) if same else None
+        self.logical_shape = getattr(obj, "logical_shape", None) if same else None
+
+    def __reduce__(self):
+        raise TypeError("a PackedArray is not pickled; save it with fastckpt.save_safetensors")
+
+    @property
+    def element_dtype(self) -> np.dtype:
+        """The ml_dtypes type of one element (``float4_e2m1fn``, ``float6_e2m3fn``, ``float6_e3m2fn``)."""
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, PACKED_ML_DTYPES[self.packed]))
+
+    def bytes_view(self) -> np.ndarray:
+        """The stored bytes as a plain ``uint8`` array (no copy)."""
+        return self.view(np.ndarray)
+
+    def unpack(self) -> np.ndarray:
+        """``F4`` as an ``ml_dtypes.float4_e2m1fn`` array of the logical shape (one element per byte, a copy).
+
+        >>> packed_array(np.array([0xF1], np.uint8), "F4", (2,)).unpack().astype(np.float32).tolist()
+        [0.5, -6.0]
+        """
+        if self.packed != "F4":
+            raise PackedTypeError(f"a packed {self.packed} tensor cannot be unpacked: safetensors does not say in "
+                                  "which order 6-bit elements share bytes; .bytes_view() gives the stored bytes")
+        raw = self.bytes_view()
+        out = np.empty(raw.size * 2, np.uint8)
+        out[0::2] = raw & 0x0F
+        out[1::2] = raw >> 4
+        return out.view(self.element_dtype).reshape(self.logical_shape)
+
+
+def packed_nbytes(packed: str, shape: tuple[int, ...]) -> int:
+    """The stored size of a packed tensor, as safetensors computes it; ValueError where it is not whole bytes."""
+    bits = math.prod(shape) * PACKED_BITS[packed]
+    if bits % 8:
+        raise ValueError(f"{packed}{list(shape)} is {bits} bits, not a whole number of bytes: safetensors stores "
+                         f"{packed} only in shapes of {8 // math.gcd(8, PACKED_BITS[packed])} elements or a multiple")
+    return bits // 8
+
+
+def packed_array(data: Any, packed: str, shape: tuple[int, ...] | list[int]) -> PackedArray:
+    """A :class:`PackedArray` of the stored bytes ``data`` (bytes, a buffer or a ``uint8`` array; not copied
+    where it is an array) of a ``packed`` tensor of the logical ``shape``; checks the byte count.
+
+    ``F4`` can also be built from its elements: ``pack_float4(a)`` of an
+    ``ml_dtypes.float4_e2m1fn`` array.
+
+    >>> packed_array(b"\\x00" * 3, "F6_E2M3", (4,)).nbytes
+    3
+    """
+    if packed not in PACKED_BITS:
+        raise ValueError(f"packed must be one of {sorted(PACKED_BITS)}, got {packed!r}")
+    shape = tuple(int(d) for d in shape)
+    raw = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else np.asarray(data)
+    if raw.dtype != np.uint8:
+        raise TypeError(f"the stored bytes of a packed {packed} tensor must be uint8, got {raw.dtype}")
+    want = packed_nbytes(packed, shape)
+    if raw.size != want:
+        raise ValueError(f"{packed}{list(shape)} is stored in {want} bytes, got {raw.size}")
+    out = raw.reshape(-1).view(PackedArray)
+    out.packed, out.logical_shape = packed, shape
+    return out
+
+
+def pack_float4(elements: np.ndarray) -> PackedArray:
+    """An ``ml_dtypes.float4_e2m1fn`` array as ``F4`` (two elements a byte, the first in the low nibble).
+
+    >>> import ml_dtypes
+    >>> pack_float4(np.array([0.5, -6.0], ml_dtypes.float4_e2m1fn)).tolist()
+    [241]
+    """
+    codes = np.ascontiguousarray(elements).view(np.uint8).reshape(-1) & 0x0F
+    shape = tuple(elements.shape)
+    packed_nbytes("F4", shape)
+    return packed_array((codes[0::2] | (codes[1::2] << 4)).astype(np.uint8), "F4", shape)
+
+
+def is_packed(value: Any) -> bool:
+    """True for a :class:`PackedArray` that still describes its bytes."""
+    return isinstance(value, PackedArray) and value.packed is not None
+
+
+def _refuse_packed(array: PackedArray, name: str | None, where: str | None) -> None:
+    what = f"tensor {name!r}" if name is not None else "a tensor"
+    raise PackedTypeError(
+        f"{what} is packed {array.packed} ({PACKED_BITS[array.packed]}-bit elements, logical shape "
+        f"{list(array.logical_shape)}), which {where or 'this path'} cannot hold: only safetensors stores packed "
+        "types (fastckpt.save_safetensors writes it as safetensors does); "
+        + ("to keep the values elsewhere, widen them first: fastckpt.arrays.to_numpy(t, packed=True).unpack()"
+           ".astype(np.float32)" if array.packed == "F4"
+           else "to keep the bytes elsewhere, store a.bytes_view() as uint8 and record the type and shape"))
+
+
 def _torch_ml_dtype(tensor) -> np.ndarray | None:
     """A PyTorch bfloat16/float8 ``tensor`` as an ml_dtypes array over the same bytes, else None."""
     name = _TORCH_TO_ML_DTYPES.get(str(getattr(tensor, "dtype", "")))
     if name is None:
+        if str(getattr(tensor, "dtype", "")) == "torch.float4_e2m1fn_x2":
+            return _torch_float4(tensor)
         return None
     import sys
 
@@ -66,10 +208,30 @@ def _torch_ml_dtype(tensor) -> np.ndarray | None:
     return np.from_dlpack(bits).view(getattr(ml_dtypes, name))
 
 
-def as_numpy(value: Any) -> np.ndarray | None:
+def _torch_float4(tensor) -> PackedArray:
+    """A PyTorch ``float4_e2m1fn_x2`` tensor (two elements a byte) as ``F4``: the logical shape doubles the last
+    dimension, as safetensors records it."""
+    import sys
+
+    torch = sys.modules["torch"]
+    bits = tensor.view(torch.uint8)
+    if bits.device.type != "cpu":
+        bits = bits.cpu()
+    raw = np.ascontiguousarray(np.from_dlpack(bits))
+    shape = tuple(tensor.shape)
+    logical = (*shape[:-1], shape[-1] * 2) if shape else (2,)
+    return packed_array(raw.reshape(-1), "F4", logical)
+
+
+def as_numpy(value: Any, *, packed: bool = False, name: str | None = None, where: str | None = None) -> \
+        np.ndarray | None:
     """``value`` as an ndarray when it is array-like (see the module docstring), else None.
 
     Zero-copy where the source allows (numpy views, CPU DLPack, buffers).
+    A packed sub-byte tensor (:class:`PackedArray`, a torch
+    ``float4_e2m1fn_x2`` tensor) is returned as a :class:`PackedArray` only
+    with ``packed=True`` (a safetensors writer); otherwise it raises
+    :class:`PackedTypeError` naming ``name`` and ``where``.
 
     >>> as_numpy([1, 2]) is None, as_numpy(np.zeros(2)).shape, as_numpy(np.int64(9))
     (True, (2,), array(9))
@@ -77,6 +239,8 @@ def as_numpy(value: Any) -> np.ndarray | None:
     array([0., 1., 2.], dtype=float32)
     """
     if isinstance(value, np.ndarray):
+        if type(value) is PackedArray and value.packed is not None and not packed:
+            _refuse_packed(value, name, where)
         return value
     if isinstance(value, np.generic):
         return np.asarray(value)
@@ -88,6 +252,8 @@ def as_numpy(value: Any) -> np.ndarray | None:
         tensor = value.detach() if hasattr(value, "detach") else value
         array = _torch_ml_dtype(tensor)
         if array is not None:
+            if type(array) is PackedArray and not packed:
+                _refuse_packed(array, name, where)
             return array
         try:
             return np.from_dlpack(tensor)
@@ -96,7 +262,13 @@ def as_numpy(value: Any) -> np.ndarray | None:
                 tensor = tensor.cpu()
                 with contextlib.suppress(*_DLPACK_ERRORS):
                     return np.from_dlpack(tensor)
-            return np.asarray(tensor)
+            try:
+                return np.asarray(tensor)
+            except _DLPACK_ERRORS as e:
+                what = f"tensor {name!r}" if name is not None else "a tensor"
+                raise TypeError(f"{what} ({type(value).__name__} of dtype {getattr(value, 'dtype', '?')}) has no numpy "
+                                f"form ({e}); convert it to a numpy-supported dtype first, "
+                                "e.g. .to(torch.float32)") from None
     if hasattr(value, "__array__"):
         return np.asarray(value)
     try:
@@ -106,7 +278,7 @@ def as_numpy(value: Any) -> np.ndarray | None:
     return np.asarray(view)
 
 
-def to_numpy(value: Any) -> np.ndarray:
+def to_numpy(value: Any, *, packed: bool = False, name: str | None = None, where: str | None = None) -> np.ndarray:
     """``value`` as an ndarray for a writer: :func:`as_numpy` for array-likes, ``np.asarray`` for the rest.
 
     The rest is what numpy itself converts: lists, tuples, Python numbers,
@@ -122,7 +294,7 @@ def to_numpy(value: Any) -> np.ndarray:
     if isinstance(value, Mapping):
         raise TypeError(f"a {type(value).__name__} is not an array: nested dicts of arrays (JAX/Flax/Orbax state) "
                         "are saved by fastckpt.save_tree(path, tree), under '/'-joined names")
-    array = as_numpy(value)
+    array = as_numpy(value, packed=packed, name=name, where=where)
     return np.asarray(value) if array is None else array
 
 
@@ -168,8 +340,16 @@ def to_torch(value: Any, *, copy: bool | None = None) -> torch.Tensor | dict[str
     if copy is not None and not isinstance(copy, bool):
         raise TypeError(f"to_torch: copy must be None, True or False, got {copy!r}")
     if isinstance(value, dict):
-        return {name: to_torch(item, copy=copy) for name, item in value.items()}
-    array = to_numpy(value)
+        return {name: _to_torch(item, copy, name) for name, item in value.items()}
+    return _to_torch(value, copy, None)
+
+
+def _to_torch(value: Any, copy: bool | None, name: str | None) -> torch.Tensor:
+    import torch
+
+    array = to_numpy(value, packed=True, name=name)
+    if type(array) is PackedArray and array.packed is not None:
+        return _packed_to_torch(array, copy, name)
     read_only = not array.flags.writeable
     if copy or (copy is None and read_only):
         array = np.array(array, copy=True, order="K")
@@ -186,6 +366,32 @@ def to_torch(value: Any, *, copy: bool | None = None) -> torch.Tensor | dict[str
     if torch_name is not None:
         tensor = tensor.view(getattr(torch, torch_name))
     return tensor.as_subclass(_read_only_class()) if read_only else tensor
+
+
+def _packed_to_torch(array: PackedArray, copy: bool | None, name: str | None) -> torch.Tensor:
+    """``F4`` as PyTorch's ``float4_e2m1fn_x2`` (two elements a byte: the last dimension halves)."""
+    import torch
+
+    what = f"tensor {name!r}" if name is not None else "a tensor"
+    shape = array.logical_shape
+    if array.packed != "F4" or not hasattr(torch, "float4_e2m1fn_x2"):
+        raise PackedTypeError(f"{what} is packed {array.packed}, which this PyTorch has no type for; "
+                              "a.bytes_view() gives its stored bytes as uint8")
+    if not shape or shape[-1] % 2:
+        raise PackedTypeError(f"{what} is F4 of shape {list(shape)}: PyTorch's float4_e2m1fn_x2 packs two "
+                              "elements of one row a byte, so the last dimension must be even; "
+                              "a.unpack() gives the elements as ml_dtypes.float4_e2m1fn")
+    raw = array.bytes_view()
+    if copy or (copy is None and not raw.flags.writeable):
+        raw = raw.copy()
+    if not raw.flags.writeable:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+            tensor = torch.from_numpy(raw)
+    else:
+        tensor = torch.from_numpy(raw)
+    tensor = tensor.view(torch.float4_e2m1fn_x2).reshape(*shape[:-1], shape[-1] // 2)
+    return tensor.as_subclass(_read_only_class()) if not raw.flags.writeable else tensor
 
 
 _READ_ONLY: list[type] = []

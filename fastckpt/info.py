@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-__all__ = ["TensorInfo", "from_checked_fields"]
+__all__ = ["TensorInfo", "PackedTensorInfo", "from_checked_fields"]
 
 _new = object.__new__
 _set = object.__setattr__
@@ -51,6 +52,9 @@ class TensorInfo:
     nbytes: int
     fortran_order: bool = False
     compression: str | None = None  # None (stored as is) or "deflate"
+    #: The safetensors name of a packed sub-byte type (``"F4"``, ``"F6_E2M3"``, ``"F6_E3M2"``), else None:
+    #: see :class:`PackedTensorInfo`.
+    packed: ClassVar[str | None] = None
 
     @property
     def size(self) -> int:
@@ -59,8 +63,8 @@ class TensorInfo:
 
     @property
     def zero_copy(self) -> bool:
-        """True when the payload can be viewed in place (not compressed)."""
-        return self.compression is None
+        """True when the payload can be viewed in place (not compressed, not packed)."""
+        return self.compression is None and self.packed is None
 
     @property
     def alignment(self) -> int:
@@ -72,3 +76,28 @@ class TensorInfo:
     def aligned(self, boundary: int) -> bool:
         """True when the payload offset is a multiple of ``boundary``."""
         return self.offset % boundary == 0
+
+
+@dataclass(frozen=True)
+class PackedTensorInfo(TensorInfo):
+    """A tensor whose elements are narrower than a byte (safetensors ``F4``, ``F6_E2M3``, ``F6_E3M2``).
+
+    ``dtype`` is the ml_dtypes element type (``float4_e2m1fn``,
+    ``float6_e2m3fn``, ``float6_e3m2fn``: one element per byte in memory),
+    ``shape`` the logical shape (elements), and ``nbytes`` the stored bytes:
+    ``size * bits / 8``, the elements packed back to back across rows. No
+    numpy array views such bytes in place; a reader's ``host()`` gives them as
+    a :class:`fastckpt.arrays.PackedArray`.
+
+    >>> import ml_dtypes, numpy as np
+    >>> info = PackedTensorInfo("q", np.dtype(ml_dtypes.float4_e2m1fn), (2, 3), 64, 3, packed="F4")
+    >>> info.bits, info.zero_copy, info.size
+    (4, False, 6)
+    """
+
+    packed: str = "F4"  # type: ignore[misc]
+
+    @property
+    def bits(self) -> int:
+        """Bits per element."""
+        return 4 if self.packed == "F4" else 6

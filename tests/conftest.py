@@ -154,3 +154,17 @@ def s3():
     server = _s3.start()
     yield server
     server.server.stop()
+
+
+@pytest.fixture(scope="session")
+def objects():
+    """An object server on loopback whose ranged GETs take time in proportion to the range (aiohttp's static file
+    handler: ``fastckpt.bench.objectserver``), reachable as ``s3://b/<key>`` (``objects.storage_options``) and as
+    ``objects.http_url("b", key)``; objects are files written under ``objects.path("b", key)``."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("s3fs")
+    from fastckpt.bench.objectserver import ObjectServer
+
+    server = ObjectServer()
+    yield server
+    server.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 import time
@@ -280,6 +281,36 @@ def test_sharded_suite(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run, with a worker process
+def test_sharded_suite_runs_another_fastckpt_in_the_same_rounds(tmp_path, capsys):
+    import fastckpt
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
+    assert main(["bench", "--suite", "sharded", "--quick", "--ids", "3000", "--dense-mib", "0.25", "--ranks", "2",
+                 "--parallel", "1", "--dir", str(tmp_path), "--against", checkout]) == 0
+    out = capsys.readouterr().out
+    assert f"### before and after: the same paths run by the fastckpt in {checkout} (a worker process)" in out
+    rows = [line.split(" | ")[:3] for line in out.split("### before and after")[1].split("###")[0].splitlines()
+            if line.startswith("| 2 ")]
+    assert rows == [["| 2", "1", path] for path in ("Saver.save", "Loader.load(verify=False)",
+                                                    "Loader.load() (verified)")]
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+def test_the_against_worker_names_a_failed_call(tmp_path):
+    from fastckpt.bench.sharded import Against
+
+    import fastckpt
+
+    worker = Against(os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__))))
+    try:
+        with pytest.raises(RuntimeError, match=r"the --against worker \(.*\): load: CheckpointNotFoundError: "):
+            worker.call("load", path=str(tmp_path / "none"), ranks=1, dim=2, parallel=1, verify=False)
+        assert worker.call("where") == worker.where  # it goes on after a failed call
+    finally:
+        worker.close()
+
+
 @pytest.mark.slow  # a benchmark smoke run
 def test_incremental_suite(tmp_path, capsys):
     assert main(["bench", "--suite", "incremental", "--quick", "--ids", "4000", "--deltas", "2",
@@ -296,10 +327,27 @@ def test_incremental_suite(tmp_path, capsys):
 
 
 @pytest.mark.slow  # a benchmark smoke run
+@pytest.mark.device
+def test_s3_suite_streaming_table(capsys):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("aiohttp")
+    assert main(["bench", "--suite", "s3", "--quick", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("S3 and HTTP streaming (the range server on loopback, fastckpt.bench.objectserver; 16 MiB")
+    assert "| path | median | GB/s | share of the bound | CPU | peak RSS growth | exact |" in out
+    rows = _first_cells(out)[1:]
+    assert rows[:3] == ["raw s3: 8 threads x 8 MiB ranged GETs into memory", "raw s3: s3fs cat_ranges, 8 MiB ranges",
+                        "raw http: 8 threads x 8 MiB ranged GETs into memory"]
+    assert {"fastckpt.open(s3) + copies", "load_file(s3, pool)", "load_file(s3 HF prefix, pool)",
+            "load_model(s3 .netcl, pool)"} <= set(rows)
+    assert "| NO |" not in out and "FAILED" not in out  # every row exact, none failed
+
+
+@pytest.mark.slow  # a benchmark smoke run
 def test_s3_suite(capsys):
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    assert main(["bench", "--suite", "s3", "--quick"]) == 0
+    assert main(["bench", "--suite", "s3", "--quick", "--moto"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("S3 (moto's server on loopback, s3fs as the client): one safetensors file of 16 MiB")
     assert "| operation | fastckpt (median) | s3fs put/get (median) | ratio | <= 1.2x |" in out

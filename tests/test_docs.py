@@ -233,3 +233,43 @@ def test_help_of_the_package_starts_with_a_short_pointer_to_which_call():
     assert (Path(__file__).resolve().parents[1] / "docs" / "which-call.md").is_file()
     assert len(doc.split(">>>")[0].strip().splitlines()) <= 8  # the prose before the example
     assert "docs/which-call.md" in pydoc.render_doc(fastckpt, renderer=pydoc.plaintext)[:300]  # in its first lines
+
+
+# Every name `from fastckpt import *` bound in 0.3.0; since then only the entry points are in __all__.
+NAMES_OF_0_3_STAR = [
+    "FastCkptError", "FormatError", "IntegrityError", "ChecksumMismatchError", "RestoreMismatchError",
+    "TensorNotFoundError", "CheckpointNotFoundError", "DestinationError", "CheckpointChangedError",
+    "BrokenChainError", "MissingIdsError", "CheckpointKeyError", "BarrierTimeoutError", "EngineError",
+    "FastCkptWarning", "NotZeroCopyWarning", "open", "register_opener", "TensorFile", "CheckpointDirectory",
+    "TensorReader", "TensorInfo", "MappedFile", "save_npz", "NpzWriter", "save_safetensors", "save_sharded",
+    "save_tree", "load_tree", "save_bytes", "load_bytes", "HFShardedDirectory", "load_file", "LoadedTensors",
+    "PersistentBufferPool", "Tensor", "CheckpointManager", "to_torch", "load_torch",
+]
+
+
+def test_help_of_the_package_is_short_and_documents_the_entry_points():
+    # help(fastckpt) was 2,479 lines (3,048 by 0.3.0's end): every class, exception and their inherited methods.
+    import pydoc
+
+    import fastckpt
+
+    text = pydoc.render_doc(fastckpt, renderer=pydoc.plaintext)
+    assert len(text.splitlines()) <= 600
+    for name in fastckpt.__all__:
+        assert f"\n    {name}(" in text or f"class {name}(" in text, name
+    for name in ("fastckpt.errors", "fastckpt.formats.reader", "fastckpt.device", "fastckpt.train", "fastckpt.arrays"):
+        assert name in fastckpt.__doc__
+
+
+def test_names_left_out_of_the_star_import_are_still_attributes_of_the_package():
+    import fastckpt
+    import fastckpt.errors
+
+    star: dict = {}
+    exec("from fastckpt import *", star)
+    assert sorted(k for k in star if not k.startswith("__")) == sorted(fastckpt.__all__)
+    for name in NAMES_OF_0_3_STAR:
+        assert getattr(fastckpt, name) is not None, name
+    assert set(fastckpt.__all__) <= set(NAMES_OF_0_3_STAR)
+    assert {name for name in fastckpt.errors.__all__ if name[0].isupper()} <= set(dir(fastckpt))
+    assert "__version__" in dir(fastckpt) and "PersistentBufferPool" not in dir(fastckpt)  # dir() imports nothing

@@ -467,6 +467,102 @@ def test_the_id_index_against_a_dict(seed):
     assert len(index) == 0 and index.find(keys[:3], found[:3]) == min(3, len(keys))
 
 
+@pytest.mark.parametrize("n", [0, 1, 17, 5000, 200_003])
+def test_fill_numbers_the_ids_as_upsert_does(n):
+    from fastckpt._native.idindex import IdIndex
+
+    rng = np.random.default_rng(n)
+    ids = np.concatenate([np.array(EXTREMES, np.int64), rng.integers(I64_MIN, I64_MAX, n, dtype=np.int64)])
+    ids = np.unique(ids)[: max(n, 1) if n else 0]
+    rng.shuffle(ids)
+    filled, upserted = IdIndex(), IdIndex()
+    assert filled.fill(ids) == len(ids) == len(filled)
+    assert upserted.upsert(ids, np.empty(len(ids), np.int64), 0) == len(ids)
+    probe = np.concatenate([ids, rng.integers(I64_MIN, I64_MAX, 1000, dtype=np.int64), np.array(EXTREMES)])
+    got, want = np.empty(len(probe), np.int64), np.empty(len(probe), np.int64)
+    assert filled.find(probe, got) == upserted.find(probe, want)
+    assert np.array_equal(got, want) and np.array_equal(got[: len(ids)], np.arange(len(ids)))
+    # a filled index is an index like any other: it grows, removes and finds as before
+    more = rng.integers(I64_MIN, I64_MAX, 3000, dtype=np.int64)
+    rows_f, rows_u = np.empty(3000, np.int64), np.empty(3000, np.int64)
+    assert filled.upsert(more, rows_f, len(ids)) == upserted.upsert(more, rows_u, len(ids))
+    assert np.array_equal(rows_f, rows_u)
+    gone = np.ascontiguousarray(ids[::3])
+    assert filled.remove(gone, np.empty(len(gone), np.int64)) == len(gone)
+    upserted.remove(gone, np.empty(len(gone), np.int64))
+    assert filled.find(probe, got) == upserted.find(probe, want) and np.array_equal(got, want)
+
+
+def test_fill_keeps_the_first_row_of_a_repeated_id_and_refuses_a_full_index():
+    from fastckpt._native.idindex import IdIndex
+
+    ids = np.array([5, -3, 5, I64_MIN, -3, I64_MIN, 7], np.int64)
+    index = IdIndex()
+    assert index.fill(ids) == 4 and len(index) == 4
+    rows = np.empty(4, np.int64)
+    assert index.find(np.array([5, -3, I64_MIN, 7]), rows) == 0 and rows.tolist() == [0, 1, 3, 6]
+    with pytest.raises(ValueError, match="fill: the index holds 4 ids"):
+        index.fill(np.array([1], np.int64))
+    sized = IdIndex(100_000)
+    assert sized.fill(np.array([2], np.int64)) == 1 and sized.nbytes == IdIndex(100_000).nbytes  # capacity kept
+
+
+@pytest.mark.parametrize("m", [0, 3, 70_000])
+def test_adopt_builds_the_table_insert_builds(m):
+    rng = np.random.default_rng(m)
+    ids = np.unique(np.concatenate([np.array(EXTREMES), rng.integers(I64_MIN, I64_MAX, m, dtype=np.int64)]))[:m]
+    rng.shuffle(ids)
+    values = rng.random((m, 3), dtype=np.float32)
+    m_slot = rng.random((m, 3), dtype=np.float32)
+    inserted = HashTable(3, slots=("m",))
+    inserted.insert(ids, values, {"m": m_slot})
+    adopted = HashTable(3, slots=("m",))
+    spare = 5
+    ids_store = np.empty(m + spare, np.int64)
+    ids_store[:m] = ids
+    values_store, m_store = np.zeros((m + spare, 3), np.float32), np.zeros((m + spare, 3), np.float32)
+    values_store[:m], m_store[:m] = values, m_slot
+    adopted.adopt(ids_store, values_store, {"m": m_store}, rows=m)
+    assert adopted == inserted and len(adopted) == m
+    assert np.array_equal(adopted.lookup(ids), values) and np.array_equal(adopted.lookup_slot("m", ids), m_slot)
+    assert 12345 not in inserted
+    with pytest.raises(MissingIdsError):  # the spare rows hold no ids
+        adopted.lookup([12345])
+    extra = np.array([-11, -12], np.int64)  # later inserts fill the spare rows, then grow
+    adopted.insert(extra, np.ones((2, 3)))
+    inserted.insert(extra, np.ones((2, 3)))
+    assert adopted == inserted
+
+
+def test_adopt_refuses_repeated_ids_and_leaves_the_table_as_it_was():
+    t = HashTable(1)
+    t.insert([4], [[4.0]])
+    ids = np.array([1, -2, 3, -2], np.int64)
+    with pytest.raises(ValueError, match=r"adopt: the ids must be distinct \(1 repeated\)"):
+        t.adopt(ids, np.zeros((4, 1), np.float32))
+    assert t.ids().tolist() == [4] and t.lookup([4]).tolist() == [[4.0]]
+    t.adopt(ids, np.zeros((4, 1), np.float32), rows=3)  # the repeat lies in the spare rows: not the table's
+    assert sorted(t.ids().tolist()) == [-2, 1, 3]
+
+
+def test_adopt_in_many_threads_at_once_builds_each_table_exactly():
+    import concurrent.futures
+
+    rng = np.random.default_rng(5)
+    parts = [np.unique(rng.integers(I64_MIN, I64_MAX, 40_000 + 997 * k, dtype=np.int64)) for k in range(6)]
+
+    def build(ids):
+        t = HashTable(1)
+        t.adopt(ids.copy(), ids.astype(np.float32)[:, None].copy())
+        return t
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        tables = list(pool.map(build, parts))
+    for ids, t in zip(parts, tables):
+        assert len(t) == len(ids) and np.array_equal(t.lookup(ids)[:, 0], ids.astype(np.float32))
+        assert np.array_equal(t.export()[0], np.sort(ids))
+
+
 def test_adopt_takes_the_arrays_as_storage_and_checks_them_first():
     t = HashTable(2, slots=("m",))
     t.insert([9], [[9.0, 9.0]])

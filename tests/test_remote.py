@@ -96,48 +96,59 @@ def test_tensor_file_round_trip_is_byte_equal(where, fmt, tmp_path):
         assert f.metadata == ({"step": "7"} if fmt == "safetensors" else None)
 
 
+def _spy_gets(monkeypatch) -> list:
+    """Record every ranged read (start, end) of the one streaming mechanism (fastckpt.formats.stream)."""
+    from fastckpt.formats import stream
+
+    fetched, real, real_aget = [], stream.RemoteObject.get, stream.RemoteObject.aget
+
+    def spy(self, start, end):
+        fetched.append((start, end))
+        return real(self, start, end)
+
+    async def aspy(self, start, end):
+        fetched.append((start, end))
+        return await real_aget(self, start, end)
+
+    monkeypatch.setattr(stream.RemoteObject, "get", spy)
+    monkeypatch.setattr(stream.RemoteObject, "aget", aspy)
+    return fetched
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
 def test_names_fetch_only_the_index_and_those_tensors(monkeypatch, fmt):
     url = _memory_url(f"m.{fmt}")
     (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(url, TENSORS)
     with fastckpt.open(url) as whole:
         info = whole.info("big")
-    fetched = []
-    real = remote._fetch_into
-
-    def spy(fs, where, plan):
-        fetched.extend(span for _, _, spans in plan for span in spans)
-        return real(fs, where, plan)
-
-    monkeypatch.setattr(remote, "_fetch_into", spy)
+    fetched = _spy_gets(monkeypatch)
     with fastckpt.open(url, names=["small"]) as f:
         assert list(f.keys()) == ["small"]
         assert f.host("small").tolist() == [[0, 1, 2], [3, 4, 5]]
     total = sum(e - s for s, e in fetched)
-    assert total < 320 << 10, f"fetched {total} bytes for a 12-byte tensor and the index (3 MiB in all)"
+    assert 0 < total < 320 << 10, f"fetched {total} bytes for a 12-byte tensor and the index (3 MiB in all)"
     start, end = info.offset, info.offset + info.nbytes
     of_big = sum(max(0, min(e, end) - max(s, start)) for s, e in fetched)
     assert of_big <= 128 << 10  # the head and tail reads (64 KiB each) may reach into it, never more
 
 
-def test_large_tensors_come_in_many_ranges_and_batches(monkeypatch):
+def test_large_tensors_come_in_many_bounded_parallel_ranges(monkeypatch):
+    from fastckpt.formats import stream
+
     url = _memory_url("m.safetensors")
     fastckpt.save_safetensors(url, TENSORS)
-    fs, _ = remote.filesystem(url)
-    calls = []
-    real = type(fs).cat_ranges
-    monkeypatch.setattr(type(fs), "cat_ranges", lambda self, paths, starts, ends, **kw: (
-        calls.append(list(zip(starts, ends))), real(self, paths, starts, ends, **kw))[1])
-    monkeypatch.setattr(remote, "_RANGE", 64 << 10)
-    monkeypatch.setattr(remote, "_BATCH", 1 << 20)
+    monkeypatch.setattr(stream, "CHUNK", 64 << 10)
+    monkeypatch.setattr(stream, "THREADS", 3)
+    fetched = _spy_gets(monkeypatch)
     with fastckpt.open(url, names=["big"], copy_on_write=True) as f:
         big = f.host("big")
         np.testing.assert_array_equal(big, TENSORS["big"])
         big[0, 0] = -1.0  # a private copy: writable with copy_on_write=True
-    payload = calls[-3:]  # the 3 MiB payload less what the first read brought: ranges of 64 KiB, 16 to a batch
-    assert [len(c) for c in payload] == [16, 16, 16]
-    assert max(e - s for c in payload for s, e in c) == 64 << 10
-    assert payload[0][0][0] == 64 << 10 and payload[-1][-1][1] == f.info("big").offset + f.info("big").nbytes
+        end = f.info("big").offset + f.info("big").nbytes
+    payload = fetched[1:]  # the 3 MiB payload less what the first read brought: pieces of 64 KiB
+    assert max(e - s for s, e in payload) == 64 << 10
+    assert sorted(payload)[0][0] == 64 << 10 and max(e for _, e in payload) == end
+    assert sum(e - s for s, e in payload) == end - (64 << 10)  # every byte once
 
 
 def test_names_outside_the_file_are_named():
@@ -516,7 +527,7 @@ def test_an_object_replaced_between_ranged_reads_is_refused_not_mixed(monkeypatc
     url = _memory_url("torn.safetensors")
     fastckpt.save_safetensors(url, {"pad": np.zeros(n, np.float32), "a": np.zeros(n, np.float32)})
     fs, _ = remote.filesystem(url)
-    real, calls = type(fs).cat_ranges, []
+    real, calls = type(fs).cat_file, []
 
     def replaced_after_the_index(self, *args, **kwargs):
         calls.append(1)
@@ -525,7 +536,7 @@ def test_an_object_replaced_between_ranged_reads_is_refused_not_mixed(monkeypatc
                                       overwrite=True)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(fs), "cat_ranges", replaced_after_the_index)
+    monkeypatch.setattr(type(fs), "cat_file", replaced_after_the_index)
     with pytest.raises(OSError, match="the object changed while it was being read in ranges"):
         fastckpt.open(url, names=["a"])
     with fastckpt.open(url, names=["a"]) as f:  # read again: the new object, whole

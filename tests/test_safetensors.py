@@ -129,7 +129,8 @@ def test_dtype_from_safetensors_refuses_unreadable_names(name, match):
 @pytest.mark.parametrize("dtype,match", [
     (np.complex128, "complex64"), (np.longdouble, r"astype\(np.float64\)"), (object, "numeric"),
     ("<U3", "numeric"), ("S2", "numeric"), ("M8[s]", "numeric"), ([("a", "<i4")], "structured"),
-    (ml_dtypes.int4, "no safetensors"), (ml_dtypes.float4_e2m1fn, "no safetensors"),
+    (ml_dtypes.int4, "no safetensors"), (ml_dtypes.float6_e2m3fn, "6-bit elements share bytes"),
+    (ml_dtypes.float6_e3m2fn, "F6_E3M2"),
     (ml_dtypes.float8_e4m3, "no safetensors"), ("V2", "no safetensors"),
 ])
 def test_dtype_to_safetensors_refuses_inexpressible_dtypes(dtype, match):
@@ -593,8 +594,8 @@ CORRUPTIONS = {
                           r"tensor 'a': expected exactly the keys .*got \['dtype', 'shape'\]"),
     "entry-extra-key": ({"a": {**A_U8, "extra": 1}}, b"\x00\x00", b"", None, "tensor 'a': expected exactly the keys"),
     "unknown-dtype": ({"a": {**A_U8, "dtype": "F128"}}, b"\x00\x00", b"", None, "tensor 'a': unknown dtype 'F128'"),
-    "sub-byte-dtype": ({"a": {**A_U8, "dtype": "F4", "data_offsets": [0, 1]}}, b"\x00", b"", None,
-                       "tensor 'a': dtype 'F4' packs 4-bit elements"),
+    "sub-byte-dtype": ({"a": {**A_U8, "dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, b"\x00\x00", b"", None,
+                       r"tensor 'a': shape \[3\] of F4 \(4-bit elements\) is 12 bits, not a whole number of bytes"),
     "dtype-not-string": ({"a": {**A_U8, "dtype": 8}}, b"\x00\x00", b"", None, "tensor 'a': dtype must be a string, got 8"),
     "shape-not-list": ({"a": {**A_U8, "shape": 2}}, b"\x00\x00", b"", None, "tensor 'a': shape must be a list"),
     "negative-dim": ({"a": {**A_U8, "shape": [-2]}}, b"\x00\x00", b"", None,

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from fastckpt import FormatError
 from fastckpt.formats.safetensors import dtype_to_safetensors, read_safetensors_index, read_tensor, save_safetensors
+from test_packed_dtypes import hand_built  # a file laid out as safetensors' own writer lays it out
 
 BACKENDS = ["mmap", "pread"]
 # A short fuzz in the default run; the *_long tests (-m slow) run 5000 inputs each.
@@ -30,6 +31,21 @@ DTYPE_NAMES = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
             "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8,
             "F64": 8, "I64": 8, "U64": 8}
+
+# Packed sub-byte types: bits per element; a tensor is stored in count * bits / 8 bytes, which must be whole.
+PACKED_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def _stored_nbytes(dtype_name: str, shape) -> int:
+    count = int(np.prod(shape, dtype=np.int64))
+    if dtype_name in PACKED_BITS:
+        return count * PACKED_BITS[dtype_name] // 8
+    return count * ITEMSIZE[dtype_name]
+
+
+def _whole_bytes(dtype_name: str, shape) -> bool:
+    return dtype_name not in PACKED_BITS or int(np.prod(shape, dtype=np.int64)) * PACKED_BITS[dtype_name] % 8 == 0
+
 
 _COUNTER = itertools.count()
 _DIR = Path(tempfile.mkdtemp(prefix="fastckpt-st-fuzz-"))
@@ -51,6 +67,10 @@ def _seed_files() -> list[bytes]:
     st_numpy.save_file({"x": np.arange(4, dtype=np.float64), "y": np.arange(3, dtype=np.uint8)}, ref,
                        metadata={"framework": "np"})
     seeds.append(ref.read_bytes())
+    # Packed types, laid out as the reference writer lays them out (its Python API writes no F6).
+    seeds.append(hand_built([("f", "F32", [1], bytes(4)), ("t", "F6_E3M2", [2, 4], bytes(range(6))),
+                             ("s", "F6_E2M3", [4], b"\1\2\3"), ("q", "F4", [2, 3], b"\x21\x43\xf5"),
+                             ("z", "F4", [0, 3], b"")]))
     return seeds
 
 
@@ -83,7 +103,10 @@ def check(blob: bytes, backend: str) -> str:
     position = data_start
     for info, payload in zip(infos, payloads):
         assert info.offset == position
-        assert info.nbytes == int(np.prod(info.shape, dtype=object)) * info.dtype.itemsize
+        if info.packed is not None:
+            assert info.nbytes * 8 == int(np.prod(info.shape, dtype=object)) * PACKED_BITS[info.packed]
+        else:
+            assert info.nbytes == int(np.prod(info.shape, dtype=object)) * info.dtype.itemsize
         assert payload == blob[info.offset : info.offset + info.nbytes]
         position += info.nbytes
     assert position == len(blob)
@@ -94,7 +117,7 @@ def check(blob: bytes, backend: str) -> str:
     assert sorted(reference) == sorted(i.name for i in infos)
     for info, payload in zip(infos, payloads):
         entry = reference[info.name]
-        assert entry["dtype"] == dtype_to_safetensors(info.dtype)
+        assert entry["dtype"] == (info.packed or dtype_to_safetensors(info.dtype))
         assert tuple(entry["shape"]) == info.shape
         assert bytes(entry["data"]) == payload
     event("parsed")
@@ -181,13 +204,15 @@ def _structured_file(draw):
 def _valid_layout(draw):
     """A valid file built by hand (not by fastckpt's writer), with the tensors it must yield."""
     names = draw(st.lists(st.text(max_size=6).filter(lambda s: s != "__metadata__"), max_size=5, unique=True))
-    specs = [(name, draw(st.sampled_from(DTYPE_NAMES)), tuple(draw(st.lists(st.integers(0, 4), max_size=3))))
-             for name in names]
+    specs = [(name, draw(st.sampled_from(DTYPE_NAMES + list(PACKED_BITS))),
+              tuple(draw(st.lists(st.integers(0, 4), max_size=3)))) for name in names]
+    specs = [(name, dtype_name, shape if _whole_bytes(dtype_name, shape) else shape[:-1] + (8,))
+             for name, dtype_name, shape in specs]
     data_order = draw(st.permutations(range(len(specs))))
     header, chunks, offset = {}, [], 0
     for index in data_order:
         name, dtype_name, shape = specs[index]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype_name]
+        nbytes = _stored_nbytes(dtype_name, shape)
         header[name] = {"dtype": dtype_name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         chunks.append(draw(st.binary(min_size=nbytes, max_size=nbytes)))
         offset += nbytes
@@ -223,8 +248,8 @@ def _valid_layout_property(layout, backend):
     try:
         with MappedFile(path, backend=backend) as m:
             infos, _, data_start = read_safetensors_index(m)
-        got = [(i.offset - data_start, i.offset - data_start + i.nbytes, i.name, dtype_to_safetensors(i.dtype), i.shape)
-               for i in infos]
+        got = [(i.offset - data_start, i.offset - data_start + i.nbytes, i.name,
+                i.packed or dtype_to_safetensors(i.dtype), i.shape) for i in infos]
         assert got == expected
     finally:
         path.unlink()
@@ -324,9 +349,12 @@ def _common_shape_file(draw):
         names[-1] = draw(st.sampled_from(["__metadata__", names[0], "\\u0061", "\\", '"', "\n"]))
     offset, entries, chunks = 0, [], []
     for name in names:
-        dtype_name = draw(st.sampled_from(DTYPE_NAMES) if not draw(_one_in(30)) else st.sampled_from(["F4", "X"]))
+        dtype_name = draw(st.sampled_from(DTYPE_NAMES) if not draw(_one_in(10))
+                          else st.sampled_from(["F4", "F6_E2M3", "F6_E3M2", "X"]))
         shape = draw(st.lists(st.integers(0, 3), max_size=3))
-        nbytes = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE.get(dtype_name, 1)
+        known = dtype_name in ITEMSIZE or (dtype_name in PACKED_BITS and _whole_bytes(dtype_name, shape))
+        # an unknown type, or packed bits that are not whole bytes: refused whatever the size
+        nbytes = _stored_nbytes(dtype_name, shape) if known else int(np.prod(shape, dtype=np.int64))
         begin, end = offset, offset + nbytes
         if draw(_one_in(30)):
             begin, end = draw(st.integers(0, 40)), draw(st.integers(0, 40))
@@ -403,6 +431,10 @@ def _fast_and_checking_agree(blob: bytes, backend: str) -> None:
                 assert list(index) == [i.name for i in infos]
                 for info in infos:
                     view, general = _array_or_error(index.view, info.name), _array_or_error(read_tensor, m, info)
+                    if info.packed is not None:  # never a view: the stored bytes, typed by a PackedArray
+                        assert view is None and general.packed == info.packed and general.logical_shape == info.shape
+                        assert general.tobytes() == blob[info.offset: info.offset + info.nbytes]
+                        continue
                     if backend == "pread":
                         assert view is None  # no view of a mapping: the general path reads a copy
                         continue

@@ -13,7 +13,7 @@ import pytest
 
 import fastckpt
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError, TensorNotFoundError
-from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
+from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_owner, slice_positions
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver, split_sparse_dense_state_dict
 from _sharded_edit import reseal
 from fastckpt.sharded.engine import BarrierTimeoutError, ThreadEngine
@@ -398,6 +398,68 @@ def test_damaged_metadata_files_are_named(tmp_path, name, damage, message):
         reseal(tmp_path / "c")  # rewritten consistently: the cross-checks catch it
     with pytest.raises(FormatError, match=message):
         CheckpointReader(tmp_path / "c")
+
+
+@pytest.mark.parametrize("load_on", [1, 3, 7])
+def test_ranks_loading_as_threads_build_the_tables_insert_builds(tmp_path, load_on):
+    """7 ranks save (two of them nothing, one a single id; negative ids and the int64 extremes among the rest); each
+    rank of a load, all at once as threads, builds its table (the rows adopted, the index built without the GIL):
+    exactly the table that inserting its ids and rows makes."""
+    rng = np.random.default_rng(load_on)
+    ids = np.unique(np.concatenate([rng.integers(-(2**63), 2**63 - 1, 30_000, dtype=np.int64),
+                                    np.arange(-40, 40), [np.iinfo(np.int64).min, np.iinfo(np.int64).max]]))
+    saved_by = rng.integers(0, 7, len(ids))
+    saved_by[np.isin(saved_by, [2, 5])] = 0  # ranks 2 and 5 save empty tables
+    saved_by[ids == 7] = 6
+    saved_by[(saved_by == 6) & (ids != 7)] = 1  # rank 6 saves one id
+    engines = ThreadEngine.group(7)
+    tables = []
+    for r in range(7):
+        mine = ids[saved_by == r]
+        t = HashTable(DIM, slots=SLOTS, name="emb")
+        values, slots = table_rows(mine, 0)
+        t.insert(mine[::-1].copy(), values[::-1].copy(), {s: a[::-1].copy() for s, a in slots.items()})
+        tables.append(t)
+    out = str(tmp_path / "c")
+
+    def save(r):
+        return Saver(shard_index=r, shard_num=7, parallel=3, path=out, hashtables={"emb": tables[r]},
+                     engine=engines[r], timeout=30).save()
+
+    def load(r):
+        return Loader(out, shard_index=r, shard_num=load_on, parallel=3).load()[0]["emb"]
+
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        assert list(pool.map(save, range(7))) == [out] * 7
+    with concurrent.futures.ThreadPoolExecutor(load_on) as pool:
+        loaded = list(pool.map(load, range(load_on)))
+    for r, table in enumerate(loaded):
+        mine = ids[slice_owner(ids, load_on) == r]  # format version 4's rule: the rank's key-space slices
+        expected = HashTable(DIM, slots=SLOTS)
+        values, slots = table_rows(mine, 0)
+        expected.insert(mine, values, slots)
+        assert table == expected and len(table) == len(mine)
+        assert np.array_equal(table.lookup_slot("v", mine), slots["v"])
+    assert sum(len(t) for t in loaded) == len(ids)
+
+
+def test_a_save_fsyncs_each_file_once_and_the_directories_only_at_the_commit(tmp_path):
+    """Every file's data is fsynced (the tensor files by their ranks, the metadata by the commit); the names are made
+    durable by the commit's one fsync of the staging directory and one of the parent, not by one more directory
+    fsync per tensor file."""
+    from faults import Faults
+
+    out = tmp_path / "c"
+    with Faults(tmp_path) as faults:
+        assert save_ranks(out, 2, parallel=2) == [str(out)] * 2
+    synced = [path for kind, path in faults.calls if kind == "fsync"]
+    names = set(os.listdir(out))
+    files = sorted(os.path.basename(path) for path in synced if os.path.basename(path) in names)
+    others = [path for path in synced if os.path.basename(path) not in names]  # directories, temporaries
+    assert files == sorted(names)
+    assert len(others) == 2 and os.path.basename(others[0]).endswith(".partial"), others  # the staging directory
+    assert os.path.abspath(others[1]) == str(tmp_path)  # then the parent, after the rename
 
 
 def test_an_id_saved_by_two_ranks_is_named_on_load(tmp_path):

@@ -253,6 +253,37 @@ def test_a_checkpoint_replaced_while_it_is_opened_is_named(chain, tmp_path, monk
         Loader(str(full)).load()
 
 
+def _resident_kib(path: str) -> int:
+    """The resident KiB of this process's mappings of ``path`` (Linux's /proc/self/smaps)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: address range ... [path]
+                mine = len(head) >= 6 and head[5] == path
+            elif mine and head and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+@pytest.mark.parametrize("copy_on_write", [False, True])
+def test_hashing_a_mapped_file_leaves_its_pages_out_of_the_process(tmp_path, copy_on_write):
+    """A verified load hashes every file it reads: through the mapping, each piece is let go of once hashed (the
+    pages stay in the page cache), so the load's resident set holds the rows it loaded, not the files too. A
+    copy-on-write mapping keeps its pages (some may be its own)."""
+    from fastckpt.sharded import Saver
+
+    out = Saver(path=str(tmp_path / "c"), parallel=1, tensors={"w": np.ones((3 << 20) // 8)}).save()
+    with CheckpointReader(out, verify=False, copy_on_write=copy_on_write) as reader:
+        name, = (n for n in reader.files)
+        path = os.path.realpath(os.path.join(out, name))
+        assert reader.file_problem(name) is None
+        resident = _resident_kib(path)
+        assert resident < 512 if not copy_on_write else resident >= 3 << 10
+        assert reader.host("w/part_0_1")[-1] == 1.0  # the views read the file as before
+
+
 def test_readers_holding_a_file_hash_it_once_between_them(chain, tmp_path):
     """Ranks run as threads (resharding) read every file's ids: while readers hold a file open, one hash serves all;
     once the last closes, the next open hashes again (a file changed in between is seen)."""

@@ -171,3 +171,33 @@ def test_a_recis_checkpoint_at_a_url_is_fetched_by_the_slice_rule(tmp_path, m):
         assert np.array_equal(tensors["w"], np.arange(6.0).reshape(3, 2))
         seen.append(got)
     assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
+
+
+def test_a_hostile_json_file_of_a_share_is_a_format_error_naming_it(tmp_path):
+    # The share's JSON (the manifest, the descriptions, each part's safetensors header) was read with a plain
+    # json.loads: a 100,000-deep one raised RecursionError. It is read through fastckpt.store.manifest now.
+    from fastckpt.errors import FormatError
+    from fastckpt.sharded.format import DESCRIPTION_FILE, MANIFEST_FILE
+
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    _save(url, 2)
+    fs, path = remote.filesystem(url)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    part = sorted(p.rsplit("/", 1)[1] for p in fs.find(path) if p.endswith(".safetensors"))[0]
+    original = fs.cat_file(f"{path}/{part}")
+    half = (len(original) - 8) // 2  # a header as long as the file was: the size the manifest lists
+    deep_header = (2 * half).to_bytes(8, "little") + b"[" * half + b"]" * half + b" " * (len(original) - 8 - 2 * half)
+    for name, data, match in [
+        (MANIFEST_FILE, deep, "nested deeper than 64 levels"),
+        (DESCRIPTION_FILE, deep, "nested deeper than 64 levels"),
+        (part, deep_header, "its safetensors header is not JSON|nested deeper"),
+        (part, (2**40).to_bytes(8, "little") + original[8:], "larger than the safetensors limit"),
+    ]:
+        before = fs.cat_file(f"{path}/{name}")
+        fs.pipe_file(f"{path}/{name}", data)
+        local = tmp_path / uuid.uuid4().hex[:8]
+        local.mkdir()
+        with pytest.raises(FormatError, match=match) as err:
+            sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2, verify=False), str(local))
+        assert f"{url}/{name}" in str(err.value)
+        fs.pipe_file(f"{path}/{name}", before)

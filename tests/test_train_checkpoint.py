@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from unittest import mock
@@ -288,6 +289,34 @@ def test_malformed_values_in_extra_json_are_format_errors(tmp_path, bad, match):
     with pytest.raises(FormatError, match=match) as err:
         load_checkpoint(out)
     assert str(out / EXTRA_FILE) in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["deep", "huge", "not-json"])
+def test_a_hostile_extra_json_is_a_format_error_naming_it(tmp_path, damage, monkeypatch):
+    # extra.json was read with a plain json.loads: a 100,000-deep one raised RecursionError, and nothing bounded
+    # its size. It is read through fastckpt.store.manifest now, as every manifest is.
+    import fastckpt.train.format as train_format
+
+    out = tmp_path / "c"
+    save_checkpoint(_StateHolder({"w": np.zeros(1, np.float32)}), None, _StateHolder({"v": 1}), None, None, out, step=0)
+    extra = json.loads((out / EXTRA_FILE).read_text())
+    if damage == "deep":
+        extra["scheduler"] = {"v": 0}
+        data = json.dumps(extra).encode().replace(b'{"v": 0}', b"[" * 100_000 + b"]" * 100_000)
+        match = "nested deeper than 256 levels"
+    elif damage == "huge":
+        data = json.dumps(extra).encode() + b" " * 4096  # over the limit below: refused before it is read
+        monkeypatch.setattr(train_format, "_MAX_EXTRA_BYTES", 1024)
+        match = "more than the 1024 a checkpoint's metadata file may have"
+    else:
+        data = b'{"format": "fastckpt.train.extra",'
+        match = "not valid JSON"
+    _replace_file(out, EXTRA_FILE, data)
+    with pytest.raises(FormatError, match=match) as err:
+        load_checkpoint(out)
+    assert str(out / EXTRA_FILE) in str(err.value)
+    problems = verify_checkpoint(out)
+    assert any(str(out / EXTRA_FILE) in p and re.search(match, p) for p in problems), problems
 
 
 def test_loaded_arrays_are_private_copies(tmp_path):

@@ -329,13 +329,23 @@ RENAMES = ["record", "weights", "optim", "extra", "manifest", "directory", "rete
 DIRECTORY_RENAME = RENAMES.index("directory") + 1
 
 
-def _run_kill_at_rename(directory: Path, crash_at: int, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", KILL_AT_RENAME, str(directory), str(crash_at), mode],
-                          capture_output=True, text=True, env=CHILD_ENV, timeout=300)
+@pytest.fixture(scope="module")
+def forks():
+    """KILL_AT_RENAME's processes: forked from one interpreter that made the script's imports (tests/_forkserver.py),
+    each its own process, killed by its own SIGKILL."""
+    from _forkserver import ForkServer
+
+    server = ForkServer("\n".join(line for line in KILL_AT_RENAME.splitlines()[:4] if "import" in line), env=CHILD_ENV)
+    yield server
+    server.close()
 
 
-def test_the_save_makes_the_renames_the_kill_test_targets(tmp_path):
-    proc = _run_kill_at_rename(tmp_path, 0, "blocking")
+def _run_kill_at_rename(forks, directory: Path, crash_at: int, mode: str) -> subprocess.CompletedProcess:
+    return forks.run(KILL_AT_RENAME, str(directory), str(crash_at), mode, timeout=300)
+
+
+def test_the_save_makes_the_renames_the_kill_test_targets(tmp_path, forks):
+    proc = _run_kill_at_rename(forks, tmp_path, 0, "blocking")
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) == len(RENAMES)
     assert CheckpointManager(tmp_path).all_steps() == [2]
@@ -343,8 +353,8 @@ def test_the_save_makes_the_renames_the_kill_test_targets(tmp_path):
 
 @pytest.mark.parametrize("mode", ["blocking", "async"])
 @pytest.mark.parametrize("crash_at", range(1, len(RENAMES) + 1), ids=lambda i: f"before-{RENAMES[i - 1]}")
-def test_kill_9_before_each_rename_of_a_save(tmp_path, crash_at, mode):
-    proc = _run_kill_at_rename(tmp_path, crash_at, mode)
+def test_kill_9_before_each_rename_of_a_save(tmp_path, crash_at, mode, forks):
+    proc = _run_kill_at_rename(forks, tmp_path, crash_at, mode)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     # The kill hit the middle of the save: a temporary is left, except right before moving step 1 aside.
     left = [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]

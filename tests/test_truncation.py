@@ -1,7 +1,8 @@
 """A file truncated after fastckpt mapped it: every copy fastckpt makes out of it is a FormatError, never SIGBUS.
 
-Each case runs in its own interpreter (a regression would kill the process, not pytest). There the mapping
-class is replaced by one that truncates the file to its first page right after mapping it, the moment a
+Each case runs in its own process (a regression would kill the process, not pytest): a child forked from one
+server interpreter that has imported numpy and fastckpt once (OpenCL is started in the child, never in the
+server), which saves each case an interpreter start and its imports. There the mapping class is replaced by one that truncates the file to its first page right after mapping it, the moment a
 writer truncating in place (not fastckpt's: it renames) could strike. The case passes when the read path
 raises a FormatError naming the file and saying it was "truncated or replaced while reading"; it fails
 when the interpreter dies (SIGBUS is return code -7) or anything else happens. The reads that never touched
@@ -245,19 +246,35 @@ CASES = {
 SHORT_READ = {"pread-backend-host": "shrank while open", "tf-reader-host": ""}
 
 
-def run_case(name: str, tmp_path) -> subprocess.CompletedProcess:
+def case_script(name: str) -> str:
     body = textwrap.dedent(CASES[name])
-    script = PRELUDE + "\ntry:\n" + textwrap.indent(body, "    ") + (
+    return PRELUDE + "\ntry:\n" + textwrap.indent(body, "    ") + (
         "\nexcept FormatError as e:\n    print('FORMATERROR', e)\n    sys.exit(0)\n"
         "print('NO ERROR')\nsys.exit(3)\n")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Children forked from one interpreter that made PRELUDE's imports (tests/_forkserver.py): a case's own
+    process, without an interpreter start and those imports each time."""
+    from _forkserver import ForkServer
+
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", script, str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    imports = "import os, sys, numpy, fastckpt, fastckpt.errors\n" + "\n".join(
+        line for line in PRELUDE.splitlines() if line.startswith("import fastckpt."))
+    forks = ForkServer(imports, env=env, cwd=ROOT)
+    yield forks
+    forks.close()
+
+
+def run_case(server, name: str, tmp_path) -> subprocess.CompletedProcess:
+    """Case ``name`` in a process of its own, as ``python -X faulthandler -c script tmp_path`` runs it."""
+    return server.run(case_script(name), str(tmp_path), timeout=300)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_truncated_after_mapping_is_a_format_error(name, tmp_path):
-    r = run_case(name, tmp_path)
+def test_truncated_after_mapping_is_a_format_error(name, tmp_path, server):
+    r = run_case(server, name, tmp_path)
     if r.returncode == 77:
         pytest.skip(r.stdout.strip())
     assert r.returncode != -signal.SIGBUS, f"{name}: killed by SIGBUS\n{r.stderr[-2000:]}"

@@ -1,11 +1,14 @@
 """An open-addressing hash index: int64 id -> int64 row number (the index of :mod:`fastckpt.sharded.hashtable`).
 
-Linear probing over a power-of-two bucket array (each bucket a key and a row; row ``-1`` marks it empty), the
-ids mixed by splitmix64's finalizer, at most 70% full (it doubles before a call could pass that), deletion by
+Linear probing over a power-of-two bucket array (each bucket a key and its row side by side, 16 bytes: a probe
+touches one cache line; row ``-1`` marks it empty; an array of 2 MiB or more asks the kernel for huge pages, so that
+probes spread over it do not miss the TLB), the ids mixed by splitmix64's finalizer, at most 70% full (it doubles before a call could pass that), deletion by
 backward shift (no tombstones, so lookups never slow down). Every call takes whole arrays and loops in C; the
 caller keeps the rows themselves (the index only numbers them). The loops hold the GIL on purpose: the buckets
 are freed and replaced as the index grows, so a loop that ran beside another thread's call could read freed
-memory; holding the GIL, a table misused from two threads gives wrong answers, never a crash.
+memory; holding the GIL, a table misused from two threads gives wrong answers, never a crash. The one exception is
+``fill``, the bulk build of a new index: it fills buckets of its own without the GIL and makes them the index's only
+once it holds the GIL again, so no other call ever sees them half built.
 
 >>> import numpy as np
 >>> index = IdIndex()
@@ -22,13 +25,46 @@ memory; holding the GIL, a table misused from two threads gives wrong answers, n
 """
 
 from libc.stdint cimport int64_t, uint8_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdlib cimport calloc, free
 from libc.string cimport memset
+
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    #include <sys/mman.h>
+    /* Bucket memory: aligned to 2 MiB and advised to use huge pages where it spans one at least (random probes
+       over tens of MiB otherwise miss the TLB at almost every id); plain malloc below that. Freed with free(). */
+    static void* fastckpt_idindex_alloc(size_t nbytes) {
+        const size_t huge = (size_t)2 << 20;
+        void* p = NULL;
+        if (nbytes < huge)
+            return malloc(nbytes);
+        if (posix_memalign(&p, huge, nbytes) != 0)
+            return NULL;
+    #ifdef MADV_HUGEPAGE
+        madvise(p, nbytes, MADV_HUGEPAGE);  /* advice only: without it the buckets still work */
+    #endif
+        return p;
+    }
+    #if defined(__GNUC__) || defined(__clang__)
+    #define fastckpt_idindex_prefetch(p) __builtin_prefetch((p), 1, 3)
+    #else
+    #define fastckpt_idindex_prefetch(p) ((void)0)
+    #endif
+    """
+    void* fastckpt_idindex_alloc(size_t nbytes) nogil
+    void fastckpt_idindex_prefetch(const void* address) nogil
+
+ctypedef struct Bucket:
+    int64_t key
+    int64_t row  # -1: empty
 
 DEF _MIN_BUCKETS = 16
 # Grow when more than _LOAD_NUM / _LOAD_DEN of the buckets would be full.
 DEF _LOAD_NUM = 7
 DEF _LOAD_DEN = 10
+# fill(): how many ids ahead the home bucket is fetched
+DEF _PREFETCH = 16
 
 
 cdef inline uint64_t _mix(int64_t key) noexcept nogil:
@@ -55,34 +91,25 @@ cdef class IdIndex:
     ``len(index)`` is the number of ids; ``nbytes`` the memory of the buckets.
     """
 
-    cdef int64_t* _keys
-    cdef int64_t* _rows
+    cdef Bucket* _b
     cdef Py_ssize_t _buckets  # a power of two
     cdef Py_ssize_t _count
 
     def __cinit__(self, Py_ssize_t capacity=0):
-        self._keys = NULL
-        self._rows = NULL
+        self._b = NULL
         self._count = 0
         self._allocate(_buckets_for(capacity))
 
     def __dealloc__(self):
-        free(self._keys)
-        free(self._rows)
+        free(self._b)
 
     cdef int _allocate(self, Py_ssize_t buckets) except -1:
         """Empty buckets (the old ones freed: the caller re-inserts their entries first where it keeps them)."""
-        cdef int64_t* keys = <int64_t*>malloc(buckets * sizeof(int64_t))
-        cdef int64_t* rows = <int64_t*>malloc(buckets * sizeof(int64_t))
-        if keys == NULL or rows == NULL:
-            free(keys)
-            free(rows)
+        cdef Bucket* b = _new_buckets(buckets)
+        if b == NULL:
             raise MemoryError(f"IdIndex: cannot allocate {buckets} buckets")
-        memset(rows, 0xFF, buckets * sizeof(int64_t))  # every row -1: empty
-        free(self._keys)
-        free(self._rows)
-        self._keys = keys
-        self._rows = rows
+        free(self._b)
+        self._b = b
         self._buckets = buckets
         self._count = 0
         return 0
@@ -91,37 +118,34 @@ cdef class IdIndex:
         """Buckets enough for ``count`` ids within the load limit, the entries kept."""
         if count * _LOAD_DEN <= self._buckets * _LOAD_NUM:
             return 0
-        cdef int64_t* old_keys = self._keys
-        cdef int64_t* old_rows = self._rows
+        cdef Bucket* old = self._b
         cdef Py_ssize_t old_buckets = self._buckets, old_count = self._count, i
-        self._keys = NULL
-        self._rows = NULL
+        self._b = NULL
         try:
             self._allocate(_buckets_for(count))
         except MemoryError:
-            self._keys, self._rows, self._buckets, self._count = old_keys, old_rows, old_buckets, old_count
+            self._b, self._buckets, self._count = old, old_buckets, old_count
             raise
         for i in range(old_buckets):
-            if old_rows[i] >= 0:
-                self._put(old_keys[i], old_rows[i])
-        free(old_keys)
-        free(old_rows)
+            if old[i].row >= 0:
+                self._put(old[i].key, old[i].row)
+        free(old)
         return 0
 
     cdef inline Py_ssize_t _slot(self, int64_t key) noexcept nogil:
         """The bucket holding ``key``, or the empty bucket where it would go."""
         cdef Py_ssize_t mask = self._buckets - 1
         cdef Py_ssize_t i = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
-        while self._rows[i] >= 0 and self._keys[i] != key:
+        while self._b[i].row >= 0 and self._b[i].key != key:
             i = (i + 1) & mask
         return i
 
     cdef inline void _put(self, int64_t key, int64_t row) noexcept nogil:
         cdef Py_ssize_t i = self._slot(key)
-        if self._rows[i] < 0:
+        if self._b[i].row < 0:
             self._count += 1
-            self._keys[i] = key
-        self._rows[i] = row
+            self._b[i].key = key
+        self._b[i].row = row
 
     cdef inline void _remove_at(self, Py_ssize_t i) noexcept nogil:
         """Empty bucket ``i``, shifting back the entries after it that probed past it."""
@@ -129,16 +153,15 @@ cdef class IdIndex:
         cdef Py_ssize_t j = i, home
         while True:
             j = (j + 1) & mask
-            if self._rows[j] < 0:
+            if self._b[j].row < 0:
                 break
-            home = <Py_ssize_t>(_mix(self._keys[j]) & <uint64_t>mask)
+            home = <Py_ssize_t>(_mix(self._b[j].key) & <uint64_t>mask)
             # The entry at j may move to i only if its home is not cyclically within (i, j].
             if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
                 continue
-            self._keys[i] = self._keys[j]
-            self._rows[i] = self._rows[j]
+            self._b[i] = self._b[j]
             i = j
-        self._rows[i] = -1
+        self._b[i].row = -1
         self._count -= 1
 
     def __len__(self):
@@ -147,7 +170,7 @@ cdef class IdIndex:
     @property
     def nbytes(self):
         """Bytes of the buckets."""
-        return self._buckets * 2 * sizeof(int64_t)
+        return self._buckets * sizeof(Bucket)
 
     def clear(self, Py_ssize_t capacity=0):
         """Remove every id (buckets sized for ``capacity`` ids)."""
@@ -161,14 +184,50 @@ cdef class IdIndex:
         """``rows[i]`` = the row of ``keys[i]``, or -1 where it is absent; returns how many are absent."""
         if rows.shape[0] != keys.shape[0]:
             raise ValueError(f"find: {keys.shape[0]} keys but {rows.shape[0]} rows")
-        cdef Py_ssize_t n = keys.shape[0], i, missing = 0
+        cdef Py_ssize_t n = keys.shape[0], i, missing = 0, mask = self._buckets - 1
         cdef int64_t row
         for i in range(n):
-            row = self._rows[self._slot(keys[i])]
+            if i + _PREFETCH < n:  # the home bucket of an id further on, fetched meanwhile
+                fastckpt_idindex_prefetch(&self._b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
+            row = self._b[self._slot(keys[i])].row
             rows[i] = row
             if row < 0:
                 missing += 1
         return missing
+
+    def fill(self, const int64_t[::1] keys):
+        """Number the ids of an empty index: ``keys[i]`` gets row ``i`` (a repeated id keeps the row of its first
+        occurrence). Returns how many distinct ids were added (``len(keys)`` when none repeats).
+
+        The bulk build of a loader: the buckets are new memory, filled without the GIL (other threads run meanwhile;
+        this index stays empty to them until the call returns). Raises ``ValueError`` where the index is not empty.
+
+        >>> import numpy as np
+        >>> index = IdIndex()
+        >>> index.fill(np.array([30, -5, 30, 8]))  # 30 repeats: three distinct ids
+        3
+        >>> rows = np.empty(3, np.int64); index.find(np.array([8, 30, -5]), rows), rows.tolist()
+        (0, [3, 0, 1])
+        """
+        if self._count:
+            raise ValueError(f"fill: the index holds {self._count} ids; fill numbers those of an empty index "
+                             "(upsert adds to one)")
+        cdef Py_ssize_t n = keys.shape[0]
+        cdef Py_ssize_t buckets = _buckets_for(n)
+        if buckets < self._buckets:
+            buckets = self._buckets  # keep the capacity asked for when the index was made
+        cdef Bucket* b = <Bucket*>fastckpt_idindex_alloc(<size_t>buckets * sizeof(Bucket))
+        if b == NULL:
+            raise MemoryError(f"IdIndex.fill: cannot allocate {buckets} buckets")
+        cdef Py_ssize_t added = 0
+        cdef const int64_t* first = &keys[0] if n else NULL
+        with nogil:
+            added = _fill(first, n, b, buckets)
+        free(self._b)
+        self._b = b
+        self._buckets = buckets
+        self._count = added
+        return added
 
     def upsert(self, const int64_t[::1] keys, int64_t[::1] rows, int64_t next_row):
         """``rows[i]`` = the row of ``keys[i]``; an absent id is added with the row ``next_row + (new ids before
@@ -177,17 +236,20 @@ cdef class IdIndex:
             raise ValueError(f"upsert: {keys.shape[0]} keys but {rows.shape[0]} rows")
         if next_row < 0:
             raise ValueError(f"upsert: next_row must be >= 0, got {next_row}")
-        cdef Py_ssize_t n = keys.shape[0], i, at
+        cdef Py_ssize_t n = keys.shape[0], i, at, mask
         cdef int64_t added = 0
         self._reserve(self._count + n)  # the worst case, all new: no rehash inside the loop
+        mask = self._buckets - 1
         for i in range(n):
+            if i + _PREFETCH < n:  # the home bucket of an id further on, fetched meanwhile
+                fastckpt_idindex_prefetch(&self._b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
             at = self._slot(keys[i])
-            if self._rows[at] < 0:
-                self._keys[at] = keys[i]
-                self._rows[at] = next_row + added
+            if self._b[at].row < 0:
+                self._b[at].key = keys[i]
+                self._b[at].row = next_row + added
                 self._count += 1
                 added += 1
-            rows[i] = self._rows[at]
+            rows[i] = self._b[at].row
         return added
 
     def remove(self, const int64_t[::1] keys, int64_t[::1] rows):
@@ -198,8 +260,8 @@ cdef class IdIndex:
         cdef Py_ssize_t n = keys.shape[0], i, at, removed = 0
         for i in range(n):
             at = self._slot(keys[i])
-            rows[i] = self._rows[at]
-            if self._rows[at] >= 0:
+            rows[i] = self._b[at].row
+            if self._b[at].row >= 0:
                 self._remove_at(at)
                 removed += 1
         return removed
@@ -211,12 +273,45 @@ cdef class IdIndex:
         cdef Py_ssize_t n = keys.shape[0], i, at, bad = -1
         for i in range(n):
             at = self._slot(keys[i])
-            if self._rows[at] < 0:
+            if self._b[at].row < 0:
                 bad = i
                 break
-            self._rows[at] = rows[i]
+            self._b[at].row = rows[i]
         if bad >= 0:
             raise KeyError(f"assign: id {keys[bad]} is not in the index")
+
+
+cdef Bucket* _new_buckets(Py_ssize_t buckets) noexcept nogil:
+    """``buckets`` empty buckets (every row -1), or NULL where the memory is not there."""
+    cdef Bucket* b = <Bucket*>fastckpt_idindex_alloc(<size_t>buckets * sizeof(Bucket))
+    if b != NULL:
+        memset(b, 0xFF, <size_t>buckets * sizeof(Bucket))
+    return b
+
+
+cdef Py_ssize_t _fill(const int64_t* keys, Py_ssize_t n, Bucket* b, Py_ssize_t buckets) noexcept nogil:
+    """``keys[i]`` -> row ``i`` into new buckets (``buckets`` a power of two, emptied here); returns how many were
+    added (a repeated id meets its first occurrence already placed and is not added again).
+
+    Almost every id of a large index misses the cache at its home bucket: the home bucket of the id
+    ``_PREFETCH`` places ahead is fetched meanwhile, so that the misses overlap.
+    """
+    cdef Py_ssize_t mask = buckets - 1, i, at
+    cdef Py_ssize_t added = 0
+    cdef int64_t key
+    memset(b, 0xFF, <size_t>buckets * sizeof(Bucket))  # every row -1: empty
+    for i in range(n):
+        if i + _PREFETCH < n:
+            fastckpt_idindex_prefetch(&b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
+        key = keys[i]
+        at = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
+        while b[at].row >= 0 and b[at].key != key:
+            at = (at + 1) & mask
+        if b[at].row < 0:
+            b[at].key = key
+            b[at].row = i
+            added += 1
+    return added
 
 
 def last_occurrence(const int64_t[::1] rows, uint8_t[::1] keep, int64_t row_count):

@@ -941,7 +941,7 @@ cdef class MemberWriter:
         self.broken = False
 
     def add_items(self, items, bint batch, as_array, dict unique_names=None):
-        """``add(name, as_array(array))`` for each ``(name, array)`` pair of ``items``, in order.
+        """``add(name, as_array(array, name))`` for each ``(name, array)`` pair of ``items``, in order.
 
         ``unique_names``: the dict whose ``items()`` ``items`` is. Its keys are
         distinct as long as no caller code runs, so while every name is an
@@ -973,7 +973,7 @@ cdef class MemberWriter:
                     unchecked = None
                 if not cnp.PyArray_CheckExact(array):
                     self._out.flush()
-                    array = as_array(array)
+                    array = as_array(array, name)
                 self._add(name, <cnp.ndarray?>array, False, unchecked is None)
                 if not batch:
                     self._out.flush()

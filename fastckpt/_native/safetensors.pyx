@@ -37,7 +37,7 @@ import json
 import ml_dtypes
 import numpy as np
 
-from fastckpt.info import TensorInfo, from_checked_fields
+from fastckpt.info import PackedTensorInfo, TensorInfo, from_checked_fields
 from fastckpt._native.gather cimport GatherWriter
 from fastckpt._native.mapped cimport MappedFile
 from fastckpt._native.tensorindex cimport VIEWABLE, TensorIndex
@@ -84,17 +84,20 @@ NUMPY_DTYPES = {
     "U64": np.dtype("<u8"),
 }
 
-# Packed types: several elements share a byte, which no numpy dtype can view in place.
+# Packed types: several elements share a byte, which no numpy dtype can view in place. A tensor of one has
+# the ml_dtypes element type (one element per byte in memory) in its PackedTensorInfo, its logical shape,
+# and size * bits / 8 stored bytes, which must be whole (as the reference reader checks).
 SUB_BYTE_DTYPES = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+PACKED_DTYPES = {
+    "F4": np.dtype(ml_dtypes.float4_e2m1fn),
+    "F6_E2M3": np.dtype(ml_dtypes.float6_e2m3fn),
+    "F6_E3M2": np.dtype(ml_dtypes.float6_e3m2fn),
+}
 
 
 def unsupported_dtype_message(name):
     """Why a safetensors dtype string cannot be read, for error messages."""
-    if isinstance(name, str) and name in SUB_BYTE_DTYPES:
-        bits = SUB_BYTE_DTYPES[name]
-        return (f"dtype {name!r} packs {bits}-bit elements several to a byte; numpy cannot view it in place "
-                "(ml_dtypes' 4- and 6-bit floats store one element per byte), so fastckpt does not read it")
-    return (f"unknown dtype {name!r}; known: {', '.join(n for n in DTYPE_NAMES if n in NUMPY_DTYPES)}")
+    return (f"unknown dtype {name!r}; known: {', '.join(DTYPE_NAMES)}")
 
 
 class _DuplicateKey(Exception):
@@ -559,7 +562,7 @@ cdef object _read_index(MappedFile m, bint table, int parsers):
     cdef uint64_t n = 0
     cdef int64_t header_len, data_start, data_len, j, i, ndim
     cdef int64_t begin, end, expected_begin, count, dim, itemsize, nbytes
-    cdef int k
+    cdef int k, bits
     cdef _Scan scan
     # SAFETY: the span() pointers below point into this block; holding it keeps the mapping alive
     # should another thread close m while the parse runs Python code.
@@ -669,6 +672,8 @@ cdef object _read_index(MappedFile m, bint table, int parsers):
                               f"'shape'], got {sorted(entry)!r}")
         dtype_name = entry["dtype"]
         dtype = NUMPY_DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None and type(dtype_name) is str:
+            dtype = PACKED_DTYPES.get(dtype_name)
         if dtype is None:
             if type(dtype_name) is not str:
                 raise FormatError(f"{path}: tensor {name!r}: dtype must be a string, got {dtype_name!r:.80}")
@@ -720,19 +725,32 @@ cdef object _read_index(MappedFile m, bint table, int parsers):
                 raise FormatError(f"{path}: tensor {name!r}: shape {shape_json!r:.200} overflows a 64-bit element "
                                   f"count at shape[{i}]")
             count *= dim
-        itemsize = dtype.itemsize
+        bits = SUB_BYTE_DTYPES.get(dtype_name, 0)
+        itemsize = bits if bits else dtype.itemsize  # bits per element for a packed type
         if count > _INT64_MAX // itemsize:
             raise FormatError(f"{path}: tensor {name!r}: shape {shape_json!r:.200} of {dtype_name} overflows a "
                               "64-bit byte count")
         nbytes = count * itemsize
+        if bits:
+            if nbytes % 8:
+                raise FormatError(
+                    f"{path}: tensor {name!r}: shape {shape_json!r:.200} of {dtype_name} ({bits}-bit elements) is "
+                    f"{nbytes} bits, not a whole number of bytes (absolute bytes [{data_start + begin}, "
+                    f"{data_start + end})); safetensors refuses it too (a packed tensor must end on a byte boundary)")
+            nbytes //= 8
         if end - begin != nbytes:
             raise FormatError(
                 f"{path}: tensor {name!r}: shape {shape_json!r:.200} of {dtype_name} needs {nbytes} bytes, but "
                 f"data_offsets [{begin}, {end}] hold {end - begin} (absolute bytes [{data_start + begin}, "
                 f"{data_start + end}))")
-        tensors.append(from_checked_fields(TensorInfo, {
-            "name": name, "dtype": dtype, "shape": tuple(shape_json), "offset": data_start + begin,
-            "nbytes": nbytes, "fortran_order": False, "compression": None}))
+        if bits:
+            tensors.append(from_checked_fields(PackedTensorInfo, {
+                "name": name, "dtype": dtype, "shape": tuple(shape_json), "offset": data_start + begin,
+                "nbytes": nbytes, "fortran_order": False, "compression": None, "packed": dtype_name}))
+        else:
+            tensors.append(from_checked_fields(TensorInfo, {
+                "name": name, "dtype": dtype, "shape": tuple(shape_json), "offset": data_start + begin,
+                "nbytes": nbytes, "fortran_order": False, "compression": None}))
         expected_begin = end
     if expected_begin != data_len:
         raise FormatError(

@@ -407,7 +407,7 @@ cdef class TensorIndex:
             flags = FORTRAN_ORDER if info.fortran_order else 0
             if info.compression is not None:
                 flags |= DEFLATE
-            elif fits and nbytes == info.nbytes and 0 <= info.offset <= 0x7FFFFFFFFFFFFFFF:
+            elif fits and nbytes == info.nbytes and 0 <= info.offset <= 0x7FFFFFFFFFFFFFFF and info.packed is None:
                 flags |= VIEWABLE
             name = info.name
             utf8 = _utf8_of(name)

@@ -39,8 +39,8 @@ import numpy as np
 from fastckpt.bench.timing import (add_repeat_option, format_duration, format_ratio, format_size, round_robin,
                                   table_lines)
 
-__all__ = ["configure", "run", "measure", "report", "measure_sharded", "report_sharded", "start_server",
-           "storage_options", "make_tensors", "TARGET"]
+__all__ = ["configure", "run", "measure", "report", "measure_sharded", "report_sharded", "measure_streaming",
+           "report_streaming", "start_server", "storage_options", "make_tensors", "TARGET"]
 
 TARGET = 1.2
 DEFAULT_MIB = 512
@@ -113,7 +113,7 @@ def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
             save_safetensors(local, tensors, fsync=False)
             nbytes = os.path.getsize(local)
             ours, theirs = "s3://bench/fastckpt.safetensors", "s3://bench/s3fs.safetensors"
-            save_safetensors(ours, tensors, storage_options=options)
+            save_safetensors(ours, tensors, storage_options=options, overwrite=True)
             fs.put_file(local, theirs)
             downloaded = os.path.join(tmp, "downloaded.safetensors")
 
@@ -122,7 +122,7 @@ def measure(*, mib: float = DEFAULT_MIB, repeats: int = 3) -> dict:
                     return sum(f.host(name).nbytes for name in f.keys())
 
             paths = {
-                "save fastckpt": lambda: save_safetensors(ours, tensors, storage_options=options),
+                "save fastckpt": lambda: save_safetensors(ours, tensors, storage_options=options, overwrite=True),
                 "save s3fs": lambda: fs.put_file(local, theirs),
                 "load fastckpt": load_all,
                 "load s3fs": lambda: fs.get_file(theirs, downloaded),
@@ -206,6 +206,303 @@ def report_sharded(result: dict) -> list[str]:
                                 "load (whole prefix)", "ratio"], rows, "rrrrrrr")
 
 
+# ------------------------------------------------------------------ streaming (the range server)
+
+STREAM_TENSORS = 16
+# The raw rows' shape: fastckpt.formats.stream's defaults (named here too: the "before" rows run an older fastckpt).
+RAW_THREADS, RAW_CHUNK = 8, 8 << 20
+BEFORE = " (before)"  # the suffix of a row run with the fastckpt of --against
+# The row whose warm-up is the same load (untimed): the timed load finds the pool's arena made (a reload).
+REUSED = "load_file(s3, pool with its arena)"
+
+
+def _range_server(root: str):
+    """The range server (:mod:`fastckpt.bench.objectserver`) serving ``root``, in a process of its own; returns
+    ``(process, endpoint_url)``."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "fastckpt.bench.objectserver", root], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    endpoint = process.stdout.readline().strip()
+    if not endpoint.startswith("http://"):
+        process.kill()
+        raise SystemExit(f"the range server did not start (it printed {endpoint!r})")
+    return process, endpoint
+
+
+def _stream_fixture(root: str, mib: float, base: str = "") -> dict:
+    """The objects of the streaming table under ``root/b``: ``model.safetensors`` (``STREAM_TENSORS`` float32
+    tensors of random bits, ``mib`` MiB), the same as a Hugging Face prefix of 4 shards, a ``.netcl`` model of about
+    the same size; and the CRC-32C of every tensor and of the whole file."""
+    import crc32c
+
+    import fastckpt
+    from fastckpt.bench.cold import _netcl
+
+    bucket = os.path.join(root, "b", base)
+    os.makedirs(bucket, exist_ok=True)
+    per = max(1, int(mib * 2**20) // STREAM_TENSORS // 4)
+    rng = np.random.default_rng(0)
+    arrays = {f"layer{i:03d}.weight": rng.integers(0, 2**32, per, dtype=np.uint32).view(np.float32)
+              for i in range(STREAM_TENSORS)}
+    path = os.path.join(bucket, "model.safetensors")
+    fastckpt.save_safetensors(path, arrays, fsync=False, overwrite=True)
+    fastckpt.save_sharded(os.path.join(bucket, "hf"), arrays, max_shard_size=-(-per * 4 * STREAM_TENSORS // 4) + 1)
+    with open(path, "rb") as f:
+        file_crc = crc32c.crc32c(f.read())
+    netcl, netcl_crc, netcl_nbytes = _netcl(bucket, sum(a.nbytes for a in arrays.values()))
+    return {"crc": {k: crc32c.crc32c(a) for k, a in arrays.items()}, "file_crc": file_crc,
+            "nbytes": sum(a.nbytes for a in arrays.values()), "file_size": os.path.getsize(path),
+            "netcl_crc": netcl_crc, "netcl_nbytes": netcl_nbytes}
+
+
+def _stream_rows(endpoint: str, fixture: dict, runai: bool, *, describe: bool = False, only: str | None = None,
+                 base: str = "") -> dict:
+    """``{row: (load, check, bytes, kind)}`` of the streaming table; ``check(result)`` says whether it is exact.
+    ``describe``: ``{row: (bytes, kind)}`` only, nothing set up; ``only``: set up what that row needs."""
+    if describe:
+        return {row: (nbytes, kind) for row, (nbytes, kind) in _STREAM_ROWS(fixture, runai).items()}
+    import crc32c
+    import fsspec
+
+    import fastckpt
+    from fastckpt.device import default
+    from fastckpt.device.pool import PersistentBufferPool
+    from fastckpt.io import load_model
+
+    options = {**storage_options(endpoint), "config_kwargs": {"s3": {"addressing_style": "path"}}}
+    key = f"b/{base}model.safetensors"
+    s3, http = f"s3://{key}", f"{endpoint}/{key}"
+    size, nbytes = fixture["file_size"], fixture["nbytes"]
+    if only is None or _STREAM_ROWS(fixture, runai)[only][1] == "fastckpt":
+        dev = default()
+        queue, pool = dev.queue, PersistentBufferPool(dev.context, dev.queue)
+
+    def copies_exact(result) -> bool:
+        return {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in result.items()} == fixture["crc"]
+
+    def whole_exact(blobs) -> bool:
+        value = 0
+        for blob in blobs:
+            value = crc32c.crc32c(blob, value)
+        return value == fixture["file_crc"]
+
+    def raw(fs, path):
+        from concurrent.futures import ThreadPoolExecutor
+
+        starts = list(range(0, size, RAW_CHUNK))
+        with ThreadPoolExecutor(RAW_THREADS) as ex:
+            return list(ex.map(lambda s: fs.cat_file(path, start=s, end=min(size, s + RAW_CHUNK)), starts))
+
+    def raw_cat_ranges(fs, path):
+        starts = list(range(0, size, RAW_CHUNK))
+        return fs.cat_ranges([path] * len(starts), starts, [min(size, s + RAW_CHUNK) for s in starts])
+
+    def opened(url, opts):
+        def load():
+            with fastckpt.open(url, storage_options=opts) as f:
+                return {k: np.array(f.host(k)) for k in f.keys()}
+        return load
+
+    def device(loaded) -> bool:
+        return copies_exact({k: loaded[k].to_host() for k in loaded})
+
+    s3fs_fs, _ = fastckpt.formats.remote.filesystem(s3, options)
+    http_fs = fsspec.filesystem("http")
+    threads, chunk = RAW_THREADS, RAW_CHUNK >> 20
+    rows = {
+        f"raw s3: {threads} threads x {chunk} MiB ranged GETs into memory": (
+            lambda: raw(s3fs_fs, key), whole_exact, size, "bound"),
+        f"raw s3: s3fs cat_ranges, {chunk} MiB ranges": (
+            lambda: raw_cat_ranges(s3fs_fs, key), whole_exact, size, "bound"),
+        f"raw http: {threads} threads x {chunk} MiB ranged GETs into memory": (
+            lambda: raw(http_fs, http), whole_exact, size, "bound"),
+        "fastckpt.open(s3) + copies": (opened(s3, options), copies_exact, nbytes, "fastckpt"),
+        "fastckpt.open(http) + copies": (opened(http, None), copies_exact, nbytes, "fastckpt"),
+        "load_file(s3, pool)": (lambda: fastckpt.load_file(s3, queue, pool=pool, storage_options=options), device,
+                                nbytes, "fastckpt"),
+        "load_file(http, pool)": (lambda: fastckpt.load_file(http, queue, pool=pool), device, nbytes, "fastckpt"),
+        REUSED: (lambda: fastckpt.load_file(s3, queue, pool=pool, storage_options=options), device, nbytes,
+                 "fastckpt"),
+        "load_file(s3 HF prefix, pool)": (
+            lambda: fastckpt.load_file(f"s3://b/{base}hf", queue, pool=pool, storage_options=options), device, nbytes,
+            "fastckpt"),
+        "load_model(s3 .netcl, pool)": (
+            lambda: load_model(f"s3://b/{base}model.netcl", queue, pool=pool, storage_options=options),
+            lambda model: {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in model.state_dict().items()}
+            == fixture["netcl_crc"], fixture["netcl_nbytes"], "fastckpt"),
+    }
+    if runai and (only is None or only.startswith("Run:ai")):
+        for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true",
+                            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}.items():
+            os.environ[name] = value
+        from runai_model_streamer import SafetensorsStreamer
+
+        def runai_load():
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_file(s3)
+                return {name: t.clone() for name, t in streamer.get_tensors()}
+        rows["Run:ai SafetensorsStreamer (s3)"] = (
+            runai_load, lambda result: copies_exact({k: v.numpy() for k, v in result.items()}), nbytes, "peer")
+    assert {r: (v[2], v[3]) for r, v in rows.items()} == _STREAM_ROWS(fixture, runai) or only, "rows out of step"
+    return rows
+
+
+def _STREAM_ROWS(fixture: dict, runai: bool) -> dict:
+    """``{row: (bytes, kind)}`` of the streaming table (kept in step with :func:`_stream_rows`)."""
+    size, nbytes = fixture["file_size"], fixture["nbytes"]
+    threads, chunk = RAW_THREADS, RAW_CHUNK >> 20
+    rows = {f"raw s3: {threads} threads x {chunk} MiB ranged GETs into memory": (size, "bound"),
+            f"raw s3: s3fs cat_ranges, {chunk} MiB ranges": (size, "bound"),
+            f"raw http: {threads} threads x {chunk} MiB ranged GETs into memory": (size, "bound"),
+            "fastckpt.open(s3) + copies": (nbytes, "fastckpt"),
+            "fastckpt.open(http) + copies": (nbytes, "fastckpt"),
+            "load_file(s3, pool)": (nbytes, "fastckpt"),
+            "load_file(http, pool)": (nbytes, "fastckpt"),
+            REUSED: (nbytes, "fastckpt"),
+            "load_file(s3 HF prefix, pool)": (nbytes, "fastckpt"),
+            "load_model(s3 .netcl, pool)": (fixture["netcl_nbytes"], "fastckpt")}
+    if runai:
+        rows["Run:ai SafetensorsStreamer (s3)"] = (nbytes, "peer")
+    return rows
+
+
+def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3, against: str | None = None) -> dict:
+    """The streaming table's measurements: every row of :func:`_stream_rows` ``repeats`` times, in rounds (each
+    round runs every row once, in a shuffled order), each measurement in a fresh process (a cold start: its own
+    connections, device and pool, set up before the clock starts), with the growth of its peak RSS over the load
+    (:class:`~fastckpt.bench.timing.PeakMemory`) and whether it was exact. The range server runs in a process of
+    its own. ``against`` (a checkout of an older fastckpt) adds its ``fastckpt.open(s3) + copies`` and
+    ``load_model(s3 .netcl, pool)`` as ``(before)`` rows, in the same rounds. Returns ``{"samples": {row:
+    [(seconds, peak growth, exact)]}, "kinds", "bytes", "load", "runai"}``."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    try:
+        import runai_model_streamer  # noqa: F401
+        import runai_model_streamer_s3  # noqa: F401
+        runai = None
+    except ImportError as e:
+        runai = f"not run: {e} (pip install runai-model-streamer runai-model-streamer-s3)"
+    with tempfile.TemporaryDirectory(prefix="fastckpt-bench-stream-") as root:
+        fixture = _stream_fixture(root, mib)
+        fixture["warm"] = _stream_fixture(root, 1, "warm/")  # what each worker reads untimed first
+        process, endpoint = _range_server(root)
+        load = [os.getloadavg()[0]]
+        setup = os.path.join(root, "setup.json")
+        with open(setup, "w") as f:
+            json.dump({"endpoint": endpoint, "fixture": fixture, "runai": runai is None}, f)
+        try:
+            rows = _stream_rows(endpoint, fixture, runai is None, describe=True)
+            if against:
+                for row in ("fastckpt.open(s3) + copies", "load_model(s3 .netcl, pool)"):
+                    rows[row + BEFORE] = (rows[row][0], "before")
+            samples: dict[str, list] = {row: [] for row in rows}
+            failed: dict[str, str] = {}
+            order = list(rows)
+            for _ in range(repeats):
+                random.shuffle(order)
+                for row in order:
+                    env = dict(os.environ)
+                    if row.endswith(BEFORE):  # this file, run by path, over the older fastckpt
+                        env["PYTHONPATH"] = os.pathsep.join(p for p in (against, env.get("PYTHONPATH")) if p)
+                    start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+                    done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--stream-worker",
+                                           row.removesuffix(BEFORE), setup], capture_output=True, text=True,
+                                          timeout=900, env=env)
+                    if done.returncode != 0:
+                        failed[row] = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                        continue
+                    out = json.loads(done.stdout.strip().splitlines()[-1])
+                    samples[row].append((out["seconds"], out["growth"], out["exact"], out["cpu"]))
+                load.append(os.getloadavg()[0])
+        finally:
+            process.stdin.close()
+            process.wait(30)
+    return {"samples": samples, "kinds": {r: v[1] for r, v in rows.items()},
+            "bytes": {r: v[0] for r, v in rows.items()}, "load": load, "runai": runai, "mib": mib, "failed": failed}
+
+
+def _stream_worker(row: str, setup_path: str) -> int:
+    """One measurement of the streaming table in this (fresh) process; prints ``{"seconds", "growth", "exact"}``."""
+    import json
+    import time
+
+    from fastckpt.bench.timing import PeakMemory
+
+    with open(setup_path) as f:
+        setup = json.load(f)
+    # Untimed first: the same path over a 1 MiB copy of the objects (imports, the client, its connections, the
+    # device), so that the clock measures the streaming; a new process's peak RSS is not its allocator's reuse.
+    fixture = setup["fixture"]
+    warm, _check, _n, _k = _stream_rows(setup["endpoint"], fixture["warm"], setup["runai"], only=row, base="warm/")[row]
+    warm()
+    load, check, _nbytes, _kind = _stream_rows(setup["endpoint"], fixture, setup["runai"], only=row)[row]
+    if row == REUSED:  # the same load first, untimed: its arena is made and back in the pool
+        import gc
+
+        first = load()
+        del first
+        gc.collect()
+    with PeakMemory() as peak:
+        cpu = os.times()
+        start = time.perf_counter()
+        result = load()
+        seconds = time.perf_counter() - start
+        after = os.times()
+    print(json.dumps({"seconds": seconds, "growth": peak.growth, "exact": bool(check(result)),
+                      "cpu": (after.user - cpu.user) + (after.system - cpu.system)}))
+    return 0
+
+
+def report_streaming(result: dict) -> list[str]:
+    """The streaming table: median seconds, GB/s, share of the bound (the fastest raw download), the client
+    process's median CPU time over the load (user + system, every thread; the server's is not counted), the largest
+    peak RSS growth over a load, exact in every run.
+
+    >>> r = {"samples": {"raw s3: x": [(1.0, 2**20, True, 0.5)], "load_file(s3, pool)": [(1.25, 3 * 2**20, True, 0.7)]},
+    ...      "kinds": {"raw s3: x": "bound", "load_file(s3, pool)": "fastckpt"},
+    ...      "bytes": {"raw s3: x": 10**9, "load_file(s3, pool)": 10**9}, "load": [2.0, 3.0], "runai": None,
+    ...      "mib": 512}
+    >>> print("\\n".join(report_streaming(r)[2:6]))
+    | path | median | GB/s | share of the bound | CPU | peak RSS growth | exact |
+    |---|---:|---:|---:|---:|---:|---|
+    | raw s3: x | 1.000 s | 1.00 | 1.00 | 500.00 ms | 1 MiB | yes |
+    | load_file(s3, pool) | 1.250 s | 0.80 | 0.80 | 700.00 ms | 3 MiB | yes |
+    """
+    import statistics
+
+    samples = result["samples"]
+    rate = {row: result["bytes"][row] / statistics.median(x[0] for x in v) / 1e9 for row, v in samples.items() if v}
+    bound = max((rate[r] for r in rate if result["kinds"][r] == "bound"), default=None)
+    lines = [f"S3 and HTTP streaming (the range server on loopback, fastckpt.bench.objectserver; "
+             f"{result['mib']:g} MiB; a fresh process per measurement; load average "
+             f"{min(result['load']):.1f}-{max(result['load']):.1f} on {os.cpu_count()} cores)", ""]
+    rows = []
+    for row, v in samples.items():
+        if not v:
+            continue
+        peaks = [x[1] for x in v if x[1] is not None]
+        rows.append([row, format_duration(statistics.median(x[0] for x in v)), f"{rate[row]:.2f}",
+                     f"{rate[row] / bound:.2f}" if bound else "-", format_duration(statistics.median(x[3] for x in v)),
+                     format_size(max(peaks)) if peaks else "-", "yes" if all(x[2] for x in v) else "NO"])
+    lines += table_lines(["path", "median", "GB/s", "share of the bound", "CPU", "peak RSS growth", "exact"], rows,
+                         "lrrrrrl")
+    lines += ["", f"- bound: the fastest raw row ({bound:.2f} GB/s); target: every fastckpt row >= 0.8x"
+              if bound else "- no bound row ran"]
+    if result["runai"]:
+        lines.append(f"- Run:ai streamer {result['runai']}")
+    for row, why in result.get("failed", {}).items():
+        lines.append(f"- {row}: FAILED ({why})")
+    missed = [r for r in rows if result["kinds"][r[0]] == "fastckpt" and bound and rate[r[0]] / bound < 0.8]
+    lines.append(f"- {'met' if not missed else 'MISSED'}: >= 0.8x the bound"
+                 + (f" ({', '.join(r[0] for r in missed)} below)" if missed else ""))
+    return lines
+
+
 def _remove(path: str) -> None:
     if os.path.exists(path):
         os.remove(path)
@@ -236,8 +533,8 @@ def configure(parser) -> None:
     >>> import argparse
     >>> parser = argparse.ArgumentParser()
     >>> configure(parser)
-    >>> args = parser.parse_args(["--quick"]); args.quick, args.mib, args.repeats
-    (True, 512.0, 3)
+    >>> args = parser.parse_args(["--quick"]); args.quick, args.mib, args.repeats, args.moto
+    (True, 512.0, 3, False)
     """
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_MIB} MiB instead of --mib, one round")
     parser.add_argument("--mib", type=float, default=float(DEFAULT_MIB),
@@ -245,13 +542,19 @@ def configure(parser) -> None:
     add_repeat_option(parser, dest="repeats", default=3, help="rounds of each path (default 3; --quick: 1)")
     parser.add_argument("--sharded", action="store_true",
                         help="measure a 4-rank sharded checkpoint's per-rank loads instead")
+    parser.add_argument("--against", metavar="DIR", default=None,
+                        help="also run the fastckpt checked out in DIR (its open and load_model rows), in the same "
+                             "rounds")
+    parser.add_argument("--moto", action="store_true",
+                        help="measure saves and loads against moto's S3 server and s3fs's put/get instead of the "
+                             "streaming table (moto answers a ranged GET in time proportional to the whole object)")
 
 
 def run(args) -> int:
     """Run the s3 suite with parsed options; prints the table, returns 0.
 
     >>> from fastckpt.cli import main
-    >>> main(["bench", "--suite", "s3", "--quick"])  # doctest: +ELLIPSIS
+    >>> main(["bench", "--suite", "s3", "--quick", "--moto"])  # doctest: +ELLIPSIS
     S3 (moto's server on loopback, s3fs as the client): one safetensors file of 16 MiB
     ...
     0
@@ -262,5 +565,19 @@ def run(args) -> int:
     if getattr(args, "sharded", False):
         print("\n".join(report_sharded(measure_sharded(mib=mib, repeats=repeats))))
         return 0
-    print("\n".join(report(measure(mib=mib, repeats=repeats), quick=args.quick)))
+    if getattr(args, "moto", False):
+        print("\n".join(report(measure(mib=mib, repeats=repeats), quick=args.quick)))
+        return 0
+    print("\n".join(report_streaming(measure_streaming(mib=mib, repeats=repeats,
+                                                       against=getattr(args, "against", None)))))
+    if args.quick:
+        print("- (--quick sizes: the targets are stated for the full size)")
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--stream-worker"]:
+        raise SystemExit(_stream_worker(*sys.argv[2:4]))
+    raise SystemExit("python -m fastckpt bench --suite s3 runs this suite")

@@ -2,7 +2,7 @@
 
 ``python -m fastckpt bench --suite sharded [--ids N] [--dim D] [--dense-mib M] [--ranks 1,2,4]
 [--parallel 1,2,4] [--repeat R] [--reshard 4:3,4:2,2:3,1:4] [--reshard-only] [--baseline PATH] [--s3] [--dir DIR]
-[--quick]`` builds the state of a
+[--against DIR] [--quick]`` builds the state of a
 recommendation model, in one process:
 
 * a :class:`~fastckpt.sharded.HashTable` of ``--ids`` ids (default 8,000,000; unique int64 ids spread over
@@ -48,6 +48,10 @@ It prints the state's total bytes, then measures:
    peak of ``RssAnon`` (the process's own memory, sampled every 5 ms) is given beside it. A load's growth
    includes the share it loads (kept until the peak is read), a save's the copies ``export`` makes.
 
+``--against DIR`` (a checkout of an earlier commit, built: ``/work/wt/base-0.3``, say) runs that fastckpt's
+``Saver.save`` and both loads in the same rounds, in a worker process that imports it (:class:`Against`), and
+prints them beside this fastckpt's (rows marked ``(before)``): the before and after of a change from one run.
+
 Timed paths run round-robin (:func:`fastckpt.bench.timing.round_robin`): every path once per round in a
 shuffled order, ``--repeat`` rounds (medians reported), each run after a garbage collection, an
 ``os.sync()`` and 0.1 s of idle; the previous run's output is removed untimed (``prepare``). Loads read
@@ -72,10 +76,14 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import itertools
+import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,7 +95,8 @@ from fastckpt.bench.timing import (PeakMemory, add_repeat_option, format_duratio
 from fastckpt.formats.hashing import blake3_file
 from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.sharded.engine import ThreadEngine
-from fastckpt.sharded.format import rows_of, slice_owner
+from fastckpt.sharded.format import rows_of
+from fastckpt.sharded.recis import slice_owner  # (--against's worker runs this file on older fastckpts too)
 
 __all__ = ["configure", "options", "run", "measure", "report", "table_ids", "dense_tensors", "rank_state",
            "file_plan", "PeakMemory", "sharded_save", "sharded_load", "directory_bytes"]
@@ -103,6 +112,7 @@ RAW_LOAD = "raw read"
 LOAD = "Loader.load(verify=False)"
 LOAD_VERIFIED = "Loader.load() (verified)"
 HASH = "BLAKE3 of the files"
+BEFORE = " (before)"  # the suffix of a path run by the fastckpt of --against, in a worker process
 EXPORT = "HashTable.export()"
 IMPORT = "HashTable.import_() into a new table"
 
@@ -297,6 +307,114 @@ def _check_loaded(loaded: list[tuple[dict, dict]], states: list[RankState], dens
             raise AssertionError(f"the ranks loaded {rows} rows of {name!r}, not its {len(array)}")
 
 
+# ------------------------------------------------------------------ another fastckpt (--against)
+
+class Against:
+    """A worker process that imports fastckpt from ``folder`` (a checkout of an earlier commit, built) and runs the
+    save and load paths there, one call at a time, so that they join the same round-robin rounds as this fastckpt's.
+
+    The worker is this file run by path, so ``folder`` needs no bench code of its own beyond the helpers it
+    calls (``rank_state``, ``sharded_save``, ``sharded_load``: its own fastckpt's Saver and Loader). It builds
+    the same ranks' state from the same seeds (the same bytes); its loads read a checkpoint it saved itself (an
+    earlier fastckpt reads no newer format version). Messages are JSON lines; each call returns once the worker has finished
+    and dropped what it made, as a run timed here does; a save or load answers ``{"seconds", "cpu"}``, its wall time
+    and the worker's CPU time (user + system, every thread) measured there.
+
+    >>> import fastckpt
+    >>> worker = Against(os.path.dirname(os.path.dirname(fastckpt.__file__)))  # this checkout, say
+    >>> worker.where == os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
+    True
+    >>> worker.close()
+    """
+
+    def __init__(self, folder: str):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(folder), env.get("PYTHONPATH")) if p)
+        start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        self.folder = folder
+        self._process = subprocess.Popen([sys.executable, "-c", start, os.path.abspath(__file__), "--worker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                         cwd=os.path.abspath(folder))
+        self.where = self.call("where")
+
+    def call(self, op: str, **args) -> Any:
+        """Run ``op`` in the worker (``"where"``: the folder of the fastckpt it imported; ``"state"``, ``"save"``,
+        ``"load"``: what :func:`measure`'s rounds ask of it); its answer, or a ``RuntimeError`` with the worker's
+        error.
+
+        >>> import fastckpt
+        >>> worker = Against(os.path.dirname(os.path.dirname(fastckpt.__file__)))
+        >>> worker.call("where") == worker.where
+        True
+        >>> worker.close()
+        """
+        self._process.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self._process.stdin.flush()
+        line = self._process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the --against worker ({self.folder}) exited (status {self._process.wait()})")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"the --against worker ({self.folder}): {answer['error']}")
+        return answer.get("value")
+
+    def close(self) -> None:
+        """End the worker (its input closed, its exit awaited).
+
+        >>> import fastckpt
+        >>> worker = Against(os.path.dirname(os.path.dirname(fastckpt.__file__))); worker.close(); worker.close()
+        """
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            self._process.wait(timeout=60)
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, every thread (microseconds, where ``os.times`` counts
+    clock ticks)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _worker() -> int:
+    """The --against worker's loop: one JSON request a line on stdin, one JSON answer a line on stdout."""
+    import fastckpt
+
+    states: list[RankState] = []
+    dense: dict[str, np.ndarray] = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        try:
+            if op == "where":
+                value = os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
+            elif op == "state":
+                states = []
+                gc.collect()
+                ids = table_ids(request["ids"])
+                states = [rank_state(ids, request["dim"], rank, request["ranks"]) for rank in range(request["ranks"])]
+                dense = dense_tensors(request["dense_mib"])
+                value = None
+            elif op in ("save", "load"):
+                started, cpu = time.perf_counter(), _cpu_seconds()
+                if op == "save":
+                    sharded_save(Path(request["path"]), states, dense, request["parallel"])
+                else:
+                    sharded_load(Path(request["path"]), request["ranks"], request["dim"], request["parallel"],
+                                 verify=request["verify"])  # dropped at once, as a timed run here drops it
+                value = {"seconds": time.perf_counter() - started, "cpu": _cpu_seconds() - cpu}
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except Exception as exc:  # noqa: BLE001 - told to the parent, which raises it
+            print(json.dumps({"error": f"{op}: {type(exc).__name__}: {exc}"}), flush=True)
+            continue
+        print(json.dumps({"value": value}), flush=True)
+        gc.collect()  # between the parent's rounds, not in its next timed run
+    return 0
+
+
 # ------------------------------------------------------------------ measuring
 
 def _remove(path: Path) -> None:
@@ -316,8 +434,9 @@ def directory_bytes(path: Path) -> int:
 
 
 def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], parallel: int, dim: int,
-            repeat: int) -> dict[str, Any]:
-    """One ranks x parallel: memory of a save and a load, then the four paths round-robin."""
+            repeat: int, against: Against | None = None) -> dict[str, Any]:
+    """One ranks x parallel: memory of a save and a load, then the paths round-robin (with ``against``, its save and
+    loads too, in the same rounds)."""
     ranks = len(states)
     where = root / f"ranks{ranks}-parallel{parallel}"
     where.mkdir()
@@ -333,11 +452,12 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
     del loaded
 
     counter = itertools.count()
-    current = {RAW_SAVE: where / "raw-0", SAVE: where / "save-0"}
+    current = {RAW_SAVE: where / "raw-0", SAVE: where / "save-0", SAVE + BEFORE: where / "before-0"}
+    prefixes = {RAW_SAVE: "raw", SAVE: "save", SAVE + BEFORE: "before"}
 
     def fresh(name: str) -> None:  # untimed: remove the previous run's output, name a new one
         _remove(current[name])
-        current[name] = where / f"{'raw' if name == RAW_SAVE else 'save'}-{next(counter)}"
+        current[name] = where / f"{prefixes[name]}-{next(counter)}"
 
     paths = {
         RAW_SAVE: lambda: raw_save(current[RAW_SAVE], files),
@@ -347,13 +467,42 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
         LOAD_VERIFIED: lambda: sharded_load(checkpoint, ranks, dim, parallel),
         HASH: lambda: hash_files(checkpoint),
     }
-    timings = round_robin(paths, repeat, warmup=0, prepare={RAW_SAVE: lambda: fresh(RAW_SAVE),
-                                                            SAVE: lambda: fresh(SAVE)},
-                          sync=True, settle=SETTLE)
+    prepare = {RAW_SAVE: lambda: fresh(RAW_SAVE), SAVE: lambda: fresh(SAVE)}
+    if against is not None:
+        # On a busy machine the CPU time each run took (this process's, or the worker's for a (before) row) says
+        # more than its wall time: both are kept.
+        cpu: dict[str, list[float]] = {}
+
+        def in_worker(name: str, op: str, **args) -> None:
+            cpu.setdefault(name, []).append(against.call(op, **args)["cpu"])
+
+        def here(name: str, run: Callable[[], Any]) -> Callable[[], Any]:
+            def counted():
+                started = _cpu_seconds()
+                try:
+                    return run()
+                finally:
+                    cpu.setdefault(name, []).append(_cpu_seconds() - started)
+            return counted
+
+        for name in (RAW_SAVE, SAVE, RAW_LOAD, LOAD, LOAD_VERIFIED):
+            paths[name] = here(name, paths[name])
+        paths[SAVE + BEFORE] = lambda: in_worker(SAVE + BEFORE, "save", path=str(current[SAVE + BEFORE]),
+                                                 parallel=parallel)
+        # its loads read a checkpoint it saved itself, in its own format (an earlier fastckpt reads no newer one)
+        before = where / "before-checkpoint"
+        against.call("save", path=str(before), parallel=parallel)
+        for name, verify in ((LOAD + BEFORE, False), (LOAD_VERIFIED + BEFORE, True)):
+            paths[name] = lambda name=name, verify=verify: in_worker(name, "load", path=str(before), ranks=ranks,
+                                                                     dim=dim, parallel=parallel, verify=verify)
+        prepare[SAVE + BEFORE] = lambda: fresh(SAVE + BEFORE)
+    timings = round_robin(paths, repeat, warmup=0, prepare=prepare, sync=True, settle=SETTLE)
     result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel,
               "checkpoint_bytes": directory_bytes(checkpoint), "timings": timings,
               "save_peak": save_peak.growth, "save_anon": save_peak.anon_growth,
               "load_peak": load_peak.growth, "load_anon": load_peak.anon_growth, "hwm_reset": save_peak.reset}
+    if against is not None:
+        result["cpu"] = {name: statistics.median(seconds) for name, seconds in cpu.items()}
     shutil.rmtree(where)
     return result
 
@@ -372,13 +521,16 @@ def _hashtable(state: RankState, dim: int, repeat: int) -> dict[str, Any]:
 def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: float = DEFAULTS["dense_mib"],
             ranks=(1, 2, 4), parallel=(1, 2, 4), repeat: int = DEFAULTS["repeat"], reshard=((4, 3),),
             directory: str | None = None, log: Callable[[str], None] = lambda line: None,
-            baseline: str | None = None, s3: bool = False, reshard_only: bool = False) -> dict[str, Any]:
+            against: str | None = None, baseline: str | None = None, s3: bool = False,
+            reshard_only: bool = False) -> dict[str, Any]:
     """Build the state and time every case (see the module docs); returns what :func:`report` prints.
 
     The ranks' tables are built for one ranks count at a time (then dropped), that count's configurations
     measured, the resharding pairs (``reshard``: ``[(N, M), ...]``, :mod:`fastckpt.bench.reshard`, with
     ``baseline`` and ``s3``) once every ranks count is done, export and import on the table of one rank
-    (``reshard_only``: the resharding alone). ``log`` receives a line as each step starts.
+    (``reshard_only``: the resharding alone). ``log`` receives a line as each step starts. ``against`` (a folder
+    holding another fastckpt, built): its ``Saver.save`` and loads run in the same rounds, in a worker process
+    (:class:`Against`), as rows marked ``(before)``.
     """
     ranks, parallel = ([], []) if reshard_only else (list(ranks), list(parallel))
     reshard = list(reshard)
@@ -391,14 +543,21 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
                                "load_before": _load_average()}
     log(f"state: {results['state_bytes']:,} bytes ({results['state_bytes'] / 2**30:.2f} GiB)")
     root = Path(tempfile.mkdtemp(prefix="fastckpt-sharded-bench-", dir=directory))
+    worker = None
     try:
+        if against is not None:
+            worker = Against(against)
+            results["against"] = worker.where
+            log(f"(before): the fastckpt in {worker.where}, in a worker process")
         for n in list(dict.fromkeys([*ranks, *([] if reshard_only else [1])])):  # each ranks count once
             log(f"building the tables of {n} rank(s)")
             states = [rank_state(all_ids, dim, rank, n) for rank in range(n)]
             if n in ranks:
+                if worker is not None:
+                    worker.call("state", ids=ids, dim=dim, dense_mib=dense_mib, ranks=n)
                 for p in parallel:
                     log(f"ranks {n}, parallel {p}")
-                    results["configs"].append(_config(root, states, dense, p, dim, repeat))
+                    results["configs"].append(_config(root, states, dense, p, dim, repeat, worker))
             if n == 1:
                 log("HashTable export / import")
                 results["hashtable"] = _hashtable(states[0], dim, repeat)
@@ -414,6 +573,8 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
                 sizes={"ids": ids, "dim": dim, "dense_mib": dense_mib}, baseline=baseline, s3=s3, log=log, table=TABLE)
             results["reshard_pairs"], results["reshard_parallel"] = reshard, p
     finally:
+        if worker is not None:
+            worker.close()
         shutil.rmtree(root, ignore_errors=True)
     results["load_after"] = _load_average()
     return results
@@ -483,6 +644,23 @@ def _verify_table(results: dict) -> list[str]:
                         "verified / (unverified + BLAKE3)", f"<= {TARGET_VERIFY:.1f}x"], rows, "rrrrrrrl")
 
 
+def _before_table(results: dict) -> list[str]:
+    """Each path of this fastckpt beside the same path of the fastckpt of ``--against``, from the same rounds: wall
+    times, and the median CPU time of the runs (user + system, every thread of the process that ran them)."""
+    rows = []
+    for c in results["configs"]:
+        t, cpu = c["timings"], c["cpu"]
+        for raw, ours in ((RAW_SAVE, SAVE), (RAW_LOAD, LOAD), (None, LOAD_VERIFIED)):
+            before, after = t[ours + BEFORE].median, t[ours].median
+            vs_raw = ([format_ratio(t[raw].median / before), format_ratio(t[raw].median / after)] if raw else
+                      ["-", "-"])
+            rows.append([c["ranks"], c["parallel"], ours, format_duration(before), format_duration(after), *vs_raw,
+                         format_ratio(before / after), format_duration(cpu[ours + BEFORE]),
+                         format_duration(cpu[ours]), format_duration(cpu[raw]) if raw else "-"])
+    return table_lines(["ranks", "parallel", "path", "before", "after", "before / raw", "after / raw",
+                        "speed-up", "CPU before", "CPU after", "CPU raw"], rows, "rrlrrrrrrrr")
+
+
 def _summary(results: dict, raw: str, ours: str, target: float, what: str) -> str:
     ratios = [(c["timings"][raw].median / c["timings"][ours].median, c) for c in results["configs"]]
     met = sum(r >= target for r, _ in ratios)
@@ -533,6 +711,11 @@ def report(results: dict, quick: bool = False) -> str:
             lines += ["### what verification costs: the verified load (the default: every file hashed against the "
                       "manifest while it is read) beside the unverified one and one BLAKE3 pass over the files", "",
                       *_verify_table(r), ""]
+        if SAVE + BEFORE in c["timings"]:
+            lines += [f"### before and after: the same paths run by the fastckpt in {r.get('against')} (a worker "
+                      "process), in the same rounds; x / raw: throughput over the raw path's (the targets' ratio); "
+                      "speed-up: before's time / after's; CPU: the median CPU time of a run (user + system, all "
+                      "threads), which a busy machine moves less than the wall time", "", *_before_table(r), ""]
     if "reshard" in r:
         from fastckpt.bench import reshard as resharding
 
@@ -629,6 +812,9 @@ def configure(parser) -> None:
                         help="also load the resharding checkpoints from moto's S3 server on loopback (ranged reads)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for smoke tests)")
+    parser.add_argument("--against", default=None,
+                        help="a folder holding another fastckpt (a checkout of an earlier commit, built): its "
+                             "Saver.save and loads run too, in a worker process, marked (before), in the same rounds")
 
 
 def options(args) -> dict[str, Any]:
@@ -650,8 +836,8 @@ def options(args) -> dict[str, Any]:
     return {"ids": pick["ids"], "dim": pick["dim"], "dense_mib": pick["dense_mib"],
             "ranks": _counts(str(pick["ranks"])), "parallel": _counts(str(pick["parallel"])),
             "repeat": pick["repeat"], "reshard": reshard, "directory": args.dir,
-            "baseline": getattr(args, "baseline", None), "s3": getattr(args, "s3", False),
-            "reshard_only": getattr(args, "reshard_only", False)}
+            "against": getattr(args, "against", None), "baseline": getattr(args, "baseline", None),
+            "s3": getattr(args, "s3", False), "reshard_only": getattr(args, "reshard_only", False)}
 
 
 def run(args) -> int:
@@ -663,3 +849,11 @@ def run(args) -> int:
     results = measure(**options(args), log=lambda line: print(f"[sharded] {line}", file=sys.stderr, flush=True))
     print(report(results, quick=args.quick))
     return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:  # the --against worker (Against), run by path with the other fastckpt
+        sys.exit(_worker())
+    from fastckpt.bench import main
+
+    sys.exit(main(["--suite", "sharded", *sys.argv[1:]]))

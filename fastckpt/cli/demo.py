@@ -27,6 +27,8 @@ def add_parser(subparsers):
     parser.add_argument("--mib", type=float, default=64.0, help="total size in MiB (default 64)")
     parser.add_argument("--hidden", type=int, default=1024,
                         help="hidden width of the demo MLP saved as a .netcl model file (default 1024)")
+    parser.add_argument("--ids", type=int, default=1_000_000,
+                        help="ids in the sharded demo's embedding table (default 1,000,000)")
     return parser
 
 
@@ -62,7 +64,7 @@ def run(args) -> int:
         _model_demo(tmp, args.hidden)
         _training_demo(tmp)
         _tf_demo(tmp)
-        _sharded_demo(tmp)
+        _sharded_demo(tmp, args.ids)
     return 0
 
 

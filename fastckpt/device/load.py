@@ -96,6 +96,8 @@ from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
 from fastckpt.formats.reader import TensorFile, guard
 from fastckpt.formats.readinto import DIRECT_ALIGN, cached, open_direct, raise_if_changed, read_checked, same_file
+from fastckpt.formats.remote import streamed_source
+from fastckpt.store.remote import is_url
 from fastckpt.progress import ProgressArg, progress_from, requested
 
 if TYPE_CHECKING:
@@ -434,10 +436,17 @@ def _wait_all(events) -> None:
     cl.wait_for_events(events)
 
 
-def _open(source, copy_on_write: bool, pool=None):
-    """``(reader, close_after, kept_by_pool)`` for a path or an open reader of the contract."""
+def _open(source, copy_on_write: bool, pool=None, storage_options: dict | None = None):
+    """``(reader, close_after, kept_by_pool)`` for a path, a URL or an open reader of the contract."""
     from fastckpt.formats import reader
 
+    if isinstance(source, str) and "://" in source and is_url(source):
+        # Object storage: the index only; the payloads stream into the destinations (_stream_region)
+        from fastckpt.formats.remote import open_streamed
+
+        return open_streamed(source, storage_options=storage_options), True, False
+    if storage_options is not None:
+        raise ValueError(f"storage_options is for URLs (s3://...), not {source!r}")
     if isinstance(source, (str, os.PathLike)):
         if pool is not None and not copy_on_write:
             tf = pool.files.get(source)
@@ -488,6 +497,8 @@ class _Plan:
             part_of = {name: number for number, (_file, part_names) in enumerate(parts) for name in part_names}
             by_part: list[list] = [[] for _ in parts]
         for info in self.selected:
+            if info.packed is not None:
+                _refuse_packed(tf.path, info)
             if not self.mapped:
                 if info.size == 0:
                     self.empty.append(info)
@@ -522,6 +533,8 @@ class _Plan:
         odd = {}  # name -> TensorInfo where the columns are left empty (compressed members, odd shapes)
         for i in np.flatnonzero(~viewable).tolist():
             info = odd[all_names[i]] = infos[all_names[i]]
+            if info.packed is not None:
+                _refuse_packed(infos.mapped.path, info)
             if not (0 <= info.offset < 1 << 62 and 0 <= info.nbytes < 1 << 62):
                 return False
             offsets[i], nbytes[i] = info.offset, info.nbytes
@@ -669,6 +682,17 @@ def _plan_for(tf, names: tuple | None) -> _Plan:
     return plan
 
 
+def _refuse_packed(path, info) -> None:
+    """A packed sub-byte tensor has no device form here: say which, and the way to the rest of the file."""
+    from fastckpt.arrays import PackedTypeError
+
+    raise PackedTypeError(
+        f"{path}: tensor {info.name!r} is packed {info.packed} ({info.bits}-bit elements, logical shape "
+        f"{list(info.shape)}, {info.nbytes} stored bytes), which the OpenCL pool cannot place (device buffers hold "
+        "types of a byte or more); load the other tensors with names=[...], and read this one with "
+        "fastckpt.open(path).host(name) (a PackedArray: .unpack() widens F4 to ml_dtypes.float4_e2m1fn)")
+
+
 def _select(tf, names, by_offset: bool) -> tuple[list, list]:
     """``(infos to load, string tensors left out)``: by payload offset for a mapped file, else in keys() order.
 
@@ -709,7 +733,7 @@ def _select(tf, names, by_offset: bool) -> tuple[list, list]:
 def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQueue | None = None, *,
               pool: PersistentBufferPool | None = None, zero_copy: bool = False, names: Iterable[str] | None = None,
               blocking: bool = True, progress: ProgressArg = False,
-              staging: bool | int | None = None) -> LoadedTensors:
+              staging: bool | int | None = None, storage_options: dict | None = None) -> LoadedTensors:
     """Load the tensors of a tensor file, or of any reader of the contract, into device memory.
 
     ``source`` is a path (opened with :func:`fastckpt.open`) or an open reader:
@@ -753,7 +777,13 @@ def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQu
     (the default) on devices whose ``host_unified_memory`` is false (discrete
     GPUs), ``True``/``False`` force it either way, an int forces it with
     chunks of that many bytes (``report.staging_chunk`` says what was used).
-    Decoded tensors are copied from their host arrays, never staged. Each
+    Decoded tensors are copied from their host arrays, never staged.
+    A URL (``s3://bucket/model.safetensors``, ``https://...``, a Hugging Face
+    sharded prefix; any fsspec URL, with ``storage_options``) streams: only the
+    index is fetched first, then parallel ranged reads go straight into the
+    pooled arena or each tensor's buffer (:mod:`fastckpt.formats.stream`: no
+    temporary file, no copy of the whole object, at most ``THREADS x CHUNK``
+    bytes held; ``staging`` and ``zero_copy`` do not apply). Each
     load is logged at INFO on ``fastckpt.device.load`` (file, tensors, bytes,
     seconds, the paths taken and why any was slower).
 
@@ -770,8 +800,15 @@ def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQu
         raise TypeError("names must be a list of tensor names, not a single string")
     if names is not None:
         names = tuple(names)
-    tf, opened, file_reused = _open(source, zero_copy, pool)
+    tf, opened, file_reused = _open(source, zero_copy, pool, storage_options)
     try:
+        streamed = _streamed_objects(tf)
+        if streamed:  # the bytes come from the store, through no mapping: nothing to stage or share
+            chunk = 0
+            if zero_copy:
+                warnings.warn(NotZeroCopyWarning(f"{tf.path}: zero_copy=True needs a mapped file; a URL's tensors "
+                                                 "stream into device buffers"), stacklevel=2)
+                zero_copy = False
         t_open = time.perf_counter()
         plan = _plan_for(tf, names)
         report = LoadReport(path=tf.path, format=tf.format, mode="pool" if pool is not None else "per-tensor",
@@ -817,6 +854,8 @@ def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQu
             if plan.empty:
                 _load_empty(load, plan.empty)
             _report_pending(load)
+            for obj in streamed:  # a store without conditional reads: one object throughout?
+                obj.check()
             if blocking and load.events:
                 _wait_all(load.events)
                 load.events = []
@@ -1097,7 +1136,8 @@ def _direct_files(load: _Load, ranges: list, limit: int | None, largest: int) ->
     copies go from the mappings). Each descriptor is the mapped file's path opened again, only where ``fstat`` shows
     that file (:func:`~fastckpt.formats.readinto.same_file`)."""
     if (not DIRECT_READS or load.stager is not None or load.progress.enabled or not ranges
-            or (limit is not None and largest > limit) or not shares_host_memory(load.queue.device)):
+            or (limit is not None and largest > limit) or not shares_host_memory(load.queue.device)
+            or any(streamed_source(mapped) is not None for mapped, _start, _end in ranges)):  # a URL's: streamed
         return None
     if all(mapped.address is not None and cached(mapped, start, end, COLD_SAMPLES, centred=True)
            for mapped, start, end in ranges):
@@ -1173,9 +1213,13 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
     import pyopencl as cl
 
     queue, report, blocking = load.queue, load.report, load.blocking
-    source_view = mapped.view(start, end - start, "tensor data region")
     if load.first_buffer is None:
         load.first_buffer = lease.buffer
+    remote = streamed_source(mapped)
+    if remote is not None:
+        _stream_region(load, remote, start, end, lease, at, group)
+        return
+    source_view = mapped.view(start, end - start, "tensor data region")
     if load.stager is not None:
         _stage_region(load, mapped, start, end, lease, at, group, source_view)
         return
@@ -1203,6 +1247,117 @@ def _copy_region(load: _Load, mapped, start: int, end: int, lease, at: int, grou
     # SAFETY: while the copy may run, the region entry keeps source_view (and so the mapping) alive.
     load.regions.append([lease.buffer, start - at, lease, None if blocking else event,
                          None if blocking else source_view])
+
+
+def _streamed_objects(tf) -> list:
+    """The remote objects a reader's payloads stream from (:func:`fastckpt.formats.remote.open_streamed`)."""
+    files = [f for f, _names in _parts_of(tf) or ()] or [tf]
+    objects = [streamed_source(getattr(f, "mapped", None)) for f in files]
+    return [o for o in objects if o is not None]
+
+
+class _Done:
+    """Counts the bytes of each tensor delivered by a stream's pieces (in any order, from any thread) and reports a
+    tensor to the load's progress once all of its bytes are in place."""
+
+    def __init__(self, load: _Load, infos):
+        self.progress = load.progress if load.progress.enabled else None
+        self.infos = sorted(infos, key=lambda i: i.offset) if self.progress is not None else []
+        self.starts = [i.offset for i in self.infos]
+        self.left = [i.nbytes for i in self.infos]
+        self.lock = threading.Lock()
+
+    def __call__(self, offset: int, length: int) -> None:
+        if self.progress is None:
+            return
+        end = offset + length
+        finished = []
+        with self.lock:
+            i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+            while i < len(self.infos) and self.starts[i] < end:
+                info = self.infos[i]
+                overlap = min(end, info.offset + info.nbytes) - max(offset, info.offset)
+                if overlap > 0:
+                    self.left[i] -= overlap
+                    if self.left[i] == 0:
+                        finished.append(info)
+                i += 1
+        for info in finished:
+            self.progress.advance(_payload(info), info.name)
+
+
+def _stream_region(load: _Load, remote, start: int, end: int, lease, at: int, group) -> None:
+    """:func:`_copy_region` for a URL: bytes ``[start, end)`` of the object stream (parallel ranged reads,
+    :meth:`~fastckpt.formats.stream.RemoteObject.stream`) straight into the lease's buffer at ``at``: on a device
+    that shares host memory, into the mapped arena, each part of a response as it arrives; on a discrete device,
+    each piece by one blocking ``enqueue_copy`` from the piece as it arrived (so at most ``THREADS x CHUNK``
+    bytes are held)."""
+    import pyopencl as cl
+
+    queue, buffer = load.queue, lease.buffer
+    done = _Done(load, group or ())
+    pieces: list = []
+    if shares_host_memory(queue.device):
+        # The arena is host memory: mapped, each part of the bodies is copied into it as it arrives (one copy).
+        mapped, _event = cl.enqueue_map_buffer(queue, buffer, cl.map_flags.WRITE_INVALIDATE_REGION, at,
+                                               (end - start,), np.uint8, is_blocking=True)
+        try:
+            def write(offset: int, data) -> None:
+                mapped[offset - start:offset - start + len(data)] = np.frombuffer(data, np.uint8)
+                done(offset, len(data))
+
+            remote.stream([(start, end)], write, parts=True)
+        finally:
+            mapped.base.release(queue).wait()
+            del mapped
+        pieces.append(1)
+    else:
+        def deliver(offset: int, data) -> None:
+            cl.enqueue_copy(queue, buffer, data, dst_offset=at + offset - start, is_blocking=True)
+            pieces.append(len(data))  # list.append is atomic: deliveries come from several threads
+            done(offset, len(data))
+
+        remote.stream([(start, end)], deliver)
+    load.report.copies += len(pieces)
+    load.report.bytes_copied += end - start
+    load.regions.append([buffer, start - at, lease, None, None])
+
+
+def _stream_buffers(load: _Load, direct: list, remote) -> None:
+    """:func:`_load_buffers` for a URL: a buffer of exactly each tensor's size, all filled by one stream of parallel
+    ranged reads over the tensors' merged byte ranges (a piece may end one tensor and start the next:
+    :class:`~fastckpt.formats.stream.Scatter` puts each byte in its buffer)."""
+    import pyopencl as cl
+
+    from fastckpt.formats.stream import Scatter
+
+    report, queue = load.report, load.queue
+    rw = cl.mem_flags.READ_WRITE
+    done = _Done(load, direct)
+    targets = []
+    copies: list = []
+
+    def into(buffer, base: int):
+        def write(at: int, data) -> None:
+            cl.enqueue_copy(queue, buffer, data, dst_offset=at, is_blocking=True)
+            copies.append(len(data))  # list.append is atomic: deliveries come from several threads
+            done(base + at, len(data))
+        return write
+
+    for info in direct:
+        buffer = cl.Buffer(queue.context, rw, max(1, info.nbytes))
+        report.bytes_allocated += info.nbytes
+        if load.first_buffer is None:
+            load.first_buffer = buffer
+        load.tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
+        load.paths[info.name] = "buffer"
+        if info.nbytes:
+            targets.append((info.offset, info.nbytes, into(buffer, info.offset)))
+    scatter = Scatter(targets)
+    remote.stream(scatter.spans(), scatter)
+    report.copies += len(copies)
+    report.bytes_copied += sum(i.nbytes for i in direct)
+    load.t_alloc = time.perf_counter()
 
 
 def _stage_region(load: _Load, mapped, start: int, end: int, lease, at: int, group, source_view) -> None:
@@ -1238,6 +1393,10 @@ def _load_buffers(load: _Load, direct: list, mapped=None) -> None:
 
     report, queue, blocking = load.report, load.queue, load.blocking
     mapped = load.mapped if mapped is None else mapped
+    remote = streamed_source(mapped)
+    if remote is not None:
+        _stream_buffers(load, direct, remote)
+        return
     tensors, paths, events = load.tensors, load.paths, load.events
     ctx = queue.context
     rw = cl.mem_flags.READ_WRITE

@@ -312,7 +312,9 @@ def convert(src, dst, *, to: str | None = None, object_graph: bool = False, skip
                 quantized[name] = recorded[name]
                 names.append(name)
                 continue
-            why = cannot_hold(fmt, dtype)
+            packed = getattr(source.reader.info(name), "packed", None)
+            why = cannot_hold(fmt, dtype) if packed is None or fmt == "safetensors" else (
+                f"packed {packed} (elements narrower than a byte), which only safetensors holds")
             if why is None:
                 names.append(name)
             elif skip_unsupported:

@@ -192,7 +192,7 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt.arrays import to_numpy
+from fastckpt.arrays import PACKED_BITS, is_packed, packed_nbytes, to_numpy
 from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FastCkptWarning, FormatError
 from fastckpt.store.commit import Commit, overwrite_flag, write_file
 from fastckpt.formats.contract import MultiFileReader, tensor_not_found
@@ -269,12 +269,14 @@ def parse_size(size: int | str) -> int:
 def _tensor_nbytes(name, value) -> int:
     """The stored size of one tensor, checking (as the writer will) that safetensors can hold it."""
     NAMES.check(name)
-    arr = value if type(value) is np.ndarray else to_numpy(value)
+    arr = value if type(value) is np.ndarray else to_numpy(value, packed=True, name=name)
+    if is_packed(arr):
+        return arr.nbytes
     try:
-        dtype_to_safetensors(arr.dtype)
+        stored = dtype_to_safetensors(arr.dtype)
     except TypeError as e:
         raise TypeError(f"tensor {name!r}: {e}") from None
-    return arr.nbytes
+    return packed_nbytes(stored, arr.shape) if stored in PACKED_BITS else arr.nbytes
 
 
 def plan_shards(tensors: Mapping[str, Any], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[list[str]]:

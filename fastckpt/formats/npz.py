@@ -425,7 +425,7 @@ class NpzWriter:
         :func:`fastckpt.arrays.as_numpy` (DLPack, buffers). Fortran-ordered arrays are
         stored in Fortran order (``fortran_order`` True), as numpy does.
         """
-        arr = to_numpy(array)
+        arr = to_numpy(array, name=name, where="an NPZ file")
         header_start, header, payload_nbytes, fortran_order, crc = self._add(name, arr)
         self._out.flush()  # the caller may change or reuse the array once add() returns
         return NpzTensorInfo(name, arr.dtype, arr.shape, header_start + len(header), payload_nbytes, fortran_order,
@@ -517,6 +517,11 @@ def _refuse_savez_form(tensors, arrays: tuple, named: dict) -> None:
                     f"save_npz(path, {{{', '.join(entries)}}}) for the names np.savez would give")
 
 
+def _member_array(value: Any, name: str) -> np.ndarray:
+    """A member's array, for MemberWriter.add_items: anything ``to_numpy`` takes; refusals name the member."""
+    return to_numpy(value, name=name, where="an NPZ file")
+
+
 def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignment: int | str = "auto",
              fsync: bool = True, progress: ProgressArg = False, storage_options: dict | None = None,
              overwrite: bool = False, **named: Any) -> None:
@@ -571,7 +576,7 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignme
             items, batch = _reporting(items, report), False
         # A dict's own iteration runs no caller code, so its arrays can be queued and written together, and its
         # keys need no check for repeats one by one while no caller code runs (see MemberWriter.add_items).
-        writer._members.add_items(items, batch, to_numpy, tensors if batch else None)
+        writer._members.add_items(items, batch, _member_array, tensors if batch else None)
         count = writer._members.count
     level = file_log_level()
     if _log.isEnabledFor(level):

@@ -40,6 +40,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from fastckpt.arrays import packed_array
 from fastckpt._native.mapped import MappedFile, held_guards
 from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
@@ -145,6 +146,9 @@ class TensorFile(ReaderMapping):
                 self._read_ahead(view)
             return view
         info = self.info(name)
+        if info.packed is not None:  # sub-byte elements: the stored bytes, typed by a PackedArray
+            raw = self.mapped.array(info.offset, np.dtype(np.uint8), (info.nbytes,), what=f"tensor {name!r}")
+            return packed_array(raw, info.packed, info.shape)
         if info.compression is None:
             order = "F" if info.fortran_order else "C"
             return self.mapped.array(info.offset, info.dtype, info.shape, order=order, what=f"tensor {name!r}")
@@ -158,7 +162,8 @@ class TensorFile(ReaderMapping):
         ``O_DIRECT`` where the file system allows, in pieces from several threads (:func:`copies`' route); None
         otherwise (the one ``pread`` of the backend)."""
         info = self.infos.get(name)
-        if info is None or info.nbytes < COPY_READ_MIN or info.compression is not None or not info.shape:
+        if info is None or info.nbytes < COPY_READ_MIN or info.compression is not None or info.packed is not None \
+                or not info.shape:
             return None
         fd = same_file(self.mapped)
         if fd is None:
@@ -362,7 +367,7 @@ def copies(reader, names: Iterable[str] | None = None, *, _fd: int | None = None
                 if name not in chosen:
                     continue
                 info = f.infos[name]
-                if info.nbytes < COPY_READ_MIN or info.compression is not None or \
+                if info.nbytes < COPY_READ_MIN or info.compression is not None or info.packed is not None or \
                         (_fd is None and f._view(name) is None):
                     continue
                 block = np.empty(info.nbytes + DIRECT_ALIGN, np.uint8)
@@ -382,7 +387,8 @@ def copies(reader, names: Iterable[str] | None = None, *, _fd: int | None = None
     if _fd is not None:
         return out
     with guard(reader, "tensors into copies"):
-        return {name: out[name] if name in out else np.array(reader.host(name), copy=True) for name in wanted}
+        return {name: out[name] if name in out else np.array(reader.host(name), copy=True, subok=True)  # packed: kept
+                for name in wanted}
 
 
 def mappings_of(reader) -> list:

@@ -13,12 +13,17 @@ re-exports its names (``put_file``, ``put_directory``, ``committed``, ...) and r
 
 Loads
 -----
+Every byte read from a URL comes through :mod:`fastckpt.formats.stream` (parallel ranged GETs, each piece
+delivered straight to its destination; at most ``THREADS x CHUNK`` bytes held; conditional on the object's ETag).
 :func:`open` (``fastckpt.open(url)``) reads a tensor file's index with ranged reads (safetensors: bytes ``0..8``
 and the header; NPZ: the ZIP end records, the central directory and each member's local and ``.npy``
-headers), then fetches only the payloads of the tensors asked for (``names=``), 16 MiB ranges in parallel
-(``fs.cat_ranges``), into a sparse temporary file that is mapped and unlinked at once: the reader is the
-same :class:`~fastckpt.formats.reader.TensorFile` as for a local file, its views zero-copy in that mapping.
-Local paths never come here: they keep the mapped zero-copy path of :func:`fastckpt.open`.
+headers), then fetches only the payloads of the tensors asked for (``names=``) into anonymous memory of the
+object's size (a ``memfd``: no file on any filesystem; only what is fetched takes space), which is then mapped:
+the reader is the same :class:`~fastckpt.formats.reader.TensorFile` as for a local file, its views zero-copy in
+that memory. :func:`open_streamed` reads the index only: the device loads (``load_file(url, ...)``,
+``load_model(url)``) stream the payloads into the pooled arena or the tensors' buffers. A prefix holding a
+Hugging Face checkpoint opens as :class:`RemoteHFSharded`. Local paths never come here: they keep the mapped
+zero-copy path of :func:`fastckpt.open`.
 
 >>> import fastckpt, numpy as np
 >>> fastckpt.save_safetensors("memory://doc/remote.safetensors", {"a": np.arange(3, dtype=np.int32),
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import os
 import shutil
 import struct
@@ -42,6 +48,7 @@ from fastckpt._native.safetensors import MAX_HEADER_SIZE
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import tensor_not_found
 from fastckpt.formats.reader import TensorFile, detect_format, open_file, register_url_opener, sniff_length
+from fastckpt.formats.stream import RemoteObject, Scatter, merged, stream
 from fastckpt.store.remote import (  # noqa: F401 - the write side, re-exported: one module names both
     clear,
     committed,
@@ -57,11 +64,11 @@ from fastckpt.store.remote import (  # noqa: F401 - the write side, re-exported:
 from fastckpt.store.names import RELATIVE_PATH
 
 __all__ = ["is_url", "filesystem", "join", "put_file", "put_directory", "clear", "get_directory", "committed",
-           "committed_prefixes", "remove_uncommitted", "save_file", "local_copy", "open", "RemoteTensorFile"]
+           "committed_prefixes", "remove_uncommitted", "save_file", "local_copy", "open", "open_streamed",
+           "streamed_source", "RemoteTensorFile", "StreamedTensorFile", "RemoteHFSharded"]
 
-# Reads are split into ranges of this size and fetched in parallel; at most _BATCH bytes are held at once.
+# Downloads to local files are read in pieces of this size (fastckpt.formats.stream: THREADS at a time).
 _RANGE = 16 << 20
-_BATCH = 256 << 20
 _HEAD = 64 << 10
 
 
@@ -108,41 +115,31 @@ def get_directory(url: str, local: str | os.PathLike, marker: str = "manifest.js
 
 
 def _fetch_into(fs, url: str, plan: list[tuple[str, str, list[tuple[int, int]]]]) -> None:
-    """Fetch byte ranges of remote files into local files at the same offsets, in parallel ranges of _RANGE bytes.
+    """Fetch byte ranges of remote files into local files at the same offsets: every range of every file in one
+    pool of parallel ranged reads (:func:`fastckpt.formats.stream.stream`, pieces of ``_RANGE`` bytes).
 
     ``plan``: (remote path, local file, [(start, end), ...]); the local files exist and are large enough.
     """
-    pieces = []
-    for remote, target, spans in plan:
-        for start, end in spans:
-            for s in range(start, end, _RANGE):
-                pieces.append((remote, target, s, min(end, s + _RANGE)))
     fds: dict[str, int] = {}
+    jobs = []
     try:
-        for _, target, _, _ in pieces:
+        for remote, target, spans in plan:
+            spans = [(s, e) for s, e in spans if e > s]
+            if not spans:
+                continue
             if target not in fds:
                 fds[target] = os.open(target, os.O_WRONLY)
-        batch: list = []
-        held = 0
-        for piece in pieces + [None]:
-            if piece is not None and (held + piece[3] - piece[2] <= _BATCH or not batch):
-                batch.append(piece)
-                held += piece[3] - piece[2]
-                continue
-            if batch:
-                blobs = fs.cat_ranges([p[0] for p in batch], [p[2] for p in batch], [p[3] for p in batch])
-                for (remote, target, start, end), blob in zip(batch, blobs):
-                    if isinstance(blob, Exception):
-                        raise OSError(f"{url}: reading bytes {start}..{end} of {remote} failed: {blob}") from blob
-                    if len(blob) != end - start:
-                        raise FormatError(f"{url}: {remote}: expected {end - start} bytes at offset {start}, got "
-                                          f"{len(blob)} (the object is shorter than its listing said: changed "
-                                          "while being read?)")
-                    _pwrite_all(fds[target], blob, start)
-            batch, held = ([piece], piece[3] - piece[2]) if piece is not None else ([], 0)
+            obj = RemoteObject(fs.unstrip_protocol(remote), fs=fs, path=remote,
+                               info={"size": max(e for _, e in spans)})  # a listing's size: checked by each read
+            jobs.append((obj, spans, functools.partial(_pwrite_at, fds[target]), None))
+        stream(jobs, chunk=_RANGE, parts=True)
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _pwrite_at(fd: int, position: int, data) -> None:
+    _pwrite_all(fd, data, position)
 
 
 def _pwrite_all(fd: int, data: bytes, position: int) -> None:
@@ -194,15 +191,100 @@ def naming_url(local: str, url: str) -> Iterator[None]:
 
 # -- tensor files ----------------------------------------------------------------------------------
 
+class _Local:
+    """The fetched bytes of one object, at their offsets, in anonymous memory of the object's size (a ``memfd``:
+    no file on any filesystem; holes take no memory), mapped by the parsers and readers as a file is."""
+
+    def __init__(self, obj: RemoteObject):
+        self.obj = obj
+        self.have: list[tuple[int, int]] = []
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("fastckpt-open", os.MFD_CLOEXEC)
+            self.path, self._unlink = f"/proc/self/fd/{self.fd}", None
+        else:  # no memfd (not Linux): an unlinked temporary file
+            self.fd, self.path = tempfile.mkstemp(prefix="fastckpt-open-", suffix=".part")
+            self._unlink = self.path
+        os.ftruncate(self.fd, obj.size)
+
+    def fill(self, spans: list[tuple[int, int]]) -> None:
+        """Fetch the parts of ``spans`` not fetched yet, in parallel ranged reads written at their offsets (each
+        part of a body by one ``pwrite``: one copy, into the pages the reader maps, with no page faults)."""
+        spans = _missing(spans, self.have)
+        self.obj.stream(spans, functools.partial(_pwrite_at, self.fd), parts=True)
+        self.have += spans
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` (clipped to the object), fetched first where they are not yet."""
+        end = min(end, self.obj.size)
+        self.fill([(start, end)])
+        return os.pread(self.fd, end - start, start)
+
+    def map(self, **options) -> TensorFile:
+        """The reader over what is fetched, errors naming the URL."""
+        try:
+            return open_file(self.path, **options)
+        except FormatError as e:
+            raise FormatError(str(e).replace(self.path, self.obj.url)) from None
+
+    def close(self) -> None:
+        """Close the descriptor (a mapping made keeps the memory until its reader and views are gone)."""
+        os.close(self.fd)
+        if self._unlink:
+            os.unlink(self._unlink)
+
+
+def _index(obj: RemoteObject, max_header_size: int | None) -> tuple[_Local, TensorFile]:
+    """Fetch the index of the NPZ or safetensors object ``obj`` into a :class:`_Local`; returns it and the
+    reader over it (whose payloads are holes: zeros, never to be read)."""
+    local = _Local(obj)
+    try:
+        url = obj.url
+        head = local.read(0, _HEAD)
+        fmt = detect_format(head[:sniff_length(head[:9])])
+        if fmt == "safetensors":
+            # At most one byte past the format's cap on the header: the parser then names the bad length.
+            local.fill([(0, min(obj.size, 8 + min(int.from_bytes(head[:8], "little"), MAX_HEADER_SIZE + 1)))])
+        elif fmt == "npz":
+            _fetch_npz_index(local)
+        else:
+            raise FormatError(f"{url}: not an NPZ (ZIP) or safetensors file: first bytes are {head[:9]!r} "
+                              "(expected b'PK\\x03\\x04' for NPZ, or an 8-byte little-endian header length "
+                              "followed by '{' for safetensors)")
+        return local, local.map(max_header_size=max_header_size)
+    except BaseException:
+        local.close()
+        raise
+
+
+def _object(url: str, storage_options: dict | None, what: str) -> RemoteObject | None:
+    """The object at ``url``; None for a prefix (a directory, or no object but a Hugging Face checkpoint under
+    it: an ``http(s)://`` server lists no directories)."""
+    try:
+        obj = RemoteObject(url, storage_options)
+    except CheckpointNotFoundError:
+        from fastckpt.formats.hfsharded import INDEX_NAME, SINGLE_NAME
+
+        fs, path = filesystem(url, storage_options)
+        if any(fs.exists(f"{path.rstrip('/')}/{name}") for name in (INDEX_NAME, SINGLE_NAME)):
+            return None
+        raise CheckpointNotFoundError(f"{url}: no such object (expected {what})") from None
+    return None if obj.info.get("type") == "directory" else obj
+
+
 def open(url: str, *, storage_options: dict | None = None, names: Iterable[str] | None = None,  # noqa: A001
-         backend: str = "mmap", copy_on_write: bool = False, max_header_size: int | None = None) -> "RemoteTensorFile":
-    """Open the NPZ or safetensors file at ``url``, fetching its index and the tensors ``names`` (None: all).
+         backend: str = "mmap", copy_on_write: bool = False, max_header_size: int | None = None):
+    """Open the NPZ or safetensors file at ``url`` (or the Hugging Face sharded checkpoint under the prefix
+    ``url``), fetching its index and the tensors ``names`` (None: all).
 
     ``fastckpt.open(url, ...)`` comes here for a URL. Only the index and the payloads of ``names`` leave the
-    store (ranged reads, in parallel); the reader holds those tensors only (``keys()`` are ``names``, in file
-    order). A name the file does not hold is a :class:`~fastckpt.errors.TensorNotFoundError`. ``backend``,
-    ``copy_on_write`` and ``max_header_size`` apply to the local copy as :func:`fastckpt.open` applies them
-    to a file.
+    store: parallel ranged reads (:mod:`fastckpt.formats.stream`) written straight into the reader's memory
+    (anonymous memory of the object's size, of which only the fetched ranges take space; no temporary file), so
+    the reader's host arrays are views of the bytes as they arrived; at most ``THREADS x CHUNK`` bytes are held
+    besides. The reader holds those tensors only (``keys()`` are ``names``, in file order). A name the file does
+    not hold is a :class:`~fastckpt.errors.TensorNotFoundError`; an object replaced or truncated while it is read
+    is an error naming it and the offset, never a mix. ``backend``, ``copy_on_write`` and ``max_header_size``
+    apply as :func:`fastckpt.open` applies them to a file. A prefix holding ``model.safetensors`` or
+    ``model.safetensors.index.json`` opens as a :class:`RemoteHFSharded` (every shard's tensors fetched).
 
     >>> import fastckpt, numpy as np
     >>> fastckpt.save_npz("memory://doc/open.npz", {"x": np.arange(4, dtype=np.int16), "y": np.zeros(3)})
@@ -210,66 +292,66 @@ def open(url: str, *, storage_options: dict | None = None, names: Iterable[str] 
     ...     f.path, list(f), f["y"].tolist()
     ('memory://doc/open.npz', ['y'], [0.0, 0.0, 0.0])
     """
-    fs, path = filesystem(url, storage_options)
-    fs.invalidate_cache(path)  # another writer may have replaced the object since this filesystem listed it
+    obj = _object(url, storage_options, "an NPZ or safetensors file")
+    if obj is None:
+        return RemoteHFSharded(url, storage_options, streamed=False, max_header_size=max_header_size,
+                               names=names, backend=backend, copy_on_write=copy_on_write)
+    local, index = _index(obj, max_header_size)
     try:
-        info = fs.info(path)  # one request: the size, and whether this is a prefix
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{url}: no such object (expected an NPZ or safetensors file)") from None
-    size = int(info.get("size") or 0)
-    identity = _identity(info)
-    if info.get("type") == "directory":
-        raise CheckpointNotFoundError(f"{url}: a prefix, not one tensor file; fastckpt.open reads one NPZ or "
-                                      "safetensors file from a URL (checkpoints: fastckpt.train.load_checkpoint(url), "
-                                      "fastckpt.sharded.Loader)")
-    fd, local = tempfile.mkstemp(prefix="fastckpt-open-", suffix=".part")
-    try:
-        os.ftruncate(fd, size)  # sparse: only the ranges fetched below take space
-        os.close(fd)
-        fd = -1
-        if names is None:  # every tensor: the whole object in one streamed download, as the client's own get
-            try:
-                fs.get_file(path, local)
-            except Exception as e:
-                raise OSError(f"{url}: download of {size} bytes failed: {type(e).__name__}: {e}") from e
-            try:
-                whole = open_file(local, backend=backend, copy_on_write=copy_on_write,
-                                  max_header_size=max_header_size)
-            except FormatError as e:  # name the URL, not the local copy
-                raise FormatError(str(e).replace(local, url)) from None
-            return RemoteTensorFile(whole, url, list(whole.keys()))
-        head_end = min(size, _HEAD)
-        _fetch_into(fs, url, [(path, local, [(0, head_end)])])
-        with builtins.open(local, "rb") as f:
-            head = f.read(head_end)
-        fmt = detect_format(head[:sniff_length(head[:9])])
-        if fmt == "safetensors":
-            # At most one byte past the format's cap on the header: the parser then names the bad length.
-            header_end = min(size, 8 + min(int.from_bytes(head[:8], "little"), MAX_HEADER_SIZE + 1))
-            if header_end > head_end:
-                _fetch_into(fs, url, [(path, local, [(head_end, header_end)])])
-            have = [(0, max(head_end, header_end))]
-        elif fmt == "npz":
-            have = _fetch_npz_index(fs, url, path, local, size, head_end)
-        else:
-            raise FormatError(f"{url}: not an NPZ (ZIP) or safetensors file: first bytes are {head[:9]!r} "
-                              "(expected b'PK\\x03\\x04' for NPZ, or an 8-byte little-endian header length followed "
-                              "by '{' for safetensors)")
-        try:
-            with open_file(local, max_header_size=max_header_size) as index:  # what to fetch
-                wanted = _select(index, url, names)
-            spans = sorted((i.offset, i.offset + i.nbytes) for i in wanted)
-            _fetch_into(fs, url, [(path, local, _missing(_merged(spans), have))])
-            _check_unchanged(fs, path, url, identity)  # the ranges came from several requests: one object?
-            # Mapped once every byte it serves is in place.
-            whole = open_file(local, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
-        except FormatError as e:  # name the URL, not the local copy
-            raise FormatError(str(e).replace(local, url)) from None
+        with index:
+            wanted = _select(index, url, names)
+        local.fill(merged((i.offset, i.offset + i.nbytes) for i in wanted))
+        obj.check()  # a store without conditional reads: the ranges came from several requests, one object?
+        # Mapped once every byte it serves is in place.
+        whole = local.map(backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
     finally:
-        if fd >= 0:
-            os.close(fd)
-        os.unlink(local)  # the mapping keeps the bytes until the reader is closed and its views are gone
+        local.close()  # the mapping keeps the bytes until the reader is closed and its views are gone
     return RemoteTensorFile(whole, url, [i.name for i in wanted])
+
+
+def open_streamed(url: str, *, storage_options: dict | None = None, max_header_size: int | None = None):
+    """A reader of the NPZ or safetensors file at ``url`` (or of the Hugging Face sharded prefix ``url``) that
+    holds only the index: its tensors stream from the store when read, each straight into its destination.
+
+    :func:`~fastckpt.device.load.load_file` and :func:`~fastckpt.io.load_model` of a URL read through one:
+    the pooled arena or each tensor's device buffer is written by the parallel ranged reads
+    (:func:`streamed_source` tells them where the bytes are). ``host(name)`` and ``hosts(names)`` fetch into
+    new arrays (every call reads the store again). A file with compressed NPZ members is fetched whole instead
+    (:func:`open`): inflating needs the member's bytes in one place.
+
+    >>> import fastckpt, numpy as np
+    >>> fastckpt.save_safetensors("memory://doc/lazy.safetensors", {"a": np.arange(3.0), "b": np.ones(2)})
+    >>> with open_streamed("memory://doc/lazy.safetensors") as f:
+    ...     f.hosts()["a"].tolist(), f.remote.stats.requests
+    ([0.0, 1.0, 2.0], 2)
+    """
+    obj = _object(url, storage_options, "an NPZ or safetensors file")
+    if obj is None:
+        return RemoteHFSharded(url, storage_options, streamed=True, max_header_size=max_header_size)
+    local, index = _index(obj, max_header_size)
+    local.close()
+    if any(i.compression is not None for i in index.infos.values()):
+        index.close()
+        return open(url, storage_options=storage_options, max_header_size=max_header_size)
+    return StreamedTensorFile(index, url, obj)
+
+
+def streamed_source(mapped) -> RemoteObject | None:
+    """The object whose payloads ``mapped`` (the mapping of an :func:`open_streamed` reader's index) stands
+    for, or None for a mapping that holds its bytes. The device loads stream from it instead of copying from
+    the mapping.
+
+    >>> import fastckpt, numpy as np
+    >>> fastckpt.save_safetensors("memory://doc/src.safetensors", {"a": np.arange(3.0)})
+    >>> f = open_streamed("memory://doc/src.safetensors")
+    >>> streamed_source(f.mapped) is f.remote, streamed_source(fastckpt.open("memory://doc/src.safetensors").mapped)
+    (True, None)
+    """
+    entry = _STREAMED.get(id(mapped))
+    return entry[1] if entry is not None and entry[0] is mapped else None
+
+
+_STREAMED: dict[int, tuple] = {}  # id(mapping) -> (mapping, RemoteObject), while its StreamedTensorFile is open
 
 
 def _select(whole, url: str, names):
@@ -285,15 +367,7 @@ def _select(whole, url: str, names):
     return [i for i in whole.infos.values() if i.name in chosen]
 
 
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted byte ranges with neighbours closer than 64 KiB joined, so small tensors cost one request."""
-    out: list[list[int]] = []
-    for start, end in spans:
-        if out and start - out[-1][1] <= _HEAD:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(s, e) for s, e in out if e > s]
+_merged = merged  # sorted byte ranges, neighbours closer than 64 KiB joined (fastckpt.sharded.remote's name)
 
 
 def _missing(spans: list[tuple[int, int]], have: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -321,15 +395,12 @@ _EOCD = b"PK\x05\x06"
 _ZIP64_LOCATOR = b"PK\x06\x07"
 
 
-def _fetch_npz_index(fs, url: str, path: str, local: str, size: int, head_end: int) -> list[tuple[int, int]]:
+def _fetch_npz_index(local: _Local) -> None:
     """Fetch what the NPZ parser reads besides payloads: the end records, the central directory, each member's
-    local header and ``.npy`` header (the first 64 KiB of each member, or all of a smaller one); bytes
-    ``0..head_end`` are there already. Returns the byte ranges now fetched."""
+    local header and ``.npy`` header (the first 64 KiB of each member, or all of a smaller one)."""
+    url, size = local.obj.url, local.obj.size
     tail_start = max(0, size - _HEAD - 22)
-    _fetch_into(fs, url, [(path, local, [(max(head_end, tail_start), size)])])
-    with builtins.open(local, "rb") as f:
-        f.seek(tail_start)
-        tail = f.read()
+    tail = local.read(tail_start, size)
     at = tail.rfind(_EOCD)
     if at < 0 or len(tail) - at < 22:
         raise FormatError(f"{url}: no ZIP end-of-central-directory record in the last {len(tail)} bytes "
@@ -341,48 +412,20 @@ def _fetch_npz_index(fs, url: str, path: str, local: str, size: int, head_end: i
             raise FormatError(f"{url}: ZIP64 sizes without a ZIP64 locator before the end record at offset "
                               f"{tail_start + at}")
         (record,) = struct.unpack_from("<Q", tail, loc + 8)
-        if record < tail_start:
-            _fetch_into(fs, url, [(path, local, [(record, min(size, record + 56))])])
-        with builtins.open(local, "rb") as f:
-            f.seek(record)
-            z64 = f.read(56)
-        cd_size, cd_offset = struct.unpack_from("<QQ", z64, 40)
+        cd_size, cd_offset = struct.unpack_from("<QQ", local.read(record, record + 56), 40)
     if cd_offset + cd_size > size:
         raise FormatError(f"{url}: central directory at offset {cd_offset} ({cd_size} bytes) runs past the end of "
                           f"the {size}-byte file (truncated?)")
-    have = [(0, head_end), (tail_start, size)]
-    if cd_offset < tail_start:
-        _fetch_into(fs, url, [(path, local, _missing([(cd_offset, tail_start)], have))])
-        have.append((cd_offset, tail_start))
+    local.fill([(cd_offset, tail_start)] if cd_offset < tail_start else [])
     import zipfile
 
     try:
-        with zipfile.ZipFile(local) as z:
+        with zipfile.ZipFile(local.path) as z:
             starts = sorted(i.header_offset for i in z.infolist())
     except zipfile.BadZipFile as e:
         raise FormatError(f"{url}: bad ZIP central directory at offset {cd_offset}: {e}") from e
     ends = starts[1:] + [cd_offset]
-    prefixes = _merged([(s, min(e, s + _HEAD)) for s, e in zip(starts, ends)])
-    _fetch_into(fs, url, [(path, local, _missing(prefixes, have))])
-    return have + prefixes
-
-
-# What the store says of an object that changes when the object is replaced (the first ones it reports).
-_IDENTITY_KEYS = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime", "created", "size")
-
-
-def _identity(info: dict) -> tuple:
-    return tuple((k, str(info[k])) for k in _IDENTITY_KEYS if info.get(k) is not None)
-
-
-def _check_unchanged(fs, path: str, url: str, identity: tuple) -> None:
-    """Raise when the object at ``path`` is not the one ``identity`` describes (it was replaced while its ranges
-    were being read, so the bytes read may mix two objects)."""
-    fs.invalidate_cache(path)
-    now = _identity(fs.info(path))
-    if now != identity:
-        raise OSError(f"{url}: the object changed while it was being read in ranges ({dict(identity)} at the "
-                      f"start, {dict(now)} at the end); nothing read is used: open it again")
+    local.fill(merged([(s, min(e, s + _HEAD)) for s, e in zip(starts, ends)]))
 
 
 class RemoteTensorFile(TensorFile):
@@ -415,6 +458,178 @@ class RemoteTensorFile(TensorFile):
         if self.closed:
             return "<Closed fastckpt.RemoteTensorFile>"
         return f"<fastckpt.RemoteTensorFile {self.url!r} format={self.format} tensors={len(self)}>"
+
+
+class StreamedTensorFile(TensorFile):
+    """The reader :func:`open_streamed` returns: the index of a tensor file at a URL, its payloads read from the
+    store when asked for, each straight into its destination (see :func:`open_streamed`). ``remote`` is its
+    :class:`~fastckpt.formats.stream.RemoteObject` (``remote.stats`` counts what was fetched).
+
+    >>> import fastckpt, numpy as np
+    >>> fastckpt.save_safetensors("memory://doc/stf.safetensors", {"w": np.eye(2, dtype=np.float32)})
+    >>> f = open_streamed("memory://doc/stf.safetensors")
+    >>> f, f.host("w").tolist()
+    (<fastckpt.StreamedTensorFile 'memory://doc/stf.safetensors' format=safetensors tensors=1>, [[1.0, 0.0], [0.0, 1.0]])
+    >>> f.close()
+    """
+
+    def __init__(self, index: TensorFile, url: str, obj: RemoteObject):
+        super().__init__(index.mapped, index.format, index.infos, index.metadata)
+        self.url = url
+        self.remote = obj
+        _STREAMED[id(index.mapped)] = (index.mapped, obj)
+
+    @property
+    def path(self) -> str:
+        """The URL the file was opened from."""
+        return self.url
+
+    def host(self, name: str):
+        """The tensor in a new array, fetched from the store now (parallel ranged reads)."""
+        return self.hosts([name])[name]
+
+    def hosts(self, names: Iterable[str] | None = None) -> dict:
+        """``{name: array}`` for ``names`` (None: every tensor, in file order), fetched now in one round of
+        parallel ranged reads straight into the new arrays (a read may span several tensors)."""
+        import numpy as np
+
+        if isinstance(names, str):
+            raise TypeError(f"names must be a list of tensor names, got the string {names!r}; use names=[{names!r}]")
+        infos = _select(self, self.url, None if names is None else list(names))
+        out, targets = {}, []
+        for info in infos:
+            raw = np.empty(info.nbytes, np.uint8)
+            out[info.name] = raw.view(info.dtype).reshape(info.shape, order="F" if info.fortran_order else "C")
+            if info.nbytes:
+                targets.append((info.offset, info.nbytes, functools.partial(_copy_into, raw)))
+        scatter = Scatter(targets)
+        self.remote.stream(scatter.spans(), scatter, parts=True)
+        self.remote.check()
+        return out if names is None else {name: out[name] for name in dict.fromkeys(names)}
+
+    def close(self) -> None:
+        """Forget the index (idempotent); arrays already fetched stay valid."""
+        entry = _STREAMED.get(id(self.mapped))
+        if entry is not None and entry[0] is self.mapped:
+            del _STREAMED[id(self.mapped)]
+        super().close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<Closed fastckpt.StreamedTensorFile>"
+        return f"<fastckpt.StreamedTensorFile {self.url!r} format={self.format} tensors={len(self)}>"
+
+
+def _copy_into(raw, at: int, data) -> None:
+    import numpy as np
+
+    raw[at:at + len(data)] = np.frombuffer(data, np.uint8)
+
+
+def _hf_base():
+    from fastckpt.formats.hfsharded import HFShardedDirectory
+
+    return HFShardedDirectory
+
+
+class RemoteHFSharded(_hf_base()):  # type: ignore[misc]
+    """A Hugging Face safetensors checkpoint under a prefix at a URL (``model.safetensors``, or
+    ``model.safetensors.index.json`` and its shards), as :class:`~fastckpt.formats.hfsharded.HFShardedDirectory`
+    reads a local one: :func:`open` fetches every shard's tensors (or ``names``) with parallel ranged reads,
+    :func:`open_streamed` only their indexes (device loads stream each shard into the pooled arena).
+
+    >>> import fastckpt, numpy as np, tempfile
+    >>> from fastckpt.formats.hfsharded import save_sharded
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save_sharded(d, {"a": np.arange(4, dtype=np.int32), "b": np.ones(2)}, max_shard_size=16)
+    >>> _ = put_directory(d, "memory://doc/hf", marker="model.safetensors.index.json")
+    >>> with fastckpt.open("memory://doc/hf") as r:
+    ...     r.format, list(r), list(r.files), r.host("a").tolist()
+    ('hf-sharded', ['a', 'b'], ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'], [0, 1, 2, 3])
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, streamed: bool,
+                 names: Iterable[str] | None = None, backend: str = "mmap", copy_on_write: bool = False,
+                 max_header_size: int | None = None):
+        self._remote = (storage_options, streamed, None if names is None else list(names))
+        super().__init__(url.rstrip("/"), backend=backend, copy_on_write=copy_on_write,
+                         max_header_size=max_header_size)
+
+    def _open(self, options: dict) -> None:
+        from types import MappingProxyType
+
+        from fastckpt.formats.hfsharded import INDEX_NAME, SINGLE_NAME, parse_index
+
+        url, (storage_options, streamed, names) = self.path, self._remote
+        self.directory, self.unlisted = url, {}
+        fs, path = filesystem(url, storage_options)
+
+        def shard(name: str, wanted=None):
+            shard_url = join(url, name)
+            if streamed:
+                return open_streamed(shard_url, storage_options=storage_options,
+                                     max_header_size=options["max_header_size"])
+            return open(shard_url, storage_options=storage_options, names=wanted, **options)
+
+        try:
+            raw = fs.cat_file(f"{path}/{INDEX_NAME}")
+        except FileNotFoundError:
+            raw = None
+        if raw is None:
+            try:
+                f = self.files[SINGLE_NAME] = shard(SINGLE_NAME, names)
+            except CheckpointNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"{url}: a prefix with neither {SINGLE_NAME} nor {INDEX_NAME}; fastckpt.open reads one NPZ or "
+                    "safetensors file, or a Hugging Face checkpoint, from a URL (checkpoints: "
+                    "fastckpt.train.load_checkpoint(url), fastckpt.sharded.Loader)") from None
+            self.index_path = None
+            self.infos = f.infos
+            self.weight_map = MappingProxyType(dict.fromkeys(f.infos, SINGLE_NAME))
+            self._by_file = {SINGLE_NAME: list(f.infos)}
+            self.metadata, self.total_size = f.metadata, None
+            return
+        self.index_path = join(url, INDEX_NAME)
+        weight_map, raw_metadata = parse_index(raw, self.index_path)
+        if names is not None:
+            for n in names:
+                if n not in weight_map:
+                    raise tensor_not_found(self.index_path, n, weight_map)
+            weight_map = {n: weight_map[n] for n in weight_map if n in set(names)}
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(8, max(1, len(by_file))), thread_name_prefix="fastckpt-shard") as ex:
+            # Each shard's index takes a few requests in turn: the shards' go in parallel.
+            futures = {file: ex.submit(shard, file, listed) for file, listed in by_file.items()}
+        errors = []
+        for file, future in futures.items():  # every one that opened is kept, so that close() closes it
+            if future.exception() is None:
+                self.files[file] = future.result()
+            else:
+                errors.append(future.exception())
+        if errors:
+            raise errors[0]
+        infos = {}
+        for file, listed in by_file.items():
+            f = self.files[file]
+            for name in listed:
+                if name not in f.infos:
+                    raise FormatError(f"{self.index_path}: the index puts tensor {name!r} in {file!r}, which holds "
+                                      "no such tensor")
+                infos[name] = f.infos[name]
+        self.weight_map, self.infos, self._by_file = MappingProxyType(weight_map), MappingProxyType(infos), by_file
+        metadata = raw_metadata or {}
+        self.metadata = None if raw_metadata is None else {k: str(v) for k, v in metadata.items()}
+        total = metadata.get("total_size")
+        self.total_size = total if isinstance(total, int) and not isinstance(total, bool) else None
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "<Closed fastckpt.RemoteHFSharded>"
+        return f"<fastckpt.RemoteHFSharded {self.path!r} files={len(self.files)} tensors={len(self)}>"
 
 
 register_url_opener(open)  # fastckpt.open(url) comes here

@@ -99,11 +99,28 @@ safetensors      numpy (ml_dtypes)              itemsize
 ``U64``          ``uint64``                     8
 ===============  =============================  ========
 
-The format also defines ``F4``, ``F6_E2M3`` and ``F6_E3M2``, which pack
-several elements into a byte. No numpy dtype can view them in place
-(``ml_dtypes.float4_e2m1fn`` stores one element per byte), so fastckpt
-refuses them with a :class:`~fastckpt.errors.FormatError` that names the
-dtype. Any other dtype string is refused the same way.
+Packed types
+------------
+``F4`` (float4 e2m1), ``F6_E2M3`` and ``F6_E3M2`` (float6) pack elements
+narrower than a byte back to back, across rows, in C order. A tensor of
+``n`` elements of ``b`` bits is stored in ``n * b / 8`` bytes; when
+``n * b`` is not a multiple of 8 the file is refused (the reference reader
+refuses it too). ``shape`` is the logical shape, in elements: PyTorch's
+``float4_e2m1fn_x2`` of shape ``[2, 3]`` (two elements a byte) is recorded
+as ``F4`` ``[2, 6]`` in 6 bytes, the first element of each byte in its low
+nibble. The format does not say how 6-bit elements share bytes.
+
+No numpy dtype views them in place. Their :class:`~fastckpt.info.PackedTensorInfo`
+gives the ml_dtypes element type (``float4_e2m1fn``, ``float6_e2m3fn``,
+``float6_e3m2fn``), the logical shape and the stored byte count; ``host()``
+gives the stored bytes as a :class:`fastckpt.arrays.PackedArray`
+(``.unpack()`` widens ``F4`` to ``ml_dtypes.float4_e2m1fn``).
+:func:`save_safetensors` writes a ``PackedArray``, a PyTorch
+``float4_e2m1fn_x2`` tensor or an ``ml_dtypes.float4_e2m1fn`` array (packed
+two a byte) byte for byte as the reference writer does. Paths that cannot
+hold packed bytes (another format, the OpenCL pool) refuse them with a
+:class:`~fastckpt.arrays.PackedTypeError` naming the tensor. Any other dtype
+string is refused with a :class:`~fastckpt.errors.FormatError` that names it.
 
 What fastckpt's writer adds
 ===========================
@@ -173,13 +190,15 @@ from fastckpt._native.safetensors import (
     DTYPE_RANK,
     MAX_HEADER_SIZE,
     NUMPY_DTYPES,
+    PACKED_DTYPES,
+    SUB_BYTE_DTYPES,
     header_text,
     plan_tensors,
     read_safetensors_index,
     unsupported_dtype_message,
     write_tensors,
 )
-from fastckpt.arrays import to_numpy
+from fastckpt.arrays import is_packed, pack_float4, packed_array, to_numpy
 from fastckpt.store.commit import atomic_write, overwrite_flag
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
@@ -226,7 +245,12 @@ def dtype_from_safetensors(name: str) -> np.dtype:
     try:
         return NUMPY_DTYPES[name]
     except (KeyError, TypeError):
-        raise ValueError(unsupported_dtype_message(name)) from None
+        pass
+    if isinstance(name, str) and name in PACKED_DTYPES:
+        raise ValueError(f"dtype {name!r} packs {SUB_BYTE_DTYPES[name]}-bit elements several to a byte, which no "
+                         f"numpy dtype views in place; its element type is {PACKED_DTYPES[name]} and a tensor of it "
+                         "is read as a fastckpt.arrays.PackedArray")
+    raise ValueError(unsupported_dtype_message(name))
 
 
 def _tf_quantized(dtype: np.dtype) -> str | None:
@@ -247,6 +271,12 @@ def dtype_to_safetensors(dtype: Any) -> str:
     ('I32', 'F8_E4M3')
     """
     dt = np.dtype(dtype)
+    if dt == PACKED_DTYPES["F4"]:
+        return "F4"  # stored packed, two elements a byte
+    if dt in (PACKED_DTYPES["F6_E2M3"], PACKED_DTYPES["F6_E3M2"]):
+        raise TypeError(f"dtype {dt} is safetensors' {'F6_E2M3' if dt == PACKED_DTYPES['F6_E2M3'] else 'F6_E3M2'}, "
+                        "stored packed, and safetensors does not say how 6-bit elements share bytes: pack them "
+                        "yourself and pass fastckpt.arrays.packed_array(stored_bytes, name, shape)")
     if dt.kind == "V":
         name = _NAME_BY_ML_TYPE.get(dt.type) if dt.fields is None and dt.subdtype is None else None
     else:
@@ -281,6 +311,9 @@ def read_tensor(m, info: TensorInfo) -> np.ndarray:
     ...     read_tensor(m, infos[0]).tolist()
     [[0, 1, 2], [3, 4, 5]]
     """
+    if info.packed is not None:
+        raw = m.array(info.offset, np.dtype(np.uint8), (info.nbytes,), what=f"tensor {info.name!r}")
+        return packed_array(raw, info.packed, info.shape)
     return m.array(info.offset, info.dtype, info.shape, what=f"tensor {info.name!r}")
 
 
@@ -325,7 +358,7 @@ def _as_array(name: str, value) -> np.ndarray:
     if isinstance(value, np.ma.MaskedArray):
         raise TypeError(f"tensor {name!r}: safetensors cannot store a mask; pass .filled(value) or .data")
     try:
-        return to_numpy(value)
+        return to_numpy(value, packed=True, name=name)
     except Exception as e:
         if hasattr(e, "add_note"):  # Python >= 3.11
             e.add_note(f"while converting tensor {name!r} ({type(value).__name__}) to a numpy array")
@@ -337,6 +370,15 @@ def _plan(name, value, position: int) -> tuple:
     NAMES.check(name)
     _check_utf8(name, "tensor name")
     arr = _as_array(name, value)
+    if is_packed(arr):  # sub-byte elements: the logical shape in the header, the stored bytes as they are
+        return (-DTYPE_RANK[arr.packed], name, position, arr.packed, arr.logical_shape, arr.nbytes,
+                arr.bytes_view(), value)
+    if arr.dtype == PACKED_DTYPES["F4"]:  # ml_dtypes' one-element-a-byte float4: stored packed, as F4
+        try:
+            arr = pack_float4(arr)
+        except ValueError as e:
+            raise ValueError(f"tensor {name!r}: {e}") from None
+        return (-DTYPE_RANK["F4"], name, position, "F4", arr.logical_shape, arr.nbytes, arr.bytes_view(), value)
     try:
         dtype_name = dtype_to_safetensors(arr.dtype)
     except TypeError as e:
@@ -379,6 +421,10 @@ def _write_tensor(out: GatherWriter, t: tuple) -> None:
             raise ValueError(f"tensor {name!r}: converting it again gave {arr.dtype}{list(arr.shape)} instead "
                              f"of {dtype_name}{list(shape)}; pass a numpy array")
     if nbytes == 0:
+        return
+    if dtype_name in SUB_BYTE_DTYPES:  # planned as the stored bytes
+        out.write(np.ascontiguousarray(arr, dtype=np.uint8))
+        out.flush()
         return
     out.write(np.ascontiguousarray(arr, dtype=NUMPY_DTYPES[dtype_name]))
     out.flush()  # a converted copy is freed before the next tensor is converted

@@ -145,7 +145,7 @@ def flatten_tree(tree: Tree) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             raise TypeError(f"tree value {path!r} ({type(value).__name__}) cannot be saved so that it comes back "
                             "as it is: store it as an array (np.frombuffer for bytes) or as a str, int, float, "
                             "bool, None, list, tuple or dict")
-        converted = as_numpy(value)
+        converted = as_numpy(value, name=path, where="a tree")
         if converted is None:
             raise TypeError(f"tree value {path!r} ({type(value).__name__}) is neither a dict, a list, a tuple, a "
                             "Python number, str or None, nor array-like")

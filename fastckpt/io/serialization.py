@@ -530,7 +530,11 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
     ``ValueError``. ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
     :mod:`fastckpt.progress`) counts the weights' bytes as they reach the device.
     A URL (``s3://bucket/model.netcl``, with ``storage_options``) names one
-    ``.netcl`` file, fetched with parallel ranged reads (:mod:`fastckpt.formats.remote`).
+    ``.netcl`` file: its index is fetched, then its weights stream with parallel
+    ranged reads straight into the arena or their buffers
+    (:mod:`fastckpt.formats.stream`: at most ``THREADS x CHUNK`` bytes held);
+    with ``verify=True`` they are fetched into host memory first, where the
+    CRC-32s are checked.
 
     >>> model = load_model("mnist_mlp.netcl", pool=pool)       # doctest: +SKIP
     >>> model.load_report.file_report.copies                   # doctest: +SKIP
@@ -574,7 +578,12 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
             opened = contextlib.nullcontext(source)  # the pool's now: left open for the next load
         else:
             opened = source  # closed after this load
-    else:
+    elif is_url(weights_path) and not verify:
+        # The index only: the weights stream from the store into the arena or their buffers (load_file).
+        from fastckpt.formats.remote import open_streamed
+
+        opened = open_streamed(weights_path, storage_options=storage_options)
+    else:  # verify=True checks each member's CRC-32 over its bytes: fetched into host memory first
         opened = fastckpt.open(weights_path, storage_options=storage_options)
     with opened as tf:
         if verify:

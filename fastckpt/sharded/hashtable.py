@@ -644,7 +644,9 @@ class HashTable:
         must give every slot of the table.
         With ``rows`` only the first ``rows`` ids and rows are the table's; the rest is spare capacity, which
         later inserts fill before the arrays grow (uninitialized ``np.empty`` rows cost no memory until used).
-        Anything else raises before the table changes.
+        Anything else raises before the table changes. The id index is built in one pass without the GIL
+        (:meth:`IdIndex.fill <fastckpt._native.idindex.IdIndex.fill>`): the threads reading the rows, and the other
+        ranks of a load run as threads, go on meanwhile.
 
         >>> t = HashTable(1, slots=("m",))
         >>> ids, values = np.array([3, 1]), np.array([[3.0], [1.0]], np.float32)
@@ -668,9 +670,8 @@ class HashTable:
                     and array.shape == (capacity, *shape) and array.flags.c_contiguous and array.flags.writeable):
                 raise TypeError(f"adopt: {what} must be a writeable, C-contiguous {(capacity, *shape)} array "
                                 f"of {dtype}")
-        index = IdIndex(m)
-        where = np.empty(m, np.int64)
-        if m and index.upsert(ids[:m], where, 0) != m:
+        index = IdIndex()
+        if index.fill(ids[:m]) != m:  # built without the GIL: the copies of other threads go on meanwhile
             raise ValueError(f"adopt: the ids must be distinct ({m - len(np.unique(ids[:m]))} repeated)")
         self._index, self._n = index, m
         self._ids, self._values = ids, values

@@ -318,8 +318,11 @@ class Loader:
 
             error = None
             scope = held_guards()  # the jobs' threads copy under the guards above too
+            # Largest first: a table (its rows read by threads of its own while it builds its index) is most of a
+            # rank's bytes, and waited behind the dense tensors where they came first and filled the pool.
+            order = sorted(jobs, key=lambda job: -job[1])
             with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(jobs)))) as pool:
-                for future in [pool.submit(scope.run, run, *job) for job in jobs]:
+                for future in [pool.submit(scope.run, run, *job) for job in order]:
                     try:
                         future.result()
                     except Exception as exc:  # noqa: BLE001 - a damaged file's own error comes first, below

@@ -29,7 +29,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from fastckpt._native.safetensors import MAX_HEADER_SIZE
+from fastckpt.errors import FormatError
 from fastckpt.formats import remote
+from fastckpt.store.manifest import MAX_JSON_BYTES, parse_json, read_json
 from fastckpt.sharded.engine import error_info as _error_info
 from fastckpt.sharded.engine import raise_from_root as _raise_from_root
 from fastckpt.sharded.format import DESCRIPTION_FILE, INDEX_FILE, MANIFEST_FILE, TENSORKEY_FILE
@@ -166,16 +169,14 @@ class _Share:
         remote._fetch_into(self.fs, self.url, work)
 
     def json(self, name: str):
-        import json
+        """The JSON value of fetched file ``name``, read bounded (:func:`fastckpt.store.manifest.read_json`)."""
         import os
 
-        with open(os.path.join(self.local, name), "rb") as f:
-            return json.loads(f.read())
+        return read_json(os.path.join(self.local, name), where=f"{self.url}/{name}")
 
     def headers(self, names: list[str], also: dict | None = None) -> dict[str, tuple[str, int, int, list]]:
         """``{stored key: (file, begin, end, shape)}`` from the safetensors headers of ``names`` (fetched here,
         with the ranges ``also`` in the same round of requests)."""
-        import json
         import os
 
         self.fetch({**(also or {}), **{name: [(0, min(_HEAD, self.sizes[name]))] for name in names}})
@@ -186,12 +187,12 @@ class _Share:
                 length = int.from_bytes(head, "little") if len(head) == 8 else 0
             if _HEAD < 8 + length <= self.sizes[name]:
                 self.fetch({name: [(_HEAD, 8 + length)]})
+            if length > MAX_HEADER_SIZE:
+                raise FormatError(f"{self.url}/{name}: header length {length} is larger than the safetensors limit of "
+                                  f"{MAX_HEADER_SIZE} bytes (not a safetensors file, or damaged)")
             with open(os.path.join(self.local, name), "rb") as f:
                 f.seek(8)
-                try:
-                    header = json.loads(f.read(length))
-                except ValueError:  # damaged: nothing more is fetched of it, and the Loader names the file
-                    continue
+                header = parse_json(f.read(length), f"{self.url}/{name}", what="its safetensors header")
             for key, entry in header.items():
                 if key != "__metadata__":
                     begin, end = entry["data_offsets"]
@@ -233,18 +234,20 @@ def fetch_share(loader, local: str) -> dict | bool:
     fetches whole only the files whose parts this rank reads), a delta, an encoded table; or neither a manifest
     nor RecIS's ``index``, which the whole-prefix path reports.
     """
-    import json
 
     from fastckpt.sharded import recis
 
     url, options = loader.checkpoint_path.rstrip("/"), loader.storage_options
     fs, path = remote.filesystem(url, options)
     path = path.rstrip("/")
-    try:
-        manifest_bytes = fs.cat_file(f"{path}/{MANIFEST_FILE}")
+    try:  # bounded: one byte past the limit says the file is larger
+        manifest_bytes = fs.cat_file(f"{path}/{MANIFEST_FILE}", start=0, end=MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         manifest_bytes = None
-    manifest = json.loads(manifest_bytes) if manifest_bytes is not None else None
+    if manifest_bytes is not None and len(manifest_bytes) > MAX_JSON_BYTES:
+        raise FormatError(f"{url}/{MANIFEST_FILE}: more than the {MAX_JSON_BYTES} bytes a checkpoint's metadata "
+                          "file may have")
+    manifest = parse_json(manifest_bytes, f"{url}/{MANIFEST_FILE}") if manifest_bytes is not None else None
     if manifest is not None and loader.verify and not _sliced(loader, manifest):
         # The manifest hashes whole files: a file fetched in part cannot be checked against it, so a verified load
         # (the default) fetches the files whole; verify=False takes this rank's share alone. A version-4 checkpoint

@@ -77,6 +77,7 @@ from fastckpt.train.format import (
     _walk_refs,
     decode_tree,
     file_hash,
+    read_extra,
     read_manifest,
     weights_digest,
 )
@@ -413,11 +414,7 @@ def load_checkpoint(in_dir: str | os.PathLike, *, verify: bool = True, progress=
                                                         str(src.path))
                     except RecursionError:
                         raise FormatError(f"{src.path}: the state tree is nested too deeply") from None
-                extra_path = d / EXTRA_FILE
-                try:
-                    extra = json.loads(extra_path.read_bytes().decode("utf-8"))
-                except (UnicodeDecodeError, ValueError) as e:
-                    raise FormatError(f"{extra_path}: not valid UTF-8 JSON ({e})") from None
+                extra = read_extra(d)
         except (FormatError, OSError) as e:
             read_error = e
         finally:
@@ -571,12 +568,14 @@ def verify_checkpoint(in_dir: str | os.PathLike, *, hashes: bool = True, progres
         except (FormatError, OSError) as e:
             problems.append(str(e))
     try:
-        extra = json.loads((d / EXTRA_FILE).read_bytes().decode("utf-8"))
+        extra = read_extra(d)
         if not isinstance(extra, dict) or extra.get("format") != "fastckpt.train.extra":
             problems.append(f"{d / EXTRA_FILE}: not a fastckpt extra.json")
         else:
             for key in ("scheduler", "data_iter", "train_rng", "scaler"):
                 decode_tree(extra.get(key), None, f"{d / EXTRA_FILE}[{key!r}]")
-    except (UnicodeDecodeError, ValueError, OSError) as e:
+    except FormatError as e:  # names the file
+        problems.append(str(e))
+    except (ValueError, OSError) as e:
         problems.append(f"{d / EXTRA_FILE}: unreadable ({e})")
     return problems

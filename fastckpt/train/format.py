@@ -184,6 +184,7 @@ _ALIAS = re.compile(r"ALIAS\((.*)\)", re.DOTALL)  # fullmatch only: '$' also mat
 _MAX_SAFE_INT = 2**53
 _MAX_MANIFEST_BYTES = 64 << 20
 _MAX_MANIFEST_DEPTH = 256  # metrics are trees of the caller's; Python parses this deep in any thread
+_MAX_EXTRA_BYTES = 1 << 30  # extra.json: the scheduler, data iterator, RNG and scaler states, arrays inline
 _READ_MAJORS = ("1", "2")  # schema 1.0: sha256 entries and weights_sha256
 
 
@@ -348,6 +349,21 @@ def read_manifest(in_dir: str | os.PathLike, *, snapshot=None) -> dict[str, Any]
                 f"keyed by its algorithm ({' or '.join(repr(a) for a in algorithms)}), next to 'bytes' "
                 "(a checkpoint written by a newer fastckpt? upgrade fastckpt to read it)")
     return manifest
+
+
+def read_extra(in_dir: str | os.PathLike) -> Any:
+    """The JSON value of checkpoint ``in_dir``'s ``extra.json``, read bounded as every manifest is
+    (:func:`fastckpt.store.manifest.read_json`): a file over 1 GiB, nested deeper than the manifest may be, or
+    not UTF-8 JSON is a :class:`~fastckpt.errors.FormatError` naming it; a missing one ``FileNotFoundError``.
+
+    >>> import tempfile, os
+    >>> from fastckpt.train import TinyLM, save_checkpoint
+    >>> out = os.path.join(tempfile.mkdtemp(), "c")
+    >>> _ = save_checkpoint(TinyLM(vocab=8, dim=4, hidden=8), None, None, None, None, out, step=7)
+    >>> read_extra(out)["format"]
+    'fastckpt.train.extra'
+    """
+    return read_json(Path(in_dir) / EXTRA_FILE, limit=_MAX_EXTRA_BYTES, max_depth=_MAX_MANIFEST_DEPTH)
 
 
 def file_hash(entry: dict[str, Any]) -> tuple[str, str]:

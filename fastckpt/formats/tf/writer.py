@@ -139,7 +139,7 @@ def _as_array(name: str, value) -> np.ndarray:
         arr = np.empty((), dtype=object)
         arr[()] = value
         return arr
-    arr = to_numpy(value)
+    arr = to_numpy(value, name=name, where="a TensorFlow checkpoint")
     if arr.dtype.kind == "V" and arr.dtype.names is not None and _dt.quantized_name(arr.dtype) is None:
         raise TypeError(f"tensor {name!r}: structured arrays cannot be stored in a TensorFlow checkpoint (the "
                         "one-field forms of the quantized types, np.dtype([('qint8', 'i1')]) ..., are stored as "

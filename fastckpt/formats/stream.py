@@ -1,0 +1,470 @@
+"""Parallel ranged reads of one object at a URL, streamed into their destinations: fastckpt's one mechanism for
+reading bytes from object storage and remote filesystems.
+
+Every read of a URL's bytes comes here: :func:`fastckpt.open` of an ``s3://`` (``gs://``, ``http(s)://``, any
+fsspec URL) file and of a Hugging Face sharded prefix, ``load_file(url, queue, pool=pool)`` and
+``load_model(url)`` (:mod:`fastckpt.device.load`), and the downloads of :mod:`fastckpt.formats.remote` (checkpoint
+prefixes, a sharded rank's share).
+
+A :class:`RemoteObject` is one object, its size and identity (ETag, version, modification time) taken from one
+``info`` request when it is opened. :meth:`RemoteObject.stream` reads byte ranges of it in pieces of ``chunk``
+bytes (default :data:`CHUNK`), ``threads`` at a time (default :data:`THREADS`), and hands each piece to a
+``deliver(offset, data)`` callback as soon as it arrives, on the thread that fetched it: the callback copies it
+into its destination (a host array, a device buffer, a pool arena, a file) and the piece is dropped. So:
+
+* **no temporary file and no whole-object buffer**: the pieces go straight where they belong;
+* **bounded memory**: at most ``threads x chunk`` bytes of fetched data are held at any time (8 x 8 MiB =
+  64 MiB by default), plus what the HTTP client buffers for each of the ``threads`` requests in flight;
+  :attr:`RemoteObject.stats` counts the largest piece and the most bytes held at once;
+* **exact**: a piece shorter or longer than asked for is a :class:`~fastckpt.errors.FormatError` naming the URL,
+  the offset and both lengths (the object was truncated or replaced); each request is conditional on the object
+  being the one opened (``If-Match`` its ETag, for ``s3://`` and ``http(s)://``), and :meth:`RemoteObject.check`
+  compares the identity again at the end, so bytes of two versions are never mixed: a changed object is an
+  :class:`ObjectChangedError` naming it, and nothing read is used.
+
+Pieces are cut over the merged ranges, not per tensor: one piece may carry the end of one tensor and the start
+of the next, and the callback places each byte by its offset.
+
+>>> import fastckpt, numpy as np
+>>> fastckpt.save_safetensors("memory://doc/stream.safetensors", {"a": np.arange(1000, dtype=np.int32)})
+>>> obj = RemoteObject("memory://doc/stream.safetensors")
+>>> out = bytearray(obj.size)
+>>> def deliver(offset, data):
+...     out[offset:offset + len(data)] = data
+>>> obj.stream([(0, obj.size)], deliver, chunk=1000)
+8096
+>>> obj.check()
+>>> bytes(out) == obj.fs.cat_file(obj.path), obj.stats.largest, obj.stats.requests
+(True, 1000, 9)
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FormatError
+from fastckpt.store.remote import filesystem
+
+__all__ = ["RemoteObject", "ObjectChangedError", "StreamStats", "Scatter", "stream", "merged", "CHUNK", "THREADS"]
+
+CHUNK = 8 << 20
+THREADS = 8
+_PART = 1 << 20  # the most a streamed body is read at a time (parts=True)
+# Ranges closer than this are fetched as one (the bytes between are read and dropped): small tensors, one request.
+GAP = 64 << 10
+
+# What the store says of an object that changes when the object is replaced (the first ones it reports).
+_IDENTITY_KEYS = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime", "created", "size")
+
+
+class ObjectChangedError(CheckpointChangedError, OSError):
+    """The object at a URL was replaced or removed while it was read in ranges: what was read is not used.
+
+    It is a :class:`~fastckpt.errors.CheckpointChangedError` (what a local file replaced while it is read
+    raises), and an ``OSError`` as fastckpt 0.3's was.
+
+    >>> issubclass(ObjectChangedError, CheckpointChangedError), issubclass(ObjectChangedError, OSError)
+    (True, True)
+    """
+
+
+@dataclass
+class StreamStats:
+    """What :meth:`RemoteObject.stream` did, counted (deterministic, for tests and the bench): ``requests`` and
+    ``bytes`` fetched, the ``largest`` piece (or part of one), and ``peak_held``, the most fetched bytes held at
+    once (each from its arrival to the end of its delivery); ``held`` is what is held now.
+
+    >>> StreamStats()
+    StreamStats(requests=0, bytes=0, largest=0, held=0, peak_held=0)
+    """
+
+    requests: int = 0
+    bytes: int = 0
+    largest: int = 0
+    held: int = 0
+    peak_held: int = 0
+
+
+def merged(spans: Iterable[tuple[int, int]], gap: int = GAP) -> list[tuple[int, int]]:
+    """Sorted byte ranges with neighbours at most ``gap`` bytes apart joined, so small tensors cost one request.
+
+    >>> merged([(100, 200), (0, 50), (60, 70), (300, 300)], gap=5)
+    [(0, 50), (60, 70), (100, 200)]
+    """
+    out: list[list[int]] = []
+    for start, end in sorted(spans):
+        if end <= start:
+            continue
+        if out and start - out[-1][1] <= gap:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(s, e) for s, e in out]
+
+
+class _Length:
+    """Stands for data of a length (what :meth:`RemoteObject._checked` looks at) once the parts are delivered."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def identity(info: dict) -> tuple:
+    """What of an ``fs.info`` answer changes when the object is replaced."""
+    return tuple((k, str(info[k])) for k in _IDENTITY_KEYS if info.get(k) is not None)
+
+
+class RemoteObject:
+    """One object at ``url`` (``storage_options`` for its filesystem), read in ranges; see the module docstring.
+
+    ``info`` (an ``fs.info`` answer already in hand) saves the request that takes the size and identity.
+
+    >>> import fastckpt, numpy as np
+    >>> fastckpt.save_safetensors("memory://doc/ro.safetensors", {"a": np.zeros(2, np.int8)})
+    >>> o = RemoteObject("memory://doc/ro.safetensors"); o.size, o.read(8, 10)
+    (4098, b'{"')
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, fs=None, path: str | None = None,
+                 info: dict | None = None):
+        self.url = url
+        if fs is None:
+            fs, path = filesystem(url, storage_options)
+        self.fs, self.path = fs, path
+        if info is None:
+            fs.invalidate_cache(path)  # another writer may have replaced the object since this filesystem listed it
+            try:
+                info = fs.info(path)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"{url}: no such object") from None
+        self.info = info
+        self.size = int(info.get("size") or 0)
+        self.identity = identity(info)
+        etag = info.get("ETag") or info.get("etag")
+        self.etag = str(etag) if etag else None
+        self.stats = StreamStats()
+        self._lock = threading.Lock()
+        self._get = self._getter()
+
+    def __repr__(self) -> str:
+        return f"<RemoteObject {self.url!r} size={self.size}>"
+
+    # -- one ranged GET ------------------------------------------------------------------------
+    def _getter(self) -> Callable[[int, int], bytes]:
+        """The store's ranged GET of ``[start, end)`` (a coroutine function on an async filesystem: s3fs, HTTP,
+        ...), conditional on this object's ETag where the store can be (``If-Match``)."""
+        fs, path = self.fs, self.path
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.is_async = bool(getattr(fs, "async_impl", False)) and hasattr(fs, "_cat_file")
+        if self.etag and protocol in ("s3", "s3a"):
+            bucket, key, version = fs.split_path(path)
+            extra = {"VersionId": version} if version else {}
+
+            async def s3_get(start: int, end: int) -> bytes:
+                response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                             IfMatch=self.etag, **extra)
+                try:
+                    return await response["Body"].read()
+                finally:
+                    response["Body"].close()
+
+            async def s3_into(start: int, end: int, sink) -> None:
+                response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                             IfMatch=self.etag, **extra)
+                body = response["Body"]
+                try:
+                    await self._pump(body.read, start, end, sink)
+                finally:
+                    body.close()
+
+            self._get_into = s3_into
+            return s3_get
+        headers = {"headers": {"If-Match": self.etag}} if self.etag and protocol in ("http", "https") else {}
+        if self.is_async and protocol in ("http", "https") and hasattr(fs, "set_session"):
+            async def http_into(start: int, end: int, sink) -> None:
+                kw = dict(fs.kwargs)
+                sent = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}", **headers.get("headers", {})}
+                session = await fs.set_session()
+                async with session.get(fs.encode_url(path), headers=sent, **kw) as r:
+                    fs._raise_not_found_for_status(r, path)
+                    await self._pump(r.content.read, start, end, sink)
+
+            self._get_into = http_into
+        if self.is_async:
+            return lambda start, end: fs._cat_file(path, start=start, end=end, **headers)
+        return lambda start, end: fs.cat_file(path, start=start, end=end, **headers)
+
+    def get(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object, in one request; exactly ``end - start`` of them, or an error
+        naming the URL and the offset (:class:`ObjectChangedError` when the store says the object changed)."""
+        if end <= start:
+            return b""
+        if self.is_async:
+            from fsspec.asyn import sync
+
+            return sync(self.fs.loop, self.aget, start, end)
+        try:
+            data = self._get(start, end)
+        except Exception as e:
+            raise self._failure(e, start, end) from e
+        return self._checked(start, end, data)
+
+    async def aget(self, start: int, end: int) -> bytes:
+        """:meth:`get` as a coroutine, on the filesystem's event loop (an async filesystem only)."""
+        if end <= start:
+            return b""
+        try:
+            data = await self._get(start, end)
+        except Exception as e:
+            raise self._failure(e, start, end) from e
+        return self._checked(start, end, data)
+
+    async def aget_into(self, start: int, end: int, sink: Callable[[int, bytes], object]) -> None:
+        """:meth:`aget` handing the body to ``sink(offset, data)`` as it arrives, in the parts the HTTP client
+        reads (at most 1 MiB each; on the event loop's thread): no piece is ever joined into one buffer. Where the
+        store's client has no streamed body, the whole piece is one part."""
+        if end <= start:
+            return
+        into = getattr(self, "_get_into", None)
+        if into is None:
+            sink(start, await self.aget(start, end))
+            return
+        try:
+            await into(start, end, sink)
+        except Exception as e:
+            raise self._failure(e, start, end) from e
+
+    async def _pump(self, read, start: int, end: int, sink) -> None:
+        at = start
+        while True:
+            part = await read(_PART)
+            if not part:
+                break
+            if at + len(part) > end:
+                raise FormatError(f"{self.url}: expected {end - start} bytes at offset {start}, got more (the store "
+                                  "ignored the range?); nothing read is used")
+            sink(at, part)
+            at += len(part)
+        self._checked(start, end, _Length(at - start))
+
+    def _failure(self, e: Exception, start: int, end: int) -> Exception:
+        if isinstance(e, (ObjectChangedError, FormatError)):
+            return e
+        text = f"{type(e).__name__}: {e}"
+        if "412" in text or "PreconditionFailed" in text or "Precondition Failed" in text:
+            return ObjectChangedError(
+                f"{self.url}: the object changed while it was being read in ranges (its ETag is no longer "
+                f"{self.etag} at offset {start}); nothing read is used: open it again")
+        if isinstance(e, FileNotFoundError):
+            return ObjectChangedError(f"{self.url}: the object was removed while it was being read (at offset "
+                                      f"{start}); nothing read is used")
+        return OSError(f"{self.url}: reading bytes {start}..{end} failed: {text}")
+
+    def _checked(self, start: int, end: int, data: bytes) -> bytes:
+        if len(data) != end - start:
+            raise FormatError(f"{self.url}: expected {end - start} bytes at offset {start}, got {len(data)} (the "
+                              f"object is not the {self.size} bytes it was when opened: truncated or replaced while "
+                              "being read?); nothing read is used: open it again")
+        return data
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` clipped to the object, in one request (headers and indexes; payloads stream)."""
+        return self.get(max(0, start), min(end, self.size))
+
+    # -- many ranges, streamed -----------------------------------------------------------------------
+    def stream(self, spans: Iterable[tuple[int, int]], deliver: Callable[[int, bytes], object], *,
+               chunk: int | None = None, threads: int | None = None,
+               done: Callable[[int, int], object] | None = None, parts: bool = False) -> int:
+        """Fetch the byte ranges ``spans`` (``(start, end)``, as given: merge them first with :func:`merged` when
+        bytes between may be read) in pieces of at most ``chunk`` bytes (None: :data:`CHUNK`), ``threads`` requests
+        at a time (None: :data:`THREADS`), and call
+        ``deliver(offset, data)`` for each piece on the thread that fetched it. ``done(start, end)``, when given,
+        is called (one call at a time) once every piece of the range that starts at ``start`` was delivered.
+        Returns the bytes fetched. The first error stops the rest and is raised; deliveries made before it have
+        happened, so a caller that raises loses only its destination's contents. (:func:`stream` reads ranges of
+        several objects in one pool of requests.)
+
+        ``parts=True`` says that ``deliver`` takes any part of a piece, quickly, on any thread: on an async
+        filesystem it is then called on the event loop's thread with each part of the body as the HTTP client
+        reads it (:meth:`aget_into`), so no piece is joined into one buffer first (one copy less).
+        """
+        return stream([(self, spans, deliver, done)], chunk=chunk, threads=threads, parts=parts)
+
+    def check(self) -> None:
+        """Raise :class:`ObjectChangedError` when the object is no longer the one opened (a store that takes no
+        conditional reads: ranges read may mix two objects). Call it after the last :meth:`stream`."""
+        self.fs.invalidate_cache(self.path)
+        try:
+            now = identity(self.fs.info(self.path))
+        except FileNotFoundError:
+            raise ObjectChangedError(f"{self.url}: the object was removed while it was being read; nothing read is "
+                                     "used") from None
+        if now != self.identity:
+            raise ObjectChangedError(f"{self.url}: the object changed while it was being read in ranges "
+                                     f"({dict(self.identity)} at the start, {dict(now)} at the end); nothing read "
+                                     "is used: open it again")
+
+
+def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | None = None, parts: bool = False) -> int:
+    """:meth:`RemoteObject.stream` for several objects at once, their pieces sharing one pool of ``threads``
+    requests: ``jobs`` is ``[(remote object, spans, deliver, done or None), ...]``. Returns the bytes fetched.
+
+    >>> import fsspec
+    >>> fs = fsspec.filesystem("memory")
+    >>> fs.pipe({"/doc/s1": b"abcdef", "/doc/s2": b"uvwxyz"})
+    >>> got = {}
+    >>> jobs = [(RemoteObject(f"memory://doc/{n}"), [(1, 5)], lambda at, d, n=n: got.setdefault(n, {}).update({at: d}),
+    ...          None) for n in ("s1", "s2")]
+    >>> stream(jobs, chunk=2), got
+    (8, {'s1': {1: b'bc', 3: b'de'}, 's2': {1: b'vw', 3: b'xy'}})
+    """
+    chunk = CHUNK if chunk is None else chunk
+    threads = THREADS if threads is None else threads
+    if chunk < 1 or threads < 1:
+        raise ValueError(f"chunk and threads must be positive, got {chunk} and {threads}")
+    pieces = []
+    left: dict[tuple, list] = {}
+    for obj, spans, deliver, done in jobs:
+        for start, end in spans:
+            if start < 0 or end > obj.size:
+                raise FormatError(f"{obj.url}: bytes {start}..{end} asked for, past the end of the {obj.size}-byte "
+                                  "object (its index points outside it)")
+            if end <= start:
+                continue
+            key = (id(obj), start)
+            n = 0
+            for lo in range(start, end, chunk):
+                pieces.append((obj, lo, min(end, lo + chunk), deliver, done, key))
+                n += 1
+            left[key] = [n, start, end]
+    done_lock = threading.Lock()
+
+    def one(obj, lo: int, hi: int, deliver, done, key) -> None:
+        _deliver(obj, lo, hi, obj.get(lo, hi), deliver, done, key, left, done_lock)
+
+    total = sum(p[2] - p[1] for p in pieces)
+    loops = {id(p[0].fs.loop) if p[0].is_async else None for p in pieces}
+    if pieces and len(loops) == 1 and None not in loops:
+        # Async filesystems (s3fs, HTTP): the requests run as coroutines on the filesystem's event loop, at most
+        # `threads` of them from the request to the end of the delivery, which runs in a pool of as many threads
+        # (copies release the GIL) while the loop goes on receiving.
+        from fsspec.asyn import sync
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-deliver") as pool:
+            sync(pieces[0][0].fs.loop, _stream_async, pieces, threads, pool, left, done_lock, parts)
+        return total
+    if len(pieces) <= 1 or threads == 1:
+        for piece in pieces:
+            one(*piece)
+        return total
+    with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="fastckpt-get") as pool:
+        futures = [pool.submit(one, *piece) for piece in pieces]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+        if failed:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise failed[0].exception()
+    return total
+
+
+def _deliver(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_lock, request: bool = True) -> None:
+    """Count a piece (or, ``request`` False, a part of one) that arrived (``obj.stats``), hand it to ``deliver``,
+    and report its range done once every piece of the range is delivered."""
+    stats, lock = obj.stats, obj._lock
+    with lock:
+        stats.requests += request
+        stats.bytes += len(data)
+        stats.largest = max(stats.largest, len(data))
+        stats.held += len(data)
+        stats.peak_held = max(stats.peak_held, stats.held)
+    try:
+        deliver(lo, data)
+    finally:
+        del data
+        with lock:
+            stats.held -= hi - lo
+    if done is not None:
+        _finish(done, key, left, done_lock)
+
+
+def _finish(done, key, left: dict, done_lock) -> None:
+    with done_lock:
+        entry = left[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            done(entry[1], entry[2])
+
+
+async def _stream_async(pieces: list, threads: int, pool, left: dict, done_lock, parts: bool) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(threads)
+
+    async def one(obj, lo: int, hi: int, deliver, done, key) -> None:
+        async with slots:  # from the request to the end of the delivery: at most `threads` pieces held
+            if parts:
+                def sink(at: int, part) -> None:
+                    _deliver(obj, at, at + len(part), part, deliver, None, key, left, done_lock, request=False)
+
+                await obj.aget_into(lo, hi, sink)
+                with obj._lock:
+                    obj.stats.requests += 1
+                if done is not None:
+                    _finish(done, key, left, done_lock)
+                return
+            data = await obj.aget(lo, hi)
+            await loop.run_in_executor(pool, _deliver, obj, lo, hi, data, deliver, done, key, left, done_lock)
+
+    tasks = [asyncio.ensure_future(one(*piece)) for piece in pieces]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class Scatter:
+    """A ``deliver`` for :func:`stream` that places each piece into the destinations it overlaps: ``targets`` is
+    ``[(object offset, nbytes, write), ...]`` (not overlapping), ``write(offset in the destination, memoryview)``
+    copying the bytes there. A piece may cover the end of one destination, a gap and the start of the next.
+
+    >>> out = {"a": bytearray(3), "b": bytearray(2)}
+    >>> def into(name):
+    ...     return lambda at, data: out[name].__setitem__(slice(at, at + len(data)), data)
+    >>> s = Scatter([(10, 3, into("a")), (14, 2, into("b"))])
+    >>> s(9, b"xABC-D"); s(15, b"E")
+    >>> out
+    {'a': bytearray(b'ABC'), 'b': bytearray(b'DE')}
+    """
+
+    def __init__(self, targets: Iterable[tuple[int, int, Callable]]):
+        self.targets = sorted(targets, key=lambda t: t[0])
+        self.starts = [t[0] for t in self.targets]
+
+    def __call__(self, offset: int, data) -> None:
+        from bisect import bisect_right
+
+        view = memoryview(data)
+        end = offset + len(view)
+        i = max(0, bisect_right(self.starts, offset) - 1)
+        while i < len(self.targets) and self.targets[i][0] < end:
+            start, nbytes, write = self.targets[i]
+            lo, hi = max(start, offset), min(start + nbytes, end)
+            if lo < hi:
+                write(lo - start, view[lo - offset:hi - offset])
+            i += 1
+
+    def spans(self, gap: int = GAP) -> list[tuple[int, int]]:
+        """The byte ranges to fetch for these destinations (neighbours ``gap`` apart merged)."""
+        return merged(((start, start + nbytes) for start, nbytes, _ in self.targets), gap)

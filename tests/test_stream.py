@@ -1,0 +1,357 @@
+"""Streaming from object storage (fastckpt.formats.stream): every entry point that takes a URL reads it with
+parallel ranged GETs delivered straight into its destination, exactly, with bounded memory.
+
+Sources: moto's S3 server (the S3 API; small objects), and the range server of ``fastckpt.bench.objectserver``
+as S3 and as plain HTTP (ranged GETs in time proportional to the range: the larger objects).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import fastckpt
+from fastckpt.errors import FormatError
+from fastckpt.formats import remote, stream
+from fastckpt.formats.stream import ObjectChangedError, RemoteObject
+
+SOURCES = ["moto-s3", "range-s3", "range-http"]
+
+
+def _tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """Odd sizes, so that pieces of a small chunk start and end inside tensors and cover several."""
+    rng = np.random.default_rng(seed)
+    return {"a": rng.random((37, 11), np.float32), "b": rng.integers(-9, 9, 1001, np.int64),
+            "tiny": np.arange(3, dtype=np.int8), "c": rng.random((5, 7, 3)).astype(np.float16),
+            "empty": np.zeros((0, 4), np.float32)}
+
+
+def _put(where, request, name: str, write) -> tuple[str, dict | None]:
+    """Write an object with ``write(local_path)`` at the source ``where``; returns (url, storage_options)."""
+    key = f"{uuid.uuid4().hex[:10]}/{name}"
+    if where == "moto-s3":
+        s3 = request.getfixturevalue("s3")
+        local = os.path.join(request.getfixturevalue("tmp_path"), name)
+        write(local)
+        url = f"s3://{s3.bucket}/{key}"
+        if os.path.isdir(local):
+            remote.put_directory(local, url, marker="model.safetensors.index.json",
+                                 storage_options=s3.storage_options)
+        else:
+            s3.filesystem().put_file(local, url)
+        return url, s3.storage_options
+    objects = request.getfixturevalue("objects")
+    write(objects.path("b", key))
+    if where == "range-s3":
+        return f"s3://b/{key}", objects.storage_options
+    return objects.http_url("b", key), None
+
+
+def _save(fmt):
+    return lambda p, t: (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(p, t)
+
+
+def _before_each_read(monkeypatch, before) -> None:
+    """Call ``before(obj, start, end)`` ahead of every ranged read, on every path of the streaming mechanism (a
+    thread's ``get``, or a coroutine's ``aget`` / ``aget_into`` on an async filesystem's event loop)."""
+    real_get, real_aget, real_into = RemoteObject.get, RemoteObject.aget, RemoteObject.aget_into
+
+    def get(self, start, end):
+        before(self, start, end)
+        return real_get(self, start, end)
+
+    async def aget(self, start, end):
+        before(self, start, end)
+        return await real_aget(self, start, end)
+
+    async def aget_into(self, start, end, sink):
+        before(self, start, end)
+        return await real_into(self, start, end, sink)
+
+    monkeypatch.setattr(RemoteObject, "get", get)
+    monkeypatch.setattr(RemoteObject, "aget", aget)
+    monkeypatch.setattr(RemoteObject, "aget_into", aget_into)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 1000 bytes, 3 at a time: every read of a test crosses tensor boundaries."""
+    monkeypatch.setattr(stream, "CHUNK", 1000)
+    monkeypatch.setattr(stream, "THREADS", 3)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+@pytest.mark.parametrize("where", SOURCES)
+def test_open_and_copies_are_exact(where, fmt, request, small_pieces):
+    tensors = _tensors()
+    url, options = _put(where, request, f"m.{fmt}", lambda p: _save(fmt)(p, tensors))
+    with fastckpt.open(url, storage_options=options) as f:
+        assert list(f) == list(tensors) or sorted(f) == sorted(tensors)
+        for name, value in tensors.items():
+            got = np.array(f[name])
+            assert got.dtype == value.dtype and got.shape == value.shape
+            assert got.tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("where", SOURCES)
+def test_streamed_reader_fills_host_arrays_across_tensor_boundaries_with_bounded_memory(where, request, small_pieces):
+    tensors = _tensors(1)
+    url, options = _put(where, request, "m.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
+    with remote.open_streamed(url, storage_options=options) as f:
+        before = f.remote.stats.bytes
+        got = f.hosts(["c", "b", "a"])
+        assert list(got) == ["c", "b", "a"]
+        for name, value in got.items():
+            assert value.tobytes() == tensors[name].tobytes() and value.shape == tensors[name].shape
+        stats = f.remote.stats
+        payload = sum(tensors[n].nbytes for n in ("a", "b", "c"))
+        assert payload <= stats.bytes - before < payload + 3 * 64  # the gaps between (alignment padding) only
+        assert stats.largest == 1000  # no piece larger than the chunk: never the whole object
+        assert 1000 <= stats.peak_held <= 3 * 1000  # threads x chunk, counted as pieces arrive and are placed
+        assert f.host("tiny").tolist() == [0, 1, 2]
+
+
+@pytest.mark.device
+def test_no_temporary_file_is_made(objects, monkeypatch, queue, pool):
+    import tempfile
+
+    if not hasattr(os, "memfd_create"):
+        pytest.skip("no memfd_create here: fastckpt.open(url) keeps an unlinked temporary file")
+    tensors = _tensors(10)
+    key = f"{uuid.uuid4().hex[:10]}/m.safetensors"
+    fastckpt.save_safetensors(objects.path("b", key), tensors)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a temporary file was made")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    with fastckpt.open(f"s3://b/{key}", storage_options=objects.storage_options) as f:
+        assert np.array(f["a"]).tobytes() == tensors["a"].tobytes()
+    loaded = fastckpt.load_file(objects.http_url("b", key), queue, pool=pool)
+    assert loaded["b"].to_host().tobytes() == tensors["b"].tobytes()
+
+
+def test_pieces_of_several_objects_share_one_pool_and_hold_at_most_threads_x_chunk(objects, monkeypatch):
+    data = [np.random.default_rng(i).integers(0, 256, 300_000 + i, np.uint8).tobytes() for i in range(3)]
+    objs, outs = [], []
+    for i, blob in enumerate(data):
+        with open(objects.path("b", f"many/{i}.bin"), "wb") as f:
+            f.write(blob)
+        objs.append(RemoteObject(objects.http_url("b", f"many/{i}.bin")))
+        outs.append(bytearray(len(blob)))
+    held = []
+    real_aget = RemoteObject.aget
+
+    async def slow_get(self, start, end):  # every request waits a little: all slots are in flight at once
+        import asyncio
+
+        await asyncio.sleep(0.01)
+        return await real_aget(self, start, end)
+
+    monkeypatch.setattr(RemoteObject, "aget", slow_get)
+
+    def into(out, obj):
+        def deliver(offset, piece):
+            held.append(obj.stats.held)
+            out[offset:offset + len(piece)] = piece
+        return deliver
+
+    total = stream.stream([(o, [(0, o.size)], into(out, o), None) for o, out in zip(objs, outs)],
+                          chunk=16 << 10, threads=4)
+    assert total == sum(map(len, data))
+    assert [bytes(o) for o in outs] == data
+    assert max(o.stats.largest for o in objs) == 16 << 10
+    assert sum(o.stats.requests for o in objs) == sum(-(-len(b) // (16 << 10)) for b in data)
+    assert max(o.stats.peak_held for o in objs) <= 4 * (16 << 10)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+@pytest.mark.parametrize("where", SOURCES)
+def test_load_file_streams_into_the_pool_arena(where, fmt, request, queue, pool, small_pieces):
+    tensors = _tensors(2)
+    url, options = _put(where, request, f"m.{fmt}", lambda p: _save(fmt)(p, tensors))
+    seen = []
+    loaded = fastckpt.load_file(url, queue, pool=pool, storage_options=options,
+                                progress=lambda done, total, item: seen.append((done, total, item)))
+    for name, value in tensors.items():
+        assert loaded[name].to_host().tobytes() == value.tobytes(), name
+    assert loaded.report.path == url and loaded.report.regions >= 1
+    from fastckpt.device.context import shares_host_memory
+
+    if shares_host_memory(queue.device):  # the mapped arena, written part by part: one map per region
+        assert loaded.report.copies == loaded.report.regions
+    else:  # a discrete device (FASTCKPT_TEST_DEVICES=discrete): one enqueue_copy per piece of 1000 bytes
+        assert loaded.report.copies >= loaded.report.bytes_copied // 1000
+    payload = sum(v.nbytes for v in tensors.values())
+    assert seen[-1][:2] == (payload, payload)  # every tensor reported as its bytes reach the arena
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("where", SOURCES)
+def test_load_file_without_a_pool_streams_into_each_buffer(where, request, queue, small_pieces):
+    tensors = _tensors(3)
+    url, options = _put(where, request, "m.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
+    loaded = fastckpt.load_file(url, queue, storage_options=options, names=["c", "a", "tiny"])
+    assert sorted(loaded) == ["a", "c", "tiny"]
+    for name in ("a", "c", "tiny"):
+        assert loaded[name].to_host().tobytes() == tensors[name].tobytes()
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("where", SOURCES)
+def test_load_model_streams_the_weights(where, request, queue, pool, small_pieces):
+    from fastckpt.io import load_model, save_model
+    from fastckpt.nn import Linear, ReLU, Sequential
+
+    model = Sequential([Linear(queue, 13, 7), ReLU(), Linear(queue, 7, 3)])
+    url, options = _put(where, request, "m.netcl", lambda p: save_model(model, p))
+    loaded = load_model(url, queue, pool=pool, storage_options=options)
+    expected = model.state_dict()
+    assert list(loaded.state_dict()) == list(expected)
+    for key, value in expected.items():
+        assert np.asarray(loaded.state_dict()[key]).tobytes() == np.asarray(value).tobytes()
+    verified = load_model(url, queue, verify=True, storage_options=options)  # CRC-32s checked over the bytes
+    for key, value in expected.items():
+        assert np.asarray(verified.state_dict()[key]).tobytes() == np.asarray(value).tobytes()
+
+
+@pytest.mark.parametrize("where", SOURCES)
+def test_hf_sharded_prefix_opens_and_loads(where, request, small_pieces):
+    from fastckpt.formats.hfsharded import save_sharded
+
+    tensors = _tensors(4)
+    url, options = _put(where, request, "hf", lambda d: save_sharded(d, tensors, max_shard_size=3000))
+    with fastckpt.open(url, storage_options=options) as r:
+        assert r.format == "hf-sharded" and len(r.files) >= 2
+        for name, value in tensors.items():
+            assert np.array(r[name]).tobytes() == value.tobytes()
+    with remote.open_streamed(url + "/", storage_options=options) as r:
+        assert np.array(r["b"]).tobytes() == tensors["b"].tobytes()
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("where", ["moto-s3", "range-http"])
+def test_hf_sharded_prefix_loads_into_one_arena(where, request, queue, pool, small_pieces):
+    from fastckpt.formats.hfsharded import save_sharded
+
+    tensors = _tensors(5)
+    url, options = _put(where, request, "hf", lambda d: save_sharded(d, tensors, max_shard_size=3000))
+    loaded = fastckpt.load_file(url, queue, pool=pool, storage_options=options)
+    for name, value in tensors.items():
+        assert loaded[name].to_host().tobytes() == value.tobytes(), name
+
+
+def test_storage_options_reach_the_filesystem_from_every_entry_point(objects, monkeypatch, queue, pool):
+    from fastckpt.formats.hfsharded import save_sharded
+    from fastckpt.io import load_model, save_model
+    from fastckpt.nn import Linear, Sequential
+
+    seen = []
+    real = stream.filesystem
+
+    def spy(url, options=None):
+        seen.append((url, options))
+        return real(url, options)
+
+    monkeypatch.setattr(stream, "filesystem", spy)
+    key = uuid.uuid4().hex[:10]
+    fastckpt.save_safetensors(objects.path("b", f"{key}/m.safetensors"), _tensors())
+    save_model(Sequential([Linear(queue, 2, 2)]), objects.path("b", f"{key}/m.netcl"))
+    save_sharded(os.path.dirname(objects.path("b", f"{key}/hf/x")), _tensors(), max_shard_size=3000)
+    options = objects.storage_options
+    calls = {
+        "open": lambda: fastckpt.open(f"s3://b/{key}/m.safetensors", storage_options=options).close(),
+        "load_file": lambda: fastckpt.load_file(f"s3://b/{key}/m.safetensors", queue, pool=pool,
+                                                storage_options=options),
+        "load_model": lambda: load_model(f"s3://b/{key}/m.netcl", queue, pool=pool, storage_options=options),
+        "hf prefix": lambda: fastckpt.load_file(f"s3://b/{key}/hf", queue, pool=pool, storage_options=options),
+    }
+    for what, call in calls.items():
+        seen.clear()
+        call()
+        assert seen and all(o is options for _, o in seen), what
+    with pytest.raises(ValueError, match="storage_options is for URLs"):
+        fastckpt.load_file(objects.path("b", f"{key}/m.safetensors"), queue, storage_options=options)
+
+
+# -- never wrong data ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_an_object_replaced_mid_load_is_an_error_naming_it(where, request, objects, monkeypatch, small_pieces):
+    tensors = _tensors(6)
+    url, options = _put(where, request, "m.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
+    local = objects.path("b", url.split("/b/", 1)[1] if where == "range-http" else url[len("s3://b/"):])
+    calls = []
+
+    def replaced_after_a_few(obj, start, end):
+        calls.append(start)
+        if len(calls) == 4:  # the index and a few pieces read: another writer replaces the object (new ETag)
+            time.sleep(0.01)
+            fastckpt.save_safetensors(local + ".new", {k: v + 1 for k, v in tensors.items()})
+            os.replace(local + ".new", local)
+
+    _before_each_read(monkeypatch, replaced_after_a_few)
+    with pytest.raises(ObjectChangedError, match=f"^{url}: the object changed while it was being read.*at offset"):
+        fastckpt.open(url, storage_options=options)
+
+
+def test_a_truncated_object_is_an_error_naming_it_and_the_offset(objects, monkeypatch, small_pieces):
+    tensors = _tensors(7)
+    key = f"{uuid.uuid4().hex[:10]}/m.safetensors"
+    fastckpt.save_safetensors(objects.path("b", key), tensors)
+    url = objects.http_url("b", key)
+    f = remote.open_streamed(url)
+    size = f.remote.size
+    with open(objects.path("b", key), "r+b") as file:  # the same file (no new ETag from a rename), cut short
+        file.truncate(size - 5000)
+    f.remote.etag = None  # as a store without conditional reads: only the length tells
+    f.remote._get = f.remote._getter()
+    with pytest.raises((FormatError, ObjectChangedError), match=f"^{url}: ") as err:
+        f.hosts()
+    assert "offset" in str(err.value) or "changed" in str(err.value)
+
+
+def test_a_short_read_is_never_used(monkeypatch):
+    url = f"memory://fastckpt-tests/{uuid.uuid4().hex[:10]}/short.safetensors"
+    fastckpt.save_safetensors(url, _tensors(8))
+    obj = RemoteObject(url)
+    real = obj._get
+    obj._get = lambda start, end: real(start, end)[:-1] if start > 0 else real(start, end)
+    out = bytearray(obj.size)
+
+    def deliver(offset, data):
+        out[offset:offset + len(data)] = data
+
+    with pytest.raises(FormatError, match=f"^{url}: expected 1000 bytes at offset 1000, got 999"):
+        obj.stream([(0, obj.size)], deliver, chunk=1000, threads=1)
+    assert out[1000:] == bytes(len(out) - 1000)  # nothing of the short piece was placed
+
+
+def test_ranges_past_the_object_are_refused():
+    url = f"memory://fastckpt-tests/{uuid.uuid4().hex[:10]}/x.bin"
+    fs, path = remote.filesystem(url)
+    fs.pipe_file(path, b"0123456789")
+    with pytest.raises(FormatError, match="bytes 5..11 asked for, past the end of the 10-byte object"):
+        RemoteObject(url).stream([(5, 11)], lambda o, d: None)
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_a_large_object_streams_exactly_with_bounded_memory(where, request, queue, pool):
+    rng = np.random.default_rng(9)
+    tensors = {f"w{i}": rng.random((4099, 4096), np.float32) for i in range(4)}  # 256 MiB, odd rows
+    url, options = _put(where, request, "big.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
+    loaded = fastckpt.load_file(url, queue, pool=pool, storage_options=options)
+    for name, value in tensors.items():
+        assert np.array_equal(loaded[name].to_host(), value)
+    with fastckpt.open(url, storage_options=options) as f:
+        for name, value in tensors.items():
+            assert np.array_equal(f[name], value)
