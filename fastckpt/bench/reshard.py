@@ -9,9 +9,10 @@ new tables) and by N ranks (the *same-shape* load the target compares with: N ->
   the slice groups that meet its slice and its one run of rows of every part) and verified (the default: every
   file read is hashed whole against the manifest, as in versions 1-3);
 * ``v3`` with ``--baseline PATH`` (a checkout of an earlier fastckpt, e.g. ``/work/wt/base-0.3``): the same state
-  saved and loaded by that fastckpt in a worker process (``PYTHONPATH=PATH``), ranks by its own default rule; the
-  worker times each load itself and the times are reported as measured there (no pipe in them), interleaved with
-  this process's loads, so that both meet the same machine;
+  saved and loaded by that fastckpt in the suite's worker process (:class:`fastckpt.bench.sharded.Against`), its
+  ranks holding the ids of its own default rule (``id mod N``); the worker times each load itself and the times
+  are reported as measured there (no pipe in them), interleaved with this process's loads, so that both meet the
+  same machine;
 * ``--s3``: the same checkpoints uploaded to moto's S3 server on loopback (:func:`fastckpt.bench.s3.start_server`)
   and loaded from there, each rank fetching its share with ranged reads
   (:func:`fastckpt.sharded.remote.fetch_share`); verified, whole files (the manifest hashes whole files): v4 only
@@ -28,11 +29,7 @@ Each v4 load is checked once before the timed rounds: every id on the rank of it
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,47 +37,11 @@ import numpy as np
 
 from fastckpt.bench.timing import Timing, format_duration, format_ratio, round_robin, summarize, table_lines
 
-__all__ = ["PAIRS", "parse_pairs", "measure", "report", "BaselineWorker"]
+__all__ = ["PAIRS", "parse_pairs", "measure", "report"]
 
 PAIRS = "4:3,4:2,2:3,1:4"
 TARGET = 1.3  # N -> M load time / N -> N load time, at most
 SETTLE = 0.1
-
-# Run in the baseline's own interpreter: its fastckpt (PYTHONPATH) builds the same state with its bench helpers,
-# saves it with its Saver and times its Loader, one JSON line per command.
-_WORKER = r"""
-import gc, json, sys, time
-from pathlib import Path
-from fastckpt.bench import sharded as b
-from fastckpt.sharded import HashTable, Loader
-
-for line in sys.stdin:
-    cmd = json.loads(line)
-    try:
-        if cmd["op"] == "save":
-            ids, dense = b.table_ids(cmd["ids"]), b.dense_tensors(cmd["dense_mib"])
-            states = [b.rank_state(ids, cmd["dim"], r, cmd["ranks"]) for r in range(cmd["ranks"])]
-            b.sharded_save(Path(cmd["path"]), states, dense, cmd["parallel"])
-            del states
-            with open(Path(cmd["path"]) / "manifest.json") as f:
-                reply = {"format_version": json.load(f)["format_version"]}
-        else:
-            def load(rank):
-                tables = {b.TABLE: HashTable(cmd["dim"], slots=b.SLOTS, name=b.TABLE)}
-                return Loader(cmd["path"], hashtables=tables, tensors={}, parallel=cmd["parallel"], shard_index=rank,
-                              shard_num=cmd["ranks"], dense="rows", verify=cmd["verify"],
-                              storage_options=cmd.get("storage_options")).load()
-            gc.collect()
-            start = time.perf_counter()
-            loaded = b._threads(cmd["ranks"], load)
-            seconds = time.perf_counter() - start
-            reply = {"seconds": seconds, "ids": sum(len(t[b.TABLE]) for t, _ in loaded)}
-            del loaded
-    except Exception as exc:
-        reply = {"error": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(reply), flush=True)
-"""
-
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
     """``"4:3,2:3"`` -> ``[(4, 3), (2, 3)]`` (saving ranks : loading ranks); ``"4,3"`` is the one pair (4, 3)."""
@@ -95,31 +56,6 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
     if not pairs or any(a < 1 or b < 1 or a == b for a, b in pairs):
         raise SystemExit(f"--reshard pairs need two different positive rank counts, got {text!r}")
     return list(dict.fromkeys(pairs))
-
-
-class BaselineWorker:
-    """An earlier fastckpt (``PYTHONPATH=path``) in a child process that saves and times loads on request."""
-
-    def __init__(self, path: str):
-        self.path = os.path.abspath(path)
-        env = {**os.environ, "PYTHONPATH": self.path}
-        self.process = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, env=env, cwd=self.path)
-
-    def call(self, **cmd) -> dict:
-        self.process.stdin.write(json.dumps(cmd) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the baseline worker ({self.path}) ended (exit {self.process.wait()})")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"the baseline ({self.path}): {reply['error']}")
-        return reply
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(60)
 
 
 def _check(loaded: list, all_ids: np.ndarray, m: int, table: str) -> None:
@@ -148,7 +84,9 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
     ``load(path, ranks, dim, parallel, verify=..., storage_options=...)`` loads every rank's share; ``sizes``:
     ``{"ids", "dim", "dense_mib"}`` for the baseline to build the same state.
     """
-    worker = BaselineWorker(baseline) if baseline else None
+    from fastckpt.bench.sharded import Against
+
+    worker = Against(baseline) if baseline else None
     server = url = options = None
     if s3:
         from fastckpt.bench.s3 import start_server, storage_options
@@ -169,8 +107,9 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
             places["v4"] = (str(v4), None)
             if worker is not None:
                 v3 = root / f"reshard-{src}-baseline"
-                worker.call(op="save", path=str(v3), ids=sizes["ids"], dim=dim, dense_mib=sizes["dense_mib"],
-                            ranks=src, parallel=parallel)
+                # the baseline's ranks hold the ids of its own default rule (id mod N), as its loads give them
+                worker.call("state", ids=sizes["ids"], dim=dim, dense_mib=sizes["dense_mib"], ranks=src, rule="mod")
+                worker.call("save", path=str(v3), parallel=parallel)
                 places["v3"] = (str(v3), None)
             if s3:
                 for name in list(places):
@@ -191,7 +130,7 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
                             worker_times[label] = []
 
                             def run(where=where, m=m, verify=verify, opts=opts, label=label):
-                                reply = worker.call(op="load", path=where, ranks=m, dim=dim, parallel=parallel,
+                                reply = worker.call("load", path=where, ranks=m, dim=dim, parallel=parallel,
                                                     verify=verify, storage_options=opts)
                                 worker_times[label].append(reply["seconds"])
                         else:

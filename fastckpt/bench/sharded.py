@@ -175,9 +175,10 @@ class RankState:
         return [self.ids, self.values, *self.slots.values()]
 
 
-def rank_state(ids: np.ndarray, dim: int, rank: int, ranks: int, seed: int = 0) -> RankState:
+def rank_state(ids: np.ndarray, dim: int, rank: int, ranks: int, seed: int = 0, rule: str = "slice") -> RankState:
     """Rank ``rank`` of ``ranks``: the ids of its key-space slices (the owner rule of sharded format version 4, which
-    a load of ``ranks`` ranks applies), random float32 rows and slots.
+    a load of ``ranks`` ranks applies; ``rule="mod"``: ``id mod ranks``, the rule of versions 1-3), random float32
+    rows and slots.
 
     >>> s = rank_state(table_ids(100), 4, 1, 2)
     >>> len(s.table) == len(s.values) == int((slice_owner(table_ids(100), 2) == 1).sum()), sorted(s.slots)
@@ -185,7 +186,7 @@ def rank_state(ids: np.ndarray, dim: int, rank: int, ranks: int, seed: int = 0) 
     >>> bool((slice_owner(s.ids, 2) == 1).all()), s.values.shape[1]
     (True, 4)
     """
-    mine = ids[slice_owner(ids, ranks) == rank]
+    mine = ids[(np.mod(ids, ranks) if rule == "mod" else slice_owner(ids, ranks)) == rank]
     rng = np.random.default_rng([seed, ranks, rank])
     rows = []
     for _ in range(1 + len(SLOTS)):
@@ -394,7 +395,8 @@ def _worker() -> int:
                 states = []
                 gc.collect()
                 ids = table_ids(request["ids"])
-                states = [rank_state(ids, request["dim"], rank, request["ranks"]) for rank in range(request["ranks"])]
+                states = [rank_state(ids, request["dim"], rank, request["ranks"], rule=request.get("rule", "slice"))
+                          for rank in range(request["ranks"])]
                 dense = dense_tensors(request["dense_mib"])
                 value = None
             elif op in ("save", "load"):
@@ -402,8 +404,9 @@ def _worker() -> int:
                 if op == "save":
                     sharded_save(Path(request["path"]), states, dense, request["parallel"])
                 else:
-                    sharded_load(Path(request["path"]), request["ranks"], request["dim"], request["parallel"],
-                                 verify=request["verify"])  # dropped at once, as a timed run here drops it
+                    sharded_load(request["path"], request["ranks"], request["dim"], request["parallel"],
+                                 verify=request["verify"], storage_options=request.get("storage_options"))
+                    # dropped at once, as a timed run here drops it
                 value = {"seconds": time.perf_counter() - started, "cpu": _cpu_seconds() - cpu}
             else:
                 raise ValueError(f"unknown request {op!r}")
