@@ -76,17 +76,16 @@ def _check(loaded: list, all_ids: np.ndarray, m: int, table: str) -> None:
 
 def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense: dict, pairs: list[tuple[int, int]],
             *, dim: int, parallel: int, repeat: int, save: Callable, load: Callable, sizes: dict,
-            baseline: str | None = None, s3: bool = False, log: Callable[[str], None] = lambda line: None,
+            baseline=None, s3: bool = False, log: Callable[[str], None] = lambda line: None,
             table: str = "emb") -> list[dict[str, Any]]:
     """Time every pair (see the module docs); returns one row per (pair, checkpoint, place, verify).
 
     ``build(n)`` makes the n ranks' states, ``save(path, states, dense, parallel)`` saves them,
     ``load(path, ranks, dim, parallel, verify=..., storage_options=...)`` loads every rank's share; ``sizes``:
-    ``{"ids", "dim", "dense_mib"}`` for the baseline to build the same state.
+    ``{"ids", "dim", "dense_mib"}`` for the baseline to build the same state; ``baseline``: the worker process
+    of an earlier fastckpt (:class:`fastckpt.bench.sharded.Against`), which this closes.
     """
-    from fastckpt.bench.sharded import Against
-
-    worker = Against(baseline) if baseline else None
+    worker = baseline
     server = url = options = None
     if s3:
         from fastckpt.bench.s3 import start_server, storage_options

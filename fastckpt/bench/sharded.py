@@ -573,7 +573,8 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
             results["reshard"] = resharding.measure(
                 root, lambda n: [rank_state(all_ids, dim, rank, n) for rank in range(n)], all_ids, dense, reshard,
                 dim=dim, parallel=p, repeat=repeat, save=sharded_save, load=sharded_load,
-                sizes={"ids": ids, "dim": dim, "dense_mib": dense_mib}, baseline=baseline, s3=s3, log=log, table=TABLE)
+                sizes={"ids": ids, "dim": dim, "dense_mib": dense_mib}, baseline=Against(baseline) if baseline else None,
+                s3=s3, log=log, table=TABLE)
             results["reshard_pairs"], results["reshard_parallel"] = reshard, p
     finally:
         if worker is not None:
