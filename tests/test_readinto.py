@@ -358,7 +358,7 @@ def test_a_cold_staged_load_reads_whole_blocks_direct_into_the_staging_buffers(t
     def read_into_(fd, pairs, p, **kw):
         if kw.get("direct_fd") is not None:
             for dst, offset in pairs:
-                direct_reads.extend(d for _v, _o, d in direct_pieces(memoryview(dst), offset, 1 << 30))
+                direct_reads.extend((len(v), d) for v, _o, d in direct_pieces(memoryview(dst), offset, 1 << 30))
         return real(fd, pairs, p, **kw)
 
     monkeypatch.setattr(staging, "read_into", read_into_)
@@ -366,7 +366,11 @@ def test_a_cold_staged_load_reads_whole_blocks_direct_into_the_staging_buffers(t
     _exact(loaded, tensors)
     assert loaded.report.staging_chunk and loaded.report.reads == 0
     if _has_direct(tmp_path):
-        assert direct_reads and sum(direct_reads) >= len(direct_reads) // 2, "most fills read whole blocks directly"
+        # Counted in bytes, not pieces: how many small head and tail pieces a load has depends on how its batches
+        # fell, while the whole blocks between them are nearly every byte whatever the batches.
+        direct = sum(n for n, d in direct_reads if d)
+        assert direct_reads and direct >= 0.9 * sum(n for n, _d in direct_reads), ("most bytes are read whole "
+                                                                                    "blocks directly", direct_reads)
 
 
 def _has_direct(directory) -> bool:
