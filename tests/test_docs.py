@@ -38,7 +38,7 @@ EXPECTED_OUTPUT = {
     "device.md": ["2 1"],
     "model-files.md": ["(32, 10)", "ndarray (784, 256) 1000"],
     "remote.md": ["safetensors ['bias'] {'step': '100'}", "[8.0, 9.0, 10.0, 11.0]",
-                  "[20, 30] memory://docs/run-b/step-00000030", "[1, 3, 5]", "[30, 50] False"],
+                  "[20, 30] memory://docs/run-b/step-00000030", "[0, 1, 2, 3, 4, 5]", "[30, 50] False"],
     "reading.md": ["safetensors 1 {'step': '100'}", "hf-sharded 2"],
     "stateful.md": ["50", "2", "True"],
     "training-checkpoints.md": ["[500, 800, 900, 1000]", "True"],

@@ -17,7 +17,8 @@ scalars and non-string keys, so that a change to a shared codec shows here.
 Files of earlier format versions are kept: ``train-schema-1.0`` holds
 training checkpoints with sha256 manifests, which the tests below load and
 verify; ``sharded-0.2.0`` the sharded checkpoints of format versions 1 and 2
-(no checksum of the manifest), which load and verify with what they carry; ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
+(no checksum of the manifest), which load and verify with what they carry;
+``sharded`` those of version 3 (fastckpt 0.3; ``sharded-v4`` is what saves write now); ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
 payload on a page, the default before the ``"auto"`` alignment policy),
 still written byte for byte by ``alignment=4096`` and read back below.
 
@@ -361,6 +362,23 @@ def _write_sharded(out: Path) -> None:
     _save_sharded(out / "quantized", tables, SHARDED_TENSORS, parallel=1, quantize="int8")  # no codec: fixed bytes
 
 
+def _slice_group_tables(rank: int):
+    """A table of 1,100 ids over two ranks (550 a rank: 3 slice groups of a version-4 part) with ids in every
+    slice of 65536 and negative ones."""
+    from fastckpt.sharded import HashTable
+
+    ids = (np.arange(1100, dtype=np.int64) * 60013 - 7_000_000)[rank::2]
+    table = HashTable(2, slots=("m",), name="groups")
+    table.insert(ids, _arange(np.float32, (len(ids), 2), 3 + rank), slots={"m": _arange(np.float32, (len(ids), 2))})
+    return {"groups": table}
+
+
+def _write_sharded_v4(out: Path) -> None:
+    """Format version 4: the cases of version 3, and a checkpoint whose parts hold several slice groups."""
+    _write_sharded(out)
+    _save_sharded(out / "groups", [_slice_group_tables(0), _slice_group_tables(1)], {}, parallel=1)
+
+
 def _change_sharded(tables: list[dict]) -> None:
     """What happens between the full checkpoint and the delta: an update, a delete, an insert, a re-insert."""
     tables[0]["emb"].update([7], [[0.25, 0.5, 0.75]], slots={"m": [[1.0, 2.0, 3.0]]})
@@ -377,7 +395,7 @@ CASES = {
     "train": _write_train_dir,
     "stateful": _write_stateful,
     "tf": _write_tf,
-    "sharded": _write_sharded,
+    "sharded-v4": _write_sharded_v4,  # "sharded" (version 3) and "sharded-0.2.0" (1 and 2) are kept, read below
 }
 DEVICE_CASES = {"netcl-model"}
 
@@ -531,7 +549,7 @@ def test_golden_tf_checkpoints_read_back():
             assert r.read_tensor(name).dtype == value.dtype and r.read_tensor(name).tobytes() == value.tobytes()
 
 
-@pytest.mark.parametrize("folder", ["sharded", "sharded-0.2.0"])
+@pytest.mark.parametrize("folder", ["sharded-v4", "sharded", "sharded-0.2.0"])
 @pytest.mark.parametrize("checkpoint", ["full", "delta"])
 def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(folder, checkpoint):
     from fastckpt.sharded import HashTable, Loader
@@ -555,7 +573,7 @@ def test_golden_sharded_checkpoint_loads_on_one_and_three_ranks(folder, checkpoi
                 assert tensors[name].dtype == value.dtype and tensors[name].tobytes() == value.tobytes()
 
 
-@pytest.mark.parametrize("folder", ["sharded", "sharded-0.2.0"])
+@pytest.mark.parametrize("folder", ["sharded-v4", "sharded", "sharded-0.2.0"])
 def test_golden_quantized_sharded_checkpoint_loads_within_its_bound(folder):
     from fastckpt.sharded import CheckpointReader, Loader
 
@@ -593,3 +611,29 @@ def test_sharded_checkpoints_of_0_2_0_verify_with_what_they_carry(checkpoint, ve
     out = io.StringIO()
     assert run(Namespace(directory=str(path), no_hash=False, quiet=False), out) == 0
     assert "not checked: manifest.json: format version" in out.getvalue()
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_golden_sharded_v4_slice_groups_load_by_the_slice_rule(shards):
+    """Format version 4: every id on the rank of its key-space slice, its rows and slot exact, each rank reading
+    only the slice groups that meet its slice; versions 1-3 keep id mod M (their golden files load above)."""
+    from fastckpt.sharded import CheckpointReader, Loader
+    from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
+
+    path = GOLDEN / "sharded-v4" / "groups"
+    with CheckpointReader(path) as r:
+        assert r.manifest["format_version"] == 4 and r.unchecked == []
+        assert r.descriptions["groups.id/part_1_2"]["slices"]["groups"] == 3
+    saved = [_slice_group_tables(0)["groups"], _slice_group_tables(1)["groups"]]
+    seen = []
+    for j in range(shards):
+        table = Loader(str(path), shard_index=j, shard_num=shards).load()[0]["groups"]
+        ids = table.ids()
+        begin, end = slice_of(j, shards)
+        assert np.all((slice_positions(ids, SLICE_SIZE) >= begin) & (slice_positions(ids, SLICE_SIZE) < end))
+        for part in saved:
+            mine = part.ids()[np.isin(part.ids(), ids)]
+            assert table.lookup(mine).tobytes() == part.lookup(mine).tobytes()
+            assert table.lookup_slot("m", mine).tobytes() == part.lookup_slot("m", mine).tobytes()
+        seen.append(ids)
+    assert sorted(np.concatenate(seen).tolist()) == sorted(np.concatenate([t.ids() for t in saved]).tolist())

@@ -15,7 +15,7 @@ from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver
 from fastckpt.sharded.chain import BrokenChainError, manifest_digest, prune, resolve_chain
 from fastckpt.sharded.reshard import compact
 from fastckpt.sharded.engine import ThreadEngine
-from fastckpt.sharded.loader import owner_mod
+from fastckpt.sharded.recis import slice_owner
 from fastckpt.sharded.saver import DeltaPolicy
 
 DIM, SLOTS = 4, ("m", "v")
@@ -23,7 +23,8 @@ EVERY_DELTA = DeltaPolicy(max_chain=100, max_fraction=1.0)
 
 
 class Trainer:
-    """``ranks`` tables that own ids by ``id mod ranks``, changed at random the way training changes them."""
+    """``ranks`` tables that own ids by the slice rule of format version 4 (what a load of ``ranks`` ranks gives
+    them), changed at random the way training changes them."""
 
     def __init__(self, ranks: int, seed: int = 0, n: int = 600):
         self.rng = np.random.default_rng(seed)
@@ -33,7 +34,7 @@ class Trainer:
         self.step(inserts=n, updates=0, deletes=0)
 
     def _route(self, ids):
-        return [ids[owner_mod(ids, self.ranks) == r] for r in range(self.ranks)]
+        return [ids[slice_owner(ids, self.ranks) == r] for r in range(self.ranks)]
 
     def step(self, inserts=40, updates=30, deletes=20, reinserts=5):
         rng = self.rng
@@ -170,10 +171,10 @@ def test_the_delta_holds_only_the_changed_rows_and_deleted_ids(tmp_path):
         assert sorted(r.read_tensor("emb.id").tolist()) == [5, 6]
         assert r.read_tensor("emb.deleted").tolist() == [7]
         m = r.manifest
-    assert m["format_version"] == 3 and m["kind"] == "delta" and m["chain_length"] == 1
+    assert m["format_version"] == 4 and m["kind"] == "delta" and m["chain_length"] == 1
     assert m["base"] == {"path": "../a", "manifest_blake3": manifest_digest(tmp_path / "a")}
     assert m["hashtables"]["emb"] == {"dim": 2, "dtype": "float32", "slots": ["m"], "ids": 99, "written": 2,
-                                      "deleted": 1}
+                                      "deleted": 1, "partition": {"rule": "slice", "slice_size": 65536}}
     assert [a.tolist() for a in t.changes()] == [[], []]  # committed: clean
 
 
@@ -251,7 +252,7 @@ def test_compaction_equals_the_chain_and_stands_alone(tmp_path):
     trainer = _chain(tmp_path, n=4)
     compact(tmp_path / "s4", tmp_path / "full")
     with CheckpointReader(tmp_path / "full") as r:
-        assert "kind" not in r.manifest and r.manifest["format_version"] == 3
+        assert "kind" not in r.manifest and r.manifest["format_version"] == 4
     for k in range(5):
         shutil.rmtree(tmp_path / f"s{k}")
     got, dense = load_whole(tmp_path / "full", 2)

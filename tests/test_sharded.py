@@ -13,6 +13,7 @@ import pytest
 
 import fastckpt
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, FormatError, TensorNotFoundError
+from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_owner, slice_positions
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver, split_sparse_dense_state_dict
 from _sharded_edit import reseal
 from fastckpt.sharded.engine import BarrierTimeoutError, ThreadEngine
@@ -116,11 +117,12 @@ def test_the_directory_holds_the_files_the_format_names(tmp_path):
     assert desc["bf/part_0_2"]["dtype"] == "bfloat16"
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     assert (manifest["format"], manifest["format_version"], manifest["world_size"], manifest["parallel"]) == \
-        ("fastckpt.sharded", 3, 2, 3)
+        ("fastckpt.sharded", 4, 2, 3)
     assert set(manifest["files"]) == set(names) - {MANIFEST_FILE}
     assert all(manifest["files"][n]["size"] == (out / n).stat().st_size for n in manifest["files"])
     assert manifest["hashtables"]["emb"] == {"dim": DIM, "dtype": "float32", "slots": list(SLOTS),
-                                             "ids": len(global_ids())}
+                                             "ids": len(global_ids()),
+                                             "partition": {"rule": "slice", "slice_size": 65536}}
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging left
 
 
@@ -163,7 +165,9 @@ def test_a_checkpoint_of_n_ranks_loads_exactly_on_m(tmp_path, n, m):
         tables = {"emb": HashTable(DIM, slots=SLOTS)}
         tensors: dict = {}
         Loader(str(tmp_path / "c"), hashtables=tables, tensors=tensors, shard_index=j, shard_num=m).load()
-        assert np.all(np.mod(tables["emb"].ids(), m) == j)  # the default owner rule
+        begin, end = slice_of(j, m, SLICE_SIZE)  # the default owner rule of format version 4: RecIS's slices
+        positions = slice_positions(tables["emb"].ids(), SLICE_SIZE)
+        assert np.all((positions >= begin) & (positions < end))
         loaded_tables.append(tables["emb"])
         for name, array in dense.items():
             assert tensors[name].tobytes() == array.tobytes() and tensors[name].dtype == array.dtype
@@ -338,7 +342,7 @@ def test_docs_carry_the_same_format_spec_as_the_module():
     import fastckpt.sharded.format as fmt
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "formats" / "sharded.md").read_text(encoding="utf-8")
-    spec = fmt.__doc__[fmt.__doc__.index("Sharded checkpoint format, versions 1 to 3"):fmt.__doc__.index("\n>>>")]
+    spec = fmt.__doc__[fmt.__doc__.index("Sharded checkpoint format, versions 1 to 4"):fmt.__doc__.index("\n>>>")]
     block = docs[docs.index("```text\n") + len("```text\n"):].rsplit("\n```", 1)[0]
     assert block == spec.rstrip("\n")
 
@@ -365,8 +369,8 @@ def test_cli_inspect_verify_and_reshard(tmp_path, capsys):
             if name.startswith("emb."):  # the same rows, in another order: sort by id
                 a, b = a[np.argsort(c.read_tensor("emb.id"))], b[np.argsort(r.read_tensor("emb.id"))]
             assert a.tobytes() == b.tobytes(), name
-        ids = r.read_tensor("emb.id/part_1_3")
-        assert np.all(np.mod(ids, 3) == 1)
+        positions = slice_positions(r.read_tensor("emb.id/part_1_3"), SLICE_SIZE)  # rank 1 of 3 holds its slices
+        assert len(positions) and np.all((positions >= slice_of(1, 3)[0]) & (positions < slice_of(1, 3)[1]))
     (tmp_path / "c" / "model-00002-001.safetensors").write_bytes(b"x")
     assert main(["verify", str(tmp_path / "c")]) == 1
     assert "model-00002-001.safetensors" in capsys.readouterr().out
@@ -375,7 +379,7 @@ def test_cli_inspect_verify_and_reshard(tmp_path, capsys):
 @pytest.mark.parametrize("name, damage, message", [
     (MANIFEST_FILE, lambda t: t.replace('"fastckpt.sharded"', '"other"'), "'format' is 'other'"),
     (MANIFEST_FILE, lambda t: t[: len(t) // 2], "manifest.json: not valid JSON"),
-    (MANIFEST_FILE, lambda t: t.replace('"format_version": 3', '"format_version": 9'), "format version 9 is newer"),
+    (MANIFEST_FILE, lambda t: t.replace('"format_version": 4', '"format_version": 9'), "format version 9 is newer"),
     (TENSORKEY_FILE, lambda t: t.replace('"w"', '"v"', 1), "disagree"),
     (TENSORKEY_FILE, lambda t: "[]", "tensorkey.json: expected a JSON object"),
     (DESCRIPTION_FILE, lambda t: t[:-3], "not valid JSON"),
@@ -431,7 +435,7 @@ def test_ranks_loading_as_threads_build_the_tables_insert_builds(tmp_path, load_
     with concurrent.futures.ThreadPoolExecutor(load_on) as pool:
         loaded = list(pool.map(load, range(load_on)))
     for r, table in enumerate(loaded):
-        mine = ids[np.mod(ids, load_on) == r]
+        mine = ids[slice_owner(ids, load_on) == r]  # format version 4's rule: the rank's key-space slices
         expected = HashTable(DIM, slots=SLOTS)
         values, slots = table_rows(mine, 0)
         expected.insert(mine, values, slots)

@@ -72,7 +72,7 @@ def test_lossless_compression_restores_every_bit(tmp_path, compression, dtype):
     parts = tables(2, dtype)
     save(tmp_path / "c", parts, compression=compression)
     with CheckpointReader(tmp_path / "c") as r:
-        assert r.manifest["format_version"] == 3 and "lossy" not in r.manifest
+        assert r.manifest["format_version"] == 4 and "lossy" not in r.manifest
         assert r.manifest["hashtables"]["emb"]["encoding"] == {"compression": compression, "quantize": None,
                                                                "max_abs_error": 0.0}
         d = r.descriptions["emb.id/part_0_2"]

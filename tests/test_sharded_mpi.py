@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fastckpt.sharded import CheckpointReader, HashTable, Loader
+from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
@@ -93,7 +94,9 @@ def test_an_mpi_job_of_n_ranks_saves_one_checkpoint_that_loads_on_m(tmp_path, ru
             tables, tensors = {"emb": HashTable(4, slots=("m",))}, {}
             Loader(str(tmp_path / "ckpt"), hashtables=tables, tensors=tensors, shard_index=j, shard_num=m).load()
             i, v, s = tables["emb"].export()
-            assert np.all(np.mod(i, m) == j) and s["m"].tobytes() == (-v).tobytes()
+            begin, end = slice_of(j, m)  # the default rule of format version 4: the rank's key-space slices
+            assert np.all((slice_positions(i, SLICE_SIZE) >= begin) & (slice_positions(i, SLICE_SIZE) < end))
+            assert s["m"].tobytes() == (-v).tobytes()
             got_ids.append(i)
             got_values.append(v)
             assert all(tensors[k].tobytes() == dense[k].tobytes() for k in dense)

@@ -13,6 +13,7 @@ from fastckpt.formats import remote
 from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.sharded import remote as sharded_remote
 from fastckpt.sharded.engine import ThreadEngine
+from fastckpt.sharded.format import SLICE_SIZE, owner_mod, slice_of, slice_positions
 
 ROWS, DIM = 8000, 64
 
@@ -41,7 +42,8 @@ def _check(url, ids, values, m, options=None, dense="replicated", verify=True):
         tables, tensors = Loader(url, shard_index=j, shard_num=m, storage_options=options, dense=dense,
                                  verify=verify).load()
         got = tables["emb"].ids()
-        assert (got % m == j).all()
+        begin, end = slice_of(j, m)  # format version 4's rule: the rank's key-space slices
+        assert ((slice_positions(got, SLICE_SIZE) >= begin) & (slice_positions(got, SLICE_SIZE) < end)).all()
         rows = [row[int(i)] for i in got]
         assert np.array_equal(tables["emb"].lookup(got), values[rows])
         assert np.array_equal(tables["emb"].lookup_slot("m", got), -values[rows])
@@ -68,7 +70,12 @@ def test_every_rank_loads_exactly_from_its_share(m):
 def test_a_verified_load_fetches_whole_files_which_the_manifest_hashes(tmp_path):
     url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
     _save(url, 2)
-    assert sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2), str(tmp_path)) is False
+    # another owner rule reads every part: the whole prefix
+    assert sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2, owner=owner_mod), str(tmp_path)) is False
+    # format version 4 by its slice rule: the files whose parts the rank reads, whole (here every rank's: the ranks
+    # saved by id mod 2, so every part holds ids of every slice)
+    got = sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2), str(tmp_path))
+    assert got["bytes"] == _total(url) + 4 * 8192  # and the first 8 KiB of each of the 4 tensor files, fetched first
     got = sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2, verify=False), str(tmp_path))
     assert got["layout"] == "fastckpt" and got["manifest"]
 
@@ -81,8 +88,8 @@ def test_a_rank_of_4_fetches_about_a_quarter(tmp_path):
         local = tmp_path / str(j)
         local.mkdir()
         got = sharded_remote.fetch_share(Loader(url, shard_index=j, shard_num=4, verify=False), str(local))
-        # its quarter of the rows, every rank's ids (8 bytes of each 520-byte row) and the metadata
-        assert 0.25 * total < got["bytes"] < 0.33 * total, (got, total)
+        # its quarter of the rows (its slices), a few more ids (of the groups at its slice's ends), the metadata
+        assert 0.2 * total < got["bytes"] < 0.3 * total, (got, total)
         assert sum(os.path.getsize(p) for p in local.iterdir()) == total  # sparse files of the full size
 
 

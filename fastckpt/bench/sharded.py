@@ -1,7 +1,8 @@
 """The ``sharded`` suite: sharded saves and loads (ranks as threads) against raw writes and reads of the same bytes.
 
 ``python -m fastckpt bench --suite sharded [--ids N] [--dim D] [--dense-mib M] [--ranks 1,2,4]
-[--parallel 1,2,4] [--repeat R] [--reshard 4,3] [--dir DIR] [--against DIR] [--quick]`` builds the state of a
+[--parallel 1,2,4] [--repeat R] [--reshard 4:3,4:2,2:3,1:4] [--reshard-only] [--baseline PATH] [--s3] [--dir DIR]
+[--against DIR] [--quick]`` builds the state of a
 recommendation model, in one process:
 
 * a :class:`~fastckpt.sharded.HashTable` of ``--ids`` ids (default 8,000,000; unique int64 ids spread over
@@ -32,8 +33,11 @@ It prints the state's total bytes, then measures:
    The saver does more than the raw write: it copies each table out (:meth:`HashTable.export`), hashes
    every file (BLAKE3, for the manifest), writes the JSON files and renames the directory into place;
    the loader maps the files, gathers each rank's rows and builds its hash index.
-2. **resharding** (``--reshard 4,3``): one checkpoint saved by 4 ranks, loaded on 3 ranks (all 3 shares)
-   against the same checkpoint loaded on 4 ranks (all 4 shares); target: at most 1.3x the time.
+2. **resharding** (``--reshard 4:3,4:2,2:3,1:4``): for each pair N:M, one checkpoint saved by N ranks, loaded on
+   M ranks (all M shares) against the same checkpoint loaded on N (all N shares); target: at most 1.3x the time.
+   ``--baseline PATH`` adds the same pairs saved and loaded by an earlier fastckpt (format version 3 from
+   ``/work/wt/base-0.3``, say) in a worker process, ``--s3`` the same checkpoints loaded from moto's S3 server
+   with ranged reads, ``--reshard-only`` skips the other cases: :mod:`fastckpt.bench.reshard`.
 3. **HashTable.export() and import_()** of the whole table (one rank's table with ``ranks=1``), import into a
    new table: GB/s (target >= 1 GB/s).
 4. **peak memory** of one save and one load per ranks x parallel (the runs that write the checkpoint and
@@ -58,7 +62,7 @@ bytes. On a shared machine the figures move with the load: the load average is p
 ``--quick`` (20,000 ids x 8, 1 MiB dense, ranks 1,2, parallel 1,2, one round) runs in seconds, for smoke
 tests; explicit options override it.
 
->>> results = measure(ids=2000, dim=4, dense_mib=0.25, ranks=(1, 2), parallel=(1,), repeat=1, reshard=(2, 1))
+>>> results = measure(ids=2000, dim=4, dense_mib=0.25, ranks=(1, 2), parallel=(1,), repeat=1, reshard=[(2, 1)])
 >>> [(c["ranks"], c["parallel"]) for c in results["configs"]]
 [(1, 1), (2, 1)]
 >>> "| ranks | parallel | files |" in report(results)
@@ -92,6 +96,7 @@ from fastckpt.formats.hashing import blake3_file
 from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.sharded.engine import ThreadEngine
 from fastckpt.sharded.format import rows_of
+from fastckpt.sharded.recis import slice_owner  # (--against's worker runs this file on older fastckpts too)
 
 __all__ = ["configure", "options", "run", "measure", "report", "table_ids", "dense_tensors", "rank_state",
            "file_plan", "PeakMemory", "sharded_save", "sharded_load", "directory_bytes"]
@@ -170,14 +175,18 @@ class RankState:
         return [self.ids, self.values, *self.slots.values()]
 
 
-def rank_state(ids: np.ndarray, dim: int, rank: int, ranks: int, seed: int = 0) -> RankState:
-    """Rank ``rank`` of ``ranks``: the ids with ``id mod ranks == rank``, random float32 rows and slots.
+def rank_state(ids: np.ndarray, dim: int, rank: int, ranks: int, seed: int = 0, rule: str = "slice") -> RankState:
+    """Rank ``rank`` of ``ranks``: the ids of its key-space slices (the owner rule of sharded format version 4, which
+    a load of ``ranks`` ranks applies; ``rule="mod"``: ``id mod ranks``, the rule of versions 1-3), random float32
+    rows and slots.
 
     >>> s = rank_state(table_ids(100), 4, 1, 2)
-    >>> len(s.table), s.values.shape, sorted(s.slots), bool((s.ids % 2 == 1).all())
-    (50, (50, 4), ['m', 'v'], True)
+    >>> len(s.table) == len(s.values) == int((slice_owner(table_ids(100), 2) == 1).sum()), sorted(s.slots)
+    (True, ['m', 'v'])
+    >>> bool((slice_owner(s.ids, 2) == 1).all()), s.values.shape[1]
+    (True, 4)
     """
-    mine = ids[np.mod(ids, ranks) == rank]
+    mine = ids[(np.mod(ids, ranks) if rule == "mod" else slice_owner(ids, ranks)) == rank]
     rng = np.random.default_rng([seed, ranks, rank])
     rows = []
     for _ in range(1 + len(SLOTS)):
@@ -263,13 +272,14 @@ def sharded_save(path: Path, states: list[RankState], dense: dict[str, np.ndarra
     _threads(ranks, save)
 
 
-def sharded_load(path: Path, ranks: int, dim: int, parallel: int, verify: bool = True) -> list[tuple[dict, dict]]:
+def sharded_load(path: Path, ranks: int, dim: int, parallel: int, verify: bool = True,
+                 storage_options: dict | None = None) -> list[tuple[dict, dict]]:
     """Every rank's share, the ranks as threads: ``(hashtables, tensors)`` per rank, into new tables."""
 
     def load(rank: int) -> tuple[dict, dict]:
         tables = {TABLE: HashTable(dim, slots=SLOTS, name=TABLE)}
         return Loader(str(path), hashtables=tables, tensors={}, parallel=parallel, shard_index=rank,
-                      shard_num=ranks, dense="rows", verify=verify).load()
+                      shard_num=ranks, dense="rows", verify=verify, storage_options=storage_options).load()
 
     return _threads(ranks, load)
 
@@ -306,8 +316,8 @@ class Against:
 
     The worker is this file run by path, so ``folder`` needs no bench code of its own beyond the helpers it
     calls (``rank_state``, ``sharded_save``, ``sharded_load``: its own fastckpt's Saver and Loader). It builds
-    the same ranks' state from the same seeds (the same bytes); its loads read the checkpoints this process
-    saved (the format is the same). Messages are JSON lines; each call returns once the worker has finished
+    the same ranks' state from the same seeds (the same bytes); its loads read a checkpoint it saved itself (an
+    earlier fastckpt reads no newer format version). Messages are JSON lines; each call returns once the worker has finished
     and dropped what it made, as a run timed here does; a save or load answers ``{"seconds", "cpu"}``, its wall time
     and the worker's CPU time (user + system, every thread) measured there.
 
@@ -385,7 +395,8 @@ def _worker() -> int:
                 states = []
                 gc.collect()
                 ids = table_ids(request["ids"])
-                states = [rank_state(ids, request["dim"], rank, request["ranks"]) for rank in range(request["ranks"])]
+                states = [rank_state(ids, request["dim"], rank, request["ranks"], rule=request.get("rule", "slice"))
+                          for rank in range(request["ranks"])]
                 dense = dense_tensors(request["dense_mib"])
                 value = None
             elif op in ("save", "load"):
@@ -393,8 +404,9 @@ def _worker() -> int:
                 if op == "save":
                     sharded_save(Path(request["path"]), states, dense, request["parallel"])
                 else:
-                    sharded_load(Path(request["path"]), request["ranks"], request["dim"], request["parallel"],
-                                 verify=request["verify"])  # dropped at once, as a timed run here drops it
+                    sharded_load(request["path"], request["ranks"], request["dim"], request["parallel"],
+                                 verify=request["verify"], storage_options=request.get("storage_options"))
+                    # dropped at once, as a timed run here drops it
                 value = {"seconds": time.perf_counter() - started, "cpu": _cpu_seconds() - cpu}
             else:
                 raise ValueError(f"unknown request {op!r}")
@@ -480,8 +492,11 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
             paths[name] = here(name, paths[name])
         paths[SAVE + BEFORE] = lambda: in_worker(SAVE + BEFORE, "save", path=str(current[SAVE + BEFORE]),
                                                  parallel=parallel)
+        # its loads read a checkpoint it saved itself, in its own format (an earlier fastckpt reads no newer one)
+        before = where / "before-checkpoint"
+        against.call("save", path=str(before), parallel=parallel)
         for name, verify in ((LOAD + BEFORE, False), (LOAD_VERIFIED + BEFORE, True)):
-            paths[name] = lambda name=name, verify=verify: in_worker(name, "load", path=str(checkpoint), ranks=ranks,
+            paths[name] = lambda name=name, verify=verify: in_worker(name, "load", path=str(before), ranks=ranks,
                                                                      dim=dim, parallel=parallel, verify=verify)
         prepare[SAVE + BEFORE] = lambda: fresh(SAVE + BEFORE)
     timings = round_robin(paths, repeat, warmup=0, prepare=prepare, sync=True, settle=SETTLE)
@@ -493,19 +508,6 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
         result["cpu"] = {name: statistics.median(seconds) for name, seconds in cpu.items()}
     shutil.rmtree(where)
     return result
-
-
-def _reshard(root: Path, states: list[RankState], dense: dict[str, np.ndarray], dst: int, parallel: int,
-             dim: int, repeat: int) -> dict[str, Any]:
-    src = len(states)
-    checkpoint = root / f"reshard-{src}"
-    sharded_save(checkpoint, states, dense, parallel)
-    same, other = f"{src} -> {src} ranks", f"{src} -> {dst} ranks"
-    timings = round_robin({same: lambda: sharded_load(checkpoint, src, dim, parallel),
-                           other: lambda: sharded_load(checkpoint, dst, dim, parallel)},
-                          repeat, sync=True, settle=SETTLE)
-    shutil.rmtree(checkpoint)
-    return {"src": src, "dst": dst, "parallel": parallel, "same": timings[same], "resharded": timings[other]}
 
 
 def _hashtable(state: RankState, dim: int, repeat: int) -> dict[str, Any]:
@@ -520,19 +522,21 @@ def _hashtable(state: RankState, dim: int, repeat: int) -> dict[str, Any]:
 
 
 def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: float = DEFAULTS["dense_mib"],
-            ranks=(1, 2, 4), parallel=(1, 2, 4), repeat: int = DEFAULTS["repeat"], reshard=(4, 3),
+            ranks=(1, 2, 4), parallel=(1, 2, 4), repeat: int = DEFAULTS["repeat"], reshard=((4, 3),),
             directory: str | None = None, log: Callable[[str], None] = lambda line: None,
-            against: str | None = None) -> dict[str, Any]:
+            against: str | None = None, baseline: str | None = None, s3: bool = False,
+            reshard_only: bool = False) -> dict[str, Any]:
     """Build the state and time every case (see the module docs); returns what :func:`report` prints.
 
     The ranks' tables are built for one ranks count at a time (then dropped), that count's configurations
-    measured, the resharding measured on the tables of ``reshard[0]`` ranks, export and import on the table
-    of one rank. ``log`` receives a line as each step starts. ``against`` (a folder holding another fastckpt, built):
-    its ``Saver.save`` and loads run in the same rounds, in a worker process (:class:`Against`), as rows marked
-    ``(before)``.
+    measured, the resharding pairs (``reshard``: ``[(N, M), ...]``, :mod:`fastckpt.bench.reshard`, with
+    ``baseline`` and ``s3``) once every ranks count is done, export and import on the table of one rank
+    (``reshard_only``: the resharding alone). ``log`` receives a line as each step starts. ``against`` (a folder
+    holding another fastckpt, built): its ``Saver.save`` and loads run in the same rounds, in a worker process
+    (:class:`Against`), as rows marked ``(before)``.
     """
-    ranks, parallel = list(ranks), list(parallel)
-    src, dst = reshard
+    ranks, parallel = ([], []) if reshard_only else (list(ranks), list(parallel))
+    reshard = list(reshard)
     all_ids = table_ids(ids)
     dense = dense_tensors(dense_mib)
     dense_bytes = sum(a.nbytes for a in dense.values())
@@ -548,7 +552,7 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
             worker = Against(against)
             results["against"] = worker.where
             log(f"(before): the fastckpt in {worker.where}, in a worker process")
-        for n in list(dict.fromkeys([*ranks, src, 1])):  # each ranks count once: its tables, then its cases
+        for n in list(dict.fromkeys([*ranks, *([] if reshard_only else [1])])):  # each ranks count once
             log(f"building the tables of {n} rank(s)")
             states = [rank_state(all_ids, dim, rank, n) for rank in range(n)]
             if n in ranks:
@@ -557,14 +561,21 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
                 for p in parallel:
                     log(f"ranks {n}, parallel {p}")
                     results["configs"].append(_config(root, states, dense, p, dim, repeat, worker))
-            if n == src:
-                log(f"resharding {src} -> {dst}")
-                results["reshard"] = _reshard(root, states, dense, dst, max(parallel), dim, repeat)
             if n == 1:
                 log("HashTable export / import")
                 results["hashtable"] = _hashtable(states[0], dim, repeat)
             del states
             gc.collect()
+        if reshard:
+            from fastckpt.bench import reshard as resharding
+
+            p = max(parallel) if parallel else 4
+            results["reshard"] = resharding.measure(
+                root, lambda n: [rank_state(all_ids, dim, rank, n) for rank in range(n)], all_ids, dense, reshard,
+                dim=dim, parallel=p, repeat=repeat, save=sharded_save, load=sharded_load,
+                sizes={"ids": ids, "dim": dim, "dense_mib": dense_mib}, baseline=Against(baseline) if baseline else None,
+                s3=s3, log=log, table=TABLE)
+            results["reshard_pairs"], results["reshard_parallel"] = reshard, p
     finally:
         if worker is not None:
             worker.close()
@@ -710,15 +721,10 @@ def report(results: dict, quick: bool = False) -> str:
                       "speed-up: before's time / after's; CPU: the median CPU time of a run (user + system, all "
                       "threads), which a busy machine moves less than the wall time", "", *_before_table(r), ""]
     if "reshard" in r:
-        s = r["reshard"]
-        nbytes = r["state_bytes"]
-        rows = []
-        for loaded_on, timing in ((s["src"], s["same"]), (s["dst"], s["resharded"])):
-            rows.append([f"saved by {s['src']}, loaded on {loaded_on} (all {loaded_on} shares)",
-                         format_duration(timing.median), _gbps(nbytes, timing.median),
-                         format_ratio(timing.median / s["same"].median)])
-        title = f"### resharding (checkpoint saved with parallel {s['parallel']}, loads with parallel {s['parallel']})"
-        lines += [title, "", *table_lines(["load", "median", "GB/s", "vs. same ranks"], rows, "lrrr"), ""]
+        from fastckpt.bench import reshard as resharding
+
+        reshard_lines = resharding.report(r["reshard"], r["reshard_pairs"], r["reshard_parallel"])
+        lines += [*reshard_lines[: reshard_lines.index("", 2)], ""]
     if "hashtable" in r:
         h = r["hashtable"]
         rows = [[name, format_duration(h[name].median), _gbps(h["bytes"], h[name].median)] for name in (EXPORT, IMPORT)]
@@ -745,10 +751,7 @@ def report(results: dict, quick: bool = False) -> str:
                          f"load + one BLAKE3 pass): met in {sum(x <= TARGET_VERIFY for x in ratios)} of {len(ratios)} "
                          f"(worst {format_ratio(max(ratios))})")
     if "reshard" in r:
-        s = r["reshard"]
-        ratio = s["resharded"].median / s["same"].median
-        lines.append(f"- {_met(ratio <= TARGET_RESHARD)}: loading a checkpoint of {s['src']} ranks on {s['dst']} "
-                     f"takes <= {TARGET_RESHARD}x the time on {s['src']}: {format_ratio(ratio)}")
+        lines += reshard_lines[reshard_lines.index("", 2) + 1:]
     if "hashtable" in r:
         h = r["hashtable"]
         for name in (EXPORT, IMPORT):
@@ -803,7 +806,14 @@ def configure(parser) -> None:
     add_repeat_option(parser, dest="repeat", default=None,
                       help=f"timed rounds; medians are reported (default {DEFAULTS['repeat']}; "
                            f"--quick {QUICK['repeat']})")
-    parser.add_argument("--reshard", default="4,3", help="ranks that save, ranks that load (default 4,3)")
+    parser.add_argument("--reshard", default=None,
+                        help="resharding pairs SAVED:LOADED, comma-separated (default 4:3,4:2,2:3,1:4; --quick 2:3)")
+    parser.add_argument("--reshard-only", action="store_true", help="the resharding pairs alone")
+    parser.add_argument("--baseline", default=None, metavar="PATH",
+                        help="an earlier fastckpt checkout to reshard beside this one (its own checkpoint and loader, "
+                             "in a worker process with PYTHONPATH=PATH), e.g. /work/wt/base-0.3")
+    parser.add_argument("--s3", action="store_true",
+                        help="also load the resharding checkpoints from moto's S3 server on loopback (ranged reads)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for smoke tests)")
     parser.add_argument("--against", default=None,
@@ -818,19 +828,20 @@ def options(args) -> dict[str, Any]:
     >>> parser = argparse.ArgumentParser(); configure(parser)
     >>> o = options(parser.parse_args(["--quick", "--ids", "500"]))
     >>> o["ids"], o["dim"], o["ranks"], o["reshard"]
-    (500, 8, [1, 2], (4, 3))
+    (500, 8, [1, 2], [(2, 3)])
     """
     base = QUICK if args.quick else DEFAULTS
     pick = {name: base[name] if getattr(args, name) is None else getattr(args, name) for name in base}
     if pick["ids"] < 1 or pick["dim"] < 1 or pick["dense_mib"] <= 0 or pick["repeat"] < 1:
         raise SystemExit("--ids, --dim and --repeat must be at least 1, --dense-mib above 0")
-    reshard = _counts(args.reshard)
-    if len(reshard) != 2:
-        raise SystemExit(f"--reshard takes two different rank counts (saving, loading), got {args.reshard!r}")
+    from fastckpt.bench.reshard import PAIRS, parse_pairs
+
+    reshard = parse_pairs(args.reshard or ("2:3" if args.quick else PAIRS))
     return {"ids": pick["ids"], "dim": pick["dim"], "dense_mib": pick["dense_mib"],
             "ranks": _counts(str(pick["ranks"])), "parallel": _counts(str(pick["parallel"])),
-            "repeat": pick["repeat"], "reshard": tuple(reshard), "directory": args.dir,
-            "against": getattr(args, "against", None)}
+            "repeat": pick["repeat"], "reshard": reshard, "directory": args.dir,
+            "against": getattr(args, "against", None), "baseline": getattr(args, "baseline", None),
+            "s3": getattr(args, "s3", False), "reshard_only": getattr(args, "reshard_only", False)}
 
 
 def run(args) -> int:

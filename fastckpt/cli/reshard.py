@@ -15,7 +15,8 @@ from fastckpt.words import command_line_wording
 
 __all__ = ["HELP", "add_parser", "run"]
 
-HELP = "rewrite a sharded checkpoint for another number of ranks (ids by id mod M, dense rows split again)"
+HELP = ("rewrite a sharded checkpoint for another number of ranks (ids by their key-space slice, format version 4; "
+        "dense rows split again)")
 
 
 def add_parser(subparsers):

@@ -4,14 +4,17 @@ A checkpoint saved by ``world_size`` ranks, each writing ``parallel`` files,
 is one directory. Every JSON file below is UTF-8, ``json.dumps(obj, indent=1,
 sort_keys=True, ensure_ascii=False)`` followed by one newline.
 
-Sharded checkpoint format, versions 1 to 3
+Sharded checkpoint format, versions 1 to 4
 ==========================================
 
 Version 1 is the full checkpoint described first; version 2 adds delta
 checkpoints and encoded tables (below); version 3 adds the manifest's own
-checksum (``checksum``, below). Every save writes version 3, full or delta,
-encoded or not. fastckpt 0.2.0 wrote version 1 for a full checkpoint and 2
-for a delta or an encoded one; readers read all three.
+checksum (``checksum``, below); version 4 stores each table part in
+key-space slice order with its slice groups' row offsets recorded, and
+records each table's partition (*Slice order*, below). Every save writes
+version 4, full or delta, encoded or not. fastckpt 0.2.0 wrote version 1
+for a full checkpoint and 2 for a delta or an encoded one, fastckpt 0.3
+version 3; readers read all four.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -64,10 +67,11 @@ Tensor files
     ``"slot"`` with ``slot`` naming it, or in a delta ``"deleted"``).
 
 ``manifest.json`` (written last: its presence is the commit)
-    ``{"format": "fastckpt.sharded", "format_version": 3, "world_size": n,
+    ``{"format": "fastckpt.sharded", "format_version": 4, "world_size": n,
     "parallel": p, "files": {file name: {"size": bytes, "blake3": hex}},
     "tensors": {name: {"dtype", "shape"}}, "hashtables": {T: {"dim", "dtype",
-    "slots", "ids"}}, "checksum": {"blake3": hex}}``. ``files`` lists every
+    "slots", "ids", "partition"}}, "checksum": {"blake3": hex}}``
+    (``partition``: version 4, *Slice order* below). ``files`` lists every
     other file of the directory (the tensor files and the three JSON files
     above): ``world_size * parallel + 3`` entries. ``checksum`` (version 3)
     is the BLAKE3 of the bytes the manifest would have without it (the
@@ -154,6 +158,44 @@ Delta checkpoints (version 2)
     checkpoint needs, and ``fastckpt compact`` folds a chain into one full
     checkpoint.
 
+Slice order (version 4)
+    Each entry of the manifest's ``hashtables`` adds ``"partition": {"rule":
+    "slice", "slice_size": S}`` (``S`` = 65536, RecIS's key space; a reader
+    takes any ``S`` from 64 to 2**32). An id's *position* is ``uint64(id) %
+    S`` (a negative id as its two's complement). The rows of every plain
+    (not encoded) table part (``T.id``, ``T.embedding``, each slot; full or
+    delta) are in ascending position order, rows of equal position in the
+    order of the saving table (a stable sort). The part is cut into ``G``
+    *slice groups* (``G`` = ceil(k / 256), from 1 to 64, for a part of
+    ``k`` rows; a reader takes 1 to min(S, 4096)): group ``g`` holds the
+    rows whose position lies in ``[g*S//G, (g+1)*S//G)``. The description of
+    the ``T.id`` part adds ``"slices": {"groups": G, "rows": [r_0, ...,
+    r_G]}``: group ``g`` is rows ``[r_g, r_(g+1))``, so ``r_0 = 0``, ``r_G =
+    k``, never decreasing. Its bytes in each tensor of the part are ``[r_g *
+    row_bytes, r_(g+1) * row_bytes)`` from the tensor's first byte (the
+    header's ``data_offsets``; ``row_bytes``: 8 for ids, ``dim`` x the
+    itemsize for the embedding and slots). A ``T.deleted`` part and an
+    encoded part (rows in id order for the codec) have no ``slices``. Which
+    rank saved an id does not matter to the layout: every part holds any ids.
+
+    Loads: the default owner rule of a version-4 table is RecIS's slice rule:
+    rank ``j`` of ``M`` owns the positions ``[b_j, e_j)`` of ``gen_slice(j,
+    M, S)`` (``S // M`` positions each, the first ``S % M`` ranks one more:
+    :func:`slice_of`). Its ids of a part are one run of rows. It reads the
+    ids of the groups that meet its positions (at most one partial group at
+    each end), finds the run, and reads exactly those rows of the embedding
+    and of each slot. Every id it reads must lie in the group its row is
+    recorded in, in ascending order (else a ``FormatError`` naming the file,
+    the tensor, the row and its byte offset, before anything is placed). A
+    load given another rule (``owner=``) reads every id part and picks rows as
+    in versions 1-3, whose default rule stays ``id mod M``.
+
+    Verification: the manifest's hashes stay those of whole files. A verified
+    load (the default) hashes every file it reads a part of, whole, in the
+    background, as in versions 1-3, so its ranged reads check against the
+    manifest only what the whole files do; ``verify=False`` reads only the
+    ranges. A URL loaded with ``verify=True`` is fetched whole.
+
 Encoded tables (version 2)
     A save with compression or quantization (opt-in, never the default)
     stores each tensor of a hashtable (``T.id``, ``T.embedding``, slots,
@@ -211,14 +253,20 @@ __all__ = [
     "DESCRIPTION_FILE", "MANIFEST_FILE", "NAMES",
     "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps",
     "dtype_of", "manifest_checksum", "seal", "check_seal", "commit_directory",
-    "read_metadata",
+    "read_metadata", "SLICE_VERSION", "SLICE_SIZE", "slice_positions", "slice_of", "slice_owner", "slice_groups", "group_bounds",
+    "group_span", "group_rows", "slice_order", "slice_run", "SliceRowError",
 ]
 
 FORMAT = "fastckpt.sharded"
-FORMAT_VERSION = 3  # the newest version read, and the one every save writes
+FORMAT_VERSION = 4  # the newest version read, and the one every save writes
 FULL_VERSION = 1  # the first version
 DELTA_VERSION = 2  # the first version with deltas and encoded tables
 CHECKSUM_VERSION = 3  # the first version whose manifest carries its own checksum
+SLICE_VERSION = 4  # the first version whose table parts are grouped by key-space slice, their row ranges recorded
+SLICE_SIZE = 65536  # the key space of a version-4 table's slices (RecIS's default, ``recis.SLICE_SIZE``)
+GROUP_ROWS = 256  # a version-4 save makes one slice group per this many rows of a part ...
+MAX_GROUPS = 64  # ... and at most this many (the metadata of a part is bounded)
+MAX_SLICE_SIZE = 2**32  # the largest slice size a reader accepts (positions fit uint32)
 INDEX_FILE = "index.json"
 TENSORKEY_FILE = "tensorkey.json"
 DESCRIPTION_FILE = "torch_rank_weights_embs_table_multi_shard.json"
@@ -280,6 +328,141 @@ def owner_mod(ids: np.ndarray, shard_num: int) -> np.ndarray:
     if shard_num & (shard_num - 1) == 0:  # a power of two: the low bits are the same values (two's complement),
         return np.bitwise_and(ids, shard_num - 1)  # about 15x faster than numpy's integer mod here
     return np.mod(ids, shard_num)
+
+
+def slice_positions(ids: np.ndarray, size: int) -> np.ndarray:
+    """Each id's position in the key space of ``size`` slices: ``uint64(id) % size`` (RecIS's ``MarkIdAcceptable``;
+    a negative id counts as its two's complement).
+
+    >>> slice_positions(np.array([0, 65537, -1]), 65536).tolist()
+    [0, 1, 65535]
+    """
+    positions = np.asarray(ids, np.int64).view(np.uint64)
+    if size & (size - 1) == 0:  # a power of two (65536): the low bits, several times faster than the mod
+        return np.bitwise_and(positions, np.uint64(size - 1))
+    return positions % np.uint64(size)
+
+
+def slice_of(shard_index: int, shard_num: int, size: int = SLICE_SIZE) -> tuple[int, int]:
+    """``[begin, end)``: the positions rank ``shard_index`` of ``shard_num`` owns in a version-4 checkpoint's key
+    space of ``size`` (RecIS's ``gen_slice``: ``size // shard_num`` each, the first ``size % shard_num`` ranks one
+    more).
+
+    >>> [slice_of(j, 3, 10) for j in range(3)]
+    [(0, 4), (4, 7), (7, 10)]
+    """
+    base, extra = divmod(size, shard_num)
+    begin = shard_index * base + min(shard_index, extra)
+    return begin, begin + base + (1 if shard_index < extra else 0)
+
+
+def slice_owner(ids: np.ndarray, shard_num: int, size: int = SLICE_SIZE) -> np.ndarray:
+    """The rank of ``shard_num`` that owns each id by the slice rule (format version 4's default, RecIS's): the rank
+    ``j`` whose :func:`slice_of` holds ``uint64(id) % size``.
+
+    >>> slice_owner(np.array([0, 21845, 21846, 65536 + 43691, -1]), 3).tolist()
+    [0, 0, 1, 2, 2]
+    """
+    ends = np.array([slice_of(r, shard_num, size)[1] for r in range(shard_num)], np.uint64)
+    return np.searchsorted(ends, slice_positions(ids, size), side="right").astype(np.int64)
+
+
+def slice_groups(rows: int) -> int:
+    """How many slice groups a version-4 save makes of a table part of ``rows`` rows: one per :data:`GROUP_ROWS`
+    rows, at least 1, at most :data:`MAX_GROUPS`.
+
+    >>> slice_groups(0), slice_groups(700), slice_groups(10**6)
+    (1, 3, 64)
+    """
+    return max(1, min(MAX_GROUPS, -(-rows // GROUP_ROWS)))
+
+
+def group_bounds(groups: int, size: int) -> list[int]:
+    """The first position of each of ``groups`` slice groups of a key space of ``size``, and ``size``: group ``g``
+    holds the positions ``[g*size//groups, (g+1)*size//groups)``.
+
+    >>> group_bounds(3, 10)
+    [0, 3, 6, 10]
+    """
+    return [g * size // groups for g in range(groups + 1)]
+
+
+def slice_order(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, positions[order])``: a stable order of a table part's rows by slice position (what a version-4
+    save writes) and the positions in that order.
+
+    >>> order, pos = slice_order(np.array([65537, 3, 1, 65536]), 65536); order.tolist(), pos.tolist()
+    ([3, 0, 2, 1], [0, 1, 1, 3])
+    """
+    positions = slice_positions(ids, size)
+    if size <= 1 << 16:  # numpy's stable sort of 16-bit keys is a radix sort: linear
+        positions = positions.astype(np.uint16)
+    order = np.argsort(positions, kind="stable")
+    return order, positions[order]
+
+
+def group_span(rows: list[int], size: int, begin: int, end: int) -> tuple[int, int]:
+    """``(first, last)``: the groups (``rows``: a part's recorded group row offsets, ``len(groups) + 1`` of them)
+    that hold positions of ``[begin, end)``, as the range ``[first, last)`` of group numbers; their rows are
+    ``[rows[first], rows[last])``.
+
+    >>> group_span([0, 4, 4, 9], 10, 4, 7), group_span([0, 4, 4, 9], 10, 0, 3)
+    ((1, 3), (0, 1))
+    """
+    import bisect
+
+    bounds = group_bounds(len(rows) - 1, size)
+    first = bisect.bisect_right(bounds, begin) - 1
+    last = bisect.bisect_left(bounds, end)
+    return first, max(first, last)
+
+
+def group_rows(rows: list[int], size: int, shard_index: int, shard_num: int) -> tuple[int, int]:
+    """``(first, last)``: the rows of a version-4 part (``rows``: its recorded group offsets) in the slice groups
+    that meet rank ``shard_index`` of ``shard_num``'s slice: what the rank reads of the part (nothing where they
+    are equal).
+
+    >>> group_rows([0, 4, 4, 9], 10, 1, 2)
+    (4, 9)
+    """
+    first, last = group_span(rows, size, *slice_of(shard_index, shard_num, size))
+    return rows[first], rows[last]
+
+
+class SliceRowError(ValueError):
+    """An id that is not where a version-4 part's slice offsets place it; ``row``: its row in the part."""
+
+    def __init__(self, row: int, message: str):
+        super().__init__(message)
+        self.row = row
+
+
+def slice_run(ids: np.ndarray, first_row: int, rows: list[int], size: int, own: tuple[int, int]) -> tuple[int, int]:
+    """``(lo, hi)``: the rows of a version-4 id part whose positions lie in ``own`` (``[begin, end)``), given the
+    ids ``ids`` of its rows from ``first_row`` on (the slice groups that meet ``own``, :func:`group_span`) and the
+    part's recorded group offsets ``rows``.
+
+    Each id must lie in the group its row is recorded in, in ascending slice order; otherwise
+    :class:`SliceRowError` names the first row that does not (the offsets or the ids are damaged or forged).
+
+    >>> slice_run(np.array([0, 1, 5, 9]), 0, [0, 2, 4], 10, (1, 6))
+    (1, 3)
+    """
+    positions = slice_positions(ids, size)
+    bounds = np.array(group_bounds(len(rows) - 1, size), np.uint64)
+    where = np.arange(first_row, first_row + len(ids))
+    recorded = np.searchsorted(np.asarray(rows), where, side="right") - 1  # the group each row is recorded in
+    actual = np.searchsorted(bounds, positions, side="right") - 1  # the group each id's position is in
+    bad = np.flatnonzero((recorded != actual) | np.concatenate([[False], positions[1:] < positions[:-1]]))
+    if len(bad):
+        b, g = int(bad[0]), int(recorded[bad[0]])
+        raise SliceRowError(first_row + b, f"id {int(ids[b])} is at slice position {int(positions[b])}, expected a "
+                                           f"position in [{int(bounds[g])}, {int(bounds[g + 1])}) (slice group {g}, "
+                                           f"rows {rows[g]}..{rows[g + 1]} by the recorded slices.rows), in "
+                                           "ascending order")
+    begin, end = own
+    return (first_row + int(np.searchsorted(positions, np.uint64(begin))),
+            first_row + int(np.searchsorted(positions, np.uint64(end))))
 
 
 @dataclass(frozen=True)
@@ -495,7 +678,7 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
                 f"'base' must be {{'path': str, 'manifest_blake3': str}}, got {base!r}")
         expect(is_count(manifest.get("chain_length"), 1), where,
                 f"'chain_length' must be a positive integer, got {manifest.get('chain_length')!r}")
-    _check_manifest_entries(manifest, where, delta=kind == "delta")
+    _check_manifest_entries(manifest, where, delta=kind == "delta", version=version)
 
     loaded = {}
     for name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE):
@@ -539,13 +722,13 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
         expect(type(number) is int and number in by_number, iwhere,
                 f"block_index[{key!r}] is {number!r}, not a file number of file_index")
         _check_description(key, descriptions[key], tensorkey[key], dwhere, version)
-    _check_layout(manifest, descriptions, where, dwhere, delta=kind == "delta")
+    _check_layout(manifest, descriptions, where, dwhere, delta=kind == "delta", version=version)
     return {"manifest": manifest, "manifest_blake3": blake3.blake3(raw).hexdigest(),
             "index": {"block_index": block_index, "file_index": file_index, "files": by_number},
             "tensorkey": tensorkey, "descriptions": descriptions, "unchecked": unchecked}
 
 
-def _check_manifest_entries(manifest: dict, where: str, *, delta: bool) -> None:
+def _check_manifest_entries(manifest: dict, where: str, *, delta: bool, version: int) -> None:
     """The manifest's ``tensors`` and ``hashtables``: each value of the types the format gives it."""
     tensors, tables = manifest.get("tensors", {}), manifest.get("hashtables", {})
     expect(isinstance(tensors, dict), where, f"'tensors' must be an object, got {type(tensors).__name__}")
@@ -567,6 +750,15 @@ def _check_manifest_entries(manifest: dict, where: str, *, delta: bool) -> None:
                 f"'slots' must be distinct names (not id, embedding or deleted), got {slots!r}")
         for key in ("ids", "written", "deleted") if delta else ("ids",):
             expect(is_count(entry.get(key)), w, f"{key!r} must be an integer >= 0, got {entry.get(key)!r}")
+        partition = entry.get("partition")
+        if version >= SLICE_VERSION:
+            expect(isinstance(partition, dict) and set(partition) == {"rule", "slice_size"}
+                    and partition["rule"] == "slice" and is_count(partition["slice_size"], MAX_GROUPS)
+                    and partition["slice_size"] <= MAX_SLICE_SIZE, w,
+                    f"'partition' must be {{'rule': 'slice', 'slice_size': int from {MAX_GROUPS} to "
+                    f"{MAX_SLICE_SIZE}}} (format version {version}), got {partition!r}")
+        else:
+            expect(partition is None, w, f"'partition' needs format_version {SLICE_VERSION}, got {version}")
         encoding = entry.get("encoding")
         expect(encoding is None or (isinstance(encoding, dict) and type(encoding.get("max_abs_error", 0.0))
                                      in (int, float)), w, f"'encoding' must be an object with a number "
@@ -617,7 +809,7 @@ def _logical(desc: dict) -> tuple[list, str]:
     return (enc["shape"], enc["dtype"]) if enc is not None else (desc["shape"], desc["dtype"])
 
 
-def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *, delta: bool) -> None:
+def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *, delta: bool, version: int) -> None:
     """The descriptions against the manifest: every dense row stored exactly once, in rank order, with the shape and
     dtype the manifest records; every hashtable's tensors present in every part, with matching row counts that
     add up to the manifest's counts."""
@@ -678,6 +870,7 @@ def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *
             expect(len(k) == 1 and _logical(ids[i])[1] == "int64", dwhere,
                     f"entry {ids[i]['name']!r}: ids are int64 of shape [k], got {_logical(ids[i])}")
             counts["ids"] += k[0]
+            _check_slices(ids[i], k[0], entry, dwhere, version)
             for role in roles[1:]:
                 desc = by_tensor[f"{name}.{role}"][i]
                 shape, dtype = _logical(desc)
@@ -694,3 +887,30 @@ def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *
         else:
             expect(counts["ids"] == entry["ids"], where,
                     f"hashtables[{name!r}] says {entry['ids']} ids, the parts hold {counts['ids']}")
+
+
+def _check_slices(desc: dict, k: int, entry: dict, dwhere: str, version: int) -> None:
+    """A version-4 id part's ``slices``: ``groups`` (1 to :data:`MAX_GROUPS` ... bounded) and ``rows``, the
+    ``groups + 1`` row offsets of its groups, from 0, never decreasing, to the part's ``k`` rows. Absent from an
+    encoded part and from older versions."""
+    w = f"{dwhere}: entry {desc['name']!r}"
+    slices = desc.get("slices")
+    if version < SLICE_VERSION or "encoding" in desc:
+        expect(slices is None, w, f"'slices' is for the plain id parts of format_version {SLICE_VERSION} and up")
+        return
+    size = entry["partition"]["slice_size"]
+    expect(isinstance(slices, dict) and set(slices) == {"groups", "rows"} and is_count(slices["groups"], 1)
+            and slices["groups"] <= min(size, 4096) and isinstance(slices["rows"], list), w,
+            f"'slices' must be {{'groups': int from 1 to {min(size, 4096)}, 'rows': [groups + 1 row offsets]}}, "
+            f"got {str(slices)[:200]}")
+    rows, groups = slices["rows"], slices["groups"]
+    expect(len(rows) == groups + 1, w, f"'slices' has {len(rows)} row offsets for {groups} groups, expected "
+                                       f"{groups + 1}")
+    previous = 0
+    for g, row in enumerate(rows):
+        expect(type(row) is int, w, f"slices.rows[{g}] must be an integer, got {row!r}")
+        expected = "0" if g == 0 else f"{k}, the part's rows" if g == groups else f"from {previous} to {k}"
+        expect((row == 0) if g == 0 else (row == k) if g == groups else previous <= row <= k, w,
+                f"slices.rows[{g}] (row offset of slice group {g}, byte offset {row * 8} of its ids) is {row}, "
+                f"expected {expected}: the slice offsets are damaged or forged")
+        previous = row

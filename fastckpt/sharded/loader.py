@@ -2,11 +2,15 @@
 
 A checkpoint saved by N ranks loads on M ranks exactly, for any N, M >= 1:
 
-* hashtables: every id goes to the rank its *owner rule* names (default
-  ``id mod M``, non-negative for negative ids too; pass ``owner(ids, M) ->
-  ranks`` for another), its embedding row and slot rows with it. Each rank
-  reads the id parts, then only the rows it owns (zero-copy views of the
-  mapped files: the other rows' pages are never read).
+* hashtables: every id goes to the rank its *owner rule* names, its
+  embedding row and slot rows with it. The default is the checkpoint's own
+  rule: for format version 4 RecIS's slice rule (rank ``j`` of ``M`` owns the
+  ids whose ``uint64(id) % slice_size`` lies in ``slice_of(j, M)``; the table
+  parts are stored in slice order with their groups' row offsets recorded, so
+  a rank reads only the ids and rows of its slices, whatever ``N`` and
+  ``M``); for versions 1-3 ``id mod M`` (non-negative for negative ids too).
+  ``owner(ids, M) -> ranks`` names another rule: each rank then reads every
+  id part and the rows it owns.
 * dense tensors: ``dense="replicated"`` (default, as in data parallel
   training) gives every rank the whole tensor; ``dense="rows"`` gives rank
   ``j`` rows ``[j*R//M, (j+1)*R//M)``. Either way only the parts overlapping
@@ -24,7 +28,11 @@ entries to skip removed.
 >>> _ = Saver(path=out, parallel=1, hashtables={"emb": t}).save()
 >>> mine = {"emb": HashTable(dim=1)}
 >>> _ = Loader(out, hashtables=mine, shard_index=1, shard_num=2).load()
->>> mine["emb"].ids().tolist()                    # rank 1 of 2 owns the odd ids
+>>> mine["emb"].ids().tolist()                    # rank 1 of 2 owns slice positions [32768, 65536)
+[]
+>>> mine = {"emb": HashTable(dim=1)}
+>>> _ = Loader(out, hashtables=mine, shard_index=1, shard_num=2, owner=owner_mod).load()
+>>> mine["emb"].ids().tolist()                    # id mod 2, as versions 1-3 load by default
 [1, 3, 5]
 """
 
@@ -45,7 +53,8 @@ from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
 from fastckpt.formats.reader import guard, held_guards
 from fastckpt.sharded.chain import resolve_chain
-from fastckpt.sharded.format import owner_mod, rows_of
+from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
+                                     slice_run)
 from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.sharded.reader import CheckpointReader
@@ -97,6 +106,10 @@ def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.nda
         np.take(reader.array(key), rows, axis=0, out=out)
         return
     row_bytes = info.shape[1] * info.dtype.itemsize
+    if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows) and out.flags.c_contiguous:
+        # One run of rows (a rank's slices of a version-4 part): exactly those bytes, read into place.
+        _pread(reader, key, memoryview(out.reshape(-1).view(np.uint8)), int(rows[0]) * row_bytes)
+        return
     per_chunk = max(1, _GATHER_CHUNK // max(1, row_bytes))
     scratch = np.empty((min(per_chunk, info.shape[0]), info.shape[1]), info.dtype)
     done = 0
@@ -109,6 +122,32 @@ def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.nda
         _pread(reader, key, memoryview(chunk.reshape(-1).view(np.uint8)), first * row_bytes)
         np.take(chunk, rows[done:stop] - first, axis=0, out=out[done:stop])
         done = stop
+
+
+def _slice_rows(reader: CheckpointReader, key: str, rows: list[int], size: int,
+                own: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows of version-4 id part ``key`` whose slice positions lie in ``own`` (``[begin, end)``): ``(ids,
+    positions)`` as :meth:`Loader._owned` gives them (one run of rows), or None where it holds none.
+
+    Only the ids of the slice groups that meet ``own`` are read (``rows``: the part's recorded group offsets).
+    An id that is not where the offsets place it (:func:`~fastckpt.sharded.format.slice_run`) is a
+    :class:`~fastckpt.errors.FormatError` naming the file, the tensor, the row and its byte offset, raised before
+    anything is placed.
+    """
+    first, last = group_span(rows, size, *own)
+    r0, r1 = rows[first], rows[last]
+    if r0 == r1:
+        return None
+    ids = np.empty(reader.part_infos[key].shape[0], np.int64)  # only rows [r0, r1) are read or used
+    reader.read_into(key, ids[r0:r1].view(np.uint8), r0 * 8)
+    try:
+        lo, hi = slice_run(ids[r0:r1], r0, rows, size, own)
+    except SliceRowError as exc:
+        f = reader.file_of(key)
+        raise FormatError(f"{f.path}: tensor {key!r}, row {exc.row} (byte {f.infos[key].offset + 8 * exc.row} of "
+                          f"the file): {exc}: the slice offsets or the ids are damaged or forged (`fastckpt verify` "
+                          "names a damaged file; this checkpoint cannot be loaded by slices)") from None
+    return (ids, np.arange(lo, hi)) if lo < hi else None
 
 
 def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
@@ -157,7 +196,7 @@ class Loader:
     def __init__(self, checkpoint_path: str, hashtables: dict | None = None, tensors: dict | None = None,
                  parallel: int = 16, filter_func: Callable[[dict], dict] = lambda info: info, *,
                  shard_index: int = 0, shard_num: int = 1,
-                 owner: Callable[[np.ndarray, int], np.ndarray] = owner_mod, dense: str = "replicated",
+                 owner: Callable[[np.ndarray, int], np.ndarray] | None = None, dense: str = "replicated",
                  allow_lossy: bool = False, progress=False, storage_options: dict | None = None,
                  verify: bool = True):
         if type(shard_num) is not int or shard_num < 1 or type(shard_index) is not int \
@@ -333,7 +372,8 @@ class Loader:
             for reader in readers:
                 for part in ("id", "embedding", "deleted", *getattr(given, "slots", entry["slots"])):
                     if reader.has_tensor(f"{name}.{part}"):
-                        keys += [(reader, key) for key in reader.part_names(f"{name}.{part}")]
+                        keys += [(reader, key) for key in reader.part_names(f"{name}.{part}")
+                                 if self._reads_part(reader, name, key)]
         out: dict[tuple[int, str], tuple[CheckpointReader, str]] = {}
         for reader, key in keys:
             name = reader.file_of(key).path.rsplit(os.sep, 1)[-1]
@@ -365,17 +405,60 @@ class Loader:
                         target[...] = reader.host(key)[lo - p_start:hi - p_start]
         return out
 
+    def owner_rule(self, entry: dict) -> Callable[[np.ndarray, int], np.ndarray]:
+        """The owner rule this load applies to a table of manifest entry ``entry``: the ``owner`` given, else the
+        checkpoint's own: for format version 4 (``entry["partition"]``) RecIS's slice rule over the table's
+        slice size (:func:`~fastckpt.sharded.format.slice_of`), for versions 1-3 ``id mod shard_num``.
+
+        >>> Loader("c").owner_rule({"partition": {"rule": "slice", "slice_size": 10}})(np.array([3, 4, 9]), 3).tolist()
+        [0, 1, 2]
+        """
+        if self.owner is not None:
+            return self.owner
+        partition = entry.get("partition")
+        if partition is None:
+            return owner_mod
+        return lambda ids, m: slice_owner(ids, m, partition["slice_size"])
+
+    def _reads_part(self, reader: CheckpointReader, table: str, key: str) -> bool:
+        """Whether this load reads any byte of table part ``key``: always, but where the slice rule of format
+        version 4 applies, only a part whose slice groups that meet this rank's slice hold rows (the others are
+        never read, so their files need no hash)."""
+        entry = reader.hashtables()[table]
+        i, n = reader.descriptions[key]["part"]
+        slices = reader.descriptions.get(f"{table}.id/part_{i}_{n}", {}).get("slices")
+        if self.owner is not None or "partition" not in entry or slices is None or self.shard_num == 1:
+            return True
+        first, last = group_rows(slices["rows"], entry["partition"]["slice_size"], self.shard_index, self.shard_num)
+        return first < last
+
     def _owned(self, reader: CheckpointReader, tensor: str) -> list[tuple[np.ndarray, str, np.ndarray]]:
-        """``[(ids, part suffix, positions this rank owns)]`` for each non-empty part of ``tensor`` (int64 ids)."""
+        """``[(ids, part suffix, positions this rank owns)]`` for each non-empty part of ``tensor`` (int64 ids).
+
+        ``ids[positions]`` are the ids owned. Where the checkpoint's slice rule applies to a version-4 part, the
+        rank reads only the ids of the slice groups that meet its slice, and owns one run of rows: ``ids`` is then
+        an array of the part's length of which only those groups' rows are read (the pages of the rest are never
+        touched).
+        """
+        entry = reader.hashtables()[tensor.rsplit(".", 1)[0]]
+        rule = self.owner_rule(entry)
+        ranged = self.owner is None and "partition" in entry
         out = []
         for key in reader.part_names(tensor):
+            slices = reader.descriptions[key].get("slices")
+            if ranged and slices is not None and self.shard_num > 1:
+                picked = _slice_rows(reader, key, slices["rows"], entry["partition"]["slice_size"],
+                                     slice_of(self.shard_index, self.shard_num, entry["partition"]["slice_size"]))
+                if picked is not None:
+                    out.append((picked[0], key[len(tensor):], picked[1]))
+                continue
             ids = reader.array(key)
             if len(ids) == 0:
                 continue
-            if self.shard_num == 1 and self.owner is owner_mod:  # one rank owns every id
+            if self.shard_num == 1 and (self.owner is None or self.owner is owner_mod):  # one rank owns every id
                 out.append((ids, key[len(tensor):], np.arange(len(ids))))
                 continue
-            ranks = np.asarray(self.owner(ids, self.shard_num))
+            ranks = np.asarray(rule(ids, self.shard_num))
             if ranks.shape != ids.shape:
                 raise ValueError(f"the owner rule returned shape {ranks.shape} for {ids.shape} ids")
             mine = np.flatnonzero(ranks == self.shard_index)

@@ -132,6 +132,8 @@ from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, Fast
 from fastckpt.formats.reader import TensorFile, guard, held_guards
 from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
+from fastckpt.sharded.format import slice_of, slice_positions
+from fastckpt.sharded.format import slice_owner as format_slice_owner
 from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.store.commit import fsync_open
 from fastckpt.sharded.reader import CheckpointReader, register_layout
@@ -201,14 +203,13 @@ def data_file_name(number: int, total: int) -> str:
 
 
 def gen_slice(shard_index: int, shard_num: int, slice_size: int = SLICE_SIZE) -> tuple[int, int, int]:
-    """``(begin, end, size)``: the key-space slice of rank ``shard_index`` of ``shard_num`` (RecIS's ``gen_slice``).
+    """``(begin, end, size)``: the key-space slice of rank ``shard_index`` of ``shard_num`` (RecIS's ``gen_slice``;
+    the rule of fastckpt's format version 4 too: :func:`fastckpt.sharded.format.slice_of`).
 
     >>> [gen_slice(i, 3, 10)[:2] for i in range(3)]
     [(0, 4), (4, 7), (7, 10)]
     """
-    base, extra = divmod(slice_size, shard_num)
-    begin = shard_index * base + min(shard_index, extra)
-    return begin, begin + base + (1 if shard_index < extra else 0), slice_size
+    return (*slice_of(shard_index, shard_num, slice_size), slice_size)
 
 
 def slice_string(begin: int, end: int, size: int) -> str:
@@ -238,12 +239,13 @@ def parse_slice(text: str, where: str) -> tuple[int, int, int]:
 
 
 def _slice_positions(ids: np.ndarray, size: int) -> np.ndarray:
-    """``uint64(id) % size``, as RecIS's ``MarkIdAcceptable`` computes it."""
-    return np.asarray(ids, np.int64).view(np.uint64) % np.uint64(size)
+    """``uint64(id) % size``, as RecIS's ``MarkIdAcceptable`` computes it (:func:`fastckpt.sharded.format.slice_positions`)."""
+    return slice_positions(ids, size)
 
 
 def slice_owner(ids: np.ndarray, shard_num: int, slice_size: int = SLICE_SIZE) -> np.ndarray:
-    """The rank that owns each id under RecIS's slice rule: ``uint64(id) % slice_size`` in ``gen_slice(rank, ...)``.
+    """The rank that owns each id under RecIS's slice rule: ``uint64(id) % slice_size`` in ``gen_slice(rank, ...)``
+    (:func:`fastckpt.sharded.format.slice_owner`, the default rule of fastckpt's format version 4).
 
     Pass it as a :class:`~fastckpt.sharded.Loader`'s ``owner`` so that the tables a rank loads can be saved in
     RecIS's layout by that rank. Given so for a directory in RecIS's layout, each table's own slice size is
@@ -253,8 +255,7 @@ def slice_owner(ids: np.ndarray, shard_num: int, slice_size: int = SLICE_SIZE) -
     >>> slice_owner(np.array([0, 21845, 21846, 65536 + 43691, -1]), 3).tolist()
     [0, 0, 1, 2, 2]
     """
-    ends = np.array([gen_slice(r, shard_num, slice_size)[1] for r in range(shard_num)], np.uint64)
-    return np.searchsorted(ends, _slice_positions(ids, slice_size), side="right").astype(np.int64)
+    return format_slice_owner(ids, shard_num, slice_size)
 
 
 def owners(rule, ids: np.ndarray, shard_num: int, slice_size) -> np.ndarray:
@@ -750,7 +751,7 @@ def load(loader) -> tuple[dict, dict]:
         for name, entry in info.get("tensors", {}).items():
             _fill_dense(loader, reader, name, entry["rows"])
             report.advance(stored[name], name)
-        rule = None if loader.owner is owner_mod else loader.owner
+        rule = None if loader.owner in (None, owner_mod) else loader.owner
 
         def fill(name: str, entry: dict) -> None:
             _fill_table(loader, reader, name, entry, rule)

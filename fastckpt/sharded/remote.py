@@ -230,8 +230,9 @@ def fetch_share(loader, local: str) -> dict | bool:
     sparse local files of their full size, so the Loader reads them as it reads any directory. Returns
     ``{"bytes": fetched, "requests": ranges, "layout", "manifest": bool}``, or False for a checkpoint that must
     be downloaded whole: one with a manifest loaded with ``verify=True`` (its BLAKE3 hashes cover whole files,
-    so only whole files can be checked), a delta, an encoded table; or neither a manifest nor RecIS's ``index``,
-    which the whole-prefix path reports.
+    so only whole files can be checked; but a full, unencoded checkpoint of format version 4 under its slice rule
+    fetches whole only the files whose parts this rank reads), a delta, an encoded table; or neither a manifest
+    nor RecIS's ``index``, which the whole-prefix path reports.
     """
 
     from fastckpt.sharded import recis
@@ -247,9 +248,10 @@ def fetch_share(loader, local: str) -> dict | bool:
         raise FormatError(f"{url}/{MANIFEST_FILE}: more than the {MAX_JSON_BYTES} bytes a checkpoint's metadata "
                           "file may have")
     manifest = parse_json(manifest_bytes, f"{url}/{MANIFEST_FILE}") if manifest_bytes is not None else None
-    if manifest is not None and loader.verify:
+    if manifest is not None and loader.verify and not _sliced(loader, manifest):
         # The manifest hashes whole files: a file fetched in part cannot be checked against it, so a verified load
-        # (the default) fetches the files whole; verify=False takes this rank's share alone.
+        # (the default) fetches the files whole; verify=False takes this rank's share alone. A version-4 checkpoint
+        # under its slice rule: the files this rank reads are fetched whole (the others not at all).
         return False
     if manifest is None or manifest.get("format") == recis.FORMAT:
         if not fs.exists(f"{path}/{recis.INDEX_FILE}"):
@@ -277,11 +279,22 @@ def fetch_share(loader, local: str) -> dict | bool:
     return {"bytes": share.bytes, "requests": share.requests, "layout": layout, "manifest": manifest is not None}
 
 
+def _sliced(loader, manifest: dict) -> bool:
+    """A full, unencoded checkpoint of format version 4 loaded by its own slice rule."""
+    tables = manifest.get("hashtables", {})
+    return (manifest.get("format") == "fastckpt.sharded" and manifest.get("kind", "full") == "full"
+            and loader.owner is None and isinstance(tables, dict) and bool(tables)
+            and all(isinstance(t, dict) and "partition" in t and "encoding" not in t for t in tables.values()))
+
+
 def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
-    """fastckpt's layout: dense parts by rows, every id part, then the owned rows (``loader.owner``)."""
+    """fastckpt's layout: dense parts by rows, the id parts, then the owned rows (:meth:`Loader.owner_rule`). Under
+    format version 4's slice rule, in one round, the rows of the slice groups that meet the rank's slice (its run of
+    rows lies in them) of the ids, the embedding and every slot; under another rule every id part whole, then the
+    rows it owns."""
     import numpy as np
 
-    from fastckpt.sharded.format import parse_part_key, rows_of
+    from fastckpt.sharded.format import group_rows, rows_of
 
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
     offsets = share.headers(sorted(set(share.sizes) - set(metadata)),
@@ -291,6 +304,7 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
     first: dict[str, list[tuple[int, int]]] = {}
     id_parts = []
+    ranges: dict[str, tuple[int, int]] = {}  # version-4 id part -> the rows of the groups fetched
     for key, desc in descriptions.items():
         where = offsets.get(key)
         if where is None:
@@ -304,22 +318,55 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
             if not desc["shape"] or (max(lo, p_lo) < min(hi, p_hi)):
                 first.setdefault(where[0], []).append(where[1:3])
         elif desc.get("role") == "id" and desc.get("table") in tables_wanted:
-            first.setdefault(where[0], []).append(where[1:3])
+            partition = manifest["hashtables"].get(desc["table"], {}).get("partition")
+            if loader.owner is None and partition is not None and "slices" in desc and loader.shard_num > 1:
+                # version 4: only the ids of the slice groups that meet this rank's slice
+                r0, r1 = group_rows(desc["slices"]["rows"], partition["slice_size"], loader.shard_index,
+                                    loader.shard_num)
+                if r0 == r1:
+                    continue
+                ranges[key] = (r0, r1)
+                first.setdefault(where[0], []).append((where[1] + 8 * r0, where[1] + 8 * r1))
+            else:
+                first.setdefault(where[0], []).append(where[1:3])
             id_parts.append(key)
+    if loader.verify:  # a verified version-4 load (_sliced): the files it reads whole, for their hashes
+        parts = {(descriptions[key]["table"], tuple(descriptions[key]["part"])) for key in id_parts}
+        files = {offsets[k][0] for k in id_parts} | set(first)
+        files |= {offsets[k][0] for k, d in descriptions.items()
+                  if k in offsets and not d.get("dense") and (d.get("table"), tuple(d.get("part", ()))) in parts}
+        share.fetch({name: [(0, share.sizes[name])] for name in files})
+        return
+    # Version 4 under its slice rule: the rows of the same groups of the embedding and slots, in the same round as
+    # the ids (the rank's run lies in them; the Loader reads that run and checks the ids): no second round.
+    for key, (r0, r1) in ranges.items():
+        for other in _part_tensors(descriptions, key, offsets):
+            first.setdefault(offsets[other][0], []).extend(
+                _row_spans(np.arange(r0, r1), descriptions[key]["shape"][0], offsets[other]))
     share.fetch(first)
     rows_plan: dict[str, list[tuple[int, int]]] = {}
     for key in id_parts:
+        if key in ranges:
+            continue
+        entry = manifest["hashtables"].get(descriptions[key]["table"], {})
         ids = share.ids(offsets[key])
-        mine = np.flatnonzero(np.asarray(loader.owner(ids, loader.shard_num)) == loader.shard_index) \
+        mine = np.flatnonzero(np.asarray(loader.owner_rule(entry)(ids, loader.shard_num)) == loader.shard_index) \
             if len(ids) else ids
         if not len(mine):
             continue
-        table, i, n = descriptions[key]["table"], *parse_part_key(key)[1:]
-        for other, desc in descriptions.items():
-            if desc.get("table") == table and desc.get("role") in ("embedding", "slot") \
-                    and parse_part_key(other)[1:] == (i, n) and other in offsets:
-                rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, len(ids), offsets[other]))
+        for other in _part_tensors(descriptions, key, offsets):
+            rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, len(ids), offsets[other]))
     share.fetch(rows_plan)
+
+
+def _part_tensors(descriptions: dict, id_key: str, offsets: dict) -> list[str]:
+    """The stored keys of the embedding and slot parts beside id part ``id_key`` (those the headers place)."""
+    from fastckpt.sharded.format import parse_part_key
+
+    table, part = descriptions[id_key]["table"], parse_part_key(id_key)[1:]
+    return [key for key, desc in descriptions.items()
+            if desc.get("table") == table and desc.get("role") in ("embedding", "slot")
+            and parse_part_key(key)[1:] == part and key in offsets]
 
 
 def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
@@ -344,7 +391,7 @@ def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
     dense_wanted = set(loader.tensors) or {t for t, b in blocks.items() if " " in b}
     tables = {t[:-3] for t in blocks if t.endswith("@id") and f"{t[:-3]}@embedding" in blocks}
     tables_wanted = set(loader.hashtables) or tables
-    slice_rule = loader.owner is owner_mod
+    slice_rule = loader.owner in (None, owner_mod)
     first: dict[str, list[tuple[int, int]]] = {}
     id_parts = []
     for tensor, by_slice in blocks.items():

@@ -25,7 +25,7 @@ import time
 from fastckpt.progress import progress_from, requested
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.engine import ThreadEngine
-from fastckpt.sharded.format import read_metadata
+from fastckpt.sharded.format import SLICE_SIZE, SLICE_VERSION, read_metadata, slice_owner
 from fastckpt.sharded.loader import Loader
 from fastckpt.sharded.reader import CheckpointReader
 from fastckpt.sharded.saver import Saver
@@ -41,7 +41,9 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
     """Write the checkpoint at ``src`` again at ``dst`` as saved by ``shards`` ranks; returns ``dst``.
 
     ``parallel`` (files per rank) defaults to the source's. Hashtable ids go
-    to the rank ``id mod shards``; dense tensors are split by rows as a
+    to the rank of their key-space slice (format version 4's rule: RecIS's
+    ``gen_slice`` over 65536 slices; a source of versions 1-3 is converted to
+    version 4); dense tensors are split by rows as a
     ``shards``-rank save splits them. The result holds exactly the source's
     values. ``progress`` (``True`` for a bar, or ``callback(done, total,
     item)``: :mod:`fastckpt.progress`) counts the bytes of tensors written to
@@ -72,6 +74,7 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
             parallel = reader.manifest["parallel"] if reader.manifest is not None else _recis_parallel(reader)
         sizes = {name: entry["slice_size"] for name, entry in reader.hashtables().items()} \
             if source_layout == "recis" else {}
+        partitioned = reader.manifest is not None and reader.manifest.get("format_version", 0) >= SLICE_VERSION
     layout = source_layout if layout is None else layout
     if layout not in ("fastckpt", "recis"):
         raise ValueError(f"layout must be 'fastckpt' or 'recis', got {layout!r}")
@@ -79,11 +82,14 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
         raise ValueError("slice_size is for a reshard from fastckpt's layout into RecIS's (a RecIS source keeps "
                          "its tables' own)")
     owner, keep = {}, {}
+    if layout == "fastckpt" and (source_layout == "recis" or not partitioned):
+        # each new rank holds the ids of its slices (format version 4's rule), whatever rule placed them before
+        owner = {"owner": lambda ids, m: slice_owner(ids, m, SLICE_SIZE)}
     if layout == "recis":  # each new rank must hold the ids of its RecIS slice
-        from fastckpt.sharded.recis import SLICE_SIZE, slice_owner
+        from fastckpt.sharded import recis
 
         if source_layout == "recis":  # every part read, each table by its own slice size (recis.owners)
-            owner, keep = {"owner": slice_owner}, {"slice_size": sizes}
+            owner, keep = {"owner": recis.slice_owner}, {"slice_size": sizes}
         else:
             size = SLICE_SIZE if slice_size is None else slice_size
             owner = {"owner": lambda ids, m: slice_owner(ids, m, size)}

@@ -4,7 +4,8 @@ The directory layout is specified in :mod:`fastckpt.sharded.format`. Each
 rank passes the full value of every dense tensor (replicated, as in data
 parallel training) and its own hashtables (the ids it owns); rank ``i`` of
 ``n`` writes rows ``[i*R//n, (i+1)*R//n)`` of each dense tensor and all rows
-of its hashtables (straight from their storage, in their row order, no copy:
+of its hashtables (gathered in key-space slice order, format version 4; a
+table already in that order is written straight from its storage, no copy:
 do not change the tables or arrays while ``save()`` runs), spread over
 ``parallel`` files written by as many threads (the writer releases the GIL in
 ``writev``).
@@ -71,12 +72,16 @@ from fastckpt.sharded.format import (
     FORMAT_VERSION,
     INDEX_FILE,
     NAMES,
+    SLICE_SIZE,
     TENSORKEY_FILE,
     WriteBlock,
     commit_directory,
     dumps,
+    group_bounds,
     part_key,
     rows_of,
+    slice_groups,
+    slice_order,
     tensor_file_name,
 )
 from fastckpt.sharded.hashtable import HashTable, _sort_ids
@@ -273,17 +278,30 @@ class Saver:
                 "shape": list(part.shape), "is_hashmap": False, "tensor": name, "part": [pi, pn],
                 "row_start": start, "global_shape": list(array.shape)}))
         for table_name, table in self.hashtables.items():
-            ids, values, slots = table.rows()  # views of the table's storage: written without a copy
+            ids, values, slots = table.rows()  # views of the table's storage
             id_key = part_key(f"{table_name}.id", i, n)
             value_key = part_key(f"{table_name}.embedding", i, n)
             roles = [("id", f"{table_name}.id", ids, None), ("embedding", f"{table_name}.embedding", values, None)]
             roles += [("slot", f"{table_name}.{slot}", slots[slot], slot) for slot in table.slots]
-            if self.kind == "delta":  # only the rows written since the base (gathered), and the ids deleted
-                rows, deleted = self._changes[table_name]
-                roles = [(role, tensor, np.take(array, rows, axis=0), slot) for role, tensor, array, slot in roles]
-                roles.append(("deleted", f"{table_name}.deleted", deleted, None))
+            encoded = self.compression is not None or self.quantize is not None
+            # The rows to write, gathered: a delta's changed rows; in slice order (format version 4) unless
+            # encoded (the codec sorts by id). None: the table's storage as it is, written without a copy.
+            rows = self._changes[table_name][0] if self.kind == "delta" else None
+            slices = None
+            if not encoded:
+                order, positions = slice_order(ids if rows is None else ids[rows], SLICE_SIZE)
+                bounds = group_bounds(slice_groups(len(order)), SLICE_SIZE)
+                slices = {"groups": len(bounds) - 1,
+                          "rows": [int(r) for r in np.searchsorted(positions, bounds[:-1])] + [len(order)]}
+                if len(order) and not bool(np.all(order[1:] > order[:-1])):  # not already in slice order
+                    rows = order if rows is None else rows[order]
+            if rows is not None:
+                with concurrent.futures.ThreadPoolExecutor(self.parallel, "fastckpt-gather") as pool:
+                    roles = list(pool.map(lambda r: (r[0], r[1], np.take(r[2], rows, axis=0), r[3]), roles))
+            if self.kind == "delta":  # and the ids deleted since the base
+                roles.append(("deleted", f"{table_name}.deleted", self._changes[table_name][1], None))
             encodings = [None] * len(roles)
-            if self.compression is not None or self.quantize is not None:
+            if encoded:
                 roles, encodings = self._encoded(table_name, roles)
             for (role, tensor, array, slot), encoding in zip(roles, encodings):
                 key = part_key(tensor, i, n)
@@ -293,6 +311,8 @@ class Saver:
                         "table": table_name, "role": role}
                 if slot is not None:
                     desc["slot"] = slot
+                if role == "id" and slices is not None:
+                    desc["slices"] = slices
                 if encoding is not None:
                     desc["encoding"] = encoding
                 out.append(WriteBlock(key, tensor, "slot" if slot else role, array, table_name, desc))
@@ -368,7 +388,7 @@ class Saver:
         for name, table in self.hashtables.items():
             if any(b.table == name for b in blocks):
                 tables[name] = {"dim": table.dim, "dtype": np.dtype(table.dtype).name, "slots": list(table.slots),
-                                "ids": len(table)}
+                                "ids": len(table), "partition": {"rule": "slice", "slice_size": SLICE_SIZE}}
                 if self.kind == "delta":
                     rows, deleted = self._changes[name]
                     tables[name].update(written=len(rows), deleted=len(deleted))

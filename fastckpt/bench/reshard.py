@@ -1,0 +1,185 @@
+"""The ``sharded`` suite's resharding rows: a checkpoint of N ranks loaded on M, against the same checkpoint on N.
+
+For every pair ``N:M`` of ``--reshard`` (default ``4:3,4:2,2:3,1:4``) the suite saves the state as N ranks hold it
+(each rank the ids of its key-space slices, the rule of format version 4), then times, round-robin
+(:func:`fastckpt.bench.timing.round_robin`), every rank's share loaded by M ranks (threads, ``dense="rows"``, into
+new tables) and by N ranks (the *same-shape* load the target compares with: N -> M at most 1.3x N -> N):
+
+* ``v4``: this fastckpt's checkpoint (format version 4), unverified (``verify=False``: each rank reads the ids of
+  the slice groups that meet its slice and its one run of rows of every part) and verified (the default: every
+  file read is hashed whole against the manifest, as in versions 1-3);
+* ``v3`` with ``--baseline PATH`` (a checkout of an earlier fastckpt, e.g. ``/work/wt/base-0.3``): the same state
+  saved and loaded by that fastckpt in the suite's worker process (:class:`fastckpt.bench.sharded.Against`), its
+  ranks holding the ids of its own default rule (``id mod N``); the worker times each load itself and the times
+  are reported as measured there (no pipe in them), interleaved with this process's loads, so that both meet the
+  same machine;
+* ``--s3``: the same checkpoints uploaded to moto's S3 server on loopback (:func:`fastckpt.bench.s3.start_server`)
+  and loaded from there, each rank fetching its share with ranged reads
+  (:func:`fastckpt.sharded.remote.fetch_share`); verified, whole files (the manifest hashes whole files): v4 only
+  those whose parts the rank reads, v3 the whole prefix.
+
+Each v4 load is checked once before the timed rounds: every id on the rank of its slice, every id once.
+
+>>> pairs = parse_pairs("4:3,4:2")
+>>> pairs
+[(4, 3), (4, 2)]
+>>> parse_pairs("4,3")  # the older form: one pair
+[(4, 3)]
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from fastckpt.bench.timing import Timing, format_duration, format_ratio, round_robin, summarize, table_lines
+
+__all__ = ["PAIRS", "parse_pairs", "measure", "report"]
+
+PAIRS = "4:3,4:2,2:3,1:4"
+TARGET = 1.3  # N -> M load time / N -> N load time, at most
+SETTLE = 0.1
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """``"4:3,2:3"`` -> ``[(4, 3), (2, 3)]`` (saving ranks : loading ranks); ``"4,3"`` is the one pair (4, 3)."""
+    try:
+        if ":" not in text:
+            src, dst = (int(x) for x in text.split(","))
+            pairs = [(src, dst)]
+        else:
+            pairs = [(int(a), int(b)) for a, b in (p.split(":") for p in text.split(",") if p.strip())]
+    except ValueError:
+        raise SystemExit(f"--reshard takes pairs SAVED:LOADED separated by commas (4:3,2:3), got {text!r}") from None
+    if not pairs or any(a < 1 or b < 1 or a == b for a, b in pairs):
+        raise SystemExit(f"--reshard pairs need two different positive rank counts, got {text!r}")
+    return list(dict.fromkeys(pairs))
+
+
+def _check(loaded: list, all_ids: np.ndarray, m: int, table: str) -> None:
+    """Every id once, each on the rank of its slice (format version 4's rule)."""
+    from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
+
+    got = []
+    for j, (tables, _) in enumerate(loaded):
+        ids = tables[table].ids()
+        begin, end = slice_of(j, m)
+        positions = slice_positions(ids, SLICE_SIZE)
+        if not bool(np.all((positions >= begin) & (positions < end))):
+            raise AssertionError(f"rank {j} of {m} loaded ids of other slices")
+        got.append(ids)
+    if not np.array_equal(np.sort(np.concatenate(got)), np.sort(all_ids)):
+        raise AssertionError(f"the {m} ranks loaded other ids than were saved")
+
+
+def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense: dict, pairs: list[tuple[int, int]],
+            *, dim: int, parallel: int, repeat: int, save: Callable, load: Callable, sizes: dict,
+            baseline=None, s3: bool = False, log: Callable[[str], None] = lambda line: None,
+            table: str = "emb") -> list[dict[str, Any]]:
+    """Time every pair (see the module docs); returns one row per (pair, checkpoint, place, verify).
+
+    ``build(n)`` makes the n ranks' states, ``save(path, states, dense, parallel)`` saves them,
+    ``load(path, ranks, dim, parallel, verify=..., storage_options=...)`` loads every rank's share; ``sizes``:
+    ``{"ids", "dim", "dense_mib"}`` for the baseline to build the same state; ``baseline``: the worker process
+    of an earlier fastckpt (:class:`fastckpt.bench.sharded.Against`), which this closes.
+    """
+    worker = baseline
+    server = url = options = None
+    if s3:
+        from fastckpt.bench.s3 import start_server, storage_options
+        from fastckpt.formats import remote
+
+        server, endpoint = start_server("fastckpt-reshard-bench")
+        options = storage_options(endpoint)
+    rows: list[dict[str, Any]] = []
+    try:
+        for src in dict.fromkeys(src for src, _ in pairs):
+            targets = [src, *[dst for s, dst in pairs if s == src]]
+            places: dict[str, tuple[str, dict | None]] = {}
+            log(f"resharding: the checkpoint of {src} rank(s)")
+            states = build(src)
+            v4 = root / f"reshard-{src}-v4"
+            save(v4, states, dense, parallel)
+            del states
+            places["v4"] = (str(v4), None)
+            if worker is not None:
+                v3 = root / f"reshard-{src}-baseline"
+                # the baseline's ranks hold the ids of its own default rule (id mod N), as its loads give them
+                worker.call("state", ids=sizes["ids"], dim=dim, dense_mib=sizes["dense_mib"], ranks=src, rule="mod")
+                worker.call("save", path=str(v3), parallel=parallel)
+                places["v3"] = (str(v3), None)
+            if s3:
+                for name in list(places):
+                    url = f"s3://fastckpt-reshard-bench/{name}-{src}"
+                    remote.put_directory(Path(places[name][0]), url, "manifest.json", options)
+                    places[f"{name} S3"] = (url, options)
+            for m in targets:  # untimed: each v4 load exact
+                _check(load(v4, m, dim, parallel, verify=False), all_ids, m, table)
+            paths: dict[str, Callable] = {}
+            keys: dict[str, dict] = {}
+            worker_times: dict[str, list[float]] = {}
+            for name, (where, opts) in places.items():
+                for verify in (False, True):
+                    for m in targets:
+                        label = f"{name} {src}->{m}{' verified' if verify else ''}"
+                        keys[label] = {"checkpoint": name, "src": src, "dst": m, "verify": verify}
+                        if name.startswith("v3"):
+                            worker_times[label] = []
+
+                            def run(where=where, m=m, verify=verify, opts=opts, label=label):
+                                reply = worker.call("load", path=where, ranks=m, dim=dim, parallel=parallel,
+                                                    verify=verify, storage_options=opts)
+                                worker_times[label].append(reply["seconds"])
+                        else:
+                            def run(where=where, m=m, verify=verify, opts=opts):
+                                return load(where, m, dim, parallel, verify=verify, storage_options=opts)
+                        paths[label] = run
+            log(f"resharding: {len(paths)} loads of the checkpoint of {src} rank(s), {repeat} round(s)")
+            timings = round_robin(paths, repeat, warmup=0, sync=True, settle=SETTLE)
+            for label, key in keys.items():
+                timing = summarize(worker_times[label]) if label in worker_times else timings[label]
+                rows.append({**key, "timing": timing})
+            for where, _ in places.values():
+                if not where.startswith("s3://"):
+                    shutil.rmtree(where, ignore_errors=True)
+    finally:
+        if worker is not None:
+            worker.close()
+        if server is not None:
+            server.stop()
+    return rows
+
+
+def report(rows: list[dict[str, Any]], pairs: list[tuple[int, int]], parallel: int) -> list[str]:
+    """The resharding table: each pair's N -> M load beside the same-shape N -> N load of the same checkpoint, read
+    the same way; with a baseline, v4's time over v3's too.
+
+    >>> t = Timing(1.0, 1.0)
+    >>> rows = [{"checkpoint": "v4", "src": 4, "dst": d, "verify": False, "timing": Timing(s, s)}
+    ...         for d, s in ((4, 1.0), (3, 1.2))]
+    >>> text = report(rows, [(4, 3)], 4)
+    >>> [line for line in text if line.startswith("| v4 | 4 -> 3")][0]
+    '| v4 | 4 -> 3 | no | 1.200 s | 1.000 s | 1.20x | met |  |'
+    """
+    by = {(r["checkpoint"], r["src"], r["dst"], r["verify"]): r["timing"] for r in rows}
+    out = []
+    lines = []
+    for (name, src, dst, verify), timing in by.items():
+        if src == dst or (src, dst) not in pairs:
+            continue
+        same = by[(name, src, src, verify)]
+        ratio = timing.median / same.median
+        v3 = by.get((name.replace("v4", "v3"), src, dst, verify)) if name.startswith("v4") else None
+        lines.append([name, f"{src} -> {dst}", "yes" if verify else "no", format_duration(timing.median),
+                      format_duration(same.median), format_ratio(ratio), "met" if ratio <= TARGET else "MISSED",
+                      "" if v3 is None else format_ratio(timing.median / v3.median)])
+        out.append((name, src, dst, verify, ratio))
+    title = (f"### resharding: every rank's share loaded on M ranks vs. on N (saved by N ranks with parallel {parallel}, "
+             "loads with the same; dense='rows'; v3: the baseline's own checkpoint and loader)")
+    table = table_lines(["checkpoint", "N -> M", "verified", "N -> M (median)", "N -> N (median)", "ratio",
+                         f"<= {TARGET}x", "v4 / v3 (N -> M)"], lines, "llrrrrll")
+    targets = [f"- {'met' if r <= TARGET else 'MISSED'}: {name} {src} -> {dst}{' verified' if v else ''} "
+               f"<= {TARGET}x the {src} -> {src} load: {format_ratio(r)}" for name, src, dst, v, r in out]
+    return [title, "", *table, "", *targets]
