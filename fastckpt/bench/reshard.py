@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fastckpt.bench.timing import Timing, format_duration, format_ratio, round_robin, summarize, table_lines
+from fastckpt.bench.timing import format_duration, format_ratio, round_robin, summarize, table_lines
 
 __all__ = ["PAIRS", "parse_pairs", "measure", "report"]
 
