@@ -8,7 +8,7 @@ new tables) and by N ranks (the *same-shape* load the target compares with: N ->
 * ``v4``: this fastckpt's checkpoint (format version 4), unverified (``verify=False``: each rank reads the ids of
   the slice groups that meet its slice and its one run of rows of every part) and verified (the default: every
   file read is hashed whole against the manifest, as in versions 1-3);
-* ``v3`` with ``--baseline PATH`` (a checkout of an earlier fastckpt, e.g. ``/work/wt/base-0.3``): the same state
+* ``v3`` with ``--baseline PATH`` (a checkout of an earlier fastckpt, e.g. a worktree of tag or commit 0.3.0 built in place): the same state
   saved and loaded by that fastckpt in the suite's worker process (:class:`fastckpt.bench.sharded.Against`), its
   ranks holding the ids of its own default rule (``id mod N``); the worker times each load itself and the times
   are reported as measured there (no pipe in them), interleaved with this process's loads, so that both meet the

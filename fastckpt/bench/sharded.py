@@ -36,7 +36,7 @@ It prints the state's total bytes, then measures:
 2. **resharding** (``--reshard 4:3,4:2,2:3,1:4``): for each pair N:M, one checkpoint saved by N ranks, loaded on
    M ranks (all M shares) against the same checkpoint loaded on N (all N shares); target: at most 1.3x the time.
    ``--baseline PATH`` adds the same pairs saved and loaded by an earlier fastckpt (format version 3 from
-   ``/work/wt/base-0.3``, say) in a worker process, ``--s3`` the same checkpoints loaded from moto's S3 server
+   a worktree of 0.3.0 built in place, say) in a worker process, ``--s3`` the same checkpoints loaded from moto's S3 server
    with ranged reads, ``--reshard-only`` skips the other cases: :mod:`fastckpt.bench.reshard`.
 3. **HashTable.export() and import_()** of the whole table (one rank's table with ``ranks=1``), import into a
    new table: GB/s (target >= 1 GB/s).
@@ -48,7 +48,7 @@ It prints the state's total bytes, then measures:
    peak of ``RssAnon`` (the process's own memory, sampled every 5 ms) is given beside it. A load's growth
    includes the share it loads (kept until the peak is read), a save's the copies ``export`` makes.
 
-``--against DIR`` (a checkout of an earlier commit, built: ``/work/wt/base-0.3``, say) runs that fastckpt's
+``--against DIR`` (a checkout of an earlier commit, built: a worktree of 0.3.0 built in place, say) runs that fastckpt's
 ``Saver.save`` and both loads in the same rounds, in a worker process that imports it (:class:`Against`), and
 prints them beside this fastckpt's (rows marked ``(before)``): the before and after of a change from one run.
 
@@ -811,7 +811,7 @@ def configure(parser) -> None:
     parser.add_argument("--reshard-only", action="store_true", help="the resharding pairs alone")
     parser.add_argument("--baseline", default=None, metavar="PATH",
                         help="an earlier fastckpt checkout to reshard beside this one (its own checkpoint and loader, "
-                             "in a worker process with PYTHONPATH=PATH), e.g. /work/wt/base-0.3")
+                             "in a worker process with PYTHONPATH=PATH), e.g. a built checkout of 0.3.0")
     parser.add_argument("--s3", action="store_true",
                         help="also load the resharding checkpoints from moto's S3 server on loopback (ranged reads)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
