@@ -128,13 +128,16 @@ def random_tensors(n: int, elems: int, digits: int = 4) -> dict[str, np.ndarray]
 
 
 def save_as(path: str, fmt: str, tensors: dict[str, np.ndarray], *, fsync: bool = False) -> None:
-    """Save ``tensors`` at ``path`` with fastckpt's writer of ``fmt`` (``"safetensors"`` or ``"npz"``).
+    """Save ``tensors`` at ``path`` with fastckpt's writer of ``fmt`` (``"safetensors"`` or ``"npz"``), replacing a
+    previous save there (``overwrite=True``: timed rounds save to one path, as the raw writes they are compared
+    with do).
 
     >>> import tempfile; p = os.path.join(tempfile.mkdtemp(), "m.npz"); save_as(p, "npz", random_tensors(1, 2))
     """
     import fastckpt
 
-    (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(path, tensors, fsync=fsync)
+    (fastckpt.save_safetensors if fmt == "safetensors" else fastckpt.save_npz)(path, tensors, fsync=fsync,
+                                                                              overwrite=True)
 
 
 # The buffer fastckpt.store.commit.atomic_write gives writers that do not gather (_WRITE_BUFFER).
