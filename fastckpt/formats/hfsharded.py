@@ -590,33 +590,51 @@ class HFShardedDirectory(MultiFileReader):
                 raise CheckpointNotFoundError(
                     errno.ENOENT, f"{where}: the index puts {len(names)} tensor(s) ({_shown(names)}) in {file!r}, "
                                   "which does not exist", full) from None
-        infos: dict[str, TensorInfo] = {}
-        for file, names in by_file.items():
-            full = os.path.join(self.directory, file)
+        for file in by_file:
             try:
-                f = open_file(full, **options)
+                f = self.files[file] = open_file(os.path.join(self.directory, file), **options)
             except FileNotFoundError:
                 raise snap.missing(file, f"the index {where} lists it") from None
-            self.files[file] = f
             snap.check(file, f.mapped.identity)
+        infos = self._shard_infos(where, by_file)
+        snap.recheck(record)
+        self._take_index(where, weight_map, by_file, infos, raw_metadata, stacklevel=5)
+
+    # The index's side of opening, shared by a local directory and a URL prefix (formats.remote.RemoteHFSharded),
+    # whose shards are opened each its own way into self.files first.
+    def _shard_infos(self, where: str, by_file: dict[str, list[str]], *,
+                     unlisted: bool = True) -> dict[str, TensorInfo]:
+        """The info of every tensor of ``by_file`` (shard -> the tensors the index ``where`` puts in it), from the
+        opened shards in ``self.files``; a shard that is not safetensors, or that lacks a tensor the index puts in
+        it, is a :class:`FormatError`. ``unlisted``: record the tensors a shard holds beyond the index's in
+        ``self.unlisted``."""
+        infos: dict[str, TensorInfo] = {}
+        for file, names in by_file.items():
+            f = self.files[file]
             if f.format != "safetensors":
-                raise FormatError(f"{full}: a shard must be a safetensors file, this one is {f.format}")
+                raise FormatError(f"{f.path}: a shard must be a safetensors file, this one is {f.format}")
             for name in names:
                 info = f.infos.get(name)
                 if info is None:
                     raise FormatError(f"{where}: the index puts tensor {name!r} in {file!r}, which holds no such "
-                                      f"tensor ({tensor_not_found(full, name, f.infos).args[0]})")
+                                      f"tensor ({tensor_not_found(f.path, name, f.infos).args[0]})")
                 infos[name] = info
-            if len(f.infos) > len(names):
+            if unlisted and len(f.infos) > len(names):
                 listed = set(names)
                 self.unlisted[file] = [n for n in f.infos if n not in listed]
-        snap.recheck(record)
+        return infos
+
+    def _take_index(self, where: str, weight_map: dict[str, str], by_file: dict[str, list[str]],
+                    infos: dict[str, TensorInfo], raw_metadata: dict | None, *, stacklevel: int) -> None:
+        """Hold the index ``where`` read (its weight map and metadata) and the shards' ``infos``; warn (at
+        ``stacklevel`` of this call's caller's caller) of tensors left out of the index and of a ``total_size``
+        that its tensors contradict."""
         if self.unlisted:
             count = sum(map(len, self.unlisted.values()))
             shown = "; ".join(f"{file}: {_shown(names)}" for file, names in self.unlisted.items())
             warnings.warn(FastCkptWarning(
                 f"{where}: {count} tensor(s) stored in the shards are not in the index and are left out ({shown})"),
-                stacklevel=4)
+                stacklevel=stacklevel)
         self.weight_map: Mapping[str, str] = MappingProxyType(weight_map)
         self.infos: Mapping[str, TensorInfo] = MappingProxyType(infos)
         self._by_file = by_file
@@ -627,12 +645,16 @@ class HFShardedDirectory(MultiFileReader):
         if raw_metadata is not None and "total_size" in raw_metadata and self.total_size != actual:
             warnings.warn(FastCkptWarning(
                 f"{where}: the index's total_size is {total!r}, but its tensors hold {actual} bytes; "
-                "the index is read as it is (total_size is informative only)"), stacklevel=4)
+                "the index is read as it is (total_size is informative only)"), stacklevel=stacklevel)
 
     def _open_single(self, single: str, options: dict) -> None:
-        f = self.files[SINGLE_NAME] = open_file(single, **options)
+        self._take_single(open_file(single, **options))
+
+    def _take_single(self, f) -> None:
+        """Hold ``f``, the one safetensors file of a checkpoint without an index, as the checkpoint."""
+        self.files[SINGLE_NAME] = f
         if f.format != "safetensors":
-            raise FormatError(f"{single}: must be a safetensors file, this one is {f.format}")
+            raise FormatError(f"{f.path}: must be a safetensors file, this one is {f.format}")
         self.index_path = None
         self.infos = f.infos
         self.weight_map = MappingProxyType(dict.fromkeys(f.infos, SINGLE_NAME))

@@ -556,8 +556,6 @@ class RemoteHFSharded(_hf_base()):  # type: ignore[misc]
                          max_header_size=max_header_size)
 
     def _open(self, options: dict) -> None:
-        from types import MappingProxyType
-
         from fastckpt.formats.hfsharded import INDEX_NAME, SINGLE_NAME, parse_index
 
         url, (storage_options, streamed, names) = self.path, self._remote
@@ -577,17 +575,13 @@ class RemoteHFSharded(_hf_base()):  # type: ignore[misc]
             raw = None
         if raw is None:
             try:
-                f = self.files[SINGLE_NAME] = shard(SINGLE_NAME, names)
+                f = shard(SINGLE_NAME, names)
             except CheckpointNotFoundError:
                 raise CheckpointNotFoundError(
                     f"{url}: a prefix with neither {SINGLE_NAME} nor {INDEX_NAME}; fastckpt.open reads one NPZ or "
                     "safetensors file, or a Hugging Face checkpoint, from a URL (checkpoints: "
                     "fastckpt.train.load_checkpoint(url), fastckpt.sharded.Loader)") from None
-            self.index_path = None
-            self.infos = f.infos
-            self.weight_map = MappingProxyType(dict.fromkeys(f.infos, SINGLE_NAME))
-            self._by_file = {SINGLE_NAME: list(f.infos)}
-            self.metadata, self.total_size = f.metadata, None
+            self._take_single(f)
             return
         self.index_path = join(url, INDEX_NAME)
         weight_map, raw_metadata = parse_index(raw, self.index_path)
@@ -612,19 +606,9 @@ class RemoteHFSharded(_hf_base()):  # type: ignore[misc]
                 errors.append(future.exception())
         if errors:
             raise errors[0]
-        infos = {}
-        for file, listed in by_file.items():
-            f = self.files[file]
-            for name in listed:
-                if name not in f.infos:
-                    raise FormatError(f"{self.index_path}: the index puts tensor {name!r} in {file!r}, which holds "
-                                      "no such tensor")
-                infos[name] = f.infos[name]
-        self.weight_map, self.infos, self._by_file = MappingProxyType(weight_map), MappingProxyType(infos), by_file
-        metadata = raw_metadata or {}
-        self.metadata = None if raw_metadata is None else {k: str(v) for k, v in metadata.items()}
-        total = metadata.get("total_size")
-        self.total_size = total if isinstance(total, int) and not isinstance(total, bool) else None
+        # A shard opened for some of its tensors (names=) holds only those: nothing to say of the rest.
+        infos = self._shard_infos(self.index_path, by_file, unlisted=names is None)
+        self._take_index(self.index_path, weight_map, by_file, infos, raw_metadata, stacklevel=7)
 
     def __repr__(self) -> str:
         if self._closed:

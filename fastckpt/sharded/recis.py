@@ -132,7 +132,7 @@ from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, Fast
 from fastckpt.formats.reader import TensorFile, guard, held_guards
 from fastckpt.info import TensorInfo
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
-from fastckpt.sharded.format import slice_of, slice_positions
+from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 from fastckpt.sharded.format import slice_owner as format_slice_owner
 from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.store.commit import fsync_open
@@ -151,8 +151,8 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = "fastckpt.sharded.recis"
 FORMAT_VERSION = 1
 LAYOUT = "RecIS"
-#: RecIS's default key space (``gen_slice``'s ``slice_size``).
-SLICE_SIZE = 65536
+# SLICE_SIZE (imported above) is RecIS's default key space (``gen_slice``'s ``slice_size``): one number with the
+# slices of fastckpt's format version 4, which follow RecIS's rule.
 DENSE_SUFFIX = "^ "
 #: Tensor, table and slot names: RecIS splits its block names on '^' and its table tensors' names on '@', and
 #: writes a dense tensor whose name holds '/part_' under a key its index does not name
