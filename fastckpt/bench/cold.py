@@ -57,7 +57,6 @@ import mmap
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -407,23 +406,13 @@ def _base(row: str) -> str:
 
 
 def _spawn(row: str, fixture_path: str, against: str | None = None) -> dict:
-    """Measure ``row`` in a new process; a ``(before)`` row imports fastckpt from ``against`` first. This file is run
-    by path (``runpy``, so that its folder is not put on ``sys.path``), so ``against`` needs no cold suite of its own."""
-    import fastckpt
+    """Measure ``row`` in a new process (:func:`~fastckpt.bench.timing.run_script`, in the fixture's directory,
+    where no fastckpt is); a ``(before)`` row imports fastckpt from ``against``. Imported here, in the parent: a
+    worker of an older fastckpt imports this file's top with its own ``fastckpt.bench.timing``."""
+    from fastckpt.bench.timing import run_script
 
-    env = dict(os.environ)
-    # The fastckpt this process runs comes first (or the one of ``against``): ``python -c`` puts its working
-    # directory first on sys.path, so the child runs in the fixture's directory, where no fastckpt is.
-    ours = os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
-    first = against if row.endswith(BEFORE) else ours
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (first, env.get("PYTHONPATH")) if p)
-    start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--worker", _base(row),
-                           fixture_path], capture_output=True, text=True, timeout=900, env=env,
-                          cwd=os.path.dirname(os.path.abspath(fixture_path)))
-    if done.returncode != 0:
-        return {"failed": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(__file__, ["--worker", _base(row), fixture_path], cwd=os.path.dirname(os.path.abspath(fixture_path)),
+                      against=against if row.endswith(BEFORE) else None)
 
 
 def table(samples: dict, fixture: dict) -> list[str]:

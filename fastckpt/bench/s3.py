@@ -378,8 +378,8 @@ def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3, against: st
     [(seconds, peak growth, exact)]}, "kinds", "bytes", "load", "runai"}``."""
     import json
     import random
-    import subprocess
-    import sys
+
+    from fastckpt.bench.timing import run_script  # here, in the parent: an older fastckpt's worker lacks it
 
     try:
         import runai_model_streamer  # noqa: F401
@@ -405,18 +405,12 @@ def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3, against: st
             order = list(rows)
             for _ in range(repeats):
                 random.shuffle(order)
-                for row in order:
-                    env = dict(os.environ)
-                    if row.endswith(BEFORE):  # this file, run by path, over the older fastckpt
-                        env["PYTHONPATH"] = os.pathsep.join(p for p in (against, env.get("PYTHONPATH")) if p)
-                    start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-                    done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--stream-worker",
-                                           row.removesuffix(BEFORE), setup], capture_output=True, text=True,
-                                          timeout=900, env=env)
-                    if done.returncode != 0:
-                        failed[row] = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                for row in order:  # a "(before)" row over the older fastckpt; in root, where no fastckpt is
+                    out = run_script(__file__, ["--stream-worker", row.removesuffix(BEFORE), setup], cwd=root,
+                                     against=against if row.endswith(BEFORE) else None)
+                    if "failed" in out:
+                        failed[row] = out["failed"]
                         continue
-                    out = json.loads(done.stdout.strip().splitlines()[-1])
                     samples[row].append((out["seconds"], out["growth"], out["exact"], out["cpu"]))
                 load.append(os.getloadavg()[0])
         finally:

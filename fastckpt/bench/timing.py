@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import re
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
-__all__ = ["add_repeat_option", "Timing", "round_robin", "summarize", "format_duration", "format_size", "format_ratio",
+__all__ = ["add_repeat_option", "run_script", "Timing", "round_robin", "summarize", "format_duration", "format_size", "format_ratio",
            "table_lines",
            "PeakMemory"]
 
@@ -273,3 +276,32 @@ def add_repeat_option(parser: argparse.ArgumentParser, *, dest: str, default: in
     """
     parser.add_argument("--repeat", dest=dest, type=int, default=default, metavar="N", help=help)
     parser.add_argument("--repeats", "--runs", dest=dest, type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def run_script(path: str, args: Sequence[str], *, cwd: str, against: str | None = None, timeout: float = 900) -> dict:
+    """Run the Python file ``path`` in a new interpreter with ``args`` and return the JSON object on the last line
+    of its output, or ``{"failed": the last line of its errors}``.
+
+    The child imports the fastckpt of ``against`` (a folder holding an earlier one, for the "(before)" rows of a
+    suite), else the one this process runs, before any other. ``cwd`` must hold no fastckpt: ``python -c`` puts its
+    working directory first on ``sys.path``, ahead of ``PYTHONPATH``, and the file is run by path (``runpy``) so
+    that its own folder is not put there either.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); p = os.path.join(d, "w.py")
+    >>> _ = open(p, "w").write("import sys, json; print(json.dumps({'args': sys.argv[1:]}))")
+    >>> run_script(p, ["a", "b"], cwd=d)
+    {'args': ['a', 'b']}
+    """
+    import fastckpt
+
+    first = against or os.path.dirname(os.path.dirname(os.path.abspath(fastckpt.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (first, env.get("PYTHONPATH")) if p)
+    start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", start, os.path.abspath(path), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+    if done.returncode != 0:
+        return {"failed": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
