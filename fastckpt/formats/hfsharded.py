@@ -590,39 +590,36 @@ class HFShardedDirectory(MultiFileReader):
                 raise CheckpointNotFoundError(
                     errno.ENOENT, f"{where}: the index puts {len(names)} tensor(s) ({_shown(names)}) in {file!r}, "
                                   "which does not exist", full) from None
-        for file in by_file:
+        infos: dict[str, TensorInfo] = {}
+        for file, names in by_file.items():  # each shard checked as it opens: its problem is the one reported
             try:
                 f = self.files[file] = open_file(os.path.join(self.directory, file), **options)
             except FileNotFoundError:
                 raise snap.missing(file, f"the index {where} lists it") from None
             snap.check(file, f.mapped.identity)
-        infos = self._shard_infos(where, by_file)
+            self._take_shard(where, file, names, infos)
         snap.recheck(record)
         self._take_index(where, weight_map, by_file, infos, raw_metadata, stacklevel=5)
 
     # The index's side of opening, shared by a local directory and a URL prefix (formats.remote.RemoteHFSharded),
     # whose shards are opened each its own way into self.files first.
-    def _shard_infos(self, where: str, by_file: dict[str, list[str]], *,
-                     unlisted: bool = True) -> dict[str, TensorInfo]:
-        """The info of every tensor of ``by_file`` (shard -> the tensors the index ``where`` puts in it), from the
-        opened shards in ``self.files``; a shard that is not safetensors, or that lacks a tensor the index puts in
-        it, is a :class:`FormatError`. ``unlisted``: record the tensors a shard holds beyond the index's in
-        ``self.unlisted``."""
-        infos: dict[str, TensorInfo] = {}
-        for file, names in by_file.items():
-            f = self.files[file]
-            if f.format != "safetensors":
-                raise FormatError(f"{f.path}: a shard must be a safetensors file, this one is {f.format}")
-            for name in names:
-                info = f.infos.get(name)
-                if info is None:
-                    raise FormatError(f"{where}: the index puts tensor {name!r} in {file!r}, which holds no such "
-                                      f"tensor ({tensor_not_found(f.path, name, f.infos).args[0]})")
-                infos[name] = info
-            if unlisted and len(f.infos) > len(names):
-                listed = set(names)
-                self.unlisted[file] = [n for n in f.infos if n not in listed]
-        return infos
+    def _take_shard(self, where: str, file: str, names: list[str], infos: dict[str, TensorInfo], *,
+                     unlisted: bool = True) -> None:
+        """Add to ``infos`` the info of each of ``names``, the tensors the index ``where`` puts in the opened shard
+        ``self.files[file]``; a shard that is not safetensors, or that lacks one of them, is a
+        :class:`FormatError`. ``unlisted``: record the tensors the shard holds beyond those in ``self.unlisted``."""
+        f = self.files[file]
+        if f.format != "safetensors":
+            raise FormatError(f"{f.path}: a shard must be a safetensors file, this one is {f.format}")
+        for name in names:
+            info = f.infos.get(name)
+            if info is None:
+                raise FormatError(f"{where}: the index puts tensor {name!r} in {file!r}, which holds no such "
+                                  f"tensor ({tensor_not_found(f.path, name, f.infos).args[0]})")
+            infos[name] = info
+        if unlisted and len(f.infos) > len(names):
+            listed = set(names)
+            self.unlisted[file] = [n for n in f.infos if n not in listed]
 
     def _take_index(self, where: str, weight_map: dict[str, str], by_file: dict[str, list[str]],
                     infos: dict[str, TensorInfo], raw_metadata: dict | None, *, stacklevel: int) -> None:

@@ -607,7 +607,9 @@ class RemoteHFSharded(_hf_base()):  # type: ignore[misc]
         if errors:
             raise errors[0]
         # A shard opened for some of its tensors (names=) holds only those: nothing to say of the rest.
-        infos = self._shard_infos(self.index_path, by_file, unlisted=names is None)
+        infos: dict = {}
+        for file, listed in by_file.items():
+            self._take_shard(self.index_path, file, listed, infos, unlisted=names is None)
         self._take_index(self.index_path, weight_map, by_file, infos, raw_metadata, stacklevel=7)
 
     def __repr__(self) -> str:
