@@ -430,3 +430,40 @@ def test_a_cold_pooled_load_with_progress_reads_into_the_arena_and_counts_every_
     assert sorted(counted) == sorted(n for n, a in TENSORS.items() if a.nbytes), seen  # each once, as it arrives
     assert seen[-1][0] == seen[-1][1] == payload
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+
+
+@pytest.mark.parametrize("source", ["file", "hf"])
+def test_a_cold_file_whose_first_window_the_open_read_is_still_read_ahead_of_its_copies(tmp_path, monkeypatch,
+                                                                                        source):
+    """The open of a cold file reads its first window (its own advice, the header's parse): the file must still be
+    found cold and read ahead to its end past the views, every shard of a Hugging Face directory too. The page cache
+    is played by ``mincore``: a page is cached where it lies in the first MiB of its file."""
+    import ctypes
+
+    from fastckpt.formats import reader
+
+    tensors = {f"w{i}": np.full(1 << 19, i, np.float32) for i in range(8)}  # 2 MiB each
+    path = str(tmp_path / "m.safetensors") if source == "file" else str(tmp_path / "hf")
+    if source == "file":
+        fastckpt.save_safetensors(path, tensors)
+    else:
+        fastckpt.save_sharded(path, tensors, max_shard_size=(4 << 20) + 1)  # 4 shards of 2 tensors
+    asked = []
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append(
+        (os.path.basename(mapped.path), start, end)) or 1)
+    with fastckpt.open(path) as r:
+        files = [r] if source == "file" else list(r.files.values())
+        bases = sorted((f.mapped.address - f.mapped.address % 4096, f.mapped.size) for f in files)
+
+        def mincore(address, _length, out):
+            cached = any(base <= address < base + (1 << 20) for base, _size in bases)
+            ctypes.memset(out, 1 if cached else 0, 1)
+            return 0
+
+        monkeypatch.setattr(readinto, "_mincore_fn", mincore)
+        for name in r.keys():
+            assert r.host(name).tobytes() == tensors[name].tobytes(), name
+    ends = {}
+    for name, _start, end in asked:
+        ends[name] = max(end, ends.get(name, 0))
+    assert ends == {os.path.basename(f.path): f.mapped.size for f in files}, asked  # every file, to its end
