@@ -49,6 +49,14 @@ dropped. ``READ`` = ``"preadv"`` or ``"mmap"`` takes one route for every load.
 A short read (a file truncated under the load) is an ``OSError`` naming the
 file and offset.
 
+A cold file (a region whose sampled pages are not cached) is read with
+``O_DIRECT`` straight into the staging buffers (:meth:`Stager.direct`): each
+piece is placed where its address agrees with its file offset modulo
+``DIRECT_ALIGN``, batches and fill parts are cut at blocks of the file (only a
+region's unaligned ends go through the page cache), and the fills run on
+``DIRECT_THREADS`` threads whatever the cores, since a direct read waits on the
+disk without using a core: the disk's queue is as deep as an unstaged load's.
+
 The bytes are the same as an unstaged copy's; only the route differs.
 
 >>> staging_shape(4 << 30, STAGING_CHUNK, cpus=16)        # 4 GiB on 16 cores
