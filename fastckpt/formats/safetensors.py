@@ -198,7 +198,7 @@ from fastckpt._native.safetensors import (
     unsupported_dtype_message,
     write_tensors,
 )
-from fastckpt.arrays import is_packed, pack_float4, packed_array, to_numpy
+from fastckpt.arrays import TakenRows, is_packed, pack_float4, packed_array, to_numpy
 from fastckpt.store.commit import atomic_write, overwrite_flag
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
@@ -369,6 +369,9 @@ def _plan(name, value, position: int) -> tuple:
     """The planned tuple of one tensor that ``plan_tensors`` does not plan itself; checks everything."""
     NAMES.check(name)
     _check_utf8(name, "tensor name")
+    if type(value) is TakenRows and value.dtype in _DIRECT_DTYPES:  # gathered piece by piece as it is written
+        dtype_name = dtype_to_safetensors(value.dtype)
+        return (-DTYPE_RANK[dtype_name], name, position, dtype_name, value.shape, value.nbytes, None, value)
     arr = _as_array(name, value)
     if is_packed(arr):  # sub-byte elements: the logical shape in the header, the stored bytes as they are
         return (-DTYPE_RANK[arr.packed], name, position, arr.packed, arr.logical_shape, arr.nbytes,
@@ -415,6 +418,11 @@ def _header_bytes(plan: list[tuple], metadata: dict[str, str] | None, alignment:
 def _write_tensor(out: GatherWriter, t: tuple) -> None:
     """Queue a tensor that needs converting first (a non-ndarray, another byte order, a strided view)."""
     name, dtype_name, shape, nbytes, arr = t[_NAME], t[_DTYPE_NAME], t[_SHAPE], t[_NBYTES], t[_ARRAY]
+    if arr is None and type(t[_SOURCE]) is TakenRows:
+        for piece in t[_SOURCE].pieces():  # one buffer: each piece written (and hashed) before the next is taken
+            out.write(piece)
+            out.flush()
+        return
     if arr is None:
         arr = _as_array(name, t[_SOURCE])
         if arr.shape != shape or dtype_to_safetensors(arr.dtype) != dtype_name:
@@ -449,7 +457,9 @@ def save_safetensors(
     compact deterministic JSON, little-endian data (big-endian input is
     converted). ``metadata`` must map str to str. Each tensor's bytes go
     straight from its buffer to the file; a non-contiguous or big-endian
-    tensor is copied, one at a time. ``fsync=False`` skips the fsyncs (still
+    tensor is copied, one at a time; a :class:`~fastckpt.arrays.TakenRows`
+    (rows of an array in another order) is gathered and written a piece at a
+    time through one buffer of about a MiB. ``fsync=False`` skips the fsyncs (still
     atomic for readers, not durable across power loss). ``hasher`` (an object
     with ``update``, e.g. ``blake3.blake3()``) receives every byte of the file
     in order as it is written, so the file's hash needs no second read.
