@@ -418,7 +418,7 @@ def _header_bytes(plan: list[tuple], metadata: dict[str, str] | None, alignment:
 def _write_tensor(out: GatherWriter, t: tuple) -> None:
     """Queue a tensor that needs converting first (a non-ndarray, another byte order, a strided view)."""
     name, dtype_name, shape, nbytes, arr = t[_NAME], t[_DTYPE_NAME], t[_SHAPE], t[_NBYTES], t[_ARRAY]
-    if arr is None and type(t[_SOURCE]) is TakenRows:
+    if arr is None and type(t[_SOURCE]) is TakenRows and t[_SOURCE].dtype in _DIRECT_DTYPES:
         for piece in t[_SOURCE].pieces():  # one buffer: each piece written (and hashed) before the next is taken
             out.write(piece)
             out.flush()
@@ -449,6 +449,7 @@ def save_safetensors(
     progress: ProgressArg = False,
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    writeback: int = 0,
 ) -> None:
     """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
 
@@ -465,7 +466,10 @@ def save_safetensors(
     in order as it is written, so the file's hash needs no second read.
     ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
     :mod:`fastckpt.progress`) counts the tensors' bytes as they are written.
-    An existing file at ``path`` is replaced only with ``overwrite=True``
+    ``writeback=n`` starts the kernel writing the file to the disk every ``n``
+    bytes written, without waiting (:class:`~fastckpt._native.gather.GatherWriter`),
+    so that the disk works while later bytes are prepared and a following
+    fsync has less left to wait for. An existing file at ``path`` is replaced only with ``overwrite=True``
     (docs/overwrite.md); another writer's file committed meanwhile is never
     replaced without it. An ``OSError`` names ``path``.
 
@@ -503,7 +507,8 @@ def save_safetensors(
     count, started = len(plan), time.perf_counter()
     total = sum(t[_NBYTES] for t in plan) if requested(progress) else None
     with progress_from(progress, total, "save safetensors") as report, \
-            atomic_write(path, fsync=fsync, overwrite=overwrite) as f, GatherWriter(f.fileno(), hasher) as out:
+            atomic_write(path, fsync=fsync, overwrite=overwrite) as f, \
+            GatherWriter(f.fileno(), hasher, writeback) as out:
         out.write(prefix)
         if report.enabled:
             _write_reporting(out, plan, report)
