@@ -178,3 +178,28 @@ def test_gather_writer_writeback_on_a_pipe_is_left_out():
         os.close(write)
     with pytest.raises(ValueError, match="writeback must be 0"):
         GatherWriter(1, None, -1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 3000])
+@pytest.mark.parametrize("size", [1, 3, 1000, SLICE_SIZE])
+@pytest.mark.parametrize("arrangement", ["random", "ascending ids", "slice order"])
+def test_slice_order_is_the_stable_sort_by_slice_position(n, size, arrangement):
+    from fastckpt.sharded.format import slice_order
+
+    rng = np.random.default_rng(n + size)
+    ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    ids[: n // 3] = ids[n // 2: n // 2 + n // 3]  # repeated positions keep their rows' order
+    if arrangement == "ascending ids":
+        ids = np.sort(ids)
+    elif arrangement == "slice order":
+        ids = ids[np.argsort(slice_positions(ids, size), kind="stable")]
+    positions = slice_positions(ids, size)
+    order, below = slice_order(ids, size)
+    expected = np.argsort(positions, kind="stable")
+    if order is None:
+        assert expected.tolist() == list(range(n))
+    else:
+        assert order.dtype == np.intp and order.tolist() == expected.tolist()
+    assert below.tolist() == np.searchsorted(np.sort(positions), np.arange(size + 1, dtype=np.uint64)).tolist()
+    if arrangement == "slice order":
+        assert order is None

@@ -301,10 +301,9 @@ class Saver:
             rows = self._changes[table_name][0] if self.kind == "delta" else None
             slices = None
             if not encoded:
-                order, positions = slice_order(ids if rows is None else ids[rows], SLICE_SIZE)
-                bounds = group_bounds(slice_groups(len(positions)), SLICE_SIZE)
-                slices = {"groups": len(bounds) - 1,
-                          "rows": [int(r) for r in np.searchsorted(positions, bounds[:-1])] + [len(positions)]}
+                order, below = slice_order(ids if rows is None else ids[rows], SLICE_SIZE)
+                bounds = group_bounds(slice_groups(int(below[-1])), SLICE_SIZE)
+                slices = {"groups": len(bounds) - 1, "rows": [int(below[b]) for b in bounds]}
                 if order is not None:
                     rows = order if rows is None else rows[order]
             roles = [(role, tensor, array, slot, rows) for role, tensor, array, slot in roles]
