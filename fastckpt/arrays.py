@@ -197,7 +197,7 @@ class TakenRows:
     #: Bytes of rows gathered and written at a time: a piece stays in the cache from its gather to its write.
     PIECE_BYTES = 1 << 20
 
-    __slots__ = ("source", "rows", "shape", "dtype", "nbytes")
+    __slots__ = ("dtype", "nbytes", "rows", "shape", "source")
 
     def __init__(self, source: np.ndarray, rows: np.ndarray):
         if not isinstance(source, np.ndarray) or source.ndim == 0:

@@ -486,7 +486,7 @@ class WriteBlock:
     ((2,), 16, [5, 7], [7, 5, 9])
     """
 
-    __slots__ = ("key", "tensor", "kind", "source", "table", "description", "rows", "_array")
+    __slots__ = ("_array", "description", "key", "kind", "rows", "source", "table", "tensor")
 
     def __init__(self, key: str, tensor: str, kind: str, array: np.ndarray, table: str | None, description: dict,
                  rows: np.ndarray | None = None):
