@@ -355,3 +355,52 @@ def test_a_large_object_streams_exactly_with_bounded_memory(where, request, queu
     with fastckpt.open(url, storage_options=options) as f:
         for name, value in tensors.items():
             assert np.array_equal(f[name], value)
+
+
+# -- a first load into a new arena ----------------------------------------------------------------------
+
+def test_prefault_makes_the_pages_of_a_new_array_present_without_changing_a_byte():
+    import resource
+
+    from fastckpt.device.load import _PREFAULT_STEP, _Prefault
+
+    target = np.empty(4 * _PREFAULT_STEP, np.uint8)  # fresh anonymous memory: no page there yet
+    target[:4096] = 7  # a byte written before (as a piece that arrived first): kept
+    prefault = _Prefault(target)
+    assert prefault.thread is not None
+    prefault.thread.join()
+    prefault.stop()
+    assert prefault.steps == 4
+    assert target[:4096].tolist() == [7] * 4096
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    target[4096:] = 1
+    # Every page was already there: the write takes (almost) no page fault, where it took one per page.
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before < len(target) // 4096 // 20
+
+
+@pytest.mark.device
+def test_a_first_pooled_load_prefaults_its_arena_while_the_pieces_arrive(objects, queue, monkeypatch):
+    from fastckpt.device import load as device_load
+    from fastckpt.device.context import shares_host_memory
+    from fastckpt.device.pool import PersistentBufferPool
+
+    if not shares_host_memory(queue.device):
+        pytest.skip("the arena is host memory only on a device that shares it")
+    made = []
+
+    class Spy(device_load._Prefault):
+        def __init__(self, target):
+            super().__init__(target)
+            made.append(self)
+
+    monkeypatch.setattr(device_load, "_Prefault", Spy)
+    rng = np.random.default_rng(11)
+    tensors = {f"w{i}": rng.random((1031, 4099), np.float32) for i in range(2)}  # 32 MiB, odd sizes
+    key = f"{uuid.uuid4().hex[:10]}/m.safetensors"
+    fastckpt.save_safetensors(objects.path("b", key), tensors)
+    loaded = fastckpt.load_file(objects.http_url("b", key), queue, pool=PersistentBufferPool(queue.context, queue))
+    for name, value in tensors.items():
+        assert loaded[name].to_host().tobytes() == value.tobytes(), name
+    assert len(made) == loaded.report.regions
+    assert made and all(p.thread is not None for p in made)  # a thread for each region of 8 MiB or more
+    assert all(not p.thread.is_alive() for p in made)  # stopped before the arena was unmapped
