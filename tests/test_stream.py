@@ -404,3 +404,135 @@ def test_a_first_pooled_load_prefaults_its_arena_while_the_pieces_arrive(objects
     assert len(made) == loaded.report.regions
     assert made and all(p.thread is not None for p in made)  # a thread for each region of 8 MiB or more
     assert all(not p.thread.is_alive() for p in made)  # stopped before the arena was unmapped
+
+
+# -- load_model(url, verify=True): CRC-32s checked as the pieces stream --------------------------------------
+
+@pytest.fixture
+def medium_pieces(monkeypatch):
+    """Pieces of 50,000 bytes, 3 at a time: members of 939 KiB arrive in many pieces, out of order."""
+    monkeypatch.setattr(stream, "CHUNK", 50_000)
+    monkeypatch.setattr(stream, "THREADS", 3)
+
+
+def _model_at(where, request, queue, extra=None):
+    """A small model saved as .netcl at the source ``where`` (``extra`` entries added to the file, which the model
+    does not have); returns (model, url, storage_options, local path of the object or None for moto)."""
+    from fastckpt.io import save_model
+    from fastckpt.nn import Linear, ReLU, Sequential
+
+    model = Sequential([Linear(queue, 601, 400), ReLU(), Linear(queue, 400, 3)])  # a member of 939 KiB
+    written = []
+
+    def write(path):
+        save_model(model, path)
+        if extra:
+            with fastckpt.open(path) as f:
+                entries = {k: np.array(f[k]) for k in f}
+            os.remove(path)
+            fastckpt.save_npz(path, {**entries, **extra})
+        written.append(path)
+
+    url, options = _put(where, request, "m.netcl", write)
+    return model, url, options, written[0]
+
+
+def _damage(where, request, url, local, name):
+    """Flip one byte in the middle of tensor ``name``'s payload, in the object at ``url``."""
+    with fastckpt.open(local) as f:
+        info = f.info(name)
+    at = info.offset + info.nbytes // 2
+    if where == "moto-s3":
+        s3 = request.getfixturevalue("s3")
+        fs = s3.filesystem()
+        blob = bytearray(fs.cat_file(url))
+        blob[at] ^= 0x40
+        fs.pipe_file(url, bytes(blob))
+    else:
+        with open(local, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _host_copies(monkeypatch) -> list:
+    """Counts the bytes written into host memory by fastckpt.open(url) (its memfd): the index only, when a load
+    streams (a verified load that fetched the object into host memory first wrote it all there)."""
+    written = []
+    real = remote._pwrite_at
+
+    def counted(fd, at, data):
+        written.append(len(data))
+        return real(fd, at, data)
+
+    monkeypatch.setattr(remote, "_pwrite_at", counted)
+    return written
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("where", SOURCES)
+def test_a_verified_load_model_checks_every_member_as_it_streams(where, pooled, request, queue, pool, monkeypatch,
+                                                                 medium_pieces):
+    from fastckpt.io import load_model
+
+    model, url, options, _local = _model_at(where, request, queue)
+    compared = []
+    real_compare = stream.Checksums._compare
+
+    def compare(self, i, got):
+        compared.append(self.members[i][0])
+        return real_compare(self, i, got)
+
+    monkeypatch.setattr(stream.Checksums, "_compare", compare)
+    fetched = []
+    _before_each_read(monkeypatch, lambda obj, start, end: fetched.append((obj.size, end - start)))
+    written = _host_copies(monkeypatch)
+    loaded = load_model(url, queue, pool=pool if pooled else None, verify=True, storage_options=options)
+    expected = model.state_dict()
+    for key, value in expected.items():
+        assert np.asarray(loaded.state_dict()[key]).tobytes() == np.asarray(value).tobytes()
+    # Every member checked once, the model's metadata too; every byte fetched once (the index, then the pieces).
+    assert sorted(compared) == sorted([k + ".npy" for k in expected] + ["__netcl_meta__.npy"])
+    size = fetched[0][0]
+    assert sum(n for _, n in fetched) < size + 5 * (64 << 10)  # the index reads 64 KiB of each member's start
+    assert sum(written) < size // 2  # the weights went to the device, not into host memory first
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("where", SOURCES)
+def test_a_damaged_member_of_a_verified_load_is_named_and_nothing_is_returned(where, pooled, request, queue, pool,
+                                                                            monkeypatch, medium_pieces):
+    import re
+
+    from fastckpt.errors import ChecksumMismatchError
+    from fastckpt.io import load_model
+
+    _model, url, options, local = _model_at(where, request, queue)
+    _damage(where, request, url, local, "0:weight")
+    written = _host_copies(monkeypatch)
+    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(url)}: member '0:weight.npy' \\(data at offset "
+                                                    "\\d+\\): CRC-32 is 0x[0-9a-f]{8}, expected 0x[0-9a-f]{8}: "):
+        load_model(url, queue, pool=pool if pooled else None, verify=True, storage_options=options)
+    assert sum(written) < os.path.getsize(local) // 2  # found while streaming to the device
+    assert isinstance(ChecksumMismatchError("x"), FormatError)
+    unverified = load_model(url, queue, pool=pool if pooled else None, storage_options=options)  # loads as stored
+    assert "0:weight" in unverified.state_dict()
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("where", ["moto-s3", "range-http"])
+def test_a_verified_load_checks_the_members_the_model_does_not_load(where, request, queue, pool, monkeypatch,
+                                                                  medium_pieces):
+    from fastckpt.errors import ChecksumMismatchError
+    from fastckpt.io import load_model
+
+    extra = {"unused": np.random.default_rng(12).random(700)}
+    _model, url, options, local = _model_at(where, request, queue, extra=extra)
+    assert load_model(url, queue, pool=pool, strict=False, verify=True, storage_options=options)
+    _damage(where, request, url, local, "unused")
+    with pytest.raises(ChecksumMismatchError, match="member 'unused.npy'"):
+        load_model(url, queue, pool=pool, strict=False, verify=True, storage_options=options)
+    load_model(url, queue, pool=pool, strict=False, storage_options=options)  # unverified: not read, not checked
