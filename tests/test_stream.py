@@ -536,3 +536,45 @@ def test_a_verified_load_checks_the_members_the_model_does_not_load(where, reque
     with pytest.raises(ChecksumMismatchError, match="member 'unused.npy'"):
         load_model(url, queue, pool=pool, strict=False, verify=True, storage_options=options)
     load_model(url, queue, pool=pool, strict=False, storage_options=options)  # unverified: not read, not checked
+
+
+# -- a discrete device: the pieces land in pinned staging buffers ---------------------------------------------
+
+@pytest.mark.device
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_pieces_for_a_discrete_device_go_through_pinned_staging_buffers_over_the_link(where, blocking, request,
+                                                                                    device, monkeypatch):
+    from fastckpt.device import load as device_load
+    from fastckpt.device.pool import PersistentBufferPool
+    from fastckpt.device.simlink import SimulatedQueue
+
+    monkeypatch.setattr(stream, "CHUNK", 64 << 10)
+    monkeypatch.setattr(stream, "THREADS", 3)
+    monkeypatch.setattr(device_load, "shares_host_memory", lambda _device: False)  # as a discrete GPU
+    rng = np.random.default_rng(13)
+    tensors = {"a": rng.random((301, 211), np.float32), "b": rng.integers(-9, 9, 70001, np.int64),
+               "tiny": np.arange(3, dtype=np.int8)}
+    url, options = _put(where, request, "m.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
+    with SimulatedQueue(device.context, device.device, rate=2e9, exact=True) as queue:
+        pool = PersistentBufferPool(device.context, queue)
+        seen = []
+        loaded = fastckpt.load_file(url, queue, pool=pool, storage_options=options, blocking=blocking,
+                                    progress=lambda done, total, item: seen.append(done))
+        loaded.wait()
+        for name, value in tensors.items():
+            assert loaded[name].to_host().tobytes() == value.tobytes(), name
+        link = queue.link
+        payload = loaded.report.bytes_copied
+        pieces = -(-payload // (64 << 10))
+        # Every piece went over the link from a pinned staging buffer: one copy each, 64 KiB at most, none torn
+        # (no piece was written into a staging buffer whose copy was still reading it).
+        assert len(link.copies) == loaded.report.copies == pieces
+        assert max(c.nbytes for c in link.copies) == 64 << 10 and sum(c.nbytes for c in link.copies) == payload
+        assert not link.torn and not link.errors
+        assert (pool.stats.staging_allocations, pool.stats.staging_bytes) == (5, 5 * (64 << 10))  # THREADS + 2
+        assert seen[-1] == sum(v.nbytes for v in tensors.values())
+        loaded.release()
+        again = fastckpt.load_file(url, queue, pool=pool, storage_options=options)  # the same buffers, reused
+        assert again["b"].to_host().tobytes() == tensors["b"].tobytes()
+        assert pool.stats.staging_allocations == 5 and not link.torn
