@@ -22,6 +22,10 @@ into its destination (a host array, a device buffer, a pool arena, a file) and t
   compares the identity again at the end, so bytes of two versions are never mixed: a changed object is an
   :class:`ObjectChangedError` naming it, and nothing read is used.
 
+A :class:`Checksums` set on an object (:attr:`RemoteObject.checksums`) checks the CRC-32 of byte ranges of it (NPZ
+members: ``load_model(url, verify=True)``) from the pieces as they pass to their destinations, so a verified load
+still reads every byte once, straight where it goes.
+
 Pieces are cut over the merged ranges, not per tensor: one piece may carry the end of one tensor and the start
 of the next, and the callback places each byte by its offset.
 
