@@ -517,7 +517,7 @@ class Checksums:
     >>> c.wrap(lambda at, piece: None)(0, b"abcd")
     Traceback (most recent call last):
     ...
-    fastckpt.errors.ChecksumMismatchError: memory://x: member 'a' (data at offset 0): CRC-32 is 0xed82cd11, expected 0x00000000: the object is damaged; nothing read is used
+    fastckpt.errors.ChecksumMismatchError: memory://x: member 'a' (data at offset 0): CRC-32 is 0xed82cd11, expected 0x00000000: the object is damaged; nothing read is used: restore it from a copy, or load it with verify=False to take it as stored
     """
 
     def __init__(self, url: str, members: Iterable[tuple[str, int, int, int, int]], seeds: dict | None = None):
@@ -586,7 +586,8 @@ class Checksums:
             at = start - self.seeds.get(name, 0)
             raise ChecksumMismatchError(
                 f"{self.url}: member {name!r} (data at offset {at}): CRC-32 is 0x{got:08x}, expected "
-                f"0x{expected:08x}: the object is damaged; nothing read is used")
+                f"0x{expected:08x}: the object is damaged; nothing read is used: restore it from a copy, or load "
+                "it with verify=False to take it as stored")
         with self._lock:
             self.done[i] = True
             self.checked += 1
