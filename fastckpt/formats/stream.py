@@ -63,7 +63,8 @@ GAP = 64 << 10
 
 # ZIP's CRC-32 and the CRC-32 of two runs of bytes joined (zlib-ng, a dependency; the same values as zlib's).
 try:
-    from zlib_ng.zlib_ng import crc32 as _crc32, crc32_combine as _crc32_combine
+    from zlib_ng.zlib_ng import crc32 as _crc32
+    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct without it
     from zlib import crc32 as _crc32
 
