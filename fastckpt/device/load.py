@@ -852,6 +852,7 @@ def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQu
                 load.stager.finish()
                 report.copies += load.stager.copies
                 report.staging_fill = load.stager.fill_seconds
+                report.fill_threads = load.stager.threads
             if plan.decoded:
                 _load_decoded(load, plan.decoded)
             if plan.empty:
@@ -1091,7 +1092,7 @@ def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
     load.t_alloc = time.perf_counter()
     if files is not None:
         _read_arenas(load, [(lease, [(mapped, start, end, 0)]) for (start, end, _g), lease in zip(regions, arenas)],
-                     files)
+                     files, {id(mapped): plan.direct} if load.progress.enabled else None)
     else:
         progress = load.progress.enabled
         for (start, end, group), lease in zip(regions, arenas):
@@ -1117,10 +1118,10 @@ def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         load.leases.append(lease)
         leases.append(lease)
     load.t_alloc = time.perf_counter()
+    infos_of = {id(mapped): infos for mapped, infos in plan.parts} if load.progress.enabled else None
     if files is not None:
-        _read_arenas(load, list(zip(leases, (slices for _size, slices in arenas))), files)
+        _read_arenas(load, list(zip(leases, (slices for _size, slices in arenas))), files, infos_of)
     else:
-        infos_of = {id(mapped): infos for mapped, infos in plan.parts} if load.progress.enabled else None
         for (_size, slices), lease in zip(arenas, leases):
             for mapped, start, end, at in slices:
                 group = None if infos_of is None else [i for i in infos_of[id(mapped)] if start <= i.offset < end]
@@ -1134,11 +1135,11 @@ def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
 def _direct_files(load: _Load, ranges: list, limit: int | None, largest: int) -> dict | None:
     """``{id(mapped): (descriptor, O_DIRECT descriptor or None, mapped)}`` for the files of ``ranges`` (``(mapped,
     start, end)``, the load's regions) where the load reads them straight into its arenas (:data:`DIRECT_READS`): a
-    pooled, unstaged load without progress on a device that shares host memory, of a region not in the page cache,
+    pooled, unstaged load on a device that shares host memory, of a region not in the page cache,
     whose arenas with room for the alignment (``largest`` bytes, the largest) fit ``limit``; None otherwise (the
     copies go from the mappings). Each descriptor is the mapped file's path opened again, only where ``fstat`` shows
     that file (:func:`~fastckpt.formats.readinto.same_file`)."""
-    if (not DIRECT_READS or load.stager is not None or load.progress.enabled or not ranges
+    if (not DIRECT_READS or load.stager is not None or not ranges
             or (limit is not None and largest > limit) or not shares_host_memory(load.queue.device)
             or any(streamed_source(mapped) is not None for mapped, _start, _end in ranges)):  # a URL's: streamed
         return None
@@ -1165,7 +1166,7 @@ def _close_pair(entry) -> None:
             os.close(fd)
 
 
-def _read_arenas(load: _Load, arenas: list, files: dict) -> None:
+def _read_arenas(load: _Load, arenas: list, files: dict, infos_of: dict | None = None) -> None:
     """Read every region of ``arenas`` (``[(lease, [(mapped, start, end, planned offset), ...])]``) from its file
     into its arena, mapped for writing: the regions packed in order, each where its address agrees with its file
     offset modulo ``DIRECT_ALIGN`` (``O_DIRECT`` reads of its whole blocks; the arena has ``DIRECT_ALIGN`` bytes of
@@ -1173,7 +1174,8 @@ def _read_arenas(load: _Load, arenas: list, files: dict) -> None:
     tensor's alignment (a region or arena not 16-byte aligned), at the next multiple of ``PART_ALIGN``, read through
     the page cache. All regions of all files are read at once
     (:func:`~fastckpt.formats.readinto.read_into`). A file changed or truncated while read is a
-    :class:`~fastckpt.errors.FormatError` naming it."""
+    :class:`~fastckpt.errors.FormatError` naming it. With progress on, ``infos_of`` (``{id(mapped): its tensors}``)
+    counts each tensor once every piece holding its bytes has been read (:class:`_Done`, from the reading threads)."""
     import pyopencl as cl
 
     queue, report = load.queue, load.report
@@ -1195,7 +1197,12 @@ def _read_arenas(load: _Load, arenas: list, files: dict) -> None:
                 pos = at + (end - start)
                 pairs.append((host[at:pos], start, fd, direct, mapped.path))
                 placed.append((lease, start, end, at))
-        report.reads += read_checked(pairs, list(files.values()), load.tf.path, "reading it into device memory")
+        done = None
+        if infos_of is not None:
+            counters = {files[key][2].path: _Done(load, infos) for key, infos in infos_of.items() if key in files}
+            done = lambda path, offset, length: counters[path](offset, length)  # noqa: E731
+        report.reads += read_checked(pairs, list(files.values()), load.tf.path, "reading it into device memory",
+                                     done)
     finally:
         for host in maps:
             host.base.release(queue).wait()
