@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-__all__ = ["as_numpy", "to_numpy", "to_torch", "PackedArray", "PackedTypeError", "packed_array"]
+__all__ = ["as_numpy", "to_numpy", "to_torch", "PackedArray", "PackedTypeError", "packed_array", "TakenRows"]
 
 _NOT_ARRAYS = (str, bytes, int, float, complex, bool, list, tuple, dict)
 # What np.from_dlpack raises for a producer it cannot view (a device tensor, an unsupported dtype).
@@ -171,6 +171,76 @@ def pack_float4(elements: np.ndarray) -> PackedArray:
     shape = tuple(elements.shape)
     packed_nbytes("F4", shape)
     return packed_array((codes[0::2] | (codes[1::2] << 4)).astype(np.uint8), "F4", shape)
+
+
+class TakenRows:
+    """The rows ``rows`` of ``source``, in that order (``source[rows]``), not yet copied.
+
+    ``save_safetensors`` writes one piece by piece: it gathers about
+    :attr:`PIECE_BYTES` of rows into one buffer, writes them, and takes the
+    next rows into the same buffer. A tensor stored in another order than the
+    one its rows are kept in (a hashtable's rows in key-space slice order)
+    then costs no copy of the whole tensor, and each piece is written while
+    its bytes are still in the CPU's cache. Any other writer converts it with
+    ``np.asarray`` (``__array__``: the whole copy). ``source`` must not change
+    until it is written.
+
+    >>> t = TakenRows(np.arange(6).reshape(3, 2), np.array([2, 0]))
+    >>> t.shape, t.dtype.name, t.nbytes, np.asarray(t).tolist()
+    ((2, 2), 'int64', 32, [[4, 5], [0, 1]])
+    >>> [piece.tolist() for piece in t.pieces(piece_bytes=16)]
+    [[[4, 5]], [[0, 1]]]
+    >>> TakenRows(np.zeros(3), np.array([3]))
+    Traceback (most recent call last):
+    IndexError: rows must be in [0, 3) (the rows of the source), got 3
+    """
+
+    #: Bytes of rows gathered and written at a time: a piece stays in the cache from its gather to its write.
+    PIECE_BYTES = 1 << 20
+
+    __slots__ = ("dtype", "nbytes", "rows", "shape", "source")
+
+    def __init__(self, source: np.ndarray, rows: np.ndarray):
+        if not isinstance(source, np.ndarray) or source.ndim == 0:
+            raise TypeError(f"source must be a numpy array of at least one axis, got {type(source).__name__}")
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+            raise TypeError(f"rows must be a 1-d array of integers, got {rows.dtype} of shape {rows.shape}")
+        rows = rows.astype(np.intp, copy=False)
+        if rows.size:
+            low, high = int(rows.min()), int(rows.max())
+            if low < 0 or high >= len(source):
+                raise IndexError(f"rows must be in [0, {len(source)}) (the rows of the source), got "
+                                 f"{low if low < 0 else high}")
+        self.source, self.rows = source, rows
+        self.shape = (len(rows), *source.shape[1:])
+        self.dtype = source.dtype
+        self.nbytes = math.prod(self.shape) * source.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"TakenRows({len(self.rows)} of {len(self.source)} rows, {self.dtype}{list(self.shape)})"
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.take(self.source, self.rows, axis=0)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def pieces(self, piece_bytes: int | None = None):
+        """The rows in order, a piece at a time, each gathered into one reused buffer: a piece is valid until the
+        next is asked for. Pieces hold about ``piece_bytes`` (:attr:`PIECE_BYTES`), at least one row each."""
+        row_bytes = max(1, self.nbytes // max(1, len(self.rows)))
+        per = max(1, (piece_bytes or self.PIECE_BYTES) // row_bytes)
+        buffer = np.empty((min(per, len(self.rows)), *self.shape[1:]), self.dtype)
+        for start in range(0, len(self.rows), per):
+            rows = self.rows[start:start + per]
+            piece = buffer[:len(rows)]
+            # the rows were checked once above: "clip" takes them as they are (numpy's default, "raise", both
+            # checks each one and gathers into a buffer of its own before copying to out)
+            np.take(self.source, rows, axis=0, out=piece, mode="clip")
+            yield piece
 
 
 def is_packed(value: Any) -> bool:

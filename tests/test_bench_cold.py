@@ -127,7 +127,7 @@ def test_a_view_of_a_large_tensor_reads_ahead_once_per_half_window(tmp_path, mon
 
     asked = []
     monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, check: asked.append((start, end)))
-    monkeypatch.setattr(reader, "cached", lambda mapped, start, end, samples: False)  # as if the file were cold
+    monkeypatch.setattr(reader, "cached", lambda mapped, start, end, samples, **kw: False)  # as if the file were cold
     monkeypatch.setattr(reader, "READ_AHEAD", 8 << 20)
     path = tmp_path / "m.safetensors"
     tensors = {f"t{i}": np.full(1 << 18, i, np.float32) for i in range(12)}  # 1 MiB each
@@ -142,7 +142,7 @@ def test_a_view_of_a_large_tensor_reads_ahead_once_per_half_window(tmp_path, mon
     assert asked[-1][1] == size  # never past the file's end
     assert 1 < len(asked) < len(tensors)  # extended by half a window at a time, not once per tensor
     assert all(b[0] == a[1] for a, b in zip(asked, asked[1:]))  # each call extends the last, none repeats
-    monkeypatch.setattr(reader, "cached", lambda mapped, start, end, samples: True)  # a warm file: never read ahead
+    monkeypatch.setattr(reader, "cached", lambda mapped, start, end, samples, **kw: True)  # a warm file: never read ahead
     asked.clear()
     with fastckpt.open(path) as f:
         [np.array(f.host(k)) for k in f.keys()]

@@ -382,3 +382,88 @@ def _has_direct(directory) -> bool:
     if fd is not None:
         os.close(fd)
     return fd is not None
+
+
+def test_a_cold_staged_load_cuts_its_batches_and_fill_parts_on_file_blocks(tmp_path, device, pool, cold,
+                                                                           monkeypatch):
+    """Every batch and fill part of a cold staged load starts and ends on a block of the file, so that only the
+    ends of each region are read through the page cache (a head and a tail at every cut cost two small reads each,
+    waited for one after the other by a fill thread), and the fills run on as many threads as direct reads do."""
+    from fastckpt.device import staging
+    from fastckpt.formats.readinto import DIRECT_THREADS
+
+    if not _has_direct(tmp_path):
+        pytest.skip("the file system has no O_DIRECT reads")
+    tensors = {"head": np.arange(5, dtype=np.uint8), "large": np.arange(24 << 20, dtype=np.uint8) * 7}
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, tensors)  # data at an offset that is not a multiple of a block
+    plain = []
+    real = staging.read_into
+
+    def read_into_(fd, pairs, p, **kw):
+        for dst, offset in pairs:
+            plain.extend(len(v) for v, _o, d in direct_pieces(memoryview(dst), offset, 1 << 30) if not d)
+        return real(fd, pairs, p, **kw)
+
+    monkeypatch.setattr(staging, "read_into", read_into_)
+    loaded = fastckpt.load_file(path, device.queue, pool=pool, staging=4 << 20)  # ramp batches of 2 MiB less 2 KiB
+    _exact(loaded, tensors)
+    assert len(plain) <= 2 and all(n < DIRECT_ALIGN for n in plain), plain  # the region's head and tail only
+    assert loaded.report.fill_threads >= DIRECT_THREADS
+
+
+@pytest.mark.parametrize("source", ["file", "hf"])
+def test_a_cold_pooled_load_with_progress_reads_into_the_arena_and_counts_every_tensor(tmp_path, unified_device,
+                                                                                      pool, cold, source):
+    path = str(tmp_path / "m.safetensors") if source == "file" else str(tmp_path / "hf")
+    if source == "file":
+        fastckpt.save_safetensors(path, TENSORS)
+    else:
+        fastckpt.save_sharded(path, TENSORS, max_shard_size=600_000)
+    seen = []
+    loaded = fastckpt.load_file(path, unified_device.queue, pool=pool,
+                                progress=lambda done, total, item: seen.append((done, total, item)))
+    assert loaded.report.reads > 0 and loaded.report.copies == 0  # the direct reads, not copies from the mapping
+    _exact(loaded, TENSORS)
+    payload = sum(a.nbytes for a in TENSORS.values())
+    counted = [item for _d, _t, item in seen if item]
+    assert sorted(counted) == sorted(n for n, a in TENSORS.items() if a.nbytes), seen  # each once, as it arrives
+    assert seen[-1][0] == seen[-1][1] == payload
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+
+
+@pytest.mark.parametrize("source", ["file", "hf"])
+def test_a_cold_file_whose_first_window_the_open_read_is_still_read_ahead_of_its_copies(tmp_path, monkeypatch,
+                                                                                        source):
+    """The open of a cold file reads its first window (its own advice, the header's parse): the file must still be
+    found cold and read ahead to its end past the views, every shard of a Hugging Face directory too. The page cache
+    is played by ``mincore``: a page is cached where it lies in the first MiB of its file."""
+    import ctypes
+
+    from fastckpt.formats import reader
+
+    tensors = {f"w{i}": np.full(1 << 19, i, np.float32) for i in range(8)}  # 2 MiB each
+    path = str(tmp_path / "m.safetensors") if source == "file" else str(tmp_path / "hf")
+    if source == "file":
+        fastckpt.save_safetensors(path, tensors)
+    else:
+        fastckpt.save_sharded(path, tensors, max_shard_size=(4 << 20) + 1)  # 4 shards of 2 tensors
+    asked = []
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append(
+        (os.path.basename(mapped.path), start, end)) or 1)
+    with fastckpt.open(path) as r:
+        files = [r] if source == "file" else list(r.files.values())
+        bases = sorted((f.mapped.address - f.mapped.address % 4096, f.mapped.size) for f in files)
+
+        def mincore(address, _length, out):
+            cached = any(base <= address < base + (1 << 20) for base, _size in bases)
+            ctypes.memset(out, 1 if cached else 0, 1)
+            return 0
+
+        monkeypatch.setattr(readinto, "_mincore_fn", mincore)
+        for name in r.keys():
+            assert r.host(name).tobytes() == tensors[name].tobytes(), name
+    ends = {}
+    for name, _start, end in asked:
+        ends[name] = max(end, ends.get(name, 0))
+    assert ends == {os.path.basename(f.path): f.mapped.size for f in files}, asked  # every file, to its end

@@ -355,3 +355,226 @@ def test_a_large_object_streams_exactly_with_bounded_memory(where, request, queu
     with fastckpt.open(url, storage_options=options) as f:
         for name, value in tensors.items():
             assert np.array_equal(f[name], value)
+
+
+# -- a first load into a new arena ----------------------------------------------------------------------
+
+def test_prefault_makes_the_pages_of_a_new_array_present_without_changing_a_byte():
+    import resource
+
+    from fastckpt.device.load import _PREFAULT_STEP, _Prefault
+
+    target = np.empty(4 * _PREFAULT_STEP, np.uint8)  # fresh anonymous memory: no page there yet
+    target[:4096] = 7  # a byte written before (as a piece that arrived first): kept
+    prefault = _Prefault(target)
+    assert prefault.thread is not None
+    prefault.thread.join()
+    prefault.stop()
+    assert prefault.steps == 4
+    assert target[:4096].tolist() == [7] * 4096
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    target[4096:] = 1
+    # Every page was already there: the write takes (almost) no page fault, where it took one per page.
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before < len(target) // 4096 // 20
+
+
+@pytest.mark.device
+def test_a_first_pooled_load_prefaults_its_arena_while_the_pieces_arrive(objects, queue, monkeypatch):
+    from fastckpt.device import load as device_load
+    from fastckpt.device.context import shares_host_memory
+    from fastckpt.device.pool import PersistentBufferPool
+
+    if not shares_host_memory(queue.device):
+        pytest.skip("the arena is host memory only on a device that shares it")
+    made = []
+
+    class Spy(device_load._Prefault):
+        def __init__(self, target):
+            super().__init__(target)
+            made.append(self)
+
+    monkeypatch.setattr(device_load, "_Prefault", Spy)
+    rng = np.random.default_rng(11)
+    tensors = {f"w{i}": rng.random((1031, 4099), np.float32) for i in range(2)}  # 32 MiB, odd sizes
+    key = f"{uuid.uuid4().hex[:10]}/m.safetensors"
+    fastckpt.save_safetensors(objects.path("b", key), tensors)
+    loaded = fastckpt.load_file(objects.http_url("b", key), queue, pool=PersistentBufferPool(queue.context, queue))
+    for name, value in tensors.items():
+        assert loaded[name].to_host().tobytes() == value.tobytes(), name
+    assert len(made) == loaded.report.regions
+    assert made and all(p.thread is not None for p in made)  # a thread for each region of 8 MiB or more
+    assert all(not p.thread.is_alive() for p in made)  # stopped before the arena was unmapped
+
+
+# -- load_model(url, verify=True): CRC-32s checked as the pieces stream --------------------------------------
+
+@pytest.fixture
+def medium_pieces(monkeypatch):
+    """Pieces of 50,000 bytes, 3 at a time: members of 939 KiB arrive in many pieces, out of order."""
+    monkeypatch.setattr(stream, "CHUNK", 50_000)
+    monkeypatch.setattr(stream, "THREADS", 3)
+
+
+def _model_at(where, request, queue, extra=None):
+    """A small model saved as .netcl at the source ``where`` (``extra`` entries added to the file, which the model
+    does not have); returns (model, url, storage_options, local path of the object or None for moto)."""
+    from fastckpt.io import save_model
+    from fastckpt.nn import Linear, ReLU, Sequential
+
+    model = Sequential([Linear(queue, 601, 400), ReLU(), Linear(queue, 400, 3)])  # a member of 939 KiB
+    written = []
+
+    def write(path):
+        save_model(model, path)
+        if extra:
+            with fastckpt.open(path) as f:
+                entries = {k: np.array(f[k]) for k in f}
+            os.remove(path)
+            fastckpt.save_npz(path, {**entries, **extra})
+        written.append(path)
+
+    url, options = _put(where, request, "m.netcl", write)
+    return model, url, options, written[0]
+
+
+def _damage(where, request, url, local, name):
+    """Flip one byte in the middle of tensor ``name``'s payload, in the object at ``url``."""
+    with fastckpt.open(local) as f:
+        info = f.info(name)
+    at = info.offset + info.nbytes // 2
+    if where == "moto-s3":
+        s3 = request.getfixturevalue("s3")
+        fs = s3.filesystem()
+        blob = bytearray(fs.cat_file(url))
+        blob[at] ^= 0x40
+        fs.pipe_file(url, bytes(blob))
+    else:
+        with open(local, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _host_copies(monkeypatch) -> list:
+    """Counts the bytes written into host memory by fastckpt.open(url) (its memfd): the index only, when a load
+    streams (a verified load that fetched the object into host memory first wrote it all there)."""
+    written = []
+    real = remote._pwrite_at
+
+    def counted(fd, at, data):
+        written.append(len(data))
+        return real(fd, at, data)
+
+    monkeypatch.setattr(remote, "_pwrite_at", counted)
+    return written
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("where", SOURCES)
+def test_a_verified_load_model_checks_every_member_as_it_streams(where, pooled, request, queue, pool, monkeypatch,
+                                                                 medium_pieces):
+    from fastckpt.io import load_model
+
+    model, url, options, _local = _model_at(where, request, queue)
+    compared = []
+    real_compare = stream.Checksums._compare
+
+    def compare(self, i, got):
+        compared.append(self.members[i][0])
+        return real_compare(self, i, got)
+
+    monkeypatch.setattr(stream.Checksums, "_compare", compare)
+    fetched = []
+    _before_each_read(monkeypatch, lambda obj, start, end: fetched.append((obj.size, end - start)))
+    written = _host_copies(monkeypatch)
+    loaded = load_model(url, queue, pool=pool if pooled else None, verify=True, storage_options=options)
+    expected = model.state_dict()
+    for key, value in expected.items():
+        assert np.asarray(loaded.state_dict()[key]).tobytes() == np.asarray(value).tobytes()
+    # Every member checked once, the model's metadata too; every byte fetched once (the index, then the pieces).
+    assert sorted(compared) == sorted([k + ".npy" for k in expected] + ["__netcl_meta__.npy"])
+    size = fetched[0][0]
+    assert sum(n for _, n in fetched) < size + 5 * (64 << 10)  # the index reads 64 KiB of each member's start
+    assert sum(written) < size // 2  # the weights went to the device, not into host memory first
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize("where", SOURCES)
+def test_a_damaged_member_of_a_verified_load_is_named_and_nothing_is_returned(where, pooled, request, queue, pool,
+                                                                            monkeypatch, medium_pieces):
+    import re
+
+    from fastckpt.errors import ChecksumMismatchError
+    from fastckpt.io import load_model
+
+    _model, url, options, local = _model_at(where, request, queue)
+    _damage(where, request, url, local, "0:weight")
+    written = _host_copies(monkeypatch)
+    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(url)}: member '0:weight.npy' \\(data at offset "
+                                                    "\\d+\\): CRC-32 is 0x[0-9a-f]{8}, expected 0x[0-9a-f]{8}: "):
+        load_model(url, queue, pool=pool if pooled else None, verify=True, storage_options=options)
+    assert sum(written) < os.path.getsize(local) // 2  # found while streaming to the device
+    assert isinstance(ChecksumMismatchError("x"), FormatError)
+    unverified = load_model(url, queue, pool=pool if pooled else None, storage_options=options)  # loads as stored
+    assert "0:weight" in unverified.state_dict()
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("where", ["moto-s3", "range-http"])
+def test_a_verified_load_checks_the_members_the_model_does_not_load(where, request, queue, pool, monkeypatch,
+                                                                  medium_pieces):
+    from fastckpt.errors import ChecksumMismatchError
+    from fastckpt.io import load_model
+
+    extra = {"unused": np.random.default_rng(12).random(700)}
+    _model, url, options, local = _model_at(where, request, queue, extra=extra)
+    assert load_model(url, queue, pool=pool, strict=False, verify=True, storage_options=options)
+    _damage(where, request, url, local, "unused")
+    with pytest.raises(ChecksumMismatchError, match="member 'unused.npy'"):
+        load_model(url, queue, pool=pool, strict=False, verify=True, storage_options=options)
+    load_model(url, queue, pool=pool, strict=False, storage_options=options)  # unverified: not read, not checked
+
+
+# -- a discrete device: the pieces land in pinned staging buffers ---------------------------------------------
+
+@pytest.mark.device
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_pieces_for_a_discrete_device_go_through_pinned_staging_buffers_over_the_link(where, blocking, request,
+                                                                                    device, monkeypatch):
+    from fastckpt.device import load as device_load
+    from fastckpt.device.pool import PersistentBufferPool
+    from fastckpt.device.simlink import SimulatedQueue
+
+    monkeypatch.setattr(stream, "CHUNK", 64 << 10)
+    monkeypatch.setattr(stream, "THREADS", 3)
+    monkeypatch.setattr(device_load, "shares_host_memory", lambda _device: False)  # as a discrete GPU
+    rng = np.random.default_rng(13)
+    tensors = {"a": rng.random((301, 211), np.float32), "b": rng.integers(-9, 9, 70001, np.int64),
+               "tiny": np.arange(3, dtype=np.int8)}
+    url, options = _put(where, request, "m.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
+    with SimulatedQueue(device.context, device.device, rate=2e9, exact=True) as queue:
+        pool = PersistentBufferPool(device.context, queue)
+        seen = []
+        loaded = fastckpt.load_file(url, queue, pool=pool, storage_options=options, blocking=blocking,
+                                    progress=lambda done, total, item: seen.append(done))
+        loaded.wait()
+        for name, value in tensors.items():
+            assert loaded[name].to_host().tobytes() == value.tobytes(), name
+        link = queue.link
+        payload = loaded.report.bytes_copied
+        pieces = -(-payload // (64 << 10))
+        # Every piece went over the link from a pinned staging buffer: one copy each, 64 KiB at most, none torn
+        # (no piece was written into a staging buffer whose copy was still reading it).
+        assert len(link.copies) == loaded.report.copies == pieces
+        assert max(c.nbytes for c in link.copies) == 64 << 10 and sum(c.nbytes for c in link.copies) == payload
+        assert not link.torn and not link.errors
+        assert (pool.stats.staging_allocations, pool.stats.staging_bytes) == (5, 5 * (64 << 10))  # THREADS + 2
+        assert seen[-1] == sum(v.nbytes for v in tensors.values())
+        loaded.release()
+        again = fastckpt.load_file(url, queue, pool=pool, storage_options=options)  # the same buffers, reused
+        assert again["b"].to_host().tobytes() == tensors["b"].tobytes()
+        assert pool.stats.staging_allocations == 5 and not link.torn

@@ -10,6 +10,8 @@ cdef class GatherWriter:
     cdef int _count
     cdef Py_ssize_t _pending
     cdef Py_ssize_t _written
+    cdef Py_ssize_t _writeback
+    cdef Py_ssize_t _unsent
     cdef Py_buffer* _views
     cdef iovec* _iov
     cdef list _keep

@@ -14,6 +14,15 @@ With ``hasher`` (anything with ``update(buffer)``: a ``blake3.blake3()`` or
 ``hashlib.sha256()`` object) every byte is also hashed, in file order, from
 the buffers as they are written: a file's hash without reading it back.
 
+With ``writeback=n`` the writer asks the kernel to start writing the file's
+dirty pages to the disk each time ``n`` more bytes have been written
+(Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait for
+them), so that the disk works while the caller goes on computing the next
+bytes and a later ``fsync`` finds most of the file already written: the
+write and the work that feeds it overlap instead of following each other. It
+makes nothing durable by itself (``fsync`` still does), and is left out where
+the call is missing (other systems) or refused (a pipe).
+
 The writer owns the file position from the descriptor's current offset:
 anything written to the descriptor some other way must be flushed before the
 writer is used, and the writer flushed before anything else writes.
@@ -47,6 +56,23 @@ cnp.import_array()
 cdef extern from "<sys/uio.h>" nogil:
     ssize_t writev(int fd, const iovec* iov, int iovcnt)
 
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <fcntl.h>
+    /* Start writing the file's dirty pages back, without waiting (Linux); elsewhere: ENOSYS. */
+    static int fastckpt_start_writeback(int fd) {
+    #if defined(__linux__) && defined(SYNC_FILE_RANGE_WRITE)
+        return sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+    #else
+        (void)fd;
+        errno = ENOSYS;
+        return -1;
+    #endif
+    }
+    """
+    int fastckpt_start_writeback(int fd) nogil
+
 # Linux's IOV_MAX (UIO_MAXIOV); POSIX guarantees at least 16, glibc and musl say 1024.
 DEF _IOV_MAX = 1024
 # Pending bytes at which the writer flushes by itself: keeps each call's work bounded.
@@ -58,6 +84,8 @@ cdef char _ZEROS[_ZERO_BLOCK]  # static storage: all zero, never written
 cdef class GatherWriter:
     """Collect buffers and write them to ``fd`` in order, ``IOV_MAX`` per ``writev`` call.
 
+    ``writeback``: start the kernel's write-out of the file every that many bytes (0: never; module docs).
+
     ``write(obj)`` takes a C-contiguous numpy array of any dtype, or
     anything else with the buffer protocol (bytes, memoryview), and holds it,
     uncopied, until the next ``flush()``, which happens by itself every
@@ -66,9 +94,13 @@ cdef class GatherWriter:
     what is pending on an exception.
     """
 
-    def __cinit__(self, int fd, hasher=None):
+    def __cinit__(self, int fd, hasher=None, Py_ssize_t writeback=0):
+        if writeback < 0:
+            raise ValueError(f"writeback must be 0 (never) or a number of bytes, got {writeback}")
         self._fd = fd
         self._hasher = hasher
+        self._writeback = writeback
+        self._unsent = 0
         self._count = 0
         self._pending = 0
         self._written = 0
@@ -172,6 +204,7 @@ cdef class GatherWriter:
                 if done == 0:
                     raise OSError(f"writev wrote nothing with {self._pending} bytes pending")
                 self._written += done
+                self._unsent += done
                 # Skip what went out; resume a buffer that went out in part.
                 while start < count and <size_t>done >= self._iov[start].iov_len:
                     done -= self._iov[start].iov_len
@@ -185,6 +218,12 @@ cdef class GatherWriter:
                     PyErr_CheckSignals()
         finally:
             self._release()
+        if self._writeback and self._unsent >= self._writeback:
+            self._unsent = 0
+            with nogil:
+                done = fastckpt_start_writeback(self._fd)
+            if done != 0:  # not offered here (ENOSYS), or not for this kind of file (ESPIPE, EINVAL): stop asking
+                self._writeback = 0
 
     def discard(self):
         """Drop every queued buffer without writing it."""

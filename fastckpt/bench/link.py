@@ -231,8 +231,9 @@ def _headline(case: _Case, links, rates, repeat: int) -> list:
 
 
 def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repeat: int) -> list:
-    """The :class:`~fastckpt.device.staging.Stager` with each ``(buffers, chunk, ramp)`` of ``shapes`` at each rate
-    (``ramp``: how many smaller batches at each end, :func:`~fastckpt.device.staging.batch_sizes`), the
+    """The :class:`~fastckpt.device.staging.Stager` with each ``(buffers, chunk, ramp, fill threads)`` of ``shapes``
+    at each rate (``ramp``: how many smaller batches at each end, :func:`~fastckpt.device.staging.batch_sizes`; the
+    fill rate beside each load is measured on ``threads`` threads, the machine's), the
     shapes in a shuffled order within every round and rate (all of them held at once, each in a pool of its own), so
     that each is compared with ``default`` in the same round: rows of the sweep table."""
     import pyopencl as cl
@@ -245,8 +246,8 @@ def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repe
     ptr = target.int_ptr
     shapes = list(dict.fromkeys([default, *shapes]))
     runs, hosts, pools = {}, {}, []
-    for count, chunk, ramp in shapes:
-        shape = Shape(chunk, count, threads)
+    for count, chunk, ramp, fillers in shapes:
+        shape = Shape(chunk, count, fillers)
         pool = PersistentBufferPool(ctx, case.queue)
         pools.append(pool)
 
@@ -264,8 +265,8 @@ def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repe
             return stager.fill_seconds
 
         run_load()
-        runs[(count, chunk, ramp)] = run_load
-        hosts[(count, chunk, ramp)] = _hosts(pool, case.queue, chunk, count)
+        runs[(count, chunk, ramp, fillers)] = run_load
+        hosts[(count, chunk, ramp, fillers)] = _hosts(pool, case.queue, chunk, count)
     pairs: dict = {(key, link): [] for key in shapes for link in links}
     order = list(shapes)
     shuffle = random.Random(1).shuffle
@@ -282,7 +283,7 @@ def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repe
             stats = _stats(case.nbytes, rate, pairs[(key, link)])
             stats["vs_default"] = statistics.median(d[1] / p[1] for d, p in zip(pairs[(default, link)],
                                                                                 pairs[(key, link)]))
-            rows.append((link, rate, key[0], key[1], stats, key[2]))
+            rows.append((link, rate, key[0], key[1], stats, key[2], key[3]))
     hosts.clear()
     for pool in pools:
         pool.clear()
@@ -323,6 +324,8 @@ def configure(parser) -> None:
     parser.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="chunks (MiB) the sweep tries")
     parser.add_argument("--ramps", default=",".join(map(str, RAMPS)),
                         help="smaller first and last batches the sweep tries (staging.RAMP; 0: whole chunks)")
+    parser.add_argument("--threads", default=None,
+                        help="fill thread counts the sweep tries (default: the load's own and twice as many)")
     parser.add_argument("--dir", default=None, help="where to write the file (default: a temporary directory)")
 
 
@@ -382,26 +385,31 @@ def run(args) -> int:
                 if args.quick:
                     chunks = [c >> 4 for c in chunks]
                 ramps = [int(x) for x in args.ramps.split(",")]
-                shapes = [(b, c, r) for b in buffers for c in chunks for r in ramps]
+                fillers = [int(x) for x in args.threads.split(",")] if args.threads else [shape[2], 2 * shape[2]]
+                shapes = [(b, c, r, t) for b in buffers for c in chunks for r in ramps for t in fillers]
                 from fastckpt.device.staging import RAMP
 
                 sweep = _sweep(case, sweep_links, scaled_rates(sweep_links, fill, args.ref_fill), shapes,
-                               (shape[0], shape[1], RAMP), shape[2], args.repeat)
-                print(f"### sweep: the staging pipeline with each buffer count and chunk ({shape[2]} fill threads)\n")
+                               (shape[0], shape[1], RAMP, shape[2]), shape[2], args.repeat)
+                print(f"### sweep: the staging pipeline with each buffer count, chunk and fill thread count (the "
+                      f"fill rate beside is on {shape[2]} threads)\n")
                 print(f"Every shape ran once per round and link rate, in a shuffled order; \"vs. default\" is the "
                       f"median over the rounds of its rate over the default shape's ({shape[0]} x "
-                      f"{shape[1] / 2**20:g} MiB, ramp {RAMP}) in the same round; ramp: how many smaller batches "
+                      f"{shape[1] / 2**20:g} MiB, ramp {RAMP}, {shape[2]} threads) in the same round; ramp: how many smaller batches "
                       f"start and end the load (0: whole chunks).\n")
-                header = ["link (GB/s, real)", "buffers x chunk", "ramp", "fill beside (GB/s)", "fill during (GB/s)",
+                header = ["link (GB/s, real)", "buffers x chunk", "ramp", "fill threads", "fill beside (GB/s)",
+                          "fill during (GB/s)",
                           "achieved (GB/s)", "share of min(fill beside, link)", "share of min(fill during, link)",
                           "vs. default"]
-                lines = [[f"{link:g}", f"{b} x {c / 2**20:g} MiB", f"{ramp}", _gbs(s["fill"]), _gbs(s["fill_during"]),
-                          _gbs(s["achieved"]), _share(s, ""), _share(s, "_during"), f"{s['vs_default']:.2f}x"]
-                         for link, _r, b, c, s, ramp in sweep]
-                print("\n".join(table_lines(header, lines, "rlrrrrrrr")), end="\n\n")
+                lines = [[f"{link:g}", f"{b} x {c / 2**20:g} MiB", f"{ramp}", f"{t}", _gbs(s["fill"]),
+                          _gbs(s["fill_during"]), _gbs(s["achieved"]), _share(s, ""), _share(s, "_during"),
+                          f"{s['vs_default']:.2f}x"]
+                         for link, _r, b, c, s, ramp, t in sweep]
+                print("\n".join(table_lines(header, lines, "rlrrrrrrrr")), end="\n\n")
                 for link in sweep_links:
                     best = max((r for r in sweep if r[0] == link), key=lambda r: r[4]["share_during"])
-                    print(f"- best at {link:g} GB/s: {best[2]} x {best[3] / 2**20:g} MiB, ramp {best[5]}, share "
+                    print(f"- best at {link:g} GB/s: {best[2]} x {best[3] / 2**20:g} MiB, ramp {best[5]}, {best[6]} "
+                          f"fill threads, share "
                           f"{best[4]['share_during']:.2f} (of min(fill during, link))")
                 print()
             default_shape = staging_shape(case.nbytes, shape[1])

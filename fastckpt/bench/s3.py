@@ -214,6 +214,9 @@ RAW_THREADS, RAW_CHUNK = 8, 8 << 20
 BEFORE = " (before)"  # the suffix of a row run with the fastckpt of --against
 # The row whose warm-up is the same load (untimed): the timed load finds the pool's arena made (a reload).
 REUSED = "load_file(s3, pool with its arena)"
+VERIFIED = "load_model(s3 .netcl, pool, verify=True)"
+# The rows also run with the fastckpt of --against, in the same rounds.
+BEFORE_ROWS = ("fastckpt.open(s3) + copies", "load_file(s3, pool)", "load_model(s3 .netcl, pool)", VERIFIED)
 
 
 def _range_server(root: str):
@@ -305,6 +308,10 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool, *, describe: bool = 
                 return {k: np.array(f.host(k)) for k in f.keys()}
         return load
 
+    def model_exact(model) -> bool:
+        return {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in model.state_dict().items()} \
+            == fixture["netcl_crc"]
+
     def device(loaded) -> bool:
         return copies_exact({k: loaded[k].to_host() for k in loaded})
 
@@ -330,8 +337,10 @@ def _stream_rows(endpoint: str, fixture: dict, runai: bool, *, describe: bool = 
             "fastckpt"),
         "load_model(s3 .netcl, pool)": (
             lambda: load_model(f"s3://b/{base}model.netcl", queue, pool=pool, storage_options=options),
-            lambda model: {k: crc32c.crc32c(np.ascontiguousarray(v)) for k, v in model.state_dict().items()}
-            == fixture["netcl_crc"], fixture["netcl_nbytes"], "fastckpt"),
+            model_exact, fixture["netcl_nbytes"], "fastckpt"),
+        VERIFIED: (
+            lambda: load_model(f"s3://b/{base}model.netcl", queue, pool=pool, storage_options=options, verify=True),
+            model_exact, fixture["netcl_nbytes"], "fastckpt"),
     }
     if runai and (only is None or only.startswith("Run:ai")):
         for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true",
@@ -362,7 +371,8 @@ def _STREAM_ROWS(fixture: dict, runai: bool) -> dict:
             "load_file(http, pool)": (nbytes, "fastckpt"),
             REUSED: (nbytes, "fastckpt"),
             "load_file(s3 HF prefix, pool)": (nbytes, "fastckpt"),
-            "load_model(s3 .netcl, pool)": (fixture["netcl_nbytes"], "fastckpt")}
+            "load_model(s3 .netcl, pool)": (fixture["netcl_nbytes"], "fastckpt"),
+            VERIFIED: (fixture["netcl_nbytes"], "fastckpt")}
     if runai:
         rows["Run:ai SafetensorsStreamer (s3)"] = (nbytes, "peer")
     return rows
@@ -373,8 +383,8 @@ def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3, against: st
     round runs every row once, in a shuffled order), each measurement in a fresh process (a cold start: its own
     connections, device and pool, set up before the clock starts), with the growth of its peak RSS over the load
     (:class:`~fastckpt.bench.timing.PeakMemory`) and whether it was exact. The range server runs in a process of
-    its own. ``against`` (a checkout of an older fastckpt) adds its ``fastckpt.open(s3) + copies`` and
-    ``load_model(s3 .netcl, pool)`` as ``(before)`` rows, in the same rounds. Returns ``{"samples": {row:
+    its own. ``against`` (a checkout of an older fastckpt) adds its :data:`BEFORE_ROWS` as ``(before)`` rows, in the
+    same rounds. Returns ``{"samples": {row:
     [(seconds, peak growth, exact)]}, "kinds", "bytes", "load", "runai"}``."""
     import json
     import random
@@ -398,7 +408,7 @@ def measure_streaming(*, mib: float = DEFAULT_MIB, repeats: int = 3, against: st
         try:
             rows = _stream_rows(endpoint, fixture, runai is None, describe=True)
             if against:
-                for row in ("fastckpt.open(s3) + copies", "load_model(s3 .netcl, pool)"):
+                for row in BEFORE_ROWS:
                     rows[row + BEFORE] = (rows[row][0], "before")
             samples: dict[str, list] = {row: [] for row in rows}
             failed: dict[str, str] = {}

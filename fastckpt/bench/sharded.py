@@ -30,8 +30,9 @@ It prints the state's total bytes, then measures:
    of those same bytes back with ``readinto`` into new buffers. Throughput is the state's bytes over the
    wall time of all ranks together; the ratio is fastckpt's throughput over the raw one (target >= 0.85x,
    the load unverified).
-   The saver does more than the raw write: it copies each table out (:meth:`HashTable.export`), hashes
-   every file (BLAKE3, for the manifest), writes the JSON files and renames the directory into place;
+   The saver does more than the raw write: it orders each table part by key-space slice (a counting sort)
+   and gathers its rows into that order a piece at a time as it writes them, hashes every file (BLAKE3, for
+   the manifest), writes the JSON files and renames the directory into place;
    the loader maps the files, gathers each rank's rows and builds its hash index.
 2. **resharding** (``--reshard 4:3,4:2,2:3,1:4``): for each pair N:M, one checkpoint saved by N ranks, loaded on
    M ranks (all M shares) against the same checkpoint loaded on N (all N shares); target: at most 1.3x the time.
@@ -46,7 +47,7 @@ It prints the state's total bytes, then measures:
    run), divided by the number of ranks, since the ranks are threads of one process. ``VmHWM`` counts the
    pages of the mapped checkpoint files a load touches (page cache, not the process's own memory), so the
    peak of ``RssAnon`` (the process's own memory, sampled every 5 ms) is given beside it. A load's growth
-   includes the share it loads (kept until the peak is read), a save's the copies ``export`` makes.
+   includes the share it loads (kept until the peak is read), a save's its slice order and piece buffers.
 
 ``--against DIR`` (a checkout of an earlier commit, built: a worktree of 0.3.0 built in place, say) runs that fastckpt's
 ``Saver.save`` and both loads in the same rounds, in a worker process that imports it (:class:`Against`), and

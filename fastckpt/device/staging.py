@@ -49,6 +49,14 @@ dropped. ``READ`` = ``"preadv"`` or ``"mmap"`` takes one route for every load.
 A short read (a file truncated under the load) is an ``OSError`` naming the
 file and offset.
 
+A cold file (a region whose sampled pages are not cached) is read with
+``O_DIRECT`` straight into the staging buffers (:meth:`Stager.direct`): each
+piece is placed where its address agrees with its file offset modulo
+``DIRECT_ALIGN``, batches and fill parts are cut at blocks of the file (only a
+region's unaligned ends go through the page cache), and the fills run on
+``DIRECT_THREADS`` threads whatever the cores, since a direct read waits on the
+disk without using a core: the disk's queue is as deep as an unstaged load's.
+
 The bytes are the same as an unstaged copy's; only the route differs.
 
 >>> staging_shape(4 << 30, STAGING_CHUNK, cpus=16)        # 4 GiB on 16 cores
@@ -70,7 +78,7 @@ import numpy as np
 from fastckpt._native.mapped import held_guards
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
-from fastckpt.formats.readinto import DIRECT_ALIGN, open_direct, read_into, same_file
+from fastckpt.formats.readinto import DIRECT_ALIGN, DIRECT_THREADS, open_direct, read_into, same_file
 
 __all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "STAGING_CHUNK",
            "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN", "SPARE_BUFFERS"]
@@ -269,7 +277,7 @@ class Stager:
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "pieces", "ramp",
-                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled")
+                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled", "threads")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
                  reported: Callable | None = None):
@@ -293,6 +301,7 @@ class Stager:
         self.files: dict = {}  # id(mapping) -> (descriptor or None, the mapping), see file()
         self.fresh = False  # the load made its mappings (see READ)
         self.filled: list = []  # (start, end) of each fill task's writing (its wait for copies left out)
+        self.threads = shape.threads  # the fill threads finish() used: more where the fills read with O_DIRECT
 
     @property
     def chunk(self) -> int:
@@ -367,6 +376,14 @@ class Stager:
                         continue
                     used += gap
                 take = min(size - logical, chunk - used, n - pos)
+                if aligning and take < n - pos and file is not None and file[3] is not None:
+                    # a batch ends on a block of the file: the next one starts its piece on a block too (a gap of
+                    # 0), and no batch boundary costs a read through the page cache for a head and a tail
+                    cut = take - (file[1] + pos + take) % DIRECT_ALIGN
+                    if cut <= 0:
+                        used = chunk  # less than a block of room left: the batch ends here
+                        continue
+                    take = cut
                 where = None if file is None else (file[0], file[1] + pos, file[2], file[3])
                 current.append((source[pos:pos + take], buffer, at + pos, used, where))
                 used += take
@@ -386,6 +403,15 @@ class Stager:
             n, lo = len(source), 0
             while lo < n:
                 take = min(part - size, n - lo)
+                if take < n - lo and file is not None and file[3] is not None:
+                    # a part ends on a block of the file (so on a block of the buffer: the batch placed it so), so
+                    # that its O_DIRECT read and the next part's need no head or tail through the page cache
+                    cut = take - (file[1] + lo + take) % DIRECT_ALIGN
+                    if cut <= 0:
+                        tasks.append(task)
+                        task, size = [], 0
+                        continue
+                    take = cut
                 task.append((host[offset + lo:offset + lo + take], source[lo:lo + take],
                              None if file is None else (file[0], file[1] + lo, file[2], file[3])))
                 size += take
@@ -401,12 +427,17 @@ class Stager:
         """Fill and send every batch (see the module docstring); a non-blocking load's staged tensors and regions
         then get one event covering all their copies (a marker: it completes when every command queued before it
         has)."""
+        direct = sum(len(p[0]) for p in self.pieces if p[3] is not None and p[3][3] is not None)
         batches = self._batches()
         stage = self.stage
         count = stage.count
         pool = None
-        if self.shape.threads > 1 and self.stream >= 2 * FILL_SPLIT:
-            pool = _fillers(self.shape.threads)
+        # A fill that reads with O_DIRECT waits on the disk and uses next to no CPU: as many fill threads as the
+        # direct reads' queue depth (DIRECT_THREADS), however few the cores, keep the disk as busy as a pooled
+        # load's reads into its arena (docs/reading.md: 2 fill threads read a cold file at about half its rate).
+        self.threads = max(self.shape.threads, DIRECT_THREADS) if 2 * direct > self.stream else self.shape.threads
+        if self.threads > 1 and self.stream >= 2 * FILL_SPLIT:
+            pool = _fillers(self.threads)
             scope = held_guards()  # the fill threads copy out of the mappings under the caller's guards
         running: dict = {}  # batch number -> its fill futures
         submitted = 0

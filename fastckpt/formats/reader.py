@@ -192,8 +192,7 @@ class TensorFile(ReaderMapping):
         if names is None and self._ahead < self._size and views:
             # Every tensor's bytes will be read: from the first one to the file's end, all at once.
             start = self._offset_of(next(iter(views.values())))
-            if start is not None and self._size - start >= READ_AHEAD_MIN and not cached(self.mapped, start,
-                                                                                         self._size, samples=1):
+            if start is not None and self._size - start >= READ_AHEAD_MIN and not self._warm(start, self._size):
                 read_ahead(self.mapped, start, self._size, check=False)
             self._ahead = self._size
         return views
@@ -211,7 +210,7 @@ class TensorFile(ReaderMapping):
         if self._ahead or not self._size:
             return
         start, end = self.data_region
-        if end - start < READ_AHEAD_MIN or cached(self.mapped, start, end, samples=1):
+        if end - start < READ_AHEAD_MIN or self._warm(start, end):
             self._ahead = self._size  # small or warm: nothing to ask the kernel for, now or later
             return
         self._ahead = min(self._size, start + READ_AHEAD)
@@ -222,17 +221,24 @@ class TensorFile(ReaderMapping):
         offset = view.__array_interface__["data"][0] - self.mapped.address
         return offset if 0 <= offset < self._size else None
 
+    def _warm(self, start: int, end: int) -> bool:
+        """Whether bytes ``[start, end)`` of the file look cached: ``COLD_SAMPLES`` pages, each in the middle of one
+        of as many equal parts (about 10 us). Not the first page: the open's own advice and its parse of the header
+        read the first window of a cold file (4 MiB here), and a test of the first page of the data found every
+        cold file warm, so that nothing was read ahead at all."""
+        return cached(self.mapped, start, end, COLD_SAMPLES, centred=True)
+
     def _read_ahead(self, view) -> None:
         """Keep the kernel reading the file ``READ_AHEAD`` bytes past the end of ``view`` (of a large tensor, just
         made), so that a loop copying tensor after tensor finds their bytes read or in
-        flight. The window is extended by half of it at a time; a file whose first large tensor is in the page cache
-        is never read ahead (``mincore`` of its first page, about 2 us, once per open file)."""
+        flight. The window is extended by half of it at a time; a file whose bytes from the first large tensor on are
+        in the page cache (:meth:`_warm`, once per open file) is never read ahead."""
         start = self._offset_of(view)
         if start is None:
             return
         end = start + view.nbytes
         if end + READ_AHEAD // 2 > self._ahead:
-            if self._ahead == 0 and cached(self.mapped, start, end, samples=1):
+            if self._ahead == 0 and self._warm(start, self._size):
                 self._ahead = self._size  # warm: nothing to ask the kernel for, now or later
                 return
             start = max(self._ahead, start)

@@ -120,7 +120,7 @@ def direct_pieces(view: memoryview, offset: int, piece: int, align: int = DIRECT
 
 
 def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: int = READ_PIECE,
-              direct_fd: int | None = None) -> int:
+              direct_fd: int | None = None, done=None) -> int:
     """Fill every ``(destination, offset)`` of ``pairs`` with the bytes of the file ``fd`` at ``offset`` (a
     destination is any writable buffer: a numpy array, a memoryview, a mapped device buffer); returns the number of
     ``preadv`` calls made. Pieces of ``piece`` bytes are read by ``threads`` threads, in file order.
@@ -130,6 +130,8 @@ def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: 
     into it (no page cache: no copy, little CPU), the unaligned heads and tails through ``fd``
     (:func:`direct_pieces`); a file system that refuses it is read through ``fd``. ``pairs`` may also hold
     ``(destination, offset, fd, direct_fd, path)`` of other files: every file's pieces are read at once.
+    ``done(path, offset, length)`` (progress), where given, is called on the reading thread once each piece's
+    bytes are in place; an exception from it ends the read as a failed read does.
 
     >>> import os, tempfile, numpy as np
     >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, bytes(range(20))); os.close(fd)
@@ -154,22 +156,24 @@ def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: 
             jobs += [(direct_, v, o, path_, fd_) if direct else (fd_, v, o, path_, None)
                      for v, o, direct in direct_pieces(view, offset, piece)]
     jobs.sort(key=lambda job: job[2])  # file order; several files interleaved, each read from its start
+    read = _read_piece if done is None else lambda *job: (_read_piece(*job), done(job[3], job[2], len(job[1])))
     if threads == 1 or len(jobs) < 2:
         for job in jobs:
-            _read_piece(job[0], job[1], job[2], job[3], job[4])
+            read(*job)
         return len(jobs)
-    futures = [_pool(threads).submit(_read_piece, *job) for job in jobs]
+    futures = [_pool(threads).submit(read, *job) for job in jobs]
     concurrent.futures.wait(futures)  # never return while a thread still writes into a destination
     for future in futures:
         future.result()
     return len(jobs)
 
 
-def read_checked(pairs, files: list, path: str, what: str) -> int:
+def read_checked(pairs, files: list, path: str, what: str, done=None) -> int:
     """:func:`read_into` of ``pairs`` (``(destination, offset, descriptor, O_DIRECT descriptor, path)``) with
     ``DIRECT_THREADS`` threads in ``DIRECT_PIECE`` pieces, then every file of ``files`` (``(descriptor, O_DIRECT
     descriptor, mapping)``) checked unchanged: a short read or a file changed meanwhile is the
     :class:`~fastckpt.errors.FormatError` of :func:`raise_if_changed` naming it. Returns the ``preadv`` calls made.
+    ``done`` is :func:`read_into`'s (progress, piece by piece).
 
     >>> import os, tempfile, numpy as np
     >>> from fastckpt._native.mapped import MappedFile
@@ -180,7 +184,7 @@ def read_checked(pairs, files: list, path: str, what: str) -> int:
     >>> os.close(fd)
     """
     try:
-        calls = read_into(files[0][0], pairs, path, threads=DIRECT_THREADS, piece=DIRECT_PIECE)
+        calls = read_into(files[0][0], pairs, path, threads=DIRECT_THREADS, piece=DIRECT_PIECE, done=done)
     except OSError as exc:  # a short read: which file changed says more than where the read stopped
         for _fd, _direct, mapped in files:
             raise_if_changed(mapped, what, exc)

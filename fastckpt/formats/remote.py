@@ -48,7 +48,7 @@ from fastckpt._native.safetensors import MAX_HEADER_SIZE
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import tensor_not_found
 from fastckpt.formats.reader import TensorFile, detect_format, open_file, register_url_opener, sniff_length
-from fastckpt.formats.stream import RemoteObject, Scatter, merged, stream
+from fastckpt.formats.stream import Checksums, RemoteObject, Scatter, _crc32, merged, stream
 from fastckpt.store.remote import (  # noqa: F401 - the write side, re-exported: one module names both
     clear,
     committed,
@@ -506,6 +506,44 @@ class StreamedTensorFile(TensorFile):
         self.remote.stream(scatter.spans(), scatter, parts=True)
         self.remote.check()
         return out if names is None else {name: out[name] for name in dict.fromkeys(names)}
+
+    def check_as_read(self) -> Checksums:
+        """From now on, check the CRC-32 of every NPZ member whose bytes are read (``load_model(url, verify=True)``):
+        as the pieces stream to their destinations, each member's bytes are checked against the central directory
+        once all of them have arrived (:class:`~fastckpt.formats.stream.Checksums`; the ``.npy`` header, read
+        with the index, counts from here). A mismatch is a :class:`~fastckpt.errors.ChecksumMismatchError` raised
+        from the stream, naming the URL, the member, its offset and both CRC-32s. Returns the checks
+        (:meth:`check_the_rest` reads the members not read by then). A file with no such checksums (safetensors)
+        is a ``ValueError``.
+
+        >>> import fastckpt, numpy as np
+        >>> fastckpt.save_npz("memory://doc/crc.npz", {"w": np.arange(5.0)})
+        >>> f = open_streamed("memory://doc/crc.npz")
+        >>> checks = f.check_as_read(); f.host("w").tolist(), checks.checked, checks.unchecked()
+        ([0.0, 1.0, 2.0, 3.0, 4.0], 1, [])
+        """
+        from fastckpt.formats.npz import NpzTensorInfo
+
+        infos = list(self.infos.values())
+        if not all(isinstance(i, NpzTensorInfo) for i in infos):
+            raise ValueError(f"{self.url}: verify=True checks the CRC-32 of NPZ members, and this {self.format} "
+                             "file keeps none; load it with verify=False")
+        members, seeds = [], {}
+        with self.mapped.guard("the members' .npy headers for their CRC-32"):
+            for i in infos:
+                head = i.offset - i.header_nbytes
+                seed = _crc32(self.mapped.view(head, i.header_nbytes, f"member {i.name + '.npy'!r}"), 0)
+                members.append((i.name + ".npy", i.offset, i.offset + i.nbytes, i.crc32, seed))
+                seeds[i.name + ".npy"] = i.header_nbytes
+        self.remote.checksums = Checksums(self.url, members, seeds)
+        return self.remote.checksums
+
+    def check_the_rest(self) -> None:
+        """Stream the members :meth:`check_as_read` has not seen whole yet through the check only (into no
+        destination; at most ``THREADS x CHUNK`` bytes held), so that every member was checked."""
+        checks = self.remote.checksums
+        if checks is not None and checks.unchecked():
+            self.remote.stream(checks.unchecked(), lambda _at, _data: None, parts=True)
 
     def close(self) -> None:
         """Forget the index (idempotent); arrays already fetched stay valid."""

@@ -198,7 +198,7 @@ from fastckpt._native.safetensors import (
     unsupported_dtype_message,
     write_tensors,
 )
-from fastckpt.arrays import is_packed, pack_float4, packed_array, to_numpy
+from fastckpt.arrays import TakenRows, is_packed, pack_float4, packed_array, to_numpy
 from fastckpt.store.commit import atomic_write, overwrite_flag
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
@@ -369,6 +369,9 @@ def _plan(name, value, position: int) -> tuple:
     """The planned tuple of one tensor that ``plan_tensors`` does not plan itself; checks everything."""
     NAMES.check(name)
     _check_utf8(name, "tensor name")
+    if type(value) is TakenRows and value.dtype in _DIRECT_DTYPES:  # gathered piece by piece as it is written
+        dtype_name = dtype_to_safetensors(value.dtype)
+        return (-DTYPE_RANK[dtype_name], name, position, dtype_name, value.shape, value.nbytes, None, value)
     arr = _as_array(name, value)
     if is_packed(arr):  # sub-byte elements: the logical shape in the header, the stored bytes as they are
         return (-DTYPE_RANK[arr.packed], name, position, arr.packed, arr.logical_shape, arr.nbytes,
@@ -415,6 +418,11 @@ def _header_bytes(plan: list[tuple], metadata: dict[str, str] | None, alignment:
 def _write_tensor(out: GatherWriter, t: tuple) -> None:
     """Queue a tensor that needs converting first (a non-ndarray, another byte order, a strided view)."""
     name, dtype_name, shape, nbytes, arr = t[_NAME], t[_DTYPE_NAME], t[_SHAPE], t[_NBYTES], t[_ARRAY]
+    if arr is None and type(t[_SOURCE]) is TakenRows and t[_SOURCE].dtype in _DIRECT_DTYPES:
+        for piece in t[_SOURCE].pieces():  # one buffer: each piece written (and hashed) before the next is taken
+            out.write(piece)
+            out.flush()
+        return
     if arr is None:
         arr = _as_array(name, t[_SOURCE])
         if arr.shape != shape or dtype_to_safetensors(arr.dtype) != dtype_name:
@@ -441,6 +449,7 @@ def save_safetensors(
     progress: ProgressArg = False,
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
+    writeback: int = 0,
 ) -> None:
     """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
 
@@ -449,13 +458,18 @@ def save_safetensors(
     compact deterministic JSON, little-endian data (big-endian input is
     converted). ``metadata`` must map str to str. Each tensor's bytes go
     straight from its buffer to the file; a non-contiguous or big-endian
-    tensor is copied, one at a time. ``fsync=False`` skips the fsyncs (still
+    tensor is copied, one at a time; a :class:`~fastckpt.arrays.TakenRows`
+    (rows of an array in another order) is gathered and written a piece at a
+    time through one buffer of about a MiB. ``fsync=False`` skips the fsyncs (still
     atomic for readers, not durable across power loss). ``hasher`` (an object
     with ``update``, e.g. ``blake3.blake3()``) receives every byte of the file
     in order as it is written, so the file's hash needs no second read.
     ``progress`` (``True`` for a bar, or ``callback(done, total, item)``:
     :mod:`fastckpt.progress`) counts the tensors' bytes as they are written.
-    An existing file at ``path`` is replaced only with ``overwrite=True``
+    ``writeback=n`` starts the kernel writing the file to the disk every ``n``
+    bytes written, without waiting (:class:`~fastckpt._native.gather.GatherWriter`),
+    so that the disk works while later bytes are prepared and a following
+    fsync has less left to wait for. An existing file at ``path`` is replaced only with ``overwrite=True``
     (docs/overwrite.md); another writer's file committed meanwhile is never
     replaced without it. An ``OSError`` names ``path``.
 
@@ -493,7 +507,8 @@ def save_safetensors(
     count, started = len(plan), time.perf_counter()
     total = sum(t[_NBYTES] for t in plan) if requested(progress) else None
     with progress_from(progress, total, "save safetensors") as report, \
-            atomic_write(path, fsync=fsync, overwrite=overwrite) as f, GatherWriter(f.fileno(), hasher) as out:
+            atomic_write(path, fsync=fsync, overwrite=overwrite) as f, \
+            GatherWriter(f.fileno(), hasher, writeback) as out:
         out.write(prefix)
         if report.enabled:
             _write_reporting(out, plan, report)

@@ -22,6 +22,10 @@ into its destination (a host array, a device buffer, a pool arena, a file) and t
   compares the identity again at the end, so bytes of two versions are never mixed: a changed object is an
   :class:`ObjectChangedError` naming it, and nothing read is used.
 
+A :class:`Checksums` set on an object (:attr:`RemoteObject.checksums`) checks the CRC-32 of byte ranges of it (NPZ
+members: ``load_model(url, verify=True)``) from the pieces as they pass to their destinations, so a verified load
+still reads every byte once, straight where it goes.
+
 Pieces are cut over the merged ranges, not per tensor: one piece may carry the end of one tensor and the start
 of the next, and the callback places each byte by its offset.
 
@@ -48,13 +52,25 @@ from typing import Callable, Iterable
 from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FormatError
 from fastckpt.store.remote import filesystem
 
-__all__ = ["RemoteObject", "ObjectChangedError", "StreamStats", "Scatter", "stream", "merged", "CHUNK", "THREADS"]
+__all__ = ["RemoteObject", "ObjectChangedError", "StreamStats", "Scatter", "Checksums", "stream", "merged", "CHUNK",
+           "THREADS"]
 
 CHUNK = 8 << 20
 THREADS = 8
 _PART = 1 << 20  # the most a streamed body is read at a time (parts=True)
 # Ranges closer than this are fetched as one (the bytes between are read and dropped): small tensors, one request.
 GAP = 64 << 10
+
+# ZIP's CRC-32 and the CRC-32 of two runs of bytes joined (zlib-ng, a dependency; the same values as zlib's).
+try:
+    from zlib_ng.zlib_ng import crc32 as _crc32
+    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct without it
+    from zlib import crc32 as _crc32
+
+    def _crc32_combine(first: int, second: int, length: int) -> int:
+        zeros = bytes(length)  # CRC-32 is affine in its start value: shift `first` over `length` zero bytes
+        return _crc32(zeros, first) ^ _crc32(zeros, 0) ^ second
 
 # What the store says of an object that changes when the object is replaced (the first ones it reports).
 _IDENTITY_KEYS = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime", "created", "size")
@@ -149,6 +165,8 @@ class RemoteObject:
         etag = info.get("ETag") or info.get("etag")
         self.etag = str(etag) if etag else None
         self.stats = StreamStats()
+        # Set to a Checksums: every stream of this object checks its members' CRC-32s (load_model(verify=True)).
+        self.checksums: Checksums | None = None
         self._lock = threading.Lock()
         self._get = self._getter()
 
@@ -331,6 +349,8 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
     pieces = []
     left: dict[tuple, list] = {}
     for obj, spans, deliver, done in jobs:
+        if obj.checksums is not None:  # each member's CRC-32 taken from its bytes as they pass to their destination
+            deliver = obj.checksums.wrap(deliver)
         for start, end in spans:
             if start < 0 or end > obj.size:
                 raise FormatError(f"{obj.url}: bytes {start}..{end} asked for, past the end of the {obj.size}-byte "
@@ -468,3 +488,111 @@ class Scatter:
     def spans(self, gap: int = GAP) -> list[tuple[int, int]]:
         """The byte ranges to fetch for these destinations (neighbours ``gap`` apart merged)."""
         return merged(((start, start + nbytes) for start, nbytes, _ in self.targets), gap)
+
+
+class Checksums:
+    """The CRC-32 of byte ranges of one object (``members``: ``[(name, start, end, expected CRC-32, seed)]``, not
+    overlapping), taken from the pieces of a stream as they pass to their destination, so that a checked load
+    reads every byte once, straight where it goes: :meth:`wrap` a ``deliver``, or set
+    :attr:`RemoteObject.checksums` and every :meth:`RemoteObject.stream` does. ``seed`` is the CRC-32 of bytes
+    checked with the range that do not stream (an NPZ member's ``.npy`` header, read with the index), 0 for none,
+    and ``seeds`` their lengths.
+
+    Pieces come in any order and from any thread, the parts of one request in order: each run of consecutive
+    bytes keeps a running CRC-32, and once every byte of a member has arrived the runs are joined in offset
+    order (``crc32_combine``) and compared. A mismatch is a :class:`~fastckpt.errors.ChecksumMismatchError`
+    (a :class:`~fastckpt.errors.FormatError`) naming the URL, the member, its offset and both values, raised
+    from the delivery, so the stream stops and the load that asked for it returns nothing. A member read again
+    is checked again. :meth:`unchecked` names the members whose bytes have not all arrived since.
+
+    >>> import zlib
+    >>> data = bytes(range(256)) * 40
+    >>> c = Checksums("memory://x", [("a", 100, 9000, zlib.crc32(data[100:9000]), 0)])
+    >>> sink = c.wrap(lambda at, piece: None)
+    >>> sink(5000, data[5000:9100]); sink(0, data[0:2100]); c.unchecked()
+    [(100, 9000)]
+    >>> sink(2100, data[2100:5000])
+    >>> c.unchecked(), c.checked
+    ([], 1)
+    >>> c = Checksums("memory://x", [("a", 0, 4, 0, 0)])
+    >>> c.wrap(lambda at, piece: None)(0, b"abcd")
+    Traceback (most recent call last):
+    ...
+    fastckpt.errors.ChecksumMismatchError: memory://x: member 'a' (data at offset 0): CRC-32 is 0xed82cd11, expected 0x00000000: the object is damaged; nothing read is used: restore it from a copy, or load it with verify=False to take it as stored
+    """
+
+    def __init__(self, url: str, members: Iterable[tuple[str, int, int, int, int]], seeds: dict | None = None):
+        self.url = url
+        self.members = sorted((m for m in members), key=lambda m: m[1])
+        self.starts = [m[1] for m in self.members]
+        self.seeds = seeds or {}  # name -> bytes checked with the member that do not stream (the seed's length)
+        self.runs: list[dict] = [{} for _ in self.members]  # per member: end of a run -> (start of the run, crc)
+        self.arrived = [0] * len(self.members)
+        self.done = [m[2] <= m[1] for m in self.members]
+        self.checked = 0
+        self._lock = threading.Lock()
+        for i, m in enumerate(self.members):
+            if self.done[i]:
+                self._compare(i, m[4])
+
+    def wrap(self, deliver: Callable[[int, bytes], object]) -> Callable[[int, bytes], object]:
+        """``deliver`` with the bytes it is given checked first."""
+        def checked(offset: int, data) -> None:
+            self.feed(offset, data)
+            deliver(offset, data)
+        return checked
+
+    def feed(self, offset: int, data) -> None:
+        """Take bytes ``[offset, offset + len(data))`` of the object (those outside every member are not looked at)."""
+        from bisect import bisect_right
+
+        view = memoryview(data)
+        end = offset + len(view)
+        i = max(0, bisect_right(self.starts, offset) - 1)
+        while i < len(self.members) and self.members[i][1] < end:
+            _name, start, stop, _expected, _seed = self.members[i]
+            lo, hi = max(start, offset), min(stop, end)
+            if lo < hi:
+                self._take(i, lo, view[lo - offset:hi - offset])
+            i += 1
+
+    def _take(self, i: int, at: int, part) -> None:
+        runs = self.runs[i]
+        with self._lock:
+            run = runs.pop(at, None)  # the run this part continues (the parts of one request come in order)
+        first, crc = run if run is not None else (at, 0)
+        crc = _crc32(part, crc)  # outside the lock: other pieces go on meanwhile
+        with self._lock:
+            runs[at + len(part)] = (first, crc)
+            self.arrived[i] += len(part)
+            complete = self.arrived[i] >= self.members[i][2] - self.members[i][1]
+            if complete:
+                pieces = list(runs.items())
+                self.runs[i], self.arrived[i] = {}, 0  # read again, checked again
+        if complete:
+            name, start, _stop, _expected, seed = self.members[i]
+            whole, at = seed, start
+            for end, (first, value) in sorted(pieces, key=lambda p: p[1][0]):
+                if first != at:  # a hole where another part came twice: never compare such a CRC
+                    raise FormatError(f"{self.url}: member {name!r}: bytes {at}..{first} did not arrive and others "
+                                      "came twice (overlapping pieces): its CRC-32 cannot be checked")
+                whole, at = _crc32_combine(whole, value, end - first), end
+            self._compare(i, whole)
+
+    def _compare(self, i: int, got: int) -> None:
+        name, start, _stop, expected, _seed = self.members[i]
+        if got != expected:
+            from fastckpt.errors import ChecksumMismatchError
+
+            at = start - self.seeds.get(name, 0)
+            raise ChecksumMismatchError(
+                f"{self.url}: member {name!r} (data at offset {at}): CRC-32 is 0x{got:08x}, expected "
+                f"0x{expected:08x}: the object is damaged; nothing read is used: restore it from a copy, or load "
+                "it with verify=False to take it as stored")
+        with self._lock:
+            self.done[i] = True
+            self.checked += 1
+
+    def unchecked(self) -> list[tuple[int, int]]:
+        """The byte ranges of the members not checked yet (to stream through the check)."""
+        return [(m[1], m[2]) for m, done in zip(self.members, self.done) if not done]

@@ -533,8 +533,11 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
     ``.netcl`` file: its index is fetched, then its weights stream with parallel
     ranged reads straight into the arena or their buffers
     (:mod:`fastckpt.formats.stream`: at most ``THREADS x CHUNK`` bytes held);
-    with ``verify=True`` they are fetched into host memory first, where the
-    CRC-32s are checked.
+    with ``verify=True`` each member's CRC-32 is checked from the pieces as
+    they pass to the device (every byte fetched once; members the model does
+    not load are fetched through the check only), and a mismatch is a
+    :class:`~fastckpt.errors.ChecksumMismatchError` naming the URL and the
+    member, raised before anything is returned.
 
     >>> model = load_model("mnist_mlp.netcl", pool=pool)       # doctest: +SKIP
     >>> model.load_report.file_report.copies                   # doctest: +SKIP
@@ -578,15 +581,19 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
             opened = contextlib.nullcontext(source)  # the pool's now: left open for the next load
         else:
             opened = source  # closed after this load
-    elif is_url(weights_path) and not verify:
-        # The index only: the weights stream from the store into the arena or their buffers (load_file).
+    elif is_url(weights_path):
+        # The index only: the weights stream from the store into the arena or their buffers (load_file), their
+        # CRC-32s (verify=True) checked from the pieces as they pass.
         from fastckpt.formats.remote import open_streamed
 
         opened = open_streamed(weights_path, storage_options=storage_options)
-    else:  # verify=True checks each member's CRC-32 over its bytes: fetched into host memory first
+    else:
         opened = fastckpt.open(weights_path, storage_options=storage_options)
     with opened as tf:
-        if verify:
+        streamed = hasattr(tf, "check_as_read")
+        if verify and streamed:
+            tf.check_as_read()
+        elif verify:
             verify_members(tf)
         recipe = _cached_recipe(tf, queue) if layout == "single-file" else None
         if recipe is None:
@@ -619,6 +626,12 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
         # With a pool: one copy into one arena. Without: one exact-size buffer per weight, the copies
         # queued back to back and waited for once.
         loaded = load_file(tf, queue, pool=pool, names=recipe.wanted, progress=progress)
+        if verify and streamed:
+            try:
+                tf.check_the_rest()  # the members this load did not read (entries the model does not have)
+            except BaseException:
+                loaded.release()
+                raise
         if reused:
             loaded.report.file_reused = True
         report.file_report = loaded.report

@@ -232,16 +232,18 @@ Encoded tables (version 2)
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import blake3
 import numpy as np
 
+from fastckpt._native.idindex import slice_order as counting_slice_order
+from fastckpt.arrays import TakenRows
 from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.store.commit import publish_directory, write_file
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
@@ -387,18 +389,18 @@ def group_bounds(groups: int, size: int) -> list[int]:
     return [g * size // groups for g in range(groups + 1)]
 
 
-def slice_order(ids: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(order, positions[order])``: a stable order of a table part's rows by slice position (what a version-4
-    save writes) and the positions in that order.
+def slice_order(ids: np.ndarray, size: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """``(order, below)``: the stable order of a table part's rows by slice position (what a version-4 save writes),
+    None where the rows are in that order already (a table loaded from a version-4 part, say), and ``below[p]``,
+    how many of its ids lie at positions below ``p`` (``size + 1`` counts: the rows of group bound ``b`` start at
+    ``below[b]``). One counting sort in C, without the GIL (:func:`fastckpt._native.idindex.slice_order`).
 
-    >>> order, pos = slice_order(np.array([65537, 3, 1, 65536]), 65536); order.tolist(), pos.tolist()
-    ([3, 0, 2, 1], [0, 1, 1, 3])
+    >>> order, below = slice_order(np.array([65537, 3, 1, 65536]), 65536); order.tolist(), below[:5].tolist()
+    ([3, 0, 2, 1], [0, 1, 3, 3, 4])
+    >>> slice_order(np.array([65536, 1, 65539]), 65536)[0] is None
+    True
     """
-    positions = slice_positions(ids, size)
-    if size <= 1 << 16:  # numpy's stable sort of 16-bit keys is a radix sort: linear
-        positions = positions.astype(np.uint16)
-    order = np.argsort(positions, kind="stable")
-    return order, positions[order]
+    return counting_slice_order(np.ascontiguousarray(ids, np.int64), size)
 
 
 def group_span(rows: list[int], size: int, begin: int, end: int) -> tuple[int, int]:
@@ -465,24 +467,70 @@ def slice_run(ids: np.ndarray, first_row: int, rows: list[int], size: int, own: 
             first_row + int(np.searchsorted(positions, np.uint64(end))))
 
 
-@dataclass(frozen=True)
 class WriteBlock:
     """One tensor a rank is about to write: its stored key, the original name, its kind and the array.
 
     ``kind`` is ``"dense"``, ``"id"``, ``"embedding"``, ``"slot"`` or (in a delta) ``"deleted"``; ``table``
     names the hashtable of the last four; ``description`` is the entry the description file will hold.
+
+    ``array`` is the tensor as it will be stored. A hashtable's tensors are stored in another order than the
+    table keeps its rows (key-space slice order, or in a delta the rows changed): such a block is made of the
+    table's storage (``source``) and the rows to store, in order (``rows``), and its ``array`` is
+    ``source[rows]``, gathered on first use (a copy, kept with the block). A save whose ``filter_func`` does not
+    read ``array`` makes no such copy: each writer thread gathers the rows a piece at a time as it writes them
+    (:meth:`payload`). ``shape``, ``dtype`` and ``nbytes`` need no copy. Without ``rows``, ``source`` is
+    ``array``. A block cannot be changed.
+
+    >>> block = WriteBlock("t.id/part_0_1", "t.id", "id", np.array([7, 5, 9]), "t", {}, rows=np.array([1, 0]))
+    >>> block.shape, block.nbytes, block.array.tolist(), block.source.tolist()
+    ((2,), 16, [5, 7], [7, 5, 9])
     """
 
-    key: str
-    tensor: str
-    kind: str
-    array: np.ndarray
-    table: str | None
-    description: dict
+    __slots__ = ("_array", "description", "key", "kind", "rows", "source", "table", "tensor")
+
+    def __init__(self, key: str, tensor: str, kind: str, array: np.ndarray, table: str | None, description: dict,
+                 rows: np.ndarray | None = None):
+        for name, value in (("key", key), ("tensor", tensor), ("kind", kind), ("source", array), ("table", table),
+                            ("description", description), ("rows", rows),
+                            ("_array", array if rows is None else None)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: a WriteBlock cannot be changed")
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}: a WriteBlock cannot be changed")
+
+    def __repr__(self) -> str:
+        taken = "" if self.rows is None else f", {len(self.rows)} of {len(self.source)} rows"
+        return (f"WriteBlock(key={self.key!r}, tensor={self.tensor!r}, kind={self.kind!r}, table={self.table!r}, "
+                f"{self.dtype}{list(self.shape)}{taken})")
+
+    @property
+    def array(self) -> np.ndarray:
+        """The tensor as it will be stored (``source[rows]`` gathered on first use where the block has ``rows``)."""
+        if self._array is None:
+            object.__setattr__(self, "_array", np.take(self.source, self.rows, axis=0))
+        return self._array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(np.shape(self.source)) if self.rows is None else (len(self.rows), *np.shape(self.source)[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.asarray(self.source).dtype if self.rows is None else self.source.dtype
 
     @property
     def nbytes(self) -> int:
-        return self.array.nbytes
+        if self.rows is None:
+            return np.asarray(self.source).nbytes
+        return int(np.prod(self.shape, dtype=np.int64)) * self.source.dtype.itemsize
+
+    def payload(self) -> np.ndarray | TakenRows:
+        """What a writer writes: ``array`` where it is at hand, else the rows still to gather
+        (:class:`~fastckpt.arrays.TakenRows`, which ``save_safetensors`` gathers a piece at a time)."""
+        return self._array if self._array is not None else TakenRows(self.source, self.rows)
 
 
 def write_synced(path: str | os.PathLike, data: bytes) -> None:

@@ -1,0 +1,205 @@
+"""A sharded save writes a table's rows in slice order without copying the rank's share first: each writer gathers
+its tensor's rows a piece at a time as it writes them (fastckpt.arrays.TakenRows, WriteBlock.payload), and the
+files' write-out to the disk starts while the save goes on (GatherWriter's writeback)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastckpt._native.gather import GatherWriter
+from fastckpt.arrays import TakenRows
+from fastckpt.formats.safetensors import save_safetensors
+from fastckpt.sharded import HashTable, Loader, Saver, WriteBlock
+from fastckpt.sharded.format import SLICE_SIZE, slice_positions
+
+DIM = 8
+
+
+def table(n: int = 5000, seed: int = 3, dtype=np.float32) -> HashTable:
+    """ids over the whole int64 range, inserted in random order (not in slice order), rows and Adam slots."""
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(np.unique(rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)))
+    values = rng.standard_normal((len(ids), DIM)).astype(dtype)
+    t = HashTable(DIM, dtype=dtype, slots=("m", "v"), name="emb")
+    t.insert(ids, values, {"m": -values, "v": values * 2})
+    return t
+
+
+def slice_sorted(t: HashTable) -> np.ndarray:
+    """The table's ids in the order a version-4 part stores them: stable by slice position."""
+    ids = t.rows()[0]
+    return ids[np.argsort(slice_positions(ids, SLICE_SIZE), kind="stable")]
+
+
+def directory_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_filter_func_sees_the_stored_tensors_and_reading_them_changes_no_byte(tmp_path):
+    t = table()
+    seen = {}
+
+    def look(blocks):
+        for b in blocks:
+            seen[b.key] = (b.array.copy(), b.shape, b.nbytes, b.dtype)
+        return blocks
+
+    Saver(path=str(tmp_path / "read"), parallel=2, hashtables={"emb": t}, tensors={"w": np.eye(3)},
+          filter_func=look).save()
+    Saver(path=str(tmp_path / "not-read"), parallel=2, hashtables={"emb": t}, tensors={"w": np.eye(3)}).save()
+    assert directory_bytes(tmp_path / "read") == directory_bytes(tmp_path / "not-read")
+
+    order = slice_sorted(t)
+    ids_array, ids_shape, ids_nbytes, ids_dtype = seen["emb.id/part_0_1"]
+    assert ids_array.tolist() == order.tolist()
+    assert (ids_shape, ids_nbytes, ids_dtype) == ((len(order),), 8 * len(order), np.dtype(np.int64))
+    assert seen["emb.embedding/part_0_1"][0].tobytes() == t.lookup(order).tobytes()
+    assert seen["emb.v/part_0_1"][0].tobytes() == t.lookup_slot("v", order).tobytes()
+    assert seen["emb.m/part_0_1"][1:3] == ((len(order), DIM), len(order) * DIM * 4)
+    assert seen["w/part_0_1"][0].tolist() == np.eye(3).tolist()
+
+    tables = {"emb": HashTable(DIM, slots=("m", "v"))}
+    Loader(str(tmp_path / "not-read"), hashtables=tables, tensors={}).load()
+    assert tables["emb"].ids().tolist() == np.sort(order).tolist()
+    assert tables["emb"].lookup_slot("m", order).tobytes() == t.lookup_slot("m", order).tobytes()
+
+
+@pytest.mark.parametrize("kind", ["full", "delta"])
+def test_a_save_holds_no_copy_of_the_share(tmp_path, kind):
+    t = table(200_000)
+    share = t.nbytes
+    if kind == "delta":
+        Saver(path=str(tmp_path / "base"), parallel=2, hashtables={"emb": t}).save()
+        changed = t.ids()[::2]
+        t.update(changed, np.ones((len(changed), DIM), np.float32))
+    saver = Saver(path=str(tmp_path / kind), parallel=2, hashtables={"emb": t}, incremental=kind == "delta")
+    tracemalloc.start()
+    try:
+        saver.save()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert saver.kind == kind
+    # the slice order (about 20 bytes an id) and a MiB of rows per writer; a copy of the rows first is the share
+    assert peak < share / 2, f"a save of a {share}-byte share peaked at {peak} bytes of new memory"
+    tables = {"emb": HashTable(DIM, slots=("m", "v"))}
+    Loader(str(tmp_path / kind), hashtables=tables, tensors={}).load()
+    assert tables["emb"] == t
+
+
+def test_a_table_already_in_slice_order_is_written_from_its_storage(tmp_path):
+    t = table()
+    Saver(path=str(tmp_path / "a"), parallel=1, hashtables={"emb": t}).save()
+    loaded = {"emb": HashTable(DIM, slots=("m", "v"))}
+    Loader(str(tmp_path / "a"), hashtables=loaded, tensors={}).load()  # rows adopted in the file's order
+    blocks = Saver(path=str(tmp_path / "b"), hashtables=loaded).blocks()
+    assert all(b.rows is None and b.payload() is b.source for b in blocks)
+    assert blocks[0].array.tolist() == slice_sorted(t).tolist()
+
+
+def test_write_blocks_cannot_be_changed_and_gather_once():
+    source = np.arange(12, dtype=np.float32).reshape(6, 2)
+    block = WriteBlock("t.embedding/part_0_1", "t.embedding", "embedding", source, "t", {}, rows=np.array([5, 0, 3]))
+    assert isinstance(block.payload(), TakenRows)
+    assert block.array.tolist() == [[10, 11], [0, 1], [6, 7]]
+    assert block.array is block.array and block.payload() is block.array  # gathered once, then written as it is
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        block.key = "other"
+    plain = WriteBlock("w/part_0_1", "w", "dense", source, None, {})
+    assert plain.array is source and plain.payload() is source and plain.nbytes == 48
+    assert "3 of 6 rows" in repr(block)
+
+
+@pytest.mark.parametrize("rows", [[], [0], [4, 4, 1, 0, 3], list(range(9, -1, -1))])
+@pytest.mark.parametrize("piece_bytes", [1, 24, 1 << 20])
+def test_taken_rows_come_in_pieces_of_the_rows_in_order(rows, piece_bytes):
+    source = np.arange(30, dtype=np.int16).reshape(10, 3)
+    taken = TakenRows(source, np.array(rows, np.int64))
+    pieces = [p.copy() for p in taken.pieces(piece_bytes)]
+    assert all(len(p) == max(1, min(len(rows), piece_bytes // 6)) for p in pieces[:-1])
+    joined = np.concatenate(pieces) if pieces else np.empty((0, 3), np.int16)
+    assert joined.tolist() == source[rows].tolist() == np.asarray(taken).tolist()
+    assert taken.shape == (len(rows), 3) and taken.nbytes == 6 * len(rows)
+
+
+@pytest.mark.parametrize("rows", [[-1], [10], [0, 2**40]])
+def test_taken_rows_refuse_rows_outside_the_source(rows):
+    with pytest.raises(IndexError, match=r"rows must be in \[0, 10\)"):
+        TakenRows(np.zeros((10, 2)), np.array(rows))
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">f4", "int8", "bfloat16"])
+@pytest.mark.parametrize("progress", [False, True])
+def test_save_safetensors_writes_taken_rows_as_the_gathered_array(tmp_path, monkeypatch, dtype, progress):
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    source = np.arange(4000).reshape(1000, 4).astype(dt)
+    rows = np.random.default_rng(0).permutation(1000)[:700]
+    monkeypatch.setattr(TakenRows, "PIECE_BYTES", 1000)  # many pieces
+    callback = (lambda done, total, item: None) if progress else False
+    save_safetensors(tmp_path / "taken.safetensors", {"a": TakenRows(source, rows), "b": source},
+                     progress=callback)
+    save_safetensors(tmp_path / "array.safetensors", {"a": source[rows], "b": source})
+    assert (tmp_path / "taken.safetensors").read_bytes() == (tmp_path / "array.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("writeback", [0, 1, 4096, 1 << 20])
+def test_gather_writer_writeback_writes_the_same_bytes(tmp_path, writeback):
+    chunks = [np.full(5000 + k, k, np.uint8) for k in range(40)]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        with GatherWriter(fd, None, writeback) as out:
+            for c in chunks:
+                out.write(c)
+                out.flush()
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(c.tobytes() for c in chunks)
+
+
+def test_gather_writer_writeback_on_a_pipe_is_left_out():
+    read, write = os.pipe()
+    try:
+        with GatherWriter(write, None, 1) as out:  # sync_file_range refuses a pipe (ESPIPE): no error
+            out.write(b"abc")
+            out.flush()
+            out.write(b"de")
+        assert os.read(read, 10) == b"abcde"
+    finally:
+        os.close(read)
+        os.close(write)
+    with pytest.raises(ValueError, match="writeback must be 0"):
+        GatherWriter(1, None, -1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 3000])
+@pytest.mark.parametrize("size", [1, 3, 1000, SLICE_SIZE])
+@pytest.mark.parametrize("arrangement", ["random", "ascending ids", "slice order"])
+def test_slice_order_is_the_stable_sort_by_slice_position(n, size, arrangement):
+    from fastckpt.sharded.format import slice_order
+
+    rng = np.random.default_rng(n + size)
+    ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    ids[: n // 3] = ids[n // 2: n // 2 + n // 3]  # repeated positions keep their rows' order
+    if arrangement == "ascending ids":
+        ids = np.sort(ids)
+    elif arrangement == "slice order":
+        ids = ids[np.argsort(slice_positions(ids, size), kind="stable")]
+    positions = slice_positions(ids, size)
+    order, below = slice_order(ids, size)
+    expected = np.argsort(positions, kind="stable")
+    if order is None:
+        assert expected.tolist() == list(range(n))
+    else:
+        assert order.dtype == np.intp and order.tolist() == expected.tolist()
+    assert below.tolist() == np.searchsorted(np.sort(positions), np.arange(size + 1, dtype=np.uint64)).tolist()
+    if arrangement == "slice order":
+        assert order is None
