@@ -31,6 +31,7 @@ take anything numpy takes, convert them with :func:`to_numpy`.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import warnings
 from collections.abc import Mapping
@@ -405,7 +406,7 @@ def to_torch(value: Any, *, copy: bool | None = None) -> torch.Tensor | dict[str
     >>> t.dtype, t.tolist()  # doctest: +SKIP
     (torch.bfloat16, [1.5, -2.0])
     """
-    import torch
+    importlib.import_module("torch")  # PyTorch is required: without it, ImportError here, before any work
 
     if copy is not None and not isinstance(copy, bool):
         raise TypeError(f"to_torch: copy must be None, True or False, got {copy!r}")

@@ -12,7 +12,7 @@ import pytest
 
 import fastckpt
 from fastckpt.errors import FormatError
-from fastckpt.formats import filebytes, inmemory, npz, safetensors
+from fastckpt.formats import filebytes, npz, safetensors
 
 
 def _corpus(fmt: str) -> dict:

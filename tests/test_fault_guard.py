@@ -400,6 +400,68 @@ def test_random_guard_traffic_in_threads(tmp_path):
     assert "HELD 0" in r.stdout and "PROBLEMS []" in r.stdout and "COUNTS True True True" in r.stdout, r.stdout
 
 
+def test_copy_in_the_window_after_another_threads_patch_raises(tmp_path):
+    # The race behind a rare "wrong copy" of test_random_guard_traffic_in_threads: one thread's guarded copy
+    # faults and its handler maps zero pages over the lost ones; a second thread's guarded copy of the same
+    # mapping reads those zeros without faulting. The handler recorded the fault only after the patch, so with the
+    # first thread preempted in between (the return from mmap(2)), the second left its guard with nothing recorded
+    # and returned the zeros as data. The pause point holds the first thread there; the second copy must raise.
+    r = run('''
+    from fastckpt._native.mapped import _pause_after_patch
+    p, m = shrunk("a")
+    first = []
+    _pause_after_patch(1)
+    t = threading.Thread(target=lambda: first.append(caught(m, "the first copy")))
+    t.start()
+    for _ in range(30000):
+        if _pause_after_patch(-1) == 2:
+            break
+        threading.Event().wait(0.001)
+    print("PAUSED", _pause_after_patch(-1) == 2, flush=True)
+    try:
+        with m.guard("the second copy"):
+            got = np.array(m.array(0, np.int64, (m.size // 8,)))
+        print("WRONG COPY", int(got[0]), int(got[-1]))
+    except FormatError as e:
+        print("CAUGHT", p in str(e) and "truncated or replaced while reading" in str(e))
+    _pause_after_patch(0)
+    t.join()
+    print("FIRST", first[0] is not None and p in first[0])
+    ''', tmp_path)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
+    assert r.stdout.split("\n")[:3] == ["PAUSED True", "CAUGHT True", "FIRST True"], r.stdout
+
+
+@pytest.mark.slow
+def test_two_threads_copying_one_truncated_mapping_always_raise(tmp_path):
+    # The same race with no pause point, as the scheduler makes it: pairs of threads copy one freshly truncated
+    # mapping at once, 12,000 times. Before the fault was recorded ahead of the patch, about 1 copy in 1,000
+    # returned zeros without an error on 2 busy cores (15 of 15,000 in one run), so this fails with near
+    # certainty there; it takes a few seconds.
+    r = run('''
+    p = os.path.join(d, "f")
+    size = 1 << 15
+    outcomes = []
+    for _ in range(60):
+        np.arange(size // 8, dtype=np.int64).tofile(p)
+        maps = [MappedFile(p) for _ in range(100)]
+        os.truncate(p, 4096)
+        for m in maps:
+            start = threading.Barrier(2)
+
+            def copy():
+                start.wait()
+                outcomes.append("wrong" if caught(m) is None else "caught")  # one call: no count is lost
+
+            pair = [threading.Thread(target=copy) for _ in range(2)]
+            for t in pair: t.start()
+            for t in pair: t.join()
+    print("CAUGHT", outcomes.count("caught"), "WRONG", outcomes.count("wrong"))
+    ''', tmp_path)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
+    assert r.stdout.strip() == "CAUGHT 12000 WRONG 0", r.stdout
+
+
 def test_guard_is_sticky_and_views_outside_it_still_fault(tmp_path):
     # A mapping that met a truncation fails every later guard at once (its lost pages now read as zeros); a
     # view read outside any guard is the plain mapping, SIGBUS as documented (docs/reading.md).

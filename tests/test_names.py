@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import errno
 import io
-import json
 import os
 import re
 import threading

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import pytest
 import _recis_writer as recis_port
 import fastckpt
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver
-from fastckpt.sharded.recis import RecisWarning, slice_owner
+from fastckpt.sharded.recis import slice_owner
 from fastckpt.sharded.reshard import reshard
 
 pytestmark = pytest.mark.filterwarnings("ignore::fastckpt.sharded.recis.RecisWarning")  # the port writes no manifest

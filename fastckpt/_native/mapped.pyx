@@ -135,6 +135,7 @@ cdef extern from *:
     #include <stdlib.h>
     #include <string.h>
     #include <sys/mman.h>
+    #include <time.h>
     #include <unistd.h>
 
     #define FC_CHUNK 256
@@ -164,6 +165,9 @@ cdef extern from *:
     static fc_prev *fc_prev_head;               /* atomic */
     static uintptr_t fc_page = 4096;
     static __thread int fc_depth __attribute__((tls_model("initial-exec")));  /* previous handlers being run */
+    /* A test's pause point in the handler, right after a patch (_pause_after_patch): 0 off, 1 armed, 2 a handler
+       waits there (atomic). */
+    static int fc_pause;
 
     /* The default action of `sig`: for a fault, return and let the access run again (the kernel then ends the
        process, with a core dump where those are on, as it would have the first time); a sent signal is sent
@@ -214,16 +218,42 @@ cdef extern from *:
         fc_default(sig, info);
     }
 
-    /* Map zero pages from the faulting page to the end of the cell's mapping; 0 if that fails. */
+    /* The pause point of _pause_after_patch: hold the faulting thread where the scheduler may preempt it (its
+       return from mmap(2) in fc_patch) until the test lets it go, at most 30 s, so that a test sees what other
+       threads' guards can see in that window. Signal-safe. */
+    static void fc_wait_after_patch(void) {
+        struct timespec tick = {0, 1000000};
+        int i;
+        __atomic_store_n(&fc_pause, 2, __ATOMIC_RELEASE);
+        for (i = 0; i < 30000 && __atomic_load_n(&fc_pause, __ATOMIC_ACQUIRE) == 2; i++)
+            nanosleep(&tick, NULL);
+    }
+
+    static int fc_pause_set(int state) {
+        return state < 0 ? __atomic_load_n(&fc_pause, __ATOMIC_ACQUIRE)
+                         : __atomic_exchange_n(&fc_pause, state, __ATOMIC_ACQ_REL);
+    }
+
+    /* Record the fault in the cell, then map zero pages from the faulting page to the end of the cell's
+       mapping; 0 if the mapping fails (the fault stays recorded: the file did lose those bytes).
+
+       The order is the guard's promise. Once the zero pages are in, a copy in another thread that holds a
+       guard over the mapping reads them without faulting, and only the cell tells its guard's exit that they
+       are not the file's. Recorded after the patch, a thread preempted between the two (the return from the
+       mmap system call is where the scheduler switches) let such a copy run, leave its guard with no fault
+       recorded, and return the zeros as data. Recorded first (a full barrier before the mmap), every read of
+       a zero page comes after the record, and every guard left after that read sees it. */
     static int fc_patch(fc_cell *c, uintptr_t addr) {
         uintptr_t page = addr & ~(fc_page - 1);
         uintptr_t end = (c->end + fc_page - 1) & ~(fc_page - 1);
         uintptr_t none = 0;
+        __atomic_compare_exchange_n(&c->fault, &none, addr, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
         /* A truncation takes every page from here to the end: patch them all at once rather than take one
            signal per page (the mapping is dead from now on anyway). */
         if (mmap((void *)page, end - page, c->prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
             return 0;
-        __atomic_compare_exchange_n(&c->fault, &none, addr, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+        if (__atomic_load_n(&fc_pause, __ATOMIC_ACQUIRE))
+            fc_wait_after_patch();
         return 1;
     }
 
@@ -386,6 +416,7 @@ cdef extern from *:
     fc_hold* fc_hold_claim(fc_cell* c, PyObject* block, PyObject* path, PyObject* what)
     void fc_hold_release(fc_hold* h) nogil
     int fc_held_by_this_thread(object out) except -1
+    int fc_pause_set(int state)
 
 cdef uint8_t _EMPTY[1]
 
@@ -649,6 +680,13 @@ cdef class GuardScope:
                     error = error or e
             if error is not None:
                 raise error
+
+
+def _pause_after_patch(int state):
+    """For tests of the guard's races: 1 arms a pause in the SIGBUS handler right after it maps the zero pages
+    (the next guarded fault waits there, and ``_pause_after_patch(-1)`` then says 2), 0 lets it go and disarms.
+    Returns the state before the call."""
+    return fc_pause_set(state)
 
 
 def held_guards():

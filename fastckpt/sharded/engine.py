@@ -50,7 +50,7 @@ import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from fastckpt.errors import BarrierTimeoutError, EngineError, FastCkptError
+from fastckpt.errors import BarrierTimeoutError, EngineError
 
 __all__ = [
     "DEFAULT_TIMEOUT",

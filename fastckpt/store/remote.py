@@ -38,7 +38,6 @@ Object stores have no rename, so a reader must never be able to see a half-writt
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import errno
 import os
@@ -170,7 +169,7 @@ def put_file(local: str | os.PathLike, url: str, storage_options: dict | None = 
     conditional write, refused by the store in the same step; elsewhere a check just before the last step, so a
     writer racing for the key between the two is replaced); docs/overwrite.md.
 
-    >>> import os, tempfile
+    >>> import builtins, os, tempfile
     >>> p = os.path.join(tempfile.mkdtemp(), "a.bin"); _ = builtins.open(p, "wb").write(b"bytes")
     >>> put_file(p, "memory://doc/put/a.bin", overwrite=True)
     >>> filesystem("memory://doc/put/a.bin")[0].cat("memory://doc/put/a.bin")
@@ -242,7 +241,7 @@ def put_directory(local: str | os.PathLike, url: str, marker: str = "manifest.js
     (another rank commits). Any failure raises an ``OSError`` naming ``url``, and leaves the prefix
     uncommitted.
 
-    >>> import os, tempfile
+    >>> import builtins, os, tempfile
     >>> d = tempfile.mkdtemp()
     >>> for name in ("data.bin", "manifest.json"):
     ...     _ = builtins.open(os.path.join(d, name), "wb").write(name.encode())
