@@ -136,6 +136,22 @@ def identity(info: dict) -> tuple:
     return tuple((k, str(info[k])) for k in _IDENTITY_KEYS if info.get(k) is not None)
 
 
+
+def _http_status(e: BaseException) -> int | None:
+    """The HTTP status a failed request answered with, where the client recorded it: aiohttp's ``status``
+    (fsspec's HTTP filesystem), botocore's ``response`` (s3fs, which raises it as the cause of its own error).
+    Read from the exception, not its text: a URL's port or key may hold any digits."""
+    for x in (e, e.__cause__, e.__context__):
+        status = getattr(x, "status", None)
+        if isinstance(status, int):
+            return status
+        response = getattr(x, "response", None)
+        if isinstance(response, dict):
+            code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(code, int):
+                return code
+    return None
+
 class RemoteObject:
     """One object at ``url`` (``storage_options`` for its filesystem), read in ranges; see the module docstring.
 
@@ -275,13 +291,18 @@ class RemoteObject:
         if isinstance(e, (ObjectChangedError, FormatError)):
             return e
         text = f"{type(e).__name__}: {e}"
-        if "412" in text or "PreconditionFailed" in text or "Precondition Failed" in text:
+        status = _http_status(e)
+        if status == 412 or "PreconditionFailed" in text or "Precondition Failed" in text:
             return ObjectChangedError(
                 f"{self.url}: the object changed while it was being read in ranges (its ETag is no longer "
                 f"{self.etag} at offset {start}); nothing read is used: open it again")
         if isinstance(e, FileNotFoundError):
             return ObjectChangedError(f"{self.url}: the object was removed while it was being read (at offset "
                                       f"{start}); nothing read is used")
+        if status == 416 or "InvalidRange" in text or "Range Not Satisfiable" in text:
+            return FormatError(f"{self.url}: bytes {start}..{end} asked for, but the object now ends before offset "
+                               f"{start} (it is not the {self.size} bytes it was when opened: truncated or replaced "
+                               "while being read?); nothing read is used: open it again")
         return OSError(f"{self.url}: reading bytes {start}..{end} failed: {text}")
 
     def _checked(self, start: int, end: int, data: bytes) -> bytes:
