@@ -504,7 +504,14 @@ class Loader:
         # First the ids of every part and which of them this rank owns; then one gather of those rows from each
         # part's mapped views straight into arrays of the final size (no concatenation), which the table adopts
         # as its storage (no copy).
-        picks = self._owned(reader, f"{name}.id")
+        id_keys = reader.part_names(f"{name}.id")
+        if self.shard_num == 1 and self.owner in (None, owner_mod) \
+                and not any("encoding" in reader.descriptions[key] for key in id_keys):
+            # One rank owns every id: each id part is read into place below, not mapped, copied and numbered.
+            picks = [(None, key[len(name) + 3:], range(reader.part_infos[key].shape[0])) for key in id_keys
+                     if reader.part_infos[key].shape[0]]
+        else:
+            picks = self._owned(reader, f"{name}.id")
         total = sum(len(mine) for *_, mine in picks)
         stored = max(1, reader.hashtables()[name].get("ids", 0))  # every rank's ids in the checkpoint
         capacity = total + (headroom * total // stored + 1024 if headroom else 0)
@@ -518,7 +525,10 @@ class Loader:
             end = at + len(mine)
             targets = [(f"{name}.embedding{suffix}", values_out), *((f"{name}.{s}{suffix}", o) for s, o in
                                                                     slots_out.items())]
-            if len(mine) == len(ids):  # the whole part: read its bytes into place, as a plain read would
+            if ids is None:  # every id of the part, not read yet: read into place (the index needs them first)
+                _read_part(reader, f"{name}.id{suffix}", ids_out[at:end])
+                copies += [(_copy_whole, reader, key, out[at:end]) for key, out in targets]
+            elif len(mine) == len(ids):  # the whole part: read its bytes into place, as a plain read would
                 ids_out[at:end] = ids
                 copies += [(_copy_whole, reader, key, out[at:end]) for key, out in targets]
             else:

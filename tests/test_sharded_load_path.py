@@ -1,0 +1,106 @@
+"""The load path's shortcuts keep every check: metadata read again in one process, the slice-order check of a
+version-4 part, and one rank reading every id part into place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastckpt.errors import ChecksumMismatchError
+from fastckpt.sharded import HashTable, Loader, Saver
+from fastckpt.sharded.format import DESCRIPTION_FILE, SliceRowError, group_bounds, read_metadata, slice_run
+
+
+def _state(n_ids: int = 3000):
+    rng = np.random.default_rng(3)
+    ids = rng.choice(np.arange(-10**6, 10**6), n_ids, replace=False)
+    return ids, rng.random((n_ids, 4), dtype=np.float32), rng.random((n_ids, 4), dtype=np.float32)
+
+
+def _save(tmp_path) -> str:
+    ids, values, m = _state()
+    table = HashTable(4, slots=("m",))
+    table.insert(ids, values, {"m": m})
+    out = str(tmp_path / "c")
+    Saver(path=out, parallel=2, hashtables={"emb": table}, tensors={"w": np.arange(12.0).reshape(4, 3)}).save()
+    return out
+
+
+def test_metadata_read_again_is_equal_and_new_and_a_damaged_file_is_still_refused(tmp_path):
+    out = _save(tmp_path)
+    first = read_metadata(out)
+    second = read_metadata(out)  # the same bytes: parsed anew, the checks skipped
+    assert second == first
+    assert second["descriptions"] is not first["descriptions"]
+    second["descriptions"].clear()  # the caller's own objects: a later reading is not changed by it
+    assert read_metadata(out) == first
+    path = f"{out}/{DESCRIPTION_FILE}"
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match=DESCRIPTION_FILE):
+        read_metadata(out)
+
+
+def _slow_run(ids, first_row, rows, size, own):
+    """slice_run row by row, as it ran before its one-pass check."""
+    from fastckpt.sharded.format import slice_positions
+
+    positions = slice_positions(ids, size)
+    bounds = np.array(group_bounds(len(rows) - 1, size), np.uint64)
+    where = np.arange(first_row, first_row + len(ids))
+    recorded = np.searchsorted(np.asarray(rows), where, side="right") - 1
+    actual = np.searchsorted(bounds, positions, side="right") - 1
+    bad = np.flatnonzero((recorded != actual) | np.concatenate([[False], positions[1:] < positions[:-1]]))
+    if len(bad):
+        return ("bad", first_row + int(bad[0]))
+    return (first_row + int(np.searchsorted(positions, np.uint64(own[0]))),
+            first_row + int(np.searchsorted(positions, np.uint64(own[1]))))
+
+
+def test_slice_run_names_the_same_first_row_out_of_place_as_a_row_by_row_check():
+    rng = np.random.default_rng(5)
+    size = 64
+    for _ in range(3000):
+        groups = int(rng.integers(1, 6))
+        n = int(rng.integers(0, 40))
+        ids = np.sort(rng.integers(0, size, n)).astype(np.int64)
+        bounds = group_bounds(groups, size)
+        rows = [int(np.searchsorted(ids, b)) for b in bounds[:-1]] + [n]
+        kind = rng.integers(0, 4)
+        if kind == 1 and n:  # an id moved
+            ids[rng.integers(0, n)] = rng.integers(0, size)
+        elif kind == 2 and groups > 1:  # an offset moved
+            g = int(rng.integers(1, groups))
+            rows[g] = int(np.clip(rows[g] + rng.integers(-3, 4), rows[g - 1], rows[g + 1]))
+        elif kind == 3 and n > 1:  # two rows swapped
+            a, b = rng.integers(0, n, 2)
+            ids[[a, b]] = ids[[b, a]]
+        first = int(rng.integers(0, groups))
+        last = int(rng.integers(first + 1, groups + 1))
+        r0, r1 = rows[first], rows[last]
+        own = tuple(sorted(int(x) for x in rng.integers(0, size + 1, 2)))
+        want = _slow_run(ids[r0:r1], r0, rows, size, own)
+        try:
+            got = slice_run(ids[r0:r1], r0, rows, size, own)
+        except SliceRowError as exc:
+            got = ("bad", exc.row)
+        assert got == want, (ids.tolist(), rows, first, last, own)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_one_rank_reads_every_id_part_into_place_exactly(tmp_path, shards):
+    out = _save(tmp_path)
+    ids, values, m = _state()
+    order = np.argsort(ids)
+    got = []
+    for j in range(shards):
+        table = Loader(out, verify=False, shard_index=j, shard_num=shards).load()[0]["emb"]
+        mine = table.ids()
+        at = order[np.searchsorted(ids[order], mine)]
+        assert np.array_equal(ids[at], mine)
+        assert np.array_equal(table.lookup(mine), values[at])
+        assert np.array_equal(table.lookup_slot("m", mine), m[at])
+        got.append(mine)
+    assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
