@@ -104,3 +104,76 @@ def test_one_rank_reads_every_id_part_into_place_exactly(tmp_path, shards):
         assert np.array_equal(table.lookup_slot("m", mine), m[at])
         got.append(mine)
     assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
+
+
+def _ranks_as_threads(url: str, m: int, **options) -> list:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def load(j: int):
+        return Loader(url, shard_index=j, shard_num=m, verify=False, **options).load()[0]["emb"]
+
+    with ThreadPoolExecutor(m) as pool:
+        return list(pool.map(load, range(m)))
+
+
+def _hold_until_every_rank_asked(monkeypatch, m: int, fail_first: bool = False) -> list:
+    """Patch the fetch of a prefix's metadata and headers: the fetching load waits until ``m`` loads hold the
+    prefix (so that they overlap for certain), and the fetches are recorded (the first failing, if asked)."""
+    import time
+
+    from fastckpt.sharded import remote as sharded_remote
+
+    real = sharded_remote._Share.headers
+    calls: list = []
+
+    def headers(self, names, also=None):
+        calls.append(sorted(also or {}))
+        deadline = time.monotonic() + 20
+        while len(calls) == 1 and sharded_remote._heads[(self.url, self.manifest_hash)][0] < m \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if fail_first and len(calls) == 1:
+            raise OSError("the first fetch fails")
+        return real(self, names, also)
+
+    monkeypatch.setattr(sharded_remote._Share, "headers", headers)
+    return calls
+
+
+def test_ranks_loading_from_a_url_at_once_fetch_its_metadata_and_headers_once(monkeypatch):
+    import uuid
+
+    url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
+    ids, values, m_slot = _state()
+    table = HashTable(4, slots=("m",))
+    table.insert(ids, values, {"m": m_slot})
+    Saver(path=url, parallel=2, hashtables={"emb": table}, tensors={"w": np.ones((4, 3))}).save()
+    calls = _hold_until_every_rank_asked(monkeypatch, 3)
+    tables = _ranks_as_threads(url, 3)
+    assert calls == [sorted([DESCRIPTION_FILE, "index.json", "tensorkey.json"])]  # one fetch for the three ranks
+    got = np.concatenate([t.ids() for t in tables])
+    assert np.array_equal(np.sort(got), np.sort(ids))
+    order = np.argsort(ids)
+    for t in tables:
+        at = order[np.searchsorted(ids[order], t.ids())]
+        assert np.array_equal(t.lookup(t.ids()), values[at])
+        assert np.array_equal(t.lookup_slot("m", t.ids()), m_slot[at])
+    # the shared fetch is gone once the loads are done: a later load fetches for itself
+    from fastckpt.sharded import remote as sharded_remote
+
+    assert not sharded_remote._heads
+
+
+def test_when_the_shared_fetch_fails_that_load_raises_and_the_others_fetch_again(monkeypatch):
+    import uuid
+
+    url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
+    ids, values, m_slot = _state()
+    table = HashTable(4, slots=("m",))
+    table.insert(ids, values, {"m": m_slot})
+    Saver(path=url, parallel=2, hashtables={"emb": table}).save()
+    calls = _hold_until_every_rank_asked(monkeypatch, 2, fail_first=True)
+    with pytest.raises(OSError, match="the first fetch fails"):
+        _ranks_as_threads(url, 2)
+    assert len(calls) == 2  # the other rank fetched on its own, and loaded
+    assert [len(t.ids()) for t in _ranks_as_threads(url, 2)] != []

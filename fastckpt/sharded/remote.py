@@ -24,9 +24,11 @@ Incremental (delta) saves need a local directory: a delta names its base by path
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from fastckpt._native.safetensors import MAX_HEADER_SIZE
@@ -146,6 +148,12 @@ def _load_from(loader, local: str):
 _HEAD = 8 << 10  # the first bytes fetched of every tensor file: its safetensors header, mostly whole
 
 
+# The metadata and tensor-file headers of a prefix being fetched, by (URL, the manifest's BLAKE3): shared by the
+# loads that run at the same time (:meth:`_Share.shared_heads`), dropped when the last of them is done.
+_heads: dict[tuple[str, str], list] = {}  # key -> [loads holding it, Future of (bytes by file, offsets) or None]
+_heads_lock = threading.Lock()
+
+
 class _Share:
     """The local sparse copy of a checkpoint prefix that :func:`fetch_share` fills, and what it fetched."""
 
@@ -154,6 +162,7 @@ class _Share:
 
         self.fs, self.url, self.path, self.local, self.sizes = fs, url, path, local, sizes
         self.bytes, self.requests = 0, 0
+        self.manifest_hash = ""  # the BLAKE3 of the manifest's bytes: what the metadata fetched belongs to
         for name, size in sizes.items():
             with open(os.path.join(local, name), "wb") as f:
                 f.truncate(size)  # sparse: only the ranges fetched take space
@@ -198,6 +207,53 @@ class _Share:
                     begin, end = entry["data_offsets"]
                     out[key] = (name, 8 + length + begin, 8 + length + end, list(entry["shape"]))
         return out
+
+    def shared_heads(self, whole: list[str], headed: list[str]) -> dict[str, tuple[str, int, int, list]]:
+        """:meth:`headers` of ``headed`` with the files ``whole`` fetched whole in the same round, shared by the
+        loads of this prefix and manifest that run at the same time in this process (the ranks of a load run as
+        threads): one fetches, the others wait and write the same bytes into their own local copies (an unchanged
+        manifest names unchanged metadata files and tensor files, by their BLAKE3 and size)."""
+        import os
+
+        key = (self.url, self.manifest_hash)
+        with _heads_lock:
+            entry = _heads.setdefault(key, [0, None])
+            entry[0] += 1
+            future, mine = entry[1], entry[1] is None
+            if mine:
+                future = entry[1] = concurrent.futures.Future()
+        try:
+            if not mine:
+                try:
+                    blobs, offsets = future.result()
+                except Exception:  # noqa: BLE001 - the fetching load raises its own error; this one fetches again
+                    return self.headers(headed, also={name: [(0, self.sizes[name])] for name in whole})
+                for name, data in blobs.items():
+                    with open(os.path.join(self.local, name), "r+b") as f:
+                        f.write(data)
+                return offsets
+            try:
+                offsets = self.headers(headed, also={name: [(0, self.sizes[name])] for name in whole})
+                blobs = {}
+                for name in [*whole, *headed]:  # a metadata file whole, a tensor file's header (8 + its length)
+                    with open(os.path.join(self.local, name), "rb") as f:
+                        if name in headed:
+                            head = f.read(8)
+                            blobs[name] = head + f.read(int.from_bytes(head, "little") if len(head) == 8 else 0)
+                        else:
+                            blobs[name] = f.read(self.sizes[name])
+            except BaseException as exc:
+                with _heads_lock:
+                    entry[1] = None  # a load after this one fetches for itself
+                future.set_exception(exc)
+                raise
+            future.set_result((blobs, offsets))
+            return offsets
+        finally:
+            with _heads_lock:
+                entry[0] -= 1
+                if entry[0] == 0 and _heads.get(key) is entry:
+                    del _heads[key]  # held by loads running now only: a later load fetches the prefix again
 
     def ids(self, where: tuple):
         """The int64 ids of the block at ``where`` (fetched before)."""
@@ -272,6 +328,9 @@ def fetch_share(loader, local: str) -> dict | bool:
     sizes.pop(MANIFEST_FILE, None)
     share = _Share(fs, url, path, local, sizes)
     if manifest_bytes is not None:
+        import blake3
+
+        share.manifest_hash = blake3.blake3(manifest_bytes).hexdigest()
         with open(f"{local}/{MANIFEST_FILE}", "wb") as f:
             f.write(manifest_bytes)
         share.bytes, share.requests = len(manifest_bytes), 1
@@ -297,8 +356,7 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     from fastckpt.sharded.format import group_rows, rows_of
 
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
-    offsets = share.headers(sorted(set(share.sizes) - set(metadata)),
-                            also={name: [(0, share.sizes[name])] for name in metadata})
+    offsets = share.shared_heads(metadata, sorted(set(share.sizes) - set(metadata)))
     descriptions = share.json(DESCRIPTION_FILE)
     dense_wanted = set(loader.tensors) or set(manifest.get("tensors", {}))
     tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
