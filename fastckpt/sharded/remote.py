@@ -152,6 +152,9 @@ _HEAD = 8 << 10  # the first bytes fetched of every tensor file: its safetensors
 # loads that run at the same time (:meth:`_Share.shared_heads`), dropped when the last of them is done.
 _heads: dict[tuple[str, str], list] = {}  # key -> [loads holding it, Future of (bytes by file, offsets) or None]
 _heads_lock = threading.Lock()
+# Whole tensor files being fetched, by (URL, the manifest's BLAKE3, file): shared the same way (:meth:`_Share.
+# fetch_whole`); the value a Future of the local path of the load that fetches it.
+_wholes: dict[tuple[str, str, str], list] = {}
 
 
 class _Share:
@@ -254,6 +257,56 @@ class _Share:
                 entry[0] -= 1
                 if entry[0] == 0 and _heads.get(key) is entry:
                     del _heads[key]  # held by loads running now only: a later load fetches the prefix again
+
+    def fetch_whole(self, names: list[str]) -> None:
+        """Fetch files ``names`` whole, each once among the loads of this prefix and manifest that run at the same
+        time in this process: a file another load is fetching is waited for and hard-linked into this load's
+        local copy (read-only from then on; each load's reader hashes it against the manifest, once between them,
+        by file identity), the rest fetched here in one round. A link that cannot be made (another file system,
+        the other load gone) is a fetch of its own."""
+        import os
+
+        base = (self.url, self.manifest_hash)
+        own, others = [], []
+        with _heads_lock:
+            for name in names:
+                entry = _wholes.setdefault((*base, name), [0, None])
+                entry[0] += 1
+                if entry[1] is None:
+                    entry[1] = concurrent.futures.Future()
+                    own.append((name, entry, entry[1]))
+                else:
+                    others.append((name, entry, entry[1]))
+        try:
+            try:
+                self.fetch({name: [(0, self.sizes[name])] for name, *_ in own})
+            except BaseException as exc:
+                for _, entry, future in own:
+                    with _heads_lock:
+                        if entry[1] is future:
+                            entry[1] = None
+                    future.set_exception(exc)
+                raise
+            for name, _, future in own:
+                future.set_result(os.path.join(self.local, name))
+            again = []
+            for name, _, future in others:
+                target = os.path.join(self.local, name)
+                try:
+                    os.link(future.result(), target + ".link")
+                    os.replace(target + ".link", target)
+                except Exception:  # noqa: BLE001 - failed there, or cannot be linked: fetched here
+                    again.append(name)
+            self.fetch({name: [(0, self.sizes[name])] for name in again})
+        finally:
+            with _heads_lock:
+                for name in names:
+                    key = (*base, name)
+                    entry = _wholes.get(key)
+                    if entry is not None:
+                        entry[0] -= 1
+                        if entry[0] == 0:
+                            del _wholes[key]
 
     def ids(self, where: tuple):
         """The int64 ids of the block at ``where`` (fetched before)."""
@@ -393,7 +446,7 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
         files = {offsets[k][0] for k in id_parts} | set(first)
         files |= {offsets[k][0] for k, d in descriptions.items()
                   if k in offsets and not d.get("dense") and (d.get("table"), tuple(d.get("part", ()))) in parts}
-        share.fetch({name: [(0, share.sizes[name])] for name in files})
+        share.fetch_whole(sorted(files))
         return
     # Version 4 under its slice rule: the rows of the same groups of the embedding and slots, in the same round as
     # the ids (the rank's run lies in them; the Loader reads that run and checks the ids): no second round.
