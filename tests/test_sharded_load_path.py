@@ -35,7 +35,8 @@ def test_metadata_read_again_is_equal_and_new_and_a_damaged_file_is_still_refuse
     second["descriptions"].clear()  # the caller's own objects: a later reading is not changed by it
     assert read_metadata(out) == first
     path = f"{out}/{DESCRIPTION_FILE}"
-    data = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
     data[len(data) // 2] ^= 0x01
     with open(path, "wb") as f:
         f.write(bytes(data))

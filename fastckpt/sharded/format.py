@@ -748,7 +748,7 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
                 "index": {"block_index": index["block_index"], "file_index": index["file_index"],
                           "files": dict(known["files"])},
                 "tensorkey": loaded[TENSORKEY_FILE], "descriptions": loaded[DESCRIPTION_FILE], "unchecked": unchecked}
-    world_size, parallel = manifest["world_size"], manifest["parallel"]
+    parallel = manifest["parallel"]
     kind, version = manifest.get("kind", "full"), manifest["format_version"]
     expected_files = {name for name in files if _FILE.fullmatch(name) is not None}
     index = loaded[INDEX_FILE]
