@@ -521,12 +521,13 @@ class Loader:
         slots_out = {slot: np.empty((capacity, dim), dtype) for slot in table.slots}
         at = 0
         copies: list[tuple] = []  # the rows' copies, run on `parallel` threads while the table builds its index
+        id_reads: list[tuple[str, np.ndarray]] = []  # id parts read into place by this thread, before the index
         for ids, suffix, mine in picks:
             end = at + len(mine)
             targets = [(f"{name}.embedding{suffix}", values_out), *((f"{name}.{s}{suffix}", o) for s, o in
                                                                     slots_out.items())]
-            if ids is None:  # every id of the part, not read yet: read into place (the index needs them first)
-                _read_part(reader, f"{name}.id{suffix}", ids_out[at:end])
+            if ids is None:  # every id of the part, not read yet: read into place below, while the rows are
+                id_reads.append((f"{name}.id{suffix}", ids_out[at:end]))
                 copies += [(_copy_whole, reader, key, out[at:end]) for key, out in targets]
             elif len(mine) == len(ids):  # the whole part: read its bytes into place, as a plain read would
                 ids_out[at:end] = ids
@@ -540,6 +541,8 @@ class Loader:
             scope = held_guards()  # the copies' threads read the mappings under this thread's guards
             futures = [pool.submit(scope.run, *copy) for copy in copies]
             error = None
+            for key, out in id_reads:
+                _read_part(reader, key, out)
             try:
                 table.adopt(ids_out, values_out, slots_out, rows=total)  # reads the ids only, not the rows
             except ValueError as exc:

@@ -341,7 +341,9 @@ def fetch_share(loader, local: str) -> dict | bool:
     be downloaded whole: one with a manifest loaded with ``verify=True`` (its BLAKE3 hashes cover whole files,
     so only whole files can be checked; but a full, unencoded checkpoint of format version 4 under its slice rule
     fetches whole only the files whose parts this rank reads), a delta, an encoded table; or neither a manifest
-    nor RecIS's ``index``, which the whole-prefix path reports.
+    nor RecIS's ``index``, which the whole-prefix path reports. Loads of the same prefix running at the same
+    time in this process (ranks as threads) fetch the metadata, the headers and the whole files alike once
+    between them (:meth:`_Share.shared_heads`, :meth:`_Share.fetch_whole`).
     """
 
     from fastckpt.sharded import recis
