@@ -178,3 +178,49 @@ def test_when_the_shared_fetch_fails_that_load_raises_and_the_others_fetch_again
         _ranks_as_threads(url, 2)
     assert len(calls) == 2  # the other rank fetched on its own, and loaded
     assert [len(t.ids()) for t in _ranks_as_threads(url, 2)] != []
+
+
+def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(monkeypatch):
+    import time
+    import uuid
+
+    from fastckpt.sharded import remote as sharded_remote
+
+    url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
+    ids, values, m_slot = _state()
+    table = HashTable(4, slots=("m",))
+    table.insert(ids, values, {"m": m_slot})
+    Saver(path=url, parallel=2, hashtables={"emb": table}).save()
+    real = sharded_remote._Share.fetch_whole
+    whole: list = []
+
+    def fetch_whole(self, names):
+        whole.append(len(whole))
+        if len(whole) == 1:  # the first load waits until all three hold the files: they overlap for certain
+            deadline = time.monotonic() + 20
+            while len(whole) < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return real(self, names)
+
+    fetched: list = []
+    real_fetch = sharded_remote._Share.fetch
+
+    def fetch(self, spans):
+        fetched.extend(name for name, ranges in spans.items() if ranges == [(0, self.sizes[name])]
+                       and name.endswith(".safetensors"))
+        return real_fetch(self, spans)
+
+    monkeypatch.setattr(sharded_remote._Share, "fetch_whole", fetch_whole)
+    monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        tables = list(pool.map(lambda j: Loader(url, shard_index=j, shard_num=3).load()[0]["emb"], range(3)))
+    assert sorted(fetched) == sorted(set(fetched)) and fetched  # each tensor file fetched whole once
+    order = np.argsort(ids)
+    assert np.array_equal(np.sort(np.concatenate([t.ids() for t in tables])), np.sort(ids))
+    for t in tables:
+        at = order[np.searchsorted(ids[order], t.ids())]
+        assert np.array_equal(t.lookup(t.ids()), values[at])
+        assert np.array_equal(t.lookup_slot("m", t.ids()), m_slot[at])
+    assert not sharded_remote._wholes

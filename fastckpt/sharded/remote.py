@@ -34,6 +34,7 @@ from pathlib import Path
 from fastckpt._native.safetensors import MAX_HEADER_SIZE
 from fastckpt.errors import FormatError
 from fastckpt.formats import remote
+from fastckpt.store.commit import link_over
 from fastckpt.store.manifest import MAX_JSON_BYTES, parse_json, read_json
 from fastckpt.sharded.engine import error_info as _error_info
 from fastckpt.sharded.engine import raise_from_root as _raise_from_root
@@ -293,8 +294,7 @@ class _Share:
             for name, _, future in others:
                 target = os.path.join(self.local, name)
                 try:
-                    os.link(future.result(), target + ".link")
-                    os.replace(target + ".link", target)
+                    link_over(future.result(), target)
                 except Exception:  # noqa: BLE001 - failed there, or cannot be linked: fetched here
                     again.append(name)
             self.fetch({name: [(0, self.sizes[name])] for name in again})
