@@ -107,6 +107,29 @@ def test_one_rank_reads_every_id_part_into_place_exactly(tmp_path, shards):
     assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
 
 
+def _url_checkpoint(**tensors) -> str:
+    """The state of :func:`_state` saved to a new in-memory URL (parallel 2)."""
+    import uuid
+
+    url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
+    ids, values, m_slot = _state()
+    table = HashTable(4, slots=("m",))
+    table.insert(ids, values, {"m": m_slot})
+    Saver(path=url, parallel=2, hashtables={"emb": table}, tensors=tensors).save()
+    return url
+
+
+def _check_exact(tables: list) -> None:
+    """The ranks' tables hold every id of :func:`_state` once, each with its rows."""
+    ids, values, m_slot = _state()
+    order = np.argsort(ids)
+    assert np.array_equal(np.sort(np.concatenate([t.ids() for t in tables])), np.sort(ids))
+    for t in tables:
+        at = order[np.searchsorted(ids[order], t.ids())]
+        assert np.array_equal(t.lookup(t.ids()), values[at])
+        assert np.array_equal(t.lookup_slot("m", t.ids()), m_slot[at])
+
+
 def _ranks_as_threads(url: str, m: int, **options) -> list:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -142,23 +165,11 @@ def _hold_until_every_rank_asked(monkeypatch, m: int, fail_first: bool = False) 
 
 
 def test_ranks_loading_from_a_url_at_once_fetch_its_metadata_and_headers_once(monkeypatch):
-    import uuid
-
-    url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
-    ids, values, m_slot = _state()
-    table = HashTable(4, slots=("m",))
-    table.insert(ids, values, {"m": m_slot})
-    Saver(path=url, parallel=2, hashtables={"emb": table}, tensors={"w": np.ones((4, 3))}).save()
+    url = _url_checkpoint(w=np.ones((4, 3)))
     calls = _hold_until_every_rank_asked(monkeypatch, 3)
     tables = _ranks_as_threads(url, 3)
     assert calls == [sorted([DESCRIPTION_FILE, "index.json", "tensorkey.json"])]  # one fetch for the three ranks
-    got = np.concatenate([t.ids() for t in tables])
-    assert np.array_equal(np.sort(got), np.sort(ids))
-    order = np.argsort(ids)
-    for t in tables:
-        at = order[np.searchsorted(ids[order], t.ids())]
-        assert np.array_equal(t.lookup(t.ids()), values[at])
-        assert np.array_equal(t.lookup_slot("m", t.ids()), m_slot[at])
+    _check_exact(tables)
     # the shared fetch is gone once the loads are done: a later load fetches for itself
     from fastckpt.sharded import remote as sharded_remote
 
@@ -166,13 +177,7 @@ def test_ranks_loading_from_a_url_at_once_fetch_its_metadata_and_headers_once(mo
 
 
 def test_when_the_shared_fetch_fails_that_load_raises_and_the_others_fetch_again(monkeypatch):
-    import uuid
-
-    url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
-    ids, values, m_slot = _state()
-    table = HashTable(4, slots=("m",))
-    table.insert(ids, values, {"m": m_slot})
-    Saver(path=url, parallel=2, hashtables={"emb": table}).save()
+    url = _url_checkpoint()
     calls = _hold_until_every_rank_asked(monkeypatch, 2, fail_first=True)
     with pytest.raises(OSError, match="the first fetch fails"):
         _ranks_as_threads(url, 2)
@@ -182,45 +187,27 @@ def test_when_the_shared_fetch_fails_that_load_raises_and_the_others_fetch_again
 
 def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(monkeypatch):
     import time
-    import uuid
-
     from fastckpt.sharded import remote as sharded_remote
 
-    url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
-    ids, values, m_slot = _state()
-    table = HashTable(4, slots=("m",))
-    table.insert(ids, values, {"m": m_slot})
-    Saver(path=url, parallel=2, hashtables={"emb": table}).save()
-    real = sharded_remote._Share.fetch_whole
-    whole: list = []
-
-    def fetch_whole(self, names):
-        whole.append(len(whole))
-        if len(whole) == 1:  # the first load waits until all three hold the files: they overlap for certain
-            deadline = time.monotonic() + 20
-            while len(whole) < 3 and time.monotonic() < deadline:
-                time.sleep(0.005)
-        return real(self, names)
-
+    url = _url_checkpoint()
     fetched: list = []
     real_fetch = sharded_remote._Share.fetch
 
     def fetch(self, spans):
-        fetched.extend(name for name, ranges in spans.items() if ranges == [(0, self.sizes[name])]
-                       and name.endswith(".safetensors"))
+        whole = [name for name, ranges in spans.items() if ranges == [(0, self.sizes[name])]
+                 and name.endswith(".safetensors")]
+        fetched.extend(whole)
+        deadline = time.monotonic() + 20  # a whole-file fetch waits until the three loads hold the files: they
+        while whole and time.monotonic() < deadline and any(  # overlap for certain
+                sharded_remote._wholes.get((self.url, self.manifest_hash, name), [0])[0] < 3 for name in whole):
+            time.sleep(0.005)
         return real_fetch(self, spans)
 
-    monkeypatch.setattr(sharded_remote._Share, "fetch_whole", fetch_whole)
     monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(3) as pool:
         tables = list(pool.map(lambda j: Loader(url, shard_index=j, shard_num=3).load()[0]["emb"], range(3)))
     assert sorted(fetched) == sorted(set(fetched)) and fetched  # each tensor file fetched whole once
-    order = np.argsort(ids)
-    assert np.array_equal(np.sort(np.concatenate([t.ids() for t in tables])), np.sort(ids))
-    for t in tables:
-        at = order[np.searchsorted(ids[order], t.ids())]
-        assert np.array_equal(t.lookup(t.ids()), values[at])
-        assert np.array_equal(t.lookup_slot("m", t.ids()), m_slot[at])
+    _check_exact(tables)
     assert not sharded_remote._wholes
