@@ -13,8 +13,10 @@ new tables) and by N ranks (the *same-shape* load the target compares with: N ->
   ranks holding the ids of its own default rule (``id mod N``); the worker times each load itself and the times
   are reported as measured there (no pipe in them), interleaved with this process's loads, so that both meet the
   same machine;
-* ``--s3``: the same checkpoints uploaded to moto's S3 server on loopback (:func:`fastckpt.bench.s3.start_server`)
-  and loaded from there, each rank fetching its share with ranged reads
+* ``--s3``: the same checkpoints served as objects by the range-proportional S3 server on loopback
+  (:class:`fastckpt.bench.objectserver.ObjectServer`, in this process) and loaded from there (moto's server, used
+  before, answers a ranged GET in time proportional to the whole object: an N -> M load, whose ranks ask for more
+  and smaller ranges of the same objects, measured moto's request count, not the bytes it reads), each rank fetching its share with ranged reads
   (:func:`fastckpt.sharded.remote.fetch_share`); verified, whole files (the manifest hashes whole files): v4 only
   those whose parts the rank reads, v3 the whole prefix.
 
@@ -74,6 +76,9 @@ def _check(loaded: list, all_ids: np.ndarray, m: int, table: str) -> None:
         raise AssertionError(f"the {m} ranks loaded other ids than were saved")
 
 
+_BUCKET = "fastckpt-reshard-bench"
+
+
 def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense: dict, pairs: list[tuple[int, int]],
             *, dim: int, parallel: int, repeat: int, save: Callable, load: Callable, sizes: dict,
             baseline=None, s3: bool = False, log: Callable[[str], None] = lambda line: None,
@@ -88,11 +93,10 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
     worker = baseline
     server = url = options = None
     if s3:
-        from fastckpt.bench.s3 import start_server, storage_options
-        from fastckpt.formats import remote
+        from fastckpt.bench.objectserver import ObjectServer
 
-        server, endpoint = start_server("fastckpt-reshard-bench")
-        options = storage_options(endpoint)
+        server = ObjectServer(buckets=(_BUCKET,))
+        options = server.storage_options
     rows: list[dict[str, Any]] = []
     try:
         for src in dict.fromkeys(src for src, _ in pairs):
@@ -112,8 +116,8 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
                 places["v3"] = (str(v3), None)
             if s3:
                 for name in list(places):
-                    url = f"s3://fastckpt-reshard-bench/{name}-{src}"
-                    remote.put_directory(Path(places[name][0]), url, "manifest.json", options)
+                    url = f"s3://{_BUCKET}/{name}-{src}"
+                    shutil.copytree(places[name][0], server.path(_BUCKET, f"{name}-{src}"))  # served as objects
                     places[f"{name} S3"] = (url, options)
             for m in targets:  # untimed: each v4 load exact
                 _check(load(v4, m, dim, parallel, verify=False), all_ids, m, table)
@@ -156,7 +160,7 @@ def report(rows: list[dict[str, Any]], pairs: list[tuple[int, int]], parallel: i
     """The resharding table: each pair's N -> M load beside the same-shape N -> N load of the same checkpoint, read
     the same way; with a baseline, v4's time over v3's too.
 
-    >>> t = Timing(1.0, 1.0)
+    >>> from fastckpt.bench.timing import Timing
     >>> rows = [{"checkpoint": "v4", "src": 4, "dst": d, "verify": False, "timing": Timing(s, s)}
     ...         for d, s in ((4, 1.0), (3, 1.2))]
     >>> text = report(rows, [(4, 3)], 4)

@@ -37,8 +37,8 @@ It prints the state's total bytes, then measures:
 2. **resharding** (``--reshard 4:3,4:2,2:3,1:4``): for each pair N:M, one checkpoint saved by N ranks, loaded on
    M ranks (all M shares) against the same checkpoint loaded on N (all N shares); target: at most 1.3x the time.
    ``--baseline PATH`` adds the same pairs saved and loaded by an earlier fastckpt (format version 3 from
-   a worktree of 0.3.0 built in place, say) in a worker process, ``--s3`` the same checkpoints loaded from moto's S3 server
-   with ranged reads, ``--reshard-only`` skips the other cases: :mod:`fastckpt.bench.reshard`.
+   a worktree of 0.3.0 built in place, say) in a worker process, ``--s3`` the same checkpoints loaded from an S3 server on
+   loopback whose ranged reads take time in proportion to the range (:mod:`fastckpt.bench.objectserver`), ``--reshard-only`` skips the other cases: :mod:`fastckpt.bench.reshard`.
 3. **HashTable.export() and import_()** of the whole table (one rank's table with ``ranks=1``), import into a
    new table: GB/s (target >= 1 GB/s).
 4. **peak memory** of one save and one load per ranks x parallel (the runs that write the checkpoint and
@@ -814,7 +814,8 @@ def configure(parser) -> None:
                         help="an earlier fastckpt checkout to reshard beside this one (its own checkpoint and loader, "
                              "in a worker process with PYTHONPATH=PATH), e.g. a built checkout of 0.3.0")
     parser.add_argument("--s3", action="store_true",
-                        help="also load the resharding checkpoints from moto's S3 server on loopback (ranged reads)")
+                        help="also load the resharding checkpoints from S3 on loopback (fastckpt.bench.objectserver: "
+                             "ranged reads in time proportional to the range)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for smoke tests)")
     parser.add_argument("--against", default=None,

@@ -236,6 +236,7 @@ import dataclasses
 import json
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -439,6 +440,32 @@ class SliceRowError(ValueError):
         self.row = row
 
 
+def _slices_in_order(positions: np.ndarray, first_row: int, rows: list[int], size: int) -> bool:
+    """Whether the rows from ``first_row`` on, at slice ``positions``, are in ascending slice order and each in the
+    group ``rows`` records it in: with the positions ascending, the first and last row of each group decide it
+    (one pass over the rows instead of a group lookup per row; :func:`slice_run` looks row by row only when this
+    says no, to name the first row out of place).
+
+    >>> _slices_in_order(np.array([0, 1, 5, 9], np.uint64), 0, [0, 2, 4], 10)
+    True
+    >>> _slices_in_order(np.array([0, 6, 5, 9], np.uint64), 0, [0, 2, 4], 10)
+    False
+    """
+    last_row = first_row + len(positions)
+    if not len(positions) or first_row < rows[0] or last_row > rows[-1] \
+            or any(a > b for a, b in zip(rows, rows[1:])):
+        return not len(positions)
+    if bool((positions[1:] < positions[:-1]).any()):
+        return False
+    bounds = group_bounds(len(rows) - 1, size)
+    for g in range(len(rows) - 1):
+        lo, hi = max(rows[g], first_row), min(rows[g + 1], last_row)
+        if lo < hi and not (bounds[g] <= int(positions[lo - first_row]) and int(positions[hi - 1 - first_row])
+                            < bounds[g + 1]):
+            return False
+    return True
+
+
 def slice_run(ids: np.ndarray, first_row: int, rows: list[int], size: int, own: tuple[int, int]) -> tuple[int, int]:
     """``(lo, hi)``: the rows of a version-4 id part whose positions lie in ``own`` (``[begin, end)``), given the
     ids ``ids`` of its rows from ``first_row`` on (the slice groups that meet ``own``, :func:`group_span`) and the
@@ -451,6 +478,11 @@ def slice_run(ids: np.ndarray, first_row: int, rows: list[int], size: int, own: 
     (1, 3)
     """
     positions = slice_positions(ids, size)
+    begin, end = own
+    if _slices_in_order(positions, first_row, rows, size):
+        return (first_row + int(np.searchsorted(positions, np.uint64(begin))),
+                first_row + int(np.searchsorted(positions, np.uint64(end))))
+    # Something is out of place: find the first row that is, row by row, to name it.
     bounds = np.array(group_bounds(len(rows) - 1, size), np.uint64)
     where = np.arange(first_row, first_row + len(ids))
     recorded = np.searchsorted(np.asarray(rows), where, side="right") - 1  # the group each row is recorded in
@@ -462,7 +494,6 @@ def slice_run(ids: np.ndarray, first_row: int, rows: list[int], size: int, own: 
                                            f"position in [{int(bounds[g])}, {int(bounds[g + 1])}) (slice group {g}, "
                                            f"rows {rows[g]}..{rows[g + 1]} by the recorded slices.rows), in "
                                            "ascending order")
-    begin, end = own
     return (first_row + int(np.searchsorted(positions, np.uint64(begin))),
             first_row + int(np.searchsorted(positions, np.uint64(end))))
 
@@ -651,35 +682,8 @@ def _rows(shape: list) -> int:
     return shape[0] if shape else 1
 
 
-def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = None) -> dict[str, Any]:
-    """The checkpoint's four JSON files, parsed, checked against the manifest's hashes and against each other.
-
-    Returns ``{"manifest", "manifest_blake3", "index", "tensorkey", "descriptions", "unchecked"}``
-    (``manifest_blake3``: the BLAKE3 of ``manifest.json``'s bytes; ``unchecked``: what this version of the
-    format gives no means to check). A directory without ``manifest.json`` raises
-    :class:`~fastckpt.errors.CheckpointNotFoundError`; a metadata file whose bytes are not the ones the
-    manifest records (or a version-3 manifest that fails its own checksum) an
-    :class:`~fastckpt.errors.ChecksumMismatchError`; any malformed value or disagreement a
-    :class:`~fastckpt.errors.FormatError` naming the file and the key; a checkpoint replaced while it is read a
-    :class:`~fastckpt.errors.CheckpointChangedError`. ``snapshot``: the pinned directory
-    (:class:`~fastckpt.store.snapshot.Snapshot`) to read through, so that every file comes from one commit
-    (one is opened for the call without it).
-
-    >>> read_metadata("/nonexistent")
-    Traceback (most recent call last):
-    fastckpt.errors.CheckpointNotFoundError: /nonexistent: no sharded checkpoint here (not a directory)
-    """
-    if snapshot is None:
-        with Snapshot(directory, record=MANIFEST_FILE, what="sharded checkpoint") as snapshot:
-            return read_metadata(directory, snapshot=snapshot)
-    d = os.fspath(directory)
-    where = os.path.join(d, MANIFEST_FILE)
-    try:
-        raw = snapshot.read(MANIFEST_FILE)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        raise snapshot.absent(MANIFEST_FILE, f"{d}: no sharded checkpoint here (no {MANIFEST_FILE}: a save that did "
-                                             "not finish leaves none)") from None
-    manifest = parse_json(raw, where)
+def _check_manifest(manifest: Any, where: str) -> list[str]:
+    """The checks of ``manifest.json`` on its own (:func:`read_metadata`); returns what its version leaves unchecked."""
     expect(isinstance(manifest, dict), where, f"expected a JSON object, got {type(manifest).__name__}")
     expect(manifest.get("format") == FORMAT, where,
             f"'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
@@ -727,7 +731,51 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
         expect(is_count(manifest.get("chain_length"), 1), where,
                 f"'chain_length' must be a positive integer, got {manifest.get('chain_length')!r}")
     _check_manifest_entries(manifest, where, delta=kind == "delta", version=version)
+    return unchecked
 
+
+# Manifests whose every check passed in this process, by the BLAKE3 of their bytes: the checks are a function of
+# those bytes and of the metadata files' bytes, which the manifest hashes and every reading compares, so a reading of
+# the same bytes (another rank of a load run as threads, a chain resolved and then opened) parses them and skips the
+# checks. Bounded: the oldest entry goes first.
+_checked: dict[str, dict] = {}
+_checked_lock = threading.Lock()
+_CHECKED_MAX = 64
+
+
+def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = None) -> dict[str, Any]:
+    """The checkpoint's four JSON files, parsed, checked against the manifest's hashes and against each other.
+
+    Returns ``{"manifest", "manifest_blake3", "index", "tensorkey", "descriptions", "unchecked"}``
+    (``manifest_blake3``: the BLAKE3 of ``manifest.json``'s bytes; ``unchecked``: what this version of the
+    format gives no means to check). A directory without ``manifest.json`` raises
+    :class:`~fastckpt.errors.CheckpointNotFoundError`; a metadata file whose bytes are not the ones the
+    manifest records (or a version-3 manifest that fails its own checksum) an
+    :class:`~fastckpt.errors.ChecksumMismatchError`; any malformed value or disagreement a
+    :class:`~fastckpt.errors.FormatError` naming the file and the key; a checkpoint replaced while it is read a
+    :class:`~fastckpt.errors.CheckpointChangedError`. ``snapshot``: the pinned directory
+    (:class:`~fastckpt.store.snapshot.Snapshot`) to read through, so that every file comes from one commit
+    (one is opened for the call without it).
+
+    >>> read_metadata("/nonexistent")
+    Traceback (most recent call last):
+    fastckpt.errors.CheckpointNotFoundError: /nonexistent: no sharded checkpoint here (not a directory)
+    """
+    if snapshot is None:
+        with Snapshot(directory, record=MANIFEST_FILE, what="sharded checkpoint") as snapshot:
+            return read_metadata(directory, snapshot=snapshot)
+    d = os.fspath(directory)
+    where = os.path.join(d, MANIFEST_FILE)
+    try:
+        raw = snapshot.read(MANIFEST_FILE)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise snapshot.absent(MANIFEST_FILE, f"{d}: no sharded checkpoint here (no {MANIFEST_FILE}: a save that did "
+                                             "not finish leaves none)") from None
+    manifest_hash = blake3.blake3(raw).hexdigest()
+    known = _checked.get(manifest_hash)  # these bytes were checked before, with the files they hash
+    manifest = parse_json(raw, where)
+    unchecked = list(known["unchecked"]) if known is not None else _check_manifest(manifest, where)
+    files = manifest["files"]
     loaded = {}
     for name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE):
         path, entry = os.path.join(d, name), files[name]
@@ -742,6 +790,15 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
                                         f"{entry['blake3'][:16]}...: the file was changed or damaged after the commit")
         loaded[name] = parse_json(data, path)
 
+    if known is not None:  # the same bytes as a checked reading: parsed anew (the caller may change them), not checked
+        index = loaded[INDEX_FILE]
+        return {"manifest": manifest, "manifest_blake3": manifest_hash,
+                "index": {"block_index": index["block_index"], "file_index": index["file_index"],
+                          "files": dict(known["files"])},
+                "tensorkey": loaded[TENSORKEY_FILE], "descriptions": loaded[DESCRIPTION_FILE], "unchecked": unchecked}
+    parallel = manifest["parallel"]
+    kind, version = manifest.get("kind", "full"), manifest["format_version"]
+    expected_files = {name for name in files if _FILE.fullmatch(name) is not None}
     index = loaded[INDEX_FILE]
     iwhere = os.path.join(d, INDEX_FILE)
     expect(isinstance(index, dict) and set(index) == {"block_index", "file_index"}, iwhere,
@@ -771,7 +828,11 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
                 f"block_index[{key!r}] is {number!r}, not a file number of file_index")
         _check_description(key, descriptions[key], tensorkey[key], dwhere, version)
     _check_layout(manifest, descriptions, where, dwhere, delta=kind == "delta", version=version)
-    return {"manifest": manifest, "manifest_blake3": blake3.blake3(raw).hexdigest(),
+    with _checked_lock:
+        while len(_checked) >= _CHECKED_MAX:
+            _checked.pop(next(iter(_checked)))
+        _checked[manifest_hash] = {"unchecked": tuple(unchecked), "files": tuple(by_number.items())}
+    return {"manifest": manifest, "manifest_blake3": manifest_hash,
             "index": {"block_index": block_index, "file_index": file_index, "files": by_number},
             "tensorkey": tensorkey, "descriptions": descriptions, "unchecked": unchecked}
 

@@ -504,7 +504,14 @@ class Loader:
         # First the ids of every part and which of them this rank owns; then one gather of those rows from each
         # part's mapped views straight into arrays of the final size (no concatenation), which the table adopts
         # as its storage (no copy).
-        picks = self._owned(reader, f"{name}.id")
+        id_keys = reader.part_names(f"{name}.id")
+        if self.shard_num == 1 and self.owner in (None, owner_mod) \
+                and not any("encoding" in reader.descriptions[key] for key in id_keys):
+            # One rank owns every id: each id part is read into place below, not mapped, copied and numbered.
+            picks = [(None, key[len(name) + 3:], range(reader.part_infos[key].shape[0])) for key in id_keys
+                     if reader.part_infos[key].shape[0]]
+        else:
+            picks = self._owned(reader, f"{name}.id")
         total = sum(len(mine) for *_, mine in picks)
         stored = max(1, reader.hashtables()[name].get("ids", 0))  # every rank's ids in the checkpoint
         capacity = total + (headroom * total // stored + 1024 if headroom else 0)
@@ -514,11 +521,15 @@ class Loader:
         slots_out = {slot: np.empty((capacity, dim), dtype) for slot in table.slots}
         at = 0
         copies: list[tuple] = []  # the rows' copies, run on `parallel` threads while the table builds its index
+        id_reads: list[tuple[str, np.ndarray]] = []  # id parts read into place by this thread, before the index
         for ids, suffix, mine in picks:
             end = at + len(mine)
             targets = [(f"{name}.embedding{suffix}", values_out), *((f"{name}.{s}{suffix}", o) for s, o in
                                                                     slots_out.items())]
-            if len(mine) == len(ids):  # the whole part: read its bytes into place, as a plain read would
+            if ids is None:  # every id of the part, not read yet: read into place below, while the rows are
+                id_reads.append((f"{name}.id{suffix}", ids_out[at:end]))
+                copies += [(_copy_whole, reader, key, out[at:end]) for key, out in targets]
+            elif len(mine) == len(ids):  # the whole part: read its bytes into place, as a plain read would
                 ids_out[at:end] = ids
                 copies += [(_copy_whole, reader, key, out[at:end]) for key, out in targets]
             else:
@@ -530,6 +541,8 @@ class Loader:
             scope = held_guards()  # the copies' threads read the mappings under this thread's guards
             futures = [pool.submit(scope.run, *copy) for copy in copies]
             error = None
+            for key, out in id_reads:
+                _read_part(reader, key, out)
             try:
                 table.adopt(ids_out, values_out, slots_out, rows=total)  # reads the ids only, not the rows
             except ValueError as exc:

@@ -24,14 +24,17 @@ Incremental (delta) saves need a local directory: a delta names its base by path
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from fastckpt._native.safetensors import MAX_HEADER_SIZE
 from fastckpt.errors import FormatError
 from fastckpt.formats import remote
+from fastckpt.store.commit import link_over
 from fastckpt.store.manifest import MAX_JSON_BYTES, parse_json, read_json
 from fastckpt.sharded.engine import error_info as _error_info
 from fastckpt.sharded.engine import raise_from_root as _raise_from_root
@@ -146,6 +149,15 @@ def _load_from(loader, local: str):
 _HEAD = 8 << 10  # the first bytes fetched of every tensor file: its safetensors header, mostly whole
 
 
+# The metadata and tensor-file headers of a prefix being fetched, by (URL, the manifest's BLAKE3): shared by the
+# loads that run at the same time (:meth:`_Share.shared_heads`), dropped when the last of them is done.
+_heads: dict[tuple[str, str], list] = {}  # key -> [loads holding it, Future of (bytes by file, offsets) or None]
+_heads_lock = threading.Lock()
+# Whole tensor files being fetched, by (URL, the manifest's BLAKE3, file): shared the same way (:meth:`_Share.
+# fetch_whole`); the value a Future of the local path of the load that fetches it.
+_wholes: dict[tuple[str, str, str], list] = {}
+
+
 class _Share:
     """The local sparse copy of a checkpoint prefix that :func:`fetch_share` fills, and what it fetched."""
 
@@ -154,6 +166,7 @@ class _Share:
 
         self.fs, self.url, self.path, self.local, self.sizes = fs, url, path, local, sizes
         self.bytes, self.requests = 0, 0
+        self.manifest_hash = ""  # the BLAKE3 of the manifest's bytes: what the metadata fetched belongs to
         for name, size in sizes.items():
             with open(os.path.join(local, name), "wb") as f:
                 f.truncate(size)  # sparse: only the ranges fetched take space
@@ -199,6 +212,102 @@ class _Share:
                     out[key] = (name, 8 + length + begin, 8 + length + end, list(entry["shape"]))
         return out
 
+    def shared_heads(self, whole: list[str], headed: list[str]) -> dict[str, tuple[str, int, int, list]]:
+        """:meth:`headers` of ``headed`` with the files ``whole`` fetched whole in the same round, shared by the
+        loads of this prefix and manifest that run at the same time in this process (the ranks of a load run as
+        threads): one fetches, the others wait and write the same bytes into their own local copies (an unchanged
+        manifest names unchanged metadata files and tensor files, by their BLAKE3 and size)."""
+        import os
+
+        key = (self.url, self.manifest_hash)
+        with _heads_lock:
+            entry = _heads.setdefault(key, [0, None])
+            entry[0] += 1
+            future, mine = entry[1], entry[1] is None
+            if mine:
+                future = entry[1] = concurrent.futures.Future()
+        try:
+            if not mine:
+                try:
+                    blobs, offsets = future.result()
+                except Exception:  # noqa: BLE001 - the fetching load raises its own error; this one fetches again
+                    return self.headers(headed, also={name: [(0, self.sizes[name])] for name in whole})
+                for name, data in blobs.items():
+                    with open(os.path.join(self.local, name), "r+b") as f:
+                        f.write(data)
+                return offsets
+            try:
+                offsets = self.headers(headed, also={name: [(0, self.sizes[name])] for name in whole})
+                blobs = {}
+                for name in [*whole, *headed]:  # a metadata file whole, a tensor file's header (8 + its length)
+                    with open(os.path.join(self.local, name), "rb") as f:
+                        if name in headed:
+                            head = f.read(8)
+                            blobs[name] = head + f.read(int.from_bytes(head, "little") if len(head) == 8 else 0)
+                        else:
+                            blobs[name] = f.read(self.sizes[name])
+            except BaseException as exc:
+                with _heads_lock:
+                    entry[1] = None  # a load after this one fetches for itself
+                future.set_exception(exc)
+                raise
+            future.set_result((blobs, offsets))
+            return offsets
+        finally:
+            with _heads_lock:
+                entry[0] -= 1
+                if entry[0] == 0 and _heads.get(key) is entry:
+                    del _heads[key]  # held by loads running now only: a later load fetches the prefix again
+
+    def fetch_whole(self, names: list[str]) -> None:
+        """Fetch files ``names`` whole, each once among the loads of this prefix and manifest that run at the same
+        time in this process: a file another load is fetching is waited for and hard-linked into this load's
+        local copy (read-only from then on; each load's reader hashes it against the manifest, once between them,
+        by file identity), the rest fetched here in one round. A link that cannot be made (another file system,
+        the other load gone) is a fetch of its own."""
+        import os
+
+        base = (self.url, self.manifest_hash)
+        own, others = [], []
+        with _heads_lock:
+            for name in names:
+                entry = _wholes.setdefault((*base, name), [0, None])
+                entry[0] += 1
+                if entry[1] is None:
+                    entry[1] = concurrent.futures.Future()
+                    own.append((name, entry, entry[1]))
+                else:
+                    others.append((name, entry, entry[1]))
+        try:
+            try:
+                self.fetch({name: [(0, self.sizes[name])] for name, *_ in own})
+            except BaseException as exc:
+                for _, entry, future in own:
+                    with _heads_lock:
+                        if entry[1] is future:
+                            entry[1] = None
+                    future.set_exception(exc)
+                raise
+            for name, _, future in own:
+                future.set_result(os.path.join(self.local, name))
+            again = []
+            for name, _, future in others:
+                target = os.path.join(self.local, name)
+                try:
+                    link_over(future.result(), target)
+                except Exception:  # noqa: BLE001 - failed there, or cannot be linked: fetched here
+                    again.append(name)
+            self.fetch({name: [(0, self.sizes[name])] for name in again})
+        finally:
+            with _heads_lock:
+                for name in names:
+                    key = (*base, name)
+                    entry = _wholes.get(key)
+                    if entry is not None:
+                        entry[0] -= 1
+                        if entry[0] == 0:
+                            del _wholes[key]
+
     def ids(self, where: tuple):
         """The int64 ids of the block at ``where`` (fetched before)."""
         import os
@@ -232,7 +341,9 @@ def fetch_share(loader, local: str) -> dict | bool:
     be downloaded whole: one with a manifest loaded with ``verify=True`` (its BLAKE3 hashes cover whole files,
     so only whole files can be checked; but a full, unencoded checkpoint of format version 4 under its slice rule
     fetches whole only the files whose parts this rank reads), a delta, an encoded table; or neither a manifest
-    nor RecIS's ``index``, which the whole-prefix path reports.
+    nor RecIS's ``index``, which the whole-prefix path reports. Loads of the same prefix running at the same
+    time in this process (ranks as threads) fetch the metadata, the headers and the whole files alike once
+    between them (:meth:`_Share.shared_heads`, :meth:`_Share.fetch_whole`).
     """
 
     from fastckpt.sharded import recis
@@ -272,6 +383,9 @@ def fetch_share(loader, local: str) -> dict | bool:
     sizes.pop(MANIFEST_FILE, None)
     share = _Share(fs, url, path, local, sizes)
     if manifest_bytes is not None:
+        import blake3
+
+        share.manifest_hash = blake3.blake3(manifest_bytes).hexdigest()
         with open(f"{local}/{MANIFEST_FILE}", "wb") as f:
             f.write(manifest_bytes)
         share.bytes, share.requests = len(manifest_bytes), 1
@@ -297,8 +411,7 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     from fastckpt.sharded.format import group_rows, rows_of
 
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
-    offsets = share.headers(sorted(set(share.sizes) - set(metadata)),
-                            also={name: [(0, share.sizes[name])] for name in metadata})
+    offsets = share.shared_heads(metadata, sorted(set(share.sizes) - set(metadata)))
     descriptions = share.json(DESCRIPTION_FILE)
     dense_wanted = set(loader.tensors) or set(manifest.get("tensors", {}))
     tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
@@ -335,7 +448,7 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
         files = {offsets[k][0] for k in id_parts} | set(first)
         files |= {offsets[k][0] for k, d in descriptions.items()
                   if k in offsets and not d.get("dense") and (d.get("table"), tuple(d.get("part", ()))) in parts}
-        share.fetch({name: [(0, share.sizes[name])] for name in files})
+        share.fetch_whole(sorted(files))
         return
     # Version 4 under its slice rule: the rows of the same groups of the embedding and slots, in the same round as
     # the ids (the rank's run lies in them; the Loader reads that run and checks the ids): no second round.

@@ -76,7 +76,7 @@ from typing import IO, Iterator
 
 __all__ = ["Commit", "atomic_write", "atomic_directory", "fsync_directory", "fsync_file", "fsync_open", "write_file",
            "staging_directory", "publish_directory", "abandon_staging", "retire_directory", "remove_temporary", "remove_stale_partials",
-           "remove_stale_partials_in", "rename_noreplace", "overwrite_flag", "STALE_AFTER"]
+           "remove_stale_partials_in", "rename_noreplace", "link_over", "overwrite_flag", "STALE_AFTER"]
 
 _SUFFIX = ".partial"
 # Small writes (headers, many small tensors) gather into one write() per 256 KiB; a write at least this
@@ -205,6 +205,30 @@ def remove_stale_partials_in(directory: str | os.PathLike, *, stale_after: float
 # so no sweep would take them as a dead writer's; every sweep retries them first.
 _abandoned: set[str] = set()
 _abandoned_lock = threading.Lock()
+
+
+def link_over(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Make ``target`` another name of the file ``source`` (a hard link, put in place by a rename: ``target`` names
+    at every moment either what it named before or ``source``'s file). ``OSError`` where no link can be made
+    (another file system, ``source`` gone), ``target`` then unchanged. Nothing is fsynced: for local copies that
+    need not outlive the process (the shares of a load from a URL).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> for name, text in (("a", "new"), ("b", "old")):
+    ...     _ = Path(d, name).write_text(text)
+    >>> link_over(Path(d, "a"), Path(d, "b")); Path(d, "b").read_text(), os.stat(Path(d, "a")).st_nlink
+    ('new', 2)
+    """
+    target = os.fspath(target)
+    temporary = f"{target}.link-{os.getpid()}-{threading.get_ident()}"
+    os.link(source, temporary)
+    try:
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def remove_temporary(path: str | os.PathLike) -> None:

@@ -1,0 +1,213 @@
+"""The load path's shortcuts keep every check: metadata read again in one process, the slice-order check of a
+version-4 part, and one rank reading every id part into place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastckpt.errors import ChecksumMismatchError
+from fastckpt.sharded import HashTable, Loader, Saver
+from fastckpt.sharded.format import DESCRIPTION_FILE, SliceRowError, group_bounds, read_metadata, slice_run
+
+
+def _state(n_ids: int = 3000):
+    rng = np.random.default_rng(3)
+    ids = rng.choice(np.arange(-10**6, 10**6), n_ids, replace=False)
+    return ids, rng.random((n_ids, 4), dtype=np.float32), rng.random((n_ids, 4), dtype=np.float32)
+
+
+def _save(tmp_path) -> str:
+    ids, values, m = _state()
+    table = HashTable(4, slots=("m",))
+    table.insert(ids, values, {"m": m})
+    out = str(tmp_path / "c")
+    Saver(path=out, parallel=2, hashtables={"emb": table}, tensors={"w": np.arange(12.0).reshape(4, 3)}).save()
+    return out
+
+
+def test_metadata_read_again_is_equal_and_new_and_a_damaged_file_is_still_refused(tmp_path):
+    out = _save(tmp_path)
+    first = read_metadata(out)
+    second = read_metadata(out)  # the same bytes: parsed anew, the checks skipped
+    assert second == first
+    assert second["descriptions"] is not first["descriptions"]
+    second["descriptions"].clear()  # the caller's own objects: a later reading is not changed by it
+    assert read_metadata(out) == first
+    path = f"{out}/{DESCRIPTION_FILE}"
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match=DESCRIPTION_FILE):
+        read_metadata(out)
+
+
+def _slow_run(ids, first_row, rows, size, own):
+    """slice_run row by row, as it ran before its one-pass check."""
+    from fastckpt.sharded.format import slice_positions
+
+    positions = slice_positions(ids, size)
+    bounds = np.array(group_bounds(len(rows) - 1, size), np.uint64)
+    where = np.arange(first_row, first_row + len(ids))
+    recorded = np.searchsorted(np.asarray(rows), where, side="right") - 1
+    actual = np.searchsorted(bounds, positions, side="right") - 1
+    bad = np.flatnonzero((recorded != actual) | np.concatenate([[False], positions[1:] < positions[:-1]]))
+    if len(bad):
+        return ("bad", first_row + int(bad[0]))
+    return (first_row + int(np.searchsorted(positions, np.uint64(own[0]))),
+            first_row + int(np.searchsorted(positions, np.uint64(own[1]))))
+
+
+def test_slice_run_names_the_same_first_row_out_of_place_as_a_row_by_row_check():
+    rng = np.random.default_rng(5)
+    size = 64
+    for _ in range(3000):
+        groups = int(rng.integers(1, 6))
+        n = int(rng.integers(0, 40))
+        ids = np.sort(rng.integers(0, size, n)).astype(np.int64)
+        bounds = group_bounds(groups, size)
+        rows = [int(np.searchsorted(ids, b)) for b in bounds[:-1]] + [n]
+        kind = rng.integers(0, 4)
+        if kind == 1 and n:  # an id moved
+            ids[rng.integers(0, n)] = rng.integers(0, size)
+        elif kind == 2 and groups > 1:  # an offset moved
+            g = int(rng.integers(1, groups))
+            rows[g] = int(np.clip(rows[g] + rng.integers(-3, 4), rows[g - 1], rows[g + 1]))
+        elif kind == 3 and n > 1:  # two rows swapped
+            a, b = rng.integers(0, n, 2)
+            ids[[a, b]] = ids[[b, a]]
+        first = int(rng.integers(0, groups))
+        last = int(rng.integers(first + 1, groups + 1))
+        r0, r1 = rows[first], rows[last]
+        own = tuple(sorted(int(x) for x in rng.integers(0, size + 1, 2)))
+        want = _slow_run(ids[r0:r1], r0, rows, size, own)
+        try:
+            got = slice_run(ids[r0:r1], r0, rows, size, own)
+        except SliceRowError as exc:
+            got = ("bad", exc.row)
+        assert got == want, (ids.tolist(), rows, first, last, own)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_one_rank_reads_every_id_part_into_place_exactly(tmp_path, shards):
+    out = _save(tmp_path)
+    ids, values, m = _state()
+    order = np.argsort(ids)
+    got = []
+    for j in range(shards):
+        table = Loader(out, verify=False, shard_index=j, shard_num=shards).load()[0]["emb"]
+        mine = table.ids()
+        at = order[np.searchsorted(ids[order], mine)]
+        assert np.array_equal(ids[at], mine)
+        assert np.array_equal(table.lookup(mine), values[at])
+        assert np.array_equal(table.lookup_slot("m", mine), m[at])
+        got.append(mine)
+    assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
+
+
+def _url_checkpoint(**tensors) -> str:
+    """The state of :func:`_state` saved to a new in-memory URL (parallel 2)."""
+    import uuid
+
+    url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
+    ids, values, m_slot = _state()
+    table = HashTable(4, slots=("m",))
+    table.insert(ids, values, {"m": m_slot})
+    Saver(path=url, parallel=2, hashtables={"emb": table}, tensors=tensors).save()
+    return url
+
+
+def _check_exact(tables: list) -> None:
+    """The ranks' tables hold every id of :func:`_state` once, each with its rows."""
+    ids, values, m_slot = _state()
+    order = np.argsort(ids)
+    assert np.array_equal(np.sort(np.concatenate([t.ids() for t in tables])), np.sort(ids))
+    for t in tables:
+        at = order[np.searchsorted(ids[order], t.ids())]
+        assert np.array_equal(t.lookup(t.ids()), values[at])
+        assert np.array_equal(t.lookup_slot("m", t.ids()), m_slot[at])
+
+
+def _ranks_as_threads(url: str, m: int, **options) -> list:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def load(j: int):
+        return Loader(url, shard_index=j, shard_num=m, verify=False, **options).load()[0]["emb"]
+
+    with ThreadPoolExecutor(m) as pool:
+        return list(pool.map(load, range(m)))
+
+
+def _hold_until_every_rank_asked(monkeypatch, m: int, fail_first: bool = False) -> list:
+    """Patch the fetch of a prefix's metadata and headers: the fetching load waits until ``m`` loads hold the
+    prefix (so that they overlap for certain), and the fetches are recorded (the first failing, if asked)."""
+    import time
+
+    from fastckpt.sharded import remote as sharded_remote
+
+    real = sharded_remote._Share.headers
+    calls: list = []
+
+    def headers(self, names, also=None):
+        calls.append(sorted(also or {}))
+        deadline = time.monotonic() + 20
+        while len(calls) == 1 and sharded_remote._heads[(self.url, self.manifest_hash)][0] < m \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if fail_first and len(calls) == 1:
+            raise OSError("the first fetch fails")
+        return real(self, names, also)
+
+    monkeypatch.setattr(sharded_remote._Share, "headers", headers)
+    return calls
+
+
+def test_ranks_loading_from_a_url_at_once_fetch_its_metadata_and_headers_once(monkeypatch):
+    url = _url_checkpoint(w=np.ones((4, 3)))
+    calls = _hold_until_every_rank_asked(monkeypatch, 3)
+    tables = _ranks_as_threads(url, 3)
+    assert calls == [sorted([DESCRIPTION_FILE, "index.json", "tensorkey.json"])]  # one fetch for the three ranks
+    _check_exact(tables)
+    # the shared fetch is gone once the loads are done: a later load fetches for itself
+    from fastckpt.sharded import remote as sharded_remote
+
+    assert not sharded_remote._heads
+
+
+def test_when_the_shared_fetch_fails_that_load_raises_and_the_others_fetch_again(monkeypatch):
+    url = _url_checkpoint()
+    calls = _hold_until_every_rank_asked(monkeypatch, 2, fail_first=True)
+    with pytest.raises(OSError, match="the first fetch fails"):
+        _ranks_as_threads(url, 2)
+    assert len(calls) == 2  # the other rank fetched on its own, and loaded
+    assert [len(t.ids()) for t in _ranks_as_threads(url, 2)] != []
+
+
+def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(monkeypatch):
+    import time
+    from fastckpt.sharded import remote as sharded_remote
+
+    url = _url_checkpoint()
+    fetched: list = []
+    real_fetch = sharded_remote._Share.fetch
+
+    def fetch(self, spans):
+        whole = [name for name, ranges in spans.items() if ranges == [(0, self.sizes[name])]
+                 and name.endswith(".safetensors")]
+        fetched.extend(whole)
+        deadline = time.monotonic() + 20  # a whole-file fetch waits until the three loads hold the files: they
+        while whole and time.monotonic() < deadline and any(  # overlap for certain
+                sharded_remote._wholes.get((self.url, self.manifest_hash, name), [0])[0] < 3 for name in whole):
+            time.sleep(0.005)
+        return real_fetch(self, spans)
+
+    monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        tables = list(pool.map(lambda j: Loader(url, shard_index=j, shard_num=3).load()[0]["emb"], range(3)))
+    assert sorted(fetched) == sorted(set(fetched)) and fetched  # each tensor file fetched whole once
+    _check_exact(tables)
+    assert not sharded_remote._wholes
