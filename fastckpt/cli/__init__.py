@@ -13,7 +13,7 @@ and then adds that suite's options (see :mod:`fastckpt.bench`).
 >>> sorted(COMMANDS)
 ['bench', 'compact', 'convert', 'demo', 'inspect', 'reshard', 'verify']
 >>> main(["--version"])  # doctest: +SKIP
-fastckpt 0.4.0
+fastckpt 0.5.0
 """
 
 from __future__ import annotations
