@@ -204,10 +204,25 @@ def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(mo
         return real_fetch(self, spans)
 
     monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
+    from fastckpt.sharded import reader as sharded_reader
+
+    hashed: list = []
+    real_digest = sharded_reader._shared_digest
+
+    def shared_digest(identity, compute):
+        def counted():
+            hashed.append(identity[:2])  # (device, inode): one file, by whichever of its links it is read
+            return compute()
+        return real_digest(identity, counted)
+
+    monkeypatch.setattr(sharded_reader, "_shared_digest", shared_digest)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(3) as pool:
         tables = list(pool.map(lambda j: Loader(url, shard_index=j, shard_num=3).load()[0]["emb"], range(3)))
     assert sorted(fetched) == sorted(set(fetched)) and fetched  # each tensor file fetched whole once
+    # ... and hashed once between the three loads: the links were made before any of them opened the file (a link
+    # changes the file's ctime, part of the identity its hash is shared by)
+    assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == len(fetched)
     _check_exact(tables)
     assert not sharded_remote._wholes

@@ -25,6 +25,7 @@ Incremental (delta) saves need a local directory: a delta names its base by path
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import shutil
 import tempfile
@@ -263,20 +264,25 @@ class _Share:
         """Fetch files ``names`` whole, each once among the loads of this prefix and manifest that run at the same
         time in this process: a file another load is fetching is waited for and hard-linked into this load's
         local copy (read-only from then on; each load's reader hashes it against the manifest, once between them,
-        by file identity), the rest fetched here in one round. A link that cannot be made (another file system,
-        the other load gone) is a fetch of its own."""
+        by file identity), the rest fetched here in one round. The fetching load makes the links of the loads
+        waiting for it before any of them opens the file: a link changes the file's ctime, which is part of its
+        identity, so a link made after another load opened it would have it hashed again. A load that comes once
+        the links are made links for itself; a link that cannot be made (another file system, the other load
+        gone) is a fetch of its own."""
         import os
 
         base = (self.url, self.manifest_hash)
         own, others = [], []
         with _heads_lock:
             for name in names:
-                entry = _wholes.setdefault((*base, name), [0, None])
+                entry = _wholes.setdefault((*base, name), [0, None, None])
                 entry[0] += 1
                 if entry[1] is None:
-                    entry[1] = concurrent.futures.Future()
+                    entry[1], entry[2] = concurrent.futures.Future(), []
                     own.append((name, entry, entry[1]))
                 else:
+                    if entry[2] is not None:  # the fetching load links it here before it sets its result
+                        entry[2].append(os.path.join(self.local, name))
                     others.append((name, entry, entry[1]))
         try:
             try:
@@ -288,13 +294,22 @@ class _Share:
                             entry[1] = None
                     future.set_exception(exc)
                 raise
-            for name, _, future in own:
-                future.set_result(os.path.join(self.local, name))
+            for name, entry, future in own:
+                source, linked = os.path.join(self.local, name), set()
+                with _heads_lock:
+                    targets, entry[2] = entry[2], None  # a load that comes after this links for itself
+                for target in targets:
+                    with contextlib.suppress(OSError):  # that load links or fetches for itself
+                        link_over(source, target)
+                        linked.add(target)
+                future.set_result((source, linked))
             again = []
             for name, _, future in others:
                 target = os.path.join(self.local, name)
                 try:
-                    link_over(future.result(), target)
+                    source, linked = future.result()
+                    if target not in linked:
+                        link_over(source, target)
                 except Exception:  # noqa: BLE001 - failed there, or cannot be linked: fetched here
                     again.append(name)
             self.fetch({name: [(0, self.sizes[name])] for name in again})
