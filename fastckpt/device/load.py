@@ -152,7 +152,8 @@ class LoadReport:
     see ``load_file``'s ``staging``), ``staging_buffers`` how many, ``fill_threads``
     how many threads filled them (:mod:`fastckpt.device.staging`) and ``staging_fill`` the seconds during
     which one of them at least was writing; ``reads`` counts the ``preadv`` calls that read a cold file straight
-    into the arenas (:data:`DIRECT_READS`; 0 where the bytes were copied from the mapping); ``timings`` holds
+    into the arenas (:data:`DIRECT_READS`) or into the staging buffers (0 where the bytes were copied from the
+    mapping); ``timings`` holds
     seconds for ``open``, ``plan``, ``allocate``, ``copy`` and ``total``.
 
     >>> report = load_file("model.safetensors", pool=pool).report    # doctest: +SKIP
@@ -851,6 +852,7 @@ def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQu
             if load.stager is not None:
                 load.stager.finish()
                 report.copies += load.stager.copies
+                report.reads += sum(load.stager.reads)
                 report.staging_fill = load.stager.fill_seconds
                 report.fill_threads = load.stager.threads
             if plan.decoded:

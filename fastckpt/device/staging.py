@@ -252,19 +252,22 @@ def _wait_events(events) -> None:
     cl.wait_for_events(events)  # releases the GIL while it waits
 
 
-def fill(pending, pairs) -> None:
+def fill(pending, pairs) -> int:
     """Wait for ``pending`` (the copies last sent from the staging buffer about to be overwritten), then fill each
     ``(destination, source, file)`` of flat uint8 arrays: read from ``file`` (``(descriptor, offset, path)``) where
-    there is one, else copied from ``source``. One fill task; runs on a fill thread or the caller's."""
+    there is one, else copied from ``source``. One fill task; runs on a fill thread or the caller's. Returns the
+    read calls it made (0 where it copied)."""
     if pending:
         _wait_events(pending)
+    reads = 0
     for dst, src, file in pairs:
         if file is None:
             np.copyto(dst, src)
         else:
             fd, offset, path, direct = file if len(file) == 4 else (*file, None)
             # this fill is one of the fill threads' parts; O_DIRECT for the blocks whose address agrees
-            read_into(fd, [(dst, offset)], path, threads=1, direct_fd=direct)
+            reads += read_into(fd, [(dst, offset)], path, threads=1, direct_fd=direct)
+    return reads
 
 
 class Stager:
@@ -277,7 +280,7 @@ class Stager:
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "pieces", "ramp",
-                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled", "threads")
+                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled", "threads", "reads")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
                  reported: Callable | None = None):
@@ -301,6 +304,7 @@ class Stager:
         self.files: dict = {}  # id(mapping) -> (descriptor or None, the mapping), see file()
         self.fresh = False  # the load made its mappings (see READ)
         self.filled: list = []  # (start, end) of each fill task's writing (its wait for copies left out)
+        self.reads: list = []  # the read calls of each fill task that read from a file
         self.threads = shape.threads  # the fill threads finish() used: more where the fills read with O_DIRECT
 
     @property
@@ -499,8 +503,10 @@ class Stager:
         if pending:
             _wait_events(pending)
         began = time.perf_counter()
-        fill(pending, task)
+        reads = fill(pending, task)
         self.filled.append((began, time.perf_counter()))  # list.append: safe from several fill threads
+        if reads:
+            self.reads.append(reads)
 
     def _send(self, slot: int, batch: list):
         """Copy a filled batch from staging buffer ``slot`` to its device buffers (non-blocking); the event of its
