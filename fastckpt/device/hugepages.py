@@ -83,14 +83,24 @@ def huge_pages_available() -> bool:
     return _available
 
 
-def _madvise():
-    import ctypes
+_madvise_fn = None  # libc's madvise through ctypes, made at the first call; False where there is none
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+
+def madvise():
+    """libc's ``madvise(address, length, advice)`` (ctypes, errno kept), made once; None where the platform has
+    none. The one binding for advice on memory fastckpt owns: huge pages here, prefaulting a new arena
+    (:mod:`fastckpt.device.load`)."""
+    global _madvise_fn
+    if _madvise_fn is None:
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            _madvise_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                           use_errno=True)(("madvise", libc))
+        except (OSError, AttributeError):  # pragma: no cover - no libc madvise
+            _madvise_fn = False
+    return _madvise_fn or None
 
 
 def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
@@ -120,7 +130,8 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
             address = view.__array_interface__["data"][0]
             start = -(-address // _PAGE) * _PAGE
             end = (address + nbytes) // _PAGE * _PAGE
-            ok = end > start and _madvise()(start, end - start, _MADV_HUGEPAGE) == 0
+            advise = madvise()
+            ok = end > start and advise is not None and advise(start, end - start, _MADV_HUGEPAGE) == 0
         finally:
             # Waited for: the first copy into the buffer (on the caller's queue) must not overlap the unmap.
             view.base.release(private).wait()

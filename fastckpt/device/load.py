@@ -90,6 +90,7 @@ import numpy as np
 
 from fastckpt._native.tensorindex import FLAG_DEFLATE, FLAG_FORTRAN_ORDER, FLAG_VIEWABLE
 from fastckpt.device.context import shares_host_memory
+from fastckpt.device.hugepages import madvise
 from fastckpt.device.pool import StagingBuffers
 from fastckpt.device.staging import STAGING_CHUNK, STAGING_ROUND, Stager, batch_chunk, staging_chunk, staging_shape
 from fastckpt.device.tensor import Tensor, contiguous
@@ -1309,33 +1310,19 @@ class _Prefault:
     thread of its own (``madvise(MADV_POPULATE_WRITE)``: no byte changes, so it may run under the writes that fill
     the array); where the kernel has no such advice it does nothing. :meth:`stop` ends it and waits for it."""
 
-    _madvise = None  # libc's madvise through ctypes, made at the first use; False where there is none
-
     def __init__(self, target: np.ndarray):
         self.halt = threading.Event()
         self.steps = 0
         first = -target.ctypes.data % _PAGE
         self.start, self.end = target.ctypes.data + first, target.ctypes.data + len(target) // _PAGE * _PAGE
         self.thread = None
-        if self.end - self.start >= _PREFAULT_STEP and self._function():
+        self.madvise = madvise()
+        if self.end - self.start >= _PREFAULT_STEP and self.madvise is not None:
             self.thread = threading.Thread(target=self._run, name="fastckpt-prefault", daemon=True)
             self.thread.start()
 
-    @classmethod
-    def _function(cls):
-        if cls._madvise is None:
-            import ctypes
-
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                cls._madvise = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                use_errno=True)(("madvise", libc))
-            except (OSError, AttributeError):  # pragma: no cover - no libc madvise
-                cls._madvise = False
-        return cls._madvise
-
     def _run(self) -> None:
-        fn = self._madvise
+        fn = self.madvise
         # SAFETY: stop() is called before the array is unmapped, and the advice is only ever given inside it.
         for at in range(self.start, self.end, _PREFAULT_STEP):
             if self.halt.is_set() or fn(at, min(_PREFAULT_STEP, self.end - at) // _PAGE * _PAGE or _PAGE,
