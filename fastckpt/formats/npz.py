@@ -233,11 +233,17 @@ AUTO_ALIGNMENT = "auto"
 _AUTO_LARGE_ALIGNMENT = 4096
 _AUTO_SMALL_ALIGNMENT = 64
 _AUTO_SMALL_BELOW = 64 << 10
-# ZIP's CRC-32 (not crc32c). zlib-ng's is about 4x faster than the zlib Python links against.
+# ZIP's CRC-32 (not crc32c), and the CRC-32 of two runs of bytes joined (a member checked as its pieces stream in:
+# fastckpt.formats.stream.Checksums). zlib-ng's is about 4x faster than the zlib Python links against.
 try:
     from zlib_ng.zlib_ng import crc32 as _crc32
+    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct without it
     _crc32 = zlib.crc32
+
+    def _crc32_combine(first: int, second: int, length: int) -> int:
+        zeros = bytes(length)  # CRC-32 is affine in its start value: shift `first` over `length` zero bytes
+        return _crc32(zeros, first) ^ _crc32(zeros, 0) ^ second
 
 
 def _zng_crc32_address() -> int:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from fastckpt.errors import CheckpointChangedError, CheckpointNotFoundError, FormatError
+from fastckpt.formats.npz import _crc32, _crc32_combine  # ZIP's CRC-32, and two runs' joined
 from fastckpt.store.remote import filesystem
 
 __all__ = ["RemoteObject", "ObjectChangedError", "StreamStats", "Scatter", "Checksums", "stream", "merged", "CHUNK",
@@ -60,17 +61,6 @@ THREADS = 8
 _PART = 1 << 20  # the most a streamed body is read at a time (parts=True)
 # Ranges closer than this are fetched as one (the bytes between are read and dropped): small tensors, one request.
 GAP = 64 << 10
-
-# ZIP's CRC-32 and the CRC-32 of two runs of bytes joined (zlib-ng, a dependency; the same values as zlib's).
-try:
-    from zlib_ng.zlib_ng import crc32 as _crc32
-    from zlib_ng.zlib_ng import crc32_combine as _crc32_combine
-except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct without it
-    from zlib import crc32 as _crc32
-
-    def _crc32_combine(first: int, second: int, length: int) -> int:
-        zeros = bytes(length)  # CRC-32 is affine in its start value: shift `first` over `length` zero bytes
-        return _crc32(zeros, first) ^ _crc32(zeros, 0) ^ second
 
 # What the store says of an object that changes when the object is replaced (the first ones it reports).
 _IDENTITY_KEYS = ("ETag", "etag", "VersionId", "generation", "LastModified", "mtime", "created", "size")
