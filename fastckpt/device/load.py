@@ -91,8 +91,16 @@ import numpy as np
 from fastckpt._native.tensorindex import FLAG_DEFLATE, FLAG_FORTRAN_ORDER, FLAG_VIEWABLE
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.hugepages import madvise
-from fastckpt.device.pool import StagingBuffers
-from fastckpt.device.staging import STAGING_CHUNK, STAGING_ROUND, Stager, batch_chunk, staging_chunk, staging_shape
+from fastckpt.device.staging import (
+    STAGING_CHUNK,
+    STAGING_ROUND,
+    Stager,
+    batch_chunk,
+    lease_staging,
+    send_pinned,
+    staging_chunk,
+    staging_shape,
+)
 from fastckpt.device.tensor import Tensor, contiguous
 from fastckpt.errors import NotZeroCopyWarning, TensorNotFoundError
 from fastckpt.formats.contract import TensorReader
@@ -1401,10 +1409,8 @@ class _Landing:
         from fastckpt.formats import stream
 
         self.queue, self.buffer, self.start, self.at, self.done = load.queue, buffer, start, at, done
-        self.chunk, count = stream.CHUNK, stream.THREADS + 2
-        pool = load.pool
-        self.stage = pool.staging(load.queue, self.chunk, count) if pool is not None else \
-            StagingBuffers.allocate(load.queue, self.chunk, count)
+        self.chunk = stream.CHUNK
+        self.stage = lease_staging(load.queue, load.pool, self.chunk, stream.THREADS + 2)
         self.stage_kept = self.stage  # what a non-blocking load's region keeps alive
         self.free = list(range(self.stage.count))
         self.slot_of: dict = {}  # piece start -> staging buffer being filled
@@ -1434,19 +1440,10 @@ class _Landing:
         host[offset - piece:offset - piece + len(data)] = np.frombuffer(data, np.uint8)
 
     def send(self, lo: int, hi: int) -> None:
-        import pyopencl as cl
-
         with self.lock:
             slot = self.slot_of.pop(lo)
-        host = self.stage.hosts[slot][:hi - lo]
-        link = getattr(self.queue, "link", None)  # a simulated discrete device's (fastckpt.device.simlink)
-        # SAFETY: the copy reads pinned memory after it returns; the event keeps the array alive, and no piece is
-        # written into this buffer before that event has completed (_slot).
-        if link is not None:
-            event = link.copy(self.queue, self.buffer, host, self.at + lo - self.start)
-        else:
-            event = cl.enqueue_copy(self.queue, self.buffer, host, dst_offset=self.at + lo - self.start,
-                                    is_blocking=False)
+        # SAFETY: no piece is written into this buffer before the copy's event has completed (_slot).
+        event = send_pinned(self.queue, self.buffer, self.stage.hosts[slot][:hi - lo], self.at + lo - self.start)
         with self.lock:
             self.stage.pending[slot] = [event]
             self.events.append(event)

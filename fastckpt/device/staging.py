@@ -80,7 +80,8 @@ from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
 from fastckpt.formats.readinto import DIRECT_ALIGN, DIRECT_THREADS, open_direct, read_into, same_file
 
-__all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "STAGING_CHUNK",
+__all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "lease_staging",
+           "send_pinned", "STAGING_CHUNK",
            "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN", "SPARE_BUFFERS"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
@@ -252,6 +253,27 @@ def _wait_events(events) -> None:
     cl.wait_for_events(events)  # releases the GIL while it waits
 
 
+def lease_staging(queue, pool, chunk: int, count: int) -> StagingBuffers:
+    """``count`` pinned staging buffers of ``chunk`` bytes: leased from ``pool`` (kept there for the next load), or
+    made for this load where there is no pool. Returned with :meth:`~fastckpt.device.pool.StagingBuffers.release`."""
+    if pool is not None:
+        return pool.staging(queue, chunk, count)
+    return StagingBuffers.allocate(queue, chunk, count)
+
+
+def send_pinned(queue, buffer, host, at: int):
+    """One non-blocking copy of the pinned bytes ``host`` to ``buffer`` at ``at``: over the simulated link where the
+    queue has one (a simulated discrete device, :mod:`fastckpt.device.simlink`), else ``enqueue_copy``. Returns its
+    event. SAFETY: the copy reads ``host`` after this returns; the event keeps the array alive, and the caller
+    writes there again only once that event has completed."""
+    import pyopencl as cl
+
+    link = getattr(queue, "link", None)
+    if link is not None:
+        return link.copy(queue, buffer, host, at)
+    return cl.enqueue_copy(queue, buffer, host, dst_offset=at, is_blocking=False)
+
+
 def fill(pending, pairs) -> int:
     """Wait for ``pending`` (the copies last sent from the staging buffer about to be overwritten), then fill each
     ``(destination, source, file)`` of flat uint8 arrays: read from ``file`` (``(descriptor, offset, path)``) where
@@ -287,10 +309,7 @@ class Stager:
         self.queue = queue
         self.pool = pool
         self.shape = shape
-        if pool is not None:
-            self.stage = pool.staging(queue, shape.chunk, shape.buffers)
-        else:
-            self.stage = StagingBuffers.allocate(queue, shape.chunk, shape.buffers)
+        self.stage = lease_staging(queue, pool, shape.chunk, shape.buffers)
         self.events = events  # the load's list: every copy is recorded there at once
         self.blocking = blocking
         self.reported = reported
@@ -514,16 +533,10 @@ class Stager:
         import pyopencl as cl
 
         host = self.stage.hosts[slot]
-        link = getattr(self.queue, "link", None)  # a simulated discrete device's (fastckpt.device.simlink)
         events = []
         for source, buffer, at, offset, _file in batch:
-            # SAFETY: the copy reads pinned memory after enqueue_copy returns; pyopencl's NannyEvent keeps the array
-            # (and so the mapped buffer) alive, and no fill writes there before it has waited for this event.
-            if link is not None:
-                event = link.copy(self.queue, buffer, host[offset:offset + len(source)], at)
-            else:
-                event = cl.enqueue_copy(self.queue, buffer, host[offset:offset + len(source)], dst_offset=at,
-                                        is_blocking=False)
+            # SAFETY: no fill writes into this staging buffer before it has waited for this event (fill's pending).
+            event = send_pinned(self.queue, buffer, host[offset:offset + len(source)], at)
             events.append(event)
             self.events.append(event)
         self.stage.pending[slot] = events
