@@ -153,7 +153,7 @@ def _hold_until_every_rank_asked(monkeypatch, m: int, fail_first: bool = False) 
     def headers(self, names, also=None):
         calls.append(sorted(also or {}))
         deadline = time.monotonic() + 20
-        while len(calls) == 1 and sharded_remote._heads[(self.url, self.manifest_hash)][0] < m \
+        while len(calls) == 1 and sharded_remote._heads.holders((self.url, self.manifest_hash)) < m \
                 and time.monotonic() < deadline:
             time.sleep(0.005)
         if fail_first and len(calls) == 1:
@@ -199,7 +199,7 @@ def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(mo
         fetched.extend(whole)
         deadline = time.monotonic() + 20  # a whole-file fetch waits until the three loads hold the files: they
         while whole and time.monotonic() < deadline and any(  # overlap for certain
-                sharded_remote._wholes.get((self.url, self.manifest_hash, name), [0])[0] < 3 for name in whole):
+                sharded_remote._wholes.holders((self.url, self.manifest_hash, name)) < 3 for name in whole):
             time.sleep(0.005)
         return real_fetch(self, spans)
 

@@ -150,13 +150,74 @@ def _load_from(loader, local: str):
 _HEAD = 8 << 10  # the first bytes fetched of every tensor file: its safetensors header, mostly whole
 
 
+class _Flight:
+    """One piece of work of :class:`_Flights`: how many loads hold it, the Future of its result (None: nobody does
+    it now), and what loads that wait for it leave for the one that does it (``waiting``; None once that one took
+    it)."""
+
+    __slots__ = ("holders", "future", "waiting")
+
+    def __init__(self):
+        self.holders, self.future, self.waiting = 0, None, None
+
+
+class _Flights:
+    """Work done once among the loads of this process that want it at the same time, by key: the first to
+    :meth:`join` does it and sets the Future's result (or :meth:`fail`), the others wait on that Future. A failure
+    reaches those waiting, and the next load to join does the work again. A key is held only while a load that
+    joined it has not :meth:`leave`-d: a later load does the work anew."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._flights: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def holders(self, key) -> int:
+        flight = self._flights.get(key)
+        return 0 if flight is None else flight.holders
+
+    def join(self, key, waiter=None) -> tuple[_Flight, concurrent.futures.Future, bool]:
+        """Hold ``key``: ``(its flight, a new Future, True)`` where this load does the work, else ``(its flight, the
+        Future to wait for, False)``, with ``waiter`` added to the flight's ``waiting`` while that is open."""
+        with self._lock:
+            flight = self._flights.setdefault(key, _Flight())
+            flight.holders += 1
+            if flight.future is None:
+                flight.future, flight.waiting = concurrent.futures.Future(), []
+                return flight, flight.future, True
+            if waiter is not None and flight.waiting is not None:
+                flight.waiting.append(waiter)
+            return flight, flight.future, False
+
+    def take_waiting(self, flight: _Flight) -> list:
+        """What the loads waiting for ``flight`` left for it; those that come later wait for the result alone."""
+        with self._lock:
+            waiting, flight.waiting = flight.waiting or [], None
+        return waiting
+
+    def fail(self, flight: _Flight, future: concurrent.futures.Future, exc: BaseException) -> None:
+        """The work of ``flight`` (its ``future``) failed: those waiting get ``exc``, a load that joins later does it
+        again."""
+        with self._lock:
+            if flight.future is future:
+                flight.future = None
+        future.set_exception(exc)
+
+    def leave(self, key, flight: _Flight) -> None:
+        with self._lock:
+            flight.holders -= 1
+            if flight.holders == 0 and self._flights.get(key) is flight:
+                del self._flights[key]
+
+
 # The metadata and tensor-file headers of a prefix being fetched, by (URL, the manifest's BLAKE3): shared by the
-# loads that run at the same time (:meth:`_Share.shared_heads`), dropped when the last of them is done.
-_heads: dict[tuple[str, str], list] = {}  # key -> [loads holding it, Future of (bytes by file, offsets) or None]
-_heads_lock = threading.Lock()
-# Whole tensor files being fetched, by (URL, the manifest's BLAKE3, file): shared the same way (:meth:`_Share.
-# fetch_whole`); the value a Future of the local path of the load that fetches it.
-_wholes: dict[tuple[str, str, str], list] = {}
+# loads that run at the same time (:meth:`_Share.shared_heads`); a Future of (bytes by file, offsets).
+_heads = _Flights()
+# Whole tensor files being fetched, by (URL, the manifest's BLAKE3, file) (:meth:`_Share.fetch_whole`); a Future of
+# (the local path of the load that fetched it, the paths it linked it to).
+_wholes = _Flights()
 
 
 class _Share:
@@ -221,12 +282,7 @@ class _Share:
         import os
 
         key = (self.url, self.manifest_hash)
-        with _heads_lock:
-            entry = _heads.setdefault(key, [0, None])
-            entry[0] += 1
-            future, mine = entry[1], entry[1] is None
-            if mine:
-                future = entry[1] = concurrent.futures.Future()
+        flight, future, mine = _heads.join(key)
         try:
             if not mine:
                 try:
@@ -248,17 +304,12 @@ class _Share:
                         else:
                             blobs[name] = f.read(self.sizes[name])
             except BaseException as exc:
-                with _heads_lock:
-                    entry[1] = None  # a load after this one fetches for itself
-                future.set_exception(exc)
+                _heads.fail(flight, future, exc)
                 raise
             future.set_result((blobs, offsets))
             return offsets
         finally:
-            with _heads_lock:
-                entry[0] -= 1
-                if entry[0] == 0 and _heads.get(key) is entry:
-                    del _heads[key]  # held by loads running now only: a later load fetches the prefix again
+            _heads.leave(key, flight)  # held by loads running now only: a later load fetches the prefix again
 
     def fetch_whole(self, names: list[str]) -> None:
         """Fetch files ``names`` whole, each once among the loads of this prefix and manifest that run at the same
@@ -273,32 +324,19 @@ class _Share:
 
         base = (self.url, self.manifest_hash)
         own, others = [], []
-        with _heads_lock:
-            for name in names:
-                entry = _wholes.setdefault((*base, name), [0, None, None])
-                entry[0] += 1
-                if entry[1] is None:
-                    entry[1], entry[2] = concurrent.futures.Future(), []
-                    own.append((name, entry, entry[1]))
-                else:
-                    if entry[2] is not None:  # the fetching load links it here before it sets its result
-                        entry[2].append(os.path.join(self.local, name))
-                    others.append((name, entry, entry[1]))
+        for name in names:  # a waiting load leaves its target, which the fetching load links before it is done
+            flight, future, mine = _wholes.join((*base, name), waiter=os.path.join(self.local, name))
+            (own if mine else others).append((name, flight, future))
         try:
             try:
-                self.fetch({name: [(0, self.sizes[name])] for name, *_ in own})
+                self.fetch({name: [(0, self.sizes[name])] for name, _, _ in own})
             except BaseException as exc:
-                for _, entry, future in own:
-                    with _heads_lock:
-                        if entry[1] is future:
-                            entry[1] = None
-                    future.set_exception(exc)
+                for _, flight, future in own:
+                    _wholes.fail(flight, future, exc)
                 raise
-            for name, entry, future in own:
+            for name, flight, future in own:
                 source, linked = os.path.join(self.local, name), set()
-                with _heads_lock:
-                    targets, entry[2] = entry[2], None  # a load that comes after this links for itself
-                for target in targets:
+                for target in _wholes.take_waiting(flight):  # a load that comes after this links for itself
                     with contextlib.suppress(OSError):  # that load links or fetches for itself
                         link_over(source, target)
                         linked.add(target)
@@ -314,14 +352,8 @@ class _Share:
                     again.append(name)
             self.fetch({name: [(0, self.sizes[name])] for name in again})
         finally:
-            with _heads_lock:
-                for name in names:
-                    key = (*base, name)
-                    entry = _wholes.get(key)
-                    if entry is not None:
-                        entry[0] -= 1
-                        if entry[0] == 0:
-                            del _wholes[key]
+            for name, flight, _ in [*own, *others]:
+                _wholes.leave((*base, name), flight)
 
     def ids(self, where: tuple):
         """The int64 ids of the block at ``where`` (fetched before)."""
