@@ -734,3 +734,66 @@ def test_pieces_for_a_discrete_device_go_through_pinned_staging_buffers_over_the
         again = fastckpt.load_file(url, queue, pool=pool, storage_options=options)  # the same buffers, reused
         assert again["b"].to_host().tobytes() == tensors["b"].tobytes()
         assert pool.stats.staging_allocations == 5 and not link.torn
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_an_unpooled_load_for_a_discrete_device_goes_through_pinned_staging_buffers_over_the_link(
+        where, blocking, request, device, monkeypatch):
+    # Without a pool each tensor has a buffer of its own, and a piece may end one tensor and start the next: the
+    # piece lands in a pinned staging buffer and goes on by one non-blocking copy a tensor it covers (it was one
+    # blocking copy a piece and tensor, from the pageable bytes of the response).
+    from fastckpt.device import load as device_load
+    from fastckpt.device.simlink import SimulatedQueue
+
+    monkeypatch.setattr(stream, "CHUNK", 64 << 10)
+    monkeypatch.setattr(stream, "THREADS", 3)
+    monkeypatch.setattr(device_load, "shares_host_memory", lambda _device: False)  # as a discrete GPU
+    stages = []
+    real_lease = device_load.lease_staging
+    monkeypatch.setattr(device_load, "lease_staging", lambda *a: stages.append(real_lease(*a)) or stages[-1])
+    rng = np.random.default_rng(14)
+    tensors = {"a": rng.random((301, 211), np.float32), "tiny": np.arange(3, dtype=np.int8),
+               "b": rng.integers(-9, 9, 70001, np.int64), "c": rng.random(999).astype(np.float16)}
+    url, options = _put(where, request, "m.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
+    with fastckpt.open(url, storage_options=options) as f:
+        spans = sorted((f.info(n).offset, f.info(n).offset + f.info(n).nbytes) for n in tensors)
+    pieces = [(lo, min(e, lo + (64 << 10))) for s, e in stream.merged(spans) for lo in range(s, e, 64 << 10)]
+    overlaps = sum(1 for lo, hi in pieces for s, e in spans if max(lo, s) < min(hi, e))
+    with SimulatedQueue(device.context, device.device, rate=2e9, exact=True) as queue:
+        loaded = fastckpt.load_file(url, queue, storage_options=options, blocking=blocking)
+        loaded.wait()
+        for name, value in tensors.items():
+            assert loaded[name].to_host().tobytes() == value.tobytes(), name
+        link = queue.link
+        assert len(link.copies) == loaded.report.copies == overlaps > len(pieces)
+        assert sum(c.nbytes for c in link.copies) == loaded.report.bytes_copied == sum(v.nbytes for v in
+                                                                                        tensors.values())
+        assert not link.torn and not link.errors
+        (stage,) = stages  # (THREADS + 2) buffers of at most CHUNK bytes, made for this load
+        assert (stage.count, stage.chunk) == (5, 64 << 10)
+        pinned = [(h.ctypes.data, h.ctypes.data + stage.chunk) for h in stage.hosts]
+        assert all(any(lo <= c.host and c.host + c.nbytes <= hi for lo, hi in pinned) for c in link.copies)
+
+
+@pytest.mark.device
+def test_an_unpooled_load_of_a_small_object_makes_only_the_staging_it_needs(objects, device, monkeypatch):
+    from fastckpt.device import load as device_load
+    from fastckpt.device.simlink import SimulatedQueue
+
+    monkeypatch.setattr(device_load, "shares_host_memory", lambda _device: False)
+    stages = []
+    real_lease = device_load.lease_staging
+    monkeypatch.setattr(device_load, "lease_staging", lambda *a: stages.append(real_lease(*a)) or stages[-1])
+    tensors = {"w": np.arange(1000, dtype=np.float32), "v": np.ones(7, np.int16)}
+    key = f"{uuid.uuid4().hex[:10]}/s.safetensors"
+    fastckpt.save_safetensors(objects.path("b", key), tensors)
+    with SimulatedQueue(device.context, device.device, rate=2e9, exact=True) as queue:
+        loaded = fastckpt.load_file(f"s3://b/{key}", queue, storage_options=objects.storage_options)
+        assert {k: loaded[k].to_host().tobytes() for k in tensors} == {k: v.tobytes() for k, v in tensors.items()}
+        with fastckpt.open(f"s3://b/{key}", storage_options=objects.storage_options) as f:
+            (span,) = stream.merged((f.info(n).offset, f.info(n).offset + f.info(n).nbytes) for n in tensors)
+        (stage,) = stages
+        assert (stage.count, stage.chunk) == (1, span[1] - span[0])  # one piece: the two tensors' bytes, merged
+        assert len(queue.link.copies) == 2
