@@ -797,3 +797,142 @@ def test_an_unpooled_load_of_a_small_object_makes_only_the_staging_it_needs(obje
         (stage,) = stages
         assert (stage.count, stage.chunk) == (1, span[1] - span[0])  # one piece: the two tensors' bytes, merged
         assert len(queue.link.copies) == 2
+
+
+# -- fastckpt.open(url): the reader at once, each tensor as it arrives ----------------------------------------
+
+def _held_object(objects, where: str, tensors: dict, hold_from: str):
+    """The object of ``tensors`` at ``where`` and a server answer that holds every GET of it from the offset of
+    ``hold_from`` on until ``release`` is set (5 s at most); returns (url, options, release, answer, key)."""
+    import asyncio
+    import threading
+
+    key = f"{uuid.uuid4().hex[:10]}/m.safetensors"
+    fastckpt.save_safetensors(objects.path("b", key), tensors)
+    with fastckpt.open(objects.path("b", key)) as f:
+        offsets = {n: (f.info(n).offset, f.info(n).offset + f.info(n).nbytes) for n in tensors}
+    release = threading.Event()
+
+    async def answer(request):
+        if request.match_info["key"] == key and request.method == "GET" and "Range" in request.headers:
+            first = int(request.headers["Range"].removeprefix("bytes=").split("-")[0])
+            deadline = time.monotonic() + 5  # a reader that waits for every byte (fastckpt 0.5) goes on after it
+            while first >= offsets[hold_from][0] and not release.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+        return None  # served as it is
+
+    url = f"s3://b/{key}" if where == "range-s3" else objects.http_url("b", key)
+    return url, (objects.storage_options if where == "range-s3" else None), release, answer, key
+
+
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_open_hands_out_the_reader_at_once_and_each_copy_waits_for_its_tensor_only(where, objects, monkeypatch):
+    # The caller's copies of the first tensors go on while the last ones arrive (they waited for the whole object).
+    monkeypatch.setattr(stream, "CHUNK", 4096)
+    monkeypatch.setattr(stream, "THREADS", 3)
+    rng = np.random.default_rng(21)
+    tensors = {"a": rng.random(20_000, np.float32), "b": rng.random(3001, np.float32)}  # b: past the 64 KiB head
+    url, options, release, answer, _key = _held_object(objects, where, tensors, "b")
+    monkeypatch.setattr(objects, "answer", answer)
+    try:
+        f = fastckpt.open(url, storage_options=options)  # returns with b's pieces held by the server
+        assert np.array(f["a"]).tobytes() == tensors["a"].tobytes()
+        assert not f._filling.finished and not all(f._filling.arrived)  # b has not arrived: a did not wait for it
+    finally:
+        release.set()
+    assert np.array(f["b"]).tobytes() == tensors["b"].tobytes()
+    assert {k: v.tobytes() for k, v in f.hosts().items()} == {k: v.tobytes() for k, v in tensors.items()}
+    f.close()
+
+
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_an_object_replaced_while_its_tensors_arrive_is_an_error_at_the_copy(where, objects, monkeypatch):
+    monkeypatch.setattr(stream, "CHUNK", 4096)
+    monkeypatch.setattr(stream, "THREADS", 3)
+    rng = np.random.default_rng(22)
+    tensors = {"a": rng.random(20_000, np.float32), "b": rng.random(3001, np.float32)}
+    url, options, release, answer, key = _held_object(objects, where, tensors, "b")
+    monkeypatch.setattr(objects, "answer", answer)
+    try:
+        f = fastckpt.open(url, storage_options=options)
+        assert np.array(f["a"]).tobytes() == tensors["a"].tobytes()
+        time.sleep(0.01)
+        fastckpt.save_safetensors(objects.path("b", key), {k: v + 1 for k, v in tensors.items()}, overwrite=True)
+    finally:
+        release.set()
+    with pytest.raises(ObjectChangedError, match=f"^{url}: the object changed while it was being read.*at offset"):
+        f["b"]
+    with pytest.raises(ObjectChangedError):  # and every read after it: nothing of the fetch is used
+        f.hosts(["a"])
+    with pytest.raises(ObjectChangedError):
+        f.mapped
+    f.close()
+
+
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_an_answer_with_another_etag_is_an_object_changed_error(where, objects, monkeypatch):
+    # A store that does not honour If-Match still names the version it answers with: a piece of another one is
+    # refused (it was taken on HTTP).
+    from aiohttp import web
+
+    key, data = _object_bytes(objects, 20_000)
+    url = f"s3://b/{key}" if where == "range-s3" else objects.http_url("b", key)
+    obj = RemoteObject(url, objects.storage_options if where == "range-s3" else None)
+
+    def other_version(request):
+        if request.match_info["key"] != key or request.method != "GET":
+            return None
+        first, last = (int(x) for x in request.headers["Range"].removeprefix("bytes=").split("-"))
+        return web.Response(status=206, body=data[first:last + 1][::-1], headers={
+            "ETag": '"another-version"', "Content-Range": f"bytes {first}-{last}/{len(data)}"})
+
+    monkeypatch.setattr(objects, "answer", other_version)
+    out = bytearray(obj.size)
+    with pytest.raises(ObjectChangedError, match=f'^{url}: .*its ETag is "another-version", not {obj.etag}'):
+        obj.stream([(0, obj.size)], _into(obj, out), chunk=5000, threads=1, parts=True)
+    assert out == bytearray(obj.size)  # nothing of it was placed
+
+
+def test_closing_a_reader_whose_tensors_are_still_arriving_stops_the_fetch(objects, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(stream, "CHUNK", 4096)
+    monkeypatch.setattr(stream, "THREADS", 3)
+    rng = np.random.default_rng(23)
+    tensors = {"a": rng.random(20_000, np.float32), "b": rng.random(60_000, np.float32)}  # b: 59 pieces
+    url, options, release, answer, key = _held_object(objects, "range-http", tensors, "b")
+    monkeypatch.setattr(objects, "answer", answer)
+    f = fastckpt.open(url)
+    closing = threading.Thread(target=f.close)
+    closing.start()
+    time.sleep(0.05)
+    release.set()  # the requests in flight end; no later piece is asked for
+    closing.join(30)
+    assert not closing.is_alive() and f.closed and f._filling is None
+    gets = [g for g in _requests(objects, key) if g["range"] and
+            int(g["range"].removeprefix("bytes=").split("-")[0]) >= 80_000]
+    assert len(gets) <= 3 + 3  # at most the requests in flight when it closed, and as many sent meanwhile
+
+
+def test_a_store_without_conditional_reads_is_fetched_whole_before_open_returns():
+    # memory:// answers no If-Match: a mix of two versions could only be told at the end, so open() still fetches
+    # every tensor and checks the object before it returns anything.
+    url = f"memory://fastckpt-tests/{uuid.uuid4().hex[:10]}/m.safetensors"
+    tensors = _tensors(24)
+    fastckpt.save_safetensors(url, tensors)
+    with fastckpt.open(url) as f:
+        fastckpt.save_safetensors(url, {k: v + 1 for k, v in tensors.items()}, overwrite=True)
+        assert {k: np.array(f[k]).tobytes() for k in f} == {k: v.tobytes() for k, v in tensors.items()}
+
+
+def test_a_copy_on_write_reader_is_fetched_whole_before_open_returns(objects):
+    # A write into a view copies its page out of the shared bytes: a page of a tensor not yet arrived would keep
+    # the zeros it had. Such a reader gets every byte first.
+    key = f"{uuid.uuid4().hex[:10]}/m.safetensors"
+    tensors = _tensors(25)
+    fastckpt.save_safetensors(objects.path("b", key), tensors)
+    with fastckpt.open(objects.http_url("b", key), copy_on_write=True) as f:
+        time.sleep(0.01)
+        fastckpt.save_safetensors(objects.path("b", key), {k: v + 1 for k, v in tensors.items()}, overwrite=True)
+        got = {k: np.array(f[k]).tobytes() for k in f}
+    assert got == {k: v.tobytes() for k, v in tensors.items()}

@@ -186,6 +186,11 @@ class RemoteObject:
         fs, path = self.fs, self.path
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.is_async = bool(getattr(fs, "async_impl", False)) and hasattr(fs, "_cat_file")
+        # Every read asks for this very object (If-Match its ETag) and checks the ETag it is answered with: bytes
+        # of two versions can never meet, whatever order the pieces come in (fastckpt.open may then hand out a
+        # tensor before the others have arrived).
+        self.conditional = bool(self.etag) and self.is_async and (
+            protocol in ("s3", "s3a") or protocol in ("http", "https") and hasattr(fs, "set_session"))
         if self.etag and protocol in ("s3", "s3a"):
             reads = _S3Reads(self)
             self._get_into = reads.into
@@ -316,6 +321,14 @@ class RemoteObject:
                                      "is used: open it again")
 
 
+def _same_object(obj: RemoteObject, etag: str | None, start: int) -> None:
+    """Raise :class:`ObjectChangedError` where an answer names another ETag than the object's (a store that did not
+    honour ``If-Match``)."""
+    if obj.etag and etag and etag != obj.etag:
+        raise ObjectChangedError(f"{obj.url}: the object changed while it was being read in ranges (its ETag is "
+                                 f"{etag}, not {obj.etag}, at offset {start}); nothing read is used: open it again")
+
+
 class _NotPlain(Exception):
     """A plain GET answered what only a ``GetObject`` knows what to do with (a redirect, an encoded body)."""
 
@@ -331,6 +344,7 @@ async def _plain_get(obj: RemoteObject, http, url, headers: dict, start: int, en
     session = await http.set_session()
     async with session.get(url, headers=sent, **kw) as r:
         http._raise_not_found_for_status(r, url)
+        _same_object(obj, r.headers.get("ETag"), start)
         if partial and (r.status != 206 or r.headers.get("Content-Encoding", "identity") != "identity"):
             raise _NotPlain(f"HTTP {r.status} {r.headers.get('Content-Encoding', '')}")
         await obj._pump(r.content.read, start, end, sink)
@@ -471,6 +485,7 @@ class _S3Reads:
                                           Range=f"bytes={at}-{end - 1}", IfMatch=self.obj.etag, **self.extra)
         body = response["Body"]
         try:
+            _same_object(self.obj, response.get("ETag"), at)
             await self.obj._pump(body.read, at, end, counted)
         finally:
             body.close()
