@@ -18,9 +18,13 @@ into its destination (a host array, a device buffer, a pool arena, a file) and t
   :attr:`RemoteObject.stats` counts the largest piece and the most bytes held at once;
 * **exact**: a piece shorter or longer than asked for is a :class:`~fastckpt.errors.FormatError` naming the URL,
   the offset and both lengths (the object was truncated or replaced); each request is conditional on the object
-  being the one opened (``If-Match`` its ETag, for ``s3://`` and ``http(s)://``), and :meth:`RemoteObject.check`
-  compares the identity again at the end, so bytes of two versions are never mixed: a changed object is an
-  :class:`ObjectChangedError` naming it, and nothing read is used.
+  being the one opened (``If-Match`` its ETag, for ``s3://`` and ``http(s)://``, and the ETag of each answer is
+  checked), and :meth:`RemoteObject.check` compares the identity again at the end, so bytes of two versions are
+  never mixed: a changed object is an :class:`ObjectChangedError` naming it, and nothing read is used.
+
+An ``s3://`` object's ``GetObject`` is signed once and its pieces sent as plain ranged GETs through fsspec's HTTP
+client (:class:`_S3Reads`: a tenth of botocore's CPU a request), except where the filesystem sends what a plain
+GET cannot carry.
 
 A :class:`Checksums` set on an object (:attr:`RemoteObject.checksums`) checks the CRC-32 of byte ranges of it (NPZ
 members: ``load_model(url, verify=True)``) from the pieces as they pass to their destinations, so a verified load
