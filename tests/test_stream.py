@@ -762,10 +762,13 @@ def test_an_unpooled_load_for_a_discrete_device_goes_through_pinned_staging_buff
     pieces = [(lo, min(e, lo + (64 << 10))) for s, e in stream.merged(spans) for lo in range(s, e, 64 << 10)]
     overlaps = sum(1 for lo, hi in pieces for s, e in spans if max(lo, s) < min(hi, e))
     with SimulatedQueue(device.context, device.device, rate=2e9, exact=True) as queue:
-        loaded = fastckpt.load_file(url, queue, storage_options=options, blocking=blocking)
+        seen = []
+        loaded = fastckpt.load_file(url, queue, storage_options=options, blocking=blocking,
+                                    progress=lambda done, total, item: seen.append(done))
         loaded.wait()
         for name, value in tensors.items():
             assert loaded[name].to_host().tobytes() == value.tobytes(), name
+        assert seen[-1] == sum(v.nbytes for v in tensors.values())  # each tensor reported once all of it is in
         link = queue.link
         assert len(link.copies) == loaded.report.copies == overlaps > len(pieces)
         assert sum(c.nbytes for c in link.copies) == loaded.report.bytes_copied == sum(v.nbytes for v in
