@@ -36,14 +36,19 @@ import threading
 
 import numpy as np
 
-__all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "raise_if_changed", "read_checked", "read_ahead",
-           "read_into", "same_file", "unchanged", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN",
-           "DIRECT_PIECE", "DIRECT_THREADS"]
+__all__ = ["cached", "file_cached", "direct_pieces", "madvise", "open_direct", "raise_if_changed", "read_checked",
+           "read_ahead", "read_into", "same_file", "unchanged", "ReadAhead", "READ_PIECE", "READ_THREADS",
+           "READAHEAD_STEP", "READAHEAD_DEPTH", "DIRECT_ALIGN", "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
 # (read_ahead_kb, 128 KiB by default, 8 MiB on this project's machines) per call, whatever the length asked for,
 # so a long range is advised in steps. Each step queues its reads and returns: the disk gets them all at once.
 READAHEAD_STEP = 8 * 1024 * 1024
+# A ReadAhead keeps at most this many bytes advised past the part of the file it has made present: enough reads in
+# the disk's queue to keep it busy, few enough that the first ones complete at once (256 MiB advised in one go, as
+# 0.5.0 did, held the caller 70-150 ms in the advice and had the first tensor's bytes arrive after 100-135 ms where a
+# plain read has its first 64 MiB after 15 ms: docs/reading.md).
+READAHEAD_DEPTH = 64 * 1024 * 1024
 
 # One preadv reads at most this many bytes: large enough that a thread's reads stay sequential for the kernel's
 # readahead, small enough that the pieces spread over the threads (see docs/reading.md for the measurements).
@@ -271,13 +276,148 @@ def unchanged(fd: int, identity) -> bool:
         return False
 
 
-def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True) -> int:
+_madvise_fn = None  # libc's madvise through ctypes, made at the first call; False where there is none
+_MADV_WILLNEED = 3
+_MADV_POPULATE_READ = 22  # Linux 5.14: fault pages in (reading the file where needed), as a read of each would
+
+
+def madvise():
+    """libc's ``madvise(address, length, advice)`` (ctypes, errno kept; the GIL is released during the call), made
+    once; None where the platform has none. The one binding for advice on memory fastckpt owns: the read-ahead of
+    mapped files here (:class:`ReadAhead`), huge pages and the prefaulting of new arenas in :mod:`fastckpt.device`.
+
+    >>> fn = madvise(); fn is None or callable(fn)
+    True
+    """
+    global _madvise_fn
+    if _madvise_fn is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            _madvise_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                           use_errno=True)(("madvise", libc))
+        except (OSError, AttributeError):  # pragma: no cover - no libc madvise
+            _madvise_fn = False
+    return _madvise_fn or None
+
+
+class ReadAhead:
+    """A mapped file read ahead of the copies out of it, on a thread of its own: :meth:`extend` asks for bytes
+    ``[start, end)`` and returns at once; the thread advises the kernel to read them (``madvise(MADV_WILLNEED)`` in
+    steps of ``step`` bytes), in file order, never more than ``depth`` bytes past the part it has made present, and
+    makes each step present in the mapping (``MADV_POPULATE_READ``: it waits for that step's reads, then maps its
+    pages), so that a copy out of a view of the mapping finds the bytes there without a page fault each.
+
+    Why (docs/reading.md): advising a 256 MiB window in the copying thread held it 70-150 ms in the advice, and the
+    disk, given all of it at once, completed the first tensor's reads last; a copy out of a fresh mapping took a
+    page fault every 64 KiB, about as long as the copy itself. Advice only: a failure (a kernel without
+    ``MADV_POPULATE_READ``: the whole range is advised as before; a file cut short: ``EFAULT``, the thread stops;
+    the copies then fault as they would) changes nothing but the speed. The thread holds a view of the mapping
+    while it runs, so the mapping outlives it, and ends once it has reached the end asked for (``extend`` starts
+    another). ``calls`` counts the advice calls made, ``populated`` the bytes made present.
+
+    >>> import os, tempfile, time
+    >>> from fastckpt._native.mapped import MappedFile
+    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 20000); os.close(fd)
+    >>> ahead = ReadAhead(MappedFile(p), step=8192); ahead.extend(0, 20000); ahead.wait()
+    >>> ahead.position
+    20000
+    """
+
+    def __init__(self, mapped, step: int = READAHEAD_STEP, depth: int = READAHEAD_DEPTH):
+        if step < _PAGE or depth < step:
+            raise ValueError(f"step must be a page at least and depth a step at least, got step={step}, depth={depth}")
+        self.mapped, self.step, self.depth = mapped, step, depth
+        self.lock = threading.Lock()
+        self.position = -1  # the bytes before it are present (the thread's place); -1 before the first extend
+        self.advised = 0  # advice went out up to here
+        self.target = 0  # read up to here
+        self.thread: threading.Thread | None = None
+        self.calls = 0
+        self.populated = 0
+        self.populate = True  # False on a kernel without MADV_POPULATE_READ (or once it failed)
+
+    def extend(self, start: int, end: int) -> None:
+        """Have bytes ``[start, end)`` read ahead (the first call sets where the thread starts; later ones only move
+        the end). Returns at once."""
+        end = min(end, self.mapped.size)
+        with self.lock:
+            if self.position < 0:
+                self.position = self.advised = max(0, start)
+            if end <= self.target:
+                return
+            self.target = end
+            if self.thread is not None:
+                return  # the running thread reads on to the new end
+            try:
+                keep = self.mapped.view(0, self.mapped.size, "read-ahead")  # keeps the mapping while the thread runs
+            except (ValueError, OSError):
+                return  # closed: nothing to read ahead for
+            if self.mapped.address is None or madvise() is None:
+                return
+            self.thread = threading.Thread(target=self._run, args=(keep,), name="fastckpt-readahead", daemon=True)
+            self.thread.start()
+
+    def wait(self) -> None:
+        """Wait until the thread has reached the end asked for (tests, benchmarks)."""
+        thread = self.thread
+        if thread is not None:
+            thread.join()
+
+    def _run(self, keep) -> None:
+        fn = madvise()
+        base = np.frombuffer(keep, np.uint8).ctypes.data
+
+        def advise(lo: int, hi: int, advice: int) -> int:
+            lo -= lo % _PAGE
+            # SAFETY: keep (a view of the whole mapping) holds it mapped while this thread runs.
+            return 0 if fn(base + lo, hi - lo, advice) == 0 else ctypes.get_errno()
+
+        try:
+            while True:
+                with self.lock:
+                    if self.position >= self.target:
+                        self.thread = None
+                        return
+                    position, target = self.position, self.target
+                ahead = min(target, position + self.depth) if self.populate else target
+                while self.advised < ahead:
+                    hi = min(ahead, self.advised + self.step)
+                    advise(self.advised, hi, _MADV_WILLNEED)
+                    self.advised = hi
+                    self.calls += 1
+                hi = min(target, position + self.step)
+                if self.populate:
+                    err = advise(position, hi, _MADV_POPULATE_READ)
+                    self.calls += 1
+                    if err == errno.EINVAL:  # no such advice here: advise the rest at once, as before it existed
+                        self.populate = False
+                        continue
+                    if err not in (0, errno.EINTR, errno.EAGAIN):  # EFAULT: the file was cut short; the copies say so
+                        with self.lock:
+                            self.position = self.target
+                        continue
+                    if err:
+                        continue  # interrupted: the same step again
+                    self.populated += hi - position
+                else:
+                    hi = target
+                with self.lock:
+                    self.position = hi
+        except BaseException:
+            with self.lock:
+                self.thread = None
+            raise
+
+
+def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True,
+               ahead: ReadAhead | None = None) -> int:
     """Ask the kernel to read bytes ``[start, end)`` of the file ``mapped`` maps (a
     :class:`~fastckpt._native.mapped.MappedFile`) into the page cache now, ahead of the copies that will read them
     (``madvise(MADV_WILLNEED)`` in steps of ``step`` bytes); returns the number of calls made: none where
     ``SAMPLES`` pages spread over the range are all in the page cache already (:func:`cached`, unless ``check`` is
-    False: the advice would only look every page up again, 2-3 ms per 512 MiB). Advice only: a failure, or a mapping that is no mapping (the
-    pread backend), changes nothing but the speed.
+    False: the advice would only look every page up again, 2-3 ms per 512 MiB). With ``ahead`` (the file's
+    :class:`ReadAhead`) the range goes to its thread instead, and this returns 0 at once. Advice only: a failure,
+    or a mapping that is no mapping (the pread backend), changes nothing but the speed.
 
     >>> import os, tempfile
     >>> from fastckpt._native.mapped import MappedFile
@@ -287,6 +427,9 @@ def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, chec
     """
     calls = 0
     if end <= start or (check and cached(mapped, start, end)):
+        return 0
+    if ahead is not None:
+        ahead.extend(start, end)
         return 0
     try:
         for lo in range(start, end, step):
