@@ -36,10 +36,13 @@ import sys
 
 from fastckpt.formats.readinto import madvise  # noqa: F401 - the one binding; device.load takes it from here
 
-__all__ = ["HUGE_MIN", "advise_huge_pages", "buffer_allocator", "host_address", "huge_pages_available", "is_oom"]
+__all__ = ["HUGE_MIN", "HUGE_PAGES", "advise_huge_pages", "buffer_allocator", "host_address", "huge_pages_available", "is_oom"]
 
 #: Buffers from this size on are advised (a 2 MiB page needs a 2 MiB-aligned stretch inside the buffer).
 HUGE_MIN = 4 << 20
+#: False leaves every new buffer as the runtime made it (4 KiB pages): the cold suite's row
+#: "load_file(pool) on pocl, 4 KiB pages" measures the arena both ways (docs/reading.md, "Huge pages").
+HUGE_PAGES = True
 
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
 # OpenCL status codes meaning "no memory for this allocation" (possibly only for now).
@@ -93,7 +96,7 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
     map makes the runtime allocate the buffer): that error is raised, so that the
     pool frees its idle buffers and retries.
     """
-    if nbytes < HUGE_MIN or queue is None or not huge_pages_available():
+    if nbytes < HUGE_MIN or queue is None or not HUGE_PAGES or not huge_pages_available():
         return False
     address = host_address(queue, buffer, nbytes)
     if address is None:
