@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import fastckpt
+from fastckpt.bench.cold import drop_cache
 from fastckpt.formats import readinto
 from fastckpt.formats.readinto import DIRECT_ALIGN, direct_pieces, open_direct, read_into
 
@@ -476,29 +477,38 @@ def test_a_cold_file_whose_first_window_the_open_read_is_still_read_ahead_of_its
 
 # ------------------------------------------------------------------ views of a cold file: the read-ahead thread
 
-_WILLNEED, _POPULATE = 3, 22
+_WILLNEED = 3
 
 
-def _recording_madvise(monkeypatch, gate=None, fail_populate: int = 0):
-    """Replace libc's madvise (readinto's one binding) by a recorder of ``(advice, offset-free address, length)``;
-    WILLNEED calls wait for ``gate`` (an Event) where given; POPULATE_READ answers ``fail_populate`` as errno."""
-    import ctypes
+def _recording_reads(monkeypatch, gate=None, fail=None, short_at=None):
+    """Replace the read-ahead thread's ``sendfile`` by a recorder of ``(file offset, count)`` that reads nothing:
+    calls wait for ``gate`` (an Event) where given, raise ``fail`` (an OSError) where given, and find the file's end
+    at ``short_at`` (0 bytes read from there on, as from a file cut short)."""
     import threading
 
     calls = []
     lock = threading.Lock()
 
-    def fake(address, length, advice):
-        if advice == _WILLNEED and gate is not None:
+    def fake(out_fd, in_fd, offset, count):
+        if gate is not None:
             gate.wait(10)
         with lock:
-            calls.append((advice, address, length))
-        if advice == _POPULATE and fail_populate:
-            ctypes.set_errno(fail_populate)
-            return -1
-        return 0
+            calls.append((offset, count))
+        if fail is not None:
+            raise fail
+        if short_at is not None and offset >= short_at:
+            return 0
+        assert os.readlink(f"/proc/self/fd/{out_fd}") == os.devnull  # nothing is copied anywhere
+        return count
 
-    monkeypatch.setattr(readinto, "_madvise_fn", fake)
+    monkeypatch.setattr(readinto, "_sendfile", fake)
+    return calls
+
+
+def _recording_advice(monkeypatch):
+    calls = []
+    monkeypatch.setattr(readinto, "_madvise_fn", lambda address, length, advice: calls.append((advice, address,
+                                                                                               length)) or 0)
     return calls
 
 
@@ -509,9 +519,10 @@ def _big_file(tmp_path, n: int = 12, mib: int = 2):
     return path, tensors
 
 
-def test_a_view_of_a_cold_file_returns_before_its_read_ahead_is_advised(tmp_path, monkeypatch):
-    """The window past a large view is advised on the file's read-ahead thread: host() returns while that advice is
-    still held (0.5.0 advised 256 MiB in the caller, 70-150 ms on a cold file), and the bytes are exact."""
+def test_a_view_of_a_cold_file_returns_at_once_and_its_file_is_read_ahead_on_a_thread(tmp_path, monkeypatch):
+    """The window past a large view is read on the file's read-ahead thread, in file order, from the first view to
+    the end asked for: host() returns while that read is held (0.5.0 advised 256 MiB in the caller, 70-150 ms on a
+    cold file), and the bytes are exact."""
     import threading
 
     from fastckpt.formats import reader
@@ -519,70 +530,102 @@ def test_a_view_of_a_cold_file_returns_before_its_read_ahead_is_advised(tmp_path
     path, tensors = _big_file(tmp_path)
     monkeypatch.setattr(reader, "cached", lambda *a, **k: False)  # as if the file were cold
     gate = threading.Event()
-    calls = _recording_madvise(monkeypatch, gate)
+    calls = _recording_reads(monkeypatch, gate)
     try:
         with fastckpt.open(path) as f:
-            view = f.host("w0")  # the advice is held at the gate: host() must not wait for it
+            view = f.host("w0")  # the read is held at the gate: host() must not wait for it
             assert calls == [] and f._reader is not None and f._reader.thread is not None
             gate.set()
             copies = {k: np.array(f.host(k)) for k in f.keys()}
             f._reader.wait()
-            base = f.mapped.address
-            size = f.mapped.size
-            start = f.info("w0").offset
+            size, start = f.mapped.size, f.info("w0").offset
     finally:
         gate.set()
     assert view.tobytes() == tensors["w0"].tobytes()
     assert all(copies[k].tobytes() == tensors[k].tobytes() for k in tensors)
-    populated = [(a - base, n) for advice, a, n in calls if advice == _POPULATE]
-    assert populated and populated[0][0] == start - start % 4096  # from the first view on
-    assert populated[-1][0] + populated[-1][1] == size  # the whole rest of the file (a 24 MiB file < READ_AHEAD)
-    assert all(a[0] + a[1] == b[0] for a, b in zip(populated, populated[1:]))  # in file order, no gap, no repeat
+    assert calls[0][0] == start  # from the first view on
+    assert calls[-1][0] + calls[-1][1] == size  # to the end (a 24 MiB file is within one window)
+    assert all(a[0] + a[1] == b[0] for a, b in zip(calls, calls[1:]))  # in file order, no gap, no repeat
+    assert all(n <= readinto.READAHEAD_STEP for _o, n in calls)
 
 
-def test_the_read_ahead_keeps_at_most_its_depth_advised_past_what_it_made_present(tmp_path, monkeypatch):
+def test_the_read_ahead_really_puts_a_cold_file_in_the_page_cache_without_advice(tmp_path, monkeypatch):
     from fastckpt._native.mapped import MappedFile
 
-    path, _tensors = _big_file(tmp_path, n=16, mib=4)
-    calls = _recording_madvise(monkeypatch)
+    path, _tensors = _big_file(tmp_path, n=8, mib=2)
+    advice = _recording_advice(monkeypatch)
     m = MappedFile(path)
-    step, depth = 4 << 20, 16 << 20
-    ahead = readinto.ReadAhead(m, step=step, depth=depth)
-    ahead.extend(1000, m.size)
+    drop_cache([path])
+    if readinto.cached(m, 4096, m.size, 16, centred=True):
+        pytest.skip("this file system keeps the file cached (posix_fadvise DONTNEED had no effect)")
+    ahead = readinto.ReadAhead(m, step=4 << 20)
+    ahead.extend(4096, m.size)
     ahead.wait()
-    base = m.address
-    advised_to, present = 0, 0
-    for advice, address, length in calls:
-        if advice == _WILLNEED:
-            advised_to = address - base + length
-            assert advised_to <= max(present, 1000) + depth, (advised_to, present)  # never more than depth ahead
-        else:
-            assert advice == _POPULATE and address - base <= present + 4096  # each step after the last one
-            present = address - base + length
-    assert advised_to == present == m.size and ahead.position == m.size
-    assert sum(1 for c in calls if c[0] == _WILLNEED) == -(-(m.size - 1000) // step)  # each byte advised once
-    assert ahead.populated == m.size - 1000
+    assert ahead.position == m.size and ahead.calls == -(-(m.size - 4096) // (4 << 20))
+    assert readinto.cached(m, 4096, m.size, 64) and advice == [] and not ahead.advised
 
 
-@pytest.mark.parametrize("error", [errno.EINVAL, errno.EFAULT])
-def test_a_kernel_without_populate_read_advises_the_range_and_a_cut_file_stops_the_thread(tmp_path, monkeypatch,
-                                                                                          error):
-    """EINVAL (a kernel before 5.14): the rest of the range is advised at once, as before; EFAULT (the file was cut
-    short under the mapping): the thread stops, and the copies meet the truncation themselves."""
+@pytest.mark.parametrize("error", [errno.EINVAL, errno.ENOSYS])
+def test_where_sendfile_is_refused_the_rest_is_advised_in_steps(tmp_path, monkeypatch, error):
     from fastckpt._native.mapped import MappedFile
 
     path, _tensors = _big_file(tmp_path, n=8, mib=4)
-    calls = _recording_madvise(monkeypatch, fail_populate=error)
+    reads = _recording_reads(monkeypatch, fail=OSError(error, os.strerror(error)))
+    advice = _recording_advice(monkeypatch)
     m = MappedFile(path)
-    ahead = readinto.ReadAhead(m, step=4 << 20, depth=8 << 20)
+    ahead = readinto.ReadAhead(m, step=4 << 20)
+    ahead.extend(5000, m.size)
+    ahead.wait()
+    assert len(reads) == 1 and ahead.advised and ahead.position == m.size
+    base = m.address
+    assert [a - base for _k, a, _n in advice] == list(range(4096, m.size, 4 << 20))  # whole pages, every step
+    assert all(k == _WILLNEED for k, _a, _n in advice) and sum(n for _k, _a, n in advice) >= m.size - 5000
+
+
+def test_a_file_that_ends_before_its_mapping_stops_the_read_ahead(tmp_path, monkeypatch):
+    from fastckpt._native.mapped import MappedFile
+
+    path, _tensors = _big_file(tmp_path, n=8, mib=4)
+    reads = _recording_reads(monkeypatch, short_at=8 << 20)
+    m = MappedFile(path)
+    ahead = readinto.ReadAhead(m, step=4 << 20)
     ahead.extend(0, m.size)
     ahead.wait()
-    populates = [c for c in calls if c[0] == _POPULATE]
-    assert len(populates) == 1 and ahead.thread is None and ahead.position == m.size
-    advised = sum(length for advice, _a, length in calls if advice == _WILLNEED)
-    assert advised == (m.size if error == errno.EINVAL else 8 << 20)  # all of it / the first depth only
+    assert [o for o, _n in reads] == [0, 4 << 20, 8 << 20] and ahead.thread is None and ahead.position == m.size
     ahead.extend(0, m.size)  # nothing more to read: no new thread
     assert ahead.thread is None
+
+
+def test_a_hugging_face_directorys_shards_are_read_ahead_one_after_the_other(tmp_path, monkeypatch):
+    """One sequential stream from shard to shard: the next shard's read starts once this one's has reached its end
+    (two at once shared the disk, and neither's first bytes came first)."""
+    import threading
+
+    from fastckpt.formats import reader
+
+    tensors = {f"w{i}": np.full(1 << 19, i, np.float32) for i in range(8)}  # 2 MiB each
+    path = str(tmp_path / "hf")
+    fastckpt.save_sharded(path, tensors, max_shard_size=(4 << 20) + 1)  # 4 shards of 2 tensors
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+    files = []  # the file of every read, in the order the reads were made
+    real = readinto._sendfile
+
+    def read(out_fd, in_fd, offset, count):
+        files.append(os.path.basename(os.readlink(f"/proc/self/fd/{in_fd}")))
+        threading.Event().wait(0.02)  # a slow disk: a shard read at the same time would read meanwhile
+        return real(out_fd, in_fd, offset, count)
+
+    monkeypatch.setattr(readinto, "_sendfile", read)
+    monkeypatch.setattr(readinto, "READAHEAD_STEP", 1 << 20)  # 4 reads a shard
+    with fastckpt.open(path) as r:
+        first = np.array(r.host("w0"))  # shard 1 is read ahead to its end, then shard 2 (the next one) follows it
+        shards = [r.files[name] for name in sorted(r.files)]
+        while shards[1]._reader is None or shards[1]._reader.thread is not None:
+            threading.Event().wait(0.01)
+    assert first.tobytes() == tensors["w0"].tobytes()
+    names = sorted(os.path.basename(f.path) for f in shards)
+    runs = [name for k, name in enumerate(files) if k == 0 or files[k - 1] != name]
+    assert runs == names[:2] and len(files) == 8  # shard 1 read whole (4 reads) before shard 2's first read
 
 
 def test_the_read_ahead_thread_holds_the_mapping_after_the_file_and_its_views_are_gone(tmp_path, monkeypatch):
@@ -593,6 +636,7 @@ def test_the_read_ahead_thread_holds_the_mapping_after_the_file_and_its_views_ar
 
     path, tensors = _big_file(tmp_path, n=6)
     monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+    monkeypatch.setattr(readinto, "_sendfile", None)  # the advice fallback: it uses the mapping
     gate = threading.Event()
     real = readinto.madvise()
     seen = []

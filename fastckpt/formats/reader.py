@@ -109,6 +109,7 @@ class TensorFile(ReaderMapping):
         self._view = infos.view  # bound once: host() is called once per tensor
         self._ahead = 0  # the file is being read ahead up to this byte (host(), see READ_AHEAD)
         self._reader: ReadAhead | None = None  # the thread reading it ahead, made for the first window
+        self._next_started = False  # a reader of several files has had the next file follow this one
         self._size = mapped.size if mapped.address is not None else 0  # nothing to read ahead in a pread file
         self._pread = mapped.address is None and getattr(mapped, "backend", None) == "pread"
 
@@ -217,6 +218,16 @@ class TensorFile(ReaderMapping):
         self._ahead = min(self._size, start + READ_AHEAD)
         read_ahead(self.mapped, start, self._ahead, check=False, ahead=self._read_ahead_thread())
 
+    def read_ahead_next(self, following: "TensorFile") -> None:
+        """Start ``following``'s read-ahead (:meth:`read_ahead_start`) once this file has been read ahead to its end:
+        a reader of several files keeps one sequential stream going from file to file, where two at once shared the
+        disk between them and neither file's first bytes came first."""
+        reader = self._reader
+        if reader is None:
+            following.read_ahead_start()
+        else:
+            reader.after(following.read_ahead_start)
+
     def _offset_of(self, view) -> int | None:
         """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
         offset = view.__array_interface__["data"][0] - self.mapped.address
@@ -247,8 +258,8 @@ class TensorFile(ReaderMapping):
             read_ahead(self.mapped, start, self._ahead, check=False, ahead=self._read_ahead_thread())
 
     def _read_ahead_thread(self) -> ReadAhead:
-        """The file's :class:`~fastckpt.formats.readinto.ReadAhead`: the window is read on a thread of its own, in
-        file order and a bounded depth at a time, each part made present in the mapping, while the caller copies."""
+        """The file's :class:`~fastckpt.formats.readinto.ReadAhead`: the window is read into the page cache on a
+        thread of its own, in file order, by the kernel's sequential read path, while the caller copies."""
         if self._reader is None:
             self._reader = ReadAhead(self.mapped)
         return self._reader

@@ -38,17 +38,12 @@ import numpy as np
 
 __all__ = ["cached", "file_cached", "direct_pieces", "madvise", "open_direct", "raise_if_changed", "read_checked",
            "read_ahead", "read_into", "same_file", "unchanged", "ReadAhead", "READ_PIECE", "READ_THREADS",
-           "READAHEAD_STEP", "READAHEAD_DEPTH", "DIRECT_ALIGN", "DIRECT_PIECE", "DIRECT_THREADS"]
+           "READAHEAD_STEP", "DIRECT_ALIGN", "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
 # (read_ahead_kb, 128 KiB by default, 8 MiB on this project's machines) per call, whatever the length asked for,
 # so a long range is advised in steps. Each step queues its reads and returns: the disk gets them all at once.
 READAHEAD_STEP = 8 * 1024 * 1024
-# A ReadAhead keeps at most this many bytes advised past the part of the file it has made present: enough reads in
-# the disk's queue to keep it busy, few enough that the first ones complete at once (256 MiB advised in one go, as
-# 0.5.0 did, held the caller 70-150 ms in the advice and had the first tensor's bytes arrive after 100-135 ms where a
-# plain read has its first 64 MiB after 15 ms: docs/reading.md).
-READAHEAD_DEPTH = 64 * 1024 * 1024
 
 # One preadv reads at most this many bytes: large enough that a thread's reads stay sequential for the kernel's
 # readahead, small enough that the pieces spread over the threads (see docs/reading.md for the measurements).
@@ -278,7 +273,6 @@ def unchanged(fd: int, identity) -> bool:
 
 _madvise_fn = None  # libc's madvise through ctypes, made at the first call; False where there is none
 _MADV_WILLNEED = 3
-_MADV_POPULATE_READ = 22  # Linux 5.14: fault pages in (reading the file where needed), as a read of each would
 
 
 def madvise():
@@ -300,22 +294,28 @@ def madvise():
     return _madvise_fn or None
 
 
+_sendfile = getattr(os, "sendfile", None)  # the read-ahead thread's read (tests replace it)
+
+
 class ReadAhead:
-    """A mapped file read ahead of the copies out of it, on a thread of its own: :meth:`extend` asks for bytes
-    ``[start, end)`` and returns at once; the thread advises the kernel to read them (``madvise(MADV_WILLNEED)`` in
-    steps of ``step`` bytes), in file order, never more than ``depth`` bytes past the part it has made present, and
-    makes each step present in the mapping (``MADV_POPULATE_READ``: it waits for that step's reads, then maps its
-    pages), so that a copy out of a view of the mapping finds the bytes there without a page fault each.
+    """A mapped file read into the page cache ahead of the copies out of it, on a thread of its own: :meth:`extend`
+    asks for bytes ``[start, end)`` and returns at once; the thread reads them in file order, ``step`` bytes a call,
+    with ``sendfile`` to ``/dev/null`` from a descriptor of the same file (:func:`same_file`): the kernel's own
+    sequential read path (its read-ahead keeps the disk's queue full, in large folios), and no byte is copied
+    anywhere. A copy out of a view then finds the bytes in the page cache, in 2 MiB folios that its page faults map
+    whole.
 
-    Why (docs/reading.md): advising a 256 MiB window in the copying thread held it 70-150 ms in the advice, and the
-    disk, given all of it at once, completed the first tensor's reads last; a copy out of a fresh mapping took a
-    page fault every 64 KiB, about as long as the copy itself. Advice only: a failure (a kernel without
-    ``MADV_POPULATE_READ``: the whole range is advised as before; a file cut short: ``EFAULT``, the thread stops;
-    the copies then fault as they would) changes nothing but the speed. The thread holds a view of the mapping
-    while it runs, so the mapping outlives it, and ends once it has reached the end asked for (``extend`` starts
-    another). ``calls`` counts the advice calls made, ``populated`` the bytes made present.
+    Why (docs/reading.md): ``madvise(MADV_WILLNEED)`` over the window, as up to 0.5.0, read the file into 4 KiB
+    pages at about two thirds of a plain read's rate (a cold 512 MiB file in 0.45-0.57 s against 0.31-0.32 s this
+    way, 0.33 s for a buffered ``readinto``), held the caller 70-150 ms in the advice, and a copy out of those pages
+    faulted every 64 KiB. Where ``sendfile`` is refused (a platform or file system without it, the path no longer
+    naming the mapped file), the rest of the range is advised ``WILLNEED`` in ``step`` pieces instead, as before.
+    Advice only: a failure changes nothing but the speed; a file cut short stops the thread (the copies meet the
+    truncation themselves). The thread ends once it has reached the end asked for (``extend`` starts another);
+    it holds a view of the mapping while it runs, so the mapping outlives it. ``calls`` counts its reads and
+    advice calls, ``position`` is how far it has read.
 
-    >>> import os, tempfile, time
+    >>> import os, tempfile
     >>> from fastckpt._native.mapped import MappedFile
     >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 20000); os.close(fd)
     >>> ahead = ReadAhead(MappedFile(p), step=8192); ahead.extend(0, 20000); ahead.wait()
@@ -323,18 +323,18 @@ class ReadAhead:
     20000
     """
 
-    def __init__(self, mapped, step: int = READAHEAD_STEP, depth: int = READAHEAD_DEPTH):
-        if step < _PAGE or depth < step:
-            raise ValueError(f"step must be a page at least and depth a step at least, got step={step}, depth={depth}")
-        self.mapped, self.step, self.depth = mapped, step, depth
+    def __init__(self, mapped, step: int | None = None):
+        step = READAHEAD_STEP if step is None else step
+        if step < _PAGE:
+            raise ValueError(f"step must be a page at least, got {step}")
+        self.mapped, self.step = mapped, step // _PAGE * _PAGE  # whole pages: the advice's pieces start on one
         self.lock = threading.Lock()
-        self.position = -1  # the bytes before it are present (the thread's place); -1 before the first extend
-        self.advised = 0  # advice went out up to here
+        self.position = -1  # the bytes before it are read (the thread's place); -1 before the first extend
         self.target = 0  # read up to here
         self.thread: threading.Thread | None = None
         self.calls = 0
-        self.populated = 0
-        self.populate = True  # False on a kernel without MADV_POPULATE_READ (or once it failed)
+        self.advised = False  # True once the thread fell back to advice
+        self.then = None  # called (on the thread, once) when the thread has read to the end of the file: then()
 
     def extend(self, start: int, end: int) -> None:
         """Have bytes ``[start, end)`` read ahead (the first call sets where the thread starts; later ones only move
@@ -342,7 +342,7 @@ class ReadAhead:
         end = min(end, self.mapped.size)
         with self.lock:
             if self.position < 0:
-                self.position = self.advised = max(0, start)
+                self.position = max(0, start)
             if end <= self.target:
                 return
             self.target = end
@@ -352,7 +352,7 @@ class ReadAhead:
                 keep = self.mapped.view(0, self.mapped.size, "read-ahead")  # keeps the mapping while the thread runs
             except (ValueError, OSError):
                 return  # closed: nothing to read ahead for
-            if self.mapped.address is None or madvise() is None:
+            if self.mapped.address is None:
                 return
             self.thread = threading.Thread(target=self._run, args=(keep,), name="fastckpt-readahead", daemon=True)
             self.thread.start()
@@ -364,49 +364,77 @@ class ReadAhead:
             thread.join()
 
     def _run(self, keep) -> None:
-        fn = madvise()
-        base = np.frombuffer(keep, np.uint8).ctypes.data
-
-        def advise(lo: int, hi: int, advice: int) -> int:
-            lo -= lo % _PAGE
-            # SAFETY: keep (a view of the whole mapping) holds it mapped while this thread runs.
-            return 0 if fn(base + lo, hi - lo, advice) == 0 else ctypes.get_errno()
-
+        then = None
+        fd = same_file(self.mapped) if _sendfile is not None else None
+        null = None
         try:
+            if fd is not None:
+                null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
             while True:
                 with self.lock:
                     if self.position >= self.target:
                         self.thread = None
-                        return
+                        then = self.then if self.position >= self.mapped.size else None
+                        if then is not None:
+                            self.then = None
+                        break
                     position, target = self.position, self.target
-                ahead = min(target, position + self.depth) if self.populate else target
-                while self.advised < ahead:
-                    hi = min(ahead, self.advised + self.step)
-                    advise(self.advised, hi, _MADV_WILLNEED)
-                    self.advised = hi
-                    self.calls += 1
                 hi = min(target, position + self.step)
-                if self.populate:
-                    err = advise(position, hi, _MADV_POPULATE_READ)
+                if fd is not None and null is not None:
+                    try:
+                        got = _sendfile(null, fd, position, hi - position)
+                    except InterruptedError:
+                        continue
+                    except OSError:
+                        got = None  # no sendfile from this file here: advice from now on
                     self.calls += 1
-                    if err == errno.EINVAL:  # no such advice here: advise the rest at once, as before it existed
-                        self.populate = False
+                    if got == 0:  # the file ends before the mapping does: cut short; stop reading ahead
+                        hi = target
+                    elif got is not None:
+                        hi = position + got
+                    else:
+                        os.close(fd)
+                        fd = None
                         continue
-                    if err not in (0, errno.EINTR, errno.EAGAIN):  # EFAULT: the file was cut short; the copies say so
-                        with self.lock:
-                            self.position = self.target
-                        continue
-                    if err:
-                        continue  # interrupted: the same step again
-                    self.populated += hi - position
                 else:
                     hi = target
+                    self._advise(keep, position, target)
                 with self.lock:
                     self.position = hi
         except BaseException:
             with self.lock:
                 self.thread = None
             raise
+        finally:
+            for descriptor in (fd, null):
+                if descriptor is not None:
+                    os.close(descriptor)
+        if then is not None:
+            then()
+
+    def after(self, then) -> None:
+        """Call ``then()`` once this file has been read to its end: at once where it has been, or is not being
+        read, else from the thread when it gets there (a reader of several files reads the next one after this,
+        one sequential stream at a time)."""
+        with self.lock:
+            running = self.thread is not None and self.target >= self.mapped.size
+            if running:
+                self.then = then
+        if not running:
+            then()
+
+    def _advise(self, keep, start: int, end: int) -> None:
+        """``madvise(MADV_WILLNEED)`` over ``[start, end)`` of the mapping in ``step`` pieces (the kernel reads at
+        most its readahead window per call)."""
+        fn = madvise()
+        if fn is None:
+            return
+        self.advised = True
+        base = np.frombuffer(keep, np.uint8).ctypes.data
+        for lo in range(start - start % _PAGE, end, self.step):
+            # SAFETY: keep (a view of the whole mapping) holds it mapped while this thread runs.
+            fn(base + lo, min(self.step, end - lo), _MADV_WILLNEED)
+            self.calls += 1
 
 
 def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True,
