@@ -126,7 +126,7 @@ def test_a_view_of_a_large_tensor_reads_ahead_once_per_half_window(tmp_path, mon
     from fastckpt.formats import reader
 
     asked = []
-    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append((start, end)))
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, check: asked.append((start, end)))
     monkeypatch.setattr(reader, "cached", lambda mapped, start, end, samples, **kw: False)  # as if the file were cold
     monkeypatch.setattr(reader, "READ_AHEAD", 8 << 20)
     path = tmp_path / "m.safetensors"

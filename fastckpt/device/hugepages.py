@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import sys
 
-from fastckpt.formats.readinto import madvise  # noqa: F401 - the one binding; device.load takes it from here
-
-__all__ = ["HUGE_MIN", "HUGE_PAGES", "advise_huge_pages", "buffer_allocator", "host_address", "huge_pages_available", "is_oom"]
+__all__ = ["HUGE_MIN", "HUGE_PAGES", "advise_huge_pages", "buffer_allocator", "host_address", "huge_pages_available",
+           "is_oom"]
 
 #: Buffers from this size on are advised (a 2 MiB page needs a 2 MiB-aligned stretch inside the buffer).
 HUGE_MIN = 4 << 20
@@ -86,6 +85,26 @@ def huge_pages_available() -> bool:
                 mode = ""
         _available = "[always]" in mode or "[madvise]" in mode
     return _available
+
+
+_madvise_fn = None  # libc's madvise through ctypes, made at the first call; False where there is none
+
+
+def madvise():
+    """libc's ``madvise(address, length, advice)`` (ctypes, errno kept), made once; None where the platform has
+    none. The one binding for advice on memory fastckpt owns: huge pages here, prefaulting a new arena
+    (:mod:`fastckpt.device.load`)."""
+    global _madvise_fn
+    if _madvise_fn is None:
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            _madvise_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                           use_errno=True)(("madvise", libc))
+        except (OSError, AttributeError):  # pragma: no cover - no libc madvise
+            _madvise_fn = False
+    return _madvise_fn or None
 
 
 def advise_huge_pages(queue, buffer, nbytes: int) -> bool:

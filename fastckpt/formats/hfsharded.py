@@ -675,11 +675,10 @@ class HFShardedDirectory(MultiFileReader):
             raise tensor_not_found(self.path, name, self.infos) from None
         f = self.files[file]
         view = f.host(name)
-        if f._ahead >= f._size and not f._next_started:  # read ahead to its end: the next one follows it
-            f._next_started = True
+        if f._ahead >= f._size:  # this shard is read ahead to its end: the next one starts (reads several at once)
             following = self._following.get(file)
             if following is not None:
-                f.read_ahead_next(following)
+                following.read_ahead_start()
         return view
 
     def parts(self) -> tuple[tuple[TensorFile, tuple[str, ...]], ...]:

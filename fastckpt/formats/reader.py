@@ -46,8 +46,8 @@ from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
-from fastckpt.formats.readinto import (DIRECT_ALIGN, ReadAhead, cached, file_cached, open_direct, read_ahead,
-                                       read_checked, same_file)
+from fastckpt.formats.readinto import (DIRECT_ALIGN, cached, file_cached, open_direct, read_ahead, read_checked,
+                                       same_file)
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
 from fastckpt.store.remote import is_url
@@ -108,8 +108,6 @@ class TensorFile(ReaderMapping):
         self.infos: Mapping[str, TensorInfo] = infos
         self._view = infos.view  # bound once: host() is called once per tensor
         self._ahead = 0  # the file is being read ahead up to this byte (host(), see READ_AHEAD)
-        self._reader: ReadAhead | None = None  # the thread reading it ahead, made for the first window
-        self._next_started = False  # a reader of several files has had the next file follow this one
         self._size = mapped.size if mapped.address is not None else 0  # nothing to read ahead in a pread file
         self._pread = mapped.address is None and getattr(mapped, "backend", None) == "pread"
 
@@ -195,7 +193,7 @@ class TensorFile(ReaderMapping):
             # Every tensor's bytes will be read: from the first one to the file's end, all at once.
             start = self._offset_of(next(iter(views.values())))
             if start is not None and self._size - start >= READ_AHEAD_MIN and not self._warm(start, self._size):
-                read_ahead(self.mapped, start, self._size, check=False, ahead=self._read_ahead_thread())
+                read_ahead(self.mapped, start, self._size, check=False)
             self._ahead = self._size
         return views
 
@@ -216,17 +214,7 @@ class TensorFile(ReaderMapping):
             self._ahead = self._size  # small or warm: nothing to ask the kernel for, now or later
             return
         self._ahead = min(self._size, start + READ_AHEAD)
-        read_ahead(self.mapped, start, self._ahead, check=False, ahead=self._read_ahead_thread())
-
-    def read_ahead_next(self, following: "TensorFile") -> None:
-        """Start ``following``'s read-ahead (:meth:`read_ahead_start`) once this file has been read ahead to its end:
-        a reader of several files keeps one sequential stream going from file to file, where two at once shared the
-        disk between them and neither file's first bytes came first."""
-        reader = self._reader
-        if reader is None:
-            following.read_ahead_start()
-        else:
-            reader.after(following.read_ahead_start)
+        read_ahead(self.mapped, start, self._ahead, check=False)
 
     def _offset_of(self, view) -> int | None:
         """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
@@ -255,14 +243,7 @@ class TensorFile(ReaderMapping):
                 return
             start = max(self._ahead, start)
             self._ahead = min(self._size, end + READ_AHEAD)
-            read_ahead(self.mapped, start, self._ahead, check=False, ahead=self._read_ahead_thread())
-
-    def _read_ahead_thread(self) -> ReadAhead:
-        """The file's :class:`~fastckpt.formats.readinto.ReadAhead`: the window is read into the page cache on a
-        thread of its own, in file order, by the kernel's sequential read path, while the caller copies."""
-        if self._reader is None:
-            self._reader = ReadAhead(self.mapped)
-        return self._reader
+            read_ahead(self.mapped, start, self._ahead, check=False)
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:

@@ -36,9 +36,9 @@ import threading
 
 import numpy as np
 
-__all__ = ["cached", "file_cached", "direct_pieces", "madvise", "open_direct", "raise_if_changed", "read_checked",
-           "read_ahead", "read_into", "same_file", "unchanged", "ReadAhead", "READ_PIECE", "READ_THREADS",
-           "READAHEAD_STEP", "DIRECT_ALIGN", "DIRECT_PIECE", "DIRECT_THREADS"]
+__all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "raise_if_changed", "read_checked", "read_ahead",
+           "read_into", "same_file", "unchanged", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN",
+           "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
 # (read_ahead_kb, 128 KiB by default, 8 MiB on this project's machines) per call, whatever the length asked for,
@@ -271,181 +271,13 @@ def unchanged(fd: int, identity) -> bool:
         return False
 
 
-_madvise_fn = None  # libc's madvise through ctypes, made at the first call; False where there is none
-_MADV_WILLNEED = 3
-
-
-def madvise():
-    """libc's ``madvise(address, length, advice)`` (ctypes, errno kept; the GIL is released during the call), made
-    once; None where the platform has none. The one binding for advice on memory fastckpt owns: the read-ahead of
-    mapped files here (:class:`ReadAhead`), huge pages and the prefaulting of new arenas in :mod:`fastckpt.device`.
-
-    >>> fn = madvise(); fn is None or callable(fn)
-    True
-    """
-    global _madvise_fn
-    if _madvise_fn is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            _madvise_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                           use_errno=True)(("madvise", libc))
-        except (OSError, AttributeError):  # pragma: no cover - no libc madvise
-            _madvise_fn = False
-    return _madvise_fn or None
-
-
-_sendfile = getattr(os, "sendfile", None)  # the read-ahead thread's read (tests replace it)
-
-
-class ReadAhead:
-    """A mapped file read into the page cache ahead of the copies out of it, on a thread of its own: :meth:`extend`
-    asks for bytes ``[start, end)`` and returns at once; the thread reads them in file order, ``step`` bytes a call,
-    with ``sendfile`` to ``/dev/null`` from a descriptor of the same file (:func:`same_file`): the kernel's own
-    sequential read path (its read-ahead keeps the disk's queue full, in large folios), and no byte is copied
-    anywhere. A copy out of a view then finds the bytes in the page cache, in 2 MiB folios that its page faults map
-    whole.
-
-    Why (docs/reading.md): ``madvise(MADV_WILLNEED)`` over the window, as up to 0.5.0, read the file into 4 KiB
-    pages at about two thirds of a plain read's rate (a cold 512 MiB file in 0.45-0.57 s against 0.31-0.32 s this
-    way, 0.33 s for a buffered ``readinto``), held the caller 70-150 ms in the advice, and a copy out of those pages
-    faulted every 64 KiB. Where ``sendfile`` is refused (a platform or file system without it, the path no longer
-    naming the mapped file), the rest of the range is advised ``WILLNEED`` in ``step`` pieces instead, as before.
-    Advice only: a failure changes nothing but the speed; a file cut short stops the thread (the copies meet the
-    truncation themselves). The thread ends once it has reached the end asked for (``extend`` starts another);
-    it holds a view of the mapping while it runs, so the mapping outlives it. ``calls`` counts its reads and
-    advice calls, ``position`` is how far it has read.
-
-    >>> import os, tempfile
-    >>> from fastckpt._native.mapped import MappedFile
-    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 20000); os.close(fd)
-    >>> ahead = ReadAhead(MappedFile(p), step=8192); ahead.extend(0, 20000); ahead.wait()
-    >>> ahead.position
-    20000
-    """
-
-    def __init__(self, mapped, step: int | None = None):
-        step = READAHEAD_STEP if step is None else step
-        if step < _PAGE:
-            raise ValueError(f"step must be a page at least, got {step}")
-        self.mapped, self.step = mapped, step // _PAGE * _PAGE  # whole pages: the advice's pieces start on one
-        self.lock = threading.Lock()
-        self.position = -1  # the bytes before it are read (the thread's place); -1 before the first extend
-        self.target = 0  # read up to here
-        self.thread: threading.Thread | None = None
-        self.calls = 0
-        self.advised = False  # True once the thread fell back to advice
-        self.then = None  # called (on the thread, once) when the thread has read to the end of the file: then()
-
-    def extend(self, start: int, end: int) -> None:
-        """Have bytes ``[start, end)`` read ahead (the first call sets where the thread starts; later ones only move
-        the end). Returns at once."""
-        end = min(end, self.mapped.size)
-        with self.lock:
-            if self.position < 0:
-                self.position = max(0, start)
-            if end <= self.target:
-                return
-            self.target = end
-            if self.thread is not None:
-                return  # the running thread reads on to the new end
-            try:
-                keep = self.mapped.view(0, self.mapped.size, "read-ahead")  # keeps the mapping while the thread runs
-            except (ValueError, OSError):
-                return  # closed: nothing to read ahead for
-            if self.mapped.address is None:
-                return
-            self.thread = threading.Thread(target=self._run, args=(keep,), name="fastckpt-readahead", daemon=True)
-            self.thread.start()
-
-    def wait(self) -> None:
-        """Wait until the thread has reached the end asked for (tests, benchmarks)."""
-        thread = self.thread
-        if thread is not None:
-            thread.join()
-
-    def _run(self, keep) -> None:
-        then = None
-        fd = same_file(self.mapped) if _sendfile is not None else None
-        null = None
-        try:
-            if fd is not None:
-                null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-            while True:
-                with self.lock:
-                    if self.position >= self.target:
-                        self.thread = None
-                        then = self.then if self.position >= self.mapped.size else None
-                        if then is not None:
-                            self.then = None
-                        break
-                    position, target = self.position, self.target
-                hi = min(target, position + self.step)
-                if fd is not None and null is not None:
-                    try:
-                        got = _sendfile(null, fd, position, hi - position)
-                    except InterruptedError:
-                        continue
-                    except OSError:
-                        got = None  # no sendfile from this file here: advice from now on
-                    self.calls += 1
-                    if got == 0:  # the file ends before the mapping does: cut short; stop reading ahead
-                        hi = target
-                    elif got is not None:
-                        hi = position + got
-                    else:
-                        os.close(fd)
-                        fd = None
-                        continue
-                else:
-                    hi = target
-                    self._advise(keep, position, target)
-                with self.lock:
-                    self.position = hi
-        except BaseException:
-            with self.lock:
-                self.thread = None
-            raise
-        finally:
-            for descriptor in (fd, null):
-                if descriptor is not None:
-                    os.close(descriptor)
-        if then is not None:
-            then()
-
-    def after(self, then) -> None:
-        """Call ``then()`` once this file has been read to its end: at once where it has been, or is not being
-        read, else from the thread when it gets there (a reader of several files reads the next one after this,
-        one sequential stream at a time)."""
-        with self.lock:
-            running = self.thread is not None and self.target >= self.mapped.size
-            if running:
-                self.then = then
-        if not running:
-            then()
-
-    def _advise(self, keep, start: int, end: int) -> None:
-        """``madvise(MADV_WILLNEED)`` over ``[start, end)`` of the mapping in ``step`` pieces (the kernel reads at
-        most its readahead window per call)."""
-        fn = madvise()
-        if fn is None:
-            return
-        self.advised = True
-        base = np.frombuffer(keep, np.uint8).ctypes.data
-        for lo in range(start - start % _PAGE, end, self.step):
-            # SAFETY: keep (a view of the whole mapping) holds it mapped while this thread runs.
-            fn(base + lo, min(self.step, end - lo), _MADV_WILLNEED)
-            self.calls += 1
-
-
-def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True,
-               ahead: ReadAhead | None = None) -> int:
+def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, check: bool = True) -> int:
     """Ask the kernel to read bytes ``[start, end)`` of the file ``mapped`` maps (a
     :class:`~fastckpt._native.mapped.MappedFile`) into the page cache now, ahead of the copies that will read them
     (``madvise(MADV_WILLNEED)`` in steps of ``step`` bytes); returns the number of calls made: none where
     ``SAMPLES`` pages spread over the range are all in the page cache already (:func:`cached`, unless ``check`` is
-    False: the advice would only look every page up again, 2-3 ms per 512 MiB). With ``ahead`` (the file's
-    :class:`ReadAhead`) the range goes to its thread instead, and this returns 0 at once. Advice only: a failure,
-    or a mapping that is no mapping (the pread backend), changes nothing but the speed.
+    False: the advice would only look every page up again, 2-3 ms per 512 MiB). Advice only: a failure, or a mapping that is no mapping (the
+    pread backend), changes nothing but the speed.
 
     >>> import os, tempfile
     >>> from fastckpt._native.mapped import MappedFile
@@ -455,9 +287,6 @@ def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, chec
     """
     calls = 0
     if end <= start or (check and cached(mapped, start, end)):
-        return 0
-    if ahead is not None:
-        ahead.extend(start, end)
         return 0
     try:
         for lo in range(start, end, step):
