@@ -117,21 +117,24 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
     """
     if nbytes < HUGE_MIN or queue is None or not HUGE_PAGES or not huge_pages_available():
         return False
-    address = host_address(queue, buffer, nbytes)
-    if address is None:
-        return False
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + nbytes) // _PAGE * _PAGE
-    advise = madvise()
-    return end > start and advise is not None and advise(start, end - start, _MADV_HUGEPAGE) == 0
+    advised = []
+
+    def advise_mapped(address: int) -> None:
+        start = -(-address // _PAGE) * _PAGE
+        end = (address + nbytes) // _PAGE * _PAGE
+        advise = madvise()
+        advised.append(end > start and advise is not None and advise(start, end - start, _MADV_HUGEPAGE) == 0)
+
+    return host_address(queue, buffer, nbytes, advise_mapped) is not None and advised == [True]
 
 
-def host_address(queue, buffer, nbytes: int) -> int | None:
+def host_address(queue, buffer, nbytes: int, while_mapped=None) -> int | None:
     """The address of the host memory that is ``buffer`` (its first ``nbytes``), on a CPU device that shares host
     memory (pocl: a map returns the buffer's own memory, which stays where it is after the unmap); None anywhere
     else or when a step fails, except for lack of memory (the map makes the runtime allocate the buffer): that error
-    is raised, so that a pool frees its idle buffers and retries. Used to give the kernel advice about a new
-    buffer's pages (huge pages here, prefaulting in :mod:`fastckpt.device.load`); no byte of it is read or written.
+    is raised, so that a pool frees its idle buffers and retries. ``while_mapped(address)``, where given, is called
+    before the unmap. Used to give the kernel advice about a new buffer's pages (huge pages here, prefaulting in
+    :mod:`fastckpt.device.load`); no byte of it is read or written.
     """
     import numpy as np
     import pyopencl as cl
@@ -147,7 +150,10 @@ def host_address(queue, buffer, nbytes: int) -> int | None:
         view, _event = cl.enqueue_map_buffer(private, buffer, cl.map_flags.WRITE_INVALIDATE_REGION, 0, (nbytes,),
                                              np.uint8, is_blocking=True)
         try:
-            return view.__array_interface__["data"][0]
+            address = view.__array_interface__["data"][0]
+            if while_mapped is not None:
+                while_mapped(address)
+            return address
         finally:
             # Waited for: the first copy into the buffer (on the caller's queue) must not overlap the unmap.
             view.base.release(private).wait()
