@@ -257,15 +257,17 @@ __all__ = [
     "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps",
     "dtype_of", "manifest_checksum", "seal", "check_seal", "commit_directory",
     "read_metadata", "SLICE_VERSION", "SLICE_SIZE", "slice_positions", "slice_of", "slice_owner", "slice_groups", "group_bounds",
-    "group_span", "group_rows", "slice_order", "slice_run", "SliceRowError",
+    "group_span", "group_rows", "slice_order", "slice_run", "SliceRowError", "ROWS_VERSION", "row_specs",
+    "version_for",
 ]
 
 FORMAT = "fastckpt.sharded"
-FORMAT_VERSION = 4  # the newest version read, and the one every save writes
+FORMAT_VERSION = 5  # the newest version read (a save writes the oldest version that holds it: version_for)
 FULL_VERSION = 1  # the first version
 DELTA_VERSION = 2  # the first version with deltas and encoded tables
 CHECKSUM_VERSION = 3  # the first version whose manifest carries its own checksum
 SLICE_VERSION = 4  # the first version whose table parts are grouped by key-space slice, their row ranges recorded
+ROWS_VERSION = 5  # the first version whose tables record their row shape and each slot's shape and dtype
 SLICE_SIZE = 65536  # the key space of a version-4 table's slices: RecIS's default, which recis.py imports
 GROUP_ROWS = 256  # a version-4 save makes one slice group per this many rows of a part ...
 MAX_GROUPS = 64  # ... and at most this many (the metadata of a part is bounded)
@@ -609,6 +611,43 @@ def dtype_of(name: Any, where: str) -> np.dtype:
     return dtype
 
 
+def row_specs(entry: dict) -> tuple[list[int], str, dict[str, tuple[list[int], str]]]:
+    """``(row shape, dtype, {slot: (row shape, dtype)})`` of a manifest's ``hashtables`` entry: what one row of the
+    embedding and of each slot is. Version 5 records them (``shape``, ``slot_specs``); in versions 1-4 every row
+    is ``[dim]`` of the table's dtype.
+
+    >>> row_specs({"dim": 2, "dtype": "float32", "slots": ["m"]})
+    ([2], 'float32', {'m': ([2], 'float32')})
+    >>> row_specs({"dim": 6, "dtype": "float32", "slots": ["step_filter"], "shape": [2, 3],
+    ...            "slot_specs": {"step_filter": {"shape": [1], "dtype": "int64"}}})
+    ([2, 3], 'float32', {'step_filter': ([1], 'int64')})
+    """
+    shape = list(entry.get("shape", [entry["dim"]]))
+    specs = entry.get("slot_specs")
+    slots = {s: (list(specs[s]["shape"]), specs[s]["dtype"]) if specs is not None else (shape, entry["dtype"])
+             for s in entry["slots"]}
+    return shape, entry["dtype"], slots
+
+
+def version_for(tables: dict) -> int:
+    """The format version a save writes for its manifest's ``hashtables`` entries ``tables`` (each with ``shape``
+    and ``slot_specs``): :data:`SLICE_VERSION` (4), which fastckpt 0.4 and 0.5 read, where every row of every
+    table, embedding and slots, is ``[dim]`` values of the table's dtype; else :data:`ROWS_VERSION` (5): an
+    embedding row of more than one axis, or a slot of its own row shape or dtype, which only a reader of version 5
+    can place.
+
+    >>> plain = {"dim": 2, "dtype": "float32", "shape": [2], "slot_specs": {"m": {"shape": [2], "dtype": "float32"}}}
+    >>> version_for({"t": plain}), version_for({"t": {**plain, "dim": 6, "shape": [2, 3], "slot_specs": {}}})
+    (4, 5)
+    >>> version_for({"t": {**plain, "slot_specs": {"step_filter": {"shape": [1], "dtype": "int64"}}}})
+    5
+    """
+    plain = all(entry["shape"] == [entry["dim"]] and all(spec == {"shape": [entry["dim"]], "dtype": entry["dtype"]}
+                                                         for spec in entry["slot_specs"].values())
+                for entry in tables.values())
+    return SLICE_VERSION if plain else ROWS_VERSION
+
+
 def manifest_checksum(manifest: dict) -> str:
     """The BLAKE3 (hex) a version-3 manifest records of itself: of :func:`dumps` of the manifest less ``checksum``.
 
@@ -859,6 +898,11 @@ def _check_manifest_entries(manifest: dict, where: str, *, delta: bool, version:
                 f"'slots' must be distinct names (not id, embedding or deleted), got {slots!r}")
         for key in ("ids", "written", "deleted") if delta else ("ids",):
             expect(is_count(entry.get(key)), w, f"{key!r} must be an integer >= 0, got {entry.get(key)!r}")
+        if version >= ROWS_VERSION:
+            _check_row_shapes(entry, w)
+        else:
+            expect("shape" not in entry and "slot_specs" not in entry, w,
+                    f"'shape' and 'slot_specs' need format_version {ROWS_VERSION}, got {version}")
         partition = entry.get("partition")
         if version >= SLICE_VERSION:
             expect(isinstance(partition, dict) and set(partition) == {"rule", "slice_size"}
@@ -872,6 +916,31 @@ def _check_manifest_entries(manifest: dict, where: str, *, delta: bool, version:
         expect(encoding is None or (isinstance(encoding, dict) and type(encoding.get("max_abs_error", 0.0))
                                      in (int, float)), w, f"'encoding' must be an object with a number "
                                                           f"'max_abs_error', got {encoding!r}")
+
+
+_MAX_ROW_AXES = 32  # a row shape's axes (numpy's limit is 64 for a whole array)
+
+
+def _is_row_shape(shape: Any) -> bool:
+    return isinstance(shape, list) and 1 <= len(shape) <= _MAX_ROW_AXES and all(is_count(d, 1) for d in shape)
+
+
+def _check_row_shapes(entry: dict, w: str) -> None:
+    """A version-5 table entry's ``shape`` (the embedding's row shape, whose product is ``dim``) and
+    ``slot_specs`` (``{slot: {"shape", "dtype"}}`` for exactly its ``slots``)."""
+    shape = entry.get("shape")
+    expect(_is_row_shape(shape), w, f"'shape' must be the embedding's row shape, a list of 1 to {_MAX_ROW_AXES} "
+                                    f"integers >= 1, got {shape!r}")
+    expect(int(np.prod(shape, dtype=object)) == entry["dim"], w,
+            f"'shape' {shape} holds {int(np.prod(shape, dtype=object))} values a row, 'dim' says {entry['dim']}")
+    specs = entry.get("slot_specs")
+    expect(isinstance(specs, dict) and set(specs) == set(entry["slots"]), w,
+            f"'slot_specs' must be {{slot: {{'shape', 'dtype'}}}} for exactly the slots {entry['slots']}, got "
+            f"{str(specs)[:200]}")
+    for slot, spec in specs.items():
+        expect(isinstance(spec, dict) and set(spec) == {"shape", "dtype"} and _is_row_shape(spec["shape"]), w,
+                f"slot_specs[{slot!r}] must be {{'shape': [int >= 1, ...], 'dtype': str}}, got {spec!r}")
+        dtype_of(spec["dtype"], f"{w}: slot_specs[{slot!r}]")
 
 
 def _check_description(key: str, desc: Any, original: Any, dwhere: str, version: int) -> None:
@@ -974,6 +1043,8 @@ def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *
         for tensor, parts in by_tensor.items():
             expect(len(parts) == n and parts[min(parts)]["part"][1] == n, dwhere,
                     f"hashtable {name!r}: {tensor!r} has {len(parts)} parts, {name}.id has {n}")
+        shape, dtype, slot_rows = row_specs(entry)
+        rows_of_role = {"embedding": (shape, dtype), **slot_rows}
         for i in range(n):
             k = _logical(ids[i])[0]
             expect(len(k) == 1 and _logical(ids[i])[1] == "int64", dwhere,
@@ -982,13 +1053,18 @@ def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *
             _check_slices(ids[i], k[0], entry, dwhere, version)
             for role in roles[1:]:
                 desc = by_tensor[f"{name}.{role}"][i]
-                shape, dtype = _logical(desc)
-                want = ([None], "int64") if role == "deleted" else ([k[0], entry["dim"]], entry["dtype"])
-                expect(len(shape) == len(want[0]) and (role == "deleted" or shape == want[0]) and dtype == want[1],
-                        dwhere, f"entry {desc['name']!r}: {dtype}{shape}, expected {want[1]}"
-                                f"{['d'] if role == 'deleted' else want[0]} (table {name!r}, part {i} of {n})")
+                got, got_dtype = _logical(desc)
+                want = ([None], "int64") if role == "deleted" else \
+                    ([k[0], *rows_of_role[role][0]], rows_of_role[role][1])
+                what = "" if role == "deleted" or version < ROWS_VERSION else \
+                    f"; {MANIFEST_FILE}: hashtables[{name!r}]." + ("shape" if role == "embedding" else
+                                                                   f"slot_specs[{role!r}]")
+                expect(len(got) == len(want[0]) and (role == "deleted" or got == want[0]) and got_dtype == want[1],
+                        dwhere, f"entry {desc['name']!r}: {got_dtype}{got}, expected {want[1]}"
+                                f"{['d'] if role == 'deleted' else want[0]} (table {name!r}, part {i} of {n}"
+                                f"{what})")
                 if role == "deleted":
-                    counts["deleted"] += shape[0]
+                    counts["deleted"] += got[0]
         if delta:
             expect(counts["ids"] == entry["written"] and counts["deleted"] == entry["deleted"], where,
                     f"hashtables[{name!r}] says {entry['written']} ids written and {entry['deleted']} deleted, the "
