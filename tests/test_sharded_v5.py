@@ -263,3 +263,23 @@ def test_damaged_version_5_descriptions_are_refused_naming_the_file_and_the_tens
     with pytest.raises(FormatError, match=message):
         Loader(damaged, hashtables=target).load()
     assert len(target["user"]) == 0  # nothing placed
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_version_5_checkpoint_saved_to_and_loaded_from_s3_is_exact(s3, verify):
+    """Ranged reads of a rank's share (rows of [2, 3] and [1] of their own sizes) and whole-file fetches."""
+    ids, rows = _rows(500, 6)
+    url = s3.url("c")
+    tables = [{"user": _table(ids[r::2], {k: v[r::2] for k, v in rows.items()})} for r in range(2)]
+    save_threads(url, tables, {}, 2, storage_options=s3.storage_options)
+    for shard_num in (1, 3):
+        _check_loaded([Loader(url, shard_index=j, shard_num=shard_num, storage_options=s3.storage_options,
+                              verify=verify).load()[0]["user"] for j in range(shard_num)], ids, rows, shard_num)
+
+
+def test_inspect_shows_the_row_shapes_and_the_slots_of_their_own(saved):
+    from fastckpt.cli.inspect import _format_table, describe
+
+    path, *_ = saved
+    assert "hashtable user: 700 ids x [2, 3] float32, slots ['step_filter' int64[1], 'm']" in \
+        _format_table(describe(path)).splitlines()
