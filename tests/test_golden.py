@@ -352,10 +352,11 @@ def _save_sharded(path: Path, tables: list[dict], tensors: dict, parallel: int, 
 SHARDED_TENSORS = {"w": _arange(np.float32, (5, 2)) / 4, "step": np.array(9, np.int64), "b": _arange(ml_dtypes.bfloat16, (3,))}
 
 
-def _write_sharded(out: Path) -> None:
-    tables = [_sharded_tables(0), _sharded_tables(1)]
+def _write_sharded(out: Path, make=None, change=None) -> None:
+    """A full checkpoint of ``make(rank)``'s tables on 2 ranks, ``change`` them, a delta, a quantized one."""
+    tables = [(make or _sharded_tables)(0), (make or _sharded_tables)(1)]
     _save_sharded(out / "full", tables, SHARDED_TENSORS, parallel=2)
-    _change_sharded(tables)
+    (change or _change_sharded)(tables)
     from fastckpt.sharded import DeltaPolicy
 
     _save_sharded(out / "delta", tables, SHARDED_TENSORS, parallel=2, incremental=DeltaPolicy(max_fraction=1.0))
@@ -404,13 +405,7 @@ def _change_shaped(tables: list[dict]) -> None:
 
 def _write_sharded_v5(out: Path) -> None:
     """Format version 5: tables whose rows have shapes and slots of their own, full, delta and quantized."""
-    tables = [_shaped_tables(0), _shaped_tables(1)]
-    _save_sharded(out / "full", tables, SHARDED_TENSORS, parallel=2)
-    _change_shaped(tables)
-    from fastckpt.sharded import DeltaPolicy
-
-    _save_sharded(out / "delta", tables, SHARDED_TENSORS, parallel=2, incremental=DeltaPolicy(max_fraction=1.0))
-    _save_sharded(out / "quantized", tables, SHARDED_TENSORS, parallel=1, quantize="int8")  # no codec: fixed bytes
+    _write_sharded(out, _shaped_tables, _change_shaped)
 
 
 def _change_sharded(tables: list[dict]) -> None:
