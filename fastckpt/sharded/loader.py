@@ -4,7 +4,7 @@ A checkpoint saved by N ranks loads on M ranks exactly, for any N, M >= 1:
 
 * hashtables: every id goes to the rank its *owner rule* names, its
   embedding row and slot rows with it. The default is the checkpoint's own
-  rule: for format version 4 RecIS's slice rule (rank ``j`` of ``M`` owns the
+  rule: for format versions 4 and 5 RecIS's slice rule (rank ``j`` of ``M`` owns the
   ids whose ``uint64(id) % slice_size`` lies in ``slice_of(j, M)``; the table
   parts are stored in slice order with their groups' row offsets recorded, so
   a rank reads only the ids and rows of its slices, whatever ``N`` and
@@ -18,8 +18,12 @@ A checkpoint saved by N ranks loads on M ranks exactly, for any N, M >= 1:
 
 ``filter_func`` receives the load information (a dict ``{"tensors": {name:
 {"dtype", "shape", "rows"}}, "hashtables": {name: {"dim", "dtype", "slots",
-"ids"}}}`` for everything this Loader would load) and returns it with the
-entries to skip removed.
+"ids", ...}}}``, each table's manifest entry, for everything this Loader would
+load) and returns it with the entries to skip removed.
+
+A table the Loader makes has the checkpoint's rows: in format version 5 the
+embedding's row shape and each slot's own row shape and dtype (a step
+filter's int64 ``[1]``), every slot of the checkpoint.
 
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.sharded import HashTable, Saver
@@ -407,7 +411,7 @@ class Loader:
 
     def owner_rule(self, entry: dict) -> Callable[[np.ndarray, int], np.ndarray]:
         """The owner rule this load applies to a table of manifest entry ``entry``: the ``owner`` given, else the
-        checkpoint's own: for format version 4 (``entry["partition"]``) RecIS's slice rule over the table's
+        checkpoint's own: for format versions 4 and 5 (``entry["partition"]``) RecIS's slice rule over the table's
         slice size (:func:`~fastckpt.sharded.format.slice_of`), for versions 1-3 ``id mod shard_num``.
 
         >>> Loader("c").owner_rule({"partition": {"rule": "slice", "slice_size": 10}})(np.array([3, 4, 9]), 3).tolist()
