@@ -15,7 +15,7 @@
 #       without pocl, whose 58 MB wheel a GPU machine does not need)
 #
 # PYTHON picks the interpreter (default python3); GPU_COLD_RUNS and GPU_COLD_MIB the cold case's runs
-# per row (default 5) and file size (default 4096). To try the script where there is no GPU: GPU_CHECK_KIND=cpu
+# per row (default 5) and file size (default 4096); GPU_SWEEP_ARGS more options for tools/gpu-sweep.py. To try the script where there is no GPU: GPU_CHECK_KIND=cpu
 # (benchmarks on the CPU device) and GPU_CHECK_TESTS="tests/test_progress.py" (the tests to run instead of all). What it installs goes under build/gpu-check/ (PYTHONPATH), never
 # into the interpreter's own site-packages. Where no ICD file names the NVIDIA driver's OpenCL library, one is
 # written there and OCL_ICD_VENDORS points at it (pyopencl's ICD loader honours it). Logs: build/gpu-check/.
@@ -132,7 +132,7 @@ PYTHONPATH="$PWD:$PYTHONPATH" "$PY" tools/gpu-cold.py --kind "$KIND" --runs "${G
 
 echo "== staging sweep (tools/gpu-sweep.py: buffers x chunk x fill threads of the staged load, warm, on the device)"
 # shellcheck disable=SC2086
-PYTHONPATH="$PWD:$PYTHONPATH" "$PY" tools/gpu-sweep.py --kind "$KIND" $QUICK | tee "$OUT/sweep.md"
+PYTHONPATH="$PWD:$PYTHONPATH" "$PY" tools/gpu-sweep.py --kind "$KIND" ${GPU_SWEEP_ARGS:-} $QUICK | tee "$OUT/sweep.md"
 
 echo
 echo "== summary"

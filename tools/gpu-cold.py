@@ -31,6 +31,7 @@ ROWS = {
     "direct16": "bound: O_DIRECT preadv, 16 threads",
     "load": "load_file(path, queue), no pool",
     "pooled": "load_file(path, queue, pool=new pool)",
+    "pooled-64": "the same with 0.5.0's staging (64 MiB chunks, up to 16 fill threads)",
     "torch": "safetensors.torch.load_file(path, device='cuda')",
 }
 BOUNDS = ("read", "direct8", "direct16")
@@ -89,13 +90,15 @@ def one(kind: str, path: str, device: str) -> dict:
             began = time.perf_counter()
             _bound_preadv(path, os.path.getsize(path), int(kind[len("direct"):]), True)
         return {"seconds": time.perf_counter() - began, "exact": None, "staging": None}
-    from fastckpt.device import default
+    from fastckpt.device import default, staging
     from fastckpt.device.load import load_file
     from fastckpt.device.pool import PersistentBufferPool
 
+    if kind == "pooled-64":  # the staging constants 0.5.0 had, for a comparison in the same run
+        staging.STAGING_CHUNK, staging.MAX_FILL_THREADS = 64 << 20, 16
     dev = default(device)
     dev.queue.finish()  # the device started before the clock
-    pool = PersistentBufferPool(dev.context, dev.queue) if kind == "pooled" else None
+    pool = PersistentBufferPool(dev.context, dev.queue) if kind.startswith("pooled") else None
     drop(path)
     began = time.perf_counter()
     loaded = load_file(path, dev.queue, pool=pool, staging=None if device == "gpu" else True)

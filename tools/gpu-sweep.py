@@ -1,7 +1,7 @@
 """The staging shapes of a discrete device's staged load, measured on the device: part of tools/gpu-check.sh.
 
     python3 tools/gpu-sweep.py [--quick] [--kind gpu|cpu] [--rounds 2] [--buffers 2,4,6,8] [--chunks 16,32,64,128]
-                               [--threads 8,16] [--dir DIR]
+                               [--threads 8,16] [--shapes 6x64x16,6x16x8] [--dir DIR]
 
 Writes a safetensors file (4 GiB in 64 float32 tensors of 64 MiB; --quick: 256 MiB in 16) and keeps it in the page
 cache. Measures the pinned bound first: one mapped ``ALLOC_HOST_PTR`` buffer of 256 MiB copied into device buffers,
@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     parser.add_argument("--buffers", default="2,4,6,8")
     parser.add_argument("--chunks", default="16,32,64,128", help="MiB")
     parser.add_argument("--threads", default="8,16")
+    parser.add_argument("--shapes", default=None,
+                        help="instead of the grid above: BUFFERSxCHUNK_MIBxTHREADS shapes, comma-separated (6x64x16,...)")
     parser.add_argument("--dir", default=None)
     args = parser.parse_args(argv)
 
@@ -84,6 +86,9 @@ def main(argv=None) -> int:
             chunks = [c >> 2 for c in chunks]
         shapes = [Shape(c, b, t) for b in map(int, args.buffers.split(","))
                   for c in chunks for t in map(int, args.threads.split(","))]
+        if args.shapes:
+            shapes = [Shape(int(c) << (18 if args.quick else 20), int(b), int(t))
+                      for b, c, t in (x.split("x") for x in args.shapes.split(","))]
         own = staging_shape(nbytes, STAGING_CHUNK)
         shapes = list(dict.fromkeys([own, *shapes]))
         rates: dict = {}
