@@ -405,7 +405,8 @@ class CheckpointReader(MultiFileReader):
         return out
 
     def hashtables(self) -> dict[str, dict]:
-        """``{table: {"dim", "dtype", "slots", "ids"}}`` from the manifest."""
+        """``{table: {"dim", "dtype", "slots", "ids", ...}}`` from the manifest (version 4 adds ``partition``, version
+        5 ``shape`` and ``slot_specs``: :func:`~fastckpt.sharded.format.row_specs` reads the rows of any version)."""
         return dict(self.manifest.get("hashtables", {}))
 
     def _whole_name(self, name: str) -> str:
