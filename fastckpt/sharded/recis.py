@@ -131,10 +131,10 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.reader import TensorFile, guard, held_guards
 from fastckpt.info import TensorInfo
-from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
+from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, owner_mod, rows_of
 from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 from fastckpt.sharded.format import slice_owner as format_slice_owner
-from fastckpt.sharded.hashtable import HashTable, check_holds, table_for
+from fastckpt.sharded.hashtable import check_holds, table_for
 from fastckpt.store.commit import fsync_open
 from fastckpt.sharded.reader import CheckpointReader, register_layout
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
