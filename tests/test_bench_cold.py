@@ -147,3 +147,9 @@ def test_a_view_of_a_large_tensor_reads_ahead_once_per_half_window(tmp_path, mon
     with fastckpt.open(path) as f:
         [np.array(f.host(k)) for k in f.keys()]
     assert asked == []
+
+
+def test_busy_processes_run_while_the_block_runs_and_are_ended_after():
+    with cold._Busy(2) as busy:
+        assert len(busy.procs) == 2 and all(p.poll() is None for p in busy.procs)
+    assert all(p.poll() is not None for p in busy.procs)  # ended and waited for: no process is left behind

@@ -57,3 +57,44 @@ def test_a_first_load_through_a_new_pool_gives_exact_bytes(tmp_path, device):
     loaded = load_file(path, device.queue, pool=pool)
     assert loaded.report.pool_misses == 1
     assert {k: loaded[k].to_host().tobytes() for k in tensors} == {k: v.tobytes() for k, v in tensors.items()}
+
+
+def test_huge_pages_false_leaves_a_new_buffer_unadvised_and_exact(device, monkeypatch):
+    """The switch the cold suite's "4 KiB pages" row measures the arena without: no advice, the same bytes."""
+    import pyopencl as cl
+
+    from fastckpt.device import hugepages
+
+    monkeypatch.setattr(hugepages, "HUGE_PAGES", False)
+    nbytes = 2 * HUGE_MIN
+    buffer = cl.Buffer(device.context, cl.mem_flags.READ_WRITE, nbytes)
+    assert advise_huge_pages(device.queue, buffer, nbytes) is False
+    data = np.arange(nbytes, dtype=np.uint8)
+    cl.enqueue_copy(device.queue, buffer, data, is_blocking=True)
+    back = np.empty_like(data)
+    cl.enqueue_copy(device.queue, back, buffer, is_blocking=True)
+    assert back.tobytes() == data.tobytes()
+
+
+def test_host_address_is_the_buffers_own_memory_on_a_cpu_device(device):
+    """What a staged load prefaults: the address a map returns, seen again after the unmap, only on a device that
+    shares host memory; the callback runs while the buffer is mapped (where the huge-page advice is given)."""
+    import pyopencl as cl
+
+    from fastckpt.device.hugepages import host_address
+
+    nbytes = HUGE_MIN
+    buffer = cl.Buffer(device.context, cl.mem_flags.READ_WRITE, nbytes)
+    seen = []
+    first = host_address(device.queue, buffer, nbytes, seen.append)
+    if not _advisable(device) and first is None:
+        assert seen == []
+        return
+    assert first is not None and seen == [first]
+    assert host_address(device.queue, buffer, nbytes) == first  # the buffer's memory stays where it is
+    mapped, _event = cl.enqueue_map_buffer(device.queue, buffer, cl.map_flags.READ, 0, (nbytes,), np.uint8,
+                                           is_blocking=True)
+    try:
+        assert mapped.__array_interface__["data"][0] == first
+    finally:
+        mapped.base.release(device.queue).wait()

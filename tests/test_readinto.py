@@ -472,3 +472,62 @@ def test_a_cold_file_whose_first_window_the_open_read_is_still_read_ahead_of_its
     for name, _start, end in asked:
         ends[name] = max(end, ends.get(name, 0))
     assert ends == {os.path.basename(f.path): f.mapped.size for f in files}, asked  # every file, to its end
+
+
+# ------------------------------------------------------------------ staged loads on a device sharing host memory
+
+
+@pytest.mark.parametrize("source", ["file", "hf"])
+def test_a_staged_load_on_a_device_sharing_host_memory_makes_its_new_arena_present_while_it_fills(
+        tmp_path, unified_device, pool, cold, monkeypatch, source):
+    """The runtime's copies out of the pinned buffers are CPU copies there: the new arena's pages are made present on
+    a thread of their own (0.5.0: every copy faulted and zeroed the fresh pages it wrote); a pool hit has its pages."""
+    import gc
+
+    from fastckpt.device import load
+    from fastckpt.device.hugepages import host_address
+
+    made = []
+    real = load._Prefault
+
+    def recording(*args, **kw):
+        made.append(real(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(load, "_Prefault", recording)
+    tensors = {"a": np.arange(5 << 20, dtype=np.float32) * 3, "b": np.arange(7, dtype=np.int16),
+               "c": np.arange(3 << 20, dtype=np.uint8)}
+    path = str(tmp_path / "m.safetensors") if source == "file" else str(tmp_path / "hf")
+    if source == "file":
+        fastckpt.save_safetensors(path, tensors)
+    else:
+        fastckpt.save_sharded(path, tensors, max_shard_size=(12 << 20))
+    loaded = fastckpt.load_file(path, unified_device.queue, pool=pool, staging=True)
+    _exact(loaded, tensors)
+    assert loaded.report.staging_chunk > 0 and loaded.report.pool_misses >= 1
+    assert len(made) == loaded.report.pool_misses  # one per new arena
+    for prefault in made:
+        assert prefault.thread is None or not prefault.thread.is_alive()  # stopped before load_file returned
+        assert prefault.steps >= 1  # it made pages present
+    buffers = {loaded[name].buffer.int_ptr: loaded[name].buffer for name in tensors}
+    addresses = {host_address(unified_device.queue, b, b.size) for b in buffers.values()}
+    assert {p.start for p in made} <= {a + -a % 4096 for a in addresses}, (made, addresses)  # the arenas' memory
+    made.clear()
+    del loaded
+    gc.collect()  # the leases go back to the pool
+    again = fastckpt.load_file(path, unified_device.queue, pool=pool, staging=True)
+    _exact(again, tensors)
+    assert again.report.pool_misses == 0 and made == []  # a pool hit: its pages are there
+
+
+def test_an_unstaged_or_warm_pooled_load_makes_no_arena_present_on_a_thread(tmp_path, unified_device, pool,
+                                                                          monkeypatch):
+    from fastckpt.device import load
+
+    made = []
+    monkeypatch.setattr(load, "_Prefault", lambda *a, **k: made.append(1))
+    path = str(tmp_path / "m.safetensors")
+    tensors = {"a": np.arange(5 << 20, dtype=np.float32)}
+    fastckpt.save_safetensors(path, tensors)
+    _exact(fastckpt.load_file(path, unified_device.queue, pool=pool), tensors)  # the unified path reads into it
+    assert made == []

@@ -34,7 +34,8 @@ Rows (``ROWS``):
 * fastckpt, device (pocl: the device shares host memory): ``load_file(path,
   queue, pool=pool)``, the same with ``staging=True`` (the discrete-GPU route),
   ``load_file`` of the HF directory, ``load_model`` of the ``.netcl`` file into
-  a pool;
+  a pool; the pooled load once more with the arena left on 4 KiB pages (no
+  ``MADV_HUGEPAGE``, :data:`fastckpt.device.hugepages.HUGE_PAGES`);
 * peers, where they import: ``safetensors.numpy.load_file``,
   ``safetensors.torch.load_file`` (every tensor touched), fastsafetensors
   (CPU, ``nogds``), Run:ai Model Streamer (``SafetensorsStreamer``, tensors
@@ -81,6 +82,7 @@ ROWS = {
     "fastckpt.load_tree": ("fastckpt", "file", False),
     "fastckpt.open(HF directory) + copies": ("fastckpt", "dir", False),
     "load_file(pool) on pocl": ("fastckpt", "file", True),
+    "load_file(pool) on pocl, 4 KiB pages": ("fastckpt", "file", True),
     "load_file(pool, staging=True) on pocl": ("fastckpt", "file", True),
     "load_file(HF directory, pool) on pocl": ("fastckpt", "dir", True),
     "load_model(.netcl, pool) on pocl": ("fastckpt", "netcl", True),
@@ -89,7 +91,8 @@ ROWS = {
     "fastsafetensors (CPU, nogds)": ("peer", "file", False),
     "Run:ai SafetensorsStreamer": ("peer", "file", False),
 }
-QUICK_SKIP = ("bound: O_DIRECT preadv, 16 threads", "bound: buffered preadv, 2 threads")
+QUICK_SKIP = ("bound: O_DIRECT preadv, 16 threads", "bound: buffered preadv, 2 threads",
+              "load_file(pool) on pocl, 4 KiB pages")
 _MiB = 1 << 20
 PIECE = 16 * _MiB  # the bounds' parallel reads: one piece per preadv
 
@@ -266,6 +269,11 @@ def _setup(row: str, fixture: dict):
     if row.startswith("load_file("):
         import fastckpt
 
+        if row.endswith("4 KiB pages"):  # the arena without MADV_HUGEPAGE (an older fastckpt has no switch)
+            from fastckpt.device import hugepages
+
+            hugepages.HUGE_PAGES = False
+            hugepages._available = False
         queue, pool = _device()
         source = directory if "HF" in row else file
         staging = True if "staging" in row else None
@@ -314,6 +322,20 @@ def _setup(row: str, fixture: dict):
     raise ValueError(f"no cold row named {row!r}; rows: {', '.join(ROWS)}")
 
 
+def _import_readers(device: bool) -> None:
+    """Import what a fastckpt row's first call would import (the readers; the device loader), before the clock:
+    which modules a package imports lazily, and when, is no part of reading a file, and moved between versions (a
+    row timed with them inside its clock measured 60-80 more read calls, the ``.pyc`` files, and up to 50 ms)."""
+    import importlib
+
+    for name in ("fastckpt.formats", "fastckpt.formats.reader", "fastckpt.formats.readinto",
+                 "fastckpt.formats.hfsharded") + (("fastckpt.device.load",) if device else ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an older fastckpt without one of them: its first call imports what it has
+            pass
+
+
 def measure_one(row: str, fixture: dict) -> dict:
     """Measure ``row`` once in this process: set up, drop the row's files from the page cache, time the load, then
     check it; returns ``{"seconds", "cpu", "exact", "peak_rss"}`` (seconds; bytes), or ``{"skipped": why}`` where the row's
@@ -326,6 +348,8 @@ def measure_one(row: str, fixture: dict) -> dict:
     """
     try:
         load, check = _setup(row, fixture)
+        if ROWS[row][0] == "fastckpt":
+            _import_readers(ROWS[row][2])
     except (ImportError, OSError) as e:
         if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError,)) and "lib" not in str(e):
             raise
@@ -464,6 +488,36 @@ def table(samples: dict, fixture: dict) -> list[str]:
                         "peak RSS", "read calls", "read from disk", "page faults"], rows, "lrrrrrlrrrr")
 
 
+class _Busy:
+    """``n`` busy processes for as long as the ``with`` block runs (``--busy``): each allocates, touches and frees
+    64 MiB and does pure-Python work in a loop, as the tests and builds of other work on a shared machine do. They
+    are ended (by their process, one by one) when the block ends.
+
+    >>> with _Busy(0) as b:
+    ...     b.procs
+    []
+    """
+
+    CODE = ("import numpy as np\nwhile True:\n    a = np.ones(1 << 24, np.float32)\n    a.sum()\n    del a\n"
+            "    sum(range(200000))\n")
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        import subprocess
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", self.CODE], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc):
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait()
+
+
 def configure(parser) -> None:
     """Add the cold suite's options to ``parser``.
 
@@ -480,6 +534,9 @@ def configure(parser) -> None:
     parser.add_argument("--dir", default=None, help="where to write the files (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write every measurement to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="shuffles the rows' order in each round")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="run this many busy processes meanwhile (each a loop of 64 MiB allocated, touched and "
+                             "freed, and pure-Python work): a machine shared with other work, made on purpose")
     parser.add_argument("--against", default=None,
                         help="a folder holding another fastckpt (a checkout of an earlier commit, built): every "
                              "fastckpt row runs with it too, marked (before), in the same rounds")
@@ -499,7 +556,7 @@ def run(args) -> int:
         rows = [r for r in rows if any(r.startswith(prefix) for prefix in args.row)]
     if args.against:
         rows += [r + BEFORE for r in rows if ROWS[r][0] == "fastckpt"]
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="fastckpt-cold-") as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="fastckpt-cold-") as tmp, _Busy(args.busy):
         fixture = prepare(tmp, mib, args.tensors)
         fixture_path = os.path.join(tmp, "fixture.json")
         with open(fixture_path, "w") as f:
@@ -516,7 +573,9 @@ def run(args) -> int:
         print(f"## cold loads: {fixture['nbytes'] / _MiB:.0f} MiB in {args.tensors} float32 tensors "
               f"(HF directory: {fixture['dir_nbytes'] / _MiB:.0f} MiB in 4 shards; .netcl: "
               f"{fixture['netcl_nbytes'] / _MiB:.0f} MiB), page cache dropped before each run, a fresh process per "
-              f"run, median of {runs}, {os.cpu_count()} CPUs\n")
+              f"run, median of {runs}, {os.cpu_count()} CPUs"
+              f"{f', {args.busy} busy processes meanwhile' if args.busy else ''}, load average "
+              f"{os.getloadavg()[0]:.1f} at the end\n")
         print("\n".join(table(samples, fixture)))
         imported = {}
         for row, runs_ in samples.items():

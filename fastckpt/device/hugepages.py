@@ -34,10 +34,14 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["HUGE_MIN", "advise_huge_pages", "buffer_allocator", "huge_pages_available", "is_oom"]
+__all__ = ["HUGE_MIN", "HUGE_PAGES", "advise_huge_pages", "buffer_allocator", "host_address", "huge_pages_available",
+           "is_oom"]
 
 #: Buffers from this size on are advised (a 2 MiB page needs a 2 MiB-aligned stretch inside the buffer).
 HUGE_MIN = 4 << 20
+#: False leaves every new buffer as the runtime made it (4 KiB pages): the cold suite's row
+#: "load_file(pool) on pocl, 4 KiB pages" measures the arena both ways (docs/reading.md, "Huge pages").
+HUGE_PAGES = True
 
 _MADV_HUGEPAGE = 14  # Linux <sys/mman.h>
 # OpenCL status codes meaning "no memory for this allocation" (possibly only for now).
@@ -111,15 +115,34 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
     map makes the runtime allocate the buffer): that error is raised, so that the
     pool frees its idle buffers and retries.
     """
+    if nbytes < HUGE_MIN or queue is None or not HUGE_PAGES or not huge_pages_available():
+        return False
+    advised = []
+
+    def advise_mapped(address: int) -> None:
+        start = -(-address // _PAGE) * _PAGE
+        end = (address + nbytes) // _PAGE * _PAGE
+        advise = madvise()
+        advised.append(end > start and advise is not None and advise(start, end - start, _MADV_HUGEPAGE) == 0)
+
+    return host_address(queue, buffer, nbytes, advise_mapped) is not None and advised == [True]
+
+
+def host_address(queue, buffer, nbytes: int, while_mapped=None) -> int | None:
+    """The address of the host memory that is ``buffer`` (its first ``nbytes``), on a CPU device that shares host
+    memory (pocl: a map returns the buffer's own memory, which stays where it is after the unmap); None anywhere
+    else or when a step fails, except for lack of memory (the map makes the runtime allocate the buffer): that error
+    is raised, so that a pool frees its idle buffers and retries. ``while_mapped(address)``, where given, is called
+    before the unmap. Used to give the kernel advice about a new buffer's pages (huge pages here, prefaulting in
+    :mod:`fastckpt.device.load`); no byte of it is read or written.
+    """
     import numpy as np
     import pyopencl as cl
 
-    if nbytes < HUGE_MIN or queue is None or not huge_pages_available():
-        return False
     try:
         device = queue.device
         if not (device.type & cl.device_type.CPU) or not device.host_unified_memory:
-            return False
+            return None
         # A queue of its own: a blocking map on the caller's queue would wait behind every command already queued
         # there (a non-blocking load's copies), and the pool calls this holding its lock.
         private = cl.CommandQueue(queue.context, device)
@@ -128,18 +151,16 @@ def advise_huge_pages(queue, buffer, nbytes: int) -> bool:
                                              np.uint8, is_blocking=True)
         try:
             address = view.__array_interface__["data"][0]
-            start = -(-address // _PAGE) * _PAGE
-            end = (address + nbytes) // _PAGE * _PAGE
-            advise = madvise()
-            ok = end > start and advise is not None and advise(start, end - start, _MADV_HUGEPAGE) == 0
+            if while_mapped is not None:
+                while_mapped(address)
+            return address
         finally:
             # Waited for: the first copy into the buffer (on the caller's queue) must not overlap the unmap.
             view.base.release(private).wait()
-        return ok
     except Exception as exc:  # a hint only: the buffer works the same without it
         if is_oom(exc):  # the map made the runtime allocate: let the pool free idle buffers and retry
             raise
-        return False
+        return None
 
 
 def buffer_allocator(context, queue=None):

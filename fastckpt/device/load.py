@@ -90,7 +90,7 @@ import numpy as np
 
 from fastckpt._native.tensorindex import FLAG_DEFLATE, FLAG_FORTRAN_ORDER, FLAG_VIEWABLE
 from fastckpt.device.context import shares_host_memory
-from fastckpt.device.hugepages import madvise
+from fastckpt.device.hugepages import host_address, madvise
 from fastckpt.device.staging import (
     STAGING_CHUNK,
     STAGING_ROUND,
@@ -882,10 +882,14 @@ def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQu
                     _wait_all(load.events)
                 except Exception:  # the original error is the one to report
                     pass
+            for prefault in load.prefaults:
+                prefault.stop()  # before the arenas go back to the pool
             for lease in load.leases:
                 lease.release()
             raise
         finally:
+            for prefault in load.prefaults:
+                prefault.stop()
             if load.stager is not None:
                 load.stager.close()  # after the error path waited for the copies reading the staging buffers
             load.progress.close()
@@ -917,7 +921,7 @@ class _Load:
     """
 
     __slots__ = ("queue", "pool", "tf", "mapped", "blocking", "report", "tensors", "paths", "leases", "events",
-                 "regions", "index", "first_buffer", "t_alloc", "progress", "pending", "stager")
+                 "regions", "index", "first_buffer", "t_alloc", "progress", "pending", "stager", "prefaults")
 
     def __init__(self, queue, pool, tf, blocking: bool, report: LoadReport):
         self.queue = queue
@@ -937,6 +941,7 @@ class _Load:
         self.progress = _NO_PROGRESS  # load_file's progress=, when asked for
         self.pending = None  # (event, bytes, tensor name): a copy reported once the next one is queued
         self.stager = None  # the Stager that copies from mappings go through, when staged
+        self.prefaults: list = []  # threads making a staged load's new arenas present (_prefault_staged_arena)
 
     def note(self, message: str) -> None:
         """Record and warn that tensors took a slower path than asked for; called by a strategy function."""
@@ -1100,6 +1105,7 @@ def _load_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         lease = _lease(load.pool.arena, end - start + slack, report)
         load.leases.append(lease)
         arenas.append(lease)
+        _prefault_staged_arena(load, lease)
     load.t_alloc = time.perf_counter()
     if files is not None:
         _read_arenas(load, [(lease, [(mapped, start, end, 0)]) for (start, end, _g), lease in zip(regions, arenas)],
@@ -1128,6 +1134,7 @@ def _load_part_arenas(load: _Load, plan: _Plan, limit: int) -> None:
         lease = _lease(load.pool.arena, size + (DIRECT_ALIGN * len(slices) if files is not None else 0), report)
         load.leases.append(lease)
         leases.append(lease)
+        _prefault_staged_arena(load, lease)
     load.t_alloc = time.perf_counter()
     infos_of = {id(mapped): infos for mapped, infos in plan.parts} if load.progress.enabled else None
     if files is not None:
@@ -1314,15 +1321,17 @@ _PREFAULT_STEP = 8 << 20
 
 
 class _Prefault:
-    """Makes the pages of the writable array ``target`` present, in ``_PREFAULT_STEP`` steps from its start, on a
-    thread of its own (``madvise(MADV_POPULATE_WRITE)``: no byte changes, so it may run under the writes that fill
+    """Makes the pages of the writable array ``target`` (or of the ``nbytes`` of host memory at ``address``) present,
+    in ``_PREFAULT_STEP`` steps from its start, on a thread of its own (``madvise(MADV_POPULATE_WRITE)``: no byte changes, so it may run under the writes that fill
     the array); where the kernel has no such advice it does nothing. :meth:`stop` ends it and waits for it."""
 
-    def __init__(self, target: np.ndarray):
+    def __init__(self, target: np.ndarray | None = None, *, address: int = 0, nbytes: int = 0):
         self.halt = threading.Event()
         self.steps = 0
-        first = -target.ctypes.data % _PAGE
-        self.start, self.end = target.ctypes.data + first, target.ctypes.data + len(target) // _PAGE * _PAGE
+        if target is not None:
+            address, nbytes = target.ctypes.data, len(target)
+        self.start = address + -address % _PAGE
+        self.end = max(self.start, (address + nbytes) // _PAGE * _PAGE)
         self.thread = None
         self.madvise = madvise()
         if self.end - self.start >= _PREFAULT_STEP and self.madvise is not None:
@@ -1342,6 +1351,20 @@ class _Prefault:
         self.halt.set()
         if self.thread is not None:
             self.thread.join()
+
+
+def _prefault_staged_arena(load: _Load, lease) -> None:
+    """A staged load on a device that shares host memory (pocl): the runtime's copies out of the pinned staging
+    buffers are CPU copies into the arena, and into a new arena each one took a page fault and the kernel's zeroing
+    of every fresh page it wrote (``clear_page_erms``). Those pages are made present on a thread of their own
+    (:class:`_Prefault`) while the fills wait on the disk; the copies then only copy. Measured on a 512 MiB cold
+    load (docs/reading.md). A pooled arena used before (a pool hit) has its pages already; nothing is done."""
+    if not _PREFAULT or lease.hit or load.stager is None or not shares_host_memory(load.queue.device):
+        return
+    address = host_address(load.queue, lease.buffer, lease.size)
+    if address is not None:
+        # SAFETY: the lease (and so the buffer's memory) is held by the load until after _Prefault.stop().
+        load.prefaults.append(_Prefault(address=address, nbytes=lease.size))
 
 
 def _stream_region(load: _Load, remote, start: int, end: int, lease, at: int, group) -> None:
