@@ -276,7 +276,7 @@ class _Filling:
             obj.check()
         except BaseException as e:  # kept for the waits: the reader's next copy raises it
             with self.cond:
-                self.error = e
+                self.error = _Stopped() if self.stopped else e  # closed: what stopped it is no error of the object
         finally:
             self.local.close()
             with self.cond:
