@@ -553,8 +553,9 @@ class RemoteTensorFile(TensorFile):
     def mapped(self):
         """The mapping of the fetched bytes, once every tensor's bytes are in place (a caller of the mapping itself
         waits for all of them; :meth:`host` and :meth:`hosts` wait for their tensors' only)."""
-        if self._filling is not None:
-            self._filling.wait()
+        filling = self._filling  # close() may drop it meanwhile
+        if filling is not None:
+            filling.wait()
         return self._mapped
 
     @mapped.setter
@@ -562,9 +563,10 @@ class RemoteTensorFile(TensorFile):
         self._mapped = value
 
     def _arrived(self, names) -> None:
-        if self._filling is not None:
+        filling = self._filling  # close() may drop it meanwhile
+        if filling is not None:
             infos = [self.infos.get(n) for n in names]
-            self._filling.wait([(i.offset, i.offset + i.nbytes) for i in infos if i is not None and i.nbytes])
+            filling.wait([(i.offset, i.offset + i.nbytes) for i in infos if i is not None and i.nbytes])
 
     def host(self, name: str):
         """The tensor, as :meth:`~fastckpt.formats.reader.TensorFile.host`, once its bytes have arrived (its
