@@ -226,3 +226,42 @@ def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(mo
     assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == len(fetched)
     _check_exact(tables)
     assert not sharded_remote._wholes
+
+
+@pytest.mark.parametrize("saved", [2, 4])
+def test_ranks_read_their_slice_groups_ids_into_place_exactly_on_any_count(tmp_path, saved):
+    """Ranks loading by the slice rule read the ids of their slice groups into the table's own array, check them and
+    keep those of their slice: exact on 1, 3 and 4 ranks, where 3 ranks' slices end inside groups (the ids of a
+    group's other end dropped), into a given table."""
+    from _sharded_edit import save_threads
+
+    from fastckpt.sharded.format import slice_of
+
+    ids, values, m = _state(20_000)
+    tables = []
+    for r in range(saved):
+        mine = np.flatnonzero(np.arange(len(ids)) % saved == r)
+        t = HashTable(4, slots=("m",), name="emb")
+        t.insert(ids[mine], values[mine], {"m": m[mine]})
+        tables.append({"emb": t})
+    out = save_threads(tmp_path / "c", tables, {}, 2)
+    from fastckpt.sharded.reader import CheckpointReader
+
+    with CheckpointReader(out) as r:
+        groups = {len(r.descriptions[k]["slices"]["rows"]) - 1 for k in r.part_names("emb.id")}
+    assert all(b not in group_bounds(g, 65536) for g in groups for b in slice_of(1, 3, 65536))  # 3 ranks cut groups
+    for shards in (1, 3, 4):
+        got = []
+        for j in range(shards):
+            given = {"emb": HashTable(4, slots=("m",))}
+            given["emb"].insert([123456789], np.ones((1, 4), np.float32))  # replaced by the load
+            table = Loader(out, hashtables=given, verify=False, shard_index=j, shard_num=shards).load()[0]["emb"]
+            assert table is given["emb"]
+            mine = table.ids()
+            order = np.argsort(ids)
+            at = order[np.searchsorted(ids[order], mine)]
+            assert np.array_equal(ids[at], mine)
+            assert np.array_equal(table.lookup(mine), values[at])
+            assert np.array_equal(table.lookup_slot("m", mine), m[at])
+            got.append(mine)
+        assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
