@@ -505,9 +505,9 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
             paths[name] = lambda name=name, verify=verify: in_worker(name, "load", path=str(before), ranks=ranks,
                                                                      dim=dim, parallel=parallel, verify=verify)
         prepare[SAVE + BEFORE] = lambda: fresh(SAVE + BEFORE)
-    load_before = _load_average()
+    load_before = _load_average(1)
     timings = round_robin(paths, repeat, warmup=0, prepare=prepare, sync=True, settle=SETTLE)
-    result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel, "load": (load_before, _load_average()),
+    result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel, "load": (load_before, _load_average(1)),
               "checkpoint_bytes": directory_bytes(checkpoint), "timings": timings,
               "save_peak": save_peak.growth, "save_anon": save_peak.anon_growth,
               "load_peak": load_peak.growth, "load_anon": load_peak.anon_growth, "hwm_reset": save_peak.reset}
@@ -591,9 +591,10 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
     return results
 
 
-def _load_average() -> str:
+def _load_average(count: int = 3) -> str:
+    """The load average over 1, 5 and 15 minutes (the first ``count`` of them), as the reports print it."""
     try:
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg()[:count])
     except OSError:
         return "n/a"
 
