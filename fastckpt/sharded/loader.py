@@ -38,7 +38,6 @@ entries to skip removed.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import difflib
 import logging
@@ -58,6 +57,7 @@ from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owne
 from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.hashtable import HashTable, check_holds
 from fastckpt.sharded.reader import CheckpointReader
+from fastckpt.sharded.workers import Lane
 
 __all__ = ["Loader", "owner_mod"]
 
@@ -327,7 +327,7 @@ class Loader:
             nbytes = sum(job[1] for job in jobs)
             report = stack.enter_context(progress_from(self.progress, nbytes, f"load rank {self.shard_index}"))
             # The files are hashed in the background, one at a time on every core (BLAKE3), while the jobs read.
-            hashing = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1, "fastckpt-verify"))
+            hashing = stack.enter_context(Lane("verify", 1))
             checks = [(reader, hashing.submit(reader.file_problem, name))
                       for reader, name in (self._files_read(readers, info) if self.verify else ())]
 
@@ -340,7 +340,7 @@ class Loader:
             # Largest first: a table (its rows read by threads of its own while it builds its index) is most of a
             # rank's bytes, and waited behind the dense tensors where they came first and filled the pool.
             order = sorted(jobs, key=lambda job: -job[1])
-            with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(jobs)))) as pool:
+            with Lane("load", self.parallel) as pool:  # threads kept between loads (fastckpt.sharded.workers)
                 for future in [pool.submit(scope.run, run, *job) for job in order]:
                     try:
                         future.result()
@@ -604,8 +604,7 @@ class Loader:
                 np.take(ids, mine, out=ids_out[at:end])
                 copies += [(_copy_rows, reader, key, mine, out[at:end]) for key, out in targets]
             at = end
-        with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(copies))),
-                                                   "fastckpt-rows") as pool:
+        with Lane("rows", self.parallel) as pool:
             scope = held_guards()  # the copies' threads read the mappings under this thread's guards
             futures = [pool.submit(scope.run, *copy) for copy in copies]
             error = None

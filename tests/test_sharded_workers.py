@@ -1,0 +1,108 @@
+"""Threads kept between sharded loads (fastckpt.sharded.workers): a lane's limit, order, errors and waits; loads after
+the first start no thread; a forked child gets threads of its own."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fastckpt.sharded import HashTable, Loader, Saver
+from fastckpt.sharded.workers import Lane
+
+
+def test_a_lane_runs_at_most_its_limit_at_once_in_order_and_its_exit_waits_for_all():
+    running, most, order, lock = [0], [0], [], threading.Lock()
+
+    def task(k):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.002)
+        with lock:
+            running[0] -= 1
+            order.append(k)
+        return k * k
+
+    with Lane("rows", 3) as lane:
+        futures = [lane.submit(task, k) for k in range(30)]
+    assert all(f.done() for f in futures)  # the exit waited
+    assert [f.result() for f in futures] == [k * k for k in range(30)]
+    assert most[0] <= 3 and sorted(order) == list(range(30))
+    with Lane("rows", 1) as lane:  # one at a time: exactly in the order submitted
+        seen: list = []
+        for k in range(10):
+            lane.submit(seen.append, k)
+    assert seen == list(range(10))
+    with pytest.raises(ValueError, match="at least one task"):
+        Lane("rows", 0)
+
+
+def test_a_task_error_reaches_its_future_and_the_lane_goes_on():
+    with Lane("load", 2) as lane:
+        bad = lane.submit(int, "not a number")
+        good = [lane.submit(abs, -k) for k in range(5)]
+    with pytest.raises(ValueError, match="not a number"):
+        bad.result()
+    assert [f.result() for f in good] == list(range(5))
+
+
+def test_tasks_may_wait_for_tasks_of_another_kind_with_every_thread_of_theirs_busy():
+    def job(k):  # a table's job, waiting for its row copies
+        with Lane("rows", 2) as rows:
+            parts = [rows.submit(pow, k, e) for e in range(4)]
+        return sum(f.result() for f in parts)
+
+    with Lane("load", 8) as lane:
+        futures = [lane.submit(job, k) for k in range(16)]
+    assert [f.result() for f in futures] == [sum(k ** e for e in range(4)) for k in range(16)]
+
+
+def _checkpoint(tmp_path) -> str:
+    rng = np.random.default_rng(0)
+    table = HashTable(4, slots=("m",))
+    ids = rng.choice(10**9, 5000, replace=False)
+    table.insert(ids, rng.random((5000, 4), dtype=np.float32), {"m": rng.random((5000, 4), dtype=np.float32)})
+    out = str(tmp_path / "c")
+    Saver(path=out, parallel=2, hashtables={"emb": table}, tensors={"w": np.arange(64.0).reshape(8, 8)}).save()
+    return out
+
+
+def test_loads_after_the_first_start_no_thread(tmp_path, monkeypatch):
+    out = _checkpoint(tmp_path)
+    first = Loader(out, parallel=4).load()
+    started: list = []
+    real_start = threading.Thread.start
+
+    def start(thread):
+        started.append(thread.name)
+        return real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    for verify in (False, True):
+        again = Loader(out, parallel=4, verify=verify).load()
+        assert again[0]["emb"] == first[0]["emb"] and np.array_equal(again[1]["w"], first[1]["w"])
+    assert started == []
+
+
+def _load_in_child(out, answer):
+    # unverified: blake3's own threads (max_threads=AUTO) do not survive a fork either, apart from these
+    tables, tensors = Loader(out, parallel=4, verify=False).load()
+    answer.put((len(tables["emb"]), float(tensors["w"].sum())))
+
+
+def test_a_forked_child_loads_on_threads_of_its_own(tmp_path):
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork here")
+    out = _checkpoint(tmp_path)
+    Loader(out, parallel=4, verify=False).load()  # the parent's threads exist now
+    context = multiprocessing.get_context("fork")
+    answer = context.Queue()
+    child = context.Process(target=_load_in_child, args=(out, answer))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0, "the child hung or failed"
+    assert answer.get(timeout=5) == (5000, float(np.arange(64.0).sum()))
