@@ -106,3 +106,24 @@ def test_a_forked_child_loads_on_threads_of_its_own(tmp_path):
     child.join(60)
     assert child.exitcode == 0, "the child hung or failed"
     assert answer.get(timeout=5) == (5000, float(np.arange(64.0).sum()))
+
+
+def test_saves_after_the_first_write_their_files_on_the_kept_threads(tmp_path, monkeypatch):
+    table = HashTable(4, slots=("m",))
+    table.insert(np.arange(3000), np.ones((3000, 4), np.float32), {"m": np.zeros((3000, 4), np.float32)})
+    for compression in (None, "zstd"):  # the encoding threads too
+        Saver(path=str(tmp_path / f"first-{compression}"), parallel=4, hashtables={"emb": table},
+              compression=compression).save()
+    started: list = []
+    real_start = threading.Thread.start
+
+    def start(thread):
+        started.append(thread.name)
+        return real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    outs = [Saver(path=str(tmp_path / f"again-{compression}"), parallel=4, hashtables={"emb": table},
+                  compression=compression).save() for compression in (None, "zstd")]
+    assert all(name.startswith("fastckpt-commit") for name in started), started  # the commit's own, only
+    for out in outs:
+        assert Loader(out, verify=True).load()[0]["emb"] == table
