@@ -18,7 +18,7 @@ Files of earlier format versions are kept: ``train-schema-1.0`` holds
 training checkpoints with sha256 manifests, which the tests below load and
 verify; ``sharded-0.2.0`` the sharded checkpoints of format versions 1 and 2
 (no checksum of the manifest), which load and verify with what they carry;
-``sharded`` those of version 3 (fastckpt 0.3; ``sharded-v4`` is what saves write now); ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
+``sharded`` those of version 3 (fastckpt 0.3; ``sharded-v4`` is what saves of tables of ``[dim]`` rows write now, ``sharded-v5`` what saves of tables with shaped rows or slots of their own write); ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
 payload on a page, the default before the ``"auto"`` alignment policy),
 still written byte for byte by ``alignment=4096`` and read back below.
 
@@ -352,10 +352,11 @@ def _save_sharded(path: Path, tables: list[dict], tensors: dict, parallel: int, 
 SHARDED_TENSORS = {"w": _arange(np.float32, (5, 2)) / 4, "step": np.array(9, np.int64), "b": _arange(ml_dtypes.bfloat16, (3,))}
 
 
-def _write_sharded(out: Path) -> None:
-    tables = [_sharded_tables(0), _sharded_tables(1)]
+def _write_sharded(out: Path, make=None, change=None) -> None:
+    """A full checkpoint of ``make(rank)``'s tables on 2 ranks, ``change`` them, a delta, a quantized one."""
+    tables = [(make or _sharded_tables)(0), (make or _sharded_tables)(1)]
     _save_sharded(out / "full", tables, SHARDED_TENSORS, parallel=2)
-    _change_sharded(tables)
+    (change or _change_sharded)(tables)
     from fastckpt.sharded import DeltaPolicy
 
     _save_sharded(out / "delta", tables, SHARDED_TENSORS, parallel=2, incremental=DeltaPolicy(max_fraction=1.0))
@@ -379,6 +380,34 @@ def _write_sharded_v4(out: Path) -> None:
     _save_sharded(out / "groups", [_slice_group_tables(0), _slice_group_tables(1)], {}, parallel=1)
 
 
+def _shaped_tables(rank: int):
+    """Format version 5: a table of [2, 3] rows with a step filter's int64 [1] slot and Adam's m, beside a table of
+    plain rows (recorded with its row shapes too)."""
+    from fastckpt.sharded import HashTable
+
+    ids = np.array([-(2**63), -5, 7, 2**63 - 1, 10, 12, 70000, 1001], np.int64)[rank::2]
+    table = HashTable((2, 3), slots=(("step_filter", 1, np.int64), "m"), name="user")
+    table.insert(ids, _arange(np.float32, (len(ids), 2, 3), 1 + rank) / 8,
+                 slots={"step_filter": _arange(np.int64, (len(ids), 1), 40 + rank) - 50,
+                        "m": _arange(np.float32, (len(ids), 2, 3), 60 + rank) / 4})
+    small = HashTable(2, dtype=ml_dtypes.bfloat16, slots=("m",), name="small")
+    if rank == 1:
+        small.insert([3, -3], [[1.5, -2.0], [0.25, 4.0]], slots={"m": [[1.0, 2.0], [3.0, 4.0]]})
+    return {"user": table, "small": small}
+
+
+def _change_shaped(tables: list[dict]) -> None:
+    """Between the version-5 full checkpoint and its delta: an update of a slot, a delete, an insert."""
+    tables[1]["user"].update([-5], np.full((1, 2, 3), 0.5), slots={"step_filter": [[99]]})
+    tables[0]["user"].delete([10])
+    tables[0]["user"].insert([123456], np.ones((1, 2, 3)), slots={"step_filter": [[-1]]})
+
+
+def _write_sharded_v5(out: Path) -> None:
+    """Format version 5: tables whose rows have shapes and slots of their own, full, delta and quantized."""
+    _write_sharded(out, _shaped_tables, _change_shaped)
+
+
 def _change_sharded(tables: list[dict]) -> None:
     """What happens between the full checkpoint and the delta: an update, a delete, an insert, a re-insert."""
     tables[0]["emb"].update([7], [[0.25, 0.5, 0.75]], slots={"m": [[1.0, 2.0, 3.0]]})
@@ -396,6 +425,7 @@ CASES = {
     "stateful": _write_stateful,
     "tf": _write_tf,
     "sharded-v4": _write_sharded_v4,  # "sharded" (version 3) and "sharded-0.2.0" (1 and 2) are kept, read below
+    "sharded-v5": _write_sharded_v5,  # tables of shaped rows; tables of [dim] rows are still written as version 4
 }
 DEVICE_CASES = {"netcl-model"}
 
@@ -637,3 +667,42 @@ def test_golden_sharded_v4_slice_groups_load_by_the_slice_rule(shards):
             assert table.lookup_slot("m", mine).tobytes() == part.lookup_slot("m", mine).tobytes()
         seen.append(ids)
     assert sorted(np.concatenate(seen).tolist()) == sorted(np.concatenate([t.ids() for t in saved]).tolist())
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "delta", "quantized"])
+def test_golden_sharded_v5_tables_of_shaped_rows_load_on_one_and_three_ranks(checkpoint):
+    """Format version 5: each table as saved, its row shapes and slot dtypes rebuilt from the manifest, every row
+    exact (the quantized checkpoint's float rows within its bound; its int64 slot exact)."""
+    from fastckpt.sharded import CheckpointReader, HashTable, Loader
+
+    saved = [_shaped_tables(0), _shaped_tables(1)]
+    if checkpoint != "full":
+        _change_shaped(saved)
+    path = GOLDEN / "sharded-v5" / checkpoint
+    with CheckpointReader(path) as r:
+        assert r.manifest["format_version"] == 5 and r.verify() == []
+        entry = r.manifest["hashtables"]["user"]
+        assert entry["shape"] == [2, 3] and entry["slot_specs"]["step_filter"] == {"shape": [1], "dtype": "int64"}
+        bound = entry.get("encoding", {}).get("max_abs_error", 0.0)
+    for shards in (1, 3):
+        got = [Loader(str(path), shard_index=j, shard_num=shards, allow_lossy=True).load() for j in range(shards)]
+        for name in ("user", "small"):
+            merged, want = (HashTable(saved[0][name].shape, saved[0][name].dtype,
+                                      slots=saved[0][name]._slot_params()) for _ in range(2))
+            for tables, _ in got:
+                assert tables[name].slot_specs == saved[0][name].slot_specs
+                merged.import_(*tables[name].export())
+            for tables in saved:
+                want.import_(*tables[name].export())
+            if checkpoint != "quantized" or name == "small" and not len(want):
+                assert merged == want, (shards, name)
+                continue
+            ids, values, slots = merged.export()
+            w_ids, w_values, w_slots = want.export()
+            assert ids.tolist() == w_ids.tolist()
+            assert np.abs(values.astype(np.float32) - w_values.astype(np.float32)).max() <= bound
+            if name == "user":
+                assert slots["step_filter"].tobytes() == w_slots["step_filter"].tobytes()  # never quantized
+        for _, tensors in got:
+            for name, value in SHARDED_TENSORS.items():
+                assert tensors[name].dtype == value.dtype and tensors[name].tobytes() == value.tobytes()

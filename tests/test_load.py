@@ -977,7 +977,8 @@ def test_staging_shape_follows_the_machine_and_the_load():
     from fastckpt.device.staging import FILL_SPLIT, MAX_FILL_THREADS, staging_shape
 
     mib = 1 << 20
-    assert staging_shape(4096 * mib, 64 * mib, cpus=16) == (64 * mib, 6, 16)
+    assert staging_shape(4096 * mib, 64 * mib, cpus=16) == (64 * mib, 4, 8)
+    assert staging_shape(4096 * mib, 16 * mib, cpus=16) == (16 * mib, 6, 8)  # a discrete GPU's 4 GiB load
     assert staging_shape(4096 * mib, 64 * mib, cpus=64).threads == MAX_FILL_THREADS
     assert staging_shape(4096 * mib, 64 * mib, cpus=2) == (64 * mib, 3, 2)
     assert staging_shape(3 * FILL_SPLIT, 64 * mib, cpus=16) == (64 * mib, 1, 3)  # one batch: one buffer

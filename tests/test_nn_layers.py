@@ -227,3 +227,24 @@ def test_non_float32_model_raises_with_the_fix(queue, rng):
 def test_bad_input_shapes_are_named(queue, rng, layer, x_shape, match):
     with pytest.raises(ValueError, match=match):
         layer(queue)(nonzero(rng, x_shape))
+
+
+@pytest.mark.parametrize("first", ["Dropout", "Flatten", "ReLU"])
+def test_host_input_to_a_parameter_free_first_layer_runs_on_the_models_queue(queue, monkeypatch, first):
+    """Host data met first by a layer without parameters is uploaded to the model's queue, never to the default
+    device's: NVIDIA's OpenCL refuses a buffer of another context as a kernel argument (INVALID_MEM_OBJECT), as a
+    Dropout-first model showed on an H200."""
+    import fastckpt.device
+
+    model = nn.Sequential(getattr(nn, first)(), nn.Linear(queue, 4, 3))
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) - 3
+    w, b = model[1].weight.to_host(), model[1].bias.to_host()
+
+    def no_default(*args, **kwargs):
+        raise AssertionError("the default device was asked for")
+
+    monkeypatch.setattr(fastckpt.device, "default", no_default)
+    out = model(x)
+    assert out.queue is queue
+    h = np.maximum(x, 0) if first == "ReLU" else x
+    np.testing.assert_allclose(out.to_host(), h @ w + b, rtol=1e-6, atol=1e-6)

@@ -291,14 +291,14 @@ def test_readers_holding_a_file_hash_it_once_between_them(chain, tmp_path):
 
     full, _ = _copy(chain, tmp_path)
     calls = []
-    real = reader_module._shared_digest
+    real = reader_module._digests.once
 
     def counting(identity, compute):
         return real(identity, lambda: calls.append(identity) or compute())
 
     import unittest.mock
 
-    with unittest.mock.patch.object(reader_module, "_shared_digest", counting):
+    with unittest.mock.patch.object(reader_module._digests, "once", counting):
         with CheckpointReader(full) as a, CheckpointReader(full) as b:
             a.read_tensor("emb.id"), b.read_tensor("emb.id")
             assert len(calls) == len(set(calls)) == len(a.verified_files()) == len(b.verified_files()) >= 2
@@ -306,15 +306,15 @@ def test_readers_holding_a_file_hash_it_once_between_them(chain, tmp_path):
             c.read_tensor("emb.id")
             assert len(calls) == 2 * len(c.verified_files())
             held = [f.mapped.identity for f in c.files.values()]
-            assert all(reader_module._digests[i][0] == 1 for i in held)  # c alone holds them
-    assert not set(held) & set(reader_module._digests)
+            assert all(reader_module._digests.holders(i) == 1 for i in held)  # c alone holds them
+    assert not any(reader_module._digests.holders(i) for i in held)
     leaked = CheckpointReader(full)
     held = [f.mapped.identity for f in leaked.files.values()]
     del leaked  # never closed: collected, it lets go too
     import gc
 
     gc.collect()
-    assert not set(held) & set(reader_module._digests)
+    assert not any(reader_module._digests.holders(i) for i in held)
 
 
 
@@ -328,10 +328,10 @@ leaked = CheckpointReader(sys.argv[1])
 leaked.cycle = leaked  # only the cyclic collector frees it, and runs its weakref.finalize then
 held = [f.mapped.identity for f in leaked.files.values()]
 del leaked
-# What an allocation under the lock (a Future in _shared_digest, a list in _hold) can set off on this thread.
-with reader_module._digests_lock:
+# What an allocation under the lock (a Future in Flights.once, a Flight in Flights.hold) can set off on this thread.
+with reader_module._digests._lock:
     gc.collect()
-assert not set(held) & set(reader_module._digests)
+assert not any(reader_module._digests.holders(i) for i in held)
 print("released")
 """
 

@@ -207,7 +207,7 @@ def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(mo
     from fastckpt.sharded import reader as sharded_reader
 
     hashed: list = []
-    real_digest = sharded_reader._shared_digest
+    real_digest = sharded_reader._digests.once
 
     def shared_digest(identity, compute):
         def counted():
@@ -215,7 +215,7 @@ def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(mo
             return compute()
         return real_digest(identity, counted)
 
-    monkeypatch.setattr(sharded_reader, "_shared_digest", shared_digest)
+    monkeypatch.setattr(sharded_reader._digests, "once", shared_digest)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(3) as pool:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, one command on a machine with a GPU: make fastckpt importable there with an OpenCL GPU platform,
 # run the device tests on every device present, run the GPU benchmark cases (the device suite's 4 GiB and 1000 x
-# 4 KiB cases, the model suite, and the cold case: tools/gpu-cold.py, a staged load of a file dropped from the page
-# cache, in a new process per run, against a plain read of it), and print one table (exactness, GB/s, share of the
-# pinned bound measured on that GPU) with every target met or missed.
+# 4 KiB cases, the model suite, the cold case: tools/gpu-cold.py, loads of a file dropped from the page cache, in a
+# new process per run, against the plain reads of it and torch's safetensors loader, and the staging sweep:
+# tools/gpu-sweep.py, the staged load's buffers, chunk and fill threads on the device), and print one table
+# (exactness, GB/s, share of the pinned bound measured on that GPU) with every target met or missed.
 #
 #   tools/gpu-check.sh [--quick] [WHEELS_DIR]
 #       --quick      the small sizes of the benchmark cases (seconds), for trying the script itself
@@ -13,7 +14,8 @@
 #       PYTHON=python3.12): fastckpt's wheel and its runtime dependencies' wheels into WHEELS_DIR (about 4 MB
 #       without pocl, whose 58 MB wheel a GPU machine does not need)
 #
-# PYTHON picks the interpreter (default python3). To try the script where there is no GPU: GPU_CHECK_KIND=cpu
+# PYTHON picks the interpreter (default python3); GPU_COLD_RUNS and GPU_COLD_MIB the cold case's runs
+# per row (default 5) and file size (default 4096); GPU_SWEEP_ARGS more options for tools/gpu-sweep.py. To try the script where there is no GPU: GPU_CHECK_KIND=cpu
 # (benchmarks on the CPU device) and GPU_CHECK_TESTS="tests/test_progress.py" (the tests to run instead of all). What it installs goes under build/gpu-check/ (PYTHONPATH), never
 # into the interpreter's own site-packages. Where no ICD file names the NVIDIA driver's OpenCL library, one is
 # written there and OCL_ICD_VENDORS points at it (pyopencl's ICD loader honours it). Logs: build/gpu-check/.
@@ -52,7 +54,9 @@ echo "== python: $("$PY" --version)"
 if ! "$PY" -c "import numpy, ml_dtypes, pyopencl, crc32c, cramjam, zlib_ng, blake3, tqdm, pytest, hypothesis" \
         >/dev/null 2>&1; then
     if [ -n "$WHEELS" ]; then
-        "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
+        # fastckpt's own wheel is not installed: this checkout is what runs (its compiled extensions below).
+        # shellcheck disable=SC2046
+        "$PY" -m pip install -q --no-index --no-deps --target "$SITE" $(ls "$WHEELS"/*.whl | grep -v "/fastckpt-")
     else
         # shellcheck disable=SC2086
         "$PY" -m pip install -q --target "$SITE" $RUNTIME $TESTING
@@ -122,7 +126,13 @@ fi
 
 echo "== cold (tools/gpu-cold.py: the file dropped from the page cache, a new process per run, staged load)"
 # shellcheck disable=SC2086
-PYTHONPATH="$PWD:$PYTHONPATH" "$PY" tools/gpu-cold.py --kind "$KIND" $QUICK | tee "$OUT/cold.md"
+PYTHONPATH="$PWD:$PYTHONPATH" "$PY" tools/gpu-cold.py --kind "$KIND" --runs "${GPU_COLD_RUNS:-5}" \
+    --mib "${GPU_COLD_MIB:-4096}" $QUICK \
+    | tee "$OUT/cold.md"
+
+echo "== staging sweep (tools/gpu-sweep.py: buffers x chunk x fill threads of the staged load, warm, on the device)"
+# shellcheck disable=SC2086
+PYTHONPATH="$PWD:$PYTHONPATH" "$PY" tools/gpu-sweep.py --kind "$KIND" ${GPU_SWEEP_ARGS:-} $QUICK | tee "$OUT/sweep.md"
 
 echo
 echo "== summary"
@@ -131,5 +141,6 @@ echo "device tests: $tests_line"
 awk '/^### \(d\)/{on=1} on&&/^$/&&seen{exit} on{print; if (/^\|/) seen=1}' "$OUT/bench.md"
 echo "cold: $(head -1 "$OUT/cold.md" | sed 's/^### cold: //')"
 grep -E "^\|" "$OUT/cold.md" || true
+grep -E "^- (best|load_file)" "$OUT/sweep.md" || true
 grep -hE "^- (met|MISSED)" "$OUT/bench.md" "$OUT/model.md" "$OUT/cold.md" || true
 exit "$tests_rc"

@@ -98,7 +98,13 @@ def _format_table(d: dict) -> str:
         lines.append(f"delta {d['chain_length']} of a chain, on base {d['base']}")
     for name, t in d.get("hashtables", {}).items():
         change = f" ({t['written']} written, {t['deleted']} deleted since the base)" if "written" in t else ""
-        lines.append(f"hashtable {name}: {t['ids']} ids x {t['dim']} {t['dtype']}, slots {t['slots']}{change}")
+        row = t["shape"] if t.get("shape", [t["dim"]]) != [t["dim"]] else t["dim"]  # rows of shape [2, 3], say
+        specs = t.get("slot_specs") or {}
+        own = {s: f"{specs[s]['dtype']}{specs[s]['shape']}" for s in t["slots"] if s in specs and
+               (specs[s]["shape"], specs[s]["dtype"]) != (t.get("shape", [t["dim"]]), t["dtype"])}
+        slots = t["slots"] if not own else "[" + ", ".join(f"{s!r} {own[s]}" if s in own else repr(s)
+                                                          for s in t["slots"]) + "]"
+        lines.append(f"hashtable {name}: {t['ids']} ids x {row} {t['dtype']}, slots {slots}{change}")
     if d.get("metadata"):
         lines.append("metadata: " + json.dumps(d["metadata"], ensure_ascii=False))
     rows = [("name", "dtype", "shape", "offset", "nbytes", "align")]

@@ -30,8 +30,8 @@ def add_parser(subparsers):
     parser.add_argument("--layout", choices=("fastckpt", "recis"), default=None,
                         help="the layout to write: fastckpt's, or RecIS's own (default: the source's)")
     parser.add_argument("--slice-size", type=int, default=None, metavar="S",
-                        help="with --layout recis from fastckpt's layout: RecIS's key space (default 65536; a RecIS "
-                             "source keeps its tables' own)")
+                        help="with --layout recis from fastckpt's layout: RecIS's key space (default: each table's "
+                             "own, 65536 for format versions 1-3; a RecIS source keeps its tables' own)")
     return parser
 
 

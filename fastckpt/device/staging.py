@@ -60,7 +60,7 @@ disk without using a core: the disk's queue is as deep as an unstaged load's.
 The bytes are the same as an unstaged copy's; only the route differs.
 
 >>> staging_shape(4 << 30, STAGING_CHUNK, cpus=16)        # 4 GiB on 16 cores
-Shape(chunk=67108864, buffers=6, threads=16)
+Shape(chunk=16777216, buffers=6, threads=8)
 >>> staging_shape(3 << 20, 3 << 20, cpus=16)              # a small load: one buffer, the caller's thread
 Shape(chunk=3145728, buffers=1, threads=1)
 """
@@ -86,7 +86,7 @@ __all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "st
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
-STAGING_CHUNK = 64 * 1024 * 1024
+STAGING_CHUNK = 16 * 1024 * 1024
 STAGING_ROUND = 1024 * 1024
 # A load of up to MIN_BATCHES chunks goes in MIN_BATCHES smaller ones (STAGING_ROUND bytes at least): a pipeline of B
 # batches loses about one batch of its slower stage to the start (the first fill, which no copy overlaps) and to
@@ -95,8 +95,11 @@ STAGING_ROUND = 1024 * 1024
 # medians of 5 rounds, each shape against the default in the same round) 4 batches of 64 MiB ran at 0.80-0.86x the
 # rate of 16 batches of 16 MiB; 8 and 4 MiB chunks, or 6 buffers instead of 3, were no better beyond the noise (0.75-
 # 1.24x). With the smaller first and last batches (RAMP), 32 batches of 8 MiB reached 0.86-0.97 of min(fill, link) at
-# 25-50 GB/s against 0.85-0.95 for 16 MiB without them (medians of 5 paired rounds; docs/reading.md). Loads of 2 GiB
-# or more keep STAGING_CHUNK, the chunk measured best on an H200 (shared/reference/gpu-notes.md).
+# 25-50 GB/s against 0.85-0.95 for 16 MiB without them (medians of 5 paired rounds; docs/reading.md). Loads of 512
+# MiB or more keep STAGING_CHUNK. On an H200 (PCIe 5, 55 GB/s pinned bound, 16 cores; tools/gpu-sweep.py, 4 GiB from
+# the page cache, docs/reading.md) 6 x 16 MiB on 8 fill threads reached 42.7 GB/s by preadv and 49.1 by copies from
+# the mapping, where 0.5.0's 6 x 64 MiB on 16 threads reached 34.5 and 43.6; four times less pinned memory also makes
+# a new pool's or a cold load's first pinning four times cheaper.
 MIN_BATCHES = 32
 
 # The first and the last batches of a load are smaller: RAMP of them at each end, halving from a chunk down to
@@ -117,9 +120,10 @@ SPARE_BUFFERS = 2
 # staging chunk is filled in parts of PART_OF_CHUNK of it, so that several threads share one buffer.
 FILL_SPLIT = 8 * 1024 * 1024
 PART_OF_CHUNK = 4
-# Host fill rates into pinned memory on a 16-core host (4 GiB from the page cache): 9.9 GB/s on one thread, 27 on 4,
-# 40 on 8, 52 on 12 (gpu-notes): a PCIe 5 x16 link (~55 GB/s) needs a dozen or more.
-MAX_FILL_THREADS = 16
+# Host fill rates into pinned memory on a 16-core host (4 GiB from the page cache, fills alone): 9.9 GB/s on one
+# thread, 27 on 4, 40 on 8, 52 on 12 (gpu-notes). With the copies running beside them, more threads did not help: on an
+# H200 with 16 MiB chunks, 8 fill threads ran at 0.94-1.19x the rate of 16 (tools/gpu-sweep.py, docs/reading.md).
+MAX_FILL_THREADS = 8
 # How the bytes of a mapped file reach the staging buffers: "auto" (read from the file where the load made the
 # mapping, Stager.fresh; copied out of a mapping that was open before, a pool's kept file or a caller's), "preadv"
 # (always read) or "mmap" (always copied). See the module docstring for the measurements.
@@ -148,7 +152,7 @@ def staging_shape(total: int, chunk: int, cpus: int | None = None, max_bytes: in
     >>> staging_shape(256 << 20, 64 << 20, cpus=2)
     Shape(chunk=67108864, buffers=3, threads=2)
     >>> staging_shape(4 << 30, 64 << 20, cpus=16, max_bytes=128 << 20)
-    Shape(chunk=67108864, buffers=2, threads=16)
+    Shape(chunk=67108864, buffers=2, threads=8)
     """
     cpus = _cpus() if cpus is None else max(1, int(cpus))
     batches = max(1, -(-total // chunk))
@@ -171,7 +175,7 @@ def batch_chunk(total: int, chunk: int) -> int:
     ``STAGING_ROUND`` goes in one buffer of its size, rounded up to ``STAGING_ROUND`` (pinning costs per byte).
 
     >>> [batch_chunk(n, STAGING_CHUNK) >> 20 for n in (4 << 30, 256 << 20, 6 << 20, 1000)]
-    [64, 8, 1, 1]
+    [16, 8, 1, 1]
     """
     if total < 2 * STAGING_ROUND:
         return min(chunk, -(-max(total, 1) // STAGING_ROUND) * STAGING_ROUND)

@@ -466,10 +466,16 @@ class Sequential(Module):
         return f"Sequential({kinds})" if kinds else "Sequential()"
 
     def forward(self, x) -> Tensor:
+        # Host data that meets a parameter-free layer (Dropout, Flatten, ReLU, ...) goes to the model's own queue, the
+        # first among its layers, not to the default device's: a buffer of another context is no kernel argument on
+        # every platform (NVIDIA's OpenCL refuses it: INVALID_MEM_OBJECT).
+        queue = next((layer.queue for layer in self.layers if layer.queue is not None), None)
         for layer in self.layers:
+            if layer.queue is None and not isinstance(x, Tensor):
+                x = as_tensor(x, queue, None)
             x = layer(x)
         if not isinstance(x, Tensor):  # an empty Sequential still returns a device tensor
-            x = as_tensor(x, None, None)
+            x = as_tensor(x, queue, None)
         return x
 
     def __repr__(self) -> str:

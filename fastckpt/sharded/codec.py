@@ -87,10 +87,13 @@ def encode_ids(ids: np.ndarray, codec: str | None) -> tuple[np.ndarray, dict]:
 
 
 def encode_values(values: np.ndarray, codec: str | None, quantize: str | None) -> tuple[np.ndarray, dict, float]:
-    """``(stored uint8, encoding, largest absolute error)`` of ``(n, dim)`` rows (error 0.0 when lossless)."""
-    n, dim = values.shape
+    """``(stored uint8, encoding, largest absolute error)`` of ``(n, *row shape)`` rows (error 0.0 when lossless);
+    a quantized row's scale covers all its values."""
+    shape = [int(d) for d in values.shape]
     dtype = values.dtype
-    encoding = {"transform": quantize, "codec": codec, "dtype": dtype.name, "shape": [n, dim]}
+    n, dim = shape[0], int(np.prod(shape[1:], dtype=np.int64))
+    values = values.reshape(n, dim)
+    encoding = {"transform": quantize, "codec": codec, "dtype": dtype.name, "shape": shape}
     if quantize is None:
         payload = np.ascontiguousarray(values).astype(dtype.newbyteorder("<"), copy=False)
         stored, shuffle = _pack(payload, dtype.itemsize, codec)
@@ -144,14 +147,14 @@ def decode(stored: np.ndarray, encoding: dict, where: str = "encoded tensor") ->
         expect(len(shape) == 1 and nbytes == 8 * shape[0], where, f"delta ids of shape {shape} in {nbytes} bytes")
         return np.cumsum(raw.view("<u8"), dtype=np.uint64).view(np.int64)  # wraps back to the ids
     dtype = dtype_of(encoding.get("dtype", ""), where)
-    expect(len(shape) == 2, where, f"rows of shape {shape}: expected (rows, dim)")
-    n, dim = shape
+    expect(len(shape) >= 2, where, f"rows of shape {shape}: expected (rows, *row shape)")
+    n, dim = shape[0], int(np.prod(shape[1:], dtype=object))
     if transform is None:
         expect(nbytes == n * dim * dtype.itemsize, where, f"{nbytes} bytes for {shape} {dtype}")
-        return raw.view(dtype.newbyteorder("<")).reshape(n, dim).astype(dtype)
+        return raw.view(dtype.newbyteorder("<")).reshape(shape).astype(dtype)
     expect(transform in QUANTIZE, where, f"unknown transform {transform!r}")
     qtype, _ = QUANTIZE[transform]
     expect(nbytes == n * 4 + n * dim * qtype.itemsize, where, f"{nbytes} bytes for {shape} quantized {transform}")
     scale = raw[: 4 * n].view("<f4")
     q = raw[4 * n:].view(qtype).reshape(n, dim)
-    return _dequantize(scale, q).astype(dtype)
+    return _dequantize(scale, q).astype(dtype).reshape(shape)

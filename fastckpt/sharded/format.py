@@ -4,17 +4,21 @@ A checkpoint saved by ``world_size`` ranks, each writing ``parallel`` files,
 is one directory. Every JSON file below is UTF-8, ``json.dumps(obj, indent=1,
 sort_keys=True, ensure_ascii=False)`` followed by one newline.
 
-Sharded checkpoint format, versions 1 to 4
+Sharded checkpoint format, versions 1 to 5
 ==========================================
 
 Version 1 is the full checkpoint described first; version 2 adds delta
 checkpoints and encoded tables (below); version 3 adds the manifest's own
 checksum (``checksum``, below); version 4 stores each table part in
 key-space slice order with its slice groups' row offsets recorded, and
-records each table's partition (*Slice order*, below). Every save writes
-version 4, full or delta, encoded or not. fastckpt 0.2.0 wrote version 1
-for a full checkpoint and 2 for a delta or an encoded one, fastckpt 0.3
-version 3; readers read all four.
+records each table's partition (*Slice order*, below); version 5 records
+each table's row shapes and each slot's dtype (*Row shapes*, below). A save
+writes the oldest version that holds it: version 5 where a table's
+embedding rows have more than one axis or a slot has a row shape or dtype
+of its own, else version 4, full or delta, encoded or not (so that readers
+of versions up to 4 read it). fastckpt 0.2.0 wrote version 1 for a full
+checkpoint and 2 for a delta or an encoded one, fastckpt 0.3 version 3,
+fastckpt 0.4 and 0.5 version 4; readers read all five.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -33,7 +37,9 @@ Tensor files
       follow their ids) stores rank ``i``'s rows as ``T.id/part_i_n`` (int64,
       shape ``[k]``, distinct, in the table's row order), ``T.embedding/part_i_n``
       (shape ``[k, dim]``, row ``r`` belongs to id ``r``) and one ``T.SLOT/part_i_n`` per slot
-      (same shape and order as the embedding);
+      (same shape and order as the embedding); in version 5 the embedding
+      is ``[k, *shape]`` and each slot ``[k, *its shape]`` of its own dtype
+      (*Row shapes*, below);
     * in a delta checkpoint, also ``T.deleted/part_i_n`` (int64, shape
       ``[d]``, ascending, distinct): the ids rank ``i`` deleted since the
       base (see below).
@@ -70,8 +76,9 @@ Tensor files
     ``{"format": "fastckpt.sharded", "format_version": 4, "world_size": n,
     "parallel": p, "files": {file name: {"size": bytes, "blake3": hex}},
     "tensors": {name: {"dtype", "shape"}}, "hashtables": {T: {"dim", "dtype",
-    "slots", "ids", "partition"}}, "checksum": {"blake3": hex}}``
-    (``partition``: version 4, *Slice order* below). ``files`` lists every
+    "slots", "ids", "partition", "shape", "slot_specs"}}, "checksum":
+    {"blake3": hex}}`` (``partition``: version 4, *Slice order* below;
+    ``shape`` and ``slot_specs``: version 5, *Row shapes* below). ``files`` lists every
     other file of the directory (the tensor files and the three JSON files
     above): ``world_size * parallel + 3`` entries. ``checksum`` (version 3)
     is the BLAKE3 of the bytes the manifest would have without it (the
@@ -117,8 +124,10 @@ Reading
       each row exactly once, with its ``global_shape`` and ``dtype``; each
       table of ``hashtables``, and no other, has its id, embedding, slot (and
       in a delta deleted) tensors in every part: ``[k]`` int64 ids, ``[k,
-      dim]`` rows of its dtype, ``[d]`` int64 deleted ids, and the parts'
-      counts add up to ``ids`` (in a delta to ``written`` and ``deleted``);
+      dim]`` rows of its dtype (version 5: the embedding ``[k, *shape]`` of
+      its dtype, each slot ``[k, *its shape]`` of its dtype), ``[d]`` int64
+      deleted ids, and the parts' counts add up to ``ids`` (in a delta to
+      ``written`` and ``deleted``);
     * each tensor file's safetensors header against the descriptions (the
       keys the index places in it, their shapes and dtypes).
 
@@ -160,8 +169,9 @@ Delta checkpoints (version 2)
 
 Slice order (version 4)
     Each entry of the manifest's ``hashtables`` adds ``"partition": {"rule":
-    "slice", "slice_size": S}`` (``S`` = 65536, RecIS's key space; a reader
-    takes any ``S`` from 64 to 2**32). An id's *position* is ``uint64(id) %
+    "slice", "slice_size": S}`` (``S`` = 65536, RecIS's key space, unless the
+    save chose another, ``Saver(slice_size=)``, or a reshard kept a RecIS
+    table's own; a reader takes any ``S`` from 64 to 2**32). An id's *position* is ``uint64(id) %
     S`` (a negative id as its two's complement). The rows of every plain
     (not encoded) table part (``T.id``, ``T.embedding``, each slot; full or
     delta) are in ascending position order, rows of equal position in the
@@ -173,8 +183,9 @@ Slice order (version 4)
     r_G]}``: group ``g`` is rows ``[r_g, r_(g+1))``, so ``r_0 = 0``, ``r_G =
     k``, never decreasing. Its bytes in each tensor of the part are ``[r_g *
     row_bytes, r_(g+1) * row_bytes)`` from the tensor's first byte (the
-    header's ``data_offsets``; ``row_bytes``: 8 for ids, ``dim`` x the
-    itemsize for the embedding and slots). A ``T.deleted`` part and an
+    header's ``data_offsets``; ``row_bytes``: 8 for ids, the values of a row
+    (``dim``; in version 5 the product of the tensor's row shape) x the
+    tensor's itemsize for the embedding and each slot). A ``T.deleted`` part and an
     encoded part (rows in id order for the codec) have no ``slices``. Which
     rank saved an id does not matter to the layout: every part holds any ids.
 
@@ -213,7 +224,9 @@ Encoded tables (version 2)
       ``n * dim`` int8 / int16 ``q``, all little-endian; row ``r`` holds
       ``float32(q[r]) * scale[r]`` cast to ``dtype``; ``scale[r] =
       max|x[r]| / 127`` (or ``/ 32767``) and ``q = round(x / scale)`` (0 for
-      a row of zeros).
+      a row of zeros). In version 5 ``shape`` is ``[n, *row shape]`` and
+      ``dim`` its row's values (one scale a row); a slot of its own integer
+      or bool dtype is never quantized (``"transform": null``).
 
     With ``"shuffle": k > 1`` the payload's bytes are regrouped: byte ``j``
     of every ``k``-byte element, for ``j = 0 .. k-1``. ``"codec"`` is
@@ -224,6 +237,33 @@ Encoded tables (version 2)
     when lossless); a quantized checkpoint's manifest also has ``"lossy":
     true``, and readers load it only when asked to (it is for serving, not
     for resuming training).
+
+Row shapes (version 5)
+    Each entry of the manifest's ``hashtables`` adds ``"shape"``, the row
+    shape of the embedding (1 to 32 integers >= 1 whose product is ``dim``:
+    ``[2, 3]`` for a ``dim`` of 6), and ``"slot_specs"``, ``{slot: {"shape":
+    row shape, "dtype": numpy's name}}`` for exactly the names of ``slots``
+    (RecIS's step filter: ``{"shape": [1], "dtype": "int64"}``). Every entry
+    of a version-5 manifest has both, a table of ``[dim]`` rows too. The
+    embedding part of ``k`` rows is ``[k, *shape]`` of the table's
+    ``dtype``, each slot part ``[k, *slot_specs[SLOT]["shape"]]`` of its
+    ``dtype``; the description's ``dimension`` is the product of the row
+    shape. A save writes version 5 only where some table needs it (a row
+    shape other than ``[dim]``, or a slot whose row shape or dtype is not the
+    embedding's); a manifest of version 4 or older has neither key (a reader
+    refuses one that has them), and its rows are ``[dim]`` of the table's
+    dtype. Readers check, before placing a byte: ``shape`` and
+    ``slot_specs`` against ``dim`` and ``slots``, each description against
+    them (the error names the description file, the entry, what it holds,
+    what the manifest says and where), and each tensor file's header against
+    the descriptions. A Loader builds a new table with these row shapes and
+    dtypes and every slot; a table it is given must have the checkpoint's
+    row shape and dtype, and each of its slots the checkpoint's shape and
+    dtype for that slot (else a ``ValueError`` saying how to declare it).
+    A reader of version 4 or older (fastckpt 0.5) refuses a version-5
+    manifest before reading anything else: "format version 5 is newer than
+    this fastckpt reads (4); upgrade fastckpt". ``fastckpt reshard``
+    writes any version as the version a save of its tables writes.
 
 >>> part_key("w", 1, 4), rows_of(1, 4, 10), parse_part_key("T.id/part_2_3")
 ('w/part_1_4', (2, 5), ('T.id', 2, 3))
@@ -258,15 +298,17 @@ __all__ = [
     "tensor_file_name", "part_key", "parse_part_key", "rows_of", "owner_mod", "WriteBlock", "write_synced", "dumps",
     "dtype_of", "manifest_checksum", "seal", "check_seal", "commit_directory",
     "read_metadata", "SLICE_VERSION", "SLICE_SIZE", "slice_positions", "slice_of", "slice_owner", "slice_groups", "group_bounds",
-    "group_span", "group_rows", "slice_order", "slice_run", "SliceRowError",
+    "group_span", "group_rows", "slice_order", "slice_run", "SliceRowError", "ROWS_VERSION", "row_specs",
+    "version_for",
 ]
 
 FORMAT = "fastckpt.sharded"
-FORMAT_VERSION = 4  # the newest version read, and the one every save writes
+FORMAT_VERSION = 5  # the newest version read (a save writes the oldest version that holds it: version_for)
 FULL_VERSION = 1  # the first version
 DELTA_VERSION = 2  # the first version with deltas and encoded tables
 CHECKSUM_VERSION = 3  # the first version whose manifest carries its own checksum
 SLICE_VERSION = 4  # the first version whose table parts are grouped by key-space slice, their row ranges recorded
+ROWS_VERSION = 5  # the first version whose tables record their row shape and each slot's shape and dtype
 SLICE_SIZE = 65536  # the key space of a version-4 table's slices: RecIS's default, which recis.py imports
 GROUP_ROWS = 256  # a version-4 save makes one slice group per this many rows of a part ...
 MAX_GROUPS = 64  # ... and at most this many (the metadata of a part is bounded)
@@ -585,6 +627,43 @@ def dtype_of(name: Any, where: str) -> np.dtype:
     return dtype
 
 
+def row_specs(entry: dict) -> tuple[list[int], str, dict[str, tuple[list[int], str]]]:
+    """``(row shape, dtype, {slot: (row shape, dtype)})`` of a manifest's ``hashtables`` entry: what one row of the
+    embedding and of each slot is. Version 5 records them (``shape``, ``slot_specs``); in versions 1-4 every row
+    is ``[dim]`` of the table's dtype.
+
+    >>> row_specs({"dim": 2, "dtype": "float32", "slots": ["m"]})
+    ([2], 'float32', {'m': ([2], 'float32')})
+    >>> row_specs({"dim": 6, "dtype": "float32", "slots": ["step_filter"], "shape": [2, 3],
+    ...            "slot_specs": {"step_filter": {"shape": [1], "dtype": "int64"}}})
+    ([2, 3], 'float32', {'step_filter': ([1], 'int64')})
+    """
+    shape = list(entry.get("shape", [entry["dim"]]))
+    specs = entry.get("slot_specs")
+    slots = {s: (list(specs[s]["shape"]), specs[s]["dtype"]) if specs is not None else (shape, entry["dtype"])
+             for s in entry["slots"]}
+    return shape, entry["dtype"], slots
+
+
+def version_for(tables: dict) -> int:
+    """The format version a save writes for its manifest's ``hashtables`` entries ``tables`` (each with ``shape``
+    and ``slot_specs``): :data:`SLICE_VERSION` (4), which fastckpt 0.4 and 0.5 read, where every row of every
+    table, embedding and slots, is ``[dim]`` values of the table's dtype; else :data:`ROWS_VERSION` (5): an
+    embedding row of more than one axis, or a slot of its own row shape or dtype, which only a reader of version 5
+    can place.
+
+    >>> plain = {"dim": 2, "dtype": "float32", "shape": [2], "slot_specs": {"m": {"shape": [2], "dtype": "float32"}}}
+    >>> version_for({"t": plain}), version_for({"t": {**plain, "dim": 6, "shape": [2, 3], "slot_specs": {}}})
+    (4, 5)
+    >>> version_for({"t": {**plain, "slot_specs": {"step_filter": {"shape": [1], "dtype": "int64"}}}})
+    5
+    """
+    plain = all(entry["shape"] == [entry["dim"]] and all(spec == {"shape": [entry["dim"]], "dtype": entry["dtype"]}
+                                                         for spec in entry["slot_specs"].values())
+                for entry in tables.values())
+    return SLICE_VERSION if plain else ROWS_VERSION
+
+
 def manifest_checksum(manifest: dict) -> str:
     """The BLAKE3 (hex) a version-3 manifest records of itself: of :func:`dumps` of the manifest less ``checksum``.
 
@@ -835,6 +914,11 @@ def _check_manifest_entries(manifest: dict, where: str, *, delta: bool, version:
                 f"'slots' must be distinct names (not id, embedding or deleted), got {slots!r}")
         for key in ("ids", "written", "deleted") if delta else ("ids",):
             expect(is_count(entry.get(key)), w, f"{key!r} must be an integer >= 0, got {entry.get(key)!r}")
+        if version >= ROWS_VERSION:
+            _check_row_shapes(entry, w)
+        else:
+            expect("shape" not in entry and "slot_specs" not in entry, w,
+                    f"'shape' and 'slot_specs' need format_version {ROWS_VERSION}, got {version}")
         partition = entry.get("partition")
         if version >= SLICE_VERSION:
             expect(isinstance(partition, dict) and set(partition) == {"rule", "slice_size"}
@@ -848,6 +932,31 @@ def _check_manifest_entries(manifest: dict, where: str, *, delta: bool, version:
         expect(encoding is None or (isinstance(encoding, dict) and type(encoding.get("max_abs_error", 0.0))
                                      in (int, float)), w, f"'encoding' must be an object with a number "
                                                           f"'max_abs_error', got {encoding!r}")
+
+
+_MAX_ROW_AXES = 32  # a row shape's axes (numpy's limit is 64 for a whole array)
+
+
+def _is_row_shape(shape: Any) -> bool:
+    return isinstance(shape, list) and 1 <= len(shape) <= _MAX_ROW_AXES and all(is_count(d, 1) for d in shape)
+
+
+def _check_row_shapes(entry: dict, w: str) -> None:
+    """A version-5 table entry's ``shape`` (the embedding's row shape, whose product is ``dim``) and
+    ``slot_specs`` (``{slot: {"shape", "dtype"}}`` for exactly its ``slots``)."""
+    shape = entry.get("shape")
+    expect(_is_row_shape(shape), w, f"'shape' must be the embedding's row shape, a list of 1 to {_MAX_ROW_AXES} "
+                                    f"integers >= 1, got {shape!r}")
+    expect(int(np.prod(shape, dtype=object)) == entry["dim"], w,
+            f"'shape' {shape} holds {int(np.prod(shape, dtype=object))} values a row, 'dim' says {entry['dim']}")
+    specs = entry.get("slot_specs")
+    expect(isinstance(specs, dict) and set(specs) == set(entry["slots"]), w,
+            f"'slot_specs' must be {{slot: {{'shape', 'dtype'}}}} for exactly the slots {entry['slots']}, got "
+            f"{str(specs)[:200]}")
+    for slot, spec in specs.items():
+        expect(isinstance(spec, dict) and set(spec) == {"shape", "dtype"} and _is_row_shape(spec["shape"]), w,
+                f"slot_specs[{slot!r}] must be {{'shape': [int >= 1, ...], 'dtype': str}}, got {spec!r}")
+        dtype_of(spec["dtype"], f"{w}: slot_specs[{slot!r}]")
 
 
 def _check_description(key: str, desc: Any, original: Any, dwhere: str, version: int) -> None:
@@ -950,6 +1059,8 @@ def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *
         for tensor, parts in by_tensor.items():
             expect(len(parts) == n and parts[min(parts)]["part"][1] == n, dwhere,
                     f"hashtable {name!r}: {tensor!r} has {len(parts)} parts, {name}.id has {n}")
+        shape, dtype, slot_rows = row_specs(entry)
+        rows_of_role = {"embedding": (shape, dtype), **slot_rows}
         for i in range(n):
             k = _logical(ids[i])[0]
             expect(len(k) == 1 and _logical(ids[i])[1] == "int64", dwhere,
@@ -958,13 +1069,18 @@ def _check_layout(manifest: dict, descriptions: dict, where: str, dwhere: str, *
             _check_slices(ids[i], k[0], entry, dwhere, version)
             for role in roles[1:]:
                 desc = by_tensor[f"{name}.{role}"][i]
-                shape, dtype = _logical(desc)
-                want = ([None], "int64") if role == "deleted" else ([k[0], entry["dim"]], entry["dtype"])
-                expect(len(shape) == len(want[0]) and (role == "deleted" or shape == want[0]) and dtype == want[1],
-                        dwhere, f"entry {desc['name']!r}: {dtype}{shape}, expected {want[1]}"
-                                f"{['d'] if role == 'deleted' else want[0]} (table {name!r}, part {i} of {n})")
+                got, got_dtype = _logical(desc)
+                want = ([None], "int64") if role == "deleted" else \
+                    ([k[0], *rows_of_role[role][0]], rows_of_role[role][1])
+                what = "" if role == "deleted" or version < ROWS_VERSION else \
+                    f"; {MANIFEST_FILE}: hashtables[{name!r}]." + ("shape" if role == "embedding" else
+                                                                   f"slot_specs[{role!r}]")
+                expect(len(got) == len(want[0]) and (role == "deleted" or got == want[0]) and got_dtype == want[1],
+                        dwhere, f"entry {desc['name']!r}: {got_dtype}{got}, expected {want[1]}"
+                                f"{['d'] if role == 'deleted' else want[0]} (table {name!r}, part {i} of {n}"
+                                f"{what})")
                 if role == "deleted":
-                    counts["deleted"] += shape[0]
+                    counts["deleted"] += got[0]
         if delta:
             expect(counts["ids"] == entry["written"] and counts["deleted"] == entry["deleted"], where,
                     f"hashtables[{name!r}] says {entry['written']} ids written and {entry['deleted']} deleted, the "

@@ -53,7 +53,7 @@ import numpy as np
 from fastckpt._native.idindex import IdIndex, last_occurrence
 from fastckpt.errors import FastCkptError, MissingIdsError  # noqa: F401 - MissingIdsError: its old import path
 
-__all__ = ["HashTable", "MissingIdsError", "check_holds"]
+__all__ = ["HashTable", "MissingIdsError", "check_holds", "table_for"]
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -830,6 +830,30 @@ def _restore(cls, dim, dtype, slots, name, ids, values, slot_values) -> HashTabl
     table = cls(dim, dtype=dtype, slots=slots, name=name)
     table.import_(ids, values, slot_values)
     return table
+
+
+def table_for(entry: Mapping[str, Any], name: str, slots: Iterable[str] | None = None) -> HashTable:
+    """A new, empty :class:`HashTable` that holds a checkpoint's table ``entry`` whole: a sharded manifest's
+    ``hashtables`` entry of any format version, or a RecIS directory's
+    (:meth:`~fastckpt.sharded.recis.RecisCheckpointReader.hashtables`): its embedding's row shape and dtype, and
+    every slot (those of ``slots`` where given, in that order) with its own row shape and dtype (``shape`` and
+    ``slot_specs`` where the entry records them, else ``[dim]`` rows of the table's dtype).
+
+    >>> table_for({"dim": 6, "shape": [2, 3], "dtype": "float32", "slots": ["m", "step_filter"], "slot_specs": {
+    ...     "m": {"shape": [2, 3], "dtype": "float32"}, "step_filter": {"shape": [1], "dtype": "int64"}}}, "t")
+    HashTable(dim=(2, 3), dtype=float32, slots=('m', ('step_filter', (1,), 'int64')), name='t', len=0)
+    >>> table_for({"dim": 4, "dtype": "bfloat16", "slots": ["m", "v"]}, "u", slots=["v"])
+    HashTable(dim=4, dtype=bfloat16, slots=('v',), name='u', len=0)
+    """
+    from fastckpt.sharded.format import dtype_of
+
+    shape = tuple(entry.get("shape", (entry["dim"],)))
+    specs = entry.get("slot_specs") or {}
+    params = [(slot, tuple(specs[slot]["shape"]), dtype_of(specs[slot]["dtype"], f"{name}: slot {slot!r}"))
+              if slot in specs else (slot, shape, dtype_of(entry["dtype"], name))
+              for slot in (entry["slots"] if slots is None else slots)]
+    return HashTable(shape if len(shape) > 1 else shape[0], dtype=dtype_of(entry["dtype"], name), slots=params,
+                     name=name)
 
 
 def check_holds(table: HashTable, entry: Mapping[str, Any], name: str, where: str) -> None:

@@ -4,7 +4,7 @@ A checkpoint saved by N ranks loads on M ranks exactly, for any N, M >= 1:
 
 * hashtables: every id goes to the rank its *owner rule* names, its
   embedding row and slot rows with it. The default is the checkpoint's own
-  rule: for format version 4 RecIS's slice rule (rank ``j`` of ``M`` owns the
+  rule: for format versions 4 and 5 RecIS's slice rule (rank ``j`` of ``M`` owns the
   ids whose ``uint64(id) % slice_size`` lies in ``slice_of(j, M)``; the table
   parts are stored in slice order with their groups' row offsets recorded, so
   a rank reads only the ids and rows of its slices, whatever ``N`` and
@@ -18,8 +18,12 @@ A checkpoint saved by N ranks loads on M ranks exactly, for any N, M >= 1:
 
 ``filter_func`` receives the load information (a dict ``{"tensors": {name:
 {"dtype", "shape", "rows"}}, "hashtables": {name: {"dim", "dtype", "slots",
-"ids"}}}`` for everything this Loader would load) and returns it with the
-entries to skip removed.
+"ids", ...}}}``, each table's manifest entry, for everything this Loader would
+load) and returns it with the entries to skip removed.
+
+A table the Loader makes has the checkpoint's rows: in format version 5 the
+embedding's row shape and each slot's own row shape and dtype (a step
+filter's int64 ``[1]``), every slot of the checkpoint.
 
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.sharded import HashTable, Saver
@@ -55,7 +59,7 @@ from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
                                      slice_run)
 from fastckpt.errors import CheckpointChangedError
-from fastckpt.sharded.hashtable import HashTable, check_holds
+from fastckpt.sharded.hashtable import HashTable, check_holds, table_for
 from fastckpt.sharded.reader import CheckpointReader
 from fastckpt.sharded.workers import Lane
 
@@ -102,16 +106,16 @@ def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.nda
     ``preadv`` into one buffer and the rows picked from it (a mapping would be faulted in page by page, every
     page, since the rows of a rank are spread over the whole part), or gathered from the decoded part."""
     info = reader.infos[key]
-    if "encoding" in reader.descriptions[key] or info.dtype != out.dtype or len(info.shape) != 2 \
+    if "encoding" in reader.descriptions[key] or info.dtype != out.dtype or len(info.shape) < 2 \
             or out.shape[1:] != info.shape[1:]:
         np.take(reader.array(key), rows, axis=0, out=out)
         return
-    row_bytes = info.shape[1] * info.dtype.itemsize
+    row_bytes = int(np.prod(info.shape[1:], dtype=np.int64)) * info.dtype.itemsize  # rows of any shape
     if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows) and out.flags.c_contiguous:
         _copy_run(reader, key, int(rows[0]), out)
         return
     per_chunk = max(1, _GATHER_CHUNK // max(1, row_bytes))
-    scratch = np.empty((min(per_chunk, info.shape[0]), info.shape[1]), info.dtype)
+    scratch = np.empty((min(per_chunk, info.shape[0]), *info.shape[1:]), info.dtype)
     done = 0
     for first in range(0, info.shape[0], per_chunk):
         last = min(first + per_chunk, info.shape[0])
@@ -426,7 +430,7 @@ class Loader:
 
     def owner_rule(self, entry: dict) -> Callable[[np.ndarray, int], np.ndarray]:
         """The owner rule this load applies to a table of manifest entry ``entry``: the ``owner`` given, else the
-        checkpoint's own: for format version 4 (``entry["partition"]``) RecIS's slice rule over the table's
+        checkpoint's own: for format versions 4 and 5 (``entry["partition"]``) RecIS's slice rule over the table's
         slice size (:func:`~fastckpt.sharded.format.slice_of`), for versions 1-3 ``id mod shard_num``.
 
         >>> Loader("c").owner_rule({"partition": {"rule": "slice", "slice_size": 10}})(np.array([3, 4, 9]), 3).tolist()
@@ -510,7 +514,7 @@ class Loader:
 
     def _slice_spans(self, reader: CheckpointReader, entry: dict, id_keys: list[str]) -> list | None:
         """``[(id part, first row, end row)]``: the rows of each id part in the slice groups that meet this rank's
-        slice (parts with none left out), where the slice rule of format version 4 decides what this load reads;
+        slice (parts with none left out), where the slice rule (format version 4 on) decides what this load reads;
         None where it does not (one rank, an ``owner`` given, an older version)."""
         partition = entry.get("partition")
         if self.owner is not None or partition is None or self.shard_num == 1:
@@ -552,12 +556,12 @@ class Loader:
         ``headroom``: rows the deltas to come may add (all ranks'); this rank's expected share of them is
         left as spare capacity, so that applying the deltas does not copy the whole table to grow it.
         """
-        slots = list(entry["slots"])
         given = self.hashtables.get(name)
         if given is not None:
             check_holds(given, entry, name, reader.path)
-        table = HashTable(entry["dim"], dtype=reader.tensor_dtype(f"{name}.embedding"),
-                          slots=slots if given is None else given.slots, name=name)
+        # the rows of the embedding and of each slot as the manifest records them (version 5: shapes and dtypes
+        # of their own), the slots of the table given where there is one
+        table = table_for(entry, name, None if given is None else given.slots)
         # First the ids of every part and which of them this rank owns; then one gather of those rows from each
         # part's mapped views straight into arrays of the final size (no concatenation), which the table adopts
         # as its storage (no copy).
@@ -571,8 +575,8 @@ class Loader:
             picks = [(None, key[len(name) + 3:], range(reader.part_infos[key].shape[0])) for key in id_keys
                      if reader.part_infos[key].shape[0]]
         elif spans is not None:
-            # The slice rule of version 4: the ids of the groups that meet this rank's slice, read into place here
-            # and checked (no copy of them, no positions array), their rows read below as runs.
+            # The slice rule (format version 4 on): the ids of the groups that meet this rank's slice, read into
+            # place here and checked (no copy of them, no positions array), their rows read below as runs.
             most = sum(r1 - r0 for _, r0, r1 in spans)
             ids_out = np.empty(most + (headroom * most // stored + 1024 if headroom else 0), np.int64)
             picks = self._read_spans(reader, name, entry, spans, ids_out)
@@ -582,9 +586,8 @@ class Loader:
         if ids_out is None:
             ids_out = np.empty(total + (headroom * total // stored + 1024 if headroom else 0), np.int64)
         capacity = len(ids_out)
-        dim, dtype = table.dim, np.dtype(table.dtype)
-        values_out = np.empty((capacity, dim), dtype)
-        slots_out = {slot: np.empty((capacity, dim), dtype) for slot in table.slots}
+        values_out = np.empty((capacity, *table.shape), table.dtype)
+        slots_out = {slot: np.empty((capacity, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
         at = 0
         copies: list[tuple] = []  # the rows' copies, run on `parallel` threads while the table builds its index
         id_reads: list[tuple[str, np.ndarray]] = []  # id parts read into place by this thread, before the index

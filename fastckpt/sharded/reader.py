@@ -32,7 +32,6 @@ bytes are read only when touched.
 
 from __future__ import annotations
 
-import concurrent.futures
 import difflib
 import os
 import threading
@@ -47,6 +46,7 @@ from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
+from fastckpt.sharded.flights import Flights
 from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_of, read_metadata
 from fastckpt.sharded.format import MANIFEST_FILE as FORMAT_MANIFEST
 from fastckpt.store.snapshot import Snapshot
@@ -76,51 +76,13 @@ _HASH_CHUNK = 64 << 20  # files are hashed in pieces of this size: no copy of a 
 # Files hashed in this process, by what fstat said of them when opened (device, inode, size, mtime, ctime), while a
 # reader holds them open: the ranks of a load that run as threads of one process (resharding, benchmarks) each read
 # every file's ids, and hash each file once between them (a rank that asks while another hashes it waits for that
-# result). The entry goes when the last reader holding the file closes, so a later open hashes the file again.
-_digests: dict[tuple, list] = {}  # identity -> [readers holding it, Future of its hex BLAKE3 or None]
-# Reentrant: a reader's weakref.finalize (_release) may run from a garbage collection that an allocation under the
-# lock set off (a Future made in _shared_digest), in the thread that holds it; a plain Lock deadlocked there.
-_digests_lock = threading.RLock()
-
-
-def _hold(identity: tuple, count: int) -> None:
-    with _digests_lock:
-        entry = _digests.setdefault(identity, [0, None])
-        entry[0] += count
-        if entry[0] <= 0:
-            del _digests[identity]
+# result). The key goes when the last reader holding the file closes, so a later open hashes the file again.
+_digests = Flights()
 
 
 def _release(identities: list[tuple]) -> None:
     for identity in identities:
-        _hold(identity, -1)
-
-
-def _shared_digest(identity: tuple, compute) -> str:
-    """``compute()`` (a file's hex BLAKE3) once per file identity among the readers holding it, shared by
-    concurrent callers."""
-    with _digests_lock:
-        entry = _digests.get(identity)
-        if entry is None:  # not held (a reader that is closing): nothing to share
-            future, mine = None, True
-        else:
-            future, mine = entry[1], entry[1] is None
-            if mine:
-                future = entry[1] = concurrent.futures.Future()
-    if not mine:
-        return future.result()
-    try:
-        digest = compute()
-    except BaseException as exc:
-        if future is not None:
-            with _digests_lock:
-                if identity in _digests:
-                    _digests[identity][1] = None
-            future.set_exception(exc)
-        raise
-    if future is not None:
-        future.set_result(digest)
-    return digest
+        _digests.release(identity)
 
 
 class TensorInfos(Mapping):
@@ -259,7 +221,7 @@ class CheckpointReader(MultiFileReader):
         self.part_infos: Mapping[str, TensorInfo] = MappingProxyType(infos)  # stored key -> its part's info
         held = [f.mapped.identity for f in self.files.values()]
         for identity in held:
-            _hold(identity, 1)
+            _digests.hold(identity)
         # Let go of the shared hashes on close(), or when a reader never closed is collected.
         self._release = weakref.finalize(self, _release, held)
 
@@ -405,7 +367,8 @@ class CheckpointReader(MultiFileReader):
         return out
 
     def hashtables(self) -> dict[str, dict]:
-        """``{table: {"dim", "dtype", "slots", "ids"}}`` from the manifest."""
+        """``{table: {"dim", "dtype", "slots", "ids", ...}}`` from the manifest (version 4 adds ``partition``, version
+        5 ``shape`` and ``slot_specs``: :func:`~fastckpt.sharded.format.row_specs` reads the rows of any version)."""
         return dict(self.manifest.get("hashtables", {}))
 
     def _whole_name(self, name: str) -> str:
@@ -500,7 +463,7 @@ class CheckpointReader(MultiFileReader):
                         f.mapped.advise("dontneed", offset, length)
             return hasher.hexdigest()
 
-        digest = _shared_digest(f.mapped.identity, digest_of_file)
+        digest = _digests.once(f.mapped.identity, digest_of_file)
         if digest == entry["blake3"]:
             return None
         keys = sorted(f.infos)

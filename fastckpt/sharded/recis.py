@@ -131,10 +131,10 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.reader import TensorFile, guard, held_guards
 from fastckpt.info import TensorInfo
-from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
+from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, owner_mod, rows_of
 from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 from fastckpt.sharded.format import slice_owner as format_slice_owner
-from fastckpt.sharded.hashtable import HashTable, check_holds
+from fastckpt.sharded.hashtable import check_holds, table_for
 from fastckpt.store.commit import fsync_open
 from fastckpt.sharded.reader import CheckpointReader, register_layout
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
@@ -790,21 +790,6 @@ def _fill_dense(loader, reader: RecisCheckpointReader, name: str, rows: list) ->
         target[...] = out
     else:
         loader.tensors[name] = out
-
-
-def table_for(entry: dict, name: str) -> HashTable:
-    """A new, empty :class:`HashTable` that holds table ``entry`` of :meth:`RecisCheckpointReader.hashtables`
-    whole: its embedding's row shape and dtype, and every slot with its own row shape and dtype.
-
-    >>> table_for({"shape": [2, 3], "dtype": "float32", "slots": ["m", "step_filter"], "slot_specs": {
-    ...     "m": {"shape": [2, 3], "dtype": "float32"}, "step_filter": {"shape": [1], "dtype": "int64"}}}, "t")
-    HashTable(dim=(2, 3), dtype=float32, slots=('m', ('step_filter', (1,), 'int64')), name='t', len=0)
-    """
-    shape = tuple(entry["shape"])
-    slots = [(slot, tuple(entry["slot_specs"][slot]["shape"]), entry["slot_specs"][slot]["dtype"])
-             for slot in entry["slots"]]
-    return HashTable(shape if len(shape) > 1 else shape[0], dtype=dtype_of(entry["dtype"], name), slots=slots,
-                     name=name)
 
 
 def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, rule) -> None:

@@ -24,12 +24,10 @@ Incremental (delta) saves need a local directory: a delta names its base by path
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 from fastckpt._native.safetensors import MAX_HEADER_SIZE
@@ -39,6 +37,7 @@ from fastckpt.store.commit import link_over
 from fastckpt.store.manifest import MAX_JSON_BYTES, parse_json, read_json
 from fastckpt.sharded.engine import error_info as _error_info
 from fastckpt.sharded.engine import raise_from_root as _raise_from_root
+from fastckpt.sharded.flights import Flights
 from fastckpt.sharded.format import DESCRIPTION_FILE, INDEX_FILE, MANIFEST_FILE, TENSORKEY_FILE
 
 __all__ = ["save", "load"]
@@ -150,74 +149,12 @@ def _load_from(loader, local: str):
 _HEAD = 8 << 10  # the first bytes fetched of every tensor file: its safetensors header, mostly whole
 
 
-class _Flight:
-    """One piece of work of :class:`_Flights`: how many loads hold it, the Future of its result (None: nobody does
-    it now), and what loads that wait for it leave for the one that does it (``waiting``; None once that one took
-    it)."""
-
-    __slots__ = ("holders", "future", "waiting")
-
-    def __init__(self):
-        self.holders, self.future, self.waiting = 0, None, None
-
-
-class _Flights:
-    """Work done once among the loads of this process that want it at the same time, by key: the first to
-    :meth:`join` does it and sets the Future's result (or :meth:`fail`), the others wait on that Future. A failure
-    reaches those waiting, and the next load to join does the work again. A key is held only while a load that
-    joined it has not :meth:`leave`-d: a later load does the work anew."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._flights: dict = {}
-
-    def __len__(self) -> int:
-        return len(self._flights)
-
-    def holders(self, key) -> int:
-        flight = self._flights.get(key)
-        return 0 if flight is None else flight.holders
-
-    def join(self, key, waiter=None) -> tuple[_Flight, concurrent.futures.Future, bool]:
-        """Hold ``key``: ``(its flight, a new Future, True)`` where this load does the work, else ``(its flight, the
-        Future to wait for, False)``, with ``waiter`` added to the flight's ``waiting`` while that is open."""
-        with self._lock:
-            flight = self._flights.setdefault(key, _Flight())
-            flight.holders += 1
-            if flight.future is None:
-                flight.future, flight.waiting = concurrent.futures.Future(), []
-                return flight, flight.future, True
-            if waiter is not None and flight.waiting is not None:
-                flight.waiting.append(waiter)
-            return flight, flight.future, False
-
-    def take_waiting(self, flight: _Flight) -> list:
-        """What the loads waiting for ``flight`` left for it; those that come later wait for the result alone."""
-        with self._lock:
-            waiting, flight.waiting = flight.waiting or [], None
-        return waiting
-
-    def fail(self, flight: _Flight, future: concurrent.futures.Future, exc: BaseException) -> None:
-        """The work of ``flight`` (its ``future``) failed: those waiting get ``exc``, a load that joins later does it
-        again."""
-        with self._lock:
-            if flight.future is future:
-                flight.future = None
-        future.set_exception(exc)
-
-    def leave(self, key, flight: _Flight) -> None:
-        with self._lock:
-            flight.holders -= 1
-            if flight.holders == 0 and self._flights.get(key) is flight:
-                del self._flights[key]
-
-
 # The metadata and tensor-file headers of a prefix being fetched, by (URL, the manifest's BLAKE3): shared by the
 # loads that run at the same time (:meth:`_Share.shared_heads`); a Future of (bytes by file, offsets).
-_heads = _Flights()
+_heads = Flights()
 # Whole tensor files being fetched, by (URL, the manifest's BLAKE3, file) (:meth:`_Share.fetch_whole`); a Future of
 # (the local path of the load that fetched it, the paths it linked it to).
-_wholes = _Flights()
+_wholes = Flights()
 
 
 class _Share:

@@ -42,21 +42,24 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
 
     ``parallel`` (files per rank) defaults to the source's. Hashtable ids go
     to the rank of their key-space slice (format version 4's rule: RecIS's
-    ``gen_slice`` over 65536 slices; a source of versions 1-3 is converted to
-    version 4); dense tensors are split by rows as a
+    ``gen_slice`` over each table's slice size; a source of versions 1-4 is
+    written as a save of its tables writes: version 4, or 5 where a table's
+    rows have shapes of their own); dense tensors are split by rows as a
     ``shards``-rank save splits them. The result holds exactly the source's
     values. ``progress`` (``True`` for a bar, or ``callback(done, total,
     item)``: :mod:`fastckpt.progress`) counts the bytes of tensors written to
     ``dst`` by every rank; it starts once every rank has loaded its share.
     ``layout`` (``"fastckpt"`` or ``"recis"``, default: the source's) converts
-    between fastckpt's layout and RecIS's (:mod:`fastckpt.sharded.recis`); for
-    RecIS's, ids go to the ranks by RecIS's slice rule instead of ``id mod
-    shards``, with each table's slice size kept from a RecIS source
-    (``slice_size``, default 65536, for a source in fastckpt's layout). Every
-    slot of every table is written, whatever its row shape and dtype, and
-    embeddings keep their row shape; a table that the target layout cannot
-    hold whole (such slots or shapes, into fastckpt's layout) is an error
-    before anything is written.
+    between fastckpt's layout and RecIS's (:mod:`fastckpt.sharded.recis`). In
+    either, ids go to the ranks by the slice rule, each table keeping its own
+    slice size (a RecIS table's, or a version-4 table's partition; 65536 for
+    versions 1-3; ``slice_size`` chooses another for a source in fastckpt's
+    layout written in RecIS's). Every slot of every table is written, whatever
+    its row shape and dtype, and embeddings keep their row shape (into
+    fastckpt's layout as format version 5 where a table has such rows; version
+    4 otherwise); a checkpoint the target layout cannot hold whole (a name it
+    cannot store, a dtype RecIS does not read) is an error before anything is
+    written.
 
     >>> import numpy as np, tempfile, os
     >>> from fastckpt.sharded import HashTable, Saver
@@ -72,28 +75,27 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
         source_layout = "recis" if reader.layout == "RecIS" else "fastckpt"
         if parallel is None:
             parallel = reader.manifest["parallel"] if reader.manifest is not None else _recis_parallel(reader)
-        sizes = {name: entry["slice_size"] for name, entry in reader.hashtables().items()} \
-            if source_layout == "recis" else {}
         partitioned = reader.manifest is not None and reader.manifest.get("format_version", 0) >= SLICE_VERSION
+        # each table's own slice size (RecIS's, or a version-4 table's partition), kept in either layout
+        sizes = {name: entry["slice_size"] if source_layout == "recis" else entry["partition"]["slice_size"]
+                 for name, entry in reader.hashtables().items()} if source_layout == "recis" or partitioned else {}
     layout = source_layout if layout is None else layout
     if layout not in ("fastckpt", "recis"):
         raise ValueError(f"layout must be 'fastckpt' or 'recis', got {layout!r}")
     if slice_size is not None and (layout != "recis" or source_layout == "recis"):
         raise ValueError("slice_size is for a reshard from fastckpt's layout into RecIS's (a RecIS source keeps "
                          "its tables' own)")
-    owner, keep = {}, {}
-    if layout == "fastckpt" and (source_layout == "recis" or not partitioned):
-        # each new rank holds the ids of its slices (format version 4's rule), whatever rule placed them before
-        owner = {"owner": lambda ids, m: slice_owner(ids, m, SLICE_SIZE)}
-    if layout == "recis":  # each new rank must hold the ids of its RecIS slice
+    # Each new rank holds the ids of its slices, each table by its own slice size where it has one: a version-4
+    # source's Loader applies that rule itself; a RecIS source is read whole, each id going to the rank of its slice
+    # (recis.owners); a source of versions 1-3 is placed by slices of 65536.
+    owner, keep = {}, {"slice_size": sizes}
+    if source_layout == "recis":
         from fastckpt.sharded import recis
 
-        if source_layout == "recis":  # every part read, each table by its own slice size (recis.owners)
-            owner, keep = {"owner": recis.slice_owner}, {"slice_size": sizes}
-        else:
-            size = SLICE_SIZE if slice_size is None else slice_size
-            owner = {"owner": lambda ids, m: slice_owner(ids, m, size)}
-            keep = {"slice_size": size}
+        owner = {"owner": recis.slice_owner}
+    elif slice_size is not None or not partitioned:
+        size = SLICE_SIZE if slice_size is None else slice_size
+        owner, keep = {"owner": lambda ids, m: slice_owner(ids, m, size)}, {"slice_size": size}
     engines = ThreadEngine.group(shards)
     errors: list = [None] * shards
     # With progress: every rank tells what it will write, then one report over all of it is made.

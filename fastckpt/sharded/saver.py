@@ -74,10 +74,11 @@ from fastckpt.sharded.engine import raise_from_root as _raise_from_root
 from fastckpt.sharded.format import (
     DESCRIPTION_FILE,
     FORMAT,
-    FORMAT_VERSION,
     INDEX_FILE,
+    MAX_GROUPS,
+    MAX_SLICE_SIZE,
     NAMES,
-    SLICE_SIZE,
+    ROWS_VERSION,
     TENSORKEY_FILE,
     WriteBlock,
     commit_directory,
@@ -88,6 +89,7 @@ from fastckpt.sharded.format import (
     slice_groups,
     slice_order,
     tensor_file_name,
+    version_for,
 )
 from fastckpt.sharded.hashtable import HashTable, _sort_ids
 from fastckpt.sharded.workers import Lane
@@ -149,18 +151,21 @@ def _dense_items(tensors) -> list[tuple[str, Any]]:
     return items
 
 
-def _check_rows(name: str, table: HashTable) -> None:
-    """Refuse a table fastckpt's layout cannot hold whole: rows of more than one axis, or slots of their own."""
-    own = {s: spec for s, spec in table.slot_specs.items() if spec != ((table.dim,), table.dtype)}
-    if len(table.shape) != 1 or own:
-        what = f"rows of shape {table.shape}" if len(table.shape) != 1 else \
-            "slots " + ", ".join(f"{s!r} of {shape} {dtype.name}" for s, (shape, dtype) in own.items())
-        raise ValueError(f"hashtable {name!r} has {what}: fastckpt's layout stores [k, dim] rows of the table's "
-                         "dtype for the embedding and every slot; save it with layout='recis', which keeps them")
-
-
 def _dimension(shape: tuple) -> int:
     return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
+
+
+def _row_entry(table: HashTable) -> dict:
+    """A table's rows as its manifest entry records them (format version 5): ``shape`` of the embedding's rows,
+    ``slot_specs`` of each slot's (a save of version 4 leaves both out: :func:`version_for`)."""
+    return {"shape": list(table.shape), "slot_specs": {slot: {"shape": list(shape), "dtype": dtype.name}
+                                                       for slot, (shape, dtype) in table.slot_specs.items()}}
+
+
+def _row_bytes(table: HashTable) -> int:
+    """The bytes one id of ``table`` stores: the id, its embedding row and its row of every slot."""
+    return 8 + table.dim * table.dtype.itemsize + sum(int(np.prod(shape)) * dtype.itemsize
+                                                      for shape, dtype in table.slot_specs.values())
 
 
 class Saver:
@@ -176,8 +181,10 @@ class Saver:
     ``layout="recis"`` writes RecIS's own files (:mod:`fastckpt.sharded.recis`: dense tensors whole from rank 0,
     each rank's tables holding only the ids of its RecIS slice) with fastckpt's manifest beside; its
     ``slice_size`` (an int, or ``{table: int}``; default 65536, RecIS's) is the key space of RecIS's slices.
-    Tables whose rows or slots have shapes or dtypes of their own (``HashTable((2, 3))``, a step filter slot)
-    are saved with ``layout="recis"`` only: fastckpt's layout stores ``[k, dim]`` rows of the table's dtype.
+    In fastckpt's layout ``slice_size`` (default 65536) is the key space of the tables' slice order (format
+    version 4), from 64 to 2**32. Tables whose rows or slots have shapes or dtypes of their own
+    (``HashTable((2, 3))``, a step filter's int64 slot) are saved whole in either layout: fastckpt's writes them
+    as format version 5 (:func:`~fastckpt.sharded.format.version_for`; version 4 otherwise).
 
     >>> import numpy as np, tempfile, os
     >>> out = os.path.join(tempfile.mkdtemp(), "c")
@@ -208,8 +215,6 @@ class Saver:
         for name, table in self.hashtables.items():
             if not isinstance(table, HashTable):
                 raise TypeError(f"hashtables[{name!r}] is a {type(table).__name__}, not a fastckpt HashTable")
-            if layout != "recis":
-                _check_rows(name, table)
         self.tensors = _dense_items(tensors)
         clash = {n for n, _ in self.tensors} & {f"{t}.{r}" for t, tab in self.hashtables.items()
                                                 for r in ("id", "embedding", *tab.slots)}
@@ -237,9 +242,15 @@ class Saver:
             raise ValueError(f"{self.path}: layout='recis' saves to a local directory (upload it afterwards)")
         self.layout = layout  # "recis": RecIS's own files (fastckpt.sharded.recis) and fastckpt's manifest
         self._check_names()
-        if slice_size is not None and layout != "recis":
-            raise ValueError("slice_size is the key space of RecIS's slices: it applies to layout='recis' only")
         self.slice_size = slice_size
+        from fastckpt.sharded.recis import slice_sizes
+
+        self._slice_sizes = slice_sizes(self)  # checked here, before anything is written
+        if layout == "fastckpt":
+            for name, size in self._slice_sizes.items():
+                if not MAX_GROUPS <= size <= MAX_SLICE_SIZE:
+                    raise ValueError(f"hashtable {name!r}: slice_size must be from {MAX_GROUPS} to {MAX_SLICE_SIZE} in "
+                                     f"fastckpt's layout (format version 4's key space), got {size!r}")
         self._errors: dict[str, float] = {}  # table -> largest absolute error of its quantized rows
         self._changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> (changed rows, deleted ids)
 
@@ -301,8 +312,9 @@ class Saver:
             rows = self._changes[table_name][0] if self.kind == "delta" else None
             slices = None
             if not encoded:
-                order, below = slice_order(ids if rows is None else ids[rows], SLICE_SIZE)
-                bounds = group_bounds(slice_groups(int(below[-1])), SLICE_SIZE)
+                size = self._slice_sizes[table_name]
+                order, below = slice_order(ids if rows is None else ids[rows], size)
+                bounds = group_bounds(slice_groups(int(below[-1])), size)
                 slices = {"groups": len(bounds) - 1, "rows": [int(below[b]) for b in bounds]}
                 if order is not None:
                     rows = order if rows is None else rows[order]
@@ -315,7 +327,9 @@ class Saver:
             for (role, tensor, array, slot, taken), encoding in zip(roles, encodings):
                 key = part_key(tensor, i, n)
                 shape = [len(array) if taken is None else len(taken), *array.shape[1:]]
-                desc = {"name": key, "dense": False, "dimension": 1 if role in ("id", "deleted") else table.dim,
+                dimension = 1 if role in ("id", "deleted") else table.dim if slot is None else \
+                    int(np.prod(table.slot_specs[slot][0]))
+                desc = {"name": key, "dense": False, "dimension": dimension,
                         "dtype": array.dtype.name, "shape": shape, "is_hashmap": True,
                         "hashmap_key": id_key, "hashmap_value": value_key, "tensor": tensor, "part": [i, n],
                         "table": table_name, "role": role}
@@ -338,13 +352,18 @@ class Saver:
         if rows is not None:
             order = rows[order]  # one gather of each tensor: its rows straight into id order
 
+        table = self.hashtables[table_name]
+
         def encode(item):
-            role, _, array, _, _ = item
+            role, _, array, slot, _ = item
             if role == "id":
                 return (*encode_ids(sorted_ids, self.compression), 0.0)
             if role == "deleted":
                 return (*encode_ids(np.asarray(array), self.compression), 0.0)
-            return encode_values(np.take(array, order, axis=0), self.compression, self.quantize)
+            # A slot of its own integer or bool dtype (a step filter's counts) is never quantized: stored lossless.
+            own = slot is not None and table.slot_specs[slot] != (table.shape, table.dtype)
+            quantize = None if own and array.dtype.kind in "biu" else self.quantize
+            return encode_values(np.take(array, order, axis=0), self.compression, quantize)
 
         try:
             with Lane("encode", self.parallel) as pool:  # threads kept between saves (fastckpt.sharded.workers)
@@ -407,7 +426,8 @@ class Saver:
         for name, table in self.hashtables.items():
             if any(b.table == name for b in blocks):
                 tables[name] = {"dim": table.dim, "dtype": np.dtype(table.dtype).name, "slots": list(table.slots),
-                                "ids": len(table), "partition": {"rule": "slice", "slice_size": SLICE_SIZE}}
+                                "ids": len(table), **_row_entry(table),
+                                "partition": {"rule": "slice", "slice_size": self._slice_sizes[name]}}
                 if self.kind == "delta":
                     rows, deleted = self._changes[name]
                     tables[name].update(written=len(rows), deleted=len(deleted))
@@ -546,7 +566,7 @@ class Saver:
         """Every rank proposes (its tables' common base, delta and full bytes); rank 0 decides for all."""
         bases = {table.base for table in self.hashtables.values()}
         base = bases.pop() if len(bases) == 1 else None
-        row_bytes = {n: 8 + t.dim * t.dtype.itemsize * (1 + len(t.slots)) for n, t in self.hashtables.items()}
+        row_bytes = {n: _row_bytes(t) for n, t in self.hashtables.items()}
         dense = sum(as_numpy(v).nbytes for _, v in self.tensors if as_numpy(v) is not None) // self.shard_num
         self._changes = {}
         delta = full = dense
@@ -611,7 +631,8 @@ class Saver:
                 counts = ("ids", "written", "deleted", "encoding")
                 if name in tables and {k: v for k, v in tables[name].items() if k not in counts} != \
                         {k: v for k, v in t.items() if k not in counts}:
-                    raise ValueError(f"hashtable {name!r} differs between ranks (dim, dtype or slots)")
+                    raise ValueError(f"hashtable {name!r} differs between ranks (dim, dtype, slots, row shapes or "
+                                     "slice size)")
                 entry = tables.setdefault(name, {**t, **{k: 0 for k in counts[:3] if k in t}})
                 for key in counts[:3]:
                     if key in t:
@@ -627,7 +648,11 @@ class Saver:
                       for r in range(self.shard_num) for k in range(self.parallel)}
         metadata = [(INDEX_FILE, dumps({"block_index": block_index, "file_index": file_index})),
                     (TENSORKEY_FILE, dumps(tensorkey)), (DESCRIPTION_FILE, dumps(descriptions))]
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "world_size": self.shard_num,
+        version = version_for(tables)
+        if version < ROWS_VERSION:  # every row [dim] of the table's dtype: version 4, which older readers read
+            for entry in tables.values():
+                del entry["shape"], entry["slot_specs"]
+        manifest = {"format": FORMAT, "format_version": version, "world_size": self.shard_num,
                     "parallel": self.parallel, "files": files, "tensors": dense, "hashtables": tables}
         if plan["kind"] == "delta":
             manifest.update(kind="delta", base=plan["base"], chain_length=plan["chain_length"])
