@@ -232,17 +232,20 @@ def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(mo
 def test_ranks_read_their_slice_groups_ids_into_place_exactly_on_any_count(tmp_path, saved):
     """Ranks loading by the slice rule read the ids of their slice groups into the table's own array, check them and
     keep those of their slice: exact on 1, 3 and 4 ranks, where 3 ranks' slices end inside groups (the ids of a
-    group's other end dropped), into a given table."""
+    group's other end dropped), into a given table, rows of a shape and a slot of its own dtype read as runs."""
     from _sharded_edit import save_threads
 
     from fastckpt.sharded.format import slice_of
 
     ids, values, m = _state(20_000)
+    values = values.reshape(-1, 2, 2)  # rows of a shape, and a slot of its own shape and dtype (version 5)
+    steps = (ids % 1000).astype(np.int64)[:, None]
+    slots = ("m", ("step", 1, np.int64))
     tables = []
     for r in range(saved):
         mine = np.flatnonzero(np.arange(len(ids)) % saved == r)
-        t = HashTable(4, slots=("m",), name="emb")
-        t.insert(ids[mine], values[mine], {"m": m[mine]})
+        t = HashTable((2, 2), slots=slots, name="emb")
+        t.insert(ids[mine], values[mine], {"m": m[mine].reshape(-1, 2, 2), "step": steps[mine]})
         tables.append({"emb": t})
     out = save_threads(tmp_path / "c", tables, {}, 2)
     from fastckpt.sharded.reader import CheckpointReader
@@ -253,8 +256,8 @@ def test_ranks_read_their_slice_groups_ids_into_place_exactly_on_any_count(tmp_p
     for shards in (1, 3, 4):
         got = []
         for j in range(shards):
-            given = {"emb": HashTable(4, slots=("m",))}
-            given["emb"].insert([123456789], np.ones((1, 4), np.float32))  # replaced by the load
+            given = {"emb": HashTable((2, 2), slots=slots)}
+            given["emb"].insert([123456789], np.ones((1, 2, 2), np.float32))  # replaced by the load
             table = Loader(out, hashtables=given, verify=False, shard_index=j, shard_num=shards).load()[0]["emb"]
             assert table is given["emb"]
             mine = table.ids()
@@ -262,6 +265,7 @@ def test_ranks_read_their_slice_groups_ids_into_place_exactly_on_any_count(tmp_p
             at = order[np.searchsorted(ids[order], mine)]
             assert np.array_equal(ids[at], mine)
             assert np.array_equal(table.lookup(mine), values[at])
-            assert np.array_equal(table.lookup_slot("m", mine), m[at])
+            assert np.array_equal(table.lookup_slot("m", mine), m[at].reshape(-1, 2, 2))
+            assert np.array_equal(table.lookup_slot("step", mine), steps[at])
             got.append(mine)
         assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
