@@ -61,6 +61,19 @@ def test_tasks_may_wait_for_tasks_of_another_kind_with_every_thread_of_theirs_bu
     assert [f.result() for f in futures] == [sum(k ** e for e in range(4)) for k in range(16)]
 
 
+def _thread_starts(monkeypatch) -> list:
+    """The names of the threads started from here on (a list filled as they start)."""
+    started: list = []
+    real_start = threading.Thread.start
+
+    def start(thread):
+        started.append(thread.name)
+        return real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return started
+
+
 def _checkpoint(tmp_path) -> str:
     rng = np.random.default_rng(0)
     table = HashTable(4, slots=("m",))
@@ -71,21 +84,16 @@ def _checkpoint(tmp_path) -> str:
     return out
 
 
-def test_loads_after_the_first_start_no_thread(tmp_path, monkeypatch):
+def test_loads_run_on_threads_kept_between_them(tmp_path, monkeypatch):
+    """Ten loads start no more threads than one load's lanes run at once (each kind's threads grow to the most
+    that ran together, twice that for a thread still on its way back to idle): a load used to start its own."""
     out = _checkpoint(tmp_path)
+    started = _thread_starts(monkeypatch)
     first = Loader(out, parallel=4).load()
-    started: list = []
-    real_start = threading.Thread.start
-
-    def start(thread):
-        started.append(thread.name)
-        return real_start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
-    for verify in (False, True):
-        again = Loader(out, parallel=4, verify=verify).load()
+    for k in range(10):
+        again = Loader(out, parallel=4, verify=bool(k % 2)).load()
         assert again[0]["emb"] == first[0]["emb"] and np.array_equal(again[1]["w"], first[1]["w"])
-    assert started == []
+    assert len(started) <= 2 * (4 + 4 + 1), started  # the load, rows and verify lanes (was 7 threads a load)
 
 
 def _load_in_child(out, answer):
@@ -108,22 +116,15 @@ def test_a_forked_child_loads_on_threads_of_its_own(tmp_path):
     assert answer.get(timeout=5) == (5000, float(np.arange(64.0).sum()))
 
 
-def test_saves_after_the_first_write_their_files_on_the_kept_threads(tmp_path, monkeypatch):
+def test_saves_write_and_encode_on_threads_kept_between_them(tmp_path, monkeypatch):
+    """Ten saves start no more writing and encoding threads than one save runs at once (twice that at most, as
+    above): a save used to start parallel new ones."""
     table = HashTable(4, slots=("m",))
     table.insert(np.arange(3000), np.ones((3000, 4), np.float32), {"m": np.zeros((3000, 4), np.float32)})
-    for compression in (None, "zstd"):  # the encoding threads too
-        Saver(path=str(tmp_path / f"first-{compression}"), parallel=4, hashtables={"emb": table},
-              compression=compression).save()
-    started: list = []
-    real_start = threading.Thread.start
-
-    def start(thread):
-        started.append(thread.name)
-        return real_start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
-    outs = [Saver(path=str(tmp_path / f"again-{compression}"), parallel=4, hashtables={"emb": table},
-                  compression=compression).save() for compression in (None, "zstd")]
-    assert all(name.startswith("fastckpt-commit") for name in started), started  # the commit's own, only
+    started = _thread_starts(monkeypatch)
+    outs = [Saver(path=str(tmp_path / f"c{k}"), parallel=4, hashtables={"emb": table},
+                  compression="zstd" if k % 2 else None).save() for k in range(10)]
+    ours = [name for name in started if not name.startswith("fastckpt-commit")]  # the commit starts its own
+    assert len(ours) <= 2 * (4 + 4), ours  # the write and encode lanes (was 4 a save, 8 with zstd)
     for out in outs:
         assert Loader(out, verify=True).load()[0]["emb"] == table
