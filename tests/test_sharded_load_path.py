@@ -3,6 +3,9 @@ version-4 part, and one rank reading every id part into place."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 import pytest
 
@@ -269,3 +272,88 @@ def test_ranks_read_their_slice_groups_ids_into_place_exactly_on_any_count(tmp_p
             assert np.array_equal(table.lookup_slot("step", mine), steps[at])
             got.append(mine)
         assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
+
+
+def _count_opens(monkeypatch) -> list:
+    """Every CheckpointReader opened from here on (the paths, as they open)."""
+    from fastckpt.sharded import reader as reader_module
+
+    opened: list = []
+    real_open = reader_module.CheckpointReader._open
+
+    def counted(self, *args, **kwargs):
+        opened.append(self.path)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module.CheckpointReader, "_open", counted)
+    return opened
+
+
+def test_ranks_loading_at_once_open_the_checkpoint_once_and_the_last_closes_it(tmp_path, monkeypatch):
+    """Ranks as threads that load one checkpoint at the same time share one reader (its files opened and their
+    headers parsed once); the last to finish closes it; a load after that opens it anew; exact on every rank."""
+    from fastckpt.sharded import loader as loader_module
+
+    out = _save(tmp_path)
+    opened = _count_opens(monkeypatch)
+    at_once = threading.Barrier(4)
+    readers: list = []
+    real_reader_for = loader_module._reader_for
+
+    @contextlib.contextmanager
+    def held_together(path, manifest):
+        with real_reader_for(path, manifest) as reader:
+            readers.append(reader)
+            at_once.wait(30)  # every rank holds its reader before any lets go
+            yield reader
+
+    monkeypatch.setattr(loader_module, "_reader_for", held_together)
+    tables = _ranks_as_threads(out, 4)
+    _check_exact(tables)
+    assert len(opened) == 1 and len({id(r) for r in readers}) == 1
+    assert readers[0].closed
+    monkeypatch.setattr(loader_module, "_reader_for", real_reader_for)
+    _check_exact(_ranks_as_threads(out, 2))
+    assert len(opened) >= 2  # opened again once the first four had let go
+
+
+def test_a_checkpoint_replaced_while_another_load_holds_it_open_is_read_as_it_is_now(tmp_path):
+    """A load holding a reader of the old commit does not lend it to a load of the new one (another manifest)."""
+    from fastckpt.sharded import loader as loader_module
+    from fastckpt.sharded.chain import resolve_chain
+
+    out = _save(tmp_path)
+    (path, old_manifest), = resolve_chain(out)
+    with loader_module._reader_for(out, old_manifest) as old_reader:
+        table = HashTable(4, slots=("m",))
+        table.insert([5, 6], np.full((2, 4), 7, np.float32), {"m": np.zeros((2, 4), np.float32)})
+        Saver(path=out, parallel=1, hashtables={"emb": table}, overwrite=True).save()
+        got = Loader(out, verify=True).load()[0]["emb"]
+        assert got.ids().tolist() == [5, 6] and (got.lookup([5, 6]) == 7).all()
+        assert not old_reader.closed and old_reader.manifest == old_manifest
+    assert old_reader.closed
+
+
+def test_a_shared_open_that_fails_fails_every_load_with_its_own_error(tmp_path, monkeypatch):
+    import os
+
+    out = _save(tmp_path)
+    name = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))[0]
+    with open(os.path.join(out, name), "r+b") as f:
+        f.truncate(100)  # the size the manifest lists no more
+    with pytest.raises(Exception) as first:
+        Loader(out, verify=False).load()
+    errors = []
+
+    def load(j):
+        try:
+            Loader(out, verify=False, shard_index=j, shard_num=3).load()
+        except Exception as exc:  # noqa: BLE001 - compared below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(j,)) for j in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(errors) == 3 and all(type(e) is type(first.value) and name in str(e) for e in errors)

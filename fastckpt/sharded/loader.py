@@ -59,6 +59,7 @@ from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
                                      slice_run)
 from fastckpt.errors import CheckpointChangedError
+from fastckpt.sharded.flights import Flights
 from fastckpt.sharded.hashtable import HashTable, check_holds, table_for
 from fastckpt.sharded.reader import CheckpointReader
 from fastckpt.sharded.workers import Lane
@@ -182,6 +183,46 @@ def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
         keys = reader.part_names(tensor)
         total += sum(reader.infos[key].nbytes for key in keys)
     return total
+
+
+_open_readers = Flights()  # the checkpoints that loads of this process hold open now: one reader between them
+
+
+@contextlib.contextmanager
+def _reader_for(path: str, manifest: dict):
+    """An unverifying reader of the checkpoint at ``path`` as of ``manifest``: the one another load of this process
+    holds open now, where there is one of that commit (ranks run as threads, a reshard's, open the files and parse
+    their headers once between them), else a new one; the last load to let go of it closes it.
+
+    A reader of another commit (the directory replaced since it was opened), or a shared open that failed, gives
+    this load a reader of its own, which opens the commit ``manifest`` names or says why it cannot.
+    """
+    key = os.path.realpath(path)
+    flight, future, mine = _open_readers.join(key)
+    reader = None
+    try:
+        if mine:
+            try:
+                reader = CheckpointReader(path, verify=False)
+            except BaseException as exc:
+                _open_readers.fail(flight, future, exc)
+                raise
+            future.set_result(reader)
+        else:
+            try:
+                reader = future.result()
+            except Exception:  # noqa: BLE001 - the opener raised its error; this load opens its own below
+                reader = None
+        if reader is None or reader.manifest != manifest:
+            with CheckpointReader(path, verify=False) as own:
+                yield own
+        else:
+            yield reader
+    finally:
+        _open_readers.leave(key, flight)
+        if flight.holders == 0 and flight.future is not None and flight.future.done() \
+                and flight.future.exception() is None:
+            flight.future.result().close()  # every holder has let go (closing twice is harmless)
 
 
 def _check_one_commit(readers: list[CheckpointReader], chain: list[tuple[str, dict]]) -> None:
@@ -315,7 +356,7 @@ class Loader:
         self._check_lossy(chain)
         results: dict[str, Any] = {}
         with contextlib.ExitStack() as stack:
-            readers = [stack.enter_context(CheckpointReader(path, verify=False)) for path, _ in chain]
+            readers = [stack.enter_context(_reader_for(path, manifest)) for path, manifest in chain]
             _check_one_commit(readers, chain)
             for reader in readers:  # a file truncated under the copies: a FormatError naming it, never SIGBUS
                 stack.enter_context(guard(reader, "its parts to load them"))
