@@ -323,7 +323,7 @@ def test_a_checkpoint_replaced_while_another_load_holds_it_open_is_read_as_it_is
     from fastckpt.sharded.chain import resolve_chain
 
     out = _save(tmp_path)
-    (path, old_manifest), = resolve_chain(out)
+    ((_, old_manifest),) = resolve_chain(out)
     with loader_module._reader_for(out, old_manifest) as old_reader:
         table = HashTable(4, slots=("m",))
         table.insert([5, 6], np.full((2, 4), 7, np.float32), {"m": np.zeros((2, 4), np.float32)})
@@ -338,7 +338,7 @@ def test_a_shared_open_that_fails_fails_every_load_with_its_own_error(tmp_path, 
     import os
 
     out = _save(tmp_path)
-    name = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))[0]
+    name = min(n for n in os.listdir(out) if n.endswith(".safetensors"))
     with open(os.path.join(out, name), "r+b") as f:
         f.truncate(100)  # the size the manifest lists no more
     with pytest.raises(Exception) as first:
