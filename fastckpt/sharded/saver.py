@@ -53,7 +53,6 @@ changes tracked (it is never a base). Both are opt-in: see
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import time
@@ -93,6 +92,7 @@ from fastckpt.sharded.format import (
     version_for,
 )
 from fastckpt.sharded.hashtable import HashTable, _sort_ids
+from fastckpt.sharded.workers import Lane
 from fastckpt.state import as_numpy
 
 __all__ = ["Saver", "WriteBlock", "DeltaPolicy", "split_sparse_dense_state_dict"]
@@ -366,8 +366,9 @@ class Saver:
             return encode_values(np.take(array, order, axis=0), self.compression, quantize)
 
         try:
-            with concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-encode") as pool:
-                results = list(pool.map(encode, roles))
+            with Lane("encode", self.parallel) as pool:  # threads kept between saves (fastckpt.sharded.workers)
+                futures = [pool.submit(encode, role) for role in roles]
+            results = [future.result() for future in futures]
         except ValueError as exc:
             raise ValueError(f"hashtable {table_name!r}: {exc}") from None
         self._errors[table_name] = max((error for *_, error in results), default=0.0)
@@ -417,8 +418,9 @@ class Saver:
             return names[k], {"size": os.path.getsize(path), "blake3": hasher.hexdigest()}
 
         with progress_from(self.progress, sum(loads), f"save rank {self.shard_index}") as report, \
-                concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-shard") as pool:
-            written = dict(pool.map(write, range(self.parallel)))
+                Lane("write", self.parallel) as pool:  # threads kept between saves (fastckpt.sharded.workers)
+            futures = [pool.submit(write, k) for k in range(self.parallel)]
+        written = dict(future.result() for future in futures)
         block_index = {b.key: self.shard_index * self.parallel + k for k in range(self.parallel) for b in files[k]}
         tables = {}
         for name, table in self.hashtables.items():
