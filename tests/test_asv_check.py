@@ -81,6 +81,16 @@ def test_nothing_slower_exits_0(checkout):
     assert (result.returncode, result.stdout.startswith("asv: nothing got slower")) == (0, True), result.stderr
 
 
+@pytest.mark.parametrize("before, after, code", [("30.4k", "41.9k", 0), ("1.00M", "5.20M", 3), ("30.4k", "98.0k", 3)])
+def test_memory_is_worse_by_a_fifth_and_64_kib(checkout, before, after, code):
+    """tracemalloc's peak of one commit's cold pooled load moved 27-43 kB between processes; an extra copy of a
+    benchmark's bytes, what the row is there for, is MiBs."""
+    row = f"|   +  |  {before} |  {after} |   1.38 | bench_cold.ColdPooledLoad.track_allocated |\\n"
+    result = _check(*checkout, FAKE_ASV_COMPARE=row)
+    assert result.returncode == code, result.stdout + result.stderr
+    assert ("track_allocated" in result.stdout) == (code == 3)
+
+
 def test_missing_asv_is_named_with_the_way_to_install_it_and_exits_2(checkout):
     repo, bin_dir = checkout
     (bin_dir / "asv").unlink()

@@ -507,6 +507,37 @@ def test_fill_keeps_the_first_row_of_a_repeated_id_and_refuses_a_full_index():
     assert sized.fill(np.array([2], np.int64)) == 1 and sized.nbytes == IdIndex(100_000).nbytes  # capacity kept
 
 
+def test_zeroed_buckets_are_empty_across_growth_from_calloc_to_a_mapping_and_back():
+    """A bucket of zeros is empty (rows are stored plus one): id 0 at row 0 is found and an absent 0 is not, through
+    growth from calloc'ed buckets to a mapping of its own (2 MiB on) and a clear back to small ones."""
+    from fastckpt._native.idindex import IdIndex
+
+    index = IdIndex()
+    rows = np.empty(1, np.int64)
+    assert index.find(np.array([0], np.int64), rows) == 1 and rows.tolist() == [-1]
+    assert index.upsert(np.array([0], np.int64), rows, 0) == 1 and rows.tolist() == [0]
+    assert index.nbytes < 2 << 20
+    many = np.arange(1, 300_001, dtype=np.int64) * -7919  # grows past 2 MiB of buckets: a mapping of its own
+    got = np.empty(len(many), np.int64)
+    assert index.upsert(many, got, 1) == len(many) and np.array_equal(got, np.arange(1, len(many) + 1))
+    assert index.nbytes >= 2 << 20
+    probe = np.concatenate([[0], many[::1000], [7919, 1]]).astype(np.int64)
+    found = np.empty(len(probe), np.int64)
+    assert index.find(probe, found) == 2
+    assert found.tolist() == [0, *range(1, len(many) + 1, 1000), -1, -1]
+    assert index.remove(np.array([0], np.int64), rows) == 1 and rows.tolist() == [0]
+    assert index.find(np.array([0], np.int64), rows) == 1 and rows.tolist() == [-1]
+    with pytest.raises(ValueError, match="rows are >= 0"):  # a row of -1 would be stored as an empty bucket
+        index.assign(many[:1], np.array([-1], np.int64))
+    assert index.find(many[:1], rows) == 0 and rows.tolist() == [1]
+    index.clear()
+    assert len(index) == 0 and index.nbytes < 2 << 20
+    assert index.find(probe, found) == len(probe) and (found == -1).all()
+    filled = IdIndex()
+    assert filled.fill(np.concatenate([[0], many])) == len(many) + 1 and filled.nbytes >= 2 << 20
+    assert filled.find(probe[:2], found[:2]) == 0 and found[:2].tolist() == [0, 1]
+
+
 @pytest.mark.parametrize("m", [0, 3, 70_000])
 def test_adopt_builds_the_table_insert_builds(m):
     rng = np.random.default_rng(m)

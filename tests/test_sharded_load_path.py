@@ -3,6 +3,9 @@ version-4 part, and one rank reading every id part into place."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 import pytest
 
@@ -226,3 +229,131 @@ def test_verified_ranks_loading_from_a_url_at_once_fetch_each_whole_file_once(mo
     assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == len(fetched)
     _check_exact(tables)
     assert not sharded_remote._wholes
+
+
+@pytest.mark.parametrize("saved", [2, 4])
+def test_ranks_read_their_slice_groups_ids_into_place_exactly_on_any_count(tmp_path, saved):
+    """Ranks loading by the slice rule read the ids of their slice groups into the table's own array, check them and
+    keep those of their slice: exact on 1, 3 and 4 ranks, where 3 ranks' slices end inside groups (the ids of a
+    group's other end dropped), into a given table, rows of a shape and a slot of its own dtype read as runs."""
+    from _sharded_edit import save_threads
+
+    from fastckpt.sharded.format import slice_of
+
+    ids, values, m = _state(20_000)
+    values = values.reshape(-1, 2, 2)  # rows of a shape, and a slot of its own shape and dtype (version 5)
+    steps = (ids % 1000).astype(np.int64)[:, None]
+    slots = ("m", ("step", 1, np.int64))
+    tables = []
+    for r in range(saved):
+        mine = np.flatnonzero(np.arange(len(ids)) % saved == r)
+        t = HashTable((2, 2), slots=slots, name="emb")
+        t.insert(ids[mine], values[mine], {"m": m[mine].reshape(-1, 2, 2), "step": steps[mine]})
+        tables.append({"emb": t})
+    out = save_threads(tmp_path / "c", tables, {}, 2)
+    from fastckpt.sharded.reader import CheckpointReader
+
+    with CheckpointReader(out) as r:
+        groups = {len(r.descriptions[k]["slices"]["rows"]) - 1 for k in r.part_names("emb.id")}
+    assert all(b not in group_bounds(g, 65536) for g in groups for b in slice_of(1, 3, 65536))  # 3 ranks cut groups
+    for shards in (1, 3, 4):
+        got = []
+        for j in range(shards):
+            given = {"emb": HashTable((2, 2), slots=slots)}
+            given["emb"].insert([123456789], np.ones((1, 2, 2), np.float32))  # replaced by the load
+            table = Loader(out, hashtables=given, verify=False, shard_index=j, shard_num=shards).load()[0]["emb"]
+            assert table is given["emb"]
+            mine = table.ids()
+            order = np.argsort(ids)
+            at = order[np.searchsorted(ids[order], mine)]
+            assert np.array_equal(ids[at], mine)
+            assert np.array_equal(table.lookup(mine), values[at])
+            assert np.array_equal(table.lookup_slot("m", mine), m[at].reshape(-1, 2, 2))
+            assert np.array_equal(table.lookup_slot("step", mine), steps[at])
+            got.append(mine)
+        assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
+
+
+def _count_opens(monkeypatch) -> list:
+    """Every CheckpointReader opened from here on (the paths, as they open)."""
+    from fastckpt.sharded import reader as reader_module
+
+    opened: list = []
+    real_open = reader_module.CheckpointReader._open
+
+    def counted(self, *args, **kwargs):
+        opened.append(self.path)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module.CheckpointReader, "_open", counted)
+    return opened
+
+
+def test_ranks_loading_at_once_open_the_checkpoint_once_and_the_last_closes_it(tmp_path, monkeypatch):
+    """Ranks as threads that load one checkpoint at the same time share one reader (its files opened and their
+    headers parsed once); the last to finish closes it; a load after that opens it anew; exact on every rank."""
+    from fastckpt.sharded import loader as loader_module
+
+    out = _save(tmp_path)
+    opened = _count_opens(monkeypatch)
+    at_once = threading.Barrier(4)
+    readers: list = []
+    real_reader_for = loader_module._reader_for
+
+    @contextlib.contextmanager
+    def held_together(path, manifest):
+        with real_reader_for(path, manifest) as reader:
+            readers.append(reader)
+            at_once.wait(30)  # every rank holds its reader before any lets go
+            yield reader
+
+    monkeypatch.setattr(loader_module, "_reader_for", held_together)
+    tables = _ranks_as_threads(out, 4)
+    _check_exact(tables)
+    assert len(opened) == 1 and len({id(r) for r in readers}) == 1
+    assert readers[0].closed
+    monkeypatch.setattr(loader_module, "_reader_for", real_reader_for)
+    _check_exact(_ranks_as_threads(out, 2))
+    assert len(opened) >= 2  # opened again once the first four had let go
+
+
+def test_a_checkpoint_replaced_while_another_load_holds_it_open_is_read_as_it_is_now(tmp_path):
+    """A load holding a reader of the old commit does not lend it to a load of the new one (another manifest)."""
+    from fastckpt.sharded import loader as loader_module
+    from fastckpt.sharded.chain import resolve_chain
+
+    out = _save(tmp_path)
+    ((_, old_manifest),) = resolve_chain(out)
+    with loader_module._reader_for(out, old_manifest) as old_reader:
+        table = HashTable(4, slots=("m",))
+        table.insert([5, 6], np.full((2, 4), 7, np.float32), {"m": np.zeros((2, 4), np.float32)})
+        Saver(path=out, parallel=1, hashtables={"emb": table}, overwrite=True).save()
+        got = Loader(out, verify=True).load()[0]["emb"]
+        assert got.ids().tolist() == [5, 6] and (got.lookup([5, 6]) == 7).all()
+        assert not old_reader.closed and old_reader.manifest == old_manifest
+    assert old_reader.closed
+
+
+def test_a_shared_open_that_fails_fails_every_load_with_its_own_error(tmp_path, monkeypatch):
+    import os
+
+    out = _save(tmp_path)
+    name = min(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    with open(os.path.join(out, name), "r+b") as f:
+        f.truncate(100)  # the size the manifest lists no more
+    with pytest.raises(Exception) as first:
+        Loader(out, verify=False).load()
+    errors = []
+
+    def load(j):
+        try:
+            Loader(out, verify=False, shard_index=j, shard_num=3).load()
+        except Exception as exc:  # noqa: BLE001 - compared below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(j,)) for j in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(errors) == 3 and all(type(e) is type(first.value) and name in str(e) for e in errors)

@@ -1,8 +1,9 @@
 """An open-addressing hash index: int64 id -> int64 row number (the index of :mod:`fastckpt.sharded.hashtable`).
 
 Linear probing over a power-of-two bucket array (each bucket a key and its row side by side, 16 bytes: a probe
-touches one cache line; row ``-1`` marks it empty; an array of 2 MiB or more asks the kernel for huge pages, so that
-probes spread over it do not miss the TLB), the ids mixed by splitmix64's finalizer, at most 70% full (it doubles before a call could pass that), deletion by
+touches one cache line; the row is stored plus one, so that a bucket of zeros is empty and new buckets, zeroed by
+the allocator or by the kernel as their pages are first touched, need no pass to empty them; an array of 2 MiB or
+more is a mapping of its own that asks the kernel for huge pages, so that probes spread over it do not miss the TLB), the ids mixed by splitmix64's finalizer, at most 70% full (it doubles before a call could pass that), deletion by
 backward shift (no tombstones, so lookups never slow down). Every call takes whole arrays and loops in C; the
 caller keeps the rows themselves (the index only numbers them). The loops hold the GIL on purpose: the buckets
 are freed and replaced as the index grows, so a loop that ran beside another thread's call could read freed
@@ -27,7 +28,6 @@ once it holds the GIL again, so no other call ever sees them half built.
 cimport cython
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset
 
 cdef extern from *:
     """
@@ -35,17 +35,36 @@ cdef extern from *:
     #include <sys/mman.h>
     /* Bucket memory: aligned to 2 MiB and advised to use huge pages where it spans one at least (random probes
        over tens of MiB otherwise miss the TLB at almost every id); plain malloc below that. Freed with free(). */
+    /* Bucket memory, every byte zero (an empty bucket is all zeros, so new buckets need no pass of their own):
+       from 2 MiB on, a mapping of its own aligned to 2 MiB and advised to use huge pages (random probes over tens of
+       MiB otherwise miss the TLB at almost every id), whose pages the kernel hands out zeroed as they are first
+       touched; calloc below that. Freed with fastckpt_idindex_free and the same size. */
+    static const size_t fastckpt_idindex_huge = (size_t)2 << 20;
     static void* fastckpt_idindex_alloc(size_t nbytes) {
-        const size_t huge = (size_t)2 << 20;
-        void* p = NULL;
-        if (nbytes < huge)
-            return malloc(nbytes);
-        if (posix_memalign(&p, huge, nbytes) != 0)
+        if (nbytes < fastckpt_idindex_huge)
+            return calloc(nbytes ? nbytes : 1, 1);
+        size_t span = nbytes + fastckpt_idindex_huge;  /* room to start on a 2 MiB boundary */
+        char* p = (char*)mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
             return NULL;
+        size_t head = (fastckpt_idindex_huge - ((size_t)p & (fastckpt_idindex_huge - 1))) & (fastckpt_idindex_huge - 1);
+        if (head)
+            munmap(p, head);
+        size_t tail = span - head - nbytes;
+        if (tail)
+            munmap(p + head + nbytes, tail);
     #ifdef MADV_HUGEPAGE
-        madvise(p, nbytes, MADV_HUGEPAGE);  /* advice only: without it the buckets still work */
+        madvise(p + head, nbytes, MADV_HUGEPAGE);  /* advice only: without it the buckets still work */
     #endif
-        return p;
+        return p + head;
+    }
+    static void fastckpt_idindex_free(void* p, size_t nbytes) {
+        if (p == NULL)
+            return;
+        if (nbytes < fastckpt_idindex_huge)
+            free(p);
+        else
+            munmap(p, nbytes);
     }
     #if defined(__GNUC__) || defined(__clang__)
     #define fastckpt_idindex_prefetch(p) __builtin_prefetch((p), 1, 3)
@@ -54,11 +73,12 @@ cdef extern from *:
     #endif
     """
     void* fastckpt_idindex_alloc(size_t nbytes) nogil
+    void fastckpt_idindex_free(void* p, size_t nbytes) nogil
     void fastckpt_idindex_prefetch(const void* address) nogil
 
 ctypedef struct Bucket:
     int64_t key
-    int64_t row  # -1: empty
+    int64_t stored  # the row + 1; 0: empty (a new bucket is all zeros)
 
 DEF _MIN_BUCKETS = 16
 # Grow when more than _LOAD_NUM / _LOAD_DEN of the buckets would be full.
@@ -102,14 +122,14 @@ cdef class IdIndex:
         self._allocate(_buckets_for(capacity))
 
     def __dealloc__(self):
-        free(self._b)
+        fastckpt_idindex_free(self._b, <size_t>self._buckets * sizeof(Bucket))
 
     cdef int _allocate(self, Py_ssize_t buckets) except -1:
         """Empty buckets (the old ones freed: the caller re-inserts their entries first where it keeps them)."""
         cdef Bucket* b = _new_buckets(buckets)
         if b == NULL:
             raise MemoryError(f"IdIndex: cannot allocate {buckets} buckets")
-        free(self._b)
+        fastckpt_idindex_free(self._b, <size_t>self._buckets * sizeof(Bucket))
         self._b = b
         self._buckets = buckets
         self._count = 0
@@ -128,25 +148,26 @@ cdef class IdIndex:
             self._b, self._buckets, self._count = old, old_buckets, old_count
             raise
         for i in range(old_buckets):
-            if old[i].row >= 0:
-                self._put(old[i].key, old[i].row)
-        free(old)
+            if old[i].stored:
+                self._put(old[i].key, old[i].stored)
+        fastckpt_idindex_free(old, <size_t>old_buckets * sizeof(Bucket))
         return 0
 
     cdef inline Py_ssize_t _slot(self, int64_t key) noexcept nogil:
         """The bucket holding ``key``, or the empty bucket where it would go."""
         cdef Py_ssize_t mask = self._buckets - 1
         cdef Py_ssize_t i = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
-        while self._b[i].row >= 0 and self._b[i].key != key:
+        while self._b[i].stored and self._b[i].key != key:
             i = (i + 1) & mask
         return i
 
-    cdef inline void _put(self, int64_t key, int64_t row) noexcept nogil:
+    cdef inline void _put(self, int64_t key, int64_t stored) noexcept nogil:
+        """``key`` with ``stored`` (its row + 1)."""
         cdef Py_ssize_t i = self._slot(key)
-        if self._b[i].row < 0:
+        if not self._b[i].stored:
             self._count += 1
             self._b[i].key = key
-        self._b[i].row = row
+        self._b[i].stored = stored
 
     cdef inline void _remove_at(self, Py_ssize_t i) noexcept nogil:
         """Empty bucket ``i``, shifting back the entries after it that probed past it."""
@@ -154,7 +175,7 @@ cdef class IdIndex:
         cdef Py_ssize_t j = i, home
         while True:
             j = (j + 1) & mask
-            if self._b[j].row < 0:
+            if not self._b[j].stored:
                 break
             home = <Py_ssize_t>(_mix(self._b[j].key) & <uint64_t>mask)
             # The entry at j may move to i only if its home is not cyclically within (i, j].
@@ -162,7 +183,8 @@ cdef class IdIndex:
                 continue
             self._b[i] = self._b[j]
             i = j
-        self._b[i].row = -1
+        self._b[i].key = 0
+        self._b[i].stored = 0
         self._count -= 1
 
     def __len__(self):
@@ -190,7 +212,7 @@ cdef class IdIndex:
         for i in range(n):
             if i + _PREFETCH < n:  # the home bucket of an id further on, fetched meanwhile
                 fastckpt_idindex_prefetch(&self._b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
-            row = self._b[self._slot(keys[i])].row
+            row = self._b[self._slot(keys[i])].stored - 1
             rows[i] = row
             if row < 0:
                 missing += 1
@@ -217,14 +239,14 @@ cdef class IdIndex:
         cdef Py_ssize_t buckets = _buckets_for(n)
         if buckets < self._buckets:
             buckets = self._buckets  # keep the capacity asked for when the index was made
-        cdef Bucket* b = <Bucket*>fastckpt_idindex_alloc(<size_t>buckets * sizeof(Bucket))
+        cdef Bucket* b = _new_buckets(buckets)
         if b == NULL:
             raise MemoryError(f"IdIndex.fill: cannot allocate {buckets} buckets")
         cdef Py_ssize_t added = 0
         cdef const int64_t* first = &keys[0] if n else NULL
         with nogil:
             added = _fill(first, n, b, buckets)
-        free(self._b)
+        fastckpt_idindex_free(self._b, <size_t>self._buckets * sizeof(Bucket))
         self._b = b
         self._buckets = buckets
         self._count = added
@@ -245,12 +267,12 @@ cdef class IdIndex:
             if i + _PREFETCH < n:  # the home bucket of an id further on, fetched meanwhile
                 fastckpt_idindex_prefetch(&self._b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
             at = self._slot(keys[i])
-            if self._b[at].row < 0:
+            if not self._b[at].stored:
                 self._b[at].key = keys[i]
-                self._b[at].row = next_row + added
+                self._b[at].stored = next_row + added + 1
                 self._count += 1
                 added += 1
-            rows[i] = self._b[at].row
+            rows[i] = self._b[at].stored - 1
         return added
 
     def remove(self, const int64_t[::1] keys, int64_t[::1] rows):
@@ -261,8 +283,8 @@ cdef class IdIndex:
         cdef Py_ssize_t n = keys.shape[0], i, at, removed = 0
         for i in range(n):
             at = self._slot(keys[i])
-            rows[i] = self._b[at].row
-            if self._b[at].row >= 0:
+            rows[i] = self._b[at].stored - 1
+            if self._b[at].stored:
                 self._remove_at(at)
                 removed += 1
         return removed
@@ -273,25 +295,25 @@ cdef class IdIndex:
             raise ValueError(f"assign: {keys.shape[0]} keys but {rows.shape[0]} rows")
         cdef Py_ssize_t n = keys.shape[0], i, at, bad = -1
         for i in range(n):
+            if rows[i] < 0:
+                raise ValueError(f"assign: row {rows[i]} for id {keys[i]}: rows are >= 0")
+        for i in range(n):
             at = self._slot(keys[i])
-            if self._b[at].row < 0:
+            if not self._b[at].stored:
                 bad = i
                 break
-            self._b[at].row = rows[i]
+            self._b[at].stored = rows[i] + 1
         if bad >= 0:
             raise KeyError(f"assign: id {keys[bad]} is not in the index")
 
 
 cdef Bucket* _new_buckets(Py_ssize_t buckets) noexcept nogil:
-    """``buckets`` empty buckets (every row -1), or NULL where the memory is not there."""
-    cdef Bucket* b = <Bucket*>fastckpt_idindex_alloc(<size_t>buckets * sizeof(Bucket))
-    if b != NULL:
-        memset(b, 0xFF, <size_t>buckets * sizeof(Bucket))
-    return b
+    """``buckets`` empty buckets (all zeros, as the allocator gives them), or NULL where the memory is not there."""
+    return <Bucket*>fastckpt_idindex_alloc(<size_t>buckets * sizeof(Bucket))
 
 
 cdef Py_ssize_t _fill(const int64_t* keys, Py_ssize_t n, Bucket* b, Py_ssize_t buckets) noexcept nogil:
-    """``keys[i]`` -> row ``i`` into new buckets (``buckets`` a power of two, emptied here); returns how many were
+    """``keys[i]`` -> row ``i`` into new, empty buckets (``buckets`` a power of two); returns how many were
     added (a repeated id meets its first occurrence already placed and is not added again).
 
     Almost every id of a large index misses the cache at its home bucket: the home bucket of the id
@@ -300,17 +322,16 @@ cdef Py_ssize_t _fill(const int64_t* keys, Py_ssize_t n, Bucket* b, Py_ssize_t b
     cdef Py_ssize_t mask = buckets - 1, i, at
     cdef Py_ssize_t added = 0
     cdef int64_t key
-    memset(b, 0xFF, <size_t>buckets * sizeof(Bucket))  # every row -1: empty
     for i in range(n):
         if i + _PREFETCH < n:
             fastckpt_idindex_prefetch(&b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
         key = keys[i]
         at = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
-        while b[at].row >= 0 and b[at].key != key:
+        while b[at].stored and b[at].key != key:
             at = (at + 1) & mask
-        if b[at].row < 0:
+        if not b[at].stored:
             b[at].key = key
-            b[at].row = i
+            b[at].stored = i + 1
             added += 1
     return added
 
@@ -395,3 +416,60 @@ def slice_order(const int64_t[::1] ids, int64_t size):
             at[p] += 1
     free(at)
     return order_array, below_array
+
+
+@cython.boundscheck(False)  # every index below is a row < n or a group < len(rows) - 1, by the checks first
+@cython.cdivision(True)  # size >= 1 and groups >= 1, checked first
+def slice_run_check(const int64_t[::1] ids, int64_t first_row, const int64_t[::1] rows, int64_t size,
+                    int64_t begin, int64_t end):
+    """``(lo, hi)``, the rows whose slice positions (``uint64(id) % size``) lie in ``[begin, end)``, where the ids
+    ``ids`` of a version-4 table part's rows ``first_row`` on are each in the slice group that ``rows`` (the part's
+    recorded group offsets, ``groups + 1`` of them, group ``g`` holding the positions ``[g*size//groups,
+    (g+1)*size//groups)``) places them in, in ascending position; None where one is not
+    (:func:`fastckpt.sharded.format.slice_run` then names it).
+
+    One pass without the GIL and without arrays of its own: each id's position is compared with the one before
+    and with its group's bounds, and counted below ``begin`` and ``end``.
+
+    >>> import numpy as np
+    >>> slice_run_check(np.array([0, 1, 5, 9]), 0, np.array([0, 2, 4]), 10, 1, 6)
+    (1, 3)
+    >>> slice_run_check(np.array([0, 6, 5, 9]), 0, np.array([0, 2, 4]), 10, 1, 6) is None
+    True
+    """
+    cdef Py_ssize_t n = ids.shape[0], groups = rows.shape[0] - 1, i, g = 0
+    if size < 1 or groups < 1:
+        raise ValueError(f"slice_run_check: size {size} and {rows.shape[0]} group offsets: need size >= 1 and at "
+                         "least 2 offsets")
+    if n == 0:
+        return first_row, first_row
+    for i in range(groups):
+        if rows[i] > rows[i + 1]:
+            return None
+    if first_row < rows[0] or first_row + n > rows[groups]:
+        return None
+    cdef uint64_t usize = <uint64_t>size, mask = usize - 1, p, previous = 0
+    cdef uint64_t lower = 0, upper = 0, ubegin = <uint64_t>max(begin, 0), uend = <uint64_t>max(end, 0)
+    cdef bint power = (usize & mask) == 0, ok = True
+    cdef int64_t row, below_begin = 0, below_end = 0
+    with nogil:
+        while rows[g + 1] <= first_row:  # the group of the first row (rows[groups] > first_row: checked above)
+            g += 1
+        lower = <uint64_t>(g * size // groups)
+        upper = <uint64_t>((g + 1) * size // groups)
+        for i in range(n):
+            row = first_row + i
+            while rows[g + 1] <= row:
+                g += 1
+                lower = <uint64_t>(g * size // groups)
+                upper = <uint64_t>((g + 1) * size // groups)
+            p = (<uint64_t>ids[i]) & mask if power else (<uint64_t>ids[i]) % usize
+            if p < previous or p < lower or p >= upper:
+                ok = False
+                break
+            previous = p
+            below_begin += p < ubegin
+            below_end += p < uend
+    if not ok:
+        return None
+    return first_row + below_begin, first_row + below_end

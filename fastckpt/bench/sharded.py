@@ -472,25 +472,30 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
         HASH: lambda: hash_files(checkpoint),
     }
     prepare = {RAW_SAVE: lambda: fresh(RAW_SAVE), SAVE: lambda: fresh(SAVE)}
+    # On a busy machine the CPU time each run took (this process's, or the worker's for a (before) row) says more
+    # than its wall time, and a ratio of two paths' runs in the same round more than a ratio of medians taken over
+    # rounds the load changed between: every run's wall and CPU time are kept, in round order.
+    cpu: dict[str, list[float]] = {}
+    walls: dict[str, list[float]] = {}
+
+    def here(name: str, run: Callable[[], Any]) -> Callable[[], Any]:
+        def counted():
+            started, started_cpu = time.perf_counter(), _cpu_seconds()
+            try:
+                run()  # what it made is dropped before the clocks stop, as round_robin times it
+            finally:
+                cpu.setdefault(name, []).append(_cpu_seconds() - started_cpu)
+                walls.setdefault(name, []).append(time.perf_counter() - started)
+        return counted
+
+    for name in (RAW_SAVE, SAVE, RAW_LOAD, LOAD, LOAD_VERIFIED, HASH):
+        paths[name] = here(name, paths[name])
     if against is not None:
-        # On a busy machine the CPU time each run took (this process's, or the worker's for a (before) row) says
-        # more than its wall time: both are kept.
-        cpu: dict[str, list[float]] = {}
-
         def in_worker(name: str, op: str, **args) -> None:
-            cpu.setdefault(name, []).append(against.call(op, **args)["cpu"])
+            answer = against.call(op, **args)
+            cpu.setdefault(name, []).append(answer["cpu"])
+            walls.setdefault(name, []).append(answer["seconds"])
 
-        def here(name: str, run: Callable[[], Any]) -> Callable[[], Any]:
-            def counted():
-                started = _cpu_seconds()
-                try:
-                    return run()
-                finally:
-                    cpu.setdefault(name, []).append(_cpu_seconds() - started)
-            return counted
-
-        for name in (RAW_SAVE, SAVE, RAW_LOAD, LOAD, LOAD_VERIFIED):
-            paths[name] = here(name, paths[name])
         paths[SAVE + BEFORE] = lambda: in_worker(SAVE + BEFORE, "save", path=str(current[SAVE + BEFORE]),
                                                  parallel=parallel)
         # its loads read a checkpoint it saved itself, in its own format (an earlier fastckpt reads no newer one)
@@ -500,13 +505,14 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
             paths[name] = lambda name=name, verify=verify: in_worker(name, "load", path=str(before), ranks=ranks,
                                                                      dim=dim, parallel=parallel, verify=verify)
         prepare[SAVE + BEFORE] = lambda: fresh(SAVE + BEFORE)
+    load_before = _load_average(1)
     timings = round_robin(paths, repeat, warmup=0, prepare=prepare, sync=True, settle=SETTLE)
-    result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel,
+    result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel, "load": (load_before, _load_average(1)),
               "checkpoint_bytes": directory_bytes(checkpoint), "timings": timings,
               "save_peak": save_peak.growth, "save_anon": save_peak.anon_growth,
               "load_peak": load_peak.growth, "load_anon": load_peak.anon_growth, "hwm_reset": save_peak.reset}
-    if against is not None:
-        result["cpu"] = {name: statistics.median(seconds) for name, seconds in cpu.items()}
+    result["cpu"] = {name: statistics.median(seconds) for name, seconds in cpu.items()}
+    result["rounds"] = walls  # each path's wall time per round, in round order (one run of every path a round)
     shutil.rmtree(where)
     return result
 
@@ -585,9 +591,10 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
     return results
 
 
-def _load_average() -> str:
+def _load_average(count: int = 3) -> str:
+    """The load average over 1, 5 and 15 minutes (the first ``count`` of them), as the reports print it."""
     try:
-        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg()[:count])
     except OSError:
         return "n/a"
 
@@ -608,17 +615,38 @@ def _mib(nbytes: float | None) -> str:
     return f"{nbytes / 2**20:,.0f} MiB" if nbytes >= 100 * 2**20 else f"{nbytes / 2**20:.1f} MiB"
 
 
+def paired_ratio(raw_walls: list[float], our_walls: list[float]) -> float | None:
+    """The median over rounds of the raw path's time over ours in the same round (each round runs every path once):
+    what the load of a shared machine does to both within a round cancels, where it moved the medians of each apart.
+
+    >>> paired_ratio([1.0, 2.0, 4.0], [1.0, 2.5, 4.0])
+    1.0
+    >>> paired_ratio([], []) is None
+    True
+    """
+    pairs = [r / o for r, o in zip(raw_walls, our_walls) if o > 0]
+    return statistics.median(pairs) if pairs else None
+
+
 def _throughput_table(results: dict, raw: str, ours: str, target: float) -> list[str]:
     nbytes = results["state_bytes"]
     rows = []
     for c in results["configs"]:
         t_raw, t_ours = c["timings"][raw], c["timings"][ours]
         ratio = t_raw.median / t_ours.median
+        rounds, cpu = c.get("rounds", {}), c.get("cpu", {})
+        paired = paired_ratio(rounds.get(raw, []), rounds.get(ours, []))
+        cpu_raw, cpu_ours = cpu.get(raw), cpu.get(ours)
         rows.append([c["ranks"], c["parallel"], c["files"], format_duration(t_raw.median), _gbps(nbytes, t_raw.median),
                      format_duration(t_ours.median), _gbps(nbytes, t_ours.median), format_ratio(ratio),
-                     format_ratio(t_raw.best / t_ours.best), _met(ratio >= target)])
+                     format_ratio(t_raw.best / t_ours.best), "n/a" if paired is None else format_ratio(paired),
+                     "n/a" if cpu_raw is None else format_duration(cpu_raw),
+                     "n/a" if cpu_ours is None else format_duration(cpu_ours),
+                     "n/a" if not cpu_raw or not cpu_ours else format_ratio(cpu_raw / cpu_ours),
+                     " / ".join(c.get("load", ("n/a", "n/a"))), _met(ratio >= target)])
     return table_lines(["ranks", "parallel", "files", raw, "GB/s", ours, "GB/s", "ratio", "ratio of bests",
-                        f">= {target:.2f}x"], rows, "rrrrrrrrrl")
+                        "ratio in the same round (median)", f"CPU {raw}", f"CPU {ours}", "CPU ratio",
+                        "load average before / after", f">= {target:.2f}x"], rows, "rrrrrrrrrrrrrll")
 
 
 def _memory_table(results: dict) -> list[str]:
@@ -683,14 +711,16 @@ def report(results: dict, quick: bool = False) -> str:
     >>> t = Timing(1.0, 1.0)
     >>> timings = {RAW_SAVE: t, SAVE: Timing(1.25, 1.2), RAW_LOAD: Timing(0.5, 0.5), LOAD: Timing(0.5, 0.4)}
     >>> config = {"ranks": 2, "parallel": 1, "files": 2, "checkpoint_bytes": 2**30 + 4096, "timings": timings,
-    ...           "save_peak": 2**29, "save_anon": 2**29, "load_peak": 2**30, "load_anon": 2**29, "hwm_reset": True}
+    ...           "save_peak": 2**29, "save_anon": 2**29, "load_peak": 2**30, "load_anon": 2**29, "hwm_reset": True,
+    ...           "rounds": {RAW_SAVE: [1.0, 1.0, 1.0], SAVE: [1.2, 1.25, 1.3]}, "cpu": {RAW_SAVE: 0.5, SAVE: 0.8},
+    ...           "load": ("1.50", "2.50")}
     >>> results = {"ids": 1000, "dim": 4, "dense_bytes": 2**29, "table_bytes": 2**29, "state_bytes": 2**30,
     ...            "repeat": 3, "configs": [config], "load_before": "1.00", "load_after": "1.00"}
     >>> text = report(results)
     >>> text.splitlines()[0]
     'Sharded state: 1,073,741,824 bytes (1.00 GiB): a table of 1,000 ids x 4 float32 with Adam m, v (512 MiB) + ...'
     >>> [line for line in text.splitlines() if line.startswith("| 2 | 1 | 2 |")][0]
-    '| 2 | 1 | 2 | 1.000 s | 1.07 | 1.250 s | 0.86 | 0.80x | 0.83x | MISSED |'
+    '| 2 | 1 | 2 | 1.000 s | 1.07 | 1.250 s | 0.86 | 0.80x | 0.83x | 0.80x | 500.00 ms | 800.00 ms | 0.62x | 1.50 / 2.50 | MISSED |'
     """
     r = results
     state = (f"Sharded state: {r['state_bytes']:,} bytes ({r['state_bytes'] / 2**30:.2f} GiB): a table of "
@@ -699,7 +729,10 @@ def report(results: dict, quick: bool = False) -> str:
     how = (f"{os.cpu_count()} CPUs; load average (1, 5, 15 min) {r['load_before']} before, {r['load_after']} "
            f"after. Medians of {r['repeat']} round-robin run(s); GB/s = state bytes / wall time of all ranks "
            "(10^9 bytes); ratio = fastckpt GB/s / raw GB/s (of the medians; the target is judged on it), "
-           "ratio of bests: of the shortest runs.")
+           "ratio of bests: of the shortest runs; ratio in the same round: the median over the rounds of the raw "
+           "run's time over fastckpt's in that round; CPU: the median CPU time of a run (user + system, every thread "
+           "of the process), a CPU ratio above 1 meaning fastckpt spent less; the load average (1 min) before and "
+           "after each configuration's rounds.")
     lines = [state, "", how, ""]
     if r["configs"]:
         c = r["configs"][0]

@@ -284,6 +284,7 @@ import blake3
 import numpy as np
 
 from fastckpt._native.idindex import slice_order as counting_slice_order
+from fastckpt._native.idindex import slice_run_check
 from fastckpt.arrays import TakenRows
 from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.store.commit import publish_directory, write_file
@@ -482,32 +483,6 @@ class SliceRowError(ValueError):
         self.row = row
 
 
-def _slices_in_order(positions: np.ndarray, first_row: int, rows: list[int], size: int) -> bool:
-    """Whether the rows from ``first_row`` on, at slice ``positions``, are in ascending slice order and each in the
-    group ``rows`` records it in: with the positions ascending, the first and last row of each group decide it
-    (one pass over the rows instead of a group lookup per row; :func:`slice_run` looks row by row only when this
-    says no, to name the first row out of place).
-
-    >>> _slices_in_order(np.array([0, 1, 5, 9], np.uint64), 0, [0, 2, 4], 10)
-    True
-    >>> _slices_in_order(np.array([0, 6, 5, 9], np.uint64), 0, [0, 2, 4], 10)
-    False
-    """
-    last_row = first_row + len(positions)
-    if not len(positions) or first_row < rows[0] or last_row > rows[-1] \
-            or any(a > b for a, b in zip(rows, rows[1:])):
-        return not len(positions)
-    if bool((positions[1:] < positions[:-1]).any()):
-        return False
-    bounds = group_bounds(len(rows) - 1, size)
-    for g in range(len(rows) - 1):
-        lo, hi = max(rows[g], first_row), min(rows[g + 1], last_row)
-        if lo < hi and not (bounds[g] <= int(positions[lo - first_row]) and int(positions[hi - 1 - first_row])
-                            < bounds[g + 1]):
-            return False
-    return True
-
-
 def slice_run(ids: np.ndarray, first_row: int, rows: list[int], size: int, own: tuple[int, int]) -> tuple[int, int]:
     """``(lo, hi)``: the rows of a version-4 id part whose positions lie in ``own`` (``[begin, end)``), given the
     ids ``ids`` of its rows from ``first_row`` on (the slice groups that meet ``own``, :func:`group_span`) and the
@@ -519,12 +494,13 @@ def slice_run(ids: np.ndarray, first_row: int, rows: list[int], size: int, own: 
     >>> slice_run(np.array([0, 1, 5, 9]), 0, [0, 2, 4], 10, (1, 6))
     (1, 3)
     """
-    positions = slice_positions(ids, size)
     begin, end = own
-    if _slices_in_order(positions, first_row, rows, size):
-        return (first_row + int(np.searchsorted(positions, np.uint64(begin))),
-                first_row + int(np.searchsorted(positions, np.uint64(end))))
+    run = slice_run_check(np.ascontiguousarray(ids, np.int64), first_row, np.asarray(rows, np.int64), size, begin,
+                          end)  # one pass in C without the GIL
+    if run is not None:
+        return run
     # Something is out of place: find the first row that is, row by row, to name it.
+    positions = slice_positions(ids, size)
     bounds = np.array(group_bounds(len(rows) - 1, size), np.uint64)
     where = np.arange(first_row, first_row + len(ids))
     recorded = np.searchsorted(np.asarray(rows), where, side="right") - 1  # the group each row is recorded in

@@ -42,7 +42,6 @@ filter's int64 ``[1]``), every slot of the checkpoint.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import difflib
 import logging
@@ -60,8 +59,10 @@ from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
                                      slice_run)
 from fastckpt.errors import CheckpointChangedError
+from fastckpt.sharded.flights import Flights
 from fastckpt.sharded.hashtable import HashTable, check_holds, table_for
 from fastckpt.sharded.reader import CheckpointReader
+from fastckpt.sharded.workers import Lane
 
 __all__ = ["Loader", "owner_mod"]
 
@@ -89,6 +90,7 @@ def _pread(reader: CheckpointReader, key: str, view: memoryview, start: int) -> 
     reader.read_into(key, view, start)
 
 
+_IN_PLACE = object()  # a pick whose ids the table's own array holds already (Loader._read_spans)
 _GATHER_CHUNK = 8 << 20  # bytes of a part read at once to pick some of its rows from
 
 
@@ -111,8 +113,7 @@ def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.nda
         return
     row_bytes = int(np.prod(info.shape[1:], dtype=np.int64)) * info.dtype.itemsize  # rows of any shape
     if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows) and out.flags.c_contiguous:
-        # One run of rows (a rank's slices of a version-4 part): exactly those bytes, read into place.
-        _pread(reader, key, memoryview(out.reshape(-1).view(np.uint8)), int(rows[0]) * row_bytes)
+        _copy_run(reader, key, int(rows[0]), out)
         return
     per_chunk = max(1, _GATHER_CHUNK // max(1, row_bytes))
     scratch = np.empty((min(per_chunk, info.shape[0]), *info.shape[1:]), info.dtype)
@@ -126,6 +127,31 @@ def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.nda
         _pread(reader, key, memoryview(chunk.reshape(-1).view(np.uint8)), first * row_bytes)
         np.take(chunk, rows[done:stop] - first, axis=0, out=out[done:stop])
         done = stop
+
+
+def _copy_run(reader: CheckpointReader, key: str, first: int, out: np.ndarray) -> None:
+    """Rows ``first`` to ``first + len(out)`` of stored part ``key`` into ``out`` (a rank's slices of a version-4
+    part): exactly those bytes, read into place where ``out`` holds them as stored, else taken from the part."""
+    info = reader.infos[key]
+    if "encoding" in reader.descriptions[key] or info.dtype != out.dtype or len(info.shape) < 1 \
+            or out.shape[1:] != info.shape[1:] or not out.flags.c_contiguous:
+        out[...] = reader.array(key)[first:first + len(out)]
+        return
+    row_bytes = info.nbytes // max(1, info.shape[0])
+    _pread(reader, key, memoryview(out.reshape(-1).view(np.uint8)), first * row_bytes)
+
+
+def _checked_run(reader: CheckpointReader, key: str, ids: np.ndarray, first_row: int, rows: list[int], size: int,
+                 own: tuple[int, int]) -> tuple[int, int]:
+    """:func:`~fastckpt.sharded.format.slice_run` of id part ``key``'s rows ``first_row`` on (``ids``); an id out of
+    place is a :class:`~fastckpt.errors.FormatError` naming the file, the tensor, the row and its byte offset."""
+    try:
+        return slice_run(ids, first_row, rows, size, own)
+    except SliceRowError as exc:
+        f = reader.file_of(key)
+        raise FormatError(f"{f.path}: tensor {key!r}, row {exc.row} (byte {f.infos[key].offset + 8 * exc.row} of "
+                          f"the file): {exc}: the slice offsets or the ids are damaged or forged (`fastckpt verify` "
+                          "names a damaged file; this checkpoint cannot be loaded by slices)") from None
 
 
 def _slice_rows(reader: CheckpointReader, key: str, rows: list[int], size: int,
@@ -144,13 +170,7 @@ def _slice_rows(reader: CheckpointReader, key: str, rows: list[int], size: int,
         return None
     ids = np.empty(reader.part_infos[key].shape[0], np.int64)  # only rows [r0, r1) are read or used
     reader.read_into(key, ids[r0:r1].view(np.uint8), r0 * 8)
-    try:
-        lo, hi = slice_run(ids[r0:r1], r0, rows, size, own)
-    except SliceRowError as exc:
-        f = reader.file_of(key)
-        raise FormatError(f"{f.path}: tensor {key!r}, row {exc.row} (byte {f.infos[key].offset + 8 * exc.row} of "
-                          f"the file): {exc}: the slice offsets or the ids are damaged or forged (`fastckpt verify` "
-                          "names a damaged file; this checkpoint cannot be loaded by slices)") from None
+    lo, hi = _checked_run(reader, key, ids[r0:r1], r0, rows, size, own)
     return (ids, np.arange(lo, hi)) if lo < hi else None
 
 
@@ -163,6 +183,46 @@ def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
         keys = reader.part_names(tensor)
         total += sum(reader.infos[key].nbytes for key in keys)
     return total
+
+
+_open_readers = Flights()  # the checkpoints that loads of this process hold open now: one reader between them
+
+
+@contextlib.contextmanager
+def _reader_for(path: str, manifest: dict):
+    """An unverifying reader of the checkpoint at ``path`` as of ``manifest``: the one another load of this process
+    holds open now, where there is one of that commit (ranks run as threads, a reshard's, open the files and parse
+    their headers once between them), else a new one; the last load to let go of it closes it.
+
+    A reader of another commit (the directory replaced since it was opened), or a shared open that failed, gives
+    this load a reader of its own, which opens the commit ``manifest`` names or says why it cannot.
+    """
+    key = os.path.realpath(path)
+    flight, future, mine = _open_readers.join(key)
+    reader = None
+    try:
+        if mine:
+            try:
+                reader = CheckpointReader(path, verify=False)
+            except BaseException as exc:
+                _open_readers.fail(flight, future, exc)
+                raise
+            future.set_result(reader)
+        else:
+            try:
+                reader = future.result()
+            except Exception:  # noqa: BLE001 - the opener raised its error; this load opens its own below
+                reader = None
+        if reader is None or reader.manifest != manifest:
+            with CheckpointReader(path, verify=False) as own:
+                yield own
+        else:
+            yield reader
+    finally:
+        _open_readers.leave(key, flight)
+        if flight.holders == 0 and flight.future is not None and flight.future.done() \
+                and flight.future.exception() is None:
+            flight.future.result().close()  # every holder has let go (closing twice is harmless)
 
 
 def _check_one_commit(readers: list[CheckpointReader], chain: list[tuple[str, dict]]) -> None:
@@ -296,7 +356,7 @@ class Loader:
         self._check_lossy(chain)
         results: dict[str, Any] = {}
         with contextlib.ExitStack() as stack:
-            readers = [stack.enter_context(CheckpointReader(path, verify=False)) for path, _ in chain]
+            readers = [stack.enter_context(_reader_for(path, manifest)) for path, manifest in chain]
             _check_one_commit(readers, chain)
             for reader in readers:  # a file truncated under the copies: a FormatError naming it, never SIGBUS
                 stack.enter_context(guard(reader, "its parts to load them"))
@@ -312,7 +372,7 @@ class Loader:
             nbytes = sum(job[1] for job in jobs)
             report = stack.enter_context(progress_from(self.progress, nbytes, f"load rank {self.shard_index}"))
             # The files are hashed in the background, one at a time on every core (BLAKE3), while the jobs read.
-            hashing = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1, "fastckpt-verify"))
+            hashing = stack.enter_context(Lane("verify", 1))
             checks = [(reader, hashing.submit(reader.file_problem, name))
                       for reader, name in (self._files_read(readers, info) if self.verify else ())]
 
@@ -325,7 +385,7 @@ class Loader:
             # Largest first: a table (its rows read by threads of its own while it builds its index) is most of a
             # rank's bytes, and waited behind the dense tensors where they came first and filled the pool.
             order = sorted(jobs, key=lambda job: -job[1])
-            with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(jobs)))) as pool:
+            with Lane("load", self.parallel) as pool:  # threads kept between loads (fastckpt.sharded.workers)
                 for future in [pool.submit(scope.run, run, *job) for job in order]:
                     try:
                         future.result()
@@ -493,6 +553,44 @@ class Loader:
             table.insert(ids[mine] if len(mine) < len(ids) else ids, pick("embedding"),
                          {slot: pick(slot) for slot in table.slots})
 
+    def _slice_spans(self, reader: CheckpointReader, entry: dict, id_keys: list[str]) -> list | None:
+        """``[(id part, first row, end row)]``: the rows of each id part in the slice groups that meet this rank's
+        slice (parts with none left out), where the slice rule (format version 4 on) decides what this load reads;
+        None where it does not (one rank, an ``owner`` given, an older version)."""
+        partition = entry.get("partition")
+        if self.owner is not None or partition is None or self.shard_num == 1:
+            return None
+        slices = [reader.descriptions[key].get("slices") for key in id_keys]
+        if any(s is None for s in slices):
+            return None
+        size = partition["slice_size"]
+        own = slice_of(self.shard_index, self.shard_num, size)
+        spans = []
+        for key, s in zip(id_keys, slices):
+            first, last = group_span(s["rows"], size, *own)
+            if s["rows"][first] < s["rows"][last]:
+                spans.append((key, s["rows"][first], s["rows"][last]))
+        return spans
+
+    def _read_spans(self, reader: CheckpointReader, name: str, entry: dict, spans: list,
+                    ids_out: np.ndarray) -> list[tuple]:
+        """The ids of ``spans`` (:meth:`_slice_spans`) read into ``ids_out`` one after another and checked to lie
+        where the part's slice offsets place them (a :class:`~fastckpt.errors.FormatError` naming the row where
+        one does not), those outside this rank's slice dropped: ``[(_IN_PLACE, part suffix, rows owned)]``."""
+        size = entry["partition"]["slice_size"]
+        own = slice_of(self.shard_index, self.shard_num, size)
+        picks, at = [], 0
+        for key, r0, r1 in spans:
+            read = ids_out[at:at + r1 - r0]
+            reader.read_into(key, read.view(np.uint8), r0 * 8)
+            lo, hi = _checked_run(reader, key, read, r0, reader.descriptions[key]["slices"]["rows"], size, own)
+            if (lo, hi) != (r0, r1):  # groups that reach past this rank's slice: keep the rows within it
+                ids_out[at:at + hi - lo] = read[lo - r0:hi - r0].copy()
+            if lo < hi:
+                picks.append((_IN_PLACE, key[len(name) + 3:], range(lo, hi)))
+            at += hi - lo
+        return picks
+
     def _load_full_table(self, reader: CheckpointReader, name: str, entry: dict, headroom: int = 0) -> None:
         """The table of a full checkpoint: this rank's rows gathered into new arrays that the table adopts.
 
@@ -509,17 +607,26 @@ class Loader:
         # part's mapped views straight into arrays of the final size (no concatenation), which the table adopts
         # as its storage (no copy).
         id_keys = reader.part_names(f"{name}.id")
-        if self.shard_num == 1 and self.owner in (None, owner_mod) \
-                and not any("encoding" in reader.descriptions[key] for key in id_keys):
+        plain = not any("encoding" in reader.descriptions[key] for key in id_keys)
+        stored = max(1, reader.hashtables()[name].get("ids", 0))  # every rank's ids in the checkpoint
+        spans = self._slice_spans(reader, entry, id_keys) if plain else None
+        ids_out = None
+        if self.shard_num == 1 and self.owner in (None, owner_mod) and plain:
             # One rank owns every id: each id part is read into place below, not mapped, copied and numbered.
             picks = [(None, key[len(name) + 3:], range(reader.part_infos[key].shape[0])) for key in id_keys
                      if reader.part_infos[key].shape[0]]
+        elif spans is not None:
+            # The slice rule (format version 4 on): the ids of the groups that meet this rank's slice, read into
+            # place here and checked (no copy of them, no positions array), their rows read below as runs.
+            most = sum(r1 - r0 for _, r0, r1 in spans)
+            ids_out = np.empty(most + (headroom * most // stored + 1024 if headroom else 0), np.int64)
+            picks = self._read_spans(reader, name, entry, spans, ids_out)
         else:
             picks = self._owned(reader, f"{name}.id")
         total = sum(len(mine) for *_, mine in picks)
-        stored = max(1, reader.hashtables()[name].get("ids", 0))  # every rank's ids in the checkpoint
-        capacity = total + (headroom * total // stored + 1024 if headroom else 0)
-        ids_out = np.empty(capacity, np.int64)
+        if ids_out is None:
+            ids_out = np.empty(total + (headroom * total // stored + 1024 if headroom else 0), np.int64)
+        capacity = len(ids_out)
         values_out = np.empty((capacity, *table.shape), table.dtype)
         slots_out = {slot: np.empty((capacity, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
         at = 0
@@ -532,6 +639,8 @@ class Loader:
             if ids is None:  # every id of the part, not read yet: read into place below, while the rows are
                 id_reads.append((f"{name}.id{suffix}", ids_out[at:end]))
                 copies += [(_copy_whole, reader, key, out[at:end]) for key, out in targets]
+            elif ids is _IN_PLACE:  # ids_out[at:end] holds them: their rows, one run of the part
+                copies += [(_copy_run, reader, key, mine.start, out[at:end]) for key, out in targets]
             elif len(mine) == len(ids):  # the whole part: read its bytes into place, as a plain read would
                 ids_out[at:end] = ids
                 copies += [(_copy_whole, reader, key, out[at:end]) for key, out in targets]
@@ -539,8 +648,7 @@ class Loader:
                 np.take(ids, mine, out=ids_out[at:end])
                 copies += [(_copy_rows, reader, key, mine, out[at:end]) for key, out in targets]
             at = end
-        with concurrent.futures.ThreadPoolExecutor(min(self.parallel, max(1, len(copies))),
-                                                   "fastckpt-rows") as pool:
+        with Lane("rows", self.parallel) as pool:
             scope = held_guards()  # the copies' threads read the mappings under this thread's guards
             futures = [pool.submit(scope.run, *copy) for copy in copies]
             error = None

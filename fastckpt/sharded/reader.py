@@ -43,6 +43,7 @@ import numpy as np
 
 from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
+from fastckpt.formats.hashing import blake3_hasher
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
@@ -444,13 +445,11 @@ class CheckpointReader(MultiFileReader):
         >>> CheckpointReader(out).file_problem("model-00000-000.safetensors") is None
         True
         """
-        import blake3
-
         f = self.files[name]
         entry = self.manifest["files"][name]
 
         def digest_of_file() -> str:
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            hasher = blake3_hasher()
             with f.mapped.guard("it for its BLAKE3"):  # a file truncated under the hash: FormatError, not SIGBUS
                 # Mapped (and not copy-on-write: no page of its own to lose), each piece is let go of once hashed:
                 # its pages stay in the page cache, out of this process's resident set (a verified load's peak

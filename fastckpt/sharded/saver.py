@@ -53,7 +53,6 @@ changes tracked (it is never a base). Both are opt-in: see
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import time
@@ -61,11 +60,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import blake3
 import numpy as np
 
 from fastckpt.store.commit import (_naming_target, abandon_staging, fsync_file, remove_stale_partials_in,
                                    staging_directory)
+from fastckpt.formats.hashing import blake3_hasher
 from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.progress import part_of_a_save, progress_from
@@ -93,6 +92,7 @@ from fastckpt.sharded.format import (
     version_for,
 )
 from fastckpt.sharded.hashtable import HashTable, _sort_ids
+from fastckpt.sharded.workers import Lane
 from fastckpt.state import as_numpy
 
 __all__ = ["Saver", "WriteBlock", "DeltaPolicy", "split_sparse_dense_state_dict"]
@@ -366,8 +366,9 @@ class Saver:
             return encode_values(np.take(array, order, axis=0), self.compression, quantize)
 
         try:
-            with concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-encode") as pool:
-                results = list(pool.map(encode, roles))
+            with Lane("encode", self.parallel) as pool:  # threads kept between saves (fastckpt.sharded.workers)
+                futures = [pool.submit(encode, role) for role in roles]
+            results = [future.result() for future in futures]
         except ValueError as exc:
             raise ValueError(f"hashtable {table_name!r}: {exc}") from None
         self._errors[table_name] = max((error for *_, error in results), default=0.0)
@@ -406,7 +407,7 @@ class Saver:
             # fed the bytes as they are written, a piece of a table (a MiB) or up to 64 MiB at a time: with writer
             # threads to share the cores, hashing on one thread each costs less CPU than dispatching each piece
             # to a thread pool (9-14% of a save's CPU at parallel 4, measured at 1 and 4 ranks)
-            hasher = blake3.blake3(max_threads=1 if self.parallel > 1 else blake3.blake3.AUTO)
+            hasher = blake3_hasher(threads=1 if self.parallel > 1 else None)
             with part_of_a_save():  # the rank logs its own line
                 # The file's data is fsynced here, its name in the staging directory by the commit, which fsyncs
                 # the directory once before renaming it into place: a file saved on its own (fsync=True) also
@@ -417,8 +418,9 @@ class Saver:
             return names[k], {"size": os.path.getsize(path), "blake3": hasher.hexdigest()}
 
         with progress_from(self.progress, sum(loads), f"save rank {self.shard_index}") as report, \
-                concurrent.futures.ThreadPoolExecutor(self.parallel, thread_name_prefix="fastckpt-shard") as pool:
-            written = dict(pool.map(write, range(self.parallel)))
+                Lane("write", self.parallel) as pool:  # threads kept between saves (fastckpt.sharded.workers)
+            futures = [pool.submit(write, k) for k in range(self.parallel)]
+        written = dict(future.result() for future in futures)
         block_index = {b.key: self.shard_index * self.parallel + k for k in range(self.parallel) for b in files[k]}
         tables = {}
         for name, table in self.hashtables.items():
