@@ -18,7 +18,8 @@ delivered straight to its destination; at most ``THREADS x CHUNK`` bytes held; c
 :func:`open` (``fastckpt.open(url)``) reads a tensor file's index with ranged reads (safetensors: bytes ``0..8``
 and the header; NPZ: the ZIP end records, the central directory and each member's local and ``.npy``
 headers), then fetches only the payloads of the tensors asked for (``names=``; on ``s3://`` and ``http(s)://``
-while the caller already reads the first ones) into anonymous memory of the object's size (a ``memfd``: no file on any filesystem; only what is fetched takes space), which is then mapped:
+while the caller already reads the first ones) into anonymous memory of the object's size (a ``memfd``: no file
+on any filesystem; only what is fetched takes space), which is then mapped:
 the reader is the same :class:`~fastckpt.formats.reader.TensorFile` as for a local file, its views zero-copy in
 that memory. :func:`open_streamed` reads the index only: the device loads (``load_file(url, ...)``,
 ``load_model(url)``) stream the payloads into the pooled arena or the tensors' buffers. A prefix holding a
@@ -368,13 +369,13 @@ def open(url: str, *, storage_options: dict | None = None, names: Iterable[str] 
     not hold is a :class:`~fastckpt.errors.TensorNotFoundError`; an object replaced or truncated while it is read
     is an error naming it and the offset, never a mix.
 
-    Where every piece is conditional on the object's ETag (``s3://``, ``http(s)://``: :attr:`RemoteObject.conditional`),
-    the reader is returned once the index is read, and the payloads arrive on a thread of their own
-    (:class:`_Filling`): :meth:`RemoteTensorFile.host` and ``hosts`` wait for their tensors' pieces only, so the
-    caller's copies overlap the download; what reads the mapping itself waits for every byte. The fetch's error
-    is raised by the next read of a tensor. Other stores, and ``copy_on_write=True`` (a written page would keep
-    the zeros of a tensor yet to arrive), get every byte, checked, before this returns. ``backend``, ``copy_on_write`` and ``max_header_size``
-    apply as :func:`fastckpt.open` applies them to a file. A prefix holding ``model.safetensors`` or
+    Where every piece is conditional on the object's ETag (``s3://``, ``http(s)://``:
+    :attr:`RemoteObject.conditional`), the reader is returned once the index is read, and the payloads arrive on a
+    thread of their own (:class:`_Filling`): :meth:`RemoteTensorFile.host` and ``hosts`` wait for their tensors'
+    pieces only, so the caller's copies overlap the download; what reads the mapping itself waits for every byte.
+    The fetch's error is raised by the next read of a tensor. Other stores, and ``copy_on_write=True`` (a written
+    page would keep the zeros of a tensor yet to arrive), get every byte, checked, before this returns.
+    ``backend``, ``copy_on_write`` and ``max_header_size`` apply as :func:`fastckpt.open` applies them to a file. A prefix holding ``model.safetensors`` or
     ``model.safetensors.index.json`` opens as a :class:`RemoteHFSharded` (every shard's tensors fetched).
 
     >>> import fastckpt, numpy as np
