@@ -370,6 +370,7 @@ def test_s3_reads_are_signed_once_and_sent_as_plain_ranged_gets(objects):
     gets = _requests(objects, key)
     assert len(gets) == 20 == obj.stats.requests
     assert {g["signed"] for g in gets} == {"query"}  # no Authorization header: the URL carries the signature
+    assert {g["query"].get("X-Amz-Algorithm") for g in gets} == {"AWS4-HMAC-SHA256"}  # SigV4: SigV2 is refused
     assert all("fastckpt-test-key" in (g["query"].get("AWSAccessKeyId") or g["query"]["X-Amz-Credential"])
                for g in gets)
     assert sorted(g["range"] for g in gets) == sorted(f"bytes={s}-{s + 9_999}" for s in range(0, len(data), 10_000))
@@ -399,7 +400,7 @@ def test_a_signed_get_the_store_refuses_is_sent_again_as_get_object(objects, mon
     key, data = _object_bytes(objects, 50_000)
     monkeypatch.setattr(objects, "answer", lambda r: web.Response(status=403, text="<Error><Code>AccessDenied</Code>"
                                                                   "</Error>") if r.match_info["key"] == key
-                        and "Signature" in r.query else None)
+                        and "X-Amz-Signature" in r.query else None)
     obj = RemoteObject(f"s3://b/{key}", objects.storage_options)
     out = bytearray(obj.size)
     obj.stream([(0, obj.size)], _into(obj, out), chunk=10_000, threads=1, parts=True)
@@ -416,7 +417,7 @@ def test_a_signed_get_cut_off_mid_body_goes_on_from_the_byte_it_stopped_at(objec
     etag = None
 
     async def cut(request):
-        if request.match_info["key"] != key or "Signature" not in request.query:
+        if request.match_info["key"] != key or "X-Amz-Signature" not in request.query:
             return None
         first, last = (int(x) for x in request.headers["Range"].removeprefix("bytes=").split("-"))
         body = data[first:last + 1]

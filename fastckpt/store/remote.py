@@ -80,6 +80,10 @@ def is_url(path) -> bool:
 def filesystem(url: str, storage_options: dict | None = None):
     """``(fs, path)`` for ``url``: its fsspec filesystem (made with ``storage_options``) and the path in it.
 
+    An ``s3://`` filesystem signs with SigV4 unless ``config_kwargs`` names a ``signature_version``: botocore
+    signs S3 requests with SigV4 already, but presigns them with SigV2 where none is named, which buckets made since
+    2020 refuse (reads of an object are presigned once and sent as plain GETs, ``formats.stream``).
+
     >>> fs, path = filesystem("memory://doc/a.bin")
     >>> type(fs).__name__, path
     ('MemoryFileSystem', '/doc/a.bin')
@@ -88,8 +92,11 @@ def filesystem(url: str, storage_options: dict | None = None):
         from fsspec.core import url_to_fs
     except ImportError:
         raise ImportError(f"{url}: URLs need fsspec (and s3fs for s3://): pip install 'fastckpt[s3]'") from None
+    options = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")):
+        options["config_kwargs"] = {"signature_version": "s3v4", **(options.get("config_kwargs") or {})}
     try:
-        return url_to_fs(url, **(storage_options or {}))
+        return url_to_fs(url, **options)
     except ImportError as e:
         raise ImportError(f"{url}: no fsspec filesystem for this scheme is installed ({e}); for s3:// "
                           "pip install 'fastckpt[s3]'") from e
