@@ -410,10 +410,9 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
             rows = desc["global_shape"][0] if desc.get("global_shape") else 0
             lo, hi = (0, rows) if loader.dense == "replicated" or not rows else \
                 rows_of(loader.shard_index, loader.shard_num, rows)
-            p_lo = desc.get("row_start", 0)
-            p_hi = p_lo + (desc["shape"][0] if desc["shape"] else 1)
-            if not desc["shape"] or (max(lo, p_lo) < min(hi, p_hi)):
-                first.setdefault(where[0], []).append(where[1:3])
+            span = _dense_span(desc, where, lo, hi)
+            if span is not None:
+                first.setdefault(where[0], []).append(span)
         elif desc.get("role") == "id" and desc.get("table") in tables_wanted:
             partition = manifest["hashtables"].get(desc["table"], {}).get("partition")
             if loader.owner is None and partition is not None and "slices" in desc and loader.shard_num > 1:
@@ -454,6 +453,27 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
         for other in _part_tensors(descriptions, key, offsets):
             rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, len(ids), offsets[other]))
     share.fetch(rows_plan)
+
+
+def _dense_span(desc: dict, where: tuple, lo: int, hi: int) -> tuple[int, int] | None:
+    """The byte range of rows ``[lo, hi)`` of a dense tensor that its part (description ``desc``, stored at
+    ``where``) holds: only those rows, which the Loader reads (``_load_dense``); the whole of a scalar; None where
+    the part holds none of them.
+
+    >>> _dense_span({"shape": [4, 2], "row_start": 8}, ("f", 100, 164, [4, 2]), 9, 20)
+    (116, 164)
+    >>> _dense_span({"shape": [4, 2], "row_start": 8}, ("f", 100, 164, [4, 2]), 0, 8) is None
+    True
+    """
+    _, begin, end, _ = where
+    if not desc["shape"]:
+        return begin, end
+    p_lo, rows = desc.get("row_start", 0), desc["shape"][0]
+    a, b = max(lo, p_lo), min(hi, p_lo + rows)
+    if a >= b:
+        return None
+    row = (end - begin) // rows
+    return begin + (a - p_lo) * row, begin + (b - p_lo) * row
 
 
 def _part_tensors(descriptions: dict, id_key: str, offsets: dict) -> list[str]:
