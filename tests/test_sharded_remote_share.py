@@ -201,3 +201,68 @@ def test_a_hostile_json_file_of_a_share_is_a_format_error_naming_it(tmp_path):
             sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2, verify=False), str(local))
         assert f"{url}/{name}" in str(err.value)
         fs.pipe_file(f"{path}/{name}", before)
+
+
+@pytest.mark.parametrize("n,m", [(1, 4), (2, 3), (4, 3)])
+def test_a_rank_taking_dense_rows_fetches_those_rows_only(n, m, monkeypatch):
+    # dense="rows": a rank of M takes rows_of(j, M) of each dense tensor; the Loader reads only those rows of the
+    # parts that hold them, and the fetch asked for every such part whole (1 -> 4: each rank fetched the whole
+    # tensor). Now the bytes fetched of a dense part are its rows the rank takes, and the load is exact.
+    import json
+
+    from fastckpt.sharded.format import DESCRIPTION_FILE, rows_of
+
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    rng = np.random.default_rng(11)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    big = rng.standard_normal((4001, 64))  # rows of 512 bytes, not a multiple of any rank count
+
+    def save(engine):
+        mine = np.flatnonzero(slice_positions(ids, SLICE_SIZE) * n // SLICE_SIZE == engine.rank)
+        table = HashTable(DIM, slots=("m",))
+        table.insert(ids[mine], values[mine], {"m": -values[mine]})
+        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={"big": big}, engine=engine).save()
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(save, ThreadEngine.group(n)))
+    fs, path = remote.filesystem(url)
+    parts = {}  # file -> (begin, end, first row) of each part of "big"
+    descriptions = json.loads(fs.cat_file(f"{path}/{DESCRIPTION_FILE}"))
+    for name in fs.ls(path, detail=False):
+        if name.endswith(".safetensors"):
+            head = fs.cat_file(name, start=0, end=8)
+            length = int.from_bytes(head, "little")
+            header = json.loads(fs.cat_file(name, start=8, end=8 + length))
+            for key, entry in header.items():
+                if key != "__metadata__" and descriptions[key].get("tensor") == "big":
+                    begin, end = entry["data_offsets"]
+                    parts.setdefault(name.rsplit("/", 1)[1], []).append(
+                        (8 + length + begin, 8 + length + end, descriptions[key]["row_start"], entry["shape"][0]))
+    assert sum(p[3] for ps in parts.values() for p in ps) == 4001
+    fetched: list = []
+    real = remote._fetch_into
+    monkeypatch.setattr(remote, "_fetch_into", lambda fs, url, plan: (fetched.extend(plan), real(fs, url, plan)))
+    row = {int(i): r for r, i in enumerate(ids)}
+    seen = []
+    for j in range(m):
+        fetched.clear()
+        tables, tensors = Loader(url, shard_index=j, shard_num=m, dense="rows", verify=False).load()
+        lo, hi = rows_of(j, m, 4001)
+        assert np.array_equal(tensors["big"], big[lo:hi])
+        got = tables["emb"].ids()
+        assert np.array_equal(tables["emb"].lookup_slot("m", got), -values[[row[int(i)] for i in got]])
+        seen.append(got)
+        for name, ps in parts.items():
+            spans = [s for remote_path, _, ranges in fetched if remote_path.endswith("/" + name) for s in ranges]
+            for begin, end, first, rows in ps:
+                want = (max(lo, first), min(hi, first + rows))
+                head = sharded_remote._HEAD  # every file's first bytes are fetched for its header
+                have = sum(max(0, min(e, end) - max(s, begin, head)) for s, e in spans)
+                if want[0] >= want[1]:
+                    assert have <= max(0, head - begin), (j, name, have)
+                    continue
+                a, b = begin + (want[0] - first) * 512, begin + (want[1] - first) * 512
+                assert any(s <= a and b <= e for s, e in spans), (j, name, spans, (a, b))  # its rows, fetched
+                assert have == b - max(a, head), (j, name, have, b - a)  # and nothing else of the part
+    assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
