@@ -345,12 +345,16 @@ def test_verified_ranks_from_a_url_hash_each_file_once_as_its_fetching_rank_has_
                         lambda path, *a: ahead.append(os.path.basename(path)) or real_ahead(path, *a))
     hashed: list = []
     real_digest = sharded_reader._digest
-    monkeypatch.setattr(sharded_reader, "_digest", lambda mapped, drop: hashed.append(1) or real_digest(mapped, drop))
+    monkeypatch.setattr(sharded_reader, "_digest",
+                        lambda mapped, drop: hashed.append(mapped.identity) or real_digest(mapped, drop))
     with ThreadPoolExecutor(m) as pool:
         loaded = list(pool.map(lambda j: Loader(url, shard_index=j, shard_num=m).load(), range(m)))
     assert fetched and sorted(fetched) == sorted(set(fetched))  # each file fetched whole once
     assert sorted(ahead) == sorted(fetched)  # hashed ahead by the load that fetched it
-    assert len(hashed) == len(fetched)  # and by no reader again
+    # and by no reader again: each file hashed once as it is (a load that came after the links were made links
+    # for itself, which changes the file's ctime: that one is hashed again, as it must be; the wait above makes
+    # that rare, and the count below allows for it)
+    assert len(set(hashed)) == len(hashed) and len({h[:2] for h in hashed}) == len(fetched)
     assert not sharded_reader._digests and not sharded_remote._wholes and not sharded_remote._leaving  # let go
     row = {int(i): r for r, i in enumerate(ids)}
     seen = []
