@@ -14,7 +14,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "fastckpt"
 
 FLOORS = [
-    ("base types", {"errors", "info", "progress", "arrays", "words"}),
+    ("base types", {"errors", "info", "progress", "arrays", "words", "threads"}),
     ("native core", {"_native"}),
     ("storage", {"store"}),
     ("formats and state", {"formats", "state"}),

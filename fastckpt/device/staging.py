@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -78,6 +77,7 @@ import numpy as np
 from fastckpt._native.mapped import held_guards
 from fastckpt.device.context import shares_host_memory
 from fastckpt.device.pool import StagingBuffers
+from fastckpt.threads import kept_pool
 from fastckpt.formats.readinto import DIRECT_ALIGN, DIRECT_THREADS, open_direct, read_into, same_file
 
 __all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "lease_staging",
@@ -236,19 +236,9 @@ def staging_chunk(staging, device) -> int:
                      f"chunk size in bytes above 0, got {staging!r}")
 
 
-_executors: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_executors_lock = threading.Lock()
-
-
 def _fillers(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process's ``threads`` fill threads (one pool per count, kept: loads on other threads may be using a pool
-    while another count is asked for, so none is ever shut down; a pool starts its threads as work arrives)."""
-    with _executors_lock:
-        executor = _executors.get(threads)
-        if executor is None:
-            executor = _executors[threads] = concurrent.futures.ThreadPoolExecutor(
-                max_workers=threads, thread_name_prefix="fastckpt-stage-fill")
-        return executor
+    """The process's ``threads`` fill threads (one kept pool per count, :func:`fastckpt.threads.kept_pool`)."""
+    return kept_pool("stage-fill", threads)
 
 
 def _wait_events(events) -> None:

@@ -21,10 +21,43 @@ from __future__ import annotations
 import hashlib
 import os
 
-__all__ = ["HASH_ALGORITHMS", "new_hasher", "hash_buffer", "hash_file", "sha256_file", "blake3_file"]
+__all__ = ["HASH_ALGORITHMS", "new_hasher", "blake3_hasher", "hash_buffer", "hash_file", "sha256_file",
+           "blake3_file"]
 
 # The file hashes a manifest may name, the default first.
 HASH_ALGORITHMS = ("blake3", "sha256")
+
+# BLAKE3 on several threads runs on a thread pool (Rust's rayon) that does not survive fork(): in a child forked after
+# the parent's pool started, a hash on it waits forever (a verified load in a worker forked after a load in the
+# parent hung). Every multi-threaded BLAKE3 hasher is made by blake3_hasher, which knows whether this process is such
+# a child, and hashes on one thread there.
+_pool_started = False
+_pool_lost = False
+
+
+def _forked() -> None:
+    global _pool_lost
+    _pool_lost = _pool_lost or _pool_started
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def blake3_hasher(data=b"", *, threads: int | None = None):
+    """A BLAKE3 hasher fed ``data``, hashing on ``threads`` threads (None: every core, ``blake3.AUTO``), or on one in
+    a child forked after this process's hashing threads started, where they are gone.
+
+    >>> blake3_hasher(b"abc", threads=4).hexdigest()[:16]
+    '6437b3ac38465133'
+    """
+    global _pool_started
+    import blake3
+
+    if _pool_lost or threads == 1:
+        return blake3.blake3(data, max_threads=1)
+    _pool_started = True
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO if threads is None else max(1, int(threads)))
 
 
 def new_hasher(algorithm: str, *, spare_cores: int = 0):
@@ -42,11 +75,7 @@ def new_hasher(algorithm: str, *, spare_cores: int = 0):
     ValueError: unknown hash algorithm 'md5'; choose one of 'blake3', 'sha256'
     """
     if algorithm == "blake3":
-        import blake3
-
-        if spare_cores <= 0:
-            return blake3.blake3(max_threads=blake3.blake3.AUTO)
-        return blake3.blake3(max_threads=max(1, _usable_cores() - spare_cores))
+        return blake3_hasher(threads=None if spare_cores <= 0 else max(1, _usable_cores() - spare_cores))
     if algorithm == "sha256":
         return hashlib.sha256()
     raise ValueError(f"unknown hash algorithm {algorithm!r}; choose one of "
@@ -124,4 +153,4 @@ def blake3_file(path: str | os.PathLike) -> tuple[str, int]:
     if size == 0:
         return blake3.blake3(b"").hexdigest(), 0
     with MappedFile(path) as m, m.guard("it for its BLAKE3"):
-        return blake3.blake3(m.view(0, m.size), max_threads=blake3.blake3.AUTO).hexdigest(), m.size
+        return blake3_hasher(m.view(0, m.size)).hexdigest(), m.size

@@ -32,9 +32,10 @@ import ctypes
 import errno
 import mmap
 import os
-import threading
 
 import numpy as np
+
+from fastckpt.threads import kept_pool
 
 __all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "raise_if_changed", "read_checked", "read_ahead",
            "read_into", "same_file", "unchanged", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN",
@@ -59,19 +60,6 @@ READ_THREADS = 2
 DIRECT_ALIGN = 4096
 DIRECT_PIECE = 8 * 1024 * 1024
 DIRECT_THREADS = 8
-
-_readers: concurrent.futures.ThreadPoolExecutor | None = None
-_readers_lock = threading.Lock()
-
-
-def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The reading threads, made once and kept (a thread start costs about 100 us)."""
-    global _readers
-    with _readers_lock:
-        if _readers is None or _readers._max_workers < threads:  # noqa: SLF001 - a size check only
-            _readers = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastckpt-read")
-        return _readers
-
 
 def _read_piece(fd: int, view: memoryview, offset: int, path: str, buffered: int | None = None) -> None:
     """Read ``len(view)`` bytes at ``offset`` of ``fd`` into ``view``; ``buffered`` is a plain descriptor of the same
@@ -161,7 +149,7 @@ def read_into(fd: int, pairs, path: str, *, threads: int = READ_THREADS, piece: 
         for job in jobs:
             read(*job)
         return len(jobs)
-    futures = [_pool(threads).submit(read, *job) for job in jobs]
+    futures = [kept_pool("read", threads).submit(read, *job) for job in jobs]
     concurrent.futures.wait(futures)  # never return while a thread still writes into a destination
     for future in futures:
         future.result()

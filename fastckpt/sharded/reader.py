@@ -43,6 +43,7 @@ import numpy as np
 
 from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
+from fastckpt.formats.hashing import blake3_hasher
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
@@ -85,9 +86,7 @@ def _digest(mapped, drop: bool) -> str:
     piece's pages once hashed (mapped and not copy-on-write: they stay in the page cache, out of this process's
     resident set; a verified load's peak RSS counted every byte of every file it hashed on top of the rows it
     loaded)."""
-    import blake3
-
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    hasher = blake3_hasher()
     with mapped.guard("it for its BLAKE3"):  # a file truncated under the hash: FormatError, not SIGBUS
         for offset in range(0, mapped.size, _HASH_CHUNK):
             length = min(_HASH_CHUNK, mapped.size - offset)

@@ -60,11 +60,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import blake3
 import numpy as np
 
 from fastckpt.store.commit import (_naming_target, abandon_staging, fsync_file, remove_stale_partials_in,
                                    staging_directory)
+from fastckpt.formats.hashing import blake3_hasher
 from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.progress import part_of_a_save, progress_from
@@ -407,7 +407,7 @@ class Saver:
             # fed the bytes as they are written, a piece of a table (a MiB) or up to 64 MiB at a time: with writer
             # threads to share the cores, hashing on one thread each costs less CPU than dispatching each piece
             # to a thread pool (9-14% of a save's CPU at parallel 4, measured at 1 and 4 ranks)
-            hasher = blake3.blake3(max_threads=1 if self.parallel > 1 else blake3.blake3.AUTO)
+            hasher = blake3_hasher(threads=1 if self.parallel > 1 else None)
             with part_of_a_save():  # the rank logs its own line
                 # The file's data is fsynced here, its name in the staging directory by the commit, which fsyncs
                 # the directory once before renaming it into place: a file saved on its own (fsync=True) also

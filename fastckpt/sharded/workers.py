@@ -23,28 +23,21 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from fastckpt.threads import kept_pool
 
 __all__ = ["MOST", "Lane"]
 
 #: The most threads one kind of task may grow to in a process (tasks beyond wait in its queue).
 MOST = 256
 
-_pools: dict[str, tuple[int, concurrent.futures.ThreadPoolExecutor]] = {}
-_pools_lock = threading.Lock()
-
-
 def _pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
-    """The worker threads of ``kind`` in this process (made on first use, and again in a forked child)."""
-    with _pools_lock:
-        pid, pool = _pools.get(kind, (None, None))
-        if pid != os.getpid() or pool is None:
-            pool = concurrent.futures.ThreadPoolExecutor(MOST, f"fastckpt-{kind}")
-            _pools[kind] = (os.getpid(), pool)
-        return pool
+    """The worker threads of ``kind`` in this process (:func:`fastckpt.threads.kept_pool`: made on first use, and
+    again in a forked child)."""
+    return kept_pool(kind, MOST)
 
 
 class Lane:

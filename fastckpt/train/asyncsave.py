@@ -50,6 +50,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fastckpt.store.commit import overwrite_flag
+from fastckpt.threads import kept_pool
 from fastckpt.train.checkpoint import check_hash, write_snapshot
 from fastckpt.train.format import DEFAULT_HASH
 from fastckpt.train.snapshot import take_snapshot
@@ -112,8 +113,6 @@ def _watch(saver: "AsyncCheckpointer") -> None:
 
 
 _SPLIT_MIN = 8 << 20  # below this a second thread costs more than it saves
-_copier: concurrent.futures.ThreadPoolExecutor | None = None
-_copier_lock = threading.Lock()
 
 
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
@@ -122,16 +121,12 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     The trainer is blocked for as long as the snapshot copies take, and numpy
     releases the GIL while copying, so two cores halve the wait.
     """
-    global _copier
     if src.nbytes < _SPLIT_MIN or not src.flags.c_contiguous or (os.cpu_count() or 1) < 2:
         np.copyto(dst, src)
         return
-    with _copier_lock:
-        if _copier is None:
-            _copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-stage")
     d, s = dst.reshape(-1), src.reshape(-1)
     mid = d.size // 2
-    half = _copier.submit(np.copyto, d[:mid], s[:mid])
+    half = kept_pool("stage", 1).submit(np.copyto, d[:mid], s[:mid])
     try:
         np.copyto(d[mid:], s[mid:])
     finally:
