@@ -8,7 +8,11 @@ uploads them (in parallel, :func:`fastckpt.formats.remote.put_directory`); the e
 after every upload; then rank 0 writes ``index.json``, ``tensorkey.json`` and the descriptions, uploads them,
 and uploads ``manifest.json`` last: the commit. A failure on any rank leaves the prefix without a manifest:
 uncommitted, refused by loaders, replaced by the next save. A load downloads the committed prefix into a
-temporary directory (files and 16 MiB ranges in parallel) and loads from there.
+temporary directory (files and 16 MiB ranges in parallel) and loads from there; with ``verify=False`` only the
+byte ranges this rank reads (:func:`fetch_share`: of a dense tensor the rows it takes, of a table the slice groups
+that meet its slice). Ranks loading one URL as threads of one process fetch each file once between them; in a
+verified load the rank that fetched a file hashes it as soon as it is in place, for all of them, and their local
+copies go when the last of them is done.
 
 Incremental (delta) saves need a local directory: a delta names its base by path.
 
