@@ -55,6 +55,12 @@ class ObjectServer:
         for bucket in buckets:
             os.makedirs(os.path.join(self.root, bucket), exist_ok=True)
         self.requests = 0
+        # Every request for an object, in order: {"method", "key", "query", "signed" ("header": an Authorization
+        # header, as botocore's GetObject sends; "query": a presigned URL; None), "range", "if_match"}.
+        self.log: list[dict] = []
+        # Tests: ``answer(request)`` (a function or a coroutine function) may return a response to send instead of
+        # the object's (None: serve it).
+        self.answer = None
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="fastckpt-objectserver", daemon=True)
@@ -136,6 +142,17 @@ class ObjectServer:
         from aiohttp import web
 
         self.requests += 1
+        query = dict(request.query)
+        self.log.append({"method": request.method, "key": request.match_info["key"], "query": query,
+                         "signed": "header" if "Authorization" in request.headers else
+                         "query" if {"Signature", "X-Amz-Signature"} & set(query) else None,
+                         "range": request.headers.get("Range"), "if_match": request.headers.get("If-Match")})
+        if self.answer is not None:
+            answer = self.answer(request)
+            if asyncio.iscoroutine(answer):
+                answer = await answer
+            if answer is not None:
+                return answer
         if request.method not in ("GET", "HEAD"):
             return web.Response(status=405, text="read-only server")
         p = self._file(request.match_info["bucket"], request.match_info["key"])

@@ -1399,9 +1399,9 @@ def _stream_region(load: _Load, remote, start: int, end: int, lease, at: int, gr
     else:
         # A discrete device: the pieces land in pinned staging buffers (the pool's, as a staged load's) as they
         # arrive, and each full one goes to the device by one non-blocking copy while the next ones fill.
-        landing = _Landing(load, buffer, start, at, done)
+        landing = _Landing(load, [(start, end)], lambda lo, hi: [(buffer, at + lo - start, 0, hi - lo)], done)
         try:
-            landing.stream(remote, end)
+            landing.stream(remote)
         finally:
             landing.close()
         pieces.extend(range(landing.copies))
@@ -1418,22 +1418,31 @@ def _stream_region(load: _Load, remote, start: int, end: int, lease, at: int, gr
 
 
 class _Landing:
-    """The pinned staging buffers that the pieces of one streamed region (:func:`_stream_region`) land in on a
-    device that does not share host memory: ``stream.THREADS + 2`` buffers of ``stream.CHUNK`` bytes, leased from
-    the pool (:meth:`~fastckpt.device.pool.PersistentBufferPool.staging`, the staged path's buffers). Each request's
-    body is written into the buffer its piece was given, part by part as it arrives (one copy, into pinned
-    memory), and once the piece is whole one non-blocking ``enqueue_copy`` (or the simulated link's copy) sends it
-    on; a buffer is given to a new piece after the copy last sent from it has completed. At most ``THREADS``
-    pieces are being received at once, so two buffers or more are always free or on their way to the device: the
-    stream fills some while the device copies others. Memory: the staging buffers, ``(THREADS + 2) x CHUNK``
-    bytes (80 MiB by default), kept by the pool for the next load."""
+    """The pinned staging buffers that the pieces of a stream land in on a device that does not share host memory
+    (:func:`_stream_region`, :func:`_stream_buffers`): ``stream.THREADS + 2`` buffers of ``stream.CHUNK`` bytes,
+    leased from the pool (:meth:`~fastckpt.device.pool.PersistentBufferPool.staging`, the staged path's buffers),
+    or made for the load where there is none (:func:`~fastckpt.device.staging.lease_staging`; then no more and no
+    larger than the pieces need). Each request's body is written into the buffer its piece was given, part by part
+    as it arrives (one copy, into pinned memory), and once the piece is whole it goes on by non-blocking copies
+    (``enqueue_copy``, or the simulated link's: :func:`~fastckpt.device.staging.send_pinned`), one for each
+    destination it covers (``sends(lo, hi)``: ``[(device buffer, offset there, offset in the piece, bytes)]``); a
+    buffer is given to a new piece once the copies last sent from it have completed. At most ``THREADS`` pieces are
+    being received at once, so two buffers or more are always free or on their way to the device: the stream fills
+    some while the device copies others. Memory: the staging buffers, ``(THREADS + 2) x CHUNK`` bytes at most
+    (80 MiB by default), a pool's kept by it for the next load."""
 
-    def __init__(self, load: _Load, buffer, start: int, at: int, done):
+    def __init__(self, load: _Load, spans: list, sends, done):
         from fastckpt.formats import stream
 
-        self.queue, self.buffer, self.start, self.at, self.done = load.queue, buffer, start, at, done
+        self.queue, self.sends, self.done = load.queue, sends, done
         self.chunk = stream.CHUNK
-        self.stage = lease_staging(load.queue, load.pool, self.chunk, stream.THREADS + 2)
+        self.pieces = [(lo, min(end, lo + self.chunk)) for start, end in spans for lo in range(start, end, self.chunk)]
+        self.starts = [lo for lo, _hi in self.pieces]
+        count, chunk = stream.THREADS + 2, self.chunk
+        if load.pool is None:  # buffers made for this load alone: only what its pieces can use
+            count = max(1, min(count, len(self.pieces)))
+            chunk = max(1, max((hi - lo for lo, hi in self.pieces), default=1))
+        self.stage = lease_staging(load.queue, load.pool, chunk, count)
         self.stage_kept = self.stage  # what a non-blocking load's region keeps alive
         self.free = list(range(self.stage.count))
         self.slot_of: dict = {}  # piece start -> staging buffer being filled
@@ -1442,9 +1451,8 @@ class _Landing:
         self.events: list = []
         self.copies = 0
 
-    def stream(self, remote, end: int) -> None:
-        spans = [(lo, min(end, lo + self.chunk)) for lo in range(self.start, end, self.chunk)]  # one piece each
-        remote.stream(spans, self.write, chunk=self.chunk, done=self.send, parts=True)
+    def stream(self, remote) -> None:
+        remote.stream(self.pieces, self.write, chunk=self.chunk, done=self.send, parts=True)  # one piece a span
 
     def _slot(self, piece: int) -> int:
         with self.lock:
@@ -1454,24 +1462,26 @@ class _Landing:
             slot = self.slot_of[piece] = self.free.pop(0)  # never empty: see the class docstring
             pending, self.stage.pending[slot] = self.stage.pending[slot], None
         if pending:
-            _wait_all(pending)  # the copy last sent from it (this load's, or a previous one's from the pool)
+            _wait_all(pending)  # the copies last sent from it (this load's, or a previous one's from the pool)
         return slot
 
     def write(self, offset: int, data) -> None:
-        piece = self.start + (offset - self.start) // self.chunk * self.chunk
+        piece = self.starts[bisect.bisect_right(self.starts, offset) - 1]
         host = self.stage.hosts[self._slot(piece)]
         host[offset - piece:offset - piece + len(data)] = np.frombuffer(data, np.uint8)
 
     def send(self, lo: int, hi: int) -> None:
         with self.lock:
             slot = self.slot_of.pop(lo)
-        # SAFETY: no piece is written into this buffer before the copy's event has completed (_slot).
-        event = send_pinned(self.queue, self.buffer, self.stage.hosts[slot][:hi - lo], self.at + lo - self.start)
+        host = self.stage.hosts[slot]
+        # SAFETY: no piece is written into this buffer before these copies' events have completed (_slot).
+        events = [send_pinned(self.queue, buffer, host[first:first + n], at) for buffer, at, first, n in
+                  self.sends(lo, hi)]
         with self.lock:
-            self.stage.pending[slot] = [event]
-            self.events.append(event)
-            self.load_events.append(event)
-            self.copies += 1
+            self.stage.pending[slot] = events
+            self.events += events
+            self.load_events += events
+            self.copies += len(events)
             self.free.append(slot)
         self.done(lo, hi - lo)
 
@@ -1485,7 +1495,9 @@ class _Landing:
 def _stream_buffers(load: _Load, direct: list, remote) -> None:
     """:func:`_load_buffers` for a URL: a buffer of exactly each tensor's size, all filled by one stream of parallel
     ranged reads over the tensors' merged byte ranges (a piece may end one tensor and start the next:
-    :class:`~fastckpt.formats.stream.Scatter` puts each byte in its buffer)."""
+    :class:`~fastckpt.formats.stream.Scatter` puts each byte in its buffer). On a device that shares host memory each
+    piece is copied into the buffers it covers as it arrives; on a discrete device it lands in pinned staging
+    buffers and goes on by non-blocking copies (:class:`_Landing`), as a pooled load's pieces do."""
     import pyopencl as cl
 
     from fastckpt.formats.stream import Scatter
@@ -1495,6 +1507,7 @@ def _stream_buffers(load: _Load, direct: list, remote) -> None:
     done = _Done(load, direct)
     targets = []
     copies: list = []
+    made = []
 
     def into(buffer, base: int):
         def write(at: int, data) -> None:
@@ -1508,13 +1521,41 @@ def _stream_buffers(load: _Load, direct: list, remote) -> None:
         report.bytes_allocated += info.nbytes
         if load.first_buffer is None:
             load.first_buffer = buffer
-        load.tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
+        t = load.tensors[info.name] = Tensor._make(buffer, info.shape, info.dtype, 0, queue, None)
         load.paths[info.name] = "buffer"
         if info.nbytes:
             targets.append((info.offset, info.nbytes, into(buffer, info.offset)))
+            made.append((info.offset, info.nbytes, buffer, t))
     scatter = Scatter(targets)
-    remote.stream(scatter.spans(), scatter)
-    report.copies += len(copies)
+    if shares_host_memory(queue.device):
+        remote.stream(scatter.spans(), scatter)
+        report.copies += len(copies)
+    else:
+        made.sort(key=lambda m: m[0])
+        starts = [m[0] for m in made]
+
+        def sends(lo: int, hi: int) -> list:
+            out = []
+            i = max(0, bisect.bisect_right(starts, lo) - 1)
+            while i < len(made) and made[i][0] < hi:
+                start, nbytes, buffer, _t = made[i]
+                first, last = max(lo, start), min(hi, start + nbytes)
+                if first < last:
+                    out.append((buffer, first - start, first - lo, last - first))
+                i += 1
+            return out
+
+        landing = _Landing(load, scatter.spans(), sends, done)
+        try:
+            landing.stream(remote)
+        finally:
+            landing.close()
+        report.copies += landing.copies
+        if not load.blocking and landing.events:
+            event = cl.enqueue_marker(queue, wait_for=landing.events)
+            for _start, _n, _buffer, t in made:
+                # SAFETY: the tensor keeps the staging buffers until its copies are waited for.
+                t._event, t._keepalive = event, landing.stage_kept
     report.bytes_copied += sum(i.nbytes for i in direct)
     load.t_alloc = time.perf_counter()
 

@@ -17,8 +17,9 @@ Every byte read from a URL comes through :mod:`fastckpt.formats.stream` (paralle
 delivered straight to its destination; at most ``THREADS x CHUNK`` bytes held; conditional on the object's ETag).
 :func:`open` (``fastckpt.open(url)``) reads a tensor file's index with ranged reads (safetensors: bytes ``0..8``
 and the header; NPZ: the ZIP end records, the central directory and each member's local and ``.npy``
-headers), then fetches only the payloads of the tensors asked for (``names=``) into anonymous memory of the
-object's size (a ``memfd``: no file on any filesystem; only what is fetched takes space), which is then mapped:
+headers), then fetches only the payloads of the tensors asked for (``names=``; on ``s3://`` and ``http(s)://``
+while the caller already reads the first ones) into anonymous memory of the object's size (a ``memfd``: no file
+on any filesystem; only what is fetched takes space), which is then mapped:
 the reader is the same :class:`~fastckpt.formats.reader.TensorFile` as for a local file, its views zero-copy in
 that memory. :func:`open_streamed` reads the index only: the device loads (``load_file(url, ...)``,
 ``load_model(url)``) stream the payloads into the pooled arena or the tensors' buffers. A prefix holding a
@@ -35,6 +36,7 @@ zero-copy path of :func:`fastckpt.open`.
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import contextlib
 import functools
@@ -42,6 +44,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from typing import Iterable, Iterator
 
 from fastckpt._native.safetensors import MAX_HEADER_SIZE
@@ -206,11 +209,12 @@ class _Local:
             self._unlink = self.path
         os.ftruncate(self.fd, obj.size)
 
-    def fill(self, spans: list[tuple[int, int]]) -> None:
+    def fill(self, spans: list[tuple[int, int]], done=None) -> None:
         """Fetch the parts of ``spans`` not fetched yet, in parallel ranged reads written at their offsets (each
-        part of a body by one ``pwrite``: one copy, into the pages the reader maps, with no page faults)."""
+        part of a body by one ``pwrite``: one copy, into the pages the reader maps, with no page faults);
+        ``done(start, end)`` once each span is in (:meth:`RemoteObject.stream`)."""
         spans = _missing(spans, self.have)
-        self.obj.stream(spans, functools.partial(_pwrite_at, self.fd), parts=True)
+        self.obj.stream(spans, functools.partial(_pwrite_at, self.fd), parts=True, done=done)
         self.have += spans
 
     def read(self, start: int, end: int) -> bytes:
@@ -231,6 +235,87 @@ class _Local:
         os.close(self.fd)
         if self._unlink:
             os.unlink(self._unlink)
+
+
+class _Stopped(Exception):
+    """The reader was closed while its payloads were being fetched."""
+
+
+class _Filling:
+    """The payloads of a reader :func:`open` handed out at once, fetched into its :class:`_Local` on a thread of its
+    own: pieces of ``stream.CHUNK`` bytes of ``spans``, each marked as arrived once all of it is in place, so that a
+    copy of a tensor waits for that tensor's pieces only (:meth:`wait`), while the rest arrive. The first error of
+    the fetch (an object changed or cut short, a failed request) is raised by every wait from then on; :meth:`stop`
+    ends the fetch (at the next part of a body) and waits for the thread. The thread closes the local copy's
+    descriptor when it ends; the reader's mapping keeps the bytes."""
+
+    def __init__(self, local: _Local, spans: list[tuple[int, int]]):
+        from fastckpt.formats import stream as _stream
+
+        chunk = _stream.CHUNK
+        self.local = local
+        self.pieces = [(lo, min(end, lo + chunk)) for start, end in spans for lo in range(start, end, chunk)]
+        self.starts = [lo for lo, _hi in self.pieces]
+        self.arrived = [False] * len(self.pieces)
+        self.error: BaseException | None = None
+        self.finished = self.stopped = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="fastckpt-open-fill", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            obj, fd = self.local.obj, self.local.fd
+
+            def write(position: int, data) -> None:
+                if self.stopped:
+                    raise _Stopped()
+                _pwrite_all(fd, data, position)
+
+            obj.stream(self.pieces, write, parts=True, done=self._arrive)  # one piece a span
+            self.local.have += self.pieces
+            obj.check()
+        except BaseException as e:  # kept for the waits: the reader's next copy raises it
+            with self.cond:
+                self.error = _Stopped() if self.stopped else e  # closed: what stopped it is no error of the object
+        finally:
+            self.local.close()
+            with self.cond:
+                self.finished = True
+                self.cond.notify_all()
+
+    def _arrive(self, start: int, _end: int) -> None:
+        with self.cond:
+            self.arrived[bisect.bisect_left(self.starts, start)] = True
+            self.cond.notify_all()
+
+    def wait(self, ranges: Iterable[tuple[int, int]] | None = None) -> None:
+        """Return once every byte of ``ranges`` (None: every piece) has arrived; raise the fetch's error once there
+        is one."""
+        if ranges is None:
+            wanted = range(len(self.pieces))
+        else:
+            wanted = []
+            for start, end in ranges:
+                i = max(0, bisect.bisect_right(self.starts, start) - 1)
+                while i < len(self.pieces) and self.starts[i] < end:
+                    if self.pieces[i][1] > start:
+                        wanted.append(i)
+                    i += 1
+        with self.cond:
+            while True:
+                if self.error is not None and not isinstance(self.error, _Stopped):
+                    raise self.error
+                if self.finished and self.error is None or all(self.arrived[i] for i in wanted):
+                    return
+                if self.finished:  # stopped: the reader is closed
+                    raise ValueError("the reader is closed: its tensors were not all fetched")
+                self.cond.wait()
+
+    def stop(self) -> None:
+        """End the fetch (a reader closed before its tensors all arrived) and wait for its thread."""
+        self.stopped = True
+        self.thread.join()
 
 
 def _index(obj: RemoteObject, max_header_size: int | None) -> tuple[_Local, TensorFile]:
@@ -282,8 +367,15 @@ def open(url: str, *, storage_options: dict | None = None, names: Iterable[str] 
     the reader's host arrays are views of the bytes as they arrived; at most ``THREADS x CHUNK`` bytes are held
     besides. The reader holds those tensors only (``keys()`` are ``names``, in file order). A name the file does
     not hold is a :class:`~fastckpt.errors.TensorNotFoundError`; an object replaced or truncated while it is read
-    is an error naming it and the offset, never a mix. ``backend``, ``copy_on_write`` and ``max_header_size``
-    apply as :func:`fastckpt.open` applies them to a file. A prefix holding ``model.safetensors`` or
+    is an error naming it and the offset, never a mix.
+
+    Where every piece is conditional on the object's ETag (``s3://``, ``http(s)://``:
+    :attr:`RemoteObject.conditional`), the reader is returned once the index is read, and the payloads arrive on a
+    thread of their own (:class:`_Filling`): :meth:`RemoteTensorFile.host` and ``hosts`` wait for their tensors'
+    pieces only, so the caller's copies overlap the download; what reads the mapping itself waits for every byte.
+    The fetch's error is raised by the next read of a tensor. Other stores, and ``copy_on_write=True`` (a written
+    page would keep the zeros of a tensor yet to arrive), get every byte, checked, before this returns.
+    ``backend``, ``copy_on_write`` and ``max_header_size`` apply as :func:`fastckpt.open` applies them to a file. A prefix holding ``model.safetensors`` or
     ``model.safetensors.index.json`` opens as a :class:`RemoteHFSharded` (every shard's tensors fetched).
 
     >>> import fastckpt, numpy as np
@@ -300,12 +392,19 @@ def open(url: str, *, storage_options: dict | None = None, names: Iterable[str] 
     try:
         with index:
             wanted = _select(index, url, names)
-        local.fill(merged((i.offset, i.offset + i.nbytes) for i in wanted))
+        spans = merged((i.offset, i.offset + i.nbytes) for i in wanted)
+        if obj.conditional and backend == "mmap" and not copy_on_write:
+            # Every piece is of this very object: the reader is handed out now and its tensors as they arrive.
+            whole = local.map(backend=backend, max_header_size=max_header_size)
+            filling, local = _Filling(local, spans), None  # the filling closes it
+            return RemoteTensorFile(whole, url, [i.name for i in wanted], filling)
+        local.fill(spans)
         obj.check()  # a store without conditional reads: the ranges came from several requests, one object?
         # Mapped once every byte it serves is in place.
         whole = local.map(backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
     finally:
-        local.close()  # the mapping keeps the bytes until the reader is closed and its views are gone
+        if local is not None:
+            local.close()  # the mapping keeps the bytes until the reader is closed and its views are gone
     return RemoteTensorFile(whole, url, [i.name for i in wanted])
 
 
@@ -443,11 +542,60 @@ class RemoteTensorFile(TensorFile):
     <Closed fastckpt.RemoteTensorFile>
     """
 
-    def __init__(self, whole: TensorFile, url: str, names: list[str]):
+    def __init__(self, whole: TensorFile, url: str, names: list[str], filling: _Filling | None = None):
+        self._filling = filling  # the payloads still arriving (None: all in place)
         chosen = set(names)
         super().__init__(whole.mapped, whole.format, [i for i in whole.infos.values() if i.name in chosen],
                          whole.metadata)
         self.url = url
+        self._size = 0  # all in memory: nothing for the kernel to read ahead
+
+    @property
+    def mapped(self):
+        """The mapping of the fetched bytes, once every tensor's bytes are in place (a caller of the mapping itself
+        waits for all of them; :meth:`host` and :meth:`hosts` wait for their tensors' only)."""
+        filling = self._filling  # close() may drop it meanwhile
+        if filling is not None:
+            filling.wait()
+        return self._mapped
+
+    @mapped.setter
+    def mapped(self, value) -> None:
+        self._mapped = value
+
+    def _arrived(self, names) -> None:
+        filling = self._filling  # close() may drop it meanwhile
+        if filling is not None:
+            infos = [self.infos.get(n) for n in names]
+            filling.wait([(i.offset, i.offset + i.nbytes) for i in infos if i is not None and i.nbytes])
+
+    def host(self, name: str):
+        """The tensor, as :meth:`~fastckpt.formats.reader.TensorFile.host`, once its bytes have arrived (its
+        copy goes on while the next tensors arrive); an error of the fetch (the object changed or was cut short
+        meanwhile) is raised here."""
+        self._arrived((name,))
+        return super().host(name)
+
+    def hosts(self, names: Iterable[str] | None = None) -> dict:
+        """``{name: host(name)}``, as :meth:`~fastckpt.formats.reader.TensorFile.hosts`, once their bytes have
+        arrived."""
+        if isinstance(names, str):
+            raise TypeError(f"names must be a list of tensor names, got the string {names!r}; use names=[{names!r}]")
+        names = None if names is None else list(names)
+        self._arrived(self.infos if names is None else names)
+        return super().hosts(names)
+
+    def close(self) -> None:
+        """Stop fetching what has not arrived (idempotent); views already made stay valid."""
+        filling, self._filling = self._filling, None
+        if filling is not None:
+            filling.stop()
+        self._mapped.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return self._mapped.closed
 
     @property
     def path(self) -> str:
