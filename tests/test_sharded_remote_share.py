@@ -201,3 +201,175 @@ def test_a_hostile_json_file_of_a_share_is_a_format_error_naming_it(tmp_path):
             sharded_remote.fetch_share(Loader(url, shard_index=0, shard_num=2, verify=False), str(local))
         assert f"{url}/{name}" in str(err.value)
         fs.pipe_file(f"{path}/{name}", before)
+
+
+@pytest.mark.parametrize("n,m", [(1, 4), (2, 3), (4, 3)])
+def test_a_rank_taking_dense_rows_fetches_those_rows_only(n, m, monkeypatch):
+    # dense="rows": a rank of M takes rows_of(j, M) of each dense tensor; the Loader reads only those rows of the
+    # parts that hold them, and the fetch asked for every such part whole (1 -> 4: each rank fetched the whole
+    # tensor). Now the bytes fetched of a dense part are its rows the rank takes, and the load is exact.
+    import json
+
+    from fastckpt.sharded.format import DESCRIPTION_FILE, rows_of
+
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    rng = np.random.default_rng(11)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    big = rng.standard_normal((4001, 64))  # rows of 512 bytes, not a multiple of any rank count
+
+    def save(engine):
+        mine = np.flatnonzero(slice_positions(ids, SLICE_SIZE) * n // SLICE_SIZE == engine.rank)
+        table = HashTable(DIM, slots=("m",))
+        table.insert(ids[mine], values[mine], {"m": -values[mine]})
+        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={"big": big}, engine=engine).save()
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(save, ThreadEngine.group(n)))
+    fs, path = remote.filesystem(url)
+    parts = {}  # file -> (begin, end, first row) of each part of "big"
+    descriptions = json.loads(fs.cat_file(f"{path}/{DESCRIPTION_FILE}"))
+    for name in fs.ls(path, detail=False):
+        if name.endswith(".safetensors"):
+            head = fs.cat_file(name, start=0, end=8)
+            length = int.from_bytes(head, "little")
+            header = json.loads(fs.cat_file(name, start=8, end=8 + length))
+            for key, entry in header.items():
+                if key != "__metadata__" and descriptions[key].get("tensor") == "big":
+                    begin, end = entry["data_offsets"]
+                    parts.setdefault(name.rsplit("/", 1)[1], []).append(
+                        (8 + length + begin, 8 + length + end, descriptions[key]["row_start"], entry["shape"][0]))
+    assert sum(p[3] for ps in parts.values() for p in ps) == 4001
+    fetched: list = []
+    real = remote._fetch_into
+    monkeypatch.setattr(remote, "_fetch_into", lambda fs, url, plan: (fetched.extend(plan), real(fs, url, plan)))
+    row = {int(i): r for r, i in enumerate(ids)}
+    seen = []
+    for j in range(m):
+        fetched.clear()
+        tables, tensors = Loader(url, shard_index=j, shard_num=m, dense="rows", verify=False).load()
+        lo, hi = rows_of(j, m, 4001)
+        assert np.array_equal(tensors["big"], big[lo:hi])
+        got = tables["emb"].ids()
+        assert np.array_equal(tables["emb"].lookup_slot("m", got), -values[[row[int(i)] for i in got]])
+        seen.append(got)
+        for name, ps in parts.items():
+            spans = [s for remote_path, _, ranges in fetched if remote_path.endswith("/" + name) for s in ranges]
+            for begin, end, first, rows in ps:
+                want = (max(lo, first), min(hi, first + rows))
+                head = sharded_remote._HEAD  # every file's first bytes are fetched for its header
+                have = sum(max(0, min(e, end) - max(s, begin, head)) for s, e in spans)
+                if want[0] >= want[1]:
+                    assert have <= max(0, head - begin), (j, name, have)
+                    continue
+                a, b = begin + (want[0] - first) * 512, begin + (want[1] - first) * 512
+                assert any(s <= a and b <= e for s, e in spans), (j, name, spans, (a, b))  # its rows, fetched
+                assert have == b - max(a, head), (j, name, have, b - a)  # and nothing else of the part
+    assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
+
+
+def test_a_file_hashed_ahead_serves_the_readers_that_open_it_while_held(tmp_path, monkeypatch):
+    from fastckpt.sharded import reader as sharded_reader
+
+    path = tmp_path / "c"
+    Saver(path=str(path), parallel=1, tensors={"w": np.arange(8.0)}).save()
+    name = "model-00000-000.safetensors"
+    hashed: list = []
+    real = sharded_reader._digest
+    monkeypatch.setattr(sharded_reader, "_digest", lambda mapped, drop: hashed.append(1) or real(mapped, drop))
+    releases = sharded_reader.hash_ahead(str(path / name), holders=2)
+    assert len(hashed) == 1 and len(releases) == 2
+    for _ in range(2):
+        with sharded_reader.CheckpointReader(str(path)) as r:
+            assert r.file_problem(name) is None  # the hash made ahead, not made again
+    assert len(hashed) == 1
+    releases[0]()
+    with sharded_reader.CheckpointReader(str(path)) as r:
+        assert r.file_problem(name) is None
+    assert len(hashed) == 1  # one holder left
+    releases[1]()
+    assert not sharded_reader._digests  # let go: a later reader hashes the file again
+    with sharded_reader.CheckpointReader(str(path)) as r:
+        assert r.file_problem(name) is None
+    assert len(hashed) == 2
+    # a file changed after it was hashed ahead is hashed again by its reader, and found changed
+    [release] = sharded_reader.hash_ahead(str(path / name))
+    data = bytearray((path / name).read_bytes())
+    data[-1] ^= 1
+    (path / name).write_bytes(bytes(data))
+    with sharded_reader.CheckpointReader(str(path)) as r:
+        assert r.file_problem(name) is not None and name in r.file_problem(name)
+    release()
+
+
+@pytest.mark.parametrize("n,m", [(4, 3), (4, 2), (2, 3), (1, 4)])
+def test_verified_ranks_from_a_url_hash_each_file_once_as_its_fetching_rank_has_it(n, m, monkeypatch):
+    # A verified N -> M load from a URL: every file a rank reads is fetched whole once between the ranks (threads)
+    # and hashed by the rank that fetched it, as soon as it is in place, for every rank's reader (they hashed it
+    # in their loads, whichever reader came first, one file after another: 4 -> 3 had two ranks hash 15 of 16
+    # files). Each file once, every hold let go, and every pair exact.
+    import time
+
+    from fastckpt.sharded import reader as sharded_reader
+
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    rng = np.random.default_rng(7)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+
+    def save(engine):
+        mine = np.flatnonzero(slice_positions(ids, SLICE_SIZE) * n // SLICE_SIZE == engine.rank)
+        table = HashTable(DIM, slots=("m",))
+        table.insert(ids[mine], values[mine], {"m": -values[mine]})
+        # no dense tensor: each file is read by the ranks whose slices meet its rank's (_readers), every one
+        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={}, engine=engine).save()
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(save, ThreadEngine.group(n)))
+    fetched: list = []
+    real_fetch = sharded_remote._Share.fetch
+
+    def fetch(self, spans):
+        whole = [k for k, ranges in spans.items() if ranges == [(0, self.sizes[k])] and k.endswith(".safetensors")]
+        fetched.extend(whole)
+        deadline = time.monotonic() + 20  # a whole-file fetch waits until every load that reads it holds it
+        while whole and time.monotonic() < deadline and any(
+                sharded_remote._wholes.holders((self.url, self.manifest_hash, k)) < _readers(k, n, m) for k in whole):
+            time.sleep(0.005)
+        return real_fetch(self, spans)
+
+    monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
+    ahead: list = []
+    real_ahead = sharded_reader.hash_ahead
+    monkeypatch.setattr(sharded_reader, "hash_ahead",
+                        lambda path, *a: ahead.append(os.path.basename(path)) or real_ahead(path, *a))
+    hashed: list = []
+    real_digest = sharded_reader._digest
+    monkeypatch.setattr(sharded_reader, "_digest",
+                        lambda mapped, drop: hashed.append(mapped.identity) or real_digest(mapped, drop))
+    with ThreadPoolExecutor(m) as pool:
+        loaded = list(pool.map(lambda j: Loader(url, shard_index=j, shard_num=m).load(), range(m)))
+    assert fetched and sorted(fetched) == sorted(set(fetched))  # each file fetched whole once
+    assert sorted(ahead) == sorted(fetched)  # hashed ahead by the load that fetched it
+    # and by no reader again (every rank that reads a file joined before it was fetched: the wait above)
+    assert len(hashed) == len(fetched) and len({h[:2] for h in hashed}) == len(fetched)
+    assert not sharded_reader._digests and not sharded_remote._wholes and not sharded_remote._leaving  # let go
+    row = {int(i): r for r, i in enumerate(ids)}
+    seen = []
+    for j, (tables, _) in enumerate(loaded):
+        got = tables["emb"].ids()
+        begin, end = slice_of(j, m)
+        assert ((slice_positions(got, SLICE_SIZE) >= begin) & (slice_positions(got, SLICE_SIZE) < end)).all()
+        rows = [row[int(i)] for i in got]
+        assert np.array_equal(tables["emb"].lookup(got), values[rows])
+        assert np.array_equal(tables["emb"].lookup_slot("m", got), -values[rows])
+        seen.append(got)
+    assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
+
+
+def _readers(name: str, n: int, m: int) -> int:
+    """How many of M ranks read tensor file ``name`` of a checkpoint saved by N ranks by the slice rule (its
+    rank's slice, ``model-RRRRR-WWW``, meets theirs)."""
+    rank = int(name.split("-")[1])
+    begin, end = slice_of(rank, n)
+    return sum(1 for j in range(m) if max(begin, slice_of(j, m)[0]) < min(end, slice_of(j, m)[1]))

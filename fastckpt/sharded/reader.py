@@ -52,7 +52,7 @@ from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_
 from fastckpt.sharded.format import MANIFEST_FILE as FORMAT_MANIFEST
 from fastckpt.store.snapshot import Snapshot
 
-__all__ = ["CheckpointReader", "CheckpointChangedError", "register_layout"]
+__all__ = ["CheckpointReader", "CheckpointChangedError", "hash_ahead", "register_layout"]
 
 _LAYOUTS: list[tuple[Callable[[str | os.PathLike], bool], type]] = []
 
@@ -79,6 +79,74 @@ _HASH_CHUNK = 64 << 20  # files are hashed in pieces of this size: no copy of a 
 # every file's ids, and hash each file once between them (a rank that asks while another hashes it waits for that
 # result). The key goes when the last reader holding the file closes, so a later open hashes the file again.
 _digests = Flights()
+
+
+def _digest(mapped, drop: bool) -> str:
+    """The BLAKE3 of open file ``mapped``, on every core, in pieces of ``_HASH_CHUNK``; ``drop``: let go of each
+    piece's pages once hashed (mapped and not copy-on-write: they stay in the page cache, out of this process's
+    resident set; a verified load's peak RSS counted every byte of every file it hashed on top of the rows it
+    loaded)."""
+    hasher = blake3_hasher()
+    with mapped.guard("it for its BLAKE3"):  # a file truncated under the hash: FormatError, not SIGBUS
+        for offset in range(0, mapped.size, _HASH_CHUNK):
+            length = min(_HASH_CHUNK, mapped.size - offset)
+            hasher.update(mapped.view(offset, length))
+            if drop:
+                mapped.advise("dontneed", offset, length)
+    return hasher.hexdigest()
+
+
+def hash_ahead(path: str, submit: Callable | None = None, holders: int = 1) -> list[Callable[[], None]]:
+    """Hash tensor file ``path`` for the readers of this process that open it before the returned function is
+    called, or the last of ``holders`` such functions (each reader's :meth:`CheckpointReader.file_problem` takes
+    the result instead of hashing it again; one
+    asking while it runs waits for it); ``submit(fn)`` runs the hashing elsewhere (a worker's ``submit``, which
+    returns a Future), by default here and now. The file is held from this call on, so a reader that comes
+    before the worker does hashes it for both. Keyed by the file's identity as opened here: a file changed,
+    replaced or linked since (a link changes its ctime) is hashed again by its reader; a failure here is left to
+    the readers, which hash it themselves (one already waiting gets the error). The returned function waits for
+    the hashing and lets go. A load fetching files whole from a URL (:mod:`fastckpt.sharded.remote`) hashes each
+    one as soon as it is in place, beside the other ranks' fetches.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+    >>> [release] = hash_ahead(os.path.join(out, "model-00000-000.safetensors"))
+    >>> CheckpointReader(out).file_problem("model-00000-000.safetensors") is None
+    True
+    >>> release()
+    """
+    from fastckpt._native.mapped import MappedFile
+
+    mapped = MappedFile(path)
+    identity = mapped.identity
+    _digests.hold(identity, holders)
+
+    def work() -> None:
+        try:
+            _digests.once(identity, lambda: _digest(mapped, True))
+        except Exception:  # noqa: BLE001, S110 - the readers hash it themselves and report what is wrong
+            pass
+        finally:
+            mapped.close()
+
+    future = None
+    try:
+        if submit is None:
+            work()
+        else:
+            future = submit(work)
+    except BaseException:
+        _digests.release(identity, holders)
+        mapped.close()
+        raise
+
+    def release() -> None:
+        if future is not None:
+            future.result()
+        _digests.release(identity)
+
+    return [release] * holders
 
 
 def _release(identities: list[tuple]) -> None:
@@ -448,21 +516,8 @@ class CheckpointReader(MultiFileReader):
         f = self.files[name]
         entry = self.manifest["files"][name]
 
-        def digest_of_file() -> str:
-            hasher = blake3_hasher()
-            with f.mapped.guard("it for its BLAKE3"):  # a file truncated under the hash: FormatError, not SIGBUS
-                # Mapped (and not copy-on-write: no page of its own to lose), each piece is let go of once hashed:
-                # its pages stay in the page cache, out of this process's resident set (a verified load's peak
-                # RSS counted every byte of every file it hashed on top of the rows it loaded).
-                drop = self._options["backend"] == "mmap" and not self._options["copy_on_write"]
-                for offset in range(0, f.mapped.size, _HASH_CHUNK):
-                    length = min(_HASH_CHUNK, f.mapped.size - offset)
-                    hasher.update(f.mapped.view(offset, length))
-                    if drop:
-                        f.mapped.advise("dontneed", offset, length)
-            return hasher.hexdigest()
-
-        digest = _digests.once(f.mapped.identity, digest_of_file)
+        drop = self._options["backend"] == "mmap" and not self._options["copy_on_write"]
+        digest = _digests.once(f.mapped.identity, lambda: _digest(f.mapped, drop))
         if digest == entry["blake3"]:
             return None
         keys = sorted(f.infos)

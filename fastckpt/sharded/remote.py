@@ -8,7 +8,11 @@ uploads them (in parallel, :func:`fastckpt.formats.remote.put_directory`); the e
 after every upload; then rank 0 writes ``index.json``, ``tensorkey.json`` and the descriptions, uploads them,
 and uploads ``manifest.json`` last: the commit. A failure on any rank leaves the prefix without a manifest:
 uncommitted, refused by loaders, replaced by the next save. A load downloads the committed prefix into a
-temporary directory (files and 16 MiB ranges in parallel) and loads from there.
+temporary directory (files and 16 MiB ranges in parallel) and loads from there; with ``verify=False`` only the
+byte ranges this rank reads (:func:`fetch_share`: of a dense tensor the rows it takes, of a table the slice groups
+that meet its slice). Ranks loading one URL as threads of one process fetch each file once between them; in a
+verified load the rank that fetched a file hashes it as soon as it is in place, for all of them, and their local
+copies go when the last of them is done.
 
 Incremental (delta) saves need a local directory: a delta names its base by path.
 
@@ -28,6 +32,7 @@ import contextlib
 import errno
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from fastckpt._native.safetensors import MAX_HEADER_SIZE
@@ -103,9 +108,12 @@ def load(loader):
     """
     url = loader.checkpoint_path
     tmp = tempfile.mkdtemp(prefix="fastckpt-share-")
+    ahead: list = []  # the files this load fetched whole, being hashed for every rank's reader (fetch_share)
+    with _leaving_lock:
+        _leaving.setdefault(url, [0, []])[0] += 1
     try:
         with remote.naming_url(tmp, url):
-            share = fetch_share(loader, tmp)
+            share = fetch_share(loader, tmp, ahead)
             if not share:  # verified, a delta, an encoded table; or nothing committed, which local_copy reports
                 shutil.rmtree(tmp, ignore_errors=True)
                 with remote.local_copy(url, MANIFEST_FILE, loader.storage_options) as local:
@@ -114,7 +122,24 @@ def load(loader):
                 return _load_recis(loader, tmp, url)
             return _load_from(loader, tmp)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for release in ahead:  # this load is done: its readers, and those of the ranks it fetched for, hold their own
+            release()
+        # Its local copy goes once no load of this URL runs in this process: removing a link to a file fetched
+        # once between the loads changes the file's ctime, part of the identity its hash is shared by, and a load
+        # that opened it after that hashed it again.
+        with _leaving_lock:
+            entry = _leaving[url]
+            entry[0] -= 1
+            entry[1].append(tmp)
+            gone = _leaving.pop(url)[1] if entry[0] == 0 else []
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# The local copies of the loads of a URL running now in this process, removed when the last of them is done
+# (:func:`load`): {URL: [loads running, local copies left]}.
+_leaving: dict[str, list] = {}
+_leaving_lock = threading.Lock()
 
 
 def _load_recis(loader, local: str, url: str):
@@ -157,13 +182,20 @@ _heads = Flights()
 _wholes = Flights()
 
 
+def _nothing() -> None:
+    pass
+
+
 class _Share:
     """The local sparse copy of a checkpoint prefix that :func:`fetch_share` fills, and what it fetched."""
 
-    def __init__(self, fs, url: str, path: str, local: str, sizes: dict[str, int]):
+    def __init__(self, fs, url: str, path: str, local: str, sizes: dict[str, int], ahead: list | None = None):
         import os
 
         self.fs, self.url, self.path, self.local, self.sizes = fs, url, path, local, sizes
+        # where given: the files fetched whole are hashed as soon as they are in place (_hash_ahead), and the
+        # functions that let go of those hashes are put here
+        self.ahead, self._hashing = (ahead if ahead is not None else []), ahead is not None
         self.bytes, self.requests = 0, 0
         self.manifest_hash = ""  # the BLAKE3 of the manifest's bytes: what the metadata fetched belongs to
         for name, size in sizes.items():
@@ -277,20 +309,48 @@ class _Share:
                     with contextlib.suppress(OSError):  # that load links or fetches for itself
                         link_over(source, target)
                         linked.add(target)
-                future.set_result((source, linked))
+                # hashed now (after the links: each changes the file's ctime), held for this load and each linked
+                releases = self._hash_ahead(source, 1 + len(linked))
+                future.set_result((source, linked, dict(zip(sorted(linked), releases[1:]))))
+                self.ahead.extend(releases[:1])
             again = []
             for name, _, future in others:
                 target = os.path.join(self.local, name)
                 try:
-                    source, linked = future.result()
-                    if target not in linked:
-                        link_over(source, target)
+                    source, linked, releases = future.result()
+                    if target in linked:  # its hash is held for this load until it is done
+                        self.ahead.append(releases.get(target, _nothing))
+                    else:  # came after the links were made: the file's ctime changes here, so the hash made
+                        link_over(source, target)  # before does not serve the readers to come
+                        self.ahead.extend(self._hash_ahead(target))
                 except Exception:  # noqa: BLE001 - failed there, or cannot be linked: fetched here
                     again.append(name)
             self.fetch({name: [(0, self.sizes[name])] for name in again})
+            for name in again:
+                self.ahead.extend(self._hash_ahead(os.path.join(self.local, name)))
         finally:
             for name, flight, _ in [*own, *others]:
                 _wholes.leave((*base, name), flight)
+
+    def _hash_ahead(self, path: str, holders: int = 1) -> list:
+        """Hash file ``path`` (fetched whole, its links made) on a worker thread now, beside the fetches still
+        running, for every reader that opens it while one of ``holders`` loads holds it (the functions returned
+        let go, one a load: :func:`fastckpt.sharded.reader.hash_ahead`): the files a verified N -> M load reads are
+        hashed by the ranks that fetched them, each as soon as it is in place, not by whichever rank's reader came
+        to a file first (with 4 -> 3, two ranks hashed 15 of the 16 files, one after another). Nothing (an empty
+        list where no ``ahead`` was given to :func:`fetch_share`) where the file cannot be opened: its reader
+        says why."""
+        if not self._hashing:
+            return [_nothing] * holders
+        from fastckpt.sharded.reader import hash_ahead
+        from fastckpt.sharded.workers import Lane
+
+        if not hasattr(self, "_lane"):
+            self._lane = Lane("verify", 1)  # one file at a time (BLAKE3 on every core), as a load hashes them
+        try:
+            return hash_ahead(path, self._lane.submit, holders)
+        except OSError:  # gone or unreadable: its reader says so
+            return [_nothing] * holders
 
     def ids(self, where: tuple):
         """The int64 ids of the block at ``where`` (fetched before)."""
@@ -313,7 +373,7 @@ def _row_spans(mine, n_rows: int, where: tuple) -> list[tuple[int, int]]:
             for a, b in zip(starts, [*starts[1:], len(mine)])]
 
 
-def fetch_share(loader, local: str) -> dict | bool:
+def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
     """Fetch into ``local`` the bytes of the checkpoint at ``loader.checkpoint_path`` that ``loader``'s rank loads.
 
     The metadata files whole; of every tensor file its header, then each dense part this rank takes and the
@@ -327,7 +387,10 @@ def fetch_share(loader, local: str) -> dict | bool:
     fetches whole only the files whose parts this rank reads), a delta, an encoded table; or neither a manifest
     nor RecIS's ``index``, which the whole-prefix path reports. Loads of the same prefix running at the same
     time in this process (ranks as threads) fetch the metadata, the headers and the whole files alike once
-    between them (:meth:`_Share.shared_heads`, :meth:`_Share.fetch_whole`).
+    between them (:meth:`_Share.shared_heads`, :meth:`_Share.fetch_whole`). With ``ahead`` (a list), each file
+    this load fetches whole is hashed on a worker thread as soon as it is in place, for every reader that opens it
+    meanwhile: ``ahead`` receives for each the function that lets go of its hash
+    (:func:`fastckpt.sharded.reader.hash_ahead`; :func:`load` calls each once its load is done).
     """
 
     from fastckpt.sharded import recis
@@ -365,7 +428,7 @@ def fetch_share(loader, local: str) -> dict | bool:
                  for key, entry in fs.find(path, withdirs=False, detail=True).items()
                  if "/" not in key.strip("/")[len(base):]}
     sizes.pop(MANIFEST_FILE, None)
-    share = _Share(fs, url, path, local, sizes)
+    share = _Share(fs, url, path, local, sizes, ahead)
     if manifest_bytes is not None:
         import blake3
 
@@ -410,10 +473,9 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
             rows = desc["global_shape"][0] if desc.get("global_shape") else 0
             lo, hi = (0, rows) if loader.dense == "replicated" or not rows else \
                 rows_of(loader.shard_index, loader.shard_num, rows)
-            p_lo = desc.get("row_start", 0)
-            p_hi = p_lo + (desc["shape"][0] if desc["shape"] else 1)
-            if not desc["shape"] or (max(lo, p_lo) < min(hi, p_hi)):
-                first.setdefault(where[0], []).append(where[1:3])
+            span = _dense_span(desc, where, lo, hi)
+            if span is not None:
+                first.setdefault(where[0], []).append(span)
         elif desc.get("role") == "id" and desc.get("table") in tables_wanted:
             partition = manifest["hashtables"].get(desc["table"], {}).get("partition")
             if loader.owner is None and partition is not None and "slices" in desc and loader.shard_num > 1:
@@ -454,6 +516,27 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
         for other in _part_tensors(descriptions, key, offsets):
             rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, len(ids), offsets[other]))
     share.fetch(rows_plan)
+
+
+def _dense_span(desc: dict, where: tuple, lo: int, hi: int) -> tuple[int, int] | None:
+    """The byte range of rows ``[lo, hi)`` of a dense tensor that its part (description ``desc``, stored at
+    ``where``) holds: only those rows, which the Loader reads (``_load_dense``); the whole of a scalar; None where
+    the part holds none of them.
+
+    >>> _dense_span({"shape": [4, 2], "row_start": 8}, ("f", 100, 164, [4, 2]), 9, 20)
+    (116, 164)
+    >>> _dense_span({"shape": [4, 2], "row_start": 8}, ("f", 100, 164, [4, 2]), 0, 8) is None
+    True
+    """
+    _, begin, end, _ = where
+    if not desc["shape"]:
+        return begin, end
+    p_lo, rows = desc.get("row_start", 0), desc["shape"][0]
+    a, b = max(lo, p_lo), min(hi, p_lo + rows)
+    if a >= b:
+        return None
+    row = (end - begin) // rows
+    return begin + (a - p_lo) * row, begin + (b - p_lo) * row
 
 
 def _part_tensors(descriptions: dict, id_key: str, offsets: dict) -> list[str]:
