@@ -373,3 +373,62 @@ def _readers(name: str, n: int, m: int) -> int:
     rank = int(name.split("-")[1])
     begin, end = slice_of(rank, n)
     return sum(1 for j in range(m) if max(begin, slice_of(j, m)[0]) < min(end, slice_of(j, m)[1]))
+
+
+def test_a_rank_whose_own_fetch_fails_lets_go_of_what_others_hold_for_it(monkeypatch):
+    # A verified 4 -> 3 load from a URL where one rank's own whole-file fetch fails while other ranks fetch files for
+    # it too: those ranks hash the files they link for it and hold each hash for it; the failing rank waits for
+    # their fetches and lets go of those holds, so nothing stays held for files that are gone.
+    import threading
+    import time
+
+    from fastckpt.sharded import reader as sharded_reader
+
+    n, m = 4, 3
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    rng = np.random.default_rng(11)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+
+    def save(engine):
+        mine = np.flatnonzero(slice_positions(ids, SLICE_SIZE) * n // SLICE_SIZE == engine.rank)
+        table = HashTable(DIM)
+        table.insert(ids[mine], values[mine])
+        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={}, engine=engine).save()
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(save, ThreadEngine.group(n)))
+    real_fetch = sharded_remote._Share.fetch
+    failed: list = []
+    lock = threading.Lock()
+    waiters: list = []  # the loads waiting on another load's fetch, as seen before any whole file was fetched
+
+    def fetch(self, spans):
+        whole = [k for k, ranges in spans.items() if ranges == [(0, self.sizes[k])] and k.endswith(".safetensors")]
+        deadline = time.monotonic() + 20  # every load that reads a file holds it before it is fetched
+        while whole and not failed and time.monotonic() < deadline and any(  # (after the failure: fewer hold it)
+                sharded_remote._wholes.holders((self.url, self.manifest_hash, k)) < _readers(k, n, m) for k in whole):
+            time.sleep(0.005)
+        while not spans and not waiters and not failed and time.monotonic() < deadline:  # nothing of its own
+            time.sleep(0.005)
+        with lock:
+            if whole and not waiters:  # the first whole fetch: nothing fetched yet, every waiter still listed
+                flights = list(sharded_remote._wholes._flights.values())
+                waiters.extend({os.path.dirname(path) for f in flights for path in (f.waiting or [])})
+            if (whole or not spans) and not failed and self.local in waiters:
+                failed.append(self.local)
+                raise OSError("the store dropped the connection")
+        return real_fetch(self, spans)
+
+    monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
+
+    def load(j):
+        try:
+            return Loader(url, shard_index=j, shard_num=m).load()
+        except OSError as e:
+            return e
+
+    with ThreadPoolExecutor(m) as pool:
+        results = list(pool.map(load, range(m)))
+    assert failed and sum(isinstance(r, OSError) for r in results) == 1
+    assert not sharded_reader._digests and not sharded_remote._wholes and not sharded_remote._leaving  # let go

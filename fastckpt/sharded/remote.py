@@ -302,6 +302,7 @@ class _Share:
             except BaseException as exc:
                 for _, flight, future in own:
                     _wholes.fail(flight, future, exc)
+                self._let_go(others)
                 raise
             for name, flight, future in own:
                 source, linked = os.path.join(self.local, name), set()
@@ -331,6 +332,19 @@ class _Share:
         finally:
             for name, flight, _ in [*own, *others]:
                 _wholes.leave((*base, name), flight)
+
+    def _let_go(self, others: list) -> None:
+        """This load failed before it took the files other loads fetch for it: once their fetches end, let go of
+        the hashes they hold for its links (else held until the process ends, for files that are gone)."""
+        import os
+
+        for name, _flight, future in others:
+            try:
+                _source, linked, releases = future.result()
+            except BaseException:  # noqa: BLE001 - that fetch failed: nothing was held for this load
+                continue
+            if os.path.join(self.local, name) in linked:
+                releases.get(os.path.join(self.local, name), _nothing)()
 
     def _hash_ahead(self, path: str, holders: int = 1) -> list:
         """Hash file ``path`` (fetched whole, its links made) on a worker thread now, beside the fetches still
