@@ -275,8 +275,9 @@ def test_a_file_hashed_ahead_serves_the_readers_that_open_it_while_held(tmp_path
     Saver(path=str(path), parallel=1, tensors={"w": np.arange(8.0)}).save()
     name = "model-00000-000.safetensors"
     hashed: list = []
-    real = sharded_reader._digest
-    monkeypatch.setattr(sharded_reader, "_digest", lambda mapped, drop: hashed.append(1) or real(mapped, drop))
+    real = sharded_reader.blake3_mapped
+    monkeypatch.setattr(sharded_reader, "blake3_mapped",
+                        lambda mapped, drop: hashed.append(1) or real(mapped, drop=drop))
     releases = sharded_reader.hash_ahead(str(path / name), holders=2)
     assert len(hashed) == 1 and len(releases) == 2
     for _ in range(2):
@@ -344,9 +345,9 @@ def test_verified_ranks_from_a_url_hash_each_file_once_as_its_fetching_rank_has_
     monkeypatch.setattr(sharded_reader, "hash_ahead",
                         lambda path, *a: ahead.append(os.path.basename(path)) or real_ahead(path, *a))
     hashed: list = []
-    real_digest = sharded_reader._digest
-    monkeypatch.setattr(sharded_reader, "_digest",
-                        lambda mapped, drop: hashed.append(mapped.identity) or real_digest(mapped, drop))
+    real_digest = sharded_reader.blake3_mapped
+    monkeypatch.setattr(sharded_reader, "blake3_mapped",
+                        lambda mapped, drop: hashed.append(mapped.identity) or real_digest(mapped, drop=drop))
     with ThreadPoolExecutor(m) as pool:
         loaded = list(pool.map(lambda j: Loader(url, shard_index=j, shard_num=m).load(), range(m)))
     assert fetched and sorted(fetched) == sorted(set(fetched))  # each file fetched whole once

@@ -43,7 +43,7 @@ import numpy as np
 
 from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
-from fastckpt.formats.hashing import blake3_hasher
+from fastckpt.formats.hashing import blake3_mapped
 from fastckpt.formats.reader import TensorFile, guard, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
@@ -70,30 +70,11 @@ def register_layout(detect: Callable[[str | os.PathLike], bool], reader_class: t
         raise TypeError(f"reader_class must be a subclass of CheckpointReader, got {reader_class!r}")
     _LAYOUTS.append((detect, reader_class))
 
-_HASH_CHUNK = 64 << 20  # files are hashed in pieces of this size: no copy of a whole file in memory (pread), no whole
-# file resident in the process (mmap: each piece let go of once hashed)
-
-
 # Files hashed in this process, by what fstat said of them when opened (device, inode, size, mtime, ctime), while a
 # reader holds them open: the ranks of a load that run as threads of one process (resharding, benchmarks) each read
 # every file's ids, and hash each file once between them (a rank that asks while another hashes it waits for that
 # result). The key goes when the last reader holding the file closes, so a later open hashes the file again.
 _digests = Flights()
-
-
-def _digest(mapped, drop: bool) -> str:
-    """The BLAKE3 of open file ``mapped``, on every core, in pieces of ``_HASH_CHUNK``; ``drop``: let go of each
-    piece's pages once hashed (mapped and not copy-on-write: they stay in the page cache, out of this process's
-    resident set; a verified load's peak RSS counted every byte of every file it hashed on top of the rows it
-    loaded)."""
-    hasher = blake3_hasher()
-    with mapped.guard("it for its BLAKE3"):  # a file truncated under the hash: FormatError, not SIGBUS
-        for offset in range(0, mapped.size, _HASH_CHUNK):
-            length = min(_HASH_CHUNK, mapped.size - offset)
-            hasher.update(mapped.view(offset, length))
-            if drop:
-                mapped.advise("dontneed", offset, length)
-    return hasher.hexdigest()
 
 
 def hash_ahead(path: str, submit: Callable | None = None, holders: int = 1) -> list[Callable[[], None]]:
@@ -124,7 +105,7 @@ def hash_ahead(path: str, submit: Callable | None = None, holders: int = 1) -> l
 
     def work() -> None:
         try:
-            _digests.once(identity, lambda: _digest(mapped, True))
+            _digests.once(identity, lambda: blake3_mapped(mapped, drop=True))
         except Exception:  # noqa: BLE001, S110 - the readers hash it themselves and report what is wrong
             pass
         finally:
@@ -517,7 +498,7 @@ class CheckpointReader(MultiFileReader):
         entry = self.manifest["files"][name]
 
         drop = self._options["backend"] == "mmap" and not self._options["copy_on_write"]
-        digest = _digests.once(f.mapped.identity, lambda: _digest(f.mapped, drop))
+        digest = _digests.once(f.mapped.identity, lambda: blake3_mapped(f.mapped, drop=drop))
         if digest == entry["blake3"]:
             return None
         keys = sorted(f.infos)
