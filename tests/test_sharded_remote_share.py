@@ -309,34 +309,17 @@ def test_verified_ranks_from_a_url_hash_each_file_once_as_its_fetching_rank_has_
     # and hashed by the rank that fetched it, as soon as it is in place, for every rank's reader (they hashed it
     # in their loads, whichever reader came first, one file after another: 4 -> 3 had two ranks hash 15 of 16
     # files). Each file once, every hold let go, and every pair exact.
-    import time
 
     from fastckpt.sharded import reader as sharded_reader
 
-    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
-    rng = np.random.default_rng(7)
-    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
-    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
-
-    def save(engine):
-        mine = np.flatnonzero(slice_positions(ids, SLICE_SIZE) * n // SLICE_SIZE == engine.rank)
-        table = HashTable(DIM, slots=("m",))
-        table.insert(ids[mine], values[mine], {"m": -values[mine]})
-        # no dense tensor: each file is read by the ranks whose slices meet its rank's (_readers), every one
-        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={}, engine=engine).save()
-
-    with ThreadPoolExecutor(n) as pool:
-        list(pool.map(save, ThreadEngine.group(n)))
+    url, ids, values = _sliced_checkpoint(n, 7, slots=("m",))
     fetched: list = []
     real_fetch = sharded_remote._Share.fetch
 
     def fetch(self, spans):
-        whole = [k for k, ranges in spans.items() if ranges == [(0, self.sizes[k])] and k.endswith(".safetensors")]
+        whole = _whole_files(self, spans)
         fetched.extend(whole)
-        deadline = time.monotonic() + 20  # a whole-file fetch waits until every load that reads it holds it
-        while whole and time.monotonic() < deadline and any(
-                sharded_remote._wholes.holders((self.url, self.manifest_hash, k)) < _readers(k, n, m) for k in whole):
-            time.sleep(0.005)
+        _until_every_reader_holds(self, whole, n, m)
         return real_fetch(self, spans)
 
     monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
@@ -368,6 +351,42 @@ def test_verified_ranks_from_a_url_hash_each_file_once_as_its_fetching_rank_has_
     assert sorted(np.concatenate(seen).tolist()) == sorted(ids.tolist())
 
 
+def _sliced_checkpoint(n: int, seed: int, slots: tuple = ()) -> tuple[str, np.ndarray, np.ndarray]:
+    """``(url, ids, values)``: ROWS random ids x DIM float32 (each slot holding ``-values``) saved at a new
+    ``memory://`` URL by ``n`` ranks (threads), each the ids of its own slices; no dense tensor, so each file is read
+    by the ranks whose slices meet its rank's (:func:`_readers`), every one."""
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
+    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+
+    def save(engine):
+        mine = np.flatnonzero(slice_positions(ids, SLICE_SIZE) * n // SLICE_SIZE == engine.rank)
+        table = HashTable(DIM, slots=slots)
+        table.insert(ids[mine], values[mine], {slot: -values[mine] for slot in slots})
+        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={}, engine=engine).save()
+
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(save, ThreadEngine.group(n)))
+    return url, ids, values
+
+
+def _whole_files(share, spans: dict) -> list:
+    """The tensor files a ``_Share.fetch`` of ``spans`` fetches whole."""
+    return [k for k, ranges in spans.items() if ranges == [(0, share.sizes[k])] and k.endswith(".safetensors")]
+
+
+def _until_every_reader_holds(share, whole: list, n: int, m: int, stop=lambda: False) -> None:
+    """Wait (20 s at most, or until ``stop()``) until every load of an N -> M load that reads one of the files
+    ``whole`` holds it, so that the loads overlap for certain."""
+    import time
+
+    deadline = time.monotonic() + 20
+    while whole and not stop() and time.monotonic() < deadline and any(
+            sharded_remote._wholes.holders((share.url, share.manifest_hash, k)) < _readers(k, n, m) for k in whole):
+        time.sleep(0.005)
+
+
 def _readers(name: str, n: int, m: int) -> int:
     """How many of M ranks read tensor file ``name`` of a checkpoint saved by N ranks by the slice rule (its
     rank's slice, ``model-RRRRR-WWW``, meets theirs)."""
@@ -386,30 +405,16 @@ def test_a_rank_whose_own_fetch_fails_lets_go_of_what_others_hold_for_it(monkeyp
     from fastckpt.sharded import reader as sharded_reader
 
     n, m = 4, 3
-    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
-    rng = np.random.default_rng(11)
-    ids = rng.choice(10**9, ROWS, replace=False).astype(np.int64)
-    values = rng.standard_normal((ROWS, DIM)).astype(np.float32)
-
-    def save(engine):
-        mine = np.flatnonzero(slice_positions(ids, SLICE_SIZE) * n // SLICE_SIZE == engine.rank)
-        table = HashTable(DIM)
-        table.insert(ids[mine], values[mine])
-        Saver(engine.rank, n, 2, url, hashtables={"emb": table}, tensors={}, engine=engine).save()
-
-    with ThreadPoolExecutor(n) as pool:
-        list(pool.map(save, ThreadEngine.group(n)))
+    url, _ids, _values = _sliced_checkpoint(n, 11)
     real_fetch = sharded_remote._Share.fetch
     failed: list = []
     lock = threading.Lock()
     waiters: list = []  # the loads waiting on another load's fetch, as seen before any whole file was fetched
 
     def fetch(self, spans):
-        whole = [k for k, ranges in spans.items() if ranges == [(0, self.sizes[k])] and k.endswith(".safetensors")]
-        deadline = time.monotonic() + 20  # every load that reads a file holds it before it is fetched
-        while whole and not failed and time.monotonic() < deadline and any(  # (after the failure: fewer hold it)
-                sharded_remote._wholes.holders((self.url, self.manifest_hash, k)) < _readers(k, n, m) for k in whole):
-            time.sleep(0.005)
+        whole = _whole_files(self, spans)
+        _until_every_reader_holds(self, whole, n, m, stop=lambda: failed)  # (after the failure: fewer hold it)
+        deadline = time.monotonic() + 20
         while not spans and not waiters and not failed and time.monotonic() < deadline:  # nothing of its own
             time.sleep(0.005)
         with lock:
