@@ -16,6 +16,8 @@ cdef class GatherWriter:
     cdef iovec* _iov
     cdef list _keep
     cdef object _hasher
+    cdef char* _piece
+    cdef Py_ssize_t _piece_size
     cdef void _release(self) noexcept
     cpdef write(self, obj)
     cpdef write_zeros(self, Py_ssize_t n)

@@ -419,9 +419,12 @@ def _write_tensor(out: GatherWriter, t: tuple) -> None:
     """Queue a tensor that needs converting first (a non-ndarray, another byte order, a strided view)."""
     name, dtype_name, shape, nbytes, arr = t[_NAME], t[_DTYPE_NAME], t[_SHAPE], t[_NBYTES], t[_ARRAY]
     if arr is None and type(t[_SOURCE]) is TakenRows and t[_SOURCE].dtype in _DIRECT_DTYPES:
-        for piece in t[_SOURCE].pieces():  # one buffer: each piece written (and hashed) before the next is taken
-            out.write(piece)
-            out.flush()
+        taken = t[_SOURCE]
+        source = taken.source
+        if source.ndim > 1 and len(source) and not source[0].flags.c_contiguous:
+            source = np.ascontiguousarray(source)  # each row's bytes in one run, as the writer gathers them
+        # a piece gathered, hashed and written at a time, through one buffer of the writer's
+        out.write_rows(source, np.ascontiguousarray(taken.rows), TakenRows.PIECE_BYTES)
         return
     if arr is None:
         arr = _as_array(name, t[_SOURCE])
