@@ -95,6 +95,45 @@ def test_a_save_holds_no_copy_of_the_share(tmp_path, kind):
     assert tables["emb"] == t
 
 
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_direct_save_writes_the_bytes_a_cached_one_does(tmp_path, monkeypatch, ranks):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import fastckpt.formats.safetensors as safetensors
+    from fastckpt.sharded.engine import ThreadEngine
+
+    asked = []  # each tensor file's writer: direct or not
+
+    def writer(fd, hasher, writeback, direct):
+        asked.append(direct)
+        return GatherWriter(fd, hasher, writeback, direct)
+
+    monkeypatch.setattr(safetensors, "GatherWriter", writer)
+
+    t = table(30_000)
+    ids = t.ids()
+    dense = {"w": np.arange(5000 * 7, dtype=np.float32).reshape(5000, 7)}
+    for direct in (False, True):
+        engines = ThreadEngine.group(ranks)
+
+        def save(rank):
+            mine = ids[ids % ranks == rank]
+            part = HashTable.from_export(mine, t.lookup(mine), {s: t.lookup_slot(s, mine) for s in ("m", "v")})
+            return Saver(shard_index=rank, shard_num=ranks, parallel=2, path=str(tmp_path / str(direct)),
+                         hashtables={"emb": part}, tensors=dense, engine=engines[rank], direct=direct).save()
+
+        with ThreadPoolExecutor(ranks) as pool:
+            list(pool.map(save, range(ranks)))
+        assert asked == [direct] * 2 * ranks
+        asked.clear()
+    names = sorted(os.listdir(tmp_path / "False"))
+    assert names == sorted(os.listdir(tmp_path / "True")) and len(names) == 2 * ranks + 4
+    for name in names:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+    with pytest.raises(TypeError, match="direct must be True or False, got 'yes'"):
+        Saver(path=str(tmp_path / "x"), direct="yes")
+
+
 def test_a_table_already_in_slice_order_is_written_from_its_storage(tmp_path):
     t = table()
     Saver(path=str(tmp_path / "a"), parallel=1, hashtables={"emb": t}).save()
