@@ -354,8 +354,8 @@ cdef class GatherWriter:
         """Write ``source[rows]`` (the rows of ``source``, an array whose rows each hold their bytes contiguously,
         in the order of ``rows``, a 1-d array of intp) after everything queued before, ``piece_bytes`` at a time
         (at least one row): each piece is gathered into the writer's own buffer (a direct writer's stage), hashed
-        and written before the next is taken. A row outside ``source`` raises ``IndexError``; the rows before
-        its piece are written."""
+        and written before the next is taken. A row outside ``source`` raises ``IndexError``; the pieces before
+        its own are written (a direct writer's: staged, written if it is finished)."""
         cdef cnp.ndarray src, taken
         cdef Py_ssize_t count, stride, size, per, start, n, bad, k
         cdef char* base
