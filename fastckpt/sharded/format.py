@@ -4,7 +4,7 @@ A checkpoint saved by ``world_size`` ranks, each writing ``parallel`` files,
 is one directory. Every JSON file below is UTF-8, ``json.dumps(obj, indent=1,
 sort_keys=True, ensure_ascii=False)`` followed by one newline.
 
-Sharded checkpoint format, versions 1 to 5
+Sharded checkpoint format, versions 1 to 6
 ==========================================
 
 Version 1 is the full checkpoint described first; version 2 adds delta
@@ -12,13 +12,15 @@ checkpoints and encoded tables (below); version 3 adds the manifest's own
 checksum (``checksum``, below); version 4 stores each table part in
 key-space slice order with its slice groups' row offsets recorded, and
 records each table's partition (*Slice order*, below); version 5 records
-each table's row shapes and each slot's dtype (*Row shapes*, below). A save
-writes the oldest version that holds it: version 5 where a table's
-embedding rows have more than one axis or a slot has a row shape or dtype
-of its own, else version 4, full or delta, encoded or not (so that readers
-of versions up to 4 read it). fastckpt 0.2.0 wrote version 1 for a full
-checkpoint and 2 for a delta or an encoded one, fastckpt 0.3 version 3,
-fastckpt 0.4 and 0.5 version 4; readers read all five.
+each table's row shapes and each slot's dtype (*Row shapes*, below);
+version 6 lets tensor, table and slot names hold ``'/'`` (*Names with '/'*,
+below). A save writes the oldest version that holds it: version 6 where a
+name holds ``'/'``, else version 5 where a table's embedding rows have more
+than one axis or a slot has a row shape or dtype of its own, else version
+4, full or delta, encoded or not (so that readers of versions up to 4 read
+it). fastckpt 0.2.0 wrote version 1 for a full checkpoint and 2 for a delta
+or an encoded one, fastckpt 0.3 version 3, fastckpt 0.4 and 0.5 version 4,
+fastckpt 0.6 version 4 or 5; readers read all six.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -45,10 +47,12 @@ Tensor files
       base (see below).
 
     Names (``NAME``, ``T``, ``SLOT``) MUST be non-empty and MUST NOT hold
-    ``'/'`` or a control character (U+0000-U+001F, U+007F-U+009F, U+2028,
-    U+2029): a save refuses them (:data:`NAMES`, :mod:`fastckpt.store.names`).
-    A reader splits a stored key at its last ``/part_<i>_<n>``, which MUST end
-    the key (a key of an older save whose name holds a newline reads whole).
+    ``'/part_'`` or a control character (U+0000-U+001F, U+007F-U+009F,
+    U+2028, U+2029); in versions 1 to 5 they MUST NOT hold ``'/'`` at all
+    (version 6 allows it: *Names with '/'*, below). A save refuses them
+    (:data:`NAMES`, :mod:`fastckpt.store.names`). A reader splits a stored
+    key at its last ``/part_<i>_<n>``, which MUST end the key (a key of an
+    older save whose name holds a newline reads whole).
 
 ``index.json``
     ``{"block_index": {stored key: file number}, "file_index": {file name:
@@ -263,7 +267,29 @@ Row shapes (version 5)
     A reader of version 4 or older (fastckpt 0.5) refuses a version-5
     manifest before reading anything else: "format version 5 is newer than
     this fastckpt reads (4); upgrade fastckpt". ``fastckpt reshard``
-    writes any version as the version a save of its tables writes.
+    writes any version as the version a save of its tables writes. A
+    version-6 manifest has ``shape`` and ``slot_specs`` as version 5 does.
+
+Names with '/' (version 6)
+    A version-6 checkpoint is laid out as one of version 5; only its names
+    differ: a dense tensor, a table or a slot may be named with ``'/'``
+    (RecIS's ``tower/dense/kernel``, a table ``tower/user``, a slot
+    ``adam/m``), anywhere in the name, repeated or last (``a//b/``), but
+    never followed by ``part_`` (``'/part_'`` is refused in every version,
+    as RecIS's layout refuses it). Stored keys are formed as above:
+    ``tower/dense/kernel/part_0_2``, ``tower/user.id/part_1_2``,
+    ``tower/user.adam/m/part_1_2``. A reader takes the name as everything
+    before the key's last ``/part_<i>_<n>`` (which ends the key), checks it
+    against ``tensorkey.json`` and the description's ``tensor``, and takes a
+    table's and a slot's names from the description's ``table`` and
+    ``slot`` (never by splitting a key at ``'/'`` or ``'.'``). A save writes
+    version 6 only where some name holds ``'/'``. A manifest of version 5 or
+    older whose ``tensors``, ``hashtables`` or ``slots`` hold a name with
+    ``'/'`` is refused (a ``FormatError`` naming the name and its position).
+    A reader of version 5 or older (fastckpt 0.6) refuses a version-6
+    manifest before reading anything else: "format version 6 is newer than
+    this fastckpt reads (5); upgrade fastckpt" (fastckpt 0.4 and 0.5 say
+    "(4)").
 
 >>> part_key("w", 1, 4), rows_of(1, 4, 10), parse_part_key("T.id/part_2_3")
 ('w/part_1_4', (2, 5), ('T.id', 2, 3))
