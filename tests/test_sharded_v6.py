@@ -13,12 +13,12 @@ import os
 import shutil
 from pathlib import Path
 
+import _recis_writer as recis_port
 import numpy as np
 import pytest
-
-import _recis_writer as recis_port
-import fastckpt
 from _sharded_edit import reseal, save_threads
+
+import fastckpt
 from fastckpt.errors import FormatError
 from fastckpt.sharded import CheckpointReader, DeltaPolicy, HashTable, Loader, Saver
 from fastckpt.sharded import format as sharded_format
@@ -127,9 +127,9 @@ def test_other_names_are_still_written_as_the_oldest_version_that_holds_them(tmp
 
 
 @pytest.mark.parametrize("name, what, message", [
-    ("w/part_0_1", "tensors", "tensor name 'w/part_0_1' holds '/part_' at position 1 (the suffix of every stored "
-                              "part, '/part_<i>_<n>'; RecIS's layout breaks on it too): fastckpt's sharded layout "
-                              "cannot read such a name back; rename the tensor"),
+    ("w/part_0_1", "tensors", ("tensor name 'w/part_0_1' holds '/part_' at position 1 (the suffix of every stored "
+                               "part, '/part_<i>_<n>', which RecIS's layout breaks on): fastckpt's sharded layout "
+                               "does not store such a name; rename the tensor")),
     ("tower/part_x", "table", "hashtable name 'tower/part_x' holds '/part_' at position 5"),
     ("adam/part_m", "slot", "hashtable 'tower/user' slot name 'adam/part_m' holds '/part_' at position 4"),
     ("tower/\nkernel", "tensors", r"tensor name 'tower/\nkernel' holds '\n' at position 6, a control character"),
@@ -293,7 +293,7 @@ def test_open_inspect_and_verify_show_names_with_a_slash(tmp_path, capsys):
     path = _save(tmp_path / "c", ids, rows)
     with fastckpt.open(path) as f:
         assert f["tower/dense/kernel"].tobytes() == DENSE["tower/dense/kernel"].tobytes()
-        assert f"{TABLE}.{SLOT}" in f.keys()
+        assert f"{TABLE}.{SLOT}" in list(f.keys())
     text = _format_table(describe(path))
     assert f"hashtable {TABLE}: 60 ids x 4 float32, slots ['{SLOT}', 'v']" in text.splitlines(), text
     assert main(["verify", path]) == 0

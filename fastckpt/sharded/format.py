@@ -350,9 +350,9 @@ ROLES = ("id", "embedding", "slot", "deleted")
 #: The names this layout stores and reads back: a reader splits a stored key at its last ``/part_<i>_<n>``, so a
 #: name may hold '/' (``tower/dense/kernel``, from format version 6 on: :func:`version_for`), but not '/part_', the
 #: suffix itself, which RecIS's layout (:data:`fastckpt.sharded.recis.NAMES`) breaks on as well.
-NAMES = NameRule("fastckpt's sharded layout",
-                 reserved=(("/part_", "the suffix of every stored part, '/part_<i>_<n>'; RecIS's layout breaks on it "
-                                      "too"),))
+NAMES = NameRule("fastckpt's sharded layout", refusal="{format} does not store such a name",
+                 reserved=(("/part_", ("the suffix of every stored part, '/part_<i>_<n>', which RecIS's layout "
+                                       "breaks on")),))
 
 # Matched with fullmatch only: '$' would also match before a final newline.
 _PART = re.compile(r"(?P<name>.+)/part_(?P<i>[0-9]+)_(?P<n>[0-9]+)", re.DOTALL)
