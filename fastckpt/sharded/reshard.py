@@ -44,9 +44,9 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
     to the rank of their key-space slice (format version 4's rule: RecIS's
     ``gen_slice`` over each table's slice size; a source of versions 1-4 is
     written as a save of its tables writes: version 4, or 5 where a table's
-    rows have shapes of their own, or 6 where a name holds '/'); dense tensors are split by rows as a
-    ``shards``-rank save splits them. The result holds exactly the source's
-    values. ``progress`` (``True`` for a bar, or ``callback(done, total,
+    rows have shapes of their own, or 6 where a name holds '/'); dense
+    tensors are split by rows as a ``shards``-rank save splits them. The
+    result holds exactly the source's values. ``progress`` (``True`` for a bar, or ``callback(done, total,
     item)``: :mod:`fastckpt.progress`) counts the bytes of tensors written to
     ``dst`` by every rank; it starts once every rank has loaded its share.
     ``layout`` (``"fastckpt"`` or ``"recis"``, default: the source's) converts
