@@ -282,7 +282,8 @@ Names with '/' (version 6)
     before the key's last ``/part_<i>_<n>`` (which ends the key), checks it
     against ``tensorkey.json`` and the description's ``tensor``, and takes a
     table's and a slot's names from the description's ``table`` and
-    ``slot`` (never by splitting a key at ``'/'`` or ``'.'``). A save writes
+    ``slot`` (the tensor being ``TABLE.SLOT``), never by splitting at a
+    ``'/'``. A save writes
     version 6 only where some name holds ``'/'``. A manifest of version 5 or
     older whose ``tensors``, ``hashtables`` or ``slots`` hold a name with
     ``'/'`` is refused (a ``FormatError`` naming the name and its position).
