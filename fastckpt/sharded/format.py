@@ -281,16 +281,15 @@ Names with '/' (version 6)
     ``tower/user.adam/m/part_1_2``. A reader takes the name as everything
     before the key's last ``/part_<i>_<n>`` (which ends the key), checks it
     against ``tensorkey.json`` and the description's ``tensor``, and takes a
-    table's and a slot's names from the description's ``table`` and
-    ``slot`` (the tensor being ``TABLE.SLOT``), never by splitting at a
-    ``'/'``. A save writes
-    version 6 only where some name holds ``'/'``. A manifest of version 5 or
-    older whose ``tensors``, ``hashtables`` or ``slots`` hold a name with
-    ``'/'`` is refused (a ``FormatError`` naming the name and its position).
-    A reader of version 5 or older (fastckpt 0.6) refuses a version-6
-    manifest before reading anything else: "format version 6 is newer than
-    this fastckpt reads (5); upgrade fastckpt" (fastckpt 0.4 and 0.5 say
-    "(4)").
+    table's and a slot's names from the description's ``table`` and ``slot``
+    (the tensor being ``TABLE.SLOT``), never by splitting at a ``'/'``. A
+    save writes version 6 only where some name holds ``'/'``. A manifest of
+    version 5 or older whose ``tensors``, ``hashtables`` or ``slots`` hold a
+    name with ``'/'`` is refused (a ``FormatError`` naming the name and its
+    position). A reader of version 5 or older (fastckpt 0.6) refuses a
+    version-6 manifest before reading anything else: "format version 6 is
+    newer than this fastckpt reads (5); upgrade fastckpt" (fastckpt 0.4 and
+    0.5 say "(4)").
 
 >>> part_key("w", 1, 4), rows_of(1, 4, 10), parse_part_key("T.id/part_2_3")
 ('w/part_1_4', (2, 5), ('T.id', 2, 3))
