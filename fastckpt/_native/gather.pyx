@@ -49,6 +49,15 @@ writer is used, and the writer flushed before anything else writes.
 ...     out.write(memoryview(b"tail"))
 >>> os.close(fd); open(path, "rb").read()
 b'head tail'
+
+Rows in another order, past the page cache where the file system takes it:
+
+>>> import numpy as np
+>>> fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+>>> with GatherWriter(fd, direct=True) as out:
+...     out.write_rows(np.arange(6, dtype=np.uint8).reshape(3, 2), np.array([2, 0], np.intp))
+>>> os.close(fd); open(path, "rb").read()
+b'\\x04\\x05\\x00\\x01'
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
