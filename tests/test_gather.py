@@ -292,18 +292,16 @@ def test_a_direct_writer_off_an_aligned_offset_or_on_a_pipe_writes_through_the_c
 
 
 def test_a_direct_writer_dropped_by_an_exception_writes_nothing_more_and_gives_the_flags_back(tmp_path, fd):
-    with pytest.raises(RuntimeError, match="stop"):
-        with GatherWriter(fd, None, 0, True) as out:
-            out.write(b"staged, never written")
-            raise RuntimeError("stop")
+    with pytest.raises(RuntimeError, match="stop"), GatherWriter(fd, None, 0, True) as out:
+        out.write(b"staged, never written")
+        raise RuntimeError("stop")
     assert written(tmp_path) == b"" and not _direct_flag(fd)
 
 
 def test_a_direct_write_cut_short_goes_on_through_the_cache_and_raises_the_failure(tmp_path, fd):
-    with file_size_limit(STAGE + 1000):  # the second stage crosses it: short, then EFBIG
-        with pytest.raises(OSError) as info:
-            with GatherWriter(fd, None, 0, True) as out:
-                out.write(np.full(2 * STAGE, 7, np.uint8))
+    # the second stage crosses the limit: short, then EFBIG
+    with file_size_limit(STAGE + 1000), pytest.raises(OSError) as info, GatherWriter(fd, None, 0, True) as out:
+        out.write(np.full(2 * STAGE, 7, np.uint8))
     assert info.value.errno == errno.EFBIG
     assert written(tmp_path) == b"\x07" * (STAGE + 1000)
     assert not _direct_flag(fd)

@@ -99,7 +99,7 @@ def test_a_save_holds_no_copy_of_the_share(tmp_path, kind):
 def test_a_direct_save_writes_the_bytes_a_cached_one_does(tmp_path, monkeypatch, ranks):
     from concurrent.futures import ThreadPoolExecutor
 
-    import fastckpt.formats.safetensors as safetensors
+    from fastckpt.formats import safetensors
     from fastckpt.sharded.engine import ThreadEngine
 
     asked = []  # each tensor file's writer: direct or not
@@ -113,17 +113,15 @@ def test_a_direct_save_writes_the_bytes_a_cached_one_does(tmp_path, monkeypatch,
     t = table(30_000)
     ids = t.ids()
     dense = {"w": np.arange(5000 * 7, dtype=np.float32).reshape(5000, 7)}
+    def save(rank, engine, direct):
+        mine = ids[ids % ranks == rank]
+        part = HashTable.from_export(mine, t.lookup(mine), {s: t.lookup_slot(s, mine) for s in ("m", "v")})
+        return Saver(shard_index=rank, shard_num=ranks, parallel=2, path=str(tmp_path / str(direct)),
+                     hashtables={"emb": part}, tensors=dense, engine=engine, direct=direct).save()
+
     for direct in (False, True):
-        engines = ThreadEngine.group(ranks)
-
-        def save(rank):
-            mine = ids[ids % ranks == rank]
-            part = HashTable.from_export(mine, t.lookup(mine), {s: t.lookup_slot(s, mine) for s in ("m", "v")})
-            return Saver(shard_index=rank, shard_num=ranks, parallel=2, path=str(tmp_path / str(direct)),
-                         hashtables={"emb": part}, tensors=dense, engine=engines[rank], direct=direct).save()
-
         with ThreadPoolExecutor(ranks) as pool:
-            list(pool.map(save, range(ranks)))
+            list(pool.map(save, range(ranks), ThreadEngine.group(ranks), [direct] * ranks))
         assert asked == [direct] * 2 * ranks
         asked.clear()
     names = sorted(os.listdir(tmp_path / "False"))

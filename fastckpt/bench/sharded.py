@@ -754,8 +754,8 @@ def report(results: dict, quick: bool = False) -> str:
                 "the same bytes by as many threads; page cache warm")
         lines += [disk, "", save, "", *_throughput_table(r, RAW_SAVE, SAVE, TARGET_SAVE), ""]
         if SAVE_DIRECT in c["timings"]:
-            lines += ["### the same save past the page cache: Saver(direct=True), O_DIRECT (not the default; less "
-                      "CPU, and as fast as the disk takes direct writes), in the same rounds", "",
+            lines += [("### the same save past the page cache: Saver(direct=True), O_DIRECT (not the default; less "
+                       "CPU, and as fast as the disk takes direct writes), in the same rounds"), "",
                       *_throughput_table(r, RAW_SAVE, SAVE_DIRECT, TARGET_SAVE), ""]
         lines += [load, "", *_throughput_table(r, RAW_LOAD, LOAD, TARGET_LOAD), ""]
         if LOAD_VERIFIED in c["timings"]:

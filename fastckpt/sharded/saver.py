@@ -498,8 +498,8 @@ class Saver:
                 raise
             self.kind = plan["kind"]
         error = None
-        write = lambda staging_, blocks: self._write_files(staging_, blocks, self.direct)  # noqa: E731
-        commit = lambda reports: self._commit(staging, final, reports, plan)  # noqa: E731
+        write = lambda staging_, blocks: self._write_files(staging_, blocks, self.direct)
+        commit = lambda reports: self._commit(staging, final, reports, plan)
         if self.layout == "recis":
             from fastckpt.sharded import recis
 
