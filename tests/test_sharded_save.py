@@ -201,7 +201,8 @@ def test_taken_rows_refuse_rows_outside_the_source(rows):
 
 @pytest.mark.parametrize("dtype", ["<f4", ">f4", "int8", "bfloat16"])
 @pytest.mark.parametrize("progress", [False, True])
-def test_save_safetensors_writes_taken_rows_as_the_gathered_array(tmp_path, monkeypatch, dtype, progress):
+@pytest.mark.parametrize("direct", [False, True])
+def test_save_safetensors_writes_taken_rows_as_the_gathered_array(tmp_path, monkeypatch, dtype, progress, direct):
     import ml_dtypes
 
     dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
@@ -210,7 +211,7 @@ def test_save_safetensors_writes_taken_rows_as_the_gathered_array(tmp_path, monk
     monkeypatch.setattr(TakenRows, "PIECE_BYTES", 1000)  # many pieces
     callback = (lambda done, total, item: None) if progress else False
     save_safetensors(tmp_path / "taken.safetensors", {"a": TakenRows(source, rows), "b": source},
-                     progress=callback)
+                     progress=callback, direct=direct)
     save_safetensors(tmp_path / "array.safetensors", {"a": source[rows], "b": source})
     assert (tmp_path / "taken.safetensors").read_bytes() == (tmp_path / "array.safetensors").read_bytes()
 
