@@ -130,6 +130,9 @@ def test_a_direct_save_writes_the_bytes_a_cached_one_does(tmp_path, monkeypatch,
         assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
     with pytest.raises(TypeError, match="direct must be True or False, got 'yes'"):
         Saver(path=str(tmp_path / "x"), direct="yes")
+    for where in ({"path": "s3://bucket/ckpt"}, {"path": str(tmp_path / "r"), "layout": "recis"}):
+        with pytest.raises(ValueError, match="direct=True writes the tensor files of a local save in fastckpt's"):
+            Saver(**where, direct=True)
 
 
 def test_a_table_already_in_slice_order_is_written_from_its_storage(tmp_path):

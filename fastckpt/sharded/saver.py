@@ -251,6 +251,10 @@ class Saver:
         self.slice_size = slice_size
         if not isinstance(direct, bool):
             raise TypeError(f"direct must be True or False, got {direct!r}")
+        if direct and (layout == "recis" or is_url(self.path)):
+            raise ValueError(f"{self.path}: direct=True writes the tensor files of a local save in fastckpt's layout "
+                             "past the page cache; a URL (uploaded from the page cache) or layout='recis' is saved "
+                             "without it")
         self.direct = direct  # tensor files past the page cache (a local save)
         from fastckpt.sharded.recis import slice_sizes
 
