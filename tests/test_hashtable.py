@@ -507,9 +507,30 @@ def test_fill_keeps_the_first_row_of_a_repeated_id_and_refuses_a_full_index():
     assert sized.fill(np.array([2], np.int64)) == 1 and sized.nbytes == IdIndex(100_000).nbytes  # capacity kept
 
 
-def test_zeroed_buckets_are_empty_across_growth_from_calloc_to_a_mapping_and_back():
+def test_indexes_built_in_memory_freed_by_earlier_ones_hold_only_their_own_ids():
+    """Bucket memory comes from calloc, which hands back memory earlier indexes freed (a loader builds one per table
+    each load): every new index, filled or grown, finds exactly its own ids and none of those that were there before."""
+    from fastckpt._native.idindex import IdIndex
+
+    rng = np.random.default_rng(7)
+    for n in (1000, 300_000, 300_000, 1000, 600_000):  # small, large (huge pages advised), the same size again
+        ids = rng.permutation(np.unique(rng.integers(-(2 ** 40), 2 ** 40, 2 * n) // 977 * 977))[:n].astype(np.int64)
+        filled = IdIndex()
+        assert filled.fill(ids) == n
+        grown = IdIndex()
+        rows = np.empty(n, np.int64)
+        assert grown.upsert(ids, rows, 0) == n and np.array_equal(rows, np.arange(n))
+        others = ids + 1  # never an id of this round (every id is a multiple of 977 apart)
+        for index in (filled, grown):
+            found = np.empty(n, np.int64)
+            assert index.find(ids, found) == 0 and np.array_equal(found, np.arange(n))
+            assert index.find(others, found) == n and (found == -1).all()
+        del filled, grown
+
+
+def test_zeroed_buckets_are_empty_across_growth_to_huge_page_buckets_and_back():
     """A bucket of zeros is empty (rows are stored plus one): id 0 at row 0 is found and an absent 0 is not, through
-    growth from calloc'ed buckets to a mapping of its own (2 MiB on) and a clear back to small ones."""
+    growth from small buckets to large ones (2 MiB on, huge pages advised from 4 MiB) and a clear back to small ones."""
     from fastckpt._native.idindex import IdIndex
 
     index = IdIndex()
@@ -517,7 +538,7 @@ def test_zeroed_buckets_are_empty_across_growth_from_calloc_to_a_mapping_and_bac
     assert index.find(np.array([0], np.int64), rows) == 1 and rows.tolist() == [-1]
     assert index.upsert(np.array([0], np.int64), rows, 0) == 1 and rows.tolist() == [0]
     assert index.nbytes < 2 << 20
-    many = np.arange(1, 300_001, dtype=np.int64) * -7919  # grows past 2 MiB of buckets: a mapping of its own
+    many = np.arange(1, 300_001, dtype=np.int64) * -7919  # grows past 2 MiB of buckets
     got = np.empty(len(many), np.int64)
     assert index.upsert(many, got, 1) == len(many) and np.array_equal(got, np.arange(1, len(many) + 1))
     assert index.nbytes >= 2 << 20
