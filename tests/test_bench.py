@@ -274,8 +274,11 @@ def test_sharded_suite(tmp_path, capsys):
     assert header.format("raw read", "Loader.load(verify=False)") in out
     assert ("| ranks | parallel | Loader.load(verify=False) | BLAKE3 of the files | Loader.load() (verified) | "
             "verified / unverified | verified / (unverified + BLAKE3) | <= 1.3x |") in out
+    assert ("| ranks | parallel | raw read | raw read, new pages | Loader.load(verify=False) | load / raw read (the "
+            "target's) | load / raw read, new pages | CPU raw read | CPU raw read, new pages | CPU load |") in out
     pairs = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 4  # save, load, verification, memory
+    # save, load, the raw read into new pages, verification, memory
+    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 5
     rows = _first_cells(out)
     assert "saved by 4, loaded on 3 (all 3 shares)" in rows and "HashTable.import_() into a new table" in rows
     targets = out.split("### targets")[1].strip().splitlines()
