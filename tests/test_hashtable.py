@@ -508,19 +508,22 @@ def test_fill_keeps_the_first_row_of_a_repeated_id_and_refuses_a_full_index():
 
 
 def test_indexes_built_in_memory_freed_by_earlier_ones_hold_only_their_own_ids():
-    """Bucket memory comes from calloc, which hands back memory earlier indexes freed (a loader builds one per table
-    each load): every new index, filled or grown, finds exactly its own ids and none of those that were there before."""
+    """Bucket memory below 32 MiB comes from calloc, which hands back memory earlier indexes freed (a loader builds one
+    per table each load), and from 32 MiB on is a mapping of its own: every new index, filled or grown, finds exactly
+    its own ids and none of those that were there before."""
     from fastckpt._native.idindex import IdIndex
 
-    rng = np.random.default_rng(7)
-    for n in (1000, 300_000, 300_000, 1000, 600_000):  # small, large (huge pages advised), the same size again
-        ids = rng.permutation(np.unique(rng.integers(-(2 ** 40), 2 ** 40, 2 * n) // 977 * 977))[:n].astype(np.int64)
+    # small, 8 MiB (huge pages advised), the same size again, 64 MiB (a mapping of its own), 8 MiB again
+    for round_, n in enumerate((1000, 300_000, 300_000, 1000, 1_500_000, 300_000)):
+        # distinct even ids spread over the range (an odd multiplier keeps them distinct and even), new each round
+        evens = (np.arange(n, dtype=np.uint64) + np.uint64(round_ << 32)) * np.uint64(2)
+        ids = (evens * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
         filled = IdIndex()
         assert filled.fill(ids) == n
         grown = IdIndex()
         rows = np.empty(n, np.int64)
         assert grown.upsert(ids, rows, 0) == n and np.array_equal(rows, np.arange(n))
-        others = ids + 1  # never an id of this round (every id is a multiple of 977 apart)
+        others = ids + 1  # odd: never an id of this round
         for index in (filled, grown):
             found = np.empty(n, np.int64)
             assert index.find(ids, found) == 0 and np.array_equal(found, np.arange(n))

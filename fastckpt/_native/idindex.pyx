@@ -2,10 +2,10 @@
 
 Linear probing over a power-of-two bucket array (each bucket a key and its row side by side, 16 bytes: a probe
 touches one cache line; the row is stored plus one, so that a bucket of zeros is empty and new buckets, zeroed by
-calloc, need no pass to empty them; from 4 MiB on the 2 MiB-aligned stretches of the array are advised to use huge
-pages, so that probes spread over it do not miss the TLB), the ids mixed by splitmix64's finalizer, at most 70% full
-(it doubles before a call could pass that), deletion by
-backward shift (no tombstones, so lookups never slow down). Every call takes whole arrays and loops in C; the
+calloc below 32 MiB and a mapping of its own from there, need no pass to empty them; huge pages are advised from
+4 MiB on, so that probes spread over the array do not miss the TLB), the ids mixed by splitmix64's finalizer, at most
+70% full (it doubles before a call could pass that), deletion by backward shift (no tombstones, so lookups never slow
+down). Every call takes whole arrays and loops in C; the
 caller keeps the rows themselves (the index only numbers them). The loops hold the GIL on purpose: the buckets
 are freed and replaced as the index grows, so a loop that ran beside another thread's call could read freed
 memory; holding the GIL, a table misused from two threads gives wrong answers, never a crash. The one exception is
@@ -34,28 +34,51 @@ cdef extern from *:
     """
     #include <stdlib.h>
     #include <sys/mman.h>
-    /* Bucket memory, every byte zero (an empty bucket is all zeros, so new buckets need no pass of their own), from
-       calloc: memory the allocator recycles (a loader builds an index per table each load) comes back zeroed by one
-       memset, where a mapping of its own was new pages every time, each zeroed by the kernel as it was first touched
-       (on a virtual machine several times the memset's cost). From 4 MiB on, the 2 MiB-aligned stretches inside
-       are advised to use huge pages (random probes over tens of MiB otherwise miss the TLB at almost every id), as
-       numpy advises its large arrays. Freed with fastckpt_idindex_free. */
+    /* Bucket memory, every byte zero (an empty bucket is all zeros, so new buckets need no pass of their own).
+       Below 32 MiB from calloc: memory the allocator recycles (a loader builds an index per table each load) comes
+       back zeroed by one memset, where new pages are zeroed by the kernel as they are first touched (on a virtual
+       machine several times the memset's cost); from 4 MiB on, the 2 MiB-aligned stretches inside are advised to
+       use huge pages (random probes over tens of MiB otherwise miss the TLB at almost every id), as numpy advises
+       its large arrays. From 32 MiB (glibc's largest threshold: it maps every allocation that size anew and unmaps
+       it on free, so nothing is recycled) a mapping of its own, aligned to 2 MiB so that every page of it can be
+       huge. Freed with fastckpt_idindex_free and the same size. */
     static const size_t fastckpt_idindex_huge = (size_t)2 << 20;
+    static const size_t fastckpt_idindex_mapped = (size_t)32 << 20;
     static void* fastckpt_idindex_alloc(size_t nbytes) {
-        void* p = calloc(nbytes ? nbytes : 1, 1);
+        if (nbytes < fastckpt_idindex_mapped) {
+            void* p = calloc(nbytes ? nbytes : 1, 1);
     #ifdef MADV_HUGEPAGE
-        if (p != NULL && nbytes >= 2 * fastckpt_idindex_huge) {
-            size_t start = ((size_t)p + fastckpt_idindex_huge - 1) & ~(fastckpt_idindex_huge - 1);
-            size_t end = ((size_t)p + nbytes) & ~(fastckpt_idindex_huge - 1);
-            if (end > start)
-                madvise((void*)start, end - start, MADV_HUGEPAGE);  /* advice only: the buckets work without it */
-        }
+            if (p != NULL && nbytes >= 2 * fastckpt_idindex_huge) {
+                size_t start = ((size_t)p + fastckpt_idindex_huge - 1) & ~(fastckpt_idindex_huge - 1);
+                size_t end = ((size_t)p + nbytes) & ~(fastckpt_idindex_huge - 1);
+                if (end > start)
+                    madvise((void*)start, end - start, MADV_HUGEPAGE);  /* advice only */
+            }
     #endif
-        return p;
+            return p;
+        }
+        size_t span = nbytes + fastckpt_idindex_huge;  /* room to start on a 2 MiB boundary */
+        char* p = (char*)mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return NULL;
+        size_t head = (fastckpt_idindex_huge - ((size_t)p & (fastckpt_idindex_huge - 1))) & (fastckpt_idindex_huge - 1);
+        if (head)
+            munmap(p, head);
+        size_t tail = span - head - nbytes;
+        if (tail)
+            munmap(p + head + nbytes, tail);
+    #ifdef MADV_HUGEPAGE
+        madvise(p + head, nbytes, MADV_HUGEPAGE);  /* advice only: without it the buckets still work */
+    #endif
+        return p + head;
     }
     static void fastckpt_idindex_free(void* p, size_t nbytes) {
-        (void)nbytes;
-        free(p);
+        if (p == NULL)
+            return;
+        if (nbytes < fastckpt_idindex_mapped)
+            free(p);
+        else
+            munmap(p, nbytes);
     }
     #if defined(__GNUC__) || defined(__clang__)
     #define fastckpt_idindex_prefetch(p) __builtin_prefetch((p), 1, 3)
