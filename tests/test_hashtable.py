@@ -508,12 +508,12 @@ def test_fill_keeps_the_first_row_of_a_repeated_id_and_refuses_a_full_index():
 
 
 def test_indexes_built_in_memory_freed_by_earlier_ones_hold_only_their_own_ids():
-    """Bucket memory below 32 MiB comes from calloc, which hands back memory earlier indexes freed (a loader builds one
-    per table each load), and from 32 MiB on is a mapping of its own: every new index, filled or grown, finds exactly
-    its own ids and none of those that were there before."""
+    """Freed bucket mappings (2 MiB on) of up to 64 MiB in all are kept and handed to the next index of their size (a
+    loader builds one per table each load), zeroed again: every new index, filled or grown, finds exactly its own ids
+    and none of those that were there before, on kept memory and on new."""
     from fastckpt._native.idindex import IdIndex
 
-    # small, 8 MiB (huge pages advised), the same size again, 64 MiB (a mapping of its own), 8 MiB again
+    # small (calloc), 8 MiB, the same size again (kept), 64 MiB, 8 MiB again
     for round_, n in enumerate((1000, 300_000, 300_000, 1000, 1_500_000, 300_000)):
         # distinct even ids spread over the range (an odd multiplier keeps them distinct and even), new each round
         evens = (np.arange(n, dtype=np.uint64) + np.uint64(round_ << 32)) * np.uint64(2)
