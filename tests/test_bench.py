@@ -269,17 +269,23 @@ def test_sharded_suite(tmp_path, capsys):
                  "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Sharded state: ") and "a table of 3,000 ids x 8 float32 with Adam m, v" in out
-    header = "| ranks | parallel | files | {} | GB/s | {} | GB/s | ratio | ratio of bests | >= 0.85x |"
+    header = ("| ranks | parallel | files | {0} | GB/s | {1} | GB/s | ratio | ratio of bests | ratio in the same round "
+              "(median) | CPU {0} | CPU {1} | CPU ratio | load average before / after | >= 0.85x |")
     assert header.format("raw write + fsync", "Saver.save") in out
     assert header.format("raw read", "Loader.load(verify=False)") in out
     assert ("| ranks | parallel | Loader.load(verify=False) | BLAKE3 of the files | Loader.load() (verified) | "
             "verified / unverified | verified / (unverified + BLAKE3) | <= 1.3x |") in out
+    assert ("| ranks | parallel | raw read | raw read, new pages | Loader.load(verify=False) | load / raw read (the "
+            "target's) | load / raw read, new pages | CPU raw read | CPU raw read, new pages | CPU load |") in out
     pairs = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 4  # save, load, verification, memory
+    # save, load, the raw read into new pages, verification, memory
+    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 5
     rows = _first_cells(out)
-    assert "saved by 4, loaded on 3 (all 3 shares)" in rows and "HashTable.import_() into a new table" in rows
+    assert "| v4 | 2 -> 3 | no |" in out and "| v4 | 2 -> 3 | yes |" in out  # --quick's resharding pair
+    assert "HashTable.import_() into a new table" in rows
     targets = out.split("### targets")[1].strip().splitlines()
-    assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 6 + [False]
+    # save, load, verification, the resharding pair unverified and verified, export, import; then the sizes' note
+    assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 7 + [False]
     assert targets[-1] == "- (--quick sizes: the targets are stated for the full sizes)"
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 

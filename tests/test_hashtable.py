@@ -507,9 +507,33 @@ def test_fill_keeps_the_first_row_of_a_repeated_id_and_refuses_a_full_index():
     assert sized.fill(np.array([2], np.int64)) == 1 and sized.nbytes == IdIndex(100_000).nbytes  # capacity kept
 
 
-def test_zeroed_buckets_are_empty_across_growth_from_calloc_to_a_mapping_and_back():
+def test_indexes_built_in_memory_freed_by_earlier_ones_hold_only_their_own_ids():
+    """Freed bucket mappings (2 MiB on) of up to 64 MiB in all are kept and handed to the next index of their size (a
+    loader builds one per table each load), zeroed again: every new index, filled or grown, finds exactly its own ids
+    and none of those that were there before, on kept memory and on new."""
+    from fastckpt._native.idindex import IdIndex
+
+    # small (calloc), 8 MiB, the same size again (kept), 64 MiB, 8 MiB again
+    for round_, n in enumerate((1000, 300_000, 300_000, 1000, 1_500_000, 300_000)):
+        # distinct even ids spread over the range (an odd multiplier keeps them distinct and even), new each round
+        evens = (np.arange(n, dtype=np.uint64) + np.uint64(round_ << 32)) * np.uint64(2)
+        ids = (evens * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
+        filled = IdIndex()
+        assert filled.fill(ids) == n
+        grown = IdIndex()
+        rows = np.empty(n, np.int64)
+        assert grown.upsert(ids, rows, 0) == n and np.array_equal(rows, np.arange(n))
+        others = ids + 1  # odd: never an id of this round
+        for index in (filled, grown):
+            found = np.empty(n, np.int64)
+            assert index.find(ids, found) == 0 and np.array_equal(found, np.arange(n))
+            assert index.find(others, found) == n and (found == -1).all()
+        del filled, grown
+
+
+def test_zeroed_buckets_are_empty_across_growth_to_huge_page_buckets_and_back():
     """A bucket of zeros is empty (rows are stored plus one): id 0 at row 0 is found and an absent 0 is not, through
-    growth from calloc'ed buckets to a mapping of its own (2 MiB on) and a clear back to small ones."""
+    growth from small buckets to large ones (2 MiB on, huge pages advised from 4 MiB) and a clear back to small ones."""
     from fastckpt._native.idindex import IdIndex
 
     index = IdIndex()
@@ -517,7 +541,7 @@ def test_zeroed_buckets_are_empty_across_growth_from_calloc_to_a_mapping_and_bac
     assert index.find(np.array([0], np.int64), rows) == 1 and rows.tolist() == [-1]
     assert index.upsert(np.array([0], np.int64), rows, 0) == 1 and rows.tolist() == [0]
     assert index.nbytes < 2 << 20
-    many = np.arange(1, 300_001, dtype=np.int64) * -7919  # grows past 2 MiB of buckets: a mapping of its own
+    many = np.arange(1, 300_001, dtype=np.int64) * -7919  # grows past 2 MiB of buckets
     got = np.empty(len(many), np.int64)
     assert index.upsert(many, got, 1) == len(many) and np.array_equal(got, np.arange(1, len(many) + 1))
     assert index.nbytes >= 2 << 20

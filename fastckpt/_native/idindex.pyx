@@ -3,13 +3,15 @@
 Linear probing over a power-of-two bucket array (each bucket a key and its row side by side, 16 bytes: a probe
 touches one cache line; the row is stored plus one, so that a bucket of zeros is empty and new buckets, zeroed by
 the allocator or by the kernel as their pages are first touched, need no pass to empty them; an array of 2 MiB or
-more is a mapping of its own that asks the kernel for huge pages, so that probes spread over it do not miss the TLB), the ids mixed by splitmix64's finalizer, at most 70% full (it doubles before a call could pass that), deletion by
-backward shift (no tombstones, so lookups never slow down). Every call takes whole arrays and loops in C; the
-caller keeps the rows themselves (the index only numbers them). The loops hold the GIL on purpose: the buckets
-are freed and replaced as the index grows, so a loop that ran beside another thread's call could read freed
-memory; holding the GIL, a table misused from two threads gives wrong answers, never a crash. The one exception is
-``fill``, the bulk build of a new index: it fills buckets of its own without the GIL and makes them the index's only
-once it holds the GIL again, so no other call ever sees them half built.
+more is a mapping of its own that asks the kernel for huge pages, so that probes spread over it do not miss the TLB,
+and freed ones of up to 64 MiB in all are kept for the next index of their size), the ids mixed by splitmix64's
+finalizer, at most 70% full (it doubles before a call could pass that), deletion by backward shift (no tombstones,
+so lookups never slow down). Every call takes whole arrays and loops in C; the caller keeps the rows themselves (the
+index only numbers them). The loops hold the GIL on purpose: the buckets are freed and replaced as the index grows,
+so a loop that ran beside another thread's call could read freed memory; holding the GIL, a table misused from two
+threads gives wrong answers, never a crash. The one exception is ``fill``, the bulk build of a new index: it fills
+buckets of its own without the GIL and makes them the index's only once it holds the GIL again, so no other call
+ever sees them half built.
 
 >>> import numpy as np
 >>> index = IdIndex()
@@ -33,16 +35,37 @@ cdef extern from *:
     """
     #include <stdlib.h>
     #include <sys/mman.h>
-    /* Bucket memory: aligned to 2 MiB and advised to use huge pages where it spans one at least (random probes
-       over tens of MiB otherwise miss the TLB at almost every id); plain malloc below that. Freed with free(). */
-    /* Bucket memory, every byte zero (an empty bucket is all zeros, so new buckets need no pass of their own):
-       from 2 MiB on, a mapping of its own aligned to 2 MiB and advised to use huge pages (random probes over tens of
-       MiB otherwise miss the TLB at almost every id), whose pages the kernel hands out zeroed as they are first
-       touched; calloc below that. Freed with fastckpt_idindex_free and the same size. */
+    #include <string.h>
+    /* Bucket memory, every byte zero (an empty bucket is all zeros, so new buckets need no pass of their own): from
+       2 MiB on, a mapping of its own aligned to 2 MiB and advised to use huge pages (random probes over tens of MiB
+       otherwise miss the TLB at almost every id), whose pages the kernel hands out zeroed as they are first touched;
+       calloc below that. Freed with fastckpt_idindex_free and the same size.
+
+       Freed mappings of up to fastckpt_idindex_keep bytes in all are kept (at most FASTCKPT_IDINDEX_SLOTS of them)
+       for the next index of the same size: a loader builds an index per table at each load, of the sizes the last
+       load freed, and a kept mapping costs one memset where a new one takes a fault and the kernel's zeroing of
+       every page (on a virtual machine several times the memset). A kept mapping's pages are given back with
+       MADV_FREE: the kernel takes them when it needs memory (they read as zeros then; the memset is the same).
+       Every call holds the GIL (the buckets are made and freed outside fill's section without it), which is what
+       guards the kept list: no lock of its own, so a fork never finds one held. */
     static const size_t fastckpt_idindex_huge = (size_t)2 << 20;
+    static const size_t fastckpt_idindex_keep = (size_t)64 << 20;
+    #define FASTCKPT_IDINDEX_SLOTS 8
+    static void* fastckpt_idindex_kept[FASTCKPT_IDINDEX_SLOTS];
+    static size_t fastckpt_idindex_kept_size[FASTCKPT_IDINDEX_SLOTS];
+    static size_t fastckpt_idindex_kept_total = 0;
     static void* fastckpt_idindex_alloc(size_t nbytes) {
         if (nbytes < fastckpt_idindex_huge)
             return calloc(nbytes ? nbytes : 1, 1);
+        for (int i = 0; i < FASTCKPT_IDINDEX_SLOTS; i++) {
+            if (fastckpt_idindex_kept[i] != NULL && fastckpt_idindex_kept_size[i] == nbytes) {
+                void* kept = fastckpt_idindex_kept[i];
+                fastckpt_idindex_kept[i] = NULL;
+                fastckpt_idindex_kept_total -= nbytes;
+                memset(kept, 0, nbytes);
+                return kept;
+            }
+        }
         size_t span = nbytes + fastckpt_idindex_huge;  /* room to start on a 2 MiB boundary */
         char* p = (char*)mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED)
@@ -61,10 +84,24 @@ cdef extern from *:
     static void fastckpt_idindex_free(void* p, size_t nbytes) {
         if (p == NULL)
             return;
-        if (nbytes < fastckpt_idindex_huge)
+        if (nbytes < fastckpt_idindex_huge) {
             free(p);
-        else
-            munmap(p, nbytes);
+            return;
+        }
+        if (fastckpt_idindex_kept_total + nbytes <= fastckpt_idindex_keep) {
+            for (int i = 0; i < FASTCKPT_IDINDEX_SLOTS; i++) {
+                if (fastckpt_idindex_kept[i] == NULL) {
+    #ifdef MADV_FREE
+                    madvise(p, nbytes, MADV_FREE);  /* the kernel may take the pages back; they read as zeros then */
+    #endif
+                    fastckpt_idindex_kept[i] = p;
+                    fastckpt_idindex_kept_size[i] = nbytes;
+                    fastckpt_idindex_kept_total += nbytes;
+                    return;
+                }
+            }
+        }
+        munmap(p, nbytes);
     }
     #if defined(__GNUC__) || defined(__clang__)
     #define fastckpt_idindex_prefetch(p) __builtin_prefetch((p), 1, 3)

@@ -27,9 +27,12 @@ It prints the state's total bytes, then measures:
    rows of the dense tensors, spread over the files the way the saver spreads them: largest first onto the
    lightest file) with plain
    ``open(path, "wb").write(memoryview)`` and ``os.fsync``, to new files every run; *raw read* reads files
-   of those same bytes back with ``readinto`` into new buffers. Throughput is the state's bytes over the
+   of those same bytes back with ``readinto`` into new buffers (``np.empty``, which glibc may serve from memory
+   it kept from buffers freed in earlier rounds); *raw read, new pages* reads them into buffers no allocator handed
+   out before (:func:`new_pages`: a mapping of their own, as a process's first load finds memory), printed beside
+   the load for comparison. Throughput is the state's bytes over the
    wall time of all ranks together; the ratio is fastckpt's throughput over the raw one (target >= 0.85x,
-   the load unverified).
+   the load unverified, against the ``np.empty`` raw read).
    The saver does more than the raw write: it orders each table part by key-space slice (a counting sort)
    and gathers its rows into that order a piece at a time as it writes them, hashes every file (BLAKE3, for
    the manifest), writes and fsyncs the JSON files and renames the directory into place, fsyncing it and its
@@ -103,7 +106,7 @@ from fastckpt.sharded.format import rows_of
 from fastckpt.sharded.recis import slice_owner  # (--against's worker runs this file on older fastckpts too)
 
 __all__ = ["configure", "options", "run", "measure", "report", "table_ids", "dense_tensors", "rank_state",
-           "file_plan", "PeakMemory", "sharded_save", "sharded_load", "directory_bytes"]
+           "new_pages", "file_plan", "PeakMemory", "sharded_save", "sharded_load", "directory_bytes"]
 
 TABLE = "emb"
 SLOTS = ("m", "v")
@@ -114,6 +117,7 @@ RAW_SAVE = "raw write + fsync"
 SAVE = "Saver.save"
 SAVE_DIRECT = "Saver.save(direct=True)"
 RAW_LOAD = "raw read"
+RAW_LOAD_NEW = "raw read, new pages"  # beside the target's bound, not instead of it (see _new_pages_table)
 LOAD = "Loader.load(verify=False)"
 LOAD_VERIFIED = "Loader.load() (verified)"
 HASH = "BLAKE3 of the files"
@@ -246,9 +250,10 @@ def raw_save(directory: Path, files: list[list[np.ndarray]]) -> None:
     _threads(len(files), lambda k: _write_file(directory / f"raw-{k:05d}.bin", files[k]))
 
 
-def _read_file(path: Path) -> np.ndarray:
+def _read_file(path: Path, new: bool = False) -> np.ndarray:
     with open(path, "rb", buffering=0) as f:
-        out = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
+        size = os.fstat(f.fileno()).st_size
+        out = new_pages(size) if new else np.empty(size, np.uint8)
         view, done = memoryview(out), 0
         while done < len(out):
             got = f.readinto(view[done:])
@@ -258,10 +263,33 @@ def _read_file(path: Path) -> np.ndarray:
     return out
 
 
-def raw_load(directory: Path) -> list[np.ndarray]:
-    """Read every file of ``directory`` into a new buffer, one thread per file."""
+def raw_load(directory: Path, new: bool = False) -> list[np.ndarray]:
+    """Read every file of ``directory`` into a new buffer (``np.empty``; ``new=True``: :func:`new_pages`), one thread
+    per file."""
     paths = sorted(directory.iterdir())
-    return _threads(len(paths), lambda k: _read_file(paths[k]))
+    return _threads(len(paths), lambda k: _read_file(paths[k], new))
+
+
+_HUGE_ADVICE = 4 << 20  # numpy advises huge pages for arrays from this size on; the new-pages buffers do the same
+
+
+def new_pages(nbytes: int) -> np.ndarray:
+    """``nbytes`` uint8 of memory no allocator has handed out before: a private anonymous mapping of its own
+    (unmapped when the array is collected), advised to use huge pages from 4 MiB on as numpy advises its large
+    arrays. What a process's first load finds, where ``np.empty`` may return memory that glibc kept from buffers freed
+    earlier (the bench's rounds free the same sizes again and again).
+
+    >>> a = new_pages(5 << 20); a.nbytes, a.flags.writeable, int(a[::4096].max())
+    (5242880, True, 0)
+    """
+    import mmap
+
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= _HUGE_ADVICE and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mapping, np.uint8)
 
 
 def sharded_save(path: Path, states: list[RankState], dense: dict[str, np.ndarray], parallel: int,
@@ -476,6 +504,7 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
         SAVE: lambda: sharded_save(current[SAVE], states, dense, parallel),
         SAVE_DIRECT: lambda: sharded_save(current[SAVE_DIRECT], states, dense, parallel, direct=True),
         RAW_LOAD: lambda: raw_load(raw_reference),
+        RAW_LOAD_NEW: lambda: raw_load(raw_reference, new=True),
         LOAD: lambda: sharded_load(checkpoint, ranks, dim, parallel, verify=False),
         LOAD_VERIFIED: lambda: sharded_load(checkpoint, ranks, dim, parallel),
         HASH: lambda: hash_files(checkpoint),
@@ -497,7 +526,7 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
                 walls.setdefault(name, []).append(time.perf_counter() - started)
         return counted
 
-    for name in (RAW_SAVE, SAVE, SAVE_DIRECT, RAW_LOAD, LOAD, LOAD_VERIFIED, HASH):
+    for name in (RAW_SAVE, SAVE, SAVE_DIRECT, RAW_LOAD, RAW_LOAD_NEW, LOAD, LOAD_VERIFIED, HASH):
         paths[name] = here(name, paths[name])
     if against is not None:
         def in_worker(name: str, op: str, **args) -> None:
@@ -673,6 +702,23 @@ def _memory_table(results: dict) -> list[str]:
                         "anon peak per rank"], rows, "rrrrrrrrrr")
 
 
+def _new_pages_table(results: dict) -> list[str]:
+    """The unverified load beside both raw reads: into ``np.empty`` buffers (the target's bound) and into new pages
+    (:func:`new_pages`), with the CPU time of each; the target stays judged on the first."""
+    rows = []
+    for c in results["configs"]:
+        t, cpu = c["timings"], c.get("cpu", {})
+        if RAW_LOAD_NEW not in t:
+            continue
+        raw, new, load = t[RAW_LOAD].median, t[RAW_LOAD_NEW].median, t[LOAD].median
+        rows.append([c["ranks"], c["parallel"], format_duration(raw), format_duration(new), format_duration(load),
+                     format_ratio(raw / load), format_ratio(new / load),
+                     *(format_duration(cpu[name]) if name in cpu else "-" for name in (RAW_LOAD, RAW_LOAD_NEW, LOAD))])
+    return table_lines(["ranks", "parallel", RAW_LOAD, RAW_LOAD_NEW, LOAD, "load / raw read (the target's)",
+                        "load / raw read, new pages", "CPU raw read", "CPU raw read, new pages", "CPU load"], rows,
+                       "rrrrrrrrrr")
+
+
 def _verify_table(results: dict) -> list[str]:
     rows = []
     for c in results["configs"]:
@@ -758,6 +804,12 @@ def report(results: dict, quick: bool = False) -> str:
                        "CPU, and as fast as the disk takes direct writes), in the same rounds"), "",
                       *_throughput_table(r, RAW_SAVE, SAVE_DIRECT, TARGET_SAVE), ""]
         lines += [load, "", *_throughput_table(r, RAW_LOAD, LOAD, TARGET_LOAD), ""]
+        if RAW_LOAD_NEW in c["timings"]:
+            lines += ["### the raw read into new pages: the same read into buffers no allocator handed out before "
+                      "(a mapping of their own each, huge pages advised from 4 MiB as numpy advises), as a process's "
+                      "first load finds memory; the raw read above uses np.empty, which may return memory glibc kept "
+                      "from the buffers freed in earlier rounds (throughput ratios; the target stays on the first)", "",
+                      *_new_pages_table(r), ""]
         if LOAD_VERIFIED in c["timings"]:
             lines += ["### what verification costs: the verified load (the default: every file hashed against the "
                       "manifest while it is read) beside the unverified one and one BLAKE3 pass over the files", "",
