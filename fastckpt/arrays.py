@@ -176,20 +176,19 @@ def pack_float4(elements: np.ndarray) -> PackedArray:
 class TakenRows:
     """The rows ``rows`` of ``source``, in that order (``source[rows]``), not yet copied.
 
-    ``save_safetensors`` writes one piece by piece: it gathers about
-    :attr:`PIECE_BYTES` of rows into one buffer, writes them, and takes the
-    next rows into the same buffer. A tensor stored in another order than the
-    one its rows are kept in (a hashtable's rows in key-space slice order)
-    then costs no copy of the whole tensor, and each piece is written while
-    its bytes are still in the CPU's cache. Any other writer converts it with
+    ``save_safetensors`` writes one piece by piece: its writer
+    (``GatherWriter.write_rows``) gathers about :attr:`PIECE_BYTES` of rows
+    into one buffer, hashes and writes them, and takes the next rows into the
+    same buffer. A tensor stored in another order than the one its rows are
+    kept in (a hashtable's rows in key-space slice order) then costs no copy
+    of the whole tensor, and each piece is written while its bytes are still
+    in the CPU's cache. Any other writer converts it with
     ``np.asarray`` (``__array__``: the whole copy). ``source`` must not change
     until it is written.
 
     >>> t = TakenRows(np.arange(6).reshape(3, 2), np.array([2, 0]))
     >>> t.shape, t.dtype.name, t.nbytes, np.asarray(t).tolist()
     ((2, 2), 'int64', 32, [[4, 5], [0, 1]])
-    >>> [piece.tolist() for piece in t.pieces(piece_bytes=16)]
-    [[[4, 5]], [[0, 1]]]
     >>> TakenRows(np.zeros(3), np.array([3]))
     Traceback (most recent call last):
     IndexError: rows must be in [0, 3) (the rows of the source), got 3
@@ -227,20 +226,6 @@ class TakenRows:
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         out = np.take(self.source, self.rows, axis=0)
         return out if dtype is None else out.astype(dtype, copy=False)
-
-    def pieces(self, piece_bytes: int | None = None):
-        """The rows in order, a piece at a time, each gathered into one reused buffer: a piece is valid until the
-        next is asked for. Pieces hold about ``piece_bytes`` (:attr:`PIECE_BYTES`), at least one row each."""
-        row_bytes = max(1, self.nbytes // max(1, len(self.rows)))
-        per = max(1, (piece_bytes or self.PIECE_BYTES) // row_bytes)
-        buffer = np.empty((min(per, len(self.rows)), *self.shape[1:]), self.dtype)
-        for start in range(0, len(self.rows), per):
-            rows = self.rows[start:start + per]
-            piece = buffer[:len(rows)]
-            # the rows were checked once above: "clip" takes them as they are (numpy's default, "raise", both
-            # checks each one and gathers into a buffer of its own before copying to out)
-            np.take(self.source, rows, axis=0, out=piece, mode="clip")
-            yield piece
 
 
 def is_packed(value: Any) -> bool:

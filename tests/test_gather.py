@@ -216,3 +216,92 @@ def test_a_hasher_sees_every_byte_in_file_order(tmp_path):
         data = path.read_bytes()
         assert hasher.hexdigest() == new(data).hexdigest()
     assert hashers["blake3"][0].hexdigest() == blake3_file(tmp_path / "blake3.bin")[0]
+
+
+# -- direct=True: past the page cache, through an aligned stage ---------------------------------------------------
+
+STAGE = 4 << 20  # the direct writer's stage
+
+
+def _direct_flag(fd) -> bool:
+    import fcntl
+
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+
+
+def _mixed_writes(out, rows_source, rows):
+    out.write(b"x" * 1001)
+    out.write_zeros(5000)
+    out.write_rows(rows_source, rows, 1 << 20)
+    out.write(np.arange(3_000_000, dtype=np.int16))  # crosses stages
+    out.write_rows(rows_source[:, :25], rows, 1000)  # 100-byte rows: one straddles a stage's end
+
+
+@pytest.mark.parametrize("tail", [0, 1, 4095, 4096, STAGE - 5000 - 1001])  # the last stage: short, full, aligned
+def test_a_direct_writer_writes_and_hashes_the_bytes_a_buffered_one_does(tmp_path, tail):
+    import blake3
+
+    rng = np.random.default_rng(0)
+    source = rng.random((60_000, 32), dtype=np.float32)
+    rows = rng.permutation(60_000)[:50_001].astype(np.intp)
+    results = []
+    for direct in (False, True):
+        path, hasher = tmp_path / f"out-{direct}", blake3.blake3()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            with GatherWriter(fd, hasher, 0, direct) as out:
+                _mixed_writes(out, source, rows)
+                out.write(b"t" * tail)
+                if direct and hasattr(os, "O_DIRECT"):
+                    assert _direct_flag(fd)  # ext4, xfs, btrfs and tmpfs (Linux 6.6+) take direct writes
+            assert not _direct_flag(fd)  # its flags given back
+            assert os.lseek(fd, 0, os.SEEK_CUR) == out.written == path.stat().st_size
+        finally:
+            os.close(fd)
+        results.append((path.read_bytes(), hasher.hexdigest()))
+    assert results[0] == results[1]
+    assert results[0][1] == blake3.blake3(results[0][0]).hexdigest()
+    expected = (b"x" * 1001 + bytes(5000) + source[rows].tobytes() + np.arange(3_000_000, dtype=np.int16).tobytes()
+                + np.ascontiguousarray(source[:, :25])[rows].tobytes() + b"t" * tail)
+    assert results[1][0] == expected
+
+
+def test_a_direct_writer_copies_each_buffer_as_it_is_given(tmp_path, fd):
+    buffer = np.zeros(10_000, np.uint8)
+    with GatherWriter(fd, None, 0, True) as out:
+        for value in range(1, 4):
+            buffer[:] = value  # refilled at once: a direct writer holds no buffer of the caller's
+            out.write(buffer)
+    assert written(tmp_path) == b"".join(bytes([v]) * 10_000 for v in range(1, 4))
+
+
+def test_a_direct_writer_off_an_aligned_offset_or_on_a_pipe_writes_through_the_cache(tmp_path, fd):
+    os.write(fd, b"abc")
+    with GatherWriter(fd, None, 0, True) as out:
+        assert not _direct_flag(fd)
+        out.write(b"d" * 10_000)
+    assert written(tmp_path) == b"abc" + b"d" * 10_000
+    read, write = os.pipe()
+    try:
+        with GatherWriter(write, None, 0, True) as out:
+            out.write(b"through a pipe")
+        assert os.read(read, 100) == b"through a pipe"
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_a_direct_writer_dropped_by_an_exception_writes_nothing_more_and_gives_the_flags_back(tmp_path, fd):
+    with pytest.raises(RuntimeError, match="stop"), GatherWriter(fd, None, 0, True) as out:
+        out.write(b"staged, never written")
+        raise RuntimeError("stop")
+    assert written(tmp_path) == b"" and not _direct_flag(fd)
+
+
+def test_a_direct_write_cut_short_goes_on_through_the_cache_and_raises_the_failure(tmp_path, fd):
+    # the second stage crosses the limit: short, then EFBIG
+    with file_size_limit(STAGE + 1000), pytest.raises(OSError) as info, GatherWriter(fd, None, 0, True) as out:
+        out.write(np.full(2 * STAGE, 7, np.uint8))
+    assert info.value.errno == errno.EFBIG
+    assert written(tmp_path) == b"\x07" * (STAGE + 1000)
+    assert not _direct_flag(fd)

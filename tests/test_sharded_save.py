@@ -5,10 +5,12 @@ files' write-out to the disk starts while the save goes on (GatherWriter's write
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tracemalloc
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 
@@ -93,6 +95,46 @@ def test_a_save_holds_no_copy_of_the_share(tmp_path, kind):
     assert tables["emb"] == t
 
 
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_direct_save_writes_the_bytes_a_cached_one_does(tmp_path, monkeypatch, ranks):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastckpt.formats import safetensors
+    from fastckpt.sharded.engine import ThreadEngine
+
+    asked = []  # each tensor file's writer: direct or not
+
+    def writer(fd, hasher, writeback, direct):
+        asked.append(direct)
+        return GatherWriter(fd, hasher, writeback, direct)
+
+    monkeypatch.setattr(safetensors, "GatherWriter", writer)
+
+    t = table(30_000)
+    ids = t.ids()
+    dense = {"w": np.arange(5000 * 7, dtype=np.float32).reshape(5000, 7)}
+    def save(rank, engine, direct):
+        mine = ids[ids % ranks == rank]
+        part = HashTable.from_export(mine, t.lookup(mine), {s: t.lookup_slot(s, mine) for s in ("m", "v")})
+        return Saver(shard_index=rank, shard_num=ranks, parallel=2, path=str(tmp_path / str(direct)),
+                     hashtables={"emb": part}, tensors=dense, engine=engine, direct=direct).save()
+
+    for direct in (False, True):
+        with ThreadPoolExecutor(ranks) as pool:
+            list(pool.map(save, range(ranks), ThreadEngine.group(ranks), [direct] * ranks))
+        assert asked == [direct] * 2 * ranks
+        asked.clear()
+    names = sorted(os.listdir(tmp_path / "False"))
+    assert names == sorted(os.listdir(tmp_path / "True")) and len(names) == 2 * ranks + 4
+    for name in names:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes(), name
+    with pytest.raises(TypeError, match="direct must be True or False, got 'yes'"):
+        Saver(path=str(tmp_path / "x"), direct="yes")
+    for where in ({"path": "s3://bucket/ckpt"}, {"path": str(tmp_path / "r"), "layout": "recis"}):
+        with pytest.raises(ValueError, match="direct=True writes the tensor files of a local save in fastckpt's"):
+            Saver(**where, direct=True)
+
+
 def test_a_table_already_in_slice_order_is_written_from_its_storage(tmp_path):
     t = table()
     Saver(path=str(tmp_path / "a"), parallel=1, hashtables={"emb": t}).save()
@@ -116,16 +158,42 @@ def test_write_blocks_cannot_be_changed_and_gather_once():
     assert "3 of 6 rows" in repr(block)
 
 
+def _written_rows(path, source, rows, piece_bytes, before=b"head"):
+    """What ``GatherWriter.write_rows`` writes after ``before``, and the BLAKE3 it was fed."""
+    hasher = blake3.blake3()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        with GatherWriter(fd, hasher) as out:
+            out.write(before)  # queued: written first, in order
+            out.write_rows(source, np.asarray(rows, np.intp) if isinstance(rows, list) else rows, piece_bytes)
+    finally:
+        os.close(fd)
+    return path.read_bytes(), hasher.hexdigest()
+
+
 @pytest.mark.parametrize("rows", [[], [0], [4, 4, 1, 0, 3], list(range(9, -1, -1))])
 @pytest.mark.parametrize("piece_bytes", [1, 24, 1 << 20])
-def test_taken_rows_come_in_pieces_of_the_rows_in_order(rows, piece_bytes):
-    source = np.arange(30, dtype=np.int16).reshape(10, 3)
-    taken = TakenRows(source, np.array(rows, np.int64))
-    pieces = [p.copy() for p in taken.pieces(piece_bytes)]
-    assert all(len(p) == max(1, min(len(rows), piece_bytes // 6)) for p in pieces[:-1])
-    joined = np.concatenate(pieces) if pieces else np.empty((0, 3), np.int16)
-    assert joined.tolist() == source[rows].tolist() == np.asarray(taken).tolist()
-    assert taken.shape == (len(rows), 3) and taken.nbytes == 6 * len(rows)
+@pytest.mark.parametrize("row", [(3,), (1,), (2,), (16,), (8, 4), (50,)])  # bytes a row: 6, 4, 8, 64, 128, 200
+def test_write_rows_writes_and_hashes_the_rows_in_order(tmp_path, rows, piece_bytes, row):
+    source = np.arange(10 * math.prod(row), dtype=np.int16 if row == (3,) else np.float32).reshape(10, *row)
+    data, digest = _written_rows(tmp_path / "f", source, rows, piece_bytes)
+    assert data == b"head" + source[rows].tobytes()
+    assert digest == blake3.blake3(data).hexdigest()
+
+
+def test_write_rows_takes_rows_of_a_strided_source_and_refuses_rows_outside_it(tmp_path):
+    wide = np.arange(10 * 24, dtype=np.int64).reshape(10, 24)
+    source = wide[:, :8]  # each row's 64 bytes in one run, rows 192 bytes apart
+    assert _written_rows(tmp_path / "f", source, [9, 0, 3], 64)[0] == b"head" + source[[9, 0, 3]].tobytes()
+    with pytest.raises(IndexError, match=r"row 10 of rows\[2\] is outside the source's 10 rows"):
+        _written_rows(tmp_path / "g", source, [1, 2, 10, 3], 1 << 20)
+    assert (tmp_path / "g").read_bytes() == b"head"  # the piece holding the bad row is not written
+    with pytest.raises(IndexError, match=r"row -1 of rows\[0\]"):
+        _written_rows(tmp_path / "h", source, [-1], 8)
+    with pytest.raises(ValueError, match="each row of source must hold its bytes contiguously"):
+        _written_rows(tmp_path / "i", wide[:, ::2], [0], 8)
+    with pytest.raises(TypeError, match="rows must be a contiguous 1-d numpy array of intp"):
+        _written_rows(tmp_path / "j", source, np.arange(4, dtype=np.int32), 8)
 
 
 @pytest.mark.parametrize("rows", [[-1], [10], [0, 2**40]])
@@ -136,7 +204,8 @@ def test_taken_rows_refuse_rows_outside_the_source(rows):
 
 @pytest.mark.parametrize("dtype", ["<f4", ">f4", "int8", "bfloat16"])
 @pytest.mark.parametrize("progress", [False, True])
-def test_save_safetensors_writes_taken_rows_as_the_gathered_array(tmp_path, monkeypatch, dtype, progress):
+@pytest.mark.parametrize("direct", [False, True])
+def test_save_safetensors_writes_taken_rows_as_the_gathered_array(tmp_path, monkeypatch, dtype, progress, direct):
     import ml_dtypes
 
     dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
@@ -145,8 +214,17 @@ def test_save_safetensors_writes_taken_rows_as_the_gathered_array(tmp_path, monk
     monkeypatch.setattr(TakenRows, "PIECE_BYTES", 1000)  # many pieces
     callback = (lambda done, total, item: None) if progress else False
     save_safetensors(tmp_path / "taken.safetensors", {"a": TakenRows(source, rows), "b": source},
-                     progress=callback)
+                     progress=callback, direct=direct)
     save_safetensors(tmp_path / "array.safetensors", {"a": source[rows], "b": source})
+    assert (tmp_path / "taken.safetensors").read_bytes() == (tmp_path / "array.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("source", [np.arange(48, dtype=np.float32).reshape(6, 8)[:, ::2],  # rows strided within
+                                    np.zeros((0, 3), np.int64), np.arange(6, dtype=np.int64)])
+def test_save_safetensors_writes_taken_rows_of_any_source_as_the_gathered_array(tmp_path, source):
+    rows = np.array([5, 0, 2, 2]) if len(source) else np.array([], np.int64)
+    save_safetensors(tmp_path / "taken.safetensors", {"a": TakenRows(source, rows)})
+    save_safetensors(tmp_path / "array.safetensors", {"a": np.ascontiguousarray(source[rows])})
     assert (tmp_path / "taken.safetensors").read_bytes() == (tmp_path / "array.safetensors").read_bytes()
 
 

@@ -419,9 +419,12 @@ def _write_tensor(out: GatherWriter, t: tuple) -> None:
     """Queue a tensor that needs converting first (a non-ndarray, another byte order, a strided view)."""
     name, dtype_name, shape, nbytes, arr = t[_NAME], t[_DTYPE_NAME], t[_SHAPE], t[_NBYTES], t[_ARRAY]
     if arr is None and type(t[_SOURCE]) is TakenRows and t[_SOURCE].dtype in _DIRECT_DTYPES:
-        for piece in t[_SOURCE].pieces():  # one buffer: each piece written (and hashed) before the next is taken
-            out.write(piece)
-            out.flush()
+        taken = t[_SOURCE]
+        source = taken.source
+        if source.ndim > 1 and len(source) and not source[0].flags.c_contiguous:
+            source = np.ascontiguousarray(source)  # each row's bytes in one run, as the writer gathers them
+        # a piece gathered, hashed and written at a time, through one buffer of the writer's
+        out.write_rows(source, np.ascontiguousarray(taken.rows), TakenRows.PIECE_BYTES)
         return
     if arr is None:
         arr = _as_array(name, t[_SOURCE])
@@ -450,6 +453,7 @@ def save_safetensors(
     storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     writeback: int = 0,
+    direct: bool = False,
 ) -> None:
     """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
 
@@ -469,7 +473,10 @@ def save_safetensors(
     ``writeback=n`` starts the kernel writing the file to the disk every ``n``
     bytes written, without waiting (:class:`~fastckpt._native.gather.GatherWriter`),
     so that the disk works while later bytes are prepared and a following
-    fsync has less left to wait for. An existing file at ``path`` is replaced only with ``overwrite=True``
+    fsync has less left to wait for. ``direct=True`` writes the file past the
+    page cache where the file system takes it (``O_DIRECT``: the kernel copies
+    none of it, and none of it stays cached; the same bytes either way), for a
+    large file that is not read back soon. An existing file at ``path`` is replaced only with ``overwrite=True``
     (docs/overwrite.md); another writer's file committed meanwhile is never
     replaced without it. An ``OSError`` names ``path``.
 
@@ -508,7 +515,7 @@ def save_safetensors(
     total = sum(t[_NBYTES] for t in plan) if requested(progress) else None
     with progress_from(progress, total, "save safetensors") as report, \
             atomic_write(path, fsync=fsync, overwrite=overwrite) as f, \
-            GatherWriter(f.fileno(), hasher, writeback) as out:
+            GatherWriter(f.fileno(), hasher, writeback, direct) as out:
         out.write(prefix)
         if report.enabled:
             _write_reporting(out, plan, report)

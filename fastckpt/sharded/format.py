@@ -297,7 +297,6 @@ Names with '/' (version 6)
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -314,6 +313,7 @@ from fastckpt._native.idindex import slice_order as counting_slice_order
 from fastckpt._native.idindex import slice_run_check
 from fastckpt.arrays import TakenRows
 from fastckpt.errors import ChecksumMismatchError, FormatError
+from fastckpt.sharded.workers import Lane
 from fastckpt.store.commit import publish_directory, write_file
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
@@ -778,7 +778,8 @@ def commit_directory(staging: Path, final: Path, metadata: list[tuple[str, bytes
     data = dumps(seal(manifest))  # the checksum covers the manifest, whose entries cover every other file
     # Nothing in the staging directory is read before it is published, so the files are written and fsynced at once,
     # a thread each: their fsyncs share the journal's commits, where one after another each waited for its own.
-    with concurrent.futures.ThreadPoolExecutor(len(metadata) + 1, thread_name_prefix="fastckpt-commit") as pool:
+    # on threads kept between commits (fastckpt.sharded.workers), not four started for each
+    with Lane("commit", len(metadata) + 1) as pool:
         for done in [pool.submit(write, name, content) for name, content in [*metadata, (MANIFEST_FILE, data)]]:
             done.result()
     # every rank fsynced its own files: the one commit syncs the directory, renames it and syncs the parent

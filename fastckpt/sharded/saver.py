@@ -186,6 +186,11 @@ class Saver:
     (``HashTable((2, 3))``, a step filter's int64 slot) are saved whole in either layout: fastckpt's writes them
     as format version 5 (:func:`~fastckpt.sharded.format.version_for`; version 4 otherwise). Names may hold '/'
     (``tower/dense/kernel``; fastckpt's layout then writes format version 6), not '/part_' or a control character.
+    ``direct=True`` writes the tensor files of a local save past the page cache (``O_DIRECT`` where the file
+    system takes it; the same bytes): the kernel copies none of them, about a quarter less CPU a save, and a
+    checkpoint does not push the training's own data out of the page cache. It pays where the disk takes
+    direct writes as fast as the kernel's write-back (local NVMe); on the 2-core VM of the project's benchmarks
+    direct writes of 255 MiB got 60-75% of the write-back's throughput, so the default goes through the cache.
 
     >>> import numpy as np, tempfile, os
     >>> out = os.path.join(tempfile.mkdtemp(), "c")
@@ -199,7 +204,7 @@ class Saver:
                  timeout: float = 600.0, overwrite: bool = False, incremental: bool | DeltaPolicy = False,
                  compression: str | None = None, quantize: str | None = None, progress=False,
                  storage_options: dict | None = None, layout: str = "fastckpt",
-                 slice_size: int | Mapping[str, int] | None = None):
+                 slice_size: int | Mapping[str, int] | None = None, direct: bool = False):
         if type(shard_num) is not int or shard_num < 1:
             raise ValueError(f"shard_num must be a positive int, got {shard_num!r}")
         if isinstance(shard_index, (str, os.PathLike)):  # Saver("ckpt/step-1"): the path in the first place
@@ -244,6 +249,13 @@ class Saver:
         self.layout = layout  # "recis": RecIS's own files (fastckpt.sharded.recis) and fastckpt's manifest
         self._check_names()
         self.slice_size = slice_size
+        if not isinstance(direct, bool):
+            raise TypeError(f"direct must be True or False, got {direct!r}")
+        if direct and (layout == "recis" or is_url(self.path)):
+            raise ValueError(f"{self.path}: direct=True writes the tensor files of a local save in fastckpt's layout "
+                             "past the page cache; a URL (uploaded from the page cache) or layout='recis' is saved "
+                             "without it")
+        self.direct = direct  # tensor files past the page cache (a local save)
         from fastckpt.sharded.recis import slice_sizes
 
         self._slice_sizes = slice_sizes(self)  # checked here, before anything is written
@@ -394,7 +406,9 @@ class Saver:
         return kept
 
     # -- writing --------------------------------------------------------------------------------------
-    def _write_files(self, staging: Path, blocks: list[WriteBlock]) -> dict:
+    def _write_files(self, staging: Path, blocks: list[WriteBlock], direct: bool = False) -> dict:
+        """Write this rank's tensor files into ``staging`` (``direct``: past the page cache); returns this rank's
+        report for the commit."""
         files: list[list[WriteBlock]] = [[] for _ in range(self.parallel)]
         loads = [0] * self.parallel
         for block in sorted(blocks, key=lambda b: (-b.nbytes, b.key)):  # largest first onto the lightest file
@@ -413,8 +427,11 @@ class Saver:
                 # The file's data is fsynced here, its name in the staging directory by the commit, which fsyncs
                 # the directory once before renaming it into place: a file saved on its own (fsync=True) also
                 # fsyncs its directory, and the 16 files of 4 ranks waited for 16 more journal commits.
+                # direct: past the page cache (Saver's direct=), the rows gathered and the bytes hashed in the
+                # writer's stage
                 save_safetensors(path, {b.key: b.payload() for b in files[k]}, {"fastckpt.format": FORMAT},
-                                 hasher=hasher, progress=report, fsync=False, writeback=WRITEBACK_BYTES)
+                                 hasher=hasher, progress=report, fsync=False, writeback=WRITEBACK_BYTES,
+                                 direct=direct)
                 fsync_file(path)
             return names[k], {"size": os.path.getsize(path), "blake3": hasher.hexdigest()}
 
@@ -485,7 +502,8 @@ class Saver:
                 raise
             self.kind = plan["kind"]
         error = None
-        write, commit = self._write_files, lambda reports: self._commit(staging, final, reports, plan)
+        write = lambda staging_, blocks: self._write_files(staging_, blocks, self.direct)
+        commit = lambda reports: self._commit(staging, final, reports, plan)
         if self.layout == "recis":
             from fastckpt.sharded import recis
 
