@@ -196,6 +196,18 @@ def test_write_rows_takes_rows_of_a_strided_source_and_refuses_rows_outside_it(t
         _written_rows(tmp_path / "j", source, np.arange(4, dtype=np.int32), 8)
 
 
+@pytest.mark.parametrize("rows", [[], [0], [4, 4, 1, 0, 3], list(range(9, -1, -1))])
+@pytest.mark.parametrize("piece_bytes", [1, 24, 1 << 20])
+def test_taken_rows_still_come_in_pieces_of_the_rows_in_order_with_a_deprecation_warning(rows, piece_bytes):
+    source = np.arange(30, dtype=np.int16).reshape(10, 3)
+    taken = TakenRows(source, np.array(rows, np.int64))
+    with pytest.warns(DeprecationWarning, match=r"TakenRows.pieces\(\) is deprecated and goes in 0.8"):
+        pieces = [p.copy() for p in taken.pieces(piece_bytes)]
+    assert all(len(p) == max(1, min(len(rows), piece_bytes // 6)) for p in pieces[:-1])
+    joined = np.concatenate(pieces) if pieces else np.empty((0, 3), np.int16)
+    assert joined.tolist() == source[rows].tolist() == np.asarray(taken).tolist()
+
+
 @pytest.mark.parametrize("rows", [[-1], [10], [0, 2**40]])
 def test_taken_rows_refuse_rows_outside_the_source(rows):
     with pytest.raises(IndexError, match=r"rows must be in \[0, 10\)"):
