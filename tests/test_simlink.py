@@ -265,3 +265,26 @@ def test_a_failed_fill_stops_the_staged_load_and_the_next_load_is_exact(tmp_path
     loaded = load_file(path, queue, pool=pool, staging=chunk)
     check_exact(loaded, path, tensors)
     assert not queue.link.torn and not queue.link.errors
+
+
+def test_the_engine_runs_real_time_where_the_process_may(device, sim, monkeypatch):
+    import os
+
+    from fastckpt.device import simlink
+
+    queue = sim(1e9)
+    asked: list = []
+    probe = threading.Thread(target=lambda: asked.append(simlink._realtime()))  # a thread that asks as the engine's
+    probe.start()
+    probe.join()
+    assert queue.link.realtime == asked[0]
+    if asked[0]:
+        assert os.sched_getscheduler(queue.link._thread.native_id) == os.SCHED_FIFO
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER, "only the engine's thread"
+    assert sim(1e9, realtime=False).link.realtime is False
+    monkeypatch.setattr(simlink, "_realtime", lambda: False)  # refused: the link still runs, at ordinary priority
+    refused = sim(1e9)
+    assert refused.link.realtime is False
+    buffer = _buffer(device, 4096)
+    refused.link.copy(refused, buffer, np.ones(4096, np.uint8), 0).wait()
+    assert _read(device, buffer, 4096).tolist() == [1] * 4096
