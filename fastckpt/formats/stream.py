@@ -653,7 +653,9 @@ class _InOrder:
                 active = self.active
             if active is None:
                 break
-            await asyncio.wrap_future(active)
+            # shielded: a cancelled request (another one failed) must not cancel a drain not yet begun, whose parts
+            # would then stay queued, counted held and never delivered
+            await asyncio.shield(asyncio.wrap_future(active))
         if self.error is not None:
             raise self.error
 
