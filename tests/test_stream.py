@@ -170,34 +170,6 @@ def test_pieces_of_several_objects_share_one_pool_and_hold_at_most_threads_x_chu
     assert max(o.stats.peak_held for o in objs) <= 4 * (16 << 10)
 
 
-def test_parts_are_delivered_in_order_off_the_event_loop_while_it_goes_on_receiving(objects, monkeypatch):
-    import threading
-
-    monkeypatch.setattr(stream, "_PART", 4096)  # many parts a request
-    blob = np.random.default_rng(5).integers(0, 256, 700_001, np.uint8).tobytes()
-    with open(objects.path("b", "parts.bin"), "wb") as f:
-        f.write(blob)
-    obj = RemoteObject(objects.http_url("b", "parts.bin"))
-    loop_thread = []
-    obj.fs.loop.call_soon_threadsafe(lambda: loop_thread.append(threading.get_ident()))
-    out, seen, lock = bytearray(len(blob)), [], threading.Lock()
-
-    def deliver(offset, part):
-        with lock:
-            seen.append((threading.get_ident(), offset, len(part), obj.stats.held))
-        out[offset:offset + len(part)] = part
-
-    chunk = 64 << 10
-    assert obj.stream([(0, obj.size)], deliver, chunk=chunk, threads=3, parts=True) == len(blob)
-    assert bytes(out) == blob
-    assert loop_thread and all(tid != loop_thread[0] for tid, *_ in seen), "no copy on the event loop's thread"
-    for start in range(0, len(blob), chunk):  # each request's parts arrive in order, back to back
-        parts = [(at, n) for _tid, at, n, _h in seen if start <= at < start + chunk]
-        assert [at for at, _n in parts] == sorted(at for at, _n in parts)
-        assert sum(n for _at, n in parts) == min(chunk, len(blob) - start)
-    assert max(h for *_x, h in seen) <= 3 * chunk and obj.stats.held == 0
-
-
 def test_a_failed_delivery_of_a_part_stops_the_stream_and_is_raised(objects, monkeypatch):
     import threading
 

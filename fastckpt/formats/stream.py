@@ -48,7 +48,6 @@ of the next, and the callback places each byte by its offset.
 
 from __future__ import annotations
 
-import collections
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -306,9 +305,8 @@ class RemoteObject:
         several objects in one pool of requests.)
 
         ``parts=True`` says that ``deliver`` takes any part of a piece, quickly, on any thread: on an async
-        filesystem it is then called with each part of the body as the HTTP client reads it (:meth:`aget_into`),
-        so no piece is joined into one buffer first (one copy less); the parts of one request are delivered in
-        order, on a pool thread, while the event loop's thread goes on receiving (:class:`_InOrder`).
+        filesystem it is then called on the event loop's thread with each part of the body as the HTTP client
+        reads it (:meth:`aget_into`), so no piece is joined into one buffer first (one copy less).
         """
         return stream([(self, spans, deliver, done)], chunk=chunk, threads=threads, parts=parts)
 
@@ -573,91 +571,21 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
 def _deliver(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_lock, request: bool = True) -> None:
     """Count a piece (or, ``request`` False, a part of one) that arrived (``obj.stats``), hand it to ``deliver``,
     and report its range done once every piece of the range is delivered."""
-    _held(obj, data, request)
-    _hand(obj, lo, hi, data, deliver, done, key, left, done_lock)
-
-
-def _held(obj, data, request: bool) -> None:
-    """Count bytes that arrived and are held until delivered (``obj.stats``)."""
-    stats = obj.stats
-    with obj._lock:
+    stats, lock = obj.stats, obj._lock
+    with lock:
         stats.requests += request
         stats.bytes += len(data)
         stats.largest = max(stats.largest, len(data))
         stats.held += len(data)
         stats.peak_held = max(stats.peak_held, stats.held)
-
-
-def _hand(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_lock) -> None:
-    """Hand bytes counted by :func:`_held` to ``deliver``; report the range done once all of it is delivered."""
     try:
         deliver(lo, data)
     finally:
         del data
-        with obj._lock:
-            obj.stats.held -= hi - lo
+        with lock:
+            stats.held -= hi - lo
     if done is not None:
         _finish(done, key, left, done_lock)
-
-
-class _InOrder:
-    """The deliveries of one request's parts, in the order they arrived, on a thread pool: the event loop's thread
-    goes on receiving (the next parts, the other requests) while a pool thread copies them to their destination.
-    When the loop's thread made the copies too, it was busy for 0.8 s of a 0.95 s ``fastckpt.open(http)`` + copies
-    of 512 MiB (a receive copy and a ``pwrite`` copy of each byte, one after the other), where a raw download
-    only receives (docs/remote.md). A failed delivery is raised by the next :meth:`put` and by :meth:`drained`;
-    parts queued after it are dropped. Parts queued are counted held (``obj.stats``) until delivered."""
-
-    __slots__ = ("pool", "parts", "lock", "active", "error")
-
-    def __init__(self, pool):
-        self.pool = pool
-        self.parts: collections.deque = collections.deque()
-        self.lock = threading.Lock()
-        self.active = None  # the pool's future draining the parts, None when there is none
-        self.error: BaseException | None = None
-
-    def put(self, obj, at: int, part, deliver, left: dict, done_lock) -> None:
-        """Queue a part that arrived (on the loop's thread)."""
-        if self.error is not None:
-            raise self.error
-        _held(obj, part, False)
-        with self.lock:
-            self.parts.append((obj, at, at + len(part), part, deliver, None, None, left, done_lock))
-            if self.active is None:
-                self.active = self.pool.submit(self._drain)
-
-    def _drain(self) -> None:
-        while True:
-            with self.lock:
-                if not self.parts:
-                    self.active = None
-                    return
-                item = self.parts.popleft()
-            if self.error is not None:  # a part failed: the rest are dropped, uncounted
-                with item[0]._lock:
-                    item[0].stats.held -= item[2] - item[1]
-                continue
-            try:
-                _hand(*item)
-            except BaseException as e:
-                self.error = e
-            del item
-
-    async def drained(self) -> None:
-        """Wait until every part queued has been delivered; raise the first failed delivery."""
-        import asyncio
-
-        while True:
-            with self.lock:
-                active = self.active
-            if active is None:
-                break
-            # shielded: a cancelled request (another one failed) must not cancel a drain not yet begun, whose parts
-            # would then stay queued, counted held and never delivered
-            await asyncio.shield(asyncio.wrap_future(active))
-        if self.error is not None:
-            raise self.error
 
 
 def _finish(done, key, left: dict, done_lock) -> None:
@@ -677,23 +605,10 @@ async def _stream_async(pieces: list, threads: int, pool, left: dict, done_lock,
     async def one(obj, lo: int, hi: int, deliver, done, key) -> None:
         async with slots:  # from the request to the end of the delivery: at most `threads` pieces held
             if parts:
-                ordered = _InOrder(pool)
-
                 def sink(at: int, part) -> None:
-                    ordered.put(obj, at, part, deliver, left, done_lock)
+                    _deliver(obj, at, at + len(part), part, deliver, None, key, left, done_lock, request=False)
 
-                try:
-                    await obj.aget_into(lo, hi, sink)
-                except BaseException:
-                    try:
-                        await ordered.drained()  # no copy left running into a destination after a failure
-                    except Exception:  # noqa: S110 - the request's own failure is the one raised
-                        pass
-                    raise
-                try:
-                    await ordered.drained()
-                except Exception as e:
-                    raise obj._failure(e, lo, hi) from e  # as a failed delivery raised from the body's read is
+                await obj.aget_into(lo, hi, sink)
                 with obj._lock:
                     obj.stats.requests += 1
                 if done is not None:
