@@ -359,11 +359,13 @@ class _Pipeline:
                 stager._fill(pending, task)
                 with cond:
                     self.left[k] -= 1
+                    sent = self.sent
                     while self.sent < len(self.batches) and self.left[self.sent] == 0 and self.failed is None:
                         n = self.sent
                         self.last[n] = stager._send(n % count, self.batches[n])
                         self.sent = n + 1
-                    cond.notify_all()
+                    if self.sent != sent:  # only a send lets a waiting part (or the caller's progress) go on
+                        cond.notify_all()
                 if caller:
                     self.report()
         except BaseException as exc:
