@@ -12,7 +12,7 @@ The bytes to stage are one stream: the pieces :meth:`Stager.add` was given,
 back to back, cut into *batches* of one staging chunk. Batch ``k`` is filled
 into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
 
-- the fill threads (the caller's among them) take the stream's parts in order,
+- the fill threads take the stream's parts in order,
   each batch in parts of at least ``FILL_SPLIT`` bytes (numpy and ``preadv``
   release the GIL while they copy), so several batches fill at once, up to
   ``buffers`` of them;
@@ -339,8 +339,8 @@ class _Pipeline:
         return self.taken, self.parts.pop()
 
     def work(self, caller: bool = False) -> None:
-        """Fill and send parts until none is left. ``caller``: this is the caller's thread, which also reports
-        progress as batches are sent."""
+        """Fill and send parts until none is left. ``caller``: this is the caller's thread (the only fill
+        thread), which also reports progress as batches are sent."""
         stager = self.stager
         count = stager.stage.count
         cond = self.cond
@@ -571,15 +571,15 @@ class Stager:
         # load's reads into its arena (docs/reading.md: 2 fill threads read a cold file at about half its rate).
         self.threads = max(self.shape.threads, DIRECT_THREADS) if 2 * direct > self.stream else self.shape.threads
         if self.threads > 1 and self.stream >= 2 * FILL_SPLIT:
-            pool = _fillers(self.threads - 1)  # the caller's thread is one of the fill threads
+            pool = _fillers(self.threads)
             scope = held_guards()  # the fill threads copy out of the mappings under the caller's guards
         order = _Pipeline(self, batches)
         futures: list = []
         try:
-            if pool is not None:
-                futures = [pool.submit(scope.run, order.work) for _ in range(self.threads - 1)]
-            order.work(caller=True)  # the first part's fill begins here, with no thread to wake
-            if pool is not None:
+            if pool is None:
+                order.work(caller=True)
+            else:
+                futures = [pool.submit(scope.run, order.work) for _ in range(self.threads)]
                 order.report(wait=True)
                 concurrent.futures.wait(futures)
                 for future in futures:
