@@ -18,7 +18,7 @@ Files of earlier format versions are kept: ``train-schema-1.0`` holds
 training checkpoints with sha256 manifests, which the tests below load and
 verify; ``sharded-0.2.0`` the sharded checkpoints of format versions 1 and 2
 (no checksum of the manifest), which load and verify with what they carry;
-``sharded`` those of version 3 (fastckpt 0.3; ``sharded-v4`` is what saves of tables of ``[dim]`` rows write now, ``sharded-v5`` what saves of tables with shaped rows or slots of their own write); ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
+``sharded`` those of version 3 (fastckpt 0.3; ``sharded-v4`` is what saves of tables of ``[dim]`` rows write now, ``sharded-v5`` what saves of tables with shaped rows or slots of their own write, ``sharded-v6`` what saves of names holding '/' write); ``npz/tensors-align4096.npz`` is the NPZ file of writer 1 (every
 payload on a page, the default before the ``"auto"`` alignment policy),
 still written byte for byte by ``alignment=4096`` and read back below.
 
@@ -352,15 +352,16 @@ def _save_sharded(path: Path, tables: list[dict], tensors: dict, parallel: int, 
 SHARDED_TENSORS = {"w": _arange(np.float32, (5, 2)) / 4, "step": np.array(9, np.int64), "b": _arange(ml_dtypes.bfloat16, (3,))}
 
 
-def _write_sharded(out: Path, make=None, change=None) -> None:
-    """A full checkpoint of ``make(rank)``'s tables on 2 ranks, ``change`` them, a delta, a quantized one."""
+def _write_sharded(out: Path, make=None, change=None, tensors=SHARDED_TENSORS) -> None:
+    """A full checkpoint of ``make(rank)``'s tables and ``tensors`` on 2 ranks, ``change`` them, a delta, a quantized
+    one."""
     tables = [(make or _sharded_tables)(0), (make or _sharded_tables)(1)]
-    _save_sharded(out / "full", tables, SHARDED_TENSORS, parallel=2)
+    _save_sharded(out / "full", tables, tensors, parallel=2)
     (change or _change_sharded)(tables)
     from fastckpt.sharded import DeltaPolicy
 
-    _save_sharded(out / "delta", tables, SHARDED_TENSORS, parallel=2, incremental=DeltaPolicy(max_fraction=1.0))
-    _save_sharded(out / "quantized", tables, SHARDED_TENSORS, parallel=1, quantize="int8")  # no codec: fixed bytes
+    _save_sharded(out / "delta", tables, tensors, parallel=2, incremental=DeltaPolicy(max_fraction=1.0))
+    _save_sharded(out / "quantized", tables, tensors, parallel=1, quantize="int8")  # no codec: fixed bytes
 
 
 def _slice_group_tables(rank: int):
@@ -408,6 +409,39 @@ def _write_sharded_v5(out: Path) -> None:
     _write_sharded(out, _shaped_tables, _change_shaped)
 
 
+# Format version 6: dense tensors, a table and a slot named with '/' (RecIS's ``tower/dense/kernel``).
+SLASHED_TENSORS = {"tower/dense/kernel": _arange(np.float32, (5, 2)) / 4, "tower/dense/bias": _arange(ml_dtypes.bfloat16, (3,)),
+                   "global/step": np.array(9, np.int64), "plain": _arange(np.int32, (2,))}
+
+
+def _slashed_tables(rank: int):
+    """Format version 6: a table ``tower/user`` with a slot ``adam/m`` and one of a plain name (both recorded with
+    their row shapes, as in version 5)."""
+    from fastckpt.sharded import HashTable
+
+    ids = np.array([-(2**63), -5, 7, 2**63 - 1, 10, 12, 70000, 1001], np.int64)[rank::2]
+    table = HashTable(3, slots=("adam/m", "v"), name="tower/user")
+    table.insert(ids, _arange(np.float32, (len(ids), 3), 1 + rank) / 8,
+                 slots={"adam/m": _arange(np.float32, (len(ids), 3), 50 + rank), "v": np.full((len(ids), 3), 0.5)})
+    small = HashTable(2, dtype=ml_dtypes.bfloat16, slots=("m",), name="small")
+    if rank == 1:
+        small.insert([3, -3], [[1.5, -2.0], [0.25, 4.0]], slots={"m": [[1.0, 2.0], [3.0, 4.0]]})
+    return {"tower/user": table, "small": small}
+
+
+def _change_slashed(tables: list[dict]) -> None:
+    """Between the version-6 full checkpoint and its delta: an update of the slot named with '/', a delete, an
+    insert."""
+    tables[1]["tower/user"].update([-5], np.full((1, 3), 0.5), slots={"adam/m": [[9.0, 8.0, 7.0]]})
+    tables[0]["tower/user"].delete([10])
+    tables[0]["tower/user"].insert([123456], np.ones((1, 3)))
+
+
+def _write_sharded_v6(out: Path) -> None:
+    """Format version 6: names with '/', full, delta and quantized."""
+    _write_sharded(out, _slashed_tables, _change_slashed, SLASHED_TENSORS)
+
+
 def _change_sharded(tables: list[dict]) -> None:
     """What happens between the full checkpoint and the delta: an update, a delete, an insert, a re-insert."""
     tables[0]["emb"].update([7], [[0.25, 0.5, 0.75]], slots={"m": [[1.0, 2.0, 3.0]]})
@@ -426,6 +460,7 @@ CASES = {
     "tf": _write_tf,
     "sharded-v4": _write_sharded_v4,  # "sharded" (version 3) and "sharded-0.2.0" (1 and 2) are kept, read below
     "sharded-v5": _write_sharded_v5,  # tables of shaped rows; tables of [dim] rows are still written as version 4
+    "sharded-v6": _write_sharded_v6,  # names with '/'; other names are still written as version 4 or 5
 }
 DEVICE_CASES = {"netcl-model"}
 
@@ -673,7 +708,7 @@ def test_golden_sharded_v4_slice_groups_load_by_the_slice_rule(shards):
 def test_golden_sharded_v5_tables_of_shaped_rows_load_on_one_and_three_ranks(checkpoint):
     """Format version 5: each table as saved, its row shapes and slot dtypes rebuilt from the manifest, every row
     exact (the quantized checkpoint's float rows within its bound; its int64 slot exact)."""
-    from fastckpt.sharded import CheckpointReader, HashTable, Loader
+    from fastckpt.sharded import CheckpointReader
 
     saved = [_shaped_tables(0), _shaped_tables(1)]
     if checkpoint != "full":
@@ -684,25 +719,56 @@ def test_golden_sharded_v5_tables_of_shaped_rows_load_on_one_and_three_ranks(che
         entry = r.manifest["hashtables"]["user"]
         assert entry["shape"] == [2, 3] and entry["slot_specs"]["step_filter"] == {"shape": [1], "dtype": "int64"}
         bound = entry.get("encoding", {}).get("max_abs_error", 0.0)
+    _check_golden_tables(path, saved, bound, SHARDED_TENSORS)
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "delta", "quantized"])
+def test_golden_sharded_v6_names_with_a_slash_load_on_one_and_three_ranks(checkpoint):
+    """Format version 6: the dense tensors, the table and the slot named with '/' as saved, every row exact (the
+    quantized checkpoint's rows within its bound)."""
+    from fastckpt.sharded import CheckpointReader
+
+    saved = [_slashed_tables(0), _slashed_tables(1)]
+    if checkpoint != "full":
+        _change_slashed(saved)
+    path = GOLDEN / "sharded-v6" / checkpoint
+    with CheckpointReader(path) as r:
+        assert r.manifest["format_version"] == 6 and r.verify() == []
+        assert sorted(r.manifest["hashtables"]) == ["small", "tower/user"]
+        assert r.manifest["hashtables"]["tower/user"]["slots"] == ["adam/m", "v"]
+        assert sorted(r.manifest["tensors"]) == sorted(SLASHED_TENSORS)
+        bound = r.manifest["hashtables"]["tower/user"].get("encoding", {}).get("max_abs_error", 0.0)
+    _check_golden_tables(path, saved, bound, SLASHED_TENSORS)
+
+
+def _check_golden_tables(path: Path, saved: list[dict], bound: float, dense: dict) -> None:
+    """The golden sharded checkpoint ``path`` loaded on 1 and 3 ranks holds the tables ``saved`` (one dict a rank):
+    each with its row shape, dtype and slots, every row exact (a quantized one's float rows within ``bound``, its
+    integer slots exact: never quantized), and ``dense`` exact on every rank."""
+    from fastckpt.sharded import HashTable, Loader
+
     for shards in (1, 3):
         got = [Loader(str(path), shard_index=j, shard_num=shards, allow_lossy=True).load() for j in range(shards)]
-        for name in ("user", "small"):
-            merged, want = (HashTable(saved[0][name].shape, saved[0][name].dtype,
-                                      slots=saved[0][name]._slot_params()) for _ in range(2))
+        for name, table in saved[0].items():
+            merged, want = (HashTable(table.shape, table.dtype, slots=table._slot_params()) for _ in range(2))
             for tables, _ in got:
-                assert tables[name].slot_specs == saved[0][name].slot_specs
+                assert tables[name].slot_specs == table.slot_specs
                 merged.import_(*tables[name].export())
             for tables in saved:
                 want.import_(*tables[name].export())
-            if checkpoint != "quantized" or name == "small" and not len(want):
+            if not bound or not len(want):
                 assert merged == want, (shards, name)
                 continue
             ids, values, slots = merged.export()
             w_ids, w_values, w_slots = want.export()
             assert ids.tolist() == w_ids.tolist()
             assert np.abs(values.astype(np.float32) - w_values.astype(np.float32)).max() <= bound
-            if name == "user":
-                assert slots["step_filter"].tobytes() == w_slots["step_filter"].tobytes()  # never quantized
+            for slot, (_, dtype) in table.slot_specs.items():
+                if dtype.kind in "iub":
+                    assert slots[slot].tobytes() == w_slots[slot].tobytes(), slot  # never quantized
+                else:
+                    assert np.abs(slots[slot].astype(np.float32) - w_slots[slot].astype(np.float32)).max() <= bound
         for _, tensors in got:
-            for name, value in SHARDED_TENSORS.items():
+            assert list(tensors) == sorted(dense)
+            for name, value in dense.items():
                 assert tensors[name].dtype == value.dtype and tensors[name].tobytes() == value.tobytes()

@@ -17,7 +17,7 @@ import pytest
 from _sharded_edit import reseal, save_threads
 from fastckpt.errors import FormatError
 from fastckpt.sharded import CheckpointReader, DeltaPolicy, HashTable, Loader, Saver
-from fastckpt.sharded.format import DESCRIPTION_FILE, MANIFEST_FILE, slice_owner, slice_positions
+from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT_VERSION, MANIFEST_FILE, slice_owner, slice_positions
 from fastckpt.sharded.reshard import compact, reshard
 
 pytestmark = pytest.mark.filterwarnings("ignore::fastckpt.sharded.recis.RecisWarning")  # the port writes no manifest
@@ -243,8 +243,9 @@ DAMAGED = {
                       r"hashtables\['user'\]: slot_specs\['m'\]: unknown dtype 'object'"),
     "shape in version 4": (lambda m: m.update(format_version=4), None,
                            r"hashtables\['user'\]: 'shape' and 'slot_specs' need format_version 5, got 4"),
-    "newer version": (lambda m: m.update(format_version=6), None,
-                      "format version 6 is newer than this fastckpt reads \\(5\\); upgrade fastckpt"),
+    "newer version": (lambda m: m.update(format_version=FORMAT_VERSION + 1), None,
+                      f"format version {FORMAT_VERSION + 1} is newer than this fastckpt reads \\({FORMAT_VERSION}\\); "
+                      "upgrade fastckpt"),
     # the metadata agree with each other, not with the tensor file: its header is checked before a byte is placed
     "header": (lambda m: _entry(m)["slot_specs"]["step_filter"].update(dtype="int32"), _retype_slot,
                r"model-00000-00[01]\.safetensors: tensor 'user.step_filter/part_0_2' is int64\[350, 1\] in the "

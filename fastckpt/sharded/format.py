@@ -4,7 +4,7 @@ A checkpoint saved by ``world_size`` ranks, each writing ``parallel`` files,
 is one directory. Every JSON file below is UTF-8, ``json.dumps(obj, indent=1,
 sort_keys=True, ensure_ascii=False)`` followed by one newline.
 
-Sharded checkpoint format, versions 1 to 5
+Sharded checkpoint format, versions 1 to 6
 ==========================================
 
 Version 1 is the full checkpoint described first; version 2 adds delta
@@ -12,13 +12,15 @@ checkpoints and encoded tables (below); version 3 adds the manifest's own
 checksum (``checksum``, below); version 4 stores each table part in
 key-space slice order with its slice groups' row offsets recorded, and
 records each table's partition (*Slice order*, below); version 5 records
-each table's row shapes and each slot's dtype (*Row shapes*, below). A save
-writes the oldest version that holds it: version 5 where a table's
-embedding rows have more than one axis or a slot has a row shape or dtype
-of its own, else version 4, full or delta, encoded or not (so that readers
-of versions up to 4 read it). fastckpt 0.2.0 wrote version 1 for a full
-checkpoint and 2 for a delta or an encoded one, fastckpt 0.3 version 3,
-fastckpt 0.4 and 0.5 version 4; readers read all five.
+each table's row shapes and each slot's dtype (*Row shapes*, below);
+version 6 lets tensor, table and slot names hold ``'/'`` (*Names with '/'*,
+below). A save writes the oldest version that holds it: version 6 where a
+name holds ``'/'``, else version 5 where a table's embedding rows have more
+than one axis or a slot has a row shape or dtype of its own, else version
+4, full or delta, encoded or not (so that readers of versions up to 4 read
+it). fastckpt 0.2.0 wrote version 1 for a full checkpoint and 2 for a delta
+or an encoded one, fastckpt 0.3 version 3, fastckpt 0.4 and 0.5 version 4,
+fastckpt 0.6 version 4 or 5; readers read all six.
 
 Tensor files
     ``model-RRRRR-KKK.safetensors`` for rank ``R`` (0 <= R < world_size) and
@@ -45,10 +47,12 @@ Tensor files
       base (see below).
 
     Names (``NAME``, ``T``, ``SLOT``) MUST be non-empty and MUST NOT hold
-    ``'/'`` or a control character (U+0000-U+001F, U+007F-U+009F, U+2028,
-    U+2029): a save refuses them (:data:`NAMES`, :mod:`fastckpt.store.names`).
-    A reader splits a stored key at its last ``/part_<i>_<n>``, which MUST end
-    the key (a key of an older save whose name holds a newline reads whole).
+    ``'/part_'`` or a control character (U+0000-U+001F, U+007F-U+009F,
+    U+2028, U+2029); in versions 1 to 5 they MUST NOT hold ``'/'`` at all
+    (version 6 allows it: *Names with '/'*, below). A save refuses them
+    (:data:`NAMES`, :mod:`fastckpt.store.names`). A reader splits a stored
+    key at its last ``/part_<i>_<n>``, which MUST end the key (a key of an
+    older save whose name holds a newline reads whole).
 
 ``index.json``
     ``{"block_index": {stored key: file number}, "file_index": {file name:
@@ -263,7 +267,29 @@ Row shapes (version 5)
     A reader of version 4 or older (fastckpt 0.5) refuses a version-5
     manifest before reading anything else: "format version 5 is newer than
     this fastckpt reads (4); upgrade fastckpt". ``fastckpt reshard``
-    writes any version as the version a save of its tables writes.
+    writes any version as the version a save of its tables writes. A
+    version-6 manifest has ``shape`` and ``slot_specs`` as version 5 does.
+
+Names with '/' (version 6)
+    A version-6 checkpoint is laid out as one of version 5; only its names
+    differ: a dense tensor, a table or a slot may be named with ``'/'``
+    (RecIS's ``tower/dense/kernel``, a table ``tower/user``, a slot
+    ``adam/m``), anywhere in the name, repeated or last (``a//b/``), but
+    never followed by ``part_`` (``'/part_'`` is refused in every version,
+    as RecIS's layout refuses it). Stored keys are formed as above:
+    ``tower/dense/kernel/part_0_2``, ``tower/user.id/part_1_2``,
+    ``tower/user.adam/m/part_1_2``. A reader takes the name as everything
+    before the key's last ``/part_<i>_<n>`` (which ends the key), checks it
+    against ``tensorkey.json`` and the description's ``tensor``, and takes a
+    table's and a slot's names from the description's ``table`` and ``slot``
+    (the tensor being ``TABLE.SLOT``), never by splitting at a ``'/'``. A
+    save writes version 6 only where some name holds ``'/'``. A manifest of
+    version 5 or older whose ``tensors``, ``hashtables`` or ``slots`` hold a
+    name with ``'/'`` is refused (a ``FormatError`` naming the name and its
+    position). A reader of version 5 or older (fastckpt 0.6) refuses a
+    version-6 manifest before reading anything else: "format version 6 is
+    newer than this fastckpt reads (5); upgrade fastckpt" (fastckpt 0.4 and
+    0.5 say "(4)").
 
 >>> part_key("w", 1, 4), rows_of(1, 4, 10), parse_part_key("T.id/part_2_3")
 ('w/part_1_4', (2, 5), ('T.id', 2, 3))
@@ -277,6 +303,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -299,16 +326,17 @@ __all__ = [
     "dtype_of", "manifest_checksum", "seal", "check_seal", "commit_directory",
     "read_metadata", "SLICE_VERSION", "SLICE_SIZE", "slice_positions", "slice_of", "slice_owner", "slice_groups", "group_bounds",
     "group_span", "group_rows", "slice_order", "slice_run", "SliceRowError", "ROWS_VERSION", "row_specs",
-    "version_for",
+    "version_for", "NAMES_VERSION",
 ]
 
 FORMAT = "fastckpt.sharded"
-FORMAT_VERSION = 5  # the newest version read (a save writes the oldest version that holds it: version_for)
+FORMAT_VERSION = 6  # the newest version read (a save writes the oldest version that holds it: version_for)
 FULL_VERSION = 1  # the first version
 DELTA_VERSION = 2  # the first version with deltas and encoded tables
 CHECKSUM_VERSION = 3  # the first version whose manifest carries its own checksum
 SLICE_VERSION = 4  # the first version whose table parts are grouped by key-space slice, their row ranges recorded
 ROWS_VERSION = 5  # the first version whose tables record their row shape and each slot's shape and dtype
+NAMES_VERSION = 6  # the first version whose tensor, table and slot names may hold '/' (``tower/dense/kernel``)
 SLICE_SIZE = 65536  # the key space of a version-4 table's slices: RecIS's default, which recis.py imports
 GROUP_ROWS = 256  # a version-4 save makes one slice group per this many rows of a part ...
 MAX_GROUPS = 64  # ... and at most this many (the metadata of a part is bounded)
@@ -319,8 +347,12 @@ DESCRIPTION_FILE = "torch_rank_weights_embs_table_multi_shard.json"
 MANIFEST_FILE = "manifest.json"
 ROLES = ("id", "embedding", "slot", "deleted")
 
-#: The names this layout stores and reads back: every stored key adds ``/part_<i>_<n>``, so no name holds '/'.
-NAMES = NameRule("fastckpt's sharded layout", reserved=(("/", "every stored key adds '/part_<i>_<n>' after a '/'"),))
+#: The names this layout stores and reads back: a reader splits a stored key at its last ``/part_<i>_<n>``, so a
+#: name may hold '/' (``tower/dense/kernel``, from format version 6 on: :func:`version_for`), but not '/part_', the
+#: suffix itself, which RecIS's layout (:data:`fastckpt.sharded.recis.NAMES`) breaks on as well.
+NAMES = NameRule("fastckpt's sharded layout", refusal="{format} does not store such a name",
+                 reserved=(("/part_", ("the suffix of every stored part, '/part_<i>_<n>', which RecIS's layout "
+                                       "breaks on")),))
 
 # Matched with fullmatch only: '$' would also match before a final newline.
 _PART = re.compile(r"(?P<name>.+)/part_(?P<i>[0-9]+)_(?P<n>[0-9]+)", re.DOTALL)
@@ -645,23 +677,44 @@ def row_specs(entry: dict) -> tuple[list[int], str, dict[str, tuple[list[int], s
     return shape, entry["dtype"], slots
 
 
-def version_for(tables: dict) -> int:
+def version_for(tables: dict, tensors: Iterable[str] = ()) -> int:
     """The format version a save writes for its manifest's ``hashtables`` entries ``tables`` (each with ``shape``
-    and ``slot_specs``): :data:`SLICE_VERSION` (4), which fastckpt 0.4 and 0.5 read, where every row of every
-    table, embedding and slots, is ``[dim]`` values of the table's dtype; else :data:`ROWS_VERSION` (5): an
-    embedding row of more than one axis, or a slot of its own row shape or dtype, which only a reader of version 5
-    can place.
+    and ``slot_specs``) and its dense tensors' names ``tensors``: the oldest version that holds them, so that older
+    readers read every checkpoint they can.
+
+    * :data:`NAMES_VERSION` (6) where a dense tensor, a table or a slot is named with a '/' (``tower/dense/kernel``):
+      readers of version 5 and older (fastckpt 0.6 and older) were never given such a name;
+    * else :data:`ROWS_VERSION` (5) where an embedding row has more than one axis, or a slot a row shape or dtype of
+      its own, which only a reader of version 5 can place;
+    * else :data:`SLICE_VERSION` (4), which fastckpt 0.4 and up read: every row of every table, embedding and
+      slots, is ``[dim]`` values of the table's dtype.
 
     >>> plain = {"dim": 2, "dtype": "float32", "shape": [2], "slot_specs": {"m": {"shape": [2], "dtype": "float32"}}}
     >>> version_for({"t": plain}), version_for({"t": {**plain, "dim": 6, "shape": [2, 3], "slot_specs": {}}})
     (4, 5)
     >>> version_for({"t": {**plain, "slot_specs": {"step_filter": {"shape": [1], "dtype": "int64"}}}})
     5
+    >>> version_for({"t": plain}, ["tower/dense/kernel"]), version_for({"tower/t": plain}), version_for({"t": {
+    ...     **plain, "slot_specs": {"adam/m": {"shape": [2], "dtype": "float32"}}}})
+    (6, 6, 6)
     """
+    if any("/" in name for name, _ in _names(tables, tensors)):
+        return NAMES_VERSION
     plain = all(entry["shape"] == [entry["dim"]] and all(spec == {"shape": [entry["dim"]], "dtype": entry["dtype"]}
                                                          for spec in entry["slot_specs"].values())
                 for entry in tables.values())
     return SLICE_VERSION if plain else ROWS_VERSION
+
+
+def _names(tables: dict, tensors: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """Every name a checkpoint stores, as ``(name, what)``: its dense tensors', its tables' and their slots'
+    (``slot_specs`` where an entry has them, else ``slots``)."""
+    for name in tensors:
+        yield name, "tensor"
+    for name, entry in tables.items():
+        yield name, "hashtable"
+        for slot in entry.get("slot_specs", entry.get("slots", ())):
+            yield slot, f"hashtable {name!r} slot"
 
 
 def manifest_checksum(manifest: dict) -> str:
@@ -932,6 +985,10 @@ def _check_manifest_entries(manifest: dict, where: str, *, delta: bool, version:
         expect(encoding is None or (isinstance(encoding, dict) and type(encoding.get("max_abs_error", 0.0))
                                      in (int, float)), w, f"'encoding' must be an object with a number "
                                                           f"'max_abs_error', got {encoding!r}")
+    if version < NAMES_VERSION:  # what a reader of that version was promised: no name holds '/'
+        for name, what in _names(tables, tensors):
+            expect("/" not in name, where, f"{what} name {name!r} holds '/' at position {name.find('/')}: names "
+                                           f"holding '/' need format_version {NAMES_VERSION}, got {version}")
 
 
 _MAX_ROW_AXES = 32  # a row shape's axes (numpy's limit is 64 for a whole array)

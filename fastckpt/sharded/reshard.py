@@ -44,9 +44,9 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
     to the rank of their key-space slice (format version 4's rule: RecIS's
     ``gen_slice`` over each table's slice size; a source of versions 1-4 is
     written as a save of its tables writes: version 4, or 5 where a table's
-    rows have shapes of their own); dense tensors are split by rows as a
-    ``shards``-rank save splits them. The result holds exactly the source's
-    values. ``progress`` (``True`` for a bar, or ``callback(done, total,
+    rows have shapes of their own, or 6 where a name holds '/'); dense
+    tensors are split by rows as a ``shards``-rank save splits them. The
+    result holds exactly the source's values. ``progress`` (``True`` for a bar, or ``callback(done, total,
     item)``: :mod:`fastckpt.progress`) counts the bytes of tensors written to
     ``dst`` by every rank; it starts once every rank has loaded its share.
     ``layout`` (``"fastckpt"`` or ``"recis"``, default: the source's) converts
@@ -56,8 +56,9 @@ def reshard(src: str | os.PathLike, dst: str | os.PathLike, shards: int, *, para
     versions 1-3; ``slice_size`` chooses another for a source in fastckpt's
     layout written in RecIS's). Every slot of every table is written, whatever
     its row shape and dtype, and embeddings keep their row shape (into
-    fastckpt's layout as format version 5 where a table has such rows; version
-    4 otherwise); a checkpoint the target layout cannot hold whole (a name it
+    fastckpt's layout as format version 5 where a table has such rows, as
+    version 6 where a name holds '/', ``tower/dense/kernel``; version 4
+    otherwise); a checkpoint the target layout cannot hold whole (a name it
     cannot store, a dtype RecIS does not read) is an error before anything is
     written.
 

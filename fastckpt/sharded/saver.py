@@ -184,7 +184,8 @@ class Saver:
     In fastckpt's layout ``slice_size`` (default 65536) is the key space of the tables' slice order (format
     version 4), from 64 to 2**32. Tables whose rows or slots have shapes or dtypes of their own
     (``HashTable((2, 3))``, a step filter's int64 slot) are saved whole in either layout: fastckpt's writes them
-    as format version 5 (:func:`~fastckpt.sharded.format.version_for`; version 4 otherwise).
+    as format version 5 (:func:`~fastckpt.sharded.format.version_for`; version 4 otherwise). Names may hold '/'
+    (``tower/dense/kernel``; fastckpt's layout then writes format version 6), not '/part_' or a control character.
 
     >>> import numpy as np, tempfile, os
     >>> out = os.path.join(tempfile.mkdtemp(), "c")
@@ -648,7 +649,7 @@ class Saver:
                       for r in range(self.shard_num) for k in range(self.parallel)}
         metadata = [(INDEX_FILE, dumps({"block_index": block_index, "file_index": file_index})),
                     (TENSORKEY_FILE, dumps(tensorkey)), (DESCRIPTION_FILE, dumps(descriptions))]
-        version = version_for(tables)
+        version = version_for(tables, dense)
         if version < ROWS_VERSION:  # every row [dim] of the table's dtype: version 4, which older readers read
             for entry in tables.values():
                 del entry["shape"], entry["slot_specs"]

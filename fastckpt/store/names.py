@@ -15,7 +15,7 @@ What each rule refuses:
   file names refuse them; single-file formats that store names as JSON or binary keys (safetensors, NPZ, HF
   shards, TensorFlow bundles) read every such name back exactly and keep accepting it.
 - ``reserved``: substrings the format uses as separators, each with the reason (RecIS's ``'^'`` and ``'@'``,
-  the ``'/part_'`` suffix of stored parts, ``'/'`` where the layout appends one).
+  the ``'/part_'`` suffix of stored parts).
 - ``whole``: names the format keeps for itself (safetensors' ``__metadata__``, TensorFlow's empty key).
 - ``prefixes``: starts the format keeps for itself (TensorFlow's keys beginning with NUL hold slices).
 - ``file_name``: the name is one file name in a directory: not empty, ``'.'`` or ``'..'``; no ``'/'``,
@@ -31,9 +31,9 @@ Step directories of :class:`~fastckpt.train.CheckpointManager` are ``step-<N>`` 
 :func:`step_name` makes one and :func:`parse_step` is the only reader of one (a name with anything after the
 digits, a newline included, is not a step).
 
->>> rule = NameRule("fastckpt's sharded layout", reserved=(("/", "stored keys add '/part_<i>_<n>'"),))
->>> rule.check("layer.weight")
-'layer.weight'
+>>> rule = NameRule("fastckpt's sharded layout", reserved=(("/part_", "the suffix of every stored part"),))
+>>> rule.check("tower/dense/kernel")
+'tower/dense/kernel'
 >>> rule.check("layer\\nweight")
 Traceback (most recent call last):
 ValueError: tensor name 'layer\\nweight' holds '\\n' at position 5, a control character: fastckpt's sharded layout cannot read such a name back; rename the tensor (for example replace it with '_')
