@@ -229,3 +229,62 @@ def test_a_fill_that_does_not_wait_for_the_copies_is_caught(tmp_path, device, si
     loaded = load_file(path, queue, pool=None, staging=chunk)
     assert queue.link.torn
     assert loaded["w"].to_host().tobytes() != tensors["w"].tobytes()
+
+
+def test_a_failed_fill_stops_the_staged_load_and_the_next_load_is_exact(tmp_path, device, sim, monkeypatch):
+    # The fill threads send the batches themselves: one whose part fails must stop the others (some of them waiting
+    # for a batch that will never be sent) and the load must raise, not hang, with no fill left writing.
+    from fastckpt.device import staging
+
+    monkeypatch.setattr(staging, "FILL_SPLIT", 16 << 10)
+    monkeypatch.setattr(staging, "_cpus", lambda: 3)
+    real_fill, calls, lock = staging.fill, [], threading.Lock()
+
+    def fill(pending, pairs):
+        with lock:
+            calls.append(time.perf_counter())
+            n = len(calls)
+        if n == 7:
+            raise OSError("the disk went away")
+        real_fill(pending, pairs)
+
+    monkeypatch.setattr(staging, "fill", fill)
+    path = tmp_path / "m.safetensors"
+    chunk = 64 << 10
+    tensors = {"w": sample(np.uint8, (24 * chunk - 3,), 8)}
+    write_raw_safetensors(path, tensors)
+    queue = sim(50e6)
+    pool = PersistentBufferPool(device.context, queue)
+    with pytest.raises(OSError, match="the disk went away"):
+        load_file(path, queue, pool=pool, staging=chunk)
+    stopped = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == stopped, "no fill runs after the load has raised"
+    assert stopped < 24 * 2, "the parts after the failure were not filled"
+    monkeypatch.setattr(staging, "fill", real_fill)
+    loaded = load_file(path, queue, pool=pool, staging=chunk)
+    check_exact(loaded, path, tensors)
+    assert not queue.link.torn and not queue.link.errors
+
+
+def test_the_engine_runs_real_time_where_the_process_may(device, sim, monkeypatch):
+    import os
+
+    from fastckpt.device import simlink
+
+    queue = sim(1e9)
+    asked: list = []
+    probe = threading.Thread(target=lambda: asked.append(simlink._realtime()))  # a thread that asks as the engine's
+    probe.start()
+    probe.join()
+    assert queue.link.realtime == asked[0]
+    if asked[0]:
+        assert os.sched_getscheduler(queue.link._thread.native_id) == os.SCHED_FIFO
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER, "only the engine's thread"
+    assert sim(1e9, realtime=False).link.realtime is False
+    monkeypatch.setattr(simlink, "_realtime", lambda: False)  # refused: the link still runs, at ordinary priority
+    refused = sim(1e9)
+    assert refused.link.realtime is False
+    buffer = _buffer(device, 4096)
+    refused.link.copy(refused, buffer, np.ones(4096, np.uint8), 0).wait()
+    assert _read(device, buffer, 4096).tolist() == [1] * 4096

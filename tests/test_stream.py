@@ -170,6 +170,30 @@ def test_pieces_of_several_objects_share_one_pool_and_hold_at_most_threads_x_chu
     assert max(o.stats.peak_held for o in objs) <= 4 * (16 << 10)
 
 
+def test_a_failed_delivery_of_a_part_stops_the_stream_and_is_raised(objects, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(stream, "_PART", 4096)
+    blob = np.random.default_rng(6).integers(0, 256, 300_000, np.uint8).tobytes()
+    with open(objects.path("b", "fails.bin"), "wb") as f:
+        f.write(blob)
+    obj = RemoteObject(objects.http_url("b", "fails.bin"))
+    calls, lock = [], threading.Lock()
+
+    def deliver(offset, part):
+        with lock:
+            calls.append(offset)
+            if len(calls) == 5:
+                raise OSError("no room left on the destination")
+
+    with pytest.raises(OSError, match="no room left on the destination"):
+        obj.stream([(0, obj.size)], deliver, chunk=32 << 10, threads=3, parts=True)
+    stopped = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == stopped < len(blob) // 4096, "no delivery after the stream has raised"
+    assert obj.stats.held == 0
+
+
 @pytest.mark.device
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
 @pytest.mark.parametrize("where", SOURCES)

@@ -369,6 +369,9 @@ def run(args) -> int:
                   f"same buffers on as many threads, just before or after it) or during it (its bytes over the "
                   f"seconds during which its fill threads were writing). The machine is shared: fill rates move "
                   f"from second to second, which the second measure follows.\n")
+            engine = ("real-time (SCHED_FIFO), as a DMA engine needs no core" if case.queue.link.realtime else
+                      "at ordinary priority (real-time was refused): its copies complete late where the cores are busy")
+            print(f"The simulated link's engine thread runs {engine}.\n")
             rows = _headline(case, links, rates, args.repeat)
             header = ["link (GB/s, real)", "simulated link (GB/s)", "fill beside (GB/s)", "fill during (GB/s)",
                       "achieved (GB/s)", "share of min(fill beside, link)", "share of min(fill during, link)",

@@ -12,15 +12,17 @@ The bytes to stage are one stream: the pieces :meth:`Stager.add` was given,
 back to back, cut into *batches* of one staging chunk. Batch ``k`` is filled
 into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
 
-- fills are queued up to ``buffers - 1`` batches ahead of the batch being sent,
-  each batch in parts of at least ``FILL_SPLIT`` bytes on ``threads`` threads
-  (numpy releases the GIL while it copies), so several batches fill at once;
+- the fill threads take the stream's parts in order,
+  each batch in parts of at least ``FILL_SPLIT`` bytes (numpy and ``preadv``
+  release the GIL while they copy), so several batches fill at once, up to
+  ``buffers`` of them;
 - a part waits only for the copies last sent from *its own* staging buffer
   (their events; a previous load's too, for buffers from a pool), never for the
   batch before it;
-- the calling thread sends batch ``k`` as soon as its parts are filled, in
-  order, and reports progress (tensor by tensor, once the copy carrying the
-  last byte of a tensor has completed, see ``load_file``'s ``progress``).
+- the thread that fills the last part of a batch sends it at once (and every
+  filled batch after it), in order, with no thread to wake for it; the caller's
+  thread reports progress (tensor by tensor, once the copy carrying the last
+  byte of a tensor has completed, see ``load_file``'s ``progress``).
 
 How many threads and buffers (:func:`staging_shape`): threads from the cores
 this process may run on and the load's size (a part of ``FILL_SPLIT`` bytes at
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -242,9 +245,15 @@ def _fillers(threads: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _wait_events(events) -> None:
+    """Wait for ``events``; at once where each has completed. ``wait_for_events`` releases the GIL, and a thread
+    that gives it up waits for it again behind the others: on a 2-core host filling on both cores, 74 waits for
+    copies already complete cost a 256 MiB load 0.6-5.4 ms (bench --suite link)."""
     import pyopencl as cl
 
-    cl.wait_for_events(events)  # releases the GIL while it waits
+    complete = cl.command_execution_status.COMPLETE
+    if all(event.command_execution_status == complete for event in events):
+        return
+    cl.wait_for_events(events)  # releases the GIL while it waits; raises where a copy failed
 
 
 def lease_staging(queue, pool, chunk: int, count: int) -> StagingBuffers:
@@ -286,6 +295,112 @@ def fill(pending, pairs) -> int:
     return reads
 
 
+class _Pipeline:
+    """The fills and copies of one staged load, run by the fill threads themselves.
+
+    Each fill thread runs :meth:`work`: it takes the next part of the stream (cutting the next batch into parts when
+    it gets there), waits until the batch last filled into that staging buffer has been sent, then for that batch's
+    copies (``fill``'s ``pending``), fills its part, and, where that completed a batch, sends it and every filled
+    batch after it, in order, so that a copy is sent the moment its bytes are in place. When the caller's thread cut
+    the parts, queued them and sent each batch, the fill threads could not begin before it had queued every part
+    (it held the GIL: 0.4 ms a load), and each copy waited for the caller's thread to be woken, 1-2 ms a batch on a
+    2-core host with both cores filling, which idled the link for 5-10% of a load at 25-50 GB/s (bench --suite link,
+    docs/reading.md).
+
+    No deadlock: parts are taken in stream order, so every part of batch ``k - buffers`` has been taken (and runs)
+    before a part of batch ``k`` waits for it. A failed part (or the caller's :meth:`fail`) stops the others before
+    their next part."""
+
+    __slots__ = ("stager", "batches", "left", "last", "sent", "failed", "cond", "taken", "parts", "reported")
+
+    def __init__(self, stager: "Stager", batches: list):
+        self.stager = stager
+        self.batches = batches
+        self.left = [-1] * len(batches)  # parts of each batch not yet filled (-1: not yet cut into parts)
+        self.last: list = [None] * len(batches)  # the event progress waits for, per batch sent
+        self.sent = 0  # batches sent, in order
+        self.reported = 0  # batches whose tensors were reported (progress)
+        self.failed: BaseException | None = None
+        self.cond = threading.Condition()
+        self.taken = -1  # the batch whose parts are being taken
+        self.parts: list = []  # its parts not yet taken
+
+    def _next(self):
+        """The next part to fill, ``(batch, task)``; None when there is none left (or the load failed). Under the
+        lock."""
+        while not self.parts:
+            if self.failed is not None or self.taken + 1 >= len(self.batches):
+                return None
+            self.taken += 1
+            k = self.taken
+            self.parts = self.stager._parts(self.batches[k], self.stager.stage.hosts[k % self.stager.stage.count])
+            self.parts.reverse()
+            self.left[k] = len(self.parts)
+        return self.taken, self.parts.pop()
+
+    def work(self, caller: bool = False) -> None:
+        """Fill and send parts until none is left. ``caller``: this is the caller's thread (the only fill
+        thread), which also reports progress as batches are sent."""
+        stager = self.stager
+        count = stager.stage.count
+        cond = self.cond
+        try:
+            while True:
+                with cond:
+                    taken = self._next()
+                    if taken is None:
+                        return
+                    k, task = taken
+                    while self.sent <= k - count and self.failed is None:
+                        cond.wait()
+                    if self.failed is not None:
+                        return
+                    pending = stager.stage.pending[k % count]  # the copies last sent from this buffer
+                stager._fill(pending, task)
+                with cond:
+                    self.left[k] -= 1
+                    sent = self.sent
+                    while self.sent < len(self.batches) and self.left[self.sent] == 0 and self.failed is None:
+                        n = self.sent
+                        self.last[n] = stager._send(n % count, self.batches[n])
+                        self.sent = n + 1
+                    if self.sent != sent:  # only a send lets a waiting part (or the caller's progress) go on
+                        cond.notify_all()
+                if caller:
+                    self.report()
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop: no part is taken any more, and the caller stops waiting."""
+        with self.cond:
+            if self.failed is None:
+                self.failed = exc
+            self.cond.notify_all()
+
+    def report(self, wait: bool = False) -> None:
+        """Report progress for the tensors whose last byte the batches sent carry, in order, on the caller's thread;
+        ``wait``: until every batch has been reported (or the load failed)."""
+        stager = self.stager
+        marks = stager.marks
+        if not marks:
+            return
+        while self.reported < len(self.batches):
+            k = self.reported
+            with self.cond:
+                while wait and self.sent <= k and self.failed is None:
+                    self.cond.wait()
+                if self.sent <= k:
+                    return
+            end = stager.reported_to = stager.reported_to + sum(len(p[0]) for p in self.batches[k])
+            while stager.mark < len(marks) and marks[stager.mark][0] <= end:
+                _end, nbytes, name = marks[stager.mark]
+                stager.reported(self.last[k], nbytes, name)
+                stager.mark += 1
+            self.reported = k + 1
+
+
 class Stager:
     """The staged copies of one load (see the module docstring).
 
@@ -296,7 +411,7 @@ class Stager:
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "pieces", "ramp",
-                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled", "threads", "reads")
+                 "stream", "marks", "mark", "reported_to", "copies", "regions", "tensors", "files", "fresh", "filled", "threads", "reads")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
                  reported: Callable | None = None):
@@ -311,6 +426,8 @@ class Stager:
         self.ramp = RAMP  # the first and last batches are smaller (batch_sizes); 0: every batch a whole chunk
         self.stream = 0  # bytes added so far
         self.marks: list = []  # (stream position of a tensor's last byte + 1, bytes, name), for progress
+        self.mark = 0  # marks reported so far
+        self.reported_to = 0  # stream bytes in the batches reported so far
         self.copies = 0
         self.regions: list = []  # arena regions of a non-blocking load, given the final event by finish()
         self.tensors: list = []  # tensors of a non-blocking load, likewise
@@ -456,40 +573,23 @@ class Stager:
         if self.threads > 1 and self.stream >= 2 * FILL_SPLIT:
             pool = _fillers(self.threads)
             scope = held_guards()  # the fill threads copy out of the mappings under the caller's guards
-        running: dict = {}  # batch number -> its fill futures
-        submitted = 0
-        mark = 0
-        sent = 0  # stream bytes in the batches sent so far
+        order = _Pipeline(self, batches)
+        futures: list = []
         try:
-            for k, batch in enumerate(batches):
-                while submitted < len(batches) and submitted < k + count:
-                    slot = submitted % count
-                    pending, stage.pending[slot] = stage.pending[slot], None
-                    tasks = self._parts(batches[submitted], stage.hosts[slot])
-                    if pool is None:
-                        for task in tasks:
-                            self._fill(pending, task)
-                            pending = None
-                        running[submitted] = ()
-                    else:
-                        running[submitted] = [pool.submit(scope.run, self._fill, pending, task) for task in tasks]
-                    submitted += 1
-                futures = running.pop(k)
+            if pool is None:
+                order.work(caller=True)
+            else:
+                futures = [pool.submit(scope.run, order.work) for _ in range(self.threads)]
+                order.report(wait=True)
                 concurrent.futures.wait(futures)
                 for future in futures:
                     future.result()
-                last = self._send(k % count, batch)
-                sent += sum(len(p[0]) for p in batch)
-                if self.marks:
-                    end = sent
-                    while mark < len(self.marks) and self.marks[mark][0] <= end:
-                        _end, nbytes, name = self.marks[mark]
-                        self.reported(last, nbytes, name)
-                        mark += 1
+        except BaseException as exc:
+            order.fail(exc)
+            raise
         finally:
-            # Never return while a fill thread still writes into a staging buffer.
-            for futures in running.values():
-                concurrent.futures.wait(futures)
+            # Never return while a fill thread still writes into a staging buffer (a failed load's stop early).
+            concurrent.futures.wait(futures)
         if not self.blocking and (self.regions or self.tensors):
             import pyopencl as cl
 
