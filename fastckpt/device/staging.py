@@ -564,7 +564,6 @@ class Stager:
         direct = sum(len(p[0]) for p in self.pieces if p[3] is not None and p[3][3] is not None)
         batches = self._batches()
         stage = self.stage
-        count = stage.count
         pool = None
         # A fill that reads with O_DIRECT waits on the disk and uses next to no CPU: as many fill threads as the
         # direct reads' queue depth (DIRECT_THREADS), however few the cores, keep the disk as busy as a pooled
