@@ -352,7 +352,7 @@ class Loader:
         if recis.is_recis_directory(self.checkpoint_path):  # RecIS's own layout: its slice rule
             return recis.load(self)
         started = time.perf_counter()
-        chain = resolve_chain(self.checkpoint_path)
+        chain = resolve_chain(self.checkpoint_path, opening=True)  # the head's files: read by its reader below
         self._check_lossy(chain)
         results: dict[str, Any] = {}
         with contextlib.ExitStack() as stack:
