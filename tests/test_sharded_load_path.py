@@ -29,6 +29,14 @@ def _save(tmp_path) -> str:
     return out
 
 
+def _flip_a_bit(path: str) -> None:
+    """One bit of the file's middle byte flipped in place (its size unchanged)."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
 def test_metadata_read_again_is_equal_and_new_and_a_damaged_file_is_still_refused(tmp_path):
     out = _save(tmp_path)
     first = read_metadata(out)
@@ -37,12 +45,7 @@ def test_metadata_read_again_is_equal_and_new_and_a_damaged_file_is_still_refuse
     assert second["descriptions"] is not first["descriptions"]
     second["descriptions"].clear()  # the caller's own objects: a later reading is not changed by it
     assert read_metadata(out) == first
-    path = f"{out}/{DESCRIPTION_FILE}"
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    data[len(data) // 2] ^= 0x01
-    with open(path, "wb") as f:
-        f.write(bytes(data))
+    _flip_a_bit(f"{out}/{DESCRIPTION_FILE}")
     with pytest.raises(ChecksumMismatchError, match=DESCRIPTION_FILE):
         read_metadata(out)
 
@@ -68,12 +71,7 @@ def test_a_load_resolving_a_checked_head_reads_its_manifest_alone_and_its_reader
     monkeypatch.setattr(Snapshot, "read", counted)
     assert resolve_chain(out, opening=True) == resolve_chain(out)
     assert reads == ["manifest.json"] + ["manifest.json", "index.json", "tensorkey.json", DESCRIPTION_FILE]
-    path = f"{out}/{DESCRIPTION_FILE}"
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    data[len(data) // 2] ^= 0x01
-    with open(path, "wb") as f:
-        f.write(bytes(data))
+    _flip_a_bit(f"{out}/{DESCRIPTION_FILE}")
     assert resolve_chain(out, opening=True)[0][0] == out  # the manifest alone: unchanged
     with pytest.raises(ChecksumMismatchError, match=DESCRIPTION_FILE):
         Loader(out, hashtables={"emb": HashTable(4, slots=("m",))}, verify=False).load()
