@@ -77,6 +77,41 @@ def test_a_load_resolving_a_checked_head_reads_its_manifest_alone_and_its_reader
         Loader(out, hashtables={"emb": HashTable(4, slots=("m",))}, verify=False).load()
 
 
+def test_a_checked_head_replaced_while_its_manifest_alone_is_read_is_changed(tmp_path, monkeypatch):
+    """The manifest alone read of a head this process checked still says the directory was replaced under it (a
+    save with overwrite=True), as the read of the next metadata file did, whatever the replacement holds."""
+    import os
+    import shutil
+
+    import blake3
+
+    import fastckpt.sharded.format as sharded_format
+    from fastckpt.errors import CheckpointChangedError
+    from fastckpt.sharded.chain import resolve_chain
+
+    out = _save(tmp_path)
+    read_metadata(out)  # checked once in this process
+    calls = []
+
+    class Replacing:  # the manifest's bytes are hashed once read: replace the directory then
+        def __getattr__(self, name):
+            return getattr(blake3, name)
+
+        @staticmethod
+        def blake3(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                shutil.copytree(out, out + ".new")
+                os.rename(out, out + ".old")
+                os.rename(out + ".new", out)
+            return blake3.blake3(*args, **kwargs)
+
+    monkeypatch.setattr(sharded_format, "blake3", Replacing())
+    with pytest.raises(CheckpointChangedError, match="manifest.json: .* is another directory now; the checkpoint "
+                                                     "changed while it was opened"):
+        resolve_chain(out, opening=True)
+    assert resolve_chain(out, opening=True)[0][0] == out  # the directory as it is now
+
 def test_an_adopted_table_whose_ids_stop_ascending_past_the_first_stretch_lists_them_sorted():
     """Whether a table's ids ascend is decided a stretch at a time: ids out of order only far in are still seen."""
     for where in (1, 4095, 4096, 4097, 20480, 20481, 29999):

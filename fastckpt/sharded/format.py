@@ -892,6 +892,9 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
     manifest = parse_json(raw, where)
     unchecked = list(known["unchecked"]) if known is not None else _check_manifest(manifest, where)
     if manifest_only and known is not None:  # the other files are read and checked by whoever opens it next
+        change = snapshot.changed()  # replaced while the manifest was read: said here, as the next file's read would
+        if change is not None:
+            raise snapshot.changed_error(MANIFEST_FILE, change)
         return {"manifest": manifest, "manifest_blake3": manifest_hash, "unchecked": unchecked}
     files = manifest["files"]
     loaded = {}
