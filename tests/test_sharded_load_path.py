@@ -83,34 +83,28 @@ def test_a_checked_head_replaced_while_its_manifest_alone_is_read_is_changed(tmp
     import os
     import shutil
 
-    import blake3
-
-    import fastckpt.sharded.format as sharded_format
     from fastckpt.errors import CheckpointChangedError
     from fastckpt.sharded.chain import resolve_chain
+    from fastckpt.store.snapshot import Snapshot
 
     out = _save(tmp_path)
     read_metadata(out)  # checked once in this process
-    calls = []
+    real_read = Snapshot.read
 
-    class Replacing:  # the manifest's bytes are hashed once read: replace the directory then
-        def __getattr__(self, name):
-            return getattr(blake3, name)
+    def read_then_replace(self, name, *args, **kwargs):
+        data = real_read(self, name, *args, **kwargs)
+        shutil.copytree(out, out + ".new")  # once the manifest is read, a save with overwrite=True swaps it
+        os.rename(out, out + ".old")
+        os.rename(out + ".new", out)
+        monkeypatch.setattr(Snapshot, "read", real_read)
+        return data
 
-        @staticmethod
-        def blake3(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 1:
-                shutil.copytree(out, out + ".new")
-                os.rename(out, out + ".old")
-                os.rename(out + ".new", out)
-            return blake3.blake3(*args, **kwargs)
-
-    monkeypatch.setattr(sharded_format, "blake3", Replacing())
+    monkeypatch.setattr(Snapshot, "read", read_then_replace)
     with pytest.raises(CheckpointChangedError, match="manifest.json: .* is another directory now; the checkpoint "
                                                      "changed while it was opened"):
         resolve_chain(out, opening=True)
     assert resolve_chain(out, opening=True)[0][0] == out  # the directory as it is now
+
 
 def test_an_adopted_table_whose_ids_stop_ascending_past_the_first_stretch_lists_them_sorted():
     """Whether a table's ids ascend is decided a stretch at a time: ids out of order only far in are still seen."""
