@@ -29,6 +29,14 @@ def _save(tmp_path) -> str:
     return out
 
 
+def _flip_a_bit(path: str) -> None:
+    """One bit of the file's middle byte flipped in place (its size unchanged)."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
 def test_metadata_read_again_is_equal_and_new_and_a_damaged_file_is_still_refused(tmp_path):
     out = _save(tmp_path)
     first = read_metadata(out)
@@ -37,15 +45,100 @@ def test_metadata_read_again_is_equal_and_new_and_a_damaged_file_is_still_refuse
     assert second["descriptions"] is not first["descriptions"]
     second["descriptions"].clear()  # the caller's own objects: a later reading is not changed by it
     assert read_metadata(out) == first
-    path = f"{out}/{DESCRIPTION_FILE}"
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    data[len(data) // 2] ^= 0x01
-    with open(path, "wb") as f:
-        f.write(bytes(data))
+    _flip_a_bit(f"{out}/{DESCRIPTION_FILE}")
     with pytest.raises(ChecksumMismatchError, match=DESCRIPTION_FILE):
         read_metadata(out)
 
+
+
+def test_a_load_resolving_a_checked_head_reads_its_manifest_alone_and_its_reader_still_refuses_damage(tmp_path,
+                                                                                                      monkeypatch):
+    """Each rank resolves the chain and then opens the head: where this process checked the manifest's bytes, the
+    chain reads manifest.json alone and the reader reads and checks the four files, so a metadata file damaged
+    since is refused by the load all the same, naming it."""
+    from fastckpt.sharded.chain import resolve_chain
+    from fastckpt.store.snapshot import Snapshot
+
+    out = _save(tmp_path)
+    read_metadata(out)  # checked once in this process
+    reads: list[str] = []
+    real_read = Snapshot.read
+
+    def counted(self, name, *args, **kwargs):
+        reads.append(name)
+        return real_read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Snapshot, "read", counted)
+    assert resolve_chain(out, opening=True) == resolve_chain(out)
+    assert reads == ["manifest.json"] + ["manifest.json", "index.json", "tensorkey.json", DESCRIPTION_FILE]
+    _flip_a_bit(f"{out}/{DESCRIPTION_FILE}")
+    assert resolve_chain(out, opening=True)[0][0] == out  # the manifest alone: unchanged
+    with pytest.raises(ChecksumMismatchError, match=DESCRIPTION_FILE):
+        Loader(out, hashtables={"emb": HashTable(4, slots=("m",))}, verify=False).load()
+
+
+def test_a_checked_head_replaced_while_its_manifest_alone_is_read_is_changed(tmp_path, monkeypatch):
+    """The manifest alone read of a head this process checked still says the directory was replaced under it (a
+    save with overwrite=True), as the read of the next metadata file did, whatever the replacement holds."""
+    import os
+    import shutil
+
+    from fastckpt.errors import CheckpointChangedError
+    from fastckpt.sharded.chain import resolve_chain
+    from fastckpt.store.snapshot import Snapshot
+
+    out = _save(tmp_path)
+    read_metadata(out)  # checked once in this process
+    real_read = Snapshot.read
+
+    def read_then_replace(self, name, *args, **kwargs):
+        data = real_read(self, name, *args, **kwargs)
+        shutil.copytree(out, out + ".new")  # once the manifest is read, a save with overwrite=True swaps it
+        os.rename(out, out + ".old")
+        os.rename(out + ".new", out)
+        monkeypatch.setattr(Snapshot, "read", real_read)
+        return data
+
+    monkeypatch.setattr(Snapshot, "read", read_then_replace)
+    with pytest.raises(CheckpointChangedError, match="manifest.json: .* is another directory now; the checkpoint "
+                                                     "changed while it was opened"):
+        resolve_chain(out, opening=True)
+    assert resolve_chain(out, opening=True)[0][0] == out  # the directory as it is now
+
+
+def test_an_adopted_table_whose_ids_stop_ascending_past_the_first_stretch_lists_them_sorted():
+    """Whether a table's ids ascend is decided a stretch at a time: ids out of order only far in are still seen."""
+    for where in (1, 4095, 4096, 4097, 20480, 20481, 29999):
+        ids = np.arange(30000, dtype=np.int64) * 2
+        ids[where], ids[where - 1] = ids[where - 1], ids[where]
+        table = HashTable(1)
+        table.adopt(ids, np.arange(30000, dtype=np.float32)[:, None])
+        assert np.array_equal(table.ids(), np.sort(ids)), where
+        assert np.array_equal(table.export()[0], np.sort(ids)), where
+    table = HashTable(1)
+    table.adopt(np.arange(30000, dtype=np.int64), np.zeros((30000, 1), np.float32))
+    assert np.array_equal(table.ids(), np.arange(30000))
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 16])
+def test_a_load_runs_its_largest_job_on_the_calling_thread_and_is_exact_on_any_parallel(tmp_path, parallel):
+    """The rank's own thread loads the table (parallel 1: every job), the kept threads the rest; the result is
+    the same, and an error of the job run here is the load's error."""
+    out = _save(tmp_path)
+    ids, values, m = _state()
+    table = HashTable(4, slots=("m",))
+    tensors: dict = {}
+    Loader(out, hashtables={"emb": table}, tensors=tensors, parallel=parallel).load()
+    order = np.argsort(ids)
+    assert np.array_equal(table.ids(), ids[order])
+    assert np.array_equal(table.lookup(ids), values) and np.array_equal(table.lookup_slot("m", ids), m)
+    assert np.array_equal(tensors["w"], np.arange(12.0).reshape(4, 3))
+    given = HashTable(3, slots=("m",))  # not the checkpoint's dim: the table's job raises
+    given.insert([1], [[9.0] * 3], {"m": [[9.0] * 3]})
+    with pytest.raises(ValueError, match="hashtable 'emb' is dim 4 float32 in the checkpoint, the table given is "
+                                         "dim 3 float32"):
+        Loader(out, hashtables={"emb": given}, tensors={}, parallel=parallel).load()
+    assert given.ids().tolist() == [1]  # a failed load leaves the table as it was
 
 def _slow_run(ids, first_row, rows, size, own):
     """slice_run row by row, as it ran before its one-pass check."""

@@ -65,14 +65,17 @@ def relative_base(delta: str | os.PathLike, base: str | os.PathLike) -> str:
     return Path(os.path.relpath(os.path.abspath(base), os.path.abspath(delta))).as_posix()
 
 
-def resolve_chain(path: str | os.PathLike) -> list[tuple[str, dict]]:
+def resolve_chain(path: str | os.PathLike, *, opening: bool = False) -> list[tuple[str, dict]]:
     """``[(directory, manifest), ...]`` from the full checkpoint to ``path``, every link checked.
 
     A full checkpoint is a chain of one. A missing, uncommitted or altered base raises
-    :class:`BrokenChainError` naming the link and the base.
+    :class:`BrokenChainError` naming the link and the base. ``opening=True``: the caller opens the head next
+    with a reader, which reads and checks its metadata files; where this process checked the head's manifest
+    bytes before, only its ``manifest.json`` is read here (:func:`~fastckpt.sharded.format.read_metadata`'s
+    ``manifest_only``), rather than its four files once here and again by the reader.
     """
     head = os.path.abspath(os.fspath(path))
-    chain = [(head, read_metadata(head)["manifest"])]
+    chain = [(head, read_metadata(head, manifest_only=opening)["manifest"])]
     seen = {head}
     while chain[-1][1].get("kind") == "delta":
         link, manifest = chain[-1]

@@ -852,7 +852,8 @@ _checked_lock = threading.Lock()
 _CHECKED_MAX = 64
 
 
-def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = None) -> dict[str, Any]:
+def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = None,
+                  manifest_only: bool = False) -> dict[str, Any]:
     """The checkpoint's four JSON files, parsed, checked against the manifest's hashes and against each other.
 
     Returns ``{"manifest", "manifest_blake3", "index", "tensorkey", "descriptions", "unchecked"}``
@@ -866,13 +867,19 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
     (:class:`~fastckpt.store.snapshot.Snapshot`) to read through, so that every file comes from one commit
     (one is opened for the call without it).
 
+    ``manifest_only=True`` is for a caller that wants the manifest alone and opens the checkpoint afterwards
+    (:func:`~fastckpt.sharded.chain.resolve_chain` for a load, whose readers read and check all four files): where
+    this process checked the same manifest bytes before, with the files they hash, only ``manifest.json`` is read
+    (the result then holds ``manifest``, ``manifest_blake3`` and ``unchecked``); otherwise everything is read and
+    checked, as without it.
+
     >>> read_metadata("/nonexistent")
     Traceback (most recent call last):
     fastckpt.errors.CheckpointNotFoundError: /nonexistent: no sharded checkpoint here (not a directory)
     """
     if snapshot is None:
         with Snapshot(directory, record=MANIFEST_FILE, what="sharded checkpoint") as snapshot:
-            return read_metadata(directory, snapshot=snapshot)
+            return read_metadata(directory, snapshot=snapshot, manifest_only=manifest_only)
     d = os.fspath(directory)
     where = os.path.join(d, MANIFEST_FILE)
     try:
@@ -884,6 +891,11 @@ def read_metadata(directory: str | os.PathLike, *, snapshot: Snapshot | None = N
     known = _checked.get(manifest_hash)  # these bytes were checked before, with the files they hash
     manifest = parse_json(raw, where)
     unchecked = list(known["unchecked"]) if known is not None else _check_manifest(manifest, where)
+    if manifest_only and known is not None:  # the other files are read and checked by whoever opens it next
+        change = snapshot.changed()  # replaced while the manifest was read: said here, as the next file's read would
+        if change is not None:
+            raise snapshot.changed_error(MANIFEST_FILE, change)
+        return {"manifest": manifest, "manifest_blake3": manifest_hash, "unchecked": unchecked}
     files = manifest["files"]
     loaded = {}
     for name in (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE):

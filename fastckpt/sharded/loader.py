@@ -352,7 +352,7 @@ class Loader:
         if recis.is_recis_directory(self.checkpoint_path):  # RecIS's own layout: its slice rule
             return recis.load(self)
         started = time.perf_counter()
-        chain = resolve_chain(self.checkpoint_path)
+        chain = resolve_chain(self.checkpoint_path, opening=True)  # the head's files: read by its reader below
         self._check_lossy(chain)
         results: dict[str, Any] = {}
         with contextlib.ExitStack() as stack:
@@ -385,11 +385,21 @@ class Loader:
             # Largest first: a table (its rows read by threads of its own while it builds its index) is most of a
             # rank's bytes, and waited behind the dense tensors where they came first and filled the pool.
             order = sorted(jobs, key=lambda job: -job[1])
-            with Lane("load", self.parallel) as pool:  # threads kept between loads (fastckpt.sharded.workers)
-                for future in [pool.submit(scope.run, run, *job) for job in order]:
+            # This thread runs the largest job itself (all of them where parallel is 1), the others go to threads
+            # kept between loads (fastckpt.sharded.workers), at most `parallel` jobs at once in all: one hand-over
+            # to another thread fewer per load, and this thread works rather than waits.
+            here = order[:1] if self.parallel > 1 else order
+            with Lane("load", max(1, self.parallel - 1)) as pool:
+                futures = [pool.submit(scope.run, run, *job) for job in order[len(here):]]
+                for job in here:
+                    try:
+                        run(*job)
+                    except Exception as exc:  # noqa: BLE001 - a damaged file's own error comes first, below
+                        error = error or exc
+                for future in futures:
                     try:
                         future.result()
-                    except Exception as exc:  # noqa: BLE001 - a damaged file's own error comes first, below
+                    except Exception as exc:  # noqa: BLE001 - as above
                         error = error or exc
             problems = [(reader, p) for reader, p in ((r, c.result()) for r, c in checks) if p]
             if problems:
