@@ -406,9 +406,9 @@ class Saver:
         return kept
 
     # -- writing --------------------------------------------------------------------------------------
-    def _write_files(self, staging: Path, blocks: list[WriteBlock], direct: bool = False) -> dict:
-        """Write this rank's tensor files into ``staging`` (``direct``: past the page cache); returns this rank's
-        report for the commit."""
+    def _write_files(self, staging: Path, blocks: list[WriteBlock]) -> dict:
+        """Write this rank's tensor files into ``staging`` (past the page cache with :attr:`direct`); returns this
+        rank's report for the commit."""
         files: list[list[WriteBlock]] = [[] for _ in range(self.parallel)]
         loads = [0] * self.parallel
         for block in sorted(blocks, key=lambda b: (-b.nbytes, b.key)):  # largest first onto the lightest file
@@ -431,7 +431,7 @@ class Saver:
                 # writer's stage
                 save_safetensors(path, {b.key: b.payload() for b in files[k]}, {"fastckpt.format": FORMAT},
                                  hasher=hasher, progress=report, fsync=False, writeback=WRITEBACK_BYTES,
-                                 direct=direct)
+                                 direct=self.direct)
                 fsync_file(path)
             return names[k], {"size": os.path.getsize(path), "blake3": hasher.hexdigest()}
 
@@ -502,8 +502,7 @@ class Saver:
                 raise
             self.kind = plan["kind"]
         error = None
-        write = lambda staging_, blocks: self._write_files(staging_, blocks, self.direct)
-        commit = lambda reports: self._commit(staging, final, reports, plan)
+        write, commit = self._write_files, lambda reports: self._commit(staging, final, reports, plan)
         if self.layout == "recis":
             from fastckpt.sharded import recis
 
