@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import logging
 import os
 import time
@@ -391,15 +392,10 @@ class Loader:
             here = order[:1] if self.parallel > 1 else order
             with Lane("load", max(1, self.parallel - 1)) as pool:
                 futures = [pool.submit(scope.run, run, *job) for job in order[len(here):]]
-                for job in here:
+                for finish in [functools.partial(run, *job) for job in here] + [f.result for f in futures]:
                     try:
-                        run(*job)
+                        finish()
                     except Exception as exc:  # noqa: BLE001 - a damaged file's own error comes first, below
-                        error = error or exc
-                for future in futures:
-                    try:
-                        future.result()
-                    except Exception as exc:  # noqa: BLE001 - as above
                         error = error or exc
             problems = [(reader, p) for reader, p in ((r, c.result()) for r, c in checks) if p]
             if problems:
