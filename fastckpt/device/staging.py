@@ -311,7 +311,8 @@ class _Pipeline:
     before a part of batch ``k`` waits for it. A failed part (or the caller's :meth:`fail`) stops the others before
     their next part."""
 
-    __slots__ = ("stager", "batches", "left", "last", "sent", "failed", "cond", "taken", "parts", "reported")
+    __slots__ = ("stager", "batches", "left", "last", "sent", "failed", "cond", "taken", "parts", "reported", "mark",
+                 "reported_to")
 
     def __init__(self, stager: "Stager", batches: list):
         self.stager = stager
@@ -320,6 +321,8 @@ class _Pipeline:
         self.last: list = [None] * len(batches)  # the event progress waits for, per batch sent
         self.sent = 0  # batches sent, in order
         self.reported = 0  # batches whose tensors were reported (progress)
+        self.mark = 0  # the stager's marks reported so far
+        self.reported_to = 0  # stream bytes in the batches reported so far
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
         self.taken = -1  # the batch whose parts are being taken
@@ -393,11 +396,11 @@ class _Pipeline:
                     self.cond.wait()
                 if self.sent <= k:
                     return
-            end = stager.reported_to = stager.reported_to + sum(len(p[0]) for p in self.batches[k])
-            while stager.mark < len(marks) and marks[stager.mark][0] <= end:
-                _end, nbytes, name = marks[stager.mark]
+            end = self.reported_to = self.reported_to + sum(len(p[0]) for p in self.batches[k])
+            while self.mark < len(marks) and marks[self.mark][0] <= end:
+                _end, nbytes, name = marks[self.mark]
                 stager.reported(self.last[k], nbytes, name)
-                stager.mark += 1
+                self.mark += 1
             self.reported = k + 1
 
 
@@ -411,7 +414,7 @@ class Stager:
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "pieces", "ramp",
-                 "stream", "marks", "mark", "reported_to", "copies", "regions", "tensors", "files", "fresh", "filled", "threads", "reads")
+                 "stream", "marks", "copies", "regions", "tensors", "files", "fresh", "filled", "threads", "reads")
 
     def __init__(self, queue, pool, shape: Shape, events: list, blocking: bool,
                  reported: Callable | None = None):
@@ -426,8 +429,6 @@ class Stager:
         self.ramp = RAMP  # the first and last batches are smaller (batch_sizes); 0: every batch a whole chunk
         self.stream = 0  # bytes added so far
         self.marks: list = []  # (stream position of a tensor's last byte + 1, bytes, name), for progress
-        self.mark = 0  # marks reported so far
-        self.reported_to = 0  # stream bytes in the batches reported so far
         self.copies = 0
         self.regions: list = []  # arena regions of a non-blocking load, given the final event by finish()
         self.tensors: list = []  # tensors of a non-blocking load, likewise
