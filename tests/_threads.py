@@ -3,9 +3,10 @@
 import threading
 
 
-def run_in_threads(target, count: int) -> list:
+def run_in_threads(target, count: int, timeout: float | None = None) -> list:
     """Run ``target(k)`` for ``k`` in ``range(count)``, each on a thread of its own, all started before any is
-    joined; return the exceptions they raised (an empty list when none did), in thread order.
+    joined; return the exceptions they raised (an empty list when none did), in thread order. ``timeout``: seconds
+    each join waits at most; a thread still running then fails the test (``AssertionError`` naming it).
 
     >>> run_in_threads(lambda k: 1 / k, 3)
     [ZeroDivisionError('division by zero')]
@@ -22,5 +23,7 @@ def run_in_threads(target, count: int) -> list:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout)
+    running = [k for k, t in enumerate(threads) if t.is_alive()]
+    assert not running, f"threads {running} of {count} still running after {timeout} s"
     return [exc for exc in raised if exc is not None]

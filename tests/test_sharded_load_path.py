@@ -13,6 +13,8 @@ from fastckpt.errors import ChecksumMismatchError
 from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.sharded.format import DESCRIPTION_FILE, SliceRowError, group_bounds, read_metadata, slice_run
 
+from _threads import run_in_threads
+
 
 def _state(n_ids: int = 3000):
     rng = np.random.default_rng(3)
@@ -436,17 +438,5 @@ def test_a_shared_open_that_fails_fails_every_load_with_its_own_error(tmp_path, 
         f.truncate(100)  # the size the manifest lists no more
     with pytest.raises(Exception) as first:
         Loader(out, verify=False).load()
-    errors = []
-
-    def load(j):
-        try:
-            Loader(out, verify=False, shard_index=j, shard_num=3).load()
-        except Exception as exc:  # noqa: BLE001 - compared below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=load, args=(j,)) for j in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = run_in_threads(lambda j: Loader(out, verify=False, shard_index=j, shard_num=3).load(), 3, timeout=60)
     assert len(errors) == 3 and all(type(e) is type(first.value) and name in str(e) for e in errors)
