@@ -864,6 +864,7 @@ def load_file(source: str | os.PathLike[str] | TensorReader, queue: cl.CommandQu
                 report.reads += sum(load.stager.reads)
                 report.staging_fill = load.stager.fill_seconds
                 report.fill_threads = load.stager.threads
+                report.staging_buffers = load.stager.stage.count  # leased by finish: a cold load's are more
             if plan.decoded:
                 _load_decoded(load, plan.decoded)
             if plan.empty:
@@ -1044,7 +1045,7 @@ def _stager(load: _Load, total: int, chunk: int, explicit: bool = False) -> Stag
     reported = functools.partial(_reported, load) if load.progress.enabled else None
     stager = Stager(load.queue, pool, shape, load.events, load.blocking, reported)
     report = load.report
-    report.staging_chunk, report.staging_buffers, report.fill_threads = shape.chunk, stager.stage.count, shape.threads
+    report.staging_chunk, report.staging_buffers, report.fill_threads = shape.chunk, shape.buffers, shape.threads
     return stager
 
 

@@ -79,13 +79,15 @@ import numpy as np
 
 from fastckpt._native.mapped import held_guards
 from fastckpt.device.context import shares_host_memory
+from fastckpt.device.hugepages import HUGE_MIN, advise_huge_pages
 from fastckpt.device.pool import StagingBuffers
 from fastckpt.threads import kept_pool
 from fastckpt.formats.readinto import DIRECT_ALIGN, DIRECT_THREADS, open_direct, read_into, same_file
 
 __all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "lease_staging",
            "send_pinned", "STAGING_CHUNK",
-           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN", "SPARE_BUFFERS"]
+           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN", "SPARE_BUFFERS",
+           "STAGING_HUGE_PAGES"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
@@ -127,6 +129,9 @@ PART_OF_CHUNK = 4
 # thread, 27 on 4, 40 on 8, 52 on 12 (gpu-notes). With the copies running beside them, more threads did not help: on an
 # H200 with 16 MiB chunks, 8 fill threads ran at 0.94-1.19x the rate of 16 (tools/gpu-sweep.py, docs/reading.md).
 MAX_FILL_THREADS = 8
+# New staging buffers on a device that shares host memory are advised to use huge pages (lease_staging); False leaves
+# them on the runtime's 4 KiB pages (to measure both ways: docs/reading.md).
+STAGING_HUGE_PAGES = True
 # How the bytes of a mapped file reach the staging buffers: "auto" (read from the file where the load made the
 # mapping, Stager.fresh; copied out of a mapping that was open before, a pool's kept file or a caller's), "preadv"
 # (always read) or "mmap" (always copied). See the module docstring for the measurements.
@@ -258,10 +263,22 @@ def _wait_events(events) -> None:
 
 def lease_staging(queue, pool, chunk: int, count: int) -> StagingBuffers:
     """``count`` pinned staging buffers of ``chunk`` bytes: leased from ``pool`` (kept there for the next load), or
-    made for this load where there is no pool. Returned with :meth:`~fastckpt.device.pool.StagingBuffers.release`."""
+    made for this load where there is no pool. Returned with :meth:`~fastckpt.device.pool.StagingBuffers.release`.
+
+    New buffers on a device that shares host memory (pocl) are advised to use huge pages before anything touches
+    them (:func:`~fastckpt.device.hugepages.advise_huge_pages`, unless ``STAGING_HUGE_PAGES`` is False): an
+    ``O_DIRECT`` read into 4 KiB pages is cut into requests of at most the disk's segment count of pages (254 x 4
+    KiB here), into 2 MiB pages into requests of ``max_sectors_kb`` (docs/reading.md: a cold 512 MiB staged load
+    made 1,000 disk requests of 540 KiB on 4 KiB pages, 200 of 2.6 MiB with the advice). A discrete GPU's pinned
+    memory is its driver's, present once allocated: it is left as it is."""
     if pool is not None:
-        return pool.staging(queue, chunk, count)
-    return StagingBuffers.allocate(queue, chunk, count)
+        stage = pool.staging(queue, chunk, count)
+    else:
+        stage = StagingBuffers.allocate(queue, chunk, count)
+    if not stage.hit and STAGING_HUGE_PAGES and chunk >= HUGE_MIN and shares_host_memory(queue.device):
+        for buffer in stage.buffers:
+            advise_huge_pages(queue, buffer, chunk)
+    return stage
 
 
 def send_pinned(queue, buffer, host, at: int):
@@ -421,7 +438,7 @@ class Stager:
         self.queue = queue
         self.pool = pool
         self.shape = shape
-        self.stage = lease_staging(queue, pool, shape.chunk, shape.buffers)
+        self.stage = None  # leased by finish(), once the shape is known (a cold load's is deeper)
         self.events = events  # the load's list: every copy is recorded there at once
         self.blocking = blocking
         self.reported = reported
@@ -563,13 +580,22 @@ class Stager:
         then get one event covering all their copies (a marker: it completes when every command queued before it
         has)."""
         direct = sum(len(p[0]) for p in self.pieces if p[3] is not None and p[3][3] is not None)
+        # A fill that reads with O_DIRECT waits on the disk and uses next to no CPU: as many fill threads as the
+        # direct reads' queue depth (DIRECT_THREADS), however few the cores, keep the disk as busy as a pooled
+        # load's reads into its arena (docs/reading.md: 2 fill threads read a cold file at about half its rate),
+        # with the buffers that many threads fill at once (staging_shape's rule, as on a host of that many cores):
+        # with the buffers of 2 threads, 3-4 reads were in the disk's queue and the fills waited for the copies.
+        self.threads = self.shape.threads
+        if 2 * direct > self.stream:
+            cold = staging_shape(self.stream, self.shape.chunk, cpus=DIRECT_THREADS,
+                                 max_bytes=getattr(self.pool, "max_staging_bytes", None))
+            self.shape = self.shape._replace(buffers=max(self.shape.buffers, cold.buffers))
+            self.threads = max(self.shape.threads, DIRECT_THREADS)
+        if self.stage is None:
+            self.stage = lease_staging(self.queue, self.pool, self.shape.chunk, self.shape.buffers)
         batches = self._batches()
         stage = self.stage
         pool = None
-        # A fill that reads with O_DIRECT waits on the disk and uses next to no CPU: as many fill threads as the
-        # direct reads' queue depth (DIRECT_THREADS), however few the cores, keep the disk as busy as a pooled
-        # load's reads into its arena (docs/reading.md: 2 fill threads read a cold file at about half its rate).
-        self.threads = max(self.shape.threads, DIRECT_THREADS) if 2 * direct > self.stream else self.shape.threads
         if self.threads > 1 and self.stream >= 2 * FILL_SPLIT:
             pool = _fillers(self.threads)
             scope = held_guards()  # the fill threads copy out of the mappings under the caller's guards
