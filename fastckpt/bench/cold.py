@@ -194,12 +194,16 @@ def _bound_preadv(path: str, size: int, threads: int, direct: bool, huge: bool =
     # starting on 2 MiB, advised MADV_HUGEPAGE (the disk then gets requests of max_sectors_kb, not of as many
     # scattered 4 KiB pages as a request holds segments).
     padded = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-    block = mmap.mmap(-1, max(padded, mmap.PAGESIZE) + (_HUGE if huge else 0)) if direct else None
+    length = max(padded, mmap.PAGESIZE)
+    # (private for huge pages: mmap's default anonymous mapping is shared, shmem, whose huge pages are a separate
+    # setting, off on many machines)
+    block = None if not direct else mmap.mmap(-1, length + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) \
+        if huge else mmap.mmap(-1, length)
     out = np.frombuffer(block, np.uint8) if direct else np.empty(size, np.uint8)
     if huge:
         skip = -out.ctypes.data % _HUGE
         block.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
-        out = out[skip:skip + max(padded, mmap.PAGESIZE)]
+        out = out[skip:skip + length]
     view = memoryview(out)
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     pieces = list(range(0, size, PIECE))
