@@ -583,11 +583,12 @@ class Stager:
             tasks.append(task)
         return tasks
 
-    def finish(self) -> None:
-        """Fill and send every batch (see the module docstring); a non-blocking load's staged tensors and regions
-        then get one event covering all their copies (a marker: it completes when every command queued before it
-        has)."""
+    def lease(self) -> int:
+        """Lease the staging buffers (once; :meth:`finish` does where the caller did not), of the shape for the
+        pieces added: returns how many of their bytes the fills read with ``O_DIRECT``."""
         direct = sum(len(p[0]) for p in self.pieces if p[3] is not None and p[3][3] is not None)
+        if self.stage is not None:
+            return direct
         # A fill that reads with O_DIRECT waits on the disk and uses next to no CPU: as many fill threads as the
         # direct reads' queue depth (DIRECT_THREADS), however few the cores, keep the disk as busy as a pooled
         # load's reads into its arena (docs/reading.md: 2 fill threads read a cold file at about half its rate),
@@ -599,8 +600,14 @@ class Stager:
                                  max_bytes=getattr(self.pool, "max_staging_bytes", None))
             self.shape = self.shape._replace(buffers=max(self.shape.buffers, cold.buffers))
             self.threads = max(self.shape.threads, DIRECT_THREADS)
-        if self.stage is None:
-            self.stage = lease_staging(self.queue, self.pool, self.shape.chunk, self.shape.buffers)
+        self.stage = lease_staging(self.queue, self.pool, self.shape.chunk, self.shape.buffers)
+        return direct
+
+    def finish(self) -> None:
+        """Fill and send every batch (see the module docstring); a non-blocking load's staged tensors and regions
+        then get one event covering all their copies (a marker: it completes when every command queued before it
+        has)."""
+        self.lease()
         batches = self._batches()
         stage = self.stage
         pool = None
