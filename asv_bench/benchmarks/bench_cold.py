@@ -95,15 +95,13 @@ class ColdPooledLoad(_ColdFile):
 
 class ColdStagedLoad(ColdPooledLoad):
     """The same load with ``staging=True``, the discrete-GPU route (pinned staging buffers, ``O_DIRECT`` fills on
-    ``DIRECT_THREADS`` threads): the counters say how deep its staging is and how many reads and copies it made."""
+    ``DIRECT_THREADS`` threads): timed and counted as that load is (the methods it inherits), and how deep its
+    staging is."""
 
     def _load(self, path):
         from fastckpt.load import load_file
 
         return load_file(path, self.queue, pool=self.pool, staging=True)
-
-    def time_cold_load(self, path):
-        self._load(path)
 
     def track_staging_buffers(self, path):
         # A cold load leases the buffers its 8 direct fill threads fill at once (12 x 2 MiB for 64 MiB), where 0.7
