@@ -421,6 +421,24 @@ def test_a_warm_staged_load_keeps_the_shape_of_its_cores(tmp_path, device, pool,
     assert (loaded.report.staging_buffers, loaded.report.fill_threads) == (shape.buffers, shape.threads)
 
 
+def test_a_staged_load_leases_its_buffers_before_the_arenas_prefault_begins(tmp_path, unified_device, pool, cold,
+                                                                              monkeypatch):
+    """Each step of a new arena's prefault holds the process's memory map while it zeroes 8 MiB; the staging
+    lease's allocations and advice waited behind it (6-23 ms for 6 buffers, docs/reading.md)."""
+    from fastckpt.device import load, staging
+
+    events = []
+    real_lease, real_begin = staging.lease_staging, load._Prefault.begin
+    monkeypatch.setattr(staging, "lease_staging", lambda *a: events.append("lease") or real_lease(*a))
+    monkeypatch.setattr(load._Prefault, "begin", lambda self: events.append("prefault") or real_begin(self))
+    tensors = {"large": np.arange(24 << 20, dtype=np.uint8) * 11}
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, tensors)
+    loaded = fastckpt.load_file(path, unified_device.queue, pool=pool, staging=True)
+    _exact(loaded, tensors)
+    assert events[:2] == ["lease", "prefault"], events
+
+
 def _vm_flags(address: int) -> list:
     """The ``VmFlags`` of the mapping holding ``address`` in this process (``hg``: advised MADV_HUGEPAGE)."""
     flags, inside = [], False
