@@ -55,7 +55,7 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
-from fastckpt.formats.reader import guard, held_guards
+from fastckpt.formats.reader import held_guards
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
                                      slice_run)
@@ -181,8 +181,7 @@ def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
     for reader in readers:
         if not reader.has_tensor(tensor):
             continue
-        keys = reader.part_names(tensor)
-        total += sum(reader.infos[key].nbytes for key in keys)
+        total += sum(reader.part_nbytes(key) for key in reader.part_names(tensor))  # no file opened for it
     return total
 
 
@@ -358,11 +357,16 @@ class Loader:
         results: dict[str, Any] = {}
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(_reader_for(path, manifest)) for path, manifest in chain]
-            _check_one_commit(readers, chain)
-            for reader in readers:  # a file truncated under the copies: a FormatError naming it, never SIGBUS
-                stack.enter_context(guard(reader, "its parts to load them"))
             head = readers[-1]
             info = self.filter_func(self.load_info(head))
+            # The files this rank reads, and no others, opened (each checked against the metadata, else its error
+            # here, before anything is read) and guarded: a file truncated under the copies is a FormatError
+            # naming it, never SIGBUS. Once they are open, a save replacing the directories no longer reaches
+            # this load; the readers must still be of the commits the chain was resolved on.
+            reads = self._files_read(readers, info)
+            for reader, name in reads:
+                stack.enter_context(reader.files[name].mapped.guard("its parts to load them"))
+            _check_one_commit(readers, chain)
             jobs = [(name, _stored_nbytes([head], name), self._load_dense, head, name, entry)
                     for name, entry in info.get("tensors", {}).items()]
             for name, entry in info.get("hashtables", {}).items():
@@ -375,7 +379,7 @@ class Loader:
             # The files are hashed in the background, one at a time on every core (BLAKE3), while the jobs read.
             hashing = stack.enter_context(Lane("verify", 1))
             checks = [(reader, hashing.submit(reader.file_problem, name))
-                      for reader, name in (self._files_read(readers, info) if self.verify else ())]
+                      for reader, name in (reads if self.verify else ())]
 
             def run(item: str, stored: int, fill, *args) -> None:
                 results[item] = fill(*args)
@@ -446,7 +450,7 @@ class Loader:
                                  if self._reads_part(reader, name, key)]
         out: dict[tuple[int, str], tuple[CheckpointReader, str]] = {}
         for reader, key in keys:
-            name = reader.file_of(key).path.rsplit(os.sep, 1)[-1]
+            name = reader.file_name(key)
             out.setdefault((id(reader), name), (reader, name))
         return list(out.values())
 
