@@ -19,9 +19,12 @@ checkpoint checked or opened before in that process, page cache warm), two ways:
 * **MPI**: ``mpiexec -n ranks``, one process a rank (as a training job loads; mpi4py and MPICH from the
   ``mpi`` extra), each timing its own load after a barrier.
 
-Each row gives, medians over ``--repeat`` runs: the slowest rank's wall time of the load (what the job waits
-for), the CPU time per rank (thread CPU time for threads, process CPU time under MPI), and the tensor files
-mapped per rank (each map of a tensor file counted, summed over ranks and divided by the ranks). With
+Each row gives, medians over ``--repeat`` runs: the *opening per rank*, the wall time spent opening the
+checkpoint (``CheckpointReader.__init__``, and where files open on first use each file's opening, its pin, map,
+header parse and checks; ranks as threads share one reader, so its time is divided by the ranks); the tensor
+files mapped per rank (each map of a tensor file counted, summed over ranks and divided by the ranks); the
+slowest rank's wall time of the load (what the job waits for); and the CPU time per rank (process CPU time,
+divided by the ranks for threads). With
 ``--against DIR`` (a built checkout of an earlier fastckpt, e.g. /work/wt/base-0.7) the same runs are made
 with that fastckpt in the same rounds, interleaved (every version once per round, in a shuffled order), and
 the ratios before / after are printed. Every load is checked: each rank's ids are exactly those of its slice.
@@ -93,25 +96,44 @@ def _rank_load(path: str, rank: int, ranks: int, dim: int) -> dict[str, Any]:
     return {"wall": wall, "cpu": cpu}
 
 
-def _count_maps() -> list[str]:
-    """Count the tensor files the sharded reader maps in this process (its ``open_file``, every version's)."""
+def _count_maps() -> tuple[list[str], list[float]]:
+    """Count the tensor files the sharded reader maps in this process (its ``open_file``, every version's), and
+    time its opening: ``CheckpointReader.__init__`` and, where files open on first use, each file's opening
+    (``TensorFiles._open``); returns ``(names mapped, [seconds opening])``."""
+    import functools
+
     import fastckpt.sharded.reader as reader_module
 
     mapped: list[str] = []
+    opening = [0.0]
     real = reader_module.open_file
 
     def counting(path, **options):
         mapped.append(os.path.basename(path))
         return real(path, **options)
 
+    def timed(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                opening[0] += time.perf_counter() - started
+        return call
+
     reader_module.open_file = counting
-    return mapped
+    reader_module.CheckpointReader.__init__ = timed(reader_module.CheckpointReader.__init__)
+    files = getattr(reader_module, "TensorFiles", None)  # 0.7.1 on: each file opened on first use
+    if files is not None:
+        files._open = timed(files._open)
+    return mapped, opening
 
 
 def _worker(argv: list[str]) -> int:
     """``--worker threads|mpi PATH RANKS DIM``: one load of every rank's share; prints JSON per rank."""
     mode, path, ranks, dim = argv[0], argv[1], int(argv[2]), int(argv[3])
-    mapped = _count_maps()
+    mapped, opening = _count_maps()
     if mode == "threads":
         import concurrent.futures
 
@@ -119,8 +141,8 @@ def _worker(argv: list[str]) -> int:
             started, cpu = time.perf_counter(), time.process_time()
             rows = list(pool.map(lambda r: _rank_load(path, r, ranks, dim), range(ranks)))
             job, cpu = time.perf_counter() - started, time.process_time() - cpu
-        for row in rows:  # the process's CPU, every thread's (the loads' own threads too), a rank's share of it
-            row["cpu"] = cpu / ranks
+        for row in rows:  # the process's CPU (the loads' own threads too) and opening: a rank's share of them
+            row["cpu"], row["opening"] = cpu / ranks, opening[0] / ranks
         print(json.dumps({"ranks": rows, "job": job, "mapped": len(mapped)}), flush=True)
         return 0
     from mpi4py import MPI
@@ -131,7 +153,7 @@ def _worker(argv: list[str]) -> int:
     started, cpu = time.perf_counter(), time.process_time()
     row = _rank_load(path, rank, comm.Get_size(), dim)
     row["cpu"] = time.process_time() - cpu  # the whole process's: the load's threads too
-    row["mapped"] = len(mapped)
+    row["mapped"], row["opening"] = len(mapped), opening[0]
     ended = time.perf_counter()
     rows = comm.gather(row, root=0)
     bounds = comm.gather((started, ended), root=0)
@@ -186,6 +208,8 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
                              "job": statistics.median(r["job"] for r in results),
                              "slowest": statistics.median(max(x["wall"] for x in r["ranks"]) for r in results),
                              "cpu": statistics.median(statistics.fmean(x["cpu"] for x in r["ranks"]) for r in results),
+                             "opening": statistics.median(statistics.fmean(x["opening"] for x in r["ranks"])
+                                                          for r in results),
                              "mapped": statistics.median(r["mapped"] / ranks for r in results)})
             shutil.rmtree(path, ignore_errors=True)
     finally:
@@ -219,11 +243,12 @@ def report(results: dict[str, Any]) -> str:
     for r in rows:
         was = before.get((r["files"], r["mode"])) if r["version"] == "after" else None
         ratio = (lambda key: format_ratio(was[key] / r[key]) if was and r[key] > 0 else "")  # noqa: E731
-        body.append([r["files"], r["ranks"], r["mode"], r["version"], format_duration(r["slowest"]),
-                     format_duration(r["cpu"]), f"{r['mapped']:g}", ratio("slowest"), ratio("cpu")])
-    lines += table_lines(["files", "ranks", "mode", "fastckpt", "slowest rank's load", "CPU per rank",
-                          "files mapped per rank", "before / after (wall)", "before / after (CPU)"], body,
-                         "rrllrrrrr")
+        body.append([r["files"], r["ranks"], r["mode"], r["version"], format_duration(r["opening"]),
+                     f"{r['mapped']:g}", format_duration(r["slowest"]), format_duration(r["cpu"]), ratio("opening"),
+                     ratio("slowest"), ratio("cpu")])
+    lines += table_lines(["files", "ranks", "mode", "fastckpt", "opening per rank", "files mapped per rank",
+                          "slowest rank's load", "CPU per rank", "before / after (opening)", "before / after (load)",
+                          "before / after (CPU)"], body, "rrllrrrrrrr")
     where = ", ".join(f"{k}: {v}" for k, v in results["versions"].items())
     lines += ["", f"({where}; the machine is shared: compare the versions within one run)"]
     return "\n".join(lines)
