@@ -90,7 +90,7 @@ def test_formatting_helpers():
 
 def test_every_suite_has_configure_run_and_a_docstring():
     assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded", "incremental", "s3",
-                           "memory", "torch", "link", "cold"}
+                           "memory", "torch", "link", "cold", "ranks"}
     for name, module_name in SUITES.items():
         module = importlib.import_module(module_name)
         assert callable(module.configure) and callable(module.run), name
