@@ -61,6 +61,7 @@ from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owne
                                      slice_run)
 from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.flights import Flights
+from fastckpt.sharded import kept
 from fastckpt.sharded.hashtable import HashTable, check_holds, table_for
 from fastckpt.sharded.reader import CheckpointReader
 from fastckpt.sharded.workers import Lane
@@ -117,7 +118,7 @@ def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.nda
         _copy_run(reader, key, int(rows[0]), out)
         return
     per_chunk = max(1, _GATHER_CHUNK // max(1, row_bytes))
-    scratch = np.empty((min(per_chunk, info.shape[0]), *info.shape[1:]), info.dtype)
+    scratch = kept.empty((min(per_chunk, info.shape[0]), *info.shape[1:]), info.dtype)
     done = 0
     for first in range(0, info.shape[0], per_chunk):
         last = min(first + per_chunk, info.shape[0])
@@ -169,7 +170,7 @@ def _slice_rows(reader: CheckpointReader, key: str, rows: list[int], size: int,
     r0, r1 = rows[first], rows[last]
     if r0 == r1:
         return None
-    ids = np.empty(reader.part_infos[key].shape[0], np.int64)  # only rows [r0, r1) are read or used
+    ids = kept.empty(reader.part_infos[key].shape[0], np.int64)  # only rows [r0, r1) are read or used
     reader.read_into(key, ids[r0:r1].view(np.uint8), r0 * 8)
     lo, hi = _checked_run(reader, key, ids[r0:r1], r0, rows, size, own)
     return (ids, np.arange(lo, hi)) if lo < hi else None
@@ -461,7 +462,7 @@ class Loader:
         if not shape:
             out = np.array(reader.host(reader.part_names(name)[0]))
         else:
-            out = np.empty((end - start, *shape[1:]), dtype)
+            out = kept.empty((end - start, *shape[1:]), dtype)
             for key in reader.part_names(name):
                 d = reader.descriptions[key]
                 p_start = d["row_start"]
@@ -629,16 +630,17 @@ class Loader:
             # The slice rule (format version 4 on): the ids of the groups that meet this rank's slice, read into
             # place here and checked (no copy of them, no positions array), their rows read below as runs.
             most = sum(r1 - r0 for _, r0, r1 in spans)
-            ids_out = np.empty(most + (headroom * most // stored + 1024 if headroom else 0), np.int64)
+            ids_out = kept.empty(most + (headroom * most // stored + 1024 if headroom else 0), np.int64)
             picks = self._read_spans(reader, name, entry, spans, ids_out)
         else:
             picks = self._owned(reader, f"{name}.id")
         total = sum(len(mine) for *_, mine in picks)
         if ids_out is None:
-            ids_out = np.empty(total + (headroom * total // stored + 1024 if headroom else 0), np.int64)
+            ids_out = kept.empty(total + (headroom * total // stored + 1024 if headroom else 0), np.int64)
         capacity = len(ids_out)
-        values_out = np.empty((capacity, *table.shape), table.dtype)
-        slots_out = {slot: np.empty((capacity, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
+        # on memory a dropped load's arrays left where there is some (fastckpt.sharded.kept): no page to zero
+        values_out = kept.empty((capacity, *table.shape), table.dtype)
+        slots_out = {slot: kept.empty((capacity, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
         at = 0
         copies: list[tuple] = []  # the rows' copies, run on `parallel` threads while the table builds its index
         id_reads: list[tuple[str, np.ndarray]] = []  # id parts read into place by this thread, before the index
