@@ -2,7 +2,8 @@
 under MPI.
 
 ``python -m fastckpt bench --suite ranks [--files 16,32,64] [--ranks 4] [--ids N] [--dim D] [--dense-mib M]
-[--repeat R] [--against DIR] [--mpi/--no-mpi] [--dir DIR] [--quick]``
+[--repeat R] [--against DIR] [--mpi/--no-mpi] [--steady [--steady-ids N] [--steady-dense-mib M]] [--dir DIR]
+[--quick]``
 
 For each file count F of ``--files``, one checkpoint is saved by ``--ranks`` ranks (threads) with ``F / ranks``
 writers each: a :class:`~fastckpt.sharded.HashTable` of ``--ids`` ids x ``--dim`` float32 with Adam's ``m`` and
@@ -29,6 +30,14 @@ divided by the ranks for threads). With
 ``--against DIR`` (a built checkout of an earlier fastckpt, e.g. /work/wt/base-0.7) the same runs are made
 with that fastckpt in the same rounds, interleaved (every version once per round, in a shuffled order), and
 the ratios before / after are printed. Every load is checked: each rank's ids are exactly those of its slice.
+
+``--steady`` adds a second table: repeated loads, each path alone in a process of its own (so that neither
+feeds the other memory its allocator kept), ``--steady-ids`` ids x ``--dim`` of the sharded suite's state
+(default 1,000,000 ids x 16 with ``m`` and ``v`` + 64 MiB dense, ``--ranks`` ranks as threads, 4 writers each):
+the raw threaded ``readinto`` of the same bytes into ``np.empty`` buffers (:func:`fastckpt.bench.sharded.
+raw_load`, the sharded suite's bound) against every rank's ``Loader.load(verify=False)``
+(:func:`fastckpt.bench.sharded.sharded_load`), ``--repeat`` runs each after one untimed run, medians of wall
+time, CPU time and minor page faults; with ``--against``, the earlier fastckpt's load too.
 
 >>> results = measure(files=(4,), ranks=2, ids=2000, dim=4, dense_mib=0.25, repeat=1, mpi=False)
 >>> [row["files"] for row in results["rows"]], results["rows"][0]["mapped"]
@@ -164,6 +173,71 @@ def _worker(argv: list[str]) -> int:
     return 0
 
 
+def _steady(argv: list[str]) -> int:
+    """``--steady raw|load DIRECTORY RANKS DIM REPEAT``: one path alone, one untimed run then ``REPEAT`` timed;
+    prints JSON ``{"wall", "cpu", "faults"}`` (medians)."""
+    import gc
+    import resource
+
+    from fastckpt.bench.sharded import raw_load, sharded_load
+
+    what, where, ranks, dim, repeat = argv[0], Path(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
+    run = (lambda: raw_load(where)) if what == "raw" else \
+        (lambda: sharded_load(where, ranks, dim, 4, verify=False))  # noqa: E731
+    run()
+    rows = []
+    for _ in range(repeat):
+        gc.collect()
+        time.sleep(0.05)
+        before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        out = run()
+        del out  # dropped inside the timing, as the sharded suite times it
+        wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
+        rows.append((wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+                     after.ru_minflt - before.ru_minflt))
+    print(json.dumps({key: statistics.median(r[i] for r in rows) for i, key in enumerate(("wall", "cpu", "faults"))}),
+          flush=True)
+    return 0
+
+
+def _run_steady(folder: str, what: str, where: Path, ranks: int, dim: int, repeat: int) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(folder), env.get("PYTHONPATH")) if p)
+    start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--steady", what, str(where),
+                           str(ranks), str(dim), str(repeat)], capture_output=True, text=True, env=env,
+                          timeout=TIMEOUT, cwd=os.path.abspath(folder))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"steady {what} with {folder} failed (status {done.returncode}): "
+                           f"{(done.stdout + done.stderr).strip()[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def measure_steady(ranks: int, ids: int, dim: int, dense_mib: float, repeat: int, versions: dict[str, str],
+                   root: Path, rounds: int = 2) -> list[dict[str, Any]]:
+    """The ``--steady`` table's rows: each path alone in its own process, ``rounds`` processes each (interleaved)."""
+    from fastckpt.bench.sharded import _dense_rows, dense_tensors, file_plan, raw_save, rank_state, sharded_save
+    from fastckpt.bench.sharded import table_ids
+
+    all_ids = table_ids(ids)
+    states = [rank_state(all_ids, dim, r, ranks) for r in range(ranks)]
+    dense = dense_tensors(dense_mib)
+    raw_save(root / "steady-raw", [f for rank, s in enumerate(states)
+                                   for f in file_plan(s.arrays + _dense_rows(dense, rank, ranks), 4)])
+    sharded_save(root / "steady-checkpoint", states, dense, 4)
+    del states, dense
+    paths = [("raw read", versions["after"], "raw", root / "steady-raw")]
+    paths += [(f"Loader.load(verify=False) ({version})", folder, "load", root / "steady-checkpoint")
+              for version, folder in versions.items()]
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in paths}
+    for _ in range(rounds):
+        for name, folder, what, where in paths:
+            runs[name].append(_run_steady(folder, what, where, ranks, dim, repeat))
+    return [{"path": name, **{key: statistics.median(r[key] for r in results) for key in ("wall", "cpu", "faults")}}
+            for name, results in runs.items()]
+
+
 def _run_once(folder: str, mode: str, path: Path, ranks: int, dim: int) -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(folder), env.get("PYTHONPATH")) if p)
@@ -183,7 +257,8 @@ def _run_once(folder: str, mode: str, path: Path, ranks: int, dim: int) -> dict[
 
 def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = DEFAULTS["ids"],
             dim: int = DEFAULTS["dim"], dense_mib: float = DEFAULTS["dense_mib"], repeat: int = DEFAULTS["repeat"],
-            against: str | None = None, mpi: bool | None = None, directory: str | None = None) -> dict[str, Any]:
+            against: str | None = None, mpi: bool | None = None, directory: str | None = None,
+            steady: bool = False, steady_ids: int = 1_000_000, steady_dense_mib: float = 64.0) -> dict[str, Any]:
     """Run the suite (see the module docs); ``mpi=None``: under MPI too where ``mpiexec`` and mpi4py are there."""
     if mpi is None:
         mpi = _mpiexec() is not None and _has_mpi4py()
@@ -213,10 +288,12 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
                                                           for r in results),
                              "mapped": statistics.median(r["mapped"] / ranks for r in results)})
             shutil.rmtree(path, ignore_errors=True)
+        steady_rows = measure_steady(ranks, steady_ids, dim, steady_dense_mib, repeat, versions, root) if steady \
+            else []
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"rows": rows, "versions": versions, "repeat": repeat, "ids": ids, "dim": dim, "dense_mib": dense_mib,
-            "load": _load_average()}
+            "load": _load_average(), "steady": steady_rows, "steady_size": (steady_ids, steady_dense_mib, ranks)}
 
 
 def _has_mpi4py() -> bool:
@@ -250,6 +327,15 @@ def report(results: dict[str, Any]) -> str:
     lines += table_lines(["files", "ranks", "mode", "fastckpt", "opening CPU per rank", "files mapped per rank",
                           "slowest rank's load", "CPU per rank", "before / after (opening)", "before / after (load)",
                           "before / after (CPU)"], body, "rrllrrrrrrr")
+    if results.get("steady"):
+        ids, mib, ranks = results["steady_size"]
+        raw = results["steady"][0]
+        lines += ["", f"Repeated loads, each path alone in a process of its own (one untimed run, then {results['repeat']}"
+                      f" timed, two processes each, medians): {ids:,} ids x {results['dim']} with m, v + {mib:g} MiB "
+                      f"dense, {ranks} ranks as threads, 4 files each", ""]
+        lines += table_lines(["path", "wall", "CPU", "minor faults", "raw read / path (wall)"],
+                             [[r["path"], format_duration(r["wall"]), format_duration(r["cpu"]), f"{r['faults']:.0f}",
+                               format_ratio(raw["wall"] / r["wall"])] for r in results["steady"]], "lrrrr")
     where = ", ".join(f"{k}: {v}" for k, v in results["versions"].items())
     lines += ["", f"({where}; the machine is shared: compare the versions within one run)"]
     return "\n".join(lines)
@@ -269,6 +355,10 @@ def configure(parser) -> None:
                                                         "same rounds")
     parser.add_argument("--mpi", action="store_true", default=None, help="under MPI too (default: where there)")
     parser.add_argument("--no-mpi", dest="mpi", action="store_false", help="threads only")
+    parser.add_argument("--steady", action="store_true",
+                        help="also repeated loads and raw reads of the sharded suite's state, each alone in a process")
+    parser.add_argument("--steady-ids", type=int, default=1_000_000, help="--steady's ids (default 1,000,000)")
+    parser.add_argument("--steady-dense-mib", type=float, default=64.0, help="--steady's dense MiB (default 64)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (for smoke tests)")
 
@@ -281,7 +371,8 @@ def options(args) -> dict[str, Any]:
             out[key] = getattr(args, key)
     if args.files is not None:
         out["files"] = tuple(int(x) for x in args.files.split(","))
-    return {**out, "against": args.against, "mpi": args.mpi, "directory": args.dir}
+    return {**out, "against": args.against, "mpi": args.mpi, "directory": args.dir, "steady": args.steady,
+            "steady_ids": args.steady_ids, "steady_dense_mib": args.steady_dense_mib}
 
 
 def run(args) -> int:
@@ -293,3 +384,5 @@ def run(args) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         sys.exit(_worker(sys.argv[2:]))
+    if sys.argv[1:2] == ["--steady"]:
+        sys.exit(_steady(sys.argv[2:]))

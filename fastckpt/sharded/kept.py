@@ -37,7 +37,7 @@ __all__ = ["empty", "kept_bytes", "release", "MIN_BYTES", "MAX_KEPT_BYTES"]
 #: Arrays from this size on are mapped and kept; smaller ones come from ``np.empty`` (malloc keeps those itself).
 MIN_BYTES = 2 << 20
 #: The most bytes of dropped mappings kept at once (the rest are unmapped).
-MAX_KEPT_BYTES = 1 << 30
+MAX_KEPT_BYTES = 512 << 20
 _ROUND = 2 << 20  # mapped sizes are multiples of a huge page, so that loads of slightly other sizes reuse them
 
 # Re-entrant: a garbage collection, which can start at any allocation, may run _give_back on a thread that holds it.
