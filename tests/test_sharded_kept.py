@@ -77,3 +77,23 @@ def test_a_table_loaded_twice_reuses_the_first_load_s_memory(tmp_path):
     order = np.argsort(got_ids)
     assert got_ids[order].tolist() == ids.tolist() and got_values[order].tobytes() == values.tobytes()
     assert got_slots["m"][order].tobytes() == (-values).tobytes()
+
+
+def test_an_array_alive_at_exit_keeps_its_bytes_for_the_exit_handlers(tmp_path):
+    """weakref.finalize runs its callbacks at exit by default: that would give back the pages of arrays an exit
+    handler may still read (a table saved on exit)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import atexit\n"
+        "def late():  # registered first: runs after every exit hook registered later (weakref.finalize's)\n"
+        "    assert kept.kept_bytes() == 0 and int(a.min()) == 7, 'given back at exit'\n"
+        "    print('kept', flush=True)\n"
+        "atexit.register(late)\n"
+        "import numpy as np\n"
+        "from fastckpt.sharded import kept\n"
+        "a = kept.empty(4 << 20, np.uint8); a[:] = 7\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "kept", done.stdout + done.stderr

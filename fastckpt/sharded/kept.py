@@ -110,7 +110,8 @@ def empty(shape, dtype) -> np.ndarray:
     # SAFETY: the mapping lives until `holder` is collected, which every array and view made from it keeps alive
     # (their base); then _give_back keeps or unmaps it, and no view of it is left.
     holder = (ctypes.c_char * size).from_address(addr)
-    weakref.finalize(holder, _give_back, addr, size)
+    # not at exit: arrays still in use then (an exit handler saving a table) must keep their pages as they are
+    weakref.finalize(holder, _give_back, addr, size).atexit = False
     return np.frombuffer(holder, np.uint8, count=nbytes).view(dtype).reshape(shape)
 
 
