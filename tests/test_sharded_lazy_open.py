@@ -190,3 +190,18 @@ def test_a_header_that_disagrees_with_the_descriptions_is_named_when_its_file_is
         assert r.read_tensor("w/part_0_2").tobytes() == dense["w"][:8].tobytes()
         with pytest.raises(FormatError, match=rf"{bad}: tensor '.*' is int32.* in the safetensors header, .* says float32"):
             r.read_tensor("w")
+
+
+def test_verify_without_hashes_still_opens_and_checks_every_file(saved, tmp_path, capsys):
+    """`fastckpt verify --no-hash` checks sizes and headers: the reader no longer opens the files itself."""
+    from fastckpt.cli import main
+
+    path, *_ = saved[2]
+    copy = shutil.copytree(path, tmp_path / "c")
+    assert main(["verify", "--no-hash", str(copy)]) == 0
+    bad = sorted(_files_of_ranks(copy, {1}))[0]
+    data = (copy / bad).read_bytes()
+    (copy / bad).write_bytes(data[: len(data) // 2])
+    capsys.readouterr()
+    assert main(["verify", "--no-hash", str(copy)]) == 1
+    assert f"{bad}: {len(data) // 2} bytes, the commit record says {len(data)}" in capsys.readouterr().out
