@@ -290,6 +290,25 @@ def test_sharded_suite(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run, workers in fresh processes
+def test_ranks_suite(tmp_path, capsys):
+    import fastckpt
+
+    here = os.path.dirname(os.path.dirname(fastckpt.__file__))
+    assert main(["bench", "--suite", "ranks", "--quick", "--no-mpi", "--steady", "--steady-ids", "20000",
+                 "--steady-dense-mib", "1", "--against", here, "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("| files | ranks | mode | fastckpt | opening CPU per rank | files mapped per rank | slowest rank's load | "
+            "CPU per rank | before / after (opening) | before / after (load) | before / after (CPU) |") in out
+    rows = [line.split(" | ")[:4] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows == [["| 4", "2", "threads", "after"], ["| 4", "2", "threads", "before"],
+                    ["| 8", "2", "threads", "after"], ["| 8", "2", "threads", "before"]]
+    assert [line.split(" | ")[5] for line in out.splitlines() if "| threads |" in line] == ["2", "2", "4", "4"]
+    steady = _first_cells(out)
+    assert {"raw read", "Loader.load(verify=False) (after)", "Loader.load(verify=False) (before)"} <= set(steady)
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
 @pytest.mark.slow  # a benchmark smoke run, with a worker process
 def test_sharded_suite_runs_another_fastckpt_in_the_same_rounds(tmp_path, capsys):
     import fastckpt
