@@ -7,9 +7,9 @@ import gc
 import numpy as np
 import pytest
 
+from fastckpt._native.idindex import IdIndex
+from fastckpt._native.mapped import kept_limit
 from fastckpt.sharded import HashTable, Loader, kept
-
-pytestmark = pytest.mark.skipif(kept._C is None, reason="no MADV_FREE here: kept.empty is np.empty")
 
 
 @pytest.fixture(autouse=True)
@@ -35,25 +35,52 @@ def test_a_dropped_array_s_mapping_is_reused_by_the_next_of_its_size():
     assert int(b.sum()) == 3 * (1 << 22)
 
 
-def test_small_arrays_are_numpy_s_and_the_total_kept_is_bounded(monkeypatch):
+def test_small_arrays_are_numpy_s_and_the_total_kept_is_bounded():
     small = kept.empty(10, np.int64)
     assert small.flags.owndata and small.shape == (10,)
-    monkeypatch.setattr(kept, "MAX_KEPT_BYTES", 4 << 20)
-    arrays = [kept.empty(2 << 20, np.uint8) for _ in range(3)]
-    del arrays
-    assert kept.kept_bytes() == 4 << 20  # two kept, the third unmapped
-    kept.release()
-    assert kept.kept_bytes() == 0
+    before = kept_limit(4 << 20)
+    try:
+        arrays = [kept.empty(2 << 20, np.uint8) for _ in range(3)]
+        del arrays
+        assert kept.kept_bytes() == 4 << 20  # two kept, the third unmapped
+        kept_limit(0)
+        assert kept.kept_bytes() == 0
+        dropped = kept.empty(2 << 20, np.uint8)
+        del dropped
+        assert kept.kept_bytes() == 0  # a limit of 0 keeps nothing
+    finally:
+        kept_limit(before)
+    assert kept_limit() == before
 
 
-def test_an_array_collected_while_its_thread_holds_the_lock_is_kept():
-    """A collection can start at any allocation, while this thread holds the lock: no deadlock, nothing lost."""
+def test_the_id_index_and_the_load_s_arrays_share_one_kept_list():
+    """An index's freed buckets serve the next array of their size, and an array's memory the next index's buckets
+    (zeroed again: the new index holds only its own ids)."""
+    index = IdIndex(200_000)  # buckets of a power of two, 2 MiB and up
+    size = index.nbytes
+    assert size >= kept.MIN_BYTES
+    del index
+    assert kept.kept_bytes() == size
+    a = kept.empty(size, np.uint8)
+    assert kept.kept_bytes() == 0  # the index's buckets
+    a[:] = 0xFF  # every bucket full of junk
+    del a
+    assert kept.kept_bytes() == size
+    again = IdIndex(200_000)
+    assert kept.kept_bytes() == 0 and again.nbytes == size
+    ids = np.arange(1000, dtype=np.int64)
+    rows = np.empty(1000, np.int64)
+    assert again.upsert(ids, rows, 0) == 1000 and rows.tolist() == list(range(1000))
+    found = np.empty(3, np.int64)
+    assert again.find(np.array([5, 1000, -1], np.int64), found) == 2 and found.tolist() == [5, -1, -1]
+
+
+def test_an_array_collected_by_the_cycle_collector_is_kept():
     a = kept.empty(2 << 20, np.uint8)
     cycle = [a]
     cycle.append(cycle)
     del a, cycle
-    with kept._lock:
-        gc.collect()
+    gc.collect()
     assert kept.kept_bytes() == 2 << 20
 
 

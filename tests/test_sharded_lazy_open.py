@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fastckpt.sharded.reader as reader_module
-from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError
+from fastckpt.errors import CheckpointChangedError, FormatError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader
 from fastckpt.sharded.format import (DESCRIPTION_FILE, INDEX_FILE, SLICE_SIZE, group_rows, parse_part_key, rows_of,
                                      slice_owner)

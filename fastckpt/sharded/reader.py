@@ -47,7 +47,7 @@ import numpy as np
 from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.hashing import blake3_mapped
-from fastckpt.formats.reader import TensorFile, guard, open_file
+from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
 from fastckpt.sharded.flights import Flights
