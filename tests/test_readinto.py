@@ -467,7 +467,8 @@ def test_new_staging_buffers_on_a_device_sharing_host_memory_are_advised_huge_pa
     monkeypatch.setattr(staging, "STAGING_HUGE_PAGES", advised)
     asked = []
     real = staging.advise_huge_pages
-    monkeypatch.setattr(staging, "advise_huge_pages", lambda queue, buffer, n: asked.append(n) or real(queue, buffer, n))
+    monkeypatch.setattr(staging, "advise_huge_pages",
+                        lambda queue, buffer, n: asked.append(n) or real(queue, buffer, n))
     stage = staging.lease_staging(unified_device.queue, pool, 8 << 20, 2)
     try:
         assert asked == ([8 << 20] * 2 if advised else [])

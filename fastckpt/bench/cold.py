@@ -75,7 +75,7 @@ from fastckpt.bench.timing import format_duration, table_lines
 
 __all__ = ["configure", "run", "measure_one", "ROWS", "drop_cache", "prepare", "table"]
 
-# row -> (kind: "bound" | "reference" | "fastckpt" | "peer", what it reads: "file" | "dir" | "netcl", does it need a device)
+# row -> (kind: "bound" | "reference" | "fastckpt" | "peer", what it reads: "file" | "dir" | "netcl", needs a device)
 ROWS = {
     "bound: buffered readinto, 64 MiB": ("bound", "file", False),
     "bound: buffered preadv, 2 threads": ("bound", "file", False),

@@ -93,8 +93,8 @@ from fastckpt.formats.readinto import DIRECT_ALIGN, DIRECT_THREADS, open_direct,
 
 __all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "lease_staging",
            "send_pinned", "STAGING_CHUNK",
-           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN", "SPARE_BUFFERS",
-           "STAGING_HUGE_PAGES"]
+           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN",
+           "SPARE_BUFFERS", "STAGING_HUGE_PAGES"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
