@@ -400,59 +400,136 @@ def last_occurrence(const int64_t[::1] rows, uint8_t[::1] keep, int64_t row_coun
     return repeats
 
 
-@cython.boundscheck(False)  # every index below is a position < size or a row < len(ids), by the counts
-@cython.cdivision(True)  # size >= 1, checked first
-def slice_order(const int64_t[::1] ids, int64_t size):
-    """``(order, below)``: the stable order of ``ids`` by slice position ``uint64(id) % size`` (a version-4 table
-    part's order, :func:`fastckpt.sharded.format.slice_order`), None where the ids are in that order already, and
-    ``below[p]``, how many ids have a position below ``p`` (``size + 1`` counts).
+cdef extern from *:
+    """
+    #include <stdint.h>
+    /* A position of the key space of `size` slices: uint64(id) % size (a mask where size is a power of two). */
+    static inline uint64_t fastckpt_position(int64_t id, uint64_t size, int power) {
+        return power ? ((uint64_t)id & (size - 1)) : ((uint64_t)id % size);
+    }
+    """
+    uint64_t fastckpt_position(int64_t id, uint64_t size, int power) noexcept nogil
 
-    One counting sort without the GIL: a pass counting each position (the counts of 65536 positions stay in the
-    cache) and, where the ids are out of order, a pass placing each id's row after those of lower positions and
-    of its own position seen before it. numpy's radix argsort of the 16-bit positions takes two such passes and
-    the positions made first.
+
+DEF _DIGIT_BITS = 8  # a position is sorted 8 bits at a time: 256 write streams a pass, which the caches keep
+DEF _DIGITS = 4  # positions fit 32 bits (sizes up to 2**32)
+
+
+@cython.boundscheck(False)  # every index below is a row < n or a bucket < 256, by the counts
+@cython.wraparound(False)
+@cython.initializedcheck(False)  # order is read only where it was made (the ids out of order)
+@cython.cdivision(True)  # size >= 1, checked first
+def slice_order(const int64_t[::1] ids, uint64_t size, const int64_t[::1] bounds):
+    """``(order, rows)``: the stable order of ``ids`` by slice position ``uint64(id) % size`` (a version-4 table
+    part's order, :func:`fastckpt.sharded.format.slice_order`), None where the ids are in that order already, and
+    ``rows[k]``, how many ids have a position below ``bounds[k]`` (``bounds``: ascending positions, the part's
+    slice group bounds).
+
+    A least-significant-digit radix sort of the positions, 8 bits a pass (two passes for 65536 slices), without the
+    GIL: a pass counting every digit of every position, then each pass that a digit's values tell apart places
+    each row after those of lower digits and of its own digit seen before it, through 256 write streams that stay
+    in the caches (a counting sort by the whole position writes 65536 streams, one cache miss a row once the rows
+    outgrow the cache, and needs counts of every position). Memory: the order and one array of ``len(ids)``
+    eight-byte words; nothing in proportion to ``size``. ``rows`` is counted by binary search of the ordered
+    positions.
 
     >>> import numpy as np
-    >>> order, below = slice_order(np.array([65537, 3, 1, 65536]), 65536)
-    >>> order.tolist(), below[[0, 1, 2, 3, 4]].tolist()
-    ([3, 0, 2, 1], [0, 1, 3, 3, 4])
+    >>> order, rows = slice_order(np.array([65537, 3, 1, 65536]), 65536, np.array([0, 1, 2, 4, 65536]))
+    >>> order.tolist(), rows.tolist()
+    ([3, 0, 2, 1], [0, 1, 3, 4, 4])
+    >>> slice_order(np.array([65536, 1, 65539]), 65536, np.array([0, 65536]))[0] is None
+    True
     """
     import numpy as np
 
-    if size < 1 or size > (1 << 24):
-        raise ValueError(f"slice_order: size must be from 1 to {1 << 24}, got {size}")
-    cdef Py_ssize_t n = ids.shape[0], i
-    cdef uint64_t usize = <uint64_t>size, mask = usize - 1, p, previous = 0
-    cdef bint power = (usize & mask) == 0, ordered = True
-    below_array = np.zeros(size + 1, np.int64)
-    cdef int64_t[::1] below = below_array
-    cdef int64_t[::1] rows
-    cdef int64_t* at
+    if size < 1 or size > (<uint64_t>1 << 32):
+        raise ValueError(f"slice_order: size must be from 1 to {1 << 32}, got {size}")
+    cdef Py_ssize_t n = ids.shape[0], i, k, nb = bounds.shape[0], lo, hi, mid
+    if <uint64_t>n > (<uint64_t>1 << 32):
+        raise ValueError(f"slice_order: a table part of {n} rows; at most {1 << 32} are sorted at once")
+    for k in range(nb):
+        if bounds[k] < 0 or <uint64_t>bounds[k] > size or (k and bounds[k] < bounds[k - 1]):
+            raise ValueError(f"slice_order: bounds must ascend within [0, {size}], got {np.asarray(bounds).tolist()}")
+    cdef int power = (size & (size - 1)) == 0, digits = 1, d, last
+    cdef uint64_t p, previous = 0, x, b
+    cdef bint ordered = True
+    while digits < _DIGITS and (size - 1) >> (_DIGIT_BITS * digits):
+        digits += 1
+    counts_array = np.zeros((_DIGITS, 256), np.int64)
+    rows_array = np.empty(nb, np.int64)
+    cdef int64_t[:, ::1] counts = counts_array
+    cdef int64_t[::1] rows = rows_array
+    cdef int64_t at[256]
+    cdef int64_t total
+    cdef Py_ssize_t[::1] order
+    cdef uint64_t[::1] packed, spare
+    cdef uint64_t* source
+    cdef uint64_t* target
+    cdef int needed[_DIGITS]
+    cdef int passes = 0
     with nogil:
         for i in range(n):
-            p = (<uint64_t>ids[i]) & mask if power else (<uint64_t>ids[i]) % usize
-            below[p + 1] += 1
+            p = fastckpt_position(ids[i], size, power)
+            for d in range(digits):
+                counts[d, (p >> (_DIGIT_BITS * d)) & 255] += 1
             if p < previous:
                 ordered = False
             previous = p
-        for i in range(size):
-            below[i + 1] += below[i]
     if ordered:
-        return None, below_array
-    order_array = np.empty(n, np.intp)
-    cdef Py_ssize_t[::1] order = order_array
-    at = <int64_t*>calloc(<size_t>size, sizeof(int64_t))
-    if at == NULL:
-        raise MemoryError(f"slice_order: cannot allocate {size * 8} bytes")
+        order_array = None
+    else:
+        order_array = np.empty(n, np.intp)
+        order = order_array
+        for d in range(digits):  # a digit every position shares leaves the order as it is: no pass
+            if max(counts_array[d]) < n:
+                needed[passes] = d
+                passes += 1
+        packed_array = np.empty(n if passes > 1 else 0, np.uint64)
+        spare_array = np.empty(n if passes > 2 else 0, np.uint64)
+        packed, spare = packed_array, spare_array
+        with nogil:
+            source = NULL  # the first pass reads the ids; a pass leaves (position << 32 | row) for the next
+            target = &packed[0] if passes > 1 else NULL
+            for k in range(passes):
+                d = needed[k]
+                last = k == passes - 1
+                total = 0
+                for i in range(256):
+                    at[i] = total
+                    total += counts[d, i]
+                if source == NULL:
+                    for i in range(n):
+                        p = fastckpt_position(ids[i], size, power)
+                        b = (p >> (_DIGIT_BITS * d)) & 255
+                        if last:
+                            order[at[b]] = i
+                        else:
+                            target[at[b]] = (p << 32) | <uint64_t>i
+                        at[b] += 1
+                else:
+                    for i in range(n):
+                        x = source[i]
+                        b = (x >> (32 + _DIGIT_BITS * d)) & 255
+                        if last:
+                            order[at[b]] = <Py_ssize_t>(x & <uint64_t>0xFFFFFFFF)
+                        else:
+                            target[at[b]] = x
+                        at[b] += 1
+                if not last:  # ping-pong between the two word arrays (a third pass and on: spare holds n)
+                    source = target
+                    target = &spare[0] if source == &packed[0] else &packed[0]
     with nogil:
-        for i in range(size):
-            at[i] = below[i]
-        for i in range(n):
-            p = (<uint64_t>ids[i]) & mask if power else (<uint64_t>ids[i]) % usize
-            order[at[p]] = i
-            at[p] += 1
-    free(at)
-    return order_array, below_array
+        for k in range(nb):  # rows below bounds[k]: the first of the ordered positions at or above it
+            lo, hi = 0, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                i = mid if ordered else order[mid]
+                if fastckpt_position(ids[i], size, power) < <uint64_t>bounds[k]:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            rows[k] = lo
+    return order_array, rows_array
 
 
 @cython.boundscheck(False)  # every index below is a row < n or a group < len(rows) - 1, by the checks first
