@@ -33,7 +33,7 @@ It prints the state's total bytes, then measures:
    the load for comparison. Throughput is the state's bytes over the
    wall time of all ranks together; the ratio is fastckpt's throughput over the raw one (target >= 0.85x,
    the load unverified, against the ``np.empty`` raw read).
-   The saver does more than the raw write: it orders each table part by key-space slice (a counting sort)
+   The saver does more than the raw write: it orders each table part by key-space slice (a radix sort)
    and gathers its rows into that order a piece at a time as it writes them, hashes every file (BLAKE3, for
    the manifest), writes and fsyncs the JSON files and renames the directory into place, fsyncing it and its
    parent (the raw write fsyncs its files only). ``Saver.save(direct=True)`` runs in the same rounds, shown in
