@@ -403,12 +403,70 @@ def last_occurrence(const int64_t[::1] rows, uint8_t[::1] keep, int64_t row_coun
 cdef extern from *:
     """
     #include <stdint.h>
+    #include <Python.h>
     /* A position of the key space of `size` slices: uint64(id) % size (a mask where size is a power of two). */
     static inline uint64_t fastckpt_position(int64_t id, uint64_t size, int power) {
         return power ? ((uint64_t)id & (size - 1)) : ((uint64_t)id % size);
     }
+    /* Count every byte of every id's position (counts[256 * d + byte d]); returns whether the positions ascend. The
+       loops are written out for a power-of-two size (a mask) and for another (a division), so that neither tests
+       which it is per id. */
+    #define FASTCKPT_COUNT(POSITION) \
+        for (i = 0; i < n; i++) { \
+            p = POSITION; \
+            for (d = 0; d < digits; d++) counts[256 * d + ((p >> (8 * d)) & 255)]++; \
+            ordered &= p >= previous; \
+            previous = p; \
+        }
+    static int fastckpt_count_digits(const int64_t* ids, Py_ssize_t n, uint64_t size, int digits, int64_t* counts) {
+        Py_ssize_t i;
+        int d, ordered = 1;
+        uint64_t p, previous = 0, mask = size - 1;
+        if ((size & mask) == 0 && digits == 2) {  /* 65536 slices, the default: both bytes at once */
+            for (i = 0; i < n; i++) {
+                p = (uint64_t)ids[i] & mask;
+                counts[p & 255]++;
+                counts[256 + (p >> 8)]++;
+                ordered &= p >= previous;
+                previous = p;
+            }
+        } else if ((size & mask) == 0) {
+            FASTCKPT_COUNT((uint64_t)ids[i] & mask)
+        } else {
+            FASTCKPT_COUNT((uint64_t)ids[i] % size)
+        }
+        return ordered;
+    }
+    /* One pass of the radix sort: each row to at[its byte `shift` bits up], then that slot on. The first pass reads
+       the ids (source NULL), later ones the words (position << 32 | row) the pass before left in source; the last
+       writes the rows to order, the others the words to target. */
+    #define FASTCKPT_PLACE(WORD, OUT) \
+        for (i = 0; i < n; i++) { \
+            x = WORD; \
+            OUT; \
+        }
+    static void fastckpt_place(const int64_t* ids, const uint64_t* source, Py_ssize_t n, uint64_t size, int shift,
+                               int64_t* at, uint64_t* target, Py_ssize_t* order) {
+        Py_ssize_t i;
+        uint64_t x, mask = size - 1;
+        int key = 32 + shift;
+        if (source == NULL && (size & mask) == 0) {
+            if (order) FASTCKPT_PLACE((uint64_t)ids[i] & mask, order[at[(x >> shift) & 255]++] = i)
+            else FASTCKPT_PLACE(((uint64_t)ids[i] & mask) << 32 | (uint64_t)i, target[at[(x >> key) & 255]++] = x)
+        } else if (source == NULL) {
+            if (order) FASTCKPT_PLACE((uint64_t)ids[i] % size, order[at[(x >> shift) & 255]++] = i)
+            else FASTCKPT_PLACE(((uint64_t)ids[i] % size) << 32 | (uint64_t)i, target[at[(x >> key) & 255]++] = x)
+        } else if (order) {
+            FASTCKPT_PLACE(source[i], order[at[(x >> key) & 255]++] = (Py_ssize_t)(x & 0xFFFFFFFFu))
+        } else {
+            FASTCKPT_PLACE(source[i], target[at[(x >> key) & 255]++] = x)
+        }
+    }
     """
     uint64_t fastckpt_position(int64_t id, uint64_t size, int power) noexcept nogil
+    int fastckpt_count_digits(const int64_t* ids, Py_ssize_t n, uint64_t size, int digits, int64_t* counts) noexcept nogil
+    void fastckpt_place(const int64_t* ids, const uint64_t* source, Py_ssize_t n, uint64_t size, int shift,
+                        int64_t* at, uint64_t* target, Py_ssize_t* order) noexcept nogil
 
 
 DEF _DIGIT_BITS = 8  # a position is sorted 8 bits at a time: 256 write streams a pass, which the caches keep
@@ -451,8 +509,7 @@ def slice_order(const int64_t[::1] ids, uint64_t size, const int64_t[::1] bounds
         if bounds[k] < 0 or <uint64_t>bounds[k] > size or (k and bounds[k] < bounds[k - 1]):
             raise ValueError(f"slice_order: bounds must ascend within [0, {size}], got {np.asarray(bounds).tolist()}")
     cdef int power = (size & (size - 1)) == 0, digits = 1, d, last
-    cdef uint64_t p, previous = 0, x, b
-    cdef bint ordered = True
+    cdef bint ordered
     while digits < _DIGITS and (size - 1) >> (_DIGIT_BITS * digits):
         digits += 1
     counts_array = np.zeros((_DIGITS, 256), np.int64)
@@ -463,33 +520,30 @@ def slice_order(const int64_t[::1] ids, uint64_t size, const int64_t[::1] bounds
     cdef int64_t total
     cdef Py_ssize_t[::1] order
     cdef uint64_t[::1] packed, spare
+    cdef const int64_t* id_data = &ids[0] if n else NULL
     cdef uint64_t* source
     cdef uint64_t* target
+    cdef uint64_t* words[2]
     cdef int needed[_DIGITS]
     cdef int passes = 0
     with nogil:
-        for i in range(n):
-            p = fastckpt_position(ids[i], size, power)
-            for d in range(digits):
-                counts[d, (p >> (_DIGIT_BITS * d)) & 255] += 1
-            if p < previous:
-                ordered = False
-            previous = p
+        ordered = fastckpt_count_digits(id_data, n, size, digits, &counts[0, 0])
     if ordered:
         order_array = None
     else:
         order_array = np.empty(n, np.intp)
         order = order_array
-        for d in range(digits):  # a digit every position shares leaves the order as it is: no pass
+        for d in range(digits):  # a byte every position shares leaves the order as it is: no pass
             if max(counts_array[d]) < n:
                 needed[passes] = d
                 passes += 1
         packed_array = np.empty(n if passes > 1 else 0, np.uint64)
         spare_array = np.empty(n if passes > 2 else 0, np.uint64)
         packed, spare = packed_array, spare_array
+        words[0] = &packed[0] if passes > 1 else NULL
+        words[1] = &spare[0] if passes > 2 else NULL
         with nogil:
-            source = NULL  # the first pass reads the ids; a pass leaves (position << 32 | row) for the next
-            target = &packed[0] if passes > 1 else NULL
+            source = NULL  # the first pass reads the ids; the others the words the pass before left
             for k in range(passes):
                 d = needed[k]
                 last = k == passes - 1
@@ -497,27 +551,9 @@ def slice_order(const int64_t[::1] ids, uint64_t size, const int64_t[::1] bounds
                 for i in range(256):
                     at[i] = total
                     total += counts[d, i]
-                if source == NULL:
-                    for i in range(n):
-                        p = fastckpt_position(ids[i], size, power)
-                        b = (p >> (_DIGIT_BITS * d)) & 255
-                        if last:
-                            order[at[b]] = i
-                        else:
-                            target[at[b]] = (p << 32) | <uint64_t>i
-                        at[b] += 1
-                else:
-                    for i in range(n):
-                        x = source[i]
-                        b = (x >> (32 + _DIGIT_BITS * d)) & 255
-                        if last:
-                            order[at[b]] = <Py_ssize_t>(x & <uint64_t>0xFFFFFFFF)
-                        else:
-                            target[at[b]] = x
-                        at[b] += 1
-                if not last:  # ping-pong between the two word arrays (a third pass and on: spare holds n)
-                    source = target
-                    target = &spare[0] if source == &packed[0] else &packed[0]
+                target = NULL if last else words[k % 2]
+                fastckpt_place(id_data, source, n, size, _DIGIT_BITS * d, at, target, &order[0] if last else NULL)
+                source = target
     with nogil:
         for k in range(nb):  # rows below bounds[k]: the first of the ordered positions at or above it
             lo, hi = 0, n
