@@ -57,8 +57,10 @@ def _save(fmt):
 
 def _before_each_read(monkeypatch, before) -> None:
     """Call ``before(obj, start, end)`` ahead of every ranged read, on every path of the streaming mechanism (a
-    thread's ``get``, or a coroutine's ``aget`` / ``aget_into`` on an async filesystem's event loop)."""
+    thread's ``get`` or ``get_into``, or a coroutine's ``aget`` / ``aget_into`` on an async filesystem's event loop;
+    a direct GET that falls back to the event loop's client is two reads)."""
     real_get, real_aget, real_into = RemoteObject.get, RemoteObject.aget, RemoteObject.aget_into
+    real_get_into = RemoteObject.get_into
 
     def get(self, start, end):
         before(self, start, end)
@@ -72,9 +74,14 @@ def _before_each_read(monkeypatch, before) -> None:
         before(self, start, end)
         return await real_into(self, start, end, sink)
 
+    def get_into(self, start, end, sink, buffer):
+        before(self, start, end)
+        return real_get_into(self, start, end, sink, buffer)
+
     monkeypatch.setattr(RemoteObject, "get", get)
     monkeypatch.setattr(RemoteObject, "aget", aget)
     monkeypatch.setattr(RemoteObject, "aget_into", aget_into)
+    monkeypatch.setattr(RemoteObject, "get_into", get_into)
 
 
 @pytest.fixture

@@ -48,6 +48,8 @@ of the next, and the callback places each byte by its offset.
 
 from __future__ import annotations
 
+import http.client as _http_client
+import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -200,7 +202,12 @@ class RemoteObject:
             self._get_into = reads.into
             return reads.get
         headers = {"headers": {"If-Match": self.etag}} if self.etag and protocol in ("http", "https") else {}
+        self._http_direct = None
         if self.is_async and protocol in ("http", "https") and hasattr(fs, "set_session"):
+            if not getattr(fs, "kwargs", None) and not getattr(fs, "client_kwargs", None):
+                # Nothing of the filesystem's own to send: a plain GET with no event loop may read it (get_into).
+                self._http_direct = (str(fs.encode_url(path)), headers.get("headers", {}), None)
+
             async def http_into(start: int, end: int, sink) -> None:
                 await _plain_get(self, fs, fs.encode_url(path), headers.get("headers", {}), start, end, sink)
 
@@ -248,6 +255,75 @@ class RemoteObject:
             await into(start, end, sink)
         except Exception as e:
             raise self._failure(e, start, end) from e
+
+    def get_into(self, start: int, end: int, sink: Callable[[int, bytes], object], buffer: bytearray) -> None:
+        """:meth:`aget_into` on the calling thread, with no event loop: one blocking ranged GET (the standard
+        library's ``http.client``, a connection kept per thread and server) whose body is read with ``readinto``
+        into ``buffer`` (kept by the caller from piece to piece, so no part is a new object) and handed to
+        ``sink(offset, memoryview)`` a buffer at a time; the view is valid only during the call. For the objects
+        :meth:`direct` gives an address for; where the GET fails other than by an answer about the object (a
+        refusal, a redirect, an encoded body, a dropped connection), the rest of the piece goes through
+        :meth:`aget_into` from the byte where it stopped, which does what it does (``GetObject`` for ``s3://``)."""
+        if end <= start:
+            return
+        at, sink_failed = start, False
+
+        def counted(offset: int, part) -> None:
+            nonlocal at, sink_failed
+            try:
+                sink(offset, part)
+            except BaseException:
+                sink_failed = True
+                raise
+            at = offset + len(part)
+
+        address = self.direct()
+        if address is not None:
+            reads = self._s3_reads()
+            if reads is not None:
+                reads.plain += 1
+            try:
+                _direct_get(self, address, start, end, counted, buffer)
+                return
+            except Exception as e:
+                if sink_failed or isinstance(e, (ObjectChangedError, FormatError)) or \
+                        not isinstance(e, _TRANSPORT_ERRORS):
+                    raise  # the destination's own error, or one about the object
+                self._direct_failed()
+        from fsspec.asyn import sync
+
+        sync(self.fs.loop, self.aget_into, at, end, sink)
+
+    def direct(self) -> tuple[str, dict, object] | None:
+        """Where a plain GET of this object's ranges may go with no event loop (:meth:`get_into`): ``(url, headers,
+        ssl context or None)``, or None. ``http(s)://`` URLs of fsspec's HTTP filesystem with no client options
+        (no session options, headers or authentication of its own to carry), and ``s3://`` objects read by signed
+        plain GETs (:class:`_S3Reads`: the URL is signed here, on the filesystem's loop, once per half hour)."""
+        reads = self._s3_reads()
+        if reads is not None:
+            if not reads.use_plain:
+                return None
+            from fsspec.asyn import sync
+
+            url = sync(self.fs.loop, reads._signed_url)
+            if url is None:
+                reads.use_plain = False
+                return None
+            headers = {"If-Match": self.etag}
+            return url, headers, _ssl_context(reads._ssl)
+        return getattr(self, "_http_direct", None)
+
+    def _direct_failed(self) -> None:
+        """A GET of :meth:`get_into` failed other than by an answer about the object: the object's later reads go
+        as they went before (``s3://``: ``GetObject``, as :class:`_S3Reads` does after a failed plain GET)."""
+        reads = self._s3_reads()
+        if reads is not None:
+            reads.use_plain = False
+        self._http_direct = None
+
+    def _s3_reads(self) -> "_S3Reads | None":
+        reads = getattr(getattr(self, "_get_into", None), "__self__", None)
+        return reads if isinstance(reads, _S3Reads) else None
 
     async def _pump(self, read, start: int, end: int, sink) -> None:
         at = start
@@ -352,6 +428,120 @@ async def _plain_get(obj: RemoteObject, http, url, headers: dict, start: int, en
         if partial and (r.status != 206 or r.headers.get("Content-Encoding", "identity") != "identity"):
             raise _NotPlain(f"HTTP {r.status} {r.headers.get('Content-Encoding', '')}")
         await obj._pump(r.content.read, start, end, sink)
+
+
+# What a direct GET may fail with that is not about the object (it then goes through the event loop's client).
+_TRANSPORT_ERRORS = (OSError, _http_client.HTTPException, _NotPlain)
+
+
+class _Connections:
+    """The idle keep-alive connections of :func:`_direct_get`, per scheme, host and TLS context; a forked child
+    starts with none (its parent's sockets are not its own)."""
+
+    def __init__(self):
+        self.idle: dict[tuple, list] = {}
+        self.lock = threading.Lock()
+
+    def take(self, scheme: str, netloc: str, context):
+        key = (scheme, netloc, id(context))
+        with self.lock:
+            idle = self.idle.get(key)
+            if idle:
+                return key, idle.pop()
+        if scheme == "https":
+            return key, _http_client.HTTPSConnection(netloc, context=context, timeout=_TIMEOUT)
+        return key, _http_client.HTTPConnection(netloc, timeout=_TIMEOUT)
+
+    def give(self, key: tuple, connection) -> None:
+        with self.lock:
+            idle = self.idle.setdefault(key, [])
+            if len(idle) < 4 * THREADS:
+                idle.append(connection)
+                return
+        connection.close()
+
+    def forget(self) -> None:
+        self.idle = {}
+        self.lock = threading.Lock()
+
+
+_CONNECTIONS = _Connections()
+_TIMEOUT = 300  # seconds a direct GET may wait on its socket (aiohttp's default total for fsspec's HTTP client)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_CONNECTIONS.forget)
+
+
+def _ssl_context(options: dict):
+    """The ``ssl.SSLContext`` of :class:`_S3Reads`' aiohttp ``ssl`` option (``{}``: the system's, checked;
+    ``False``: no check; a context: that one); None for plain ``http``."""
+    import ssl
+
+    value = options.get("ssl", True)
+    if value is False:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    if isinstance(value, ssl.SSLContext):
+        return value
+    return None
+
+
+def _direct_get(obj: "RemoteObject", address: tuple, start: int, end: int, sink, buffer: bytearray) -> None:
+    """One ranged GET of bytes ``[start, end)`` of ``obj`` at ``address`` (:meth:`RemoteObject.direct`) on this
+    thread: the body read with ``readinto`` into ``buffer``, each filled part handed to ``sink(offset, view)``.
+    Answers about the object are its errors (412: changed; 404: removed; 416 or a body of another length: cut
+    short); an answer a plain GET cannot take (any other status, a redirect, an encoded body) is :class:`_NotPlain`
+    before a byte is delivered."""
+    from urllib.parse import urlsplit
+
+    url, headers, context = address
+    parts = urlsplit(url)
+    key, connection = _CONNECTIONS.take(parts.scheme, parts.netloc, context)
+    kept = False
+    try:
+        target = parts.path + ("?" + parts.query if parts.query else "")
+        connection.request("GET", target or "/", headers={**headers, "Range": f"bytes={start}-{end - 1}",
+                                                           "Accept-Encoding": "identity"})
+        r = connection.getresponse()
+        if r.status == 404:
+            raise FileNotFoundError(url)
+        if r.status in (412, 416):
+            raise _StatusError(r.status, r.reason)
+        if r.status not in (200, 206) or r.getheader("Content-Encoding", "identity") != "identity":
+            raise _NotPlain(f"HTTP {r.status} {r.getheader('Content-Encoding', '')}")
+        _same_object(obj, r.getheader("ETag"), start)
+        if r.length is not None and r.length > end - start:
+            raise FormatError(f"{obj.url}: expected {end - start} bytes at offset {start}, got more (the store "
+                              "ignored the range?); nothing read is used")
+        view, at = memoryview(buffer), start
+        while at < end:
+            n = r.readinto(view[:min(len(view), end - at)])
+            if not n:
+                if r.length:  # the connection ended before the body did: not the object's doing
+                    raise _http_client.IncompleteRead(b"", r.length)
+                break
+            sink(at, view[:n])
+            at += n
+        obj._checked(start, end, _Length(at - start))
+        kept = not r.will_close and r.isclosed()  # the whole body read: the connection serves the next GET
+    except Exception as e:
+        if isinstance(e, (_StatusError, FileNotFoundError)):
+            raise obj._failure(e, start, end) from None
+        raise
+    finally:
+        if kept:
+            _CONNECTIONS.give(key, connection)
+        else:
+            connection.close()
+
+
+class _StatusError(OSError):
+    """A direct GET's answer about the object (its HTTP ``status``: 412, 416), for :meth:`RemoteObject._failure`."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(f"HTTP {status} {reason}")
+        self.status = status
 
 
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
@@ -542,6 +732,12 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
         _deliver(obj, lo, hi, obj.get(lo, hi), deliver, done, key, left, done_lock)
 
     total = sum(p[2] - p[1] for p in pieces)
+    if parts and pieces and _all_direct(pieces):
+        # Plain GETs with no event loop (http(s)://, signed s3://): each of `threads` threads sends its pieces' GETs
+        # and reads their bodies into a buffer of its own, handing each part to its destination (one receive and
+        # one copy a byte, spread over the threads; the event loop's one thread did both for every byte before).
+        _stream_threads(pieces, threads, left, done_lock)
+        return total
     loops = {id(p[0].fs.loop) if p[0].is_async else None for p in pieces}
     if pieces and len(loops) == 1 and None not in loops:
         # Async filesystems (s3fs, HTTP): the requests run as coroutines on the filesystem's event loop, at most
@@ -566,6 +762,63 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
             wait(futures)
             raise failed[0].exception()
     return total
+
+
+def _all_direct(pieces: list) -> bool:
+    """Whether every object of ``pieces`` may be read by direct GETs (:meth:`RemoteObject.direct`)."""
+    objects = {id(p[0]): p[0] for p in pieces}
+    return all(getattr(obj, "is_async", False) and obj.direct() is not None for obj in objects.values())
+
+
+class _Halted(Exception):
+    """Another thread of :func:`_stream_threads` failed: this one stops at its next part."""
+
+
+def _stream_threads(pieces: list, threads: int, left: dict, done_lock) -> None:
+    """Fetch ``pieces`` with :meth:`RemoteObject.get_into` on ``threads`` threads, in order, each thread reading
+    its bodies into one buffer of ``_PART`` bytes that it keeps (so at most ``threads x _PART`` bytes are held
+    between the sockets and the destinations). The first error stops every thread at its next part and is
+    raised."""
+    lock = threading.Lock()
+    order = iter(pieces)
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        buffer = bytearray(_PART)
+        try:
+            while not failed:
+                with lock:
+                    piece = next(order, None)
+                if piece is None:
+                    return
+                obj, lo, hi, deliver, done, key = piece
+
+                def sink(at: int, part, obj=obj, deliver=deliver, key=key) -> None:
+                    if failed:
+                        raise _Halted()
+                    _deliver(obj, at, at + len(part), part, deliver, None, key, left, done_lock, request=False)
+
+                obj.get_into(lo, hi, sink, buffer)
+                with obj._lock:
+                    obj.stats.requests += 1
+                if done is not None:
+                    _finish(done, key, left, done_lock)
+        except BaseException as e:
+            with lock:
+                if not isinstance(e, _Halted):
+                    failed.append(e)
+                elif not failed:
+                    failed.append(e)
+
+    count = min(threads, len(pieces))
+    if count == 1:
+        work()
+    else:
+        with ThreadPoolExecutor(count, thread_name_prefix="fastckpt-get") as pool:
+            for _ in range(count):
+                pool.submit(work)
+    if failed:
+        raise failed[0]
 
 
 def _deliver(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_lock, request: bool = True) -> None:
