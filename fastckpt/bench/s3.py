@@ -217,7 +217,8 @@ REUSED = "load_file(s3, pool with its arena)"
 VERIFIED = "load_model(s3 .netcl, pool, verify=True)"
 # The rows also run with the fastckpt of --against, in the same rounds.
 BEFORE_ROWS = ("fastckpt.open(s3) + copies", "fastckpt.open(http) + copies", "load_file(s3, pool)",
-               "load_model(s3 .netcl, pool)", VERIFIED)
+               "load_file(http, pool)", REUSED, "load_file(s3 HF prefix, pool)", "load_model(s3 .netcl, pool)",
+               VERIFIED)
 
 
 def _range_server(root: str):

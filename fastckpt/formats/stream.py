@@ -281,7 +281,8 @@ class RemoteObject:
         if address is not None:
             reads = self._s3_reads()
             if reads is not None:
-                reads.plain += 1
+                with self._lock:
+                    reads.plain += 1
             try:
                 _direct_get(self, address, start, end, counted, buffer)
                 return
@@ -471,17 +472,23 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_CONNECTIONS.forget)
 
 
+_UNVERIFIED = None
+
+
 def _ssl_context(options: dict):
     """The ``ssl.SSLContext`` of :class:`_S3Reads`' aiohttp ``ssl`` option (``{}``: the system's, checked;
     ``False``: no check; a context: that one); None for plain ``http``."""
     import ssl
 
+    global _UNVERIFIED
     value = options.get("ssl", True)
     if value is False:
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-        return context
+        if _UNVERIFIED is None:  # one context: the kept connections are found by it
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            _UNVERIFIED = context
+        return _UNVERIFIED
     if isinstance(value, ssl.SSLContext):
         return value
     return None
