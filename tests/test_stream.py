@@ -75,9 +75,9 @@ def _before_each_read(monkeypatch, before) -> None:
         before(self, start, end)
         return await real_into(self, start, end, sink)
 
-    def get_into(self, start, end, sink, buffer):
+    def get_into(self, start, end, sink, buffer, place=None):
         before(self, start, end)
-        return real_get_into(self, start, end, sink, buffer)
+        return real_get_into(self, start, end, sink, buffer, place)
 
     monkeypatch.setattr(RemoteObject, "get", get)
     monkeypatch.setattr(RemoteObject, "aget", aget)
@@ -1056,3 +1056,47 @@ def test_an_http_get_a_direct_read_cannot_take_goes_on_through_the_event_loops_c
     if answer == "cut":
         again = int(gets[1]["range"].removeprefix("bytes=").split("-")[0])
         assert 0 < again <= 1 << 19 and gets[1]["range"] == f"bytes={again}-1048575"
+
+
+def test_a_destination_that_says_where_bytes_belong_has_them_read_straight_there(objects, monkeypatch):
+    # A deliver with place/placed: a direct GET's body goes from the socket into that memory (one copy), never
+    # through the thread's buffer; only the bytes place declines come through deliver.
+    monkeypatch.setattr(stream, "_PART", 16 << 10)
+    key, data = _object_bytes(objects, 300_000)
+    obj = RemoteObject(objects.http_url("b", key))
+    out = bytearray(obj.size)
+    copied, placed = [], []
+
+    def deliver(offset, part):
+        copied.append(len(part))
+        out[offset:offset + len(part)] = part
+
+    deliver.place = lambda offset, n: memoryview(out)[offset:offset + n] if offset < 200_000 else None
+    deliver.placed = lambda offset, part: placed.append((offset, len(part)))
+    obj.stream([(0, obj.size)], deliver, chunk=50_000, threads=3, parts=True)
+    assert bytes(out) == data
+    assert sum(n for _at, n in placed) + sum(copied) == len(data) and max(n for _at, n in placed) <= 16 << 10
+    assert min(at for at, _n in placed) == 0 and sum(copied) >= 100_000  # declined from 200,000 on: copied
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("where", ["range-s3", "range-http"])
+def test_a_pooled_load_on_a_device_sharing_host_memory_reads_bodies_straight_into_the_arena(where, request, queue,
+                                                                                              pool, monkeypatch):
+    from fastckpt.device.context import shares_host_memory
+
+    if not shares_host_memory(queue.device):
+        pytest.skip("a discrete device's pieces land in pinned staging buffers")
+    tensors = _tensors(2)
+    url, options = _put(where, request, "m.safetensors", lambda p: fastckpt.save_safetensors(p, tensors))
+    places = []
+    real = RemoteObject.get_into
+
+    def get_into(self, start, end, sink, buffer, place=None):
+        places.append(place is not None)
+        return real(self, start, end, sink, buffer, place)
+
+    monkeypatch.setattr(RemoteObject, "get_into", get_into)
+    loaded = fastckpt.load_file(url, queue, pool=pool, storage_options=options)
+    assert {k: loaded[k].to_host().tobytes() for k in tensors} == {k: v.tobytes() for k, v in tensors.items()}
+    assert places[0] is False and places[1:] and all(places[1:])  # the index first, then the payload in place

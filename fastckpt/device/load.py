@@ -1389,6 +1389,10 @@ def _stream_region(load: _Load, remote, start: int, end: int, lease, at: int, gr
                 mapped[offset - start:offset - start + len(data)] = np.frombuffer(data, np.uint8)
                 done(offset, len(data))
 
+            # A direct GET's body is read straight into the arena (stream.RemoteObject.get_into): one copy, from
+            # the socket.
+            write.place = lambda offset, n: mapped[offset - start:offset - start + n]  # type: ignore[attr-defined]
+            write.placed = lambda offset, data: done(offset, len(data))  # type: ignore[attr-defined]
             remote.stream([(start, end)], write, parts=True)
         finally:
             if prefault is not None:

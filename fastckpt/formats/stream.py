@@ -256,11 +256,15 @@ class RemoteObject:
         except Exception as e:
             raise self._failure(e, start, end) from e
 
-    def get_into(self, start: int, end: int, sink: Callable[[int, bytes], object], buffer: bytearray) -> None:
+    def get_into(self, start: int, end: int, sink: Callable[[int, bytes], object], buffer: bytearray,
+                 place: Callable[[int, int], object] | None = None) -> None:
         """:meth:`aget_into` on the calling thread, with no event loop: one blocking ranged GET (the standard
         library's ``http.client``, a connection kept per thread and server) whose body is read with ``readinto``
         into ``buffer`` (kept by the caller from piece to piece, so no part is a new object) and handed to
-        ``sink(offset, memoryview)`` a buffer at a time; the view is valid only during the call. For the objects
+        ``sink(offset, memoryview)`` a buffer at a time; the view is valid only during the call. ``place(offset,
+        n)``, when given, may return the writable memory where bytes ``[offset, offset + n)`` belong: they are then
+        read straight there (one copy a byte, from the socket) and handed over as ``sink(offset, view, placed=True)``
+        (None: into ``buffer``, as without it). For the objects
         :meth:`direct` gives an address for; where the GET fails other than by an answer about the object (a
         refusal, a redirect, an encoded body, a dropped connection), the rest of the piece goes through
         :meth:`aget_into` from the byte where it stopped, which does what it does (``GetObject`` for ``s3://``)."""
@@ -268,10 +272,10 @@ class RemoteObject:
             return
         at, sink_failed = start, False
 
-        def counted(offset: int, part) -> None:
+        def counted(offset: int, part, placed: bool = False) -> None:
             nonlocal at, sink_failed
             try:
-                sink(offset, part)
+                sink(offset, part, placed=True) if placed else sink(offset, part)
             except BaseException:
                 sink_failed = True
                 raise
@@ -284,7 +288,7 @@ class RemoteObject:
                 with self._lock:
                     reads.plain += 1
             try:
-                _direct_get(self, address, start, end, counted, buffer)
+                _direct_get(self, address, start, end, counted, buffer, place)
                 return
             except Exception as e:
                 if sink_failed or isinstance(e, (ObjectChangedError, FormatError)) or \
@@ -381,9 +385,15 @@ class RemoteObject:
         happened, so a caller that raises loses only its destination's contents. (:func:`stream` reads ranges of
         several objects in one pool of requests.)
 
-        ``parts=True`` says that ``deliver`` takes any part of a piece, quickly, on any thread: on an async
-        filesystem it is then called on the event loop's thread with each part of the body as the HTTP client
-        reads it (:meth:`aget_into`), so no piece is joined into one buffer first (one copy less).
+        ``parts=True`` says that ``deliver`` takes any part of a piece, quickly, on any thread, and keeps no
+        reference to it after the call: plain ranged GETs (``http(s)://``, signed ``s3://``:
+        :meth:`RemoteObject.direct`) are then sent by ``threads`` threads of the stream's own, each reading its bodies
+        with ``readinto`` into one buffer of ``_PART`` bytes it keeps (:meth:`get_into`); on other async
+        filesystems ``deliver`` is called on the event loop's thread with each part of the body as the HTTP client
+        reads it (:meth:`aget_into`). Either way no piece is joined into one buffer first. A ``deliver`` with a
+        ``place(offset, n)`` attribute (the writable memory where those bytes belong, or None) and a
+        ``placed(offset, data)`` one (told once they are there) has the bytes of a direct GET read straight into
+        that memory, one copy less.
         """
         return stream([(self, spans, deliver, done)], chunk=chunk, threads=threads, parts=parts)
 
@@ -494,9 +504,11 @@ def _ssl_context(options: dict):
     return None
 
 
-def _direct_get(obj: "RemoteObject", address: tuple, start: int, end: int, sink, buffer: bytearray) -> None:
+def _direct_get(obj: "RemoteObject", address: tuple, start: int, end: int, sink, buffer: bytearray,
+                place=None) -> None:
     """One ranged GET of bytes ``[start, end)`` of ``obj`` at ``address`` (:meth:`RemoteObject.direct`) on this
-    thread: the body read with ``readinto`` into ``buffer``, each filled part handed to ``sink(offset, view)``.
+    thread: the body read with ``readinto`` into ``buffer`` (or where ``place`` says: :meth:`RemoteObject.get_into`),
+    each filled part handed to ``sink(offset, view)``.
     Answers about the object are its errors (412: changed; 404: removed; 416 or a body of another length: cut
     short); an answer a plain GET cannot take (any other status, a redirect, an encoded body) is :class:`_NotPlain`
     before a byte is delivered."""
@@ -523,12 +535,18 @@ def _direct_get(obj: "RemoteObject", address: tuple, start: int, end: int, sink,
                               "ignored the range?); nothing read is used")
         view, at = memoryview(buffer), start
         while at < end:
-            n = r.readinto(view[:min(len(view), end - at)])
+            want = min(len(view), end - at)
+            target = place(at, want) if place is not None else None
+            into = view[:want] if target is None else memoryview(target).cast("B")
+            n = r.readinto(into)
             if not n:
                 if r.length:  # the connection ended before the body did: not the object's doing
                     raise _http_client.IncompleteRead(b"", r.length)
                 break
-            sink(at, view[:n])
+            if target is None:
+                sink(at, into[:n])
+            else:
+                sink(at, into[:n], placed=True)
             at += n
         obj._checked(start, end, _Length(at - start))
         kept = not r.will_close and r.isclosed()  # the whole body read: the connection serves the next GET
@@ -800,12 +818,13 @@ def _stream_threads(pieces: list, threads: int, left: dict, done_lock) -> None:
                     return
                 obj, lo, hi, deliver, done, key = piece
 
-                def sink(at: int, part, obj=obj, deliver=deliver, key=key) -> None:
+                def sink(at: int, part, obj=obj, deliver=deliver, key=key, placed: bool = False) -> None:
                     if failed:
                         raise _Halted()
-                    _deliver(obj, at, at + len(part), part, deliver, None, key, left, done_lock, request=False)
+                    _deliver(obj, at, at + len(part), part, deliver.placed if placed else deliver, None, key, left,
+                             done_lock, request=False)
 
-                obj.get_into(lo, hi, sink, buffer)
+                obj.get_into(lo, hi, sink, buffer, getattr(deliver, "place", None))
                 with obj._lock:
                     obj.stats.requests += 1
                 if done is not None:
@@ -973,6 +992,13 @@ class Checksums:
         def checked(offset: int, data) -> None:
             self.feed(offset, data)
             deliver(offset, data)
+
+        if hasattr(deliver, "place"):  # bytes read straight into place are checked there
+            def placed(offset: int, data) -> None:
+                self.feed(offset, data)
+                deliver.placed(offset, data)
+
+            checked.place, checked.placed = deliver.place, placed  # type: ignore[attr-defined]
         return checked
 
     def feed(self, offset: int, data) -> None:
