@@ -503,6 +503,11 @@ def report_streaming(result: dict) -> list[str]:
         lines.append(f"- Run:ai streamer {result['runai']}")
     for row, why in result.get("failed", {}).items():
         lines.append(f"- {row}: FAILED ({why})")
+    for row in samples:  # each row against the same row of --against, in the same rounds
+        if row + BEFORE in rate and row in rate:
+            cpu = [statistics.median(x[3] for x in samples[r]) for r in (row + BEFORE, row)]
+            lines.append(f"- {row}: {rate[row] / rate[row + BEFORE]:.2f}x the speed of --against's "
+                         f"(CPU {format_duration(cpu[0])} -> {format_duration(cpu[1])})")
     missed = [r for r in rows if result["kinds"][r[0]] == "fastckpt" and bound and rate[r[0]] / bound < 0.8]
     lines.append(f"- {'met' if not missed else 'MISSED'}: >= 0.8x the bound"
                  + (f" ({', '.join(r[0] for r in missed)} below)" if missed else ""))
