@@ -1456,7 +1456,18 @@ class _Landing:
         self.copies = 0
 
     def stream(self, remote) -> None:
-        remote.stream(self.pieces, self.write, chunk=self.chunk, done=self.send, parts=True)  # one piece a span
+        def write(offset: int, data) -> None:
+            self.write(offset, data)
+
+        # A direct GET's body is read straight into the piece's staging buffer (stream.RemoteObject.get_into).
+        write.place = self.place  # type: ignore[attr-defined]
+        write.placed = lambda _offset, _data: None  # type: ignore[attr-defined]  # in its buffer: nothing to do
+        remote.stream(self.pieces, write, chunk=self.chunk, done=self.send, parts=True)  # one piece a span
+
+    def place(self, offset: int, n: int):
+        """The staging memory where bytes ``[offset, offset + n)`` of the piece holding ``offset`` go."""
+        piece = self.starts[bisect.bisect_right(self.starts, offset) - 1]
+        return self.stage.hosts[self._slot(piece)][offset - piece:offset - piece + n]
 
     def _slot(self, piece: int) -> int:
         with self.lock:
@@ -1470,9 +1481,7 @@ class _Landing:
         return slot
 
     def write(self, offset: int, data) -> None:
-        piece = self.starts[bisect.bisect_right(self.starts, offset) - 1]
-        host = self.stage.hosts[self._slot(piece)]
-        host[offset - piece:offset - piece + len(data)] = np.frombuffer(data, np.uint8)
+        self.place(offset, len(data))[:] = np.frombuffer(data, np.uint8)
 
     def send(self, lo: int, hi: int) -> None:
         with self.lock:

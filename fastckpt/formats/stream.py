@@ -308,9 +308,13 @@ class RemoteObject:
         if reads is not None:
             if not reads.use_plain:
                 return None
-            from fsspec.asyn import sync
+            import time
 
-            url = sync(self.fs.loop, reads._signed_url)
+            url = reads.url
+            if url is None or time.monotonic() - reads.signed_at > reads.EXPIRES / 2:  # sign (again) on the loop
+                from fsspec.asyn import sync
+
+                url = sync(self.fs.loop, reads._signed_url)
             if url is None:
                 reads.use_plain = False
                 return None
