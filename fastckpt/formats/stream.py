@@ -22,9 +22,11 @@ into its destination (a host array, a device buffer, a pool arena, a file) and t
   checked), and :meth:`RemoteObject.check` compares the identity again at the end, so bytes of two versions are
   never mixed: a changed object is an :class:`ObjectChangedError` naming it, and nothing read is used.
 
-An ``s3://`` object's ``GetObject`` is signed once and its pieces sent as plain ranged GETs through fsspec's HTTP
-client (:class:`_S3Reads`: 0.66 ms of CPU a 1 MiB request against botocore's 1.48 ms, docs/remote.md), except
-where the filesystem sends what a plain GET cannot carry.
+An ``s3://`` object's ``GetObject`` is signed once and its pieces sent as plain ranged GETs (:class:`_S3Reads`:
+0.66 ms of CPU a 1 MiB request against botocore's 1.48 ms, docs/remote.md), except where the filesystem sends what
+a plain GET cannot carry. Plain ranged GETs (those, and ``http(s)://`` URLs) stream on threads of their own, with
+no event loop, each body read straight into a buffer the thread keeps or into its destination
+(:meth:`RemoteObject.get_into`).
 
 A :class:`Checksums` set on an object (:attr:`RemoteObject.checksums`) checks the CRC-32 of byte ranges of it (NPZ
 members: ``load_model(url, verify=True)``) from the pieces as they pass to their destinations, so a verified load
@@ -259,7 +261,7 @@ class RemoteObject:
     def get_into(self, start: int, end: int, sink: Callable[[int, bytes], object], buffer: bytearray,
                  place: Callable[[int, int], object] | None = None) -> None:
         """:meth:`aget_into` on the calling thread, with no event loop: one blocking ranged GET (the standard
-        library's ``http.client``, a connection kept per thread and server) whose body is read with ``readinto``
+        library's ``http.client``, over a keep-alive connection kept for the next GET to that server) whose body is read with ``readinto``
         into ``buffer`` (kept by the caller from piece to piece, so no part is a new object) and handed to
         ``sink(offset, memoryview)`` a buffer at a time; the view is valid only during the call. ``place(offset,
         n)``, when given, may return the writable memory where bytes ``[offset, offset + n)`` belong: they are then
@@ -796,7 +798,10 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
 def _all_direct(pieces: list) -> bool:
     """Whether every object of ``pieces`` may be read by direct GETs (:meth:`RemoteObject.direct`)."""
     objects = {id(p[0]): p[0] for p in pieces}
-    return all(getattr(obj, "is_async", False) and obj.direct() is not None for obj in objects.values())
+    try:
+        return all(getattr(obj, "is_async", False) and obj.direct() is not None for obj in objects.values())
+    except Exception:  # the URL could not be signed: the event loop's client says why, naming the object
+        return False
 
 
 class _Halted(Exception):
