@@ -1100,3 +1100,37 @@ def test_a_pooled_load_on_a_device_sharing_host_memory_reads_bodies_straight_int
     loaded = fastckpt.load_file(url, queue, pool=pool, storage_options=options)
     assert {k: loaded[k].to_host().tobytes() for k in tensors} == {k: v.tobytes() for k, v in tensors.items()}
     assert places[0] is False and places[1:] and all(places[1:])  # the index first, then the payload in place
+
+
+def test_direct_gets_keep_their_connections_for_the_next_gets(objects, monkeypatch):
+    # A TCP (and, over https, TLS) handshake per piece would cost what the event loop's client saves: the
+    # connections of one stream serve the next.
+    import http.client
+
+    made = []
+
+    class Counted(http.client.HTTPConnection):
+        def __init__(self, *args, **kwargs):
+            made.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(stream._http_client, "HTTPConnection", Counted)
+    monkeypatch.setattr(stream, "_CONNECTIONS", stream._Connections())
+    key, data = _object_bytes(objects, 120_000)
+    obj = RemoteObject(objects.http_url("b", key))
+    for _ in range(3):
+        out = bytearray(obj.size)
+        obj.stream([(0, obj.size)], _into(obj, out), chunk=10_000, threads=3, parts=True)
+        assert bytes(out) == data
+    assert obj.stats.requests == 36 and 1 <= len(made) <= 3
+
+
+def test_direct_gets_check_certificates_as_the_s3_filesystem_says():
+    import ssl
+
+    context = ssl.create_default_context()
+    assert stream._ssl_context({}) is None  # the system's certificates, checked (http.client's default)
+    unchecked = stream._ssl_context({"ssl": False})
+    assert unchecked.verify_mode == ssl.CERT_NONE and not unchecked.check_hostname
+    assert stream._ssl_context({"ssl": False}) is unchecked  # one context: the kept connections are found by it
+    assert stream._ssl_context({"ssl": context}) is context
