@@ -227,34 +227,6 @@ class TakenRows:
         out = np.take(self.source, self.rows, axis=0)
         return out if dtype is None else out.astype(dtype, copy=False)
 
-    def pieces(self, piece_bytes: int | None = None):
-        """The rows in order, a piece at a time, each gathered into one reused buffer: a piece is valid until the
-        next is asked for. Pieces hold about ``piece_bytes`` (:attr:`PIECE_BYTES`), at least one row each.
-
-        Deprecated (working until 0.8): ``save_safetensors`` no longer calls it, its writer gathers the rows
-        (``GatherWriter.write_rows``); take pieces of ``np.asarray(taken)`` or slices of ``taken.rows`` instead.
-
-        >>> import warnings
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore", DeprecationWarning)
-        ...     [p.tolist() for p in TakenRows(np.arange(3), np.array([2, 0, 1])).pieces(16)]
-        [[2, 0], [1]]
-        """
-        warnings.warn("TakenRows.pieces() is deprecated and goes in 0.8: save_safetensors' writer gathers the rows "
-                      "itself; take slices of taken.rows (np.take(taken.source, taken.rows[a:b], axis=0))",
-                      DeprecationWarning, stacklevel=2)
-        return self._pieces(piece_bytes)
-
-    def _pieces(self, piece_bytes: int | None):
-        row_bytes = max(1, self.nbytes // max(1, len(self.rows)))
-        per = max(1, (piece_bytes or self.PIECE_BYTES) // row_bytes)
-        buffer = np.empty((min(per, len(self.rows)), *self.shape[1:]), self.dtype)
-        for start in range(0, len(self.rows), per):
-            rows = self.rows[start:start + per]
-            piece = buffer[:len(rows)]
-            np.take(self.source, rows, axis=0, out=piece, mode="clip")  # the rows were checked in __init__
-            yield piece
-
 
 def is_packed(value: Any) -> bool:
     """True for a :class:`PackedArray` that still describes its bytes."""

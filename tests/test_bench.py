@@ -90,7 +90,7 @@ def test_formatting_helpers():
 
 def test_every_suite_has_configure_run_and_a_docstring():
     assert set(SUITES) == {"device", "formats", "model", "tf", "train", "stateful", "sharded", "incremental", "s3",
-                           "memory", "torch", "link", "cold"}
+                           "memory", "torch", "link", "cold", "ranks"}
     for name, module_name in SUITES.items():
         module = importlib.import_module(module_name)
         assert callable(module.configure) and callable(module.run), name
@@ -287,6 +287,25 @@ def test_sharded_suite(tmp_path, capsys):
     # save, load, verification, the resharding pair unverified and verified, export, import; then the sizes' note
     assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 7 + [False]
     assert targets[-1] == "- (--quick sizes: the targets are stated for the full sizes)"
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+@pytest.mark.slow  # a benchmark smoke run, workers in fresh processes
+def test_ranks_suite(tmp_path, capsys):
+    import fastckpt
+
+    here = os.path.dirname(os.path.dirname(fastckpt.__file__))
+    assert main(["bench", "--suite", "ranks", "--quick", "--no-mpi", "--steady", "--steady-ids", "20000",
+                 "--steady-dense-mib", "1", "--against", here, "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("| files | ranks | mode | fastckpt | opening CPU per rank | files mapped per rank | slowest rank's load | "
+            "CPU per rank | before / after (opening) | before / after (load) | before / after (CPU) |") in out
+    rows = [line.split(" | ")[:4] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows == [["| 4", "2", "threads", "after"], ["| 4", "2", "threads", "before"],
+                    ["| 8", "2", "threads", "after"], ["| 8", "2", "threads", "before"]]
+    assert [line.split(" | ")[5] for line in out.splitlines() if "| threads |" in line] == ["2", "2", "4", "4"]
+    steady = _first_cells(out)
+    assert {"raw read", "Loader.load(verify=False) (after)", "Loader.load(verify=False) (before)"} <= set(steady)
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 

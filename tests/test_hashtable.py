@@ -508,8 +508,8 @@ def test_fill_keeps_the_first_row_of_a_repeated_id_and_refuses_a_full_index():
 
 
 def test_indexes_built_in_memory_freed_by_earlier_ones_hold_only_their_own_ids():
-    """Freed bucket mappings (2 MiB on) of up to 64 MiB in all are kept and handed to the next index of their size (a
-    loader builds one per table each load), zeroed again: every new index, filled or grown, finds exactly its own ids
+    """Freed bucket mappings (2 MiB on) are kept (the process's kept memory, mapped.pyx) and handed to the next index
+    of their size (a loader builds one per table each load), zeroed again: every new index, filled or grown, finds exactly its own ids
     and none of those that were there before, on kept memory and on new."""
     from fastckpt._native.idindex import IdIndex
 

@@ -281,8 +281,13 @@ def test_corrupted_and_truncated_files_are_named(tmp_path):
             f"{json.loads((tmp_path / 'c' / MANIFEST_FILE).read_text())['files'][path.name]['blake3'][:16]}...: the "
             "file was changed or damaged after the commit; it holds 9 parts ['bf/part_1_2', 'bias/part_1_2', ")
     path.write_bytes(bytes(data[: len(data) // 2]))
-    with pytest.raises(FormatError, match="model-00001-000.safetensors"):
-        CheckpointReader(tmp_path / "c")
+    with CheckpointReader(tmp_path / "c") as r:  # the metadata is whole: it opens, and rank 0's parts read
+        assert r.read_tensor("bias/part_0_2").tobytes() == r.read_tensor("bias/part_0_2").tobytes()
+        for _ in range(2):  # the truncated file, each time it is touched
+            with pytest.raises(FormatError, match="model-00001-000.safetensors: .* bytes, the commit record says"):
+                r.read_tensor("bias")
+        with pytest.raises(FormatError, match="model-00001-000.safetensors"):
+            r.verify()
     (tmp_path / "c" / INDEX_FILE).write_text("{")
     with pytest.raises(ChecksumMismatchError, match="index.json: 1 bytes, the manifest says"):
         CheckpointReader(tmp_path / "c")

@@ -117,3 +117,72 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_the_next_save
     assert job.returncode == 0, job.stdout + job.stderr
     assert sorted(os.listdir(tmp_path)) == ["step-1", "step-2"]  # the leftovers of the killed save are gone
     assert json.loads((tmp_path / "step-2" / "manifest.json").read_text())["world_size"] == 3
+
+
+LOAD_SCRIPT = r'''
+import json, os, sys
+from mpi4py import MPI
+import fastckpt.sharded.reader as reader_module
+from fastckpt.sharded import Loader
+
+mapped = []
+real = reader_module.open_file
+
+def counting(path, **options):
+    mapped.append(os.path.basename(path))
+    return real(path, **options)
+
+reader_module.open_file = counting
+comm = MPI.COMM_WORLD
+rank, n = comm.Get_rank(), comm.Get_size()
+tables, tensors = Loader(sys.argv[1], shard_index=rank, shard_num=n, dense="rows").load()
+ids, values, _ = tables["emb"].export()
+rows = comm.gather({"mapped": mapped, "ids": ids.tolist(), "values": values.tolist(), "w": tensors["w"].tolist()})
+if rank == 0:
+    print(json.dumps(rows))
+'''
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_mpi_rank_maps_only_the_files_it_reads(tmp_path, run_ranks, n):
+    """Until 0.7 every rank (every process) mapped and parsed every tensor file of the checkpoint when it opened:
+    here each rank of a job whose tables hold their own key-space slices maps only its own files, once each."""
+    from _sharded_edit import save_threads
+
+    from fastckpt.sharded.format import group_rows, rows_of, slice_owner
+
+    # enough ids that each part has a multiple of n slice groups (GROUP_ROWS rows a group), whose bounds then
+    # fall on the ranks' slice bounds: a rank reads its own parts alone
+    ids = np.unique(np.concatenate([np.arange(-1800, 1800) * 104729, [2**62, -(2**62)]]).astype(np.int64))
+    tables = []
+    for r in range(n):
+        mine = ids[slice_owner(ids, n) == r]
+        t = HashTable(4, slots=("m",))
+        t.insert(mine, (mine % 1009).astype(np.float32)[:, None] + np.arange(4, dtype=np.float32), {"m": -np.ones(
+            (len(mine), 4), np.float32)})
+        tables.append({"emb": t})
+    w = np.arange(64, dtype=np.float32).reshape(16, 4)
+    path = save_threads(tmp_path / "ckpt", tables, {"w": w}, parallel=3)
+    with CheckpointReader(path, verify=False) as r:
+        # What rank j reads: the parts of the ranks whose dense rows meet its rows, or whose id part has rows in a
+        # slice group that meets its slice (the groups the part's description records)
+        def reads(j: int) -> set[int]:
+            return {i for i in range(n) if i == j or group_rows(
+                r.descriptions[f"emb.id/part_{i}_{n}"]["slices"]["rows"], SLICE_SIZE, j, n)[1] > group_rows(
+                r.descriptions[f"emb.id/part_{i}_{n}"]["slices"]["rows"], SLICE_SIZE, j, n)[0]}
+
+        own = [sorted({os.path.basename(r.file_of(k).path) for k in r.part_infos for i in reads(j)
+                       if k.endswith(f"/part_{i}_{n}")})
+               for j in range(n)]
+    assert all(len(files) < n * 3 for files in own)  # (on 0.7 each rank mapped all n * 3)
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_SCRIPT)
+    run_ranks(1, tmp_path / "probe")  # (the fixture's probe: mpiexec and mpi4py work here)
+    job = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(script), path], capture_output=True, text=True,
+                         timeout=120)
+    assert job.returncode == 0, job.stdout + job.stderr
+    ranks = json.loads(job.stdout.strip().splitlines()[-1])
+    for r, got in enumerate(ranks):
+        assert sorted(got["mapped"]) == own[r]  # its own files, each once, and no other
+        assert sorted(got["ids"]) == sorted(ids[slice_owner(ids, n) == r].tolist())
+        assert got["w"] == w[slice(*rows_of(r, n, 16))].tolist()

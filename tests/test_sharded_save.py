@@ -171,41 +171,10 @@ def _written_rows(path, source, rows, piece_bytes, before=b"head"):
     return path.read_bytes(), hasher.hexdigest()
 
 
-@pytest.mark.parametrize("rows", [[], [0], [4, 4, 1, 0, 3], list(range(9, -1, -1))])
-@pytest.mark.parametrize("piece_bytes", [1, 24, 1 << 20])
-@pytest.mark.parametrize("row", [(3,), (1,), (2,), (16,), (8, 4), (50,)])  # bytes a row: 6, 4, 8, 64, 128, 200
-def test_write_rows_writes_and_hashes_the_rows_in_order(tmp_path, rows, piece_bytes, row):
-    source = np.arange(10 * math.prod(row), dtype=np.int16 if row == (3,) else np.float32).reshape(10, *row)
-    data, digest = _written_rows(tmp_path / "f", source, rows, piece_bytes)
-    assert data == b"head" + source[rows].tobytes()
-    assert digest == blake3.blake3(data).hexdigest()
-
-
-def test_write_rows_takes_rows_of_a_strided_source_and_refuses_rows_outside_it(tmp_path):
-    wide = np.arange(10 * 24, dtype=np.int64).reshape(10, 24)
-    source = wide[:, :8]  # each row's 64 bytes in one run, rows 192 bytes apart
-    assert _written_rows(tmp_path / "f", source, [9, 0, 3], 64)[0] == b"head" + source[[9, 0, 3]].tobytes()
-    with pytest.raises(IndexError, match=r"row 10 of rows\[2\] is outside the source's 10 rows"):
-        _written_rows(tmp_path / "g", source, [1, 2, 10, 3], 1 << 20)
-    assert (tmp_path / "g").read_bytes() == b"head"  # the piece holding the bad row is not written
-    with pytest.raises(IndexError, match=r"row -1 of rows\[0\]"):
-        _written_rows(tmp_path / "h", source, [-1], 8)
-    with pytest.raises(ValueError, match="each row of source must hold its bytes contiguously"):
-        _written_rows(tmp_path / "i", wide[:, ::2], [0], 8)
-    with pytest.raises(TypeError, match="rows must be a contiguous 1-d numpy array of intp"):
-        _written_rows(tmp_path / "j", source, np.arange(4, dtype=np.int32), 8)
-
-
-@pytest.mark.parametrize("rows", [[], [0], [4, 4, 1, 0, 3], list(range(9, -1, -1))])
-@pytest.mark.parametrize("piece_bytes", [1, 24, 1 << 20])
-def test_taken_rows_still_come_in_pieces_of_the_rows_in_order_with_a_deprecation_warning(rows, piece_bytes):
-    source = np.arange(30, dtype=np.int16).reshape(10, 3)
-    taken = TakenRows(source, np.array(rows, np.int64))
-    with pytest.warns(DeprecationWarning, match=r"TakenRows.pieces\(\) is deprecated and goes in 0.8"):
-        pieces = [p.copy() for p in taken.pieces(piece_bytes)]
-    assert all(len(p) == max(1, min(len(rows), piece_bytes // 6)) for p in pieces[:-1])
-    joined = np.concatenate(pieces) if pieces else np.empty((0, 3), np.int16)
-    assert joined.tolist() == source[rows].tolist() == np.asarray(taken).tolist()
+def test_taken_rows_pieces_deprecated_in_0_7_is_gone():
+    """0.7 deprecated TakenRows.pieces() (working until 0.8): the writer gathers the rows itself."""
+    taken = TakenRows(np.arange(30, dtype=np.int16).reshape(10, 3), np.array([4, 1], np.int64))
+    assert not hasattr(taken, "pieces") and np.asarray(taken).tolist() == [[12, 13, 14], [3, 4, 5]]
 
 
 @pytest.mark.parametrize("rows", [[-1], [10], [0, 2**40]])

@@ -259,7 +259,8 @@ def test_damaged_version_5_descriptions_are_refused_naming_the_file_and_the_tens
     manifest_edit, description_edit, message = DAMAGED[case]
     damaged = _edit(__import__("pathlib").Path(path), tmp_path / "d", manifest_edit, description_edit)
     with pytest.raises(FormatError, match=message):
-        CheckpointReader(damaged)
+        with CheckpointReader(damaged) as r:  # the metadata when it opens, a file's header when the file is used
+            r.verify()
     target = {"user": HashTable(SHAPE, slots=SLOTS)}
     with pytest.raises(FormatError, match=message):
         Loader(damaged, hashtables=target).load()

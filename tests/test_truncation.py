@@ -152,6 +152,7 @@ CASES = {
         from fastckpt.sharded.reader import CheckpointReader
         Saver(shard_index=0, shard_num=1, path=os.path.join(d, "s"), tensors={"w": TENSORS["a"]}).save()
         with CheckpointReader(os.path.join(d, "s")) as r:  # every file opened and mapped, then truncated under it
+            list(r.files.values())
             truncate_shards(os.path.join(d, "s"))
             r.verify()
     ''',
@@ -160,6 +161,7 @@ CASES = {
         from fastckpt.sharded.reader import CheckpointReader
         Saver(shard_index=0, shard_num=1, path=os.path.join(d, "s"), tensors={"w": TENSORS["a"]}).save()
         with CheckpointReader(os.path.join(d, "s"), verify=False) as r:
+            list(r.files.values())  # every file opened and mapped, then truncated under it
             truncate_shards(os.path.join(d, "s"))
             r.read_tensor("w")
     ''',

@@ -31,86 +31,22 @@ cimport cython
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free
 
+from fastckpt._native.mapped cimport kept_alloc, kept_free
+
+# Bucket memory, every byte zero (an empty bucket is all zeros, so new buckets need no pass of their own): the
+# process's kept memory (mapped.pyx): from 2 MiB on a mapping of its own aligned to 2 MiB and advised to use huge
+# pages (random probes over tens of MiB otherwise miss the TLB at almost every id), whose pages the kernel hands out
+# zeroed as they are first touched, or a freed one of the same size zeroed again (a loader builds an index per table
+# at each load, of the sizes the last load freed: one memset where a new mapping takes a fault and the kernel's
+# zeroing of every page, on a virtual machine several times the memset); calloc below that.
 cdef extern from *:
     """
-    #include <stdlib.h>
-    #include <sys/mman.h>
-    #include <string.h>
-    /* Bucket memory, every byte zero (an empty bucket is all zeros, so new buckets need no pass of their own): from
-       2 MiB on, a mapping of its own aligned to 2 MiB and advised to use huge pages (random probes over tens of MiB
-       otherwise miss the TLB at almost every id), whose pages the kernel hands out zeroed as they are first touched;
-       calloc below that. Freed with fastckpt_idindex_free and the same size.
-
-       Freed mappings of up to fastckpt_idindex_keep bytes in all are kept (at most FASTCKPT_IDINDEX_SLOTS of them)
-       for the next index of the same size: a loader builds an index per table at each load, of the sizes the last
-       load freed, and a kept mapping costs one memset where a new one takes a fault and the kernel's zeroing of
-       every page (on a virtual machine several times the memset). A kept mapping's pages are given back with
-       MADV_FREE: the kernel takes them when it needs memory (they read as zeros then; the memset is the same).
-       Every call holds the GIL (the buckets are made and freed outside fill's section without it), which is what
-       guards the kept list: no lock of its own, so a fork never finds one held. */
-    static const size_t fastckpt_idindex_huge = (size_t)2 << 20;
-    static const size_t fastckpt_idindex_keep = (size_t)64 << 20;
-    #define FASTCKPT_IDINDEX_SLOTS 8
-    static void* fastckpt_idindex_kept[FASTCKPT_IDINDEX_SLOTS];
-    static size_t fastckpt_idindex_kept_size[FASTCKPT_IDINDEX_SLOTS];
-    static size_t fastckpt_idindex_kept_total = 0;
-    static void* fastckpt_idindex_alloc(size_t nbytes) {
-        if (nbytes < fastckpt_idindex_huge)
-            return calloc(nbytes ? nbytes : 1, 1);
-        for (int i = 0; i < FASTCKPT_IDINDEX_SLOTS; i++) {
-            if (fastckpt_idindex_kept[i] != NULL && fastckpt_idindex_kept_size[i] == nbytes) {
-                void* kept = fastckpt_idindex_kept[i];
-                fastckpt_idindex_kept[i] = NULL;
-                fastckpt_idindex_kept_total -= nbytes;
-                memset(kept, 0, nbytes);
-                return kept;
-            }
-        }
-        size_t span = nbytes + fastckpt_idindex_huge;  /* room to start on a 2 MiB boundary */
-        char* p = (char*)mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == MAP_FAILED)
-            return NULL;
-        size_t head = (fastckpt_idindex_huge - ((size_t)p & (fastckpt_idindex_huge - 1))) & (fastckpt_idindex_huge - 1);
-        if (head)
-            munmap(p, head);
-        size_t tail = span - head - nbytes;
-        if (tail)
-            munmap(p + head + nbytes, tail);
-    #ifdef MADV_HUGEPAGE
-        madvise(p + head, nbytes, MADV_HUGEPAGE);  /* advice only: without it the buckets still work */
-    #endif
-        return p + head;
-    }
-    static void fastckpt_idindex_free(void* p, size_t nbytes) {
-        if (p == NULL)
-            return;
-        if (nbytes < fastckpt_idindex_huge) {
-            free(p);
-            return;
-        }
-        if (fastckpt_idindex_kept_total + nbytes <= fastckpt_idindex_keep) {
-            for (int i = 0; i < FASTCKPT_IDINDEX_SLOTS; i++) {
-                if (fastckpt_idindex_kept[i] == NULL) {
-    #ifdef MADV_FREE
-                    madvise(p, nbytes, MADV_FREE);  /* the kernel may take the pages back; they read as zeros then */
-    #endif
-                    fastckpt_idindex_kept[i] = p;
-                    fastckpt_idindex_kept_size[i] = nbytes;
-                    fastckpt_idindex_kept_total += nbytes;
-                    return;
-                }
-            }
-        }
-        munmap(p, nbytes);
-    }
     #if defined(__GNUC__) || defined(__clang__)
     #define fastckpt_idindex_prefetch(p) __builtin_prefetch((p), 1, 3)
     #else
     #define fastckpt_idindex_prefetch(p) ((void)0)
     #endif
     """
-    void* fastckpt_idindex_alloc(size_t nbytes) nogil
-    void fastckpt_idindex_free(void* p, size_t nbytes) nogil
     void fastckpt_idindex_prefetch(const void* address) nogil
 
 ctypedef struct Bucket:
@@ -159,14 +95,14 @@ cdef class IdIndex:
         self._allocate(_buckets_for(capacity))
 
     def __dealloc__(self):
-        fastckpt_idindex_free(self._b, <size_t>self._buckets * sizeof(Bucket))
+        kept_free(self._b, <size_t>self._buckets * sizeof(Bucket))
 
     cdef int _allocate(self, Py_ssize_t buckets) except -1:
         """Empty buckets (the old ones freed: the caller re-inserts their entries first where it keeps them)."""
         cdef Bucket* b = _new_buckets(buckets)
         if b == NULL:
             raise MemoryError(f"IdIndex: cannot allocate {buckets} buckets")
-        fastckpt_idindex_free(self._b, <size_t>self._buckets * sizeof(Bucket))
+        kept_free(self._b, <size_t>self._buckets * sizeof(Bucket))
         self._b = b
         self._buckets = buckets
         self._count = 0
@@ -187,7 +123,7 @@ cdef class IdIndex:
         for i in range(old_buckets):
             if old[i].stored:
                 self._put(old[i].key, old[i].stored)
-        fastckpt_idindex_free(old, <size_t>old_buckets * sizeof(Bucket))
+        kept_free(old, <size_t>old_buckets * sizeof(Bucket))
         return 0
 
     cdef inline Py_ssize_t _slot(self, int64_t key) noexcept nogil:
@@ -283,7 +219,7 @@ cdef class IdIndex:
         cdef const int64_t* first = &keys[0] if n else NULL
         with nogil:
             added = _fill(first, n, b, buckets)
-        fastckpt_idindex_free(self._b, <size_t>self._buckets * sizeof(Bucket))
+        kept_free(self._b, <size_t>self._buckets * sizeof(Bucket))
         self._b = b
         self._buckets = buckets
         self._count = added
@@ -344,9 +280,9 @@ cdef class IdIndex:
             raise KeyError(f"assign: id {keys[bad]} is not in the index")
 
 
-cdef Bucket* _new_buckets(Py_ssize_t buckets) noexcept nogil:
-    """``buckets`` empty buckets (all zeros, as the allocator gives them), or NULL where the memory is not there."""
-    return <Bucket*>fastckpt_idindex_alloc(<size_t>buckets * sizeof(Bucket))
+cdef Bucket* _new_buckets(Py_ssize_t buckets) noexcept:
+    """``buckets`` empty buckets (all zeros), or NULL where the memory is not there."""
+    return <Bucket*>kept_alloc(<size_t>buckets * sizeof(Bucket), True)
 
 
 cdef Py_ssize_t _fill(const int64_t* keys, Py_ssize_t n, Bucket* b, Py_ssize_t buckets) noexcept nogil:

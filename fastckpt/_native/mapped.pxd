@@ -56,3 +56,9 @@ cdef class MappedFile:
     # (close() in another thread drops only the handle's own), and, for the pread backend, until the
     # next span() call: parsers use it from one thread at a time.
     cdef const uint8_t* span(self, Py_ssize_t offset, Py_ssize_t length, object what) except NULL
+
+
+# Kept memory (see mapped.pyx): buffers from 2 MiB on kept when freed for the next of their size, one list for the
+# process. Both hold the GIL, which guards the list. ``zero``: every byte of the buffer zero.
+cdef void* kept_alloc(size_t nbytes, bint zero) noexcept
+cdef void kept_free(void* p, size_t nbytes) noexcept

@@ -1110,3 +1110,168 @@ cdef class MappedFile:
         if self._closed or self._block is None or self._block.ptr == NULL:
             return None
         return <uintptr_t>self._block.ptr
+
+
+# Kept memory: large buffers (2 MiB on) whose pages a process frees and allocates again load after load, so that a
+# repeated load pays no page fault and no zeroing by the kernel. One list for the whole process: the id index's
+# buckets (idindex.pyx, through kept_alloc / kept_free) and the arrays a sharded load fills (fastckpt.sharded.kept,
+# through kept_take / kept_give) draw on it.
+#
+# A buffer from 2 MiB on is a private anonymous mapping of its own, aligned to 2 MiB and advised to use huge pages,
+# its size rounded up to a multiple of 2 MiB (so that loads of slightly other sizes reuse it). Freed, it is kept
+# for the next buffer of the same rounded size, up to fastckpt_kept_limit bytes in all (at most FASTCKPT_KEPT_SLOTS
+# buffers), its pages given back with MADV_FREE: the kernel takes them when it needs memory (they read as zeros
+# then, and fault again); beyond the limit it is unmapped. Below 2 MiB a buffer is malloc's (calloc's where it
+# must be zero), which keeps small blocks itself. Every call holds the GIL, which is what guards the list (no lock
+# of its own, so a fork never finds one held): kept_alloc and kept_free are declared without nogil.
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    #include <string.h>
+    #include <sys/mman.h>
+    #define FASTCKPT_KEPT_HUGE ((size_t)2 << 20)
+    #define FASTCKPT_KEPT_SLOTS 64
+    static size_t fastckpt_kept_limit = (size_t)512 << 20;
+    static void* fastckpt_kept_addr[FASTCKPT_KEPT_SLOTS];
+    static size_t fastckpt_kept_size[FASTCKPT_KEPT_SLOTS];
+    static size_t fastckpt_kept_total = 0;
+    static size_t fastckpt_kept_round(size_t nbytes) {
+        return (nbytes + FASTCKPT_KEPT_HUGE - 1) & ~(FASTCKPT_KEPT_HUGE - 1);
+    }
+    static void* fastckpt_kept_alloc(size_t nbytes, int zero) {
+        if (nbytes < FASTCKPT_KEPT_HUGE)
+            return zero ? calloc(nbytes ? nbytes : 1, 1) : malloc(nbytes ? nbytes : 1);
+        size_t size = fastckpt_kept_round(nbytes);
+        for (int i = 0; i < FASTCKPT_KEPT_SLOTS; i++) {
+            if (fastckpt_kept_addr[i] != NULL && fastckpt_kept_size[i] == size) {
+                void* kept = fastckpt_kept_addr[i];
+                fastckpt_kept_addr[i] = NULL;
+                fastckpt_kept_total -= size;
+                if (zero)
+                    memset(kept, 0, nbytes);
+                return kept;
+            }
+        }
+        size_t span = size + FASTCKPT_KEPT_HUGE;  /* room to start on a 2 MiB boundary */
+        char* p = (char*)mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return NULL;
+        size_t head = (FASTCKPT_KEPT_HUGE - ((size_t)p & (FASTCKPT_KEPT_HUGE - 1))) & (FASTCKPT_KEPT_HUGE - 1);
+        if (head)
+            munmap(p, head);
+        size_t tail = span - head - size;
+        if (tail)
+            munmap(p + head + size, tail);
+    #ifdef MADV_HUGEPAGE
+        madvise(p + head, size, MADV_HUGEPAGE);  /* advice only: without it the buffer still works */
+    #endif
+        return p + head;  /* a new mapping's pages are zeros */
+    }
+    static void fastckpt_kept_free(void* p, size_t nbytes) {
+        if (p == NULL)
+            return;
+        if (nbytes < FASTCKPT_KEPT_HUGE) {
+            free(p);
+            return;
+        }
+        size_t size = fastckpt_kept_round(nbytes);
+        if (fastckpt_kept_total + size <= fastckpt_kept_limit) {
+            for (int i = 0; i < FASTCKPT_KEPT_SLOTS; i++) {
+                if (fastckpt_kept_addr[i] == NULL) {
+    #ifdef MADV_FREE
+                    madvise(p, size, MADV_FREE);
+    #endif
+                    fastckpt_kept_addr[i] = p;
+                    fastckpt_kept_size[i] = size;
+                    fastckpt_kept_total += size;
+                    return;
+                }
+            }
+        }
+        munmap(p, size);
+    }
+    static void fastckpt_kept_set_limit(size_t limit) {
+        fastckpt_kept_limit = limit;
+    }
+    static void fastckpt_kept_release(void) {
+        for (int i = 0; i < FASTCKPT_KEPT_SLOTS; i++) {
+            if (fastckpt_kept_addr[i] != NULL) {
+                munmap(fastckpt_kept_addr[i], fastckpt_kept_size[i]);
+                fastckpt_kept_addr[i] = NULL;
+            }
+        }
+        fastckpt_kept_total = 0;
+    }
+    """
+    size_t FASTCKPT_KEPT_HUGE
+    size_t fastckpt_kept_limit
+    size_t fastckpt_kept_total
+    void* fastckpt_kept_alloc(size_t nbytes, int zero)
+    void fastckpt_kept_free(void* p, size_t nbytes)
+    void fastckpt_kept_set_limit(size_t limit)
+    void fastckpt_kept_release()
+
+
+cdef void* kept_alloc(size_t nbytes, bint zero) noexcept:
+    return fastckpt_kept_alloc(nbytes, zero)
+
+
+cdef void kept_free(void* p, size_t nbytes) noexcept:
+    fastckpt_kept_free(p, nbytes)
+
+
+#: Buffers from this size on are mappings of their own, kept when freed; smaller ones are malloc's.
+KEPT_MIN_BYTES = FASTCKPT_KEPT_HUGE
+
+
+def kept_take(Py_ssize_t nbytes):
+    """The address of ``nbytes`` of writable memory (from ``KEPT_MIN_BYTES`` on: a kept buffer of the same rounded
+    size where there is one, its bytes whatever they were; else a new mapping), or 0 where none can be had. Give
+    it back with :func:`kept_give` and the same ``nbytes``.
+
+    >>> address = kept_take(4 << 20); address % (2 << 20), kept_give(address, 4 << 20)
+    (0, None)
+    """
+    if nbytes < 0:
+        raise ValueError(f"kept_take: nbytes must be >= 0, got {nbytes}")
+    return <uintptr_t>fastckpt_kept_alloc(<size_t>nbytes, 0)
+
+
+def kept_give(uintptr_t address, Py_ssize_t nbytes):
+    """Give back what :func:`kept_take` returned for ``nbytes``: kept for the next buffer of its size (within
+    :func:`kept_limit`), else unmapped. No view of it may be used afterwards."""
+    fastckpt_kept_free(<void*>address, <size_t>nbytes)
+
+
+def kept_bytes():
+    """The bytes of freed buffers kept now, every user's together.
+
+    >>> kept_bytes() >= 0
+    True
+    """
+    return fastckpt_kept_total
+
+
+def kept_limit(limit=None):
+    """The most bytes of freed buffers kept at once (512 MiB unless set); ``limit`` sets it (0: keep none) and
+    unmaps what is kept. Returns the limit in force before the call.
+
+    >>> old = kept_limit(64 << 20); kept_limit(old) == 64 << 20
+    True
+    """
+    cdef size_t before = fastckpt_kept_limit
+    if limit is not None:
+        if limit < 0:
+            raise ValueError(f"kept_limit: the limit must be >= 0, got {limit}")
+        fastckpt_kept_set_limit(<size_t>limit)
+        fastckpt_kept_release()
+    return before
+
+
+def kept_release():
+    """Unmap every kept buffer (those in use are not touched).
+
+    >>> kept_release(); kept_bytes()
+    0
+    """
+    fastckpt_kept_release()

@@ -42,8 +42,8 @@ suite module provides ``configure(parser)`` (its options) and ``run(args)``
 shuffled order, so that changes in a shared machine's load hit every path alike.
 
 >>> sorted(SUITES)  # doctest: +NORMALIZE_WHITESPACE
-['cold', 'device', 'formats', 'incremental', 'link', 'memory', 'model', 's3', 'sharded', 'stateful', 'tf', 'torch',
- 'train']
+['cold', 'device', 'formats', 'incremental', 'link', 'memory', 'model', 'ranks', 's3', 'sharded', 'stateful', 'tf',
+ 'torch', 'train']
 >>> main(["--suite", "stateful", "--quick", "--repeats", "1"])  # doctest: +SKIP
 """
 
@@ -64,6 +64,7 @@ SUITES = {
     "train": "fastckpt.bench.train",
     "stateful": "fastckpt.bench.stateful",
     "sharded": "fastckpt.bench.sharded",
+    "ranks": "fastckpt.bench.ranks",
     "incremental": "fastckpt.bench.incremental",
     "s3": "fastckpt.bench.s3",
     "cold": "fastckpt.bench.cold",

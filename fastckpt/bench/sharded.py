@@ -797,7 +797,11 @@ def report(results: dict, quick: bool = False) -> str:
         save = ("### save: ranks as threads, Saver.save() each (new directory every run) vs. the same bytes "
                 "written to as many new files by as many threads, fsynced")
         load = ("### load: every rank's share (Loader, dense='rows', into new tables) vs. readinto of files of "
-                "the same bytes by as many threads; page cache warm")
+                "the same bytes by as many threads; page cache warm. Both run in this process, so the raw read's "
+                "np.empty buffers come from whatever glibc kept of the process's earlier frees: since 0.7.1 the "
+                "loads' arrays are mappings of their own (fastckpt.sharded.kept), glibc's arenas no longer hold "
+                "their freed memory, and the raw read here pays the faults it did not before. `python -m fastckpt "
+                "bench --suite ranks --steady` times each path alone in a process of its own")
         lines += [disk, "", save, "", *_throughput_table(r, RAW_SAVE, SAVE, TARGET_SAVE), ""]
         if SAVE_DIRECT in c["timings"]:
             lines += [("### the same save past the page cache: Saver(direct=True), O_DIRECT (not the default; less "

@@ -415,7 +415,7 @@ def mappings_of(reader) -> list:
     if callable(getattr(mapped, "guard", None)):
         return [mapped]
     files = getattr(reader, "files", None)
-    if isinstance(files, dict):
+    if isinstance(files, Mapping):  # a sharded reader's TensorFiles open here what they had not opened yet
         return [m for f in files.values() for m in mappings_of(f)]
     return []
 

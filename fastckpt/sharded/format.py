@@ -114,8 +114,12 @@ Reading
     it, so that all of them come from one commit: a tensor file that is not
     the one of that directory (the checkpoint replaced or removed meanwhile)
     or not of the size the manifest lists is an error saying the checkpoint
-    changed while it was opened. Before any byte of a tensor is placed they
-    check:
+    changed while it was opened. Opening a reader reads and checks the
+    metadata files (the first three points below); a tensor file is pinned,
+    mapped and its header checked (the last point) the first time a part of
+    it is used, so that a rank opens only the files holding parts it reads
+    (a damaged file of another rank does not stop its load). Before any byte
+    of a tensor is placed they check:
 
     * the manifest: format, version, its ``checksum`` (version 3), every
       value of the type given above, ``world_size * parallel + 3`` entries in

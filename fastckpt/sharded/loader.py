@@ -55,12 +55,13 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
-from fastckpt.formats.reader import guard, held_guards
+from fastckpt.formats.reader import held_guards
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
                                      slice_run)
 from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.flights import Flights
+from fastckpt.sharded import kept
 from fastckpt.sharded.hashtable import HashTable, check_holds, table_for
 from fastckpt.sharded.reader import CheckpointReader
 from fastckpt.sharded.workers import Lane
@@ -117,7 +118,7 @@ def _copy_rows(reader: CheckpointReader, key: str, rows: np.ndarray, out: np.nda
         _copy_run(reader, key, int(rows[0]), out)
         return
     per_chunk = max(1, _GATHER_CHUNK // max(1, row_bytes))
-    scratch = np.empty((min(per_chunk, info.shape[0]), *info.shape[1:]), info.dtype)
+    scratch = kept.empty((min(per_chunk, info.shape[0]), *info.shape[1:]), info.dtype)
     done = 0
     for first in range(0, info.shape[0], per_chunk):
         last = min(first + per_chunk, info.shape[0])
@@ -169,7 +170,7 @@ def _slice_rows(reader: CheckpointReader, key: str, rows: list[int], size: int,
     r0, r1 = rows[first], rows[last]
     if r0 == r1:
         return None
-    ids = np.empty(reader.part_infos[key].shape[0], np.int64)  # only rows [r0, r1) are read or used
+    ids = kept.empty(reader.part_infos[key].shape[0], np.int64)  # only rows [r0, r1) are read or used
     reader.read_into(key, ids[r0:r1].view(np.uint8), r0 * 8)
     lo, hi = _checked_run(reader, key, ids[r0:r1], r0, rows, size, own)
     return (ids, np.arange(lo, hi)) if lo < hi else None
@@ -181,8 +182,7 @@ def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
     for reader in readers:
         if not reader.has_tensor(tensor):
             continue
-        keys = reader.part_names(tensor)
-        total += sum(reader.infos[key].nbytes for key in keys)
+        total += sum(reader.part_nbytes(key) for key in reader.part_names(tensor))  # no file opened for it
     return total
 
 
@@ -358,11 +358,16 @@ class Loader:
         results: dict[str, Any] = {}
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(_reader_for(path, manifest)) for path, manifest in chain]
-            _check_one_commit(readers, chain)
-            for reader in readers:  # a file truncated under the copies: a FormatError naming it, never SIGBUS
-                stack.enter_context(guard(reader, "its parts to load them"))
             head = readers[-1]
             info = self.filter_func(self.load_info(head))
+            # The files this rank reads, and no others, opened (each checked against the metadata, else its error
+            # here, before anything is read) and guarded: a file truncated under the copies is a FormatError
+            # naming it, never SIGBUS. Once they are open, a save replacing the directories no longer reaches
+            # this load; the readers must still be of the commits the chain was resolved on.
+            reads = self._files_read(readers, info)
+            for reader, name in reads:
+                stack.enter_context(reader.files[name].mapped.guard("its parts to load them"))
+            _check_one_commit(readers, chain)
             jobs = [(name, _stored_nbytes([head], name), self._load_dense, head, name, entry)
                     for name, entry in info.get("tensors", {}).items()]
             for name, entry in info.get("hashtables", {}).items():
@@ -375,7 +380,7 @@ class Loader:
             # The files are hashed in the background, one at a time on every core (BLAKE3), while the jobs read.
             hashing = stack.enter_context(Lane("verify", 1))
             checks = [(reader, hashing.submit(reader.file_problem, name))
-                      for reader, name in (self._files_read(readers, info) if self.verify else ())]
+                      for reader, name in (reads if self.verify else ())]
 
             def run(item: str, stored: int, fill, *args) -> None:
                 results[item] = fill(*args)
@@ -446,7 +451,7 @@ class Loader:
                                  if self._reads_part(reader, name, key)]
         out: dict[tuple[int, str], tuple[CheckpointReader, str]] = {}
         for reader, key in keys:
-            name = reader.file_of(key).path.rsplit(os.sep, 1)[-1]
+            name = reader.file_name(key)
             out.setdefault((id(reader), name), (reader, name))
         return list(out.values())
 
@@ -457,7 +462,7 @@ class Loader:
         if not shape:
             out = np.array(reader.host(reader.part_names(name)[0]))
         else:
-            out = np.empty((end - start, *shape[1:]), dtype)
+            out = kept.empty((end - start, *shape[1:]), dtype)
             for key in reader.part_names(name):
                 d = reader.descriptions[key]
                 p_start = d["row_start"]
@@ -625,16 +630,17 @@ class Loader:
             # The slice rule (format version 4 on): the ids of the groups that meet this rank's slice, read into
             # place here and checked (no copy of them, no positions array), their rows read below as runs.
             most = sum(r1 - r0 for _, r0, r1 in spans)
-            ids_out = np.empty(most + (headroom * most // stored + 1024 if headroom else 0), np.int64)
+            ids_out = kept.empty(most + (headroom * most // stored + 1024 if headroom else 0), np.int64)
             picks = self._read_spans(reader, name, entry, spans, ids_out)
         else:
             picks = self._owned(reader, f"{name}.id")
         total = sum(len(mine) for *_, mine in picks)
         if ids_out is None:
-            ids_out = np.empty(total + (headroom * total // stored + 1024 if headroom else 0), np.int64)
+            ids_out = kept.empty(total + (headroom * total // stored + 1024 if headroom else 0), np.int64)
         capacity = len(ids_out)
-        values_out = np.empty((capacity, *table.shape), table.dtype)
-        slots_out = {slot: np.empty((capacity, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
+        # on memory a dropped load's arrays left where there is some (fastckpt.sharded.kept): no page to zero
+        values_out = kept.empty((capacity, *table.shape), table.dtype)
+        slots_out = {slot: kept.empty((capacity, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
         at = 0
         copies: list[tuple] = []  # the rows' copies, run on `parallel` threads while the table builds its index
         id_reads: list[tuple[str, np.ndarray]] = []  # id parts read into place by this thread, before the index

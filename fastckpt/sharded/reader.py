@@ -16,8 +16,10 @@ Two views of one directory (layout: :mod:`fastckpt.sharded.format`):
   ``info`` and ``host`` also take a stored key (``"w/part_0_2"``), and
   :attr:`~CheckpointReader.part_infos` lists them.
 
-Every file is mapped and its header parsed when the reader opens; a part's
-bytes are read only when touched.
+Opening reads and checks the metadata files alone. A tensor file is pinned,
+mapped, its header parsed and checked against the metadata the first time
+one of its parts is used (:class:`TensorFiles`), so a rank maps only the
+files it reads; a part's bytes are read only when touched.
 
 >>> import numpy as np, tempfile, os
 >>> from fastckpt.sharded import Saver
@@ -32,19 +34,20 @@ bytes are read only when touched.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import threading
 import weakref
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
 from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.hashing import blake3_mapped
-from fastckpt.formats.reader import TensorFile, guard, open_file
+from fastckpt.formats.reader import TensorFile, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
 from fastckpt.sharded.flights import Flights
@@ -52,7 +55,7 @@ from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_
 from fastckpt.sharded.format import MANIFEST_FILE as FORMAT_MANIFEST
 from fastckpt.store.snapshot import Snapshot
 
-__all__ = ["CheckpointReader", "CheckpointChangedError", "hash_ahead", "register_layout"]
+__all__ = ["CheckpointReader", "CheckpointChangedError", "TensorFiles", "hash_ahead", "register_layout"]
 
 _LAYOUTS: list[tuple[Callable[[str | os.PathLike], bool], type]] = []
 
@@ -130,9 +133,159 @@ def hash_ahead(path: str, submit: Callable | None = None, holders: int = 1) -> l
     return [release] * holders
 
 
+def map_pinned(snapshot: Snapshot, name: str, options: dict) -> TensorFile:
+    """File ``name`` of ``snapshot``'s directory mapped and its header parsed (``options``: :func:`~fastckpt.formats.
+    reader.open_file`'s), checked to be the file the snapshot pinned: one of another commit (the path now names a
+    replacement) raises :class:`CheckpointChangedError`; a missing one what :meth:`Snapshot.missing` says.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+    >>> with Snapshot(out) as snap:
+    ...     _ = snap.pin("model-00000-000.safetensors")
+    ...     list(map_pinned(snap, "model-00000-000.safetensors", {}).infos)
+    ['w/part_0_1']
+    """
+    try:
+        f = open_file(os.path.join(snapshot.path, name), **options)
+    except FileNotFoundError:
+        raise snapshot.missing(name) from None
+    try:
+        snapshot.check(name, f.mapped.identity)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
 def _release(identities: list[tuple]) -> None:
     for identity in identities:
         _digests.release(identity)
+
+
+class TensorFiles(Mapping):
+    """A sharded reader's tensor files by name (every file the index numbers, in file-number order), each opened
+    the first time it is asked for: pinned in the reader's snapshot (the size the manifest lists), mapped, and
+    its safetensors header checked against the metadata (the keys the index places in it, each key's shape and
+    dtype as its description gives them). A rank thus maps and parses only the files it reads, every check made
+    before a byte of the file is used. A file that fails a check is not kept: asking again raises the same error.
+    Thread-safe; :meth:`opened` lists the files mapped so far.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), shard_num=1, parallel=2,
+    ...             tensors={"w": np.ones(2)}).save()
+    >>> r = CheckpointReader(out)
+    >>> list(r.files), list(r.files.opened())
+    (['model-00000-000.safetensors', 'model-00000-001.safetensors'], [])
+    >>> r.read_tensor("w").tolist(), list(r.files.opened())
+    ([1.0, 1.0], ['model-00000-000.safetensors'])
+    """
+
+    def __init__(self, reader: "CheckpointReader", names: list[str], keys_of: dict[str, list[str]]):
+        # What opening a file takes from the reader, not the reader itself: the mapping outlives no reader
+        # it is not handed, and makes no reference cycle with it.
+        self.path = reader.path
+        self._options = reader._options
+        self._snapshot = reader.snapshot
+        self._listed = reader.manifest["files"]
+        self._descriptions = reader.descriptions
+        self._names = dict.fromkeys(names)
+        self._keys_of = keys_of
+        self._opened: dict[str, TensorFile] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._held: list[tuple] = []
+        # Let go of the shared hashes on close(), or when a mapping never closed is collected.
+        self._release = weakref.finalize(self, _release, self._held)
+
+    def __getitem__(self, name: str) -> TensorFile:
+        f = self._opened.get(name)
+        if f is not None:
+            return f
+        if name not in self._names:
+            raise KeyError(name)
+        with self._lock:
+            f = self._opened.get(name)
+            if f is None:
+                if self._closed:
+                    raise ValueError(f"{self.path}: the reader is closed")
+                f = self._opened[name] = self._open(name)
+        return f
+
+    def _open(self, name: str) -> TensorFile:
+        self._snapshot.pin(name, size=self._listed[name]["size"])
+        f = map_pinned(self._snapshot, name, self._options)
+        try:
+            expected = self._keys_of.get(name, ())
+            if set(f.infos) != set(expected):
+                raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ set(expected))[:4]} that "
+                                  f"{INDEX_FILE} does not place there (or misses ones it does)")
+            for key, info in f.infos.items():
+                d = self._descriptions[key]
+                if info.shape != tuple(d["shape"]) or info.dtype != dtype_of(d["dtype"], f"{self.path}: {key}"):
+                    raise FormatError(f"{f.path}: tensor {key!r} is {info.dtype}{list(info.shape)} in the "
+                                      f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
+            _digests.hold(f.mapped.identity)
+        except BaseException:
+            f.close()
+            raise
+        self._held.append(f.mapped.identity)
+        return f
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name) -> bool:
+        return name in self._names
+
+    def opened(self) -> dict[str, TensorFile]:
+        """``{name: file}`` of the files mapped so far, in the order they were mapped."""
+        return dict(self._opened)
+
+    def close(self) -> None:
+        """Close the files mapped so far and let go of their shared hashes; later lookups raise ``ValueError``."""
+        with self._lock:
+            self._closed = True
+            opened = list(self._opened.values())
+        for f in opened:
+            f.close()
+        self._release()
+
+
+class PartInfos(Mapping):
+    """A sharded reader's ``part_infos``: stored key -> its part's :class:`~fastckpt.TensorInfo`, as its file's
+    header gives it (looking one up opens that file, :class:`TensorFiles`). Listing the keys or asking whether
+    one is there opens nothing.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+    >>> r = CheckpointReader(out)
+    >>> list(r.part_infos), "w/part_0_1" in r.part_infos, len(r.files.opened())
+    (['w/part_0_1'], True, 0)
+    >>> r.part_infos["w/part_0_1"].shape, len(r.files.opened())
+    ((2,), 1)
+    """
+
+    def __init__(self, files: TensorFiles, file_of_key: dict[str, str]):
+        self._files = files
+        self._file_of_key = file_of_key
+
+    def __getitem__(self, key: str) -> TensorInfo:
+        return self._files[self._file_of_key[key]].infos[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of_key)
+
+    def __len__(self) -> int:
+        return len(self._file_of_key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._file_of_key
 
 
 class TensorInfos(Mapping):
@@ -183,10 +336,15 @@ class TensorInfos(Mapping):
 class CheckpointReader(MultiFileReader):
     """Read a sharded checkpoint directory (see the module docs).
 
-    Every file is opened when the reader opens, from the one directory whose
-    manifest it read: a file that is not the one the manifest lists (another
-    size, or the directory was replaced by a save with ``overwrite=True``
-    meanwhile) raises :class:`CheckpointChangedError`. ``verify=True`` (the
+    Opening reads and checks the metadata files; each tensor file is opened
+    the first time one of its parts is used (:attr:`files`, a
+    :class:`TensorFiles`), from the one directory whose manifest the reader
+    read, and checked before any of its bytes is used: a file that is not the
+    one the manifest lists (another size, or the directory was replaced by a
+    save with ``overwrite=True`` and removed meanwhile) raises
+    :class:`CheckpointChangedError`, a header that disagrees with the metadata
+    a :class:`~fastckpt.errors.FormatError` naming the file and the tensor,
+    every time the file is asked for. ``verify=True`` (the
     default) checks each tensor file's BLAKE3 hash against the manifest the
     first time a part of it is read (once per reader; :meth:`verify` checks
     every file at once); ``verify=False`` skips it. The metadata files are
@@ -231,8 +389,8 @@ class CheckpointReader(MultiFileReader):
         self._verify_lock = threading.Lock()
 
     def _open(self, backend: str, copy_on_write: bool) -> None:
-        """Read the metadata through the pinned directory, then pin every tensor file (the size its manifest
-        lists), map it and check that the mapping is the file pinned."""
+        """Read and cross-check the metadata through the pinned directory. The tensor files are pinned, mapped and
+        their headers checked against it on first use (:class:`TensorFiles`), each before a byte of it is used."""
         meta = read_metadata(self.path, snapshot=self.snapshot)
         self.manifest = meta["manifest"]
         self.manifest_blake3: str = meta["manifest_blake3"]
@@ -251,44 +409,19 @@ class CheckpointReader(MultiFileReader):
             n = {self.descriptions[k]["part"][1] for k in keys}
             if len(n) != 1 or len(keys) != next(iter(n)):
                 raise FormatError(f"{self.path}: tensor {name!r} has parts {keys}; expected part_0_n .. part_(n-1)_n")
-        for number in sorted(self._file_of_number):
-            name = self._file_of_number[number]
-            self.snapshot.pin(name, size=self.manifest["files"][name]["size"])
-        infos = {}
-        for number in sorted(self._file_of_number):
-            name = self._file_of_number[number]
-            f = self.files[name] = self._map(name)
-            expected = {k for k, n in self._block_index.items() if n == number}
-            if set(f.infos) != expected:
-                raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ expected)[:4]} that "
-                                  f"{INDEX_FILE} does not place there (or misses ones it does)")
-            for key, info in f.infos.items():
-                d = self.descriptions[key]
-                if info.shape != tuple(d["shape"]) or info.dtype != dtype_of(d["dtype"], f"{self.path}: {key}"):
-                    raise FormatError(f"{f.path}: tensor {key!r} is {info.dtype}{list(info.shape)} in the "
-                                      f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
-                infos[key] = info
-        self.part_infos: Mapping[str, TensorInfo] = MappingProxyType(infos)  # stored key -> its part's info
-        held = [f.mapped.identity for f in self.files.values()]
-        for identity in held:
-            _digests.hold(identity)
-        # Let go of the shared hashes on close(), or when a reader never closed is collected.
-        self._release = weakref.finalize(self, _release, held)
+        names = [self._file_of_number[number] for number in sorted(self._file_of_number)]
+        keys_of: dict[str, list[str]] = {}
+        file_of_key: dict[str, str] = {}
+        for key, number in sorted(self._block_index.items(), key=lambda item: item[1]):
+            name = file_of_key[key] = self._file_of_number[number]
+            keys_of.setdefault(name, []).append(key)
+        self.files = TensorFiles(self, names, keys_of)
+        self.part_infos: PartInfos = PartInfos(self.files, file_of_key)  # stored key -> its part's info
 
     def _map(self, name: str, **options) -> TensorFile:
-        """Tensor file ``name`` mapped (its header parsed), checked to be the file the snapshot pinned: one of
-        another commit (the path now names a replacement) raises CheckpointChangedError."""
-        path = os.path.join(self.path, name)
-        try:
-            f = open_file(path, **self._options, **options)
-        except FileNotFoundError:
-            raise self.snapshot.missing(name) from None
-        try:
-            self.snapshot.check(name, f.mapped.identity)
-        except BaseException:
-            f.close()
-            raise
-        return f
+        """Tensor file ``name`` mapped (its header parsed), checked to be the file the snapshot pinned
+        (:func:`map_pinned`)."""
+        return map_pinned(self.snapshot, name, {**self._options, **options})
 
     @property
     def infos(self) -> TensorInfos:
@@ -299,14 +432,16 @@ class CheckpointReader(MultiFileReader):
         return infos
 
     def close(self) -> None:
-        """Close every file (the views handed out stay valid)."""
-        release = getattr(self, "_release", None)
-        if release is not None:
-            release()
+        """Close every file mapped (the views handed out stay valid)."""
+        files = getattr(self, "files", None)
+        if isinstance(files, TensorFiles):
+            files.close()
+            self._closed = True
+        else:  # a subclass's own files (RecIS's layout maps them all when it opens)
+            super().close()
         snapshot = getattr(self, "snapshot", None)
         if snapshot is not None:
             snapshot.close()
-        super().close()
 
     def read_into(self, key: str, out, start: int = 0) -> None:
         """Fill ``out`` (a writable buffer) with the bytes of stored part ``key`` from byte ``start`` of the part
@@ -377,8 +512,20 @@ class CheckpointReader(MultiFileReader):
     def tensor_dtype(self, name: str) -> np.dtype:
         """The numpy dtype of a whole tensor or of one stored part."""
         key = name if name in self._block_index else self._parts[self._whole_name(name)][0]
-        encoding = self.descriptions[key].get("encoding")
-        return self.part_infos[key].dtype if encoding is None else dtype_of(encoding["dtype"], f"{self.path}: {key}")
+        d = self.descriptions[key]  # its file's header holds the same dtype (checked when the file opens)
+        return dtype_of(d.get("encoding", d)["dtype"], f"{self.path}: {key}")
+
+    def part_nbytes(self, key: str) -> int:
+        """The bytes stored part ``key`` takes in its file, from its description (its file is not opened).
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(3)}).save()
+        >>> CheckpointReader(out).part_nbytes("w/part_0_1")
+        24
+        """
+        d = self.descriptions[key]
+        return int(np.prod(d["shape"], dtype=np.int64)) * dtype_of(d["dtype"], f"{self.path}: {key}").itemsize
 
     def array(self, key: str) -> np.ndarray:
         """Stored part ``key`` as the tensor it holds: the mapped view, or for an encoded part (compressed or
@@ -398,11 +545,20 @@ class CheckpointReader(MultiFileReader):
         (a ``KeyError``) naming the closest names.
         """
         if name in self._block_index:
-            with guard(self, f"tensor {name!r}"):  # decoding copies; a plain part is a view
+            with self._guard([name], f"tensor {name!r}"):  # decoding copies; a plain part is a view
                 return self.array(name)
         keys = self._parts[self._whole_name(name)]
-        with guard(self, f"tensor {name!r}"):  # the copies below: a truncated file is a FormatError, not SIGBUS
+        with self._guard(keys, f"tensor {name!r}"):  # the copies below: a truncated file is a FormatError, not SIGBUS
             return self._joined(name, keys)
+
+    def _guard(self, keys: list[str], what: str) -> contextlib.ExitStack:
+        """The files of stored keys ``keys`` opened, each mapping under ``MappedFile.guard(what)`` (the other
+        files are neither opened nor guarded)."""
+        stack = contextlib.ExitStack()
+        with stack:
+            for f in {id(f): f for f in (self.file_of(key) for key in keys)}.values():
+                stack.enter_context(f.mapped.guard(what))
+            return stack.pop_all()
 
     def _joined(self, name: str, keys: list[str]) -> np.ndarray:
         if len(keys) == 1 and self.descriptions[keys[0]].get("global_shape") == self.descriptions[keys[0]]["shape"]:
@@ -431,8 +587,20 @@ class CheckpointReader(MultiFileReader):
                                   f"({len(self._parts)} tensors, {len(self._block_index)} parts{hint})")
 
     # -- the reader contract -------------------------------------------------------------------------
+    def file_name(self, key: str) -> str:
+        """The name of the tensor file holding stored key ``key``, from the index (the file is not opened).
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(3)}).save()
+        >>> CheckpointReader(out).file_name("w/part_0_1")
+        'model-00000-000.safetensors'
+        """
+        return self._file_of_number[self._block_index[key]]
+
     def file_of(self, key: str) -> TensorFile:
-        """The mapped file holding stored key ``key`` (or the one part of a tensor stored whole)."""
+        """The mapped file holding stored key ``key`` (or the one part of a tensor stored whole), opened and
+        checked against the metadata the first time (:class:`TensorFiles`)."""
         if key not in self._block_index:
             keys = self.part_names(key)  # an unknown name raises, naming close matches
             if len(keys) != 1:
