@@ -278,8 +278,8 @@ def test_sharded_suite(tmp_path, capsys):
     assert ("| ranks | parallel | raw read | raw read, new pages | Loader.load(verify=False) | load / raw read (the "
             "target's) | load / raw read, new pages | CPU raw read | CPU raw read, new pages | CPU load |") in out
     pairs = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    # save, load, the raw read into new pages, verification, memory
-    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 5
+    # save, save(direct=True), load, the raw read into new pages, verification, memory
+    assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 6
     rows = _first_cells(out)
     assert "| v4 | 2 -> 3 | no |" in out and "| v4 | 2 -> 3 | yes |" in out  # --quick's resharding pair
     assert "HashTable.import_() into a new table" in rows
@@ -287,6 +287,21 @@ def test_sharded_suite(tmp_path, capsys):
     # save, load, verification, the resharding pair unverified and verified, export, import; then the sizes' note
     assert [line.split(":")[0] in ("- met", "- MISSED") for line in targets] == [True] * 7 + [False]
     assert targets[-1] == "- (--quick sizes: the targets are stated for the full sizes)"
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
+def test_sharded_suite_save_only_runs_the_save_rows_alone(tmp_path, capsys):
+    assert main(["bench", "--suite", "sharded", "--quick", "--ids", "3000", "--dense-mib", "0.25", "--ranks", "2",
+                 "--parallel", "1,2", "--save-only", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| raw write + fsync | GB/s | Saver.save | GB/s |" in out
+    assert "| raw write + fsync | GB/s | Saver.save(direct=True) | GB/s |" in out
+    assert "Loader" not in out and "raw read" not in out and "HashTable" not in out and "->" not in out
+    pairs = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert pairs == [["| 2", "1"], ["| 2", "2"]] * 3  # save, save(direct=True), memory
+    targets = out.split("### targets")[1].strip().splitlines()
+    assert [line.split(":")[0] for line in targets][:1] in (["- met"], ["- MISSED"]) and len(targets) == 2
+    assert "save throughput >= 0.85x" in targets[0]
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 

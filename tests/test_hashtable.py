@@ -699,3 +699,19 @@ def test_rows_of_any_shape_and_slots_of_their_own():
         HashTable((2, 0))
     with pytest.raises(TypeError, match="shape of slot 's'"):
         HashTable(2, slots=(("s", "x", np.int64),))
+
+
+def test_storage_rows_start_on_cache_lines_through_growth_and_deletes():
+    # A save gathers a table's rows one random row at a time: each 64-byte row must fill one cache line, not two
+    # (numpy's own arrays start 16 bytes into a line).
+    t = HashTable(16, slots=("m", ("step", 1, np.int64)))
+    rng = np.random.default_rng(3)
+    for batch in range(5):  # grows the storage several times
+        ids = rng.choice(1 << 40, 700, replace=False) + batch * (1 << 41)
+        t.insert(ids, rng.random((700, 16), np.float32), {"m": rng.random((700, 16), np.float32)})
+        t.delete(ids[:100])
+        ids_, values, slots = t.rows()
+        for array in (ids_, values, *slots.values()):
+            assert array.ctypes.data % 64 == 0 and array.flags.c_contiguous
+    assert len(t) == 5 * 600 and t.lookup(ids[100:102]).shape == (2, 16)
+    assert HashTable.from_export(*t.export()).rows()[1].ctypes.data % 64 == 0

@@ -239,11 +239,25 @@ def test_gather_writer_writeback_on_a_pipe_is_left_out():
         GatherWriter(1, None, -1)
 
 
+@pytest.mark.parametrize("shift", [0, 8, 16, 24])
+def test_slice_order_skips_the_digits_every_position_shares(shift):
+    # positions that differ in one byte only: the radix sort runs the one pass that tells them apart
+    from fastckpt.sharded.format import slice_order
+
+    rng = np.random.default_rng(shift)
+    ids = (rng.integers(0, 256, 5000, dtype=np.int64) << shift) + (7 << 32) * rng.integers(-3, 3, 5000)
+    order, rows = slice_order(ids, 2**32)
+    positions = slice_positions(ids, 2**32)
+    assert order.tolist() == np.argsort(positions, kind="stable").tolist() and rows[-1] == 5000
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 3000])
-@pytest.mark.parametrize("size", [1, 3, 1000, SLICE_SIZE])
+@pytest.mark.parametrize("size", [1, 3, 256, 257, 1000, SLICE_SIZE, SLICE_SIZE + 1, 2**24 + 3, 2**31 + 11, 2**32])
 @pytest.mark.parametrize("arrangement", ["random", "ascending ids", "slice order"])
 def test_slice_order_is_the_stable_sort_by_slice_position(n, size, arrangement):
-    from fastckpt.sharded.format import slice_order
+    # a radix sort of positions of one to four bytes: every slice size a save takes (up to 2**32), a power of two
+    # or not, with the rows below each slice group's first position (the id description's slices.rows)
+    from fastckpt.sharded.format import group_bounds, slice_groups, slice_order
 
     rng = np.random.default_rng(n + size)
     ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
@@ -253,12 +267,12 @@ def test_slice_order_is_the_stable_sort_by_slice_position(n, size, arrangement):
     elif arrangement == "slice order":
         ids = ids[np.argsort(slice_positions(ids, size), kind="stable")]
     positions = slice_positions(ids, size)
-    order, below = slice_order(ids, size)
+    order, rows = slice_order(ids, size)
     expected = np.argsort(positions, kind="stable")
     if order is None:
         assert expected.tolist() == list(range(n))
     else:
         assert order.dtype == np.intp and order.tolist() == expected.tolist()
-    assert below.tolist() == np.searchsorted(np.sort(positions), np.arange(size + 1, dtype=np.uint64)).tolist()
+    assert rows == [int((positions < b).sum()) for b in group_bounds(slice_groups(n), size)]
     if arrangement == "slice order":
         assert order is None

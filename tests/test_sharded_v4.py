@@ -398,3 +398,25 @@ def test_compact_converts_a_version_2_chain_into_version_4(tmp_path):
         assert got[0][name] == table, name
     for name, value in want[1].items():
         assert got[1][name].tobytes() == value.tobytes() and got[1][name].dtype == value.dtype, name
+
+
+def test_a_save_of_a_slice_size_above_2_to_the_24_loads_exact(tmp_path):
+    # Slice sizes up to 2**32 are accepted; the counting sort of 0.7 refused any above 2**24 once the save had
+    # started ("slice_order: size must be from 1 to 16777216").
+    ids, values, slots = global_state(3000)
+    out = save_threads(tmp_path / "c", [{"emb": HashTable.from_export(ids, values, slots)}], DENSE, 2,
+                       slice_size=2**31 + 11)
+    with CheckpointReader(out) as reader:
+        assert reader.manifest["hashtables"]["emb"]["partition"]["slice_size"] == 2**31 + 11 and reader.verify() == []
+        stored = np.concatenate([reader.array(k) for k in reader.part_names("emb.id")])
+    positions = slice_positions(stored, 2**31 + 11)
+    assert (np.diff(positions.astype(np.float64)) >= 0).all()
+    for m in (1, 3):
+        loaded = [Loader(out, shard_index=j, shard_num=m).load() for j in range(m)]
+        got = np.concatenate([tables["emb"].ids() for tables, _ in loaded])
+        assert sorted(got.tolist()) == ids.tolist()
+        for tables, _ in loaded:
+            table = tables["emb"]
+            rows = np.searchsorted(ids, table.ids())
+            assert table.lookup(table.ids()).tobytes() == values[rows].tobytes()
+            assert table.lookup_slot("v", table.ids()).tobytes() == slots["v"][rows].tobytes()

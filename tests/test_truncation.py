@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELUDE = r'''
 import os, sys, numpy as np, fastckpt
 import fastckpt._native.mapped as mapped_mod
+import fastckpt._native.idindex  # noqa: F401 - cimports mapped: imported before MappedFile is replaced below
 import fastckpt.formats.reader as reader_mod
 import fastckpt.formats.npz as npz_mod
 import fastckpt.formats.tf.reader as tf_reader_mod

@@ -136,13 +136,17 @@ cdef extern from *:
     /* Rows rows[0..n) of src (a row every `stride` bytes, its `size` bytes contiguous) copied to dst, one after
        another. Returns -1, or the first i whose row is outside [0, count) (nothing of it copied). The rows lie
        anywhere in the source: each is asked for from memory a few rows ahead of its copy, so that the misses
-       overlap; a row of a common size is copied as a constant size, without a call. */
+       overlap; a row of a common size is copied as a constant size, without a call.
+       The prefetch brings both ends of the row (a 64-byte row of an array that is not 64-byte aligned, a
+       HashTable's storage say, spans two cache lines) into every cache level (locality 3): measured on a random
+       order of 250,000 and 1,000,000 rows of 64 bytes, 16 bytes off alignment, 8.6-9.4 and 16.7 ns a row, where
+       a non-temporal prefetch of the first line only took 19-21 and 32 ns (slower than none: 11 and 19 ns). */
     #define FASTCKPT_AHEAD 16
     #define FASTCKPT_ROWS(SIZE) \
         for (i = 0; i < n; i++) { \
             if (i + FASTCKPT_AHEAD < n && (size_t)rows[i + FASTCKPT_AHEAD] < (size_t)count) { \
-                __builtin_prefetch(src + rows[i + FASTCKPT_AHEAD] * stride, 0, 0); \
-                if ((SIZE) > 64) __builtin_prefetch(src + rows[i + FASTCKPT_AHEAD] * stride + (SIZE) - 1, 0, 0); \
+                __builtin_prefetch(src + rows[i + FASTCKPT_AHEAD] * stride, 0, 3); \
+                __builtin_prefetch(src + rows[i + FASTCKPT_AHEAD] * stride + (SIZE) - 1, 0, 3); \
             } \
             if ((size_t)rows[i] >= (size_t)count) return i; \
             memcpy(dst + i * (SIZE), src + rows[i] * stride, (SIZE)); \

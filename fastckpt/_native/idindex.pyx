@@ -336,59 +336,228 @@ def last_occurrence(const int64_t[::1] rows, uint8_t[::1] keep, int64_t row_coun
     return repeats
 
 
-@cython.boundscheck(False)  # every index below is a position < size or a row < len(ids), by the counts
-@cython.cdivision(True)  # size >= 1, checked first
-def slice_order(const int64_t[::1] ids, int64_t size):
-    """``(order, below)``: the stable order of ``ids`` by slice position ``uint64(id) % size`` (a version-4 table
-    part's order, :func:`fastckpt.sharded.format.slice_order`), None where the ids are in that order already, and
-    ``below[p]``, how many ids have a position below ``p`` (``size + 1`` counts).
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <stdlib.h>
+    #include <string.h>
+    #include <Python.h>
+    /* A position of the key space of `size` slices: uint64(id) % size (a mask where size is a power of two). */
+    static inline uint64_t fastckpt_position(int64_t id, uint64_t size, int power) {
+        return power ? ((uint64_t)id & (size - 1)) : ((uint64_t)id % size);
+    }
+    /* Count every byte of every id's position (counts[256 * d + byte d]); returns whether the positions ascend. The
+       loops are written out for a power-of-two size (a mask) and for another (a division), so that neither tests
+       which it is per id. */
+    #define FASTCKPT_COUNT(POSITION) \
+        for (i = 0; i < n; i++) { \
+            p = POSITION; \
+            for (d = 0; d < digits; d++) counts[256 * d + ((p >> (8 * d)) & 255)]++; \
+            ordered &= p >= previous; \
+            previous = p; \
+        }
+    static int fastckpt_count_digits(const int64_t* ids, Py_ssize_t n, uint64_t size, int digits, int64_t* counts) {
+        Py_ssize_t i;
+        int d, ordered = 1;
+        uint64_t p, previous = 0, mask = size - 1;
+        if ((size & mask) == 0 && digits == 2) {  /* 65536 slices, the default: both bytes at once */
+            for (i = 0; i < n; i++) {
+                p = (uint64_t)ids[i] & mask;
+                counts[p & 255]++;
+                counts[256 + (p >> 8)]++;
+                ordered &= p >= previous;
+                previous = p;
+            }
+        } else if ((size & mask) == 0) {
+            FASTCKPT_COUNT((uint64_t)ids[i] & mask)
+        } else {
+            FASTCKPT_COUNT((uint64_t)ids[i] % size)
+        }
+        return ordered;
+    }
+    /* One pass of the radix sort: each row to at[its byte `shift` bits up], then that slot on. The first pass reads
+       the ids (source NULL), later ones the words (position << 32 | row) the pass before left in source; the last
+       writes the rows to order, the others the words to target. */
+    #define FASTCKPT_PLACE(WORD, OUT) \
+        for (i = 0; i < n; i++) { \
+            x = WORD; \
+            OUT; \
+        }
+    static void fastckpt_place(const int64_t* ids, const uint64_t* source, Py_ssize_t n, uint64_t size, int shift,
+                               int64_t* at, uint64_t* target, Py_ssize_t* order) {
+        Py_ssize_t i;
+        uint64_t x, mask = size - 1;
+        int key = 32 + shift;
+        if (source == NULL && (size & mask) == 0) {
+            if (order) FASTCKPT_PLACE((uint64_t)ids[i] & mask, order[at[(x >> shift) & 255]++] = i)
+            else FASTCKPT_PLACE(((uint64_t)ids[i] & mask) << 32 | (uint64_t)i, target[at[(x >> key) & 255]++] = x)
+        } else if (source == NULL) {
+            if (order) FASTCKPT_PLACE((uint64_t)ids[i] % size, order[at[(x >> shift) & 255]++] = i)
+            else FASTCKPT_PLACE(((uint64_t)ids[i] % size) << 32 | (uint64_t)i, target[at[(x >> key) & 255]++] = x)
+        } else if (order) {
+            FASTCKPT_PLACE(source[i], order[at[(x >> key) & 255]++] = (Py_ssize_t)(x & 0xFFFFFFFFu))
+        } else {
+            FASTCKPT_PLACE(source[i], target[at[(x >> key) & 255]++] = x)
+        }
+    }
+    /* Two bytes apart (up to 65536 slices) and no array of n words of its own: the rows placed by their position's
+       high byte into order itself as words (position << 32 | row), then each high byte's run, a few thousand rows
+       that the caches hold, copied aside and placed back by the low byte as rows. Stable, as both placements are.
+       Returns -1 where the copy's memory (the longest run) cannot be had. */
+    static int fastckpt_two_bytes(const int64_t* ids, Py_ssize_t n, uint64_t size, const int64_t* high,
+                                  Py_ssize_t* order) {
+        int64_t at[256], low[256];
+        uint64_t* words = (uint64_t*)order;  /* a Py_ssize_t and a word are both 8 bytes here */
+        uint64_t* aside;
+        uint64_t x, mask = size - 1;
+        Py_ssize_t i, start = 0, run, longest = 0;
+        int b, power = (size & mask) == 0;
+        for (b = 0; b < 256; b++) {
+            at[b] = start;
+            start += high[b];
+            if (high[b] > longest) longest = high[b];
+        }
+        aside = (uint64_t*)malloc((size_t)longest * sizeof(uint64_t));
+        if (aside == NULL) return -1;
+        if (power) FASTCKPT_PLACE(((uint64_t)ids[i] & mask) << 32 | (uint64_t)i, words[at[(x >> 40) & 255]++] = x)
+        else FASTCKPT_PLACE(((uint64_t)ids[i] % size) << 32 | (uint64_t)i, words[at[(x >> 40) & 255]++] = x)
+        start = 0;
+        for (b = 0; b < 256; b++) {
+            run = high[b];
+            if (run == 1) order[start] = (Py_ssize_t)(words[start] & 0xFFFFFFFFu);
+            if (run > 1) {
+                memcpy(aside, words + start, (size_t)run * sizeof(uint64_t));
+                memset(low, 0, sizeof(low));
+                for (i = 0; i < run; i++) low[(aside[i] >> 32) & 255]++;
+                for (i = 0, x = (uint64_t)start; i < 256; i++) {
+                    Py_ssize_t count = low[i];
+                    low[i] = (int64_t)x;
+                    x += (uint64_t)count;
+                }
+                for (i = 0; i < run; i++) {
+                    x = aside[i];
+                    order[low[(x >> 32) & 255]++] = (Py_ssize_t)(x & 0xFFFFFFFFu);
+                }
+            }
+            start += run;
+        }
+        free(aside);
+        return 0;
+    }
+    """
+    uint64_t fastckpt_position(int64_t id, uint64_t size, int power) noexcept nogil
+    int fastckpt_two_bytes(const int64_t* ids, Py_ssize_t n, uint64_t size, const int64_t* high,
+                           Py_ssize_t* order) noexcept nogil
+    int fastckpt_count_digits(const int64_t* ids, Py_ssize_t n, uint64_t size, int digits, int64_t* counts) noexcept nogil
+    void fastckpt_place(const int64_t* ids, const uint64_t* source, Py_ssize_t n, uint64_t size, int shift,
+                        int64_t* at, uint64_t* target, Py_ssize_t* order) noexcept nogil
 
-    One counting sort without the GIL: a pass counting each position (the counts of 65536 positions stay in the
-    cache) and, where the ids are out of order, a pass placing each id's row after those of lower positions and
-    of its own position seen before it. numpy's radix argsort of the 16-bit positions takes two such passes and
-    the positions made first.
+
+DEF _DIGIT_BITS = 8  # a position is sorted 8 bits at a time: 256 write streams a pass, which the caches keep
+DEF _DIGITS = 4  # positions fit 32 bits (sizes up to 2**32)
+
+
+@cython.boundscheck(False)  # every index below is a row < n or a bucket < 256, by the counts
+@cython.wraparound(False)
+@cython.initializedcheck(False)  # order is read only where it was made (the ids out of order)
+@cython.cdivision(True)  # size >= 1, checked first
+def slice_order(const int64_t[::1] ids, uint64_t size, const int64_t[::1] bounds):
+    """``(order, rows)``: the stable order of ``ids`` by slice position ``uint64(id) % size`` (a version-4 table
+    part's order, :func:`fastckpt.sharded.format.slice_order`), None where the ids are in that order already, and
+    ``rows[k]``, how many ids have a position below ``bounds[k]`` (``bounds``: ascending positions, the part's
+    slice group bounds).
+
+    A radix sort of the positions, 8 bits a pass, without the GIL: a pass counting every byte of every position,
+    then each pass that a byte's values tell apart places each row after those of lower bytes and of its own byte
+    seen before it, through 256 write streams that stay in the caches (a counting sort by the whole position writes
+    65536 streams, one cache miss a row once the rows outgrow the cache, and needs counts of every position).
+    Positions of two bytes (up to 65536 slices, the default) are placed by the high byte into the order itself, then
+    each high byte's run (a few thousand rows, in the cache) by the low byte: 1,000,000 ids in 3.5-3.9 ms, where
+    two passes through an array of their own took 5.7-6.1 ms and the counting sort 8.0-8.3 ms. Larger sizes take a
+    pass a byte, least significant first, through one or two arrays of ``len(ids)`` words. Nothing is in
+    proportion to ``size``. ``rows`` is counted by binary search of the ordered positions.
 
     >>> import numpy as np
-    >>> order, below = slice_order(np.array([65537, 3, 1, 65536]), 65536)
-    >>> order.tolist(), below[[0, 1, 2, 3, 4]].tolist()
-    ([3, 0, 2, 1], [0, 1, 3, 3, 4])
+    >>> order, rows = slice_order(np.array([65537, 3, 1, 65536]), 65536, np.array([0, 1, 2, 4, 65536]))
+    >>> order.tolist(), rows.tolist()
+    ([3, 0, 2, 1], [0, 1, 3, 4, 4])
+    >>> slice_order(np.array([65536, 1, 65539]), 65536, np.array([0, 65536]))[0] is None
+    True
     """
     import numpy as np
 
-    if size < 1 or size > (1 << 24):
-        raise ValueError(f"slice_order: size must be from 1 to {1 << 24}, got {size}")
-    cdef Py_ssize_t n = ids.shape[0], i
-    cdef uint64_t usize = <uint64_t>size, mask = usize - 1, p, previous = 0
-    cdef bint power = (usize & mask) == 0, ordered = True
-    below_array = np.zeros(size + 1, np.int64)
-    cdef int64_t[::1] below = below_array
-    cdef int64_t[::1] rows
-    cdef int64_t* at
+    if size < 1 or size > (<uint64_t>1 << 32):
+        raise ValueError(f"slice_order: size must be from 1 to {1 << 32}, got {size}")
+    cdef Py_ssize_t n = ids.shape[0], i, k, nb = bounds.shape[0], lo, hi, mid
+    if <uint64_t>n > (<uint64_t>1 << 32):
+        raise ValueError(f"slice_order: a table part of {n} rows; at most {1 << 32} are sorted at once")
+    for k in range(nb):
+        if bounds[k] < 0 or <uint64_t>bounds[k] > size or (k and bounds[k] < bounds[k - 1]):
+            raise ValueError(f"slice_order: bounds must ascend within [0, {size}], got {np.asarray(bounds).tolist()}")
+    cdef int power = (size & (size - 1)) == 0, digits = 1, d, last
+    cdef bint ordered
+    while digits < _DIGITS and (size - 1) >> (_DIGIT_BITS * digits):
+        digits += 1
+    counts_array = np.zeros((_DIGITS, 256), np.int64)
+    rows_array = np.empty(nb, np.int64)
+    cdef int64_t[:, ::1] counts = counts_array
+    cdef int64_t[::1] rows = rows_array
+    cdef int64_t at[256]
+    cdef int64_t total
+    cdef Py_ssize_t[::1] order
+    cdef uint64_t[::1] packed, spare
+    cdef const int64_t* id_data = &ids[0] if n else NULL
+    cdef uint64_t* source
+    cdef uint64_t* target
+    cdef uint64_t* words[2]
+    cdef int needed[_DIGITS]
+    cdef int passes = 0, done
     with nogil:
-        for i in range(n):
-            p = (<uint64_t>ids[i]) & mask if power else (<uint64_t>ids[i]) % usize
-            below[p + 1] += 1
-            if p < previous:
-                ordered = False
-            previous = p
-        for i in range(size):
-            below[i + 1] += below[i]
+        ordered = fastckpt_count_digits(id_data, n, size, digits, &counts[0, 0])
     if ordered:
-        return None, below_array
-    order_array = np.empty(n, np.intp)
-    cdef Py_ssize_t[::1] order = order_array
-    at = <int64_t*>calloc(<size_t>size, sizeof(int64_t))
-    if at == NULL:
-        raise MemoryError(f"slice_order: cannot allocate {size * 8} bytes")
+        order_array = None
+    else:
+        order_array = np.empty(n, np.intp)
+        order = order_array
+        for d in range(digits):  # a byte every position shares leaves the order as it is: no pass
+            if max(counts_array[d]) < n:
+                needed[passes] = d
+                passes += 1
+        if passes == 2 and digits == 2:  # up to 65536 slices (the default): no array of n words
+            with nogil:
+                done = fastckpt_two_bytes(id_data, n, size, &counts[1, 0], &order[0])
+            if done != 0:
+                raise MemoryError(f"slice_order: cannot allocate {8 * max(counts_array[1])} bytes")
+            passes = 0
+        packed_array = np.empty(n if passes > 1 else 0, np.uint64)
+        spare_array = np.empty(n if passes > 2 else 0, np.uint64)
+        packed, spare = packed_array, spare_array
+        words[0] = &packed[0] if passes > 1 else NULL
+        words[1] = &spare[0] if passes > 2 else NULL
+        with nogil:
+            source = NULL  # the first pass reads the ids; the others the words the pass before left
+            for k in range(passes):
+                d = needed[k]
+                last = k == passes - 1
+                total = 0
+                for i in range(256):
+                    at[i] = total
+                    total += counts[d, i]
+                target = NULL if last else words[k % 2]
+                fastckpt_place(id_data, source, n, size, _DIGIT_BITS * d, at, target, &order[0] if last else NULL)
+                source = target
     with nogil:
-        for i in range(size):
-            at[i] = below[i]
-        for i in range(n):
-            p = (<uint64_t>ids[i]) & mask if power else (<uint64_t>ids[i]) % usize
-            order[at[p]] = i
-            at[p] += 1
-    free(at)
-    return order_array, below_array
+        for k in range(nb):  # rows below bounds[k]: the first of the ordered positions at or above it
+            lo, hi = 0, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                i = mid if ordered else order[mid]
+                if fastckpt_position(ids[i], size, power) < <uint64_t>bounds[k]:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            rows[k] = lo
+    return order_array, rows_array
 
 
 @cython.boundscheck(False)  # every index below is a row < n or a group < len(rows) - 1, by the checks first

@@ -217,7 +217,8 @@ REUSED = "load_file(s3, pool with its arena)"
 VERIFIED = "load_model(s3 .netcl, pool, verify=True)"
 # The rows also run with the fastckpt of --against, in the same rounds.
 BEFORE_ROWS = ("fastckpt.open(s3) + copies", "fastckpt.open(http) + copies", "load_file(s3, pool)",
-               "load_model(s3 .netcl, pool)", VERIFIED)
+               "load_file(http, pool)", REUSED, "load_file(s3 HF prefix, pool)", "load_model(s3 .netcl, pool)",
+               VERIFIED)
 
 
 def _range_server(root: str):
@@ -502,6 +503,11 @@ def report_streaming(result: dict) -> list[str]:
         lines.append(f"- Run:ai streamer {result['runai']}")
     for row, why in result.get("failed", {}).items():
         lines.append(f"- {row}: FAILED ({why})")
+    for row in samples:  # each row against the same row of --against, in the same rounds
+        if row + BEFORE in rate and row in rate:
+            cpu = [statistics.median(x[3] for x in samples[r]) for r in (row + BEFORE, row)]
+            lines.append(f"- {row}: {rate[row] / rate[row + BEFORE]:.2f}x the speed of --against's "
+                         f"(CPU {format_duration(cpu[0])} -> {format_duration(cpu[1])})")
     missed = [r for r in rows if result["kinds"][r[0]] == "fastckpt" and bound and rate[r[0]] / bound < 0.8]
     lines.append(f"- {'met' if not missed else 'MISSED'}: >= 0.8x the bound"
                  + (f" ({', '.join(r[0] for r in missed)} below)" if missed else ""))

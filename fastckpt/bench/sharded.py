@@ -1,8 +1,8 @@
 """The ``sharded`` suite: sharded saves and loads (ranks as threads) against raw writes and reads of the same bytes.
 
 ``python -m fastckpt bench --suite sharded [--ids N] [--dim D] [--dense-mib M] [--ranks 1,2,4]
-[--parallel 1,2,4] [--repeat R] [--reshard 4:3,4:2,2:3,1:4] [--reshard-only] [--baseline PATH] [--s3] [--dir DIR]
-[--against DIR] [--quick]`` builds the state of a
+[--parallel 1,2,4] [--repeat R] [--reshard 4:3,4:2,2:3,1:4] [--reshard-only] [--save-only] [--baseline PATH] [--s3]
+[--dir DIR] [--against DIR] [--quick]`` builds the state of a
 recommendation model, in one process:
 
 * a :class:`~fastckpt.sharded.HashTable` of ``--ids`` ids (default 8,000,000; unique int64 ids spread over
@@ -33,7 +33,7 @@ It prints the state's total bytes, then measures:
    the load for comparison. Throughput is the state's bytes over the
    wall time of all ranks together; the ratio is fastckpt's throughput over the raw one (target >= 0.85x,
    the load unverified, against the ``np.empty`` raw read).
-   The saver does more than the raw write: it orders each table part by key-space slice (a counting sort)
+   The saver does more than the raw write: it orders each table part by key-space slice (a radix sort)
    and gathers its rows into that order a piece at a time as it writes them, hashes every file (BLAKE3, for
    the manifest), writes and fsyncs the JSON files and renames the directory into place, fsyncing it and its
    parent (the raw write fsyncs its files only). ``Saver.save(direct=True)`` runs in the same rounds, shown in
@@ -65,6 +65,9 @@ shuffled order, ``--repeat`` rounds (medians reported), each run after a garbage
 files just written (page cache warm, as a restart on the same machine finds them). There is no separate
 warm-up round: the save and the load that measure memory, untimed, come first. The GB in GB/s are 10^9
 bytes. On a shared machine the figures move with the load: the load average is printed with them.
+
+``--save-only`` runs the save rows alone (raw write + fsync, ``Saver.save``, ``Saver.save(direct=True)`` and with
+``--against`` its ``Saver.save``, with their memory): no loads, resharding or HashTable copies.
 
 ``--quick`` (20,000 ids x 8, 1 MiB dense, ranks 1,2, parallel 1,2, one round) runs in seconds, for smoke
 tests; explicit options override it.
@@ -473,9 +476,9 @@ def directory_bytes(path: Path) -> int:
 
 
 def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], parallel: int, dim: int,
-            repeat: int, against: Against | None = None) -> dict[str, Any]:
+            repeat: int, against: Against | None = None, save_only: bool = False) -> dict[str, Any]:
     """One ranks x parallel: memory of a save and a load, then the paths round-robin (with ``against``, its save and
-    loads too, in the same rounds)."""
+    loads too, in the same rounds; ``save_only``: the saves alone)."""
     ranks = len(states)
     where = root / f"ranks{ranks}-parallel{parallel}"
     where.mkdir()
@@ -485,10 +488,12 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
     raw_save(raw_reference, files)  # what the raw reads read: the same bytes in the same files, once
     with PeakMemory() as save_peak:
         sharded_save(checkpoint, states, dense, parallel)  # what the loads read
-    with PeakMemory() as load_peak:
-        loaded = sharded_load(checkpoint, ranks, dim, parallel)
-    _check_loaded(loaded, states, dense)
-    del loaded
+    load_peak = None
+    if not save_only:
+        with PeakMemory() as load_peak:
+            loaded = sharded_load(checkpoint, ranks, dim, parallel)
+        _check_loaded(loaded, states, dense)
+        del loaded
 
     counter = itertools.count()
     current = {RAW_SAVE: where / "raw-0", SAVE: where / "save-0", SAVE_DIRECT: where / "direct-0",
@@ -509,6 +514,8 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
         LOAD_VERIFIED: lambda: sharded_load(checkpoint, ranks, dim, parallel),
         HASH: lambda: hash_files(checkpoint),
     }
+    if save_only:
+        paths = {name: paths[name] for name in (RAW_SAVE, SAVE, SAVE_DIRECT)}
     prepare = {RAW_SAVE: lambda: fresh(RAW_SAVE), SAVE: lambda: fresh(SAVE), SAVE_DIRECT: lambda: fresh(SAVE_DIRECT)}
     # On a busy machine the CPU time each run took (this process's, or the worker's for a (before) row) says more
     # than its wall time, and a ratio of two paths' runs in the same round more than a ratio of medians taken over
@@ -526,7 +533,7 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
                 walls.setdefault(name, []).append(time.perf_counter() - started)
         return counted
 
-    for name in (RAW_SAVE, SAVE, SAVE_DIRECT, RAW_LOAD, RAW_LOAD_NEW, LOAD, LOAD_VERIFIED, HASH):
+    for name in list(paths):
         paths[name] = here(name, paths[name])
     if against is not None:
         def in_worker(name: str, op: str, **args) -> None:
@@ -538,8 +545,9 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
                                                  parallel=parallel)
         # its loads read a checkpoint it saved itself, in its own format (an earlier fastckpt reads no newer one)
         before = where / "before-checkpoint"
-        against.call("save", path=str(before), parallel=parallel)
-        for name, verify in ((LOAD + BEFORE, False), (LOAD_VERIFIED + BEFORE, True)):
+        if not save_only:
+            against.call("save", path=str(before), parallel=parallel)
+        for name, verify in () if save_only else ((LOAD + BEFORE, False), (LOAD_VERIFIED + BEFORE, True)):
             paths[name] = lambda name=name, verify=verify: in_worker(name, "load", path=str(before), ranks=ranks,
                                                                      dim=dim, parallel=parallel, verify=verify)
         prepare[SAVE + BEFORE] = lambda: fresh(SAVE + BEFORE)
@@ -548,7 +556,8 @@ def _config(root: Path, states: list[RankState], dense: dict[str, np.ndarray], p
     result = {"ranks": ranks, "parallel": parallel, "files": ranks * parallel, "load": (load_before, _load_average(1)),
               "checkpoint_bytes": directory_bytes(checkpoint), "timings": timings,
               "save_peak": save_peak.growth, "save_anon": save_peak.anon_growth,
-              "load_peak": load_peak.growth, "load_anon": load_peak.anon_growth, "hwm_reset": save_peak.reset}
+              "load_peak": load_peak and load_peak.growth, "load_anon": load_peak and load_peak.anon_growth,
+              "hwm_reset": save_peak.reset}
     result["cpu"] = {name: statistics.median(seconds) for name, seconds in cpu.items()}
     result["rounds"] = walls  # each path's wall time per round, in round order (one run of every path a round)
     shutil.rmtree(where)
@@ -570,18 +579,18 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
             ranks=(1, 2, 4), parallel=(1, 2, 4), repeat: int = DEFAULTS["repeat"], reshard=((4, 3),),
             directory: str | None = None, log: Callable[[str], None] = lambda line: None,
             against: str | None = None, baseline: str | None = None, s3: bool = False,
-            reshard_only: bool = False) -> dict[str, Any]:
+            reshard_only: bool = False, save_only: bool = False) -> dict[str, Any]:
     """Build the state and time every case (see the module docs); returns what :func:`report` prints.
 
     The ranks' tables are built for one ranks count at a time (then dropped), that count's configurations
     measured, the resharding pairs (``reshard``: ``[(N, M), ...]``, :mod:`fastckpt.bench.reshard`, with
     ``baseline`` and ``s3``) once every ranks count is done, export and import on the table of one rank
-    (``reshard_only``: the resharding alone). ``log`` receives a line as each step starts. ``against`` (a folder
+    (``reshard_only``: the resharding alone; ``save_only``: the save paths alone). ``log`` receives a line as each step starts. ``against`` (a folder
     holding another fastckpt, built): its ``Saver.save`` and loads run in the same rounds, in a worker process
     (:class:`Against`), as rows marked ``(before)``.
     """
     ranks, parallel = ([], []) if reshard_only else (list(ranks), list(parallel))
-    reshard = list(reshard)
+    reshard = [] if save_only else list(reshard)
     all_ids = table_ids(ids)
     dense = dense_tensors(dense_mib)
     dense_bytes = sum(a.nbytes for a in dense.values())
@@ -605,8 +614,8 @@ def measure(ids: int = DEFAULTS["ids"], dim: int = DEFAULTS["dim"], dense_mib: f
                     worker.call("state", ids=ids, dim=dim, dense_mib=dense_mib, ranks=n)
                 for p in parallel:
                     log(f"ranks {n}, parallel {p}")
-                    results["configs"].append(_config(root, states, dense, p, dim, repeat, worker))
-            if n == 1:
+                    results["configs"].append(_config(root, states, dense, p, dim, repeat, worker, save_only))
+            if n == 1 and not save_only:
                 log("HashTable export / import")
                 results["hashtable"] = _hashtable(states[0], dim, repeat)
             del states
@@ -739,6 +748,8 @@ def _before_table(results: dict) -> list[str]:
     for c in results["configs"]:
         t, cpu = c["timings"], c["cpu"]
         for raw, ours in ((RAW_SAVE, SAVE), (RAW_LOAD, LOAD), (None, LOAD_VERIFIED)):
+            if ours + BEFORE not in t:  # --save-only
+                continue
             before, after = t[ours + BEFORE].median, t[ours].median
             vs_raw = ([format_ratio(t[raw].median / before), format_ratio(t[raw].median / after)] if raw else
                       ["-", "-"])
@@ -807,7 +818,8 @@ def report(results: dict, quick: bool = False) -> str:
             lines += [("### the same save past the page cache: Saver(direct=True), O_DIRECT (not the default; less "
                        "CPU, and as fast as the disk takes direct writes), in the same rounds"), "",
                       *_throughput_table(r, RAW_SAVE, SAVE_DIRECT, TARGET_SAVE), ""]
-        lines += [load, "", *_throughput_table(r, RAW_LOAD, LOAD, TARGET_LOAD), ""]
+        if LOAD in c["timings"]:
+            lines += [load, "", *_throughput_table(r, RAW_LOAD, LOAD, TARGET_LOAD), ""]
         if RAW_LOAD_NEW in c["timings"]:
             lines += ["### the raw read into new pages: the same read into buffers no allocator handed out before "
                       "(a mapping of their own each, huge pages advised from 4 MiB as numpy advises), as a process's "
@@ -845,8 +857,9 @@ def report(results: dict, quick: bool = False) -> str:
         lines += [title, "", method, "", *_memory_table(r), ""]
     lines += ["### targets", ""]
     if r["configs"]:
-        lines += [_summary(r, RAW_SAVE, SAVE, TARGET_SAVE, "save"),
-                  _summary(r, RAW_LOAD, LOAD, TARGET_LOAD, "unverified load")]
+        lines.append(_summary(r, RAW_SAVE, SAVE, TARGET_SAVE, "save"))
+        if LOAD in r["configs"][0]["timings"]:
+            lines.append(_summary(r, RAW_LOAD, LOAD, TARGET_LOAD, "unverified load"))
         if LOAD_VERIFIED in r["configs"][0]["timings"]:
             ratios = [c["timings"][LOAD_VERIFIED].median / (c["timings"][LOAD].median + c["timings"][HASH].median)
                       for c in r["configs"]]
@@ -912,6 +925,9 @@ def configure(parser) -> None:
     parser.add_argument("--reshard", default=None,
                         help="resharding pairs SAVED:LOADED, comma-separated (default 4:3,4:2,2:3,1:4; --quick 2:3)")
     parser.add_argument("--reshard-only", action="store_true", help="the resharding pairs alone")
+    parser.add_argument("--save-only", action="store_true",
+                        help="the save rows alone (raw write + fsync, Saver.save, Saver.save(direct=True), --against's "
+                             "Saver.save): no loads, resharding or HashTable copies")
     parser.add_argument("--baseline", default=None, metavar="PATH",
                         help="an earlier fastckpt checkout to reshard beside this one (its own checkpoint and loader, "
                              "in a worker process with PYTHONPATH=PATH), e.g. a built checkout of 0.3.0")
@@ -945,7 +961,8 @@ def options(args) -> dict[str, Any]:
             "ranks": _counts(str(pick["ranks"])), "parallel": _counts(str(pick["parallel"])),
             "repeat": pick["repeat"], "reshard": reshard, "directory": args.dir,
             "against": getattr(args, "against", None), "baseline": getattr(args, "baseline", None),
-            "s3": getattr(args, "s3", False), "reshard_only": getattr(args, "reshard_only", False)}
+            "s3": getattr(args, "s3", False), "reshard_only": getattr(args, "reshard_only", False),
+            "save_only": getattr(args, "save_only", False)}
 
 
 def run(args) -> int:

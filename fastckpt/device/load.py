@@ -1403,6 +1403,10 @@ def _stream_region(load: _Load, remote, start: int, end: int, lease, at: int, gr
                 mapped[offset - start:offset - start + len(data)] = np.frombuffer(data, np.uint8)
                 done(offset, len(data))
 
+            # A direct GET's body is read straight into the arena (stream.RemoteObject.get_into): one copy, from
+            # the socket.
+            write.place = lambda offset, n: mapped[offset - start:offset - start + n]  # type: ignore[attr-defined]
+            write.placed = lambda offset, data: done(offset, len(data))  # type: ignore[attr-defined]
             remote.stream([(start, end)], write, parts=True)
         finally:
             if prefault is not None:
@@ -1466,7 +1470,18 @@ class _Landing:
         self.copies = 0
 
     def stream(self, remote) -> None:
-        remote.stream(self.pieces, self.write, chunk=self.chunk, done=self.send, parts=True)  # one piece a span
+        def write(offset: int, data) -> None:
+            self.write(offset, data)
+
+        # A direct GET's body is read straight into the piece's staging buffer (stream.RemoteObject.get_into).
+        write.place = self.place  # type: ignore[attr-defined]
+        write.placed = lambda _offset, _data: None  # type: ignore[attr-defined]  # in its buffer: nothing to do
+        remote.stream(self.pieces, write, chunk=self.chunk, done=self.send, parts=True)  # one piece a span
+
+    def place(self, offset: int, n: int):
+        """The staging memory where bytes ``[offset, offset + n)`` of the piece holding ``offset`` go."""
+        piece = self.starts[bisect.bisect_right(self.starts, offset) - 1]
+        return self.stage.hosts[self._slot(piece)][offset - piece:offset - piece + n]
 
     def _slot(self, piece: int) -> int:
         with self.lock:
@@ -1480,9 +1495,7 @@ class _Landing:
         return slot
 
     def write(self, offset: int, data) -> None:
-        piece = self.starts[bisect.bisect_right(self.starts, offset) - 1]
-        host = self.stage.hosts[self._slot(piece)]
-        host[offset - piece:offset - piece + len(data)] = np.frombuffer(data, np.uint8)
+        self.place(offset, len(data))[:] = np.frombuffer(data, np.uint8)
 
     def send(self, lo: int, hi: int) -> None:
         with self.lock:

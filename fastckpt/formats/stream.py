@@ -22,9 +22,11 @@ into its destination (a host array, a device buffer, a pool arena, a file) and t
   checked), and :meth:`RemoteObject.check` compares the identity again at the end, so bytes of two versions are
   never mixed: a changed object is an :class:`ObjectChangedError` naming it, and nothing read is used.
 
-An ``s3://`` object's ``GetObject`` is signed once and its pieces sent as plain ranged GETs through fsspec's HTTP
-client (:class:`_S3Reads`: 0.66 ms of CPU a 1 MiB request against botocore's 1.48 ms, docs/remote.md), except
-where the filesystem sends what a plain GET cannot carry.
+An ``s3://`` object's ``GetObject`` is signed once and its pieces sent as plain ranged GETs (:class:`_S3Reads`:
+0.66 ms of CPU a 1 MiB request against botocore's 1.48 ms, docs/remote.md), except where the filesystem sends what
+a plain GET cannot carry. Plain ranged GETs (those, and ``http(s)://`` URLs) stream on threads of their own, with
+no event loop, each body read straight into a buffer the thread keeps or into its destination
+(:meth:`RemoteObject.get_into`).
 
 A :class:`Checksums` set on an object (:attr:`RemoteObject.checksums`) checks the CRC-32 of byte ranges of it (NPZ
 members: ``load_model(url, verify=True)``) from the pieces as they pass to their destinations, so a verified load
@@ -48,6 +50,8 @@ of the next, and the callback places each byte by its offset.
 
 from __future__ import annotations
 
+import http.client as _http_client
+import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -200,7 +204,12 @@ class RemoteObject:
             self._get_into = reads.into
             return reads.get
         headers = {"headers": {"If-Match": self.etag}} if self.etag and protocol in ("http", "https") else {}
+        self._http_direct = None
         if self.is_async and protocol in ("http", "https") and hasattr(fs, "set_session"):
+            if not getattr(fs, "kwargs", None) and not getattr(fs, "client_kwargs", None):
+                # Nothing of the filesystem's own to send: a plain GET with no event loop may read it (get_into).
+                self._http_direct = (str(fs.encode_url(path)), headers.get("headers", {}), None)
+
             async def http_into(start: int, end: int, sink) -> None:
                 await _plain_get(self, fs, fs.encode_url(path), headers.get("headers", {}), start, end, sink)
 
@@ -248,6 +257,84 @@ class RemoteObject:
             await into(start, end, sink)
         except Exception as e:
             raise self._failure(e, start, end) from e
+
+    def get_into(self, start: int, end: int, sink: Callable[[int, bytes], object], buffer: bytearray,
+                 place: Callable[[int, int], object] | None = None) -> None:
+        """:meth:`aget_into` on the calling thread, with no event loop: one blocking ranged GET (the standard
+        library's ``http.client``, over a keep-alive connection kept for the next GET to that server) whose body is read with ``readinto``
+        into ``buffer`` (kept by the caller from piece to piece, so no part is a new object) and handed to
+        ``sink(offset, memoryview)`` a buffer at a time; the view is valid only during the call. ``place(offset,
+        n)``, when given, may return the writable memory where bytes ``[offset, offset + n)`` belong: they are then
+        read straight there (one copy a byte, from the socket) and handed over as ``sink(offset, view, placed=True)``
+        (None: into ``buffer``, as without it). For the objects
+        :meth:`direct` gives an address for; where the GET fails other than by an answer about the object (a
+        refusal, a redirect, an encoded body, a dropped connection), the rest of the piece goes through
+        :meth:`aget_into` from the byte where it stopped, which does what it does (``GetObject`` for ``s3://``)."""
+        if end <= start:
+            return
+        at, sink_failed = start, False
+
+        def counted(offset: int, part, placed: bool = False) -> None:
+            nonlocal at, sink_failed
+            try:
+                sink(offset, part, placed=True) if placed else sink(offset, part)
+            except BaseException:
+                sink_failed = True
+                raise
+            at = offset + len(part)
+
+        address = self.direct()
+        if address is not None:
+            reads = self._s3_reads()
+            if reads is not None:
+                with self._lock:
+                    reads.plain += 1
+            try:
+                _direct_get(self, address, start, end, counted, buffer, place)
+                return
+            except Exception as e:
+                if sink_failed or isinstance(e, (ObjectChangedError, FormatError)) or \
+                        not isinstance(e, _TRANSPORT_ERRORS):
+                    raise  # the destination's own error, or one about the object
+                self._direct_failed()
+        from fsspec.asyn import sync
+
+        sync(self.fs.loop, self.aget_into, at, end, sink)
+
+    def direct(self) -> tuple[str, dict, object] | None:
+        """Where a plain GET of this object's ranges may go with no event loop (:meth:`get_into`): ``(url, headers,
+        ssl context or None)``, or None. ``http(s)://`` URLs of fsspec's HTTP filesystem with no client options
+        (no session options, headers or authentication of its own to carry), and ``s3://`` objects read by signed
+        plain GETs (:class:`_S3Reads`: the URL is signed here, on the filesystem's loop, once per half hour)."""
+        reads = self._s3_reads()
+        if reads is not None:
+            if not reads.use_plain:
+                return None
+            import time
+
+            url = reads.url
+            if url is None or time.monotonic() - reads.signed_at > reads.EXPIRES / 2:  # sign (again) on the loop
+                from fsspec.asyn import sync
+
+                url = sync(self.fs.loop, reads._signed_url)
+            if url is None:
+                reads.use_plain = False
+                return None
+            headers = {"If-Match": self.etag}
+            return url, headers, _ssl_context(reads._ssl)
+        return getattr(self, "_http_direct", None)
+
+    def _direct_failed(self) -> None:
+        """A GET of :meth:`get_into` failed other than by an answer about the object: the object's later reads go
+        as they went before (``s3://``: ``GetObject``, as :class:`_S3Reads` does after a failed plain GET)."""
+        reads = self._s3_reads()
+        if reads is not None:
+            reads.use_plain = False
+        self._http_direct = None
+
+    def _s3_reads(self) -> "_S3Reads | None":
+        reads = getattr(getattr(self, "_get_into", None), "__self__", None)
+        return reads if isinstance(reads, _S3Reads) else None
 
     async def _pump(self, read, start: int, end: int, sink) -> None:
         at = start
@@ -304,9 +391,15 @@ class RemoteObject:
         happened, so a caller that raises loses only its destination's contents. (:func:`stream` reads ranges of
         several objects in one pool of requests.)
 
-        ``parts=True`` says that ``deliver`` takes any part of a piece, quickly, on any thread: on an async
-        filesystem it is then called on the event loop's thread with each part of the body as the HTTP client
-        reads it (:meth:`aget_into`), so no piece is joined into one buffer first (one copy less).
+        ``parts=True`` says that ``deliver`` takes any part of a piece, quickly, on any thread, and keeps no
+        reference to it after the call: plain ranged GETs (``http(s)://``, signed ``s3://``:
+        :meth:`RemoteObject.direct`) are then sent by ``threads`` threads of the stream's own, each reading its bodies
+        with ``readinto`` into one buffer of ``_PART`` bytes it keeps (:meth:`get_into`); on other async
+        filesystems ``deliver`` is called on the event loop's thread with each part of the body as the HTTP client
+        reads it (:meth:`aget_into`). Either way no piece is joined into one buffer first. A ``deliver`` with a
+        ``place(offset, n)`` attribute (the writable memory where those bytes belong, or None) and a
+        ``placed(offset, data)`` one (told once they are there) has the bytes of a direct GET read straight into
+        that memory, one copy less.
         """
         return stream([(self, spans, deliver, done)], chunk=chunk, threads=threads, parts=parts)
 
@@ -352,6 +445,134 @@ async def _plain_get(obj: RemoteObject, http, url, headers: dict, start: int, en
         if partial and (r.status != 206 or r.headers.get("Content-Encoding", "identity") != "identity"):
             raise _NotPlain(f"HTTP {r.status} {r.headers.get('Content-Encoding', '')}")
         await obj._pump(r.content.read, start, end, sink)
+
+
+# What a direct GET may fail with that is not about the object (it then goes through the event loop's client).
+_TRANSPORT_ERRORS = (OSError, _http_client.HTTPException, _NotPlain)
+
+
+class _Connections:
+    """The idle keep-alive connections of :func:`_direct_get`, per scheme, host and TLS context; a forked child
+    starts with none (its parent's sockets are not its own)."""
+
+    def __init__(self):
+        self.idle: dict[tuple, list] = {}
+        self.lock = threading.Lock()
+
+    def take(self, scheme: str, netloc: str, context):
+        key = (scheme, netloc, id(context))
+        with self.lock:
+            idle = self.idle.get(key)
+            if idle:
+                return key, idle.pop()
+        if scheme == "https":
+            return key, _http_client.HTTPSConnection(netloc, context=context, timeout=_TIMEOUT)
+        return key, _http_client.HTTPConnection(netloc, timeout=_TIMEOUT)
+
+    def give(self, key: tuple, connection) -> None:
+        with self.lock:
+            idle = self.idle.setdefault(key, [])
+            if len(idle) < 4 * THREADS:
+                idle.append(connection)
+                return
+        connection.close()
+
+    def forget(self) -> None:
+        self.idle = {}
+        self.lock = threading.Lock()
+
+
+_CONNECTIONS = _Connections()
+_TIMEOUT = 300  # seconds a direct GET may wait on its socket (aiohttp's default total for fsspec's HTTP client)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_CONNECTIONS.forget)
+
+
+_UNVERIFIED = None
+
+
+def _ssl_context(options: dict):
+    """The ``ssl.SSLContext`` of :class:`_S3Reads`' aiohttp ``ssl`` option (``{}``: the system's, checked;
+    ``False``: no check; a context: that one); None for plain ``http``."""
+    import ssl
+
+    global _UNVERIFIED
+    value = options.get("ssl", True)
+    if value is False:
+        if _UNVERIFIED is None:  # one context: the kept connections are found by it
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            _UNVERIFIED = context
+        return _UNVERIFIED
+    if isinstance(value, ssl.SSLContext):
+        return value
+    return None
+
+
+def _direct_get(obj: "RemoteObject", address: tuple, start: int, end: int, sink, buffer: bytearray,
+                place=None) -> None:
+    """One ranged GET of bytes ``[start, end)`` of ``obj`` at ``address`` (:meth:`RemoteObject.direct`) on this
+    thread: the body read with ``readinto`` into ``buffer`` (or where ``place`` says: :meth:`RemoteObject.get_into`),
+    each filled part handed to ``sink(offset, view)``.
+    Answers about the object are its errors (412: changed; 404: removed; 416 or a body of another length: cut
+    short); an answer a plain GET cannot take (any other status, a redirect, an encoded body) is :class:`_NotPlain`
+    before a byte is delivered."""
+    from urllib.parse import urlsplit
+
+    url, headers, context = address
+    parts = urlsplit(url)
+    key, connection = _CONNECTIONS.take(parts.scheme, parts.netloc, context)
+    kept = False
+    try:
+        target = parts.path + ("?" + parts.query if parts.query else "")
+        connection.request("GET", target or "/", headers={**headers, "Range": f"bytes={start}-{end - 1}",
+                                                           "Accept-Encoding": "identity"})
+        r = connection.getresponse()
+        if r.status == 404:
+            raise FileNotFoundError(url)
+        if r.status in (412, 416):
+            raise _StatusError(r.status, r.reason)
+        if r.status not in (200, 206) or r.getheader("Content-Encoding", "identity") != "identity":
+            raise _NotPlain(f"HTTP {r.status} {r.getheader('Content-Encoding', '')}")
+        _same_object(obj, r.getheader("ETag"), start)
+        if r.length is not None and r.length > end - start:
+            raise FormatError(f"{obj.url}: expected {end - start} bytes at offset {start}, got more (the store "
+                              "ignored the range?); nothing read is used")
+        view, at = memoryview(buffer), start
+        while at < end:
+            want = min(len(view), end - at)
+            target = place(at, want) if place is not None else None
+            into = view[:want] if target is None else memoryview(target).cast("B")
+            n = r.readinto(into)
+            if not n:
+                if r.length:  # the connection ended before the body did: not the object's doing
+                    raise _http_client.IncompleteRead(b"", r.length)
+                break
+            if target is None:
+                sink(at, into[:n])
+            else:
+                sink(at, into[:n], placed=True)
+            at += n
+        obj._checked(start, end, _Length(at - start))
+        kept = not r.will_close and r.isclosed()  # the whole body read: the connection serves the next GET
+    except Exception as e:
+        if isinstance(e, (_StatusError, FileNotFoundError)):
+            raise obj._failure(e, start, end) from None
+        raise
+    finally:
+        if kept:
+            _CONNECTIONS.give(key, connection)
+        else:
+            connection.close()
+
+
+class _StatusError(OSError):
+    """A direct GET's answer about the object (its HTTP ``status``: 412, 416), for :meth:`RemoteObject._failure`."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(f"HTTP {status} {reason}")
+        self.status = status
 
 
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
@@ -542,6 +763,12 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
         _deliver(obj, lo, hi, obj.get(lo, hi), deliver, done, key, left, done_lock)
 
     total = sum(p[2] - p[1] for p in pieces)
+    if parts and pieces and _all_direct(pieces):
+        # Plain GETs with no event loop (http(s)://, signed s3://): each of `threads` threads sends its pieces' GETs
+        # and reads their bodies into a buffer of its own, handing each part to its destination (one receive and
+        # one copy a byte, spread over the threads; the event loop's one thread did both for every byte before).
+        _stream_threads(pieces, threads, left, done_lock)
+        return total
     loops = {id(p[0].fs.loop) if p[0].is_async else None for p in pieces}
     if pieces and len(loops) == 1 and None not in loops:
         # Async filesystems (s3fs, HTTP): the requests run as coroutines on the filesystem's event loop, at most
@@ -566,6 +793,67 @@ def stream(jobs: Iterable[tuple], *, chunk: int | None = None, threads: int | No
             wait(futures)
             raise failed[0].exception()
     return total
+
+
+def _all_direct(pieces: list) -> bool:
+    """Whether every object of ``pieces`` may be read by direct GETs (:meth:`RemoteObject.direct`)."""
+    objects = {id(p[0]): p[0] for p in pieces}
+    try:
+        return all(getattr(obj, "is_async", False) and obj.direct() is not None for obj in objects.values())
+    except Exception:  # the URL could not be signed: the event loop's client says why, naming the object
+        return False
+
+
+class _Halted(Exception):
+    """Another thread of :func:`_stream_threads` failed: this one stops at its next part."""
+
+
+def _stream_threads(pieces: list, threads: int, left: dict, done_lock) -> None:
+    """Fetch ``pieces`` with :meth:`RemoteObject.get_into` on ``threads`` threads, in order, each thread reading
+    its bodies into one buffer of ``_PART`` bytes that it keeps (so at most ``threads x _PART`` bytes are held
+    between the sockets and the destinations). The first error stops every thread at its next part and is
+    raised."""
+    lock = threading.Lock()
+    order = iter(pieces)
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        buffer = bytearray(_PART)
+        try:
+            while not failed:
+                with lock:
+                    piece = next(order, None)
+                if piece is None:
+                    return
+                obj, lo, hi, deliver, done, key = piece
+
+                def sink(at: int, part, obj=obj, deliver=deliver, key=key, placed: bool = False) -> None:
+                    if failed:
+                        raise _Halted()
+                    _deliver(obj, at, at + len(part), part, deliver.placed if placed else deliver, None, key, left,
+                             done_lock, request=False)
+
+                obj.get_into(lo, hi, sink, buffer, getattr(deliver, "place", None))
+                with obj._lock:
+                    obj.stats.requests += 1
+                if done is not None:
+                    _finish(done, key, left, done_lock)
+        except BaseException as e:
+            with lock:
+                if not isinstance(e, _Halted):
+                    failed.append(e)
+                elif not failed:
+                    failed.append(e)
+
+    count = min(threads, len(pieces))
+    if count == 1:
+        work()
+    else:
+        with ThreadPoolExecutor(count, thread_name_prefix="fastckpt-get") as pool:
+            for _ in range(count):
+                pool.submit(work)
+    if failed:
+        raise failed[0]
 
 
 def _deliver(obj, lo: int, hi: int, data, deliver, done, key, left: dict, done_lock, request: bool = True) -> None:
@@ -713,6 +1001,13 @@ class Checksums:
         def checked(offset: int, data) -> None:
             self.feed(offset, data)
             deliver(offset, data)
+
+        if hasattr(deliver, "place"):  # bytes read straight into place are checked there
+            def placed(offset: int, data) -> None:
+                self.feed(offset, data)
+                deliver.placed(offset, data)
+
+            checked.place, checked.placed = deliver.place, placed  # type: ignore[attr-defined]
         return checked
 
     def feed(self, offset: int, data) -> None:

@@ -313,7 +313,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from fastckpt._native.idindex import slice_order as counting_slice_order
+from fastckpt._native.idindex import slice_order as radix_slice_order
 from fastckpt._native.idindex import slice_run_check
 from fastckpt.arrays import TakenRows
 from fastckpt.errors import ChecksumMismatchError, FormatError
@@ -469,18 +469,24 @@ def group_bounds(groups: int, size: int) -> list[int]:
     return [g * size // groups for g in range(groups + 1)]
 
 
-def slice_order(ids: np.ndarray, size: int) -> tuple[np.ndarray | None, np.ndarray]:
-    """``(order, below)``: the stable order of a table part's rows by slice position (what a version-4 save writes),
-    None where the rows are in that order already (a table loaded from a version-4 part, say), and ``below[p]``,
-    how many of its ids lie at positions below ``p`` (``size + 1`` counts: the rows of group bound ``b`` start at
-    ``below[b]``). One counting sort in C, without the GIL (:func:`fastckpt._native.idindex.slice_order`).
+def slice_order(ids: np.ndarray, size: int) -> tuple[np.ndarray | None, list[int]]:
+    """``(order, rows)``: the stable order of a table part's rows by slice position (what a version-4 save writes),
+    None where the rows are in that order already (a table loaded from a version-4 part, say), and the part's slice
+    group row offsets (``slices.rows`` of its id description): ``rows[g]`` ids lie at positions below group ``g``'s
+    first (:func:`slice_groups` groups of the part's rows, :func:`group_bounds`). One radix sort in C, without the
+    GIL, and nothing in proportion to ``size`` (:func:`fastckpt._native.idindex.slice_order`).
 
-    >>> order, below = slice_order(np.array([65537, 3, 1, 65536]), 65536); order.tolist(), below[:5].tolist()
-    ([3, 0, 2, 1], [0, 1, 3, 3, 4])
+    >>> order, rows = slice_order(np.array([65537, 3, 1, 65536]), 65536); order.tolist(), rows
+    ([3, 0, 2, 1], [0, 4])
     >>> slice_order(np.array([65536, 1, 65539]), 65536)[0] is None
     True
+    >>> slice_order(np.arange(700) * 97, 1000)[1]
+    [0, 233, 467, 700]
     """
-    return counting_slice_order(np.ascontiguousarray(ids, np.int64), size)
+    ids = np.ascontiguousarray(ids, np.int64)
+    bounds = np.array(group_bounds(slice_groups(len(ids)), size), np.int64)
+    order, rows = radix_slice_order(ids, size, bounds)
+    return order, rows.tolist()
 
 
 def group_span(rows: list[int], size: int, begin: int, end: int) -> tuple[int, int]:

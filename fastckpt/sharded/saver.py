@@ -83,10 +83,8 @@ from fastckpt.sharded.format import (
     WriteBlock,
     commit_directory,
     dumps,
-    group_bounds,
     part_key,
     rows_of,
-    slice_groups,
     slice_order,
     tensor_file_name,
     version_for,
@@ -326,9 +324,8 @@ class Saver:
             slices = None
             if not encoded:
                 size = self._slice_sizes[table_name]
-                order, below = slice_order(ids if rows is None else ids[rows], size)
-                bounds = group_bounds(slice_groups(int(below[-1])), size)
-                slices = {"groups": len(bounds) - 1, "rows": [int(below[b]) for b in bounds]}
+                order, offsets = slice_order(ids if rows is None else ids[rows], size)
+                slices = {"groups": len(offsets) - 1, "rows": offsets}
                 if order is not None:
                     rows = order if rows is None else rows[order]
             roles = [(role, tensor, array, slot, rows) for role, tensor, array, slot in roles]
