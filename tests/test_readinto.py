@@ -385,6 +385,103 @@ def _has_direct(directory) -> bool:
     return fd is not None
 
 
+def test_a_cold_staged_load_leases_the_buffers_of_its_direct_fill_threads(tmp_path, device, pool, cold, monkeypatch):
+    """A cold load's fills are O_DIRECT reads on DIRECT_THREADS threads however few the cores: its staging buffers
+    are those that many threads fill at once (staging_shape's rule for that many cores). With the buffers of the 2
+    cores' shape, 3-4 reads were in the disk's queue and the fills waited for the copies (docs/reading.md)."""
+    from fastckpt.device import staging
+    from fastckpt.formats.readinto import DIRECT_THREADS
+
+    if not _has_direct(tmp_path):
+        pytest.skip("the file system has no O_DIRECT reads")
+    monkeypatch.setattr(staging, "_cpus", lambda: 2)  # a 2-core host, whatever this one has
+    tensors = {"large": np.arange(64 << 20, dtype=np.uint8) * 3}
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, tensors)
+    loaded = fastckpt.load_file(path, device.queue, pool=pool, staging=True)
+    _exact(loaded, tensors)
+    chunk, total = loaded.report.staging_chunk, 64 << 20
+    want = staging.staging_shape(total, chunk, cpus=DIRECT_THREADS).buffers
+    assert want > staging.staging_shape(total, chunk, cpus=2).buffers  # the test tells the two shapes apart
+    assert loaded.report.staging_buffers == want and loaded.report.fill_threads == DIRECT_THREADS
+    assert pool.stats.staging_allocations == want  # leased once, at that count
+
+
+def test_a_warm_staged_load_keeps_the_shape_of_its_cores(tmp_path, device, pool, monkeypatch):
+    from fastckpt.device import load, staging
+
+    monkeypatch.setattr(staging, "_cpus", lambda: 2)
+    monkeypatch.setattr(load, "cached", lambda *a, **k: True)  # every region in the page cache: no O_DIRECT
+    tensors = {"large": np.arange(64 << 20, dtype=np.uint8) * 5}
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, tensors)
+    loaded = fastckpt.load_file(path, device.queue, pool=pool, staging=True)
+    _exact(loaded, tensors)
+    shape = staging.staging_shape(64 << 20, loaded.report.staging_chunk, cpus=2)
+    assert (loaded.report.staging_buffers, loaded.report.fill_threads) == (shape.buffers, shape.threads)
+
+
+def test_a_staged_load_leases_its_buffers_before_the_arenas_prefault_begins(tmp_path, unified_device, pool, cold,
+                                                                              monkeypatch):
+    """Each step of a new arena's prefault holds the process's memory map while it zeroes 8 MiB; the staging
+    lease's allocations and advice waited behind it (6-23 ms for 6 buffers, docs/reading.md)."""
+    from fastckpt.device import load, staging
+
+    events = []
+    real_lease, real_begin = staging.lease_staging, load._Prefault.begin
+    monkeypatch.setattr(staging, "lease_staging", lambda *a: events.append("lease") or real_lease(*a))
+    monkeypatch.setattr(load._Prefault, "begin", lambda self: events.append("prefault") or real_begin(self))
+    tensors = {"large": np.arange(24 << 20, dtype=np.uint8) * 11}
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, tensors)
+    loaded = fastckpt.load_file(path, unified_device.queue, pool=pool, staging=True)
+    _exact(loaded, tensors)
+    assert events[:2] == ["lease", "prefault"], events
+
+
+def _vm_flags(address: int) -> list:
+    """The ``VmFlags`` of the mapping holding ``address`` in this process (``hg``: advised MADV_HUGEPAGE)."""
+    flags, inside = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    return flags
+
+
+@pytest.mark.parametrize("advised", [True, False])
+def test_new_staging_buffers_on_a_device_sharing_host_memory_are_advised_huge_pages(unified_device, pool,
+                                                                                     monkeypatch, advised):
+    """An O_DIRECT read into 4 KiB pages goes to the disk in requests of at most max_segments scattered pages; into
+    2 MiB pages in requests of max_sectors_kb (a cold 512 MiB staged load: 1,000 requests of 540 KiB against 200 of
+    2.6 MiB, docs/reading.md). STAGING_HUGE_PAGES = False leaves the runtime's pages."""
+    from fastckpt.device import staging
+    from fastckpt.device.hugepages import huge_pages_available
+
+    if not os.path.exists("/proc/self/smaps") or not huge_pages_available():
+        pytest.skip("no transparent huge pages to ask for here")
+    monkeypatch.setattr(staging, "STAGING_HUGE_PAGES", advised)
+    asked = []
+    real = staging.advise_huge_pages
+    monkeypatch.setattr(staging, "advise_huge_pages",
+                        lambda queue, buffer, n: asked.append(n) or real(queue, buffer, n))
+    stage = staging.lease_staging(unified_device.queue, pool, 8 << 20, 2)
+    try:
+        assert asked == ([8 << 20] * 2 if advised else [])
+        for host in stage.hosts:
+            middle = host.ctypes.data + (4 << 20)  # inside the advised range, whatever the buffer's alignment
+            # (unadvised memory may still lie in a mapping advised before: the runtime's malloc reuses memory)
+            assert "hg" in _vm_flags(middle) or not advised
+            host[:] = 7  # still the buffer's memory, written as a fill writes it
+            assert int(host[::4096].sum()) == 7 * len(host[::4096])
+    finally:
+        stage.release()
+
+
 def test_a_cold_staged_load_cuts_its_batches_and_fill_parts_on_file_blocks(tmp_path, device, pool, cold,
                                                                            monkeypatch):
     """Every batch and fill part of a cold staged load starts and ends on a block of the file, so that only the

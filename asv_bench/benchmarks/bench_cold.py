@@ -42,6 +42,9 @@ class _ColdFile:
         # commit that has no cold suite.
         fd = os.open(path, os.O_RDONLY)
         try:
+            # Written back first: DONTNEED drops clean pages only, and setup_cache writes without fsync, so a first
+            # sample could find the file still in the page cache (a warm load, and counters of the warm route).
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -88,6 +91,29 @@ class ColdPooledLoad(_ColdFile):
         return self._load(path).report.reads
 
     track_read_calls.unit = "calls"
+
+
+class ColdStagedLoad(ColdPooledLoad):
+    """The same load with ``staging=True``, the discrete-GPU route (pinned staging buffers, ``O_DIRECT`` fills on
+    ``DIRECT_THREADS`` threads): timed and counted as that load is (the methods it inherits), and how deep its
+    staging is."""
+
+    def _load(self, path):
+        from fastckpt.load import load_file
+
+        return load_file(path, self.queue, pool=self.pool, staging=True)
+
+    def track_staging_buffers(self, path):
+        # A cold load leases the buffers its 8 direct fill threads fill at once (12 x 2 MiB for 64 MiB), where 0.7
+        # leased the cores' shape (6 x 2 MiB on 2 cores): fewer buffers keep fewer reads in the disk's queue.
+        return self._load(path).report.staging_buffers
+
+    track_staging_buffers.unit = "buffers"
+
+    def track_fill_threads(self, path):
+        return self._load(path).report.fill_threads
+
+    track_fill_threads.unit = "threads"
 
 
 class ColdHostCopies(_ColdFile):

@@ -27,6 +27,12 @@ Rows (``ROWS``):
   (buffered); ``O_DIRECT`` ``preadv`` into page-aligned memory from 1, 4 and 16
   threads. The fastest is the bound (this machine's disk is a virtual one
   that its host caches, so a buffered read can beat a direct one);
+* a reference, not a bound: ``O_DIRECT`` ``preadv`` from 4 threads into memory
+  on 2 MiB pages. A direct read into scattered 4 KiB pages goes to the disk in
+  requests of at most ``max_segments`` pages (about 550 KiB here), one into 2
+  MiB pages in requests of ``max_sectors_kb`` (4 MiB): the loads that read
+  into huge pages (a pooled arena, the staging buffers on pocl) can pass the
+  bound, and this row shows how far the disk goes;
 * fastckpt, host: ``fastckpt.open`` + a copy of every tensor, the same with
   ``backend="pread"`` (whose ``host()`` arrays are copies already),
   ``load_tree`` (private writable arrays), ``fastckpt.open`` of the HF directory
@@ -69,7 +75,7 @@ from fastckpt.bench.timing import format_duration, table_lines
 
 __all__ = ["configure", "run", "measure_one", "ROWS", "drop_cache", "prepare", "table"]
 
-# row -> (kind: "bound" | "fastckpt" | "peer", what it reads: "file" | "dir" | "netcl", does it need a device)
+# row -> (kind: "bound" | "reference" | "fastckpt" | "peer", what it reads: "file" | "dir" | "netcl", needs a device)
 ROWS = {
     "bound: buffered readinto, 64 MiB": ("bound", "file", False),
     "bound: buffered preadv, 2 threads": ("bound", "file", False),
@@ -77,6 +83,7 @@ ROWS = {
     "bound: O_DIRECT preadv, 1 thread": ("bound", "file", False),
     "bound: O_DIRECT preadv, 4 threads": ("bound", "file", False),
     "bound: O_DIRECT preadv, 16 threads": ("bound", "file", False),
+    "reference: O_DIRECT preadv, 4 threads, into 2 MiB pages": ("reference", "file", False),
     "fastckpt.open + copies": ("fastckpt", "file", False),
     "fastckpt.open(backend='pread') + host()": ("fastckpt", "file", False),
     "fastckpt.load_tree": ("fastckpt", "file", False),
@@ -95,6 +102,7 @@ QUICK_SKIP = ("bound: O_DIRECT preadv, 16 threads", "bound: buffered preadv, 2 t
               "load_file(pool) on pocl, 4 KiB pages")
 _MiB = 1 << 20
 PIECE = 16 * _MiB  # the bounds' parallel reads: one piece per preadv
+_HUGE = 2 * _MiB
 
 
 def drop_cache(paths) -> None:
@@ -181,11 +189,21 @@ def _bound_buffered(path: str, size: int):
     return out
 
 
-def _bound_preadv(path: str, size: int, threads: int, direct: bool):
-    # O_DIRECT needs page-aligned memory and whole pages: an anonymous mapping rounded up to a page.
+def _bound_preadv(path: str, size: int, threads: int, direct: bool, huge: bool = False):
+    # O_DIRECT needs page-aligned memory and whole pages: an anonymous mapping rounded up to a page; ``huge``: one
+    # starting on 2 MiB, advised MADV_HUGEPAGE (the disk then gets requests of max_sectors_kb, not of as many
+    # scattered 4 KiB pages as a request holds segments).
     padded = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-    block = mmap.mmap(-1, max(padded, mmap.PAGESIZE)) if direct else None
+    length = max(padded, mmap.PAGESIZE)
+    # (private for huge pages: mmap's default anonymous mapping is shared, shmem, whose huge pages are a separate
+    # setting, off on many machines)
+    block = None if not direct else mmap.mmap(-1, length + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) \
+        if huge else mmap.mmap(-1, length)
     out = np.frombuffer(block, np.uint8) if direct else np.empty(size, np.uint8)
+    if huge:
+        skip = -out.ctypes.data % _HUGE
+        block.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
+        out = out[skip:skip + length]
     view = memoryview(out)
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     pieces = list(range(0, size, PIECE))
@@ -237,10 +255,10 @@ def _setup(row: str, fixture: dict):
     whole = lambda result: {"<file>": crc32c.crc32c(result)}  # noqa: E731
     if row.startswith("bound: buffered readinto"):
         return (lambda: _bound_buffered(file, size)), whole
-    if row.startswith("bound:"):
+    if row.startswith(("bound:", "reference:")):
         threads = int(row.split(", ")[1].split()[0])
         direct = "O_DIRECT" in row
-        return (lambda: _bound_preadv(file, size, threads, direct)), whole
+        return (lambda: _bound_preadv(file, size, threads, direct, huge="2 MiB pages" in row)), whole
     if row in ("fastckpt.open + copies", "fastckpt.open(HF directory) + copies"):
         import fastckpt
 
@@ -356,7 +374,8 @@ def measure_one(row: str, fixture: dict) -> dict:
         return {"skipped": f"{type(e).__name__}: {e}"}
     reads = ROWS[row][1]
     drop_cache([fixture[reads]])
-    io, faults = _io(), _faults()
+    device = _device_stat_path(fixture[reads])
+    io, faults, disk = _io(), _faults(), _disk_reads(device)
     cpu = os.times()
     start = time.perf_counter()
     result = load()
@@ -365,19 +384,45 @@ def measure_one(row: str, fixture: dict) -> dict:
         wait()
     seconds = time.perf_counter() - start
     cpu_after = os.times()
-    io_after, faults_after = _io(), _faults()
+    io_after, faults_after, disk_after = _io(), _faults(), _disk_reads(device)
     cpu_seconds = (cpu_after.user - cpu.user) + (cpu_after.system - cpu.system)
     got = check(result)
     if reads == "netcl":
         expected = fixture["netcl_crc"]
-    elif ROWS[row][0] == "bound":
+    elif ROWS[row][0] in ("bound", "reference"):
         expected = {"<file>": fixture["file_crc"]}
     else:
         expected = fixture["crc"]
     return {"seconds": seconds, "cpu": cpu_seconds, "exact": got == expected, "peak_rss": _peak_rss(),
             "read_calls": io_after.get("syscr", 0) - io.get("syscr", 0),
             "disk_bytes": io_after.get("read_bytes", 0) - io.get("read_bytes", 0),
-            "faults": faults_after - faults}
+            "faults": faults_after - faults,
+            "disk_requests": disk_after - disk if disk is not None and disk_after is not None else None}
+
+
+def _device_stat_path(path: str) -> str | None:
+    """``/sys/dev/block/MAJOR:MINOR/stat`` of the block device holding ``path`` (a disk or a partition); None where
+    there is none (tmpfs, overlay)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    stat = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+    return stat if os.path.exists(stat) else None
+
+
+def _disk_reads(stat: str | None) -> int | None:
+    """Read requests the block device has completed (the first field of its ``stat``): the whole machine's, not
+    this process's alone, so a count taken while nothing else reads from that disk (the bench lock). Bytes read over
+    requests is the requests' size: an ``O_DIRECT`` read into scattered 4 KiB pages goes out in requests of at most
+    ``max_segments`` pages, one into 2 MiB pages in requests of ``max_sectors_kb``."""
+    if stat is None:
+        return None
+    try:
+        with open(stat) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _io() -> dict:
@@ -443,14 +488,15 @@ def table(samples: dict, fixture: dict) -> list[str]:
     """The markdown table of ``samples`` (``{row: [measurement dicts]}``): median time, GB/s, share of the fastest
     bound, the median CPU time of the process over the load (user + system, every thread), exact, peak RSS, and the
     medians of what the load cost that no load on the machine changes: read system calls, bytes read from the disk
-    (``/proc/self/io``) and page faults.
+    (``/proc/self/io``) and page faults; and the read requests the disk completed meanwhile (the device's count,
+    :func:`_disk_reads`: the read from disk over it is the requests' size).
 
     >>> fixture = {"file_size": 10**9, "nbytes": 10**9, "dir_nbytes": 10**9, "netcl_nbytes": 10**9}
     >>> print("\\n".join(table({"bound: buffered readinto, 64 MiB": [{"seconds": 1.0, "exact": True,
     ...                                                                "peak_rss": 2**30}]}, fixture)))
-    | path | median | GB/s | share of the bound | share of each round's bound | CPU | exact | peak RSS | read calls | read from disk | page faults |
-    |---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|
-    | bound: buffered readinto, 64 MiB | 1.000 s | 1.00 | 1.00 | 1.00 | 0.00 s | yes | 1024 MiB | 0 | 0 MiB | 0 |
+    | path | median | GB/s | share of the bound | share of each round's bound | CPU | exact | peak RSS | read calls | read from disk | page faults | disk requests |
+    |---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|
+    | bound: buffered readinto, 64 MiB | 1.000 s | 1.00 | 1.00 | 1.00 | 0.00 s | yes | 1024 MiB | 0 | 0 MiB | 0 | - |
     """
     nbytes = {"file": fixture["file_size"], "dir": fixture["dir_nbytes"], "netcl": fixture["netcl_nbytes"]}
     rates = {}
@@ -471,7 +517,7 @@ def table(samples: dict, fixture: dict) -> list[str]:
     for row, runs in samples.items():
         if row not in rates:
             why = next((r.get("skipped") or r.get("failed") for r in runs), "")
-            rows.append([row, "-", "-", "-", "-", "-", f"left out: {why}"[:120], "-", "-", "-", "-"])
+            rows.append([row, "-", "-", "-", "-", "-", f"left out: {why}"[:120], "-", "-", "-", "-", "-"])
             continue
         timed = [r for r in runs if "seconds" in r]
         median = statistics.median(r["seconds"] for r in timed)
@@ -480,12 +526,15 @@ def table(samples: dict, fixture: dict) -> list[str]:
         rss = max(r["peak_rss"] for r in timed)
         cpu = statistics.median(r.get("cpu", 0.0) for r in timed)
         counts = [statistics.median(r.get(k, 0) for r in timed) for k in ("read_calls", "disk_bytes", "faults")]
+        requests = [r["disk_requests"] for r in timed if r.get("disk_requests") is not None]
         rounds = ", ".join(f"{nbytes[ROWS[_base(row)][1]] / r['seconds'] / 1e9 / per_round[k]:.2f}"
                            for k, r in enumerate(runs) if "seconds" in r and per_round.get(k))
         rows.append([row, format_duration(median), f"{rates[row]:.2f}", share, rounds or "-", f"{cpu:.2f} s", exact,
-                     f"{rss / _MiB:.0f} MiB", f"{counts[0]:.0f}", f"{counts[1] / _MiB:.0f} MiB", f"{counts[2]:.0f}"])
+                     f"{rss / _MiB:.0f} MiB", f"{counts[0]:.0f}", f"{counts[1] / _MiB:.0f} MiB", f"{counts[2]:.0f}",
+                     f"{statistics.median(requests):.0f}" if requests else "-"])
     return table_lines(["path", "median", "GB/s", "share of the bound", "share of each round's bound", "CPU", "exact",
-                        "peak RSS", "read calls", "read from disk", "page faults"], rows, "lrrrrrlrrrr")
+                        "peak RSS", "read calls", "read from disk", "page faults", "disk requests"], rows,
+                       "lrrrrrlrrrrr")
 
 
 class _Busy:

@@ -58,6 +58,13 @@ piece is placed where its address agrees with its file offset modulo
 region's unaligned ends go through the page cache), and the fills run on
 ``DIRECT_THREADS`` threads whatever the cores, since a direct read waits on the
 disk without using a core: the disk's queue is as deep as an unstaged load's.
+Such a load leases the buffers that many threads fill at once
+(:func:`staging_shape` for ``DIRECT_THREADS`` cores; :meth:`Stager.finish`
+leases them once it knows), and new staging buffers on a device that shares
+host memory are advised huge pages (:func:`lease_staging`), so that each
+direct read reaches the disk as a few large requests: 0.7.0's 3 buffers on 4
+KiB pages kept 3-4 reads of 540 KiB requests in flight (docs/reading.md, "The
+cold staged load").
 
 The bytes are the same as an unstaged copy's; only the route differs.
 
@@ -79,13 +86,15 @@ import numpy as np
 
 from fastckpt._native.mapped import held_guards
 from fastckpt.device.context import shares_host_memory
+from fastckpt.device.hugepages import HUGE_MIN, advise_huge_pages
 from fastckpt.device.pool import StagingBuffers
 from fastckpt.threads import kept_pool
 from fastckpt.formats.readinto import DIRECT_ALIGN, DIRECT_THREADS, open_direct, read_into, same_file
 
 __all__ = ["Stager", "Shape", "batch_chunk", "batch_sizes", "staging_chunk", "staging_shape", "lease_staging",
            "send_pinned", "STAGING_CHUNK",
-           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN", "SPARE_BUFFERS"]
+           "STAGING_ROUND", "MIN_BATCHES", "FILL_SPLIT", "MAX_FILL_THREADS", "READ", "RAMP", "RAMP_MIN",
+           "SPARE_BUFFERS", "STAGING_HUGE_PAGES"]
 
 # The size of one pinned staging buffer. A load smaller than one chunk gets buffers of its own size, rounded up to
 # STAGING_ROUND bytes (pinning costs per byte).
@@ -127,6 +136,9 @@ PART_OF_CHUNK = 4
 # thread, 27 on 4, 40 on 8, 52 on 12 (gpu-notes). With the copies running beside them, more threads did not help: on an
 # H200 with 16 MiB chunks, 8 fill threads ran at 0.94-1.19x the rate of 16 (tools/gpu-sweep.py, docs/reading.md).
 MAX_FILL_THREADS = 8
+# New staging buffers on a device that shares host memory are advised to use huge pages (lease_staging); False leaves
+# them on the runtime's 4 KiB pages (to measure both ways: docs/reading.md).
+STAGING_HUGE_PAGES = True
 # How the bytes of a mapped file reach the staging buffers: "auto" (read from the file where the load made the
 # mapping, Stager.fresh; copied out of a mapping that was open before, a pool's kept file or a caller's), "preadv"
 # (always read) or "mmap" (always copied). See the module docstring for the measurements.
@@ -258,10 +270,22 @@ def _wait_events(events) -> None:
 
 def lease_staging(queue, pool, chunk: int, count: int) -> StagingBuffers:
     """``count`` pinned staging buffers of ``chunk`` bytes: leased from ``pool`` (kept there for the next load), or
-    made for this load where there is no pool. Returned with :meth:`~fastckpt.device.pool.StagingBuffers.release`."""
+    made for this load where there is no pool. Returned with :meth:`~fastckpt.device.pool.StagingBuffers.release`.
+
+    New buffers on a device that shares host memory (pocl) are advised to use huge pages before anything touches
+    them (:func:`~fastckpt.device.hugepages.advise_huge_pages`, unless ``STAGING_HUGE_PAGES`` is False): an
+    ``O_DIRECT`` read into 4 KiB pages is cut into requests of at most the disk's segment count of pages (254 x 4
+    KiB here), into 2 MiB pages into requests of ``max_sectors_kb`` (docs/reading.md: a cold 512 MiB staged load
+    made 1,000 disk requests of 540 KiB on 4 KiB pages, 200 of 2.6 MiB with the advice). A discrete GPU's pinned
+    memory is its driver's, present once allocated: it is left as it is."""
     if pool is not None:
-        return pool.staging(queue, chunk, count)
-    return StagingBuffers.allocate(queue, chunk, count)
+        stage = pool.staging(queue, chunk, count)
+    else:
+        stage = StagingBuffers.allocate(queue, chunk, count)
+    if not stage.hit and STAGING_HUGE_PAGES and chunk >= HUGE_MIN and shares_host_memory(queue.device):
+        for buffer in stage.buffers:
+            advise_huge_pages(queue, buffer, chunk)
+    return stage
 
 
 def send_pinned(queue, buffer, host, at: int):
@@ -407,7 +431,8 @@ class _Pipeline:
 class Stager:
     """The staged copies of one load (see the module docstring).
 
-    ``add`` only records what goes where; ``finish`` fills and sends everything; ``close`` returns the staging
+    ``add`` only records what goes where; ``finish`` leases the staging buffers (more for a cold load, whose fills
+    read with ``O_DIRECT`` on ``DIRECT_THREADS`` threads), fills and sends everything; ``close`` returns the staging
     buffers (with the events of copies that may still read them) to the pool, or drops buffers made for this load.
     ``reported(event, nbytes, name)`` is called, on the caller's thread and in order, for each tensor named in
     ``add``'s ``marks``, with the event of the copy that carries its last byte.
@@ -421,7 +446,7 @@ class Stager:
         self.queue = queue
         self.pool = pool
         self.shape = shape
-        self.stage = lease_staging(queue, pool, shape.chunk, shape.buffers)
+        self.stage = None  # leased by finish(), once the shape is known (a cold load's is deeper)
         self.events = events  # the load's list: every copy is recorded there at once
         self.blocking = blocking
         self.reported = reported
@@ -558,18 +583,34 @@ class Stager:
             tasks.append(task)
         return tasks
 
+    def lease(self) -> int:
+        """Lease the staging buffers (once; :meth:`finish` does where the caller did not), of the shape for the
+        pieces added: returns how many of their bytes the fills read with ``O_DIRECT``."""
+        direct = sum(len(p[0]) for p in self.pieces if p[3] is not None and p[3][3] is not None)
+        if self.stage is not None:
+            return direct
+        # A fill that reads with O_DIRECT waits on the disk and uses next to no CPU: as many fill threads as the
+        # direct reads' queue depth (DIRECT_THREADS), however few the cores, keep the disk as busy as a pooled
+        # load's reads into its arena (docs/reading.md: 2 fill threads read a cold file at about half its rate),
+        # with the buffers that many threads fill at once (staging_shape's rule, as on a host of that many cores):
+        # with the buffers of 2 threads, 3-4 reads were in the disk's queue and the fills waited for the copies.
+        self.threads = self.shape.threads
+        if 2 * direct > self.stream:
+            cold = staging_shape(self.stream, self.shape.chunk, cpus=DIRECT_THREADS,
+                                 max_bytes=getattr(self.pool, "max_staging_bytes", None))
+            self.shape = self.shape._replace(buffers=max(self.shape.buffers, cold.buffers))
+            self.threads = max(self.shape.threads, DIRECT_THREADS)
+        self.stage = lease_staging(self.queue, self.pool, self.shape.chunk, self.shape.buffers)
+        return direct
+
     def finish(self) -> None:
         """Fill and send every batch (see the module docstring); a non-blocking load's staged tensors and regions
         then get one event covering all their copies (a marker: it completes when every command queued before it
         has)."""
-        direct = sum(len(p[0]) for p in self.pieces if p[3] is not None and p[3][3] is not None)
+        self.lease()
         batches = self._batches()
         stage = self.stage
         pool = None
-        # A fill that reads with O_DIRECT waits on the disk and uses next to no CPU: as many fill threads as the
-        # direct reads' queue depth (DIRECT_THREADS), however few the cores, keep the disk as busy as a pooled
-        # load's reads into its arena (docs/reading.md: 2 fill threads read a cold file at about half its rate).
-        self.threads = max(self.shape.threads, DIRECT_THREADS) if 2 * direct > self.stream else self.shape.threads
         if self.threads > 1 and self.stream >= 2 * FILL_SPLIT:
             pool = _fillers(self.threads)
             scope = held_guards()  # the fill threads copy out of the mappings under the caller's guards
