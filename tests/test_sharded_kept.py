@@ -53,6 +53,28 @@ def test_small_arrays_are_numpy_s_and_the_total_kept_is_bounded():
     assert kept_limit() == before
 
 
+def test_a_freed_buffer_that_does_not_fit_makes_room_by_unmapping_the_buffers_kept_longest():
+    """A process whose loads change shape (a reshard after a same-shape load) keeps the sizes it uses now."""
+    before = kept_limit(6 << 20)
+    try:
+        a, b = kept.empty(2 << 20, np.uint8), kept.empty(2 << 20, np.uint8)
+        c = kept.empty(4 << 20, np.uint8)
+        c_address = c.ctypes.data
+        del a
+        del b
+        assert kept.kept_bytes() == 4 << 20
+        del c  # 8 MiB would be kept: the first 2 MiB buffer (kept longest) goes
+        assert kept.kept_bytes() == 6 << 20
+        again = kept.empty(4 << 20, np.uint8)
+        assert again.ctypes.data == c_address and kept.kept_bytes() == 2 << 20
+        del again
+        too_large = kept.empty(8 << 20, np.uint8)
+        del too_large  # larger than the limit: unmapped, the others stay
+        assert kept.kept_bytes() == 6 << 20
+    finally:
+        kept_limit(before)
+
+
 def test_the_id_index_and_the_load_s_arrays_share_one_kept_list():
     """An index's freed buckets serve the next array of their size, and an array's memory the next index's buckets
     (zeroed again: the new index holds only its own ids)."""

@@ -1121,7 +1121,9 @@ cdef class MappedFile:
 # its size rounded up to a multiple of 2 MiB (so that loads of slightly other sizes reuse it). Freed, it is kept
 # for the next buffer of the same rounded size, up to fastckpt_kept_limit bytes in all (at most FASTCKPT_KEPT_SLOTS
 # buffers), its pages given back with MADV_FREE: the kernel takes them when it needs memory (they read as zeros
-# then, and fault again); beyond the limit it is unmapped. Below 2 MiB a buffer is malloc's (calloc's where it
+# then, and fault again). Where a freed buffer does not fit, the buffers kept longest are unmapped to make room (a
+# process whose loads change shape, a reshard after a same-shape load, keeps the sizes it uses now); one larger
+# than the limit is unmapped. Below 2 MiB a buffer is malloc's (calloc's where it
 # must be zero), which keeps small blocks itself. Every call holds the GIL, which is what guards the list (no lock
 # of its own, so a fork never finds one held): kept_alloc and kept_free are declared without nogil.
 cdef extern from *:
@@ -1130,10 +1132,12 @@ cdef extern from *:
     #include <string.h>
     #include <sys/mman.h>
     #define FASTCKPT_KEPT_HUGE ((size_t)2 << 20)
-    #define FASTCKPT_KEPT_SLOTS 64
+    #define FASTCKPT_KEPT_SLOTS 128
     static size_t fastckpt_kept_limit = (size_t)512 << 20;
     static void* fastckpt_kept_addr[FASTCKPT_KEPT_SLOTS];
     static size_t fastckpt_kept_size[FASTCKPT_KEPT_SLOTS];
+    static unsigned long long fastckpt_kept_age[FASTCKPT_KEPT_SLOTS];  /* when it was kept: larger is later */
+    static unsigned long long fastckpt_kept_clock = 0;
     static size_t fastckpt_kept_total = 0;
     static size_t fastckpt_kept_round(size_t nbytes) {
         return (nbytes + FASTCKPT_KEPT_HUGE - 1) & ~(FASTCKPT_KEPT_HUGE - 1);
@@ -1175,20 +1179,35 @@ cdef extern from *:
             return;
         }
         size_t size = fastckpt_kept_round(nbytes);
-        if (fastckpt_kept_total + size <= fastckpt_kept_limit) {
+        if (size > fastckpt_kept_limit) {
+            munmap(p, size);
+            return;
+        }
+        /* Room for it: the buffers kept longest go first (the sizes a process loads now are the likeliest again). */
+        for (;;) {
+            int free_slot = -1, oldest = -1;
             for (int i = 0; i < FASTCKPT_KEPT_SLOTS; i++) {
                 if (fastckpt_kept_addr[i] == NULL) {
-    #ifdef MADV_FREE
-                    madvise(p, size, MADV_FREE);
-    #endif
-                    fastckpt_kept_addr[i] = p;
-                    fastckpt_kept_size[i] = size;
-                    fastckpt_kept_total += size;
-                    return;
+                    if (free_slot < 0)
+                        free_slot = i;
+                } else if (oldest < 0 || fastckpt_kept_age[i] < fastckpt_kept_age[oldest]) {
+                    oldest = i;
                 }
             }
+            if (free_slot >= 0 && fastckpt_kept_total + size <= fastckpt_kept_limit) {
+    #ifdef MADV_FREE
+                madvise(p, size, MADV_FREE);
+    #endif
+                fastckpt_kept_addr[free_slot] = p;
+                fastckpt_kept_size[free_slot] = size;
+                fastckpt_kept_age[free_slot] = ++fastckpt_kept_clock;
+                fastckpt_kept_total += size;
+                return;
+            }
+            munmap(fastckpt_kept_addr[oldest], fastckpt_kept_size[oldest]);
+            fastckpt_kept_total -= fastckpt_kept_size[oldest];
+            fastckpt_kept_addr[oldest] = NULL;
         }
-        munmap(p, size);
     }
     static void fastckpt_kept_set_limit(size_t limit) {
         fastckpt_kept_limit = limit;
