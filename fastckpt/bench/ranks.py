@@ -134,7 +134,7 @@ def _count_maps() -> tuple[list[str], list[float]]:
 
     reader_module.open_file = counting
     reader_module.CheckpointReader.__init__ = timed(reader_module.CheckpointReader.__init__)
-    files = getattr(reader_module, "TensorFiles", None)  # 0.7.1 on: each file opened on first use
+    files = getattr(reader_module, "TensorFiles", None)  # 0.8.0 on: each file opened on first use
     if files is not None:
         files._open = timed(files._open)
     return mapped, opening

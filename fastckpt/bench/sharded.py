@@ -809,7 +809,7 @@ def report(results: dict, quick: bool = False) -> str:
                 "written to as many new files by as many threads, fsynced")
         load = ("### load: every rank's share (Loader, dense='rows', into new tables) vs. readinto of files of "
                 "the same bytes by as many threads; page cache warm. Both run in this process, so the raw read's "
-                "np.empty buffers come from whatever glibc kept of the process's earlier frees: since 0.7.1 the "
+                "np.empty buffers come from whatever glibc kept of the process's earlier frees: since 0.8.0 the "
                 "loads' arrays are mappings of their own (fastckpt.sharded.kept), glibc's arenas no longer hold "
                 "their freed memory, and the raw read here pays the faults it did not before. `python -m fastckpt "
                 "bench --suite ranks --steady` times each path alone in a process of its own")
