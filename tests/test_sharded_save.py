@@ -5,7 +5,6 @@ files' write-out to the disk starts while the save goes on (GatherWriter's write
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tracemalloc
 from pathlib import Path
