@@ -53,7 +53,7 @@ from fastckpt.store.names import parse_step
 from fastckpt.store.remote import is_url
 
 __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener", "unregister_opener",
-           "DIRECTORY_READERS", "guard", "held_guards", "mappings_of", "copies"]
+           "DIRECTORY_READERS", "guard", "guard_mappings", "held_guards", "mappings_of", "copies"]
 
 
 # The opener of URLs (``fastckpt.formats.remote.open``): that module reads through this one, so it sits above it
@@ -441,9 +441,22 @@ def guard(reader, what: str) -> contextlib.ExitStack:
     ...     pool.submit(scope.run, np.array, f.host("a")).result().tolist()
     [1.0, 1.0]
     """
+    return guard_mappings(mappings_of(reader), what)
+
+
+def guard_mappings(mappings, what: str) -> contextlib.ExitStack:
+    """:func:`guard` over the given :class:`~fastckpt._native.mapped.MappedFile` handles alone (each once, however
+    often it is given): a reader whose files open on first use guards those it reads, not every one.
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "m.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(2)})
+    >>> with fastckpt.open(p) as f, guard_mappings([f.mapped, f.mapped], "a copy"):
+    ...     np.array(f.host("a")).tolist()
+    [1.0, 1.0]
+    """
     stack = contextlib.ExitStack()
     with stack:
-        for mapped in mappings_of(reader):
+        for mapped in {id(m): m for m in mappings}.values():
             stack.enter_context(mapped.guard(what))
         return stack.pop_all()
 

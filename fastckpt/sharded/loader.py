@@ -55,7 +55,7 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, FormatError
 from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
-from fastckpt.formats.reader import held_guards
+from fastckpt.formats.reader import guard_mappings, held_guards
 from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
                                      slice_run)
@@ -365,8 +365,8 @@ class Loader:
             # naming it, never SIGBUS. Once they are open, a save replacing the directories no longer reaches
             # this load; the readers must still be of the commits the chain was resolved on.
             reads = self._files_read(readers, info)
-            for reader, name in reads:
-                stack.enter_context(reader.files[name].mapped.guard("its parts to load them"))
+            stack.enter_context(guard_mappings((reader.files[name].mapped for reader, name in reads),
+                                               "its parts to load them"))
             _check_one_commit(readers, chain)
             jobs = [(name, _stored_nbytes([head], name), self._load_dense, head, name, entry)
                     for name, entry in info.get("tensors", {}).items()]

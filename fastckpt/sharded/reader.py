@@ -47,7 +47,7 @@ import numpy as np
 from fastckpt.errors import CheckpointChangedError, ChecksumMismatchError, FormatError, TensorNotFoundError
 from fastckpt.formats.contract import MultiFileReader
 from fastckpt.formats.hashing import blake3_mapped
-from fastckpt.formats.reader import TensorFile, open_file
+from fastckpt.formats.reader import TensorFile, guard_mappings, open_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import progress_from
 from fastckpt.sharded.flights import Flights
@@ -552,13 +552,9 @@ class CheckpointReader(MultiFileReader):
             return self._joined(name, keys)
 
     def _guard(self, keys: list[str], what: str) -> contextlib.ExitStack:
-        """The files of stored keys ``keys`` opened, each mapping under ``MappedFile.guard(what)`` (the other
-        files are neither opened nor guarded)."""
-        stack = contextlib.ExitStack()
-        with stack:
-            for f in {id(f): f for f in (self.file_of(key) for key in keys)}.values():
-                stack.enter_context(f.mapped.guard(what))
-            return stack.pop_all()
+        """The files of stored keys ``keys`` opened, their mappings under :func:`~fastckpt.formats.reader.
+        guard_mappings` (the other files are neither opened nor guarded)."""
+        return guard_mappings((self.file_of(key).mapped for key in keys), what)
 
     def _joined(self, name: str, keys: list[str]) -> np.ndarray:
         if len(keys) == 1 and self.descriptions[keys[0]].get("global_shape") == self.descriptions[keys[0]]["shape"]:
