@@ -76,8 +76,9 @@ def _here() -> str:
 
 
 def _mpiexec() -> str | None:
-    found = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return found if os.path.exists(found) else shutil.which("mpiexec")
+    from fastckpt.sharded.engine import mpiexec
+
+    return mpiexec(search_path=True)
 
 
 def _save(path: Path, files: int, ranks: int, ids: int, dim: int, dense_mib: float) -> None:
@@ -201,17 +202,7 @@ def _steady(argv: list[str]) -> int:
 
 
 def _run_steady(folder: str, what: str, where: Path, ranks: int, dim: int, repeat: int) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(folder), env.get("PYTHONPATH")) if p)
-    start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    done = subprocess.run([sys.executable, "-c", start, os.path.abspath(__file__), "--steady", what, str(where),
-                           str(ranks), str(dim), str(repeat)], capture_output=True, text=True, env=env,
-                          timeout=TIMEOUT, cwd=os.path.abspath(folder))
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"steady {what} with {folder} failed (status {done.returncode}): "
-                           f"{(done.stdout + done.stderr).strip()[-2000:]}")
-    return json.loads(lines[-1])
+    return _run_module(folder, ["--steady", what, str(where), str(ranks), str(dim), str(repeat)], f"steady {what}")
 
 
 def measure_steady(ranks: int, ids: int, dim: int, dense_mib: float, repeat: int, versions: dict[str, str],
@@ -239,18 +230,21 @@ def measure_steady(ranks: int, ids: int, dim: int, dense_mib: float, repeat: int
 
 
 def _run_once(folder: str, mode: str, path: Path, ranks: int, dim: int) -> dict[str, Any]:
+    launch = [_mpiexec(), "-n", str(ranks)] if mode == "mpi" else []
+    return _run_module(folder, ["--worker", mode, str(path), str(ranks), str(dim)], f"{mode} load", launch)
+
+
+def _run_module(folder: str, args: list[str], what: str, launch: list[str] = ()) -> dict[str, Any]:
+    """This module run as a script with ``args`` (under ``launch``, e.g. ``mpiexec -n 4``) in a fresh process that
+    imports the fastckpt in ``folder``: the JSON object of the last such line it prints."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(folder), env.get("PYTHONPATH")) if p)
     start = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    command = [sys.executable, "-c", start, os.path.abspath(__file__), "--worker", mode, str(path), str(ranks),
-               str(dim)]
-    if mode == "mpi":
-        command = [_mpiexec(), "-n", str(ranks), *command]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT,
-                          cwd=os.path.abspath(folder))
+    done = subprocess.run([*launch, sys.executable, "-c", start, os.path.abspath(__file__), *args],
+                          capture_output=True, text=True, env=env, timeout=TIMEOUT, cwd=os.path.abspath(folder))
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{mode} load with {folder} failed (status {done.returncode}): "
+        raise RuntimeError(f"{what} with {folder} failed (status {done.returncode}): "
                            f"{(done.stdout + done.stderr).strip()[-2000:]}")
     return json.loads(lines[-1])
 
@@ -261,7 +255,7 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
             steady: bool = False, steady_ids: int = 1_000_000, steady_dense_mib: float = 64.0) -> dict[str, Any]:
     """Run the suite (see the module docs); ``mpi=None``: under MPI too where ``mpiexec`` and mpi4py are there."""
     if mpi is None:
-        mpi = _mpiexec() is not None and _has_mpi4py()
+        mpi = _mpiexec() is not None
     modes = ["threads"] + (["mpi"] if mpi else [])
     versions = {"after": _here(), **({"before": os.path.abspath(against)} if against else {})}
     root = Path(tempfile.mkdtemp(prefix="fastckpt-bench-ranks-", dir=directory))
@@ -294,12 +288,6 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
         shutil.rmtree(root, ignore_errors=True)
     return {"rows": rows, "versions": versions, "repeat": repeat, "ids": ids, "dim": dim, "dense_mib": dense_mib,
             "load": _load_average(), "steady": steady_rows, "steady_size": (steady_ids, steady_dense_mib, ranks)}
-
-
-def _has_mpi4py() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("mpi4py") is not None
 
 
 def _load_average() -> str:

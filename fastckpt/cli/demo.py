@@ -201,12 +201,10 @@ Saver(shard_index=rank, shard_num=world, parallel=2, path=sys.argv[1], hashtable
 
 
 def _mpiexec() -> str | None:
-    """``mpiexec`` next to this Python (the ``mpi`` extra installs MPICH's there) when mpi4py is importable."""
-    import sys
-    from importlib.util import find_spec
+    """The ``mpiexec`` next to this Python when mpi4py is importable (:func:`fastckpt.sharded.engine.mpiexec`)."""
+    from fastckpt.sharded.engine import mpiexec
 
-    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return path if find_spec("mpi4py") is not None and os.access(path, os.X_OK) else None
+    return mpiexec()
 
 
 def _sharded_demo(tmp: str, ids: int = 1_000_000) -> None:

@@ -62,10 +62,33 @@ __all__ = [
     "MPIEngine",
     "TorchDistributedEngine",
     "default_engine",
+    "mpiexec",
 ]
 
 #: Seconds that ``broadcast`` and ``gather`` wait for the other ranks unless told otherwise.
 DEFAULT_TIMEOUT = 600.0
+
+
+def mpiexec(search_path: bool = False) -> str | None:
+    """The ``mpiexec`` that starts the ranks of an :class:`MPIEngine` job: the one next to this Python (the ``mpi``
+    extra installs MPICH's there), or with ``search_path`` one on ``PATH``; None where there is none or mpi4py is
+    not importable.
+
+    >>> mpiexec() is None or os.path.basename(mpiexec()) == "mpiexec"
+    True
+    """
+    from importlib.util import find_spec
+
+    if find_spec("mpi4py") is None:
+        return None
+    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(path, os.X_OK):
+        return path
+    if search_path:
+        import shutil
+
+        return shutil.which("mpiexec")
+    return None
 
 
 def error_info(exc: BaseException) -> dict:
