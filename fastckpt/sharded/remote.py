@@ -498,7 +498,8 @@ def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
     """Fetch into ``local`` the bytes of the checkpoint at ``loader.checkpoint_path`` that ``loader``'s rank loads.
 
     The manifest and the metadata files whole, in one round (:func:`_first_round`); then the headers of the tensor
-    files holding a part this rank reads (fastckpt's layout: ``index.json`` names them; RecIS's: every file's), then
+    files holding a part this rank reads (fastckpt's layout: ``index.json`` names them; RecIS's: every file's,
+    which its reader maps and checks when it opens), then
     each dense part this rank takes and the hashtable id parts it needs (every one; under the slice rule, only
     those whose slice meets the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the
     embedding and slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
