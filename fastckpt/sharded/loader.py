@@ -57,8 +57,8 @@ from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
 from fastckpt.formats.reader import guard_mappings, held_guards
 from fastckpt.sharded.chain import resolve_chain
-from fastckpt.sharded.format import (SliceRowError, group_bounds, group_rows, group_span, owner_mod, rows_of, slice_of,
-                                     slice_owner, slice_run)
+from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
+                                     slice_run)
 from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.flights import Flights
 from fastckpt.sharded import kept
@@ -565,11 +565,9 @@ class Loader:
                          {slot: pick(slot) for slot in table.slots})
 
     def _slice_spans(self, reader: CheckpointReader, entry: dict, id_keys: list[str]) -> list | None:
-        """``[(id part, first row, end row, inside)]``: the rows of each id part in the slice groups that meet this
-        rank's slice (parts with none left out), and whether those groups lie inside the slice (then every row of
-        them is the rank's, once the ids are checked to be where the offsets place them: 1 -> 4, 2 -> 4, ...),
-        where the slice rule (format version 4 on) decides what this load reads; None where it does not (one rank,
-        an ``owner`` given, an older version)."""
+        """``[(id part, first row, end row)]``: the rows of each id part in the slice groups that meet this rank's
+        slice (parts with none left out), where the slice rule (format version 4 on) decides what this load reads;
+        None where it does not (one rank, an ``owner`` given, an older version)."""
         partition = entry.get("partition")
         if self.owner is not None or partition is None or self.shard_num == 1:
             return None
@@ -582,9 +580,7 @@ class Loader:
         for key, s in zip(id_keys, slices):
             first, last = group_span(s["rows"], size, *own)
             if s["rows"][first] < s["rows"][last]:
-                bounds = group_bounds(len(s["rows"]) - 1, size)
-                inside = own[0] <= bounds[first] and bounds[last] <= own[1]
-                spans.append((key, s["rows"][first], s["rows"][last], inside))
+                spans.append((key, s["rows"][first], s["rows"][last]))
         return spans
 
     def _read_spans(self, reader: CheckpointReader, name: str, entry: dict, spans: list,
@@ -595,7 +591,7 @@ class Loader:
         size = entry["partition"]["slice_size"]
         own = slice_of(self.shard_index, self.shard_num, size)
         picks, at = [], 0
-        for key, r0, r1, *_ in spans:
+        for key, r0, r1 in spans:
             read = ids_out[at:at + r1 - r0]
             reader.read_into(key, read.view(np.uint8), r0 * 8)
             lo, hi = _checked_run(reader, key, read, r0, reader.descriptions[key]["slices"]["rows"], size, own)
@@ -626,7 +622,6 @@ class Loader:
         stored = max(1, reader.hashtables()[name].get("ids", 0))  # every rank's ids in the checkpoint
         spans = self._slice_spans(reader, entry, id_keys) if plain else None
         ids_out = None
-        later = None  # spans whose ids are read and checked while their rows are read (below)
         if self.shard_num == 1 and self.owner in (None, owner_mod) and plain:
             # One rank owns every id: each id part is read into place below, not mapped, copied and numbered.
             picks = [(None, key[len(name) + 3:], range(reader.part_infos[key].shape[0])) for key in id_keys
@@ -634,15 +629,9 @@ class Loader:
         elif spans is not None:
             # The slice rule (format version 4 on): the ids of the groups that meet this rank's slice, read into
             # place here and checked (no copy of them, no positions array), their rows read below as runs.
-            most = sum(r1 - r0 for _, r0, r1, _ in spans)
+            most = sum(r1 - r0 for _, r0, r1 in spans)
             ids_out = kept.empty(most + (headroom * most // stored + 1024 if headroom else 0), np.int64)
-            if all(inside for *_, inside in spans):
-                # Every group read lies inside this rank's slice: its rows are all of theirs, so their copies start
-                # now, and the ids are read and checked meanwhile (a damaged part raises before the table is made;
-                # the copies only fill this load's own arrays).
-                picks, later = [(_IN_PLACE, key[len(name) + 3:], range(r0, r1)) for key, r0, r1, _ in spans], spans
-            else:
-                picks = self._read_spans(reader, name, entry, spans, ids_out)
+            picks = self._read_spans(reader, name, entry, spans, ids_out)
         else:
             picks = self._owned(reader, f"{name}.id")
         total = sum(len(mine) for *_, mine in picks)
@@ -678,13 +667,7 @@ class Loader:
             for key, out in id_reads:
                 _read_part(reader, key, out)
             try:
-                if later is not None and [p[2] for p in self._read_spans(reader, name, entry, later, ids_out)] \
-                        != [p[2] for p in picks]:  # every id in a group inside the slice: the runs read
-                    raise FormatError(f"{reader.path}: hashtable {name!r}: the ids of its slice groups inside "
-                                      f"rank {self.shard_index} of {self.shard_num}'s slice are not all of it")
                 table.adopt(ids_out, values_out, slots_out, rows=total)  # reads the ids only, not the rows
-            except FormatError as exc:
-                error = exc
             except ValueError as exc:
                 what = str(exc).removeprefix("adopt: ")
                 error = FormatError(f"{reader.path}: hashtable {name!r}: {what} across its id parts "
