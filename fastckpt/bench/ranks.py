@@ -12,7 +12,7 @@ and ``--dense-mib`` MiB of dense float32 matrices. The data is small on purpose 
 MiB dense: 19 MiB), so that what a rank pays for the files it opens, rather than for the bytes it copies, is
 what moves the figures. ``--layout recis`` saves RecIS's layout instead (``Saver(layout="recis")``: the dense
 matrices whole in rank 0's files, and only writers given a block write a file, so the files written, which the
-table gives, may be fewer than asked).
+table gives beside the files asked, may be fewer).
 
 Then every rank's share is loaded back (:class:`~fastckpt.sharded.Loader`, ``verify=False``, ``dense="rows"``,
 ``shard_index=r``, ``shard_num=ranks``), in a fresh process every run (a restart's first load: nothing of the
@@ -289,7 +289,7 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
                 for mode, version in order:
                     runs[mode, version].append(_run_once(versions[version], mode, path, ranks, dim))
             for (mode, version), results in runs.items():
-                rows.append({"files": written, "ranks": ranks, "mode": mode, "version": version,
+                rows.append({"files": count, "written": written, "ranks": ranks, "mode": mode, "version": version,
                              "job": statistics.median(r["job"] for r in results),
                              "slowest": statistics.median(max(x["wall"] for x in r["ranks"]) for r in results),
                              "cpu": statistics.median(statistics.fmean(x["cpu"] for x in r["ranks"]) for r in results),
@@ -326,7 +326,9 @@ def report(results: dict[str, Any]) -> str:
     for r in rows:
         was = before.get((r["files"], r["mode"])) if r["version"] == "after" else None
         ratio = (lambda key: format_ratio(was[key] / r[key]) if was and r[key] > 0 else "")  # noqa: E731
-        body.append([r["files"], r["ranks"], r["mode"], r["version"], format_duration(r["opening"]),
+        written = r.get("written", r["files"])
+        files = r["files"] if written == r["files"] else f"{written} ({r['files']} asked)"
+        body.append([files, r["ranks"], r["mode"], r["version"], format_duration(r["opening"]),
                      f"{r['mapped']:g}", format_duration(r["slowest"]), format_duration(r["cpu"]), ratio("opening"),
                      ratio("slowest"), ratio("cpu")])
     lines += table_lines(["files", "ranks", "mode", "fastckpt", "opening CPU per rank", "files mapped per rank",
