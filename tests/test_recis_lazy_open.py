@@ -10,7 +10,6 @@ reader maps them, as tests/test_sharded_lazy_open.py counts them for fastckpt's 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -19,9 +18,8 @@ from pathlib import Path
 import _recis_writer as recis_port
 import numpy as np
 import pytest
-from _sharded_edit import save_threads
+from _sharded_edit import count_maps, damage_file, save_threads
 
-import fastckpt.sharded.reader as reader_module
 from fastckpt.errors import CheckpointChangedError, FormatError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader, Saver
 from fastckpt.sharded.format import rows_of
@@ -77,25 +75,17 @@ def _fastckpt_written(path: Path, n: int, parallel: int = 2) -> str:
 WRITERS = {"recis": _recis_written, "fastckpt": _fastckpt_written}
 
 
+@pytest.fixture
+def opened(monkeypatch) -> list[str]:
+    """The names of the tensor files every reader of this test maps, in order (each time one is mapped)."""
+    return count_maps(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """``{(writer, N): path}``: one directory saved by N ranks, two writers each."""
     root = tmp_path_factory.mktemp("recis-lazy")
     return {(writer, n): make(root / f"{writer}{n}", n) for writer, make in WRITERS.items() for n in (1, 2, 4)}
-
-
-@pytest.fixture
-def opened(monkeypatch) -> list[str]:
-    """The names of the tensor files every reader of this test maps, in order (each time one is mapped)."""
-    names: list[str] = []
-    real = reader_module.open_file
-
-    def counting(path, **options):
-        names.append(os.path.basename(path))
-        return real(path, **options)
-
-    monkeypatch.setattr(reader_module, "open_file", counting)
-    return names
 
 
 def _index(path) -> tuple[dict[str, int], dict[int, str]]:
@@ -183,18 +173,7 @@ def test_a_rank_loads_its_share_while_another_ranks_file_is_damaged(saved, tmp_p
     path = saved[writer, 2]
     copy = shutil.copytree(path, tmp_path / "c")
     bad = min(_files_read(copy, 2, 1) - _files_read(copy, 2, 0))  # a file of rank 1 alone
-    target = copy / bad
-    data = target.read_bytes()
-    if damage == "truncated":
-        target.write_bytes(data[: len(data) // 2])
-        error, said = (CheckpointChangedError, f"{bad}: {len(data) // 2} bytes, the commit record says {len(data)}") \
-            if writer == "fastckpt" else (FormatError, bad)
-    elif damage == "header":
-        target.write_bytes((2**40).to_bytes(8, "little") + data[8:])  # a header length past the end of the file
-        error, said = FormatError, bad
-    else:
-        target.unlink()
-        error, said = FormatError, f"{bad}: missing"
+    error, said = damage_file(copy / bad, damage, sized=writer == "fastckpt")  # RecIS records no sizes
     _check_load(*_load(copy, 2, 0, verify), 2, 0)  # rank 0 reads none of rank 1's files
     messages = set()
     for _ in range(2):  # rank 1 is told what is wrong with its file, every time, before a row is placed
