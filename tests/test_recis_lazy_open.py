@@ -10,6 +10,7 @@ reader maps them, as tests/test_sharded_lazy_open.py counts them for fastckpt's 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -316,3 +317,31 @@ def test_the_order_of_the_save_is_read_from_the_metadata(tmp_path, opened, seed)
         crowded = {name for name in dense_files if dense_files.count(name) > 1}
         empty = {r.file_name(k) for k in blocks if r.part_nbytes(k) == 0}
         assert crowded <= set(opened) <= crowded | empty
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_mpi_rank_maps_only_the_files_it_reads(saved, tmp_path, n):
+    """One process a rank, as a training job loads: each maps the files of its slice's blocks and the dense
+    tensor's, once each, and no other (on 0.8 each mapped all ``2 n``)."""
+    import subprocess
+    import sys
+    from importlib.util import find_spec
+
+    from test_sharded_mpi import LOAD_SCRIPT, MPIEXEC
+
+    if find_spec("mpi4py") is None or not os.path.exists(MPIEXEC):
+        pytest.skip(f"mpi4py and an mpiexec next to {sys.executable} are needed (pip install \"fastckpt[mpi]\")")
+    path = saved["recis", n]
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_SCRIPT)
+    job = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(script), path], capture_output=True, text=True,
+                         timeout=120)
+    assert job.returncode == 0, job.stdout + job.stderr
+    ranks = json.loads(job.stdout.strip().splitlines()[-1])
+    ids = _ids()
+    for j, got in enumerate(ranks):
+        assert len(got["mapped"]) == len(set(got["mapped"])) and set(got["mapped"]) == _files_read(path, n, j)
+        assert len(got["mapped"]) < 2 * n or n == 1
+        assert sorted(got["ids"]) == sorted(ids[slice_owner(ids, n) == j].tolist())
+        r0, r1 = rows_of(j, n, ROWS)
+        assert got["w"] == DENSE["w"][r0:r1].tolist()
