@@ -318,7 +318,8 @@ def report(results: dict[str, Any]) -> str:
     rows = results["rows"]
     before = {(r["files"], r["mode"]): r for r in rows if r["version"] == "before"}
     layout = "RecIS's layout" if results.get("layout") == "recis" else "fastckpt's layout"
-    lines = [f"Sharded load ({layout}), each rank its share (verify=False), {results['ids']:,} ids x {results['dim']} + "
+    lines = [f"Sharded load ({layout}), each rank its share (verify=False), {results['ids']:,} ids x "
+             f"{results['dim']} + "
              f"{results['dense_mib']:g} MiB dense, a fresh process every run, medians of {results['repeat']}; "
              f"load average {results['load']}",
              ""]

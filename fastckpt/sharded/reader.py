@@ -229,7 +229,17 @@ class TensorFiles(Mapping):
         """Raise a :class:`~fastckpt.errors.FormatError` naming file ``f`` and the tensor where its header
         disagrees with the metadata: it must hold the keys ``expected`` (those the index places in it), each of
         the shape and dtype its description gives. Run once per opening, before the file is kept; a layout with
-        metadata of its own overrides it (:class:`fastckpt.sharded.recis.RecisTensorFiles`)."""
+        metadata of its own overrides it (:class:`fastckpt.sharded.recis.RecisTensorFiles`).
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> r = CheckpointReader(out); f = r.files["model-00000-000.safetensors"]
+        >>> r.files.check(f, ["w/part_0_1"])
+        >>> r.files.check(f, [])
+        Traceback (most recent call last):
+        fastckpt.errors.FormatError: ...: holds tensors ['w/part_0_1'] that index.json does not place there ...
+        """
         if set(f.infos) != set(expected):
             raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ set(expected))[:4]} that "
                               f"{INDEX_FILE} does not place there (or misses ones it does)")

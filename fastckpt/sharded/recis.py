@@ -349,7 +349,18 @@ class RecisTensorFiles(TensorFiles):
 
     def check(self, f: TensorFile, expected) -> None:
         """Raise a :class:`~fastckpt.errors.FormatError` naming file ``f`` and the block where its header
-        disagrees with ``index`` (the blocks ``expected`` there) or the description file."""
+        disagrees with ``index`` (the blocks ``expected`` there) or the description file.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, layout="recis",
+        ...             tensors={"w": np.ones(2, np.float32)}).save()
+        >>> r = RecisCheckpointReader(out); f = r.files["model-000000-of-000001.safetensors"]
+        >>> r.files.check(f, ["w^ "])
+        >>> r.files.check(f, [])
+        Traceback (most recent call last):
+        fastckpt.errors.FormatError: ...: holds block 'w^ ', which index does not place there (an orphan block: ...
+        """
         if f.format != "safetensors":
             raise FormatError(f"{f.path}: a RecIS tensor file is safetensors-like, this one is {f.format}")
         missing = sorted(set(expected) - set(f.infos))
