@@ -661,8 +661,10 @@ class RecisCheckpointReader(CheckpointReader):
         ``b`` of rank ``i`` is entry ``b // p`` of the header of file ``i * p + b % p``), so that tables, slots
         and dense tensors keep the order of the save. It is read from the metadata where they settle it
         (:meth:`_rank_order`: the files' names, ``index``, the blocks' sizes and the ``data_offsets`` of the
-        description file); a file's header is read (the file opened) only where they leave its order open.
-        Files not named as RecIS names them come after, in file number and header order."""
+        description file); a file's header is read (the file opened) only where they leave its order open. A
+        tensor comes where the lowest rank holding it placed it, so the ranks after the first are replayed only
+        for tensors it does not hold (none, in what RecIS writes: every rank writes every table). Files not named
+        as RecIS names them come after, in file number and header order."""
         ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_[0-9]+_([0-9]+)\Z", key))}
         n = ranks.pop() if len(ranks) == 1 else 1
         order: dict[str, tuple[int, int]] = {}
@@ -677,7 +679,12 @@ class RecisCheckpointReader(CheckpointReader):
                 continue
             rank, writer = divmod(int(m.group(1)), p)
             groups.setdefault((rank, p), {})[writer] = name
+        placed: set[str] = set()
         for (rank, p), files in sorted(groups.items()):
+            tensors = {self._slices[k][0] for name in files.values() for k in self._keys_of.get(name, ())}
+            if tensors <= placed:  # each of them comes where a lower rank placed it: this rank's order is not needed
+                continue
+            placed |= tensors
             places = self._rank_order(files, p)
             if places is None:  # not as RecIS's writer places blocks: each file's header order, as written
                 places = {k: j * p + writer for writer, name in files.items()
