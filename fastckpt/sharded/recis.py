@@ -577,10 +577,10 @@ class RecisCheckpointReader(CheckpointReader):
                        f"hashtable {table!r}: slot {slot!r} has slices {sorted(mine)[:3]}, its ids "
                        f"{sorted(ids)[:3]}: each id block needs one block of every slot")
                 for piece, k in mine.items():
-                    rows, want = self._blocks[k][1], self._blocks[ids[piece]][1][0]
-                    expect(len(rows) >= 1 and rows[0] == want, iwhere,
+                    rows, want = self._blocks[k][1], self._blocks[ids[piece]][1][:1]  # ([k],) of ids checked 1-d
+                    expect(len(rows) >= 1 and (rows[0],) == want, iwhere,
                            f"hashtable {table!r}: block {k!r} has shape {list(rows)}, its ids {ids[piece]!r} "
-                           f"{want}: a slot holds one row per id")
+                           f"{want[0] if want else list(want)}: a slot holds one row per id")
 
     def _read_manifest(self) -> dict | None:
         path = os.path.join(self.path, MANIFEST_FILE)
