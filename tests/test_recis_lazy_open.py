@@ -364,3 +364,16 @@ def test_the_order_of_the_save_needs_no_file_of_another_rank(tmp_path, opened):
     tables, tensors = Loader(path, shard_index=0, shard_num=2, dense="rows").load()
     assert sorted(tables["emb"].ids().tolist()) == sorted(ids[slice_owner(ids, 2) == 0].tolist())
     assert len(tables["e1"]) == len(tables["e2"]) == 0
+
+
+def test_a_description_of_ids_without_an_axis_is_a_format_error(saved, tmp_path):
+    """The structure is checked on the description file's shapes when the reader opens: what they say is checked
+    as what the headers said."""
+    copy = shutil.copytree(saved["recis", 2], tmp_path / "c")
+    descriptions = json.loads((copy / DESCRIPTION_FILE).read_bytes())
+    descriptions["emb.id/part_0_2"]["shape"] = []
+    del descriptions["emb.id/part_0_2"]["data_offsets"]
+    (copy / DESCRIPTION_FILE).write_text(json.dumps(descriptions, indent=4, sort_keys=True))
+    with pytest.raises(FormatError, match=r"index: hashtable 'emb': block 'emb.embedding/part_0_2' has shape "
+                                          r"\[\d+, 3\], its ids 'emb.id/part_0_2' \[\]: a slot holds one row per id"):
+        CheckpointReader(copy)
