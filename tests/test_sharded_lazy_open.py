@@ -7,6 +7,7 @@ MPI process) opened every file, and one damaged file of another rank stopped eve
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
