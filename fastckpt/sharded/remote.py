@@ -498,8 +498,7 @@ def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
     """Fetch into ``local`` the bytes of the checkpoint at ``loader.checkpoint_path`` that ``loader``'s rank loads.
 
     The manifest and the metadata files whole, in one round (:func:`_first_round`); then the headers of the tensor
-    files holding a part this rank reads (fastckpt's layout: ``index.json`` names them; RecIS's: every file's,
-    which its reader maps and checks when it opens), then
+    files holding a part this rank reads (``index.json``, or RecIS's ``index``, names them), then
     each dense part this rank takes and the hashtable id parts it needs (every one; under the slice rule, only
     those whose slice meets the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the
     embedding and slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
@@ -705,7 +704,8 @@ def _part_tensors(descriptions: dict, id_key: str, offsets: dict) -> list[str]:
 
 def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
     """RecIS's layout: dense blocks by rows; under RecIS's slice rule only the id parts whose slice meets the
-    rank's and the rows of its slice (with another ``loader.owner``: every id part, the rows it owns)."""
+    rank's and the rows of its slice (with another ``loader.owner``: every id part, the rows it owns). Of the
+    tensor files, only the headers of those holding a block the rank reads (RecIS's ``index`` names them)."""
     import numpy as np
 
     from fastckpt.sharded import recis
@@ -715,17 +715,34 @@ def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
                 if name in share.sizes]
     share.fetch({name: [(0, share.sizes[name])] for name in metadata})
     index, tensorkey = share.json(recis.INDEX_FILE), share.json(recis.TENSORKEY_FILE)
-    files = [name for name in index.get("file_index", {}) if name in share.sizes]
-    offsets = share.headers(sorted(files))
     blocks: dict[str, dict[str, str]] = {}  # tensor -> {slice: stored key}
     for key in index.get("block_index", {}):
         tokens = [t for t in tensorkey.get(key, key).split("^") if t]
-        if len(tokens) == 2 and key in offsets:
+        if len(tokens) == 2:
             blocks.setdefault(tokens[0], {})[tokens[1]] = key
     dense_wanted = set(loader.tensors) or {t for t, b in blocks.items() if " " in b}
     tables = {t[:-3] for t in blocks if t.endswith("@id") and f"{t[:-3]}@embedding" in blocks}
     tables_wanted = set(loader.hashtables) or tables
     slice_rule = loader.owner in (None, owner_mod)
+    # The blocks this rank reads, from the index and tensorkey.json alone: only their files' headers are fetched.
+    read = []
+    for tensor, by_slice in blocks.items():
+        if " " in by_slice and tensor in dense_wanted:
+            read.append(by_slice[" "])
+        elif tensor.endswith("@id") and tensor[:-3] in tables_wanted:
+            for piece, key in by_slice.items():
+                part = recis.parse_slice(piece, key)
+                mine = recis.gen_slice(loader.shard_index, loader.shard_num, part[2])
+                if slice_rule and not (part[0] < mine[1] and mine[0] < part[1]):
+                    continue
+                read += [b[piece] for t, b in blocks.items() if t.startswith(f"{tensor[:-3]}@") and piece in b]
+    files_of = _files_of(index, set(share.sizes) - set(metadata))
+    if files_of is None or any(key not in files_of for key in read):  # the reader says what is wrong
+        files = [name for name in index.get("file_index", {}) if name in share.sizes]
+    else:
+        files = list({files_of[key] for key in read})
+    offsets = share.headers(sorted(files))
+    blocks = {t: {piece: key for piece, key in b.items() if key in offsets} for t, b in blocks.items()}
     first: dict[str, list[tuple[int, int]]] = {}
     id_parts = []
     for tensor, by_slice in blocks.items():
