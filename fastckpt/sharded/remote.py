@@ -200,6 +200,7 @@ class _Share:
         # functions that let go of those hashes are put here
         self.ahead, self._hashing = (ahead if ahead is not None else []), ahead is not None
         self.bytes, self.requests = 0, 0
+        self.headed: set[str] = set()  # the tensor files whose header this load has (fetched, or another load's)
         self.manifest_hash = ""  # the BLAKE3 of the manifest's bytes: what the metadata fetched belongs to
         self.metadata: dict[str, bytes | None] = {}  # the metadata files the first round brought (_first_round)
         for name, size in sizes.items():
@@ -232,6 +233,8 @@ class _Share:
     def _fetch_heads(self, names: list[str], also: dict | None = None) -> None:
         """The headers of ``names`` into the local files (see :meth:`headers`)."""
         import os
+
+        self.headed.update(names)
 
         self.fetch({**(also or {}), **{name: [(0, min(_HEAD, self.sizes[name]))] for name in names}})
         longer = {}
@@ -295,6 +298,7 @@ class _Share:
                     continue
                 with open(os.path.join(self.local, name), "r+b") as f:
                     f.write(data)
+                self.headed.add(name)
             self._fetch_heads(again)
         finally:
             for name, flight, _ in [*own, *others]:
@@ -498,21 +502,21 @@ def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
     """Fetch into ``local`` the bytes of the checkpoint at ``loader.checkpoint_path`` that ``loader``'s rank loads.
 
     The manifest and the metadata files whole, in one round (:func:`_first_round`); then the headers of the tensor
-    files holding a part this rank reads (``index.json``, or RecIS's ``index``, names them), then
-    each dense part this rank takes and the hashtable id parts it needs (every one; under the slice rule, only
-    those whose slice meets the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the
-    embedding and slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
-    sparse local files of their full size, so the Loader reads them as it reads any directory. Returns
-    ``{"bytes": fetched, "requests": ranges, "layout", "manifest": bool}``, or False for a checkpoint that must
-    be downloaded whole: one with a manifest loaded with ``verify=True`` (its BLAKE3 hashes cover whole files,
-    so only whole files can be checked; but a full, unencoded checkpoint of format version 4 under its slice rule
-    fetches whole only the files whose parts this rank reads), a delta, an encoded table; or neither a manifest
-    nor RecIS's ``index``, which the whole-prefix path reports. Loads of the same prefix running at the same
-    time in this process (ranks as threads) fetch the metadata, the headers and the whole files alike once
-    between them (:func:`_first_round`, :meth:`_Share.shared_headers`, :meth:`_Share.fetch_whole`). With ``ahead`` (a list), each file
-    this load fetches whole is hashed on a worker thread as soon as it is in place, for every reader that opens it
-    meanwhile: ``ahead`` receives for each the function that lets go of its hash
-    (:func:`fastckpt.sharded.reader.hash_ahead`; :func:`load` calls each once its load is done).
+    files holding a part this rank reads (``index.json``, or RecIS's ``index``, names them), then each dense part
+    this rank takes and the hashtable id parts it needs (every one; under the slice rule, only those whose slice
+    meets the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the embedding and
+    slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
+    sparse local files of their full size, so the Loader reads them as it reads any directory. Returns ``{"bytes":
+    fetched, "requests": ranges, "layout", "manifest": bool, "headers": tensor files whose header it has}``, or
+    False for a checkpoint that must be downloaded whole: one with a manifest loaded with ``verify=True`` (its
+    BLAKE3 hashes cover whole files, so only whole files can be checked; but a full, unencoded checkpoint of format
+    version 4 under its slice rule fetches whole only the files whose parts this rank reads), a delta, an encoded
+    table; or neither a manifest nor RecIS's ``index``, which the whole-prefix path reports. Loads of the same
+    prefix running at the same time in this process (ranks as threads) fetch the metadata, the headers and the whole
+    files alike once between them (:func:`_first_round`, :meth:`_Share.shared_headers`, :meth:`_Share.fetch_whole`).
+    With ``ahead`` (a list), each file this load fetches whole is hashed on a worker thread as soon as it is in
+    place, for every reader that opens it meanwhile: ``ahead`` receives for each the function that lets go of its
+    hash (:func:`fastckpt.sharded.reader.hash_ahead`; :func:`load` calls each once its load is done).
     """
 
     from fastckpt.sharded import recis
@@ -555,7 +559,8 @@ def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
         share.bytes, share.requests = fetched
         share.metadata = metadata
     plan(loader, share, manifest)
-    return {"bytes": share.bytes, "requests": share.requests, "layout": layout, "manifest": manifest is not None}
+    return {"bytes": share.bytes, "requests": share.requests, "layout": layout, "manifest": manifest is not None,
+            "headers": len(share.headed)}
 
 
 def _sliced(loader, manifest: dict) -> bool:
