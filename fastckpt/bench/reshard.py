@@ -147,7 +147,7 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
                 timing = summarize(worker_times[label]) if label in worker_times else timings[label]
                 rows.append({**key, "timing": timing})
             if s3:  # untimed: what each rank fetches from S3 (requests, bytes, tensor-file headers)
-                rows += _fetches(places["v4 S3"], v4, src, targets)
+                rows += _fetches(places["v4 S3"], v4, src, targets, table)
             for where, _ in places.values():
                 if not where.startswith("s3://"):
                     shutil.rmtree(where, ignore_errors=True)
@@ -159,13 +159,14 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
     return rows
 
 
-def _fetches(place: tuple[str, dict | None], local: Path, src: int, targets: list[int]) -> list[dict[str, Any]]:
-    """Each rank's fetch of the v4 checkpoint at ``place`` for every count in ``targets``, unverified and verified
-    (:func:`fastckpt.sharded.remote.fetch_share`, into a temporary directory): one row per (M, verify) with the
-    ranks' ``{"requests", "bytes", "headers"}`` (None for a rank that downloads the whole prefix)."""
+def _fetches(place: tuple[str, dict | None], local: Path, src: int, targets: list[int],
+             table: str) -> list[dict[str, Any]]:
+    """Each rank's fetch of the v4 checkpoint at ``place`` (table ``table``) for every count in ``targets``,
+    unverified and verified (:func:`fastckpt.sharded.remote.fetch_share`, into a temporary directory): one row per
+    (M, verify) with the ranks' ``{"requests", "bytes", "headers"}`` (None for a rank that downloads the whole
+    prefix)."""
     import tempfile
 
-    from fastckpt.bench.sharded import TABLE
     from fastckpt.sharded import Loader
     from fastckpt.sharded import remote as sharded_remote
 
@@ -177,7 +178,7 @@ def _fetches(place: tuple[str, dict | None], local: Path, src: int, targets: lis
             ranks = []
             for j in range(m):
                 with tempfile.TemporaryDirectory(prefix="fastckpt-bench-share-") as tmp:
-                    got = sharded_remote.fetch_share(Loader(url, hashtables={TABLE: None}, tensors={}, shard_index=j,
+                    got = sharded_remote.fetch_share(Loader(url, hashtables={table: None}, tensors={}, shard_index=j,
                                                             shard_num=m, dense="rows", verify=verify,
                                                             storage_options=options), tmp)
                 ranks.append(None if got is False else {k: got[k] for k in ("requests", "bytes", "headers")})
