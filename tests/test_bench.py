@@ -427,3 +427,21 @@ def test_memory_suite(capsys):
     targets = out.split("### targets")[1].strip().splitlines()
     assert all(line.split(":")[0] in ("- met", "- MISSED") for line in targets[:-1]), targets
     assert targets[-1] == "- (--quick sizes: the targets are stated for 2 GiB)"
+
+
+def test_sharded_suite_resharding_from_s3_says_what_each_rank_fetches(tmp_path, capsys):
+    # The resharding rows from S3 came with times alone; a rank's requests and the tensor-file headers it fetched
+    # (since index.json names the files it reads: those files' headers, none where it fetches them whole) are now a
+    # table of their own, so that the suite shows what a remote load asks for.
+    pytest.importorskip("s3fs")
+    assert main(["bench", "--suite", "sharded", "--quick", "--ids", "3000", "--dense-mib", "0.25", "--reshard", "4:2",
+                 "--reshard-only", "--s3", "--repeat", "1", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table = out.split("### resharding from S3: what each rank fetches")[1].split("###")[0]
+    rows = {tuple(cells[:2]): cells[2:] for cells in (line.strip("| ").split(" | ") for line in table.splitlines()
+                                                      if line.startswith("| 4 -> "))}
+    # unverified: the headers of the files a rank reads, fewer than the checkpoint's 16 (4 ranks x parallel 4);
+    # verified: none (the files it reads are fetched whole)
+    assert all(cells[0] == "16" and 0 < int(cells[1]) < 16 for (pair, v), cells in rows.items() if v == "no")
+    assert all(cells[0] == "16" and cells[1] == "0" for (pair, v), cells in rows.items() if v == "yes")
+    assert sorted(rows) == [("4 -> 2", "no"), ("4 -> 2", "yes"), ("4 -> 4", "no"), ("4 -> 4", "yes")]

@@ -377,3 +377,34 @@ def test_a_description_of_ids_without_an_axis_is_a_format_error(saved, tmp_path)
     with pytest.raises(FormatError, match=r"index: hashtable 'emb': block 'emb.embedding/part_0_2' has shape "
                                           r"\[\d+, 3\], its ids 'emb.id/part_0_2' \[\]: a slot holds one row per id"):
         CheckpointReader(copy)
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("n, m", [(4, 4), (4, 2), (4, 3), (2, 4)])
+def test_a_rank_loading_from_a_url_fetches_the_headers_of_the_files_it_reads_only(saved, monkeypatch, writer, n, m):
+    # Until this reader opened its files on first use, a rank loading a RecIS-layout directory from a URL fetched
+    # every tensor file's header (the reader checked them all when it opened). Now RecIS's index names the files
+    # holding the blocks the rank reads: only their headers are fetched, and the load is exact.
+    import uuid
+    import warnings
+
+    from fastckpt.formats import remote as formats_remote
+    from fastckpt.sharded.recis import RecisWarning
+
+    path = saved[writer, n]
+    url = f"memory://recis-heads-{uuid.uuid4().hex[:8]}/c"
+    formats_remote.put_directory(Path(path), url, "index")
+    plans: list = []
+    real = formats_remote._fetch_into
+    monkeypatch.setattr(formats_remote, "_fetch_into", lambda fs, where, plan: (
+        plans.extend((os.path.basename(r), spans) for r, _, spans in plan if spans), real(fs, where, plan))[1])
+    everything = set(_index(path)[1].values())
+    for j in range(m):
+        plans.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecisWarning)
+            _check_load(*_load(url, m, j, verify=False), m, j)
+        headers = {name for name, spans in plans if name in everything and spans[0] == (0, spans[0][1])
+                   and spans[0][1] <= 8192}
+        assert headers == {name for name, _ in plans if name in everything} == _files_read(path, m, j)
+        assert headers < everything

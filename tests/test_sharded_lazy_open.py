@@ -7,6 +7,7 @@ MPI process) opened every file, and one damaged file of another rank stopped eve
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -185,3 +186,47 @@ def test_verify_without_hashes_still_opens_and_checks_every_file(saved, tmp_path
     capsys.readouterr()
     assert main(["verify", "--no-hash", str(copy)]) == 1
     assert f"{bad}: {len(data) // 2} bytes, the commit record says {len(data)}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("n, m", [(4, 4), (4, 2), (4, 3), (2, 4)])
+def test_a_rank_loading_from_s3_fetches_only_the_files_it_reads_and_their_headers(saved, s3, monkeypatch, n, m,
+                                                                                  verify):
+    # Until 0.8, a rank loading from a URL fetched the header of every tensor file of the checkpoint (with the
+    # metadata, in the round after the manifest), whichever files it read; a verified rank fetched them before the
+    # whole files it reads. Now index.json, fetched with the manifest, names the files holding the parts it reads:
+    # only those files' headers are fetched (none where the files are fetched whole, verified), in as few rounds.
+    from fastckpt.formats import remote as formats_remote
+
+    path, tables, dense = saved[n]
+    url = s3.url("lazy")
+    s3.filesystem().put(f"{path}/", f"{url}/", recursive=True)
+    sizes = {p.name: p.stat().st_size for p in Path(path).iterdir()}
+    plans: list[list] = []  # each round of ranged reads: [(file, [(begin, end), ...])]
+    real = formats_remote._fetch_into
+
+    def fetch_into(fs, where, plan):
+        plans.append([(os.path.basename(remote), spans) for remote, _, spans in plan if spans])
+        return real(fs, where, plan)
+
+    monkeypatch.setattr(formats_remote, "_fetch_into", fetch_into)
+    for j in range(m):
+        plans.clear()
+        tables_j, tensors = Loader(url, shard_index=j, shard_num=m, dense="rows", verify=verify,
+                                   storage_options=s3.storage_options).load()
+        ids, values, slots = tables_j["emb"].export()
+        order = np.argsort(ids)
+        want_ids, want_values, want_w = _expected(tables, dense, m, j)
+        assert ids[order].tolist() == want_ids.tolist() and values[order].tobytes() == want_values.tobytes()
+        assert slots["m"][order].tobytes() == (-want_values).tobytes() and tensors["w"].tobytes() == want_w.tobytes()
+        rounds = [plan for plan in plans if plan]
+        reads = _files_of_ranks(path, _owners(path, n, m, j))
+        touched = {name for plan in rounds for name, _ in plan if name.endswith(".safetensors")}
+        assert touched == reads < {name for name in sizes if name.endswith(".safetensors")}
+        if verify:  # the files it reads, whole, each once, in one round after the manifest's
+            assert len(rounds) == 1 and sorted(rounds[0]) == sorted((name, [(0, sizes[name])]) for name in reads)
+        else:  # the headers of those files (their first bytes), then its ranges of them
+            headers, data = rounds
+            assert sorted(name for name, _ in headers) == sorted(reads)
+            assert all(spans == [(0, min(8192, sizes[name]))] for name, spans in headers)
+            assert {name for name, _ in data} <= reads

@@ -238,48 +238,67 @@ def _ranks_as_threads(url: str, m: int, **options) -> list:
         return list(pool.map(load, range(m)))
 
 
-def _hold_until_every_rank_asked(monkeypatch, m: int, fail_first: bool = False) -> list:
-    """Patch the fetch of a prefix's metadata and headers: the fetching load waits until ``m`` loads hold the
-    prefix (so that they overlap for certain), and the fetches are recorded (the first failing, if asked)."""
+def _hold_until_every_rank_asked(monkeypatch, m: int, fail_first: bool = False) -> tuple[list, list]:
+    """Patch a load's first round (the manifest and the metadata, :func:`fastckpt.sharded.remote._first_round`) and
+    the fetch of tensor-file headers: the load that fetches the metadata, and each that fetches headers, waits until
+    ``m`` loads hold them (so that they overlap for certain); returns the names each first round asked for and
+    those each header fetch asked for (the first metadata fetch failing, if asked)."""
     import time
 
     from fastckpt.sharded import remote as sharded_remote
 
-    real = sharded_remote._Share.headers
-    calls: list = []
+    real_bounded, real_heads = sharded_remote._bounded, sharded_remote._Share._fetch_heads
+    rounds: list = []
+    heads: list = []
 
-    def headers(self, names, also=None):
-        calls.append(sorted(also or {}))
+    def wait(held) -> None:
         deadline = time.monotonic() + 20
-        while len(calls) == 1 and sharded_remote._heads.holders((self.url, self.manifest_hash)) < m \
-                and time.monotonic() < deadline:
+        while not held() and time.monotonic() < deadline:
             time.sleep(0.005)
-        if fail_first and len(calls) == 1:
-            raise OSError("the first fetch fails")
-        return real(self, names, also)
 
-    monkeypatch.setattr(sharded_remote._Share, "headers", headers)
-    return calls
+    def bounded(fs, url, path, names):
+        rounds.append(sorted(names))
+        if len(names) > 1:  # the metadata, for every load of the URL asking meanwhile
+            wait(lambda: sharded_remote._metadata.holders(url) >= m)
+            if fail_first and sum(len(r) > 1 for r in rounds) == 1:
+                raise OSError("the first fetch fails")
+        return real_bounded(fs, url, path, names)
+
+    def fetch_heads(self, names, also=None):
+        heads.append(sorted(names))
+        if not fail_first:  # (where the metadata fetch fails, that load asks for no header)
+            wait(lambda: all(sharded_remote._heads.holders((self.url, self.manifest_hash, n)) >= m
+                             for n in names))
+        return real_heads(self, names, also)
+
+    monkeypatch.setattr(sharded_remote, "_bounded", bounded)
+    monkeypatch.setattr(sharded_remote._Share, "_fetch_heads", fetch_heads)
+    return rounds, heads
 
 
 def test_ranks_loading_from_a_url_at_once_fetch_its_metadata_and_headers_once(monkeypatch):
     url = _url_checkpoint(w=np.ones((4, 3)))
-    calls = _hold_until_every_rank_asked(monkeypatch, 3)
+    rounds, heads = _hold_until_every_rank_asked(monkeypatch, 3)
     tables = _ranks_as_threads(url, 3)
-    assert calls == [sorted([DESCRIPTION_FILE, "index.json", "tensorkey.json"])]  # one fetch for the three ranks
+    # one fetch of the metadata for the three ranks, in the round of its own manifest; each rank its own manifest
+    assert sorted(rounds) == [sorted([DESCRIPTION_FILE, "index.json", "manifest.json", "tensorkey.json"]),
+                              ["manifest.json"], ["manifest.json"]]
+    # every rank reads both tensor files (one rank saved them): each header fetched once between the three
+    fetched = sorted(name for names in heads for name in names)
+    assert fetched == ["model-00000-000.safetensors", "model-00000-001.safetensors"], heads
     _check_exact(tables)
-    # the shared fetch is gone once the loads are done: a later load fetches for itself
+    # the shared fetches are gone once the loads are done: a later load fetches for itself
     from fastckpt.sharded import remote as sharded_remote
 
-    assert not sharded_remote._heads
+    assert not sharded_remote._heads and not sharded_remote._metadata
 
 
 def test_when_the_shared_fetch_fails_that_load_raises_and_the_others_fetch_again(monkeypatch):
     url = _url_checkpoint()
-    calls = _hold_until_every_rank_asked(monkeypatch, 2, fail_first=True)
+    rounds, _ = _hold_until_every_rank_asked(monkeypatch, 2, fail_first=True)
     with pytest.raises(OSError, match="the first fetch fails"):
         _ranks_as_threads(url, 2)
-    assert len(calls) == 2  # the other rank fetched on its own, and loaded
+    assert len(rounds) == 2  # the other rank fetched the metadata on its own, and loaded
     assert [len(t.ids()) for t in _ranks_as_threads(url, 2)] != []
 
 

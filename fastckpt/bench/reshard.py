@@ -18,7 +18,8 @@ new tables) and by N ranks (the *same-shape* load the target compares with: N ->
   before, answers a ranged GET in time proportional to the whole object: an N -> M load, whose ranks ask for more
   and smaller ranges of the same objects, measured moto's request count, not the bytes it reads), each rank fetching its share with ranged reads
   (:func:`fastckpt.sharded.remote.fetch_share`); verified, whole files (the manifest hashes whole files): v4 only
-  those whose parts the rank reads, v3 the whole prefix.
+  those whose parts the rank reads, v3 the whole prefix. A table beside says what each rank of each v4 load fetches
+  (untimed): the tensor-file headers, the requests and the bytes.
 
 Each v4 load is checked once before the timed rounds: every id on the rank of its slice, every id once.
 
@@ -145,6 +146,8 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
             for label, key in keys.items():
                 timing = summarize(worker_times[label]) if label in worker_times else timings[label]
                 rows.append({**key, "timing": timing})
+            if s3:  # untimed: what each rank fetches from S3 (requests, bytes, tensor-file headers)
+                rows += _fetches(places["v4 S3"], v4, src, targets, table)
             for where, _ in places.values():
                 if not where.startswith("s3://"):
                     shutil.rmtree(where, ignore_errors=True)
@@ -154,6 +157,62 @@ def measure(root: Path, build: Callable[[int], list], all_ids: np.ndarray, dense
         if server is not None:
             server.stop()
     return rows
+
+
+def _fetches(place: tuple[str, dict | None], local: Path, src: int, targets: list[int],
+             table: str) -> list[dict[str, Any]]:
+    """Each rank's fetch of the v4 checkpoint at ``place`` (table ``table``) for every count in ``targets``,
+    unverified and verified (:func:`fastckpt.sharded.remote.fetch_share`, into a temporary directory): one row per
+    (M, verify) with the ranks' ``{"requests", "bytes", "headers"}`` (None for a rank that downloads the whole
+    prefix)."""
+    import tempfile
+
+    from fastckpt.sharded import Loader
+    from fastckpt.sharded import remote as sharded_remote
+
+    url, options = place
+    files = sum(1 for p in local.iterdir() if p.name.endswith(".safetensors"))
+    rows = []
+    for verify in (False, True):
+        for m in targets:
+            ranks = []
+            for j in range(m):
+                with tempfile.TemporaryDirectory(prefix="fastckpt-bench-share-") as tmp:
+                    got = sharded_remote.fetch_share(Loader(url, hashtables={table: None}, tensors={}, shard_index=j,
+                                                            shard_num=m, dense="rows", verify=verify,
+                                                            storage_options=options), tmp)
+                ranks.append(None if got is False else {k: got[k] for k in ("requests", "bytes", "headers")})
+            rows.append({"checkpoint": "v4 S3", "src": src, "dst": m, "verify": verify, "fetch": ranks,
+                         "files": files})
+    return rows
+
+
+def fetch_report(rows: list[dict[str, Any]]) -> list[str]:
+    """The table of what each rank of an N -> M load fetches from S3 (rows of :func:`_fetches`); empty without.
+
+    >>> rows = [{"src": 4, "dst": 2, "verify": False, "files": 16, "fetch": [{"requests": 20, "bytes": 1 << 20,
+    ...          "headers": 8}, {"requests": 22, "bytes": 3 << 20, "headers": 8}]}]
+    >>> fetch_report(rows)[-1]
+    '| 4 -> 2 | no | 16 | 8 | 21 | 2 MiB |'
+    """
+    from fastckpt.bench.timing import format_size
+
+    lines = []
+    for row in rows:
+        ranks = [r for r in row["fetch"] if r is not None]
+        if not ranks:
+            lines.append([f"{row['src']} -> {row['dst']}", "yes" if row["verify"] else "no", str(row["files"]),
+                          "(the whole prefix)", "", ""])
+            continue
+        median = lambda key: float(np.median([r[key] for r in ranks]))  # noqa: E731
+        lines.append([f"{row['src']} -> {row['dst']}", "yes" if row["verify"] else "no", str(row["files"]),
+                      str(max(r["headers"] for r in ranks)), f"{median('requests'):.0f}",
+                      format_size(median("bytes"))])
+    if not lines:
+        return []
+    return ["### resharding from S3: what each rank fetches (fastckpt.sharded.remote.fetch_share, untimed)", "",
+            *table_lines(["N -> M", "verified", "tensor files", "headers fetched per rank (most)",
+                          "requests per rank (median)", "bytes per rank (median)"], lines, "llrrrr")]
 
 
 def report(rows: list[dict[str, Any]], pairs: list[tuple[int, int]], parallel: int) -> list[str]:
@@ -167,7 +226,7 @@ def report(rows: list[dict[str, Any]], pairs: list[tuple[int, int]], parallel: i
     >>> [line for line in text if line.startswith("| v4 | 4 -> 3")][0]
     '| v4 | 4 -> 3 | no | 1.200 s | 1.000 s | 1.20x | met |  |'
     """
-    by = {(r["checkpoint"], r["src"], r["dst"], r["verify"]): r["timing"] for r in rows}
+    by = {(r["checkpoint"], r["src"], r["dst"], r["verify"]): r["timing"] for r in rows if "timing" in r}
     out = []
     lines = []
     for (name, src, dst, verify), timing in by.items():

@@ -841,6 +841,8 @@ def report(results: dict, quick: bool = False) -> str:
 
         reshard_lines = resharding.report(r["reshard"], r["reshard_pairs"], r["reshard_parallel"])
         lines += [*reshard_lines[: reshard_lines.index("", 2)], ""]
+        fetched = resharding.fetch_report([row for row in r["reshard"] if "fetch" in row])
+        lines += [*fetched, ""] if fetched else []
     if "hashtable" in r:
         h = r["hashtable"]
         rows = [[name, format_duration(h[name].median), _gbps(h["bytes"], h[name].median)] for name in (EXPORT, IMPORT)]

@@ -174,8 +174,11 @@ def _load_from(loader, local: str):
 _HEAD = 8 << 10  # the first bytes fetched of every tensor file: its safetensors header, mostly whole
 
 
-# The metadata and tensor-file headers of a prefix being fetched, by (URL, the manifest's BLAKE3): shared by the
-# loads that run at the same time (:meth:`_Share.shared_heads`); a Future of (bytes by file, offsets).
+# The metadata files of a URL being fetched in a load's first round (:func:`_first_round`), by URL: shared by the
+# loads that ask while it runs; a Future of {file: its bytes, or None where it is missing}.
+_metadata = Flights()
+# Tensor-file headers being fetched, by (URL, the manifest's BLAKE3, file) (:meth:`_Share.shared_headers`): shared
+# by the loads that run at the same time and read that file; a Future of the header's bytes (8 + its length).
 _heads = Flights()
 # Whole tensor files being fetched, by (URL, the manifest's BLAKE3, file) (:meth:`_Share.fetch_whole`); a Future of
 # (the local path of the load that fetched it, the paths it linked it to).
@@ -197,7 +200,9 @@ class _Share:
         # functions that let go of those hashes are put here
         self.ahead, self._hashing = (ahead if ahead is not None else []), ahead is not None
         self.bytes, self.requests = 0, 0
+        self.headed: set[str] = set()  # the tensor files whose header this load has (fetched, or another load's)
         self.manifest_hash = ""  # the BLAKE3 of the manifest's bytes: what the metadata fetched belongs to
+        self.metadata: dict[str, bytes | None] = {}  # the metadata files the first round brought (_first_round)
         for name, size in sizes.items():
             with open(os.path.join(local, name), "wb") as f:
                 f.truncate(size)  # sparse: only the ranges fetched take space
@@ -220,22 +225,39 @@ class _Share:
 
     def headers(self, names: list[str], also: dict | None = None) -> dict[str, tuple[str, int, int, list]]:
         """``{stored key: (file, begin, end, shape)}`` from the safetensors headers of ``names`` (fetched here,
-        with the ranges ``also`` in the same round of requests)."""
+        with the ranges ``also`` in the same round of requests; headers longer than the first bytes fetched of
+        every file are fetched on in one more round, all of them together)."""
+        self._fetch_heads(names, also)
+        return self._parse_headers(names)
+
+    def _fetch_heads(self, names: list[str], also: dict | None = None) -> None:
+        """The headers of ``names`` into the local files (see :meth:`headers`)."""
         import os
 
+        self.headed.update(names)
+
         self.fetch({**(also or {}), **{name: [(0, min(_HEAD, self.sizes[name]))] for name in names}})
+        longer = {}
+        for name in names:
+            with open(os.path.join(self.local, name), "rb") as f:
+                head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if _HEAD < 8 + length <= self.sizes[name] and length <= MAX_HEADER_SIZE:
+                longer[name] = [(_HEAD, 8 + length)]
+        self.fetch(longer)
+
+    def _parse_headers(self, names: list[str]) -> dict[str, tuple[str, int, int, list]]:
+        """``{stored key: (file, begin, end, shape)}`` from the headers of ``names`` in the local files."""
+        import os
+
         out = {}
         for name in names:
             with open(os.path.join(self.local, name), "rb") as f:
                 head = f.read(8)
                 length = int.from_bytes(head, "little") if len(head) == 8 else 0
-            if _HEAD < 8 + length <= self.sizes[name]:
-                self.fetch({name: [(_HEAD, 8 + length)]})
-            if length > MAX_HEADER_SIZE:
-                raise FormatError(f"{self.url}/{name}: header length {length} is larger than the safetensors limit of "
-                                  f"{MAX_HEADER_SIZE} bytes (not a safetensors file, or damaged)")
-            with open(os.path.join(self.local, name), "rb") as f:
-                f.seek(8)
+                if length > MAX_HEADER_SIZE:
+                    raise FormatError(f"{self.url}/{name}: header length {length} is larger than the safetensors "
+                                      f"limit of {MAX_HEADER_SIZE} bytes (not a safetensors file, or damaged)")
                 header = parse_json(f.read(length), f"{self.url}/{name}", what="its safetensors header")
             for key, entry in header.items():
                 if key != "__metadata__":
@@ -243,42 +265,67 @@ class _Share:
                     out[key] = (name, 8 + length + begin, 8 + length + end, list(entry["shape"]))
         return out
 
-    def shared_heads(self, whole: list[str], headed: list[str]) -> dict[str, tuple[str, int, int, list]]:
-        """:meth:`headers` of ``headed`` with the files ``whole`` fetched whole in the same round, shared by the
-        loads of this prefix and manifest that run at the same time in this process (the ranks of a load run as
-        threads): one fetches, the others wait and write the same bytes into their own local copies (an unchanged
-        manifest names unchanged metadata files and tensor files, by their BLAKE3 and size)."""
+    def shared_headers(self, names: list[str]) -> dict[str, tuple[str, int, int, list]]:
+        """:meth:`headers` of the tensor files ``names`` (those this load reads), each fetched once among the loads
+        of this prefix and manifest that run at the same time in this process and read it (the ranks of a load run
+        as threads): a header another load is fetching is waited for and its bytes written into this load's local
+        copy (an unchanged manifest names unchanged tensor files, by their BLAKE3 and size), the rest fetched here
+        in one round. A header whose fetch failed in another load is fetched here."""
         import os
 
-        key = (self.url, self.manifest_hash)
-        flight, future, mine = _heads.join(key)
+        own, others = [], []
+        for name in names:
+            flight, future, mine = _heads.join((self.url, self.manifest_hash, name))
+            (own if mine else others).append((name, flight, future))
         try:
-            if not mine:
-                try:
-                    blobs, offsets = future.result()
-                except Exception:  # noqa: BLE001 - the fetching load raises its own error; this one fetches again
-                    return self.headers(headed, also={name: [(0, self.sizes[name])] for name in whole})
-                for name, data in blobs.items():
-                    with open(os.path.join(self.local, name), "r+b") as f:
-                        f.write(data)
-                return offsets
             try:
-                offsets = self.headers(headed, also={name: [(0, self.sizes[name])] for name in whole})
-                blobs = {}
-                for name in [*whole, *headed]:  # a metadata file whole, a tensor file's header (8 + its length)
-                    with open(os.path.join(self.local, name), "rb") as f:
-                        if name in headed:
-                            head = f.read(8)
-                            blobs[name] = head + f.read(int.from_bytes(head, "little") if len(head) == 8 else 0)
-                        else:
-                            blobs[name] = f.read(self.sizes[name])
+                self._fetch_heads([name for name, _, _ in own])
             except BaseException as exc:
-                _heads.fail(flight, future, exc)
+                for _, flight, future in own:
+                    _heads.fail(flight, future, exc)
                 raise
-            future.set_result((blobs, offsets))
-            return offsets
+            for name, _, future in own:
+                with open(os.path.join(self.local, name), "rb") as f:
+                    head = f.read(8)
+                    length = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    future.set_result(head + f.read(min(length, MAX_HEADER_SIZE)))
+            again = []
+            for name, _, future in others:
+                try:
+                    data = future.result()
+                except Exception:  # noqa: BLE001 - the fetching load raises its own error; this one fetches again
+                    again.append(name)
+                    continue
+                with open(os.path.join(self.local, name), "r+b") as f:
+                    f.write(data)
+                self.headed.add(name)
+            self._fetch_heads(again)
         finally:
-            _heads.leave(key, flight)  # held by loads running now only: a later load fetches the prefix again
+            for name, flight, _ in [*own, *others]:
+                _heads.leave((self.url, self.manifest_hash, name), flight)
+        return self._parse_headers(list(names))
+
+    def take_metadata(self, fetched: dict[str, bytes | None], manifest: dict) -> None:
+        """Put the metadata files the first round brought (:func:`_first_round`) into the local copy, each where it
+        is the one ``manifest`` lists (its size and BLAKE3: that round asks for the manifest and the metadata at
+        once, so another save may have committed between); fetch the others whole now."""
+        import os
+
+        import blake3
+
+        files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+        again = {}
+        for name, data in fetched.items():
+            if name not in self.sizes:
+                continue
+            entry = files.get(name)
+            if data is not None and isinstance(entry, dict) and entry.get("size") == len(data) \
+                    and entry.get("blake3") == blake3.blake3(data).hexdigest():
+                with open(os.path.join(self.local, name), "r+b") as f:
+                    f.write(data)
+            else:
+                again[name] = [(0, self.sizes[name])]
+        self.fetch(again)
 
     def fetch_whole(self, names: list[str]) -> None:
         """Fetch files ``names`` whole, each once among the loads of this prefix and manifest that run at the same
@@ -387,24 +434,89 @@ def _row_spans(mine, n_rows: int, where: tuple) -> list[tuple[int, int]]:
             for a, b in zip(starts, [*starts[1:], len(mine)])]
 
 
+def _first_round(fs, url: str, path: str, manifest_only: bool) -> tuple[bytes | None, dict, tuple[int, int]]:
+    """A load's first round of requests: ``(the manifest's bytes or None where there is none, {metadata file: its
+    bytes or None}, (bytes, requests) this load fetched))``, each read bounded (one byte past
+    :data:`~fastckpt.store.manifest.MAX_JSON_BYTES` says a file is larger: a :class:`~fastckpt.errors.FormatError`).
+
+    The manifest and fastckpt's three metadata files are asked for at once (not the manifest first, then the files
+    it lists), so that the headers of the files a rank reads, which the metadata names, come in the second round.
+    The metadata is fetched once among the loads of the URL that ask while it is being fetched (the ranks of a load
+    run as threads); each load fetches its own manifest in that round (the commit it loads), and
+    :meth:`_Share.take_metadata` takes only metadata whose size and BLAKE3 that manifest lists. ``manifest_only``:
+    the manifest alone (a load that reads the whole prefix).
+    """
+    names = [MANIFEST_FILE] if manifest_only else None
+    flight = future = None
+    if names is None:
+        flight, future, mine = _metadata.join(url)
+        names = [MANIFEST_FILE, *_METADATA] if mine else [MANIFEST_FILE]
+    try:
+        try:
+            got = _bounded(fs, url, path, names)
+        except BaseException as exc:
+            if future is not None and len(names) > 1:
+                _metadata.fail(flight, future, exc)
+            raise
+        metadata: dict = {}
+        if future is not None:
+            if len(names) > 1:
+                metadata = {name: got[name] for name in _METADATA}
+                future.set_result(metadata)
+            else:
+                try:
+                    metadata = future.result()
+                except Exception:  # noqa: BLE001 - that load raises its own error; this one fetches what it needs
+                    metadata = {}
+        fetched = sum(len(data) for data in got.values() if data is not None), sum(v is not None for v in got.values())
+        return got[MANIFEST_FILE], metadata, fetched
+    finally:
+        if flight is not None:
+            _metadata.leave(url, flight)
+
+
+_METADATA = (INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE)
+
+
+def _bounded(fs, url: str, path: str, names: list[str]) -> dict[str, bytes | None]:
+    """``{name: its bytes, or None where there is no such file}`` for files ``names`` of the prefix, asked for at
+    once, each read up to one byte past :data:`~fastckpt.store.manifest.MAX_JSON_BYTES` (a larger one is a
+    :class:`~fastckpt.errors.FormatError` naming it)."""
+    limit = MAX_JSON_BYTES + 1
+    answers = fs.cat_ranges([f"{path}/{name}" for name in names], [0] * len(names), [limit] * len(names),
+                            on_error="return")
+    out = {}
+    for name, answer in zip(names, answers):
+        if isinstance(answer, FileNotFoundError):
+            answer = None
+        elif isinstance(answer, BaseException):
+            raise answer
+        elif len(answer) > MAX_JSON_BYTES:
+            raise FormatError(f"{url}/{name}: more than the {MAX_JSON_BYTES} bytes a checkpoint's metadata file may "
+                              "have")
+        out[name] = answer
+    return out
+
+
 def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
     """Fetch into ``local`` the bytes of the checkpoint at ``loader.checkpoint_path`` that ``loader``'s rank loads.
 
-    The metadata files whole; of every tensor file its header, then each dense part this rank takes and the
-    hashtable id parts it needs (every one; in RecIS's layout under its slice rule, only those whose slice meets
-    the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the embedding and slot
-    parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
-    sparse local files of their full size, so the Loader reads them as it reads any directory. Returns
-    ``{"bytes": fetched, "requests": ranges, "layout", "manifest": bool}``, or False for a checkpoint that must
-    be downloaded whole: one with a manifest loaded with ``verify=True`` (its BLAKE3 hashes cover whole files,
-    so only whole files can be checked; but a full, unencoded checkpoint of format version 4 under its slice rule
-    fetches whole only the files whose parts this rank reads), a delta, an encoded table; or neither a manifest
-    nor RecIS's ``index``, which the whole-prefix path reports. Loads of the same prefix running at the same
-    time in this process (ranks as threads) fetch the metadata, the headers and the whole files alike once
-    between them (:meth:`_Share.shared_heads`, :meth:`_Share.fetch_whole`). With ``ahead`` (a list), each file
-    this load fetches whole is hashed on a worker thread as soon as it is in place, for every reader that opens it
-    meanwhile: ``ahead`` receives for each the function that lets go of its hash
-    (:func:`fastckpt.sharded.reader.hash_ahead`; :func:`load` calls each once its load is done).
+    The manifest and the metadata files whole, in one round (:func:`_first_round`); then the headers of the tensor
+    files holding a part this rank reads (``index.json``, or RecIS's ``index``, names them), then each dense part
+    this rank takes and the hashtable id parts it needs (every one; under the slice rule, only those whose slice
+    meets the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the embedding and
+    slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
+    sparse local files of their full size, so the Loader reads them as it reads any directory. Returns ``{"bytes":
+    fetched, "requests": ranges, "layout", "manifest": bool, "headers": tensor files whose header it has}``, or
+    False for a checkpoint that must be downloaded whole: one with a manifest loaded with ``verify=True`` (its
+    BLAKE3 hashes cover whole files, so only whole files can be checked; but a full, unencoded checkpoint of format
+    version 4 under its slice rule fetches whole only the files whose parts this rank reads), a delta, an encoded
+    table; or neither a manifest nor RecIS's ``index``, which the whole-prefix path reports. Loads of the same
+    prefix running at the same time in this process (ranks as threads) fetch the metadata, the headers and the whole
+    files alike once between them (:func:`_first_round`, :meth:`_Share.shared_headers`, :meth:`_Share.fetch_whole`).
+    With ``ahead`` (a list), each file this load fetches whole is hashed on a worker thread as soon as it is in
+    place, for every reader that opens it meanwhile: ``ahead`` receives for each the function that lets go of its
+    hash (:func:`fastckpt.sharded.reader.hash_ahead`; :func:`load` calls each once its load is done).
     """
 
     from fastckpt.sharded import recis
@@ -412,13 +524,8 @@ def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
     url, options = loader.checkpoint_path.rstrip("/"), loader.storage_options
     fs, path = remote.filesystem(url, options)
     path = path.rstrip("/")
-    try:  # bounded: one byte past the limit says the file is larger
-        manifest_bytes = fs.cat_file(f"{path}/{MANIFEST_FILE}", start=0, end=MAX_JSON_BYTES + 1)
-    except FileNotFoundError:
-        manifest_bytes = None
-    if manifest_bytes is not None and len(manifest_bytes) > MAX_JSON_BYTES:
-        raise FormatError(f"{url}/{MANIFEST_FILE}: more than the {MAX_JSON_BYTES} bytes a checkpoint's metadata "
-                          "file may have")
+    # Another owner rule, verified, reads the whole prefix (below): the manifest alone decides that.
+    manifest_bytes, metadata, fetched = _first_round(fs, url, path, loader.verify and loader.owner is not None)
     manifest = parse_json(manifest_bytes, f"{url}/{MANIFEST_FILE}") if manifest_bytes is not None else None
     if manifest is not None and loader.verify and not _sliced(loader, manifest):
         # The manifest hashes whole files: a file fetched in part cannot be checked against it, so a verified load
@@ -449,9 +556,11 @@ def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
         share.manifest_hash = blake3.blake3(manifest_bytes).hexdigest()
         with open(f"{local}/{MANIFEST_FILE}", "wb") as f:
             f.write(manifest_bytes)
-        share.bytes, share.requests = len(manifest_bytes), 1
+        share.bytes, share.requests = fetched
+        share.metadata = metadata
     plan(loader, share, manifest)
-    return {"bytes": share.bytes, "requests": share.requests, "layout": layout, "manifest": manifest is not None}
+    return {"bytes": share.bytes, "requests": share.requests, "layout": layout, "manifest": manifest is not None,
+            "headers": len(share.headed)}
 
 
 def _sliced(loader, manifest: dict) -> bool:
@@ -466,30 +575,29 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     """fastckpt's layout: dense parts by rows, the id parts, then the owned rows (:meth:`Loader.owner_rule`). Under
     format version 4's slice rule, in one round, the rows of the slice groups that meet the rank's slice (its run of
     rows lies in them) of the ids, the embedding and every slot; under another rule every id part whole, then the
-    rows it owns."""
+    rows it owns. Which parts the rank reads comes from the descriptions, and which files hold them from
+    ``index.json``: only those files' headers are fetched (with ``verify``, no header: those files whole)."""
     import numpy as np
 
     from fastckpt.sharded.format import group_rows, rows_of
 
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
-    offsets = share.shared_heads(metadata, sorted(set(share.sizes) - set(metadata)))
+    share.take_metadata({name: share.metadata.get(name) for name in metadata}, manifest)
     descriptions = share.json(DESCRIPTION_FILE)
+    files_of = _files_of(share.json(INDEX_FILE), set(share.sizes) - set(metadata))
     dense_wanted = set(loader.tensors) or set(manifest.get("tensors", {}))
     tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
-    first: dict[str, list[tuple[int, int]]] = {}
+    dense_rows: dict[str, tuple[int, int]] = {}  # dense part -> the rows of the tensor this rank takes
     id_parts = []
     ranges: dict[str, tuple[int, int]] = {}  # version-4 id part -> the rows of the groups fetched
     for key, desc in descriptions.items():
-        where = offsets.get(key)
-        if where is None:
-            continue  # the Loader names what is missing
         if desc.get("dense") and desc.get("tensor") in dense_wanted:
             rows = desc["global_shape"][0] if desc.get("global_shape") else 0
             lo, hi = (0, rows) if loader.dense == "replicated" or not rows else \
                 rows_of(loader.shard_index, loader.shard_num, rows)
-            span = _dense_span(desc, where, lo, hi)
-            if span is not None:
-                first.setdefault(where[0], []).append(span)
+            if not desc["shape"] or max(lo, desc.get("row_start", 0)) < min(hi, desc.get("row_start", 0)
+                                                                             + desc["shape"][0]):
+                dense_rows[key] = (lo, hi)
         elif desc.get("role") == "id" and desc.get("table") in tables_wanted:
             partition = manifest["hashtables"].get(desc["table"], {}).get("partition")
             if loader.owner is None and partition is not None and "slices" in desc and loader.shard_num > 1:
@@ -499,20 +607,38 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
                 if r0 == r1:
                     continue
                 ranges[key] = (r0, r1)
-                first.setdefault(where[0], []).append((where[1] + 8 * r0, where[1] + 8 * r1))
-            else:
-                first.setdefault(where[0], []).append(where[1:3])
             id_parts.append(key)
+    parts = {(descriptions[key]["table"], tuple(descriptions[key].get("part", ()))) for key in id_parts}
+    beside = [key for key, d in descriptions.items() if not d.get("dense") and d.get("role") in ("embedding", "slot")
+              and (d.get("table"), tuple(d.get("part", ()))) in parts]
+    read = [*dense_rows, *id_parts, *beside]
+    if files_of is None or any(key not in files_of for key in read):  # the Loader names what is wrong
+        files = sorted(set(share.sizes) - set(metadata))
+    else:
+        files = sorted({files_of[key] for key in read})
     if loader.verify:  # a verified version-4 load (_sliced): the files it reads whole, for their hashes
-        parts = {(descriptions[key]["table"], tuple(descriptions[key]["part"])) for key in id_parts}
-        files = {offsets[k][0] for k in id_parts} | set(first)
-        files |= {offsets[k][0] for k, d in descriptions.items()
-                  if k in offsets and not d.get("dense") and (d.get("table"), tuple(d.get("part", ()))) in parts}
-        share.fetch_whole(sorted(files))
+        share.fetch_whole(files)
         return
+    offsets = share.shared_headers(files)
+    first: dict[str, list[tuple[int, int]]] = {}
+    for key, (lo, hi) in dense_rows.items():
+        where = offsets.get(key)
+        span = None if where is None else _dense_span(descriptions[key], where, lo, hi)
+        if span is not None:
+            first.setdefault(where[0], []).append(span)
+    id_parts = [key for key in id_parts if key in offsets]  # the Loader names a part no header places
+    for key in id_parts:
+        where = offsets[key]
+        if key in ranges:
+            r0, r1 = ranges[key]
+            first.setdefault(where[0], []).append((where[1] + 8 * r0, where[1] + 8 * r1))
+        else:
+            first.setdefault(where[0], []).append(where[1:3])
     # Version 4 under its slice rule: the rows of the same groups of the embedding and slots, in the same round as
     # the ids (the rank's run lies in them; the Loader reads that run and checks the ids): no second round.
     for key, (r0, r1) in ranges.items():
+        if key not in offsets:
+            continue
         for other in _part_tensors(descriptions, key, offsets):
             first.setdefault(offsets[other][0], []).extend(
                 _row_spans(np.arange(r0, r1), descriptions[key]["shape"][0], offsets[other]))
@@ -530,6 +656,24 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
         for other in _part_tensors(descriptions, key, offsets):
             rows_plan.setdefault(offsets[other][0], []).extend(_row_spans(mine, len(ids), offsets[other]))
     share.fetch(rows_plan)
+
+
+def _files_of(index, names: set[str]) -> dict[str, str] | None:
+    """``{stored key: file name}`` from ``index.json``'s value ``index`` (file names among ``names``), or None where
+    it is not of the form the format gives (the reader says what is wrong).
+
+    >>> _files_of({"block_index": {"w/part_0_1": 0}, "file_index": {"model-00000-000.safetensors": 0}},
+    ...           {"model-00000-000.safetensors"})
+    {'w/part_0_1': 'model-00000-000.safetensors'}
+    """
+    if not isinstance(index, dict) or not isinstance(index.get("block_index"), dict) \
+            or not isinstance(index.get("file_index"), dict):
+        return None
+    by_number = {number: name for name, number in index["file_index"].items() if name in names}
+    try:
+        return {key: by_number[number] for key, number in index["block_index"].items() if number in by_number}
+    except TypeError:  # an unhashable number
+        return None
 
 
 def _dense_span(desc: dict, where: tuple, lo: int, hi: int) -> tuple[int, int] | None:
@@ -565,7 +709,8 @@ def _part_tensors(descriptions: dict, id_key: str, offsets: dict) -> list[str]:
 
 def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
     """RecIS's layout: dense blocks by rows; under RecIS's slice rule only the id parts whose slice meets the
-    rank's and the rows of its slice (with another ``loader.owner``: every id part, the rows it owns)."""
+    rank's and the rows of its slice (with another ``loader.owner``: every id part, the rows it owns). Of the
+    tensor files, only the headers of those holding a block the rank reads (RecIS's ``index`` names them)."""
     import numpy as np
 
     from fastckpt.sharded import recis
@@ -575,17 +720,34 @@ def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
                 if name in share.sizes]
     share.fetch({name: [(0, share.sizes[name])] for name in metadata})
     index, tensorkey = share.json(recis.INDEX_FILE), share.json(recis.TENSORKEY_FILE)
-    files = [name for name in index.get("file_index", {}) if name in share.sizes]
-    offsets = share.headers(sorted(files))
     blocks: dict[str, dict[str, str]] = {}  # tensor -> {slice: stored key}
     for key in index.get("block_index", {}):
         tokens = [t for t in tensorkey.get(key, key).split("^") if t]
-        if len(tokens) == 2 and key in offsets:
+        if len(tokens) == 2:
             blocks.setdefault(tokens[0], {})[tokens[1]] = key
     dense_wanted = set(loader.tensors) or {t for t, b in blocks.items() if " " in b}
     tables = {t[:-3] for t in blocks if t.endswith("@id") and f"{t[:-3]}@embedding" in blocks}
     tables_wanted = set(loader.hashtables) or tables
     slice_rule = loader.owner in (None, owner_mod)
+    # The blocks this rank reads, from the index and tensorkey.json alone: only their files' headers are fetched.
+    read = []
+    for tensor, by_slice in blocks.items():
+        if " " in by_slice and tensor in dense_wanted:
+            read.append(by_slice[" "])
+        elif tensor.endswith("@id") and tensor[:-3] in tables_wanted:
+            for piece, key in by_slice.items():
+                part = recis.parse_slice(piece, key)
+                mine = recis.gen_slice(loader.shard_index, loader.shard_num, part[2])
+                if slice_rule and not (part[0] < mine[1] and mine[0] < part[1]):
+                    continue
+                read += [b[piece] for t, b in blocks.items() if t.startswith(f"{tensor[:-3]}@") and piece in b]
+    files_of = _files_of(index, set(share.sizes) - set(metadata))
+    if files_of is None or any(key not in files_of for key in read):  # the reader says what is wrong
+        files = [name for name in index.get("file_index", {}) if name in share.sizes]
+    else:
+        files = list({files_of[key] for key in read})
+    offsets = share.headers(sorted(files))
+    blocks = {t: {piece: key for piece, key in b.items() if key in offsets} for t, b in blocks.items()}
     first: dict[str, list[tuple[int, int]]] = {}
     id_parts = []
     for tensor, by_slice in blocks.items():
