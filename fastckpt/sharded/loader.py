@@ -186,6 +186,16 @@ def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
     return total
 
 
+def _share_nbytes(job: tuple, info: dict) -> int:
+    """About the bytes load job ``job`` (``(name, stored bytes, ...)``) reads: a dense tensor's rows this rank
+    takes of the whole (``dense="rows"``), else the stored bytes."""
+    entry = info.get("tensors", {}).get(job[0])
+    if entry is None or not entry["shape"]:
+        return job[1]
+    start, end = entry["rows"]
+    return job[1] * (end - start) // max(1, entry["shape"][0])
+
+
 _open_readers = Flights()  # the checkpoints that loads of this process hold open now: one reader between them
 
 
@@ -396,7 +406,10 @@ class Loader:
             # to another thread fewer per load, and this thread works rather than waits.
             here = order[:1] if self.parallel > 1 else order
             with Lane("load", max(1, self.parallel - 1)) as pool:
-                futures = [pool.submit(scope.run, run, *job) for job in order[len(here):]]
+                # a few MiB a job (a rank's share of each dense tensor) go to threads together: fewer hand-offs
+                rest = order[len(here):]
+                futures = pool.submit_bundled([(scope.run, (run, *job)) for job in rest],
+                                              [_share_nbytes(job, info) for job in rest])
                 for finish in [functools.partial(run, *job) for job in here] + [f.result for f in futures]:
                     try:
                         finish()
@@ -662,7 +675,9 @@ class Loader:
             at = end
         with Lane("rows", self.parallel) as pool:
             scope = held_guards()  # the copies' threads read the mappings under this thread's guards
-            futures = [pool.submit(scope.run, *copy) for copy in copies]
+            # bundled by bytes (fastckpt.sharded.workers.bundles): a resharding rank's runs of a few MiB each go
+            # to one thread together rather than waking a thread each
+            futures = pool.submit_bundled([(scope.run, copy) for copy in copies], [copy[-1].nbytes for copy in copies])
             error = None
             for key, out in id_reads:
                 _read_part(reader, key, out)
