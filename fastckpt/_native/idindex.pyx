@@ -360,21 +360,26 @@ cdef Py_ssize_t _fill(const int64_t* keys, Py_ssize_t lo, Py_ssize_t n, Bucket* 
     Almost every id of a large index misses the cache at its home bucket: the home bucket of the id
     ``_PREFETCH`` places ahead is fetched meanwhile, so that the misses overlap.
     """
-    cdef Py_ssize_t mask = buckets - 1, i, at
+    cdef Py_ssize_t mask = buckets - 1, i
     cdef Py_ssize_t added = 0
-    cdef int64_t key
     for i in range(lo, n):
         if i + _PREFETCH < n:
             fastckpt_idindex_prefetch(&b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
-        key = keys[i]
-        at = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
-        while b[at].stored and b[at].key != key:
-            at = (at + 1) & mask
-        if not b[at].stored:
-            b[at].key = key
-            b[at].stored = i + 1
-            added += 1
+        added += _place(b, mask, keys[i], i + 1)
     return added
+
+
+cdef inline Py_ssize_t _place(Bucket* b, Py_ssize_t mask, int64_t key, int64_t stored) noexcept nogil:
+    """``key`` with ``stored`` (its row + 1) into buckets of :func:`_fill`, where it is not there yet; returns 1
+    where it was added, 0 where it was there (a repeat keeps its first row)."""
+    cdef Py_ssize_t at = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
+    while b[at].stored and b[at].key != key:
+        at = (at + 1) & mask
+    if b[at].stored:
+        return 0
+    b[at].key = key
+    b[at].stored = stored
+    return 1
 
 
 @cython.cdivision(True)  # size >= 1 and groups >= 1: checked by the caller
@@ -384,7 +389,7 @@ cdef bint _fill_checked(const int64_t* keys, Py_ssize_t lo, Py_ssize_t hi, Bucke
     """:func:`_fill` of ``keys[lo:hi]``, the ids of a version-4 part's rows ``first_row`` on, each checked in the same
     pass as :func:`slice_run_check` checks it, and to lie in ``[begin, end)``; returns whether all did (the
     caller checked that ``rows`` ascend and hold rows ``first_row`` to ``first_row + hi - lo``)."""
-    cdef Py_ssize_t mask = buckets - 1, i, at, g = 0
+    cdef Py_ssize_t mask = buckets - 1, i, g = 0
     cdef uint64_t usize = <uint64_t>size, smask = usize - 1, p, previous = 0, lower, upper
     cdef bint power = (usize & smask) == 0
     cdef int64_t key, row
@@ -405,13 +410,7 @@ cdef bint _fill_checked(const int64_t* keys, Py_ssize_t lo, Py_ssize_t hi, Bucke
         if p < previous or p < lower or p >= upper or p < begin or p >= end:
             return False
         previous = p
-        at = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
-        while b[at].stored and b[at].key != key:
-            at = (at + 1) & mask
-        if not b[at].stored:
-            b[at].key = key
-            b[at].stored = i + 1
-            added[0] += 1
+        added[0] += _place(b, mask, key, i + 1)
     return True
 
 

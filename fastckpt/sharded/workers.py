@@ -64,18 +64,21 @@ def bundles(sizes: list[int], limit: int, least: int = BUNDLE_BYTES) -> list[lis
     return [sorted(group) for group in out if group]
 
 
-def _run_all(tasks: list[tuple[concurrent.futures.Future, Callable[..., Any], tuple]]) -> None:
-    """Each task in turn on this thread, its result or error to its own future (every task runs, whatever one
-    before it raised)."""
-    for future, fn, args in tasks:
-        if not future.set_running_or_notify_cancel():
-            continue
+def _run(future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+    """``fn(*args)`` on this thread, its result or error to ``future`` (nothing where it was cancelled)."""
+    if future.set_running_or_notify_cancel():
         try:
             result = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(exc)
         else:
             future.set_result(result)
+
+
+def _run_all(tasks: list[tuple[concurrent.futures.Future, Callable[..., Any], tuple]]) -> None:
+    """Each task in turn on this thread (every task runs, whatever one before it raised)."""
+    for task in tasks:
+        _run(*task)
 
 def _pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
     """The worker threads of ``kind`` in this process (:func:`fastckpt.threads.kept_pool`: made on first use, and
@@ -141,13 +144,7 @@ class Lane:
     def _drain(self, future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
         """Run a task, then the lane's waiting ones in order on this thread, until none waits."""
         while True:
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
+            _run(future, fn, args)
             with self._lock:
                 if not self._waiting:
                     self._running -= 1
