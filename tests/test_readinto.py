@@ -328,7 +328,7 @@ def test_a_hugging_face_directorys_next_shard_is_read_ahead_once_this_one_is(tmp
     fastckpt.save_sharded(directory, tensors, max_shard_size=(1 << 20) + 1)
     events = []
     monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
-    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: events.append(
+    monkeypatch.setattr(reader, "read_ahead_later", lambda mapped, start, end: events.append(
         ("ahead", os.path.basename(mapped.path))) or 1)
     with fastckpt.open(directory) as r:
         for name in r.keys():
@@ -551,7 +551,7 @@ def test_a_cold_file_whose_first_window_the_open_read_is_still_read_ahead_of_its
     else:
         fastckpt.save_sharded(path, tensors, max_shard_size=(4 << 20) + 1)  # 4 shards of 2 tensors
     asked = []
-    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append(
+    monkeypatch.setattr(reader, "read_ahead_later", lambda mapped, start, end: asked.append(
         (os.path.basename(mapped.path), start, end)) or 1)
     with fastckpt.open(path) as r:
         files = [r] if source == "file" else list(r.files.values())

@@ -46,8 +46,8 @@ from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
-from fastckpt.formats.readinto import (DIRECT_ALIGN, cached, file_cached, open_direct, read_ahead, read_checked,
-                                       same_file)
+from fastckpt.formats.readinto import (DIRECT_ALIGN, cached, file_cached, open_direct, read_ahead_later,
+                                       read_checked, same_file)
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
 from fastckpt.store.remote import is_url
@@ -193,7 +193,7 @@ class TensorFile(ReaderMapping):
             # Every tensor's bytes will be read: from the first one to the file's end, all at once.
             start = self._offset_of(next(iter(views.values())))
             if start is not None and self._size - start >= READ_AHEAD_MIN and not self._warm(start, self._size):
-                read_ahead(self.mapped, start, self._size, check=False)
+                read_ahead_later(self.mapped, start, self._size)
             self._ahead = self._size
         return views
 
@@ -214,7 +214,7 @@ class TensorFile(ReaderMapping):
             self._ahead = self._size  # small or warm: nothing to ask the kernel for, now or later
             return
         self._ahead = min(self._size, start + READ_AHEAD)
-        read_ahead(self.mapped, start, self._ahead, check=False)
+        read_ahead_later(self.mapped, start, self._ahead)
 
     def _offset_of(self, view) -> int | None:
         """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
@@ -243,7 +243,7 @@ class TensorFile(ReaderMapping):
                 return
             start = max(self._ahead, start)
             self._ahead = min(self._size, end + READ_AHEAD)
-            read_ahead(self.mapped, start, self._ahead, check=False)
+            read_ahead_later(self.mapped, start, self._ahead)
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
