@@ -60,10 +60,12 @@ __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener"
 # and registers itself here; ``fastckpt/formats/__init__.py`` imports it, so ``fastckpt.open`` always has it.
 _url_opener: list = [None]
 
-# A view of a tensor of READ_AHEAD_MIN bytes or more has the kernel read the file READ_AHEAD bytes past it
-# (TensorFile._read_ahead): a copy out of a fresh mapping of a cold file otherwise waits at every page fault for the
-# kernel's readahead window alone. Measured in docs/reading.md (cold copies of 512 MiB, medians of 12 runs on a
-# loaded machine: 0.33 -> 0.53 GB/s).
+# A cold file (mincore, TensorFile._warm) is read into the page cache ahead of the caller's copies out of its mapping
+# on a kept thread (readinto.read_ahead_later: the kernel's read path, large folios, large disk requests): the first
+# READ_AHEAD bytes of its data from open() on (read_ahead_start), then READ_AHEAD bytes past each view of a tensor of
+# READ_AHEAD_MIN bytes or more, extended by half a window at a time. A copy out of a fresh mapping of a cold file
+# otherwise waits at every page fault for the kernel's readahead window alone. Measured in docs/reading.md (cold
+# copies of 512 MiB: 0.69 -> 0.94 of the cold suite's bound).
 READ_AHEAD_MIN = 1 << 20
 READ_AHEAD = 256 << 20
 
@@ -192,15 +194,19 @@ class TensorFile(ReaderMapping):
         if names is None and self._ahead < self._size and views:
             # Every tensor's bytes will be read: from the first one to the file's end, all at once.
             start = self._offset_of(next(iter(views.values())))
-            if start is not None and self._size - start >= READ_AHEAD_MIN and not self._warm(start, self._size):
-                read_ahead_later(self.mapped, start, self._size)
+            if start is not None and self._size - start >= READ_AHEAD_MIN and \
+                    (self._ahead or not self._warm(start, self._size)):  # (a window read already: known cold)
+                read_ahead_later(self.mapped, max(start, self._ahead), self._size)
             self._ahead = self._size
         return views
 
     def read_ahead_start(self) -> None:
-        """Have the kernel read the first ``READ_AHEAD`` bytes of the file's tensor data into the page cache now
-        (a cold file's only, as :meth:`host` does past a large view): a reader of several files starts the next file
-        while its caller still copies from this one. A no-op once the file is being read ahead, or is warm.
+        """Have a kept thread read the first ``READ_AHEAD`` bytes of the file's tensor data into the page cache from
+        now on (a cold file's only, as :meth:`host` does past a large view;
+        :func:`~fastckpt.formats.readinto.read_ahead_later`): :func:`open` calls it for a file it returns, so that
+        the disk works while the caller looks at the index; a reader of several files starts the next file while its
+        caller still copies from this one. A no-op once the file is being read ahead, or is warm, or holds less than
+        ``READ_AHEAD_MIN`` bytes of tensor data; :meth:`close` stops the thread between two of its reads.
 
         >>> import fastckpt, numpy as np, tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "r.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(3)})
@@ -229,8 +235,8 @@ class TensorFile(ReaderMapping):
         return cached(self.mapped, start, end, COLD_SAMPLES, centred=True)
 
     def _read_ahead(self, view) -> None:
-        """Keep the kernel reading the file ``READ_AHEAD`` bytes past the end of ``view`` (of a large tensor, just
-        made), so that a loop copying tensor after tensor finds their bytes read or in
+        """Keep the read-ahead thread reading the file ``READ_AHEAD`` bytes past the end of ``view`` (of a large
+        tensor, just made), so that a loop copying tensor after tensor finds their bytes read or in
         flight. The window is extended by half of it at a time; a file whose bytes from the first large tensor on are
         in the page cache (:meth:`_warm`, once per open file) is never read ahead."""
         start = self._offset_of(view)
@@ -624,7 +630,9 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
         return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])(p, **options)
     if _is_tf_file(p):
         return _open_tf(p, **options)
-    return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
+    f = open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
+    f.read_ahead_start()  # a cold file's first window is read from now on, on a kept thread: see host()
+    return f
 
 
 # Directory kinds of the floors above, by the file that marks them: marker -> "module:reader class". They are
