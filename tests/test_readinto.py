@@ -328,7 +328,7 @@ def test_a_hugging_face_directorys_next_shard_is_read_ahead_once_this_one_is(tmp
     fastckpt.save_sharded(directory, tensors, max_shard_size=(1 << 20) + 1)
     events = []
     monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
-    monkeypatch.setattr(reader, "read_ahead_later", lambda mapped, start, end: events.append(
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: events.append(
         ("ahead", os.path.basename(mapped.path))) or 1)
     with fastckpt.open(directory) as r:
         for name in r.keys():
@@ -551,26 +551,18 @@ def test_a_cold_file_whose_first_window_the_open_read_is_still_read_ahead_of_its
     else:
         fastckpt.save_sharded(path, tensors, max_shard_size=(4 << 20) + 1)  # 4 shards of 2 tensors
     asked = []
-    monkeypatch.setattr(reader, "read_ahead_later", lambda mapped, start, end: asked.append(
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append(
         (os.path.basename(mapped.path), start, end)) or 1)
-
-    def mincore(address, _length, out):  # cached: a page in the first MiB of one of this test's files
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                if lo <= address < hi:
-                    mine = len(fields) > 5 and fields[5].startswith(str(tmp_path))
-                    cached = mine and int(fields[2], 16) + address - lo < (1 << 20)
-                    break
-            else:
-                cached = False
-        ctypes.memset(out, 1 if cached else 0, 1)
-        return 0
-
-    monkeypatch.setattr(readinto, "_mincore_fn", mincore)  # from the open on: it decides whether to read ahead
     with fastckpt.open(path) as r:
         files = [r] if source == "file" else list(r.files.values())
+        bases = sorted((f.mapped.address - f.mapped.address % 4096, f.mapped.size) for f in files)
+
+        def mincore(address, _length, out):
+            cached = any(base <= address < base + (1 << 20) for base, _size in bases)
+            ctypes.memset(out, 1 if cached else 0, 1)
+            return 0
+
+        monkeypatch.setattr(readinto, "_mincore_fn", mincore)
         for name in r.keys():
             assert r.host(name).tobytes() == tensors[name].tobytes(), name
     ends = {}
@@ -636,3 +628,63 @@ def test_an_unstaged_or_warm_pooled_load_makes_no_arena_present_on_a_thread(tmp_
     fastckpt.save_safetensors(path, tensors)
     _exact(fastckpt.load_file(path, unified_device.queue, pool=pool), tensors)  # the unified path reads into it
     assert made == []
+
+
+# ------------------------------------------------------------------ opening a cold file: its index read first
+
+
+def _preads(monkeypatch):
+    calls, real = [], os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: calls.append((n, offset)) or real(fd, n, offset))
+    return calls
+
+
+@pytest.mark.parametrize("tensors", [4, 3000])  # an index in the first 64 KiB, and one of about 200 KiB
+def test_a_cold_files_index_is_read_with_pread_before_its_parse_and_a_warm_files_is_not(tmp_path, monkeypatch,
+                                                                                          tensors):
+    from fastckpt.formats import reader
+
+    path = str(tmp_path / "m.safetensors")
+    arrays = {f"layer.{i:05d}.a_rather_long_parameter_name.weight": np.full(3, i, np.int16) for i in range(tensors)}
+    fastckpt.save_safetensors(path, arrays)
+    with open(path, "rb") as f:
+        header_end = 8 + int.from_bytes(f.read(8), "little")
+    asked = []
+    monkeypatch.setattr(reader, "cached", lambda mapped, start, end, samples=2, **k: asked.append((start, end)) or False)
+    calls = _preads(monkeypatch)
+    with fastckpt.open(path) as f:
+        assert {k: f.host(k).tolist() for k in f.keys()} == {k: a.tolist() for k, a in arrays.items()}
+    assert asked[0] == (0, 1)  # the first page: is the file cold?
+    assert calls[0] == (reader.HEAD_READ, 0)
+    read = sum(n for n, _offset in calls)
+    assert read >= header_end and read - header_end < reader.READ_AHEAD_MIN  # the whole index, not the file
+    assert [offset for _n, offset in calls] == [sum(n for n, _o in calls[:k]) for k in range(len(calls))]  # in order
+    if header_end <= reader.HEAD_READ:
+        assert len(calls) == 1
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: True)  # warm: the parse reads the cached index as before
+    calls.clear()
+    with fastckpt.open(path) as f:
+        assert len(f) == tensors
+    assert calls == []
+
+
+def test_an_index_that_cannot_be_read_first_is_parsed_from_the_mapping_as_before(tmp_path, monkeypatch):
+    from fastckpt.formats import reader
+
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, {"a": np.arange(5, dtype=np.int32)})
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+
+    def failing(fd, n, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "pread", failing)
+    with fastckpt.open(path) as f:
+        assert f["a"].tolist() == [0, 1, 2, 3, 4]
+    fastckpt.save_npz(str(tmp_path / "m.npz"), {"b": np.ones(2, np.float32)})  # NPZ: the first bytes only
+    monkeypatch.undo()
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+    calls = _preads(monkeypatch)
+    with fastckpt.open(str(tmp_path / "m.npz")) as f:
+        assert f["b"].tolist() == [1.0, 1.0]
+    assert calls == [(reader.HEAD_READ, 0)]

@@ -549,8 +549,6 @@ class HFShardedDirectory(MultiFileReader):
         self._parts = tuple((self.files[file], tuple(names)) for file, names in self._by_file.items())
         order = list(self.files)
         self._following = {file: self.files[later] for file, later in zip(order, order[1:])}
-        if self._parts:  # a cold shard holding the first tensor is read from now on; host() starts the next ones
-            self._parts[0][0].read_ahead_start()
 
     def _open(self, options: dict) -> None:
         if os.path.isdir(self.path):

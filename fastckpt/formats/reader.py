@@ -46,8 +46,8 @@ from fastckpt._native.tensorindex import TensorIndex
 from fastckpt.errors import CheckpointNotFoundError, FormatError
 from fastckpt.formats.contract import ReaderMapping, TensorReader
 from fastckpt.formats.filebytes import SNIFF_PADDING, detect_format, sniff_length  # noqa: F401 - reader's names
-from fastckpt.formats.readinto import (DIRECT_ALIGN, cached, file_cached, open_direct, read_ahead_later,
-                                       read_checked, same_file)
+from fastckpt.formats.readinto import (DIRECT_ALIGN, cached, file_cached, open_direct, read_ahead, read_checked,
+                                       same_file)
 from fastckpt.info import TensorInfo
 from fastckpt.store.names import parse_step
 from fastckpt.store.remote import is_url
@@ -60,12 +60,10 @@ __all__ = ["open", "open_file", "TensorFile", "detect_format", "register_opener"
 # and registers itself here; ``fastckpt/formats/__init__.py`` imports it, so ``fastckpt.open`` always has it.
 _url_opener: list = [None]
 
-# A cold file (mincore, TensorFile._warm) is read into the page cache ahead of the caller's copies out of its mapping
-# on a kept thread (readinto.read_ahead_later: the kernel's read path, large folios, large disk requests): the first
-# READ_AHEAD bytes of its data from open() on (read_ahead_start), then READ_AHEAD bytes past each view of a tensor of
-# READ_AHEAD_MIN bytes or more, extended by half a window at a time. A copy out of a fresh mapping of a cold file
-# otherwise waits at every page fault for the kernel's readahead window alone. Measured in docs/reading.md (cold
-# copies of 512 MiB: 0.69 -> 0.94 of the cold suite's bound).
+# A view of a tensor of READ_AHEAD_MIN bytes or more has the kernel read the file READ_AHEAD bytes past it
+# (TensorFile._read_ahead): a copy out of a fresh mapping of a cold file otherwise waits at every page fault for the
+# kernel's readahead window alone. Measured in docs/reading.md (cold copies of 512 MiB, medians of 12 runs on a
+# loaded machine: 0.33 -> 0.53 GB/s).
 READ_AHEAD_MIN = 1 << 20
 READ_AHEAD = 256 << 20
 
@@ -196,17 +194,14 @@ class TensorFile(ReaderMapping):
             start = self._offset_of(next(iter(views.values())))
             if start is not None and self._size - start >= READ_AHEAD_MIN and \
                     (self._ahead or not self._warm(start, self._size)):  # (a window read already: known cold)
-                read_ahead_later(self.mapped, max(start, self._ahead), self._size)
+                read_ahead(self.mapped, max(start, self._ahead), self._size, check=False)
             self._ahead = self._size
         return views
 
     def read_ahead_start(self) -> None:
-        """Have a kept thread read the first ``READ_AHEAD`` bytes of the file's tensor data into the page cache from
-        now on (a cold file's only, as :meth:`host` does past a large view;
-        :func:`~fastckpt.formats.readinto.read_ahead_later`): :func:`open` calls it for a file it returns, so that
-        the disk works while the caller looks at the index; a reader of several files starts the next file while its
-        caller still copies from this one. A no-op once the file is being read ahead, or is warm, or holds less than
-        ``READ_AHEAD_MIN`` bytes of tensor data; :meth:`close` stops the thread between two of its reads.
+        """Have the kernel read the first ``READ_AHEAD`` bytes of the file's tensor data into the page cache now
+        (a cold file's only, as :meth:`host` does past a large view): a reader of several files starts the next file
+        while its caller still copies from this one. A no-op once the file is being read ahead, or is warm.
 
         >>> import fastckpt, numpy as np, tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "r.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(3)})
@@ -220,7 +215,7 @@ class TensorFile(ReaderMapping):
             self._ahead = self._size  # small or warm: nothing to ask the kernel for, now or later
             return
         self._ahead = min(self._size, start + READ_AHEAD)
-        read_ahead_later(self.mapped, start, self._ahead)
+        read_ahead(self.mapped, start, self._ahead, check=False)
 
     def _offset_of(self, view) -> int | None:
         """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
@@ -235,8 +230,8 @@ class TensorFile(ReaderMapping):
         return cached(self.mapped, start, end, COLD_SAMPLES, centred=True)
 
     def _read_ahead(self, view) -> None:
-        """Keep the read-ahead thread reading the file ``READ_AHEAD`` bytes past the end of ``view`` (of a large
-        tensor, just made), so that a loop copying tensor after tensor finds their bytes read or in
+        """Keep the kernel reading the file ``READ_AHEAD`` bytes past the end of ``view`` (of a large tensor, just
+        made), so that a loop copying tensor after tensor finds their bytes read or in
         flight. The window is extended by half of it at a time; a file whose bytes from the first large tensor on are
         in the page cache (:meth:`_warm`, once per open file) is never read ahead."""
         start = self._offset_of(view)
@@ -249,7 +244,7 @@ class TensorFile(ReaderMapping):
                 return
             start = max(self._ahead, start)
             self._ahead = min(self._size, end + READ_AHEAD)
-            read_ahead_later(self.mapped, start, self._ahead)
+            read_ahead(self.mapped, start, self._ahead, check=False)
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -281,9 +276,9 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     ('safetensors', [0, 1])
     """
     _check_max_header_size(max_header_size)
-    # Sequential advice, without MappedFile's WILLNEED over the first window: a cold file's data is read by
-    # TensorFile.read_ahead_start's thread, and the 8 MiB of reads (4 KiB pages) that advice queued at every open were
-    # what the parse of the header (and the next file's) waited behind.
+    # Sequential advice, without MappedFile's WILLNEED over the first window: the parse of the header (and of the next
+    # file's) waited behind the 8 MiB of reads that advice queued at every open. A cold file's index is read first
+    # (_read_head), its data ahead of the views taken of it (TensorFile._read_ahead).
     mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write, advise=False)
     try:
         if mapped.address is not None and mapped.size and not cached(mapped, 0, 1, 1):
@@ -663,9 +658,7 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
         return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])(p, **options)
     if _is_tf_file(p):
         return _open_tf(p, **options)
-    f = open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
-    f.read_ahead_start()  # a cold file's first window is read from now on, on a kept thread: see host()
-    return f
+    return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
 
 
 # Directory kinds of the floors above, by the file that marks them: marker -> "module:reader class". They are

@@ -32,14 +32,13 @@ import ctypes
 import errno
 import mmap
 import os
-import threading
 
 import numpy as np
 
 from fastckpt.threads import kept_pool
 
 __all__ = ["cached", "file_cached", "direct_pieces", "open_direct", "raise_if_changed", "read_checked", "read_ahead",
-           "read_into", "read_ahead_later", "same_file", "unchanged", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN",
+           "read_into", "same_file", "unchanged", "READ_PIECE", "READ_THREADS", "READAHEAD_STEP", "DIRECT_ALIGN",
            "DIRECT_PIECE", "DIRECT_THREADS"]
 
 # One WILLNEED advice call covers at most this many bytes: the kernel reads at most its readahead window
@@ -284,71 +283,6 @@ def read_ahead(mapped, start: int, end: int, step: int = READAHEAD_STEP, *, chec
     except (OSError, ValueError, AttributeError):
         pass
     return calls
-
-
-# read_ahead_later: the kept threads that read cold files ahead of the copies out of their mappings, one range at a
-# time each (two: a Hugging Face directory's next shard starts while this one's last window is still read).
-READ_AHEAD_THREADS = 2
-_sink: list = []  # a descriptor of /dev/null, opened at the first read-ahead (and again in a forked child)
-_sink_lock = threading.Lock()
-
-
-def read_ahead_later(mapped, start: int, end: int, step: int = READAHEAD_STEP) -> concurrent.futures.Future | None:
-    """Have a kept thread read bytes ``[start, end)`` of the file ``mapped`` maps (a
-    :class:`~fastckpt._native.mapped.MappedFile`) into the page cache, in file order, ``step`` bytes a call, and
-    return at once: the thread's work as a future (done once the range is read or given up), or None where there is
-    nothing to read (an empty range, bytes in memory).
-
-    The thread reads through the kernel's own read path (``sendfile`` to ``/dev/null``, from a descriptor of
-    the same file, :func:`same_file`: no byte reaches user space). That path fills the page cache with large folios
-    and sends the disk requests of ``max_sectors_kb``, where advice (:func:`read_ahead`) fills 4 KiB pages in
-    requests of ``max_segments`` pages: 2.0 GB/s against 1.05 on this project's machine (docs/reading.md). It stops
-    between steps once ``mapped`` is closed (at most one step is read after :meth:`close`), or where the file ended
-    early; where the file system or platform has no such ``sendfile``, the rest of the range is advised
-    (:func:`read_ahead`). Advice only: nothing it does can fail a read or change a byte.
-
-    >>> import os, tempfile, time
-    >>> from fastckpt._native.mapped import MappedFile
-    >>> fd, p = tempfile.mkstemp(); _ = os.write(fd, b"x" * 8192); os.close(fd)
-    >>> m = MappedFile(p)
-    >>> read_ahead_later(m, 0, 8192, step=4096).result()   # read (or found cached): the copies fault no disk read
-    >>> read_ahead_later(m, 8192, 8192) is None
-    True
-    """
-    if end <= start or getattr(mapped, "identity", None) is None:
-        return None
-    return kept_pool("read-ahead", READ_AHEAD_THREADS).submit(_read_ahead_range, mapped, start, end, step)
-
-
-def _dev_null() -> int | None:
-    with _sink_lock:
-        if not _sink or _sink[0][0] != os.getpid():
-            try:
-                _sink[:] = [(os.getpid(), os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC))]
-            except OSError:
-                _sink[:] = [(os.getpid(), None)]
-        return _sink[0][1]
-
-
-def _read_ahead_range(mapped, start: int, end: int, step: int) -> None:
-    """:func:`read_ahead_later`'s work, on its thread."""
-    sink = _dev_null() if hasattr(os, "sendfile") else None
-    fd = same_file(mapped) if sink is not None else None  # None: the path names another file now, or no sendfile
-    try:
-        at = start
-        while at < end and fd is not None and not mapped.closed:
-            try:
-                got = os.sendfile(sink, fd, at, min(step, end - at))
-            except OSError:
-                break  # this file system cannot splice (or /dev/null takes no sendfile): advised below
-            if got <= 0:
-                return  # the file ended early (truncated): the copies out of the mapping say so, not advice
-            at += got
-        if at < end and not mapped.closed:
-            read_ahead(mapped, at, end, step, check=False)
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 SAMPLES = 2  # pages cached() asks about: the first and the last (about 2 us each)
