@@ -101,3 +101,40 @@ def loaded_bytes(path, shard_index: int = 0, shard_num: int = 1, **options) -> d
         arrays = (ids, values, *(v for _, v in sorted(slots.items())))
         out[f"table {name}"] = b"".join(x[order].tobytes() for x in arrays)
     return out
+
+
+def count_maps(monkeypatch) -> list[str]:
+    """The names of the tensor files every sharded reader (either layout's) maps from now on, in order (each time
+    one is mapped), through ``monkeypatch``: the files a rank opens."""
+    import os
+
+    import fastckpt.sharded.reader as reader_module
+
+    names: list[str] = []
+    real = reader_module.open_file
+
+    def counting(path, **options):
+        names.append(os.path.basename(path))
+        return real(path, **options)
+
+    monkeypatch.setattr(reader_module, "open_file", counting)
+    return names
+
+
+def damage_file(target: Path, damage: str, sized: bool = True) -> tuple[type, str]:
+    """Damage tensor file ``target`` as ``damage`` says (``"truncated"`` to half, ``"header"``: a header length past
+    its end, ``"removed"``); returns the error a reader raises when it uses the file and a regex of its message
+    (``sized``: the commit record lists the file's size, so a truncated file is a changed one)."""
+    from fastckpt.errors import CheckpointChangedError, FormatError
+
+    bad = Path(target).name
+    data = Path(target).read_bytes()
+    if damage == "truncated":
+        Path(target).write_bytes(data[: len(data) // 2])
+        return (CheckpointChangedError, f"{bad}: {len(data) // 2} bytes, the commit record says {len(data)}") \
+            if sized else (FormatError, bad)
+    if damage == "header":
+        Path(target).write_bytes((2**40).to_bytes(8, "little") + data[8:])
+        return FormatError, bad
+    Path(target).unlink()
+    return FormatError, f"{bad}: missing"

@@ -324,6 +324,21 @@ def test_ranks_suite(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run, workers in fresh processes
+def test_ranks_suite_of_recis_layout(tmp_path, capsys):
+    import fastckpt
+
+    here = os.path.dirname(os.path.dirname(fastckpt.__file__))
+    assert main(["bench", "--suite", "ranks", "--quick", "--no-mpi", "--layout", "recis", "--against", here,
+                 "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Sharded load (RecIS's layout)" in out
+    rows = [line.split(" | ")[:4] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows == [["| 4", "2", "threads", "after"], ["| 4", "2", "threads", "before"],
+                    ["| 8", "2", "threads", "after"], ["| 8", "2", "threads", "before"]]
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
 @pytest.mark.slow  # a benchmark smoke run, with a worker process
 def test_sharded_suite_runs_another_fastckpt_in_the_same_rounds(tmp_path, capsys):
     import fastckpt

@@ -186,9 +186,11 @@ def test_broken_directories_raise_naming_the_file(tmp_path, recis_dirs):
     import shutil
 
     src = recis_dirs[0][2]
+    # a block the index moves to another file: that file misses it, and its own file holds it unplaced
+    moved = r"holds no tensors \['tab.id/part_0_2'\]|holds block 'tab.id/part_0_2', which index does not place there"
     for breakage, match in [("tensorkey", r"tensorkey.json: missing"), ("file", r"model-000001-of-000006"
                                                                                   r".safetensors: missing"),
-                            ("block", r"holds no tensors \['tab.id/part_0_2'\]"), ("index", "not valid JSON")]:
+                            ("block", moved), ("index", "not valid JSON")]:
         d = tmp_path / breakage
         shutil.copytree(src, d)
         if breakage == "tensorkey":
@@ -201,8 +203,20 @@ def test_broken_directories_raise_naming_the_file(tmp_path, recis_dirs):
             index = json.loads((d / "index").read_text())
             index["block_index"]["tab.id/part_0_2"] = 1  # a file that does not hold it
             (d / "index").write_text(json.dumps(index))
+        if breakage in ("tensorkey", "index"):  # the metadata: when the reader opens
+            with pytest.raises(FormatError, match=match):
+                _quiet_reader(str(d))
+            continue
+        # A tensor file: when it is first used (here where the reader opens if the order of the save needs its
+        # header: the moved block breaks the order RecIS writes), and by verify() and a load
         with pytest.raises(FormatError, match=match):
-            _quiet_reader(str(d))
+            with _quiet_reader(str(d)) as reader:
+                [reader.read_tensor(name) for name in reader.tensor_names()]
+        with pytest.raises(FormatError, match=match):
+            with _quiet_reader(str(d)) as reader:
+                reader.verify()
+        with pytest.raises(FormatError, match=match):
+            _load(str(d), 0, 1)
 
 
 # -- writing ---------------------------------------------------------------------------------------------------

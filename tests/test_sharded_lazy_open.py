@@ -7,20 +7,18 @@ MPI process) opened every file, and one damaged file of another rank stopped eve
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import fastckpt.sharded.reader as reader_module
-from fastckpt.errors import CheckpointChangedError, FormatError
+from fastckpt.errors import FormatError
 from fastckpt.sharded import CheckpointReader, HashTable, Loader
 from fastckpt.sharded.format import (DESCRIPTION_FILE, INDEX_FILE, SLICE_SIZE, group_rows, parse_part_key, rows_of,
                                      slice_owner)
 
-from _sharded_edit import save_threads
+from _sharded_edit import count_maps, damage_file, save_threads
 
 DIM, ROWS = 3, 16
 
@@ -53,15 +51,7 @@ def saved(tmp_path_factory):
 @pytest.fixture
 def opened(monkeypatch) -> list[str]:
     """The names of the tensor files every reader of this test maps, in order (each time one is mapped)."""
-    names: list[str] = []
-    real = reader_module.open_file
-
-    def counting(path, **options):
-        names.append(os.path.basename(path))
-        return real(path, **options)
-
-    monkeypatch.setattr(reader_module, "open_file", counting)
-    return names
+    return count_maps(monkeypatch)
 
 
 def _files_of_ranks(path: str, ranks: set[int]) -> set[str]:
@@ -119,17 +109,7 @@ def test_a_rank_loads_its_share_while_another_ranks_file_is_damaged(saved, tmp_p
     path, tables, dense = saved[2]
     copy = shutil.copytree(path, tmp_path / "c")
     [bad] = sorted(_files_of_ranks(copy, {1}) - _files_of_ranks(copy, {0}))[:1]
-    target = copy / bad
-    data = target.read_bytes()
-    if damage == "truncated":
-        target.write_bytes(data[: len(data) // 2])
-        error, said = CheckpointChangedError, f"{bad}: {len(data) // 2} bytes, the commit record says {len(data)}"
-    elif damage == "header":
-        target.write_bytes((2**40).to_bytes(8, "little") + data[8:])  # a header length past the end of the file
-        error, said = FormatError, bad
-    else:
-        target.unlink()
-        error, said = FormatError, f"{bad}: missing"
+    error, said = damage_file(copy / bad, damage)
     ids, values, _, w = _load(str(copy), 2, 0, verify)  # rank 0 reads none of rank 1's files
     want_ids, want_values, want_w = _expected(tables, dense, 2, 0)
     assert ids.tolist() == want_ids.tolist() and values.tobytes() == want_values.tobytes()

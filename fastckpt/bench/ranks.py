@@ -2,15 +2,17 @@
 under MPI.
 
 ``python -m fastckpt bench --suite ranks [--files 16,32,64] [--ranks 4] [--ids N] [--dim D] [--dense-mib M]
-[--repeat R] [--against DIR] [--mpi/--no-mpi] [--steady [--steady-ids N] [--steady-dense-mib M]] [--dir DIR]
-[--quick]``
+[--repeat R] [--against DIR] [--mpi/--no-mpi] [--layout fastckpt|recis] [--steady [--steady-ids N]
+[--steady-dense-mib M]] [--dir DIR] [--quick]``
 
 For each file count F of ``--files``, one checkpoint is saved by ``--ranks`` ranks (threads) with ``F / ranks``
 writers each: a :class:`~fastckpt.sharded.HashTable` of ``--ids`` ids x ``--dim`` float32 with Adam's ``m`` and
 ``v`` (each rank holding the ids of its own key-space slice, as a training job under the slice rule holds them)
 and ``--dense-mib`` MiB of dense float32 matrices. The data is small on purpose (default 100,000 ids x 16, 4
 MiB dense: 19 MiB), so that what a rank pays for the files it opens, rather than for the bytes it copies, is
-what moves the figures.
+what moves the figures. ``--layout recis`` saves RecIS's layout instead (``Saver(layout="recis")``: the dense
+matrices whole in rank 0's files, and only writers given a block write a file, so the files written, which the
+table gives beside the files asked, may be fewer).
 
 Then every rank's share is loaded back (:class:`~fastckpt.sharded.Loader`, ``verify=False``, ``dense="rows"``,
 ``shard_index=r``, ``shard_num=ranks``), in a fresh process every run (a restart's first load: nothing of the
@@ -81,12 +83,15 @@ def _mpiexec() -> str | None:
     return mpiexec(search_path=True)
 
 
-def _save(path: Path, files: int, ranks: int, ids: int, dim: int, dense_mib: float) -> None:
+def _save(path: Path, files: int, ranks: int, ids: int, dim: int, dense_mib: float, layout: str = "fastckpt") -> int:
+    """Save the suite's state to ``path``; returns the tensor files written."""
     from fastckpt.bench.sharded import dense_tensors, rank_state, sharded_save, table_ids
 
     all_ids = table_ids(ids)
     states = [rank_state(all_ids, dim, r, ranks) for r in range(ranks)]
-    sharded_save(path, states, dense_tensors(dense_mib), files // ranks)
+    sharded_save(path, states, dense_tensors(dense_mib), files // ranks,
+                 **({"layout": layout} if layout != "fastckpt" else {}))
+    return sum(1 for name in os.listdir(path) if name.endswith(".safetensors"))
 
 
 def _rank_load(path: str, rank: int, ranks: int, dim: int) -> dict[str, Any]:
@@ -109,15 +114,19 @@ def _rank_load(path: str, rank: int, ranks: int, dim: int) -> dict[str, Any]:
 
 def _count_maps() -> tuple[list[str], list[float]]:
     """Count the tensor files the sharded reader maps in this process (its ``open_file``, every version's), and
-    time its opening: ``CheckpointReader.__init__`` and, where files open on first use, each file's opening
-    (``TensorFiles._open``); returns ``(names mapped, [seconds opening])``."""
+    time its opening: ``CheckpointReader.__init__`` (RecIS's reader's too) and, where files open on first use,
+    each file's opening (``TensorFiles._open``, outside an ``__init__``); returns ``(names mapped, [seconds
+    opening])``."""
     import functools
+    import threading
 
     import fastckpt.sharded.reader as reader_module
+    import fastckpt.sharded.recis as recis_module
 
     mapped: list[str] = []
     opening = [0.0]
     real = reader_module.open_file
+    inside = threading.local()
 
     def counting(path, **options):
         mapped.append(os.path.basename(path))
@@ -126,15 +135,20 @@ def _count_maps() -> tuple[list[str], list[float]]:
     def timed(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
+            if getattr(inside, "depth", 0):  # a file opened by an opening already timed
+                return fn(*args, **kwargs)
+            inside.depth = 1
             started = time.thread_time()  # CPU: not the waits of ranks as threads for the GIL or one another
             try:
                 return fn(*args, **kwargs)
             finally:
                 opening[0] += time.thread_time() - started
+                inside.depth = 0
         return call
 
     reader_module.open_file = counting
     reader_module.CheckpointReader.__init__ = timed(reader_module.CheckpointReader.__init__)
+    recis_module.RecisCheckpointReader.__init__ = timed(recis_module.RecisCheckpointReader.__init__)
     files = getattr(reader_module, "TensorFiles", None)  # 0.8.0 on: each file opened on first use
     if files is not None:
         files._open = timed(files._open)
@@ -252,7 +266,8 @@ def _run_module(folder: str, args: list[str], what: str, launch: list[str] = ())
 def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = DEFAULTS["ids"],
             dim: int = DEFAULTS["dim"], dense_mib: float = DEFAULTS["dense_mib"], repeat: int = DEFAULTS["repeat"],
             against: str | None = None, mpi: bool | None = None, directory: str | None = None,
-            steady: bool = False, steady_ids: int = 1_000_000, steady_dense_mib: float = 64.0) -> dict[str, Any]:
+            steady: bool = False, steady_ids: int = 1_000_000, steady_dense_mib: float = 64.0,
+            layout: str = "fastckpt") -> dict[str, Any]:
     """Run the suite (see the module docs); ``mpi=None``: under MPI too where ``mpiexec`` and mpi4py are there."""
     if mpi is None:
         mpi = _mpiexec() is not None
@@ -265,7 +280,7 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
             if count % ranks:
                 raise ValueError(f"--files {count} is not a multiple of --ranks {ranks}")
             path = root / f"c{count}"
-            _save(path, count, ranks, ids, dim, dense_mib)
+            written = _save(path, count, ranks, ids, dim, dense_mib, layout)
             runs: dict[tuple[str, str], list[dict]] = {(m, v): [] for m in modes for v in versions}
             order = list(runs)
             rng = random.Random(count)
@@ -274,7 +289,7 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
                 for mode, version in order:
                     runs[mode, version].append(_run_once(versions[version], mode, path, ranks, dim))
             for (mode, version), results in runs.items():
-                rows.append({"files": count, "ranks": ranks, "mode": mode, "version": version,
+                rows.append({"files": count, "written": written, "ranks": ranks, "mode": mode, "version": version,
                              "job": statistics.median(r["job"] for r in results),
                              "slowest": statistics.median(max(x["wall"] for x in r["ranks"]) for r in results),
                              "cpu": statistics.median(statistics.fmean(x["cpu"] for x in r["ranks"]) for r in results),
@@ -287,7 +302,8 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"rows": rows, "versions": versions, "repeat": repeat, "ids": ids, "dim": dim, "dense_mib": dense_mib,
-            "load": _load_average(), "steady": steady_rows, "steady_size": (steady_ids, steady_dense_mib, ranks)}
+            "load": _load_average(), "steady": steady_rows, "steady_size": (steady_ids, steady_dense_mib, ranks),
+            "layout": layout}
 
 
 def _load_average() -> str:
@@ -301,7 +317,9 @@ def report(results: dict[str, Any]) -> str:
     """The suite's table: a row per file count, mode and version; with a before, the ratios beside."""
     rows = results["rows"]
     before = {(r["files"], r["mode"]): r for r in rows if r["version"] == "before"}
-    lines = [f"Sharded load, each rank its share (verify=False), {results['ids']:,} ids x {results['dim']} + "
+    layout = "RecIS's layout" if results.get("layout") == "recis" else "fastckpt's layout"
+    lines = [f"Sharded load ({layout}), each rank its share (verify=False), {results['ids']:,} ids x "
+             f"{results['dim']} + "
              f"{results['dense_mib']:g} MiB dense, a fresh process every run, medians of {results['repeat']}; "
              f"load average {results['load']}",
              ""]
@@ -309,7 +327,9 @@ def report(results: dict[str, Any]) -> str:
     for r in rows:
         was = before.get((r["files"], r["mode"])) if r["version"] == "after" else None
         ratio = (lambda key: format_ratio(was[key] / r[key]) if was and r[key] > 0 else "")  # noqa: E731
-        body.append([r["files"], r["ranks"], r["mode"], r["version"], format_duration(r["opening"]),
+        written = r.get("written", r["files"])
+        files = r["files"] if written == r["files"] else f"{written} ({r['files']} asked)"
+        body.append([files, r["ranks"], r["mode"], r["version"], format_duration(r["opening"]),
                      f"{r['mapped']:g}", format_duration(r["slowest"]), format_duration(r["cpu"]), ratio("opening"),
                      ratio("slowest"), ratio("cpu")])
     lines += table_lines(["files", "ranks", "mode", "fastckpt", "opening CPU per rank", "files mapped per rank",
@@ -343,6 +363,8 @@ def configure(parser) -> None:
                                                         "same rounds")
     parser.add_argument("--mpi", action="store_true", default=None, help="under MPI too (default: where there)")
     parser.add_argument("--no-mpi", dest="mpi", action="store_false", help="threads only")
+    parser.add_argument("--layout", choices=("fastckpt", "recis"), default="fastckpt",
+                        help="the checkpoint's layout (default fastckpt's; recis: Saver(layout='recis'))")
     parser.add_argument("--steady", action="store_true",
                         help="also repeated loads and raw reads of the sharded suite's state, each alone in a process")
     parser.add_argument("--steady-ids", type=int, default=1_000_000, help="--steady's ids (default 1,000,000)")
@@ -360,7 +382,7 @@ def options(args) -> dict[str, Any]:
     if args.files is not None:
         out["files"] = tuple(int(x) for x in args.files.split(","))
     return {**out, "against": args.against, "mpi": args.mpi, "directory": args.dir, "steady": args.steady,
-            "steady_ids": args.steady_ids, "steady_dense_mib": args.steady_dense_mib}
+            "steady_ids": args.steady_ids, "steady_dense_mib": args.steady_dense_mib, "layout": args.layout}
 
 
 def run(args) -> int:

@@ -296,12 +296,13 @@ def new_pages(nbytes: int) -> np.ndarray:
 
 
 def sharded_save(path: Path, states: list[RankState], dense: dict[str, np.ndarray], parallel: int,
-                 direct: bool = False) -> None:
+                 direct: bool = False, **options) -> None:
     """Every rank's :class:`Saver` ``.save()``, the ranks as threads (:meth:`ThreadEngine.group`); ``direct``: past
-    the page cache."""
+    the page cache; ``options``: more of the Saver's (``layout="recis"``)."""
     ranks = len(states)
     engines = ThreadEngine.group(ranks)
     asked = {"direct": True} if direct else {}  # (an --against fastckpt before 0.7 has no direct=)
+    asked.update(options)
 
     def save(rank: int) -> str:
         return Saver(shard_index=rank, shard_num=ranks, parallel=parallel, path=str(path),

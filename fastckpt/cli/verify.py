@@ -203,6 +203,8 @@ def _verify_recis(path: Path, hashes: bool, quiet: bool, out) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RecisWarning)  # said below, on the result line
             with RecisCheckpointReader(path) as reader:
+                if not hashes:  # every tensor file's header against the metadata (verify() does so as it hashes)
+                    list(reader.files.values())
                 problems = reader.verify(progress=sys.stderr.isatty()) if hashes else []
                 files, manifest = len(reader.files), reader.manifest
     except (FastCkptError, OSError) as exc:

@@ -188,7 +188,7 @@ class TensorFiles(Mapping):
         self.path = reader.path
         self._options = reader._options
         self._snapshot = reader.snapshot
-        self._listed = reader.manifest["files"]
+        self._listed = (reader.manifest or {}).get("files", {})  # sizes; a directory without a manifest has none
         self._descriptions = reader.descriptions
         self._names = dict.fromkeys(names)
         self._keys_of = keys_of
@@ -214,24 +214,40 @@ class TensorFiles(Mapping):
         return f
 
     def _open(self, name: str) -> TensorFile:
-        self._snapshot.pin(name, size=self._listed[name]["size"])
+        self._snapshot.pin(name, size=self._listed[name]["size"] if name in self._listed else None)
         f = map_pinned(self._snapshot, name, self._options)
         try:
-            expected = self._keys_of.get(name, ())
-            if set(f.infos) != set(expected):
-                raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ set(expected))[:4]} that "
-                                  f"{INDEX_FILE} does not place there (or misses ones it does)")
-            for key, info in f.infos.items():
-                d = self._descriptions[key]
-                if info.shape != tuple(d["shape"]) or info.dtype != dtype_of(d["dtype"], f"{self.path}: {key}"):
-                    raise FormatError(f"{f.path}: tensor {key!r} is {info.dtype}{list(info.shape)} in the "
-                                      f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
+            self.check(f, self._keys_of.get(name, ()))
             _digests.hold(f.mapped.identity)
         except BaseException:
             f.close()
             raise
         self._held.append(f.mapped.identity)
         return f
+
+    def check(self, f: TensorFile, expected) -> None:
+        """Raise a :class:`~fastckpt.errors.FormatError` naming file ``f`` and the tensor where its header
+        disagrees with the metadata: it must hold the keys ``expected`` (those the index places in it), each of
+        the shape and dtype its description gives. Run once per opening, before the file is kept; a layout with
+        metadata of its own overrides it (:class:`fastckpt.sharded.recis.RecisTensorFiles`).
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+        >>> r = CheckpointReader(out); f = r.files["model-00000-000.safetensors"]
+        >>> r.files.check(f, ["w/part_0_1"])
+        >>> r.files.check(f, [])
+        Traceback (most recent call last):
+        fastckpt.errors.FormatError: ...: holds tensors ['w/part_0_1'] that index.json does not place there ...
+        """
+        if set(f.infos) != set(expected):
+            raise FormatError(f"{f.path}: holds tensors {sorted(set(f.infos) ^ set(expected))[:4]} that "
+                              f"{INDEX_FILE} does not place there (or misses ones it does)")
+        for key, info in f.infos.items():
+            d = self._descriptions[key]
+            if info.shape != tuple(d["shape"]) or info.dtype != dtype_of(d["dtype"], f"{self.path}: {key}"):
+                raise FormatError(f"{f.path}: tensor {key!r} is {info.dtype}{list(info.shape)} in the "
+                                  f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -418,11 +434,6 @@ class CheckpointReader(MultiFileReader):
         self.files = TensorFiles(self, names, keys_of)
         self.part_infos: PartInfos = PartInfos(self.files, file_of_key)  # stored key -> its part's info
 
-    def _map(self, name: str, **options) -> TensorFile:
-        """Tensor file ``name`` mapped (its header parsed), checked to be the file the snapshot pinned
-        (:func:`map_pinned`)."""
-        return map_pinned(self.snapshot, name, {**self._options, **options})
-
     @property
     def infos(self) -> TensorInfos:
         """The whole tensors' infos by name (:class:`TensorInfos`; a stored key gives its part's)."""
@@ -437,7 +448,7 @@ class CheckpointReader(MultiFileReader):
         if isinstance(files, TensorFiles):
             files.close()
             self._closed = True
-        else:  # a subclass's own files (RecIS's layout maps them all when it opens)
+        else:  # a subclass's own files, or none (a reader that failed to open)
             super().close()
         snapshot = getattr(self, "snapshot", None)
         if snapshot is not None:

@@ -115,6 +115,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -130,13 +131,12 @@ import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.reader import TensorFile, guard, held_guards
-from fastckpt.info import TensorInfo
-from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, owner_mod, rows_of
+from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
 from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 from fastckpt.sharded.format import slice_owner as format_slice_owner
 from fastckpt.sharded.hashtable import check_holds, table_for
 from fastckpt.store.commit import fsync_open
-from fastckpt.sharded.reader import CheckpointReader, register_layout
+from fastckpt.sharded.reader import CheckpointReader, PartInfos, TensorFiles, register_layout
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
 from fastckpt.store.names import FILE_NAME, NameRule
@@ -315,8 +315,78 @@ def _check_key(key: str, tensor: str, piece: tuple[int, int, int], where: str) -
            f"{'@'.join(map(str, gen_slice(i, n, piece[2]))) if i < n else 'none'}")
 
 
-def _int64_ids(info: TensorInfo) -> bool:
-    return info.dtype == np.dtype(np.int64) and len(info.shape) == 1
+def _described(key: str, desc: dict) -> tuple[np.dtype, tuple, tuple[int, int] | None]:
+    """``(dtype, shape, data_offsets or None)`` of block ``key`` as its (checked) description gives them."""
+    offsets = desc.get("data_offsets")
+    return dtype_of(_DTYPES.get(desc["dtype"], desc["dtype"]), key), tuple(desc["shape"]), \
+        None if offsets is None else tuple(offsets)
+
+
+def _header_order(f: TensorFile) -> list[str]:
+    """The keys of tensor file ``f``'s header in the order written (the order of its blocks: module docs)."""
+    with f.mapped.guard(f"the header of {f.path}"):
+        length = int.from_bytes(bytes(f.mapped.view(0, 8)), "little")
+        return [k for k in json.loads(bytes(f.mapped.view(8, length)).decode("utf-8")) if k in f.infos]
+
+
+class RecisTensorFiles(TensorFiles):
+    """The tensor files of a directory in RecIS's layout, each opened the first time one of its blocks is used
+    (:class:`~fastckpt.sharded.reader.TensorFiles`: pinned at the manifest's size where there is one, mapped,
+    checked, kept), with RecIS's checks of its header: a safetensors-like file holding exactly the blocks
+    ``index`` places in it (one it does not place there is an orphan block), each of the shape, dtype and
+    ``data_offsets`` the description file gives it where there is one.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=2, layout="recis",
+    ...             tensors={"a": np.ones(2, np.float32), "b": np.zeros(1, np.float32)}).save()
+    >>> r = RecisCheckpointReader(out)
+    >>> type(r.files).__name__, list(r.files.opened())
+    ('RecisTensorFiles', [])
+    >>> r.read_tensor("b").tolist(), list(r.files.opened())
+    ([0.0], ['model-000001-of-000002.safetensors'])
+    """
+
+    def check(self, f: TensorFile, expected) -> None:
+        """Raise a :class:`~fastckpt.errors.FormatError` naming file ``f`` and the block where its header
+        disagrees with ``index`` (the blocks ``expected`` there) or the description file.
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, layout="recis",
+        ...             tensors={"w": np.ones(2, np.float32)}).save()
+        >>> r = RecisCheckpointReader(out); f = r.files["model-000000-of-000001.safetensors"]
+        >>> r.files.check(f, ["w^ "])
+        >>> r.files.check(f, [])
+        Traceback (most recent call last):
+        fastckpt.errors.FormatError: ...: holds block 'w^ ', which index does not place there (an orphan block: ...
+        """
+        if f.format != "safetensors":
+            raise FormatError(f"{f.path}: a RecIS tensor file is safetensors-like, this one is {f.format}")
+        missing = sorted(set(expected) - set(f.infos))
+        if missing:
+            raise FormatError(f"{f.path}: holds no tensors {missing[:4]}, which {INDEX_FILE} places there "
+                              f"(it holds {sorted(f.infos)[:4]})")
+        extra = sorted(set(f.infos) - set(expected))
+        if extra:
+            raise FormatError(f"{f.path}: holds block {extra[0]!r}, which {INDEX_FILE} does not place there (an "
+                              f"orphan block: a damaged or hand-merged checkpoint; {len(extra)} in this file)")
+        if not self._descriptions:
+            return
+        start = None
+        for key in expected:
+            info, desc = f.infos[key], self._descriptions[key]
+            dtype, shape, offsets = _described(key, desc)
+            if info.shape != shape or info.dtype != dtype:
+                raise FormatError(f"{f.path}: block {key!r} is {info.dtype}{list(info.shape)} in the header, "
+                                  f"{DESCRIPTION_FILE} says {desc['dtype']}{list(shape)}")
+            if offsets is not None:
+                if start is None:
+                    start = 8 + int.from_bytes(bytes(f.mapped.read(0, 8, "header length")), "little")
+                got = (info.offset - start, info.offset - start + info.nbytes)
+                if got != offsets:
+                    raise FormatError(f"{f.path}: block {key!r} lies at data_offsets {list(got)} in the header, "
+                                      f"{DESCRIPTION_FILE} says {list(offsets)}")
 
 
 class RecisCheckpointReader(CheckpointReader):
@@ -333,6 +403,16 @@ class RecisCheckpointReader(CheckpointReader):
     every reader of a checkpoint with a manifest; :meth:`verify` checks all
     at once); without one a :class:`RecisWarning` says once per directory
     that there is no integrity record.
+
+    Opening reads and checks the metadata files alone (and the header of a
+    file where they leave the order of the save open: several dense tensors
+    in one file). Each tensor file is opened the first time one of its
+    blocks is used (:attr:`files`, a :class:`RecisTensorFiles`), its header
+    checked first, so a rank maps only the files it reads; a file removed or
+    replaced after the reader opened raises
+    :class:`~fastckpt.errors.CheckpointChangedError` when first used.
+    Checks that need every header (orphan blocks, ids stored twice) run in
+    :meth:`verify` (and ``fastckpt verify``, ``inspect``).
     """
 
     format = "recis"  # what fastckpt.open and inspect call it (the manifest's "format" is FORMAT)
@@ -371,8 +451,11 @@ class RecisCheckpointReader(CheckpointReader):
 
     def _open(self) -> None:
         """Read and cross-check the metadata (index, tensorkey.json, descriptions, the manifest where there is
-        one), pin and map every tensor file, and check the headers against them: no block the index does not
-        place, none placed twice, every slice of a tensor once, every table's slots beside its ids."""
+        one): no block placed twice, every slice of a tensor once, every table's slots beside its ids (with the
+        shapes and dtypes the descriptions give), no tensor file the index does not name. Each tensor file is
+        pinned, mapped and its header checked against them the first time one of its blocks is used
+        (:class:`RecisTensorFiles`), before a byte of it is used; without a description file (RecIS always
+        writes one) the blocks' shapes are known from the headers alone, and every file is opened here."""
         d, snap = self.path, self.snapshot
         self.manifest = self._read_manifest()
         self.integrity = None if self.manifest is None else "manifest"
@@ -428,35 +511,31 @@ class RecisCheckpointReader(CheckpointReader):
             unlisted = sorted(set(file_of_number.values()) - set(listed))
             if unlisted:
                 raise IntegrityError(f"{d}: {unlisted[0]}: in {INDEX_FILE} but not in the manifest")
-        for number in sorted(file_of_number):
-            name = file_of_number[number]
-            snap.pin(name, size=None if listed is None else listed[name]["size"])
-        infos = {}
-        by_file: dict[int, list[str]] = {}
-        for key, number in self._block_index.items():
-            by_file.setdefault(number, []).append(key)
-        orphans = []
-        for number in sorted(file_of_number):
-            name = file_of_number[number]
-            f = self.files[name] = self._map(name)
-            expected = set(by_file.get(number, []))
-            missing = sorted(expected - set(f.infos))
-            if missing:
-                raise FormatError(f"{f.path}: holds no tensors {missing[:4]}, which {INDEX_FILE} places there "
-                                  f"(it holds {sorted(f.infos)[:4]})")
-            orphans += [f"{f.path}: holds block {key!r}, which {INDEX_FILE} does not place there"
-                        for key in sorted(set(f.infos) - expected)]
-            for key in expected:
-                infos[key] = f.infos[key]
         data_file = re.compile(r"model-\d{6}-of-\d{6}\.safetensors")
-        orphans += [f"{os.path.join(d, n)}: a tensor file that {INDEX_FILE}'s file_index does not name"
-                    for n in sorted(os.listdir(snap.fd)) if data_file.fullmatch(n) and n not in self.files]
+        named = set(file_of_number.values())
+        orphans = [f"{os.path.join(d, n)}: a tensor file that {INDEX_FILE}'s file_index does not name"
+                   for n in sorted(os.listdir(snap.fd)) if data_file.fullmatch(n) and n not in named]
         if orphans:
             raise FormatError(f"{orphans[0]} (an orphan block: a damaged or hand-merged checkpoint; "
                               f"{len(orphans)} in all)")
-        self.part_infos: Mapping[str, TensorInfo] = MappingProxyType(infos)  # stored key -> its block's info
-        self._check_parts()
         self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
+        keys_of: dict[str, list[str]] = {}
+        file_of_key: dict[str, str] = {}
+        for key, number in sorted(self._block_index.items(), key=lambda item: item[1]):
+            name = file_of_key[key] = file_of_number[number]
+            keys_of.setdefault(name, []).append(key)
+        self._keys_of = keys_of
+        # Each file opened, pinned (the manifest's size) and its header checked on first use (TensorFiles).
+        self.files = RecisTensorFiles(self, [file_of_number[n] for n in sorted(file_of_number)], keys_of)
+        self.part_infos = PartInfos(self.files, file_of_key)  # stored key -> its block's info (opens its file)
+        if self.descriptions:
+            self._blocks = {key: _described(key, d) for key, d in self.descriptions.items()}
+        else:  # no metadata of the blocks' shapes: every header is read now, as RecIS's loader does
+            for name in self.files:
+                self.files[name]
+            self._blocks = {key: (info.dtype, tuple(info.shape), None) for key in self._block_index
+                            for info in (self.part_infos[key],)}
+        self._check_parts()
         self._tables = self._find_tables()
         if self.manifest is not None:
             self._check_manifest_counts()
@@ -487,9 +566,10 @@ class RecisCheckpointReader(CheckpointReader):
             table, _, slot = name.rpartition("@")
             if slot == "id":
                 for k in keys:
-                    info = self.part_infos[k]
-                    expect(_int64_ids(info), iwhere, f"block {k!r} holds {table!r}'s ids but is {info.dtype}"
-                                                     f"{list(info.shape)}; ids are int64 of shape [k]")
+                    dtype, shape, _ = self._blocks[k]
+                    expect(dtype == np.dtype(np.int64) and len(shape) == 1, iwhere,
+                           f"block {k!r} holds {table!r}'s ids but is {dtype}{list(shape)}; ids are int64 of shape "
+                           "[k]")
             elif f"{table}@id" in self._parts:
                 ids = {self._slices[k][1]: k for k in self._parts[f"{table}@id"]}
                 mine = {self._slices[k][1]: k for k in keys}
@@ -497,10 +577,10 @@ class RecisCheckpointReader(CheckpointReader):
                        f"hashtable {table!r}: slot {slot!r} has slices {sorted(mine)[:3]}, its ids "
                        f"{sorted(ids)[:3]}: each id block needs one block of every slot")
                 for piece, k in mine.items():
-                    rows, want = self.part_infos[k].shape, self.part_infos[ids[piece]].shape[0]
-                    expect(len(rows) >= 1 and rows[0] == want, iwhere,
+                    rows, want = self._blocks[k][1], self._blocks[ids[piece]][1][:1]  # ([k],) of ids checked 1-d
+                    expect(len(rows) >= 1 and (rows[0],) == want, iwhere,
                            f"hashtable {table!r}: block {k!r} has shape {list(rows)}, its ids {ids[piece]!r} "
-                           f"{want}: a slot holds one row per id")
+                           f"{want[0] if want else list(want)}: a slot holds one row per id")
 
     def _read_manifest(self) -> dict | None:
         path = os.path.join(self.path, MANIFEST_FILE)
@@ -546,16 +626,10 @@ class RecisCheckpointReader(CheckpointReader):
         extra = sorted(set(self.manifest["files"]) - set(self._file_of_number.values()) - metadata)
         expect(not extra, where, f"lists files {extra[:4]} that {INDEX_FILE} does not name")
 
-    def _map(self, name: str, **options) -> TensorFile:
-        f = super()._map(name, **options)
-        if f.format != "safetensors":
-            f.close()
-            raise FormatError(f"{f.path}: a RecIS tensor file is safetensors-like, this one is {f.format}")
-        return f
-
     def _read_descriptions(self) -> dict:
-        """The description file where present (RecIS's loader never reads it), checked against the headers:
-        one entry per block, each with the shape (and a dtype naming the type) its block has."""
+        """The description file where present (RecIS's loader never reads it): one entry per block of ``index``,
+        each with a shape, a dtype RecIS's reader knows and, where given, ``data_offsets`` as long as the
+        block. Each tensor file's header is checked against it when the file is opened (:class:`RecisTensorFiles`)."""
         path = os.path.join(self.path, DESCRIPTION_FILE)
         try:
             descriptions = _read_json(self.snapshot, DESCRIPTION_FILE, self.manifest)
@@ -567,38 +641,126 @@ class RecisCheckpointReader(CheckpointReader):
         differ = sorted(set(descriptions) ^ set(self._block_index))
         expect(not differ, path, f"describes other blocks than {INDEX_FILE} places: {differ[:4]}")
         for key, desc in descriptions.items():
-            info = self.part_infos[key]
             expect(isinstance(desc, dict) and is_shape(desc.get("shape")), path,
                    f"entry {key!r} must be an object with a 'shape' (list of integers >= 0), got {desc!r}")
-            expect(desc["shape"] == list(info.shape), path, f"entry {key!r} has shape {desc['shape']}, its tensor "
-                                                            f"file {self.file_of(key).path} holds {list(info.shape)}")
             named = desc.get("dtype")
-            expect(named in (_CODES.get(info.dtype.name), info.dtype.name), path,
-                   f"entry {key!r} has dtype {named!r}, its tensor file holds {info.dtype.name}")
+            expect(isinstance(named, str) and (named in _DTYPES or named in _CODES), path,
+                   f"entry {key!r} has dtype {named!r}, not one RecIS's reader knows ({sorted(_CODES)})")
+            offsets = desc.get("data_offsets")
+            if offsets is not None:
+                dtype, shape, _ = _described(key, {"dtype": named, "shape": desc["shape"]})
+                nbytes = math.prod(shape) * dtype.itemsize
+                expect(isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)
+                       and offsets[1] - offsets[0] == nbytes, path,
+                       f"entry {key!r} has data_offsets {offsets!r}: [begin, begin + {nbytes}] for its "
+                       f"{list(shape)} {dtype}")
         return descriptions
 
     def _block_order(self) -> dict[str, tuple[int, int]]:
         """``{stored key: (rank, place)}``: the order in which each rank made its blocks (module docs: block
-        ``b`` of rank ``i`` is entry ``b // p`` of the header of file ``i * p + b % p``), read back from the
-        files' names and headers, so that tables, slots and dense tensors keep the order of the save. Files not
-        named as RecIS names them come after, in file number and header order."""
+        ``b`` of rank ``i`` is entry ``b // p`` of the header of file ``i * p + b % p``), so that tables, slots
+        and dense tensors keep the order of the save. It is read from the metadata where they settle it
+        (:meth:`_rank_order`: the files' names, ``index``, the blocks' sizes and the ``data_offsets`` of the
+        description file); a file's header is read (the file opened) only where they leave its order open. A
+        tensor comes where the lowest rank holding it placed it, so the ranks after the first are replayed only
+        for tensors it does not hold (none, in what RecIS writes: every rank writes every table). Files not named
+        as RecIS names them come after, in file number and header order."""
         ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_[0-9]+_([0-9]+)\Z", key))}
         n = ranks.pop() if len(ranks) == 1 else 1
         order: dict[str, tuple[int, int]] = {}
+        groups: dict[tuple[int, int], dict[int, str]] = {}
         for number, name in sorted(self._file_of_number.items()):
-            f = self.files[name]
-            with guard(self, f"the header of {name}"):
-                length = int.from_bytes(bytes(f.mapped.view(0, 8)), "little")
-                keys = [k for k in json.loads(bytes(f.mapped.view(8, length)).decode("utf-8")) if k in f.infos]
             m = re.fullmatch(r"model-([0-9]+)-of-([0-9]+)\.safetensors", name)
             total = int(m.group(2)) if m else 0
             p = self.manifest["parallel"] if self.manifest is not None else total // n or 1
             if m is None or total % p:
-                order.update({k: (1 << 62, number * 1_000_000 + j) for j, k in enumerate(keys)})
+                order.update({k: (1 << 62, number * 1_000_000 + j)
+                              for j, k in enumerate(_header_order(self.files[name]))})
                 continue
             rank, writer = divmod(int(m.group(1)), p)
-            order.update({k: (rank, j * p + writer) for j, k in enumerate(keys)})
+            groups.setdefault((rank, p), {})[writer] = name
+        placed: set[str] = set()
+        for (rank, p), files in sorted(groups.items()):
+            tensors = {self._slices[k][0] for name in files.values() for k in self._keys_of.get(name, ())}
+            if tensors <= placed:  # each of them comes where a lower rank placed it: this rank's order is not needed
+                continue
+            placed |= tensors
+            places = self._rank_order(files, p)
+            if places is None:  # not as RecIS's writer places blocks: each file's header order, as written
+                places = {k: j * p + writer for writer, name in files.items()
+                          for j, k in enumerate(_header_order(self.files[name]))}
+            order.update({k: (rank, place) for k, place in places.items()})
         return order
+
+    def _rank_order(self, files: dict[int, str], p: int) -> dict[str, int] | None:
+        """``{stored key: place}`` of one rank's blocks (its files by writer, ``p`` writers), replaying RecIS's
+        writer: each table's ids, embedding and slots, then the dense tensors, handed to the writers round
+        robin, each file's blocks back to back. The next block of a file is the one candidate whose
+        ``data_offsets`` (where described) start where the file's blocks so far end; where several remain (dense
+        tensors, which have none; empty blocks) that file's header is read. None where the blocks do not follow
+        the rule."""
+        left = {w: set(self._keys_of.get(name, ())) for w, name in files.items()}
+        tables: dict[str, dict[str, str]] = {}
+        dense: set[str] = set()
+        for keys in left.values():
+            for key in keys:
+                tensor, piece = self._slices[key]
+                if piece == " ":
+                    dense.add(key)
+                else:
+                    table, _, slot = tensor.partition("@")
+                    tables.setdefault(table, {})[slot] = key
+        ends, counts = dict.fromkeys(files, 0), dict.fromkeys(files, 0)
+        headers: dict[int, list[str]] = {}
+        places: dict[str, int] = {}
+
+        def fits(key: str, w: int) -> bool:
+            offsets = self._blocks[key][2]
+            return key in left.get(w, ()) and (offsets is None or offsets[0] == ends[w])
+
+        def pick(w: int, candidates: list[str]) -> str | None:
+            if len(candidates) == 1:
+                return candidates[0]
+            if not candidates or w not in files:
+                return None
+            if w not in headers:
+                headers[w] = _header_order(self.files[files[w]])
+            done = counts[w]
+            return headers[w][done] if done < len(headers[w]) and headers[w][done] in candidates else None
+
+        def place(key: str) -> None:
+            w = len(places) % p
+            places[key] = len(places)
+            left[w].discard(key)
+            dtype, shape, _ = self._blocks[key]
+            ends[w] += math.prod(shape) * dtype.itemsize
+            counts[w] += 1
+
+        while tables:
+            w = len(places) % p
+            key = pick(w, [t["id"] for t in tables.values() if "id" in t and fits(t["id"], w)])
+            if key is None:
+                return None
+            slots = tables.pop(self._slices[key][0].partition("@")[0])
+            place(slots.pop("id"))
+            if "embedding" not in slots or not fits(slots["embedding"], len(places) % p):
+                return None
+            place(slots.pop("embedding"))  # the first of RecIS's slot group
+            while slots:
+                w = len(places) % p
+                key = pick(w, [k for k in slots.values() if fits(k, w)])
+                if key is None:
+                    return None
+                slots.pop(self._slices[key][0].partition("@")[2])
+                place(key)
+        while dense:
+            w = len(places) % p
+            key = pick(w, [k for k in dense if fits(k, w)])
+            if key is None:
+                return None
+            dense.discard(key)
+            place(key)
+        return places if not any(left.values()) else None
 
     def _find_tables(self) -> dict[str, dict]:
         """``{T: {"dim", "shape", "dtype", "slots", "slot_specs", "ids", "slice_size"}}`` for every ``T@id`` with a
@@ -612,18 +774,18 @@ class RecisCheckpointReader(CheckpointReader):
                 continue
             table = name[:-3]
             first = self._parts[f"{table}@embedding"][0]
-            shape, dtype = self.part_infos[first].shape, self.part_infos[first].dtype
+            dtype, shape, _ = self._blocks[first]
             dim = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
             specs = {}
             for other in in_order:
                 slot = other[len(table) + 1:]
                 if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
-                    info = self.part_infos[self._parts[other][0]]
-                    specs[slot] = {"shape": list(info.shape[1:]) or [1], "dtype": info.dtype.name}
+                    slot_dtype, slot_shape, _ = self._blocks[self._parts[other][0]]
+                    specs[slot] = {"shape": list(slot_shape[1:]) or [1], "dtype": slot_dtype.name}
             sizes = {parse_slice(self._slices[k][1], f"{self.path}: {k}")[2] for k in self._parts[name]}
             tables[table] = {"dim": dim, "shape": list(shape[1:]) or [1], "dtype": np.dtype(dtype).name,
                              "slots": list(specs), "slot_specs": specs,
-                             "ids": sum(self.part_infos[k].shape[0] for k in self._parts[name]),
+                             "ids": sum(self._blocks[k][1][0] for k in self._parts[name]),
                              "slice_size": sizes.pop() if len(sizes) == 1 else sorted(sizes)}
         self._dense_order = [n for n in in_order if self._slices[self._parts[n][0]][1] == " "]
         return tables
@@ -635,7 +797,7 @@ class RecisCheckpointReader(CheckpointReader):
         return super()._whole_name(name)  # the name itself, or an error naming the closest names
 
     def _shape(self, key: str) -> list:
-        return list(self.part_infos[key].shape)
+        return list(self._blocks[key][1])
 
     def tensor_shape(self, name: str) -> tuple:
         """A whole tensor's shape (its slices' first axes added, as RecIS's ``TensorShape``) or one block's."""
@@ -644,13 +806,26 @@ class RecisCheckpointReader(CheckpointReader):
         keys = self._parts[self._whole_name(name)]
         shape = self._shape(keys[0])
         if shape:
-            shape[0] = sum(self.part_infos[k].shape[0] for k in keys)
+            shape[0] = sum(self._blocks[k][1][0] for k in keys)
         return tuple(shape)
 
     def tensor_dtype(self, name: str) -> np.dtype:
         """The numpy dtype of a whole tensor or of one stored block."""
         key = name if name in self._block_index else self._parts[self._whole_name(name)][0]
-        return self.part_infos[key].dtype
+        return self._blocks[key][0]
+
+    def part_nbytes(self, key: str) -> int:
+        """The bytes stored block ``key`` takes in its file, from the metadata (its file is not opened).
+
+        >>> import numpy as np, tempfile, os
+        >>> from fastckpt.sharded import Saver
+        >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, layout="recis",
+        ...             tensors={"w": np.ones(3, np.float32)}).save()
+        >>> r = RecisCheckpointReader(out); r.part_nbytes("w^ "), len(r.files.opened())
+        (12, 0)
+        """
+        dtype, shape, _ = self._blocks[key]
+        return math.prod(shape) * dtype.itemsize
 
     def array(self, key: str) -> np.ndarray:
         """Stored block ``key``: a zero-copy, read-only view of its mapped file."""
@@ -662,7 +837,7 @@ class RecisCheckpointReader(CheckpointReader):
         if name in self._block_index:
             return self.host(name)
         keys = self._parts[self._whole_name(name)]
-        with guard(self, f"tensor {name!r}"):  # the copy: a file truncated under it is a FormatError, not SIGBUS
+        with self._guard(keys, f"tensor {name!r}"):  # the copy: a file truncated under it is a FormatError, not SIGBUS
             if len(keys) == 1:
                 return np.array(self.host(keys[0]))
             return np.concatenate([self.host(k) for k in keys], axis=0)
@@ -683,8 +858,8 @@ class RecisCheckpointReader(CheckpointReader):
 
     def dense_tensors(self) -> dict[str, dict]:
         """``{name: {"dtype", "shape"}}`` of the dense tensors (keys ``NAME^ ``), in the order of the save."""
-        return {name: {"dtype": self.part_infos[self._parts[name][0]].dtype.name,
-                       "shape": list(self.part_infos[self._parts[name][0]].shape)} for name in self._dense_order}
+        return {name: {"dtype": self._blocks[self._parts[name][0]][0].name,
+                       "shape": list(self._blocks[self._parts[name][0]][1])} for name in self._dense_order}
 
     def verify(self, *, progress=False) -> list[str]:
         """Every problem with the files against fastckpt's manifest (sizes, BLAKE3), and every table's ids (each
@@ -692,6 +867,8 @@ class RecisCheckpointReader(CheckpointReader):
 
         A directory written by RecIS has no manifest: its bytes cannot be checked (:attr:`integrity` is None and
         a warning said so), but its ids are; its structure was checked when it opened."""
+        if self.manifest is None:  # no hashes: every file is still opened and its header checked
+            list(self.files.values())
         problems = [] if self.manifest is None else super().verify(progress=progress)
         with guard(self, "its ids to check them"):
             for name in self._parts:
@@ -740,21 +917,27 @@ def load(loader) -> tuple[dict, dict]:
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         reader = stack.enter_context(RecisCheckpointReader(loader.checkpoint_path, verify=loader.verify))
-        stack.enter_context(guard(reader, "its blocks to load them"))  # a file truncated meanwhile: no SIGBUS
         info = loader.filter_func(load_info(loader, reader))
         tables = info.get("hashtables", {})
-        stored = {name: reader.part_infos[name + DENSE_SUFFIX].nbytes for name in info.get("tensors", {})}
-        stored.update({name: sum(reader.part_infos[k].nbytes for part in ("id", "embedding", *entry["slots"])
+        rule = None if loader.owner in (None, owner_mod) else loader.owner
+        parts = {name: _parts_to_read(loader, reader, name, entry, rule) for name, entry in tables.items()}
+        # Every file this rank reads (and no other) opened and checked before a byte is placed, and guarded: a
+        # file truncated meanwhile is a FormatError, not SIGBUS.
+        dense_keys = [name + DENSE_SUFFIX for name in info.get("tensors", {})]
+        table_keys = [_sibling(reader, key, name, slot) for name, entry in tables.items() for key in parts[name]
+                      for slot in ("id", "embedding", *entry["slots"])]
+        stack.enter_context(reader._guard([*dense_keys, *table_keys], "its blocks to load them"))
+        stored = {name: reader.part_nbytes(name + DENSE_SUFFIX) for name in info.get("tensors", {})}
+        stored.update({name: sum(reader.part_nbytes(k) for part in ("id", "embedding", *entry["slots"])
                                  for k in reader.part_names(f"{name}@{part}")) for name, entry in tables.items()})
         report = stack.enter_context(progress_from(loader.progress, sum(stored.values()),
                                                    f"load rank {loader.shard_index}"))
         for name, entry in info.get("tensors", {}).items():
             _fill_dense(loader, reader, name, entry["rows"])
             report.advance(stored[name], name)
-        rule = None if loader.owner in (None, owner_mod) else loader.owner
 
         def fill(name: str, entry: dict) -> None:
-            _fill_table(loader, reader, name, entry, rule)
+            _fill_table(loader, reader, name, entry, rule, parts[name])
             report.advance(stored[name], name)
 
         scope = held_guards()  # the fills' threads copy under the guard above too
@@ -792,25 +975,33 @@ def _fill_dense(loader, reader: RecisCheckpointReader, name: str, rows: list) ->
         loader.tensors[name] = out
 
 
-def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, rule) -> None:
-    """This rank's rows of table ``name``: RecIS's slice rule (``rule`` None) or ``rule(ids, M)``."""
+def _parts_to_read(loader, reader: RecisCheckpointReader, name: str, entry: dict, rule) -> list[str]:
+    """The id blocks of table ``name`` the Loader's rank reads: under RecIS's slice rule (``rule`` None) those
+    whose slice meets its own (RecIS's loader reads no other), under another ``rule`` every one."""
+    keys = reader.part_names(f"{name}@id")
+    if rule is not None:
+        return keys
+    if not isinstance(entry["slice_size"], int):
+        raise FormatError(f"{reader.path}: hashtable {name!r} was saved with slice sizes {entry['slice_size']}; "
+                          "RecIS's loader takes only the parts of its own size: pass the Loader an owner rule")
+    begin, end, _ = gen_slice(loader.shard_index, loader.shard_num, entry["slice_size"])
+    return [key for key in keys if (piece := reader.slice_of(key)[1])[0] < end and begin < piece[1]]
+
+
+def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, rule, keys: list[str]) -> None:
+    """This rank's rows of table ``name`` from its id blocks ``keys`` (:func:`_parts_to_read`): RecIS's slice
+    rule (``rule`` None) or ``rule(ids, M)``."""
     table = loader.hashtables.get(name)
     if table is None:
         table = loader.hashtables[name] = table_for(entry, name)
     check_holds(table, entry, name, reader.path)
     j, m = loader.shard_index, loader.shard_num
-    if rule is None and not isinstance(entry["slice_size"], int):
-        raise FormatError(f"{reader.path}: hashtable {name!r} was saved with slice sizes {entry['slice_size']}; "
-                          "RecIS's loader takes only the parts of its own size: pass the Loader an owner rule")
     mine_slice = gen_slice(j, m, entry["slice_size"]) if rule is None else None
     picked: list[tuple[np.ndarray, str, np.ndarray]] = []
-    for key in reader.part_names(f"{name}@id"):
-        _, piece = reader.slice_of(key)
+    for key in keys:
         ids = reader.host(key)
         if rule is None:
             begin, end, size = mine_slice
-            if not (piece[0] < end and begin < piece[1]):  # RecIS reads only the parts that meet its slice
-                continue
             pos = _slice_positions(ids, size)
             mine = np.flatnonzero((pos >= begin) & (pos < end))
         else:
