@@ -688,3 +688,23 @@ def test_an_index_that_cannot_be_read_first_is_parsed_from_the_mapping_as_before
     with fastckpt.open(str(tmp_path / "m.npz")) as f:
         assert f["b"].tolist() == [1.0, 1.0]
     assert calls == [(reader.HEAD_READ, 0)]
+
+
+def test_hosts_after_a_view_reads_ahead_from_where_the_views_window_ends_not_from_the_first_tensor(tmp_path,
+                                                                                                   monkeypatch):
+    from fastckpt.formats import reader
+
+    path = str(tmp_path / "m.safetensors")
+    tensors = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(12)}  # 1 MiB each
+    fastckpt.save_safetensors(path, tensors)
+    asked = []
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)  # as if cold
+    monkeypatch.setattr(reader, "READ_AHEAD", 4 << 20)
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append((start, end)))
+    with fastckpt.open(path) as f:
+        first = f.info("w0")
+        assert f.host("w0").tobytes() == tensors["w0"].tobytes()
+        assert asked == [(first.offset, first.offset + first.nbytes + (4 << 20))]
+        views = f.hosts()
+        assert {k: v.tobytes() for k, v in views.items()} == {k: v.tobytes() for k, v in tensors.items()}
+    assert asked[1:] == [(asked[0][1], os.path.getsize(path))]  # the rest of the file, once; nothing read twice
