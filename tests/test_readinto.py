@@ -708,3 +708,28 @@ def test_hosts_after_a_view_reads_ahead_from_where_the_views_window_ends_not_fro
         views = f.hosts()
         assert {k: v.tobytes() for k, v in views.items()} == {k: v.tobytes() for k, v in tensors.items()}
     assert asked[1:] == [(asked[0][1], os.path.getsize(path))]  # the rest of the file, once; nothing read twice
+
+
+def test_a_hugging_face_directory_advises_each_shards_first_window_once_every_index_is_parsed(tmp_path, monkeypatch):
+    from fastckpt.formats import reader
+
+    tensors = {f"w{i}": np.full(1 << 10, i, np.float32) for i in range(4)}
+    directory = str(tmp_path / "hf")
+    fastckpt.save_sharded(directory, tensors, max_shard_size=(4 << 10) + 1)  # one tensor a shard
+    events, parse, advise = [], reader._parse, reader._advise
+    monkeypatch.setattr(reader, "_parse", lambda mapped, *a: events.append(("parse", mapped.path)) or parse(mapped, *a))
+    monkeypatch.setattr(reader, "_advise", lambda mapped, kind: events.append((kind, mapped.path)) or advise(mapped, kind))
+    with fastckpt.open(directory) as r:
+        assert {k: r.host(k).tolist() for k in r.keys()} == {k: a.tolist() for k, a in tensors.items()}
+        shards = sorted(f.path for f in r.files.values())
+    assert len(shards) == 4
+    kinds = [kind for kind, _path in events]
+    last_parse = max(k for k, kind in enumerate(kinds) if kind == "parse")
+    assert sorted(p for kind, p in events if kind == "willneed") == shards  # each shard's window, once
+    assert all(k > last_parse for k, kind in enumerate(kinds) if kind == "willneed")  # after every index
+    events.clear()
+    single = str(tmp_path / "one.safetensors")
+    fastckpt.save_safetensors(single, tensors)
+    with fastckpt.open(single) as f:
+        assert f["w3"].tolist() == tensors["w3"].tolist()
+    assert ("willneed", single) not in events and ("sequential", single) in events  # a file alone: no WILLNEED

@@ -549,6 +549,8 @@ class HFShardedDirectory(MultiFileReader):
         self._parts = tuple((self.files[file], tuple(names)) for file, names in self._by_file.items())
         order = list(self.files)
         self._following = {file: self.files[later] for file, later in zip(order, order[1:])}
+        for f in self.files.values():  # now that every index is parsed (none of them waits behind these reads)
+            f.advise_first_window()
 
     def _open(self, options: dict) -> None:
         if os.path.isdir(self.path):

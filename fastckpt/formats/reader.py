@@ -217,6 +217,20 @@ class TensorFile(ReaderMapping):
         self._ahead = min(self._size, start + READ_AHEAD)
         read_ahead(self.mapped, start, self._ahead, check=False)
 
+    def advise_first_window(self) -> None:
+        """Have the kernel read the file's first window (its readahead window, from the start) into the page cache now,
+        as :func:`open_file` once did for every file (before it parsed the index): a reader of several files (a Hugging Face directory) asks
+        for each file's once all their indexes are parsed, so that the copies out of every file start on cached
+        bytes. Advice only; a no-op for a ``backend="pread"`` file.
+
+        >>> import fastckpt, numpy as np, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "w.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(3)})
+        >>> with fastckpt.open(p) as f:
+        ...     f.advise_first_window()
+        """
+        if self._size:
+            _advise(self.mapped, "willneed")
+
     def _offset_of(self, view) -> int | None:
         """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
         offset = view.__array_interface__["data"][0] - self.mapped.address
@@ -277,8 +291,10 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     """
     _check_max_header_size(max_header_size)
     # Sequential advice, without MappedFile's WILLNEED over the first window: the parse of the header (and of the next
-    # file's) waited behind the 8 MiB of reads that advice queued at every open. A cold file's index is read first
-    # (_read_head), its data ahead of the views taken of it (TensorFile._read_ahead).
+    # file's) waited behind the 8 MiB of reads that advice queued at every open, and a load that reads the file with
+    # O_DIRECT read those 8 MiB twice. A cold file's index is read first (_read_head), its data ahead of the views
+    # taken of it (TensorFile._read_ahead); a directory of several files advises each one's first window once every
+    # index is parsed (advise_first_window).
     mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write, advise=False)
     try:
         if mapped.address is not None and mapped.size and not cached(mapped, 0, 1, 1):
