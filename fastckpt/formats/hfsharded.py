@@ -595,7 +595,7 @@ class HFShardedDirectory(MultiFileReader):
         infos: dict[str, TensorInfo] = {}
         for file, names in by_file.items():  # each shard checked as it opens: its problem is the one reported
             try:
-                f = self.files[file] = open_file(os.path.join(self.directory, file), **options)
+                f = self.files[file] = open_file(os.path.join(self.directory, file), **options, first_window=False)
             except FileNotFoundError:
                 raise snap.missing(file, f"the index {where} lists it") from None
             snap.check(file, f.mapped.identity)
@@ -647,7 +647,7 @@ class HFShardedDirectory(MultiFileReader):
                 "the index is read as it is (total_size is informative only)"), stacklevel=stacklevel)
 
     def _open_single(self, single: str, options: dict) -> None:
-        self._take_single(open_file(single, **options))
+        self._take_single(open_file(single, **options, first_window=False))
 
     def _take_single(self, f) -> None:
         """Hold ``f``, the one safetensors file of a checkpoint without an index, as the checkpoint."""

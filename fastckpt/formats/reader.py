@@ -219,7 +219,7 @@ class TensorFile(ReaderMapping):
 
     def advise_first_window(self) -> None:
         """Have the kernel read the file's first window (its readahead window, from the start) into the page cache now,
-        as :func:`open_file` once did for every file (before it parsed the index): a reader of several files (a Hugging Face directory) asks
+        as :func:`open_file` does unless told not to: a reader of several files (a Hugging Face directory) asks
         for each file's once all their indexes are parsed, so that the copies out of every file start on cached
         bytes. Advice only; a no-op for a ``backend="pread"`` file.
 
@@ -277,10 +277,12 @@ class TensorFile(ReaderMapping):
 
 
 def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
-              max_header_size: int | None = None) -> TensorFile:
+              max_header_size: int | None = None, first_window: bool = True) -> TensorFile:
     """Map the NPZ or safetensors file ``path`` and parse its index; the format is detected from its bytes.
 
-    :func:`open` calls this for a file; options as there.
+    :func:`open` calls this for a file; options as there. ``first_window=False`` leaves out the advice that has the
+    kernel read the file's first window once the index is parsed: a reader of several files opens them all first,
+    then calls :meth:`TensorFile.advise_first_window` of each (no file's index then waits behind those reads).
 
     >>> import fastckpt, numpy as np, tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "t.bin")
@@ -290,21 +292,22 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     ('safetensors', [0, 1])
     """
     _check_max_header_size(max_header_size)
-    # Sequential advice, without MappedFile's WILLNEED over the first window: the parse of the header (and of the next
-    # file's) waited behind the 8 MiB of reads that advice queued at every open, and a load that reads the file with
-    # O_DIRECT read those 8 MiB twice. A cold file's index is read first (_read_head), its data ahead of the views
-    # taken of it (TensorFile._read_ahead); a directory of several files advises each one's first window once every
-    # index is parsed (advise_first_window).
+    # A cold file's index is read first (_read_head), then the mapping gets MappedFile's own advice (sequential, and
+    # WILLNEED over the first window): the parse of the header (and of the next file's in a directory) waited behind
+    # the 8 MiB of reads that advice queued, 6 ms a cold file.
     mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write, advise=False)
     try:
         if mapped.address is not None and mapped.size and not cached(mapped, 0, 1, 1):
             _read_head(mapped)
         _advise(mapped, "sequential")
         with mapped.guard("its index"):
-            return _parse(mapped, max_header_size)
+            f = _parse(mapped, max_header_size)
     except BaseException:
         mapped.close()
         raise
+    if first_window:
+        f.advise_first_window()
+    return f
 
 
 def _parse(mapped: MappedFile, max_header_size: int | None) -> TensorFile:
