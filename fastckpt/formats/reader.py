@@ -219,8 +219,8 @@ class TensorFile(ReaderMapping):
 
     def advise_first_window(self) -> None:
         """Have the kernel read the file's first window (its readahead window, from the start) into the page cache now,
-        as :func:`open_file` does unless told not to: a reader of several files (a Hugging Face directory) asks
-        for each file's once all their indexes are parsed, so that the copies out of every file start on cached
+        as :func:`open_file` does unless told not to (``first_window=False``): a reader of several files (a
+        Hugging Face directory) asks for each file's once all their indexes are parsed, so that the copies out of every file start on cached
         bytes. Advice only; a no-op for a ``backend="pread"`` file.
 
         >>> import fastckpt, numpy as np, tempfile, os
@@ -280,9 +280,11 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
               max_header_size: int | None = None, first_window: bool = True) -> TensorFile:
     """Map the NPZ or safetensors file ``path`` and parse its index; the format is detected from its bytes.
 
-    :func:`open` calls this for a file; options as there. ``first_window=False`` leaves out the advice that has the
-    kernel read the file's first window once the index is parsed: a reader of several files opens them all first,
-    then calls :meth:`TensorFile.advise_first_window` of each (no file's index then waits behind those reads).
+    :func:`open` calls this for a file; options as there. The mapping is advised sequential, and its first window
+    ``MADV_WILLNEED`` (the kernel reads it now). ``first_window=False`` leaves that advice until
+    :meth:`TensorFile.advise_first_window`, and reads a cold file's index with ``pread`` before the parse: a reader
+    of several files (a Hugging Face directory) opens them all, then advises each (the parse of the next file's index
+    waited behind the reads the advice queued, 6 ms a cold file).
 
     >>> import fastckpt, numpy as np, tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "t.bin")
@@ -292,22 +294,20 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     ('safetensors', [0, 1])
     """
     _check_max_header_size(max_header_size)
-    # A cold file's index is read first (_read_head), then the mapping gets MappedFile's own advice (sequential, and
-    # WILLNEED over the first window): the parse of the header (and of the next file's in a directory) waited behind
-    # the 8 MiB of reads that advice queued, 6 ms a cold file.
-    mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write, advise=False)
+    if first_window:  # MappedFile's own advice: sequential, and WILLNEED over the first window
+        mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write)
+    else:  # sequential only; a cold file's index read first (_read_head), its first window advised later
+        mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write, advise=False)
     try:
-        if mapped.address is not None and mapped.size and not cached(mapped, 0, 1, 1):
-            _read_head(mapped)
-        _advise(mapped, "sequential")
+        if not first_window:
+            if mapped.address is not None and mapped.size and not cached(mapped, 0, 1, 1):
+                _read_head(mapped)
+            _advise(mapped, "sequential")
         with mapped.guard("its index"):
-            f = _parse(mapped, max_header_size)
+            return _parse(mapped, max_header_size)
     except BaseException:
         mapped.close()
         raise
-    if first_window:
-        f.advise_first_window()
-    return f
 
 
 def _parse(mapped: MappedFile, max_header_size: int | None) -> TensorFile:
