@@ -351,8 +351,8 @@ HEAD_READ = 64 << 10  # _read_head: the first bytes of a cold file read with pre
 def _read_head(mapped: MappedFile) -> None:
     """Put the index of a cold file (its first page not in the page cache) in the page cache with ``pread``, before
     the parser faults it in from the mapping: the fault, under the mapping's sequential advice, waited for the
-    kernel's whole readahead window (6 ms a file here; a Hugging Face directory's four shards took 25 ms to open,
-    1 ms so). ``HEAD_READ`` bytes, and the rest of a safetensors header longer than that. Advice only: a failure
+    kernel's whole readahead window (6 ms a file here; a Hugging Face directory's four cold shards took 22-38 ms to
+    open, 5-8 ms so). ``HEAD_READ`` bytes, and the rest of a safetensors header longer than that. Advice only: a failure
     changes nothing (the parse reads and checks the bytes from the mapping)."""
     fd = same_file(mapped)
     if fd is None:
