@@ -218,6 +218,42 @@ def test_a_hasher_sees_every_byte_in_file_order(tmp_path):
     assert hashers["blake3"][0].hexdigest() == blake3_file(tmp_path / "blake3.bin")[0]
 
 
+
+class _PositionHasher:
+    """A hasher that records, at each update, the update's size and how many bytes the file held then."""
+
+    def __init__(self, fd):
+        import blake3
+
+        self.fd, self.inner, self.calls = fd, blake3.blake3(), []
+
+    def update(self, data):
+        self.calls.append((memoryview(data).nbytes, os.lseek(self.fd, 0, os.SEEK_CUR)))
+        self.inner.update(data)
+
+
+def test_a_hasher_is_fed_each_step_just_before_it_is_written(tmp_path, fd):
+    # Each step (a MiB at most) is hashed, then written, so the write copies bytes the hash has just brought into
+    # the cache: the hash of a step never runs ahead of the file by more than that step.
+    hasher = _PositionHasher(fd)
+    big = np.arange(5 << 20, dtype=np.uint8)
+    with GatherWriter(fd, hasher) as out:
+        out.write(b"head")
+        for i in range(3):
+            out.write(np.full(1000, i, np.int64))
+        out.write(big)
+    data = written(tmp_path)
+    assert data == b"head" + b"".join(np.full(1000, i, np.int64).tobytes() for i in range(3)) + big.tobytes()
+    assert hasher.inner.hexdigest() == __import__("blake3").blake3(data).hexdigest()
+    hashed = 0
+    for size, position in hasher.calls:
+        assert size <= 1 << 20
+        assert hashed - position < 1 << 20, (hashed, position)  # written up to the step before this one
+        hashed += size
+    assert hashed == len(data)
+    assert max(position for _, position in hasher.calls) >= len(data) - (1 << 20)
+
+
 # -- direct=True: past the page cache, through an aligned stage ---------------------------------------------------
 
 STAGE = 4 << 20  # the direct writer's stage

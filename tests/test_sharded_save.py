@@ -182,6 +182,24 @@ def test_taken_rows_refuse_rows_outside_the_source(rows):
         TakenRows(np.zeros((10, 2)), np.array(rows))
 
 
+@pytest.mark.parametrize("dtype", ["<f4", "bfloat16"])  # gathered by the writer, and converted first
+@pytest.mark.parametrize("rows", [[1, 10], [-1]])
+def test_a_write_blocks_rows_are_checked_as_they_are_gathered_not_scanned_first(tmp_path, dtype, rows):
+    """A block's payload does not scan its rows (the saver made them: a slice order, shared by the table's blocks);
+    a row outside the source still fails the write with an IndexError naming it, and no file is left."""
+    import ml_dtypes
+
+    from fastckpt.sharded.format import WriteBlock
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    block = WriteBlock("t.embedding/part_0_1", "t.embedding", "embedding", np.zeros((10, 2), dt), "t", {},
+                       rows=np.array(rows, np.intp))
+    payload = block.payload()  # no scan of the rows: a bad one is not found here
+    with pytest.raises(IndexError, match="10|-1|out of bounds|outside"):
+        save_safetensors(tmp_path / "x.safetensors", {block.key: payload})
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 @pytest.mark.parametrize("dtype", ["<f4", ">f4", "int8", "bfloat16"])
 @pytest.mark.parametrize("progress", [False, True])
 @pytest.mark.parametrize("direct", [False, True])

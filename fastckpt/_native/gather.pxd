@@ -25,6 +25,7 @@ cdef class GatherWriter:
     cdef Py_ssize_t _fill
     cdef Py_ssize_t _offset
     cdef int _piece_for(self, Py_ssize_t nbytes) except -1
+    cdef int _writev(self, int count, Py_ssize_t nbytes) except -1
     cdef int _stage_in(self, const char* data, Py_ssize_t n, bint zeros) except -1
     cdef int _stage_out(self, Py_ssize_t length) except -1
     cdef int _hash_staged(self, Py_ssize_t start, Py_ssize_t n) except -1

@@ -620,8 +620,10 @@ class WriteBlock:
 
     def payload(self) -> np.ndarray | TakenRows:
         """What a writer writes: ``array`` where it is at hand, else the rows still to gather
-        (:class:`~fastckpt.arrays.TakenRows`, which ``save_safetensors`` gathers a piece at a time)."""
-        return self._array if self._array is not None else TakenRows(self.source, self.rows)
+        (:class:`~fastckpt.arrays.TakenRows`, which ``save_safetensors`` gathers a piece at a time). The rows are
+        not scanned first: a table's blocks share them (a slice order, a delta's changed rows, made by the saver),
+        and the gather refuses any row outside the source as it takes it."""
+        return self._array if self._array is not None else TakenRows(self.source, self.rows, checked=True)
 
 
 def write_synced(path: str | os.PathLike, data: bytes) -> None:

@@ -416,7 +416,7 @@ class Saver:
 
         def write(k: int) -> tuple[str, dict]:
             path = staging / names[k]
-            # fed the bytes as they are written, a piece of a table (a MiB) or up to 64 MiB at a time: with writer
+            # fed the bytes a MiB at a time, each step just before it is written (GatherWriter): with writer
             # threads to share the cores, hashing on one thread each costs less CPU than dispatching each piece
             # to a thread pool (9-14% of a save's CPU at parallel 4, measured at 1 and 4 ranks)
             hasher = blake3_hasher(threads=1 if self.parallel > 1 else None)
