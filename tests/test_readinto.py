@@ -650,7 +650,8 @@ def test_a_cold_files_index_is_read_with_pread_before_its_parse_and_a_warm_files
     with open(path, "rb") as f:
         header_end = 8 + int.from_bytes(f.read(8), "little")
     asked = []
-    monkeypatch.setattr(reader, "cached", lambda mapped, start, end, samples=2, **k: asked.append((start, end)) or False)
+    monkeypatch.setattr(reader, "cached",
+                        lambda mapped, start, end, samples=2, **k: asked.append((start, end)) or False)
     calls = _preads(monkeypatch)
     with reader.open_file(path, first_window=False) as f:  # as a Hugging Face directory opens its shards
         assert {k: f.host(k).tolist() for k in f.keys()} == {k: a.tolist() for k, a in arrays.items()}
@@ -722,7 +723,8 @@ def test_a_hugging_face_directory_advises_each_shards_first_window_once_every_in
     fastckpt.save_sharded(directory, tensors, max_shard_size=(4 << 10) + 1)  # one tensor a shard
     events, parse, advise = [], reader._parse, reader._advise
     monkeypatch.setattr(reader, "_parse", lambda mapped, *a: events.append(("parse", mapped.path)) or parse(mapped, *a))
-    monkeypatch.setattr(reader, "_advise", lambda mapped, kind: events.append((kind, mapped.path)) or advise(mapped, kind))
+    monkeypatch.setattr(reader, "_advise",
+                        lambda mapped, kind: events.append((kind, mapped.path)) or advise(mapped, kind))
     with fastckpt.open(directory) as r:
         assert {k: r.host(k).tolist() for k in r.keys()} == {k: a.tolist() for k, a in tensors.items()}
         shards = sorted(f.path for f in r.files.values())

@@ -220,8 +220,8 @@ class TensorFile(ReaderMapping):
     def advise_first_window(self) -> None:
         """Have the kernel read the file's first window (its readahead window, from the start) into the page cache now,
         as :func:`open_file` does unless told not to (``first_window=False``): a reader of several files (a
-        Hugging Face directory) asks for each file's once all their indexes are parsed, so that the copies out of every file start on cached
-        bytes. Advice only; a no-op for a ``backend="pread"`` file.
+        Hugging Face directory) asks for each file's once all their indexes are parsed, so that the copies out of
+        every file start on cached bytes. Advice only; a no-op for a ``backend="pread"`` file.
 
         >>> import fastckpt, numpy as np, tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "w.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(3)})
@@ -352,8 +352,8 @@ def _read_head(mapped: MappedFile) -> None:
     """Put the index of a cold file (its first page not in the page cache) in the page cache with ``pread``, before
     the parser faults it in from the mapping: the fault, under the mapping's sequential advice, waited for the
     kernel's whole readahead window (6 ms a file here; a Hugging Face directory's four cold shards took 22-38 ms to
-    open, 5-8 ms so). ``HEAD_READ`` bytes, and the rest of a safetensors header longer than that. Advice only: a failure
-    changes nothing (the parse reads and checks the bytes from the mapping)."""
+    open, 5-8 ms so). ``HEAD_READ`` bytes, and the rest of a safetensors header longer than that. Advice only: a
+    failure changes nothing (the parse reads and checks the bytes from the mapping)."""
     fd = same_file(mapped)
     if fd is None:
         return

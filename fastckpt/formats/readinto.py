@@ -327,7 +327,8 @@ def cached(mapped, start: int, end: int, samples: int = SAMPLES, centred: bool =
         vec, out = _flag.byte
     except AttributeError:
         vec = ctypes.c_ubyte()
-        vec, out = _flag.byte = (vec, ctypes.addressof(vec))
+        out = ctypes.addressof(vec)
+        _flag.byte = (vec, out)
     base = address - address % _PAGE  # the mapping starts on a page; the file offset 0 is there
     first, last = start // _PAGE, (end - 1) // _PAGE
     for k in range(samples):
