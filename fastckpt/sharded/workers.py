@@ -11,7 +11,8 @@ started by the thread that finished the one before (no hand-over between threads
 waits for every task submitted to it, as leaving a ``ThreadPoolExecutor``'s does. A task may wait for tasks of
 another kind (a table's job for its row copies) but never for one of its own kind; the threads of a kind grow to as
 many as run at once, up to :data:`MOST`, and idle ones cost no CPU. A forked child starts threads of its own (the
-parent's do not exist there).
+parent's do not exist there). :meth:`Lane.submit_bundled` hands tasks of a few MiB to a thread together
+(:func:`bundles`, :data:`BUNDLE_BYTES`): a resharding rank's dense jobs and row runs, where ranks run as threads.
 
 >>> with Lane("rows", 2) as lane:
 ...     futures = [lane.submit(pow, 2, k) for k in range(5)]
