@@ -739,3 +739,47 @@ def test_a_hugging_face_directory_advises_each_shards_first_window_once_every_in
     with fastckpt.open(single) as f:
         assert f["w3"].tolist() == tensors["w3"].tolist()
     assert events == [("parse", single)]  # a file alone: MappedFile's own advice at the map, as in 0.8
+
+
+def test_load_tree_and_pooled_loads_ask_no_first_window_of_what_they_read_themselves(tmp_path, monkeypatch, queue,
+                                                                                      pool):
+    # They read a cold file with O_DIRECT into their destinations: the first window's MADV_WILLNEED at the map read
+    # those bytes once more through the page cache (8 MiB of each file, 520 MiB from disk for a 512 MiB file).
+    from fastckpt.formats import hfsharded, reader
+    from fastckpt.formats.reader import TensorFile
+
+    tensors = {f"w{i}": np.full(1 << 10, i, np.float32) for i in range(4)}
+    single, directory = str(tmp_path / "one.safetensors"), str(tmp_path / "hf")
+    fastckpt.save_safetensors(single, tensors)
+    fastckpt.save_sharded(directory, tensors, max_shard_size=(4 << 10) + 1)  # one tensor a shard
+    opened, windows = [], []
+
+    def spied(open_file):
+        return lambda path, **k: opened.append(k.get("first_window", True)) or open_file(path, **k)
+
+    monkeypatch.setattr(reader, "open_file", spied(reader.open_file))
+    monkeypatch.setattr(hfsharded, "open_file", spied(hfsharded.open_file))
+    advise = TensorFile.advise_first_window
+    monkeypatch.setattr(TensorFile, "advise_first_window", lambda f: windows.append(f.path) or advise(f))
+    expected = {k: a.tolist() for k, a in tensors.items()}
+
+    def flat(tree):
+        return {k: v.tolist() for k, v in tree.items()}
+
+    assert flat(fastckpt.load_tree(single)) == expected and flat(fastckpt.load_tree(directory)) == expected
+    for source in (single, directory):
+        loaded = fastckpt.load_file(source, queue, pool=pool)
+        assert {k: loaded[k].to_host().tolist() for k in loaded} == expected
+    assert opened == [False] * 10 and windows == []  # a file, 4 shards; twice
+    from fastckpt.io import load_model, save_model
+    from fastckpt.nn import Linear, Sequential
+
+    netcl = str(tmp_path / "m.netcl")
+    save_model(Sequential(Linear(queue, 3, 2)), netcl)
+    opened.clear()
+    model = load_model(netcl, pool=pool)
+    assert opened == [False] and windows == [] and len(model.state_dict()) == 2
+    opened.clear()
+    with fastckpt.open(single) as f, fastckpt.open(directory) as d:  # what a caller copying out of views gets
+        assert f["w0"].tolist() == d.host("w0").tolist()
+    assert opened == [True, False, False, False, False] and len(windows) == 4

@@ -535,7 +535,7 @@ class HFShardedDirectory(MultiFileReader):
     format = "hf-sharded"
 
     def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
-                 max_header_size: int | None = None):
+                 max_header_size: int | None = None, first_window: bool = True):
         self.path = os.fspath(path)
         self._closed = False
         self.files: dict[str, TensorFile] = {}
@@ -549,8 +549,9 @@ class HFShardedDirectory(MultiFileReader):
         self._parts = tuple((self.files[file], tuple(names)) for file, names in self._by_file.items())
         order = list(self.files)
         self._following = {file: self.files[later] for file, later in zip(order, order[1:])}
-        for f in self.files.values():  # now that every index is parsed (none of them waits behind these reads)
-            f.advise_first_window()
+        if first_window:  # False: the caller reads the bytes itself (fastckpt.open's first_window)
+            for f in self.files.values():  # now that every index is parsed (none of them waits behind these reads)
+                f.advise_first_window()
 
     def _open(self, options: dict) -> None:
         if os.path.isdir(self.path):

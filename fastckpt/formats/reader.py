@@ -586,7 +586,7 @@ def unregister_opener(opener: Callable) -> None:
 
 def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,  # noqa: A001
          max_header_size: int | None = None, storage_options: dict | None = None,
-         names=None) -> TensorReader:
+         names=None, first_window: bool = True) -> TensorReader:
     """Open whatever ``path`` is as a reader of the contract (:class:`~fastckpt.formats.contract.TensorReader`).
 
     In this order: a path an opener added with :func:`register_opener`
@@ -613,6 +613,11 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
     safetensors headers have the format's own fixed cap (100 MB). TensorFlow
     checkpoints are opened with checksum verification on (open a
     :class:`~fastckpt.tf.CheckpointReader` with ``verify=False`` to skip it).
+    ``first_window=False`` maps an NPZ or safetensors file, or a Hugging Face
+    directory's shards, without asking the kernel to read the first window
+    of each now (:func:`open_file`): for a caller that reads the bytes itself
+    (``load_tree`` and pooled loads read a cold file with ``O_DIRECT``, and
+    the window would be read twice).
 
     A URL (``s3://bucket/model.safetensors``, any fsspec URL; ``storage_options``
     configure its filesystem) names one NPZ or safetensors file: its index is
@@ -662,6 +667,8 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
     if is_dir:
         reader = _directory_reader(p)
         if reader is not None:
+            if not first_window and getattr(reader, "format", None) == "hf-sharded":
+                return reader(p, **options, first_window=False)
             return reader(p, **options)
         prefix = _tf_prefix_in(p)
         if prefix is not None:
@@ -674,10 +681,11 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
                 raise foreign
         raise CheckpointNotFoundError(f"{p}: a directory fastckpt.open cannot read: {_what_directory_is(p)}")
     if p.endswith(HF_INDEX_SUFFIX):  # what hf_hub_download returns for a sharded model: its directory's index
-        return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])(p, **options)
+        return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])(p, **options, first_window=first_window)
     if _is_tf_file(p):
         return _open_tf(p, **options)
-    return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size)
+    return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size,
+                     first_window=first_window)
 
 
 # Directory kinds of the floors above, by the file that marks them: marker -> "module:reader class". They are
