@@ -244,6 +244,45 @@ def test_forged_slice_offsets_are_refused_before_any_row_is_placed(tmp_path):
     assert given["emb"].ids().tolist() == [1]
 
 
+def test_a_one_rank_checkpoint_on_four_ranks_checks_its_ids_in_the_index_build(tmp_path, monkeypatch):
+    """1 -> 4: every slice group a rank reads is its own, so its ids are checked as the id index is built (one pass
+    over them, no slice_run_check of their own); forged offsets are still named by file, tensor, row and byte, and
+    the caller's table stays as it was."""
+    from fastckpt.sharded import format as fmt
+
+    save_threads(tmp_path / "c", [{"emb": _whole_table(6000)}], {}, 1)
+    calls: list = []
+    real = fmt.slice_run_check
+    monkeypatch.setattr(fmt, "slice_run_check", lambda *a: calls.append(a) or real(*a))
+    loaded = [Loader(str(tmp_path / "c"), shard_index=j, shard_num=4, verify=False).load()[0]["emb"]
+              for j in range(4)]
+    assert calls == []  # was one call a rank
+    ids = np.arange(6000, dtype=np.int64) * 40503
+    positions = slice_positions(ids, SLICE_SIZE)
+    for j, table in enumerate(loaded):
+        begin, end = slice_of(j, 4, SLICE_SIZE)
+        assert sorted(table.ids().tolist()) == sorted(ids[(positions >= begin) & (positions < end)].tolist())
+    with CheckpointReader(tmp_path / "c") as r:
+        rows = r.descriptions["emb.id/part_0_1"]["slices"]["rows"]
+        offset = r.part_infos["emb.id/part_0_1"].offset
+        stored = r.read_tensor("emb.id/part_0_1")
+    _edit_slices(tmp_path / "c", "emb.id/part_0_1", lambda s: {**s, "rows": [0, rows[1] + 1, *rows[2:]]})
+    row = rows[1]  # the first id of group 1, now recorded in group 0 (rank 0's)
+    given = {"emb": HashTable(DIM, slots=SLOTS)}
+    given["emb"].insert([1], np.ones((1, DIM), np.float32))
+    with pytest.raises(FormatError, match=rf"tensor 'emb.id/part_0_1', row {row} \(byte {offset + 8 * row} of the "
+                                          rf"file\): id {stored[row]} is at slice position"):
+        Loader(str(tmp_path / "c"), hashtables=given, shard_index=0, shard_num=4, verify=False).load()
+    assert given["emb"].ids().tolist() == [1]
+
+
+def _whole_table(n: int) -> HashTable:
+    ids = np.arange(n, dtype=np.int64) * 40503
+    table = HashTable(DIM, slots=SLOTS, name="emb")
+    table.insert(ids, np.ones((n, DIM), np.float32), {s: np.zeros((n, DIM), np.float32) for s in SLOTS})
+    return table
+
+
 def test_deltas_and_encoded_tables_load_by_the_slice_rule(tmp_path):
     tables = rank_tables(2)
     save_threads(tmp_path / "full", tables, DENSE, 2)

@@ -128,3 +128,57 @@ def test_saves_write_and_encode_on_threads_kept_between_them(tmp_path, monkeypat
     assert len(ours) <= 2 * (4 + 4), ours  # the write and encode lanes (was 4 a save, 8 with zstd)
     for out in outs:
         assert Loader(out, verify=True).load()[0]["emb"] == table
+
+
+def test_a_resharding_rank_hands_its_small_tasks_to_two_threads_at_most(tmp_path, monkeypatch):
+    """A 1 -> 4 rank's dense jobs and row copies (a few KiB to MiB each) go to other threads in bundles by bytes
+    (fastckpt.sharded.workers.bundles): one hand-off a lane, where each job and each copy used to take one (seven
+    a rank here; with four ranks as threads on two cores each waited for the GIL)."""
+    from fastckpt.sharded import workers
+
+    rng = np.random.default_rng(0)
+    table = HashTable(4, slots=("m", "v"))
+    ids = rng.choice(10**9, 8000, replace=False)
+    table.insert(ids, rng.random((8000, 4), dtype=np.float32),
+                 {s: rng.random((8000, 4), dtype=np.float32) for s in ("m", "v")})
+    out = str(tmp_path / "c")
+    dense = {f"w{k}": np.arange(256.0 * (k + 1)).reshape(-1, 8) for k in range(4)}
+    Saver(path=out, parallel=4, hashtables={"emb": table}, tensors=dense).save()
+    handed: list = []
+    real_pool = workers._pool
+
+    class Counting:
+        def __init__(self, pool):
+            self.pool = pool
+
+        def submit(self, fn, *args):
+            handed.append(threading.current_thread().name)
+            return self.pool.submit(fn, *args)
+
+    monkeypatch.setattr(workers, "_pool", lambda kind: Counting(real_pool(kind)))
+    loaded = []
+    for rank in range(4):
+        handed.clear()
+        loaded.append(Loader(out, parallel=4, shard_index=rank, shard_num=4, dense="rows", verify=False).load())
+        assert len(handed) <= 2, handed  # was 7 (three dense jobs, three row copies and one more)
+    assert sorted(np.concatenate([t["emb"].ids() for t, _ in loaded]).tolist()) == sorted(ids.tolist())
+    for name, array in dense.items():
+        assert np.array_equal(np.concatenate([d[name] for _, d in loaded]), array)
+    merged = {int(i): row for t, _ in loaded for i, row in zip(t["emb"].ids(), t["emb"].lookup_slot("v", t["emb"].ids()))}
+    assert all(np.array_equal(merged[int(i)], row) for i, row in zip(ids, table.lookup_slot("v", ids)))
+
+
+def test_bundles_keep_every_task_once_and_a_failed_task_does_not_stop_its_bundle():
+    from fastckpt.sharded.workers import bundles
+
+    for sizes, limit, least in [([5] * 7, 3, 10), ([1, 100, 1, 1], 4, 1), ([0, 0], 2, 1), ([], 3, 1)]:
+        groups = bundles(sizes, limit, least)
+        assert sorted(k for g in groups for k in g) == list(range(len(sizes)))
+        assert len(groups) <= max(1, min(limit, sum(sizes) // least)) and all(g == sorted(g) for g in groups)
+    assert bundles([5] * 7, 3, 10) == [[0, 3, 6], [1, 4], [2, 5]]
+    ran: list = []
+    with Lane("rows", 2) as lane:
+        futures = lane.submit_bundled([(int, ("x",)), (ran.append, (1,)), (ran.append, (2,))], [1, 1, 1], least=10)
+    with pytest.raises(ValueError):
+        futures[0].result()
+    assert ran == [1, 2] and futures[1].result() is None

@@ -191,12 +191,18 @@ cdef class IdIndex:
                 missing += 1
         return missing
 
-    def fill(self, const int64_t[::1] keys):
+    def fill(self, const int64_t[::1] keys, runs=()):
         """Number the ids of an empty index: ``keys[i]`` gets row ``i`` (a repeated id keeps the row of its first
         occurrence). Returns how many distinct ids were added (``len(keys)`` when none repeats).
 
         The bulk build of a loader: the buckets are new memory, filled without the GIL (other threads run meanwhile;
         this index stays empty to them until the call returns). Raises ``ValueError`` where the index is not empty.
+
+        ``runs``: ``[(start, stop, first_row, rows, size, begin, end)]``, ascending and apart: ``keys[start:stop]``
+        are the ids of a version-4 table part's rows ``first_row`` on, each of which must lie in the slice group
+        that ``rows`` (the part's group offsets) places it in, in ascending slice position, within ``[begin,
+        end)`` (what :func:`slice_run_check` checks, in the same pass as the build: the ids are read once). Where
+        one does not, ``ValueError`` names the run and the index stays empty.
 
         >>> import numpy as np
         >>> index = IdIndex()
@@ -204,10 +210,72 @@ cdef class IdIndex:
         3
         >>> rows = np.empty(3, np.int64); index.find(np.array([8, 30, -5]), rows), rows.tolist()
         (0, [3, 0, 1])
+        >>> IdIndex().fill(np.array([0, 1, 5, 9]), [(0, 4, 0, np.array([0, 2, 4]), 10, 0, 10)])
+        4
+        >>> IdIndex().fill(np.array([0, 6, 5, 9]), [(0, 4, 0, np.array([0, 2, 4]), 10, 0, 10)])
+        Traceback (most recent call last):
+        ...
+        ValueError: fill: run 0 (keys 0..4): an id is not where the slice groups of rows 0.. place it
         """
         if self._count:
             raise ValueError(f"fill: the index holds {self._count} ids; fill numbers those of an empty index "
                              "(upsert adds to one)")
+        if not runs:
+            return self._fill_plain(keys)
+        cdef Py_ssize_t n = keys.shape[0], at = 0, start, stop, k = 0
+        cdef Py_ssize_t buckets = _buckets_for(n)
+        if buckets < self._buckets:
+            buckets = self._buckets
+        cdef const int64_t* first = &keys[0] if n else NULL
+        cdef const int64_t[::1] rows
+        cdef int64_t first_row, size, begin, end
+        cdef Py_ssize_t added = 0, groups, g
+        cdef bint ok = True
+        cdef Bucket* b = _new_buckets(buckets)
+        if b == NULL:
+            raise MemoryError(f"IdIndex.fill: cannot allocate {buckets} buckets")
+        try:
+            for k, (start, stop, first_row, rows, size, begin, end) in enumerate(runs):
+                groups = rows.shape[0] - 1
+                ok = at <= start <= stop <= n and size >= 1 and groups >= 1
+                if ok:
+                    for g in range(groups):
+                        ok = ok and rows[g] <= rows[g + 1]
+                    ok = ok and (start == stop or (rows[0] <= first_row and first_row + (stop - start) <= rows[groups]))
+                if not ok:
+                    break
+                with nogil:
+                    added += _fill(first, at, start, b, buckets)
+                    if start < stop:
+                        ok = _fill_checked(first, start, stop, b, buckets, &rows[0], groups, first_row, size,
+                                           <uint64_t>max(begin, 0), <uint64_t>max(end, 0), &added)
+                if not ok:
+                    break
+                at = stop
+            if ok:
+                with nogil:
+                    added += _fill(first, at, n, b, buckets)
+        except BaseException:
+            kept_free(b, <size_t>buckets * sizeof(Bucket))
+            raise
+        if not ok:
+            kept_free(b, <size_t>buckets * sizeof(Bucket))
+            start, stop, first_row = runs[k][:3]
+            raise ValueError(f"fill: run {k} (keys {start}..{stop}): an id is not where the slice groups of rows "
+                             f"{first_row}.. place it")
+        kept_free(self._b, <size_t>self._buckets * sizeof(Bucket))
+        self._b = b
+        self._buckets = buckets
+        self._count = added
+        return added
+
+    def _fill_plain(self, const int64_t[::1] keys):
+        """:meth:`fill` without runs to check.
+
+        >>> import numpy as np
+        >>> IdIndex()._fill_plain(np.array([4, 4]))
+        1
+        """
         cdef Py_ssize_t n = keys.shape[0]
         cdef Py_ssize_t buckets = _buckets_for(n)
         if buckets < self._buckets:
@@ -218,7 +286,7 @@ cdef class IdIndex:
         cdef Py_ssize_t added = 0
         cdef const int64_t* first = &keys[0] if n else NULL
         with nogil:
-            added = _fill(first, n, b, buckets)
+            added = _fill(first, 0, n, b, buckets)
         kept_free(self._b, <size_t>self._buckets * sizeof(Bucket))
         self._b = b
         self._buckets = buckets
@@ -285,28 +353,65 @@ cdef Bucket* _new_buckets(Py_ssize_t buckets) noexcept:
     return <Bucket*>kept_alloc(<size_t>buckets * sizeof(Bucket), True)
 
 
-cdef Py_ssize_t _fill(const int64_t* keys, Py_ssize_t n, Bucket* b, Py_ssize_t buckets) noexcept nogil:
-    """``keys[i]`` -> row ``i`` into new, empty buckets (``buckets`` a power of two); returns how many were
-    added (a repeated id meets its first occurrence already placed and is not added again).
+cdef Py_ssize_t _fill(const int64_t* keys, Py_ssize_t lo, Py_ssize_t n, Bucket* b, Py_ssize_t buckets) noexcept nogil:
+    """``keys[i]`` -> row ``i`` for ``i`` in ``[lo, n)`` into new buckets (``buckets`` a power of two); returns how
+    many were added (a repeated id meets its first occurrence already placed and is not added again).
 
     Almost every id of a large index misses the cache at its home bucket: the home bucket of the id
     ``_PREFETCH`` places ahead is fetched meanwhile, so that the misses overlap.
     """
-    cdef Py_ssize_t mask = buckets - 1, i, at
+    cdef Py_ssize_t mask = buckets - 1, i
     cdef Py_ssize_t added = 0
-    cdef int64_t key
-    for i in range(n):
+    for i in range(lo, n):
         if i + _PREFETCH < n:
             fastckpt_idindex_prefetch(&b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
-        key = keys[i]
-        at = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
-        while b[at].stored and b[at].key != key:
-            at = (at + 1) & mask
-        if not b[at].stored:
-            b[at].key = key
-            b[at].stored = i + 1
-            added += 1
+        added += _place(b, mask, keys[i], i + 1)
     return added
+
+
+cdef inline Py_ssize_t _place(Bucket* b, Py_ssize_t mask, int64_t key, int64_t stored) noexcept nogil:
+    """``key`` with ``stored`` (its row + 1) into buckets of :func:`_fill`, where it is not there yet; returns 1
+    where it was added, 0 where it was there (a repeat keeps its first row)."""
+    cdef Py_ssize_t at = <Py_ssize_t>(_mix(key) & <uint64_t>mask)
+    while b[at].stored and b[at].key != key:
+        at = (at + 1) & mask
+    if b[at].stored:
+        return 0
+    b[at].key = key
+    b[at].stored = stored
+    return 1
+
+
+@cython.cdivision(True)  # size >= 1 and groups >= 1: checked by the caller
+cdef bint _fill_checked(const int64_t* keys, Py_ssize_t lo, Py_ssize_t hi, Bucket* b, Py_ssize_t buckets,
+                        const int64_t* rows, Py_ssize_t groups, int64_t first_row, int64_t size, uint64_t begin,
+                        uint64_t end, Py_ssize_t* added) noexcept nogil:
+    """:func:`_fill` of ``keys[lo:hi]``, the ids of a version-4 part's rows ``first_row`` on, each checked in the same
+    pass as :func:`slice_run_check` checks it, and to lie in ``[begin, end)``; returns whether all did (the
+    caller checked that ``rows`` ascend and hold rows ``first_row`` to ``first_row + hi - lo``)."""
+    cdef Py_ssize_t mask = buckets - 1, i, g = 0
+    cdef uint64_t usize = <uint64_t>size, smask = usize - 1, p, previous = 0, lower, upper
+    cdef bint power = (usize & smask) == 0
+    cdef int64_t key, row
+    while rows[g + 1] <= first_row:
+        g += 1
+    lower = <uint64_t>(g * size // groups)
+    upper = <uint64_t>((g + 1) * size // groups)
+    for i in range(lo, hi):
+        if i + _PREFETCH < hi:
+            fastckpt_idindex_prefetch(&b[_mix(keys[i + _PREFETCH]) & <uint64_t>mask])
+        row = first_row + (i - lo)
+        while rows[g + 1] <= row:
+            g += 1
+            lower = <uint64_t>(g * size // groups)
+            upper = <uint64_t>((g + 1) * size // groups)
+        key = keys[i]
+        p = (<uint64_t>key) & smask if power else (<uint64_t>key) % usize
+        if p < previous or p < lower or p >= upper or p < begin or p >= end:
+            return False
+        previous = p
+        added[0] += _place(b, mask, key, i + 1)
+    return True
 
 
 def last_occurrence(const int64_t[::1] rows, uint8_t[::1] keep, int64_t row_count):

@@ -45,7 +45,7 @@ A table is not safe for concurrent use: give each thread its own, or hold a lock
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -660,7 +660,7 @@ class HashTable:
         self._upsert(ids, values, slot_rows)
 
     def adopt(self, ids: np.ndarray, values: np.ndarray, slots: Mapping[str, np.ndarray] | None = None, *,
-              rows: int | None = None) -> None:
+              rows: int | None = None, runs: Sequence[tuple] = ()) -> None:
         """Replace the contents with ``(ids, values, slots)``, taking the arrays themselves as storage (no copy).
 
         For loaders that build fresh arrays of a table's rows: the table owns them afterwards (do not use them
@@ -671,7 +671,8 @@ class HashTable:
         later inserts fill before the arrays grow (uninitialized ``np.empty`` rows cost no memory until used).
         Anything else raises before the table changes. The id index is built in one pass without the GIL
         (:meth:`IdIndex.fill <fastckpt._native.idindex.IdIndex.fill>`): the threads reading the rows, and the other
-        ranks of a load run as threads, go on meanwhile.
+        ranks of a load run as threads, go on meanwhile. ``runs``: slice runs of the ids that the build checks as it
+        reads them (``IdIndex.fill``'s ``runs``; one out of place raises ``ValueError``).
 
         >>> t = HashTable(1, slots=("m",))
         >>> ids, values = np.array([3, 1]), np.array([[3.0], [1.0]], np.float32)
@@ -696,7 +697,7 @@ class HashTable:
                 raise TypeError(f"adopt: {what} must be a writeable, C-contiguous {(capacity, *shape)} array "
                                 f"of {dtype}")
         index = IdIndex()
-        if index.fill(ids[:m]) != m:  # built without the GIL: the copies of other threads go on meanwhile
+        if index.fill(ids[:m], runs) != m:  # built without the GIL: the copies of other threads go on meanwhile
             raise ValueError(f"adopt: the ids must be distinct ({m - len(np.unique(ids[:m]))} repeated)")
         self._index, self._n = index, m
         self._ids, self._values = ids, values

@@ -186,6 +186,16 @@ def _stored_nbytes(readers: list[CheckpointReader], tensor: str) -> int:
     return total
 
 
+def _share_nbytes(job: tuple, info: dict) -> int:
+    """About the bytes load job ``job`` (``(name, stored bytes, ...)``) reads: a dense tensor's rows this rank
+    takes of the whole (``dense="rows"``), else the stored bytes."""
+    entry = info.get("tensors", {}).get(job[0])
+    if entry is None or not entry["shape"]:
+        return job[1]
+    start, end = entry["rows"]
+    return job[1] * (end - start) // max(1, entry["shape"][0])
+
+
 _open_readers = Flights()  # the checkpoints that loads of this process hold open now: one reader between them
 
 
@@ -396,7 +406,10 @@ class Loader:
             # to another thread fewer per load, and this thread works rather than waits.
             here = order[:1] if self.parallel > 1 else order
             with Lane("load", max(1, self.parallel - 1)) as pool:
-                futures = [pool.submit(scope.run, run, *job) for job in order[len(here):]]
+                # a few MiB a job (a rank's share of each dense tensor) go to threads together: fewer hand-offs
+                rest = order[len(here):]
+                futures = pool.submit_bundled([(scope.run, (run, *job)) for job in rest],
+                                              [_share_nbytes(job, info) for job in rest])
                 for finish in [functools.partial(run, *job) for job in here] + [f.result for f in futures]:
                     try:
                         finish()
@@ -584,23 +597,49 @@ class Loader:
         return spans
 
     def _read_spans(self, reader: CheckpointReader, name: str, entry: dict, spans: list,
-                    ids_out: np.ndarray) -> list[tuple]:
+                    ids_out: np.ndarray) -> tuple[list[tuple], list[tuple]]:
         """The ids of ``spans`` (:meth:`_slice_spans`) read into ``ids_out`` one after another and checked to lie
         where the part's slice offsets place them (a :class:`~fastckpt.errors.FormatError` naming the row where
-        one does not), those outside this rank's slice dropped: ``[(_IN_PLACE, part suffix, rows owned)]``."""
+        one does not), those outside this rank's slice dropped: ``([(_IN_PLACE, part suffix, rows owned)],
+        [(id part, run)])``.
+
+        A span whose slice groups all lie inside this rank's slice (1 -> 4, 2 -> 4 ...) is all the rank's if its
+        ids are where the offsets place them: its check is left to the id index's build, which reads the ids anyway
+        (``runs``: :meth:`IdIndex.fill <fastckpt._native.idindex.IdIndex.fill>`'s, for ``HashTable.adopt``; one out
+        of place is then named by :meth:`_check_runs`)."""
         size = entry["partition"]["slice_size"]
         own = slice_of(self.shard_index, self.shard_num, size)
-        picks, at = [], 0
+        picks, runs, at = [], [], 0
         for key, r0, r1 in spans:
             read = ids_out[at:at + r1 - r0]
             reader.read_into(key, read.view(np.uint8), r0 * 8)
-            lo, hi = _checked_run(reader, key, read, r0, reader.descriptions[key]["slices"]["rows"], size, own)
+            rows = reader.descriptions[key]["slices"]["rows"]
+            groups = len(rows) - 1
+            first, last = group_span(rows, size, *own)
+            if first * size // groups >= own[0] and last * size // groups <= own[1]:  # every group the rank's
+                runs.append((key, (at, at + r1 - r0, r0, np.asarray(rows, np.int64), size, *own)))
+                picks.append((_IN_PLACE, key[len(name) + 3:], range(r0, r1)))
+                at += r1 - r0
+                continue
+            lo, hi = _checked_run(reader, key, read, r0, rows, size, own)
             if (lo, hi) != (r0, r1):  # groups that reach past this rank's slice: keep the rows within it
                 ids_out[at:at + hi - lo] = read[lo - r0:hi - r0].copy()
             if lo < hi:
                 picks.append((_IN_PLACE, key[len(name) + 3:], range(lo, hi)))
             at += hi - lo
-        return picks
+        return picks, runs
+
+    def _check_runs(self, reader: CheckpointReader, entry: dict, runs: list, ids: np.ndarray) -> None:
+        """The :class:`~fastckpt.errors.FormatError` naming the first id of ``runs`` (:meth:`_read_spans`) out of
+        place, where the id index's build found one."""
+        size = entry["partition"]["slice_size"]
+        own = slice_of(self.shard_index, self.shard_num, size)
+        for key, (start, stop, r0, rows, *_) in runs:
+            if _checked_run(reader, key, ids[start:stop], r0, rows.tolist(), size, own) != (r0, r0 + stop - start):
+                raise FormatError(f"{reader.file_of(key).path}: tensor {key!r}, rows {r0}..{r0 + stop - start}: "
+                                  f"ids outside slice positions {list(own)}, which the slice offsets give this rank "
+                                  "whole: the offsets or the ids are damaged or forged (`fastckpt verify` names a "
+                                  "damaged file)")
 
     def _load_full_table(self, reader: CheckpointReader, name: str, entry: dict, headroom: int = 0) -> None:
         """The table of a full checkpoint: this rank's rows gathered into new arrays that the table adopts.
@@ -621,7 +660,7 @@ class Loader:
         plain = not any("encoding" in reader.descriptions[key] for key in id_keys)
         stored = max(1, reader.hashtables()[name].get("ids", 0))  # every rank's ids in the checkpoint
         spans = self._slice_spans(reader, entry, id_keys) if plain else None
-        ids_out = None
+        ids_out, runs = None, []
         if self.shard_num == 1 and self.owner in (None, owner_mod) and plain:
             # One rank owns every id: each id part is read into place below, not mapped, copied and numbered.
             picks = [(None, key[len(name) + 3:], range(reader.part_infos[key].shape[0])) for key in id_keys
@@ -631,7 +670,7 @@ class Loader:
             # place here and checked (no copy of them, no positions array), their rows read below as runs.
             most = sum(r1 - r0 for _, r0, r1 in spans)
             ids_out = kept.empty(most + (headroom * most // stored + 1024 if headroom else 0), np.int64)
-            picks = self._read_spans(reader, name, entry, spans, ids_out)
+            picks, runs = self._read_spans(reader, name, entry, spans, ids_out)
         else:
             picks = self._owned(reader, f"{name}.id")
         total = sum(len(mine) for *_, mine in picks)
@@ -662,15 +701,22 @@ class Loader:
             at = end
         with Lane("rows", self.parallel) as pool:
             scope = held_guards()  # the copies' threads read the mappings under this thread's guards
-            futures = [pool.submit(scope.run, *copy) for copy in copies]
+            # bundled by bytes (fastckpt.sharded.workers.bundles): a resharding rank's runs of a few MiB each go
+            # to one thread together rather than waking a thread each
+            futures = pool.submit_bundled([(scope.run, copy) for copy in copies], [copy[-1].nbytes for copy in copies])
             error = None
             for key, out in id_reads:
                 _read_part(reader, key, out)
             try:
-                table.adopt(ids_out, values_out, slots_out, rows=total)  # reads the ids only, not the rows
+                # reads the ids, not the rows, and checks those of `runs` as it does
+                table.adopt(ids_out, values_out, slots_out, rows=total, runs=[run for _, run in runs])
             except ValueError as exc:
                 what = str(exc).removeprefix("adopt: ")
-                error = FormatError(f"{reader.path}: hashtable {name!r}: {what} across its id parts "
+                try:
+                    self._check_runs(reader, entry, runs, ids_out)
+                except FormatError as damaged:
+                    error = damaged
+                error = error or FormatError(f"{reader.path}: hashtable {name!r}: {what} across its id parts "
                                     f"{reader.part_names(f'{name}.id')} (each id must be saved by one rank only)")
             for future in futures:
                 future.result()
