@@ -206,7 +206,7 @@ def test_link_suite(tmp_path, capsys):
     from fastckpt.cli import main
 
     assert main(["bench", "--suite", "link", "--quick", "--repeat", "1", "--links", "2,40", "--sweep-links", "40",
-                 "--buffers", "2,3", "--chunks", "16,64", "--dir", str(tmp_path)]) == 0
+                 "--buffers", "2,3", "--chunks", "16,64", "--ramps", "3", "--threads", "2", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| link (GB/s, real) | simulated link (GB/s) | fill beside (GB/s) | fill during (GB/s) |" in out
     rows = [line for line in out.splitlines() if line.startswith(("| 2 |", "| 40 |")) and line.count("|") != 7]
