@@ -628,3 +628,158 @@ def test_an_unstaged_or_warm_pooled_load_makes_no_arena_present_on_a_thread(tmp_
     fastckpt.save_safetensors(path, tensors)
     _exact(fastckpt.load_file(path, unified_device.queue, pool=pool), tensors)  # the unified path reads into it
     assert made == []
+
+
+# ------------------------------------------------------------------ opening a cold file: its index read first
+
+
+def _preads(monkeypatch):
+    calls, real = [], os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: calls.append((n, offset)) or real(fd, n, offset))
+    return calls
+
+
+@pytest.mark.parametrize("tensors", [4, 3000])  # an index in the first 64 KiB, and one of about 200 KiB
+def test_a_cold_files_index_is_read_with_pread_before_its_parse_and_a_warm_files_is_not(tmp_path, monkeypatch,
+                                                                                          tensors):
+    from fastckpt.formats import reader
+
+    path = str(tmp_path / "m.safetensors")
+    arrays = {f"layer.{i:05d}.a_rather_long_parameter_name.weight": np.full(3, i, np.int16) for i in range(tensors)}
+    fastckpt.save_safetensors(path, arrays)
+    with open(path, "rb") as f:
+        header_end = 8 + int.from_bytes(f.read(8), "little")
+    asked = []
+    monkeypatch.setattr(reader, "cached",
+                        lambda mapped, start, end, samples=2, **k: asked.append((start, end)) or False)
+    calls = _preads(monkeypatch)
+    with reader.open_file(path, first_window=False) as f:  # as a Hugging Face directory opens its shards
+        assert {k: f.host(k).tolist() for k in f.keys()} == {k: a.tolist() for k, a in arrays.items()}
+    assert asked[0] == (0, 1)  # the first page: is the file cold?
+    assert calls[0] == (reader.HEAD_READ, 0)
+    read = sum(n for n, _offset in calls)
+    assert read >= header_end and read - header_end < reader.READ_AHEAD_MIN  # the whole index, not the file
+    assert [offset for _n, offset in calls] == [sum(n for n, _o in calls[:k]) for k in range(len(calls))]  # in order
+    if header_end <= reader.HEAD_READ:
+        assert len(calls) == 1
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: True)  # warm: the parse reads the cached index as before
+    calls.clear()
+    with reader.open_file(path, first_window=False) as f:
+        assert len(f) == tensors
+    assert calls == []
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)  # a file opened alone: advised at once, as in 0.8
+    with fastckpt.open(path) as f:
+        assert len(f) == tensors
+    assert calls == []
+
+
+def test_an_index_that_cannot_be_read_first_is_parsed_from_the_mapping_as_before(tmp_path, monkeypatch):
+    from fastckpt.formats import reader
+
+    path = str(tmp_path / "m.safetensors")
+    fastckpt.save_safetensors(path, {"a": np.arange(5, dtype=np.int32)})
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+
+    def failing(fd, n, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "pread", failing)
+    with reader.open_file(path, first_window=False) as f:
+        assert f["a"].tolist() == [0, 1, 2, 3, 4]
+    fastckpt.save_npz(str(tmp_path / "m.npz"), {"b": np.ones(2, np.float32)})  # NPZ: the first bytes only
+    monkeypatch.undo()
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)
+    calls = _preads(monkeypatch)
+    with reader.open_file(str(tmp_path / "m.npz"), first_window=False) as f:
+        assert f["b"].tolist() == [1.0, 1.0]
+    assert calls == [(reader.HEAD_READ, 0)]
+
+
+def test_hosts_after_a_view_reads_ahead_from_where_the_views_window_ends_not_from_the_first_tensor(tmp_path,
+                                                                                                   monkeypatch):
+    from fastckpt.formats import reader
+
+    path = str(tmp_path / "m.safetensors")
+    tensors = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(12)}  # 1 MiB each
+    fastckpt.save_safetensors(path, tensors)
+    asked = []
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)  # as if cold
+    monkeypatch.setattr(reader, "READ_AHEAD", 4 << 20)
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append((start, end)))
+    with fastckpt.open(path) as f:
+        first = f.info("w0")
+        assert f.host("w0").tobytes() == tensors["w0"].tobytes()
+        assert asked == [(first.offset, first.offset + first.nbytes + (4 << 20))]
+        views = f.hosts()
+        assert {k: v.tobytes() for k, v in views.items()} == {k: v.tobytes() for k, v in tensors.items()}
+    assert asked[1:] == [(asked[0][1], os.path.getsize(path))]  # the rest of the file, once; nothing read twice
+
+
+def test_a_hugging_face_directory_advises_each_shards_first_window_once_every_index_is_parsed(tmp_path, monkeypatch):
+    from fastckpt.formats import reader
+
+    tensors = {f"w{i}": np.full(1 << 10, i, np.float32) for i in range(4)}
+    directory = str(tmp_path / "hf")
+    fastckpt.save_sharded(directory, tensors, max_shard_size=(4 << 10) + 1)  # one tensor a shard
+    events, parse, advise = [], reader._parse, reader._advise
+    monkeypatch.setattr(reader, "_parse", lambda mapped, *a: events.append(("parse", mapped.path)) or parse(mapped, *a))
+    monkeypatch.setattr(reader, "_advise",
+                        lambda mapped, kind: events.append((kind, mapped.path)) or advise(mapped, kind))
+    with fastckpt.open(directory) as r:
+        assert {k: r.host(k).tolist() for k in r.keys()} == {k: a.tolist() for k, a in tensors.items()}
+        shards = sorted(f.path for f in r.files.values())
+    assert len(shards) == 4
+    kinds = [kind for kind, _path in events]
+    last_parse = max(k for k, kind in enumerate(kinds) if kind == "parse")
+    assert sorted(p for kind, p in events if kind == "willneed") == shards  # each shard's window, once
+    assert all(k > last_parse for k, kind in enumerate(kinds) if kind == "willneed")  # after every index
+    events.clear()
+    single = str(tmp_path / "one.safetensors")
+    fastckpt.save_safetensors(single, tensors)
+    with fastckpt.open(single) as f:
+        assert f["w3"].tolist() == tensors["w3"].tolist()
+    assert events == [("parse", single)]  # a file alone: MappedFile's own advice at the map, as in 0.8
+
+
+def test_load_tree_and_pooled_loads_ask_no_first_window_of_what_they_read_themselves(tmp_path, monkeypatch, queue,
+                                                                                      pool):
+    # They read a cold file with O_DIRECT into their destinations: the first window's MADV_WILLNEED at the map read
+    # those bytes once more through the page cache (8 MiB of each file, 520 MiB from disk for a 512 MiB file).
+    from fastckpt.formats import hfsharded, reader
+    from fastckpt.formats.reader import TensorFile
+
+    tensors = {f"w{i}": np.full(1 << 10, i, np.float32) for i in range(4)}
+    single, directory = str(tmp_path / "one.safetensors"), str(tmp_path / "hf")
+    fastckpt.save_safetensors(single, tensors)
+    fastckpt.save_sharded(directory, tensors, max_shard_size=(4 << 10) + 1)  # one tensor a shard
+    opened, windows = [], []
+
+    def spied(open_file):
+        return lambda path, **k: opened.append(k.get("first_window", True)) or open_file(path, **k)
+
+    monkeypatch.setattr(reader, "open_file", spied(reader.open_file))
+    monkeypatch.setattr(hfsharded, "open_file", spied(hfsharded.open_file))
+    advise = TensorFile.advise_first_window
+    monkeypatch.setattr(TensorFile, "advise_first_window", lambda f: windows.append(f.path) or advise(f))
+    expected = {k: a.tolist() for k, a in tensors.items()}
+
+    def flat(tree):
+        return {k: v.tolist() for k, v in tree.items()}
+
+    assert flat(fastckpt.load_tree(single)) == expected and flat(fastckpt.load_tree(directory)) == expected
+    for source in (single, directory):
+        loaded = fastckpt.load_file(source, queue, pool=pool)
+        assert {k: loaded[k].to_host().tolist() for k in loaded} == expected
+    assert opened == [False] * 10 and windows == []  # a file, 4 shards; twice
+    from fastckpt.io import load_model, save_model
+    from fastckpt.nn import Linear, Sequential
+
+    netcl = str(tmp_path / "m.netcl")
+    save_model(Sequential(Linear(queue, 3, 2)), netcl)
+    opened.clear()
+    model = load_model(netcl, pool=pool)
+    assert opened == [False] and windows == [] and len(model.state_dict()) == 2
+    opened.clear()
+    with fastckpt.open(single) as f, fastckpt.open(directory) as d:  # what a caller copying out of views gets
+        assert f["w0"].tolist() == d.host("w0").tolist()
+    assert opened == [True, False, False, False, False] and len(windows) == 4

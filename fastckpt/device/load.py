@@ -463,7 +463,7 @@ def _open(source, copy_on_write: bool, pool=None, storage_options: dict | None =
             tf = pool.files.get(source)
             if tf is not None:
                 return tf, False, True
-            tf = reader.open(source)
+            tf = reader.open(source, first_window=False)  # a cold file is read with O_DIRECT, not its window
             # Only mapped files are kept: their identity is the one file a stat can check.
             return tf, not (isinstance(tf, TensorFile) and pool.files.put(source, tf)), False
         return reader.open(source, copy_on_write=copy_on_write), True, False

@@ -535,7 +535,7 @@ class HFShardedDirectory(MultiFileReader):
     format = "hf-sharded"
 
     def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
-                 max_header_size: int | None = None):
+                 max_header_size: int | None = None, first_window: bool = True):
         self.path = os.fspath(path)
         self._closed = False
         self.files: dict[str, TensorFile] = {}
@@ -549,6 +549,9 @@ class HFShardedDirectory(MultiFileReader):
         self._parts = tuple((self.files[file], tuple(names)) for file, names in self._by_file.items())
         order = list(self.files)
         self._following = {file: self.files[later] for file, later in zip(order, order[1:])}
+        if first_window:  # False: the caller reads the bytes itself (fastckpt.open's first_window)
+            for f in self.files.values():  # now that every index is parsed (none of them waits behind these reads)
+                f.advise_first_window()
 
     def _open(self, options: dict) -> None:
         if os.path.isdir(self.path):
@@ -593,7 +596,7 @@ class HFShardedDirectory(MultiFileReader):
         infos: dict[str, TensorInfo] = {}
         for file, names in by_file.items():  # each shard checked as it opens: its problem is the one reported
             try:
-                f = self.files[file] = open_file(os.path.join(self.directory, file), **options)
+                f = self.files[file] = open_file(os.path.join(self.directory, file), **options, first_window=False)
             except FileNotFoundError:
                 raise snap.missing(file, f"the index {where} lists it") from None
             snap.check(file, f.mapped.identity)
@@ -645,7 +648,7 @@ class HFShardedDirectory(MultiFileReader):
                 "the index is read as it is (total_size is informative only)"), stacklevel=stacklevel)
 
     def _open_single(self, single: str, options: dict) -> None:
-        self._take_single(open_file(single, **options))
+        self._take_single(open_file(single, **options, first_window=False))
 
     def _take_single(self, f) -> None:
         """Hold ``f``, the one safetensors file of a checkpoint without an index, as the checkpoint."""

@@ -32,6 +32,7 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 
 import numpy as np
 
@@ -289,6 +290,7 @@ SAMPLES = 2  # pages cached() asks about: the first and the last (about 2 us eac
 
 
 _PAGE = mmap.PAGESIZE
+_flag = threading.local()  # cached(): the byte mincore writes its answer into, one a thread
 _mincore_fn = None  # libc's mincore through ctypes, made at the first call; False where there is none
 
 
@@ -321,14 +323,18 @@ def cached(mapped, start: int, end: int, samples: int = SAMPLES, centred: bool =
     fn = _mincore_fn if _mincore_fn is not None else _mincore()
     if address is None or end <= start or not fn:
         return False
-    vec = bytearray(1)  # mincore writes here (never into an immutable bytes object)
-    out = ctypes.addressof((ctypes.c_char * 1).from_buffer(vec))
+    try:  # mincore writes here: a byte of this thread's own, made once (an open asks about its first page)
+        vec, out = _flag.byte
+    except AttributeError:
+        vec = ctypes.c_ubyte()
+        out = ctypes.addressof(vec)
+        _flag.byte = (vec, out)
     base = address - address % _PAGE  # the mapping starts on a page; the file offset 0 is there
     first, last = start // _PAGE, (end - 1) // _PAGE
     for k in range(samples):
         index = first + ((last - first) * (2 * k + 1) // (2 * samples) if centred else
                          (last - first) * k // max(1, samples - 1))
-        if fn(base + index * _PAGE, _PAGE, out) != 0 or not vec[0] & 1:
+        if fn(base + index * _PAGE, _PAGE, out) != 0 or not vec.value & 1:
             return False
     return True
 

@@ -218,6 +218,7 @@ def load_tree(path: str | os.PathLike, **options: Any) -> ArrayTree:
     from fastckpt.formats.reader import copies
     from fastckpt.formats.reader import open as open_reader
 
+    options.setdefault("first_window", False)  # copies() reads a cold file with O_DIRECT, not through its window
     with open_reader(path, **options) as f:
         names = list(f.keys())
         # Every tensor's private copy at once: a cold file is read straight into them, all its tensors together.

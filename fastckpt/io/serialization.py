@@ -575,8 +575,8 @@ def load_model(path, queue=None, pool=None, *, strict: bool = True, verify: bool
     elif files is not None:
         source = files.get(weights_path)
         reused = source is not None
-        if source is None:
-            source = fastckpt.open(weights_path)
+        if source is None:  # a cold file is read with O_DIRECT (load_file), not through its first window
+            source = fastckpt.open(weights_path, first_window=False)
         if reused or (isinstance(source, TensorFile) and files.put(weights_path, source)):
             opened = contextlib.nullcontext(source)  # the pool's now: left open for the next load
         else:
