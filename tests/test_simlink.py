@@ -206,13 +206,30 @@ def test_link_suite(tmp_path, capsys):
     from fastckpt.cli import main
 
     assert main(["bench", "--suite", "link", "--quick", "--repeat", "1", "--links", "2,40", "--sweep-links", "40",
-                 "--buffers", "2,3", "--chunks", "16,64", "--dir", str(tmp_path)]) == 0
+                 "--buffers", "2,3", "--chunks", "16,64", "--ramps", "3", "--threads", "2", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| link (GB/s, real) | simulated link (GB/s) | fill beside (GB/s) | fill during (GB/s) |" in out
-    rows = [line for line in out.splitlines() if line.startswith("| 2 |") or line.startswith("| 40 |")]
+    rows = [line for line in out.splitlines() if line.startswith(("| 2 |", "| 40 |")) and line.count("|") != 7]
     assert len(rows) == 2 + 5 and all(row.endswith("| yes |") for row in rows[:2]), out  # the sweep: 4 + default
     assert "| vs. default |" in out and rows[2].endswith("| 1.00x |"), "the default shape first, against itself"
     assert "best at 40 GB/s" in out and ("- met:" in out or "- MISSED:" in out)
+    assert "| link (GB/s, real) | load (ms) | before the first copy | copying | idle between copies |" in out
+    spent = [line for line in out.splitlines() if line.count("|") == 7 and line.startswith(("| 2 |", "| 40 |"))]
+    assert len(spent) == 2, out
+
+
+def test_link_time_splits_a_load_at_its_copies():
+    # Where a load's time went on the link: before the engine took the first copy, copying, idle between copies,
+    # after the last window; the four add up to the load's seconds.
+    from fastckpt.bench.link import link_time
+    from fastckpt.device.simlink import LinkCopy
+
+    copies = [LinkCopy(4, 10.0, 10.25, 10.5, 10.5, 1, 0, 0), LinkCopy(4, 10.5, 10.5, 11.0, 11.0, 1, 4, 0),
+              LinkCopy(8, 11.75, 11.75, 12.0, 12.125, 1, 8, 0)]
+    spent = link_time(copies, 10.0, 12.5)
+    assert spent == {"start": 0.25, "busy": 1.0, "gaps": 0.75, "tail": 0.5}
+    assert sum(spent.values()) == 2.5
+    assert link_time([], 1.0, 1.5) == {"start": 0.5, "busy": 0.0, "gaps": 0.0, "tail": 0.0}
 
 
 def test_a_fill_that_does_not_wait_for_the_copies_is_caught(tmp_path, device, sim, monkeypatch):

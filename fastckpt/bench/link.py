@@ -48,7 +48,7 @@ import numpy as np
 from fastckpt.bench.formats import random_tensors, save_as
 from fastckpt.bench.timing import table_lines
 
-__all__ = ["configure", "run", "fill_time", "scaled_rates"]
+__all__ = ["configure", "run", "fill_time", "scaled_rates", "link_time"]
 
 REF_FILL = 40.0  # GB/s a 16-core GPU host fills pinned staging memory at (gpu-notes: 38-52 on 12 threads)
 LINKS = (2.0, 5.0, 10.0, 25.0, 40.0, 50.0)
@@ -96,6 +96,24 @@ def fill_time(hosts: list, chunk: int, threads: int, data: np.ndarray, fd: int |
     return time.perf_counter() - began
 
 
+def link_time(copies, began: float, ended: float) -> dict:
+    """Where the seconds of one load from ``began`` to ``ended`` (``perf_counter``) went on the link, from its
+    ``copies`` (:class:`~fastckpt.device.simlink.LinkCopy`, in the order sent): ``start`` until the engine took the
+    first copy (the load's opening and first fill), ``busy`` copying, ``gaps`` idle between copies (the fill behind
+    the link), ``tail`` after the last copy's window (waiting for its event, the load's closing).
+
+    >>> from fastckpt.device.simlink import LinkCopy
+    >>> c = [LinkCopy(8, 1.0, 1.0, 2.0, 2.0, 0, 0, 0), LinkCopy(8, 2.5, 2.5, 3.0, 3.1, 0, 8, 0)]
+    >>> link_time(c, 0.5, 3.25)
+    {'start': 0.5, 'busy': 1.5, 'gaps': 0.5, 'tail': 0.25}
+    """
+    if not copies:
+        return {"start": ended - began, "busy": 0.0, "gaps": 0.0, "tail": 0.0}
+    busy = sum(c.end - c.start for c in copies)
+    return {"start": copies[0].start - began, "busy": busy, "gaps": copies[-1].end - copies[0].start - busy,
+            "tail": ended - copies[-1].end}
+
+
 class _Case:
     """The file, its mapping and descriptor, the simulated queue and the warm pool the suite loads through."""
 
@@ -118,6 +136,7 @@ class _Case:
         self.queue = SimulatedQueue(dev.context, dev.device, exact=False)
         self.pool = PersistentBufferPool(dev.context, self.queue)
         self.deltas: dict = {}
+        self.spans: list = []  # (link copies, began, ended) of each timed load, for link_time
 
     def load(self):
         from fastckpt.device import staging
@@ -182,7 +201,9 @@ def _timed_pair(case: _Case, rate: float, fill_first: bool, hosts: list, chunk: 
             link.reset()
             began = time.perf_counter()
             filled = run_load()
-            times[what] = time.perf_counter() - began
+            ended = time.perf_counter()
+            times[what] = ended - began
+            case.spans.append((list(link.copies), began, ended))
             if link.torn or link.errors:
                 raise AssertionError(f"the staged load broke its order: torn copies {link.torn[:3]}, "
                                      f"errors {link.errors[:3]}")
@@ -219,14 +240,18 @@ def _headline(case: _Case, links, rates, repeat: int) -> list:
         loaded.release()
         return filled
 
+    spent: dict = {link: [] for link in links}
     for r in range(repeat):
         shuffle(order)
         for link, rate in order:
             pairs[link].append(_timed_pair(case, rate, r % 2 == 0, hosts, shape[1], shape[2], run_load))
             case.queue.link.check(case.expected)
+            spent[link].append(link_time(*case.spans.pop()))
     rows = []
     for link, rate in zip(links, rates):
-        rows.append((link, rate, _stats(case.nbytes, rate, pairs[link]), shape, exact[link]))
+        stats = _stats(case.nbytes, rate, pairs[link])
+        stats["spent"] = {k: statistics.median(s[k] for s in spent[link]) for k in spent[link][0]}
+        rows.append((link, rate, stats, shape, exact[link]))
     return rows
 
 
@@ -276,6 +301,7 @@ def _sweep(case: _Case, links, rates, shapes, default: tuple, threads: int, repe
             for key in order:
                 pairs[(key, link)].append(_timed_pair(case, rate, r % 2 == 0, hosts[key], key[1], threads,
                                                       runs[key]))
+                case.spans.clear()
                 case.queue.link.check(lambda b, at, n: case.data[at:at + n] if b == ptr else None)
     rows = []
     for link, rate in zip(links, rates):
@@ -380,6 +406,15 @@ def run(args) -> int:
                       _share(s, ""), _share(s, "_during"), f"{b} x {c / 2**20:g} MiB", "yes" if ok else "NO"]
                      for link, rate, s, (b, c, _t), ok in rows]
             print("\n".join(table_lines(header, lines, "rrrrrrrlr")), end="\n\n")
+            print("Where a load's time went on the link (medians over the rounds, ms): before the engine took the "
+                  "first copy (opening the file, the first fill), copying, idle between copies (the fill behind the "
+                  "link: a fill-bound stretch), after the last copy (its event, the load's closing).\n")
+            header = ["link (GB/s, real)", "load (ms)", "before the first copy", "copying", "idle between copies",
+                      "after the last copy"]
+            lines = [[f"{link:g}", f"{case.nbytes / s['achieved'] * 1e3:.2f}"] +
+                     [f"{s['spent'][k] * 1e3:.2f}" for k in ("start", "busy", "gaps", "tail")]
+                     for link, _r, s, _shape, _ok in rows]
+            print("\n".join(table_lines(header, lines, "rrrrrr")), end="\n\n")
             missed = [link for link, _r, s, _shape, ok in rows if s["share_during"] < TARGET or not ok]
             if not args.no_sweep:
                 sweep_links = _floats(args.sweep_links)
