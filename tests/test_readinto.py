@@ -783,3 +783,25 @@ def test_load_tree_and_pooled_loads_ask_no_first_window_of_what_they_read_themse
     with fastckpt.open(single) as f, fastckpt.open(directory) as d:  # what a caller copying out of views gets
         assert f["w0"].tolist() == d.host("w0").tolist()
     assert opened == [True, False, False, False, False] and len(windows) == 4
+
+
+def test_a_cold_staged_load_asks_the_kernel_to_read_ahead_only_what_it_does_not_read_direct(tmp_path, device, pool,
+                                                                                          monkeypatch):
+    # A region read with O_DIRECT into the staging buffers was also advised WILLNEED, which read its first window a
+    # second time through the page cache (520 MiB from disk for the cold suite's 512 MiB file).
+    from fastckpt.device import load
+
+    path = str(tmp_path / "m.safetensors")
+    tensors = {**TENSORS, "large": np.arange(3 << 20, dtype=np.uint8)}
+    fastckpt.save_safetensors(path, tensors)
+    advised = []
+    monkeypatch.setattr(load, "_read_ahead", lambda mapped, start, end: advised.append((start, end)))
+    monkeypatch.setattr(load, "cached", lambda *a, **k: False)  # cold
+    _exact(fastckpt.load_file(path, device.queue, pool=pool, staging=True), tensors)
+    direct = _has_direct(tmp_path)
+    assert (advised == []) == direct, advised  # read direct: nothing advised; no direct reads here: advised
+    pool.files.clear()
+    advised.clear()
+    monkeypatch.setattr(load, "cached", lambda *a, **k: True)  # warm: read through the mapping, advised ahead
+    _exact(fastckpt.load_file(path, device.queue, pool=pool, staging=True), tensors)
+    assert advised and all(start < end for start, end in advised)
