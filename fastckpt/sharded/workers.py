@@ -81,6 +81,7 @@ def _run_all(tasks: list[tuple[concurrent.futures.Future, Callable[..., Any], tu
     for task in tasks:
         _run(*task)
 
+
 def _pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
     """The worker threads of ``kind`` in this process (:func:`fastckpt.threads.kept_pool`: made on first use, and
     again in a forked child)."""
