@@ -401,6 +401,20 @@ def rows_of(i: int, n: int, rows: int) -> tuple[int, int]:
     return i * rows // n, (i + 1) * rows // n
 
 
+def part_rows(row_start: int, shape, lo: int, hi: int) -> tuple[int, int] | None:
+    """The rows of ``[lo, hi)`` of a dense tensor that its part (of ``shape``, from the tensor's row ``row_start``)
+    holds, counted from the part's first row: ``(a, b)`` with ``a < b``; None where it holds none of them. A scalar
+    part (``shape`` ``[]``) is held whole: ``(0, 1)``.
+
+    >>> part_rows(8, [4, 2], 9, 20), part_rows(8, [4, 2], 0, 8), part_rows(0, [], 5, 6)
+    ((1, 4), None, (0, 1))
+    """
+    if not shape:
+        return 0, 1
+    a, b = max(lo, row_start), min(hi, row_start + shape[0])
+    return (a - row_start, b - row_start) if a < b else None
+
+
 def owner_mod(ids: np.ndarray, shard_num: int) -> np.ndarray:
     """The default owner rule of a load (:class:`~fastckpt.sharded.loader.Loader`): ``id mod shard_num`` (numpy's ``%``: non-negative for negative ids).
 

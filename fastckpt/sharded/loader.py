@@ -57,8 +57,8 @@ from fastckpt.formats.remote import is_url
 from fastckpt.progress import progress_from
 from fastckpt.formats.reader import guard_mappings, held_guards
 from fastckpt.sharded.chain import resolve_chain
-from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, rows_of, slice_of, slice_owner,
-                                     slice_run)
+from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, part_rows, rows_of, slice_of,
+                                     slice_owner, slice_run)
 from fastckpt.errors import CheckpointChangedError
 from fastckpt.sharded.flights import Flights
 from fastckpt.sharded import kept
@@ -452,8 +452,7 @@ class Loader:
             start, end = entry["rows"]
             for key in head.part_names(name):
                 d = head.descriptions[key]
-                rows = d["shape"][0] if d["shape"] else 0
-                if not d["shape"] or (start < d["row_start"] + rows and d["row_start"] < end):
+                if part_rows(d["row_start"], d["shape"], start, end) is not None:
                     keys.append((head, key))
         for name, entry in info.get("hashtables", {}).items():
             given = self.hashtables.get(name)
@@ -478,19 +477,19 @@ class Loader:
             out = kept.empty((end - start, *shape[1:]), dtype)
             for key in reader.part_names(name):
                 d = reader.descriptions[key]
-                p_start = d["row_start"]
-                p_end = p_start + d["shape"][0]
-                lo, hi = max(start, p_start), min(end, p_end)
-                if (lo, hi) == (p_start, p_end) and hi > lo:  # the whole part: read into place
-                    _read_part(reader, key, out[lo - start:hi - start])
-                elif lo < hi:  # some of its rows: those bytes, read into place
-                    target = out[lo - start:hi - start]
+                held = part_rows(d["row_start"], d["shape"], start, end)
+                if held is None:
+                    continue
+                a, b = held
+                target = out[d["row_start"] + a - start:d["row_start"] + b - start]
+                if held == (0, d["shape"][0]):  # the whole part: read into place
+                    _read_part(reader, key, target)
+                else:  # some of its rows: those bytes, read into place
                     info = reader.infos[key]
                     if info.dtype == target.dtype and target.flags.c_contiguous:
-                        row_bytes = target[0].nbytes
-                        _pread(reader, key, memoryview(target.reshape(-1).view(np.uint8)), (lo - p_start) * row_bytes)
+                        _pread(reader, key, memoryview(target.reshape(-1).view(np.uint8)), a * target[0].nbytes)
                     else:
-                        target[...] = reader.host(key)[lo - p_start:hi - p_start]
+                        target[...] = reader.host(key)[a:b]
         return out
 
     def owner_rule(self, entry: dict) -> Callable[[np.ndarray, int], np.ndarray]:
@@ -717,7 +716,8 @@ class Loader:
                 except FormatError as damaged:
                     error = damaged
                 error = error or FormatError(f"{reader.path}: hashtable {name!r}: {what} across its id parts "
-                                    f"{reader.part_names(f'{name}.id')} (each id must be saved by one rank only)")
+                                             f"{reader.part_names(f'{name}.id')} (each id must be saved by one rank "
+                                             "only)")
             for future in futures:
                 future.result()
         if error is not None:

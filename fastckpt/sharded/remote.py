@@ -43,7 +43,7 @@ from fastckpt.store.manifest import MAX_JSON_BYTES, parse_json, read_json
 from fastckpt.sharded.engine import error_info as _error_info
 from fastckpt.sharded.engine import raise_from_root as _raise_from_root
 from fastckpt.sharded.flights import Flights
-from fastckpt.sharded.format import DESCRIPTION_FILE, INDEX_FILE, MANIFEST_FILE, TENSORKEY_FILE
+from fastckpt.sharded.format import DESCRIPTION_FILE, INDEX_FILE, MANIFEST_FILE, TENSORKEY_FILE, part_rows
 
 __all__ = ["save", "load"]
 
@@ -595,8 +595,7 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
             rows = desc["global_shape"][0] if desc.get("global_shape") else 0
             lo, hi = (0, rows) if loader.dense == "replicated" or not rows else \
                 rows_of(loader.shard_index, loader.shard_num, rows)
-            if not desc["shape"] or max(lo, desc.get("row_start", 0)) < min(hi, desc.get("row_start", 0)
-                                                                             + desc["shape"][0]):
+            if part_rows(desc.get("row_start", 0), desc["shape"], lo, hi) is not None:
                 dense_rows[key] = (lo, hi)
         elif desc.get("role") == "id" and desc.get("table") in tables_wanted:
             partition = manifest["hashtables"].get(desc["table"], {}).get("partition")
@@ -689,12 +688,11 @@ def _dense_span(desc: dict, where: tuple, lo: int, hi: int) -> tuple[int, int] |
     _, begin, end, _ = where
     if not desc["shape"]:
         return begin, end
-    p_lo, rows = desc.get("row_start", 0), desc["shape"][0]
-    a, b = max(lo, p_lo), min(hi, p_lo + rows)
-    if a >= b:
+    held = part_rows(desc.get("row_start", 0), desc["shape"], lo, hi)
+    if held is None:
         return None
-    row = (end - begin) // rows
-    return begin + (a - p_lo) * row, begin + (b - p_lo) * row
+    row = (end - begin) // desc["shape"][0]
+    return begin + held[0] * row, begin + held[1] * row
 
 
 def _part_tensors(descriptions: dict, id_key: str, offsets: dict) -> list[str]:
