@@ -584,7 +584,6 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     metadata = [INDEX_FILE, TENSORKEY_FILE, DESCRIPTION_FILE]
     share.take_metadata({name: share.metadata.get(name) for name in metadata}, manifest)
     descriptions = share.json(DESCRIPTION_FILE)
-    files_of = _files_of(share.json(INDEX_FILE), set(share.sizes) - set(metadata))
     dense_wanted = set(loader.tensors) or set(manifest.get("tensors", {}))
     tables_wanted = set(loader.hashtables) or set(manifest.get("hashtables", {}))
     dense_rows: dict[str, tuple[int, int]] = {}  # dense part -> the rows of the tensor this rank takes
@@ -610,11 +609,8 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     parts = {(descriptions[key]["table"], tuple(descriptions[key].get("part", ()))) for key in id_parts}
     beside = [key for key, d in descriptions.items() if not d.get("dense") and d.get("role") in ("embedding", "slot")
               and (d.get("table"), tuple(d.get("part", ()))) in parts]
-    read = [*dense_rows, *id_parts, *beside]
-    if files_of is None or any(key not in files_of for key in read):  # the Loader names what is wrong
-        files = sorted(set(share.sizes) - set(metadata))
-    else:
-        files = sorted({files_of[key] for key in read})
+    tensor_files = set(share.sizes) - set(metadata)
+    files = _files_holding(share.json(INDEX_FILE), tensor_files, [*dense_rows, *id_parts, *beside], tensor_files)
     if loader.verify:  # a verified version-4 load (_sliced): the files it reads whole, for their hashes
         share.fetch_whole(files)
         return
@@ -657,22 +653,26 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     share.fetch(rows_plan)
 
 
-def _files_of(index, names: set[str]) -> dict[str, str] | None:
-    """``{stored key: file name}`` from ``index.json``'s value ``index`` (file names among ``names``), or None where
-    it is not of the form the format gives (the reader says what is wrong).
+def _files_holding(index, names: set[str], keys: list[str], otherwise) -> list[str]:
+    """The files among ``names`` that ``index`` (``index.json``'s value, or RecIS's ``index``: a ``block_index`` of
+    stored keys and a ``file_index`` of file names, both to file numbers) places stored keys ``keys`` in, sorted;
+    ``otherwise``, sorted, where the index is not of that form or places one of them in no file of ``names`` (the
+    reader then names what is wrong).
 
-    >>> _files_of({"block_index": {"w/part_0_1": 0}, "file_index": {"model-00000-000.safetensors": 0}},
-    ...           {"model-00000-000.safetensors"})
-    {'w/part_0_1': 'model-00000-000.safetensors'}
+    >>> index = {"block_index": {"a": 0, "b": 1}, "file_index": {"f0": 0, "f1": 1}}
+    >>> _files_holding(index, {"f0", "f1"}, ["b"], ["f1", "f0"]), _files_holding(index, {"f0"}, ["b"], ["f1", "f0"])
+    (['f1'], ['f0', 'f1'])
     """
-    if not isinstance(index, dict) or not isinstance(index.get("block_index"), dict) \
-            or not isinstance(index.get("file_index"), dict):
-        return None
-    by_number = {number: name for name, number in index["file_index"].items() if name in names}
-    try:
-        return {key: by_number[number] for key, number in index["block_index"].items() if number in by_number}
-    except TypeError:  # an unhashable number
-        return None
+    if isinstance(index, dict) and isinstance(index.get("block_index"), dict) \
+            and isinstance(index.get("file_index"), dict):
+        by_number = {number: name for name, number in index["file_index"].items() if name in names}
+        try:
+            files = {by_number.get(index["block_index"].get(key)) for key in keys}
+        except TypeError:  # an unhashable number
+            files = {None}
+        if None not in files:
+            return sorted(files)
+    return sorted(otherwise)
 
 
 def _dense_span(desc: dict, where: tuple, lo: int, hi: int) -> tuple[int, int] | None:
@@ -739,12 +739,9 @@ def _recis_plan(loader, share: _Share, manifest: dict | None) -> None:
                 if slice_rule and not (part[0] < mine[1] and mine[0] < part[1]):
                     continue
                 read += [b[piece] for t, b in blocks.items() if t.startswith(f"{tensor[:-3]}@") and piece in b]
-    files_of = _files_of(index, set(share.sizes) - set(metadata))
-    if files_of is None or any(key not in files_of for key in read):  # the reader says what is wrong
-        files = [name for name in index.get("file_index", {}) if name in share.sizes]
-    else:
-        files = list({files_of[key] for key in read})
-    offsets = share.headers(sorted(files))
+    files = _files_holding(index, set(share.sizes) - set(metadata), read,
+                           [name for name in index.get("file_index", {}) if name in share.sizes])
+    offsets = share.headers(files)
     blocks = {t: {piece: key for piece, key in b.items() if key in offsets} for t, b in blocks.items()}
     first: dict[str, list[tuple[int, int]]] = {}
     id_parts = []
