@@ -240,8 +240,7 @@ class _Share:
         longer = {}
         for name in names:
             with open(os.path.join(self.local, name), "rb") as f:
-                head = f.read(8)
-            length = int.from_bytes(head, "little") if len(head) == 8 else 0
+                length = _header_length(f)
             if _HEAD < 8 + length <= self.sizes[name] and length <= MAX_HEADER_SIZE:
                 longer[name] = [(_HEAD, 8 + length)]
         self.fetch(longer)
@@ -253,8 +252,7 @@ class _Share:
         out = {}
         for name in names:
             with open(os.path.join(self.local, name), "rb") as f:
-                head = f.read(8)
-                length = int.from_bytes(head, "little") if len(head) == 8 else 0
+                length = _header_length(f)
                 if length > MAX_HEADER_SIZE:
                     raise FormatError(f"{self.url}/{name}: header length {length} is larger than the safetensors "
                                       f"limit of {MAX_HEADER_SIZE} bytes (not a safetensors file, or damaged)")
@@ -286,9 +284,9 @@ class _Share:
                 raise
             for name, _, future in own:
                 with open(os.path.join(self.local, name), "rb") as f:
-                    head = f.read(8)
-                    length = int.from_bytes(head, "little") if len(head) == 8 else 0
-                    future.set_result(head + f.read(min(length, MAX_HEADER_SIZE)))
+                    length = _header_length(f)
+                    f.seek(0)
+                    future.set_result(f.read(8 + min(length, MAX_HEADER_SIZE)))  # the 8 bytes, then the header
             again = []
             for name, _, future in others:
                 try:
@@ -421,6 +419,13 @@ class _Share:
 
         name, begin, end, _ = where
         return np.fromfile(os.path.join(self.local, name), np.int64, (end - begin) // 8, offset=begin)
+
+
+def _header_length(f) -> int:
+    """The safetensors header length that the first 8 bytes of file object ``f`` (read from where it stands, its
+    start) give; 0 where it holds fewer."""
+    head = f.read(8)
+    return int.from_bytes(head, "little") if len(head) == 8 else 0
 
 
 def _row_spans(mine, n_rows: int, where: tuple) -> list[tuple[int, int]]:
