@@ -425,14 +425,20 @@ class CheckpointReader(MultiFileReader):
             n = {self.descriptions[k]["part"][1] for k in keys}
             if len(n) != 1 or len(keys) != next(iter(n)):
                 raise FormatError(f"{self.path}: tensor {name!r} has parts {keys}; expected part_0_n .. part_(n-1)_n")
-        names = [self._file_of_number[number] for number in sorted(self._file_of_number)]
+        self._tensor_files(TensorFiles)
+
+    def _tensor_files(self, kind: type[TensorFiles]) -> None:
+        """:attr:`files` (a ``kind`` of every file the index numbers, in number order, each opened on first use)
+        and :attr:`part_infos` (stored key -> its part's info, opening its file), from the index read
+        (``_file_of_number``, ``_block_index``); ``_keys_of``: the stored keys the index places in each file."""
         keys_of: dict[str, list[str]] = {}
         file_of_key: dict[str, str] = {}
         for key, number in sorted(self._block_index.items(), key=lambda item: item[1]):
             name = file_of_key[key] = self._file_of_number[number]
             keys_of.setdefault(name, []).append(key)
-        self.files = TensorFiles(self, names, keys_of)
-        self.part_infos: PartInfos = PartInfos(self.files, file_of_key)  # stored key -> its part's info
+        self._keys_of = keys_of
+        self.files = kind(self, [self._file_of_number[number] for number in sorted(self._file_of_number)], keys_of)
+        self.part_infos: PartInfos = PartInfos(self.files, file_of_key)
 
     @property
     def infos(self) -> TensorInfos:

@@ -136,7 +136,7 @@ from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 from fastckpt.sharded.format import slice_owner as format_slice_owner
 from fastckpt.sharded.hashtable import check_holds, table_for
 from fastckpt.store.commit import fsync_open
-from fastckpt.sharded.reader import CheckpointReader, PartInfos, TensorFiles, register_layout
+from fastckpt.sharded.reader import CheckpointReader, TensorFiles, register_layout
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
 from fastckpt.store.names import FILE_NAME, NameRule
@@ -519,15 +519,8 @@ class RecisCheckpointReader(CheckpointReader):
             raise FormatError(f"{orphans[0]} (an orphan block: a damaged or hand-merged checkpoint; "
                               f"{len(orphans)} in all)")
         self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
-        keys_of: dict[str, list[str]] = {}
-        file_of_key: dict[str, str] = {}
-        for key, number in sorted(self._block_index.items(), key=lambda item: item[1]):
-            name = file_of_key[key] = file_of_number[number]
-            keys_of.setdefault(name, []).append(key)
-        self._keys_of = keys_of
         # Each file opened, pinned (the manifest's size) and its header checked on first use (TensorFiles).
-        self.files = RecisTensorFiles(self, [file_of_number[n] for n in sorted(file_of_number)], keys_of)
-        self.part_infos = PartInfos(self.files, file_of_key)  # stored key -> its block's info (opens its file)
+        self._tensor_files(RecisTensorFiles)
         if self.descriptions:
             self._blocks = {key: _described(key, d) for key, d in self.descriptions.items()}
         else:  # no metadata of the blocks' shapes: every header is read now, as RecIS's loader does
