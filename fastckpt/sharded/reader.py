@@ -163,7 +163,23 @@ def _release(identities: list[tuple]) -> None:
         _digests.release(identity)
 
 
-class TensorFiles(Mapping):
+class _Listed(Mapping):
+    """A mapping whose keys are those of its dict ``_keys``, in that order: listing them, counting them or asking
+    whether one is there touches no value (opens no file)."""
+
+    _keys: dict
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._keys
+
+
+class TensorFiles(_Listed):
     """A sharded reader's tensor files by name (every file the index numbers, in file-number order), each opened
     the first time it is asked for: pinned in the reader's snapshot (the size the manifest lists), mapped, and
     its safetensors header checked against the metadata (the keys the index places in it, each key's shape and
@@ -190,7 +206,7 @@ class TensorFiles(Mapping):
         self._snapshot = reader.snapshot
         self._listed = (reader.manifest or {}).get("files", {})  # sizes; a directory without a manifest has none
         self._descriptions = reader.descriptions
-        self._names = dict.fromkeys(names)
+        self._keys = dict.fromkeys(names)
         self._keys_of = keys_of
         self._opened: dict[str, TensorFile] = {}
         self._lock = threading.Lock()
@@ -203,7 +219,7 @@ class TensorFiles(Mapping):
         f = self._opened.get(name)
         if f is not None:
             return f
-        if name not in self._names:
+        if name not in self._keys:
             raise KeyError(name)
         with self._lock:
             f = self._opened.get(name)
@@ -249,15 +265,6 @@ class TensorFiles(Mapping):
                 raise FormatError(f"{f.path}: tensor {key!r} is {info.dtype}{list(info.shape)} in the "
                                   f"safetensors header, {DESCRIPTION_FILE} says {d['dtype']}{d['shape']}")
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def __contains__(self, name) -> bool:
-        return name in self._names
-
     def opened(self) -> dict[str, TensorFile]:
         """``{name: file}`` of the files mapped so far, in the order they were mapped."""
         return dict(self._opened)
@@ -272,7 +279,7 @@ class TensorFiles(Mapping):
         self._release()
 
 
-class PartInfos(Mapping):
+class PartInfos(_Listed):
     """A sharded reader's ``part_infos``: stored key -> its part's :class:`~fastckpt.TensorInfo`, as its file's
     header gives it (looking one up opens that file, :class:`TensorFiles`). Listing the keys or asking whether
     one is there opens nothing.
@@ -289,19 +296,10 @@ class PartInfos(Mapping):
 
     def __init__(self, files: TensorFiles, file_of_key: dict[str, str]):
         self._files = files
-        self._file_of_key = file_of_key
+        self._keys = file_of_key
 
     def __getitem__(self, key: str) -> TensorInfo:
-        return self._files[self._file_of_key[key]].infos[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._file_of_key)
-
-    def __len__(self) -> int:
-        return len(self._file_of_key)
-
-    def __contains__(self, key) -> bool:
-        return key in self._file_of_key
+        return self._files[self._keys[key]].infos[key]
 
 
 class TensorInfos(Mapping):
