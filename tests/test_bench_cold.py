@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import fastckpt
+from _cold_files import eight_tensors
 from fastckpt.bench import cold
 from fastckpt.formats import readinto
 
@@ -204,12 +205,7 @@ def test_without_the_read_ahead_advice_a_cold_file_is_read_by_the_kernels_own_re
     Face directory's next shard; the copies' page faults read the file (large folios). The advice, on: asked."""
     from fastckpt.formats import reader
 
-    tensors = {f"w{i}": np.full(1 << 19, i, np.float32) for i in range(8)}  # 2 MiB each
-    path = str(tmp_path / "m.safetensors") if source == "file" else str(tmp_path / "hf")
-    if source == "file":
-        fastckpt.save_safetensors(path, tensors)
-    else:
-        fastckpt.save_sharded(path, tensors, max_shard_size=(4 << 20) + 1)  # 4 shards of 2 tensors
+    tensors, path = eight_tensors(tmp_path, source)
     asked, mapped_with = [], []
     monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append((start, end)) or 1)
     monkeypatch.setattr(reader, "cached", lambda *a, **k: False)  # every file cold
