@@ -1,5 +1,5 @@
 """The simulated discrete device (fastckpt.device.simlink): its link's timing model, exact staged loads over it, and
-the order the staged pipeline keeps (fills never write a staging buffer a copy is still reading; copies in order)."""
+the order the staged pipeline keeps (fills never write a staging buffer a copy is still reading)."""
 
 from __future__ import annotations
 
@@ -190,8 +190,9 @@ def test_the_staged_pipeline_keeps_its_order_over_a_slow_link(tmp_path, device, 
     report = loaded.report
     copies = queue.link.copies
     assert report.staging_buffers == 3 and len(copies) == 12
-    assert [c.at for c in copies] == [k * chunk for k in range(12)], "the copies go out in the stream's order"
-    assert [c.nbytes for c in copies] == [chunk] * 11 + [chunk - 5]
+    # Each batch goes out once filled, in whichever order the fills completed: together they cover the stream once.
+    assert sorted((c.at, c.nbytes) for c in copies) == [(k * chunk, chunk) for k in range(11)] + [(11 * chunk,
+                                                                                                   chunk - 5)]
     for addr, n, began, ended in fills:
         for c in copies:
             if c.host < addr + n and addr < c.host + c.nbytes:  # the fill and the copy share staging memory
