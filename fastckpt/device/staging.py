@@ -9,8 +9,10 @@ own before its DMA engine can read them. A staged load fills pinned buffers
 with non-blocking ``enqueue_copy`` commands.
 
 The bytes to stage are one stream: the pieces :meth:`Stager.add` was given,
-back to back, cut into *batches* of one staging chunk. Batch ``k`` is filled
-into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
+back to back, cut into *batches* of one staging chunk. Each batch is filled
+into the staging buffer freed first (by the batch sent before it: batch ``k`` of
+a cold load whose buffers differ in alignment goes to buffer ``k mod buffers``,
+the one its pieces were placed for). :meth:`Stager.finish` runs the pipeline:
 
 - the fill threads take the stream's parts in order,
   each batch in parts of at least ``FILL_SPLIT`` bytes (numpy and ``preadv``
@@ -19,10 +21,12 @@ into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
 - a part waits only for the copies last sent from *its own* staging buffer
   (their events; a previous load's too, for buffers from a pool), never for the
   batch before it;
-- the thread that fills the last part of a batch sends it at once (and every
-  filled batch after it), in order, with no thread to wake for it; the caller's
-  thread reports progress (tensor by tensor, once the copy carrying the last
-  byte of a tensor has completed, see ``load_file``'s ``progress``).
+- the thread that fills the last part of a batch sends it at once, whether the
+  batches before it have gone or not (each copy has its own destination), and
+  frees its buffer for the next batch, with no thread to wake for it: a fill
+  thread that stalls holds back no other batch; the caller's thread reports
+  progress in the stream's order (tensor by tensor, once every copy carrying a
+  byte of it has completed, see ``load_file``'s ``progress``).
 
 How many threads and buffers (:func:`staging_shape`): threads from the cores
 this process may run on and the load's size (a part of ``FILL_SPLIT`` bytes at
@@ -474,7 +478,8 @@ class Stager:
     read with ``O_DIRECT`` on ``DIRECT_THREADS`` threads), fills and sends everything; ``close`` returns the staging
     buffers (with the events of copies that may still read them) to the pool, or drops buffers made for this load.
     ``reported(event, nbytes, name)`` is called, on the caller's thread and in order, for each tensor named in
-    ``add``'s ``marks``, with the event of the copy that carries its last byte.
+    ``add``'s ``marks``, with an event that completes once every copy carrying a byte of it has (batches go out in
+    the order they are filled, see :class:`_Pipeline`).
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "pieces", "ramp",
