@@ -303,16 +303,33 @@ def _read_json(snapshot: Snapshot, name: str, manifest: dict | None, missing: st
 _PART_KEY = re.compile(r"(?P<tensor>.+)/part_(?P<i>\d+)_(?P<n>\d+)")
 
 
-def _check_key(key: str, tensor: str, piece: tuple[int, int, int], where: str) -> None:
+def _check_key(key: str, tensor: str, piece: tuple[int, int, int], where: str) -> int:
     """A hashtable block's key ``T.X/part_i_n`` against what tensorkey.json maps it to, ``T@X^SLICE``: the same
-    table and slot, and the slice of rank ``i`` of ``n`` (RecIS's ``gen_slice``), as RecIS's writer names both."""
+    table and slot, and the slice of rank ``i`` of ``n`` (RecIS's ``gen_slice``), as RecIS's writer names both.
+    Returns ``n``, the number of ranks that saved it."""
     m = _PART_KEY.fullmatch(key)
-    expect(m is not None and m.group("tensor") == tensor.replace("@", ".", 1), where,
-           f"block {key!r} is mapped to {tensor!r}: a block T.X/part_i_n holds T@X (a relabelled block)")
+    if m is None or m.group("tensor") != tensor.replace("@", ".", 1):
+        raise FormatError(f"{where}: block {key!r} is mapped to {tensor!r}: a block T.X/part_i_n holds T@X (a "
+                          "relabelled block)")
     i, n = int(m.group("i")), int(m.group("n"))
-    expect(i < n and piece[:2] == gen_slice(i, n, piece[2])[:2], where,
-           f"block {key!r} is mapped to slice {piece[0]}@{piece[1]}@{piece[2]}, rank {i} of {n}'s is "
-           f"{'@'.join(map(str, gen_slice(i, n, piece[2]))) if i < n else 'none'}")
+    if not (i < n and piece[:2] == slice_of(i, n, piece[2])):  # the message only where it fails: opening is hot
+        raise FormatError(f"{where}: block {key!r} is mapped to slice {piece[0]}@{piece[1]}@{piece[2]}, rank {i} of "
+                          f"{n}'s is {'@'.join(map(str, gen_slice(i, n, piece[2]))) if i < n else 'none'}")
+    return n
+
+
+def _data_file_numbers(name: str) -> tuple[int, int] | None:
+    """``(number, total)`` of a file named as RecIS names its tensor files (``model-N-of-T.safetensors``, ASCII
+    digits), else None.
+
+    >>> _data_file_numbers("model-000003-of-000008.safetensors"), _data_file_numbers("index")
+    ((3, 8), None)
+    """
+    if name.startswith("model-") and name.endswith(".safetensors"):
+        number, of, total = name[6:-12].partition("-of-")
+        if of and number.isdecimal() and total.isdecimal() and number.isascii() and total.isascii():
+            return int(number), int(total)
+    return None
 
 
 def _described(key: str, desc: dict) -> tuple[np.dtype, tuple, tuple[int, int] | None]:
@@ -473,8 +490,9 @@ class RecisCheckpointReader(CheckpointReader):
                "expected {'block_index': {...}, 'file_index': {...}}")
         file_of_number: dict[int, str] = {}
         for name, number in index["file_index"].items():
-            expect(is_count(number) and number not in file_of_number, iwhere,
-                   f"file_index[{name!r}] is {number!r}: file numbers are distinct non-negative integers")
+            if not is_count(number) or number in file_of_number:  # (messages made only where a check fails)
+                raise FormatError(f"{iwhere}: file_index[{name!r}] is {number!r}: file numbers are distinct "
+                                  "non-negative integers")
             FILE_NAME.check(name, "file_index file", where=iwhere, error=FormatError)
             file_of_number[number] = name
         self._file_of_number = file_of_number
@@ -484,19 +502,23 @@ class RecisCheckpointReader(CheckpointReader):
         self.tensorkey: Mapping[str, str] = MappingProxyType(dict(tensorkey))
         self._block_index: dict[str, int] = {}
         self._slices: dict[str, tuple[str, str]] = {}  # stored key -> (tensor, slice string)
+        self._spans: dict[str, tuple[int, int, int]] = {}  # hashtable block -> its slice (begin, end, size)
         parts: dict[str, list[tuple[str, str]]] = {}
         seen: dict[tuple[str, str], str] = {}
+        rank_counts: set[int] = set()  # the n of the blocks' part_i_n: the ranks that saved
         for key, number in index["block_index"].items():
-            expect(is_count(number) and number in file_of_number, iwhere,
-                   f"block_index[{key!r}] is {number!r}, not a file number of file_index")
+            if not is_count(number) or number not in file_of_number:
+                raise FormatError(f"{iwhere}: block_index[{key!r}] is {number!r}, not a file number of file_index")
             tensor, piece = _split_block_name(tensorkey.get(key, key), f"{iwhere} (key {key!r})")
-            expect(piece == " " or key in tensorkey, iwhere,
-                   f"block {key!r} names slice {piece!r} but {TENSORKEY_FILE} does not map it")
             if piece != " ":
-                _check_key(key, tensor, parse_slice(piece, f"{twhere} (key {key!r})"), twhere)
-            expect((tensor, piece) not in seen, iwhere,
-                   f"blocks {seen.get((tensor, piece))!r} and {key!r} are both {tensor!r}'s slice {piece!r}: a "
-                   "slice is stored once")
+                if key not in tensorkey:
+                    raise FormatError(f"{iwhere}: block {key!r} names slice {piece!r} but {TENSORKEY_FILE} does "
+                                      "not map it")
+                span = self._spans[key] = parse_slice(piece, f"{twhere} (key {key!r})")
+                rank_counts.add(_check_key(key, tensor, span, twhere))
+            if (tensor, piece) in seen:
+                raise FormatError(f"{iwhere}: blocks {seen[tensor, piece]!r} and {key!r} are both {tensor!r}'s "
+                                  f"slice {piece!r}: a slice is stored once")
             seen[tensor, piece] = key
             self._block_index[key] = number
             self._slices[key] = (tensor, piece)
@@ -511,10 +533,10 @@ class RecisCheckpointReader(CheckpointReader):
             unlisted = sorted(set(file_of_number.values()) - set(listed))
             if unlisted:
                 raise IntegrityError(f"{d}: {unlisted[0]}: in {INDEX_FILE} but not in the manifest")
-        data_file = re.compile(r"model-\d{6}-of-\d{6}\.safetensors")
+        self._rank_count = rank_counts.pop() if len(rank_counts) == 1 else 1
         named = set(file_of_number.values())
         orphans = [f"{os.path.join(d, n)}: a tensor file that {INDEX_FILE}'s file_index does not name"
-                   for n in sorted(os.listdir(snap.fd)) if data_file.fullmatch(n) and n not in named]
+                   for n in sorted(os.listdir(snap.fd)) if n not in named and _data_file_numbers(n) is not None]
         if orphans:
             raise FormatError(f"{orphans[0]} (an orphan block: a damaged or hand-merged checkpoint; "
                               f"{len(orphans)} in all)")
@@ -537,43 +559,48 @@ class RecisCheckpointReader(CheckpointReader):
         """Each table's blocks: int64 ids of shape [k]; for every id slice one block of each slot with k rows;
         the slices of one tensor never overlapping."""
         iwhere = os.path.join(self.path, INDEX_FILE)
-        for name, keys in self._parts.items():
+        int64 = np.dtype(np.int64)
+        for name, keys in self._parts.items():  # (each message made only where its check fails)
             if self._slices[keys[0]][1] == " ":
-                expect(len(keys) == 1, iwhere, f"dense tensor {name!r} is stored in {len(keys)} blocks {keys[:4]}")
+                if len(keys) != 1:
+                    raise FormatError(f"{iwhere}: dense tensor {name!r} is stored in {len(keys)} blocks {keys[:4]}")
                 continue
-            spans = sorted(parse_slice(self._slices[k][1], f"{iwhere} (key {k!r})") + (k,) for k in keys)
             by_size: dict[int, list] = {}
-            for span in spans:
-                by_size.setdefault(span[2], []).append(span)
+            for k in keys:
+                span = self._spans[k]
+                by_size.setdefault(span[2], []).append((*span, k))
             for size, group in by_size.items():  # the ranks' slices tile the key space: each position once
                 group.sort()
                 at = 0
                 for begin, end, _, key in group:
-                    expect(begin == at, iwhere,
-                           f"tensor {name!r}: block {key!r} holds slice [{begin}, {end}) of {size}, after slices "
-                           f"up to {at}: " + ("overlapping slices (a duplicated block)" if begin < at else
-                                              "a slice of the key space is missing (a block was removed)"))
+                    if begin != at:
+                        raise FormatError(
+                            f"{iwhere}: tensor {name!r}: block {key!r} holds slice [{begin}, {end}) of {size}, after "
+                            f"slices up to {at}: " + ("overlapping slices (a duplicated block)" if begin < at else
+                                                      "a slice of the key space is missing (a block was removed)"))
                     at = end
-                expect(at == size, iwhere, f"tensor {name!r}: its slices end at {at} of {size}: the last slice is "
-                                           "missing (a block was removed)")
+                if at != size:
+                    raise FormatError(f"{iwhere}: tensor {name!r}: its slices end at {at} of {size}: the last slice is "
+                                      "missing (a block was removed)")
             table, _, slot = name.rpartition("@")
             if slot == "id":
                 for k in keys:
                     dtype, shape, _ = self._blocks[k]
-                    expect(dtype == np.dtype(np.int64) and len(shape) == 1, iwhere,
-                           f"block {k!r} holds {table!r}'s ids but is {dtype}{list(shape)}; ids are int64 of shape "
-                           "[k]")
+                    if dtype != int64 or len(shape) != 1:
+                        raise FormatError(f"{iwhere}: block {k!r} holds {table!r}'s ids but is {dtype}{list(shape)}; "
+                                          "ids are int64 of shape [k]")
             elif f"{table}@id" in self._parts:
                 ids = {self._slices[k][1]: k for k in self._parts[f"{table}@id"]}
                 mine = {self._slices[k][1]: k for k in keys}
-                expect(set(ids) == set(mine), iwhere,
-                       f"hashtable {table!r}: slot {slot!r} has slices {sorted(mine)[:3]}, its ids "
-                       f"{sorted(ids)[:3]}: each id block needs one block of every slot")
+                if ids.keys() != mine.keys():
+                    raise FormatError(f"{iwhere}: hashtable {table!r}: slot {slot!r} has slices {sorted(mine)[:3]}, "
+                                      f"its ids {sorted(ids)[:3]}: each id block needs one block of every slot")
                 for piece, k in mine.items():
                     rows, want = self._blocks[k][1], self._blocks[ids[piece]][1][:1]  # ([k],) of ids checked 1-d
-                    expect(len(rows) >= 1 and (rows[0],) == want, iwhere,
-                           f"hashtable {table!r}: block {k!r} has shape {list(rows)}, its ids {ids[piece]!r} "
-                           f"{want[0] if want else list(want)}: a slot holds one row per id")
+                    if not rows or (rows[0],) != want:
+                        raise FormatError(f"{iwhere}: hashtable {table!r}: block {k!r} has shape {list(rows)}, its "
+                                          f"ids {ids[piece]!r} {want[0] if want else list(want)}: a slot holds one "
+                                          "row per id")
 
     def _read_manifest(self) -> dict | None:
         path = os.path.join(self.path, MANIFEST_FILE)
@@ -658,19 +685,18 @@ class RecisCheckpointReader(CheckpointReader):
         tensor comes where the lowest rank holding it placed it, so the ranks after the first are replayed only
         for tensors it does not hold (none, in what RecIS writes: every rank writes every table). Files not named
         as RecIS names them come after, in file number and header order."""
-        ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_[0-9]+_([0-9]+)\Z", key))}
-        n = ranks.pop() if len(ranks) == 1 else 1
+        n = self._rank_count
         order: dict[str, tuple[int, int]] = {}
         groups: dict[tuple[int, int], dict[int, str]] = {}
         for number, name in sorted(self._file_of_number.items()):
-            m = re.fullmatch(r"model-([0-9]+)-of-([0-9]+)\.safetensors", name)
-            total = int(m.group(2)) if m else 0
+            numbers = _data_file_numbers(name)
+            total = numbers[1] if numbers else 0
             p = self.manifest["parallel"] if self.manifest is not None else total // n or 1
-            if m is None or total % p:
+            if numbers is None or total % p:
                 order.update({k: (1 << 62, number * 1_000_000 + j)
                               for j, k in enumerate(_header_order(self.files[name]))})
                 continue
-            rank, writer = divmod(int(m.group(1)), p)
+            rank, writer = divmod(numbers[0], p)
             groups.setdefault((rank, p), {})[writer] = name
         placed: set[str] = set()
         for (rank, p), files in sorted(groups.items()):
@@ -775,7 +801,7 @@ class RecisCheckpointReader(CheckpointReader):
                 if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
                     slot_dtype, slot_shape, _ = self._blocks[self._parts[other][0]]
                     specs[slot] = {"shape": list(slot_shape[1:]) or [1], "dtype": slot_dtype.name}
-            sizes = {parse_slice(self._slices[k][1], f"{self.path}: {k}")[2] for k in self._parts[name]}
+            sizes = {self._spans[k][2] for k in self._parts[name]}
             tables[table] = {"dim": dim, "shape": list(shape[1:]) or [1], "dtype": np.dtype(dtype).name,
                              "slots": list(specs), "slot_specs": specs,
                              "ids": sum(self._blocks[k][1][0] for k in self._parts[name]),
@@ -837,8 +863,7 @@ class RecisCheckpointReader(CheckpointReader):
 
     def slice_of(self, key: str) -> tuple[str, tuple[int, int, int] | None]:
         """``(tensor, (begin, end, size))`` of a hashtable block, ``(tensor, None)`` of a dense one."""
-        tensor, piece = self._slices[key]
-        return tensor, None if piece == " " else parse_slice(piece, f"{self.path}: block {key!r}")
+        return self._slices[key][0], self._spans.get(key)
 
     def hashtables(self) -> dict[str, dict]:
         """``{table: {"dim", "shape", "dtype", "slots", "slot_specs", "ids", "slice_size"}}``: the tables with ids
