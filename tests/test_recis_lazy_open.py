@@ -9,6 +9,7 @@ reader maps them, as tests/test_sharded_lazy_open.py counts them for fastckpt's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -408,3 +409,77 @@ def test_a_rank_loading_from_a_url_fetches_the_headers_of_the_files_it_reads_onl
                    and spans[0][1] <= 8192}
         assert headers == {name for name, _ in plans if name in everything} == _files_read(path, m, j)
         assert headers < everything
+
+
+def _count_readers(monkeypatch) -> list:
+    """Every RecIS-layout reader opened from here on (the path, as it opens)."""
+    from fastckpt.sharded.recis import RecisCheckpointReader
+
+    opened: list = []
+    real_open = RecisCheckpointReader._open
+
+    def counted(self, *args, **kwargs):
+        opened.append(self.path)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(RecisCheckpointReader, "_open", counted)
+    return opened
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_ranks_loading_at_once_open_the_directory_once_and_map_each_file_once(saved, opened, monkeypatch, writer,
+                                                                                verify):
+    """Ranks as threads loading one RecIS-layout directory at the same time share one reader: its metadata read
+    and checked once, each file mapped (and hashed) once between them, closed by the last to finish; a load after
+    that opens it anew. Until 0.10 each rank opened a reader of its own, and all but rank 0 mapped rank 0's files."""
+    import threading
+
+    from _threads import run_in_threads
+
+    import fastckpt.sharded.recis as recis_module
+
+    path = saved[writer, 4]
+    readers = _count_readers(monkeypatch)
+    at_once = threading.Barrier(4)
+    held: list = []
+    real_shared = getattr(recis_module, "shared_reader", None)
+
+    @contextlib.contextmanager
+    def held_together(key, open_reader, current):
+        with real_shared(key, open_reader, current) as reader:
+            held.append(reader)
+            at_once.wait(30)  # every rank holds its reader before any lets go
+            yield reader
+
+    monkeypatch.setattr(recis_module, "shared_reader", held_together, raising=False)
+    loaded: dict = {}
+    assert run_in_threads(lambda j: loaded.__setitem__(j, _load(path, 4, j, verify)), 4, timeout=60) == []
+    for j in range(4):
+        _check_load(*loaded[j], 4, j)
+    assert readers == [str(path)] and len({id(r) for r in held}) == 1 and held[0].closed
+    assert sorted(opened) == sorted(set().union(*(_files_read(path, 4, j) for j in range(4))))  # each once
+    if verify and writer == "fastckpt":
+        assert held[0].verified_files() == sorted(opened)
+    monkeypatch.setattr(recis_module, "shared_reader", real_shared)
+    _check_load(*_load(path, 4, 1, verify), 4, 1)
+    assert len(readers) == 2  # opened again once the four had let go
+
+
+def test_a_directory_replaced_while_a_load_holds_its_reader_is_loaded_as_it_is_now(tmp_path):
+    """A reader of the old commit, held by a load, is not lent to a load that starts after the directory was
+    replaced (a save with overwrite=True): that load opens the new one."""
+    import fastckpt.sharded.recis as recis_module
+
+    path = str(_fastckpt_written(tmp_path / "c", 2))
+    key = ("recis", os.path.realpath(path), False)
+    opening = lambda: recis_module.RecisCheckpointReader(path, verify=False)  # noqa: E731
+    with recis_module.shared_reader(key, opening, lambda r: r.snapshot.changed() is None) as old:
+        assert old.hashtables()["emb"]["ids"] == len(_ids())
+        table = HashTable(DIM, slots=("m",), name="emb")
+        table.insert(np.array([5, 6]), np.full((2, DIM), 7, np.float32), {"m": np.zeros((2, DIM), np.float32)})
+        Saver(path=path, parallel=1, hashtables={"emb": table}, layout="recis", overwrite=True).save()
+        tables, _ = Loader(path, verify=False, shard_index=0, shard_num=1).load()
+        assert tables["emb"].ids().tolist() == [5, 6] and (tables["emb"].lookup([5, 6]) == 7).all()
+        assert not old.closed and old.hashtables()["emb"]["ids"] == len(_ids())
+    assert old.closed

@@ -136,7 +136,7 @@ from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 from fastckpt.sharded.format import slice_owner as format_slice_owner
 from fastckpt.sharded.hashtable import check_holds, table_for
 from fastckpt.store.commit import fsync_open
-from fastckpt.sharded.reader import CheckpointReader, TensorFiles, register_layout
+from fastckpt.sharded.reader import CheckpointReader, TensorFiles, register_layout, shared_reader
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
 from fastckpt.store.names import FILE_NAME, NameRule
@@ -934,7 +934,13 @@ def load(loader) -> tuple[dict, dict]:
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        reader = stack.enter_context(RecisCheckpointReader(loader.checkpoint_path, verify=loader.verify))
+        # One reader between the loads of this process that read the directory now (ranks run as threads): the
+        # metadata read and checked, each file opened and hashed once between them. A reader opened before the
+        # directory was replaced is not taken.
+        path = loader.checkpoint_path
+        reader = stack.enter_context(shared_reader(
+            ("recis", os.path.realpath(path), bool(loader.verify)),
+            lambda: RecisCheckpointReader(path, verify=loader.verify), lambda r: r.snapshot.changed() is None))
         info = loader.filter_func(load_info(loader, reader))
         tables = info.get("hashtables", {})
         rule = None if loader.owner in (None, owner_mod) else loader.owner
