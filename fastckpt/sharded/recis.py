@@ -605,16 +605,17 @@ class RecisCheckpointReader(CheckpointReader):
     def _read_manifest(self) -> dict | None:
         path = os.path.join(self.path, MANIFEST_FILE)
         try:
-            manifest = _read_json(self.snapshot, MANIFEST_FILE, None)
+            raw = self.snapshot.read(MANIFEST_FILE)
         except FileNotFoundError:
             return None
+        manifest = parse_json(raw, path, unique_keys=True)
         expect(isinstance(manifest, dict) and manifest.get("format") == FORMAT, path,
                f"'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected "
                f"{FORMAT!r} beside a RecIS '{INDEX_FILE}'")
         version = manifest.get("format_version")
         expect(is_count(version, 1) and version <= FORMAT_VERSION, path,
                f"format version {version!r}; this fastckpt reads {FORMAT_VERSION}")
-        check_seal(manifest, path)  # the manifest's own checksum; its entries then cover every other file
+        check_seal(manifest, path, raw)  # the manifest's own checksum; its entries then cover every other file
         files = manifest.get("files")
         expect(isinstance(files, dict) and all(
             FILE_NAME.problem(n) is None and isinstance(e, dict) and is_count(e.get("size")) and isinstance(e.get("blake3"), str)
