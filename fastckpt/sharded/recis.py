@@ -332,11 +332,12 @@ def _data_file_numbers(name: str) -> tuple[int, int] | None:
     return None
 
 
-def _described(key: str, desc: dict) -> tuple[np.dtype, tuple, tuple[int, int] | None]:
-    """``(dtype, shape, data_offsets or None)`` of block ``key`` as its (checked) description gives them."""
+def _described(key: str, desc: dict) -> tuple[np.dtype, tuple, tuple | None]:
+    """``(dtype, shape, data_offsets or None)`` of block ``key`` as its description gives them (``data_offsets``
+    a tuple of what the list holds: checked by the reader, :meth:`RecisCheckpointReader._read_descriptions`)."""
     offsets = desc.get("data_offsets")
     return dtype_of(_DTYPES.get(desc["dtype"], desc["dtype"]), key), tuple(desc["shape"]), \
-        None if offsets is None else tuple(offsets)
+        None if offsets is None else tuple(offsets) if isinstance(offsets, list) else (offsets,)
 
 
 def _header_order(f: TensorFile) -> list[str]:
@@ -543,9 +544,7 @@ class RecisCheckpointReader(CheckpointReader):
         self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
         # Each file opened, pinned (the manifest's size) and its header checked on first use (TensorFiles).
         self._tensor_files(RecisTensorFiles)
-        if self.descriptions:
-            self._blocks = {key: _described(key, d) for key, d in self.descriptions.items()}
-        else:  # no metadata of the blocks' shapes: every header is read now, as RecIS's loader does
+        if not self.descriptions:  # no metadata of the blocks' shapes: every header is read now, as RecIS's loader does
             for name in self.files:
                 self.files[name]
             self._blocks = {key: (info.dtype, tuple(info.shape), None) for key in self._block_index
@@ -622,12 +621,13 @@ class RecisCheckpointReader(CheckpointReader):
             for n, e in files.items()), path, "'files' must be {name: {'size': int >= 0, 'blake3': str}}")
         for key in ("tensors", "hashtables"):
             expect(isinstance(manifest.get(key, {}), dict), path, f"{key!r} must be an object")
-        for name, entry in manifest.get("hashtables", {}).items():
-            expect(isinstance(entry, dict) and is_count(entry.get("ids")), path,
-                   f"hashtables[{name!r}] must hold 'ids' (an integer >= 0), got {entry!r}")
+        for name, entry in manifest.get("hashtables", {}).items():  # (messages made only where a check fails)
+            if not isinstance(entry, dict) or not is_count(entry.get("ids")):
+                raise FormatError(f"{path}: hashtables[{name!r}] must hold 'ids' (an integer >= 0), got {entry!r}")
         for name, entry in manifest.get("tensors", {}).items():
-            expect(isinstance(entry, dict) and is_shape(entry.get("shape")) and isinstance(entry.get("dtype"), str),
-                   path, f"tensors[{name!r}] must be {{'dtype': str, 'shape': [int >= 0, ...]}}, got {entry!r}")
+            if not (isinstance(entry, dict) and is_shape(entry.get("shape")) and isinstance(entry.get("dtype"), str)):
+                raise FormatError(f"{path}: tensors[{name!r}] must be {{'dtype': str, 'shape': [int >= 0, ...]}}, "
+                                  f"got {entry!r}")
         return manifest
 
     def _check_manifest_counts(self) -> None:
@@ -661,20 +661,22 @@ class RecisCheckpointReader(CheckpointReader):
         expect(isinstance(descriptions, dict), path, "expected a JSON object")
         differ = sorted(set(descriptions) ^ set(self._block_index))
         expect(not differ, path, f"describes other blocks than {INDEX_FILE} places: {differ[:4]}")
-        for key, desc in descriptions.items():
-            expect(isinstance(desc, dict) and is_shape(desc.get("shape")), path,
-                   f"entry {key!r} must be an object with a 'shape' (list of integers >= 0), got {desc!r}")
+        blocks = {}
+        for key, desc in descriptions.items():  # (each message made only where its check fails)
+            if not isinstance(desc, dict) or not is_shape(desc.get("shape")):
+                raise FormatError(f"{path}: entry {key!r} must be an object with a 'shape' (list of integers >= 0), "
+                                  f"got {desc!r}")
             named = desc.get("dtype")
-            expect(isinstance(named, str) and (named in _DTYPES or named in _CODES), path,
-                   f"entry {key!r} has dtype {named!r}, not one RecIS's reader knows ({sorted(_CODES)})")
-            offsets = desc.get("data_offsets")
+            if not isinstance(named, str) or not (named in _DTYPES or named in _CODES):
+                raise FormatError(f"{path}: entry {key!r} has dtype {named!r}, not one RecIS's reader knows "
+                                  f"({sorted(_CODES)})")
+            dtype, shape, offsets = blocks[key] = _described(key, desc)
             if offsets is not None:
-                dtype, shape, _ = _described(key, {"dtype": named, "shape": desc["shape"]})
                 nbytes = math.prod(shape) * dtype.itemsize
-                expect(isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)
-                       and offsets[1] - offsets[0] == nbytes, path,
-                       f"entry {key!r} has data_offsets {offsets!r}: [begin, begin + {nbytes}] for its "
-                       f"{list(shape)} {dtype}")
+                if not (len(offsets) == 2 and all(is_count(o) for o in offsets) and offsets[1] - offsets[0] == nbytes):
+                    raise FormatError(f"{path}: entry {key!r} has data_offsets {desc['data_offsets']!r}: [begin, "
+                                      f"begin + {nbytes}] for its {list(shape)} {dtype}")
+        self._blocks = blocks
         return descriptions
 
     def _block_order(self) -> dict[str, tuple[int, int]]:
@@ -795,7 +797,7 @@ class RecisCheckpointReader(CheckpointReader):
             table = name[:-3]
             first = self._parts[f"{table}@embedding"][0]
             dtype, shape, _ = self._blocks[first]
-            dim = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
+            dim = math.prod(shape[1:]) if len(shape) >= 2 else 1
             specs = {}
             for other in in_order:
                 slot = other[len(table) + 1:]
