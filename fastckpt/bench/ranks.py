@@ -23,9 +23,12 @@ checkpoint checked or opened before in that process, page cache warm), two ways:
   ``mpi`` extra), each timing its own load after a barrier.
 
 Each row gives, medians over ``--repeat`` runs: the *opening per rank*, the CPU time spent opening the
-checkpoint (``CheckpointReader.__init__``, and where files open on first use each file's opening, its pin, map,
-header parse and checks; CPU time of the thread that opens, so that ranks as threads waiting for the GIL or for
-one another are not counted; they share one reader, so its time is divided by the ranks); the tensor
+checkpoint (``CheckpointReader.__init__``; the loader's ``resolve_chain``, where a load of fastckpt's layout reads
+and checks its metadata before its reader opens, which RecIS's reader does in its ``__init__``: 0.9.0's suite
+left it out, so fastckpt's layout's figures were short of that reading and checking; and where files open on first
+use each file's opening, its pin, map, header parse and checks; CPU time of the thread that opens, so that ranks
+as threads waiting for the GIL or for one another are not counted; ranks as threads share one reader, so its
+time is divided by the ranks); the tensor
 files mapped per rank (each map of a tensor file counted, summed over ranks and divided by the ranks); the
 slowest rank's wall time of the load (what the job waits for); and the CPU time per rank (process CPU time,
 divided by the ranks for threads). With
@@ -114,12 +117,14 @@ def _rank_load(path: str, rank: int, ranks: int, dim: int) -> dict[str, Any]:
 
 def _count_maps() -> tuple[list[str], list[float]]:
     """Count the tensor files the sharded reader maps in this process (its ``open_file``, every version's), and
-    time its opening: ``CheckpointReader.__init__`` (RecIS's reader's too) and, where files open on first use,
-    each file's opening (``TensorFiles._open``, outside an ``__init__``); returns ``(names mapped, [seconds
-    opening])``."""
+    time its opening: ``CheckpointReader.__init__`` (RecIS's reader's too), the loader's ``resolve_chain`` (a load
+    of fastckpt's layout reads and checks the manifest and the metadata files there, before its reader opens;
+    RecIS's reader reads and checks them itself) and, where files open on first use, each file's opening
+    (``TensorFiles._open``, outside an ``__init__``); returns ``(names mapped, [seconds opening])``."""
     import functools
     import threading
 
+    import fastckpt.sharded.loader as loader_module
     import fastckpt.sharded.reader as reader_module
     import fastckpt.sharded.recis as recis_module
 
@@ -149,6 +154,8 @@ def _count_maps() -> tuple[list[str], list[float]]:
     reader_module.open_file = counting
     reader_module.CheckpointReader.__init__ = timed(reader_module.CheckpointReader.__init__)
     recis_module.RecisCheckpointReader.__init__ = timed(recis_module.RecisCheckpointReader.__init__)
+    if hasattr(loader_module, "resolve_chain"):  # 0.5.0 on: the metadata read and checked before the reader opens
+        loader_module.resolve_chain = timed(loader_module.resolve_chain)
     files = getattr(reader_module, "TensorFiles", None)  # 0.8.0 on: each file opened on first use
     if files is not None:
         files._open = timed(files._open)
