@@ -791,6 +791,11 @@ class RecisCheckpointReader(CheckpointReader):
         first_place = lambda tensor: min(order.get(k, (1 << 62, 0)) for k in self._parts[tensor])  # noqa: E731
         tables = {}
         in_order = sorted(self._parts, key=first_place)
+        slots_of: dict[str, list[str]] = {}  # T -> the tensors T@SLOT (SLOT without '@') but ids and embedding
+        for other in in_order:
+            table, at, slot = other.rpartition("@")
+            if at and slot not in ("id", "embedding"):
+                slots_of.setdefault(table, []).append(other)
         for name in in_order:
             if not name.endswith("@id") or f"{name[:-3]}@embedding" not in self._parts:
                 continue
@@ -799,11 +804,9 @@ class RecisCheckpointReader(CheckpointReader):
             dtype, shape, _ = self._blocks[first]
             dim = math.prod(shape[1:]) if len(shape) >= 2 else 1
             specs = {}
-            for other in in_order:
-                slot = other[len(table) + 1:]
-                if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
-                    slot_dtype, slot_shape, _ = self._blocks[self._parts[other][0]]
-                    specs[slot] = {"shape": list(slot_shape[1:]) or [1], "dtype": slot_dtype.name}
+            for other in slots_of.get(table, ()):
+                slot_dtype, slot_shape, _ = self._blocks[self._parts[other][0]]
+                specs[other[len(table) + 1:]] = {"shape": list(slot_shape[1:]) or [1], "dtype": slot_dtype.name}
             sizes = {self._spans[k][2] for k in self._parts[name]}
             tables[table] = {"dim": dim, "shape": list(shape[1:]) or [1], "dtype": np.dtype(dtype).name,
                              "slots": list(specs), "slot_specs": specs,
