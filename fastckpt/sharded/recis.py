@@ -131,6 +131,7 @@ import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.reader import TensorFile, guard, held_guards
+from fastckpt.sharded import kept
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
 from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 from fastckpt.sharded.format import slice_owner as format_slice_owner
@@ -995,8 +996,14 @@ def _id_problem(reader: RecisCheckpointReader, table: str, keys: list[str]) -> s
 
 
 def _fill_dense(loader, reader: RecisCheckpointReader, name: str, rows: list) -> None:
-    view = reader.host(name + DENSE_SUFFIX)
-    out = np.array(view if view.ndim == 0 else view[rows[0]:rows[1]])
+    key = name + DENSE_SUFFIX
+    view = reader.host(key)  # (its file's hash checked first where the reader verifies)
+    if view.ndim == 0:
+        out = np.array(view)
+    else:  # this rank's rows read from the page cache (preadv), not copied through the mapping
+        out = kept.empty((rows[1] - rows[0], *view.shape[1:]), view.dtype)
+        if out.nbytes:
+            reader.read_into(key, out, rows[0] * view[:1].nbytes)
     target = loader.tensors.get(name)
     if isinstance(target, np.ndarray) and target.shape == out.shape and target.dtype == out.dtype \
             and target.flags.writeable:
@@ -1038,13 +1045,19 @@ def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, r
             mine = np.flatnonzero(owners(rule, ids, m, entry["slice_size"]) == j)
         picked.append((ids, key, mine))
     total = sum(len(mine) for *_, mine in picked)
-    ids_out = np.empty(total, np.int64)
-    values_out = np.empty((total, *table.shape), table.dtype)
-    slots_out = {slot: np.empty((total, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
+    # On memory a dropped load's arrays left where there is some (fastckpt.sharded.kept), as fastckpt's layout's
+    # loads: no new page to fault and zero on the first write.
+    ids_out = kept.empty(total, np.int64)
+    values_out = kept.empty((total, *table.shape), table.dtype)
+    slots_out = {slot: kept.empty((total, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
     at = 0
     for ids, key, mine in picked:
         end = at + len(mine)
-        np.take(ids, mine, out=ids_out[at:end])
+        whole = len(mine) == len(ids)  # every id of the block is this rank's (a load on the ranks that saved)
+        if whole:
+            ids_out[at:end] = ids
+        else:
+            np.take(ids, mine, out=ids_out[at:end])
         for slot, out in (("embedding", values_out), *slots_out.items()):
             block = _sibling(reader, key, name, slot)
             rows = reader.host(block)
@@ -1052,7 +1065,10 @@ def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, r
                 raise FormatError(f"{reader.path}: hashtable {name!r}: block {block!r} is {rows.dtype}"
                                   f"{list(rows.shape)}, expected {out.dtype}{[len(ids), *out.shape[1:]]} (one row of "
                                   f"{list(out.shape[1:])} for each of its {len(ids)} ids {key!r})")
-            np.take(rows, mine, axis=0, out=out[at:end])
+            if whole and out[at:end].nbytes:  # read from the page cache (preadv), not through the mapping: no
+                reader.read_into(block, out[at:end])           # page of it faulted
+            else:
+                np.take(rows, mine, axis=0, out=out[at:end])
         at = end
     try:
         table.adopt(ids_out, values_out, slots_out)
