@@ -508,15 +508,24 @@ class RecisCheckpointReader(CheckpointReader):
         parts: dict[str, list[tuple[str, str]]] = {}
         seen: dict[tuple[str, str], str] = {}
         rank_counts: set[int] = set()  # the n of the blocks' part_i_n: the ranks that saved
+        pieces: dict[str, tuple[int, int, int]] = {}  # slice string -> its slice: the blocks of a rank share one
         for key, number in index["block_index"].items():
             if not is_count(number) or number not in file_of_number:
                 raise FormatError(f"{iwhere}: block_index[{key!r}] is {number!r}, not a file number of file_index")
-            tensor, piece = _split_block_name(tensorkey.get(key, key), f"{iwhere} (key {key!r})")
+            mapped = tensorkey.get(key, key)
+            tokens = mapped.split("^")
+            if len(tokens) == 2 and tokens[0] and tokens[1]:
+                tensor, piece = tokens  # (the common case of _split_block_name, without its message)
+            else:
+                tensor, piece = _split_block_name(mapped, f"{iwhere} (key {key!r})")
             if piece != " ":
                 if key not in tensorkey:
                     raise FormatError(f"{iwhere}: block {key!r} names slice {piece!r} but {TENSORKEY_FILE} does "
                                       "not map it")
-                span = self._spans[key] = parse_slice(piece, f"{twhere} (key {key!r})")
+                span = pieces.get(piece)
+                if span is None:
+                    span = pieces[piece] = parse_slice(piece, f"{twhere} (key {key!r})")
+                self._spans[key] = span
                 rank_counts.add(_check_key(key, tensor, span, twhere))
             if (tensor, piece) in seen:
                 raise FormatError(f"{iwhere}: blocks {seen[tensor, piece]!r} and {key!r} are both {tensor!r}'s "
