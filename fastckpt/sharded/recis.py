@@ -745,10 +745,24 @@ class RecisCheckpointReader(CheckpointReader):
         ends, counts = dict.fromkeys(files, 0), dict.fromkeys(files, 0)
         headers: dict[int, list[str]] = {}
         places: dict[str, int] = {}
+        # (writer, first data offset, None where undescribed) -> its blocks: the ones that can come next in a file
+        # are looked up, not found by a scan of every table's (which made the replay quadratic in the tables)
+        starts: dict[tuple[int, int | None], list[str]] = {}
+        for w, keys in left.items():
+            for key in keys:
+                offsets = self._blocks[key][2]
+                starts.setdefault((w, None if offsets is None else offsets[0]), []).append(key)
 
         def fits(key: str, w: int) -> bool:
             offsets = self._blocks[key][2]
             return key in left.get(w, ()) and (offsets is None or offsets[0] == ends[w])
+
+        def fitting(w: int, wanted) -> list[str]:
+            """The blocks that fit next in writer ``w``'s file (:func:`fits`) and ``wanted(key)`` accepts."""
+            if w not in files:
+                return []
+            here = left[w]
+            return [k for at in (ends[w], None) for k in starts.get((w, at), ()) if k in here and wanted(k)]
 
         def pick(w: int, candidates: list[str]) -> str | None:
             if len(candidates) == 1:
@@ -770,7 +784,7 @@ class RecisCheckpointReader(CheckpointReader):
 
         while tables:
             w = len(places) % p
-            key = pick(w, [t["id"] for t in tables.values() if "id" in t and fits(t["id"], w)])
+            key = pick(w, fitting(w, lambda k: tables.get(self._slices[k][0].partition("@")[0], {}).get("id") == k))
             if key is None:
                 return None
             slots = tables.pop(self._slices[key][0].partition("@")[0])
@@ -787,7 +801,7 @@ class RecisCheckpointReader(CheckpointReader):
                 place(key)
         while dense:
             w = len(places) % p
-            key = pick(w, [k for k in dense if fits(k, w)])
+            key = pick(w, fitting(w, dense.__contains__))
             if key is None:
                 return None
             dense.discard(key)
