@@ -524,3 +524,15 @@ def test_a_rank_reads_the_rows_of_blocks_all_its_own_from_the_files_not_through_
         assert read.count("w^ ") == 1  # its dense rows
         read_whole += len(whole)
     assert bool(read_whole) == (m <= n)  # (2 -> 4: every block is split between two ranks)
+
+
+def test_a_shared_open_that_fails_fails_every_rank_with_its_own_error(saved, tmp_path):
+    """Ranks as threads loading a directory whose metadata is damaged: the shared open fails, and every rank
+    raises the reader's error (each opening its own after the failed one), none loads or hangs."""
+    from _threads import run_in_threads
+
+    copy = shutil.copytree(saved["fastckpt", 4], tmp_path / "c")
+    (copy / "tensorkey.json").write_bytes(b"{")  # no longer the bytes the manifest lists
+    errors = run_in_threads(lambda j: _load(copy, 4, j, False), 4, timeout=60)
+    assert len(errors) == 4 and len({type(e) for e in errors}) == 1
+    assert all("tensorkey.json" in str(e) for e in errors)
