@@ -9,8 +9,10 @@ own before its DMA engine can read them. A staged load fills pinned buffers
 with non-blocking ``enqueue_copy`` commands.
 
 The bytes to stage are one stream: the pieces :meth:`Stager.add` was given,
-back to back, cut into *batches* of one staging chunk. Batch ``k`` is filled
-into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
+back to back, cut into *batches* of one staging chunk. Each batch is filled
+into the staging buffer freed first (by the batch sent before it: batch ``k`` of
+a cold load whose buffers differ in alignment goes to buffer ``k mod buffers``,
+the one its pieces were placed for). :meth:`Stager.finish` runs the pipeline:
 
 - the fill threads take the stream's parts in order,
   each batch in parts of at least ``FILL_SPLIT`` bytes (numpy and ``preadv``
@@ -19,10 +21,12 @@ into staging buffer ``k mod buffers``. :meth:`Stager.finish` runs the pipeline:
 - a part waits only for the copies last sent from *its own* staging buffer
   (their events; a previous load's too, for buffers from a pool), never for the
   batch before it;
-- the thread that fills the last part of a batch sends it at once (and every
-  filled batch after it), in order, with no thread to wake for it; the caller's
-  thread reports progress (tensor by tensor, once the copy carrying the last
-  byte of a tensor has completed, see ``load_file``'s ``progress``).
+- the thread that fills the last part of a batch sends it at once, whether the
+  batches before it have gone or not (each copy has its own destination), and
+  frees its buffer for the next batch, with no thread to wake for it: a fill
+  thread that stalls holds back no other batch; the caller's thread reports
+  progress in the stream's order (tensor by tensor, once every copy carrying a
+  byte of it has completed, see ``load_file``'s ``progress``).
 
 How many threads and buffers (:func:`staging_shape`): threads from the cores
 this process may run on and the load's size (a part of ``FILL_SPLIT`` bytes at
@@ -76,6 +80,7 @@ Shape(chunk=3145728, buffers=1, threads=1)
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import threading
@@ -323,27 +328,39 @@ class _Pipeline:
     """The fills and copies of one staged load, run by the fill threads themselves.
 
     Each fill thread runs :meth:`work`: it takes the next part of the stream (cutting the next batch into parts when
-    it gets there), waits until the batch last filled into that staging buffer has been sent, then for that batch's
-    copies (``fill``'s ``pending``), fills its part, and, where that completed a batch, sends it and every filled
-    batch after it, in order, so that a copy is sent the moment its bytes are in place. When the caller's thread cut
-    the parts, queued them and sent each batch, the fill threads could not begin before it had queued every part
-    (it held the GIL: 0.4 ms a load), and each copy waited for the caller's thread to be woken, 1-2 ms a batch on a
-    2-core host with both cores filling, which idled the link for 5-10% of a load at 25-50 GB/s (bench --suite link,
-    docs/reading.md).
+    it gets there, into the staging buffer freed first), waits for the copies last sent from that buffer (``fill``'s
+    ``pending``), fills its part, and, where that completed a batch, sends it at once and frees its buffer for the
+    next batch. When the caller's thread cut, queued and sent every batch, the fill threads could not begin before it
+    had queued every part (it held the GIL: 0.4 ms a load), and each copy waited for the caller's thread to be woken,
+    1-2 ms a batch on a 2-core host with both cores filling (bench --suite link, docs/reading.md).
 
-    No deadlock: parts are taken in stream order, so every part of batch ``k - buffers`` has been taken (and runs)
-    before a part of batch ``k`` waits for it. A failed part (or the caller's :meth:`fail`) stops the others before
-    their next part."""
+    Batches go out in the order they are filled, not the stream's: each copy has its own destination, so their order
+    on the link changes no byte. Sent in the stream's order, a batch whose thread was preempted held back every batch
+    filled after it, and batch ``k + buffers`` waited until it was sent: with 2 fill threads on a 2-core host beside
+    two busy processes, the other thread stood idle 1.6 ms of a 46 ms load (at 50 GB/s) waiting for that, and 1.7 ms
+    more for the burst of copies sent at once afterwards (docs/reading.md). Progress is reported in the stream's
+    order, each tensor once every batch up to the one holding its last byte has been sent, with a marker that
+    completes after them (and whatever else was sent before it).
 
-    __slots__ = ("stager", "batches", "left", "last", "sent", "failed", "cond", "taken", "parts", "reported", "mark",
-                 "reported_to")
+    Where a cold load places its pieces by the buffers' addresses (``O_DIRECT``, :meth:`Stager._batches`) and those
+    differ modulo ``DIRECT_ALIGN``, batch ``k`` takes buffer ``k mod buffers``, the one it was placed for.
 
-    def __init__(self, stager: "Stager", batches: list):
+    No deadlock: parts are taken in stream order, and a batch is cut (and takes a buffer) only once every part of the
+    batches before it has been taken, so each buffer waited for is held by a batch whose parts are all running and
+    will be sent. A failed part (or the caller's :meth:`fail`) stops the others before their next part."""
+
+    __slots__ = ("stager", "batches", "left", "slot", "free", "fixed", "last", "sent", "failed", "cond", "taken",
+                 "parts", "reported", "mark", "reported_to")
+
+    def __init__(self, stager: "Stager", batches: list, fixed: bool = False):
         self.stager = stager
         self.batches = batches
         self.left = [-1] * len(batches)  # parts of each batch not yet filled (-1: not yet cut into parts)
+        self.slot = [-1] * len(batches)  # the staging buffer each batch was cut into
+        self.free = collections.deque(range(stager.stage.count))  # buffers no batch holds, the first freed first
+        self.fixed = fixed  # batch k takes buffer k mod count (its pieces were placed by that buffer's address)
         self.last: list = [None] * len(batches)  # the event progress waits for, per batch sent
-        self.sent = 0  # batches sent, in order
+        self.sent = 0  # batches 0.. sent-1 have all been sent (a leading run: later ones may have gone too)
         self.reported = 0  # batches whose tensors were reported (progress)
         self.mark = 0  # the stager's marks reported so far
         self.reported_to = 0  # stream bytes in the batches reported so far
@@ -352,15 +369,31 @@ class _Pipeline:
         self.taken = -1  # the batch whose parts are being taken
         self.parts: list = []  # its parts not yet taken
 
+    def _buffer(self, k: int):
+        """A free staging buffer for batch ``k`` (taken from :attr:`free`), or None while every one is held."""
+        free = self.free
+        if not self.fixed:
+            return free.popleft() if free else None
+        want = k % self.stager.stage.count
+        if want not in free:
+            return None
+        free.remove(want)
+        return want
+
     def _next(self):
         """The next part to fill, ``(batch, task)``; None when there is none left (or the load failed). Under the
-        lock."""
+        lock; waits for a free buffer where the next batch needs one."""
         while not self.parts:
             if self.failed is not None or self.taken + 1 >= len(self.batches):
                 return None
-            self.taken += 1
-            k = self.taken
-            self.parts = self.stager._parts(self.batches[k], self.stager.stage.hosts[k % self.stager.stage.count])
+            k = self.taken + 1
+            slot = self._buffer(k)
+            if slot is None:
+                self.cond.wait()  # until a batch is sent and frees its buffer (or another thread cut batch k)
+                continue
+            self.taken = k
+            self.slot[k] = slot
+            self.parts = self.stager._parts(self.batches[k], self.stager.stage.hosts[slot])
             self.parts.reverse()
             self.left[k] = len(self.parts)
         return self.taken, self.parts.pop()
@@ -369,7 +402,6 @@ class _Pipeline:
         """Fill and send parts until none is left. ``caller``: this is the caller's thread (the only fill
         thread), which also reports progress as batches are sent."""
         stager = self.stager
-        count = stager.stage.count
         cond = self.cond
         try:
             while True:
@@ -378,26 +410,37 @@ class _Pipeline:
                     if taken is None:
                         return
                     k, task = taken
-                    while self.sent <= k - count and self.failed is None:
-                        cond.wait()
-                    if self.failed is not None:
-                        return
-                    pending = stager.stage.pending[k % count]  # the copies last sent from this buffer
+                    pending = stager.stage.pending[self.slot[k]]  # the copies last sent from this buffer
                 stager._fill(pending, task)
                 with cond:
                     self.left[k] -= 1
-                    sent = self.sent
-                    while self.sent < len(self.batches) and self.left[self.sent] == 0 and self.failed is None:
-                        n = self.sent
-                        self.last[n] = stager._send(n % count, self.batches[n])
-                        self.sent = n + 1
-                    if self.sent != sent:  # only a send lets a waiting part (or the caller's progress) go on
-                        cond.notify_all()
+                    if self.left[k] == 0 and self.failed is None:
+                        self._send(k)
+                        cond.notify_all()  # only a send lets a waiting part (or the caller's progress) go on
                 if caller:
                     self.report()
         except BaseException as exc:
             self.fail(exc)
             raise
+
+    def _send(self, k: int) -> None:
+        """Send batch ``k`` (filled) and free its buffer; move :attr:`sent` past the batches now all sent. Under the
+        lock."""
+        stager = self.stager
+        slot = self.slot[k]
+        stager._send(slot, self.batches[k])
+        self.free.append(slot)
+        first = self.sent
+        while self.sent < len(self.batches) and self.left[self.sent] == 0:
+            self.sent += 1
+        if stager.marks and self.sent > first:
+            import pyopencl as cl
+
+            # Completes after every copy queued so far, so after every batch before self.sent, in whatever order
+            # they went out (also on an out-of-order queue).
+            marker = cl.enqueue_marker(stager.queue)
+            for n in range(first, self.sent):
+                self.last[n] = marker
 
     def fail(self, exc: BaseException) -> None:
         """Stop: no part is taken any more, and the caller stops waiting."""
@@ -435,7 +478,8 @@ class Stager:
     read with ``O_DIRECT`` on ``DIRECT_THREADS`` threads), fills and sends everything; ``close`` returns the staging
     buffers (with the events of copies that may still read them) to the pool, or drops buffers made for this load.
     ``reported(event, nbytes, name)`` is called, on the caller's thread and in order, for each tensor named in
-    ``add``'s ``marks``, with the event of the copy that carries its last byte.
+    ``add``'s ``marks``, with an event that completes once every copy carrying a byte of it has (batches go out in
+    the order they are filled, see :class:`_Pipeline`).
     """
 
     __slots__ = ("queue", "pool", "shape", "stage", "events", "blocking", "reported", "pieces", "ramp",
@@ -505,9 +549,10 @@ class Stager:
         if self.reported is not None:
             self.marks.extend((base + end, nbytes, name) for end, nbytes, name in marks)
 
-    def _batches(self) -> list:
+    def _batches(self) -> tuple[list, bool]:
         """The pieces added, cut into batches of :func:`batch_sizes`: lists of ``(source, device buffer, its
-        offset, offset in the staging chunk, (descriptor, offset, path, O_DIRECT descriptor or None) or None)``.
+        offset, offset in the staging chunk, (descriptor, offset, path, O_DIRECT descriptor or None) or None)``; and
+        whether pieces were placed by the address of batch ``k``'s buffer, ``k mod buffers`` (below).
 
         A piece read with ``O_DIRECT`` (a cold file, :meth:`direct`) is placed in its staging buffer where the
         address agrees with its file offset modulo ``DIRECT_ALIGN`` (a gap of less than that before it), so that
@@ -552,7 +597,7 @@ class Stager:
         if current:
             batches.append(current)
         self.pieces = []
-        return batches
+        return batches, aligning
 
     def _parts(self, batch: list, host: np.ndarray) -> list:
         """The batch's copies into ``host`` as fill tasks: lists of ``(destination, source, file)`` (see :func:`fill`)
@@ -608,13 +653,16 @@ class Stager:
         then get one event covering all their copies (a marker: it completes when every command queued before it
         has)."""
         self.lease()
-        batches = self._batches()
+        batches, placed = self._batches()
         stage = self.stage
+        # Pieces placed by their buffer's address (a cold load's, _batches): where the buffers' addresses differ
+        # modulo DIRECT_ALIGN, each batch must go to the buffer it was placed for.
+        fixed = placed and len({host.ctypes.data % DIRECT_ALIGN for host in stage.hosts}) > 1
         pool = None
         if self.threads > 1 and self.stream >= 2 * FILL_SPLIT:
             pool = _fillers(self.threads)
             scope = held_guards()  # the fill threads copy out of the mappings under the caller's guards
-        order = _Pipeline(self, batches)
+        order = _Pipeline(self, batches, fixed)
         futures: list = []
         try:
             if pool is None:
@@ -662,11 +710,9 @@ class Stager:
         if reads:
             self.reads.append(reads)
 
-    def _send(self, slot: int, batch: list):
-        """Copy a filled batch from staging buffer ``slot`` to its device buffers (non-blocking); the event of its
-        last copy, or of a marker after all of them where a tensor's bytes span several (progress)."""
-        import pyopencl as cl
-
+    def _send(self, slot: int, batch: list) -> None:
+        """Copy a filled batch from staging buffer ``slot`` to its device buffers (non-blocking); its copies' events
+        become the buffer's ``pending``."""
         host = self.stage.hosts[slot]
         events = []
         for source, buffer, at, offset, _file in batch:
@@ -676,9 +722,6 @@ class Stager:
             self.events.append(event)
         self.stage.pending[slot] = events
         self.copies += len(events)
-        if self.marks and len(events) > 1:
-            return cl.enqueue_marker(self.queue, wait_for=events)
-        return events[-1]
 
     def close(self) -> None:
         """Return the staging buffers to the pool (their pending events go with them); idempotent."""
