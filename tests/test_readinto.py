@@ -734,7 +734,94 @@ def test_a_hugging_face_directory_advises_each_shards_first_window_once_every_in
     fastckpt.save_safetensors(single, tensors)
     with fastckpt.open(single) as f:
         assert f["w3"].tolist() == tensors["w3"].tolist()
-    assert events == [("parse", single)]  # a file alone: MappedFile's own advice at the map, as in 0.8
+    # A file alone: advised at once, before its parse, as in 0.8 (then MappedFile's own two calls at the map; now the
+    # same two through the one function a directory asks through later)
+    assert events == [("sequential", single), ("willneed", single), ("parse", single)]
+
+
+def _recording_mapped_files(monkeypatch):
+    """``reader.MappedFile`` replaced by a subclass recording, per path, how each file was mapped (its own window
+    advice or not) and every ``advise`` asked of it after."""
+    from fastckpt.formats import reader
+
+    calls: dict[str, list] = {}
+
+    class Recording(reader.MappedFile):
+        def __init__(self, path, **k):
+            calls.setdefault(os.path.basename(path), []).append(("map, own advice", k.get("advise", True)))
+            super().__init__(path, **k)
+
+        def advise(self, kind, *a, **k):
+            calls[os.path.basename(self.path)].append(kind)
+            return super().advise(kind, *a, **k)
+
+    monkeypatch.setattr(reader, "MappedFile", Recording)
+    return calls
+
+
+def test_the_first_window_is_asked_for_by_one_route_for_a_file_alone_and_for_a_directorys_shards(tmp_path,
+                                                                                                monkeypatch):
+    """One mechanism: every file is mapped without MappedFile's own advice, and its first window is asked for with
+    the same two calls (sequential, then WILLNEED over the mapping), whether a file opened alone (before its parse)
+    or a Hugging Face directory's shard (once every index is parsed), or later through ``advise_first_window``."""
+    from fastckpt.formats import reader
+
+    tensors = {f"w{i}": np.full(1 << 10, i, np.float32) for i in range(4)}
+    single, directory = str(tmp_path / "one.safetensors"), str(tmp_path / "hf")
+    fastckpt.save_safetensors(single, tensors)
+    fastckpt.save_sharded(directory, tensors, max_shard_size=(4 << 10) + 1)  # one tensor a shard
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: True)  # warm: no index read with pread in the way
+    calls = _recording_mapped_files(monkeypatch)
+    expected = {k: a.tolist() for k, a in tensors.items()}
+    with fastckpt.open(single) as f, fastckpt.open(directory) as d:
+        assert {k: f[k].tolist() for k in f} == expected == {k: d.host(k).tolist() for k in d.keys()}
+        shards = sorted(os.path.basename(p) for p in d.files)
+    assert len(shards) == 4
+    asked = [("map, own advice", False), "sequential", "willneed"]
+    assert calls == {name: asked for name in ["one.safetensors", *shards]}
+    calls.clear()
+    with reader.open_file(single, first_window=False) as f:
+        assert calls == {"one.safetensors": [("map, own advice", False), "sequential"]}
+        f.advise_first_window()
+    assert calls == {"one.safetensors": asked}  # the same calls, the window's asked later
+    calls.clear()
+    with fastckpt.open(single, first_window=False) as f, fastckpt.open(directory, first_window=False) as d:
+        assert f["w1"].tolist() == d.host("w1").tolist()
+    assert calls == {name: asked[:2] for name in ["one.safetensors", *shards]}  # no window asked of any
+    calls.clear()
+    monkeypatch.setattr(reader, "READ_AHEAD_ADVICE", False)
+    with fastckpt.open(single) as f, fastckpt.open(directory) as d:
+        f.advise_first_window()
+        [g.advise_first_window() for g in d.files.values()]
+    assert calls == {name: asked[:2] for name in ["one.safetensors", *shards]}  # off: asked by neither route
+
+
+def test_open_passes_first_window_to_any_directory_reader_that_takes_it_whatever_its_format(tmp_path, monkeypatch):
+    """One route from ``fastckpt.open``'s ``first_window`` to a directory reader: the reader declares it takes the
+    option (``takes_first_window``); not a check of one format's name. One that does not declare it is called
+    without it, as before."""
+    from fastckpt.formats import reader
+
+    got = []
+
+    class Declaring:
+        format = "some-directory"
+        takes_first_window = True
+
+        def __init__(self, path, *, backend, copy_on_write, max_header_size, first_window=True):
+            got.append(("declaring", first_window))
+
+    class Plain:
+        format = "another-directory"
+
+        def __init__(self, path, *, backend, copy_on_write, max_header_size):
+            got.append(("plain", None))
+
+    for kind in (Declaring, Plain):
+        monkeypatch.setattr(reader, "_directory_reader", lambda p, kind=kind: kind)
+        for first_window in (False, True):
+            assert isinstance(fastckpt.open(str(tmp_path), first_window=first_window), kind)
+    assert got == [("declaring", False), ("declaring", True), ("plain", None), ("plain", None)]
 
 
 def test_load_tree_and_pooled_loads_ask_no_first_window_of_what_they_read_themselves(tmp_path, monkeypatch, queue,

@@ -533,6 +533,7 @@ class HFShardedDirectory(MultiFileReader):
     """
 
     format = "hf-sharded"
+    takes_first_window = True  # fastckpt.open passes its first_window= on (formats.reader._open_with)
 
     def __init__(self, path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool = False,
                  max_header_size: int | None = None, first_window: bool = True):

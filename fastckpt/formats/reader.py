@@ -238,8 +238,7 @@ class TensorFile(ReaderMapping):
         >>> with fastckpt.open(p) as f:
         ...     f.advise_first_window()
         """
-        if self._size and READ_AHEAD_ADVICE:
-            _advise(self.mapped, "willneed")
+        _advise_first_window(self.mapped)
 
     def _offset_of(self, view) -> int | None:
         """The file offset of a view of the mapping (None for a decoded copy, which is no view of it)."""
@@ -305,15 +304,15 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     """
     _check_max_header_size(max_header_size)
     first_window = first_window and READ_AHEAD_ADVICE
-    if first_window:  # MappedFile's own advice: sequential, and WILLNEED over the first window
-        mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write)
-    else:  # sequential only; a cold file's index read first (_read_head), its first window advised later
-        mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write, advise=False)
+    # Mapped without MappedFile's own advice: the first window is asked for here, by the one function a reader of
+    # several files asks through later (TensorFile.advise_first_window), with the same two madvise calls as before.
+    mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write, advise=False)
     try:
-        if not first_window:
-            if mapped.address is not None and mapped.size and not cached(mapped, 0, 1, 1):
-                _read_head(mapped)
-            _advise(mapped, "sequential")
+        if not first_window and mapped.address is not None and mapped.size and not cached(mapped, 0, 1, 1):
+            _read_head(mapped)  # a cold file's index read first, its first window advised later (or never)
+        _advise(mapped, "sequential")
+        if first_window:  # before the parse, whose faults then find the window read or in flight
+            _advise_first_window(mapped)
         with mapped.guard("its index"):
             return _parse(mapped, max_header_size)
     except BaseException:
@@ -389,6 +388,22 @@ def _advise(mapped: MappedFile, kind: str) -> None:
         mapped.advise(kind)
     except (OSError, ValueError):
         pass
+
+
+def _advise_first_window(mapped: MappedFile) -> None:
+    """Have the kernel read the first window of a mapped file now (``MADV_WILLNEED`` over the whole mapping: one such
+    call reads at most the kernel's readahead window, from the start), unless ``READ_AHEAD_ADVICE`` is off. The one
+    place the readers ask for it: :func:`open_file` (``first_window=True``, before the parse) and
+    :meth:`TensorFile.advise_first_window` (a Hugging Face directory, once every index is parsed). A no-op for a
+    ``backend="pread"`` or empty file; advice only.
+
+    >>> import fastckpt, numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "w.safetensors"); fastckpt.save_safetensors(p, {"a": np.ones(3)})
+    >>> with MappedFile(p, advise=False) as m:
+    ...     _advise_first_window(m)
+    """
+    if READ_AHEAD_ADVICE and mapped.address is not None and mapped.size:
+        _advise(mapped, "willneed")
 
 
 # copies(): a tensor of at least COPY_READ_MIN bytes of a file not in the page cache is read from the file into its
@@ -678,9 +693,7 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
     if is_dir:
         reader = _directory_reader(p)
         if reader is not None:
-            if not first_window and getattr(reader, "format", None) == "hf-sharded":
-                return reader(p, **options, first_window=False)
-            return reader(p, **options)
+            return _open_with(reader, p, options, first_window)
         prefix = _tf_prefix_in(p)
         if prefix is not None:
             return _open_tf(prefix, **options)
@@ -692,7 +705,7 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
                 raise foreign
         raise CheckpointNotFoundError(f"{p}: a directory fastckpt.open cannot read: {_what_directory_is(p)}")
     if p.endswith(HF_INDEX_SUFFIX):  # what hf_hub_download returns for a sharded model: its directory's index
-        return _named_reader(DIRECTORY_READERS["model.safetensors.index.json"])(p, **options, first_window=first_window)
+        return _open_with(_named_reader(DIRECTORY_READERS["model.safetensors.index.json"]), p, options, first_window)
     if _is_tf_file(p):
         return _open_tf(p, **options)
     return open_file(p, backend=backend, copy_on_write=copy_on_write, max_header_size=max_header_size,
@@ -701,7 +714,8 @@ def open(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: bool 
 
 # Directory kinds of the floors above, by the file that marks them: marker -> "module:reader class". They are
 # named, not imported, so this floor imports nothing above it; a directory of the kind imports its reader when
-# first opened. Each reader takes (path, backend=, copy_on_write=, max_header_size=) and implements the contract.
+# first opened. Each reader takes (path, backend=, copy_on_write=, max_header_size=) and implements the contract;
+# one whose class sets takes_first_window = True takes first_window= too (open's, through _open_with).
 # fastckpt.formats.hfsharded is on this floor but is named here all the same, so that opening a file never imports it.
 # A Hugging Face directory with both markers is read from model.safetensors, as transformers does (the reader decides).
 DIRECTORY_READERS = {"torch_rank_weights_embs_table_multi_shard.json": "fastckpt.sharded.reader:CheckpointReader",
@@ -758,6 +772,15 @@ def _what_directory_is(path: str) -> str:
                 f"checkpoint: open each file, as fastckpt.open({os.path.join(path, files[0])!r}){hint}")
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     return f"it holds {shown}, none of them a tensor file or checkpoint marker. {_OPENABLE}"
+
+
+def _open_with(reader, path: str, options: dict, first_window: bool) -> TensorReader:
+    """``reader(path, **options)``, and ``first_window=`` where the reader declares it takes it
+    (``takes_first_window = True``: it maps files the window advice could read twice); the one route of
+    :func:`open`'s ``first_window`` to a directory reader, whatever its format."""
+    if getattr(reader, "takes_first_window", False):
+        return reader(path, **options, first_window=first_window)
+    return reader(path, **options)
 
 
 def _named_reader(target: str):
