@@ -311,7 +311,7 @@ class _Share:
         return self._parse_headers(list(names))
 
     def with_headers(self, names: list[str], layout: dict[str, tuple[str, int, int, list]],
-                     spans: Callable[[dict], dict[str, list[tuple[int, int]]]]) -> dict[str, tuple[str, int, int, list]]:
+                     spans: Callable[[dict], dict[str, list[tuple[int, int]]]]) -> dict[str, tuple]:
         """Fetch the ranges ``spans(offsets)`` gives and the headers of the tensor files ``names`` in one round,
         where ``layout`` (:func:`_layout`) says where fastckpt's writer put every part of those files; returns the
         places the headers give (:meth:`headers`' form).
@@ -579,9 +579,9 @@ def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
     files holding a part this rank reads (``index.json``, or RecIS's ``index``, names them), then each dense part
     this rank takes and the hashtable id parts it needs (every one; under the slice rule, only those whose slice
     meets the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the embedding and
-    slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. In fastckpt's
-    layout the metadata places every part of the files (:func:`_layout`), so the headers come in the round of the
-    ranges (:meth:`_Share.with_headers`; under the slice rule that is every range: two rounds in all). The tensor files are
+    slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. In fastckpt's layout
+    the metadata places every part of the files (:func:`_layout`), so the headers come in the round of the ranges
+    (:meth:`_Share.with_headers`; under the slice rule that is every range: two rounds in all). The tensor files are
     sparse local files of their full size, so the Loader reads them as it reads any directory. Returns ``{"bytes":
     fetched, "requests": ranges, "layout", "manifest": bool, "headers": tensor files whose header it has}``, or
     False for a checkpoint that must be downloaded whole: one with a manifest loaded with ``verify=True`` (its
