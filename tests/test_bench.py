@@ -282,6 +282,12 @@ def test_sharded_suite(tmp_path, capsys):
     assert pairs == [["| 1", "1"], ["| 1", "2"], ["| 2", "1"], ["| 2", "2"]] * 6
     rows = _first_cells(out)
     assert "| v4 | 2 -> 3 | no |" in out and "| v4 | 2 -> 3 | yes |" in out  # --quick's resharding pair
+    # beside the ratio of the medians, the median of the same rounds' ratios (loads timed round by round)
+    assert ("| checkpoint | N -> M | verified | N -> M (median) | N -> N (median) | ratio | <= 1.3x | in the same "
+            "round | v4 / v3 (N -> M) |") in out
+    for line in out.splitlines():
+        if line.startswith("| v4 | 2 -> 3 |"):
+            assert line.split(" | ")[7].endswith("x"), line
     assert "HashTable.import_() into a new table" in rows
     targets = out.split("### targets")[1].strip().splitlines()
     # save, load, verification, the resharding pair unverified and verified, export, import; then the sizes' note

@@ -344,3 +344,38 @@ def test_prune_never_follows_a_symlinked_checkpoint_out_of_its_directory(tmp_pat
     assert removed == [str(ckpts / "step-1")]
     assert (outside / "manifest.json").exists() and CheckpointReader(outside).tensor_names() == ["x"]
     assert sorted(os.listdir(ckpts)) == ["step-0", "step-2"] and (ckpts / "step-0").is_symlink()
+
+
+def test_link_over_never_renames_onto_a_name_that_exists(tmp_path, monkeypatch):
+    """A load from a URL links a file another rank fetched over its own placeholder. A rename that replaces a file
+    has ext4 (auto_da_alloc) write the renamed file's dirty pages out first: 40-110 ms a file in a 1 -> 4 verified
+    load, for a temporary copy. The old name is removed first; the file is the source's, the source unchanged."""
+    source, target = tmp_path / "fetched", tmp_path / "placeholder"
+    source.write_bytes(b"fetched bytes")
+    with open(target, "wb") as f:
+        f.truncate(13)  # a share's sparse placeholder
+    renames = []
+    real_rename, real_replace = os.rename, os.replace
+
+    def rename(a, b, *args, **kw):
+        renames.append(os.path.lexists(b))
+        return real_rename(a, b, *args, **kw)
+
+    def replace(a, b, *args, **kw):
+        renames.append(os.path.lexists(b))
+        return real_replace(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    _atomic.link_over(source, target)
+    assert renames == [False]
+    assert target.read_bytes() == b"fetched bytes" and os.stat(source).st_ino == os.stat(target).st_ino
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fetched", "placeholder"]  # no temporary left
+
+
+def test_link_over_that_cannot_link_leaves_the_target_as_it_was(tmp_path):
+    target = tmp_path / "placeholder"
+    target.write_bytes(b"old")
+    with pytest.raises(FileNotFoundError):
+        _atomic.link_over(tmp_path / "gone", target)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["placeholder"]

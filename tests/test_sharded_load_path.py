@@ -205,21 +205,21 @@ def test_one_rank_reads_every_id_part_into_place_exactly(tmp_path, shards):
     assert np.array_equal(np.sort(np.concatenate(got)), np.sort(ids))
 
 
-def _url_checkpoint(**tensors) -> str:
+def _url_checkpoint(n_ids: int = 3000, **tensors) -> str:
     """The state of :func:`_state` saved to a new in-memory URL (parallel 2)."""
     import uuid
 
     url = f"memory://fastckpt-tests/{uuid.uuid4().hex}/c"
-    ids, values, m_slot = _state()
+    ids, values, m_slot = _state(n_ids)
     table = HashTable(4, slots=("m",))
     table.insert(ids, values, {"m": m_slot})
     Saver(path=url, parallel=2, hashtables={"emb": table}, tensors=tensors).save()
     return url
 
 
-def _check_exact(tables: list) -> None:
+def _check_exact(tables: list, n_ids: int = 3000) -> None:
     """The ranks' tables hold every id of :func:`_state` once, each with its rows."""
-    ids, values, m_slot = _state()
+    ids, values, m_slot = _state(n_ids)
     order = np.argsort(ids)
     assert np.array_equal(np.sort(np.concatenate([t.ids() for t in tables])), np.sort(ids))
     for t in tables:
@@ -240,16 +240,19 @@ def _ranks_as_threads(url: str, m: int, **options) -> list:
 
 def _hold_until_every_rank_asked(monkeypatch, m: int, fail_first: bool = False) -> tuple[list, list]:
     """Patch a load's first round (the manifest and the metadata, :func:`fastckpt.sharded.remote._first_round`) and
-    the fetch of tensor-file headers: the load that fetches the metadata, and each that fetches headers, waits until
-    ``m`` loads hold them (so that they overlap for certain); returns the names each first round asked for and
-    those each header fetch asked for (the first metadata fetch failing, if asked)."""
+    its fetches of tensor-file headers (ranges from byte 0, alone or joined to a part's range): the load that
+    fetches the metadata, and each that fetches headers, waits until ``m`` loads hold them (so that they overlap for
+    certain); returns the names each first round asked for and, for each fetch of headers, ``[(file, end of the
+    range from byte 0)]`` (the first metadata fetch failing, if asked)."""
     import time
 
+    from fastckpt.formats.stream import merged
     from fastckpt.sharded import remote as sharded_remote
 
-    real_bounded, real_heads = sharded_remote._bounded, sharded_remote._Share._fetch_heads
+    real_bounded, real_fetch = sharded_remote._bounded, sharded_remote._Share.fetch
     rounds: list = []
     heads: list = []
+    held: set = set()
 
     def wait(held) -> None:
         deadline = time.monotonic() + 20
@@ -264,29 +267,50 @@ def _hold_until_every_rank_asked(monkeypatch, m: int, fail_first: bool = False) 
                 raise OSError("the first fetch fails")
         return real_bounded(fs, url, path, names)
 
-    def fetch_heads(self, names, also=None):
-        heads.append(sorted(names))
-        if not fail_first:  # (where the metadata fetch fails, that load asks for no header)
-            wait(lambda: all(sharded_remote._heads.holders((self.url, self.manifest_hash, n)) >= m
-                             for n in names))
-        return real_heads(self, names, also)
+    def fetch(self, spans):
+        names = sorted(name for name, ranges in spans.items() if name.endswith(".safetensors")
+                       and any(b == 0 < e for b, e in ranges))
+        if names:
+            heads.append([(name, merged(spans[name])[0][1]) for name in names])
+            if not fail_first:  # (where the metadata fetch fails, that load asks for no header)
+                wait(lambda: all(n in held or sharded_remote._heads.holders((self.url, self.manifest_hash, n)) >= m
+                                 for n in names))
+                held.update(names)  # every load held them: a load fetching one later need not wait
+        return real_fetch(self, spans)
 
     monkeypatch.setattr(sharded_remote, "_bounded", bounded)
-    monkeypatch.setattr(sharded_remote._Share, "_fetch_heads", fetch_heads)
+    monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
     return rounds, heads
 
 
-def test_ranks_loading_from_a_url_at_once_fetch_its_metadata_and_headers_once(monkeypatch):
-    url = _url_checkpoint(w=np.ones((4, 3)))
+@pytest.mark.parametrize("n_ids", [3000, 60000])
+def test_ranks_loading_from_a_url_at_once_fetch_its_metadata_and_headers_once(monkeypatch, n_ids):
+    import fsspec
+
+    url = _url_checkpoint(n_ids, w=np.ones((4, 3)))
     rounds, heads = _hold_until_every_rank_asked(monkeypatch, 3)
     tables = _ranks_as_threads(url, 3)
     # one fetch of the metadata for the three ranks, in the round of its own manifest; each rank its own manifest
     assert sorted(rounds) == [sorted([DESCRIPTION_FILE, "index.json", "manifest.json", "tensorkey.json"]),
                               ["manifest.json"], ["manifest.json"]]
-    # every rank reads both tensor files (one rank saved them): each header fetched once between the three
-    fetched = sorted(name for names in heads for name in names)
-    assert fetched == ["model-00000-000.safetensors", "model-00000-001.safetensors"], heads
-    _check_exact(tables)
+    # Every rank reads both tensor files (one rank saved them), in one round with their headers. A rank whose
+    # first range of a file starts within 64 KiB of the header's end has the header with that range (no request
+    # more); of the others, one fetches it alone and the rest take its bytes: a header is fetched alone once
+    # between the three at most.
+    fs = fsspec.filesystem("memory")
+    first = {}
+    for name in ("model-00000-000.safetensors", "model-00000-001.safetensors"):
+        data = fs.cat_file(f"{url.removeprefix('memory://')}/{name}")
+        first[name] = 8 + int.from_bytes(data[:8], "little")
+    assert len(heads) <= 3 and all(end >= first[name] for fetch in heads for name, end in fetch), heads
+    alone = [name for fetch in heads for name, end in fetch if end == first[name]]
+    fetches = {name: sum(n == name for fetch in heads for n, _ in fetch) for name in first}
+    assert all(alone.count(name) <= 1 and fetches[name] >= 1 for name in first), heads
+    if n_ids == 3000:  # every rank's first range of each file starts near the header: each has it with that range
+        assert alone == [] and set(fetches.values()) == {3}, heads
+    else:  # some rank's first range of file 0 starts far past the header: it takes another's bytes
+        assert fetches["model-00000-000.safetensors"] < 3, heads
+    _check_exact(tables, n_ids)
     # the shared fetches are gone once the loads are done: a later load fetches for itself
     from fastckpt.sharded import remote as sharded_remote
 

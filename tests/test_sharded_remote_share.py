@@ -463,3 +463,62 @@ def test_metadata_of_another_commit_in_the_first_round_is_fetched_again(monkeypa
                         lambda self, spans: (fetched.append(sorted(spans)), real_fetch(self, spans))[1])
     _check(url, ids, values, 2, verify=False)
     assert fetched[0] == sorted(stale)  # those two fetched again, first; tensorkey.json taken from the first round
+
+
+def _lay_out_otherwise(fs, path: str, name: str) -> list[str]:
+    """Rewrite tensor file ``name`` of the checkpoint at ``path`` (a filesystem's path) with its parts in the
+    reverse of the writer's order, its header as long as before (padded), its size unchanged: a valid safetensors
+    file that fastckpt's writer would not make. Returns its keys in the new order."""
+    import json
+
+    data = fs.cat_file(f"{path}/{name}")
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    keys = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])[::-1]
+    body, new, at = b"", {k: v for k, v in header.items() if k == "__metadata__"}, 0
+    for key in keys:
+        begin, end = header[key]["data_offsets"]
+        body += data[8 + length + begin:8 + length + end]
+        new[key] = {**header[key], "data_offsets": [at, at + end - begin]}
+        at += end - begin
+    text = json.dumps(new).encode()
+    assert len(text) <= length
+    fs.pipe_file(f"{path}/{name}", data[:8] + text + b" " * (length - len(text)) + body)
+    return keys
+
+
+@pytest.mark.parametrize("m", [2, 3])
+def test_a_file_laid_out_otherwise_than_the_metadata_says_still_loads_exactly(monkeypatch, m):
+    # A URL load places the parts of the files it reads from the metadata alone (fastckpt's writer lays them out
+    # in the reference order, after the header) and fetches its ranges with the headers, in one round. The headers
+    # decide: where one says otherwise, the ranges it places are fetched in one more round.
+    from fastckpt.formats.stream import merged
+
+    url = f"memory://share-{uuid.uuid4().hex[:8]}/ckpt"
+    ids, values = _save(url, 2)
+    fs, path = remote.filesystem(url)
+    index = fs.cat_file(f"{path}/index.json")
+    import json
+
+    index = json.loads(index)
+    by_file: dict = {}
+    for key, number in index["block_index"].items():
+        by_file.setdefault(number, []).append(key)
+    names = {number: name for name, number in index["file_index"].items()}
+    moved = {names[n]: _lay_out_otherwise(fs, path, names[n]) for n, keys in by_file.items() if len(keys) > 1}
+    assert moved  # (the ids and the dense tensor share a file)
+    rounds: list = []
+    real = sharded_remote._Share.fetch
+
+    def fetch(self, spans):
+        if spans:
+            rounds.append({name: merged(ranges) for name, ranges in spans.items() if ranges})
+        return real(self, spans)
+
+    monkeypatch.setattr(sharded_remote._Share, "fetch", fetch)
+    _check(url, ids, values, m, verify=False)
+    _check(url, ids, values, m, dense="rows", verify=False)
+    tensor_rounds = [r for r in rounds if any(name.endswith(".safetensors") for name in r)]
+    assert len(tensor_rounds) == 4 * m  # per load: the round of headers and ranges, then the ranges again
+    for second in tensor_rounds[1::2]:
+        assert set(second) <= set(moved)  # only the files laid out otherwise

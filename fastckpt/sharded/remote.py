@@ -34,10 +34,12 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 from fastckpt._native.safetensors import MAX_HEADER_SIZE
 from fastckpt.errors import FormatError
 from fastckpt.formats import remote
+from fastckpt.formats.stream import GAP
 from fastckpt.store.commit import link_over
 from fastckpt.store.manifest import MAX_JSON_BYTES, parse_json, read_json
 from fastckpt.sharded.engine import error_info as _error_info
@@ -232,17 +234,22 @@ class _Share:
 
     def _fetch_heads(self, names: list[str], also: dict | None = None) -> None:
         """The headers of ``names`` into the local files (see :meth:`headers`)."""
-        import os
-
         self.headed.update(names)
 
         self.fetch({**(also or {}), **{name: [(0, min(_HEAD, self.sizes[name]))] for name in names}})
+        self._rest_of_heads({name: _HEAD for name in names})
+
+    def _rest_of_heads(self, have: dict[str, int]) -> None:
+        """Fetch, in one round, the rest of each header of which only the first ``have[file]`` bytes were fetched
+        (a header longer than that, as its first 8 bytes give it)."""
+        import os
+
         longer = {}
-        for name in names:
+        for name, fetched in have.items():
             with open(os.path.join(self.local, name), "rb") as f:
                 length = _header_length(f)
-            if _HEAD < 8 + length <= self.sizes[name] and length <= MAX_HEADER_SIZE:
-                longer[name] = [(_HEAD, 8 + length)]
+            if fetched < 8 + length <= self.sizes[name] and length <= MAX_HEADER_SIZE:
+                longer[name] = [(fetched, 8 + length)]
         self.fetch(longer)
 
     def _parse_headers(self, names: list[str]) -> dict[str, tuple[str, int, int, list]]:
@@ -302,6 +309,68 @@ class _Share:
             for name, flight, _ in [*own, *others]:
                 _heads.leave((self.url, self.manifest_hash, name), flight)
         return self._parse_headers(list(names))
+
+    def with_headers(self, names: list[str], layout: dict[str, tuple[str, int, int, list]],
+                     spans: Callable[[dict], dict[str, list[tuple[int, int]]]]) -> dict[str, tuple]:
+        """Fetch the ranges ``spans(offsets)`` gives and the headers of the tensor files ``names`` in one round,
+        where ``layout`` (:func:`_layout`) says where fastckpt's writer put every part of those files; returns the
+        places the headers give (:meth:`headers`' form).
+
+        A header is the bytes before its file's first part, so a range that starts at a file's first part (or within
+        64 KiB of it) and the header come in one request. Each header is fetched once among the loads of this prefix
+        and manifest that run at the same time in this process (ranks as threads, :meth:`shared_headers`): a load
+        that is not the first to ask for one takes the other's bytes once its own ranges are in, unless its first
+        range joins the header anyway. Where a header says otherwise than ``layout`` (a file not laid out by
+        fastckpt's writer), the ranges its own places give are fetched in one more round: what this load reads is
+        always where the headers place it."""
+        import os
+
+        starts = {}  # file -> its first part's byte, the header's end as the layout has it
+        for name, begin, _, _ in layout.values():
+            starts[name] = min(begin, starts.get(name, begin))
+        plan = {name: list(ranges) for name, ranges in spans(layout).items()}
+        own, others = [], []
+        for name in names:
+            first = min((b for b, e in plan.get(name, ()) if e > b), default=None)
+            joined = first is not None and first - starts[name] <= GAP  # the header comes with the range
+            flight, future, mine = _heads.join((self.url, self.manifest_hash, name))
+            if mine or joined:
+                plan.setdefault(name, []).append((0, starts[name]))
+            (own if mine else others).append((name, flight, future, joined))
+        self.headed.update(names)
+        try:
+            try:
+                self.fetch(plan)
+                self._rest_of_heads({name: starts[name] for name, *_ in own})
+            except BaseException as exc:
+                for _, flight, future, _ in own:
+                    _heads.fail(flight, future, exc)
+                raise
+            for name, _, future, _ in own:
+                with open(os.path.join(self.local, name), "rb") as f:
+                    length = _header_length(f)
+                    f.seek(0)
+                    future.set_result(f.read(8 + min(length, MAX_HEADER_SIZE)))  # the 8 bytes, then the header
+            again = {}
+            for name, _, future, joined in others:
+                if joined:  # fetched with its range: complete where the header is longer than the layout says
+                    again[name] = starts[name]
+                    continue
+                try:
+                    data = future.result()
+                except Exception:  # noqa: BLE001 - the fetching load raises its own error; this one fetches again
+                    self._fetch_heads([name])
+                    continue
+                with open(os.path.join(self.local, name), "r+b") as f:
+                    f.write(data)
+            self._rest_of_heads(again)
+        finally:
+            for name, flight, *_ in [*own, *others]:
+                _heads.leave((self.url, self.manifest_hash, name), flight)
+        offsets = self._parse_headers(list(names))
+        if offsets != layout:
+            self.fetch(spans(offsets))  # laid out otherwise: what the headers place, fetched now
+        return offsets
 
     def take_metadata(self, fetched: dict[str, bytes | None], manifest: dict) -> None:
         """Put the metadata files the first round brought (:func:`_first_round`) into the local copy, each where it
@@ -510,7 +579,9 @@ def fetch_share(loader, local: str, ahead: list | None = None) -> dict | bool:
     files holding a part this rank reads (``index.json``, or RecIS's ``index``, names them), then each dense part
     this rank takes and the hashtable id parts it needs (every one; under the slice rule, only those whose slice
     meets the rank's); then, for the ids this rank owns, only the byte ranges of their rows in the embedding and
-    slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. The tensor files are
+    slot parts (runs of rows; ranges less than 64 KiB apart merged), in parallel ranged reads. In fastckpt's layout
+    the metadata places every part of the files (:func:`_layout`), so the headers come in the round of the ranges
+    (:meth:`_Share.with_headers`; under the slice rule that is every range: two rounds in all). The tensor files are
     sparse local files of their full size, so the Loader reads them as it reads any directory. Returns ``{"bytes":
     fetched, "requests": ranges, "layout", "manifest": bool, "headers": tensor files whose header it has}``, or
     False for a checkpoint that must be downloaded whole: one with a manifest loaded with ``verify=True`` (its
@@ -615,34 +686,43 @@ def _fastckpt_plan(loader, share: _Share, manifest: dict) -> None:
     beside = [key for key, d in descriptions.items() if not d.get("dense") and d.get("role") in ("embedding", "slot")
               and (d.get("table"), tuple(d.get("part", ()))) in parts]
     tensor_files = set(share.sizes) - set(metadata)
-    files = _files_holding(share.json(INDEX_FILE), tensor_files, [*dense_rows, *id_parts, *beside], tensor_files)
+    index = share.json(INDEX_FILE)
+    files = _files_holding(index, tensor_files, [*dense_rows, *id_parts, *beside], tensor_files)
     if loader.verify:  # a verified version-4 load (_sliced): the files it reads whole, for their hashes
         share.fetch_whole(files)
         return
-    offsets = share.shared_headers(files)
-    first: dict[str, list[tuple[int, int]]] = {}
-    for key, (lo, hi) in dense_rows.items():
-        where = offsets.get(key)
-        span = None if where is None else _dense_span(descriptions[key], where, lo, hi)
-        if span is not None:
-            first.setdefault(where[0], []).append(span)
-    id_parts = [key for key in id_parts if key in offsets]  # the Loader names a part no header places
-    for key in id_parts:
-        where = offsets[key]
-        if key in ranges:
-            r0, r1 = ranges[key]
-            first.setdefault(where[0], []).append((where[1] + 8 * r0, where[1] + 8 * r1))
-        else:
-            first.setdefault(where[0], []).append(where[1:3])
-    # Version 4 under its slice rule: the rows of the same groups of the embedding and slots, in the same round as
-    # the ids (the rank's run lies in them; the Loader reads that run and checks the ids): no second round.
-    for key, (r0, r1) in ranges.items():
-        if key not in offsets:
-            continue
-        for other in _part_tensors(descriptions, key, offsets):
-            first.setdefault(offsets[other][0], []).extend(
-                _row_spans(np.arange(r0, r1), descriptions[key]["shape"][0], offsets[other]))
-    share.fetch(first)
+
+    def spans(offsets: dict) -> dict[str, list[tuple[int, int]]]:
+        """The first round's ranges where the parts are at ``offsets``: the dense rows, the id parts (of version 4
+        under its slice rule, the rows of the groups that meet the rank's slice, and those of the embedding and
+        slots: the rank's run lies in them, and the Loader reads that run and checks the ids; no second round)."""
+        first: dict[str, list[tuple[int, int]]] = {}
+        for key, (lo, hi) in dense_rows.items():
+            where = offsets.get(key)
+            span = None if where is None else _dense_span(descriptions[key], where, lo, hi)
+            if span is not None:
+                first.setdefault(where[0], []).append(span)
+        for key in id_parts:
+            where = offsets.get(key)
+            if where is None:  # the Loader names a part no header places
+                continue
+            if key in ranges:
+                r0, r1 = ranges[key]
+                first.setdefault(where[0], []).append((where[1] + 8 * r0, where[1] + 8 * r1))
+                for other in _part_tensors(descriptions, key, offsets):
+                    first.setdefault(offsets[other][0], []).extend(
+                        _row_spans(np.arange(r0, r1), descriptions[key]["shape"][0], offsets[other]))
+            else:
+                first.setdefault(where[0], []).append(where[1:3])
+        return first
+
+    layout = _layout(index, descriptions, share.sizes, files)
+    if layout is not None:  # the headers come with the ranges, in one round
+        offsets = share.with_headers(files, layout, spans)
+    else:
+        offsets = share.shared_headers(files)
+        share.fetch(spans(offsets))
+    id_parts = [key for key in id_parts if key in offsets]
     rows_plan: dict[str, list[tuple[int, int]]] = {}
     for key in id_parts:
         if key in ranges:
@@ -678,6 +758,56 @@ def _files_holding(index, names: set[str], keys: list[str], otherwise) -> list[s
         if None not in files:
             return sorted(files)
     return sorted(otherwise)
+
+
+def _layout(index, descriptions: dict, sizes: dict[str, int], names: list[str]) -> dict | None:
+    """Where fastckpt's writer put every part of the tensor files ``names``, from the metadata alone: ``{stored
+    key: (file, begin, end, shape)}`` (:meth:`_Share.headers`' form), or None where the metadata cannot say (an
+    index not of fastckpt's form, a part without a plain dtype and shape, a file whose size leaves no room for a
+    header).
+
+    The writer (:func:`fastckpt.formats.safetensors.save_safetensors`) puts the parts in the safetensors reference
+    order (dtype rank descending, then name) one after another, ending at the file's end, with the header before
+    them: a file's first part starts at its size less the bytes of the parts ``index.json`` places in it. What the
+    headers say decides (:meth:`_Share.with_headers`); this only lets them come with the ranges.
+
+    >>> index = {"block_index": {"t.id/part_0_1": 0, "w/part_0_1": 0}, "file_index": {"f": 0}}
+    >>> descriptions = {"t.id/part_0_1": {"dtype": "int64", "shape": [2]}, "w/part_0_1": {"dtype": "float32",
+    ...                 "shape": [2, 2]}}
+    >>> _layout(index, descriptions, {"f": 4096 + 32}, ["f"])
+    {'t.id/part_0_1': ('f', 4096, 4112, [2]), 'w/part_0_1': ('f', 4112, 4128, [2, 2])}
+    """
+    from fastckpt._native.safetensors import DTYPE_RANK, NUMPY_DTYPES
+    from fastckpt.formats.safetensors import dtype_to_safetensors
+    from fastckpt.sharded.format import dtype_of
+
+    try:
+        numbers = {index["file_index"][name]: name for name in names}
+        parts: dict[str, list] = {name: [] for name in names}
+        for key, number in index["block_index"].items():
+            name = numbers.get(number)
+            if name is None:
+                continue
+            desc = descriptions[key]
+            dtype = dtype_to_safetensors(dtype_of(desc["dtype"], key))
+            shape = desc["shape"]
+            if dtype not in NUMPY_DTYPES or type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
+                return None  # packed, or not a shape
+            count = 1
+            for d in shape:
+                count *= d
+            parts[name].append((-DTYPE_RANK[dtype], key, shape, count * NUMPY_DTYPES[dtype].itemsize))
+        out = {}
+        for name in names:
+            begin = sizes[name] - sum(nbytes for *_, nbytes in parts[name])
+            if not parts[name] or not 8 <= begin <= 8 + MAX_HEADER_SIZE:
+                return None
+            for _, key, shape, nbytes in sorted(parts[name]):
+                out[key] = (name, begin, begin + nbytes, shape)
+                begin += nbytes
+        return out
+    except (KeyError, TypeError, ValueError, AttributeError, FormatError):
+        return None
 
 
 def _dense_span(desc: dict, where: tuple, lo: int, hi: int) -> tuple[int, int] | None:

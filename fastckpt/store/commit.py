@@ -208,10 +208,15 @@ _abandoned_lock = threading.Lock()
 
 
 def link_over(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Make ``target`` another name of the file ``source`` (a hard link, put in place by a rename: ``target`` names
-    at every moment either what it named before or ``source``'s file). ``OSError`` where no link can be made
-    (another file system, ``source`` gone), ``target`` then unchanged. Nothing is fsynced: for local copies that
-    need not outlive the process (the shares of a load from a URL).
+    """Make ``target`` another name of the file ``source``, in place of what it named: a hard link made under a
+    temporary name, then the old ``target`` removed and the link renamed to it. ``OSError`` where no link can be
+    made (another file system, ``source`` gone), ``target`` then unchanged. Nothing is fsynced, and for a moment
+    ``target`` names nothing: for local copies that no one has open and that need not outlive the process (the
+    shares of a load from a URL).
+
+    The link is never renamed over an existing name: on ext4 (``auto_da_alloc``, the default) a rename that
+    replaces a file starts writing the renamed file's dirty pages to disk first, as a save's commit wants; for a
+    file just fetched into a temporary copy that meant 40-110 ms of writeback for nothing, in the load's path.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -224,7 +229,9 @@ def link_over(source: str | os.PathLike, target: str | os.PathLike) -> None:
     temporary = f"{target}.link-{os.getpid()}-{threading.get_ident()}"
     os.link(source, temporary)
     try:
-        os.replace(temporary, target)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
+        os.rename(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
