@@ -348,6 +348,13 @@ def test_a_staged_file_is_removed_where_its_writing_fails(tmp_path):
             f.write(b"half")
             raise RuntimeError("half written")
     assert list(tmp_path.iterdir()) == []
+    import errno
+
+    with pytest.raises(OSError, match="No space left") as raised:
+        with staged_file(tmp_path / "full.bin") as f:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a GatherWriter's write raises it
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "full.bin")
+    assert list(tmp_path.iterdir()) == []
     (tmp_path / "there").write_bytes(b"x")
     with pytest.raises(FileExistsError):
         with staged_file(tmp_path / "there"):

@@ -439,7 +439,7 @@ def write_file(path: str | os.PathLike, data, *, fsync: bool = True) -> None:
 def staged_file(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[bytes]]:
     """Open the new file ``path`` of a staging place (a directory published whole: :func:`staging_directory`,
     :func:`publish_directory`) for writing, unbuffered; on leaving the block it is fsynced (unless ``fsync=False``)
-    and closed, and on an exception closed and removed.
+    and closed, and on an exception closed and removed (an ``OSError`` of its writes then names ``path``).
 
     The file is written under its own name, with no temporary and rename of its own (:func:`atomic_write`'s):
     nothing reads a staging place before it is published, and the publish is the one atomic step. ``path`` must
@@ -457,10 +457,12 @@ def staged_file(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[b
         yield f
         if fsync:
             os.fsync(f.fileno())
-    except BaseException:
+    except BaseException as e:
         f.close()
         with contextlib.suppress(OSError):
             os.unlink(path)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # a write's error names the file
+            raise _naming_target(e, os.fspath(path), None) from None
         raise
     f.close()
 
