@@ -339,6 +339,21 @@ def test_ranks_suite_of_recis_layout(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [], "its files are removed"
 
 
+@pytest.mark.slow  # a benchmark smoke run, workers in fresh processes
+def test_ranks_suite_of_both_layouts_prints_recis_over_fastckpt(tmp_path, capsys):
+    assert main(["bench", "--suite", "ranks", "--quick", "--no-mpi", "--layout", "both", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ")[:5] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows[:4] == [["| 4", "2", "threads", "after", "recis"], ["| 4", "2", "threads", "after", "fastckpt"],
+                        ["| 8", "2", "threads", "after", "recis"], ["| 8", "2", "threads", "after", "fastckpt"]]
+    assert ("| files asked | ranks | mode | fastckpt | opening CPU per rank | slowest rank's load | CPU per rank |"
+            in out)
+    ratios = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and line.endswith("x |")
+              and line.count(" | ") == 6]
+    assert [r[:4] for r in ratios] == [["| 4", "2", "threads", "after"], ["| 8", "2", "threads", "after"]]
+    assert list(tmp_path.iterdir()) == [], "its files are removed"
+
+
 @pytest.mark.slow  # a benchmark smoke run, with a worker process
 def test_sharded_suite_runs_another_fastckpt_in_the_same_rounds(tmp_path, capsys):
     import fastckpt

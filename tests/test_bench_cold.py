@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import fastckpt
+from _cold_files import eight_tensors
 from fastckpt.bench import cold
 from fastckpt.formats import readinto
 
@@ -80,6 +81,40 @@ def test_rows_measured_in_this_process_are_exact_and_say_their_peak(tmp_path):
         f.seek(first.offset)
         f.write(b"\xff\xfe")
     assert cold.measure_one("fastckpt.open + copies", fixture)["exact"] is False
+
+
+def test_row_picks_rows_by_name_or_by_kind_and_name_and_keeps_every_bound():
+    rows = list(cold.ROWS)
+    bounds = [r for r in rows if r.startswith("bound: ")]
+    assert cold.select(rows, ["peer: safetensors.numpy"]) == bounds + ["safetensors.numpy.load_file"]
+    assert cold.select(rows, ["safetensors.numpy"]) == bounds + ["safetensors.numpy.load_file"]
+    assert cold.select(rows, ["fastckpt.open +"]) == bounds + [
+        "fastckpt.open + copies", "fastckpt.open + copies, kernel readahead",
+        "fastckpt.open + copies into 4 KiB pages, kernel readahead"]
+    with pytest.raises(SystemExit, match="'peer: safetensors.nmpy' names no cold row; rows: bound: "):
+        cold.select(rows, ["fastckpt.open +", "peer: safetensors.nmpy"])  # a typo: no table without the row
+
+
+def test_the_kernel_readahead_rows_are_exact_and_run_without_the_readers_advice(tmp_path, monkeypatch):
+    from numpy._core.multiarray import _set_madvise_hugepage
+
+    from fastckpt.formats import reader
+
+    monkeypatch.setattr(reader, "READ_AHEAD_ADVICE", True)  # the rows set it False: put back after the test
+    asked = []
+    monkeypatch.setattr(reader, "read_ahead", lambda *a, **k: asked.append(a) or 1)
+    fixture = cold.prepare(str(tmp_path), 4, 4)
+    huge = _set_madvise_hugepage(True)
+    try:
+        for row in ("fastckpt.open + copies, kernel readahead", "fastckpt.open(HF directory) + copies, kernel readahead",
+                    "fastckpt.open + copies into 4 KiB pages, kernel readahead"):
+            got = cold.measure_one(row, fixture)
+            assert got["exact"] is True and got["seconds"] > 0, row
+            assert reader.READ_AHEAD_ADVICE is False, row
+        assert _set_madvise_hugepage(True) is False  # the last row's arrays were left on 4 KiB pages
+    finally:
+        _set_madvise_hugepage(huge)
+    assert asked == []
 
 
 def test_a_row_whose_imports_fail_is_left_out(tmp_path, monkeypatch):
@@ -161,6 +196,37 @@ def test_a_view_of_a_large_tensor_reads_ahead_once_per_half_window(tmp_path, mon
     with fastckpt.open(path) as f:
         [np.array(f.host(k)) for k in f.keys()]
     assert asked == []
+
+
+@pytest.mark.parametrize("source", ["file", "hf"])
+def test_without_the_read_ahead_advice_a_cold_file_is_read_by_the_kernels_own_readahead(tmp_path, monkeypatch,
+                                                                                      source):
+    """``READ_AHEAD_ADVICE = False``: no ``MADV_WILLNEED`` at the map, past a view, for ``hosts()`` or for a Hugging
+    Face directory's next shard; the copies' page faults read the file (large folios). The advice, on: asked."""
+    from fastckpt.formats import reader
+
+    tensors, path = eight_tensors(tmp_path, source)
+    asked, mapped_with = [], []
+    monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append((start, end)) or 1)
+    monkeypatch.setattr(reader, "cached", lambda *a, **k: False)  # every file cold
+    advise = reader._advise
+    monkeypatch.setattr(reader, "_advise", lambda mapped, kind: asked.append(kind) if kind == "willneed" else
+                        advise(mapped, kind))
+    mapped_file = reader.MappedFile
+    monkeypatch.setattr(reader, "MappedFile", lambda p, **k: mapped_with.append(k.get("advise", True)) or
+                        mapped_file(p, **k))
+    expected = {k: a.tolist() for k, a in tensors.items()}
+    for advice in (False, True):
+        monkeypatch.setattr(reader, "READ_AHEAD_ADVICE", advice)
+        asked.clear(), mapped_with.clear()
+        with fastckpt.open(path) as r:
+            assert {k: np.array(r.host(k)).tolist() for k in r.keys()} == expected
+            assert {k: v.tolist() for k, v in r.hosts().items()} == expected if source == "file" else True
+        assert len(mapped_with) == (1 if source == "file" else 4)
+        if advice:
+            assert asked and (source == "hf" or mapped_with == [True])  # a file alone: MappedFile's own advice
+        else:
+            assert asked == [] and mapped_with == [False] * len(mapped_with)
 
 
 def test_busy_processes_run_while_the_block_runs_and_are_ended_after():

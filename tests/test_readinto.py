@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import fastckpt
+from _cold_files import eight_tensors
 from fastckpt.formats import readinto
 from fastckpt.formats.readinto import DIRECT_ALIGN, direct_pieces, open_direct, read_into
 
@@ -544,12 +545,7 @@ def test_a_cold_file_whose_first_window_the_open_read_is_still_read_ahead_of_its
 
     from fastckpt.formats import reader
 
-    tensors = {f"w{i}": np.full(1 << 19, i, np.float32) for i in range(8)}  # 2 MiB each
-    path = str(tmp_path / "m.safetensors") if source == "file" else str(tmp_path / "hf")
-    if source == "file":
-        fastckpt.save_safetensors(path, tensors)
-    else:
-        fastckpt.save_sharded(path, tensors, max_shard_size=(4 << 20) + 1)  # 4 shards of 2 tensors
+    tensors, path = eight_tensors(tmp_path, source)
     asked = []
     monkeypatch.setattr(reader, "read_ahead", lambda mapped, start, end, **k: asked.append(
         (os.path.basename(mapped.path), start, end)) or 1)

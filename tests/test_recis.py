@@ -438,3 +438,59 @@ def test_loader_options_on_a_recis_directory(recis_dirs):
         _load(dirs[2], 0, 1, hashtables={"tab": HashTable(DIM, slots=("v",))})
     with pytest.raises(KeyError, match="no hashtable 'tabb'; close matches: \\['tab'\\]"):
         _load(dirs[2], 0, 1, hashtables={"tabb": HashTable(DIM)})
+
+
+def _reworded(raw: bytes, how: str) -> bytes:
+    """A manifest's bytes rewritten as ``how`` says (its values kept unless ``how`` is ``"edited"``)."""
+    manifest = json.loads(raw)
+    if how == "as saved":
+        return raw
+    if how == "indented by 4":  # the same values, not as a save writes them: the checksum's lines differ
+        return (json.dumps(manifest, indent=4, sort_keys=True) + "\n").encode()
+    if how == "a space added after the seal":  # the checksum's lines as saved, the rest not
+        return raw.replace(b'"files": {', b'"files":  {', 1)
+    if how == "edited":  # a value changed, the checksum's lines as saved
+        return raw.replace(b'"world_size": 1', b'"world_size": 2', 1)
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("layout", ["recis", "fastckpt"])
+@pytest.mark.parametrize("how, accepted, cut", [("as saved", True, True), ("indented by 4", True, False),
+                                                ("a space added after the seal", True, False),
+                                                ("edited", False, False)])
+def test_a_manifests_seal_is_checked_on_its_bytes_where_they_are_as_saved_with_the_same_verdict(
+        tmp_path, monkeypatch, layout, how, accepted, cut):
+    """check_seal hashes the bytes read less the checksum's lines where they are as a save writes them, and
+    serializes the manifest again only where not: the same manifests accepted and refused either way, and a reader
+    opening a manifest as saved serializes nothing."""
+    from fastckpt.errors import ChecksumMismatchError
+    from fastckpt.sharded import format as format_module
+
+    ids, emb, mom, dense = _state(4, 30)
+    out = tmp_path / "c"
+    if layout == "recis":
+        _save_recis(str(out), ids, emb, mom, dense, 1, parallel=1)
+    else:
+        Saver(path=str(out), parallel=1, tensors=dense).save()
+    raw = _reworded((out / "manifest.json").read_bytes(), how)
+    manifest = json.loads(raw)
+    serialized = []
+    real = format_module.manifest_checksum
+    monkeypatch.setattr(format_module, "manifest_checksum", lambda m: serialized.append(1) or real(m))
+    for given in (raw, None):  # with the bytes, and without (serialized again): one verdict
+        if accepted:
+            format_module.check_seal(manifest, "manifest.json", given)
+        else:
+            with pytest.raises(ChecksumMismatchError, match="manifest.json: its contents hash to BLAKE3"):
+                format_module.check_seal(manifest, "manifest.json", given)
+        if given is not None:
+            assert serialized == ([] if cut else [1])
+    (out / "manifest.json").write_bytes(raw)
+    serialized.clear()
+    if accepted:
+        with CheckpointReader(str(out)) as reader:
+            assert reader.manifest == manifest
+        assert len(serialized) == (0 if cut else 1)
+    else:
+        with pytest.raises(ChecksumMismatchError, match="manifest.json"):
+            CheckpointReader(str(out))

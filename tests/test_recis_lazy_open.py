@@ -9,6 +9,7 @@ reader maps them, as tests/test_sharded_lazy_open.py counts them for fastckpt's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -408,3 +409,130 @@ def test_a_rank_loading_from_a_url_fetches_the_headers_of_the_files_it_reads_onl
                    and spans[0][1] <= 8192}
         assert headers == {name for name, _ in plans if name in everything} == _files_read(path, m, j)
         assert headers < everything
+
+
+def _count_readers(monkeypatch) -> list:
+    """Every RecIS-layout reader opened from here on (the path, as it opens)."""
+    from fastckpt.sharded.recis import RecisCheckpointReader
+
+    opened: list = []
+    real_open = RecisCheckpointReader._open
+
+    def counted(self, *args, **kwargs):
+        opened.append(self.path)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(RecisCheckpointReader, "_open", counted)
+    return opened
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_ranks_loading_at_once_open_the_directory_once_and_map_each_file_once(saved, opened, monkeypatch, writer,
+                                                                                verify):
+    """Ranks as threads loading one RecIS-layout directory at the same time share one reader: its metadata read
+    and checked once, each file mapped (and hashed) once between them, closed by the last to finish; a load after
+    that opens it anew. In 0.9.0 each rank opened a reader of its own, and all but rank 0 mapped rank 0's files."""
+    import threading
+
+    from _threads import run_in_threads
+
+    import fastckpt.sharded.recis as recis_module
+
+    path = saved[writer, 4]
+    readers = _count_readers(monkeypatch)
+    at_once = threading.Barrier(4)
+    held: list = []
+    real_shared = getattr(recis_module, "shared_reader", None)
+
+    @contextlib.contextmanager
+    def held_together(key, open_reader, current):
+        with real_shared(key, open_reader, current) as reader:
+            held.append(reader)
+            at_once.wait(30)  # every rank holds its reader before any lets go
+            yield reader
+
+    monkeypatch.setattr(recis_module, "shared_reader", held_together, raising=False)
+    loaded: dict = {}
+    assert run_in_threads(lambda j: loaded.__setitem__(j, _load(path, 4, j, verify)), 4, timeout=60) == []
+    for j in range(4):
+        _check_load(*loaded[j], 4, j)
+    assert readers == [str(path)] and len({id(r) for r in held}) == 1 and held[0].closed
+    assert sorted(opened) == sorted(set().union(*(_files_read(path, 4, j) for j in range(4))))  # each once
+    if verify and writer == "fastckpt":
+        assert held[0].verified_files() == sorted(opened)
+    monkeypatch.setattr(recis_module, "shared_reader", real_shared)
+    _check_load(*_load(path, 4, 1, verify), 4, 1)
+    assert len(readers) == 2  # opened again once the four had let go
+
+
+def test_a_directory_replaced_while_a_load_holds_its_reader_is_loaded_as_it_is_now(tmp_path):
+    """A reader of the old commit, held by a load, is not lent to a load that starts after the directory was
+    replaced (a save with overwrite=True): that load opens the new one."""
+    import fastckpt.sharded.recis as recis_module
+
+    path = str(_fastckpt_written(tmp_path / "c", 2))
+    key = ("recis", os.path.realpath(path), False)
+    opening = lambda: recis_module.RecisCheckpointReader(path, verify=False)  # noqa: E731
+    with recis_module.shared_reader(key, opening, lambda r: r.snapshot.changed() is None) as old:
+        assert old.hashtables()["emb"]["ids"] == len(_ids())
+        table = HashTable(DIM, slots=("m",), name="emb")
+        table.insert(np.array([5, 6]), np.full((2, DIM), 7, np.float32), {"m": np.zeros((2, DIM), np.float32)})
+        Saver(path=path, parallel=1, hashtables={"emb": table}, layout="recis", overwrite=True).save()
+        tables, _ = Loader(path, verify=False, shard_index=0, shard_num=1).load()
+        assert tables["emb"].ids().tolist() == [5, 6] and (tables["emb"].lookup([5, 6]) == 7).all()
+        assert not old.closed and old.hashtables()["emb"]["ids"] == len(_ids())
+    assert old.closed
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("n, m", [(4, 4), (2, 2), (1, 1), (4, 3), (2, 4)])
+def test_a_rank_reads_the_rows_of_blocks_all_its_own_from_the_files_not_through_their_mappings(
+        saved, monkeypatch, writer, n, m, verify):
+    """Where every id of a block is the loading rank's (a load on the ranks that saved), its slots' rows and the
+    rank's dense rows are read with preadv into the arrays the table adopts, not copied out of the mapped files
+    (each page of a mapping copied costs a page fault, and ranks as threads fault one address space); the blocks
+    a rank takes some rows of are gathered from the mapping. Exact either way. In 0.9.0 every row was copied
+    through the mapping."""
+    from fastckpt.sharded.recis import RecisCheckpointReader
+
+    path = saved[writer, n]
+    read: list[str] = []
+    real = RecisCheckpointReader.read_into
+
+    def counting(self, key, out, start=0):
+        read.append(key)
+        return real(self, key, out, start)
+
+    monkeypatch.setattr(RecisCheckpointReader, "read_into", counting)
+    read_whole = 0
+    for j in range(m):
+        read.clear()
+        _check_load(*_load(path, m, j, verify), m, j)
+        blocks, _ = _index(path)
+        whole = []  # the slot blocks beside the id blocks that lie inside rank j's slice (every id its own)
+        begin, end, _ = gen_slice(j, m)
+        for key in blocks:
+            if key.endswith("^ ") or ".id/" in key:
+                continue
+            i, k = (int(x) for x in key.rsplit("/part_", 1)[1].split("_"))
+            b, e, _ = gen_slice(i, k)
+            if begin <= b and e <= end:
+                whole.append(key)
+        assert sorted(k for k in read if k != "w^ ") == sorted(whole)
+        assert read.count("w^ ") == 1  # its dense rows
+        read_whole += len(whole)
+    assert bool(read_whole) == (m <= n)  # (2 -> 4: every block is split between two ranks)
+
+
+def test_a_shared_open_that_fails_fails_every_rank_with_its_own_error(saved, tmp_path):
+    """Ranks as threads loading a directory whose metadata is damaged: the shared open fails, and every rank
+    raises the reader's error (each opening its own after the failed one), none loads or hangs."""
+    from _threads import run_in_threads
+
+    copy = shutil.copytree(saved["fastckpt", 4], tmp_path / "c")
+    (copy / "tensorkey.json").write_bytes(b"{")  # no longer the bytes the manifest lists
+    errors = run_in_threads(lambda j: _load(copy, 4, j, False), 4, timeout=60)
+    assert len(errors) == 4 and len({type(e) for e in errors}) == 1
+    assert all("tensorkey.json" in str(e) for e in errors)

@@ -36,7 +36,13 @@ Rows (``ROWS``):
 * fastckpt, host: ``fastckpt.open`` + a copy of every tensor, the same with
   ``backend="pread"`` (whose ``host()`` arrays are copies already),
   ``load_tree`` (private writable arrays), ``fastckpt.open`` of the HF directory
-  + copies;
+  + copies; the two ``fastckpt.open`` rows once more without the reader's
+  read-ahead advice (``, kernel readahead``:
+  :data:`fastckpt.formats.reader.READ_AHEAD_ADVICE` False, the page cache filled
+  in large folios by the copies' faults, as ``safetensors.numpy``'s plain
+  ``mmap`` is), and the file's once more copied into arrays numpy leaves on 4
+  KiB pages (``into 4 KiB pages``: no ``MADV_HUGEPAGE``, as
+  ``safetensors.numpy``'s ``bytearray`` copies are);
 * fastckpt, device (pocl: the device shares host memory): ``load_file(path,
   queue, pool=pool)``, the same with ``staging=True`` (the discrete-GPU route),
   ``load_file`` of the HF directory, ``load_model`` of the ``.netcl`` file into
@@ -73,7 +79,7 @@ import numpy as np
 
 from fastckpt.bench.timing import format_duration, table_lines
 
-__all__ = ["configure", "run", "measure_one", "ROWS", "drop_cache", "prepare", "table"]
+__all__ = ["configure", "run", "measure_one", "ROWS", "drop_cache", "prepare", "select", "table"]
 
 # row -> (kind: "bound" | "fastckpt" | "peer", what it reads: "file" | "dir" | "netcl", needs a device)
 ROWS = {
@@ -88,6 +94,9 @@ ROWS = {
     "fastckpt.open(backend='pread') + host()": ("fastckpt", "file", False),
     "fastckpt.load_tree": ("fastckpt", "file", False),
     "fastckpt.open(HF directory) + copies": ("fastckpt", "dir", False),
+    "fastckpt.open + copies, kernel readahead": ("fastckpt", "file", False),
+    "fastckpt.open(HF directory) + copies, kernel readahead": ("fastckpt", "dir", False),
+    "fastckpt.open + copies into 4 KiB pages, kernel readahead": ("fastckpt", "file", False),
     "load_file(pool) on pocl": ("fastckpt", "file", True),
     "load_file(pool) on pocl, 4 KiB pages": ("fastckpt", "file", True),
     "load_file(pool, staging=True) on pocl": ("fastckpt", "file", True),
@@ -99,7 +108,9 @@ ROWS = {
     "Run:ai SafetensorsStreamer": ("peer", "file", False),
 }
 QUICK_SKIP = ("bound: O_DIRECT preadv, 16 threads", "bound: buffered preadv, 2 threads",
-              "load_file(pool) on pocl, 4 KiB pages")
+              "load_file(pool) on pocl, 4 KiB pages", "fastckpt.open(HF directory) + copies, kernel readahead",
+              "fastckpt.open + copies into 4 KiB pages, kernel readahead")
+KERNEL_READAHEAD = ", kernel readahead"  # rows run with fastckpt.formats.reader.READ_AHEAD_ADVICE = False
 _MiB = 1 << 20
 PIECE = 16 * _MiB  # the bounds' parallel reads: one piece per preadv
 _HUGE = 2 * _MiB
@@ -259,10 +270,20 @@ def _setup(row: str, fixture: dict):
         threads = int(row.split(", ")[1].split()[0])
         direct = "O_DIRECT" in row
         return (lambda: _bound_preadv(file, size, threads, direct, huge="2 MiB pages" in row)), whole
-    if row in ("fastckpt.open + copies", "fastckpt.open(HF directory) + copies"):
+    if row.startswith(("fastckpt.open + copies", "fastckpt.open(HF directory) + copies")):
         import fastckpt
 
         source = file if "HF" not in row else directory
+        if row.endswith(KERNEL_READAHEAD):
+            from fastckpt.formats import reader
+
+            if not hasattr(reader, "READ_AHEAD_ADVICE"):  # an older fastckpt: it has only the advice
+                raise ImportError("this fastckpt has no fastckpt.formats.reader.READ_AHEAD_ADVICE")
+            reader.READ_AHEAD_ADVICE = False
+        if "into 4 KiB pages" in row:  # the copies' new arrays without numpy's MADV_HUGEPAGE, as bytearrays are
+            from numpy._core.multiarray import _set_madvise_hugepage
+
+            _set_madvise_hugepage(False)
 
         def load():
             with fastckpt.open(source) as f:
@@ -579,7 +600,9 @@ def configure(parser) -> None:
     parser.add_argument("--mib", type=float, default=512.0, help="size of the safetensors file (default 512)")
     parser.add_argument("--tensors", type=int, default=16, help="float32 tensors in it (default 16)")
     parser.add_argument("--runs", type=int, default=5, help="fresh-process runs per row; the median is reported")
-    parser.add_argument("--row", action="append", help="run only this row (repeatable; a prefix matches)")
+    parser.add_argument("--row", action="append",
+                        help="run only this row and the bounds (repeatable; a prefix of the row's name, or of "
+                             "'peer: NAME' for a peer, matches)")
     parser.add_argument("--dir", default=None, help="where to write the files (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write every measurement to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="shuffles the rows' order in each round")
@@ -589,6 +612,25 @@ def configure(parser) -> None:
     parser.add_argument("--against", default=None,
                         help="a folder holding another fastckpt (a checkout of an earlier commit, built): every "
                              "fastckpt row runs with it too, marked (before), in the same rounds")
+
+
+def select(rows: list[str], prefixes: list[str]) -> list[str]:
+    """The rows of ``rows`` that ``--row`` asks for: a row whose name, or ``kind: name`` (``peer:
+    safetensors.numpy.load_file``), starts with one of ``prefixes``, and every bound row, which the shares are taken
+    against. A prefix that names no row is an error, not a table without it.
+
+    >>> select(list(ROWS), ["peer: safetensors.numpy"])[-1]
+    'safetensors.numpy.load_file'
+    >>> select(list(ROWS), ["fastckpt.opn"])
+    Traceback (most recent call last):
+    ...
+    SystemExit: --row 'fastckpt.opn' names no cold row; rows: ...
+    """
+    names = {r: (r, f"{ROWS[r][0]}: {r}") for r in rows}
+    for prefix in prefixes:
+        if not any(n.startswith(prefix) for r in rows for n in names[r]):
+            raise SystemExit(f"--row {prefix!r} names no cold row; rows: {', '.join(rows)}")
+    return [r for r in rows if ROWS[r][0] == "bound" or any(n.startswith(p) for n in names[r] for p in prefixes)]
 
 
 def run(args) -> int:
@@ -602,7 +644,7 @@ def run(args) -> int:
         raise SystemExit(f"--runs must be at least 1, not {runs}")
     rows = [r for r in ROWS if not (args.quick and r in QUICK_SKIP)]
     if args.row:
-        rows = [r for r in rows if any(r.startswith(prefix) for prefix in args.row)]
+        rows = select(rows, args.row)
     if args.against:
         rows += [r + BEFORE for r in rows if ROWS[r][0] == "fastckpt"]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="fastckpt-cold-") as tmp, _Busy(args.busy):

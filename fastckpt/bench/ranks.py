@@ -2,7 +2,7 @@
 under MPI.
 
 ``python -m fastckpt bench --suite ranks [--files 16,32,64] [--ranks 4] [--ids N] [--dim D] [--dense-mib M]
-[--repeat R] [--against DIR] [--mpi/--no-mpi] [--layout fastckpt|recis] [--steady [--steady-ids N]
+[--repeat R] [--against DIR] [--mpi/--no-mpi] [--layout fastckpt|recis|both] [--steady [--steady-ids N]
 [--steady-dense-mib M]] [--dir DIR] [--quick]``
 
 For each file count F of ``--files``, one checkpoint is saved by ``--ranks`` ranks (threads) with ``F / ranks``
@@ -12,7 +12,8 @@ and ``--dense-mib`` MiB of dense float32 matrices. The data is small on purpose 
 MiB dense: 19 MiB), so that what a rank pays for the files it opens, rather than for the bytes it copies, is
 what moves the figures. ``--layout recis`` saves RecIS's layout instead (``Saver(layout="recis")``: the dense
 matrices whole in rank 0's files, and only writers given a block write a file, so the files written, which the
-table gives beside the files asked, may be fewer).
+table gives beside the files asked, may be fewer); ``--layout both`` saves both and runs them in the same rounds,
+and adds a table of RecIS's layout's figures over fastckpt's at the same files asked, ranks and state.
 
 Then every rank's share is loaded back (:class:`~fastckpt.sharded.Loader`, ``verify=False``, ``dense="rows"``,
 ``shard_index=r``, ``shard_num=ranks``), in a fresh process every run (a restart's first load: nothing of the
@@ -23,9 +24,12 @@ checkpoint checked or opened before in that process, page cache warm), two ways:
   ``mpi`` extra), each timing its own load after a barrier.
 
 Each row gives, medians over ``--repeat`` runs: the *opening per rank*, the CPU time spent opening the
-checkpoint (``CheckpointReader.__init__``, and where files open on first use each file's opening, its pin, map,
-header parse and checks; CPU time of the thread that opens, so that ranks as threads waiting for the GIL or for
-one another are not counted; they share one reader, so its time is divided by the ranks); the tensor
+checkpoint (``CheckpointReader.__init__``; the loader's ``resolve_chain``, where a load of fastckpt's layout reads
+and checks its metadata before its reader opens, which RecIS's reader does in its ``__init__``: 0.9.0's suite
+left it out, so fastckpt's layout's figures were short of that reading and checking; and where files open on first
+use each file's opening, its pin, map, header parse and checks; CPU time of the thread that opens, so that ranks
+as threads waiting for the GIL or for one another are not counted; ranks as threads share one reader, so its
+time is divided by the ranks); the tensor
 files mapped per rank (each map of a tensor file counted, summed over ranks and divided by the ranks); the
 slowest rank's wall time of the load (what the job waits for); and the CPU time per rank (process CPU time,
 divided by the ranks for threads). With
@@ -66,6 +70,8 @@ from fastckpt.bench.timing import add_repeat_option, format_duration, format_rat
 
 __all__ = ["configure", "options", "run", "measure", "report"]
 
+#: ``--layout both`` runs these, in the same rounds.
+LAYOUTS = ("recis", "fastckpt")
 DEFAULTS = {"files": (16, 32, 64), "ranks": 4, "ids": 100_000, "dim": 16, "dense_mib": 4.0, "repeat": 5}
 QUICK = {"files": (4, 8), "ranks": 2, "ids": 20_000, "dim": 8, "dense_mib": 1.0, "repeat": 1}
 TIMEOUT = 300
@@ -114,12 +120,14 @@ def _rank_load(path: str, rank: int, ranks: int, dim: int) -> dict[str, Any]:
 
 def _count_maps() -> tuple[list[str], list[float]]:
     """Count the tensor files the sharded reader maps in this process (its ``open_file``, every version's), and
-    time its opening: ``CheckpointReader.__init__`` (RecIS's reader's too) and, where files open on first use,
-    each file's opening (``TensorFiles._open``, outside an ``__init__``); returns ``(names mapped, [seconds
-    opening])``."""
+    time its opening: ``CheckpointReader.__init__`` (RecIS's reader's too), the loader's ``resolve_chain`` (a load
+    of fastckpt's layout reads and checks the manifest and the metadata files there, before its reader opens;
+    RecIS's reader reads and checks them itself) and, where files open on first use, each file's opening
+    (``TensorFiles._open``, outside an ``__init__``); returns ``(names mapped, [seconds opening])``."""
     import functools
     import threading
 
+    import fastckpt.sharded.loader as loader_module
     import fastckpt.sharded.reader as reader_module
     import fastckpt.sharded.recis as recis_module
 
@@ -149,6 +157,8 @@ def _count_maps() -> tuple[list[str], list[float]]:
     reader_module.open_file = counting
     reader_module.CheckpointReader.__init__ = timed(reader_module.CheckpointReader.__init__)
     recis_module.RecisCheckpointReader.__init__ = timed(recis_module.RecisCheckpointReader.__init__)
+    if hasattr(loader_module, "resolve_chain"):  # 0.5.0 on: the metadata read and checked before the reader opens
+        loader_module.resolve_chain = timed(loader_module.resolve_chain)
     files = getattr(reader_module, "TensorFiles", None)  # 0.8.0 on: each file opened on first use
     if files is not None:
         files._open = timed(files._open)
@@ -274,29 +284,33 @@ def measure(files=DEFAULTS["files"], ranks: int = DEFAULTS["ranks"], ids: int = 
     modes = ["threads"] + (["mpi"] if mpi else [])
     versions = {"after": _here(), **({"before": os.path.abspath(against)} if against else {})}
     root = Path(tempfile.mkdtemp(prefix="fastckpt-bench-ranks-", dir=directory))
+    layouts = LAYOUTS if layout == "both" else (layout,)
     rows = []
     try:
         for count in files:
             if count % ranks:
                 raise ValueError(f"--files {count} is not a multiple of --ranks {ranks}")
-            path = root / f"c{count}"
-            written = _save(path, count, ranks, ids, dim, dense_mib, layout)
-            runs: dict[tuple[str, str], list[dict]] = {(m, v): [] for m in modes for v in versions}
+            paths = {kind: root / f"{kind}{count}" for kind in layouts}
+            written = {kind: _save(path, count, ranks, ids, dim, dense_mib, kind) for kind, path in paths.items()}
+            runs: dict[tuple[str, str, str], list[dict]] = {(m, v, k): [] for m in modes for v in versions
+                                                             for k in layouts}
             order = list(runs)
             rng = random.Random(count)
             for _ in range(repeat):
                 rng.shuffle(order)
-                for mode, version in order:
-                    runs[mode, version].append(_run_once(versions[version], mode, path, ranks, dim))
-            for (mode, version), results in runs.items():
-                rows.append({"files": count, "written": written, "ranks": ranks, "mode": mode, "version": version,
+                for mode, version, kind in order:
+                    runs[mode, version, kind].append(_run_once(versions[version], mode, paths[kind], ranks, dim))
+            for (mode, version, kind), results in runs.items():
+                rows.append({"files": count, "written": written[kind], "ranks": ranks, "mode": mode,
+                             "version": version, "layout": kind,
                              "job": statistics.median(r["job"] for r in results),
                              "slowest": statistics.median(max(x["wall"] for x in r["ranks"]) for r in results),
                              "cpu": statistics.median(statistics.fmean(x["cpu"] for x in r["ranks"]) for r in results),
                              "opening": statistics.median(statistics.fmean(x["opening"] for x in r["ranks"])
                                                           for r in results),
                              "mapped": statistics.median(r["mapped"] / ranks for r in results)})
-            shutil.rmtree(path, ignore_errors=True)
+            for path in paths.values():
+                shutil.rmtree(path, ignore_errors=True)
         steady_rows = measure_steady(ranks, steady_ids, dim, steady_dense_mib, repeat, versions, root) if steady \
             else []
     finally:
@@ -314,10 +328,13 @@ def _load_average() -> str:
 
 
 def report(results: dict[str, Any]) -> str:
-    """The suite's table: a row per file count, mode and version; with a before, the ratios beside."""
+    """The suite's table: a row per file count, mode and version (and layout, with ``--layout both``); with a
+    before, the ratios beside; with both layouts, RecIS's over fastckpt's."""
     rows = results["rows"]
-    before = {(r["files"], r["mode"]): r for r in rows if r["version"] == "before"}
-    layout = "RecIS's layout" if results.get("layout") == "recis" else "fastckpt's layout"
+    both = results.get("layout") == "both"
+    before = {(r["files"], r["mode"], r.get("layout")): r for r in rows if r["version"] == "before"}
+    layout = {"recis": "RecIS's layout", "both": "RecIS's layout and fastckpt's, in the same rounds"}.get(
+        results.get("layout"), "fastckpt's layout")
     lines = [f"Sharded load ({layout}), each rank its share (verify=False), {results['ids']:,} ids x "
              f"{results['dim']} + "
              f"{results['dense_mib']:g} MiB dense, a fresh process every run, medians of {results['repeat']}; "
@@ -325,16 +342,27 @@ def report(results: dict[str, Any]) -> str:
              ""]
     body = []
     for r in rows:
-        was = before.get((r["files"], r["mode"])) if r["version"] == "after" else None
+        was = before.get((r["files"], r["mode"], r.get("layout"))) if r["version"] == "after" else None
         ratio = (lambda key: format_ratio(was[key] / r[key]) if was and r[key] > 0 else "")  # noqa: E731
         written = r.get("written", r["files"])
         files = r["files"] if written == r["files"] else f"{written} ({r['files']} asked)"
-        body.append([files, r["ranks"], r["mode"], r["version"], format_duration(r["opening"]),
-                     f"{r['mapped']:g}", format_duration(r["slowest"]), format_duration(r["cpu"]), ratio("opening"),
-                     ratio("slowest"), ratio("cpu")])
-    lines += table_lines(["files", "ranks", "mode", "fastckpt", "opening CPU per rank", "files mapped per rank",
-                          "slowest rank's load", "CPU per rank", "before / after (opening)", "before / after (load)",
-                          "before / after (CPU)"], body, "rrllrrrrrrr")
+        body.append([files, r["ranks"], r["mode"], r["version"], *([r["layout"]] if both else []),
+                     format_duration(r["opening"]), f"{r['mapped']:g}", format_duration(r["slowest"]),
+                     format_duration(r["cpu"]), ratio("opening"), ratio("slowest"), ratio("cpu")])
+    lines += table_lines(["files", "ranks", "mode", "fastckpt", *(["layout"] if both else []), "opening CPU per rank",
+                          "files mapped per rank", "slowest rank's load", "CPU per rank", "before / after (opening)",
+                          "before / after (load)", "before / after (CPU)"], body, "rrll" + "l" * both + "rrrrrrr")
+    if both:
+        own = {(r["files"], r["mode"], r["version"]): r for r in rows if r["layout"] == "fastckpt"}
+        pairs = [(r, own[r["files"], r["mode"], r["version"]]) for r in rows if r["layout"] == "recis"]
+        lines += ["", "RecIS's layout over fastckpt's, the same files asked, ranks and state, the same rounds "
+                      "(target for the opening: <= 1.3x)", ""]
+        lines += table_lines(["files asked", "ranks", "mode", "fastckpt", "opening CPU per rank", "slowest rank's load",
+                              "CPU per rank"],
+                             [[r["files"], r["ranks"], r["mode"], r["version"], format_ratio(r["opening"] / o["opening"]),
+                               format_ratio(r["slowest"] / o["slowest"]), format_ratio(r["cpu"] / o["cpu"])]
+                              for r, o in pairs if o["opening"] > 0 and o["slowest"] > 0 and o["cpu"] > 0],
+                             "rrllrrr")
     if results.get("steady"):
         ids, mib, ranks = results["steady_size"]
         raw = results["steady"][0]
@@ -363,8 +391,9 @@ def configure(parser) -> None:
                                                         "same rounds")
     parser.add_argument("--mpi", action="store_true", default=None, help="under MPI too (default: where there)")
     parser.add_argument("--no-mpi", dest="mpi", action="store_false", help="threads only")
-    parser.add_argument("--layout", choices=("fastckpt", "recis"), default="fastckpt",
-                        help="the checkpoint's layout (default fastckpt's; recis: Saver(layout='recis'))")
+    parser.add_argument("--layout", choices=("fastckpt", "recis", "both"), default="fastckpt",
+                        help="the checkpoint's layout (default fastckpt's; recis: Saver(layout='recis'); both: "
+                             "each, in the same rounds, and RecIS's over fastckpt's)")
     parser.add_argument("--steady", action="store_true",
                         help="also repeated loads and raw reads of the sharded suite's state, each alone in a process")
     parser.add_argument("--steady-ids", type=int, default=1_000_000, help="--steady's ids (default 1,000,000)")

@@ -67,6 +67,15 @@ _url_opener: list = [None]
 READ_AHEAD_MIN = 1 << 20
 READ_AHEAD = 256 << 20
 
+#: Whether a mapped file's views are read ahead by the reader's own advice: the first window ``MADV_WILLNEED`` at
+#: the map, then ``READ_AHEAD`` past each large view (:func:`~fastckpt.formats.readinto.read_ahead`). The advice
+#: fills the page cache in 4 KiB pages. False asks the kernel for nothing: the copies' page faults read the file
+#: ahead in large folios (up to 2 MiB), as a plain ``mmap`` does (``safetensors.numpy``), in a quarter of the disk
+#: requests. Measured both ways (docs/reading.md, "Large folios or 4 KiB pages"): copies into numpy's new arrays,
+#: which numpy puts on 2 MiB pages, took up to 2-4x longer from large folios on this project's VM, whose host takes
+#: freed 2 MiB blocks back; the cold suite's rows ``..., kernel readahead`` measure the route without the advice.
+READ_AHEAD_ADVICE = True
+
 
 def register_url_opener(opener: Callable) -> None:
     """Make ``opener(url, *, storage_options, names, backend, copy_on_write, max_header_size)`` open URLs for
@@ -107,7 +116,8 @@ class TensorFile(ReaderMapping):
         # Columns (fastckpt._native.tensorindex): a TensorInfo is made when asked for, host views without one.
         self.infos: Mapping[str, TensorInfo] = infos
         self._view = infos.view  # bound once: host() is called once per tensor
-        self._ahead = 0  # the file is being read ahead up to this byte (host(), see READ_AHEAD)
+        # The file is being read ahead up to this byte (host(), see READ_AHEAD); at its end: nothing to ask for.
+        self._ahead = 0 if READ_AHEAD_ADVICE else mapped.size
         self._size = mapped.size if mapped.address is not None else 0  # nothing to read ahead in a pread file
         self._pread = mapped.address is None and getattr(mapped, "backend", None) == "pread"
 
@@ -228,7 +238,7 @@ class TensorFile(ReaderMapping):
         >>> with fastckpt.open(p) as f:
         ...     f.advise_first_window()
         """
-        if self._size:
+        if self._size and READ_AHEAD_ADVICE:
             _advise(self.mapped, "willneed")
 
     def _offset_of(self, view) -> int | None:
@@ -294,6 +304,7 @@ def open_file(path: str | os.PathLike, *, backend: str = "mmap", copy_on_write: 
     ('safetensors', [0, 1])
     """
     _check_max_header_size(max_header_size)
+    first_window = first_window and READ_AHEAD_ADVICE
     if first_window:  # MappedFile's own advice: sequential, and WILLNEED over the first window
         mapped = MappedFile(path, backend=backend, copy_on_write=copy_on_write)
     else:  # sequential only; a cold file's index read first (_read_head), its first window advised later

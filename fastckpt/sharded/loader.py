@@ -60,10 +60,9 @@ from fastckpt.sharded.chain import resolve_chain
 from fastckpt.sharded.format import (SliceRowError, group_rows, group_span, owner_mod, part_rows, rows_of, slice_of,
                                      slice_owner, slice_run)
 from fastckpt.errors import CheckpointChangedError
-from fastckpt.sharded.flights import Flights
 from fastckpt.sharded import kept
 from fastckpt.sharded.hashtable import HashTable, check_holds, table_for
-from fastckpt.sharded.reader import CheckpointReader
+from fastckpt.sharded.reader import CheckpointReader, shared_reader
 from fastckpt.sharded.workers import Lane
 
 __all__ = ["Loader", "owner_mod"]
@@ -196,44 +195,12 @@ def _share_nbytes(job: tuple, info: dict) -> int:
     return job[1] * (end - start) // max(1, entry["shape"][0])
 
 
-_open_readers = Flights()  # the checkpoints that loads of this process hold open now: one reader between them
-
-
-@contextlib.contextmanager
 def _reader_for(path: str, manifest: dict):
     """An unverifying reader of the checkpoint at ``path`` as of ``manifest``: the one another load of this process
     holds open now, where there is one of that commit (ranks run as threads, a reshard's, open the files and parse
-    their headers once between them), else a new one; the last load to let go of it closes it.
-
-    A reader of another commit (the directory replaced since it was opened), or a shared open that failed, gives
-    this load a reader of its own, which opens the commit ``manifest`` names or says why it cannot.
-    """
-    key = os.path.realpath(path)
-    flight, future, mine = _open_readers.join(key)
-    reader = None
-    try:
-        if mine:
-            try:
-                reader = CheckpointReader(path, verify=False)
-            except BaseException as exc:
-                _open_readers.fail(flight, future, exc)
-                raise
-            future.set_result(reader)
-        else:
-            try:
-                reader = future.result()
-            except Exception:  # noqa: BLE001 - the opener raised its error; this load opens its own below
-                reader = None
-        if reader is None or reader.manifest != manifest:
-            with CheckpointReader(path, verify=False) as own:
-                yield own
-        else:
-            yield reader
-    finally:
-        _open_readers.leave(key, flight)
-        if flight.holders == 0 and flight.future is not None and flight.future.done() \
-                and flight.future.exception() is None:
-            flight.future.result().close()  # every holder has let go (closing twice is harmless)
+    their headers once between them), else a new one (:func:`~fastckpt.sharded.reader.shared_reader`)."""
+    return shared_reader(os.path.realpath(path), lambda: CheckpointReader(path, verify=False),
+                         lambda reader: reader.manifest == manifest)
 
 
 def _check_one_commit(readers: list[CheckpointReader], chain: list[tuple[str, dict]]) -> None:

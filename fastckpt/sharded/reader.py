@@ -55,7 +55,8 @@ from fastckpt.sharded.format import DESCRIPTION_FILE, FORMAT, INDEX_FILE, dtype_
 from fastckpt.sharded.format import MANIFEST_FILE as FORMAT_MANIFEST
 from fastckpt.store.snapshot import Snapshot
 
-__all__ = ["CheckpointReader", "CheckpointChangedError", "TensorFiles", "hash_ahead", "register_layout"]
+__all__ = ["CheckpointReader", "CheckpointChangedError", "TensorFiles", "hash_ahead", "register_layout",
+           "shared_reader"]
 
 _LAYOUTS: list[tuple[Callable[[str | os.PathLike], bool], type]] = []
 
@@ -78,6 +79,55 @@ def register_layout(detect: Callable[[str | os.PathLike], bool], reader_class: t
 # every file's ids, and hash each file once between them (a rank that asks while another hashes it waits for that
 # result). The key goes when the last reader holding the file closes, so a later open hashes the file again.
 _digests = Flights()
+
+# The checkpoints that loads of this process hold open now, by the key each load gives (fastckpt's layout: the real
+# path; RecIS's: the real path and whether its reader verifies): one reader between them (shared_reader).
+_open_readers = Flights()
+
+
+@contextlib.contextmanager
+def shared_reader(key, open_reader: Callable[[], "CheckpointReader"],
+                  current: Callable[["CheckpointReader"], bool]) -> Iterator["CheckpointReader"]:
+    """The reader that another load of this process holds open under ``key`` now, where ``current(reader)`` says
+    it is of the commit this load reads (ranks run as threads, a reshard's, open the metadata, the files and
+    their headers once between them), else a new one, ``open_reader()``; the last load to let go of it closes it.
+
+    A reader of another commit (the directory replaced since it was opened), or a shared open that failed, gives
+    this load a reader of its own, which opens what the directory holds now or says why it cannot.
+
+    >>> import numpy as np, tempfile, os
+    >>> from fastckpt.sharded import Saver
+    >>> out = Saver(path=os.path.join(tempfile.mkdtemp(), "c"), parallel=1, tensors={"w": np.ones(2)}).save()
+    >>> opening = lambda: CheckpointReader(out, verify=False)
+    >>> with shared_reader(out, opening, lambda r: True) as a, shared_reader(out, opening, lambda r: True) as b:
+    ...     a is b
+    True
+    """
+    flight, future, mine = _open_readers.join(key)
+    reader = None
+    try:
+        if mine:
+            try:
+                reader = open_reader()
+            except BaseException as exc:
+                _open_readers.fail(flight, future, exc)
+                raise
+            future.set_result(reader)
+        else:
+            try:
+                reader = future.result()
+            except Exception:  # noqa: BLE001 - the opener raised its error; this load opens its own below
+                reader = None
+        if reader is None or not current(reader):
+            with open_reader() as own:
+                yield own
+        else:
+            yield reader
+    finally:
+        _open_readers.leave(key, flight)
+        if flight.holders == 0 and flight.future is not None and flight.future.done() \
+                and flight.future.exception() is None:
+            flight.future.result().close()  # every holder has let go (closing twice is harmless)
 
 
 def hash_ahead(path: str, submit: Callable | None = None, holders: int = 1) -> list[Callable[[], None]]:

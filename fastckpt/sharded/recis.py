@@ -131,12 +131,13 @@ import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptWarning, FormatError, IntegrityError
 from fastckpt.formats.reader import TensorFile, guard, held_guards
+from fastckpt.sharded import kept
 from fastckpt.sharded.format import WriteBlock, check_seal, commit_directory, dtype_of, owner_mod, rows_of
 from fastckpt.sharded.format import SLICE_SIZE, slice_of, slice_positions
 from fastckpt.sharded.format import slice_owner as format_slice_owner
 from fastckpt.sharded.hashtable import check_holds, table_for
 from fastckpt.store.commit import fsync_open
-from fastckpt.sharded.reader import CheckpointReader, TensorFiles, register_layout
+from fastckpt.sharded.reader import CheckpointReader, TensorFiles, register_layout, shared_reader
 from fastckpt.store.manifest import expect, is_count, is_shape, parse_json
 from fastckpt.store.snapshot import Snapshot
 from fastckpt.store.names import FILE_NAME, NameRule
@@ -303,23 +304,41 @@ def _read_json(snapshot: Snapshot, name: str, manifest: dict | None, missing: st
 _PART_KEY = re.compile(r"(?P<tensor>.+)/part_(?P<i>\d+)_(?P<n>\d+)")
 
 
-def _check_key(key: str, tensor: str, piece: tuple[int, int, int], where: str) -> None:
+def _check_key(key: str, tensor: str, piece: tuple[int, int, int], where: str) -> int:
     """A hashtable block's key ``T.X/part_i_n`` against what tensorkey.json maps it to, ``T@X^SLICE``: the same
-    table and slot, and the slice of rank ``i`` of ``n`` (RecIS's ``gen_slice``), as RecIS's writer names both."""
+    table and slot, and the slice of rank ``i`` of ``n`` (RecIS's ``gen_slice``), as RecIS's writer names both.
+    Returns ``n``, the number of ranks that saved it."""
     m = _PART_KEY.fullmatch(key)
-    expect(m is not None and m.group("tensor") == tensor.replace("@", ".", 1), where,
-           f"block {key!r} is mapped to {tensor!r}: a block T.X/part_i_n holds T@X (a relabelled block)")
+    if m is None or m.group("tensor") != tensor.replace("@", ".", 1):
+        raise FormatError(f"{where}: block {key!r} is mapped to {tensor!r}: a block T.X/part_i_n holds T@X (a "
+                          "relabelled block)")
     i, n = int(m.group("i")), int(m.group("n"))
-    expect(i < n and piece[:2] == gen_slice(i, n, piece[2])[:2], where,
-           f"block {key!r} is mapped to slice {piece[0]}@{piece[1]}@{piece[2]}, rank {i} of {n}'s is "
-           f"{'@'.join(map(str, gen_slice(i, n, piece[2]))) if i < n else 'none'}")
+    if not (i < n and piece[:2] == slice_of(i, n, piece[2])):  # the message only where it fails: opening is hot
+        raise FormatError(f"{where}: block {key!r} is mapped to slice {piece[0]}@{piece[1]}@{piece[2]}, rank {i} of "
+                          f"{n}'s is {'@'.join(map(str, gen_slice(i, n, piece[2]))) if i < n else 'none'}")
+    return n
 
 
-def _described(key: str, desc: dict) -> tuple[np.dtype, tuple, tuple[int, int] | None]:
-    """``(dtype, shape, data_offsets or None)`` of block ``key`` as its (checked) description gives them."""
+def _data_file_numbers(name: str) -> tuple[int, int] | None:
+    """``(number, total)`` of a file named as RecIS names its tensor files (``model-N-of-T.safetensors``, ASCII
+    digits), else None.
+
+    >>> _data_file_numbers("model-000003-of-000008.safetensors"), _data_file_numbers("index")
+    ((3, 8), None)
+    """
+    if name.startswith("model-") and name.endswith(".safetensors"):
+        number, of, total = name[6:-12].partition("-of-")
+        if of and number.isdecimal() and total.isdecimal() and number.isascii() and total.isascii():
+            return int(number), int(total)
+    return None
+
+
+def _described(key: str, desc: dict) -> tuple[np.dtype, tuple, tuple | None]:
+    """``(dtype, shape, data_offsets or None)`` of block ``key`` as its description gives them (``data_offsets``
+    a tuple of what the list holds: checked by the reader, :meth:`RecisCheckpointReader._read_descriptions`)."""
     offsets = desc.get("data_offsets")
     return dtype_of(_DTYPES.get(desc["dtype"], desc["dtype"]), key), tuple(desc["shape"]), \
-        None if offsets is None else tuple(offsets)
+        None if offsets is None else tuple(offsets) if isinstance(offsets, list) else (offsets,)
 
 
 def _header_order(f: TensorFile) -> list[str]:
@@ -473,8 +492,9 @@ class RecisCheckpointReader(CheckpointReader):
                "expected {'block_index': {...}, 'file_index': {...}}")
         file_of_number: dict[int, str] = {}
         for name, number in index["file_index"].items():
-            expect(is_count(number) and number not in file_of_number, iwhere,
-                   f"file_index[{name!r}] is {number!r}: file numbers are distinct non-negative integers")
+            if not is_count(number) or number in file_of_number:  # (messages made only where a check fails)
+                raise FormatError(f"{iwhere}: file_index[{name!r}] is {number!r}: file numbers are distinct "
+                                  "non-negative integers")
             FILE_NAME.check(name, "file_index file", where=iwhere, error=FormatError)
             file_of_number[number] = name
         self._file_of_number = file_of_number
@@ -484,19 +504,32 @@ class RecisCheckpointReader(CheckpointReader):
         self.tensorkey: Mapping[str, str] = MappingProxyType(dict(tensorkey))
         self._block_index: dict[str, int] = {}
         self._slices: dict[str, tuple[str, str]] = {}  # stored key -> (tensor, slice string)
+        self._spans: dict[str, tuple[int, int, int]] = {}  # hashtable block -> its slice (begin, end, size)
         parts: dict[str, list[tuple[str, str]]] = {}
         seen: dict[tuple[str, str], str] = {}
+        rank_counts: set[int] = set()  # the n of the blocks' part_i_n: the ranks that saved
+        pieces: dict[str, tuple[int, int, int]] = {}  # slice string -> its slice: the blocks of a rank share one
         for key, number in index["block_index"].items():
-            expect(is_count(number) and number in file_of_number, iwhere,
-                   f"block_index[{key!r}] is {number!r}, not a file number of file_index")
-            tensor, piece = _split_block_name(tensorkey.get(key, key), f"{iwhere} (key {key!r})")
-            expect(piece == " " or key in tensorkey, iwhere,
-                   f"block {key!r} names slice {piece!r} but {TENSORKEY_FILE} does not map it")
+            if not is_count(number) or number not in file_of_number:
+                raise FormatError(f"{iwhere}: block_index[{key!r}] is {number!r}, not a file number of file_index")
+            mapped = tensorkey.get(key, key)
+            tokens = mapped.split("^")
+            if len(tokens) == 2 and tokens[0] and tokens[1]:
+                tensor, piece = tokens  # (the common case of _split_block_name, without its message)
+            else:
+                tensor, piece = _split_block_name(mapped, f"{iwhere} (key {key!r})")
             if piece != " ":
-                _check_key(key, tensor, parse_slice(piece, f"{twhere} (key {key!r})"), twhere)
-            expect((tensor, piece) not in seen, iwhere,
-                   f"blocks {seen.get((tensor, piece))!r} and {key!r} are both {tensor!r}'s slice {piece!r}: a "
-                   "slice is stored once")
+                if key not in tensorkey:
+                    raise FormatError(f"{iwhere}: block {key!r} names slice {piece!r} but {TENSORKEY_FILE} does "
+                                      "not map it")
+                span = pieces.get(piece)
+                if span is None:
+                    span = pieces[piece] = parse_slice(piece, f"{twhere} (key {key!r})")
+                self._spans[key] = span
+                rank_counts.add(_check_key(key, tensor, span, twhere))
+            if (tensor, piece) in seen:
+                raise FormatError(f"{iwhere}: blocks {seen[tensor, piece]!r} and {key!r} are both {tensor!r}'s "
+                                  f"slice {piece!r}: a slice is stored once")
             seen[tensor, piece] = key
             self._block_index[key] = number
             self._slices[key] = (tensor, piece)
@@ -511,19 +544,17 @@ class RecisCheckpointReader(CheckpointReader):
             unlisted = sorted(set(file_of_number.values()) - set(listed))
             if unlisted:
                 raise IntegrityError(f"{d}: {unlisted[0]}: in {INDEX_FILE} but not in the manifest")
-        data_file = re.compile(r"model-\d{6}-of-\d{6}\.safetensors")
+        self._rank_count = rank_counts.pop() if len(rank_counts) == 1 else 1
         named = set(file_of_number.values())
         orphans = [f"{os.path.join(d, n)}: a tensor file that {INDEX_FILE}'s file_index does not name"
-                   for n in sorted(os.listdir(snap.fd)) if data_file.fullmatch(n) and n not in named]
+                   for n in sorted(os.listdir(snap.fd)) if n not in named and _data_file_numbers(n) is not None]
         if orphans:
             raise FormatError(f"{orphans[0]} (an orphan block: a damaged or hand-merged checkpoint; "
                               f"{len(orphans)} in all)")
         self.descriptions: Mapping[str, dict] = MappingProxyType(self._read_descriptions())
         # Each file opened, pinned (the manifest's size) and its header checked on first use (TensorFiles).
         self._tensor_files(RecisTensorFiles)
-        if self.descriptions:
-            self._blocks = {key: _described(key, d) for key, d in self.descriptions.items()}
-        else:  # no metadata of the blocks' shapes: every header is read now, as RecIS's loader does
+        if not self.descriptions:  # no metadata of the blocks' shapes: every header is read now, as RecIS's loader does
             for name in self.files:
                 self.files[name]
             self._blocks = {key: (info.dtype, tuple(info.shape), None) for key in self._block_index
@@ -537,69 +568,76 @@ class RecisCheckpointReader(CheckpointReader):
         """Each table's blocks: int64 ids of shape [k]; for every id slice one block of each slot with k rows;
         the slices of one tensor never overlapping."""
         iwhere = os.path.join(self.path, INDEX_FILE)
-        for name, keys in self._parts.items():
+        int64 = np.dtype(np.int64)
+        for name, keys in self._parts.items():  # (each message made only where its check fails)
             if self._slices[keys[0]][1] == " ":
-                expect(len(keys) == 1, iwhere, f"dense tensor {name!r} is stored in {len(keys)} blocks {keys[:4]}")
+                if len(keys) != 1:
+                    raise FormatError(f"{iwhere}: dense tensor {name!r} is stored in {len(keys)} blocks {keys[:4]}")
                 continue
-            spans = sorted(parse_slice(self._slices[k][1], f"{iwhere} (key {k!r})") + (k,) for k in keys)
             by_size: dict[int, list] = {}
-            for span in spans:
-                by_size.setdefault(span[2], []).append(span)
+            for k in keys:
+                span = self._spans[k]
+                by_size.setdefault(span[2], []).append((*span, k))
             for size, group in by_size.items():  # the ranks' slices tile the key space: each position once
                 group.sort()
                 at = 0
                 for begin, end, _, key in group:
-                    expect(begin == at, iwhere,
-                           f"tensor {name!r}: block {key!r} holds slice [{begin}, {end}) of {size}, after slices "
-                           f"up to {at}: " + ("overlapping slices (a duplicated block)" if begin < at else
-                                              "a slice of the key space is missing (a block was removed)"))
+                    if begin != at:
+                        raise FormatError(
+                            f"{iwhere}: tensor {name!r}: block {key!r} holds slice [{begin}, {end}) of {size}, after "
+                            f"slices up to {at}: " + ("overlapping slices (a duplicated block)" if begin < at else
+                                                      "a slice of the key space is missing (a block was removed)"))
                     at = end
-                expect(at == size, iwhere, f"tensor {name!r}: its slices end at {at} of {size}: the last slice is "
-                                           "missing (a block was removed)")
+                if at != size:
+                    raise FormatError(f"{iwhere}: tensor {name!r}: its slices end at {at} of {size}: the last slice is "
+                                      "missing (a block was removed)")
             table, _, slot = name.rpartition("@")
             if slot == "id":
                 for k in keys:
                     dtype, shape, _ = self._blocks[k]
-                    expect(dtype == np.dtype(np.int64) and len(shape) == 1, iwhere,
-                           f"block {k!r} holds {table!r}'s ids but is {dtype}{list(shape)}; ids are int64 of shape "
-                           "[k]")
+                    if dtype != int64 or len(shape) != 1:
+                        raise FormatError(f"{iwhere}: block {k!r} holds {table!r}'s ids but is {dtype}{list(shape)}; "
+                                          "ids are int64 of shape [k]")
             elif f"{table}@id" in self._parts:
                 ids = {self._slices[k][1]: k for k in self._parts[f"{table}@id"]}
                 mine = {self._slices[k][1]: k for k in keys}
-                expect(set(ids) == set(mine), iwhere,
-                       f"hashtable {table!r}: slot {slot!r} has slices {sorted(mine)[:3]}, its ids "
-                       f"{sorted(ids)[:3]}: each id block needs one block of every slot")
+                if ids.keys() != mine.keys():
+                    raise FormatError(f"{iwhere}: hashtable {table!r}: slot {slot!r} has slices {sorted(mine)[:3]}, "
+                                      f"its ids {sorted(ids)[:3]}: each id block needs one block of every slot")
                 for piece, k in mine.items():
                     rows, want = self._blocks[k][1], self._blocks[ids[piece]][1][:1]  # ([k],) of ids checked 1-d
-                    expect(len(rows) >= 1 and (rows[0],) == want, iwhere,
-                           f"hashtable {table!r}: block {k!r} has shape {list(rows)}, its ids {ids[piece]!r} "
-                           f"{want[0] if want else list(want)}: a slot holds one row per id")
+                    if not rows or (rows[0],) != want:
+                        raise FormatError(f"{iwhere}: hashtable {table!r}: block {k!r} has shape {list(rows)}, its "
+                                          f"ids {ids[piece]!r} {want[0] if want else list(want)}: a slot holds one "
+                                          "row per id")
 
     def _read_manifest(self) -> dict | None:
         path = os.path.join(self.path, MANIFEST_FILE)
         try:
-            manifest = _read_json(self.snapshot, MANIFEST_FILE, None)
+            raw = self.snapshot.read(MANIFEST_FILE)
         except FileNotFoundError:
             return None
+        manifest = parse_json(raw, path, unique_keys=True)
         expect(isinstance(manifest, dict) and manifest.get("format") == FORMAT, path,
                f"'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected "
                f"{FORMAT!r} beside a RecIS '{INDEX_FILE}'")
         version = manifest.get("format_version")
         expect(is_count(version, 1) and version <= FORMAT_VERSION, path,
                f"format version {version!r}; this fastckpt reads {FORMAT_VERSION}")
-        check_seal(manifest, path)  # the manifest's own checksum; its entries then cover every other file
+        check_seal(manifest, path, raw)  # the manifest's own checksum; its entries then cover every other file
         files = manifest.get("files")
         expect(isinstance(files, dict) and all(
             FILE_NAME.problem(n) is None and isinstance(e, dict) and is_count(e.get("size")) and isinstance(e.get("blake3"), str)
             for n, e in files.items()), path, "'files' must be {name: {'size': int >= 0, 'blake3': str}}")
         for key in ("tensors", "hashtables"):
             expect(isinstance(manifest.get(key, {}), dict), path, f"{key!r} must be an object")
-        for name, entry in manifest.get("hashtables", {}).items():
-            expect(isinstance(entry, dict) and is_count(entry.get("ids")), path,
-                   f"hashtables[{name!r}] must hold 'ids' (an integer >= 0), got {entry!r}")
+        for name, entry in manifest.get("hashtables", {}).items():  # (messages made only where a check fails)
+            if not isinstance(entry, dict) or not is_count(entry.get("ids")):
+                raise FormatError(f"{path}: hashtables[{name!r}] must hold 'ids' (an integer >= 0), got {entry!r}")
         for name, entry in manifest.get("tensors", {}).items():
-            expect(isinstance(entry, dict) and is_shape(entry.get("shape")) and isinstance(entry.get("dtype"), str),
-                   path, f"tensors[{name!r}] must be {{'dtype': str, 'shape': [int >= 0, ...]}}, got {entry!r}")
+            if not (isinstance(entry, dict) and is_shape(entry.get("shape")) and isinstance(entry.get("dtype"), str)):
+                raise FormatError(f"{path}: tensors[{name!r}] must be {{'dtype': str, 'shape': [int >= 0, ...]}}, "
+                                  f"got {entry!r}")
         return manifest
 
     def _check_manifest_counts(self) -> None:
@@ -633,20 +671,22 @@ class RecisCheckpointReader(CheckpointReader):
         expect(isinstance(descriptions, dict), path, "expected a JSON object")
         differ = sorted(set(descriptions) ^ set(self._block_index))
         expect(not differ, path, f"describes other blocks than {INDEX_FILE} places: {differ[:4]}")
-        for key, desc in descriptions.items():
-            expect(isinstance(desc, dict) and is_shape(desc.get("shape")), path,
-                   f"entry {key!r} must be an object with a 'shape' (list of integers >= 0), got {desc!r}")
+        blocks = {}
+        for key, desc in descriptions.items():  # (each message made only where its check fails)
+            if not isinstance(desc, dict) or not is_shape(desc.get("shape")):
+                raise FormatError(f"{path}: entry {key!r} must be an object with a 'shape' (list of integers >= 0), "
+                                  f"got {desc!r}")
             named = desc.get("dtype")
-            expect(isinstance(named, str) and (named in _DTYPES or named in _CODES), path,
-                   f"entry {key!r} has dtype {named!r}, not one RecIS's reader knows ({sorted(_CODES)})")
-            offsets = desc.get("data_offsets")
+            if not isinstance(named, str) or not (named in _DTYPES or named in _CODES):
+                raise FormatError(f"{path}: entry {key!r} has dtype {named!r}, not one RecIS's reader knows "
+                                  f"({sorted(_CODES)})")
+            dtype, shape, offsets = blocks[key] = _described(key, desc)
             if offsets is not None:
-                dtype, shape, _ = _described(key, {"dtype": named, "shape": desc["shape"]})
                 nbytes = math.prod(shape) * dtype.itemsize
-                expect(isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)
-                       and offsets[1] - offsets[0] == nbytes, path,
-                       f"entry {key!r} has data_offsets {offsets!r}: [begin, begin + {nbytes}] for its "
-                       f"{list(shape)} {dtype}")
+                if not (len(offsets) == 2 and all(is_count(o) for o in offsets) and offsets[1] - offsets[0] == nbytes):
+                    raise FormatError(f"{path}: entry {key!r} has data_offsets {desc['data_offsets']!r}: [begin, "
+                                      f"begin + {nbytes}] for its {list(shape)} {dtype}")
+        self._blocks = blocks
         return descriptions
 
     def _block_order(self) -> dict[str, tuple[int, int]]:
@@ -658,19 +698,18 @@ class RecisCheckpointReader(CheckpointReader):
         tensor comes where the lowest rank holding it placed it, so the ranks after the first are replayed only
         for tensors it does not hold (none, in what RecIS writes: every rank writes every table). Files not named
         as RecIS names them come after, in file number and header order."""
-        ranks = {int(m.group(1)) for key in self._block_index if (m := re.search(r"/part_[0-9]+_([0-9]+)\Z", key))}
-        n = ranks.pop() if len(ranks) == 1 else 1
+        n = self._rank_count
         order: dict[str, tuple[int, int]] = {}
         groups: dict[tuple[int, int], dict[int, str]] = {}
         for number, name in sorted(self._file_of_number.items()):
-            m = re.fullmatch(r"model-([0-9]+)-of-([0-9]+)\.safetensors", name)
-            total = int(m.group(2)) if m else 0
+            numbers = _data_file_numbers(name)
+            total = numbers[1] if numbers else 0
             p = self.manifest["parallel"] if self.manifest is not None else total // n or 1
-            if m is None or total % p:
+            if numbers is None or total % p:
                 order.update({k: (1 << 62, number * 1_000_000 + j)
                               for j, k in enumerate(_header_order(self.files[name]))})
                 continue
-            rank, writer = divmod(int(m.group(1)), p)
+            rank, writer = divmod(numbers[0], p)
             groups.setdefault((rank, p), {})[writer] = name
         placed: set[str] = set()
         for (rank, p), files in sorted(groups.items()):
@@ -706,10 +745,24 @@ class RecisCheckpointReader(CheckpointReader):
         ends, counts = dict.fromkeys(files, 0), dict.fromkeys(files, 0)
         headers: dict[int, list[str]] = {}
         places: dict[str, int] = {}
+        # (writer, first data offset, None where undescribed) -> its blocks: the ones that can come next in a file
+        # are looked up, not found by a scan of every table's (which made the replay quadratic in the tables)
+        starts: dict[tuple[int, int | None], list[str]] = {}
+        for w, keys in left.items():
+            for key in keys:
+                offsets = self._blocks[key][2]
+                starts.setdefault((w, None if offsets is None else offsets[0]), []).append(key)
 
         def fits(key: str, w: int) -> bool:
             offsets = self._blocks[key][2]
             return key in left.get(w, ()) and (offsets is None or offsets[0] == ends[w])
+
+        def fitting(w: int, wanted) -> list[str]:
+            """The blocks that fit next in writer ``w``'s file (:func:`fits`) and ``wanted(key)`` accepts."""
+            if w not in files:
+                return []
+            here = left[w]
+            return [k for at in (ends[w], None) for k in starts.get((w, at), ()) if k in here and wanted(k)]
 
         def pick(w: int, candidates: list[str]) -> str | None:
             if len(candidates) == 1:
@@ -731,7 +784,7 @@ class RecisCheckpointReader(CheckpointReader):
 
         while tables:
             w = len(places) % p
-            key = pick(w, [t["id"] for t in tables.values() if "id" in t and fits(t["id"], w)])
+            key = pick(w, fitting(w, lambda k: tables.get(self._slices[k][0].partition("@")[0], {}).get("id") == k))
             if key is None:
                 return None
             slots = tables.pop(self._slices[key][0].partition("@")[0])
@@ -748,7 +801,7 @@ class RecisCheckpointReader(CheckpointReader):
                 place(key)
         while dense:
             w = len(places) % p
-            key = pick(w, [k for k in dense if fits(k, w)])
+            key = pick(w, fitting(w, dense.__contains__))
             if key is None:
                 return None
             dense.discard(key)
@@ -762,20 +815,23 @@ class RecisCheckpointReader(CheckpointReader):
         first_place = lambda tensor: min(order.get(k, (1 << 62, 0)) for k in self._parts[tensor])  # noqa: E731
         tables = {}
         in_order = sorted(self._parts, key=first_place)
+        slots_of: dict[str, list[str]] = {}  # T -> the tensors T@SLOT (SLOT without '@') but ids and embedding
+        for other in in_order:
+            table, at, slot = other.rpartition("@")
+            if at and slot not in ("id", "embedding"):
+                slots_of.setdefault(table, []).append(other)
         for name in in_order:
             if not name.endswith("@id") or f"{name[:-3]}@embedding" not in self._parts:
                 continue
             table = name[:-3]
             first = self._parts[f"{table}@embedding"][0]
             dtype, shape, _ = self._blocks[first]
-            dim = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
+            dim = math.prod(shape[1:]) if len(shape) >= 2 else 1
             specs = {}
-            for other in in_order:
-                slot = other[len(table) + 1:]
-                if other.startswith(f"{table}@") and slot not in ("id", "embedding") and "@" not in slot:
-                    slot_dtype, slot_shape, _ = self._blocks[self._parts[other][0]]
-                    specs[slot] = {"shape": list(slot_shape[1:]) or [1], "dtype": slot_dtype.name}
-            sizes = {parse_slice(self._slices[k][1], f"{self.path}: {k}")[2] for k in self._parts[name]}
+            for other in slots_of.get(table, ()):
+                slot_dtype, slot_shape, _ = self._blocks[self._parts[other][0]]
+                specs[other[len(table) + 1:]] = {"shape": list(slot_shape[1:]) or [1], "dtype": slot_dtype.name}
+            sizes = {self._spans[k][2] for k in self._parts[name]}
             tables[table] = {"dim": dim, "shape": list(shape[1:]) or [1], "dtype": np.dtype(dtype).name,
                              "slots": list(specs), "slot_specs": specs,
                              "ids": sum(self._blocks[k][1][0] for k in self._parts[name]),
@@ -837,8 +893,7 @@ class RecisCheckpointReader(CheckpointReader):
 
     def slice_of(self, key: str) -> tuple[str, tuple[int, int, int] | None]:
         """``(tensor, (begin, end, size))`` of a hashtable block, ``(tensor, None)`` of a dense one."""
-        tensor, piece = self._slices[key]
-        return tensor, None if piece == " " else parse_slice(piece, f"{self.path}: block {key!r}")
+        return self._slices[key][0], self._spans.get(key)
 
     def hashtables(self) -> dict[str, dict]:
         """``{table: {"dim", "shape", "dtype", "slots", "slot_specs", "ids", "slice_size"}}``: the tables with ids
@@ -909,7 +964,13 @@ def load(loader) -> tuple[dict, dict]:
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        reader = stack.enter_context(RecisCheckpointReader(loader.checkpoint_path, verify=loader.verify))
+        # One reader between the loads of this process that read the directory now (ranks run as threads): the
+        # metadata read and checked, each file opened and hashed once between them. A reader opened before the
+        # directory was replaced is not taken.
+        path = loader.checkpoint_path
+        reader = stack.enter_context(shared_reader(
+            ("recis", os.path.realpath(path), bool(loader.verify)),
+            lambda: RecisCheckpointReader(path, verify=loader.verify), lambda r: r.snapshot.changed() is None))
         info = loader.filter_func(load_info(loader, reader))
         tables = info.get("hashtables", {})
         rule = None if loader.owner in (None, owner_mod) else loader.owner
@@ -958,8 +1019,14 @@ def _id_problem(reader: RecisCheckpointReader, table: str, keys: list[str]) -> s
 
 
 def _fill_dense(loader, reader: RecisCheckpointReader, name: str, rows: list) -> None:
-    view = reader.host(name + DENSE_SUFFIX)
-    out = np.array(view if view.ndim == 0 else view[rows[0]:rows[1]])
+    key = name + DENSE_SUFFIX
+    view = reader.host(key)  # (its file's hash checked first where the reader verifies)
+    if view.ndim == 0:
+        out = np.array(view)
+    else:  # this rank's rows read from the page cache (preadv), not copied through the mapping
+        out = kept.empty((rows[1] - rows[0], *view.shape[1:]), view.dtype)
+        if out.nbytes:
+            reader.read_into(key, out, rows[0] * view[:1].nbytes)
     target = loader.tensors.get(name)
     if isinstance(target, np.ndarray) and target.shape == out.shape and target.dtype == out.dtype \
             and target.flags.writeable:
@@ -1001,13 +1068,19 @@ def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, r
             mine = np.flatnonzero(owners(rule, ids, m, entry["slice_size"]) == j)
         picked.append((ids, key, mine))
     total = sum(len(mine) for *_, mine in picked)
-    ids_out = np.empty(total, np.int64)
-    values_out = np.empty((total, *table.shape), table.dtype)
-    slots_out = {slot: np.empty((total, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
+    # On memory a dropped load's arrays left where there is some (fastckpt.sharded.kept), as fastckpt's layout's
+    # loads: no new page to fault and zero on the first write.
+    ids_out = kept.empty(total, np.int64)
+    values_out = kept.empty((total, *table.shape), table.dtype)
+    slots_out = {slot: kept.empty((total, *shape), dtype) for slot, (shape, dtype) in table.slot_specs.items()}
     at = 0
     for ids, key, mine in picked:
         end = at + len(mine)
-        np.take(ids, mine, out=ids_out[at:end])
+        whole = len(mine) == len(ids)  # every id of the block is this rank's (a load on the ranks that saved)
+        if whole:
+            ids_out[at:end] = ids
+        else:
+            np.take(ids, mine, out=ids_out[at:end])
         for slot, out in (("embedding", values_out), *slots_out.items()):
             block = _sibling(reader, key, name, slot)
             rows = reader.host(block)
@@ -1015,7 +1088,10 @@ def _fill_table(loader, reader: RecisCheckpointReader, name: str, entry: dict, r
                 raise FormatError(f"{reader.path}: hashtable {name!r}: block {block!r} is {rows.dtype}"
                                   f"{list(rows.shape)}, expected {out.dtype}{[len(ids), *out.shape[1:]]} (one row of "
                                   f"{list(out.shape[1:])} for each of its {len(ids)} ids {key!r})")
-            np.take(rows, mine, axis=0, out=out[at:end])
+            if whole and out[at:end].nbytes:  # read from the page cache (preadv), not through the mapping: no
+                reader.read_into(block, out[at:end])           # page of it faulted
+            else:
+                np.take(rows, mine, axis=0, out=out[at:end])
         at = end
     try:
         table.adopt(ids_out, values_out, slots_out)
