@@ -293,3 +293,70 @@ def test_slice_order_is_the_stable_sort_by_slice_position(n, size, arrangement):
     assert rows == [int((positions < b).sum()) for b in group_bounds(slice_groups(n), size)]
     if arrangement == "slice order":
         assert order is None
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_ranks_tensor_files_are_written_in_place_in_the_staging_directory(tmp_path, monkeypatch, direct):
+    """Each tensor file is opened once under its own name in the staging directory, fsynced, and never renamed:
+    no temporary, rename or sweep of stale temporaries per file (the commit publishes the directory whole). The
+    bytes are those of a file saved on its own."""
+    import fastckpt.formats.safetensors as safetensors_module
+    import fastckpt.store.commit as commit_module
+
+    opened, renamed, synced = [], [], []
+    real_open, real_fsync, real_rename = commit_module.staged_file, os.fsync, commit_module.rename_noreplace
+
+    def atomic_write(*args, **kwargs):
+        raise AssertionError(f"a tensor file of a sharded save went through atomic_write: {args[0]}")
+
+    def staged_file(path, **kwargs):
+        opened.append(Path(path).name)
+        return real_open(path, **kwargs)
+
+    def fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(safetensors_module, "atomic_write", atomic_write)
+    monkeypatch.setattr(safetensors_module, "staged_file", staged_file)
+    monkeypatch.setattr(commit_module, "rename_noreplace", lambda a, b: renamed.append(Path(b).name) or real_rename(a, b))
+    monkeypatch.setattr(os, "fsync", fsync)
+    t = table()
+    out = Saver(path=str(tmp_path / "ckpt"), parallel=2, hashtables={"emb": t}, tensors={"w": np.eye(3)},
+                direct=direct).save()
+    names = ["model-00000-000.safetensors", "model-00000-001.safetensors"]
+    assert sorted(n for n in opened if n.startswith("model-")) == names
+    assert all(synced.count(n) == 1 for n in names), synced
+    assert renamed == ["ckpt"]  # the staging directory, published whole
+    monkeypatch.undo()
+    blocks = {b.key: b for b in Saver(path=".", parallel=2, hashtables={"emb": t}, tensors={"w": np.eye(3)}).blocks()}
+    import json
+
+    index = json.loads((Path(out) / "index.json").read_text())
+    for k, name in enumerate(names):
+        keys = sorted(key for key, at in index["block_index"].items() if at == k)
+        save_safetensors(tmp_path / name, {key: blocks[key].payload() for key in keys}, {"fastckpt.format":
+                                                                                         "fastckpt.sharded"})
+        assert (Path(out) / name).read_bytes() == (tmp_path / name).read_bytes()
+
+
+def test_a_staged_file_is_removed_where_its_writing_fails(tmp_path):
+    from fastckpt.store.commit import staged_file
+
+    with pytest.raises(RuntimeError, match="half"):
+        with staged_file(tmp_path / "t.bin") as f:
+            f.write(b"half")
+            raise RuntimeError("half written")
+    assert list(tmp_path.iterdir()) == []
+    import errno
+
+    with pytest.raises(OSError, match="No space left") as raised:
+        with staged_file(tmp_path / "full.bin") as f:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a GatherWriter's write raises it
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "full.bin")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "there").write_bytes(b"x")
+    with pytest.raises(FileExistsError):
+        with staged_file(tmp_path / "there"):
+            pass
+    assert (tmp_path / "there").read_bytes() == b"x"

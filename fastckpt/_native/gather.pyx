@@ -138,18 +138,22 @@ cdef extern from *:
     #include <string.h>
     /* Rows rows[0..n) of src (a row every `stride` bytes, its `size` bytes contiguous) copied to dst, one after
        another. Returns -1, or the first i whose row is outside [0, count) (nothing of it copied). The rows lie
-       anywhere in the source: each is asked for from memory a few rows ahead of its copy, so that the misses
-       overlap; a row of a common size is copied as a constant size, without a call.
-       The prefetch brings both ends of the row (a 64-byte row of an array that is not 64-byte aligned, a
-       HashTable's storage say, spans two cache lines) into every cache level (locality 3): measured on a random
-       order of 250,000 and 1,000,000 rows of 64 bytes, 16 bytes off alignment, 8.6-9.4 and 16.7 ns a row, where
-       a non-temporal prefetch of the first line only took 19-21 and 32 ns (slower than none: 11 and 19 ns). */
-    #define FASTCKPT_AHEAD 16
+       anywhere in the source: each is asked for from memory FASTCKPT_AHEAD rows ahead of its copy, so that the
+       misses overlap; a row of a common size is copied as a constant size, without a call.
+       The prefetch brings both ends of the row (a 64-byte row of an array that is not 64-byte aligned spans two
+       cache lines) into the L2 cache and below (locality 2, prefetcht1), 64 rows ahead. A prefetch into L1
+       (locality 3) holds one of L1's few fill buffers until its line arrives, so with rows in random order the
+       copies stalled on the prefetches themselves at about 16 misses in flight; into L2, 64 rows ahead, more
+       misses overlap. Measured on a random order of 250,000 and 1,000,000 rows of 64 bytes from 2 MiB pages,
+       caches evicted first: 7.3 and 8.7 ns a row, where L1 at 16 rows ahead (before) took 10.1 and 12.1 and no
+       prefetch 11.0 and 12.5; rows 16 bytes off alignment 11.6 against 13.3. Earlier: a non-temporal prefetch of
+       the first line only was slower than none. */
+    #define FASTCKPT_AHEAD 64
     #define FASTCKPT_ROWS(SIZE) \
         for (i = 0; i < n; i++) { \
             if (i + FASTCKPT_AHEAD < n && (size_t)rows[i + FASTCKPT_AHEAD] < (size_t)count) { \
-                __builtin_prefetch(src + rows[i + FASTCKPT_AHEAD] * stride, 0, 3); \
-                __builtin_prefetch(src + rows[i + FASTCKPT_AHEAD] * stride + (SIZE) - 1, 0, 3); \
+                __builtin_prefetch(src + rows[i + FASTCKPT_AHEAD] * stride, 0, 2); \
+                __builtin_prefetch(src + rows[i + FASTCKPT_AHEAD] * stride + (SIZE) - 1, 0, 2); \
             } \
             if ((size_t)rows[i] >= (size_t)count) return i; \
             memcpy(dst + i * (SIZE), src + rows[i] * stride, (SIZE)); \

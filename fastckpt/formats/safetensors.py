@@ -199,7 +199,7 @@ from fastckpt._native.safetensors import (
     write_tensors,
 )
 from fastckpt.arrays import TakenRows, is_packed, pack_float4, packed_array, to_numpy
-from fastckpt.store.commit import atomic_write, overwrite_flag
+from fastckpt.store.commit import atomic_write, overwrite_flag, staged_file
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
@@ -454,6 +454,7 @@ def save_safetensors(
     overwrite: bool = False,
     writeback: int = 0,
     direct: bool = False,
+    staged: bool = False,
 ) -> None:
     """Write ``tensors`` (name -> array-like) to a safetensors file at ``path``, atomically.
 
@@ -476,7 +477,10 @@ def save_safetensors(
     fsync has less left to wait for. ``direct=True`` writes the file past the
     page cache where the file system takes it (``O_DIRECT``: the kernel copies
     none of it, and none of it stays cached; the same bytes either way), for a
-    large file that is not read back soon. An existing file at ``path`` is replaced only with ``overwrite=True``
+    large file that is not read back soon. ``staged=True``: ``path`` is a new file of a staging directory
+    that is published whole later (:func:`fastckpt.store.commit.staged_file`: written under its own name, with
+    no temporary and rename of its own, and ``fsync`` syncs the file only); a sharded save's tensor files are
+    written so. An existing file at ``path`` is replaced only with ``overwrite=True``
     (docs/overwrite.md); another writer's file committed meanwhile is never
     replaced without it. An ``OSError`` names ``path``.
 
@@ -513,8 +517,8 @@ def save_safetensors(
     overwrite = overwrite_flag(overwrite)
     count, started = len(plan), time.perf_counter()
     total = sum(t[_NBYTES] for t in plan) if requested(progress) else None
-    with progress_from(progress, total, "save safetensors") as report, \
-            atomic_write(path, fsync=fsync, overwrite=overwrite) as f, \
+    opened = staged_file(path, fsync=fsync) if staged else atomic_write(path, fsync=fsync, overwrite=overwrite)
+    with progress_from(progress, total, "save safetensors") as report, opened as f, \
             GatherWriter(f.fileno(), hasher, writeback, direct) as out:
         out.write(prefix)
         if report.enabled:

@@ -62,8 +62,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from fastckpt.store.commit import (_naming_target, abandon_staging, fsync_file, remove_stale_partials_in,
-                                   staging_directory)
+from fastckpt.store.commit import _naming_target, abandon_staging, remove_stale_partials_in, staging_directory
 from fastckpt.formats.hashing import blake3_hasher
 from fastckpt.formats.remote import is_url
 from fastckpt.formats.safetensors import save_safetensors
@@ -421,15 +420,16 @@ class Saver:
             # to a thread pool (9-14% of a save's CPU at parallel 4, measured at 1 and 4 ranks)
             hasher = blake3_hasher(threads=1 if self.parallel > 1 else None)
             with part_of_a_save():  # the rank logs its own line
-                # The file's data is fsynced here, its name in the staging directory by the commit, which fsyncs
-                # the directory once before renaming it into place: a file saved on its own (fsync=True) also
-                # fsyncs its directory, and the 16 files of 4 ranks waited for 16 more journal commits.
+                # Written under its own name in the staging directory (staged=True: no temporary, rename or
+                # sweep of stale temporaries of its own; the commit publishes the directory whole). The file's
+                # data is fsynced here, its name by the commit, which fsyncs the directory once before renaming
+                # it into place: a file saved on its own also fsyncs its directory, and the 16 files of 4 ranks
+                # waited for 16 more journal commits.
                 # direct: past the page cache (Saver's direct=), the rows gathered and the bytes hashed in the
                 # writer's stage
                 save_safetensors(path, {b.key: b.payload() for b in files[k]}, {"fastckpt.format": FORMAT},
-                                 hasher=hasher, progress=report, fsync=False, writeback=WRITEBACK_BYTES,
-                                 direct=self.direct)
-                fsync_file(path)
+                                 hasher=hasher, progress=report, writeback=WRITEBACK_BYTES, direct=self.direct,
+                                 staged=True)
             return names[k], {"size": os.path.getsize(path), "blake3": hasher.hexdigest()}
 
         with progress_from(self.progress, sum(loads), f"save rank {self.shard_index}") as report, \

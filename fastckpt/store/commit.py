@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 __all__ = ["Commit", "atomic_write", "atomic_directory", "fsync_directory", "fsync_file", "fsync_open", "write_file",
-           "staging_directory", "publish_directory", "abandon_staging", "retire_directory", "remove_temporary", "remove_stale_partials",
+           "staged_file", "staging_directory", "publish_directory", "abandon_staging", "retire_directory", "remove_temporary", "remove_stale_partials",
            "remove_stale_partials_in", "rename_noreplace", "link_over", "overwrite_flag", "STALE_AFTER"]
 
 _SUFFIX = ".partial"
@@ -436,10 +436,42 @@ def write_file(path: str | os.PathLike, data, *, fsync: bool = True) -> None:
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "a.json"; write_file(p, b"{}"); p.read_bytes()
     b'{}'
     """
-    with open(path, "xb") as f:
-        f.write(data)
+    with staged_file(path, fsync=fsync) as f:
+        view = memoryview(data).cast("B")
+        while view:  # an unbuffered write may be short
+            view = view[f.write(view):]
+
+
+@contextlib.contextmanager
+def staged_file(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[bytes]]:
+    """Open the new file ``path`` of a staging place (a directory published whole: :func:`staging_directory`,
+    :func:`publish_directory`) for writing, unbuffered; on leaving the block it is fsynced (unless ``fsync=False``)
+    and closed, and on an exception closed and removed (an ``OSError`` of its writes then names ``path``).
+
+    The file is written under its own name, with no temporary and rename of its own (:func:`atomic_write`'s):
+    nothing reads a staging place before it is published, and the publish is the one atomic step. ``path`` must
+    not exist. Whoever publishes the staging place fsyncs its directory.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "t.bin"
+    >>> with staged_file(p) as f:
+    ...     _ = f.write(b"data")
+    >>> p.read_bytes()
+    b'data'
+    """
+    f = open(path, "xb", buffering=0)
+    try:
+        yield f
         if fsync:
-            fsync_open(f)
+            os.fsync(f.fileno())
+    except BaseException as e:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:  # a write's error names the file
+            raise _naming_target(e, os.fspath(path), None) from None
+        raise
+    f.close()
 
 
 @contextlib.contextmanager
