@@ -51,7 +51,7 @@ from fastckpt.errors import (  # `X as X`: re-exported for type checkers, though
     TensorNotFoundError as TensorNotFoundError,
 )
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"
 
 # Heavy modules (pyopencl above all) are imported only when first used: the names of _LAZY below.
 

@@ -1,4 +1,4 @@
-"""The release says what it is: one version (0.9.0) in the package, the command, the build metadata and the manifests,
+"""The release says what it is: one version (0.10.0) in the package, the command, the build metadata and the manifests,
 a CHANGELOG whose newest release is that version, and a README whose promises the code keeps."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 import fastckpt
 
 ROOT = Path(__file__).resolve().parents[1]
-VERSION = "0.9.0"
+VERSION = "0.10.0"
 
 
-def test_the_package_is_0_9_0():
+def test_the_package_is_0_10_0():
     assert fastckpt.__version__ == VERSION
 
 
@@ -55,15 +55,15 @@ def test_a_training_manifest_records_the_library_version(tmp_path):
 def test_the_changelog_starts_with_this_release_and_its_breaking_changes():
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     releases = re.findall(r"^## (\S+)", text, re.M)
-    assert releases[0] == VERSION and {"0.8.0", "0.7.0", "0.6.0", "0.5.0", "0.4.0", "0.3.0", "0.2.0"} <= set(releases)
+    assert releases[0] == VERSION and {"0.9.0", "0.8.0", "0.7.0", "0.6.0", "0.5.0", "0.4.0", "0.3.0", "0.2.0"} <= set(releases)
     this_release = text.split(f"\n## {VERSION}\n", 1)[1].split("\n## ", 1)[0]
     sections = re.findall(r"^### (.+)", this_release, re.M)
     assert sections[0] == "Breaking changes", sections
     breaking = this_release.split("### Breaking changes", 1)[1].split("\n### ", 1)[0]
     entries = re.findall(r"^- (.*)", breaking, re.M)
     assert entries and all(entry.startswith("**Breaking") for entry in entries)
-    assert "40fa678" in this_release  # what "since 0.8.0" counts from
-    assert sections == ["Breaking changes", "Deprecated (working until 0.10)", "Added", "Changed", "Fixed", "Performance"]
+    assert "5953de2" in this_release  # what "since 0.9.0" counts from
+    assert sections == ["Breaking changes", "Deprecated (working until 0.11)", "Added", "Changed", "Fixed", "Performance"]
 
 
 def test_the_readme_promises_no_replace_unless_told_and_every_writer_keeps_it(tmp_path):
