@@ -67,13 +67,14 @@ class StagedWrites:
 
 
 def record_staged_writes(monkeypatch) -> StagedWrites:
-    """Record, for the rest of the test, every ``staged_file`` open (also through ``write_file`` and
-    ``save_safetensors(staged=True)``), every rename (``os.rename``, ``os.replace``, the commit's no-replace
-    rename) and every ``fsync``. A file written inside a staging directory that is published whole is opened
+    """Record, for the rest of the test, every ``staged_file`` open (also through ``write_file``,
+    ``save_safetensors(staged=True)`` and ``save_npz(staged=True)``), every rename (``os.rename``,
+    ``os.replace``, the commit's no-replace rename) and every ``fsync``. A file written inside a staging directory that is published whole is opened
     once under its own name and renamed never: only the publish renames."""
     import os
     from pathlib import Path
 
+    import fastckpt.formats.npz as npz_module
     import fastckpt.formats.safetensors as safetensors_module
     import fastckpt.store.commit as commit_module
 
@@ -94,8 +95,8 @@ def record_staged_writes(monkeypatch) -> StagedWrites:
             return real(src, dst, *args, **kwargs)
         return rename
 
-    for module in (commit_module, safetensors_module):
-        monkeypatch.setattr(module, "staged_file", staged_file)
+    for module in (commit_module, safetensors_module, npz_module):
+        monkeypatch.setattr(module, "staged_file", staged_file, raising=False)  # a writer that has it
     monkeypatch.setattr(commit_module, "rename_noreplace", recording(commit_module.rename_noreplace))
     monkeypatch.setattr(os, "rename", recording(os.rename))
     monkeypatch.setattr(os, "replace", recording(os.replace))
