@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from _writing import record_staged_writes
 import fastckpt
 from fastckpt.errors import CheckpointNotFoundError, FastCkptWarning, FormatError, TensorNotFoundError
 from fastckpt.formats import hfsharded
@@ -26,6 +27,7 @@ from fastckpt.formats.hfsharded import (
     save_sharded,
     shard_names,
 )
+from fastckpt.formats.safetensors import save_safetensors
 from fastckpt.store import commit as _atomic
 from fastckpt.store.commit import _owner
 
@@ -171,6 +173,24 @@ def test_each_shard_is_a_fastckpt_safetensors_file_with_the_metadata(tmp_path):
         with fastckpt.open(file) as f:
             assert f.format == "safetensors" and f.metadata == {"format": "pt"}
             assert f.data_region[0] % 64 == 0
+
+
+def test_shards_and_the_index_are_written_in_place_in_the_staging_directory(tmp_path, monkeypatch):
+    """Every file of a save is opened once under its own name in the staging directory and never renamed
+    there: the only renames are the publish's, into the directory, the index last. Each file is fsynced once
+    (by the publish), then the directory. The shards' bytes are those of each shard saved on its own."""
+    tensors = {"a": np.arange(8, dtype=np.float32), "b": np.ones(8, np.float32)}
+    seen = record_staged_writes(monkeypatch)
+    names = save_sharded(tmp_path / "out", tensors, max_shard_size="32B", metadata={"format": "pt"})
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX_NAME]
+    assert sorted(seen.opened) == sorted(names)
+    assert [dst for _src, dst in seen.renamed] == [os.fspath(tmp_path / "out" / name) for name in names]
+    assert sorted(seen.synced[:3]) == sorted(names) and seen.synced[-1] == "out", seen.synced
+    assert all(seen.synced.count(name) == 1 for name in names), seen.synced
+    monkeypatch.undo()
+    for name, shard in zip(names, ({"a": tensors["a"]}, {"b": tensors["b"]})):
+        save_safetensors(tmp_path / name, shard, {"format": "pt"})
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / name).read_bytes()
 
 
 def test_one_shard_is_model_safetensors_without_an_index(tmp_path):

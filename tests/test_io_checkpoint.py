@@ -14,6 +14,7 @@ pytest.importorskip("pyopencl")
 
 from fastckpt.device.tensor import Tensor
 from fastckpt.errors import CheckpointNotFoundError, FormatError
+from fastckpt.formats.npz import save_npz
 from fastckpt.io.checkpoint import ARRAY_REF_KEY, load_netcl_checkpoint, load_params, save_netcl_checkpoint, save_params
 
 pytestmark = pytest.mark.device
@@ -233,6 +234,26 @@ def test_any_error_leaves_the_previous_pair_untouched(tmp_path, queue, rng, monk
     state = load_netcl_checkpoint(queue, fresh, tmp_path / "ck")
     assert state["config"] == {"step": 1} and state["optim_state"]["m"][0].tobytes() == np.ones(2).tobytes()
     assert_params(fresh, hosts)
+
+
+def test_the_pair_is_written_in_place_in_the_staging_directory(tmp_path, queue, rng, monkeypatch):
+    """The JSON and the NPZ are each opened once under their own names in the staging directory and never renamed
+    there: the only renames are the publish's, into the directory, the NPZ last. Each is fsynced once (by the
+    publish), then the directory. The NPZ's bytes are those of save_npz on its own."""
+    from _writing import record_staged_writes
+
+    params, hosts = make_params(queue, rng)
+    seen = record_staged_writes(monkeypatch)
+    save_netcl_checkpoint(params, tmp_path / "out" / "ck", config={"step": 1})
+    assert seen.opened == ["ck.json", "ck.npz"]
+    assert [dst for _src, dst in seen.renamed] == [os.fspath(tmp_path / "out" / n) for n in ("ck.json", "ck.npz")]
+    assert sorted(seen.synced[:2]) == ["ck.json", "ck.npz"] and seen.synced[-1] == "out", seen.synced
+    monkeypatch.undo()
+    with np.load(tmp_path / "out" / "ck.npz") as z:  # its members in their order: the parameters
+        members = {name: z[name] for name in z.files}
+    assert [m.tobytes() for m in members.values()] == [h.tobytes() for h in hosts]
+    save_npz(tmp_path / "alone.npz", members, alignment=4096)
+    assert (tmp_path / "out" / "ck.npz").read_bytes() == (tmp_path / "alone.npz").read_bytes()
 
 
 def test_new_pair_replaces_an_old_one_and_leaves_no_temporaries(tmp_path, queue, rng):

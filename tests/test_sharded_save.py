@@ -13,6 +13,7 @@ import blake3
 import numpy as np
 import pytest
 
+from _writing import record_staged_writes
 from fastckpt._native.gather import GatherWriter
 from fastckpt.arrays import TakenRows
 from fastckpt.formats.safetensors import save_safetensors
@@ -301,33 +302,19 @@ def test_a_ranks_tensor_files_are_written_in_place_in_the_staging_directory(tmp_
     no temporary, rename or sweep of stale temporaries per file (the commit publishes the directory whole). The
     bytes are those of a file saved on its own."""
     import fastckpt.formats.safetensors as safetensors_module
-    import fastckpt.store.commit as commit_module
-
-    opened, renamed, synced = [], [], []
-    real_open, real_fsync, real_rename = commit_module.staged_file, os.fsync, commit_module.rename_noreplace
 
     def atomic_write(*args, **kwargs):
         raise AssertionError(f"a tensor file of a sharded save went through atomic_write: {args[0]}")
 
-    def staged_file(path, **kwargs):
-        opened.append(Path(path).name)
-        return real_open(path, **kwargs)
-
-    def fsync(fd):
-        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
-        return real_fsync(fd)
-
     monkeypatch.setattr(safetensors_module, "atomic_write", atomic_write)
-    monkeypatch.setattr(safetensors_module, "staged_file", staged_file)
-    monkeypatch.setattr(commit_module, "rename_noreplace", lambda a, b: renamed.append(Path(b).name) or real_rename(a, b))
-    monkeypatch.setattr(os, "fsync", fsync)
+    seen = record_staged_writes(monkeypatch)
     t = table()
     out = Saver(path=str(tmp_path / "ckpt"), parallel=2, hashtables={"emb": t}, tensors={"w": np.eye(3)},
                 direct=direct).save()
     names = ["model-00000-000.safetensors", "model-00000-001.safetensors"]
-    assert sorted(n for n in opened if n.startswith("model-")) == names
-    assert all(synced.count(n) == 1 for n in names), synced
-    assert renamed == ["ckpt"]  # the staging directory, published whole
+    assert sorted(n for n in seen.opened if n.startswith("model-")) == names
+    assert all(seen.synced.count(n) == 1 for n in names), seen.synced
+    assert [Path(dst).name for _src, dst in seen.renamed] == ["ckpt"]  # the staging directory, published whole
     monkeypatch.undo()
     blocks = {b.key: b for b in Saver(path=".", parallel=2, hashtables={"emb": t}, tensors={"w": np.eye(3)}).blocks()}
     import json

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from _writing import record_staged_writes
 import fastckpt
 from fastckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from fastckpt.train.checkpoint import (
@@ -70,6 +71,37 @@ def test_byte_equivalent_roundtrip(tmp_path, optimizer, scheduler):
     after = capture_full_state(fresh)
     for key in MACHINES:
         assert first_difference(before[key], after[key]) is None, f"mismatch at {key}"
+
+
+def test_a_checkpoints_files_are_written_in_place_in_the_staging_directory(tmp_path, monkeypatch):
+    """Every file of a checkpoint is opened once under its own name in the staging directory and never renamed:
+    the one rename is the directory's publish. Each file is fsynced once, the manifest (whose presence marks the
+    directory complete) after the others, then the staging directory before its rename and the parent after."""
+    live = build_fresh(42, optimizer="adam", scheduler="step")
+    train_n_steps(live, 2)
+    seen = record_staged_writes(monkeypatch)
+    save(live, tmp_path / "ckpt", 2, overwrite=False)
+    files = [WEIGHTS_FILE, OPTIM_FILE, EXTRA_FILE, MANIFEST_FILE]
+    assert seen.opened == files
+    ((staging, final),) = seen.renamed
+    assert final == os.fspath(tmp_path / "ckpt") and os.path.dirname(staging) == os.fspath(tmp_path)
+    assert sorted(seen.synced[:3]) == sorted(files[:3]), seen.synced  # fsynced in the background
+    assert seen.synced[3:] == [MANIFEST_FILE, os.path.basename(staging), tmp_path.name]
+    monkeypatch.undo()
+    verify_checkpoint(tmp_path / "ckpt")
+    fresh = build_fresh(42, optimizer="adam", scheduler="step")
+    restore(tmp_path / "ckpt", fresh)
+    assert first_difference(capture_full_state(live), capture_full_state(fresh)) is None
+
+
+def test_a_checkpoint_saved_without_fsync_syncs_nothing(tmp_path, monkeypatch):
+    """``fsync=False``: the files are still written in place and only the publish renames, and nothing is
+    fsynced (not durable against power loss, still atomic against readers)."""
+    live = build_fresh(42, optimizer="sgd", scheduler="step")
+    seen = record_staged_writes(monkeypatch)
+    save(live, tmp_path / "ckpt", 0, overwrite=False, fsync=False)
+    assert seen.opened == [WEIGHTS_FILE, OPTIM_FILE, EXTRA_FILE, MANIFEST_FILE]
+    assert [dst for _src, dst in seen.renamed] == [os.fspath(tmp_path / "ckpt")] and seen.synced == []
 
 
 def test_state_machines_actually_moved():
@@ -403,18 +435,41 @@ def test_torch_module_and_optimizer(tmp_path):
 
 
 # -- Block G: atomic writes ---------------------------------------------------------------------
-def _count_replaces(tmp_path) -> int:
-    live = build_fresh(3)
-    real = os.replace
-    with mock.patch("os.replace", side_effect=real) as spy:
-        save(live, tmp_path / "count", 0)
-    return spy.call_count
+def _failing_step(monkeypatch, fail_at: int | None) -> list[str]:
+    """From now on, the ``fail_at``-th step of a save (0-based; None: none) raises KeyboardInterrupt. Its steps:
+    each open of a file written in place in the staging directory, and each ``os.replace``. Returns the list the
+    steps' paths are appended to."""
+    import fastckpt.formats.safetensors as safetensors_module
+    from fastckpt.store import commit as _atomic
+
+    calls = []
+
+    def step(path):
+        calls.append(os.fspath(path))
+        if len(calls) - 1 == fail_at:
+            raise KeyboardInterrupt
+
+    real_open, real_replace = _atomic.staged_file, os.replace
+
+    def staged_file(path, **kwargs):
+        step(path)
+        return real_open(path, **kwargs)
+
+    def replace(src, dst):
+        step(dst)
+        return real_replace(src, dst)
+
+    for module in (_atomic, safetensors_module):
+        monkeypatch.setattr(module, "staged_file", staged_file)
+    monkeypatch.setattr(os, "replace", replace)
+    return calls
 
 
 def test_atomic_write_failure_resilience(tmp_path):
     live = build_fresh(3)
     out = tmp_path / "ckpt"
-    with mock.patch("os.replace", side_effect=KeyboardInterrupt):
+    # interrupted at the one atomic step: the no-replace rename that publishes the directory
+    with mock.patch("fastckpt.store.commit.rename_noreplace", side_effect=KeyboardInterrupt):
         with pytest.raises(KeyboardInterrupt):
             save(live, out, 0)
     assert not out.exists()
@@ -427,30 +482,28 @@ def test_atomic_write_failure_resilience(tmp_path):
 
 @pytest.mark.parametrize("fail_at", range(6))
 def test_interrupted_overwrite_keeps_previous_checkpoint(tmp_path, fail_at, monkeypatch):
-    # Fail each rename of a save in turn: weights, optim, extra, manifest, then the two directory
-    # renames of a replacement (the old one aside, the new one in). Where renameat2 can exchange
-    # the directories no second rename exists; this test takes the two-rename path everywhere.
-    # A new directory is committed by a no-replace rename, not os.replace: 4 in a first save.
+    # Interrupt each step of a save in turn: the opens of weights, optim, extra and manifest (written in place in
+    # the staging directory), then the two directory renames of a replacement (the old one aside, the new one
+    # in). Where renameat2 can exchange the directories no second rename exists; this test takes the
+    # two-rename path everywhere. A new directory is committed by a no-replace rename, not os.replace: a first
+    # save makes the 4 opens only.
     from fastckpt.store import commit as _atomic
 
     monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
-    assert _count_replaces(tmp_path) == 4
+    with monkeypatch.context() as counting:
+        calls = _failing_step(counting, None)
+        save(build_fresh(3), tmp_path / "count", 0)
+    assert [os.path.basename(c) for c in calls] == [WEIGHTS_FILE, OPTIM_FILE, EXTRA_FILE, MANIFEST_FILE]
     old = build_fresh(3)
     out = tmp_path / "ckpt"
     old_digest = save(old, out, 0)
     new = build_fresh(3)
     train_n_steps(new, 2)
-    real = os.replace
-    calls = []
-
-    def flaky(src, dst):
-        calls.append(dst)
-        if len(calls) == fail_at + 1:
-            raise KeyboardInterrupt
-        return real(src, dst)
-
-    with mock.patch("os.replace", side_effect=flaky), pytest.raises(KeyboardInterrupt):
+    calls = _failing_step(monkeypatch, fail_at)
+    with pytest.raises(KeyboardInterrupt):
         save(new, out, 2)
+    monkeypatch.undo()
+    assert len(calls) > fail_at  # the step interrupted was reached (after it: the put-back of a replacement)
     state = load_checkpoint(out)  # the old checkpoint, whole and verified
     assert state.step == 0 and state.manifest["weights_digest"] == old_digest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "count"]

@@ -290,8 +290,9 @@ def test_async_save_of_tied_weights(tmp_path):
 CHILD_ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                  OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
-# Saves step 1, then kills itself with SIGKILL just before the crash_at-th rename of the save of step 2
-# (crash_at 0: never) and otherwise prints how many renames that save made.
+# Saves step 1, then kills itself with SIGKILL just before the crash_at-th step of the save of step 2 (a rename,
+# or the open of a file written in place in the staging directory; crash_at 0: never) and otherwise prints how many
+# such steps that save made.
 KILL_AT_RENAME = r"""
 import os, signal, sys
 from fastckpt.train import CheckpointManager
@@ -318,13 +319,20 @@ def noreplace_or_die(src, dst):
         return real_noreplace(src, dst)
     finally:
         inside.pop()
+real_staged = atomic.staged_file
+def staged_or_die(path, **kwargs):
+    die_at(path)
+    return real_staged(path, **kwargs)
+import fastckpt.formats.safetensors as safetensors
 os.replace, atomic.rename_noreplace = replace_or_die, noreplace_or_die
+atomic.staged_file = safetensors.staged_file = staged_or_die
 mgr.save(2, *objs.save_args(), scaler=objs.scaler, blocking=mode == "blocking")
 mgr.close()
 print(len(renames), flush=True)
 """
-# The renames of that save, in order: the manager's record, weights, optim, extra, manifest, the
-# directory itself (a no-replace rename); then retention: step 1 moved aside, the record again.
+# The steps of that save, in order: the manager's record (renamed), the opens of weights, optim, extra and manifest
+# (written in place in the staging directory, never renamed), the directory itself (a no-replace rename); then
+# retention: step 1 moved aside, the record again.
 RENAMES = ["record", "weights", "optim", "extra", "manifest", "directory", "retention", "record-after-delete"]
 DIRECTORY_RENAME = RENAMES.index("directory") + 1
 

@@ -405,8 +405,9 @@ def save_sharded(
                 replaces=re.compile(re.escape(prefix) + r"-[0-9]{5,}-of-[0-9]{5,}\.safetensors")) as commit:
         with progress_from(progress, total, "save sharded") as report, part_of_a_save():
             for shard, file in zip(shards, names):
+                # a file of the staging directory: written in place, the commit fsyncs and publishes it
                 save_safetensors(commit.staging / file, {name: tensors[name] for name in shard}, user,
-                                 alignment=alignment, fsync=False, progress=report, overwrite=True)
+                                 alignment=alignment, fsync=False, progress=report, staged=True)
         if index is not None:
             write_file(commit.staging / index_name, index, fsync=False)
     _log.info("saved %s: %d tensors, %d tensor bytes in %d files in %.3f s", directory, len(weight_map), total,

@@ -204,7 +204,7 @@ from fastckpt._native.npy import MAX_HEADER_SIZE, _descr_to_dtype, npy_header_le
 from fastckpt._native.npz import MemberWriter, NpzTensorInfo, _Inflater, read_npz_index
 from fastckpt.arrays import as_numpy, to_numpy
 from fastckpt.errors import FormatError, IntegrityError
-from fastckpt.store.commit import atomic_write, overwrite_flag
+from fastckpt.store.commit import atomic_write, overwrite_flag, staged_file
 from fastckpt.store.remote import is_url, save_file
 from fastckpt.info import TensorInfo
 from fastckpt.progress import ProgressArg, file_log_level, progress_from, requested
@@ -368,7 +368,10 @@ class NpzWriter:
     module's spec) or a power of two up to 32768, the boundary of every array
     payload; ``fsync=False`` skips the fsyncs (still atomic, not durable).
     An existing file at ``path`` is replaced only with ``overwrite=True``
-    (docs/overwrite.md).
+    (docs/overwrite.md). ``staged=True``: ``path`` is a new file of a staging
+    directory that is published whole later
+    (:func:`fastckpt.store.commit.staged_file`: written under its own name,
+    with no temporary and rename of its own, and ``fsync`` syncs the file only).
 
     >>> import tempfile, os, numpy as np
     >>> path = os.path.join(tempfile.mkdtemp(), "w.npz")
@@ -379,8 +382,9 @@ class NpzWriter:
     """
 
     def __init__(self, path: str | os.PathLike, *, alignment: int | str = "auto", fsync: bool = True,
-                 overwrite: bool = False):
+                 overwrite: bool = False, staged: bool = False):
         self._policy = alignment_policy(alignment)
+        self.staged = staged
         self.path = os.fspath(path)
         self.overwrite = overwrite_flag(overwrite)
         self.alignment = alignment
@@ -394,7 +398,8 @@ class NpzWriter:
     def __enter__(self) -> "NpzWriter":
         if self._context is not None or self._done:
             raise RuntimeError("an NpzWriter is entered once")
-        self._context = atomic_write(self.path, fsync=self.fsync, overwrite=self.overwrite)
+        self._context = staged_file(self.path, fsync=self.fsync) if self.staged else \
+            atomic_write(self.path, fsync=self.fsync, overwrite=self.overwrite)
         self._file = self._context.__enter__()
         # Every byte goes through the gather writer, straight from the arrays' buffers.
         self._out = GatherWriter(self._file.fileno())
@@ -530,7 +535,7 @@ def _member_array(value: Any, name: str) -> np.ndarray:
 
 def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignment: int | str = "auto",
              fsync: bool = True, progress: ProgressArg = False, storage_options: dict | None = None,
-             overwrite: bool = False, **named: Any) -> None:
+             overwrite: bool = False, staged: bool = False, **named: Any) -> None:
     """Save arrays as an aligned, uncompressed NPZ that ``np.load`` and netcl read; atomically.
 
     ``tensors`` is a mapping name -> array-like, or an iterable of ``(name,
@@ -548,7 +553,8 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignme
     then uploaded in one atomic upload (:mod:`fastckpt.formats.remote`).
     An existing file at ``path`` is replaced only with ``overwrite=True``
     (docs/overwrite.md); an
-    ``OSError`` names ``path``.
+    ``OSError`` names ``path``. ``staged=True``: ``path`` is a new file of a
+    staging directory published whole later, written in place (:class:`NpzWriter`).
 
     >>> import tempfile, os, numpy as np
     >>> path = os.path.join(tempfile.mkdtemp(), "model.npz")
@@ -577,7 +583,7 @@ def save_npz(path: str | os.PathLike, tensors: TensorsArg, *arrays: Any, alignme
     if requested(progress) and isinstance(tensors, Mapping):
         total = sum(_payload_nbytes(a) for a in tensors.values())
     with progress_from(progress, total, "save npz") as report, \
-            NpzWriter(path, alignment=alignment, fsync=fsync, overwrite=overwrite) as writer:
+            NpzWriter(path, alignment=alignment, fsync=fsync, overwrite=overwrite, staged=staged) as writer:
         if report.enabled:  # each array written (not only queued) before it is reported
             items, batch = _reporting(items, report), False
         # A dict's own iteration runs no caller code, so its arrays can be queued and written together, and its

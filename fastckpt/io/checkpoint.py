@@ -276,7 +276,7 @@ def save_netcl_checkpoint(params: Iterable, path, optim_state=None, config=None,
     with Commit(base, kind="files", overwrite=overwrite, fsync=fsync, entry_points=[name + ".npz"],
                 claims=[name + ".npz", name + ".json"]) as commit:
         write_file(commit.staging / (name + ".json"), text.encode("utf-8"), fsync=False)
-        save_npz(commit.staging / (name + ".npz"), entries(), alignment=4096, fsync=False, overwrite=True)
+        save_npz(commit.staging / (name + ".npz"), entries(), alignment=4096, fsync=False, staged=True)
     return npz_path, json_path
 
 

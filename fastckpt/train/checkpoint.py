@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointNotFoundError, FormatError
-from fastckpt.store.commit import Commit, atomic_write, fsync_file, overwrite_flag
+from fastckpt.store.commit import Commit, fsync_file, overwrite_flag, write_file
 from fastckpt.formats.hashing import HASH_ALGORITHMS, new_hasher
 from fastckpt.formats import remote as remote_storage
 from fastckpt.formats.remote import is_url
@@ -168,23 +168,22 @@ def _write_directory(snap: Snapshot, out: Path, fsync: bool, hash: str, report=F
                 continue
             hasher = new_hasher(hash)
             with part_of_a_save():  # this save logs its own line
-                # overwrite=True inside the staging directory: it is this save's alone.
+                # a file of the staging directory (this save's alone): written in place, no rename of its own
                 save_safetensors(tmp / name, table.tensors, _table_metadata(table, tree, fmt), alignment=ALIGNMENT,
-                                 fsync=False, hasher=hasher, progress=report, overwrite=True)
+                                 fsync=False, hasher=hasher, progress=report, staged=True)
             finished(name, hasher)
         hasher = new_hasher(hash)
         hasher.update(snap.extra_json)
-        with atomic_write(tmp / EXTRA_FILE, fsync=False, overwrite=True) as f:
-            f.write(snap.extra_json)
+        write_file(tmp / EXTRA_FILE, snap.extra_json, fsync=False)
         finished(EXTRA_FILE, hasher)
         for fut in syncs:
             fut.result()
         digest = f"{hash}:{files[WEIGHTS_FILE][hash]}"
         manifest = dict(snap.manifest, weights_digest=digest, files=files)
-        # The manifest goes last: its presence marks the directory complete (atomic_write fsyncs
-        # it and the temporary directory when fsync is on).
-        with atomic_write(tmp / MANIFEST_FILE, fsync=fsync, overwrite=True) as f:
-            f.write(json.dumps(manifest, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+        # The manifest goes last: its presence marks the directory complete. write_file fsyncs it when fsync
+        # is on; the publish fsyncs the staging directory before its rename (publish_directory).
+        write_file(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, ensure_ascii=False,
+                                                   allow_nan=False).encode("utf-8"), fsync=fsync)
     return digest
 
 

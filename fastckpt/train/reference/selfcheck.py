@@ -213,7 +213,8 @@ def _atomic(work: Path) -> bool:
     live = build_fresh(3)
     out = work / "interrupted"
     try:
-        with mock.patch("os.replace", side_effect=KeyboardInterrupt):
+        # interrupted at its one atomic step: the no-replace rename that publishes the directory
+        with mock.patch("fastckpt.store.commit.rename_noreplace", side_effect=KeyboardInterrupt):
             save_checkpoint(*live.save_args(), out, step=0, epoch=0, extra_metrics={})
         return False  # the patched rename never ran
     except KeyboardInterrupt:
