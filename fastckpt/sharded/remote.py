@@ -276,38 +276,7 @@ class _Share:
         as threads): a header another load is fetching is waited for and its bytes written into this load's local
         copy (an unchanged manifest names unchanged tensor files, by their BLAKE3 and size), the rest fetched here
         in one round. A header whose fetch failed in another load is fetched here."""
-        import os
-
-        own, others = [], []
-        for name in names:
-            flight, future, mine = _heads.join((self.url, self.manifest_hash, name))
-            (own if mine else others).append((name, flight, future))
-        try:
-            try:
-                self._fetch_heads([name for name, _, _ in own])
-            except BaseException as exc:
-                for _, flight, future in own:
-                    _heads.fail(flight, future, exc)
-                raise
-            for name, _, future in own:
-                with open(os.path.join(self.local, name), "rb") as f:
-                    length = _header_length(f)
-                    f.seek(0)
-                    future.set_result(f.read(8 + min(length, MAX_HEADER_SIZE)))  # the 8 bytes, then the header
-            again = []
-            for name, _, future in others:
-                try:
-                    data = future.result()
-                except Exception:  # noqa: BLE001 - the fetching load raises its own error; this one fetches again
-                    again.append(name)
-                    continue
-                with open(os.path.join(self.local, name), "r+b") as f:
-                    f.write(data)
-                self.headed.add(name)
-            self._fetch_heads(again)
-        finally:
-            for name, flight, _ in [*own, *others]:
-                _heads.leave((self.url, self.manifest_hash, name), flight)
+        self._header_round(names, self._fetch_heads)
         return self._parse_headers(list(names))
 
     def with_headers(self, names: list[str], layout: dict[str, tuple[str, int, int, list]],
@@ -323,54 +292,75 @@ class _Share:
         range joins the header anyway. Where a header says otherwise than ``layout`` (a file not laid out by
         fastckpt's writer), the ranges its own places give are fetched in one more round: what this load reads is
         always where the headers place it."""
-        import os
-
         starts = {}  # file -> its first part's byte, the header's end as the layout has it
         for name, begin, _, _ in layout.values():
             starts[name] = min(begin, starts.get(name, begin))
         plan = {name: list(ranges) for name, ranges in spans(layout).items()}
-        own, others = [], []
+        joined = set()  # the headers that come with a range of this load's anyway
         for name in names:
             first = min((b for b, e in plan.get(name, ()) if e > b), default=None)
-            joined = first is not None and first - starts[name] <= GAP  # the header comes with the range
-            flight, future, mine = _heads.join((self.url, self.manifest_hash, name))
-            if mine or joined:
-                plan.setdefault(name, []).append((0, starts[name]))
-            (own if mine else others).append((name, flight, future, joined))
+            if first is not None and first - starts[name] <= GAP:
+                joined.add(name)
+
+        def fetch_own(mine: list[str]) -> None:  # the ranges and every header fetched here, in one round
+            for name in names:
+                if name in joined or name in mine:
+                    plan.setdefault(name, []).append((0, starts[name]))
+            self.fetch(plan)
+            self._rest_of_heads({name: starts[name] for name in mine})
+
         self.headed.update(names)
-        try:
-            try:
-                self.fetch(plan)
-                self._rest_of_heads({name: starts[name] for name, *_ in own})
-            except BaseException as exc:
-                for _, flight, future, _ in own:
-                    _heads.fail(flight, future, exc)
-                raise
-            for name, _, future, _ in own:
-                with open(os.path.join(self.local, name), "rb") as f:
-                    length = _header_length(f)
-                    f.seek(0)
-                    future.set_result(f.read(8 + min(length, MAX_HEADER_SIZE)))  # the 8 bytes, then the header
-            again = {}
-            for name, _, future, joined in others:
-                if joined:  # fetched with its range: complete where the header is longer than the layout says
-                    again[name] = starts[name]
-                    continue
-                try:
-                    data = future.result()
-                except Exception:  # noqa: BLE001 - the fetching load raises its own error; this one fetches again
-                    self._fetch_heads([name])
-                    continue
-                with open(os.path.join(self.local, name), "r+b") as f:
-                    f.write(data)
-            self._rest_of_heads(again)
-        finally:
-            for name, flight, *_ in [*own, *others]:
-                _heads.leave((self.url, self.manifest_hash, name), flight)
+        mine = self._header_round(names, fetch_own, joined)
+        # a joined header another load fetches too: complete where it is longer than the layout says
+        self._rest_of_heads({name: starts[name] for name in names if name in joined and name not in mine})
         offsets = self._parse_headers(list(names))
         if offsets != layout:
             self.fetch(spans(offsets))  # laid out otherwise: what the headers place, fetched now
         return offsets
+
+    def _header_round(self, names: list[str], fetch_own: Callable[[list[str]], None],
+                      joined: set = frozenset()) -> list[str]:
+        """Put the headers of the tensor files ``names`` into the local copy, each fetched once among the loads of
+        this prefix and manifest that run at the same time in this process (:meth:`shared_headers`): this load's
+        own, those no other load is fetching, by ``fetch_own(own)`` (with whatever else goes in its round), each
+        then handed to the loads waiting for it; another load's waited for and its bytes written here, or fetched
+        here where that fetch failed. A header in ``joined`` comes with ``fetch_own``'s round whoever fetches it,
+        and is not waited for. Returns this load's own."""
+        import os
+
+        own, others = [], []
+        for name in names:
+            flight, future, mine = _heads.join((self.url, self.manifest_hash, name))
+            (own if mine else others).append((name, flight, future))
+        try:
+            try:
+                fetch_own([name for name, _, _ in own])
+            except BaseException as exc:
+                for _, flight, future in own:
+                    _heads.fail(flight, future, exc)
+                raise
+            for name, _, future in own:
+                with open(os.path.join(self.local, name), "rb") as f:
+                    length = _header_length(f)
+                    f.seek(0)
+                    future.set_result(f.read(8 + min(length, MAX_HEADER_SIZE)))  # the 8 bytes, then the header
+            again = []
+            for name, _, future in others:
+                if name in joined:
+                    continue
+                try:
+                    data = future.result()
+                except Exception:  # noqa: BLE001 - the fetching load raises its own error; this one fetches again
+                    again.append(name)
+                    continue
+                with open(os.path.join(self.local, name), "r+b") as f:
+                    f.write(data)
+                self.headed.add(name)
+            self._fetch_heads(again)
+        finally:
+            for name, flight, _ in [*own, *others]:
+                _heads.leave((self.url, self.manifest_hash, name), flight)
+        return [name for name, _, _ in own]
 
     def take_metadata(self, fetched: dict[str, bytes | None], manifest: dict) -> None:
         """Put the metadata files the first round brought (:func:`_first_round`) into the local copy, each where it
