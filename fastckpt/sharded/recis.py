@@ -277,11 +277,19 @@ def owners(rule, ids: np.ndarray, shard_num: int, slice_size) -> np.ndarray:
     return ranks
 
 
-def _split_block_name(name: str, where: str) -> tuple[str, str]:
-    # TensorNameFromBlockName: StrSplit on '^' drops empty tokens and needs exactly two.
-    tokens = [t for t in name.split("^") if t]
-    if len(tokens) != 2:
-        raise FormatError(f"{where}: block {name!r} is not 'TENSOR^SLICE' (RecIS's block names)")
+def _split_block_name(name: str, where: str, key: str) -> tuple[str, str]:
+    """``(tensor, slice)`` of block name ``name`` (of ``key`` in ``where``), as RecIS's TensorNameFromBlockName
+    splits it: StrSplit on '^' drops empty tokens and needs exactly two. The error's message is made only where
+    the name fails (an index's every block is split when a reader opens).
+
+    >>> _split_block_name("t@id^0@8@65536", "index", "t.id/part_0_1")
+    ('t@id', '0@8@65536')
+    """
+    tokens = name.split("^")
+    if len(tokens) != 2 or not tokens[0] or not tokens[1]:
+        tokens = [t for t in tokens if t]
+        if len(tokens) != 2:
+            raise FormatError(f"{where} (key {key!r}): block {name!r} is not 'TENSOR^SLICE' (RecIS's block names)")
     return tokens[0], tokens[1]
 
 
@@ -512,12 +520,7 @@ class RecisCheckpointReader(CheckpointReader):
         for key, number in index["block_index"].items():
             if not is_count(number) or number not in file_of_number:
                 raise FormatError(f"{iwhere}: block_index[{key!r}] is {number!r}, not a file number of file_index")
-            mapped = tensorkey.get(key, key)
-            tokens = mapped.split("^")
-            if len(tokens) == 2 and tokens[0] and tokens[1]:
-                tensor, piece = tokens  # (the common case of _split_block_name, without its message)
-            else:
-                tensor, piece = _split_block_name(mapped, f"{iwhere} (key {key!r})")
+            tensor, piece = _split_block_name(tensorkey.get(key, key), iwhere, key)
             if piece != " ":
                 if key not in tensorkey:
                     raise FormatError(f"{iwhere}: block {key!r} names slice {piece!r} but {TENSORKEY_FILE} does "
