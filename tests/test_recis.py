@@ -219,6 +219,24 @@ def test_broken_directories_raise_naming_the_file(tmp_path, recis_dirs):
             _load(str(d), 0, 1)
 
 
+@pytest.mark.parametrize("name", ["tab@id", "tab@id^0@2@65536^x", "^tab@id"])
+def test_a_block_name_that_is_not_tensor_caret_slice_raises_naming_the_index_and_the_block(tmp_path, recis_dirs,
+                                                                                          name):
+    # RecIS's TensorNameFromBlockName splits on '^', drops empty tokens and needs exactly two: "^tab@id" has one.
+    import shutil
+
+    d = tmp_path / "d"
+    shutil.copytree(recis_dirs[0][2], d)
+    tensorkey = json.loads((d / "tensorkey.json").read_text())
+    key = sorted(k for k in tensorkey if k.startswith("tab.id/"))[0]
+    tensorkey[key] = name
+    (d / "tensorkey.json").write_text(json.dumps(tensorkey))
+    with pytest.raises(FormatError) as raised:
+        _quiet_reader(str(d))
+    assert str(raised.value) == (f"{d / 'index'} (key {key!r}): block {name!r} is not 'TENSOR^SLICE' (RecIS's block "
+                                 "names)")
+
+
 # -- writing ---------------------------------------------------------------------------------------------------
 
 def _save_recis(out, ids, emb, mom, dense, n, parallel):
