@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fastckpt.bench.timing import format_duration, format_ratio, round_robin, summarize, table_lines
+from fastckpt.bench.timing import format_duration, format_ratio, paired_ratio, round_robin, summarize, table_lines
 
 __all__ = ["PAIRS", "parse_pairs", "measure", "report"]
 
@@ -219,18 +219,6 @@ def fetch_report(rows: list[dict[str, Any]]) -> list[str]:
     return ["### resharding from S3: what each rank fetches (fastckpt.sharded.remote.fetch_share, untimed)", "",
             *table_lines(["N -> M", "verified", "tensor files", "headers fetched per rank (most)",
                           "requests per rank (median)", "bytes per rank (median)"], lines, "llrrrr")]
-
-
-def paired_ratio(paths: list[float] | None, same: list[float] | None) -> float | None:
-    """The median over the rounds of ``paths[i] / same[i]`` (seconds of two loads timed in the same rounds), or
-    None where either has no rounds recorded.
-
-    >>> paired_ratio([1.2, 3.0, 1.1], [1.0, 1.0, 1.0]), paired_ratio(None, [1.0])
-    (1.2, None)
-    """
-    if not paths or not same:
-        return None
-    return float(np.median([a / b for a, b in zip(paths, same)]))
 
 
 def report(rows: list[dict[str, Any]], pairs: list[tuple[int, int]], parallel: int) -> list[str]:

@@ -100,8 +100,8 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt.bench.timing import (PeakMemory, add_repeat_option, format_duration, format_ratio, round_robin,
-                                  table_lines)
+from fastckpt.bench.timing import (PeakMemory, add_repeat_option, format_duration, format_ratio, paired_ratio,
+                                   round_robin, table_lines)
 from fastckpt.formats.hashing import blake3_file
 from fastckpt.sharded import HashTable, Loader, Saver
 from fastckpt.sharded.engine import ThreadEngine
@@ -661,19 +661,6 @@ def _mib(nbytes: float | None) -> str:
     if nbytes is None:
         return "n/a"
     return f"{nbytes / 2**20:,.0f} MiB" if nbytes >= 100 * 2**20 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def paired_ratio(raw_walls: list[float], our_walls: list[float]) -> float | None:
-    """The median over rounds of the raw path's time over ours in the same round (each round runs every path once):
-    what the load of a shared machine does to both within a round cancels, where it moved the medians of each apart.
-
-    >>> paired_ratio([1.0, 2.0, 4.0], [1.0, 2.5, 4.0])
-    1.0
-    >>> paired_ratio([], []) is None
-    True
-    """
-    pairs = [r / o for r, o in zip(raw_walls, our_walls) if o > 0]
-    return statistics.median(pairs) if pairs else None
 
 
 def _throughput_table(results: dict, raw: str, ours: str, target: float) -> list[str]:

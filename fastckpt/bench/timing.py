@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
-__all__ = ["add_repeat_option", "run_script", "Timing", "round_robin", "summarize", "format_duration", "format_size", "format_ratio",
+__all__ = ["add_repeat_option", "run_script", "Timing", "paired_ratio", "round_robin", "summarize", "format_duration", "format_size", "format_ratio",
            "table_lines",
            "PeakMemory"]
 
@@ -62,6 +62,20 @@ def summarize(samples: Iterable[float]) -> Timing:
     if not samples:
         raise ValueError("no samples to summarize")
     return Timing(statistics.median(samples), min(samples))
+
+
+def paired_ratio(first: list[float] | None, second: list[float] | None) -> float | None:
+    """The median over rounds of ``first[i] / second[i]``, the seconds of two paths timed in the same rounds (each
+    round runs every path once): what the load of a shared machine does to both within a round cancels, where it
+    moved the medians of each apart. None where no round has both.
+
+    >>> paired_ratio([1.0, 2.0, 4.0], [1.0, 2.5, 4.0]), paired_ratio([1.2, 3.0, 1.1], [1.0, 1.0, 1.0])
+    (1.0, 1.2)
+    >>> paired_ratio([], []) is None, paired_ratio(None, [1.0]) is None
+    (True, True)
+    """
+    pairs = [a / b for a, b in zip(first or (), second or ()) if b > 0]
+    return statistics.median(pairs) if pairs else None
 
 
 def round_robin(paths: Mapping[str, Callable[[], object]], repeat: int, *, warmup: int = 1,
